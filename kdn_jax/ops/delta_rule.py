@@ -1,0 +1,140 @@
+"""The general delta rule and the named members of its family.
+
+S_t = (I - w_t k_t^T) D_t S_{t-1} + w_t v_t^T,   o_t = scale * S_t^T q_t.
+Wrappers keep flash-linear-attention's argument meaning.
+"""
+
+import jax.numpy as jnp
+from absl import logging
+
+from kdn_jax.ops import dispatch
+from kdn_jax.ops import validation as val
+from kdn_jax.ops.delta_chunked import delta_rule_chunked
+from kdn_jax.ops.delta_reference import delta_rule_reference, delta_step
+from kdn_jax.ops.variance import segment_starts
+
+DEFAULT_CHUNK = 64
+
+
+def run_memory(op, impl, q, k, v, log_alpha, write, memory0, segment_ids,
+               chunk_size):
+  """Runs the memory recurrence with impl; inputs already in compute dtype."""
+  if impl == "pallas":
+    kernels = dispatch.pallas_module()
+    if kernels is None:
+      raise NotImplementedError(f"{op}: impl='pallas' but pallas_kernels "
+                                "cannot be imported")
+    try:
+      return kernels.delta_rule(q, k, v, log_alpha, write, 1.0, memory0,
+                                segment_ids, chunk_size=chunk_size)
+    except NotImplementedError as e:
+      logging.log_first_n(logging.WARNING,
+                          "%s: pallas path unavailable (%s); using chunked",
+                          1, op, e)
+      impl = "chunked"
+  if impl == "chunked":
+    return delta_rule_chunked(q, k, v, log_alpha, write, memory0, segment_ids,
+                              chunk_size=chunk_size)
+  starts = None if segment_ids is None else segment_starts(segment_ids)
+  return delta_rule_reference(q, k, v, log_alpha, write, memory0, starts)
+
+
+def delta_rule(q, k, v, log_alpha, write, *, scale=None, initial_state=None,
+               output_final_state=False, segment_ids=None, impl="auto",
+               chunk_size=DEFAULT_CHUNK):
+  """General delta rule with write direction `write` and erase direction `k`.
+
+  Args:
+    q, k, write: [B, T, H, K]; v: [B, T, H, V].
+    log_alpha: [B, T, H, K] per-channel or [B, T, H] scalar log decay (<= 0).
+    scale: query scale, default K ** -0.5.
+    initial_state: memory [B, H, K, V] or None (zeros).
+    output_final_state: also return the final memory.
+    segment_ids: [B, T] ints for packed sequences, or None.
+    impl: 'auto', 'reference', 'chunked' or 'pallas'.
+    chunk_size: chunk length of the chunked/pallas paths.
+
+  Returns:
+    (o [B, T, H, V] in q's dtype, final memory [B, H, K, V] or None).
+  """
+  op = "delta_rule"
+  b, t, h, kd, vd = val.check_qkv(op, q, k, v)
+  val.check_decay(op, "log_alpha", log_alpha, b, t, h, kd)
+  val.check_float(op, "write", write)
+  val.check_shape(op, "write", write, (b, t, h, kd), "[B, T, H, K]")
+  val.check_segment_ids(op, segment_ids, b, t)
+  val.check_chunk_size(op, chunk_size)
+  impl = dispatch.resolve_impl(op, impl)
+  if initial_state is not None:
+    val.check_float(op, "initial_state", initial_state)
+    val.check_shape(op, "initial_state", initial_state, (b, h, kd, vd),
+                    "[B, H, K, V]")
+  cd = val.compute_dtype(q, k, v, log_alpha, write, initial_state)
+  memory0 = (jnp.zeros((b, h, kd, vd), cd) if initial_state is None
+             else initial_state.astype(cd))
+  scale = kd ** -0.5 if scale is None else scale
+  o, memory = run_memory(op, impl, q.astype(cd) * scale, k.astype(cd),
+                         v.astype(cd), log_alpha.astype(cd), write.astype(cd),
+                         memory0, segment_ids, chunk_size)
+  return o.astype(q.dtype), (memory if output_final_state else None)
+
+
+def delta_rule_step(q, k, v, log_alpha, write, memory, *, scale=None):
+  """One decode step. q, k, write [B, H, K]; v [B, H, V]; log_alpha [B, H, K]
+  or [B, H]; memory [B, H, K, V]. Returns (o_t [B, H, V], new memory)."""
+  op = "delta_rule_step"
+  for name, x in (("q", q), ("k", k), ("v", v), ("log_alpha", log_alpha),
+                  ("write", write), ("memory", memory)):
+    val.check_float(op, name, x)
+  b, h, kd = q.shape
+  vd = v.shape[-1]
+  for name, x in (("k", k), ("write", write)):
+    val.check_shape(op, name, x, (b, h, kd), "[B, H, K]")
+  val.check_shape(op, "v", v, (b, h, vd), "[B, H, V]")
+  val.check_shape(op, "memory", memory, (b, h, kd, vd), "[B, H, K, V]")
+  if log_alpha.shape not in ((b, h, kd), (b, h)):
+    raise ValueError(f"{op}: log_alpha must have shape [B, H, K] or [B, H], "
+                     f"got {tuple(log_alpha.shape)}")
+  cd = val.compute_dtype(q, k, v, log_alpha, write, memory)
+  scale = kd ** -0.5 if scale is None else scale
+  o, memory = delta_step(memory.astype(cd), q.astype(cd) * scale,
+                         k.astype(cd), v.astype(cd), log_alpha.astype(cd),
+                         write.astype(cd))
+  return o.astype(q.dtype), memory
+
+
+def _beta_times(beta, x):
+  return beta[..., None] * x if beta.ndim == x.ndim - 1 else beta * x
+
+
+def kda(q, k, v, g, beta, **kwargs):
+  """Kimi Delta Attention: per-channel decay g [B,T,H,K], write beta * k."""
+  return delta_rule(q, k, v, g, _beta_times(beta, k), **kwargs)
+
+
+def gated_delta_rule(q, k, v, g, beta, **kwargs):
+  """Gated DeltaNet: scalar decay g [B,T,H], write beta * k."""
+  return delta_rule(q, k, v, g, _beta_times(beta, k), **kwargs)
+
+
+def delta_net(q, k, v, beta, **kwargs):
+  """DeltaNet: no decay, write beta * k."""
+  return delta_rule(q, k, v, jnp.zeros(q.shape[:3], q.dtype),
+                    _beta_times(beta, k), **kwargs)
+
+
+def gdn2(q, k, v, g, b, w, **kwargs):
+  """GDN-2: S_t = (I - k_t (b_t*k_t)^T) D_t S + k_t (w_t*v_t)^T.
+
+  The read/erase key is b * k, the write direction k, the value w * v;
+  b is [B,T,H,K] or [B,T,H], w is [B,T,H,V] or [B,T,H].
+  """
+  return delta_rule(q, _beta_times(b, k), _beta_times(w, v), g, k, **kwargs)
+
+
+def gla(q, k, v, g, **kwargs):
+  """Gated linear attention (Mamba-2/GLA style): S_t = D_t S + k_t v_t^T.
+
+  g: [B,T,H,K] or [B,T,H]. No erase: the erase key is zero.
+  """
+  return delta_rule(q, jnp.zeros_like(k), v, g, k, **kwargs)

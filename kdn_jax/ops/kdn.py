@@ -1,0 +1,181 @@
+"""Kalman Delta Networks: the diagonal and isotropic gains feeding the
+asymmetric delta rule (write kappa_t, erase k_t). MATH.md sections 2-5."""
+
+import jax.numpy as jnp
+
+from kdn_jax.ops import dispatch
+from kdn_jax.ops import validation as val
+from kdn_jax.ops import variance
+from kdn_jax.ops.delta_reference import delta_step, scan_tokens
+from kdn_jax.ops.delta_rule import DEFAULT_CHUNK, run_memory
+from kdn_jax.ops.state import KDNState
+
+
+def _check_kdn(op, diag, q, k, v, log_alpha, omega, r):
+  b, t, h, kd, vd = val.check_qkv(op, q, k, v)
+  val.check_float(op, "log_alpha", log_alpha)
+  val.check_shape(op, "log_alpha", log_alpha, (b, t, h, kd), "[B, T, H, K]")
+  val.check_float(op, "omega", omega)
+  if diag:
+    val.check_shape(op, "omega", omega, (b, t, h, kd), "[B, T, H, K]")
+  else:
+    val.check_shape(op, "omega", omega, (b, t, h), "[B, T, H]")
+  val.check_float(op, "r", r)
+  val.check_shape(op, "r", r, (b, t, h), "[B, T, H]")
+  return b, t, h, kd, vd
+
+
+def _initial_state(op, diag, state, b, h, kd, vd, dtype):
+  var_shape = (b, h, kd) if diag else (b, h)
+  if state is None:
+    return KDNState(jnp.zeros((b, h, kd, vd), dtype),
+                    jnp.ones(var_shape, dtype))
+  if not isinstance(state, KDNState):
+    raise TypeError(f"{op}: initial_state must be a KDNState(memory, "
+                    f"variance), got {type(state).__name__}")
+  val.check_float(op, "initial_state.memory", state.memory)
+  val.check_shape(op, "initial_state.memory", state.memory, (b, h, kd, vd),
+                  "[B, H, K, V]")
+  val.check_float(op, "initial_state.variance", state.variance)
+  val.check_shape(op, "initial_state.variance", state.variance, var_shape,
+                  "[B, H, K]" if diag else "[B, H]")
+  return KDNState(state.memory.astype(dtype), state.variance.astype(dtype))
+
+
+def _gain_step(diag, mu):
+  """(variance, k, log_alpha, omega, r) -> (write direction, new variance)."""
+  if diag:
+    def step(p, k, la, om, r):
+      kappa, _, p = variance.diag_variance_step(p, k, la, om, r, mu[:, None])
+      return kappa, p
+  else:
+    def step(b, k, la, om, r):
+      beta, _, b = variance.iso_variance_step(b, k, la, om, r, mu)
+      return beta[..., None] * k, b
+  return step
+
+
+def _kdn(op, diag, q, k, v, log_alpha, omega, r, info_scale, scale,
+         initial_state, output_final_state, segment_ids, impl, chunk_size):
+  b, t, h, kd, vd = _check_kdn(op, diag, q, k, v, log_alpha, omega, r)
+  val.check_segment_ids(op, segment_ids, b, t)
+  val.check_chunk_size(op, chunk_size)
+  impl = dispatch.resolve_impl(op, impl)
+  out_dtype = q.dtype
+  cd = val.compute_dtype(q, k, v, log_alpha, omega, r)
+  mu = val.info_scale_array(op, info_scale, h, kd, cd)
+  state0 = _initial_state(op, diag, initial_state, b, h, kd, vd, cd)
+  scale = kd ** -0.5 if scale is None else scale
+  q, k, v, log_alpha, omega, r = (
+      x.astype(cd) for x in (q, k, v, log_alpha, omega, r))
+  q = q * scale
+  if impl == "reference":
+    gain_step = _gain_step(diag, mu)
+
+    def step(carry, x):
+      memory, var = carry
+      qt, kt, vt, lat, omt, rt = x
+      write, var = gain_step(var, kt, lat, omt, rt)
+      o, memory = delta_step(memory, qt, kt, vt, lat, write)
+      return (memory, var), o
+
+    starts = None if segment_ids is None else variance.segment_starts(
+        segment_ids)
+    (memory, var), o = scan_tokens(step, tuple(state0),
+                                   (q, k, v, log_alpha, omega, r), starts)
+  else:
+    write, var = _gain(op, diag, impl, k, log_alpha, omega, r, mu,
+                       state0.variance, segment_ids)
+    o, memory = run_memory(op, impl, q, k, v, log_alpha, write, state0.memory,
+                           segment_ids, chunk_size)
+  final = KDNState(memory, var) if output_final_state else None
+  return o.astype(out_dtype), final
+
+
+def _gain(op, diag, impl, k, log_alpha, omega, r, mu, var0, segment_ids):
+  """Write directions for all tokens and the final variance."""
+  kernels = dispatch.pallas_module() if impl == "pallas" else None
+  if impl == "pallas" and kernels is None:
+    raise NotImplementedError(f"{op}: impl='pallas' but pallas_kernels cannot "
+                              "be imported")
+  if diag:
+    fn = kernels.diag_gain if kernels else variance.diag_gain
+    return fn(k, log_alpha, omega, r, mu, var0, segment_ids)
+  fn = kernels.iso_gain if kernels else variance.iso_gain
+  beta, var = fn(k, log_alpha, omega, r, mu, var0, segment_ids)
+  return beta[..., None] * k, var
+
+
+def diag_kdn(q, k, v, log_alpha, omega, r, *, info_scale=None, scale=None,
+             initial_state=None, output_final_state=False, segment_ids=None,
+             impl="auto", chunk_size=DEFAULT_CHUNK):
+  """Diagonal Kalman Delta Network.
+
+  Args:
+    q, k, log_alpha, omega: [B, T, H, K] (omega >= 0, log_alpha <= 0);
+    v: [B, T, H, V]; r: [B, T, H] observation noise (> 0).
+    info_scale: mu > 0, a float or an [H] array; default K.
+    scale: query scale, default K ** -0.5.
+    initial_state: KDNState(memory [B,H,K,V], variance [B,H,K]) or None
+      (memory 0, variance 1).
+    output_final_state: also return the final KDNState.
+    segment_ids: [B, T] ints for packed sequences (each segment starts from
+      the initial state), or None.
+    impl: 'auto', 'reference', 'chunked' or 'pallas'.
+    chunk_size: memory chunk length for 'chunked' / 'pallas'.
+
+  Returns:
+    (o [B, T, H, V] in the input dtype, KDNState or None).
+  """
+  return _kdn("diag_kdn", True, q, k, v, log_alpha, omega, r, info_scale,
+              scale, initial_state, output_final_state, segment_ids, impl,
+              chunk_size)
+
+
+def iso_kdn(q, k, v, log_alpha, omega, r, *, info_scale=None, scale=None,
+            initial_state=None, output_final_state=False, segment_ids=None,
+            impl="auto", chunk_size=DEFAULT_CHUNK):
+  """Isotropic Kalman Delta Network: like `diag_kdn` with omega [B, T, H]
+  and a per-head scalar variance (KDNState.variance [B, H])."""
+  return _kdn("iso_kdn", False, q, k, v, log_alpha, omega, r, info_scale,
+              scale, initial_state, output_final_state, segment_ids, impl,
+              chunk_size)
+
+
+def _kdn_step(op, diag, q, k, v, log_alpha, omega, r, state, info_scale,
+              scale):
+  if not isinstance(state, KDNState):
+    raise TypeError(f"{op}: state must be a KDNState, got "
+                    f"{type(state).__name__}")
+  # Reuse the sequence checks with T = 1.
+  add_t = lambda x: jnp.expand_dims(x, 1)
+  b, _, h, kd, vd = _check_kdn(op, diag, *map(add_t, (q, k, v, log_alpha,
+                                                      omega, r)))
+  out_dtype = q.dtype
+  cd = val.compute_dtype(q, k, v, log_alpha, omega, r)
+  mu = val.info_scale_array(op, info_scale, h, kd, cd)
+  state = _initial_state(op, diag, state, b, h, kd, vd, cd)
+  scale = kd ** -0.5 if scale is None else scale
+  q, k, v, log_alpha, omega, r = (
+      x.astype(cd) for x in (q, k, v, log_alpha, omega, r))
+  write, var = _gain_step(diag, mu)(state.variance, k, log_alpha, omega, r)
+  o, memory = delta_step(state.memory, q * scale, k, v, log_alpha, write)
+  return o.astype(out_dtype), KDNState(memory, var)
+
+
+def diag_kdn_step(q, k, v, log_alpha, omega, r, state, *, info_scale=None,
+                  scale=None):
+  """One decode token of diag_kdn.
+
+  q, k, log_alpha, omega: [B, H, K]; v: [B, H, V]; r: [B, H]; state: KDNState.
+  Returns (o_t [B, H, V], new KDNState).
+  """
+  return _kdn_step("diag_kdn_step", True, q, k, v, log_alpha, omega, r, state,
+                   info_scale, scale)
+
+
+def iso_kdn_step(q, k, v, log_alpha, omega, r, state, *, info_scale=None,
+                 scale=None):
+  """One decode token of iso_kdn (omega, r: [B, H]; variance [B, H])."""
+  return _kdn_step("iso_kdn_step", False, q, k, v, log_alpha, omega, r, state,
+                   info_scale, scale)

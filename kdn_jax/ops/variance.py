@@ -1,0 +1,127 @@
+"""The KDN variance recurrences (MATH.md sections 2-4): token steps and scans.
+
+Diagonal (per channel i):  p_hat = alpha^2 p + omega,  p = p_hat / (1 + u p_hat),
+                           u = mu k^2 / r.
+Isotropic (per head):      b_hat = mean(alpha^2) b + omega,
+                           b = b_hat / (1 + u b_hat),  u = mu ||k||^2 / (K r).
+Both are Moebius maps M = [[s, omega], [u s, 1 + u omega]] (s the squared
+decay), so all posteriors come from one `mobius.prefix_products`; the gain
+needs the prior p_hat_t, which uses the EXCLUSIVE prefix p_{t-1}.
+"""
+
+import jax.numpy as jnp
+
+from kdn_jax.ops import mobius
+
+
+def diag_gain_terms(k, log_alpha, r, info_scale):
+  """Per-token (squared decay, information u) for the diagonal variance."""
+  return jnp.exp(2.0 * log_alpha), info_scale * k * k / r[..., None]
+
+
+def iso_gain_terms(k, log_alpha, r, info_scale):
+  """Per-token (mean squared decay, information u) for the isotropic variance."""
+  key_dim = k.shape[-1]
+  decay2 = jnp.mean(jnp.exp(2.0 * log_alpha), axis=-1)
+  k2 = jnp.sum(k * k, axis=-1)
+  return decay2, info_scale * k2 / (key_dim * r)
+
+
+def _posterior(prior, u):
+  return prior / (1.0 + u * prior)
+
+
+def diag_variance_step(p, k, log_alpha, omega, r, info_scale):
+  """One diagonal step. Shapes [..., K] (r: [...]). Returns (kappa, p_hat, p)."""
+  decay2, u = diag_gain_terms(k, log_alpha, r, info_scale)
+  p_hat = decay2 * p + omega
+  kappa = p_hat * k / (r + jnp.sum(p_hat * k * k, axis=-1))[..., None]
+  return kappa, p_hat, _posterior(p_hat, u)
+
+
+def iso_variance_step(b, k, log_alpha, omega, r, info_scale):
+  """One isotropic step. k, log_alpha [..., K]; b, omega, r [...].
+
+  Returns (beta, b_hat, b); the gain vector is beta * k.
+  """
+  decay2, u = iso_gain_terms(k, log_alpha, r, info_scale)
+  b_hat = decay2 * b + omega
+  beta = b_hat / (r + b_hat * jnp.sum(k * k, axis=-1))
+  return beta, b_hat, _posterior(b_hat, u)
+
+
+def segment_starts(segment_ids):
+  """[B, T] bool: True where a new segment begins (never at t = 0)."""
+  prev = jnp.concatenate([segment_ids[:, :1], segment_ids[:, :-1]], axis=1)
+  return segment_ids != prev
+
+
+def _variance_scan(decay2, omega, u, p0, starts):
+  """Prior and posterior for every token; time on axis 1.
+
+  decay2, omega, u: [B, T, H(, K)]; p0: [B, H(, K)]; starts: [B, T] or None.
+  At a segment start the variance is reset to p0 before the token: the token
+  map is composed with the constant map x -> p0, i.e. [[0, p0], [0, 1]].
+  """
+  a, b = decay2, omega
+  c, d = u * decay2, 1.0 + u * omega
+  p0b = jnp.broadcast_to(p0[:, None], a.shape)
+  if starts is not None:
+    st = starts.reshape(starts.shape + (1,) * (a.ndim - 2))
+    zero = jnp.zeros_like(a)
+    a, b, c, d = (jnp.where(st, zero, a), jnp.where(st, a * p0b + b, b),
+                  jnp.where(st, zero, c), jnp.where(st, c * p0b + d, d))
+  post = mobius.apply(mobius.prefix_products((a, b, c, d), axis=1), p0b[:, :1])
+  prev = jnp.concatenate([p0b[:, :1], post[:, :-1]], axis=1)
+  if starts is not None:
+    prev = jnp.where(st, p0b, prev)
+  prior = decay2 * prev + omega
+  return prior, post
+
+
+def diag_variance_scan(k, log_alpha, omega, r, info_scale, p0,
+                       segment_ids=None):
+  """Diagonal KDN variance for all tokens.
+
+  k, log_alpha, omega: [B, T, H, K]; r: [B, T, H]; info_scale: scalar or [H];
+  p0: [B, H, K]. Returns (p_hat, p), both [B, T, H, K]: the prior used by the
+  gain and the posterior.
+  """
+  mu = jnp.asarray(info_scale, k.dtype)
+  mu = mu[:, None] if mu.ndim == 1 else mu
+  decay2, u = diag_gain_terms(k, log_alpha, r, mu)
+  starts = None if segment_ids is None else segment_starts(segment_ids)
+  return _variance_scan(decay2, omega, u, p0, starts)
+
+
+def iso_variance_scan(k, log_alpha, omega, r, info_scale, b0,
+                      segment_ids=None):
+  """Isotropic KDN variance for all tokens.
+
+  k, log_alpha: [B, T, H, K]; omega, r: [B, T, H]; b0: [B, H].
+  Returns (b_hat, b), both [B, T, H].
+  """
+  mu = jnp.asarray(info_scale, k.dtype)
+  decay2, u = iso_gain_terms(k, log_alpha, r, mu)
+  starts = None if segment_ids is None else segment_starts(segment_ids)
+  return _variance_scan(decay2, omega, u, b0, starts)
+
+
+def diag_gain(k, log_alpha, omega, r, info_scale, p0, segment_ids=None):
+  """kappa [B,T,H,K] and the final variance [B,H,K] via the Moebius scan."""
+  p_hat, p = diag_variance_scan(k, log_alpha, omega, r, info_scale, p0,
+                                segment_ids)
+  kappa = p_hat * k / (r + jnp.sum(p_hat * k * k, axis=-1))[..., None]
+  return kappa, p[:, -1]
+
+
+def iso_gain(k, log_alpha, omega, r, info_scale, b0, segment_ids=None):
+  """beta [B,T,H] (gain = beta k) and the final variance [B,H]."""
+  b_hat, b = iso_variance_scan(k, log_alpha, omega, r, info_scale, b0,
+                               segment_ids)
+  beta = b_hat / (r + b_hat * jnp.sum(k * k, axis=-1))
+  return beta, b[:, -1]
+
+
+__all__ = ["diag_variance_step", "iso_variance_step", "diag_variance_scan",
+           "iso_variance_scan", "diag_gain", "iso_gain", "segment_starts"]
