@@ -20,10 +20,13 @@ overflowing. Chunks are processed in parallel; only the K x V state pass is a
 `lax.scan` over chunks. Everything runs in the compute dtype (fp32/fp64).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from kdn_jax.ops.variance import segment_starts
+from kdn_jax.ops.varying import like_varying
 
 
 def _to_chunks(x, chunk):
@@ -71,6 +74,7 @@ def _gram_scalar_decay(x, y, cum, mask):
   return jnp.einsum("...rk,...jk->...rj", x, y) * e
 
 
+@functools.partial(jax.jit, static_argnames=("chunk_size", "sub_block"))
 def delta_rule_chunked(q, k, v, log_alpha, write, memory0, segment_ids=None,
                        *, chunk_size=64, sub_block=16):
   """Chunked delta rule. Inputs [B,T,H,*] in the compute dtype, q pre-scaled.
@@ -79,6 +83,7 @@ def delta_rule_chunked(q, k, v, log_alpha, write, memory0, segment_ids=None,
   segment_ids: [B,T] ints or None. Returns (o [B,T,H,V], final memory).
   """
   batch, t_len, _, _ = q.shape
+  memory0 = like_varying(memory0, q)
   c = chunk_size
   sub = min(sub_block, c)
   if c % sub:
@@ -131,8 +136,12 @@ def delta_rule_chunked(q, k, v, log_alpha, write, memory0, segment_ids=None,
     v_eff = v - jnp.einsum("bhnck,bhkv->bhncv", k_new, memory0)
   vdim = v.shape[-1]
   eye = jnp.eye(c, dtype=q.dtype)
+  # The barrier materialises the operands: otherwise XLA fuses the Gram
+  # computation into the solve's loop and recomputes it every row.
+  lhs, rhs = jax.lax.optimization_barrier(
+      (eye + l_mat, jnp.concatenate([v_eff, k_bar], axis=-1)))
   sol = jax.lax.linalg.triangular_solve(
-      eye + l_mat, jnp.concatenate([v_eff, k_bar], axis=-1),
+      lhs, rhs,
       left_side=True, lower=True, unit_diagonal=True)
   u_mat, w_mat = sol[..., :vdim], sol[..., vdim:]
   # Decay from each token (and from the chunk start) to the chunk's end.

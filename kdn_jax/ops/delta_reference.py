@@ -8,6 +8,8 @@ delta_t = v_t - S_hat^T k_t, S_t = S_hat + w_t delta_t^T.
 import jax
 import jax.numpy as jnp
 
+from kdn_jax.ops.varying import like_varying
+
 
 def decay_memory(memory, log_alpha):
   """D_t S: per-channel decay [B, H, K] scales rows; scalar [B, H] scales all."""
@@ -35,6 +37,8 @@ def scan_tokens(step, carry0, xs, starts=None):
   before the token (packed sequences all start from the initial state).
   """
   xs_t = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), xs)
+  ref = jax.tree.leaves(xs)[0]
+  carry0 = jax.tree.map(lambda c: like_varying(c, ref), carry0)
 
   def body(carry, inp):
     x, start = inp
@@ -50,6 +54,7 @@ def scan_tokens(step, carry0, xs, starts=None):
   return carry, jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1), ys)
 
 
+@jax.jit
 def delta_rule_reference(q, k, v, log_alpha, write, memory0, starts=None):
   """[B,T,H,*] inputs in the compute dtype. Returns (o [B,T,H,V], memory)."""
 

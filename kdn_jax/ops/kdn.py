@@ -1,6 +1,9 @@
 """Kalman Delta Networks: the diagonal and isotropic gains feeding the
 asymmetric delta rule (write kappa_t, erase k_t). MATH.md sections 2-5."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
 from kdn_jax.ops import dispatch
@@ -70,19 +73,10 @@ def _kdn(op, diag, q, k, v, log_alpha, omega, r, info_scale, scale,
       x.astype(cd) for x in (q, k, v, log_alpha, omega, r))
   q = q * scale
   if impl == "reference":
-    gain_step = _gain_step(diag, mu)
-
-    def step(carry, x):
-      memory, var = carry
-      qt, kt, vt, lat, omt, rt = x
-      write, var = gain_step(var, kt, lat, omt, rt)
-      o, memory = delta_step(memory, qt, kt, vt, lat, write)
-      return (memory, var), o
-
     starts = None if segment_ids is None else variance.segment_starts(
         segment_ids)
-    (memory, var), o = scan_tokens(step, tuple(state0),
-                                   (q, k, v, log_alpha, omega, r), starts)
+    o, (memory, var) = _kdn_reference(diag, q, k, v, log_alpha, omega, r, mu,
+                                      tuple(state0), starts)
   else:
     write, var = _gain(op, diag, impl, k, log_alpha, omega, r, mu,
                        state0.variance, segment_ids)
@@ -90,6 +84,22 @@ def _kdn(op, diag, q, k, v, log_alpha, omega, r, info_scale, scale,
                            segment_ids, chunk_size)
   final = KDNState(memory, var) if output_final_state else None
   return o.astype(out_dtype), final
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _kdn_reference(diag, q, k, v, log_alpha, omega, r, mu, state0, starts):
+  """Token-by-token KDN: the gain step feeds the delta step."""
+  gain_step = _gain_step(diag, mu)
+
+  def step(carry, x):
+    memory, var = carry
+    qt, kt, vt, lat, omt, rt = x
+    write, var = gain_step(var, kt, lat, omt, rt)
+    o, memory = delta_step(memory, qt, kt, vt, lat, write)
+    return (memory, var), o
+
+  carry, o = scan_tokens(step, state0, (q, k, v, log_alpha, omega, r), starts)
+  return o, carry
 
 
 def _gain(op, diag, impl, k, log_alpha, omega, r, mu, var0, segment_ids):

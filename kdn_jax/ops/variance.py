@@ -9,9 +9,11 @@ decay), so all posteriors come from one `mobius.prefix_products`; the gain
 needs the prior p_hat_t, which uses the EXCLUSIVE prefix p_{t-1}.
 """
 
+import jax
 import jax.numpy as jnp
 
 from kdn_jax.ops import mobius
+from kdn_jax.ops.varying import like_varying
 
 
 def diag_gain_terms(k, log_alpha, r, info_scale):
@@ -56,7 +58,48 @@ def segment_starts(segment_ids):
   return segment_ids != prev
 
 
-def _variance_scan(decay2, omega, u, p0, starts):
+GAIN_CHUNK = 64
+
+
+def _chunked_posteriors(m, p0, chunk):
+  """Posteriors of the Moebius maps m (time on axis 1) from p0.
+
+  The paper's gain schedule: reduce each chunk of `chunk` tokens with a short
+  sequential scan (local prefix products), combine the chunk totals with an
+  associative scan into exclusive carries, then replay. Work O(T), depth
+  chunk + log(T / chunk), and a compile time that does not grow with T.
+  """
+  t_len = m[0].shape[1]
+  chunk = min(chunk, t_len)
+  n = -(-t_len // chunk)
+  pad = n * chunk - t_len
+  ident = (1.0, 0.0, 0.0, 1.0)
+  if pad:
+    m = tuple(jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2),
+                      constant_values=e) for x, e in zip(m, ident))
+  # [B, N*C, ...] -> [C, B, N, ...] so the in-chunk scan runs over axis 0.
+  m = tuple(jnp.moveaxis(x.reshape(x.shape[:1] + (n, chunk) + x.shape[2:]),
+                         2, 0) for x in m)
+  one = tuple(like_varying(jnp.full(m[0].shape[1:], e, m[0].dtype), m[0])
+              for e in ident)
+  p0 = like_varying(p0, m[0])
+
+  def step(carry, mt):
+    carry = mobius.compose(carry, mt)
+    return carry, carry
+
+  _, local = jax.lax.scan(step, one, m)
+  totals = tuple(x[-1] for x in local)
+  incl = mobius.prefix_products(totals, axis=1)
+  excl = tuple(jnp.concatenate([o[:, :1], x[:, :-1]], axis=1)
+               for o, x in zip(one, incl))
+  p_start = mobius.apply(excl, p0[:, None])
+  post = mobius.apply(local, p_start[None])  # [C, B, N, ...]
+  post = jnp.moveaxis(post, 0, 2)
+  return post.reshape(post.shape[:1] + (n * chunk,) + post.shape[3:])[:, :t_len]
+
+
+def _variance_scan(decay2, omega, u, p0, starts, chunk=GAIN_CHUNK):
   """Prior and posterior for every token; time on axis 1.
 
   decay2, omega, u: [B, T, H(, K)]; p0: [B, H(, K)]; starts: [B, T] or None.
@@ -71,7 +114,7 @@ def _variance_scan(decay2, omega, u, p0, starts):
     zero = jnp.zeros_like(a)
     a, b, c, d = (jnp.where(st, zero, a), jnp.where(st, a * p0b + b, b),
                   jnp.where(st, zero, c), jnp.where(st, c * p0b + d, d))
-  post = mobius.apply(mobius.prefix_products((a, b, c, d), axis=1), p0b[:, :1])
+  post = _chunked_posteriors((a, b, c, d), p0, chunk)
   prev = jnp.concatenate([p0b[:, :1], post[:, :-1]], axis=1)
   if starts is not None:
     prev = jnp.where(st, p0b, prev)
@@ -107,6 +150,7 @@ def iso_variance_scan(k, log_alpha, omega, r, info_scale, b0,
   return _variance_scan(decay2, omega, u, b0, starts)
 
 
+@jax.jit
 def diag_gain(k, log_alpha, omega, r, info_scale, p0, segment_ids=None):
   """kappa [B,T,H,K] and the final variance [B,H,K] via the Moebius scan."""
   p_hat, p = diag_variance_scan(k, log_alpha, omega, r, info_scale, p0,
@@ -115,6 +159,7 @@ def diag_gain(k, log_alpha, omega, r, info_scale, p0, segment_ids=None):
   return kappa, p[:, -1]
 
 
+@jax.jit
 def iso_gain(k, log_alpha, omega, r, info_scale, b0, segment_ids=None):
   """beta [B,T,H] (gain = beta k) and the final variance [B,H]."""
   b_hat, b = iso_variance_scan(k, log_alpha, omega, r, info_scale, b0,

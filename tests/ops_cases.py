@@ -1,0 +1,98 @@
+"""Shared inputs and runners for the ops tests: one test body, every impl."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kdn_oracle
+from kdn_jax import ops
+
+FAMILIES = ("diag", "iso", "delta_channel", "delta_scalar")
+
+
+def make_inputs(family, b, t, h, kd, vd, seed=0, *, la_scale=1.0, r=None,
+                mu=None, omega_zero=False, la_value=None):
+  """float64 numpy inputs for one family (unit-norm keys, as layers use)."""
+  rng = np.random.default_rng(seed)
+  n = lambda *s: rng.standard_normal(s)
+  k = n(b, t, h, kd)
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  q = n(b, t, h, kd)
+  q /= np.linalg.norm(q, axis=-1, keepdims=True)
+  x = dict(q=q, k=k, v=n(b, t, h, vd))
+  la_shape = (b, t, h) if family == "delta_scalar" else (b, t, h, kd)
+  la = -la_scale * np.log1p(np.exp(n(*la_shape) - 1.0))
+  x["log_alpha"] = la if la_value is None else np.full(la_shape, la_value)
+  if family in ("diag", "iso"):
+    om_shape = (b, t, h, kd) if family == "diag" else (b, t, h)
+    x["omega"] = 0.0 * n(*om_shape) if omega_zero else 0.1 * np.log1p(
+        np.exp(n(*om_shape)))
+    x["r"] = (np.full((b, t, h), r) if r is not None else
+              0.01 + np.log1p(np.exp(n(b, t, h))))
+    x["mu"] = float(kd) if mu is None else mu
+  else:
+    x["write"] = 0.5 * k * (1 / (1 + np.exp(-n(b, t, h))))[..., None] + \
+        0.1 * n(b, t, h, kd) / np.sqrt(kd)
+  return x
+
+
+def make_state(family, b, h, kd, vd, seed=1):
+  rng = np.random.default_rng(seed)
+  s = 0.3 * rng.standard_normal((b, h, kd, vd))
+  if family == "diag":
+    return (s, 0.2 + rng.random((b, h, kd)))
+  if family == "iso":
+    return (s, 0.2 + rng.random((b, h)))
+  return (s,)
+
+
+def run(family, x, impl, *, state=None, segment_ids=None, chunk_size=32,
+        dtype=jnp.float32):
+  """Runs kdn_jax on inputs x cast to dtype; returns (o, final tuple)."""
+  c = {key: jnp.asarray(val, dtype) for key, val in x.items() if key != "mu"}
+  kw = dict(impl=impl, output_final_state=True, segment_ids=segment_ids,
+            chunk_size=chunk_size)
+  if family in ("diag", "iso"):
+    fn = ops.diag_kdn if family == "diag" else ops.iso_kdn
+    init = None if state is None else ops.KDNState(
+        *(jnp.asarray(s, dtype) for s in state))
+    o, st = fn(c["q"], c["k"], c["v"], c["log_alpha"], c["omega"], c["r"],
+               info_scale=x["mu"], initial_state=init, **kw)
+    return o, (st.memory, st.variance)
+  init = None if state is None else jnp.asarray(state[0], dtype)
+  o, s = ops.delta_rule(c["q"], c["k"], c["v"], c["log_alpha"], c["write"],
+                        initial_state=init, **kw)
+  return o, (s,)
+
+
+def oracle(family, x, *, state=None, segment_ids=None):
+  """float64 token loop; inputs are rounded through float32 by the caller."""
+  with jax.enable_x64(True):
+    c = {key: jnp.asarray(val, jnp.float64) for key, val in x.items()
+         if key != "mu"}
+    b, _, h, kd = c["q"].shape
+    vd = c["v"].shape[-1]
+    s0 = jnp.zeros((b, h, kd, vd)) if state is None else jnp.asarray(
+        state[0], jnp.float64)
+    scale = kd ** -0.5
+    if family in ("diag", "iso"):
+      p0 = (jnp.ones((b, h, kd) if family == "diag" else (b, h))
+            if state is None else jnp.asarray(state[1], jnp.float64))
+      o, s, p = kdn_oracle.kdn(c["q"], c["k"], c["v"], c["log_alpha"],
+                               c["omega"], c["r"], s0, p0, x["mu"], scale,
+                               family == "diag", segment_ids)
+      return np.asarray(o), (np.asarray(s), np.asarray(p))
+    o, s = kdn_oracle.delta_rule(c["q"], c["k"], c["v"], c["log_alpha"],
+                                 c["write"], s0, scale, segment_ids)
+    return np.asarray(o), (np.asarray(s),)
+
+
+def round_f32(x):
+  """The float32-rounded copy of the inputs, so the oracle sees what the op sees."""
+  return {k: (np.asarray(v, np.float32).astype(np.float64)
+              if isinstance(v, np.ndarray) else v) for k, v in x.items()}
+
+
+def rel_err(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))

@@ -1,0 +1,121 @@
+"""Dtypes, composability (jit, vmap, grad, shard_map) and input errors."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from ops_cases import make_inputs, rel_err, run
+from kdn_jax import ops
+
+B, T, H, K, V = 2, 40, 4, 16, 8
+
+
+def _inputs(family="diag", dtype=jnp.float32, t=T):
+  x = make_inputs(family, B, t, H, K, V, seed=21)
+  return {k: (jnp.asarray(v, dtype) if isinstance(v, np.ndarray) else v)
+          for k, v in x.items()}
+
+
+def _diag(x, **kw):
+  return ops.diag_kdn(x["q"], x["k"], x["v"], x["log_alpha"], x["omega"],
+                      x["r"], **kw)
+
+
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_bfloat16_inputs(impl):
+  x = make_inputs("diag", B, T, H, K, V, seed=22)
+  o16, (s16, p16) = run("diag", x, impl, dtype=jnp.bfloat16)
+  o32, (s32, p32) = run("diag", x, impl, dtype=jnp.float32)
+  assert o16.dtype == jnp.bfloat16
+  assert s16.dtype == jnp.float32 and p16.dtype == jnp.float32
+  assert rel_err(o16, o32) < 2e-2  # bf16 input rounding only
+
+
+def test_float64_under_x64():
+  with jax.enable_x64(True):
+    x = _inputs(dtype=jnp.float64)
+    o, st = _diag(x, impl="chunked", output_final_state=True)
+    assert o.dtype == jnp.float64 and st.memory.dtype == jnp.float64
+
+
+def test_jit_vmap_grad_compose():
+  x = _inputs()
+  f = lambda q: _diag(dict(x, q=q), impl="chunked")[0]
+  want = f(x["q"])
+  np.testing.assert_allclose(jax.jit(f)(x["q"]), want, rtol=1e-6, atol=1e-6)
+  # vmap over an extra leading axis equals a Python loop.
+  qs = jnp.stack([x["q"], 2 * x["q"]])
+  got = jax.vmap(f)(qs)
+  np.testing.assert_allclose(got[1], f(2 * x["q"]), rtol=1e-5, atol=1e-6)
+  g = jax.jit(jax.grad(lambda q: jnp.sum(f(q) ** 2)))(x["q"])
+  assert g.shape == x["q"].shape and np.all(np.isfinite(g))
+
+
+@pytest.mark.parametrize("axis", ["heads", "batch"])
+def test_shard_map(axis):
+  devices = np.array(jax.devices()[:2])
+  if len(devices) < 2:
+    pytest.fail("tests need >= 2 devices (conftest sets 8 CPU devices)")
+  mesh = Mesh(devices, ("x",))
+  x = _inputs()
+  spec4 = P(None, None, "x", None) if axis == "heads" else P("x")
+  spec3 = P(None, None, "x") if axis == "heads" else P("x")
+  specs = tuple(spec3 if n == "r" else spec4
+                for n in ("q", "k", "v", "log_alpha", "omega", "r"))
+
+  def body(q, k, v, la, om, r):
+    # Per-device heads get their own info_scale slice only if mu is per head;
+    # a float mu is the same everywhere.
+    return ops.diag_kdn(q, k, v, la, om, r, info_scale=float(K),
+                        impl="chunked")[0]
+
+  sharded = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs,
+                                  out_specs=spec4))
+  args = [x[n] for n in ("q", "k", "v", "log_alpha", "omega", "r")]
+  np.testing.assert_allclose(sharded(*args), _diag(x, impl="chunked")[0],
+                             rtol=1e-5, atol=1e-6)
+
+
+BAD_INPUTS = [
+    (lambda x: _diag(dict(x, q=x["q"][0])), ValueError, "q must have rank 4"),
+    (lambda x: _diag(dict(x, k=x["k"][:, :-1])), ValueError, "k must have shape"),
+    (lambda x: _diag(dict(x, v=x["v"][:1])), ValueError, "v must have shape"),
+    (lambda x: _diag(dict(x, r=x["r"][..., :2])), ValueError, "r must have shape"),
+    (lambda x: _diag(dict(x, omega=x["omega"][..., 0])), ValueError,
+     "omega must have shape"),
+    (lambda x: _diag(dict(x, q=x["q"].astype(jnp.int32))), TypeError,
+     "q must be a floating array"),
+    (lambda x: _diag(x, info_scale=0.0), ValueError, "info_scale (mu) must be > 0"),
+    (lambda x: _diag(x, info_scale=-1.0), ValueError, "info_scale (mu) must be > 0"),
+    (lambda x: _diag(x, info_scale=np.ones(H + 1)), ValueError,
+     "info_scale must be a float or an array of shape [H]"),
+    (lambda x: _diag(x, impl="cuda"), ValueError,
+     "impl='cuda' is not one of auto, reference, chunked, pallas"),
+    (lambda x: _diag(x, chunk_size=40), ValueError, "chunk_size"),
+    (lambda x: _diag(x, segment_ids=jnp.zeros((B, T + 1), jnp.int32)),
+     ValueError, "segment_ids must have shape [B, T]"),
+    (lambda x: _diag(x, segment_ids=jnp.zeros((B, T))), TypeError,
+     "segment_ids must be integers"),
+    (lambda x: _diag(x, initial_state=ops.KDNState(jnp.zeros((B, H, K, V)),
+                                                   jnp.ones((B, H)))),
+     ValueError, "initial_state.variance must have shape"),
+    (lambda x: ops.delta_rule(x["q"], x["k"], x["v"], x["log_alpha"][..., :3],
+                              x["k"]), ValueError, "log_alpha must have shape"),
+    (lambda x: ops.iso_kdn(x["q"], x["k"], x["v"], x["log_alpha"], x["omega"],
+                           x["r"]), ValueError, "omega must have shape [B, T, H]"),
+]
+
+
+@pytest.mark.parametrize("i", range(len(BAD_INPUTS)))
+def test_bad_inputs_raise_while_tracing(i):
+  fn, exc, msg = BAD_INPUTS[i]
+  x = _inputs()
+  with pytest.raises(exc, match=re.escape(msg)):
+    fn(x)
+  # Also under jit: the error comes at trace time, before any compile.
+  with pytest.raises(exc, match=re.escape(msg)):
+    jax.jit(lambda: fn(x)).lower()

@@ -1,0 +1,177 @@
+"""Every op and impl against the float64 token loop: outputs and final states."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ops_cases import (FAMILIES, make_inputs, make_state, oracle, rel_err,
+                       round_f32, run)
+from kdn_jax import ops
+
+IMPLS = ("reference", "chunked")
+B, H, K, V = 2, 2, 32, 24  # K != V, B*H > 1
+
+
+def check(family, x, impl, *, state=None, segment_ids=None, chunk_size=32,
+          tol=1e-5):
+  x = round_f32(x)
+  o, final = run(family, x, impl, state=state, segment_ids=segment_ids,
+                 chunk_size=chunk_size)
+  o_ref, final_ref = oracle(family, x, state=state, segment_ids=segment_ids)
+  assert np.all(np.isfinite(o)) and all(np.all(np.isfinite(f)) for f in final)
+  assert rel_err(o, o_ref) <= tol, ("output", rel_err(o, o_ref))
+  for name, f, f_ref in zip(("memory", "variance"), final, final_ref):
+    assert rel_err(f, f_ref) <= tol, (name, rel_err(f, f_ref))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("t", [1, 7, 64, 65, 300])
+def test_matches_token_loop(family, impl, t):
+  x = make_inputs(family, B, t, H, K, V, seed=t)
+  check(family, x, impl)
+  check(family, x, impl, state=make_state(family, B, H, K, V))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_segments_match_token_loop(family, impl):
+  t = 70
+  x = make_inputs(family, B, t, H, K, V, seed=3)
+  seg = np.zeros((B, t), np.int32)
+  seg[0, 5:40], seg[0, 40:41], seg[0, 41:] = 1, 2, 3  # boundaries inside chunks
+  seg[1, 33:] = 1
+  check(family, x, impl, state=make_state(family, B, H, K, V),
+        segment_ids=jnp.asarray(seg))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_segments_equal_separate_runs(family):
+  t1 = t2 = 37  # equal halves share one compiled shape
+  x = make_inputs(family, 1, t1 + t2, H, K, V, seed=4)
+  state = make_state(family, 1, H, K, V)
+  seg = jnp.asarray([[0] * t1 + [1] * t2])
+  o, final = run(family, x, "chunked", state=state, segment_ids=seg)
+  first = {k: (v[:, :t1] if isinstance(v, np.ndarray) else v)
+           for k, v in x.items()}
+  second = {k: (v[:, t1:] if isinstance(v, np.ndarray) else v)
+            for k, v in x.items()}
+  o1, _ = run(family, first, "chunked", state=state)
+  o2, final2 = run(family, second, "chunked", state=state)
+  np.testing.assert_allclose(o, np.concatenate([o1, o2], 1), rtol=1e-5,
+                             atol=1e-6)
+  for f, f2 in zip(final, final2):
+    np.testing.assert_allclose(f, f2, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_continuation(family, impl):
+  t, cut = 142, 71  # equal halves share one compiled shape
+  x = make_inputs(family, B, t, H, K, V, seed=5)
+  state = make_state(family, B, H, K, V)
+  o, final = run(family, x, impl, state=state)
+  head = {k: (v[:, :cut] if isinstance(v, np.ndarray) else v)
+          for k, v in x.items()}
+  tail = {k: (v[:, cut:] if isinstance(v, np.ndarray) else v)
+          for k, v in x.items()}
+  o1, mid = run(family, head, impl, state=state)
+  o2, final2 = run(family, tail, impl, state=tuple(np.asarray(m) for m in mid))
+  np.testing.assert_allclose(o, np.concatenate([o1, o2], 1), rtol=1e-5,
+                             atol=1e-6)
+  for f, f2 in zip(final, final2):
+    np.testing.assert_allclose(f, f2, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_steps_equal_parallel(family):
+  t = 19
+  x = make_inputs(family, B, t, H, K, V, seed=6)
+  state = make_state(family, B, H, K, V)
+  o, final = run(family, x, "chunked", state=state)
+  c = {k: (jnp.asarray(v, jnp.float32) if isinstance(v, np.ndarray) else v)
+       for k, v in x.items()}
+  if family in ("diag", "iso"):
+    st = ops.KDNState(*(jnp.asarray(s, jnp.float32) for s in state))
+    step = jax.jit(ops.diag_kdn_step if family == "diag" else ops.iso_kdn_step,
+                   static_argnames="info_scale")
+    outs = []
+    for i in range(t):
+      o_t, st = step(c["q"][:, i], c["k"][:, i], c["v"][:, i],
+                     c["log_alpha"][:, i], c["omega"][:, i], c["r"][:, i], st,
+                     info_scale=c["mu"])
+      outs.append(o_t)
+    got_final = (st.memory, st.variance)
+  else:
+    mem = jnp.asarray(state[0], jnp.float32)
+    step = jax.jit(ops.delta_rule_step)
+    outs = []
+    for i in range(t):
+      o_t, mem = step(c["q"][:, i], c["k"][:, i], c["v"][:, i],
+                      c["log_alpha"][:, i], c["write"][:, i], mem)
+      outs.append(o_t)
+    got_final = (mem,)
+  np.testing.assert_allclose(np.stack(outs, 1), o, rtol=1e-5, atol=1e-6)
+  for f, f2 in zip(got_final, final):
+    np.testing.assert_allclose(f, f2, rtol=1e-5, atol=1e-6)
+
+
+EDGE_CASES = {
+    "hard_reset": dict(la_value=-1e4),
+    "no_decay": dict(la_value=0.0),
+    "strong_decay": dict(la_value=-20.0),
+    "tiny_r": dict(r=1e-4),
+    "huge_r": dict(r=1e4),
+    "mu_1": dict(mu=1.0),
+    "mu_4k": dict(mu=4.0 * K),
+    "omega_zero": dict(omega_zero=True),
+    "omega_zero_hard_reset": dict(omega_zero=True, la_value=-1e4),
+}
+
+
+DECAY_CASES = ("hard_reset", "no_decay", "strong_decay")
+EDGE_PARAMS = [(f, c) for f in FAMILIES for c in sorted(EDGE_CASES)
+               if f in ("diag", "iso") or c in DECAY_CASES]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("family,case", EDGE_PARAMS)
+def test_edge_cases(family, case, impl):
+  x = make_inputs(family, B, 97, H, K, V, seed=7, **EDGE_CASES[case])
+  # Long undecayed delta-rule runs accumulate float32 rounding in the state.
+  check(family, x, impl, state=make_state(family, B, H, K, V), tol=2e-5)
+
+
+def test_wrappers_match_delta_rule():
+  b, t, h, kd, vd = 2, 40, 2, 16, 8
+  rng = np.random.default_rng(0)
+  n = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  q, k, v = n(b, t, h, kd), n(b, t, h, kd) / 4, n(b, t, h, vd)
+  g_c, g_s = -jax.nn.softplus(n(b, t, h, kd)), -jax.nn.softplus(n(b, t, h))
+  beta = jax.nn.sigmoid(n(b, t, h))
+  bk, wv = jax.nn.sigmoid(n(b, t, h, kd)), jax.nn.sigmoid(n(b, t, h, vd))
+  dr = lambda *a: ops.delta_rule(*a, impl="reference")[0]
+  pairs = [
+      (ops.kda(q, k, v, g_c, beta, impl="chunked")[0],
+       dr(q, k, v, g_c, beta[..., None] * k)),
+      (ops.gated_delta_rule(q, k, v, g_s, beta, impl="chunked")[0],
+       dr(q, k, v, g_s, beta[..., None] * k)),
+      (ops.delta_net(q, k, v, beta, impl="chunked")[0],
+       dr(q, k, v, jnp.zeros((b, t, h)), beta[..., None] * k)),
+      (ops.gdn2(q, k, v, g_c, bk, wv, impl="chunked")[0],
+       dr(q, bk * k, wv * v, g_c, k)),
+      (ops.gla(q, k, v, g_c, impl="chunked")[0],
+       dr(q, jnp.zeros_like(k), v, g_c, k)),
+  ]
+  for got, want in pairs:
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+  # GLA really is the un-erased recurrence S = D S + k v^T.
+  s = np.zeros((b, h, kd, vd))
+  gq, gk, gv, gg = map(np.asarray, (q, k, v, g_c))
+  outs = []
+  for i in range(t):
+    s = np.exp(gg[:, i])[..., None] * s + gk[:, i, ..., None] * gv[:, i, :, None, :]
+    outs.append(np.einsum("bhkv,bhk->bhv", s, gq[:, i]) * kd ** -0.5)
+  np.testing.assert_allclose(pairs[-1][0], np.stack(outs, 1), rtol=1e-4,
+                             atol=1e-5)
