@@ -74,9 +74,44 @@ def _gram_scalar_decay(x, y, cum, mask):
   return jnp.einsum("...rk,...jk->...rj", x, y) * e
 
 
+def unit_lower_inverse(l_mat, block=16):
+  """(I + L)^{-1} for strictly lower-triangular L [..., C, C], by matmuls only.
+
+  Diagonal blocks of `block` rows use the finite Neumann product
+  (I - N)^{-1} = (I + N)(I + N^2)(I + N^4)... with N = -L (N^block = 0);
+  off-diagonal blocks follow by block forward substitution. No triangular
+  solve: XLA's CPU solve is slow inside big graphs and matmuls map onto
+  GPU/TPU matrix units.
+  """
+  c = l_mat.shape[-1]
+  block = min(block, c)
+  nb = c // block
+  eye = jnp.eye(block, dtype=l_mat.dtype)
+  blk = lambda i, j: l_mat[..., i * block:(i + 1) * block,
+                           j * block:(j + 1) * block]
+  inv_diag = []
+  for i in range(nb):
+    n = -blk(i, i)
+    acc, power = eye + n, n
+    for _ in range(max(block - 1, 1).bit_length() - 1):
+      power = power @ power
+      acc = acc @ (eye + power)
+    inv_diag.append(acc)
+  rows = []
+  for i in range(nb):
+    row = [None] * nb
+    row[i] = inv_diag[i]
+    for j in range(i - 1, -1, -1):
+      acc = sum(blk(i, m) @ rows[m][j] for m in range(j, i))
+      row[j] = -inv_diag[i] @ acc
+    zeros = jnp.zeros_like(inv_diag[i])
+    rows.append([zeros if x is None else x for x in row])
+  return jnp.concatenate([jnp.concatenate(r, axis=-1) for r in rows], axis=-2)
+
+
 @functools.partial(jax.jit, static_argnames=("chunk_size", "sub_block"))
 def delta_rule_chunked(q, k, v, log_alpha, write, memory0, segment_ids=None,
-                       *, chunk_size=64, sub_block=16):
+                       *, chunk_size=64, sub_block=8):
   """Chunked delta rule. Inputs [B,T,H,*] in the compute dtype, q pre-scaled.
 
   log_alpha: [B,T,H,K] (per-channel) or [B,T,H] (scalar); memory0 [B,H,K,V];
@@ -135,15 +170,9 @@ def delta_rule_chunked(q, k, v, log_alpha, write, memory0, segment_ids=None,
     k_bar, q_bar = k_bar - k_new, q_bar - q_new
     v_eff = v - jnp.einsum("bhnck,bhkv->bhncv", k_new, memory0)
   vdim = v.shape[-1]
-  eye = jnp.eye(c, dtype=q.dtype)
-  # The barrier materialises the operands: otherwise XLA fuses the Gram
-  # computation into the solve's loop and recomputes it every row.
-  lhs, rhs = jax.lax.optimization_barrier(
-      (eye + l_mat, jnp.concatenate([v_eff, k_bar], axis=-1)))
-  sol = jax.lax.linalg.triangular_solve(
-      lhs, rhs,
-      left_side=True, lower=True, unit_diagonal=True)
-  u_mat, w_mat = sol[..., :vdim], sol[..., vdim:]
+  a_inv = unit_lower_inverse(l_mat, sub)
+  u_mat = a_inv @ v_eff
+  w_mat = a_inv @ k_bar
   # Decay from each token (and from the chunk start) to the chunk's end.
   last_diff = cum[..., -1:, :] - cum if not scalar_decay else (
       cum[..., -1:] - cum)

@@ -4,6 +4,7 @@ S_t = (I - w_t k_t^T) D_t S_{t-1} + w_t v_t^T,   o_t = scale * S_t^T q_t.
 Wrappers keep flash-linear-attention's argument meaning.
 """
 
+import jax
 import jax.numpy as jnp
 from absl import logging
 
@@ -13,7 +14,19 @@ from kdn_jax.ops.delta_chunked import delta_rule_chunked
 from kdn_jax.ops.delta_reference import delta_rule_reference, delta_step
 from kdn_jax.ops.variance import segment_starts
 
-DEFAULT_CHUNK = 64
+DEFAULT_CHUNK = None  # per platform: see default_chunk_size
+
+
+def default_chunk_size(impl):
+  """Chunk length when the caller passes None.
+
+  64 on GPU/TPU (and for Pallas) keeps the matrix units busy; on CPU the XLA
+  chunked form is fastest with short chunks (measured: C=16 is 1.5-2.5x
+  faster than C=64 forward+backward at T=4096, B=1, H=4, K=V=64).
+  """
+  if impl == "chunked" and jax.default_backend() == "cpu":
+    return 16
+  return 64
 
 
 def run_memory(op, impl, q, k, v, log_alpha, write, memory0, segment_ids,
@@ -52,7 +65,7 @@ def delta_rule(q, k, v, log_alpha, write, *, scale=None, initial_state=None,
     output_final_state: also return the final memory.
     segment_ids: [B, T] ints for packed sequences, or None.
     impl: 'auto', 'reference', 'chunked' or 'pallas'.
-    chunk_size: chunk length of the chunked/pallas paths.
+    chunk_size: chunk length of the chunked/pallas paths (None: per platform).
 
   Returns:
     (o [B, T, H, V] in q's dtype, final memory [B, H, K, V] or None).
@@ -63,8 +76,9 @@ def delta_rule(q, k, v, log_alpha, write, *, scale=None, initial_state=None,
   val.check_float(op, "write", write)
   val.check_shape(op, "write", write, (b, t, h, kd), "[B, T, H, K]")
   val.check_segment_ids(op, segment_ids, b, t)
-  val.check_chunk_size(op, chunk_size)
   impl = dispatch.resolve_impl(op, impl)
+  chunk_size = default_chunk_size(impl) if chunk_size is None else chunk_size
+  val.check_chunk_size(op, chunk_size)
   if initial_state is not None:
     val.check_float(op, "initial_state", initial_state)
     val.check_shape(op, "initial_state", initial_state, (b, h, kd, vd),

@@ -17,11 +17,20 @@ def pallas_module():
     return None
 
 
+# Platforms on which 'auto' picks the Pallas kernels. Empty for now: on the
+# H200 the first Pallas delta-rule kernels measured 43x slower than fla's
+# chunk_kda (docs/benchmark_mixers.md), so 'auto' stays on the XLA chunked
+# form everywhere until a benchmark shows Pallas ahead.
+PALLAS_AUTO_PLATFORMS = ()
+
+
 def resolve_impl(op, impl):
-  """'auto' -> 'pallas' on GPU/TPU when the kernels import, else 'chunked'."""
+  """'auto' -> 'pallas' on PALLAS_AUTO_PLATFORMS when the kernels import,
+  else 'chunked'."""
   check_impl(op, impl)
   if impl != "auto":
     return impl
-  if jax.default_backend() in ("gpu", "tpu") and pallas_module() is not None:
+  if (jax.default_backend() in PALLAS_AUTO_PLATFORMS and
+      pallas_module() is not None):
     return "pallas"
   return "chunked"

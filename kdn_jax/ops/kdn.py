@@ -10,7 +10,8 @@ from kdn_jax.ops import dispatch
 from kdn_jax.ops import validation as val
 from kdn_jax.ops import variance
 from kdn_jax.ops.delta_reference import delta_step, scan_tokens
-from kdn_jax.ops.delta_rule import DEFAULT_CHUNK, run_memory
+from kdn_jax.ops.delta_rule import (DEFAULT_CHUNK, default_chunk_size,
+                                    run_memory)
 from kdn_jax.ops.state import KDNState
 
 
@@ -62,8 +63,9 @@ def _kdn(op, diag, q, k, v, log_alpha, omega, r, info_scale, scale,
          initial_state, output_final_state, segment_ids, impl, chunk_size):
   b, t, h, kd, vd = _check_kdn(op, diag, q, k, v, log_alpha, omega, r)
   val.check_segment_ids(op, segment_ids, b, t)
-  val.check_chunk_size(op, chunk_size)
   impl = dispatch.resolve_impl(op, impl)
+  chunk_size = default_chunk_size(impl) if chunk_size is None else chunk_size
+  val.check_chunk_size(op, chunk_size)
   out_dtype = q.dtype
   cd = val.compute_dtype(q, k, v, log_alpha, omega, r)
   mu = val.info_scale_array(op, info_scale, h, kd, cd)
@@ -132,7 +134,8 @@ def diag_kdn(q, k, v, log_alpha, omega, r, *, info_scale=None, scale=None,
     segment_ids: [B, T] ints for packed sequences (each segment starts from
       the initial state), or None.
     impl: 'auto', 'reference', 'chunked' or 'pallas'.
-    chunk_size: memory chunk length for 'chunked' / 'pallas'.
+    chunk_size: memory chunk length for 'chunked' / 'pallas' (None: per
+      platform, see `delta_rule.default_chunk_size`).
 
   Returns:
     (o [B, T, H, V] in the input dtype, KDNState or None).

@@ -58,7 +58,7 @@ def segment_starts(segment_ids):
   return segment_ids != prev
 
 
-GAIN_CHUNK = 64
+GAIN_CHUNK = 16  # measured fastest forward+backward on CPU (16 vs 32, 64)
 
 
 def _chunked_posteriors(m, p0, chunk):

@@ -1,0 +1,474 @@
+"""Mixer-only timing: KDN (diag / iso), KDA and GDN in JAX, and fla's Triton kernels in PyTorch.
+
+Usage:
+  python -m experiments.benchmark_mixers --out=/tmp/bench --seq_lens=2048,4096,8192
+  python -m experiments.benchmark_mixers --check_only   # GPU correctness check of the kernels
+
+Batch 4, 16 heads of K = V = 128, bf16 inputs; median of --reps timed runs after --warmup runs,
+forward and forward+backward. Writes results.md, results.json and results.png to --out.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+import traceback
+
+from absl import app
+from absl import flags
+from absl import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out", "/tmp/benchmark_mixers", "output directory")
+flags.DEFINE_list("seq_lens", ["2048", "4096", "8192", "16384", "32768"], "sequence lengths")
+flags.DEFINE_integer("batch", 4, "batch size")
+flags.DEFINE_integer("heads", 16, "heads")
+flags.DEFINE_integer("dim", 128, "K = V per head")
+flags.DEFINE_integer("reps", 30, "timed runs (median reported)")
+flags.DEFINE_integer("warmup", 3, "untimed runs after compilation")
+flags.DEFINE_list("rows", ["diag_kdn_pallas", "iso_kdn_pallas", "diag_gain_pallas",
+                           "iso_gain_pallas", "diag_kdn_chunked", "iso_kdn_chunked",
+                           "kda_pallas", "gdn_pallas", "kda_chunked", "gdn_chunked",
+                           "fla_chunk_kda", "fla_chunk_gdn"], "rows to time")
+flags.DEFINE_integer("chunked_max_len", 32768, "skip *_chunked rows above this length")
+flags.DEFINE_boolean("check", True, "run the GPU correctness check first")
+flags.DEFINE_boolean("check_only", False, "only run the correctness check")
+flags.DEFINE_float("time_budget_s", 420.0, "stop timing new cells after this many seconds")
+flags.DEFINE_list("sweep", [], "delta-rule configs 'max_chunk:warps_intra:warps_recur:blocked' to "
+                  "try on diag_kdn_pallas fwd+bwd at --sweep_len; the fastest is used for the rows")
+flags.DEFINE_list("gain_sweep", [], "gain max_chunk values to try on diag_gain_pallas fwd")
+flags.DEFINE_integer("sweep_len", 4096, "sequence length for the sweeps")
+flags.DEFINE_boolean("stages", False, "also time the pallas stages one by one (diag KDN): gain, "
+                     "delta-rule intra (parallel) and recurrent (serial) kernels, fwd and bwd")
+
+
+# ----------------------------------------------------------------------------------- inputs
+
+
+def _inputs(key, b, t, h, d, dtype):
+  ks = jax.random.split(key, 8)
+  l2 = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  q = l2(jax.random.normal(ks[0], (b, t, h, d), jnp.float32)).astype(dtype)
+  k = l2(jax.random.normal(ks[1], (b, t, h, d), jnp.float32)).astype(dtype)
+  v = jax.random.normal(ks[2], (b, t, h, d), jnp.float32).astype(dtype)
+  la = (-0.1 * jax.nn.softplus(jax.random.normal(ks[3], (b, t, h, d)))).astype(dtype)
+  om = (0.1 * jax.nn.softplus(jax.random.normal(ks[4], (b, t, h, d)))).astype(dtype)
+  r = (0.01 + jax.nn.softplus(jax.random.normal(ks[5], (b, t, h)))).astype(dtype)
+  beta = jax.nn.sigmoid(jax.random.normal(ks[6], (b, t, h))).astype(dtype)
+  return dict(q=q, k=k, v=v, la=la, om=om, r=r, beta=beta, om_iso=om[..., 0],
+              la_scalar=la[..., 0])
+
+
+def _ops():
+  try:
+    from kdn_jax import ops  # pylint: disable=g-import-not-at-top
+    return ops
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning("kdn_jax.ops unavailable: %s", e)
+    return None
+
+
+def _direct_kdn(diag, x, d):
+  """KDN mixer straight from the pallas kernels (gain, then memory)."""
+  import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
+  b, _, h, _ = x["k"].shape
+  mu = jnp.full((h,), float(d), jnp.float32)
+  s0 = jnp.zeros((b, h, d, d), jnp.float32)
+  if diag:
+    w, _ = pk.diag_gain(x["k"], x["la"], x["om"], x["r"], mu, jnp.ones((b, h, d), jnp.float32))
+  else:
+    beta, _ = pk.iso_gain(x["k"], x["la"], x["om_iso"], x["r"], mu, jnp.ones((b, h), jnp.float32))
+    w = beta[..., None] * x["k"].astype(jnp.float32)
+  o, _ = pk.delta_rule(x["q"], x["k"], x["v"], x["la"], w, d ** -0.5, s0)
+  return o
+
+
+def _make_jax_fn(row, d):
+  """Returns f(x) -> output array (differentiable in the float inputs)."""
+  import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
+  ops = _ops()
+  name, impl = row.rsplit("_", 1)
+  if name in ("diag_kdn", "iso_kdn"):
+    diag = name == "diag_kdn"
+    if ops is not None:
+      fn = ops.diag_kdn if diag else ops.iso_kdn
+      def f(x):
+        om = x["om"] if diag else x["om_iso"]
+        return fn(x["q"], x["k"], x["v"], x["la"], om, x["r"], info_scale=float(d),
+                  impl=impl)[0]
+      return f, ("q", "k", "v", "la", "om" if diag else "om_iso", "r")
+    if impl != "pallas":
+      raise RuntimeError("kdn_jax.ops unavailable")
+    return (lambda x: _direct_kdn(diag, x, d)), (
+        "q", "k", "v", "la", "om" if diag else "om_iso", "r")
+  if name == "diag_gain":
+    def f(x):
+      b, _, h, _ = x["k"].shape
+      return pk.diag_gain(x["k"], x["la"], x["om"], x["r"], jnp.full((h,), float(d)),
+                          jnp.ones((b, h, d), jnp.float32))[0]
+    return f, ("k", "la", "om", "r")
+  if name == "iso_gain":
+    def f(x):
+      b, _, h, _ = x["k"].shape
+      return pk.iso_gain(x["k"], x["la"], x["om_iso"], x["r"], jnp.full((h,), float(d)),
+                         jnp.ones((b, h), jnp.float32))[0]
+    return f, ("k", "la", "om_iso", "r")
+  if name in ("kda", "gdn"):
+    if ops is None:
+      raise RuntimeError("kdn_jax.ops unavailable")
+    la = "la" if name == "kda" else "la_scalar"
+    fn = ops.kda if name == "kda" else ops.gated_delta_rule
+    def f(x):
+      return fn(x["q"], x["k"], x["v"], x[la], x["beta"], impl=impl)[0]
+    return f, ("q", "k", "v", la, "beta")
+  raise ValueError(row)
+
+
+def _time_fn(fn, args, reps, warmup):
+  out = fn(*args)
+  jax.block_until_ready(out)
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return 1e3 * statistics.median(times)
+
+
+def _time_jax_row(row, t, fwd_bwd):
+  b, h, d = FLAGS.batch, FLAGS.heads, FLAGS.dim
+  x = _inputs(jax.random.PRNGKey(0), b, t, h, d, jnp.bfloat16)
+  f, names = _make_jax_fn(row, d)
+  diff = {n: x[n] for n in names}
+  rest = {n: v for n, v in x.items() if n not in names}
+  if not fwd_bwd:
+    fn = jax.jit(lambda diff: f({**rest, **diff}))
+  else:
+    def loss(diff):
+      o = f({**rest, **diff})
+      return jnp.sum(o.astype(jnp.float32) * 1e-3)
+    fn = jax.jit(jax.grad(loss))
+  return _time_fn(fn, (diff,), FLAGS.reps, FLAGS.warmup)
+
+
+# ------------------------------------------------------------------------------------- fla
+
+
+def _fla():
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+    from fla.ops.kda import chunk_kda  # pylint: disable=g-import-not-at-top
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # pylint: disable=g-import-not-at-top
+    if not torch.cuda.is_available():
+      return None
+    return torch, chunk_kda, chunk_gated_delta_rule
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning("fla unavailable: %s", e)
+    return None
+
+
+def _time_fla_row(row, t, fwd_bwd):
+  torch, chunk_kda, chunk_gdn = _fla()
+  b, h, d = FLAGS.batch, FLAGS.heads, FLAGS.dim
+  g = torch.Generator(device="cuda").manual_seed(0)
+  dev, bf = "cuda", torch.bfloat16
+  rn = lambda *s: torch.randn(*s, device=dev, generator=g)
+  l2 = lambda z: z / z.norm(dim=-1, keepdim=True)
+  q = l2(rn(b, t, h, d)).to(bf)
+  k = l2(rn(b, t, h, d)).to(bf)
+  v = rn(b, t, h, d).to(bf)
+  beta = torch.sigmoid(rn(b, t, h)).to(bf)
+  if row == "fla_chunk_kda":
+    gate = (-0.1 * torch.nn.functional.softplus(rn(b, t, h, d))).float()
+    fn = chunk_kda
+  else:
+    gate = (-0.1 * torch.nn.functional.softplus(rn(b, t, h))).float()
+    fn = chunk_gdn
+  leaves = [q, k, v, gate, beta]
+  if fwd_bwd:
+    for z in leaves:
+      z.requires_grad_(True)
+  do = rn(b, t, h, d).to(bf)
+
+  def run():
+    o = fn(q, k, v, gate, beta, scale=d ** -0.5)[0]
+    if fwd_bwd:
+      torch.autograd.grad(o, leaves, do)
+    return o
+
+  with torch.set_grad_enabled(fwd_bwd):
+    for _ in range(1 + FLAGS.warmup):
+      run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(FLAGS.reps):
+      s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+      s.record()
+      run()
+      e.record()
+      torch.cuda.synchronize()
+      times.append(s.elapsed_time(e))
+  return statistics.median(times)
+
+
+# ------------------------------------------------------------------------------------ check
+
+
+def _scan_reference(q, k, v, la, w, scale, s0):
+  """Token loop (lax.scan, float32) for the general delta rule."""
+  f32 = jnp.float32
+  def step(s, xs):
+    qt, kt, vt, lat, wt = xs
+    s = jnp.exp(lat)[..., None] * s
+    delta = vt - jnp.einsum("bhkv,bhk->bhv", s, kt)
+    s = s + wt[..., None] * delta[..., None, :]
+    return s, scale * jnp.einsum("bhkv,bhk->bhv", s, qt)
+  xs = tuple(jnp.moveaxis(z.astype(f32), 1, 0) for z in (q, k, v, la, w))
+  s, o = jax.lax.scan(step, s0, xs, precision=None) if False else jax.lax.scan(step, s0, xs)
+  return jnp.moveaxis(o, 0, 1), s
+
+
+def _rel(a, b):
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  return float(np.sqrt(np.mean((a - b) ** 2) / max(np.mean(b ** 2), 1e-300)))
+
+
+def run_check():
+  import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
+  res = {}
+  b, t, h, d = 2, 300, 2, 128
+  for dtype in (jnp.float32, jnp.bfloat16):
+    x = _inputs(jax.random.PRNGKey(1), b, t, h, d, dtype)
+    w = (0.5 * x["beta"][..., None].astype(jnp.float32) * x["k"].astype(jnp.float32))
+    s0 = 0.1 * jax.random.normal(jax.random.PRNGKey(2), (b, h, d, d))
+    seg = jnp.concatenate([jnp.zeros((b, 100), jnp.int32), jnp.ones((b, 200), jnp.int32)], 1)
+    args = (x["q"], x["k"], x["v"], x["la"], w)
+    def f_pk(*a):
+      return pk.delta_rule(*a, d ** -0.5, s0)
+    def f_ref(*a):
+      a = [z.astype(jnp.float32) for z in a]
+      with jax.default_matmul_precision("highest"):
+        return _scan_reference(*a, d ** -0.5, s0)
+    o1, s1 = jax.jit(f_pk)(*args)
+    o2, s2 = jax.jit(f_ref)(*args)
+    tag = jnp.dtype(dtype).name
+    res[f"delta_rule_{tag}_o"] = _rel(o1, o2)
+    res[f"delta_rule_{tag}_S"] = _rel(s1, s2)
+    ct = jax.random.normal(jax.random.PRNGKey(3), o2.shape)
+    def loss(fn):
+      return lambda *a: jnp.sum(fn(*a)[0].astype(jnp.float32) * ct) + jnp.sum(fn(*a)[1])
+    g1 = jax.jit(jax.grad(loss(f_pk), argnums=(0, 1, 2, 3, 4)))(*args)
+    g2 = jax.jit(jax.grad(loss(f_ref), argnums=(0, 1, 2, 3, 4)))(*args)
+    for n, a1, a2 in zip(("dq", "dk", "dv", "dla", "dw"), g1, g2):
+      res[f"delta_rule_{tag}_{n}"] = _rel(a1, a2)
+    # segments (fp32 only compares to a loop with resets via the ops reference if present)
+    mu = jnp.full((h,), float(d))
+    kap, _ = jax.jit(lambda k, la, om, r: pk.diag_gain(k, la, om, r, mu, jnp.ones((b, h, d))))(
+        x["k"], x["la"], x["om"], x["r"])
+    def gain_ref(k, la, om, r):
+      k, la, om, r = (z.astype(jnp.float32) for z in (k, la, om, r))
+      def step(p, xs):
+        kt, lat, omt, rt = xs
+        ph = jnp.exp(2 * lat) * p + omt
+        kap = ph * kt / (rt[..., None] + jnp.sum(ph * kt * kt, -1, keepdims=True))
+        return ph / (1 + mu[None, :, None] * kt * kt / rt[..., None] * ph), kap
+      xs = tuple(jnp.moveaxis(z, 1, 0) for z in (k, la, om, r))
+      _, kap = jax.lax.scan(step, jnp.ones((b, h, d)), xs)
+      return jnp.moveaxis(kap, 0, 1)
+    res[f"diag_gain_{tag}"] = _rel(kap, jax.jit(gain_ref)(x["k"], x["la"], x["om"], x["r"]))
+    del seg
+  for kname, val in res.items():
+    logging.info("check %s: %.3g", kname, val)
+    print(f"check {kname}: {val:.3g}", flush=True)
+  return res
+
+
+# ------------------------------------------------------------------------------------- main
+
+
+def _time_stages(t):
+  """Per-stage times (ms) of the diag-KDN pallas path at length t (fwd stages and bwd stages)."""
+  import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import common  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.delta_rule import kernel as dk  # pylint: disable=g-import-not-at-top
+  b, h, d = FLAGS.batch, FLAGS.heads, FLAGS.dim
+  x = _inputs(jax.random.PRNGKey(0), b, t, h, d, jnp.bfloat16)
+  cfg = dcfg.DEFAULT
+  chunk = min(64, cfg.max_chunk)
+  mu = jnp.full((h,), float(d))
+  p0 = jnp.ones((b, h, d), jnp.float32)
+  out = {}
+  gain = jax.jit(lambda k, la, om, r: pk.diag_gain(k, la, om, r, mu, p0)[0])
+  out["gain_fwd"] = _time_fn(gain, (x["k"], x["la"], x["om"], x["r"]), FLAGS.reps, FLAGS.warmup)
+  w = gain(x["k"], x["la"], x["om"], x["r"])
+  starts = jnp.broadcast_to((jnp.arange(t) % chunk == 0)[None, :], (b, t))
+  cums = jax.jit(lambda la: common.segmented_cumsum(la.astype(jnp.float32),
+                                                    starts[:, :, None, None], axis=1))
+  out["cumsum_glue"] = _time_fn(cums, (x["la"],), FLAGS.reps, FLAGS.warmup)
+  g = cums(x["la"])
+  kw = dict(chunk=chunk, scale=d ** -0.5, interpret=common.resolve_interpret(None), cfg=cfg)
+  intra = jax.jit(lambda q, k, w, g: dk.intra_forward(q, k, w, g, None, **kw))
+  out["delta_intra_fwd"] = _time_fn(intra, (x["q"], x["k"], w, g), FLAGS.reps, FLAGS.warmup)
+  amat, pmat, wt = intra(x["q"], x["k"], w, g)
+  h0 = jnp.zeros((b, h, d, d), jnp.float32)
+  recur = jax.jit(lambda q, k, v, g, a, p, wt: dk.recur_forward(
+      q, k, v, g, h0, None, a, p, wt, save_states=True, **kw))
+  args = (x["q"], x["k"], x["v"], g, amat, pmat, wt)
+  out["delta_recur_fwd"] = _time_fn(recur, args, FLAGS.reps, FLAGS.warmup)
+  o, _, states = recur(*args)
+  bwd = jax.jit(lambda do: dk.backward(x["q"], x["k"], x["v"], w, g, h0, None, None,
+                                       (amat, pmat, wt, states), do,
+                                       jnp.zeros((b, h, d, d), jnp.float32), **kw))
+  out["delta_bwd_total"] = _time_fn(bwd, (jnp.ones_like(o),), FLAGS.reps, FLAGS.warmup)
+  return out
+
+
+def _sweeps(results):
+  from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.kdn_gain import config as gcfg  # pylint: disable=g-import-not-at-top
+  best = None
+  for spec in FLAGS.sweep:
+    mc, wi, wr, bl = spec.split(":")
+    cfg = dcfg.set_default(max_chunk=int(mc), num_warps_intra=int(wi), num_warps_recur=int(wr),
+                           blocked=bl == "1")
+    try:
+      ms = _time_jax_row("diag_kdn_pallas", FLAGS.sweep_len, True)
+    except Exception as e:  # pylint: disable=broad-except
+      ms = None
+      logging.warning("sweep %s failed: %s", spec, e)
+    rec = {"sweep": spec, "T": FLAGS.sweep_len, "diag_kdn_fwd_bwd_ms": ms}
+    print(json.dumps(rec), flush=True)
+    results.setdefault("sweeps", []).append(rec)
+    if ms is not None and (best is None or ms < best[0]):
+      best = (ms, cfg)
+  if best is not None:
+    dcfg.DEFAULT = best[1]
+    results["delta_rule_config"] = repr(best[1])
+  gbest = None
+  for mc in FLAGS.gain_sweep:
+    cfg = gcfg.set_default(max_chunk=int(mc))
+    try:
+      ms = _time_jax_row("diag_gain_pallas", FLAGS.sweep_len, False)
+    except Exception as e:  # pylint: disable=broad-except
+      ms = None
+    rec = {"gain_sweep": mc, "T": FLAGS.sweep_len, "diag_gain_fwd_ms": ms}
+    print(json.dumps(rec), flush=True)
+    results.setdefault("sweeps", []).append(rec)
+    if ms is not None and (gbest is None or ms < gbest[0]):
+      gbest = (ms, cfg)
+  if gbest is not None:
+    gcfg.DEFAULT = gbest[1]
+    results["gain_config"] = repr(gbest[1])
+  print("configs:", results.get("delta_rule_config"), results.get("gain_config"), flush=True)
+
+
+
+def _write(results, out):
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "results.json"), "w") as fh:
+    json.dump(results, fh, indent=1)
+  lens = sorted({int(r["T"]) for r in results["rows"]})
+  lines = ["| row | mode | " + " | ".join(f"T={t}" for t in lens) + " |",
+           "|---|---|" + "---|" * len(lens)]
+  keys = sorted({(r["row"], r["mode"]) for r in results["rows"]})
+  for row, mode in keys:
+    cells = []
+    for t in lens:
+      m = [r for r in results["rows"] if r["row"] == row and r["mode"] == mode and r["T"] == t]
+      if not m:
+        cells.append("")
+      elif m[0].get("ms") is None:
+        cells.append("err: " + m[0].get("error", "")[:40].replace("|", "/"))
+      else:
+        cells.append(f"{m[0]['ms']:.2f}")
+    lines.append(f"| {row} | {mode} | " + " | ".join(cells) + " |")
+  table = "\n".join(lines)
+  hdr = (f"Mixer timings in ms (median of {FLAGS.reps}), batch {FLAGS.batch}, "
+         f"{FLAGS.heads} heads x {FLAGS.dim}, bf16, device: {results.get('device')}\n\n")
+  with open(os.path.join(out, "results.md"), "w") as fh:
+    fh.write(hdr + table + "\n")
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
+    for ax, mode in zip(axes, ("fwd", "fwd+bwd")):
+      for row, m in keys:
+        if m != mode:
+          continue
+        pts = sorted((r["T"], r["ms"]) for r in results["rows"]
+                     if r["row"] == row and r["mode"] == mode and r.get("ms") is not None)
+        if pts:
+          ax.plot(*zip(*pts), marker="o", label=row)
+      ax.set_xscale("log", base=2)
+      ax.set_yscale("log")
+      ax.set_xlabel("T")
+      ax.set_ylabel("ms")
+      ax.set_title(mode)
+      ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "results.png"), dpi=100)
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning("plot failed: %s", e)
+  return table
+
+
+def main(argv):
+  del argv
+  results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": []}
+  if FLAGS.check or FLAGS.check_only:
+    try:
+      results["check"] = run_check()
+    except Exception as e:  # pylint: disable=broad-except
+      traceback.print_exc()
+      results["check_error"] = repr(e)[:2000]
+    if FLAGS.check_only:
+      _write(results, FLAGS.out)
+      return
+  have_fla = _fla() is not None
+  start = time.time()
+  _sweeps(results)
+  if FLAGS.stages:
+    for t in (int(z) for z in FLAGS.seq_lens[:2]):
+      try:
+        rec = {"stages": _time_stages(t), "T": t}
+      except Exception as e:  # pylint: disable=broad-except
+        rec = {"stages_error": f"{type(e).__name__}: {e}"[:500], "T": t}
+      print(json.dumps(rec), flush=True)
+      results.setdefault("stage_times", []).append(rec)
+  for t in (int(s) for s in FLAGS.seq_lens):
+    for row in FLAGS.rows:
+      if row.startswith("fla") and not have_fla:
+        continue
+      if row.endswith("chunked") and t > FLAGS.chunked_max_len:
+        continue
+      for mode in ("fwd", "fwd+bwd"):
+        if time.time() - start > FLAGS.time_budget_s:
+          continue
+        rec = {"row": row, "mode": mode, "T": t}
+        try:
+          fb = mode == "fwd+bwd"
+          rec["ms"] = (_time_fla_row(row, t, fb) if row.startswith("fla")
+                       else _time_jax_row(row, t, fb))
+        except Exception as e:  # pylint: disable=broad-except
+          rec["ms"] = None
+          rec["error"] = f"{type(e).__name__}: {e}"[:300]
+          logging.warning("%s %s T=%d failed: %s", row, mode, t, traceback.format_exc()[-1500:])
+        print(json.dumps(rec), flush=True)
+        results["rows"].append(rec)
+    _write(results, FLAGS.out)
+  print(_write(results, FLAGS.out))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,93 @@
+"""grain pipelines: MapDataset -> shuffle -> repeat -> per-process shard -> batch -> prefetch."""
+from __future__ import annotations
+
+import functools
+import os
+
+import grain
+import numpy as np
+
+from experiments.data import synthetic, token_files
+
+
+def check_data_files(config):
+  """Raises FileNotFoundError before training if a configured data file is missing."""
+  d = config.data
+  if d.kind != 'token_file':
+    return
+  for key in ('train_path', 'eval_path'):
+    path = d[key]
+    if path and not os.path.exists(path):
+      raise FileNotFoundError(f'config.data.{key}: data file not found: {path!r}')
+
+
+def _example_fn(config, split: str):
+  d = config.data
+  train = split == 'train'
+  seq_len = d.seq_len if train or not d.eval_seq_len else d.eval_seq_len
+  seed = d.shuffle_seed * 1000 + (1 if train else 2)
+  if d.kind == 'mqar':
+    q = d.mqar
+    n = q.num_kv_pairs if train or not q.eval_num_kv_pairs else q.eval_num_kv_pairs
+    return functools.partial(synthetic.mqar_example, seed=seed, seq_len=seq_len, vocab_size=q.vocab_size,
+                             num_kv_pairs=n, power_a=q.power_a)
+  if d.kind == 'copying':
+    c = d.copying
+    n = c.copy_len if train or not c.eval_copy_len else c.eval_copy_len
+    return functools.partial(synthetic.copying_example, seed=seed, seq_len=seq_len,
+                             vocab_size=c.vocab_size, copy_len=n)
+  if d.kind == 'passkey':
+    return functools.partial(synthetic.passkey_example, seed=seed, seq_len=seq_len,
+                             vocab_size=d.passkey.vocab_size, digits=d.passkey.digits)
+  raise ValueError(d.kind)
+
+
+def _map_dataset(config, split: str) -> grain.MapDataset:
+  d = config.data
+  if d.kind == 'token_file':
+    path = d.train_path if split == 'train' else (d.eval_path or d.train_path)
+    seq_len = d.seq_len if split == 'train' or not d.eval_seq_len else d.eval_seq_len
+    return grain.MapDataset.source(token_files.WindowSource(token_files.load_tokens(path), seq_len))
+  n = d.num_train_examples if split == 'train' else d.num_eval_examples
+  return grain.MapDataset.range(n).map(_example_fn(config, split))
+
+
+def make_train_iterator(config, process_index: int = 0, process_count: int = 1):
+  """A checkpointable grain iterator of per-process numpy batches."""
+  d = config.data
+  local_batch = d.global_batch_size // process_count
+  if config.train.initial_state == 'tbtt':
+    if d.kind != 'token_file':
+      raise ValueError('config.train.initial_state="tbtt" needs data.kind="token_file" (long documents)')
+    src = token_files.TBTTSource(token_files.load_tokens(d.train_path), d.eos_id, d.seq_len,
+                                 d.global_batch_size, d.shuffle_seed, process_index, process_count)
+    epochs = -(-config.train.num_steps // len(src)) + 1
+    ds = grain.MapDataset.source(src).repeat(epochs)  # order matters: no shuffle
+  else:
+    ds = _map_dataset(config, 'train')
+    epochs = -(-config.train.num_steps * d.global_batch_size // len(ds)) + 1
+    ds = ds.shuffle(seed=d.shuffle_seed).repeat(epochs)
+    ds = ds[process_index::process_count]
+    ds = ds.batch(local_batch, drop_remainder=True)
+  it = ds.to_iter_dataset(grain.ReadOptions(num_threads=d.read_threads, prefetch_buffer_size=max(
+      2 * d.read_threads, 1)))
+  if d.prefetch:
+    it = grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=d.prefetch)
+  return iter(it)
+
+
+def make_eval_batches(config, process_index: int = 0, process_count: int = 1) -> list[dict]:
+  """Fixed evaluation batches (per process), the same for every evaluation."""
+  d = config.data
+  ds = _map_dataset(config, 'eval')
+  n = min(len(ds), d.num_eval_examples)
+  local = d.eval_batch_size // process_count
+  num_batches = min(config.train.eval_batches, n // d.eval_batch_size) if config.train.eval_batches else (
+      n // d.eval_batch_size)
+  num_batches = max(num_batches, 1)
+  out = []
+  for b in range(num_batches):
+    idx = [b * d.eval_batch_size + process_index * local + i for i in range(local)]
+    ex = [ds[i % len(ds)] for i in idx]
+    out.append({k: np.stack([e[k] for e in ex]) for k in ex[0]})
+  return out

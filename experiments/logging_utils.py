@@ -1,0 +1,97 @@
+"""Progress lines, JSONL + TensorBoard metrics, the end-of-run summary JSON and a PNG loss curve."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+
+def fmt_time(seconds: float) -> str:
+  seconds = int(max(seconds, 0))
+  h, rem = divmod(seconds, 3600)
+  m, s = divmod(rem, 60)
+  return f'{h}h{m:02d}m{s:02d}s' if h else (f'{m}m{s:02d}s' if m else f'{s}s')
+
+
+class MetricWriter:
+  """Writes metrics.jsonl and TensorBoard events under ``workdir`` (process 0 only)."""
+
+  def __init__(self, workdir: str, tensorboard: bool = True, active: bool = True):
+    self.workdir, self.active = workdir, active
+    self.tb = None
+    if not active:
+      return
+    os.makedirs(workdir, exist_ok=True)
+    self.jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a', encoding='utf-8')
+    if tensorboard:
+      try:
+        from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+        self.tb = SummaryWriter(os.path.join(workdir, 'tb'))
+      except ImportError:
+        logging.warning('tensorboardX not installed: no TensorBoard event files')
+
+  def write(self, step: int, split: str, metrics: dict):
+    if not self.active:
+      return
+    rec = {'step': int(step), 'split': split, 'time': time.time(),
+           **{k: float(v) for k, v in metrics.items()}}
+    self.jsonl.write(json.dumps(rec) + '\n')
+    self.jsonl.flush()
+    if self.tb is not None:
+      for k, v in metrics.items():
+        self.tb.add_scalar(f'{split}/{k}', float(v), int(step))
+
+  def close(self):
+    if not self.active:
+      return
+    self.jsonl.close()
+    if self.tb is not None:
+      self.tb.close()
+
+
+def read_metrics(workdir: str, split: str | None = None) -> list[dict]:
+  path = os.path.join(workdir, 'metrics.jsonl')
+  if not os.path.exists(path):
+    return []
+  with open(path, encoding='utf-8') as f:
+    recs = [json.loads(line) for line in f if line.strip()]
+  return [r for r in recs if split is None or r['split'] == split]
+
+
+def progress_line(step, total, metrics, tokens_per_s, eta_s) -> str:
+  extra = ' | '.join(f'{k} {v:.4g}' for k, v in metrics.items() if k in ('accuracy', 'grad_norm', 'lr'))
+  return (f'step {step}/{total} | loss {metrics["loss"]:.4f} | {extra} | '
+          f'{tokens_per_s / 1e3:.1f}k tok/s | ETA {fmt_time(eta_s)}')
+
+
+def write_summary(workdir: str, summary: dict):
+  with open(os.path.join(workdir, 'summary.json'), 'w', encoding='utf-8') as f:
+    json.dump(summary, f, indent=2, sort_keys=True)
+
+
+def plot_loss(workdir: str) -> str | None:
+  """Plots train (and eval) loss from metrics.jsonl to loss.png; the last run segment wins per step."""
+  train = {r['step']: r['loss'] for r in read_metrics(workdir, 'train')}
+  evals = {r['step']: r['loss'] for r in read_metrics(workdir, 'eval')}
+  if not train:
+    return None
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(6, 4))
+  steps = sorted(train)
+  ax.plot(steps, [train[s] for s in steps], label='train')
+  if evals:
+    es = sorted(evals)
+    ax.plot(es, [evals[s] for s in es], 'o-', label='eval')
+  ax.set_xlabel('step')
+  ax.set_ylabel('loss')
+  ax.set_yscale('log')
+  ax.legend()
+  ax.grid(alpha=0.3)
+  path = os.path.join(workdir, 'loss.png')
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path

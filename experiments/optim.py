@@ -1,0 +1,42 @@
+"""AdamW with linear warmup + cosine decay, global-norm clipping and a path-based weight-decay mask."""
+from __future__ import annotations
+
+import jax
+import optax
+
+
+def schedule(config) -> optax.Schedule:
+  o = config.optim
+  total = max(int(config.train.num_steps), 1)
+  warmup = min(int(o.warmup_steps), total)
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0 if warmup else o.learning_rate, peak_value=o.learning_rate, warmup_steps=warmup,
+      decay_steps=max(total, warmup + 1), end_value=o.learning_rate * o.min_lr_ratio)
+
+
+def path_str(path) -> str:
+  parts = []
+  for k in path:
+    for attr in ('key', 'name', 'idx'):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  return '/'.join(parts)
+
+
+def decay_mask(params, patterns: str):
+  """True where weight decay applies: parameters whose path contains none of ``patterns``."""
+  pats = [p.strip() for p in patterns.split(',') if p.strip()]
+  return jax.tree_util.tree_map_with_path(lambda path, _: not any(p in path_str(path) for p in pats), params)
+
+
+def make_optimizer(config, params) -> optax.GradientTransformation:
+  o = config.optim
+  parts = []
+  if o.clip_norm > 0:
+    parts.append(optax.clip_by_global_norm(o.clip_norm))
+  parts.append(optax.adamw(schedule(config), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+                           mask=decay_mask(params, o.no_decay)))
+  return optax.chain(*parts)

@@ -1,0 +1,362 @@
+"""The training loop behind ``experiments/train.py``.
+
+``Trainer(config, workdir).run()`` builds the mesh, model, optimizer and data, restores the latest checkpoint
+in ``workdir/checkpoints`` if there is one, trains, evaluates from the model's normal initial state, and
+writes metrics, a summary and a loss curve.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import signal
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from experiments import checkpoint as ckpt_lib
+from experiments import config_lib
+from experiments import initial_states as init_lib
+from experiments import logging_utils
+from experiments import optim
+from experiments import sharding
+from experiments.data import pipeline
+
+
+class NonFiniteLossError(FloatingPointError):
+  pass
+
+
+def _is_var(x):
+  return isinstance(x, nnx.Variable)
+
+
+def _pure_from_state(state, fn):
+  """Nested plain dict (like nnx.to_pure_dict) of ``fn(variable)`` for an nnx.State of Variables."""
+  out = {}
+  for path, var in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_var)[0]:
+    node = out
+    keys = [getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k))) for k in path]
+    for k in keys[:-1]:
+      node = node.setdefault(k, {})
+    node[keys[-1]] = fn(var)
+  return out
+
+
+def cross_entropy(logits, targets, mask, z_loss=0.0):
+  logits = logits.astype(jnp.float32)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  nll = lse - tgt
+  if z_loss:
+    nll = nll + z_loss * lse ** 2
+  correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
+  return jnp.sum(nll * mask), jnp.sum(correct * mask), jnp.sum(mask)
+
+
+class Trainer:
+
+  def __init__(self, config, workdir: str, devices=None):
+    sharding.maybe_initialize_distributed(config)
+    self.devices = list(jax.devices() if devices is None else devices)
+    self.process_index, self.process_count = jax.process_index(), jax.process_count()
+    config_lib.validate(config, len(self.devices), self.process_count)
+    pipeline.check_data_files(config)
+    self.config, self.workdir = config, workdir
+    self.is_main = self.process_index == 0
+    os.makedirs(workdir, exist_ok=True)
+    self.mesh = sharding.make_mesh(config, self.devices)
+    self.strategy = config.train.initial_state
+    self._stop_requested = False
+    self._build_model()
+    self._build_state()
+    self._build_steps()
+    self.data_iter = pipeline.make_train_iterator(config, self.process_index, self.process_count)
+    self.eval_batches = pipeline.make_eval_batches(config, self.process_index, self.process_count)
+    self.checkpointer = None
+    if config.checkpoint.enabled:
+      self.checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), config.checkpoint.keep,
+                                                config.checkpoint.async_save)
+    self.last_metrics = {}
+
+  # ---------------------------------------------------------------- model
+  def _build_model(self):
+    cfg = self.config
+    cls = config_lib.import_object(cfg.model_factory)
+    model_cfg, seed = cfg.model, cfg.seed
+    self._model_cls = cls
+
+    def make():
+      with nnx.use_eager_sharding(False):
+        return cls(model_cfg, rngs=nnx.Rngs(seed))
+
+    abs_model = nnx.eval_shape(make)
+    self.graphdef, self.abs_params, self.abs_rest = nnx.split(abs_model, nnx.Param, ...)
+    rules = dict(cfg.mesh.rules)
+    self.param_shardings = _pure_from_state(
+        self.abs_params, lambda v: jax.sharding.NamedSharding(
+            self.mesh, sharding.spec_for(v.get_value().shape, sharding.logical_names(v), rules, self.mesh)))
+    rest_sh = jax.tree.map(lambda _: sharding.replicated(self.mesh), nnx.to_pure_dict(self.abs_rest))
+
+    def init():
+      m = make()
+      _, p, r = nnx.split(m, nnx.Param, ...)
+      return nnx.to_pure_dict(p), nnx.to_pure_dict(r)
+
+    self._init_fn = jax.jit(init, out_shardings=(self.param_shardings, rest_sh))
+    self.num_params = sum(int(np.prod(v.get_value().shape)) for v in
+                          jax.tree.leaves(self.abs_params, is_leaf=_is_var))
+
+  def merge(self, params, rest=None):
+    """An nnx model from pure-dict params (usable inside jit)."""
+    p = jax.tree.map(lambda x: x, self.abs_params)
+    nnx.replace_by_pure_dict(p, params)
+    r = jax.tree.map(lambda x: x, self.abs_rest)
+    if rest:
+      nnx.replace_by_pure_dict(r, rest)
+    return nnx.merge(self.graphdef, p, r)
+
+  # ---------------------------------------------------------------- state
+  def _build_state(self):
+    cfg = self.config
+    params, self.rest = self._init_fn()
+    self.tx = optim.make_optimizer(cfg, params)
+    abs_opt = jax.eval_shape(self.tx.init, params)
+    rep = sharding.replicated(self.mesh)
+    opt_sh = optax.tree_map_params(self.tx, lambda _, s: s, abs_opt, self.param_shardings,
+                                   transform_non_params=lambda _: rep)
+    opt_state = jax.jit(self.tx.init, out_shardings=opt_sh)(params)
+    batch = cfg.data.global_batch_size
+
+    abs_default = jax.eval_shape(lambda p: self.merge(p, self.rest).init_states(batch), params)
+    carry, carry_sh = None, None
+    if self.strategy in init_lib.CARRY_STRATEGIES:
+      carry_sh = sharding.leading_batch_shardings(abs_default, self.mesh)
+      carry = jax.jit(lambda p: self.merge(p, self.rest).init_states(batch), out_shardings=carry_sh)(params)
+    fstats = None
+    if self.strategy == 'fitted_noise':
+      fstats = jax.device_put(init_lib.init_fitted_stats(abs_default), rep)
+    self.state = {'params': params, 'opt_state': opt_state,
+                  'step': jax.device_put(jnp.zeros((), jnp.int32), rep),
+                  'rng': jax.device_put(jax.random.PRNGKey(cfg.seed), rep),
+                  'carry': carry, 'carry_valid': jax.device_put(jnp.zeros((), bool), rep),
+                  'fstats': fstats}
+    self.state_shardings = {
+        'params': self.param_shardings, 'opt_state': opt_sh, 'step': rep, 'rng': rep, 'carry': carry_sh,
+        'carry_valid': rep, 'fstats': None if fstats is None else jax.tree.map(lambda _: rep, fstats)}
+
+  def abstract_state(self):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state,
+                        self.state_shardings)
+
+  # ---------------------------------------------------------------- steps
+  def _loss_fn(self, params, rest, batch, state, key):
+    cfg = self.config
+    model = self.merge(params, rest)
+    b = batch['inputs'].shape[0]
+    reset = None
+    if self.strategy == 'zero':
+      init = None
+    else:
+      default = model.init_states(b)
+      tbtt_reset = batch.get('reset')
+      first = jnp.logical_not(state['carry_valid'])
+      if self.strategy in init_lib.CARRY_STRATEGIES:
+        tbtt_reset = first | (tbtt_reset if tbtt_reset is not None else jnp.zeros((b,), bool))
+      init, reset = init_lib.initial_states(
+          self.strategy, default, key=key, carry=state['carry'], reset=tbtt_reset, stats=state['fstats'],
+          sigma=cfg.train.noise_std, reset_prob=cfg.train.state_reset_prob)
+    logits, final = model(batch['inputs'], states=init)
+    nll, correct, count = cross_entropy(logits, batch['targets'], batch['mask'], cfg.train.z_loss)
+    denom = jnp.maximum(count, 1.0)
+    aux = {'final': jax.lax.stop_gradient(final), 'reset': reset,
+           'accuracy': correct / denom, 'tokens': count}
+    return nll / denom, aux
+
+  def _train_step(self, state, rest, batch):
+    cfg = self.config
+    key = jax.random.fold_in(state['rng'], state['step'])
+    (loss, aux), grads = jax.value_and_grad(self._loss_fn, has_aux=True)(
+        state['params'], rest, batch, state, key)
+    updates, opt_state = self.tx.update(grads, state['opt_state'], state['params'])
+    params = optax.apply_updates(state['params'], updates)
+    gnorm = optax.tree.norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+    new = dict(state, params=params, opt_state=opt_state, step=state['step'] + 1)
+    if self.strategy in init_lib.CARRY_STRATEGIES:
+      new['carry'] = jax.tree.map(lambda f, c: f.astype(c.dtype), aux['final'], state['carry'])
+      new['carry_valid'] = jnp.ones((), bool)
+    if self.strategy == 'fitted_noise':
+      new['fstats'] = init_lib.update_fitted_stats(state['fstats'], aux['final'],
+                                                   cfg.train.fitted_noise_beta)
+    if cfg.train.nan_policy == 'skip':
+      keep_step = new['step']
+      new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
+      new['step'] = keep_step
+    metrics = {'loss': loss, 'accuracy': aux['accuracy'], 'grad_norm': gnorm,
+               'lr': optim.schedule(cfg)(state['step']), 'finite': ok.astype(jnp.float32)}
+    if aux['reset'] is not None:
+      metrics['reset_frac'] = jnp.mean(aux['reset'].astype(jnp.float32))
+    return new, metrics, aux['reset']
+
+  def _eval_step(self, params, rest, batch):
+    model = self.merge(params, rest)
+    logits, _ = model(batch['inputs'])  # always the model's normal initial state
+    return cross_entropy(logits, batch['targets'], batch['mask'])
+
+  def _build_steps(self):
+    rep = sharding.replicated(self.mesh)
+    rest_sh = jax.tree.map(lambda _: rep, self.rest)
+    self._train_step_jit = jax.jit(
+        self._train_step, in_shardings=(self.state_shardings, rest_sh, None),
+        out_shardings=(self.state_shardings, rep, None), donate_argnums=(0,))
+    self._eval_step_jit = jax.jit(self._eval_step, in_shardings=(self.param_shardings, rest_sh, None),
+                                  out_shardings=rep)
+
+  def train_step(self, local_batch: dict):
+    """One step on a per-process numpy batch; returns host metrics."""
+    batch = sharding.global_batch(local_batch, self.mesh)
+    with _null():
+      self.state, metrics, reset = self._train_step_jit(self.state, self.rest, batch)
+    self.last_reset = reset
+    return metrics
+
+  def evaluate(self) -> dict:
+    tot = np.zeros(3)
+    for b in self.eval_batches:
+      batch = sharding.global_batch(b, self.mesh)
+      tot += np.array([float(x) for x in self._eval_step_jit(self.state['params'], self.rest, batch)])
+    n = max(tot[2], 1.0)
+    return {'loss': tot[0] / n, 'accuracy': tot[1] / n, 'perplexity': float(np.exp(min(tot[0] / n, 50)))}
+
+  # ---------------------------------------------------------------- checkpoints
+  def step(self) -> int:
+    return int(self.state['step'])
+
+  def save(self, force=False):
+    if self.checkpointer is None:
+      return
+    step = self.step()
+    if self.checkpointer.latest_step() == step:
+      return
+    self.checkpointer.save(step, self.state, self.data_iter,
+                           {'step': step, 'metrics': {k: float(v) for k, v in self.last_metrics.items()}},
+                           force=force)
+
+  def maybe_restore(self) -> bool:
+    if self.checkpointer is None:
+      return False
+    step = self.checkpointer.latest_step()
+    if step is None:
+      return False
+    self.state, _ = self.checkpointer.restore(step, self.abstract_state(), self.data_iter)
+    logging.info('restored checkpoint at step %d', step)
+    if self.is_main:
+      print(f'Resumed from checkpoint at step {step}', flush=True)
+    return True
+
+  # ---------------------------------------------------------------- loop
+  def _on_sigterm(self, signum, frame):  # pylint: disable=unused-argument
+    logging.warning('SIGTERM received: saving a checkpoint and exiting')
+    self._stop_requested = True
+
+  def run(self, stop_at: int | None = None) -> dict:
+    """Trains to ``train.num_steps`` (or stops early at ``stop_at`` like a preemption, saving first)."""
+    cfg = self.config
+    writer = logging_utils.MetricWriter(self.workdir, cfg.logging.tensorboard, self.is_main)
+    old_handler = None
+    if threading.current_thread() is threading.main_thread():
+      old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+    self.maybe_restore()
+    total = cfg.train.num_steps
+    tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
+    start_step = self.step()
+    status, t0 = 'completed', time.time()
+    t_log, step_log = t0, start_step
+    eval_metrics = {}
+    if self.is_main:
+      print(f'Training {cfg.model.get("mixer")} model ({self.num_params / 1e6:.2f}M params) on '
+            f'{cfg.data.kind}, mesh {dict(self.mesh.shape)}, initial_state={self.strategy}, '
+            f'steps {start_step}->{total}', flush=True)
+    try:
+      step = start_step
+      while step < total:
+        if self._stop_requested or (stop_at is not None and step >= stop_at):
+          status = 'preempted'
+          break
+        local = next(self.data_iter)
+        metrics = self.train_step(local)
+        step += 1
+        need_host = (cfg.train.nan_policy == 'halt') or step % cfg.train.log_every == 0 or step == total
+        if need_host:
+          host = {k: float(v) for k, v in metrics.items()}
+          if not host['finite'] and cfg.train.nan_policy == 'halt':
+            last = self.checkpointer.latest_step() if self.checkpointer else None
+            raise NonFiniteLossError(
+                f'non-finite loss/gradients at step {step} (loss={host["loss"]}); halting without saving. '
+                f'Last good checkpoint: step {last} in {self.workdir}/checkpoints. '
+                'Set --config.train.nan_policy=skip to skip such steps instead.')
+          self.last_metrics = host
+        if step % cfg.train.log_every == 0 or step == total:
+          now = time.time()
+          tps = (step - step_log) * tokens_per_step / max(now - t_log, 1e-9)
+          eta = (total - step) * (now - t_log) / max(step - step_log, 1)
+          t_log, step_log = now, step
+          writer.write(step, 'train', {**self.last_metrics, 'tokens_per_s': tps})
+          if self.is_main:
+            print(logging_utils.progress_line(step, total, self.last_metrics, tps, eta), flush=True)
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < total:
+          eval_metrics = self.evaluate()
+          writer.write(step, 'eval', eval_metrics)
+          if self.is_main:
+            print(f'eval @ {step}: loss {eval_metrics["loss"]:.4f} accuracy {eval_metrics["accuracy"]:.4f}',
+                  flush=True)
+        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < total:
+          self.save()
+      if status == 'completed':
+        eval_metrics = self.evaluate()
+        writer.write(self.step(), 'eval', eval_metrics)
+        if self.is_main:
+          print(f'final eval @ {self.step()}: loss {eval_metrics["loss"]:.4f} '
+                f'val accuracy {eval_metrics["accuracy"]:.4f}', flush=True)
+      self.save(force=True)
+      if status == 'preempted' and self.is_main:
+        print(f'Stopped at step {self.step()} (checkpoint saved); rerun the same command to resume.',
+              flush=True)
+    finally:
+      if self.checkpointer is not None:
+        self.checkpointer.wait()
+      writer.close()
+      if old_handler is not None:
+        signal.signal(signal.SIGTERM, old_handler)
+    elapsed = time.time() - t0
+    summary = {'status': status, 'step': self.step(), 'num_steps': total, 'wall_time_s': elapsed,
+               'steps_this_run': self.step() - start_step,
+               'tokens_per_s': (self.step() - start_step) * tokens_per_step / max(elapsed, 1e-9),
+               'num_params': self.num_params, 'train': self.last_metrics,
+               'eval': eval_metrics, 'initial_state': self.strategy, 'mesh': dict(self.mesh.shape)}
+    if self.is_main:
+      logging_utils.write_summary(self.workdir, summary)
+      if cfg.logging.plot:
+        logging_utils.plot_loss(self.workdir)
+    return summary
+
+  def close(self):
+    if self.checkpointer is not None:
+      self.checkpointer.close()
+    close = getattr(self.data_iter, 'close', None)
+    if close:
+      close()
+
+
+class _null:
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *a):
+    return False

@@ -1,0 +1,55 @@
+"""KDA-style data-dependent decay: log_alpha = -exp(A_log) * softplus(f(x) + dt_bias).
+
+``per_channel=True``: f is low rank d -> rank -> H*K and dt_bias is [H, K] (KDA / KDN / GDN-2 / GLA).
+``per_channel=False``: f is d -> H and dt_bias is [H] (Gated DeltaNet, Mamba-2 style).
+A_log ~ log U(a_min, a_max); dt ~ logU(dt_min, dt_max), dt_bias = softplus^{-1}(dt).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kdn_jax.layers.dense import Dense, LowRank, make_param
+
+
+def _a_log_init(a_min, a_max):
+    def init(key, shape, dtype):
+        a = jax.random.uniform(key, shape, jnp.float32, a_min, a_max)
+        return jnp.log(a).astype(dtype)
+    return init
+
+
+def _dt_bias_init(dt_min, dt_max, dt_floor=1e-4):
+    def init(key, shape, dtype):
+        u = jax.random.uniform(key, shape, jnp.float32)
+        dt = jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        dt = jnp.maximum(dt, dt_floor)
+        return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)  # inverse softplus
+    return init
+
+
+class Decay(nnx.Module):
+    def __init__(self, d_model: int, num_heads: int, head_dim: int, *, per_channel: bool = True, rank: int | None = None,
+                 a_range=(1.0, 16.0), dt_range=(1e-3, 1e-1), dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        self.per_channel = per_channel
+        H, K = num_heads, head_dim
+        if per_channel:
+            self.f = LowRank(d_model, rank or head_dim, (H, K), ('heads', 'kv'), dtype=dtype,
+                             param_dtype=param_dtype, rngs=rngs)
+            self.dt_bias = make_param(rngs, _dt_bias_init(*dt_range), (H, K), param_dtype, ('heads', 'kv'))
+        else:
+            self.f = Dense(d_model, H, ('embed', 'heads'), dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            self.dt_bias = make_param(rngs, _dt_bias_init(*dt_range), (H,), param_dtype, ('heads',))
+        self.A_log = make_param(rngs, _a_log_init(*a_range), (H,), param_dtype, ('heads',))
+
+    def __call__(self, x):
+        """x [..., d] -> log_alpha float32 [..., H, K] (per channel) or [..., H]."""
+        f = self.f(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
+        A = jnp.exp(self.A_log[...].astype(jnp.float32))
+        if self.per_channel:
+            A = A[:, None]
+        return -A * jax.nn.softplus(f)

@@ -1,0 +1,136 @@
+"""Shared scaffolding of the recurrent (delta-rule family) mixers.
+
+x -> q, k, v projections [B,T,H,K|V] -> causal depthwise short conv + SiLU (own decode cache each)
+-> L2-normalised q, k -> recurrence (subclass) -> sigmoid-gated RMSNorm (low-rank gate) -> o_proj.
+
+State contract (a dict pytree, all float32):
+  'memory'   [B, H, K, V]
+  'variance' [B, H, K] (diag KDN) or [B, H] (iso KDN)   -- KDN only
+  'conv'     {'q': [B, W-1, H, K], 'k': [B, W-1, H, K], 'v': [B, W-1, H, V]}
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kdn_jax.layers.dense import Dense, LowRank
+from kdn_jax.layers.gated_norm import GatedRMSNorm
+from kdn_jax.layers.short_conv import ShortConv
+
+
+def get_dtype(name) -> jnp.dtype:
+    if not isinstance(name, str):
+        return jnp.dtype(name)
+    table = {'float32': jnp.float32, 'fp32': jnp.float32, 'bfloat16': jnp.bfloat16, 'bf16': jnp.bfloat16,
+             'float16': jnp.float16}
+    if name not in table:
+        raise ValueError(f'unknown dtype {name!r}; expected one of {sorted(table)}')
+    return jnp.dtype(table[name])
+
+
+def l2_normalize(x, eps=1e-6):
+    xf = x.astype(jnp.float32)
+    return xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
+
+
+def lowrank_dim(cfg) -> int:
+    r = int(cfg.get('lowrank_dim', 0) or 0)
+    return r if r > 0 else int(cfg.head_dim)
+
+
+class RecurrentMixer(nnx.Module):
+    """Base class. Subclasses implement _init_gates, _gates, _core, _core_step, _init_core."""
+
+    has_variance = False
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        d, H, K = int(cfg.d_model), int(cfg.num_heads), int(cfg.head_dim)
+        V = K
+        self.d_model, self.num_heads, self.key_dim, self.value_dim = d, H, K, V
+        self.dtype = get_dtype(cfg.dtype)
+        self.param_dtype = get_dtype(cfg.param_dtype)
+        self.chunk_size = int(cfg.chunk_size)
+        self.impl = str(cfg.impl)
+        self.rank = lowrank_dim(cfg)
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype, rngs=rngs)
+        self.q_proj = Dense(d, (H, K), ('embed', 'heads', 'kv'), **kw)
+        self.k_proj = Dense(d, (H, K), ('embed', 'heads', 'kv'), **kw)
+        self.v_proj = Dense(d, (H, V), ('embed', 'heads', 'kv'), **kw)
+        W = int(cfg.conv_size)
+        self.q_conv = ShortConv((H, K), W, **kw)
+        self.k_conv = ShortConv((H, K), W, **kw)
+        self.v_conv = ShortConv((H, V), W, **kw)
+        self._init_gates(cfg, rngs)
+        self.g_proj = LowRank(d, self.rank, (H, V), ('heads', 'kv'), use_bias=True, **kw)
+        self.o_norm = GatedRMSNorm(V, eps=float(cfg.norm_eps), dtype=self.dtype, param_dtype=self.param_dtype)
+        self.o_proj = Dense((H, V), d, ('heads', 'kv', 'embed'), **kw)
+
+    # ---- subclass hooks -------------------------------------------------------------------------
+    def _init_gates(self, cfg, rngs):
+        pass
+
+    def _gates(self, x) -> dict:
+        """x [..., d] -> dict of per-token recurrence inputs (float32)."""
+        return {}
+
+    def _init_core(self, batch: int) -> dict:
+        return {'memory': jnp.zeros((batch, self.num_heads, self.key_dim, self.value_dim), jnp.float32)}
+
+    def _core(self, q, k, v, gates, state, segment_ids):
+        raise NotImplementedError
+
+    def _core_step(self, q, k, v, gates, state):
+        raise NotImplementedError
+
+    # ---- shared ---------------------------------------------------------------------------------
+    def init_state(self, batch: int) -> dict:
+        st = self._init_core(batch)
+        st['conv'] = {'q': self.q_conv.init_cache(batch), 'k': self.k_conv.init_cache(batch),
+                      'v': self.v_conv.init_cache(batch)}
+        return st
+
+    def init_cache(self, batch: int, max_len: int | None = None) -> dict:
+        """Decode cache; for recurrent mixers it is the state."""
+        del max_len
+        return self.init_state(batch)
+
+    def prefill(self, x, cache):
+        """Decode-path prefill: the chunked forward from ``cache`` -> (y, new_cache)."""
+        return self(x, initial_state=cache)
+
+    def _out(self, o, x):
+        return self.o_proj(self.o_norm(o, self.g_proj(x)))
+
+    def __call__(self, x, *, initial_state=None, segment_ids=None):
+        """x [B, T, d] -> (y [B, T, d], final_state)."""
+        B = x.shape[0]
+        if initial_state is None:
+            initial_state = self.init_state(B)
+        conv = initial_state['conv']
+        q, cq = self.q_conv(self.q_proj(x), conv['q'], segment_ids)
+        k, ck = self.k_conv(self.k_proj(x), conv['k'], segment_ids)
+        v, cv = self.v_conv(self.v_proj(x), conv['v'], segment_ids)
+        q = l2_normalize(q).astype(self.dtype)
+        k = l2_normalize(k).astype(self.dtype)
+        gates = self._gates(x)
+        core_in = {kk: vv for kk, vv in initial_state.items() if kk != 'conv'}
+        o, core = self._core(q, k, v, gates, core_in, segment_ids)
+        y = self._out(o.astype(self.dtype), x)
+        core['conv'] = {'q': cq, 'k': ck, 'v': cv}
+        return y, core
+
+    def step(self, x_t, state):
+        """x_t [B, d] -> (y_t [B, d], new_state)."""
+        conv = state['conv']
+        q, cq = self.q_conv.step(self.q_proj(x_t), conv['q'])
+        k, ck = self.k_conv.step(self.k_proj(x_t), conv['k'])
+        v, cv = self.v_conv.step(self.v_proj(x_t), conv['v'])
+        q = l2_normalize(q).astype(self.dtype)
+        k = l2_normalize(k).astype(self.dtype)
+        gates = self._gates(x_t)
+        core_in = {kk: vv for kk, vv in state.items() if kk != 'conv'}
+        o, core = self._core_step(q, k, v, gates, core_in)
+        y = self._out(o.astype(self.dtype), x_t)
+        core['conv'] = {'q': cq, 'k': ck, 'v': cv}
+        return y, core

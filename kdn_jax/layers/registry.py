@@ -1,0 +1,32 @@
+"""Mixer registry: name -> class. Every class is built as ``cls(cfg, *, rngs)`` and implements
+``__call__(x, *, initial_state=None, segment_ids=None) -> (y, final_state)``, ``step(x_t, state)``,
+``init_state(batch)``, ``init_cache(batch, max_len)`` and ``prefill(x, cache)``."""
+from __future__ import annotations
+
+from kdn_jax.layers.attention import FullAttention, SlidingWindowAttention
+from kdn_jax.layers.delta_mixers import GDN2, GLA, KDA, DeltaNet, GatedDeltaNet
+from kdn_jax.layers.kdn_mixer import KDNDiag, KDNIso
+
+MIXERS = {
+    'kdn_diag': KDNDiag,
+    'kdn_iso': KDNIso,
+    'kda': KDA,
+    'gated_deltanet': GatedDeltaNet,
+    'deltanet': DeltaNet,
+    'gdn2': GDN2,
+    'gla': GLA,
+    'attention': FullAttention,
+    'swa': SlidingWindowAttention,
+}
+
+ATTENTION_MIXERS = ('attention', 'swa')
+
+
+def is_recurrent(name: str) -> bool:
+    return name not in ATTENTION_MIXERS
+
+
+def make_mixer(name: str, cfg, *, rngs):
+    if name not in MIXERS:
+        raise ValueError(f'mixer: unknown mixer {name!r}; expected one of {sorted(MIXERS)}')
+    return MIXERS[name](cfg, rngs=rngs)

@@ -1,0 +1,119 @@
+"""Language model: token embedding -> pre-norm blocks (mixer + SwiGLU) -> RMSNorm -> tied/untied head.
+
+``LanguageModel(cfg, *, rngs)``
+  __call__(tokens [B,T] int32, *, states=None, segment_ids=None) -> (logits f32 [B,T,vocab], new_states)
+      states: list with one entry per layer (recurrent: state dict, attention: None); None = normal start.
+  init_states(batch)           default ("normal start") states; KDN variance = learned c0 per head.
+  init_cache(batch, max_len)   decode caches (recurrent: state dict, attention: KV cache).
+  prefill(tokens, cache)       -> (logits, cache)      chunked path, continues from the cache.
+  decode_step(token [B], cache) -> (logits [B,vocab], cache)
+The residual stream is kept in float32; mixers/MLP compute in cfg.dtype.
+"""
+from __future__ import annotations
+
+import jax
+import ml_collections
+import jax.numpy as jnp
+from flax import nnx
+
+from kdn_jax.layers.dense import Dense, make_param, normal_init
+from kdn_jax.layers.gated_norm import RMSNorm
+from kdn_jax.layers.mlp import SwiGLU
+from kdn_jax.layers.recurrent import get_dtype
+from kdn_jax.layers.registry import make_mixer
+from kdn_jax.models.config import layer_mixers, validate_config
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg, mixer_name: str, *, rngs: nnx.Rngs):
+        d = int(cfg.d_model)
+        dtype, pdt = get_dtype(cfg.dtype), get_dtype(cfg.param_dtype)
+        self.mixer_name = mixer_name
+        self.norm1 = RMSNorm(d, eps=float(cfg.norm_eps), dtype=dtype, param_dtype=pdt)
+        self.mixer = make_mixer(mixer_name, cfg, rngs=rngs)
+        self.norm2 = RMSNorm(d, eps=float(cfg.norm_eps), dtype=dtype, param_dtype=pdt)
+        self.mlp = SwiGLU(d, int(cfg.mlp_hidden), dtype=dtype, param_dtype=pdt, rngs=rngs)
+
+    def __call__(self, x, state=None, segment_ids=None):
+        y, st = self.mixer(self.norm1(x), initial_state=state, segment_ids=segment_ids)
+        x = x + y.astype(jnp.float32)
+        x = x + self.mlp(self.norm2(x)).astype(jnp.float32)
+        return x, st
+
+    def prefill(self, x, cache):
+        y, cache = self.mixer.prefill(self.norm1(x), cache)
+        x = x + y.astype(jnp.float32)
+        return x + self.mlp(self.norm2(x)).astype(jnp.float32), cache
+
+    def step(self, x_t, cache):
+        y, cache = self.mixer.step(self.norm1(x_t), cache)
+        x_t = x_t + y.astype(jnp.float32)
+        return x_t + self.mlp(self.norm2(x_t)).astype(jnp.float32), cache
+
+
+class LanguageModel(nnx.Module):
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        validate_config(cfg)
+        self.cfg = ml_collections.FrozenConfigDict(cfg)  # hashable, so the graphdef can be a static jit arg
+        d, vocab = int(cfg.d_model), int(cfg.vocab_size)
+        self.dtype, pdt = get_dtype(cfg.dtype), get_dtype(cfg.param_dtype)
+        self.layer_names = tuple(layer_mixers(cfg))
+        self.embed = make_param(rngs, normal_init(1.0), (vocab, d), pdt, ('vocab', 'embed'))
+        self.blocks = nnx.List([Block(cfg, name, rngs=rngs) for name in self.layer_names])
+        self.final_norm = RMSNorm(d, eps=float(cfg.norm_eps), dtype=self.dtype, param_dtype=pdt)
+        self.tie_embeddings = bool(cfg.tie_embeddings)
+        if self.tie_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Dense(d, vocab, ('embed', 'vocab'), dtype=self.dtype, param_dtype=pdt, rngs=rngs)
+        self.remat = bool(cfg.get('remat', False))
+
+    # ---------------------------------------------------------------------------------------------
+    def _embed(self, tokens):
+        return jnp.take(self.embed[...], tokens, axis=0).astype(jnp.float32)
+
+    def _logits(self, x):
+        h = self.final_norm(x)
+        if self.tie_embeddings:
+            # embeddings ~ N(0, 1); scale the tied read-out by d^-1/2 so initial logits are O(1)
+            w = self.embed[...].astype(self.dtype)
+            logits = jnp.einsum('...d,vd->...v', h, w, preferred_element_type=jnp.float32)
+            return logits * (int(self.cfg.d_model) ** -0.5)
+        return self.lm_head(h).astype(jnp.float32)
+
+    def init_states(self, batch: int) -> list:
+        return [blk.mixer.init_state(batch) for blk in self.blocks]
+
+    def init_cache(self, batch: int, max_len: int) -> list:
+        return [blk.mixer.init_cache(batch, max_len) for blk in self.blocks]
+
+    def __call__(self, tokens, *, states=None, segment_ids=None):
+        if states is None:
+            states = [None] * len(self.blocks)
+        if len(states) != len(self.blocks):
+            raise ValueError(f'states has {len(states)} entries, model has {len(self.blocks)} layers')
+        x = self._embed(tokens)
+        new_states = []
+        for blk, st in zip(self.blocks, states):
+            if self.remat:
+                x, st = nnx.remat(lambda b, x_, s_, seg_: b(x_, s_, seg_))(blk, x, st, segment_ids)
+            else:
+                x, st = blk(x, st, segment_ids)
+            new_states.append(st)
+        return self._logits(x), new_states
+
+    def prefill(self, tokens, cache):
+        x = self._embed(tokens)
+        new = []
+        for blk, c in zip(self.blocks, cache):
+            x, c = blk.prefill(x, c)
+            new.append(c)
+        return self._logits(x), new
+
+    def decode_step(self, token, cache):
+        x = self._embed(token)
+        new = []
+        for blk, c in zip(self.blocks, cache):
+            x, c = blk.step(x, c)
+            new.append(c)
+        return self._logits(x), new

@@ -1,0 +1,12 @@
+"""Pallas kernels for kdn_jax (Triton lowering on GPU, interpret mode on CPU).
+
+Public API (all arrays in [B, T, H, *] layout):
+  diag_gain(k, log_alpha, omega, r, info_scale, p0, segment_ids=None, *, chunk_size=256, interpret=None)
+  iso_gain(k, log_alpha, omega, r, info_scale, b0, segment_ids=None, *, chunk_size=256, interpret=None)
+  delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None, *, chunk_size=64,
+             interpret=None)
+"""
+from pallas_kernels.kdn_gain import diag_gain, iso_gain
+from pallas_kernels.delta_rule import delta_rule
+
+__all__ = ["diag_gain", "iso_gain", "delta_rule"]

@@ -1,0 +1,104 @@
+"""Shared helpers for the Pallas kernels: backend selection, padding, segment bookkeeping.
+
+Everything here is plain JAX (runs in XLA around the kernels); the kernels themselves live in the
+per-op folders.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = [
+    "resolve_interpret",
+    "compiler_params",
+    "dot_precision",
+    "pad_time",
+    "reset_flags",
+    "segmented_cumsum",
+    "segmented_reverse_cumsum",
+    "check_width",
+]
+
+SUPPORTED_WIDTHS = (16, 32, 64, 128)
+
+
+def resolve_interpret(interpret):
+  """`None` -> interpret on CPU, compiled elsewhere; otherwise pass through."""
+  if interpret is None:
+    return jax.default_backend() == "cpu"
+  return interpret
+
+
+def compiler_params(num_warps: int = 4, num_stages: int = 1):
+  """Backend-specific compiler params (Triton on GPU; None elsewhere)."""
+  backend = jax.default_backend()
+  if backend == "gpu":
+    from jax.experimental.pallas import triton as pltr  # pylint: disable=g-import-not-at-top
+    return pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+  return None
+
+
+def dot_precision(dtype):
+  """fp32 inputs -> exact fp32 (IEEE) dots; bf16/fp16 inputs -> TF32 dots (fp32 accumulate)."""
+  if jnp.dtype(dtype) == jnp.float32:
+    return lax.Precision.HIGHEST
+  return lax.Precision.DEFAULT
+
+
+def check_width(name, n):
+  if n not in SUPPORTED_WIDTHS:
+    raise NotImplementedError(
+        f"pallas_kernels: {name}={n} is not supported (supported: {SUPPORTED_WIDTHS}); "
+        "use the chunked XLA implementation instead.")
+
+
+def pad_time(x, t_pad, value=0):
+  """Pads axis 1 (time) of `x` to length t_pad."""
+  t = x.shape[1]
+  if t_pad == t:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[1] = (0, t_pad - t)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def reset_flags(segment_ids, batch, t, t_pad):
+  """[B, t_pad] bool: True where the state is reset to the initial state before the token.
+
+  Token 0 always resets (the sequence starts from the initial state). Padded tokens never reset
+  (they continue the last segment and are no-ops).
+  """
+  if segment_ids is None:
+    flags = jnp.zeros((batch, t), bool).at[:, 0].set(True)
+  else:
+    seg = segment_ids.astype(jnp.int32)
+    flags = jnp.concatenate(
+        [jnp.ones((batch, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+  return pad_time(flags, t_pad, False)
+
+
+def _seg_add(a, b):
+  va, ra = a
+  vb, rb = b
+  return jnp.where(rb, vb, va + vb), ra | rb
+
+
+def segmented_cumsum(x, starts, axis):
+  """Inclusive cumsum along `axis` that restarts where `starts` (broadcastable bool) is True."""
+  starts = jnp.broadcast_to(starts, x.shape)
+  out, _ = lax.associative_scan(_seg_add, (x, starts), axis=axis)
+  return out
+
+
+def segmented_reverse_cumsum(x, starts, axis):
+  """sum_{s >= t, same piece} x_s where pieces begin at `starts` (True at a piece's first element)."""
+  starts = jnp.broadcast_to(starts, x.shape)
+  # A piece ends right before the next start: in reverse order, "ends" play the role of starts.
+  n = x.shape[axis]
+  nxt = lax.slice_in_dim(starts, 1, n, axis=axis)
+  pad_shape = list(starts.shape)
+  pad_shape[axis] = 1
+  ends = jnp.concatenate([nxt, jnp.ones(pad_shape, bool)], axis=axis)
+  out, _ = lax.associative_scan(_seg_add, (x, ends), axis=axis, reverse=True)
+  return out

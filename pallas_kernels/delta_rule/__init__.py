@@ -1,0 +1,84 @@
+"""Chunked asymmetric delta rule (per-channel or scalar decay) as Pallas kernels + custom VJP."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import common
+from pallas_kernels.delta_rule import config as _config
+from pallas_kernels.delta_rule import kernel as _kernel
+
+__all__ = ["delta_rule"]
+
+
+def _cumsum(la, starts):
+  return common.segmented_cumsum(la, starts[:, :, None, None], axis=1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12))
+def _core(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg):
+  g = _cumsum(la, starts)
+  o, sfin, _ = _kernel.forward(q, k, v, w, g, h0, cont, pid, chunk=chunk, scale=scale,
+                               interpret=interpret, cfg=cfg, save_states=False)
+  return o, sfin
+
+
+def _core_fwd(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg):
+  g = _cumsum(la, starts)
+  o, sfin, res = _kernel.forward(q, k, v, w, g, h0, cont, pid, chunk=chunk, scale=scale,
+                                 interpret=interpret, cfg=cfg, save_states=True)
+  return (o, sfin), (q, k, v, w, g, h0, starts, cont, pid, res)
+
+
+def _core_bwd(chunk, scale, interpret, cfg, saved, cts):
+  q, k, v, w, g, h0, starts, cont, pid, res = saved
+  do, dsfin = cts
+  dq, dk, dv, dw, dg, dla_x, dh0 = _kernel.backward(
+      q, k, v, w, g, h0, cont, pid, res, do, dsfin.astype(jnp.float32), chunk=chunk,
+      scale=scale, interpret=interpret, cfg=cfg)
+  # g = within-(chunk, segment) cumsum of log_alpha  =>  dla = reverse cumsum of dg, plus the
+  # terms the kernel already expressed in log_alpha space.
+  dla = common.segmented_reverse_cumsum(dg, starts[:, :, None, None], axis=1) + dla_x
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dw.astype(w.dtype), dla,
+          dh0, None, None, None)
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+def delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None, *,
+               chunk_size=64, interpret=None):
+  """S_t = (I - w_t k_t^T) D_t S_{t-1} + w_t v_t^T,  o_t = scale * S_t^T q_t.
+
+  q, k, write: [B,T,H,K]; v: [B,T,H,V]; log_alpha: [B,T,H,K] or [B,T,H]; initial_state: [B,H,K,V]
+  float32; segment_ids: [B,T] int or None. Returns (o [B,T,H,V] q.dtype, S_final [B,H,K,V] f32).
+  """
+  interpret = common.resolve_interpret(interpret)
+  bsz, t, nh, kd = k.shape
+  vd = v.shape[-1]
+  common.check_width("K", kd)
+  common.check_width("V", vd)
+  if chunk_size not in (16, 32, 64, 128):
+    raise NotImplementedError(f"delta_rule: chunk_size={chunk_size} not supported")
+  cfg = _config.DEFAULT
+  chunk = min(chunk_size, cfg.max_chunk, max(16, 1 << (t - 1).bit_length()))
+  t_pad = -(-t // chunk) * chunk
+  la = log_alpha.astype(jnp.float32)
+  if la.ndim == 3:
+    la = jnp.broadcast_to(la[..., None], la.shape + (kd,))
+  q, k, v, w, la = (common.pad_time(x, t_pad) for x in (q, k, v, write, la))
+  chunk_start = (jnp.arange(t_pad) % chunk == 0)[None, :]
+  if segment_ids is None:
+    starts = jnp.broadcast_to(chunk_start, (bsz, t_pad))
+    cont = pid = None
+  else:
+    reset = common.reset_flags(segment_ids, bsz, t, t_pad)
+    starts = chunk_start | reset
+    pid = jnp.cumsum(reset.astype(jnp.int32), axis=1)
+    in_chunk = common.segmented_cumsum(reset.astype(jnp.int32), chunk_start, axis=1)
+    cont = (in_chunk == 0).astype(jnp.float32)
+  o, sfin = _core(q, k, v, w, la, initial_state.astype(jnp.float32), starts, cont, pid, chunk,
+                  float(scale), interpret, cfg)
+  return o[:, :t], sfin

@@ -1,0 +1,27 @@
+"""Block-size configuration for the chunked delta-rule kernels.
+
+`DEFAULT` is what `delta_rule` uses; `set_default(**overrides)` swaps it (benchmarks / tuning).
+"""
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaRuleConfig:
+  max_chunk: int = 64        # caps the caller's chunk_size (C_m)
+  block: int = 16            # sub-block for the intra-chunk decay products and the inverse
+  # Sub-blocked intra kernels (matmuls around a reference point + blocked inverse). Validated on
+  # CPU only: its first H200 compile ran > 3 minutes and was cut off, so it is off by default.
+  blocked: bool = False
+  block_v: int = 64          # value-columns per program in the recurrent (state-passing) kernels
+  num_warps_intra: int = 4   # Triton warps, intra-chunk kernels (parallel over chunks)
+  num_warps_recur: int = 4   # Triton warps, recurrent kernels (serial over chunks)
+  num_stages: int = 1
+
+
+DEFAULT = DeltaRuleConfig()
+
+
+def set_default(**overrides):
+  global DEFAULT
+  DEFAULT = dataclasses.replace(DEFAULT, **overrides)
+  return DEFAULT

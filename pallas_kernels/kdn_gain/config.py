@@ -1,0 +1,21 @@
+"""Block-size configuration for the Moebius gain kernels.
+
+`DEFAULT` is what `diag_gain` / `iso_gain` use; `set_default(**overrides)` swaps it.
+"""
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class GainConfig:
+  max_chunk: int = 256    # caps the caller's chunk_size (C_g)
+  num_warps: int = 4      # Triton warps per program
+  num_stages: int = 1
+
+
+DEFAULT = GainConfig()
+
+
+def set_default(**overrides):
+  global DEFAULT
+  DEFAULT = dataclasses.replace(DEFAULT, **overrides)
+  return DEFAULT

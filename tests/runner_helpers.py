@@ -1,0 +1,72 @@
+"""Shared helpers for the runner tests: tiny real-model run configs and token-file fixtures."""
+from __future__ import annotations
+
+import numpy as np
+
+from experiments import config_lib
+from kdn_jax.models.config import model_config
+
+
+def tiny_config(initial_state='zero', layer_pattern='kdn_diag,attention', **data_overrides):
+  c = config_lib.base_config()
+  c.seed = 0
+  c.model = model_config('tiny', mixer='kdn_diag', layer_pattern=layer_pattern, vocab_size=32,
+                         num_layers=2, d_model=32, num_heads=2, head_dim=8, mlp_hidden=32, chunk_size=8,
+                         swa_window=8, impl='reference')
+  c.data.kind = 'mqar'
+  c.data.seq_len = 16
+  c.data.global_batch_size = 8
+  c.data.eval_batch_size = 8
+  c.data.num_eval_examples = 16
+  c.data.prefetch = 0
+  c.data.mqar.vocab_size = 32
+  c.data.mqar.num_kv_pairs = 2
+  c.train.initial_state = initial_state
+  c.train.num_steps = 6
+  c.train.log_every = 1
+  c.train.eval_batches = 1
+  c.optim.learning_rate = 1e-2
+  c.optim.warmup_steps = 1
+  c.checkpoint.enabled = False
+  c.checkpoint.async_save = False
+  c.logging.tensorboard = False
+  c.logging.plot = False
+  for k, v in data_overrides.items():
+    c.data[k] = v
+  return c
+
+
+def write_doc_tokens(path, num_docs=24, eos=1, vocab=32, seed=0, min_len=10, max_len=60):
+  """A 1-D .npy token file of random documents, each ending in ``eos``."""
+  rng = np.random.default_rng(seed)
+  docs = [np.append(rng.integers(2, vocab, size=rng.integers(min_len, max_len)), eos)
+          for _ in range(num_docs)]
+  np.save(path, np.concatenate(docs).astype(np.int32))
+  return docs
+
+
+def compilation_cache(tmp_dir):
+  """Context manager: a persistent XLA compilation cache, so identical train steps across Trainers in one
+  test (e.g. kill/resume) compile once."""
+  import contextlib  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+
+  @contextlib.contextmanager
+  def ctx():
+    keys = ('jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs',
+            'jax_persistent_cache_min_entry_size_bytes')
+    old = {k: getattr(jax.config, k) for k in keys}
+    jax.config.update('jax_compilation_cache_dir', str(tmp_dir))
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+    jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+    try:
+      yield
+    finally:
+      for k, v in old.items():
+        jax.config.update(k, v)
+  return ctx()
+
+
+def host(tree):
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.tree.map(np.asarray, tree)

@@ -1,0 +1,141 @@
+"""Accuracy of pallas_kernels.delta_rule (CPU interpret mode) against a float64 token loop."""
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import delta_rule
+from pallas_kernels.delta_rule import config as dr_config
+
+NAMES = ("q", "k", "v", "log_alpha", "write", "initial_state")
+
+
+def _rel(a, b):
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  return float(np.sqrt(np.mean((a - b) ** 2) / max(np.mean(b ** 2), 1e-300)))
+
+
+def _oracle(q, k, v, la, w, s0, scale, seg):
+  """Float64 token loop (lax.scan), resets at segment starts. Call under enable_x64."""
+  if la.ndim == 3:
+    la = la[..., None]
+  b, t = q.shape[:2]
+  if seg is None:
+    reset = jnp.zeros((b, t), bool)
+  else:
+    reset = jnp.concatenate([jnp.zeros((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+
+  def step(s, xs):
+    qt, kt, vt, lat, wt, rt = xs
+    s = jnp.where(rt[:, None, None, None], s0, s)
+    s = jnp.exp(lat)[..., None] * s
+    delta = vt - jnp.einsum("bhkv,bhk->bhv", s, kt)
+    s = s + wt[..., None] * delta[..., None, :]
+    return s, scale * jnp.einsum("bhkv,bhk->bhv", s, qt)
+
+  la = jnp.broadcast_to(la, k.shape)
+  xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, la, w, reset))
+  s, o = jax.lax.scan(step, s0, xs)
+  return jnp.moveaxis(o, 0, 1), s
+
+
+def _inputs(seed, b, t, h, kd, vd, dtype, scalar_decay, decay, write_scale=0.5):
+  rng = np.random.default_rng(seed)
+  nrm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+  q = nrm(rng.normal(size=(b, t, h, kd)))
+  k = nrm(rng.normal(size=(b, t, h, kd)))
+  v = rng.normal(size=(b, t, h, vd))
+  w = write_scale * rng.uniform(0, 1, size=(b, t, h, 1)) * k + 0.05 * rng.normal(size=k.shape)
+  shape = (b, t, h) if scalar_decay else (b, t, h, kd)
+  if decay == "strong":
+    la = np.full(shape, -20.0)
+  else:
+    la = -np.abs(rng.normal(size=shape)) * 0.3
+  s0 = 0.3 * rng.normal(size=(b, h, kd, vd))
+  arrs = [q, k, v, la, w]
+  arrs = [jnp.asarray(x, jnp.float32).astype(dtype) for x in arrs]
+  return arrs + [jnp.asarray(s0, jnp.float32)]
+
+
+def _check(args, seg, chunk, tol_fwd, tol_grad, scale=0.7):
+  segj = None if seg is None else jnp.asarray(seg, jnp.int32)
+  f = jax.jit(lambda *a: delta_rule(*a[:5], scale, a[5], segj, chunk_size=chunk))
+  o, s = f(*args)
+  assert o.dtype == args[0].dtype and o.shape == args[2].shape
+  assert s.dtype == jnp.float32 and s.shape == args[5].shape
+  rng = np.random.default_rng(123)
+  ct_o = rng.normal(size=o.shape)
+  ct_s = rng.normal(size=s.shape)
+  with jax.enable_x64(True):
+    a64 = [jnp.asarray(np.asarray(x, np.float32), jnp.float64) for x in args]
+    seg64 = None if seg is None else jnp.asarray(seg)
+    ro, rs = _oracle(*a64, scale, seg64)
+    loss64 = lambda *a: (jnp.sum(_oracle(*a, scale, seg64)[0] * ct_o)
+                         + jnp.sum(_oracle(*a, scale, seg64)[1] * ct_s))
+    rg = jax.jit(jax.grad(loss64, argnums=tuple(range(6))))(*a64)
+    ro, rs, rg = np.asarray(ro), np.asarray(rs), [np.asarray(x) for x in rg]
+  assert _rel(o, ro) <= tol_fwd, ("o", _rel(o, ro))
+  assert _rel(s, rs) <= tol_fwd, ("S_final", _rel(s, rs))
+  loss = lambda *a: (jnp.sum(f(*a)[0].astype(jnp.float32) * ct_o)
+                     + jnp.sum(f(*a)[1] * ct_s))
+  g = jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*args)
+  errs = {n: _rel(x, y) for n, x, y in zip(NAMES, g, rg)}
+  for n, e in errs.items():
+    assert e <= tol_grad, (n, errs)
+  return errs
+
+
+@pytest.mark.parametrize("t,chunk,scalar_decay,decay,segs", [
+    (65, 64, False, "normal", None),          # T = chunk + 1, per-channel decay
+    (1, 64, True, "normal", None),            # T = 1, scalar decay
+    (40, 16, False, "strong", None),          # log_alpha = -20, several chunks
+    (50, 16, True, "normal", (7, 20, 21, 33)),  # segment boundaries inside chunks
+    (37, 32, False, "strong", (5, 30)),
+])
+def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
+  args = _inputs(t, 1, t, 2, 64, 64, jnp.float32, scalar_decay, decay)
+  seg = None
+  if segs is not None:
+    seg = np.zeros((1, t), np.int32)
+    for s in segs:
+      seg[:, s:] += 1
+  _check(args, seg, chunk, 1e-5, 1e-4)
+
+
+@pytest.mark.parametrize("blocked", [True, False])
+def test_delta_rule_blocked_and_loop(blocked):
+  old = dr_config.DEFAULT
+  try:
+    dr_config.set_default(blocked=blocked)
+    t = 45
+    args = _inputs(5, 2, t, 1, 64, 64, jnp.float32, False, "normal")
+    seg = np.zeros((2, t), np.int32)
+    seg[0, 20:] = 1
+    seg[1, 38:] = 3
+    _check(args, seg, 32, 1e-5, 1e-4)
+  finally:
+    dr_config.DEFAULT = old
+
+
+def test_delta_rule_bf16():
+  args = _inputs(7, 1, 40, 2, 64, 64, jnp.bfloat16, False, "normal")
+  _check(args, None, 32, 5e-3, 1e-2)
+
+
+def test_delta_rule_unsupported_width():
+  x = jnp.zeros((1, 4, 1, 48))
+  with pytest.raises(NotImplementedError):
+    delta_rule(x, x, x, x, x, 1.0, jnp.zeros((1, 1, 48, 48)))
+
+
+def test_delta_rule_tpu_interpret_matches():
+  """Mosaic-TPU interpret mode (the only TPU validation available here) == generic interpret."""
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+  args = _inputs(3, 1, 20, 1, 16, 16, jnp.float32, False, "normal")
+  seg = jnp.asarray(np.array([[0] * 9 + [1] * 11]), jnp.int32)
+  o1, s1 = delta_rule(*args[:5], 0.5, args[5], seg, chunk_size=16,
+                      interpret=pltpu.InterpretParams())
+  o2, s2 = delta_rule(*args[:5], 0.5, args[5], seg, chunk_size=16, interpret=True)
+  assert _rel(o1, o2) < 1e-6 and _rel(s1, s2) < 1e-6

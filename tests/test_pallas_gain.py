@@ -1,0 +1,127 @@
+"""Accuracy of pallas_kernels.diag_gain / iso_gain (CPU interpret mode) vs a float64 token loop."""
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import diag_gain, iso_gain
+
+
+def _rel(a, b):
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  return float(np.sqrt(np.mean((a - b) ** 2) / max(np.mean(b ** 2), 1e-300)))
+
+
+def _reset(seg, b, t):
+  if seg is None:
+    return jnp.zeros((b, t), bool)
+  return jnp.concatenate([jnp.zeros((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+
+
+def _diag_oracle(k, la, om, r, mu, p0, seg):
+  kd = k.shape[-1]
+  def step(p, xs):
+    kt, lat, omt, rt, rs = xs
+    p = jnp.where(rs[:, None, None], p0, p)
+    ph = jnp.exp(2 * lat) * p + omt
+    kap = ph * kt / (rt[..., None] + jnp.sum(ph * kt * kt, -1, keepdims=True))
+    u = mu[None, :, None] * kt * kt / rt[..., None]
+    return ph / (1 + u * ph), kap
+  xs = tuple(jnp.moveaxis(x, 1, 0) for x in (k, la, om, r, _reset(seg, *k.shape[:2])))
+  p, kap = jax.lax.scan(step, p0, xs)
+  del kd
+  return jnp.moveaxis(kap, 0, 1), p
+
+
+def _iso_oracle(k, la, om, r, mu, b0, seg):
+  kd = k.shape[-1]
+  def step(bv, xs):
+    kt, lat, omt, rt, rs = xs
+    bv = jnp.where(rs[:, None], b0, bv)
+    bh = jnp.mean(jnp.exp(2 * lat), -1) * bv + omt
+    s = jnp.sum(kt * kt, -1)
+    beta = bh / (rt + bh * s)
+    return bh / (1 + mu[None, :] * bh * s / (kd * rt)), beta
+  xs = tuple(jnp.moveaxis(x, 1, 0) for x in (k, la, om, r, _reset(seg, *k.shape[:2])))
+  bv, beta = jax.lax.scan(step, b0, xs)
+  return jnp.moveaxis(beta, 0, 1), bv
+
+
+def _inputs(seed, b, t, h, kd, diag, dtype, r_val, strong):
+  rng = np.random.default_rng(seed)
+  k = rng.normal(size=(b, t, h, kd)) / np.sqrt(kd)
+  la = -np.abs(rng.normal(size=(b, t, h, kd))) * 0.2
+  if strong:
+    la[:, ::3] = -20.0
+  om = 0.1 * np.abs(rng.normal(size=(b, t, h, kd) if diag else (b, t, h)))
+  r = np.full((b, t, h), r_val) if r_val is not None else 0.01 + np.abs(rng.normal(size=(b, t, h)))
+  p0 = 0.1 + np.abs(rng.normal(size=(b, h, kd) if diag else (b, h)))
+  arrs = [jnp.asarray(x, jnp.float32).astype(dtype) for x in (k, la, om, r)]
+  return arrs + [jnp.asarray(p0, jnp.float32)]
+
+
+CASES = [
+    # (t, chunk, mu factor (x K), r value or None, strong decay, segment starts)
+    (37, 16, 1.0, None, False, None),
+    (1, 256, 4.0, None, False, None),
+    (33, 32, 4.0, 1e-3, True, (5, 6, 31)),     # T = chunk + 1, r = 1e-3, mu = 4K, segments
+    (70, 16, 1.0, None, True, (40,)),
+]
+
+
+@pytest.mark.parametrize("diag", [True, False])
+@pytest.mark.parametrize("t,chunk,mu_f,r_val,strong,segs", CASES)
+def test_gain_fp32(diag, t, chunk, mu_f, r_val, strong, segs):
+  _run(diag, t, chunk, mu_f, r_val, strong, segs, jnp.float32, 1e-5, 1e-4)
+
+
+@pytest.mark.parametrize("diag", [True, False])
+def test_gain_bf16(diag):
+  _run(diag, 40, 16, 1.0, None, False, (17,), jnp.bfloat16, 5e-3, 1e-2)
+
+
+def _run(diag, t, chunk, mu_f, r_val, strong, segs, dtype, tol_fwd, tol_grad):
+  b, h, kd = 2, 2, 64
+  args = _inputs(t, b, t, h, kd, diag, dtype, r_val, strong)
+  mu = jnp.full((h,), mu_f * kd, jnp.float32)
+  seg = None
+  if segs is not None:
+    seg = np.zeros((b, t), np.int32)
+    for s in segs:
+      seg[:, s:] += 1
+  segj = None if seg is None else jnp.asarray(seg)
+  fn = diag_gain if diag else iso_gain
+  oracle = _diag_oracle if diag else _iso_oracle
+  f = jax.jit(lambda *a: fn(*a[:4], mu, a[4], segj, chunk_size=chunk))
+  gain, pf = f(*args)
+  assert gain.dtype == jnp.float32 and pf.dtype == jnp.float32
+  rng = np.random.default_rng(9)
+  ct_g = rng.normal(size=gain.shape)
+  ct_p = rng.normal(size=pf.shape)
+  with jax.enable_x64(True):
+    a64 = [jnp.asarray(np.asarray(x, np.float32), jnp.float64) for x in args]
+    mu64 = jnp.asarray(mu, jnp.float64)
+    seg64 = None if seg is None else jnp.asarray(seg)
+    rgain, rp = oracle(*a64[:4], mu64, a64[4], seg64)
+    loss64 = lambda *a: (jnp.sum(oracle(*a[:4], mu64, a[4], seg64)[0] * ct_g)
+                         + jnp.sum(oracle(*a[:4], mu64, a[4], seg64)[1] * ct_p))
+    rg = [np.asarray(x) for x in jax.jit(jax.grad(loss64, argnums=(0, 1, 2, 3, 4)))(*a64)]
+    rgain, rp = np.asarray(rgain), np.asarray(rp)
+  assert _rel(gain, rgain) <= tol_fwd, _rel(gain, rgain)
+  assert _rel(pf, rp) <= tol_fwd, _rel(pf, rp)
+  loss = lambda *a: jnp.sum(f(*a)[0] * ct_g) + jnp.sum(f(*a)[1] * ct_p)
+  g = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*args)
+  errs = {n: _rel(x, y) for n, x, y in zip(("k", "log_alpha", "omega", "r", "p0"), g, rg)}
+  for n, e in errs.items():
+    assert e <= tol_grad, (n, errs)
+
+
+def test_gain_tpu_interpret_matches():
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+  args = _inputs(4, 1, 20, 1, 64, True, jnp.float32, None, False)
+  mu = jnp.full((1,), 64.0)
+  a = diag_gain(*args[:4], mu, args[4], chunk_size=16, interpret=pltpu.InterpretParams())
+  b = diag_gain(*args[:4], mu, args[4], chunk_size=16, interpret=True)
+  assert _rel(a[0], b[0]) < 1e-6 and _rel(a[1], b[1]) < 1e-6
