@@ -111,7 +111,7 @@ def unit_lower_inverse(l_mat, block=16):
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "sub_block"))
 def delta_rule_chunked(q, k, v, log_alpha, write, memory0, segment_ids=None,
-                       *, chunk_size=64, sub_block=8):
+                       *, chunk_size=64, sub_block=None):
   """Chunked delta rule. Inputs [B,T,H,*] in the compute dtype, q pre-scaled.
 
   log_alpha: [B,T,H,K] (per-channel) or [B,T,H] (scalar); memory0 [B,H,K,V];
@@ -120,6 +120,10 @@ def delta_rule_chunked(q, k, v, log_alpha, write, memory0, segment_ids=None,
   batch, t_len, _, _ = q.shape
   memory0 = like_varying(memory0, q)
   c = chunk_size
+  if sub_block is None:
+    # Sub-blocks of 8 are fastest on CPU for short chunks; long (GPU) chunks
+    # use 16 so the unrolled block inverse stays a handful of matmuls.
+    sub_block = 8 if c <= 32 else 16
   sub = min(sub_block, c)
   if c % sub:
     raise ValueError(f"chunk_size={c} must be a multiple of {sub}")
