@@ -14,13 +14,7 @@ from kdn_jax.models.config import model_config
 
 
 def get_config(arg: str = 'default'):
-  parts = [p for p in (arg or 'default').split(',') if p]
-  preset = parts[0]
-  mixer = next((p for p in parts[1:] if p in config_lib.MIXERS), 'kdn_diag')
-  strategy = next((p for p in parts[1:] if p in config_lib.INITIAL_STATES), 'zero')
-  unknown = [p for p in parts[1:] if p not in config_lib.MIXERS and p not in config_lib.INITIAL_STATES]
-  if preset not in ('default', 'smoke') or unknown:
-    raise ValueError(f'configs/lm_125m.py: unknown arg {arg!r}; use default|smoke[,<mixer>][,<initial_state>]')
+  preset, mixer, strategy = config_lib.parse_arg(arg, ('default', 'smoke'), 'configs/lm_125m.py')
 
   c = config_lib.base_config()
   c.data.kind = 'token_file'

@@ -11,13 +11,7 @@ from kdn_jax.models.config import model_config
 
 
 def get_config(arg: str = 'smoke'):
-  parts = [p for p in (arg or 'smoke').split(',') if p]
-  preset = parts[0]
-  mixer = next((p for p in parts[1:] if p in config_lib.MIXERS), 'kdn_diag')
-  strategy = next((p for p in parts[1:] if p in config_lib.INITIAL_STATES), 'zero')
-  unknown = [p for p in parts[1:] if p not in config_lib.MIXERS and p not in config_lib.INITIAL_STATES]
-  if preset not in ('smoke', 'default') or unknown:
-    raise ValueError(f'configs/mqar.py: unknown arg {arg!r}; use smoke|default[,<mixer>][,<initial_state>]')
+  preset, mixer, strategy = config_lib.parse_arg(arg, ('smoke', 'default'), 'configs/mqar.py')
 
   c = config_lib.base_config()
   c.data.kind = 'mqar'
@@ -26,7 +20,7 @@ def get_config(arg: str = 'smoke'):
     vocab = 64
     c.model = model_config('tiny', mixer=mixer, vocab_size=vocab, num_layers=2, d_model=64, num_heads=2,
                            head_dim=32, chunk_size=16, mlp_hidden=128,
-                           impl='reference')  # 'chunked' currently hangs on CPU (see report)
+                           impl='reference')  # at T=64 the token loop is the fastest CPU path
     c.data.seq_len = 64
     c.data.global_batch_size = 32
     c.data.eval_batch_size = 64

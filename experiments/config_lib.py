@@ -20,6 +20,19 @@ DTYPES = ('float32', 'bfloat16', 'float16')
 NAN_POLICIES = ('halt', 'skip')
 
 
+def parse_arg(arg: str, presets: tuple[str, ...], config_name: str):
+  """'<preset>[,<mixer>][,<initial_state>]' -> (preset, mixer, initial_state)."""
+  parts = [p for p in (arg or presets[0]).split(',') if p]
+  preset = parts[0]
+  mixer = next((p for p in parts[1:] if p in MIXERS), 'kdn_diag')
+  strategy = next((p for p in parts[1:] if p in INITIAL_STATES), 'zero')
+  unknown = [p for p in parts[1:] if p not in MIXERS and p not in INITIAL_STATES]
+  if preset not in presets or unknown:
+    raise ValueError(f'{config_name}: unknown arg {arg!r}; use {"|".join(presets)}'
+                     '[,<mixer>][,<initial_state>]')
+  return preset, mixer, strategy
+
+
 class ConfigError(ValueError):
   """A run config has an invalid value; the message names the key."""
 

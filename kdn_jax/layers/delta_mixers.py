@@ -29,18 +29,22 @@ class _BetaMixin:
 
 
 class KDA(_BetaMixin, RecurrentMixer):
+    """Kimi Delta Attention: per-channel decay, write beta * k."""
+    PER_CHANNEL_DECAY = True
+    OP = staticmethod(ops.kda)
+
     def _init_gates(self, cfg, rngs):
-        self.decay = Decay(self.d_model, self.num_heads, self.key_dim, per_channel=True, rank=self.rank,
-                           dtype=self.dtype, param_dtype=self.param_dtype, rngs=rngs)
+        rank = {'rank': self.rank} if self.PER_CHANNEL_DECAY else {}
+        self.decay = Decay(self.d_model, self.num_heads, self.key_dim, per_channel=self.PER_CHANNEL_DECAY,
+                           dtype=self.dtype, param_dtype=self.param_dtype, rngs=rngs, **rank)
         self._init_beta(rngs)
 
     def _gates(self, x):
         return {'g': self.decay(x), 'beta': self.beta(x)}
 
     def _core(self, q, k, v, gates, state, segment_ids):
-        o, m = ops.kda(q, k, v, gates['g'], gates['beta'], initial_state=state['memory'], output_final_state=True,
-                       segment_ids=segment_ids, impl=self.impl,
-                       chunk_size=self.chunk_size)
+        o, m = self.OP(q, k, v, gates['g'], gates['beta'], initial_state=state['memory'], output_final_state=True,
+                       segment_ids=segment_ids, impl=self.impl, chunk_size=self.chunk_size)
         return o, {'memory': m}
 
     def _core_step(self, q, k, v, gates, state):
@@ -49,25 +53,10 @@ class KDA(_BetaMixin, RecurrentMixer):
         return o, {'memory': m}
 
 
-class GatedDeltaNet(_BetaMixin, RecurrentMixer):
-    def _init_gates(self, cfg, rngs):
-        self.decay = Decay(self.d_model, self.num_heads, self.key_dim, per_channel=False, dtype=self.dtype,
-                           param_dtype=self.param_dtype, rngs=rngs)
-        self._init_beta(rngs)
-
-    def _gates(self, x):
-        return {'g': self.decay(x), 'beta': self.beta(x)}
-
-    def _core(self, q, k, v, gates, state, segment_ids):
-        o, m = ops.gated_delta_rule(q, k, v, gates['g'], gates['beta'], initial_state=state['memory'],
-                                    output_final_state=True, segment_ids=segment_ids, impl=self.impl,
-                       chunk_size=self.chunk_size)
-        return o, {'memory': m}
-
-    def _core_step(self, q, k, v, gates, state):
-        write = gates['beta'][..., None] * k.astype(jnp.float32)
-        o, m = ops.delta_rule_step(q, k, v, gates['g'], write, state['memory'])
-        return o, {'memory': m}
+class GatedDeltaNet(KDA):
+    """Gated DeltaNet: KDA with one scalar decay per head."""
+    PER_CHANNEL_DECAY = False
+    OP = staticmethod(ops.gated_delta_rule)
 
 
 class DeltaNet(_BetaMixin, RecurrentMixer):
