@@ -35,7 +35,7 @@ def get_config(arg: str = 'default'):
     c.mesh.data, c.mesh.fsdp = 1, -1
     c.checkpoint.every_steps = 1000
   else:
-    c.model = model_config('tiny', mixer=mixer, impl='reference')
+    c.model = model_config('tiny', mixer=mixer)
     c.data.train_path = '/tmp/kdn_tokens.npy'
     c.data.seq_len = 128
     c.data.global_batch_size = 16

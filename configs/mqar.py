@@ -19,8 +19,7 @@ def get_config(arg: str = 'smoke'):
   if preset == 'smoke':
     vocab = 64
     c.model = model_config('tiny', mixer=mixer, vocab_size=vocab, num_layers=2, d_model=64, num_heads=2,
-                           head_dim=32, chunk_size=16, mlp_hidden=128,
-                           impl='reference')  # at T=64 the token loop is the fastest CPU path
+                           head_dim=32, chunk_size=16, mlp_hidden=128)
     c.data.seq_len = 64
     c.data.global_batch_size = 32
     c.data.eval_batch_size = 64
