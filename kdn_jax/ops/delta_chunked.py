@@ -87,6 +87,8 @@ def unit_lower_inverse(l_mat, block=16):
   block = min(block, c)
   nb = c // block
   eye = jnp.eye(block, dtype=l_mat.dtype)
+  # Full-precision products: the inverse feeds every output (no TF32 on GPU).
+  mm = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
   blk = lambda i, j: l_mat[..., i * block:(i + 1) * block,
                            j * block:(j + 1) * block]
   inv_diag = []
@@ -94,16 +96,16 @@ def unit_lower_inverse(l_mat, block=16):
     n = -blk(i, i)
     acc, power = eye + n, n
     for _ in range(max(block - 1, 1).bit_length() - 1):
-      power = power @ power
-      acc = acc @ (eye + power)
+      power = mm(power, power)
+      acc = mm(acc, eye + power)
     inv_diag.append(acc)
   rows = []
   for i in range(nb):
     row = [None] * nb
     row[i] = inv_diag[i]
     for j in range(i - 1, -1, -1):
-      acc = sum(blk(i, m) @ rows[m][j] for m in range(j, i))
-      row[j] = -inv_diag[i] @ acc
+      acc = sum(mm(blk(i, m), rows[m][j]) for m in range(j, i))
+      row[j] = -mm(inv_diag[i], acc)
     zeros = jnp.zeros_like(inv_diag[i])
     rows.append([zeros if x is None else x for x in row])
   return jnp.concatenate([jnp.concatenate(r, axis=-1) for r in rows], axis=-2)
