@@ -217,15 +217,18 @@ def _bwd_replay_kernel(kx_ref, kk_ref, a_ref, om_ref, u_ref, r_ref, pprev_ref, d
 # Wrappers (all arrays already padded to a multiple of the chunk).
 
 
-def gain_forward(kx, kk, a, om, u, r, reset, p0, *, chunk, interpret, cfg):
-  """Lane arrays [B,T,H,L] float32, r [B,T,H], reset [B,T], p0 [B,H,L]."""
+def _launch(r, per_lane, chunk, interpret, cfg):
+  """Sizes, grid (batch, head, chunk) and pallas_call options of one gain pass."""
   bsz, t, nh = r.shape
-  lanes = p0.shape[-1]
-  nc = t // chunk
-  reset = reset.astype(jnp.int32)
-  grid = (bsz, nh, nc)
   params = dict(interpret=interpret,
                 compiler_params=common.compiler_params(cfg.num_warps, cfg.num_stages))
+  return bsz, nh, t // chunk, per_lane.shape[-1], (bsz, nh, t // chunk), params
+
+
+def gain_forward(kx, kk, a, om, u, r, reset, p0, *, chunk, interpret, cfg):
+  """Lane arrays [B,T,H,L] float32, r [B,T,H], reset [B,T], p0 [B,H,L]."""
+  bsz, nh, nc, lanes, grid, params = _launch(r, p0, chunk, interpret, cfg)
+  reset = reset.astype(jnp.int32)
   prod = pl.pallas_call(
       functools.partial(_reduce_kernel, chunk=chunk),
       out_shape=jax.ShapeDtypeStruct((bsz, nh, nc, 4, lanes), jnp.float32),
@@ -243,13 +246,8 @@ def gain_forward(kx, kk, a, om, u, r, reset, p0, *, chunk, interpret, cfg):
 
 
 def gain_backward(kx, kk, a, om, u, r, reset, pprev, dgain, dpfin, *, chunk, interpret, cfg):
-  bsz, t, nh = r.shape
-  lanes = dpfin.shape[-1]
-  nc = t // chunk
+  bsz, nh, nc, lanes, grid, params = _launch(r, dpfin, chunk, interpret, cfg)
   reset = reset.astype(jnp.int32)
-  grid = (bsz, nh, nc)
-  params = dict(interpret=interpret,
-                compiler_params=common.compiler_params(cfg.num_warps, cfg.num_stages))
   maps = pl.pallas_call(
       functools.partial(_bwd_reduce_kernel, chunk=chunk),
       out_shape=jax.ShapeDtypeStruct((bsz, nh, nc, 2, lanes), jnp.float32),
