@@ -106,12 +106,8 @@ def _replay_kernel(kx_ref, kk_ref, a_ref, om_ref, u_ref, r_ref, reset_ref, p0_re
     t = t0 + i
     reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
     p = jnp.where(reset, p0, p)
-    a = _row(a_ref, b, t, h)
-    om = _row(om_ref, b, t, h)
-    u = _row(u_ref, b, t, h)
-    kx = _row(kx_ref, b, t, h)
-    kk = _row(kk_ref, b, t, h)
-    r = _row(r_ref, b, t, h)[:, None]
+    a, om, u, kx, kk, r = _token_inputs(
+        (a_ref, om_ref, u_ref, kx_ref, kk_ref, r_ref), b, t, h)
     p_hat = a * p + om
     den = r + jnp.sum(p_hat * kk, axis=1, keepdims=True)
     gain = p_hat * kx / den
@@ -126,15 +122,17 @@ def _replay_kernel(kx_ref, kk_ref, a_ref, om_ref, u_ref, r_ref, reset_ref, p0_re
     pfin_ref[b, h, :] = p.reshape(-1)
 
 
+def _token_inputs(refs, b, t, h):
+  """Token t's rows of (a, omega, u, k-gain, k-info, r); r as a column."""
+  *lanes, r_ref = refs
+  return (*(_row(x, b, t, h) for x in lanes), _row(r_ref, b, t, h)[:, None])
+
+
 def _bwd_token(t, b, h, refs, dp):
   """One reverse step. Returns (gradients..., m, c) where dp_prev = m * dp + c (before resets)."""
   kx_ref, kk_ref, a_ref, om_ref, u_ref, r_ref, pprev_ref, dgain_ref = refs
-  a = _row(a_ref, b, t, h)
-  om = _row(om_ref, b, t, h)
-  u = _row(u_ref, b, t, h)
-  kx = _row(kx_ref, b, t, h)
-  kk = _row(kk_ref, b, t, h)
-  r = _row(r_ref, b, t, h)[:, None]
+  a, om, u, kx, kk, r = _token_inputs(
+      (a_ref, om_ref, u_ref, kx_ref, kk_ref, r_ref), b, t, h)
   p_prev = _row(pprev_ref, b, t, h)
   dgain = _row(dgain_ref, b, t, h)
   p_hat = a * p_prev + om
