@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
 import time
 import traceback
 
@@ -23,6 +22,8 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from experiments.timing import import_for_cuda, median_time, torch_cuda_median_ms
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "/tmp/benchmark_mixers", "output directory")
@@ -130,17 +131,9 @@ def _make_jax_fn(row, d):
   raise ValueError(row)
 
 
-def _time_fn(fn, args, reps, warmup):
-  out = fn(*args)
-  jax.block_until_ready(out)
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return 1e3 * statistics.median(times)
+def _time_fn(fn, args):
+  """Median ms of --reps runs after one compiling call and --warmup untimed runs."""
+  return median_time(fn, *args, warmup=1 + FLAGS.warmup, repeats=FLAGS.reps)
 
 
 def _time_jax_row(row, t, fwd_bwd):
@@ -156,23 +149,19 @@ def _time_jax_row(row, t, fwd_bwd):
       o = f({**rest, **diff})
       return jnp.sum(o.astype(jnp.float32) * 1e-3)
     fn = jax.jit(jax.grad(loss))
-  return _time_fn(fn, (diff,), FLAGS.reps, FLAGS.warmup)
+  return _time_fn(fn, (diff,))
 
 
 # ------------------------------------------------------------------------------------- fla
 
 
 def _fla():
-  try:
-    import torch  # pylint: disable=g-import-not-at-top
-    from fla.ops.kda import chunk_kda  # pylint: disable=g-import-not-at-top
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # pylint: disable=g-import-not-at-top
-    if not torch.cuda.is_available():
-      return None
-    return torch, chunk_kda, chunk_gated_delta_rule
-  except Exception as e:  # pylint: disable=broad-except
-    logging.warning("fla unavailable: %s", e)
+  mods, reason = import_for_cuda("fla.ops.kda", "fla.ops.gated_delta_rule")
+  if mods is None:
+    logging.warning("fla unavailable: %s", reason)
     return None
+  torch, kda, gdn = mods
+  return torch, kda.chunk_kda, gdn.chunk_gated_delta_rule
 
 
 def _time_fla_row(row, t, fwd_bwd):
@@ -205,18 +194,7 @@ def _time_fla_row(row, t, fwd_bwd):
     return o
 
   with torch.set_grad_enabled(fwd_bwd):
-    for _ in range(1 + FLAGS.warmup):
-      run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(FLAGS.reps):
-      s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-      s.record()
-      run()
-      e.record()
-      torch.cuda.synchronize()
-      times.append(s.elapsed_time(e))
-  return statistics.median(times)
+    return torch_cuda_median_ms(run, warmup=1 + FLAGS.warmup, repeats=FLAGS.reps)
 
 
 # ------------------------------------------------------------------------------------ check
@@ -309,27 +287,27 @@ def _time_stages(t):
   p0 = jnp.ones((b, h, d), jnp.float32)
   out = {}
   gain = jax.jit(lambda k, la, om, r: pk.diag_gain(k, la, om, r, mu, p0)[0])
-  out["gain_fwd"] = _time_fn(gain, (x["k"], x["la"], x["om"], x["r"]), FLAGS.reps, FLAGS.warmup)
+  out["gain_fwd"] = _time_fn(gain, (x["k"], x["la"], x["om"], x["r"]))
   w = gain(x["k"], x["la"], x["om"], x["r"])
   starts = jnp.broadcast_to((jnp.arange(t) % chunk == 0)[None, :], (b, t))
   cums = jax.jit(lambda la: common.segmented_cumsum(la.astype(jnp.float32),
                                                     starts[:, :, None, None], axis=1))
-  out["cumsum_glue"] = _time_fn(cums, (x["la"],), FLAGS.reps, FLAGS.warmup)
+  out["cumsum_glue"] = _time_fn(cums, (x["la"],))
   g = cums(x["la"])
   kw = dict(chunk=chunk, scale=d ** -0.5, interpret=common.resolve_interpret(None), cfg=cfg)
   intra = jax.jit(lambda q, k, w, g: dk.intra_forward(q, k, w, g, None, **kw))
-  out["delta_intra_fwd"] = _time_fn(intra, (x["q"], x["k"], w, g), FLAGS.reps, FLAGS.warmup)
+  out["delta_intra_fwd"] = _time_fn(intra, (x["q"], x["k"], w, g))
   amat, pmat, wt = intra(x["q"], x["k"], w, g)
   h0 = jnp.zeros((b, h, d, d), jnp.float32)
   recur = jax.jit(lambda q, k, v, g, a, p, wt: dk.recur_forward(
       q, k, v, g, h0, None, a, p, wt, save_states=True, **kw))
   args = (x["q"], x["k"], x["v"], g, amat, pmat, wt)
-  out["delta_recur_fwd"] = _time_fn(recur, args, FLAGS.reps, FLAGS.warmup)
+  out["delta_recur_fwd"] = _time_fn(recur, args)
   o, _, states = recur(*args)
   bwd = jax.jit(lambda do: dk.backward(x["q"], x["k"], x["v"], w, g, h0, None, None,
                                        (amat, pmat, wt, states), do,
                                        jnp.zeros((b, h, d, d), jnp.float32), **kw))
-  out["delta_bwd_total"] = _time_fn(bwd, (jnp.ones_like(o),), FLAGS.reps, FLAGS.warmup)
+  out["delta_bwd_total"] = _time_fn(bwd, (jnp.ones_like(o),))
   return out
 
 

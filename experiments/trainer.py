@@ -265,6 +265,19 @@ class Trainer:
     logging.warning('SIGTERM received: saving a checkpoint and exiting')
     self._stop_requested = True
 
+  def _check_finite(self, pending):
+    """Raises NonFiniteLossError naming the first step whose loss or gradients were not finite."""
+    if not pending:
+      return
+    flags = np.asarray(jax.device_get([f for _, f in pending]))
+    bad = [s for (s, _), f in zip(pending, flags) if not f]
+    if bad:
+      last = self.checkpointer.latest_step() if self.checkpointer else None
+      raise NonFiniteLossError(
+          f'non-finite loss/gradients at step {bad[0]}; halting without saving. '
+          f'Last good checkpoint: step {last} in {self.workdir}/checkpoints. '
+          'Set --config.train.nan_policy=skip to skip such steps instead.')
+
   def run(self, stop_at: int | None = None) -> dict:
     """Trains to ``train.num_steps`` (or stops early at ``stop_at`` like a preemption, saving first)."""
     cfg = self.config
@@ -279,6 +292,7 @@ class Trainer:
     status, t0 = 'completed', time.time()
     t_log, step_log = t0, start_step
     eval_metrics = {}
+    pending_finite = []
     if self.is_main:
       print(f'Training {cfg.model.get("mixer")} model ({self.num_params / 1e6:.2f}M params) on '
             f'{cfg.data.kind}, mesh {dict(self.mesh.shape)}, initial_state={self.strategy}, '
@@ -292,16 +306,21 @@ class Trainer:
         local = next(self.data_iter)
         metrics = self.train_step(local)
         step += 1
-        need_host = (cfg.train.nan_policy == 'halt') or step % cfg.train.log_every == 0 or step == total
-        if need_host:
-          host = {k: float(v) for k, v in metrics.items()}
-          if not host['finite'] and cfg.train.nan_policy == 'halt':
-            last = self.checkpointer.latest_step() if self.checkpointer else None
-            raise NonFiniteLossError(
-                f'non-finite loss/gradients at step {step} (loss={host["loss"]}); halting without saving. '
-                f'Last good checkpoint: step {last} in {self.workdir}/checkpoints. '
-                'Set --config.train.nan_policy=skip to skip such steps instead.')
-          self.last_metrics = host
+        # Finiteness is checked on the host only at log/eval/save points: a per-step float() would
+        # serialise dispatch. Halting then still happens before any checkpoint of a bad state.
+        if cfg.train.nan_policy == 'halt':
+          pending_finite.append((step, metrics['finite']))
+        at_save = bool(cfg.checkpoint.every_steps) and step % cfg.checkpoint.every_steps == 0
+        at_eval = bool(cfg.train.eval_every) and step % cfg.train.eval_every == 0
+        if step == start_step + 1:  # keep compilation out of the tokens/s of the first interval
+          jax.block_until_ready(metrics['loss'])
+          if self.is_main:
+            print(f'first step done in {time.time() - t0:.1f}s (includes compilation)', flush=True)
+          t_log, step_log = time.time(), step
+        if step % cfg.train.log_every == 0 or step == total or at_save or at_eval:
+          self._check_finite(pending_finite)
+          pending_finite = []
+          self.last_metrics = {k: float(v) for k, v in metrics.items()}
         if step % cfg.train.log_every == 0 or step == total:
           now = time.time()
           tps = (step - step_log) * tokens_per_step / max(now - t_log, 1e-9)
@@ -324,6 +343,7 @@ class Trainer:
         if self.is_main:
           print(f'final eval @ {self.step()}: loss {eval_metrics["loss"]:.4f} '
                 f'val accuracy {eval_metrics["accuracy"]:.4f}', flush=True)
+      self._check_finite(pending_finite)
       self.save(force=True)
       if status == 'preempted' and self.is_main:
         print(f'Stopped at step {self.step()} (checkpoint saved); rerun the same command to resume.',

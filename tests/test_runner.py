@@ -100,7 +100,7 @@ def test_nan_loss_halts_or_skips(tmp_path):
   tr.checkpointer.manager.reload() if hasattr(tr.checkpointer.manager, 'reload') else None
   # Resuming would restore the good checkpoint; instead keep training the poisoned state in place.
   tr.maybe_restore = lambda: False
-  with pytest.raises(trainer.NonFiniteLossError, match='non-finite loss.*Last good checkpoint: step 1'):
+  with pytest.raises(trainer.NonFiniteLossError, match='non-finite loss/gradients at step 2;.*Last good checkpoint: step 1'):
     tr.run()
   assert tr.checkpointer.latest_step() == 1
   tr.close()
