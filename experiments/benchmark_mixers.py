@@ -41,7 +41,7 @@ flags.DEFINE_integer("chunked_max_len", 32768, "skip *_chunked rows above this l
 flags.DEFINE_boolean("check", True, "run the GPU correctness check first")
 flags.DEFINE_boolean("check_only", False, "only run the correctness check")
 flags.DEFINE_float("time_budget_s", 420.0, "stop timing new cells after this many seconds")
-flags.DEFINE_list("sweep", [], "delta-rule configs 'max_chunk:warps_intra:warps_recur:blocked' to "
+flags.DEFINE_list("sweep", [], "delta-rule configs 'max_chunk:warps_intra:warps_recur:blocked[:block_v]' to "
                   "try on diag_kdn_pallas fwd+bwd at --sweep_len; the fastest is used for the rows")
 flags.DEFINE_list("gain_sweep", [], "gain max_chunk values to try on diag_gain_pallas fwd")
 flags.DEFINE_integer("sweep_len", 4096, "sequence length for the sweeps")
@@ -131,8 +131,14 @@ def _make_jax_fn(row, d):
   raise ValueError(row)
 
 
-def _time_fn(fn, args):
-  """Median ms of --reps runs after one compiling call and --warmup untimed runs."""
+def _time_fn(fn, args, compile_times=None, name=None):
+  """Median ms of --reps runs after one compiling call and --warmup untimed runs.
+
+  With `compile_times` (a dict), the first call's wall time (compilation included) is stored there."""
+  if compile_times is not None:
+    t0 = time.time()
+    jax.block_until_ready(fn(*args))
+    compile_times[name] = round(time.time() - t0, 2)
   return median_time(fn, *args, warmup=1 + FLAGS.warmup, repeats=FLAGS.reps)
 
 
@@ -285,29 +291,37 @@ def _time_stages(t):
   chunk = min(64, cfg.max_chunk)
   mu = jnp.full((h,), float(d))
   p0 = jnp.ones((b, h, d), jnp.float32)
-  out = {}
+  out, first = {}, {}
   gain = jax.jit(lambda k, la, om, r: pk.diag_gain(k, la, om, r, mu, p0)[0])
-  out["gain_fwd"] = _time_fn(gain, (x["k"], x["la"], x["om"], x["r"]))
+  out["gain_fwd"] = _time_fn(gain, (x["k"], x["la"], x["om"], x["r"]), first, "gain_fwd")
   w = gain(x["k"], x["la"], x["om"], x["r"])
   starts = jnp.broadcast_to((jnp.arange(t) % chunk == 0)[None, :], (b, t))
   cums = jax.jit(lambda la: common.segmented_cumsum(la.astype(jnp.float32),
                                                     starts[:, :, None, None], axis=1))
-  out["cumsum_glue"] = _time_fn(cums, (x["la"],))
+  out["cumsum_glue"] = _time_fn(cums, (x["la"],), first, "cumsum_glue")
   g = cums(x["la"])
-  kw = dict(chunk=chunk, scale=d ** -0.5, interpret=common.resolve_interpret(None), cfg=cfg)
+  # The precision the op picks for bf16 data (ops.diag_kdn hands the kernels fp32 arrays).
+  kw = dict(chunk=chunk, scale=d ** -0.5, interpret=common.resolve_interpret(None), cfg=cfg,
+            cfg_prec=common.precision_for(jnp.bfloat16))
   intra = jax.jit(lambda q, k, w, g: dk.intra_forward(q, k, w, g, None, **kw))
-  out["delta_intra_fwd"] = _time_fn(intra, (x["q"], x["k"], w, g))
+  out["delta_intra_fwd"] = _time_fn(intra, (x["q"], x["k"], w, g), first, "delta_intra_fwd")
   amat, pmat, wt = intra(x["q"], x["k"], w, g)
   h0 = jnp.zeros((b, h, d, d), jnp.float32)
   recur = jax.jit(lambda q, k, v, g, a, p, wt: dk.recur_forward(
       q, k, v, g, h0, None, a, p, wt, save_states=True, **kw))
   args = (x["q"], x["k"], x["v"], g, amat, pmat, wt)
-  out["delta_recur_fwd"] = _time_fn(recur, args)
+  out["delta_recur_fwd"] = _time_fn(recur, args, first, "delta_recur_fwd")
   o, _, states = recur(*args)
-  bwd = jax.jit(lambda do: dk.backward(x["q"], x["k"], x["v"], w, g, h0, None, None,
-                                       (amat, pmat, wt, states), do,
-                                       jnp.zeros((b, h, d, d), jnp.float32), **kw))
-  out["delta_bwd_total"] = _time_fn(bwd, (jnp.ones_like(o),))
+  res = (amat, pmat, wt, states)
+  dsfin = jnp.zeros((b, h, d, d), jnp.float32)
+  rbwd = jax.jit(lambda do: dk.recur_backward(x["q"], x["k"], x["v"], g, h0, None, res, do,
+                                               dsfin, **kw))
+  do = jnp.ones_like(o)
+  out["delta_recur_bwd"] = _time_fn(rbwd, (do,), first, "delta_recur_bwd")
+  partials = tuple(rbwd(do)[2:])
+  ibwd = jax.jit(lambda parts: dk.intra_backward(x["q"], x["k"], w, g, None, parts, **kw))
+  out["delta_intra_bwd"] = _time_fn(ibwd, (partials,), first, "delta_intra_bwd")
+  out["first_call_s"] = first
   return out
 
 
@@ -316,9 +330,9 @@ def _sweeps(results):
   from pallas_kernels.kdn_gain import config as gcfg  # pylint: disable=g-import-not-at-top
   best = None
   for spec in FLAGS.sweep:
-    mc, wi, wr, bl = spec.split(":")
+    mc, wi, wr, bl, *bv = spec.split(":")
     cfg = dcfg.set_default(max_chunk=int(mc), num_warps_intra=int(wi), num_warps_recur=int(wr),
-                           blocked=bl == "1")
+                           blocked=bl == "1", block_v=int(bv[0]) if bv else 64)
     try:
       ms = _time_jax_row("diag_kdn_pallas", FLAGS.sweep_len, True)
     except Exception as e:  # pylint: disable=broad-except

@@ -59,6 +59,24 @@ def cross_entropy(logits, targets, mask, z_loss=0.0):
   return jnp.sum(nll * mask), jnp.sum(correct * mask), jnp.sum(mask)
 
 
+def _host_init(init, shardings):
+  """Runs ``init`` op by op on the host CPU, then lays the values out with ``shardings``.
+
+  One jit of a whole model's initialisers compiles a separate random-number kernel per parameter
+  (measured: 112 s on an H200 and 19 s on CPU for the 125M LM); op by op, identical layers reuse
+  compiled kernels (5 s on CPU). Every process computes the same values from the seed and keeps
+  only its shards, so this also works across hosts. Without a CPU backend it falls back to jit.
+  """
+  try:
+    cpu = jax.devices('cpu')[0]
+  except RuntimeError:
+    return jax.jit(init, out_shardings=shardings)()
+  with jax.default_device(cpu):
+    values = jax.device_get(init())
+  return jax.tree.map(
+      lambda x, sh: jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx]), values, shardings)
+
+
 class Trainer:
 
   def __init__(self, config, workdir: str, devices=None):
@@ -108,7 +126,8 @@ class Trainer:
       _, p, r = nnx.split(m, nnx.Param, ...)
       return nnx.to_pure_dict(p), nnx.to_pure_dict(r)
 
-    self._init_fn = jax.jit(init, out_shardings=(self.param_shardings, rest_sh))
+    out_sh = (self.param_shardings, rest_sh)
+    self._init_fn = functools.partial(_host_init, init, out_sh)
     self.num_params = sum(int(np.prod(v.get_value().shape)) for v in
                           jax.tree.leaves(self.abs_params, is_leaf=_is_var))
 

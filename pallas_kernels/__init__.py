@@ -4,9 +4,11 @@ Public API (all arrays in [B, T, H, *] layout):
   diag_gain(k, log_alpha, omega, r, info_scale, p0, segment_ids=None, *, chunk_size=256, interpret=None)
   iso_gain(k, log_alpha, omega, r, info_scale, b0, segment_ids=None, *, chunk_size=256, interpret=None)
   delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None, *, chunk_size=64,
-             interpret=None)
+             precision=None, interpret=None)
+  precision_for(dtype) -> 'fast' | 'exact' (the dot precision delta_rule picks for that dtype)
 """
+from pallas_kernels.common import precision_for
 from pallas_kernels.kdn_gain import diag_gain, iso_gain
 from pallas_kernels.delta_rule import delta_rule
 
-__all__ = ["diag_gain", "iso_gain", "delta_rule"]
+__all__ = ["diag_gain", "iso_gain", "delta_rule", "precision_for"]

@@ -13,6 +13,7 @@ __all__ = [
     "resolve_interpret",
     "compiler_params",
     "dot_precision",
+    "precision_for",
     "pad_time",
     "reset_flags",
     "segmented_cumsum",
@@ -39,11 +40,29 @@ def compiler_params(num_warps: int = 4, num_stages: int = 1):
   return None
 
 
-def dot_precision(dtype):
-  """fp32 inputs -> exact fp32 (IEEE) dots; bf16/fp16 inputs -> TF32 dots (fp32 accumulate)."""
-  if jnp.dtype(dtype) == jnp.float32:
-    return lax.Precision.HIGHEST
-  return lax.Precision.DEFAULT
+PRECISIONS = ("fast", "exact")
+
+
+def precision_for(dtype):
+  """Default dot precision for inputs of `dtype`: 'exact' for fp32/fp64, 'fast' for bf16/fp16."""
+  return "exact" if jnp.dtype(dtype).itemsize >= 4 else "fast"
+
+
+def dot_precision(mode, interpret=False):
+  """Kernel dot precision (fp32 accumulation either way).
+
+  'fast': TF32 tensor-core dots on GPU, enough for bf16/fp16 inputs. 'exact': fp32-accurate dots;
+  on a GPU that is 3xTF32 (split operands, tensor cores) because Triton lowers HIGHEST to
+  per-element FMA loops that are an order of magnitude slower and compile slowly; elsewhere
+  (interpret mode, TPU) HIGHEST.
+  """
+  if mode not in PRECISIONS:
+    raise ValueError(f"pallas_kernels: precision={mode!r}; expected one of {PRECISIONS}")
+  if mode == "fast":
+    return lax.Precision.DEFAULT
+  if jax.default_backend() == "gpu" and not interpret:
+    return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+  return lax.Precision.HIGHEST
 
 
 def check_width(name, n):

@@ -1,34 +1,58 @@
 #!/usr/bin/env bash
-# The GPU measurements reported in docs/: the ops benchmark (reference vs
-# chunked), the mixer benchmark against flash-linear-attention, and 125M LM
-# training throughput on 1 vs 2 GPUs (data parallel). Run from the repo root
-# on a GPU host; results land in $OUT (default /tmp/kdn_gpu).
+# The GPU measurements reported in docs/. Run from the repo root on a GPU host:
+#   bash experiments/scripts/gpu_measurements.sh [section ...]
+# sections: ops (reference vs chunked), stages (pallas stage split + kernel config sweep),
+# mixers (mixer table vs flash-linear-attention), layers (whole layers vs fla's KDA layer),
+# train (125M LM training throughput on 1 GPU, and on 2 when there are 2). Default: all.
+# Results land in $RES (default /tmp/kdn_gpu); with $OUT set (the device tool) they are also packed
+# into $OUT/results.tgz. Each section has its own time limit.
 set -u
-OUT=${OUT:-/tmp/kdn_gpu}
-mkdir -p "$OUT"
+RES=${RES:-/tmp/kdn_gpu}
+mkdir -p "$RES"
+pack() { [ -n "${OUT:-}" ] && tar czf "$OUT/results.tgz" -C "$RES" . ; }
+trap pack EXIT
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 quiet() { grep -v -E '^[WI][0-9]{4} |libtpu|tpu backend'; }
+sections=${*:-ops stages mixers layers train}
+MIXER_LENS=${MIXER_LENS:-2048,4096,8192,16384,32768}
+TRAIN_STEPS=${TRAIN_STEPS:-30}
 
-nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpus.txt"
+nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$RES/gpus.txt"
+ngpu=$(nvidia-smi -L | wc -l)
 
-timeout 170 python3 -m experiments.benchmark_ops --seq_lens=1024,4096,16384 \
-  --impls=reference,chunked --ops=diag_kdn,iso_kdn --repeats=5 \
-  --out="$OUT/bench_ops_gpu.json" 2>&1 | quiet | tee "$OUT/bench_ops_gpu.txt"
-
-timeout 170 python3 -m experiments.benchmark_mixers --out="$OUT/mixers" \
-  --seq_lens=4096,16384 --reps=10 --check=false --time_budget_s=140 \
-  --rows=diag_kdn_chunked,iso_kdn_chunked,kda_chunked,gdn_chunked,fla_chunk_kda,fla_chunk_gdn,diag_kdn_pallas \
-  2>&1 | quiet | tail -40 | tee "$OUT/bench_mixers_gpu.txt"
-
-python3 -m experiments.data.make_token_file /tmp/kdn_tokens.npy --num_docs=20000
-for n in 1 2; do
-  CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout 140 python3 -m experiments.train \
-    --config=configs/lm_125m.py:default --workdir="/tmp/kdn_train_${n}gpu" \
-    --config.data.train_path=/tmp/kdn_tokens.npy --config.data.eval_path=/tmp/kdn_tokens.npy \
-    --config.data.global_batch_size=$((8 * n)) --config.mesh.data=-1 --config.mesh.fsdp=1 \
-    --config.train.num_steps=40 --config.train.log_every=10 --config.train.eval_every=1000000 \
-    --config.train.eval_batches=1 --config.data.eval_batch_size=$((8 * n)) \
-    --config.data.num_eval_examples=$((8 * n)) --config.checkpoint.enabled=false \
-    2>&1 | quiet | tail -8 | tee "$OUT/train_${n}gpu.txt"
-  cp "/tmp/kdn_train_${n}gpu/metrics.jsonl" "$OUT/train_${n}gpu.jsonl" 2>/dev/null
-done
+for s in $sections; do case $s in
+ops)
+  timeout 170 python3 -m experiments.benchmark_ops --seq_lens=1024,4096,16384 \
+    --impls=reference,chunked --ops=diag_kdn,iso_kdn --repeats=5 \
+    --out="$RES/bench_ops_gpu.json" 2>&1 | quiet | tee "$RES/bench_ops_gpu.txt" ;;
+stages)
+  timeout ${STAGES_LIMIT:-240} python3 -m experiments.benchmark_mixers --out="$RES/stages" \
+    --seq_lens=4096 --reps=10 --check=false --time_budget_s=60 --stages \
+    --sweep=${SWEEP:-64:4:4:0,64:8:8:0,32:4:4:0} \
+    --rows=diag_kdn_pallas,iso_kdn_pallas,fla_chunk_kda \
+    2>&1 | quiet | tail -40 | tee "$RES/stages.txt" ;;
+mixers)
+  timeout ${MIXERS_LIMIT:-300} python3 -m experiments.benchmark_mixers --out="$RES/mixers" \
+    --seq_lens=$MIXER_LENS --reps=${REPS:-30} --check=false --time_budget_s=${MIXERS_BUDGET:-260} \
+    --rows=${MIXER_ROWS:-diag_kdn_chunked,iso_kdn_chunked,kda_chunked,gdn_chunked,fla_chunk_kda,fla_chunk_gdn,diag_kdn_pallas,iso_kdn_pallas} \
+    2>&1 | quiet | tail -40 | tee "$RES/bench_mixers_gpu.txt" ;;
+layers)
+  timeout ${LAYERS_LIMIT:-240} python3 -m experiments.benchmark_layers --out="$RES/layers" \
+    --time_budget_s=${LAYERS_BUDGET:-200} 2>&1 | quiet | tail -30 | tee "$RES/bench_layers_gpu.txt" ;;
+train)
+  python3 -m experiments.data.make_token_file /tmp/kdn_tokens.npy --num_docs=20000 >/dev/null
+  for n in $(seq 1 "$ngpu"); do
+    [ "$n" -gt 2 ] && break
+    JAX_LOG_COMPILES=1 CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout ${TRAIN_LIMIT:-200} python3 -m experiments.train \
+      --config=configs/lm_125m.py:default --workdir="/tmp/kdn_train_${n}gpu" \
+      --config.data.train_path=/tmp/kdn_tokens.npy --config.data.eval_path=/tmp/kdn_tokens.npy \
+      --config.data.global_batch_size=$((8 * n)) --config.mesh.data=-1 --config.mesh.fsdp=1 \
+      --config.train.num_steps=$TRAIN_STEPS --config.train.log_every=5 --config.train.eval_every=0 \
+      --config.train.eval_batches=1 --config.data.eval_batch_size=$((8 * n)) \
+      --config.data.num_eval_examples=$((8 * n)) --config.checkpoint.enabled=false \
+      2>&1 | tee "$RES/train_${n}gpu.txt" | quiet | tail -12
+    grep -c "Compiling" "$RES/train_${n}gpu.txt" | sed 's/^/compiles logged: /'
+    cp "/tmp/kdn_train_${n}gpu/summary.json" "$RES/train_${n}gpu_summary.json" 2>/dev/null
+  done ;;
+*) echo "unknown section $s" ;;
+esac; done

@@ -30,16 +30,22 @@ def default_chunk_size(impl):
 
 
 def run_memory(op, impl, q, k, v, log_alpha, write, memory0, segment_ids,
-               chunk_size):
-  """Runs the memory recurrence with impl; inputs already in compute dtype."""
+               chunk_size, input_dtype):
+  """Runs the memory recurrence with impl; inputs already in compute dtype.
+
+  input_dtype (the caller's q dtype) sets the Pallas dot precision: TF32 for
+  bf16/fp16 data, fp32-accurate for fp32/fp64 data.
+  """
   if impl == "pallas":
     kernels = dispatch.pallas_module()
     if kernels is None:
       raise NotImplementedError(f"{op}: impl='pallas' but pallas_kernels "
                                 "cannot be imported")
     try:
-      return kernels.delta_rule(q, k, v, log_alpha, write, 1.0, memory0,
-                                segment_ids, chunk_size=chunk_size)
+      return kernels.delta_rule(
+          q, k, v, log_alpha, write, 1.0, memory0, segment_ids,
+          chunk_size=chunk_size,
+          precision=kernels.precision_for(input_dtype))
     except NotImplementedError as e:
       logging.log_first_n(logging.WARNING,
                           "%s: pallas path unavailable (%s); using chunked",
@@ -89,7 +95,8 @@ def delta_rule(q, k, v, log_alpha, write, *, scale=None, initial_state=None,
   scale = kd ** -0.5 if scale is None else scale
   o, memory = run_memory(op, impl, q.astype(cd) * scale, k.astype(cd),
                          v.astype(cd), log_alpha.astype(cd), write.astype(cd),
-                         memory0, segment_ids, chunk_size)
+                         memory0, segment_ids, chunk_size,
+                         jnp.result_type(q, k, v))
   return o.astype(q.dtype), (memory if output_final_state else None)
 
 

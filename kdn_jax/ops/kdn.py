@@ -68,6 +68,7 @@ def _kdn(op, diag, q, k, v, log_alpha, omega, r, info_scale, scale,
   val.check_chunk_size(op, chunk_size)
   out_dtype = q.dtype
   cd = val.compute_dtype(q, k, v, log_alpha, omega, r)
+  input_dtype = jnp.result_type(q, k, v)
   mu = val.info_scale_array(op, info_scale, h, kd, cd)
   state0 = _initial_state(op, diag, initial_state, b, h, kd, vd, cd)
   scale = kd ** -0.5 if scale is None else scale
@@ -83,7 +84,7 @@ def _kdn(op, diag, q, k, v, log_alpha, omega, r, info_scale, scale,
     write, var = _gain(op, diag, impl, k, log_alpha, omega, r, mu,
                        state0.variance, segment_ids)
     o, memory = run_memory(op, impl, q, k, v, log_alpha, write, state0.memory,
-                           segment_ids, chunk_size)
+                           segment_ids, chunk_size, input_dtype)
   final = KDNState(memory, var) if output_final_state else None
   return o.astype(out_dtype), final
 

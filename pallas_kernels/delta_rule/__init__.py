@@ -17,27 +17,27 @@ def _cumsum(la, starts):
   return common.segmented_cumsum(la, starts[:, :, None, None], axis=1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12))
-def _core(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
+def _core(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg, prec):
   g = _cumsum(la, starts)
   o, sfin, _ = _kernel.forward(q, k, v, w, g, h0, cont, pid, chunk=chunk, scale=scale,
-                               interpret=interpret, cfg=cfg, save_states=False)
+                               interpret=interpret, cfg=cfg, cfg_prec=prec, save_states=False)
   return o, sfin
 
 
-def _core_fwd(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg):
+def _core_fwd(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg, prec):
   g = _cumsum(la, starts)
   o, sfin, res = _kernel.forward(q, k, v, w, g, h0, cont, pid, chunk=chunk, scale=scale,
-                                 interpret=interpret, cfg=cfg, save_states=True)
+                                 interpret=interpret, cfg=cfg, cfg_prec=prec, save_states=True)
   return (o, sfin), (q, k, v, w, g, h0, starts, cont, pid, res)
 
 
-def _core_bwd(chunk, scale, interpret, cfg, saved, cts):
+def _core_bwd(chunk, scale, interpret, cfg, prec, saved, cts):
   q, k, v, w, g, h0, starts, cont, pid, res = saved
   do, dsfin = cts
   dq, dk, dv, dw, dg, dla_x, dh0 = _kernel.backward(
       q, k, v, w, g, h0, cont, pid, res, do, dsfin.astype(jnp.float32), chunk=chunk,
-      scale=scale, interpret=interpret, cfg=cfg)
+      scale=scale, interpret=interpret, cfg=cfg, cfg_prec=prec)
   # g = within-(chunk, segment) cumsum of log_alpha  =>  dla = reverse cumsum of dg, plus the
   # terms the kernel already expressed in log_alpha space.
   dla = common.segmented_reverse_cumsum(dg, starts[:, :, None, None], axis=1) + dla_x
@@ -49,13 +49,17 @@ _core.defvjp(_core_fwd, _core_bwd)
 
 
 def delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None, *,
-               chunk_size=64, interpret=None):
+               chunk_size=64, precision=None, interpret=None):
   """S_t = (I - w_t k_t^T) D_t S_{t-1} + w_t v_t^T,  o_t = scale * S_t^T q_t.
 
   q, k, write: [B,T,H,K]; v: [B,T,H,V]; log_alpha: [B,T,H,K] or [B,T,H]; initial_state: [B,H,K,V]
-  float32; segment_ids: [B,T] int or None. Returns (o [B,T,H,V] q.dtype, S_final [B,H,K,V] f32).
+  float32; segment_ids: [B,T] int or None. precision: 'fast' (TF32 dots, for bf16/fp16 data) or
+  'exact' (fp32-accurate dots); None picks from q.dtype. Returns (o [B,T,H,V] q.dtype,
+  S_final [B,H,K,V] f32).
   """
   interpret = common.resolve_interpret(interpret)
+  precision = common.precision_for(q.dtype) if precision is None else precision
+  common.dot_precision(precision)  # validates the name before any work
   bsz, t, nh, kd = k.shape
   vd = v.shape[-1]
   common.check_width("K", kd)
@@ -80,5 +84,5 @@ def delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None
     in_chunk = common.segmented_cumsum(reset.astype(jnp.int32), chunk_start, axis=1)
     cont = (in_chunk == 0).astype(jnp.float32)
   o, sfin = _core(q, k, v, w, la, initial_state.astype(jnp.float32), starts, cont, pid, chunk,
-                  float(scale), interpret, cfg)
+                  float(scale), interpret, cfg, precision)
   return o[:, :t], sfin

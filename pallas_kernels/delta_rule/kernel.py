@@ -88,12 +88,11 @@ def _select(block, C, js):
   return (c == r + js).astype(jnp.float32)
 
 
-def _pairs_blocked(q, k, w, g, refs, b, h, t0, C, block, prec):
+def _pairs_blocked(q, k, w, g, refs, b, h, t0, C, block, prec, hi):
   """L and P/scale with sub-blocks: off-diagonal blocks as matmuls around a reference point
   (the last token of the column block, so both factors are exp(<= 0)); diagonal blocks by a
   column loop over `block` rows only."""
   q_ref, k_ref, w_ref, g_ref = refs[:4]
-  hi = lax.Precision.HIGHEST
   row, col = _iota(C, 0), _iota(C, 1)
   row_k = lax.broadcasted_iota(jnp.int32, g.shape, 0)
   r16, c16 = _iota(block, 0), _iota(block, 1)
@@ -146,12 +145,11 @@ def _unit_lower_inverse_rows(lmat, C):
   return lax.fori_loop(1, C, sub_body, eye)
 
 
-def _unit_lower_inverse_blocked(lmat, C, block):
+def _unit_lower_inverse_blocked(lmat, C, block, hi):
   """(I + L)^-1 = sum_n (-M)^n D^-1 with D = I + blockdiag(L), M = D^-1 (L - blockdiag(L)).
 
   D^-1 by forward substitution run on all diagonal blocks at once (block - 1 matmul steps);
   M is nilpotent of index C / block, so the series is exact (block forward substitution)."""
-  hi = lax.Precision.HIGHEST
   row, col = _iota(C, 0), _iota(C, 1)
   eye = (row == col).astype(jnp.float32)
   same_blk = (row // block) == (col // block)
@@ -173,7 +171,7 @@ def _unit_lower_inverse_blocked(lmat, C, block):
   return amat
 
 
-def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, prec):
+def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, prec, hi):
   if has_seg:
     q_ref, k_ref, w_ref, g_ref, pid_ref, a_out, p_out, wt_out = refs
   else:
@@ -187,7 +185,7 @@ def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, prec):
   g = _tile(g_ref, b, t0, C, h)
   row, col = _iota(C, 0), _iota(C, 1)
   if blocked:
-    lmat, pmat = _pairs_blocked(q, k, w, g, refs, b, h, t0, C, block, prec)
+    lmat, pmat = _pairs_blocked(q, k, w, g, refs, b, h, t0, C, block, prec, hi)
   else:
     lmat, pmat = _pairs_loop(q, k, g, refs, b, h, t0, C)
   g_last = g_ref[b, t0 + C - 1, h, :]
@@ -200,7 +198,7 @@ def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, prec):
     e_last = jnp.where((pid == pid_last)[:, None], e_last, 0.0)
   pmat = pmat * scale
   if blocked:
-    amat = _unit_lower_inverse_blocked(lmat, C, block)
+    amat = _unit_lower_inverse_blocked(lmat, C, block, hi)
   else:
     amat = _unit_lower_inverse_rows(lmat, C)
   a_out[b, h, pl.ds(t0, C), :] = amat
@@ -347,9 +345,8 @@ def _pairs_bwd_loop(q, k, g, dpm, dlm, r, b, h, t0, C):
   return lax.fori_loop(0, C, col_body, (zeros, zeros, zeros))
 
 
-def _pairs_bwd_blocked(q, k, w, g, dpm, dlm, r, b, h, t0, C, block, prec, scale, has_seg,
+def _pairs_bwd_blocked(q, k, w, g, dpm, dlm, r, b, h, t0, C, block, prec, hi, scale, has_seg,
                        num_vb):
-  hi = lax.Precision.HIGHEST
   row, col = _iota(C, 0), _iota(C, 1)
   row_k = lax.broadcasted_iota(jnp.int32, q.shape, 0)
   r16, c16 = _iota(block, 0), _iota(block, 1)
@@ -411,7 +408,7 @@ def _pairs_bwd_blocked(q, k, w, g, dpm, dlm, r, b, h, t0, C, block, prec, scale,
   return dq_acc, dk_acc, dw_acc
 
 
-def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, blocked, block, prec):
+def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, blocked, block, prec, hi):
   names = ["q", "k", "w", "g", "dp", "dl", "dwt", "dkbar", "dqbar", "dgl"] + (
       ["pid"] if has_seg else [])
   n_in = len(names)
@@ -460,7 +457,7 @@ def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, blocked, block, prec
   # Decay-weighted products: X_r = sum_j G_rj y_j e_rj  and  Y_j = sum_r G_rj x_r e_rj.
   if blocked:
     dq_acc, dk_acc, dw_acc = _pairs_bwd_blocked(q, k, w, g, dpm, dlm, r, b, h, t0, C, block,
-                                                 prec, scale, has_seg, num_vb)
+                                                 prec, hi, scale, has_seg, num_vb)
   else:
     dq_acc, dk_acc, dw_acc = _pairs_bwd_loop(q, k, g, dpm, dlm, r, b, h, t0, C)
   e0 = jnp.exp(g)
@@ -474,7 +471,7 @@ def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, blocked, block, prec
   # j < s <= last. Emitting that directly (dla_x = strict-lower-ones @ t) instead of +t at `last`
   # and -t at j avoids cancelling O(1) terms when exp(g_last - g_j) == 1 (e.g. padded tails).
   twt = dwt * wt
-  dla_x = _dot((row > col).astype(jnp.float32), twt, lax.Precision.HIGHEST)
+  dla_x = _dot((row > col).astype(jnp.float32), twt, hi)
   dg = q * dq_acc + k * dk_acc - w * dw_acc + dqbar * qbar + dkbar * kbar
   dg = dg + jnp.where(row_k == C - 1, dgl[None, :], 0.0)
   dq_ref[b, pl.ds(t0, C), h, :] = dq
@@ -492,17 +489,18 @@ def _params(interpret, num_warps, cfg):
               compiler_params=common.compiler_params(num_warps, cfg.num_stages))
 
 
-def intra_forward(q, k, w, g, pid, *, chunk, scale, interpret, cfg):
+def intra_forward(q, k, w, g, pid, *, chunk, scale, interpret, cfg, cfg_prec):
   """Stage 1 (parallel over chunks): A = (I + L)^-1, P (scaled) and Wt."""
   bsz, t, nh, kd = k.shape
   nc = t // chunk
   has_seg = pid is not None
-  prec = common.dot_precision(q.dtype)
+  prec = common.dot_precision(cfg_prec, interpret)
   f32 = jnp.float32
   intra_in = [q, k, w, g] + ([pid] if has_seg else [])
   amat, pmat, wt = pl.pallas_call(
       functools.partial(_intra_fwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
-                        blocked=cfg.blocked and chunk > cfg.block, block=cfg.block, prec=prec),
+                        blocked=cfg.blocked and chunk > cfg.block, block=cfg.block, prec=prec,
+                        hi=common.dot_precision("exact", interpret)),
       out_shape=(jax.ShapeDtypeStruct((bsz, nh, t, chunk), f32),
                  jax.ShapeDtypeStruct((bsz, nh, t, chunk), f32),
                  jax.ShapeDtypeStruct((bsz, t, nh, kd), f32)),
@@ -513,13 +511,13 @@ def intra_forward(q, k, w, g, pid, *, chunk, scale, interpret, cfg):
 
 
 def recur_forward(q, k, v, g, h0, cont, amat, pmat, wt, *, chunk, scale, interpret, cfg,
-                  save_states):
+                  cfg_prec, save_states):
   """Stage 2 (serial over chunks): outputs, final state and (optionally) chunk-start states."""
   bsz, t, nh, kd = k.shape
   vd = v.shape[-1]
   nc = t // chunk
   has_seg = cont is not None
-  prec = common.dot_precision(q.dtype)
+  prec = common.dot_precision(cfg_prec, interpret)
   f32 = jnp.float32
   block_v = min(cfg.block_v, vd)
   out_shape = [jax.ShapeDtypeStruct(v.shape[:3] + (vd,), q.dtype),
@@ -538,33 +536,35 @@ def recur_forward(q, k, v, g, h0, cont, amat, pmat, wt, *, chunk, scale, interpr
   return o, sfin, states
 
 
-def forward(q, k, v, w, g, h0, cont, pid, *, chunk, scale, interpret, cfg, save_states):
+def forward(q, k, v, w, g, h0, cont, pid, *, chunk, scale, interpret, cfg, cfg_prec,
+            save_states):
   """q, k, w: [B,T,H,K]; v: [B,T,H,V]; g: [B,T,H,K] f32 chunk-local cumsum; h0 [B,H,K,V] f32.
 
   cont: [B,T] f32 or None; pid: [B,T] int32 or None (both None without segments).
   """
-  amat, pmat, wt = intra_forward(q, k, w, g, pid, chunk=chunk, scale=scale,
-                                 interpret=interpret, cfg=cfg)
-  o, sfin, states = recur_forward(q, k, v, g, h0, cont, amat, pmat, wt, chunk=chunk,
-                                  scale=scale, interpret=interpret, cfg=cfg,
-                                  save_states=save_states)
+  kw = dict(chunk=chunk, scale=scale, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
+  amat, pmat, wt = intra_forward(q, k, w, g, pid, **kw)
+  o, sfin, states = recur_forward(q, k, v, g, h0, cont, amat, pmat, wt, save_states=save_states,
+                                  **kw)
   return o, sfin, (amat, pmat, wt, states)
 
 
-def backward(q, k, v, w, g, h0, cont, pid, res, do, dsfin, *, chunk, scale, interpret, cfg):
+def recur_backward(q, k, v, g, h0, cont, res, do, dsfin, *, chunk, scale, interpret, cfg,
+                   cfg_prec):
+  """Backward stage 1 (serial over chunks, reversed): dV, dS_init and per-V-block partials."""
   amat, pmat, wt, states = res
   bsz, t, nh, kd = k.shape
   vd = v.shape[-1]
   nc = t // chunk
-  has_seg = pid is not None
-  prec = common.dot_precision(q.dtype)
+  has_seg = cont is not None
+  prec = common.dot_precision(cfg_prec, interpret)
   f32 = jnp.float32
   block_v = min(cfg.block_v, vd)
   nvb = vd // block_v
   recur_in = [q, k, v, g, amat, pmat, wt, h0, states, do, dsfin] + ([cont] if has_seg else [])
   cc = jax.ShapeDtypeStruct((bsz, nh, nvb, t, chunk), f32)
   ck = jax.ShapeDtypeStruct((bsz, nh, nvb, t, kd), f32)
-  dv, dh0, dp, dl, dwt, dkbar, dqbar, dgl = pl.pallas_call(
+  return pl.pallas_call(
       functools.partial(_recur_bwd_kernel, chunk=chunk, num_chunks=nc, scale=scale,
                         has_seg=has_seg, block_v=block_v, prec=prec),
       out_shape=(jax.ShapeDtypeStruct(v.shape, f32),
@@ -574,13 +574,29 @@ def backward(q, k, v, w, g, h0, cont, pid, res, do, dsfin, *, chunk, scale, inte
       grid=(bsz, nh, nvb), name="delta_rule_recur_bwd",
       **_params(interpret, cfg.num_warps_recur, cfg),
   )(*recur_in)
-  intra_in = [q, k, w, g, dp, dl, dwt, dkbar, dqbar, dgl] + ([pid] if has_seg else [])
-  lane = jax.ShapeDtypeStruct((bsz, t, nh, kd), f32)
-  dq, dk, dw, dg, dla_x = pl.pallas_call(
+
+
+def intra_backward(q, k, w, g, pid, partials, *, chunk, scale, interpret, cfg, cfg_prec):
+  """Backward stage 2 (parallel over chunks): dq, dk, dw, dg and the direct log-decay term."""
+  bsz, t, nh, kd = k.shape
+  nc = t // chunk
+  has_seg = pid is not None
+  nvb = partials[0].shape[2]
+  prec = common.dot_precision(cfg_prec, interpret)
+  intra_in = [q, k, w, g, *partials] + ([pid] if has_seg else [])
+  lane = jax.ShapeDtypeStruct((bsz, t, nh, kd), jnp.float32)
+  return pl.pallas_call(
       functools.partial(_intra_bwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
                         num_vb=nvb, blocked=cfg.blocked and chunk > cfg.block, block=cfg.block,
-                        prec=prec),
+                        prec=prec, hi=common.dot_precision("exact", interpret)),
       out_shape=(lane, lane, lane, lane, lane), grid=(bsz, nh, nc), name="delta_rule_intra_bwd",
       **_params(interpret, cfg.num_warps_intra, cfg),
   )(*intra_in)
+
+
+def backward(q, k, v, w, g, h0, cont, pid, res, do, dsfin, *, chunk, scale, interpret, cfg,
+             cfg_prec):
+  kw = dict(chunk=chunk, scale=scale, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
+  dv, dh0, *partials = recur_backward(q, k, v, g, h0, cont, res, do, dsfin, **kw)
+  dq, dk, dw, dg, dla_x = intra_backward(q, k, w, g, pid, partials, **kw)
   return dq, dk, dv, dw, dg, dla_x, dh0
