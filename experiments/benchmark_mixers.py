@@ -38,6 +38,8 @@ flags.DEFINE_list("rows", ["diag_kdn_pallas", "iso_kdn_pallas", "diag_gain_palla
                            "kda_pallas", "gdn_pallas", "kda_chunked", "gdn_chunked",
                            "fla_chunk_kda", "fla_chunk_gdn"], "rows to time")
 flags.DEFINE_integer("chunked_max_len", 32768, "skip *_chunked rows above this length")
+flags.DEFINE_list("pallas_lens", [], "if set, time *_pallas rows only at these lengths (each new "
+                  "length compiles the kernels again)")
 flags.DEFINE_boolean("check", True, "run the GPU correctness check first")
 flags.DEFINE_boolean("check_only", False, "only run the correctness check")
 flags.DEFINE_float("time_budget_s", 420.0, "stop timing new cells after this many seconds")
@@ -443,6 +445,8 @@ def main(argv):
       if row.startswith("fla") and not have_fla:
         continue
       if row.endswith("chunked") and t > FLAGS.chunked_max_len:
+        continue
+      if row.endswith("pallas") and FLAGS.pallas_lens and str(t) not in FLAGS.pallas_lens:
         continue
       for mode in ("fwd", "fwd+bwd"):
         if time.time() - start > FLAGS.time_budget_s:

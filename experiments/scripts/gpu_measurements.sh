@@ -13,7 +13,10 @@ pack() { [ -n "${OUT:-}" ] && tar czf "$OUT/results.tgz" -C "$RES" . ; }
 trap pack EXIT
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 quiet() { grep -v -E '^[WI][0-9]{4} |libtpu|tpu backend'; }
-sections=${*:-ops stages mixers layers train}
+sections=${*:-check ops stages mixers layers train}
+# Identical programs (a sweep's winner and the same row later) compile once per run.
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/kdn_jax_cache}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 MIXER_LENS=${MIXER_LENS:-2048,4096,8192,16384,32768}
 TRAIN_STEPS=${TRAIN_STEPS:-30}
 
@@ -21,6 +24,9 @@ nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$RES/gpus.txt"
 ngpu=$(nvidia-smi -L | wc -l)
 
 for s in $sections; do case $s in
+check)
+  timeout ${CHECK_LIMIT:-150} python3 -m experiments.benchmark_mixers --out="$RES/check" --check_only \
+    2>&1 | quiet | tail -30 | tee "$RES/check.txt" ;;
 ops)
   timeout 170 python3 -m experiments.benchmark_ops --seq_lens=1024,4096,16384 \
     --impls=reference,chunked --ops=diag_kdn,iso_kdn --repeats=5 \
@@ -34,6 +40,7 @@ stages)
 mixers)
   timeout ${MIXERS_LIMIT:-300} python3 -m experiments.benchmark_mixers --out="$RES/mixers" \
     --seq_lens=$MIXER_LENS --reps=${REPS:-30} --check=false --time_budget_s=${MIXERS_BUDGET:-260} \
+    --pallas_lens=${PALLAS_LENS:-4096,16384} --sweep=${SWEEP:-64:4:4:0,64:8:8:0,32:4:4:0} \
     --rows=${MIXER_ROWS:-diag_kdn_chunked,iso_kdn_chunked,kda_chunked,gdn_chunked,fla_chunk_kda,fla_chunk_gdn,diag_kdn_pallas,iso_kdn_pallas} \
     2>&1 | quiet | tail -40 | tee "$RES/bench_mixers_gpu.txt" ;;
 layers)
