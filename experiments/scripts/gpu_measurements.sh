@@ -34,18 +34,18 @@ ops)
 stages)
   timeout ${STAGES_LIMIT:-240} python3 -m experiments.benchmark_mixers --out="$RES/stages" \
     --seq_lens=4096 --reps=10 --check=false --time_budget_s=60 --stages \
-    --sweep=${SWEEP:-64:4:4:0,64:8:8:0,32:4:4:0} \
+    --sweep=${SWEEP-} \
     --rows=diag_kdn_pallas,iso_kdn_pallas,fla_chunk_kda \
     2>&1 | quiet | tail -40 | tee "$RES/stages.txt" ;;
 mixers)
   timeout ${MIXERS_LIMIT:-300} python3 -m experiments.benchmark_mixers --out="$RES/mixers" \
     --seq_lens=$MIXER_LENS --reps=${REPS:-30} --check=false --time_budget_s=${MIXERS_BUDGET:-260} \
-    --pallas_lens=${PALLAS_LENS:-4096,16384} --sweep=${SWEEP:-64:4:4:0,64:8:8:0,32:4:4:0} \
+    --pallas_lens=${PALLAS_LENS:-4096,16384} --sweep=${SWEEP-} \
     --rows=${MIXER_ROWS:-diag_kdn_chunked,iso_kdn_chunked,kda_chunked,gdn_chunked,fla_chunk_kda,fla_chunk_gdn,diag_kdn_pallas,iso_kdn_pallas} \
     2>&1 | quiet | tail -40 | tee "$RES/bench_mixers_gpu.txt" ;;
 layers)
   timeout ${LAYERS_LIMIT:-240} python3 -m experiments.benchmark_layers --out="$RES/layers" \
-    --time_budget_s=${LAYERS_BUDGET:-200} 2>&1 | quiet | tail -30 | tee "$RES/bench_layers_gpu.txt" ;;
+    --time_budget_s=${LAYERS_BUDGET:-200} --rows=${LAYER_ROWS:-kdn_diag,kdn_iso,kda,gated_deltanet,fla_kda_layer} 2>&1 | quiet | tail -30 | tee "$RES/bench_layers_gpu.txt" ;;
 train)
   python3 -m experiments.data.make_token_file /tmp/kdn_tokens.npy --num_docs=20000 >/dev/null
   for n in $(seq 1 "$ngpu"); do
