@@ -11,6 +11,7 @@ RES=${RES:-/tmp/kdn_gpu}
 mkdir -p "$RES"
 pack() { [ -n "${OUT:-}" ] && tar czf "$OUT/results.tgz" -C "$RES" . ; }
 trap pack EXIT
+trap 'exit 143' TERM
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 quiet() { grep -v -E '^[WI][0-9]{4} |libtpu|tpu backend'; }
 sections=${*:-check ops stages mixers layers train}
