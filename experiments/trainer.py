@@ -312,6 +312,7 @@ class Trainer:
     t_log, step_log = t0, start_step
     eval_metrics = {}
     pending_finite = []
+    t_steady, step_steady = None, None
     if self.is_main:
       print(f'Training {cfg.model.get("mixer")} model ({self.num_params / 1e6:.2f}M params) on '
             f'{cfg.data.kind}, mesh {dict(self.mesh.shape)}, initial_state={self.strategy}, '
@@ -336,6 +337,7 @@ class Trainer:
           if self.is_main:
             print(f'first step done in {time.time() - t0:.1f}s (includes compilation)', flush=True)
           t_log, step_log = time.time(), step
+          t_steady, step_steady = t_log, step
         if step % cfg.train.log_every == 0 or step == total or at_save or at_eval:
           self._check_finite(pending_finite)
           pending_finite = []
@@ -377,6 +379,10 @@ class Trainer:
     summary = {'status': status, 'step': self.step(), 'num_steps': total, 'wall_time_s': elapsed,
                'steps_this_run': self.step() - start_step,
                'tokens_per_s': (self.step() - start_step) * tokens_per_step / max(elapsed, 1e-9),
+               # after the first (compiling) step, up to the end of the loop
+               'steady_tokens_per_s': (None if t_steady is None or step_log <= step_steady else
+                                       (step_log - step_steady) * tokens_per_step
+                                       / max(t_log - t_steady, 1e-9)),
                'num_params': self.num_params, 'train': self.last_metrics,
                'eval': eval_metrics, 'initial_state': self.strategy, 'mesh': dict(self.mesh.shape)}
     if self.is_main:

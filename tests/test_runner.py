@@ -162,7 +162,10 @@ def test_cli_end_to_end(tmp_path):
   assert 'step 3/3' in r.stdout and 'val accuracy' in r.stdout
   for f in ('metrics.jsonl', 'summary.json', 'loss.png', 'tb'):
     assert os.path.exists(wd / f), f
-  assert json.load(open(wd / 'summary.json'))['status'] == 'completed'
+  summary = json.load(open(wd / 'summary.json'))
+  assert summary['status'] == 'completed'
+  assert 'first step done in' in r.stdout
+  assert summary['steady_tokens_per_s'] > summary['tokens_per_s'] > 0  # compile excluded
   r = subprocess.run(cmd[:5] + ['--config.train.nonsense=1'], cwd=ROOT, env=env, capture_output=True,
                      text=True, timeout=300)
   assert r.returncode != 0 and 'nonsense' in r.stderr
