@@ -5,7 +5,7 @@
   else comma-separated mixer names cycled over layers, e.g. 'kdn_diag,swa'), mlp_hidden,
   tie_embeddings, swa_window, conv_size, info_scale, noise, chunk_size, impl, dtype ('float32' |
   'bfloat16' compute), param_dtype ('float32'), r_min, norm_eps, plus lowrank_dim (0 = head_dim),
-  rope_theta, remat, match_params.
+  rope_theta, remat, match_params, scan_layers (run repeated layers as one lax.scan: compiles once).
 
 Parameter matching: unless ``mlp_hidden`` is overridden (or match_params=False), the SwiGLU width is
 re-solved so that the model's non-embedding parameter count equals that of the reference
@@ -45,6 +45,7 @@ DEFAULTS = dict(
     swa_window=512, conv_size=4, info_scale='k', noise='learned', chunk_size=64, impl='auto',
     dtype='float32', param_dtype='float32', r_min=0.01, norm_eps=1e-6,
     lowrank_dim=0, rope_theta=10000.0, remat=False, match_params=True, mlp_multiple=64,
+    scan_layers=False,
 )
 
 _DTYPES = ('float32', 'bfloat16')
@@ -96,6 +97,8 @@ def validate_config(cfg) -> None:
         raise _err('norm_eps', f'must be > 0, got {cfg.norm_eps}')
     if cfg.lowrank_dim < 0:
         raise _err('lowrank_dim', f'must be >= 0 (0 = head_dim), got {cfg.lowrank_dim}')
+    if not isinstance(cfg.get('scan_layers', False), bool):
+        raise _err('scan_layers', f'must be a bool, got {cfg.scan_layers!r}')
     if not isinstance(cfg.impl, str):
         raise _err('impl', f'must be a string, got {cfg.impl!r}')
 

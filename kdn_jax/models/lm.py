@@ -21,6 +21,7 @@ from kdn_jax.layers.gated_norm import RMSNorm
 from kdn_jax.layers.mlp import SwiGLU
 from kdn_jax.layers.recurrent import get_dtype
 from kdn_jax.layers.registry import make_mixer
+from kdn_jax.models import layer_scan
 from kdn_jax.models.config import layer_mixers, validate_config
 
 
@@ -67,6 +68,7 @@ class LanguageModel(nnx.Module):
         else:
             self.lm_head = Dense(d, vocab, ('embed', 'vocab'), dtype=self.dtype, param_dtype=pdt, rngs=rngs)
         self.remat = bool(cfg.get('remat', False))
+        self.scan_layers = bool(cfg.get('scan_layers', False))
 
     # ---------------------------------------------------------------------------------------------
     def _embed(self, tokens):
@@ -93,6 +95,10 @@ class LanguageModel(nnx.Module):
         if len(states) != len(self.blocks):
             raise ValueError(f'states has {len(states)} entries, model has {len(self.blocks)} layers')
         x = self._embed(tokens)
+        if self.scan_layers and layer_scan.can_scan(self.layer_names, states):
+            x, new_states = layer_scan.scan_blocks(list(self.blocks), self.layer_names, x, states, segment_ids,
+                                                   remat=self.remat)
+            return self._logits(x), new_states
         new_states = []
         for blk, st in zip(self.blocks, states):
             if self.remat:
