@@ -234,3 +234,21 @@ def test_scan_layers_matches_unrolled(pattern, num_layers):
         assert jax.tree.structure(s1) == jax.tree.structure(s0)
         for a, b in zip(jax.tree.leaves(s1) + jax.tree.leaves(g1), jax.tree.leaves(s0) + jax.tree.leaves(g0)):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * (1 + float(jnp.max(jnp.abs(b)))))
+
+
+def test_mixer_override_after_model_config_keeps_params_matched():
+    """Editing the mixer after model_config (as --config.model.mixer=... does) re-matches the MLP width;
+    an explicitly set mlp_hidden is kept."""
+    from kdn_jax.models.config import effective_mlp_hidden
+    ref = param_count(model_config('20m', mixer='kdn_diag'))['non_embedding']
+    for mixer in ('gla', 'swa', 'deltanet'):
+        cfg = model_config('20m', mixer='kdn_diag')
+        cfg.mixer = mixer
+        direct = model_config('20m', mixer=mixer)
+        assert effective_mlp_hidden(cfg) == direct.mlp_hidden != model_config('20m').mlp_hidden
+        assert abs(param_count(cfg)['non_embedding'] - ref) / ref < 0.01
+    cfg = model_config('20m', mixer='kdn_diag')
+    cfg.mixer, cfg.mlp_hidden = 'gla', 640
+    assert effective_mlp_hidden(cfg) == 640
+    with pytest.raises(ValueError, match='scan_layers'):
+        model_config('tiny', scan_layers='yes')

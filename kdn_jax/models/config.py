@@ -46,6 +46,7 @@ DEFAULTS = dict(
     dtype='float32', param_dtype='float32', r_min=0.01, norm_eps=1e-6,
     lowrank_dim=0, rope_theta=10000.0, remat=False, match_params=True, mlp_multiple=64,
     scan_layers=False,
+    mlp_reference=0, mlp_matched=0,  # set by model_config; see effective_mlp_hidden
 )
 
 _DTYPES = ('float32', 'bfloat16')
@@ -132,7 +133,7 @@ def mixer_param_count(name: str, cfg) -> int:
 def analytic_non_embedding(cfg, mlp_hidden=None) -> int:
     """Non-embedding params: mixers + SwiGLU (3*d*h) + 2 block norms per layer + final norm."""
     d = int(cfg.d_model)
-    h = int(cfg.mlp_hidden if mlp_hidden is None else mlp_hidden)
+    h = effective_mlp_hidden(cfg) if mlp_hidden is None else int(mlp_hidden)
     mix = sum(mixer_param_count(m, cfg) for m in layer_mixers(cfg))
     return mix + int(cfg.num_layers) * (3 * d * h + 2 * d) + d
 
@@ -189,4 +190,18 @@ def model_config(size: str = 'tiny', **overrides) -> ml_collections.ConfigDict:
     validate_config(cfg)
     if cfg.match_params and 'mlp_hidden' not in overrides:
         cfg.mlp_hidden = matched_mlp_hidden(cfg, SIZES[size]['mlp_hidden'])
+        cfg.mlp_reference, cfg.mlp_matched = SIZES[size]['mlp_hidden'], cfg.mlp_hidden
     return cfg
+
+
+def effective_mlp_hidden(cfg) -> int:
+    """The SwiGLU width the model builds.
+
+    ``cfg.mlp_hidden``, except when model_config matched it and the config was edited afterwards
+    (``--config.model.mixer=kda``, a new layer_pattern, ...) while mlp_hidden itself was left at the
+    matched value: then it is re-matched for the edited config, so flag overrides keep mixers
+    parameter-matched. An explicitly set mlp_hidden (any other value) is kept."""
+    ref, matched = int(cfg.get('mlp_reference', 0)), int(cfg.get('mlp_matched', 0))
+    if cfg.match_params and ref and int(cfg.mlp_hidden) == matched:
+        return matched_mlp_hidden(cfg, ref)
+    return int(cfg.mlp_hidden)

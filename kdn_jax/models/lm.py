@@ -22,7 +22,7 @@ from kdn_jax.layers.mlp import SwiGLU
 from kdn_jax.layers.recurrent import get_dtype
 from kdn_jax.layers.registry import make_mixer
 from kdn_jax.models import layer_scan
-from kdn_jax.models.config import layer_mixers, validate_config
+from kdn_jax.models.config import effective_mlp_hidden, layer_mixers, validate_config
 
 
 class Block(nnx.Module):
@@ -33,7 +33,7 @@ class Block(nnx.Module):
         self.norm1 = RMSNorm(d, eps=float(cfg.norm_eps), dtype=dtype, param_dtype=pdt)
         self.mixer = make_mixer(mixer_name, cfg, rngs=rngs)
         self.norm2 = RMSNorm(d, eps=float(cfg.norm_eps), dtype=dtype, param_dtype=pdt)
-        self.mlp = SwiGLU(d, int(cfg.mlp_hidden), dtype=dtype, param_dtype=pdt, rngs=rngs)
+        self.mlp = SwiGLU(d, effective_mlp_hidden(cfg), dtype=dtype, param_dtype=pdt, rngs=rngs)
 
     def __call__(self, x, state=None, segment_ids=None):
         y, st = self.mixer(self.norm1(x), initial_state=state, segment_ids=segment_ids)
