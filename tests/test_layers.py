@@ -271,3 +271,20 @@ def test_bf16_compute_fp32_params(name):
     np.testing.assert_allclose(np.asarray(y, np.float32), y32, atol=5e-2, rtol=5e-2)
     if fs is not None:
         assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(fs))
+
+
+def test_swa_decode_cache_is_a_window_sized_ring():
+    """swa decodes from a cache of `window` slots (O(window) memory), still equal to the parallel form
+    after the ring has wrapped several times; full attention keeps a max_len cache."""
+    swa = _mixer('swa', fresh=True, swa_window=3)
+    cache = swa.init_cache(2, 100)
+    assert cache['k'].shape[1] == 3 and _mixer('attention').init_cache(2, 100)['k'].shape[1] == 100
+    x = jax.random.normal(jax.random.key(7), (2, 11, swa.d_model), jnp.float32)
+    y_par, _ = swa(x)
+    y_pre, cache = swa.prefill(x[:, :5], cache)   # prefill longer than the ring
+    ys = [y_pre]
+    for t in range(5, 11):
+        y_t, cache = swa.step(x[:, t], cache)
+        ys.append(y_t[:, None])
+    _close(jnp.concatenate(ys, 1), y_par)
+    assert sorted(np.asarray(cache['pos']).tolist()) == [8, 9, 10]

@@ -3,8 +3,10 @@
 Training/chunked path: ``__call__(x, *, initial_state=None, segment_ids=None) -> (y, None)``
 (attention carries nothing across training chunks; ``initial_state`` must be None).
 Decoding uses a separate KV cache: ``init_cache(batch, max_len)`` ->
-``{'k': [B, L, H, D], 'v': [B, L, H, D], 'index': int32 []}``; ``prefill(x, cache)`` and ``step(x_t, cache)``.
-(The cache is full length also for `swa`; the window is applied by masking.)
+``{'k': [B, L, H, D], 'v': [B, L, H, D], 'pos': int32 [L], 'index': int32 []}``; ``prefill(x, cache)`` and
+``step(x_t, cache)``. Full attention: L = max_len, slot = position. `swa`: a ring buffer of
+L = min(max_len, window) slots (slot = position mod L), so decoding memory is O(window), not O(length);
+``pos`` holds each slot's absolute position (-1: empty).
 """
 from __future__ import annotations
 
@@ -54,8 +56,10 @@ class Attention(nnx.Module):
         return None
 
     def init_cache(self, batch: int, max_len: int) -> dict:
-        shape = (batch, int(max_len), self.num_heads, self.head_dim)
-        return {'k': jnp.zeros(shape, self.dtype), 'v': jnp.zeros(shape, self.dtype), 'index': jnp.zeros((), jnp.int32)}
+        L = int(max_len) if self.window is None else min(int(max_len), self.window)
+        shape = (batch, L, self.num_heads, self.head_dim)
+        return {'k': jnp.zeros(shape, self.dtype), 'v': jnp.zeros(shape, self.dtype),
+                'pos': jnp.full((L,), -1, jnp.int32), 'index': jnp.zeros((), jnp.int32)}
 
     def _qkv(self, x, positions):
         q = rope(self.q_proj(x), positions, self.theta)
@@ -81,20 +85,32 @@ class Attention(nnx.Module):
         return self.o_proj(o.astype(self.dtype)), None
 
     def prefill(self, x, cache):
-        """Append x [B, T, d] at cache['index'] and attend over the cache -> (y, new_cache)."""
+        """Attend from x [B, T, d] (positions index..index+T-1) over the cache and x -> (y, new_cache)."""
         B, T, _ = x.shape
         L = cache['k'].shape[1]
         idx = cache['index']
         qpos = idx + jnp.arange(T, dtype=jnp.int32)
         q, k, v = self._qkv(x, qpos)
-        ck = jax.lax.dynamic_update_slice(cache['k'], k.astype(cache['k'].dtype), (0, idx, 0, 0))
-        cv = jax.lax.dynamic_update_slice(cache['v'], v.astype(cache['v'].dtype), (0, idx, 0, 0))
-        kpos = jnp.arange(L, dtype=jnp.int32)
-        mask = kpos[None, :] <= qpos[:, None]
+        if self.window is None:  # full cache: write first, then attend over every slot
+            ck = jax.lax.dynamic_update_slice(cache['k'], k.astype(cache['k'].dtype), (0, idx, 0, 0))
+            cv = jax.lax.dynamic_update_slice(cache['v'], v.astype(cache['v'].dtype), (0, idx, 0, 0))
+            kpos = jnp.where(jnp.arange(L) < idx + T, jnp.arange(L, dtype=jnp.int32), -1)
+            new = {'k': ck, 'v': cv, 'pos': kpos, 'index': idx + T}
+            keys, vals = ck, cv
+        else:  # ring: attend over (old slots, new tokens), then keep the newest L tokens
+            keys = jnp.concatenate([cache['k'], k.astype(cache['k'].dtype)], axis=1)
+            vals = jnp.concatenate([cache['v'], v.astype(cache['v'].dtype)], axis=1)
+            kpos = jnp.concatenate([cache['pos'], qpos])
+            n = min(T, L)
+            slots = qpos[T - n:] % L
+            new = {'k': cache['k'].at[:, slots].set(k[:, T - n:].astype(cache['k'].dtype)),
+                   'v': cache['v'].at[:, slots].set(v[:, T - n:].astype(cache['v'].dtype)),
+                   'pos': cache['pos'].at[slots].set(qpos[T - n:]), 'index': idx + T}
+        mask = (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])
         if self.window is not None:
             mask = mask & (qpos[:, None] - kpos[None, :] < self.window)
-        o = jax.nn.dot_product_attention(q, ck.astype(self.dtype), cv.astype(self.dtype), mask=mask[None, None])
-        return self.o_proj(o.astype(self.dtype)), {'k': ck, 'v': cv, 'index': idx + T}
+        o = jax.nn.dot_product_attention(q, keys.astype(self.dtype), vals.astype(self.dtype), mask=mask[None, None])
+        return self.o_proj(o.astype(self.dtype)), new
 
     def step(self, x_t, cache):
         y, cache = self.prefill(x_t[:, None], cache)
