@@ -104,17 +104,33 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
   _check(args, seg, chunk, 1e-5, 1e-4)
 
 
-@pytest.mark.parametrize("blocked", [True, False])
-def test_delta_rule_blocked_and_loop(blocked):
+@pytest.mark.parametrize("variant", [dict(blocked=True), dict(blocked=False), dict(kblock=16),
+                                     dict(kblock=64)])
+def test_delta_rule_intra_variants(variant):
+  """Every intra-chunk pair-product variant (column loop, sub-blocked, K-blocked) is exact."""
   old = dr_config.DEFAULT
   try:
-    dr_config.set_default(blocked=blocked)
+    dr_config.set_default(**variant)
     t = 45
     args = _inputs(5, 2, t, 1, 64, 64, jnp.float32, False, "normal")
     seg = np.zeros((2, t), np.int32)
     seg[0, 20:] = 1
     seg[1, 38:] = 3
     _check(args, seg, 32, 1e-5, 1e-4)
+    if variant.get("kblock"):
+      _check(_inputs(3, 1, 40, 2, 64, 64, jnp.float32, False, "strong"), None, 16, 1e-5, 1e-4)
+  finally:
+    dr_config.DEFAULT = old
+
+
+def test_delta_rule_bf16_operand_dots():
+  """fast_dots='bf16' (bf16 dot operands for bf16 data) stays within the bf16 bounds over 5 chunks."""
+  old = dr_config.DEFAULT
+  try:
+    dr_config.set_default(fast_dots="bf16", kblock=16)
+    seg = np.zeros((1, 150), np.int32)
+    seg[:, 70:] = 1
+    _check(_inputs(11, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"), seg, 32, 5e-3, 1e-2)
   finally:
     dr_config.DEFAULT = old
 

@@ -14,6 +14,13 @@ class DeltaRuleConfig:
   # Sub-blocked intra kernels (matmuls around a reference point + blocked inverse). Validated on
   # CPU only: its first H200 compile ran > 3 minutes and was cut off, so it is off by default.
   blocked: bool = False
+  # Pair products of the intra kernels as [C, C, kblock] tiles summed over K in K/kblock steps
+  # (0: the C-step column loop). Validated in interpret mode; not yet timed on a GPU.
+  kblock: int = 0
+  # What precision='fast' (bf16/fp16 data) means for the dots: 'tf32' (fp32 operands on TF32 tensor
+  # cores) or 'bf16' (operands rounded to bf16, fp32 accumulation: twice the tensor-core rate;
+  # flash-linear-attention's choice). Validated in interpret mode; not yet timed on a GPU.
+  fast_dots: str = "tf32"
   block_v: int = 32          # value-columns per program in the recurrent (state-passing) kernels
   num_warps_intra: int = 8   # Triton warps, intra-chunk kernels (parallel over chunks)
   num_warps_recur: int = 8   # Triton warps, recurrent kernels (serial over chunks)

@@ -31,16 +31,25 @@ _NT = (((1,), (1,)), ((), ()))   # x @ y^T
 _TN = (((0,), (0,)), ((), ()))   # x^T @ y
 
 
+BF16_OPERANDS = "bf16_operands"   # a `prec` value: round both operands to bf16, accumulate in fp32
+
+
+def _dims(x, y, dims, prec):
+  if prec == BF16_OPERANDS:
+    x, y, prec = x.astype(jnp.bfloat16), y.astype(jnp.bfloat16), lax.Precision.DEFAULT
+  return lax.dot_general(x, y, dims, precision=prec, preferred_element_type=jnp.float32)
+
+
 def _dot(x, y, prec):
-  return jnp.dot(x, y, precision=prec, preferred_element_type=jnp.float32)
+  return _dims(x, y, (((1,), (0,)), ((), ())), prec)
 
 
 def _dot_nt(x, y, prec):
-  return lax.dot_general(x, y, _NT, precision=prec, preferred_element_type=jnp.float32)
+  return _dims(x, y, _NT, prec)
 
 
 def _dot_tn(x, y, prec):
-  return lax.dot_general(x, y, _TN, precision=prec, preferred_element_type=jnp.float32)
+  return _dims(x, y, _TN, prec)
 
 
 def _iota(c, axis):
@@ -79,6 +88,28 @@ def _pairs_loop(q, k, g, refs, b, h, t0, C):
 
   zeros = jnp.zeros((C, C), jnp.float32)
   return lax.fori_loop(0, C, col_body, (zeros, zeros))
+
+
+def _pairs_kblock(refs, b, h, t0, C, kd, bk):
+  """L (strict) and P/scale (inclusive) as [C, C, bk] decay-weighted products, summed over K in
+  kd / bk steps: every (r, j) pair of the chunk at once, instead of C dependent column steps."""
+  q_ref, k_ref, w_ref, g_ref = refs[:4]
+  row, col = _iota(C, 0), _iota(C, 1)
+
+  def body(i, lp):
+    lmat, pmat = lp
+    ks = pl.ds(i * bk, bk)
+    kb = k_ref[b, pl.ds(t0, C), h, ks].astype(jnp.float32)
+    qb = q_ref[b, pl.ds(t0, C), h, ks].astype(jnp.float32)
+    wb = w_ref[b, pl.ds(t0, C), h, ks].astype(jnp.float32)
+    gb = g_ref[b, pl.ds(t0, C), h, ks]
+    we = wb[None, :, :] * jnp.exp(jnp.minimum(gb[:, None, :] - gb[None, :, :], 0.0))  # [r, j, c]
+    return (lmat + jnp.sum(kb[:, None, :] * we, axis=2),
+            pmat + jnp.sum(qb[:, None, :] * we, axis=2))
+
+  zeros = jnp.zeros((C, C), jnp.float32)
+  lmat, pmat = lax.fori_loop(0, kd // bk, body, (zeros, zeros))
+  return jnp.where(row > col, lmat, 0.0), jnp.where(row >= col, pmat, 0.0)
 
 
 def _select(block, C, js):
@@ -171,7 +202,7 @@ def _unit_lower_inverse_blocked(lmat, C, block, hi):
   return amat
 
 
-def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, prec, hi):
+def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, kblock, prec, hi):
   if has_seg:
     q_ref, k_ref, w_ref, g_ref, pid_ref, a_out, p_out, wt_out = refs
   else:
@@ -184,7 +215,9 @@ def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, prec, hi):
   w = _tile(w_ref, b, t0, C, h)
   g = _tile(g_ref, b, t0, C, h)
   row, col = _iota(C, 0), _iota(C, 1)
-  if blocked:
+  if kblock:
+    lmat, pmat = _pairs_kblock(refs, b, h, t0, C, q.shape[1], kblock)
+  elif blocked:
     lmat, pmat = _pairs_blocked(q, k, w, g, refs, b, h, t0, C, block, prec, hi)
   else:
     lmat, pmat = _pairs_loop(q, k, g, refs, b, h, t0, C)
@@ -408,58 +441,15 @@ def _pairs_bwd_blocked(q, k, w, g, dpm, dlm, r, b, h, t0, C, block, prec, hi, sc
   return dq_acc, dk_acc, dw_acc
 
 
-def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, blocked, block, prec, hi):
-  names = ["q", "k", "w", "g", "dp", "dl", "dwt", "dkbar", "dqbar", "dgl"] + (
-      ["pid"] if has_seg else [])
-  n_in = len(names)
-  r = dict(zip(names, refs[:n_in]))
-  dq_ref, dk_ref, dw_ref, dg_ref, dlax_ref = refs[n_in:]
-  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  C = chunk
-  t0 = c * C
-  q = _tile(r["q"], b, t0, C, h)
-  k = _tile(r["k"], b, t0, C, h)
-  w = _tile(r["w"], b, t0, C, h)
-  g = _tile(r["g"], b, t0, C, h)
+def _intra_bwd_epilogue(q, k, w, g, acc, p_diag, dwt, dkbar, dqbar, dgl, e_last, scale, hi):
+  """Per-token gradients from the pair accumulators; works on any slice of the K columns.
+
+  acc = (X_q, X_k, Y_w): X_r = sum_j G_rj y_j e_rj (G = dP or dL, y = w) and
+  Y_j = sum_r (dP_rj q_r + dL_rj k_r) e_rj."""
+  dq_acc, dk_acc, dw_acc = acc
+  C = q.shape[0]
   row, col = _iota(C, 0), _iota(C, 1)
   row_k = lax.broadcasted_iota(jnp.int32, q.shape, 0)
-
-  def vsum(name, rows):
-    acc = r[name][b, h, 0, rows, :]
-    for j in range(1, num_vb):
-      acc = acc + r[name][b, h, j, rows, :]
-    return acc
-
-  rows = pl.ds(t0, C)
-  dpm = vsum("dp", rows)
-  dlm = vsum("dl", rows)
-  dwt = vsum("dwt", rows)
-  dkbar = vsum("dkbar", rows)
-  dqbar = vsum("dqbar", rows)
-  dgl = r["dgl"][b, h, 0, c, :]
-  for j in range(1, num_vb):
-    dgl = dgl + r["dgl"][b, h, j, c, :]
-  dpm = jnp.where(row >= col, dpm, 0.0) * scale
-  dlm = jnp.where(row > col, dlm, 0.0)
-  g_last = r["g"][b, t0 + C - 1, h, :]
-  e_last = jnp.exp(jnp.minimum(g_last[None, :] - g, 0.0))
-  if has_seg:
-    same, pid = _same_seg(r["pid"], b, t0, C)
-    dpm = dpm * same
-    dlm = dlm * same
-    pid_last = r["pid"][b, t0 + C - 1]
-    e_last = jnp.where((pid == pid_last)[:, None], e_last, 0.0)
-
-  # P's diagonal (r == j: decay factor exactly 1) is split off: its contributions to dg cancel
-  # exactly, and leaving them in would swamp tiny decay gradients with rounding noise.
-  p_diag = jnp.sum(jnp.where(row == col, dpm, 0.0), axis=1)[:, None]
-  dpm = jnp.where(row > col, dpm, 0.0)
-  # Decay-weighted products: X_r = sum_j G_rj y_j e_rj  and  Y_j = sum_r G_rj x_r e_rj.
-  if blocked:
-    dq_acc, dk_acc, dw_acc = _pairs_bwd_blocked(q, k, w, g, dpm, dlm, r, b, h, t0, C, block,
-                                                 prec, hi, scale, has_seg, num_vb)
-  else:
-    dq_acc, dk_acc, dw_acc = _pairs_bwd_loop(q, k, g, dpm, dlm, r, b, h, t0, C)
   e0 = jnp.exp(g)
   qbar = (scale * q) * e0
   kbar = k * e0
@@ -474,14 +464,107 @@ def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, blocked, block, prec
   dla_x = _dot((row > col).astype(jnp.float32), twt, hi)
   dg = q * dq_acc + k * dk_acc - w * dw_acc + dqbar * qbar + dkbar * kbar
   dg = dg + jnp.where(row_k == C - 1, dgl[None, :], 0.0)
-  dq_ref[b, pl.ds(t0, C), h, :] = dq
-  dk_ref[b, pl.ds(t0, C), h, :] = dk
-  dw_ref[b, pl.ds(t0, C), h, :] = dw
-  dg_ref[b, pl.ds(t0, C), h, :] = dg
-  dlax_ref[b, pl.ds(t0, C), h, :] = dla_x
+  return dq, dk, dw, dg, dla_x
+
+
+def _pairs_bwd_kblock(q, k, w, g, dpm, dlm):
+  """The pair accumulators of one [C, bk] column block, all (r, j) pairs at once."""
+  e = jnp.exp(jnp.minimum(g[:, None, :] - g[None, :, :], 0.0))          # [r, j, c]
+  we = w[None, :, :] * e
+  dq_acc = jnp.sum(dpm[:, :, None] * we, axis=1)
+  dk_acc = jnp.sum(dlm[:, :, None] * we, axis=1)
+  dw_acc = jnp.sum((dpm[:, :, None] * q[:, None, :] + dlm[:, :, None] * k[:, None, :]) * e, axis=0)
+  return dq_acc, dk_acc, dw_acc
+
+
+def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, blocked, block, kblock, prec, hi):
+  names = ["q", "k", "w", "g", "dp", "dl", "dwt", "dkbar", "dqbar", "dgl"] + (
+      ["pid"] if has_seg else [])
+  n_in = len(names)
+  r = dict(zip(names, refs[:n_in]))
+  outs = refs[n_in:]
+  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  C = chunk
+  t0 = c * C
+  kd = r["q"].shape[-1]
+  row, col = _iota(C, 0), _iota(C, 1)
+  rows = pl.ds(t0, C)
+
+  def vsum(name, cols):
+    acc = r[name][b, h, 0, rows, cols]
+    for j in range(1, num_vb):
+      acc = acc + r[name][b, h, j, rows, cols]
+    return acc
+
+  def dgl_sum(cols):
+    acc = r["dgl"][b, h, 0, c, cols]
+    for j in range(1, num_vb):
+      acc = acc + r["dgl"][b, h, j, c, cols]
+    return acc
+
+  def e_last_of(g, cols):
+    g_last = r["g"][b, t0 + C - 1, h, cols]
+    e_last = jnp.exp(jnp.minimum(g_last[None, :] - g, 0.0))
+    if has_seg:
+      e_last = jnp.where((pid == r["pid"][b, t0 + C - 1])[:, None], e_last, 0.0)
+    return e_last
+
+  dpm = jnp.where(row >= col, vsum("dp", pl.ds(0, C)), 0.0) * scale
+  dlm = jnp.where(row > col, vsum("dl", pl.ds(0, C)), 0.0)
+  pid = None
+  if has_seg:
+    same, pid = _same_seg(r["pid"], b, t0, C)
+    dpm = dpm * same
+    dlm = dlm * same
+  # P's diagonal (r == j: decay factor exactly 1) is split off: its contributions to dg cancel
+  # exactly, and leaving them in would swamp tiny decay gradients with rounding noise.
+  p_diag = jnp.sum(jnp.where(row == col, dpm, 0.0), axis=1)[:, None]
+  dpm = jnp.where(row > col, dpm, 0.0)
+
+  def store(vals, cols):
+    for ref, val in zip(outs, vals):
+      ref[b, rows, h, cols] = val
+
+  if kblock:
+    def kbody(i, carry):
+      cols = pl.ds(i * kblock, kblock)
+      q, k, w, g = (r[n][b, rows, h, cols].astype(jnp.float32) for n in ("q", "k", "w", "g"))
+      acc = _pairs_bwd_kblock(q, k, w, g, dpm, dlm)
+      store(_intra_bwd_epilogue(q, k, w, g, acc, p_diag, vsum("dwt", cols), vsum("dkbar", cols),
+                                vsum("dqbar", cols), dgl_sum(cols), e_last_of(g, cols), scale, hi),
+            cols)
+      return carry
+
+    lax.fori_loop(0, kd // kblock, kbody, 0)
+    return
+  allk = pl.ds(0, kd)
+  q = _tile(r["q"], b, t0, C, h)
+  k = _tile(r["k"], b, t0, C, h)
+  w = _tile(r["w"], b, t0, C, h)
+  g = _tile(r["g"], b, t0, C, h)
+  if blocked:
+    acc = _pairs_bwd_blocked(q, k, w, g, dpm, dlm, r, b, h, t0, C, block, prec, hi, scale,
+                             has_seg, num_vb)
+  else:
+    acc = _pairs_bwd_loop(q, k, g, dpm, dlm, r, b, h, t0, C)
+  store(_intra_bwd_epilogue(q, k, w, g, acc, p_diag, vsum("dwt", allk), vsum("dkbar", allk),
+                            vsum("dqbar", allk), dgl_sum(allk), e_last_of(g, allk), scale, hi),
+        allk)
 
 
 # ----------------------------------------------------------------------------------- wrappers
+
+
+def _precision(cfg, cfg_prec, interpret):
+  """The kernels' dot precision: 'fast' means TF32, or bf16 operands with cfg.fast_dots='bf16'."""
+  if cfg_prec == "fast" and cfg.fast_dots == "bf16":
+    return BF16_OPERANDS
+  return common.dot_precision(cfg_prec, interpret)
+
+
+def _kblock(cfg, kd):
+  """K-column block of the pair products (0: column loop), capped at K."""
+  return min(cfg.kblock, kd) if cfg.kblock else 0
 
 
 def _params(interpret, num_warps, cfg):
@@ -494,12 +577,13 @@ def intra_forward(q, k, w, g, pid, *, chunk, scale, interpret, cfg, cfg_prec):
   bsz, t, nh, kd = k.shape
   nc = t // chunk
   has_seg = pid is not None
-  prec = common.dot_precision(cfg_prec, interpret)
+  prec = _precision(cfg, cfg_prec, interpret)
   f32 = jnp.float32
   intra_in = [q, k, w, g] + ([pid] if has_seg else [])
   amat, pmat, wt = pl.pallas_call(
       functools.partial(_intra_fwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
-                        blocked=cfg.blocked and chunk > cfg.block, block=cfg.block, prec=prec,
+                        blocked=cfg.blocked and chunk > cfg.block, block=cfg.block,
+                        kblock=_kblock(cfg, kd), prec=prec,
                         hi=common.dot_precision("exact", interpret)),
       out_shape=(jax.ShapeDtypeStruct((bsz, nh, t, chunk), f32),
                  jax.ShapeDtypeStruct((bsz, nh, t, chunk), f32),
@@ -517,7 +601,7 @@ def recur_forward(q, k, v, g, h0, cont, amat, pmat, wt, *, chunk, scale, interpr
   vd = v.shape[-1]
   nc = t // chunk
   has_seg = cont is not None
-  prec = common.dot_precision(cfg_prec, interpret)
+  prec = _precision(cfg, cfg_prec, interpret)
   f32 = jnp.float32
   block_v = min(cfg.block_v, vd)
   out_shape = [jax.ShapeDtypeStruct(v.shape[:3] + (vd,), q.dtype),
@@ -557,7 +641,7 @@ def recur_backward(q, k, v, g, h0, cont, res, do, dsfin, *, chunk, scale, interp
   vd = v.shape[-1]
   nc = t // chunk
   has_seg = cont is not None
-  prec = common.dot_precision(cfg_prec, interpret)
+  prec = _precision(cfg, cfg_prec, interpret)
   f32 = jnp.float32
   block_v = min(cfg.block_v, vd)
   nvb = vd // block_v
@@ -582,13 +666,14 @@ def intra_backward(q, k, w, g, pid, partials, *, chunk, scale, interpret, cfg, c
   nc = t // chunk
   has_seg = pid is not None
   nvb = partials[0].shape[2]
-  prec = common.dot_precision(cfg_prec, interpret)
+  prec = _precision(cfg, cfg_prec, interpret)
   intra_in = [q, k, w, g, *partials] + ([pid] if has_seg else [])
   lane = jax.ShapeDtypeStruct((bsz, t, nh, kd), jnp.float32)
   return pl.pallas_call(
       functools.partial(_intra_bwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
                         num_vb=nvb, blocked=cfg.blocked and chunk > cfg.block, block=cfg.block,
-                        prec=prec, hi=common.dot_precision("exact", interpret)),
+                        kblock=_kblock(cfg, kd), prec=prec,
+                        hi=common.dot_precision("exact", interpret)),
       out_shape=(lane, lane, lane, lane, lane), grid=(bsz, nh, nc), name="delta_rule_intra_bwd",
       **_params(interpret, cfg.num_warps_intra, cfg),
   )(*intra_in)
