@@ -4,6 +4,7 @@
 # sections: ops (reference vs chunked), stages (pallas stage split + kernel config sweep),
 # mixers (mixer table vs flash-linear-attention), layers (whole layers vs fla's KDA layer),
 # train (125M LM training throughput on 1 GPU, and on 2 when there are 2). Default: all.
+# Extra train flags: TRAIN_EXTRA='--config.model.scan_layers=True --config.model.impl=pallas'.
 # Results land in $RES (default /tmp/kdn_gpu); with $OUT set (the device tool) they are also packed
 # into $OUT/results.tgz. Each section has its own time limit.
 set -u
@@ -57,7 +58,7 @@ train)
       --config.data.global_batch_size=$((8 * n)) --config.mesh.data=-1 --config.mesh.fsdp=1 \
       --config.train.num_steps=$TRAIN_STEPS --config.train.log_every=5 --config.train.eval_every=0 \
       --config.train.eval_batches=1 --config.data.eval_batch_size=$((8 * n)) \
-      --config.data.num_eval_examples=$((8 * n)) --config.checkpoint.enabled=false \
+      --config.data.num_eval_examples=$((8 * n)) --config.checkpoint.enabled=false ${TRAIN_EXTRA:-} \
       2>&1 | tee "$RES/train_${n}gpu.txt" | quiet | tail -12
     grep -c "Compiling" "$RES/train_${n}gpu.txt" | sed 's/^/compiles logged: /'
     cp "/tmp/kdn_train_${n}gpu/summary.json" "$RES/train_${n}gpu_summary.json" 2>/dev/null
