@@ -155,3 +155,15 @@ def test_delta_rule_tpu_interpret_matches():
                       interpret=pltpu.InterpretParams())
   o2, s2 = delta_rule(*args[:5], 0.5, args[5], seg, chunk_size=16, interpret=True)
   assert _rel(o1, o2) < 1e-6 and _rel(s1, s2) < 1e-6
+
+
+def test_delta_rule_precision_argument():
+  """precision defaults from the dtype ('exact' for fp32, 'fast' for bf16) and bad names are refused."""
+  from pallas_kernels import precision_for  # pylint: disable=g-import-not-at-top
+  assert precision_for(jnp.float32) == "exact" and precision_for(jnp.bfloat16) == "fast"
+  args = _inputs(2, 1, 8, 1, 16, 16, jnp.float32, False, "normal")
+  with pytest.raises(ValueError, match="precision='tf16'"):
+    delta_rule(*args[:5], 0.5, args[5], precision="tf16")
+  o1, _ = delta_rule(*args[:5], 0.5, args[5], chunk_size=16)
+  o2, _ = delta_rule(*args[:5], 0.5, args[5], chunk_size=16, precision="exact")
+  np.testing.assert_array_equal(o1, o2)
