@@ -44,7 +44,7 @@ flags.DEFINE_boolean("check", True, "run the GPU correctness check first")
 flags.DEFINE_boolean("check_only", False, "only run the correctness check")
 flags.DEFINE_float("time_budget_s", 420.0, "stop timing new cells after this many seconds")
 flags.DEFINE_list("sweep", [], "delta-rule configs "
-                  "'max_chunk:warps_intra:warps_recur:blocked[:block_v[:kblock[:fast_dots]]]' to "
+                  "'max_chunk:warps_intra:warps_recur:blocked[:block_v[:kblock[:fast_dots[:split]]]]' to "
                   "try on diag_kdn_pallas fwd+bwd at --sweep_len; the fastest is used for the rows")
 flags.DEFINE_list("gain_sweep", [], "gain max_chunk values to try on diag_gain_pallas fwd")
 flags.DEFINE_integer("sweep_len", 4096, "sequence length for the sweeps")
@@ -333,10 +333,11 @@ def _sweeps(results):
   from pallas_kernels.kdn_gain import config as gcfg  # pylint: disable=g-import-not-at-top
   best = None
   for spec in FLAGS.sweep:
-    mc, wi, wr, bl, *rest = spec.split(":") + [None] * 3
+    mc, wi, wr, bl, *rest = spec.split(":") + [None] * 4
     cfg = dcfg.set_default(max_chunk=int(mc), num_warps_intra=int(wi), num_warps_recur=int(wr),
                            blocked=bl == "1", block_v=int(rest[0] or 32),
-                           kblock=int(rest[1] or 0), fast_dots=rest[2] or "tf32")
+                           kblock=int(rest[1] or 0), fast_dots=rest[2] or "tf32",
+                           split_output=rest[3] == "1")
     try:
       ms = _time_jax_row("diag_kdn_pallas", FLAGS.sweep_len, True)
     except Exception as e:  # pylint: disable=broad-except

@@ -105,9 +105,10 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
 
 
 @pytest.mark.parametrize("variant", [dict(blocked=True), dict(blocked=False), dict(kblock=16),
-                                     dict(kblock=64)])
+                                     dict(kblock=64), dict(split_output=True, kblock=16)])
 def test_delta_rule_intra_variants(variant):
-  """Every intra-chunk pair-product variant (column loop, sub-blocked, K-blocked) is exact."""
+  """Every kernel variant (intra pair products: column loop, sub-blocked, K-blocked; outputs in
+  the serial kernel or a separate parallel kernel) is exact."""
   old = dr_config.DEFAULT
   try:
     dr_config.set_default(**variant)
@@ -146,14 +147,20 @@ def test_delta_rule_unsupported_width():
     delta_rule(x, x, x, x, x, 1.0, jnp.zeros((1, 1, 48, 48)))
 
 
-def test_delta_rule_tpu_interpret_matches():
+@pytest.mark.parametrize("variant", [{}, dict(kblock=8, split_output=True)])
+def test_delta_rule_tpu_interpret_matches(variant):
   """Mosaic-TPU interpret mode (the only TPU validation available here) == generic interpret."""
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
-  args = _inputs(3, 1, 20, 1, 16, 16, jnp.float32, False, "normal")
-  seg = jnp.asarray(np.array([[0] * 9 + [1] * 11]), jnp.int32)
-  o1, s1 = delta_rule(*args[:5], 0.5, args[5], seg, chunk_size=16,
-                      interpret=pltpu.InterpretParams())
-  o2, s2 = delta_rule(*args[:5], 0.5, args[5], seg, chunk_size=16, interpret=True)
+  old = dr_config.DEFAULT
+  try:
+    dr_config.set_default(**variant)
+    args = _inputs(3, 1, 20, 1, 16, 16, jnp.float32, False, "normal")
+    seg = jnp.asarray(np.array([[0] * 9 + [1] * 11]), jnp.int32)
+    o1, s1 = delta_rule(*args[:5], 0.5, args[5], seg, chunk_size=16,
+                        interpret=pltpu.InterpretParams())
+    o2, s2 = delta_rule(*args[:5], 0.5, args[5], seg, chunk_size=16, interpret=True)
+  finally:
+    dr_config.DEFAULT = old
   assert _rel(o1, o2) < 1e-6 and _rel(s1, s2) < 1e-6
 
 

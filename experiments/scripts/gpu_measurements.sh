@@ -36,7 +36,7 @@ ops)
 stages)
   timeout ${STAGES_LIMIT:-240} python3 -m experiments.benchmark_mixers --out="$RES/stages" \
     --seq_lens=4096 --reps=10 --check=false --time_budget_s=60 --stages \
-    --sweep=${SWEEP-32:8:8:0:32,32:8:8:0:32:16,32:8:8:0:32:0:bf16,32:8:8:0:32:16:bf16,64:8:8:0:32:16:bf16} \
+    --sweep=${SWEEP-32:8:8:0:32,32:8:8:0:32:16,32:8:8:0:32:0:bf16,32:8:8:0:32:16:bf16:1,64:8:8:0:32:16:bf16:1} \
     --rows=diag_kdn_pallas,iso_kdn_pallas,fla_chunk_kda \
     2>&1 | quiet | tail -40 | tee "$RES/stages.txt" ;;
 mixers)

@@ -21,6 +21,10 @@ class DeltaRuleConfig:
   # cores) or 'bf16' (operands rounded to bf16, fp32 accumulation: twice the tensor-core rate;
   # flash-linear-attention's choice). Validated in interpret mode; not yet timed on a GPU.
   fast_dots: str = "tf32"
+  # Serial kernel keeps only the state chain (3 dots per chunk) and a parallel kernel forms the
+  # outputs from the saved chunk-start states (flash-linear-attention's split). Validated in
+  # interpret mode; not yet timed on a GPU.
+  split_output: bool = False
   block_v: int = 32          # value-columns per program in the recurrent (state-passing) kernels
   num_warps_intra: int = 8   # Triton warps, intra-chunk kernels (parallel over chunks)
   num_warps_recur: int = 8   # Triton warps, recurrent kernels (serial over chunks)

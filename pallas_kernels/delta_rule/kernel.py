@@ -256,11 +256,14 @@ def _chunk_common(refs, b, h, t0, C, scale, has_seg):
   return kbar, qbar, e_last, cont, cont_last
 
 
-def _recur_fwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, save_states):
+def _recur_fwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, save_states,
+                      split):
+  """Serial over chunks. split=False: emits O itself. split=True: emits Delta instead, so the
+  dependent chain per chunk is 3 dots (U, Delta, S) and O is formed by _output_kernel."""
   names = ["q", "k", "v", "g", "a", "p", "wt", "h0"] + (["cont"] if has_seg else [])
   n_in = len(names)
   r = dict(zip(names, refs[:n_in]))
-  o_ref, sfin_ref = refs[n_in], refs[n_in + 1]
+  o_ref, sfin_ref = refs[n_in], refs[n_in + 1]    # o_ref holds Delta when split
   states_ref = refs[n_in + 2] if save_states else None
   b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   C = chunk
@@ -274,23 +277,48 @@ def _recur_fwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, s
     kbar, qbar, e_last, cont, cont_last = _chunk_common(r, b, h, t0, C, scale, has_seg)
     v = r["v"][b, pl.ds(t0, C), h, pl.ds(v0, block_v)].astype(jnp.float32)
     amat = r["a"][b, h, pl.ds(t0, C), :]
-    pmat = r["p"][b, h, pl.ds(t0, C), :]
     wt = r["wt"][b, pl.ds(t0, C), h, :]
     if has_seg:
       u = v - _dot(kbar * cont, s, prec) - _dot(kbar * (1.0 - cont), s_init, prec)
-      o_init = _dot(qbar * cont, s, prec) + _dot(qbar * (1.0 - cont), s_init, prec)
       s_base = cont_last * s + (1.0 - cont_last) * s_init
     else:
       u = v - _dot(kbar, s, prec)
-      o_init = _dot(qbar, s, prec)
       s_base = s
     delta = _dot(amat, u, prec)
-    o = o_init + _dot(pmat, delta, prec)
-    o_ref[b, pl.ds(t0, C), h, pl.ds(v0, block_v)] = o.astype(o_ref.dtype)
+    if split:
+      o_ref[b, pl.ds(t0, C), h, pl.ds(v0, block_v)] = delta
+    else:
+      o = _output(qbar, cont, s, s_init, r["p"][b, h, pl.ds(t0, C), :], delta, has_seg, prec)
+      o_ref[b, pl.ds(t0, C), h, pl.ds(v0, block_v)] = o.astype(o_ref.dtype)
     return e_last * s_base + _dot_tn(wt, delta, prec)
 
   s = lax.fori_loop(0, num_chunks, body, s_init)
   sfin_ref[b, h, :, pl.ds(v0, block_v)] = s
+
+
+def _output(qbar, cont, s, s_init, pmat, delta, has_seg, prec):
+  """O = Qbar S_0 (S_init for rows whose segment starts in the chunk) + P Delta."""
+  if has_seg:
+    o = _dot(qbar * cont, s, prec) + _dot(qbar * (1.0 - cont), s_init, prec)
+  else:
+    o = _dot(qbar, s, prec)
+  return o + _dot(pmat, delta, prec)
+
+
+def _output_kernel(*refs, chunk, scale, has_seg, block_v, prec):
+  """Parallel over (chunk, V block): O from the saved chunk-start state and Delta."""
+  names = ["q", "g", "p", "delta", "states", "h0"] + (["cont"] if has_seg else [])
+  r = dict(zip(names, refs[:len(names)]))
+  o_ref = refs[len(names)]
+  b, h, c, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+  C = chunk
+  t0 = c * C
+  vs = pl.ds(vb * block_v, block_v)
+  qbar = (scale * _tile(r["q"], b, t0, C, h)) * jnp.exp(_tile(r["g"], b, t0, C, h))
+  cont = r["cont"][b, pl.ds(t0, C)][:, None] if has_seg else None
+  o = _output(qbar, cont, r["states"][b, h, c, :, vs], r["h0"][b, h, :, vs].astype(jnp.float32),
+              r["p"][b, h, pl.ds(t0, C), :], r["delta"][b, pl.ds(t0, C), h, vs], has_seg, prec)
+  o_ref[b, pl.ds(t0, C), h, vs] = o.astype(o_ref.dtype)
 
 
 # ----------------------------------------------------------------------------------- backward
@@ -596,7 +624,10 @@ def intra_forward(q, k, w, g, pid, *, chunk, scale, interpret, cfg, cfg_prec):
 
 def recur_forward(q, k, v, g, h0, cont, amat, pmat, wt, *, chunk, scale, interpret, cfg,
                   cfg_prec, save_states):
-  """Stage 2 (serial over chunks): outputs, final state and (optionally) chunk-start states."""
+  """Stage 2 (serial over chunks): outputs, final state and (optionally) chunk-start states.
+
+  With cfg.split_output the serial kernel emits Delta and the chunk-start states, and a parallel
+  kernel forms the outputs (the states are then materialised also when not saved)."""
   bsz, t, nh, kd = k.shape
   vd = v.shape[-1]
   nc = t // chunk
@@ -604,20 +635,32 @@ def recur_forward(q, k, v, g, h0, cont, amat, pmat, wt, *, chunk, scale, interpr
   prec = _precision(cfg, cfg_prec, interpret)
   f32 = jnp.float32
   block_v = min(cfg.block_v, vd)
-  out_shape = [jax.ShapeDtypeStruct(v.shape[:3] + (vd,), q.dtype),
+  split = cfg.split_output
+  keep_states = save_states or split
+  out_shape = [jax.ShapeDtypeStruct(v.shape[:3] + (vd,), f32 if split else q.dtype),
                jax.ShapeDtypeStruct((bsz, nh, kd, vd), f32)]
-  if save_states:
+  if keep_states:
     out_shape.append(jax.ShapeDtypeStruct((bsz, nh, nc, kd, vd), f32))
   recur_in = [q, k, v, g, amat, pmat, wt, h0] + ([cont] if has_seg else [])
   outs = pl.pallas_call(
       functools.partial(_recur_fwd_kernel, chunk=chunk, num_chunks=nc, scale=scale,
-                        has_seg=has_seg, block_v=block_v, prec=prec, save_states=save_states),
+                        has_seg=has_seg, block_v=block_v, prec=prec, save_states=keep_states,
+                        split=split),
       out_shape=tuple(out_shape), grid=(bsz, nh, vd // block_v), name="delta_rule_recur_fwd",
       **_params(interpret, cfg.num_warps_recur, cfg),
   )(*recur_in)
   o, sfin = outs[0], outs[1]
-  states = outs[2] if save_states else None
-  return o, sfin, states
+  states = outs[2] if keep_states else None
+  if split:
+    out_in = [q, g, pmat, o, states, h0] + ([cont] if has_seg else [])
+    o = pl.pallas_call(
+        functools.partial(_output_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
+                          block_v=block_v, prec=prec),
+        out_shape=jax.ShapeDtypeStruct(v.shape[:3] + (vd,), q.dtype),
+        grid=(bsz, nh, nc, vd // block_v), name="delta_rule_output",
+        **_params(interpret, cfg.num_warps_intra, cfg),
+    )(*out_in)
+  return o, sfin, states if save_states else None
 
 
 def forward(q, k, v, w, g, h0, cont, pid, *, chunk, scale, interpret, cfg, cfg_prec,
