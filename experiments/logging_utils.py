@@ -61,8 +61,9 @@ def read_metrics(workdir: str, split: str | None = None) -> list[dict]:
 
 def progress_line(step, total, metrics, tokens_per_s, eta_s) -> str:
   extra = ' | '.join(f'{k} {v:.4g}' for k, v in metrics.items() if k in ('accuracy', 'grad_norm', 'lr'))
-  return (f'step {step}/{total} | loss {metrics["loss"]:.4f} | {extra} | '
-          f'{tokens_per_s / 1e3:.1f}k tok/s | ETA {fmt_time(eta_s)}')
+  speed = '' if tokens_per_s is None else f' | {tokens_per_s / 1e3:.1f}k tok/s | ETA {fmt_time(eta_s)}'
+  return f'step {step}/{total} | loss {metrics["loss"]:.4f} | {extra}{speed}'
+
 
 
 def write_summary(workdir: str, summary: dict):

@@ -26,6 +26,9 @@ flags.mark_flags_as_required(['config', 'workdir'])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if not flags.FLAGS['verbosity'].present:
+    # Progress lines go to stdout; library INFO logs (orbax's per-save lines) need --verbosity=0.
+    logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
   try:
     config_lib.check_keys(config)
@@ -42,7 +45,7 @@ def main(argv):
     summary = tr.run()
   finally:
     tr.close()
-  logging.info('summary: %s', summary)
+  logging.info('summary: %s', summary)  # also in <workdir>/summary.json
   return 0 if summary['status'] in ('completed', 'preempted') else 1
 
 

@@ -26,6 +26,7 @@ from experiments import logging_utils
 from experiments import optim
 from experiments import sharding
 from experiments.data import pipeline
+from kdn_jax.models import config as model_config_lib
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -68,7 +69,7 @@ def _host_init(init, shardings):
   only its shards, so this also works across hosts. Without a CPU backend it falls back to jit.
   """
   try:
-    cpu = jax.devices('cpu')[0]
+    cpu = jax.local_devices(backend='cpu')[0]  # this process's CPU (jax.devices lists all hosts')
   except RuntimeError:
     return jax.jit(init, out_shardings=shardings)()
   with jax.default_device(cpu):
@@ -84,6 +85,8 @@ class Trainer:
     self.devices = list(jax.devices() if devices is None else devices)
     self.process_index, self.process_count = jax.process_index(), jax.process_count()
     config_lib.validate(config, len(self.devices), self.process_count)
+    if 'mlp_matched' in config.model:  # flag overrides of the mixer keep parameters matched
+      model_config_lib.resolve_mlp_hidden(config.model)
     pipeline.check_data_files(config)
     self.config, self.workdir = config, workdir
     self.is_main = self.process_index == 0
@@ -344,10 +347,13 @@ class Trainer:
           self.last_metrics = {k: float(v) for k, v in metrics.items()}
         if step % cfg.train.log_every == 0 or step == total:
           now = time.time()
-          tps = (step - step_log) * tokens_per_step / max(now - t_log, 1e-9)
-          eta = (total - step) * (now - t_log) / max(step - step_log, 1)
-          t_log, step_log = now, step
-          writer.write(step, 'train', {**self.last_metrics, 'tokens_per_s': tps})
+          tps, eta = None, None  # no interval yet right after the (compiling) first step
+          if step > step_log:
+            tps = (step - step_log) * tokens_per_step / max(now - t_log, 1e-9)
+            eta = (total - step) * (now - t_log) / max(step - step_log, 1)
+            t_log, step_log = now, step
+          writer.write(step, 'train', {**self.last_metrics,
+                                       **({} if tps is None else {'tokens_per_s': tps})})
           if self.is_main:
             print(logging_utils.progress_line(step, total, self.last_metrics, tps, eta), flush=True)
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < total:
@@ -379,7 +385,8 @@ class Trainer:
     summary = {'status': status, 'step': self.step(), 'num_steps': total, 'wall_time_s': elapsed,
                'steps_this_run': self.step() - start_step,
                'tokens_per_s': (self.step() - start_step) * tokens_per_step / max(elapsed, 1e-9),
-               # after the first (compiling) step, up to the end of the loop
+               # from the end of the first (compiling) step to the last log point; includes any
+               # eval and checkpoint time in between
                'steady_tokens_per_s': (None if t_steady is None or step_log <= step_steady else
                                        (step_log - step_steady) * tokens_per_step
                                        / max(t_log - t_steady, 1e-9)),

@@ -250,5 +250,14 @@ def test_mixer_override_after_model_config_keeps_params_matched():
     cfg = model_config('20m', mixer='kdn_diag')
     cfg.mixer, cfg.mlp_hidden = 'gla', 640
     assert effective_mlp_hidden(cfg) == 640
+    # a frozen config builds too, and the runner's write-back makes the config show the real width
+    import ml_collections
+    from kdn_jax.models.config import resolve_mlp_hidden
+    cfg = model_config('tiny', mixer='kdn_diag')
+    cfg.mixer = 'gla'
+    frozen = nnx.eval_shape(lambda: LanguageModel(ml_collections.FrozenConfigDict(cfg), rngs=nnx.Rngs(0)))
+    assert resolve_mlp_hidden(cfg) == model_config('tiny', mixer='gla').mlp_hidden == cfg.mlp_hidden
+    assert frozen.blocks[0].mlp.up.kernel.shape[-1] == cfg.mlp_hidden
+    assert effective_mlp_hidden(cfg) == cfg.mlp_hidden  # idempotent after the write-back
     with pytest.raises(ValueError, match='scan_layers'):
         model_config('tiny', scan_layers='yes')

@@ -174,3 +174,10 @@ def test_delta_rule_precision_argument():
   o1, _ = delta_rule(*args[:5], 0.5, args[5], chunk_size=16)
   o2, _ = delta_rule(*args[:5], 0.5, args[5], chunk_size=16, precision="exact")
   np.testing.assert_array_equal(o1, o2)
+
+
+@pytest.mark.parametrize("bad", [dict(kblock=48), dict(fast_dots="bf-16"), dict(block_v=48),
+                                 dict(max_chunk=0)])
+def test_delta_rule_config_rejects_bad_values(bad):
+  with pytest.raises(ValueError, match="DeltaRuleConfig." + next(iter(bad))):
+    dr_config.DeltaRuleConfig(**bad)

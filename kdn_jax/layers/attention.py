@@ -5,7 +5,7 @@ Training/chunked path: ``__call__(x, *, initial_state=None, segment_ids=None) ->
 Decoding uses a separate KV cache: ``init_cache(batch, max_len)`` ->
 ``{'k': [B, L, H, D], 'v': [B, L, H, D], 'pos': int32 [L], 'index': int32 []}``; ``prefill(x, cache)`` and
 ``step(x_t, cache)``. Full attention: L = max_len, slot = position. `swa`: a ring buffer of
-L = min(max_len, window) slots (slot = position mod L), so decoding memory is O(window), not O(length);
+L = window slots (slot = position mod L), so decoding memory is O(window), not O(length);
 ``pos`` holds each slot's absolute position (-1: empty).
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Attention(nnx.Module):
         return None
 
     def init_cache(self, batch: int, max_len: int) -> dict:
-        L = int(max_len) if self.window is None else min(int(max_len), self.window)
+        L = int(max_len) if self.window is None else self.window
         shape = (batch, L, self.num_heads, self.head_dim)
         return {'k': jnp.zeros(shape, self.dtype), 'v': jnp.zeros(shape, self.dtype),
                 'pos': jnp.full((L,), -1, jnp.int32), 'index': jnp.zeros((), jnp.int32)}

@@ -164,7 +164,7 @@ def param_count(cfg) -> dict:
 
 def matched_mlp_hidden(cfg, reference_mlp_hidden: int) -> int:
     """SwiGLU width that makes non-embedding params equal the reference (kdn_diag, default options)."""
-    ref = cfg.copy_and_resolve_references()
+    ref = ml_collections.ConfigDict(cfg).copy_and_resolve_references()  # also from a FrozenConfigDict
     with ref.unlocked():
         ref.mixer, ref.layer_pattern, ref.info_scale, ref.noise = REFERENCE_MIXER, '', 'k', 'learned'
     target = analytic_non_embedding(ref, reference_mlp_hidden)
@@ -205,3 +205,13 @@ def effective_mlp_hidden(cfg) -> int:
     if cfg.match_params and ref and int(cfg.mlp_hidden) == matched:
         return matched_mlp_hidden(cfg, ref)
     return int(cfg.mlp_hidden)
+
+
+def resolve_mlp_hidden(cfg) -> int:
+    """Writes effective_mlp_hidden back into a (mutable) model config, so that saved configs and
+    summaries show the width the model has; returns it. The runner calls this at start."""
+    width = effective_mlp_hidden(cfg)
+    if int(cfg.get('mlp_matched', 0)) == int(cfg.mlp_hidden):
+        cfg.mlp_matched = width
+    cfg.mlp_hidden = width
+    return width

@@ -30,6 +30,16 @@ class DeltaRuleConfig:
   num_warps_recur: int = 8   # Triton warps, recurrent kernels (serial over chunks)
   num_stages: int = 1
 
+  def __post_init__(self):
+    pow2 = lambda n: n > 0 and n & (n - 1) == 0
+    for name in ("max_chunk", "block", "block_v"):
+      if not pow2(getattr(self, name)):
+        raise ValueError(f"DeltaRuleConfig.{name} must be a power of two, got {getattr(self, name)}")
+    if self.kblock and not pow2(self.kblock):
+      raise ValueError(f"DeltaRuleConfig.kblock must be 0 or a power of two, got {self.kblock}")
+    if self.fast_dots not in ("tf32", "bf16"):
+      raise ValueError(f"DeltaRuleConfig.fast_dots must be 'tf32' or 'bf16', got {self.fast_dots!r}")
+
 
 DEFAULT = DeltaRuleConfig()
 
