@@ -278,13 +278,7 @@ def _recur_fwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, s
     v = r["v"][b, pl.ds(t0, C), h, pl.ds(v0, block_v)].astype(jnp.float32)
     amat = r["a"][b, h, pl.ds(t0, C), :]
     wt = r["wt"][b, pl.ds(t0, C), h, :]
-    if has_seg:
-      u = v - _dot(kbar * cont, s, prec) - _dot(kbar * (1.0 - cont), s_init, prec)
-      s_base = cont_last * s + (1.0 - cont_last) * s_init
-    else:
-      u = v - _dot(kbar, s, prec)
-      s_base = s
-    delta = _dot(amat, u, prec)
+    u, s_base, delta = _delta(kbar, v, amat, s, s_init, cont, cont_last, has_seg, prec)
     if split:
       o_ref[b, pl.ds(t0, C), h, pl.ds(v0, block_v)] = delta
     else:
@@ -294,6 +288,18 @@ def _recur_fwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, s
 
   s = lax.fori_loop(0, num_chunks, body, s_init)
   sfin_ref[b, h, :, pl.ds(v0, block_v)] = s
+
+
+def _delta(kbar, v, amat, s, s_init, cont, cont_last, has_seg, prec):
+  """U = V - Kbar S_0, Delta = A U, and the state the chunk's decay applies to (S_init when the
+  chunk's last token starts a new segment inside the chunk)."""
+  if has_seg:
+    u = v - _dot(kbar * cont, s, prec) - _dot(kbar * (1.0 - cont), s_init, prec)
+    s_base = cont_last * s + (1.0 - cont_last) * s_init
+  else:
+    u = v - _dot(kbar, s, prec)
+    s_base = s
+  return u, s_base, _dot(amat, u, prec)
 
 
 def _output(qbar, cont, s, s_init, pmat, delta, has_seg, prec):
@@ -347,13 +353,7 @@ def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec):
     amat = r["a"][b, h, pl.ds(t0, C), :]
     pmat = r["p"][b, h, pl.ds(t0, C), :]
     wt = r["wt"][b, pl.ds(t0, C), h, :]
-    if has_seg:
-      u = v - _dot(kbar * cont, s, prec) - _dot(kbar * (1.0 - cont), s_init, prec)
-      s_base = cont_last * s + (1.0 - cont_last) * s_init
-    else:
-      u = v - _dot(kbar, s, prec)
-      s_base = s
-    delta = _dot(amat, u, prec)
+    u, s_base, delta = _delta(kbar, v, amat, s, s_init, cont, cont_last, has_seg, prec)
     d_delta = _dot_tn(pmat, do, prec) + _dot(wt, ds, prec)
     du = _dot_tn(amat, d_delta, prec)
     dv_ref[b, pl.ds(t0, C), h, vs] = du.astype(dv_ref.dtype)
