@@ -169,3 +169,20 @@ def test_cli_end_to_end(tmp_path):
   r = subprocess.run(cmd[:5] + ['--config.train.nonsense=1'], cwd=ROOT, env=env, capture_output=True,
                      text=True, timeout=300)
   assert r.returncode != 0 and 'nonsense' in r.stderr
+
+
+def test_host_init_two_processes():
+  """Parameter init on each process's own host CPU, then sharded across 2 jax.distributed processes:
+  every process holds exactly its shards of the seed's values."""
+  import socket  # pylint: disable=g-import-not-at-top
+  with socket.socket() as sock:
+    sock.bind(('127.0.0.1', 0))
+    port = str(sock.getsockname()[1])
+  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS='')
+  script = os.path.join(ROOT, 'tests', 'host_init_process.py')
+  procs = [subprocess.Popen([sys.executable, script, str(i), port], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
+  outs = [p.communicate(timeout=240) for p in procs]
+  for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+    assert p.returncode == 0, err[-3000:]
+    assert f'process {i} ok' in out
