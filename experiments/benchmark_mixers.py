@@ -9,6 +9,7 @@ forward and forward+backward. Writes results.md, results.json and results.png to
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -328,44 +329,45 @@ def _time_stages(t):
   return out
 
 
-def _sweeps(results):
-  from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.kdn_gain import config as gcfg  # pylint: disable=g-import-not-at-top
+def _sweep(results, specs, module, make_config, row, fwd_bwd, key):
+  """Times `row` at --sweep_len under each config make_config(spec); keeps the fastest as
+  `module.DEFAULT` (recorded under results[key])."""
   best = None
-  for spec in FLAGS.sweep:
-    mc, wi, wr, bl, *rest = spec.split(":") + [None] * 4
-    cfg = dcfg.set_default(max_chunk=int(mc), num_warps_intra=int(wi), num_warps_recur=int(wr),
-                           blocked=bl == "1", block_v=int(rest[0] or 32),
-                           kblock=int(rest[1] or 0), fast_dots=rest[2] or "tf32",
-                           split_output=rest[3] == "1")
+  for spec in specs:
+    cfg = make_config(spec)
+    module.DEFAULT = cfg
     try:
-      ms = _time_jax_row("diag_kdn_pallas", FLAGS.sweep_len, True)
+      ms = _time_jax_row(row, FLAGS.sweep_len, fwd_bwd)
     except Exception as e:  # pylint: disable=broad-except
       ms = None
       logging.warning("sweep %s failed: %s", spec, e)
-    rec = {"sweep": spec, "T": FLAGS.sweep_len, "diag_kdn_fwd_bwd_ms": ms}
+    rec = {"sweep": spec, "row": row, "fwd_bwd": fwd_bwd, "T": FLAGS.sweep_len, "ms": ms}
     print(json.dumps(rec), flush=True)
     results.setdefault("sweeps", []).append(rec)
     if ms is not None and (best is None or ms < best[0]):
       best = (ms, cfg)
   if best is not None:
-    dcfg.DEFAULT = best[1]
-    results["delta_rule_config"] = repr(best[1])
-  gbest = None
-  for mc in FLAGS.gain_sweep:
-    cfg = gcfg.set_default(max_chunk=int(mc))
-    try:
-      ms = _time_jax_row("diag_gain_pallas", FLAGS.sweep_len, False)
-    except Exception as e:  # pylint: disable=broad-except
-      ms = None
-    rec = {"gain_sweep": mc, "T": FLAGS.sweep_len, "diag_gain_fwd_ms": ms}
-    print(json.dumps(rec), flush=True)
-    results.setdefault("sweeps", []).append(rec)
-    if ms is not None and (gbest is None or ms < gbest[0]):
-      gbest = (ms, cfg)
-  if gbest is not None:
-    gcfg.DEFAULT = gbest[1]
-    results["gain_config"] = repr(gbest[1])
+    module.DEFAULT = best[1]
+    results[key] = repr(best[1])
+
+
+def _delta_rule_config(spec):
+  from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
+  mc, wi, wr, bl, *rest = spec.split(":") + [None] * 4
+  return dcfg.DeltaRuleConfig(max_chunk=int(mc), num_warps_intra=int(wi), num_warps_recur=int(wr),
+                              blocked=bl == "1", block_v=int(rest[0] or 32),
+                              kblock=int(rest[1] or 0), fast_dots=rest[2] or "tf32",
+                              split_output=rest[3] == "1")
+
+
+def _sweeps(results):
+  from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.kdn_gain import config as gcfg  # pylint: disable=g-import-not-at-top
+  _sweep(results, FLAGS.sweep, dcfg, _delta_rule_config, "diag_kdn_pallas", True,
+         "delta_rule_config")
+  _sweep(results, FLAGS.gain_sweep, gcfg,
+         lambda mc: dataclasses.replace(gcfg.DEFAULT, max_chunk=int(mc)), "diag_gain_pallas", False,
+         "gain_config")
   print("configs:", results.get("delta_rule_config"), results.get("gain_config"), flush=True)
 
 

@@ -69,25 +69,24 @@ def _same_seg(pid_ref, b, t0, c):
 # ------------------------------------------------------------------------------------ forward
 
 
-def _pairs_loop(q, k, g, refs, b, h, t0, C):
-  """L (strict) and P/scale (inclusive) by a loop over columns: exact, O(C^2 K) exps."""
-  w_ref, g_ref = refs[2], refs[3]
-  row, col = _iota(C, 0), _iota(C, 1)
+def _column_products(q, k, g, w_ref, g_ref, b, h, t0, n):
+  """[n, n] L (strict) and P/scale (inclusive) of the n tokens from t0 (q, k, g: their [n, K]
+  rows) by a loop over the n columns: exact, O(n^2 K) exps."""
+  row, col = _iota(n, 0), _iota(n, 1)
 
   def col_body(j, lp):
     lmat, pmat = lp
     wj = w_ref[b, pl.ds(t0 + j, 1), h, :].astype(jnp.float32)
     gj = g_ref[b, pl.ds(t0 + j, 1), h, :]
-    e = jnp.exp(jnp.minimum(g - gj, 0.0))
-    we = wj * e
+    we = wj * jnp.exp(jnp.minimum(g - gj, 0.0))
     kw = jnp.sum(k * we, axis=1)[:, None]
     qw = jnp.sum(q * we, axis=1)[:, None]
     lmat = jnp.where((col == j) & (row > j), kw, lmat)
     pmat = jnp.where((col == j) & (row >= j), qw, pmat)
     return lmat, pmat
 
-  zeros = jnp.zeros((C, C), jnp.float32)
-  return lax.fori_loop(0, C, col_body, (zeros, zeros))
+  zeros = jnp.zeros((n, n), jnp.float32)
+  return lax.fori_loop(0, n, col_body, (zeros, zeros))
 
 
 def _pairs_kblock(refs, b, h, t0, C, kd, bk):
@@ -124,9 +123,8 @@ def _pairs_blocked(q, k, w, g, refs, b, h, t0, C, block, prec, hi):
   (the last token of the column block, so both factors are exp(<= 0)); diagonal blocks by a
   column loop over `block` rows only."""
   q_ref, k_ref, w_ref, g_ref = refs[:4]
-  row, col = _iota(C, 0), _iota(C, 1)
+  row = _iota(C, 0)
   row_k = lax.broadcasted_iota(jnp.int32, g.shape, 0)
-  r16, c16 = _iota(block, 0), _iota(block, 1)
   lmat = jnp.zeros((C, C), jnp.float32)
   pmat = jnp.zeros((C, C), jnp.float32)
   for jb in range(C // block):
@@ -142,20 +140,7 @@ def _pairs_blocked(q, k, w, g, refs, b, h, t0, C, block, prec, hi):
     kj = k_ref[b, pl.ds(t0 + js, block), h, :].astype(jnp.float32)
     qj = q_ref[b, pl.ds(t0 + js, block), h, :].astype(jnp.float32)
     gjb = g_ref[b, pl.ds(t0 + js, block), h, :]
-
-    def col_body(jj, dd, js=js, kj=kj, qj=qj, gjb=gjb):
-      dl, dp = dd
-      wj = w_ref[b, pl.ds(t0 + js + jj, 1), h, :].astype(jnp.float32)
-      gj = g_ref[b, pl.ds(t0 + js + jj, 1), h, :]
-      we = wj * jnp.exp(jnp.minimum(gjb - gj, 0.0))
-      kw = jnp.sum(kj * we, axis=1)[:, None]
-      qw = jnp.sum(qj * we, axis=1)[:, None]
-      dl = jnp.where((c16 == jj) & (r16 > jj), kw, dl)
-      dp = jnp.where((c16 == jj) & (r16 >= jj), qw, dp)
-      return dl, dp
-
-    z16 = jnp.zeros((block, block), jnp.float32)
-    dl, dp = lax.fori_loop(0, block, col_body, (z16, z16))
+    dl, dp = _column_products(qj, kj, gjb, w_ref, g_ref, b, h, t0 + js, block)
     sel = _select(block, C, js)
     lmat = lmat + _dot_tn(sel, _dot(dl, sel, hi), hi)
     pmat = pmat + _dot_tn(sel, _dot(dp, sel, hi), hi)
@@ -220,7 +205,7 @@ def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, kblock, prec
   elif blocked:
     lmat, pmat = _pairs_blocked(q, k, w, g, refs, b, h, t0, C, block, prec, hi)
   else:
-    lmat, pmat = _pairs_loop(q, k, g, refs, b, h, t0, C)
+    lmat, pmat = _column_products(q, k, g, refs[2], refs[3], b, h, t0, C)
   g_last = g_ref[b, t0 + C - 1, h, :]
   e_last = jnp.exp(jnp.minimum(g_last[None, :] - g, 0.0))
   if has_seg:
