@@ -43,12 +43,16 @@ flags.DEFINE_list("pallas_lens", [], "if set, time *_pallas rows only at these l
                   "length compiles the kernels again)")
 flags.DEFINE_boolean("check", True, "run the GPU correctness check first")
 flags.DEFINE_boolean("check_only", False, "only run the correctness check")
-flags.DEFINE_float("time_budget_s", 420.0, "stop timing new cells after this many seconds")
-flags.DEFINE_list("sweep", [], "delta-rule configs "
-                  "'max_chunk:warps_intra:warps_recur:blocked[:block_v[:kblock[:fast_dots[:split]]]]' to "
-                  "try on diag_kdn_pallas fwd+bwd at --sweep_len; the fastest is used for the rows")
-flags.DEFINE_list("gain_sweep", [], "gain max_chunk values to try on diag_gain_pallas fwd")
+flags.DEFINE_float("time_budget_s", 420.0, "stop timing new cells (and sweep specs) after this "
+                   "many seconds")
+flags.DEFINE_list("sweep", [], "DeltaRuleConfig overrides to try on diag_kdn_pallas fwd+bwd at "
+                  "--sweep_len, each 'field=value/field=value' ('default': none), e.g. "
+                  "'max_chunk=64/kblock=16/wy=1'; the fastest is used for the rows")
+flags.DEFINE_list("gain_sweep", [], "GainConfig overrides to try on diag_gain_pallas fwd, same "
+                  "syntax, e.g. 'max_chunk=128'")
 flags.DEFINE_integer("sweep_len", 4096, "sequence length for the sweeps")
+flags.DEFINE_boolean("sweep_combine", True, "after a sweep, also time the first spec merged with "
+                     "every spec that beat it")
 flags.DEFINE_boolean("stages", False, "also time the pallas stages one by one (diag KDN): gain, "
                      "delta-rule intra (parallel) and recurrent (serial) kernels, fwd and bwd")
 
@@ -146,7 +150,7 @@ def _time_fn(fn, args, compile_times=None, name=None):
   return median_time(fn, *args, warmup=1 + FLAGS.warmup, repeats=FLAGS.reps)
 
 
-def _time_jax_row(row, t, fwd_bwd):
+def _time_jax_row(row, t, fwd_bwd, compile_times=None):
   b, h, d = FLAGS.batch, FLAGS.heads, FLAGS.dim
   x = _inputs(jax.random.PRNGKey(0), b, t, h, d, jnp.bfloat16)
   f, names = _make_jax_fn(row, d)
@@ -159,7 +163,7 @@ def _time_jax_row(row, t, fwd_bwd):
       o = f({**rest, **diff})
       return jnp.sum(o.astype(jnp.float32) * 1e-3)
     fn = jax.jit(jax.grad(loss))
-  return _time_fn(fn, (diff,))
+  return _time_fn(fn, (diff,), compile_times, row)
 
 
 # ------------------------------------------------------------------------------------- fla
@@ -230,15 +234,16 @@ def _rel(a, b):
   return float(np.sqrt(np.mean((a - b) ** 2) / max(np.mean(b ** 2), 1e-300)))
 
 
-def run_check():
+def run_check(b=2, t=300, h=2, d=128, cut=100):
+  """Relative RMS errors of the Pallas delta rule and diag gain (default config) against plain
+  fp32 scans, fp32 and bf16 inputs, without and with a segment reset at token `cut`."""
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
   res = {}
-  b, t, h, d = 2, 300, 2, 128
   for dtype in (jnp.float32, jnp.bfloat16):
     x = _inputs(jax.random.PRNGKey(1), b, t, h, d, dtype)
     w = (0.5 * x["beta"][..., None].astype(jnp.float32) * x["k"].astype(jnp.float32))
     s0 = 0.1 * jax.random.normal(jax.random.PRNGKey(2), (b, h, d, d))
-    seg = jnp.concatenate([jnp.zeros((b, 100), jnp.int32), jnp.ones((b, 200), jnp.int32)], 1)
+    seg = (jnp.arange(t)[None, :] >= cut).astype(jnp.int32) * jnp.ones((b, 1), jnp.int32)
     args = (x["q"], x["k"], x["v"], x["la"], w)
     def f_pk(*a):
       return pk.delta_rule(*a, d ** -0.5, s0)
@@ -246,19 +251,25 @@ def run_check():
       a = [z.astype(jnp.float32) for z in a]
       with jax.default_matmul_precision("highest"):
         return _scan_reference(*a, d ** -0.5, s0)
-    o1, s1 = jax.jit(f_pk)(*args)
-    o2, s2 = jax.jit(f_ref)(*args)
+    def f_pk_seg(*a):
+      return pk.delta_rule(*a, d ** -0.5, s0, seg)
+    def f_ref_seg(*a):   # the reset at token `cut` = two independent runs from s0
+      o_a, _ = f_ref(*(z[:, :cut] for z in a))
+      o_b, s_b = f_ref(*(z[:, cut:] for z in a))
+      return jnp.concatenate([o_a, o_b], axis=1), s_b
     tag = jnp.dtype(dtype).name
-    res[f"delta_rule_{tag}_o"] = _rel(o1, o2)
-    res[f"delta_rule_{tag}_S"] = _rel(s1, s2)
-    ct = jax.random.normal(jax.random.PRNGKey(3), o2.shape)
+    ct = jax.random.normal(jax.random.PRNGKey(3), (b, t, h, d))
     def loss(fn):
       return lambda *a: jnp.sum(fn(*a)[0].astype(jnp.float32) * ct) + jnp.sum(fn(*a)[1])
-    g1 = jax.jit(jax.grad(loss(f_pk), argnums=(0, 1, 2, 3, 4)))(*args)
-    g2 = jax.jit(jax.grad(loss(f_ref), argnums=(0, 1, 2, 3, 4)))(*args)
-    for n, a1, a2 in zip(("dq", "dk", "dv", "dla", "dw"), g1, g2):
-      res[f"delta_rule_{tag}_{n}"] = _rel(a1, a2)
-    # segments (fp32 only compares to a loop with resets via the ops reference if present)
+    for name, fa, fb in (("", f_pk, f_ref), ("seg_", f_pk_seg, f_ref_seg)):
+      o1, s1 = jax.jit(fa)(*args)
+      o2, s2 = jax.jit(fb)(*args)
+      res[f"delta_rule_{tag}_{name}o"] = _rel(o1, o2)
+      res[f"delta_rule_{tag}_{name}S"] = _rel(s1, s2)
+      g1 = jax.jit(jax.grad(loss(fa), argnums=(0, 1, 2, 3, 4)))(*args)
+      g2 = jax.jit(jax.grad(loss(fb), argnums=(0, 1, 2, 3, 4)))(*args)
+      for n, a1, a2 in zip(("dq", "dk", "dv", "dla", "dw"), g1, g2):
+        res[f"delta_rule_{tag}_{name}{n}"] = _rel(a1, a2)
     mu = jnp.full((h,), float(d))
     kap, _ = jax.jit(lambda k, la, om, r: pk.diag_gain(k, la, om, r, mu, jnp.ones((b, h, d))))(
         x["k"], x["la"], x["om"], x["r"])
@@ -273,7 +284,6 @@ def run_check():
       _, kap = jax.lax.scan(step, jnp.ones((b, h, d)), xs)
       return jnp.moveaxis(kap, 0, 1)
     res[f"diag_gain_{tag}"] = _rel(kap, jax.jit(gain_ref)(x["k"], x["la"], x["om"], x["r"]))
-    del seg
   for kname, val in res.items():
     logging.info("check %s: %.3g", kname, val)
     print(f"check {kname}: {val:.3g}", flush=True)
@@ -307,16 +317,16 @@ def _time_stages(t):
   # The precision the op picks for bf16 data (ops.diag_kdn hands the kernels fp32 arrays).
   kw = dict(chunk=chunk, scale=d ** -0.5, interpret=common.resolve_interpret(None), cfg=cfg,
             cfg_prec=common.precision_for(jnp.bfloat16))
-  intra = jax.jit(lambda q, k, w, g: dk.intra_forward(q, k, w, g, None, **kw))
+  intra = jax.jit(lambda q, k, w, g: dk.intra_forward(q, k, w, g, None, None, **kw))
   out["delta_intra_fwd"] = _time_fn(intra, (x["q"], x["k"], w, g), first, "delta_intra_fwd")
-  amat, pmat, wt = intra(x["q"], x["k"], w, g)
+  amat, pmat, wt, wk = intra(x["q"], x["k"], w, g)
   h0 = jnp.zeros((b, h, d, d), jnp.float32)
-  recur = jax.jit(lambda q, k, v, g, a, p, wt: dk.recur_forward(
-      q, k, v, g, h0, None, a, p, wt, save_states=True, **kw))
-  args = (x["q"], x["k"], x["v"], g, amat, pmat, wt)
+  recur = jax.jit(lambda q, k, v, g, a, p, wt, wk: dk.recur_forward(
+      q, k, v, g, h0, None, a, p, wt, wk, save_states=True, **kw))
+  args = (x["q"], x["k"], x["v"], g, amat, pmat, wt, wk)
   out["delta_recur_fwd"] = _time_fn(recur, args, first, "delta_recur_fwd")
   o, _, states = recur(*args)
-  res = (amat, pmat, wt, states)
+  res = (amat, pmat, wt, wk, states)
   dsfin = jnp.zeros((b, h, d, d), jnp.float32)
   rbwd = jax.jit(lambda do: dk.recur_backward(x["q"], x["k"], x["v"], g, h0, None, res, do,
                                                dsfin, **kw))
@@ -329,45 +339,87 @@ def _time_stages(t):
   return out
 
 
+_START = [0.0]   # when main() began; sweeps and timed cells share --time_budget_s
+
+
 def _sweep(results, specs, module, make_config, row, fwd_bwd, key):
   """Times `row` at --sweep_len under each config make_config(spec); keeps the fastest as
-  `module.DEFAULT` (recorded under results[key])."""
+  `module.DEFAULT` (recorded under results[key]). With --sweep_combine, the specs that beat the
+  first one are then merged into one more spec and timed too."""
   best = None
-  for spec in specs:
+  timed = []
+  specs = list(specs)
+  i = 0
+  while i < len(specs):
+    spec = specs[i]
+    if time.time() - _START[0] > FLAGS.time_budget_s:
+      logging.warning("time budget spent: sweep %s not timed", spec)
+      results.setdefault("sweeps", []).append({"sweep": spec, "skipped": "time budget"})
+      i += 1
+      continue
     cfg = make_config(spec)
     module.DEFAULT = cfg
+    first = {}
     try:
-      ms = _time_jax_row(row, FLAGS.sweep_len, fwd_bwd)
+      ms = _time_jax_row(row, FLAGS.sweep_len, fwd_bwd, first)
     except Exception as e:  # pylint: disable=broad-except
       ms = None
       logging.warning("sweep %s failed: %s", spec, e)
-    rec = {"sweep": spec, "row": row, "fwd_bwd": fwd_bwd, "T": FLAGS.sweep_len, "ms": ms}
+    rec = {"sweep": spec, "row": row, "fwd_bwd": fwd_bwd, "T": FLAGS.sweep_len, "ms": ms,
+           "first_call_s": first.get(row)}
     print(json.dumps(rec), flush=True)
     results.setdefault("sweeps", []).append(rec)
+    timed.append((spec, ms))
     if ms is not None and (best is None or ms < best[0]):
       best = (ms, cfg)
+    i += 1
+    if i == len(specs) and FLAGS.sweep_combine and len(timed) == len(specs):
+      combined = combine_winners(timed)
+      if combined is not None and combined not in specs:
+        specs.append(combined)
   if best is not None:
     module.DEFAULT = best[1]
     results[key] = repr(best[1])
 
 
-def _delta_rule_config(spec):
-  from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
-  mc, wi, wr, bl, *rest = spec.split(":") + [None] * 4
-  return dcfg.DeltaRuleConfig(max_chunk=int(mc), num_warps_intra=int(wi), num_warps_recur=int(wr),
-                              blocked=bl == "1", block_v=int(rest[0] or 32),
-                              kblock=int(rest[1] or 0), fast_dots=rest[2] or "tf32",
-                              split_output=rest[3] == "1")
+def combine_winners(timed):
+  """The first spec plus the overrides of every later spec that beat it (None if < 2 did)."""
+  (base, base_ms), rest = timed[0], timed[1:]
+  if base_ms is None:
+    return None
+  wins = [spec for spec, ms in rest if ms is not None and ms < base_ms]
+  if len(wins) < 2:
+    return None
+  items = [] if base in ("", "default") else base.split("/")
+  for spec in wins:
+    items += [it for it in spec.split("/") if it not in items]
+  return "/".join(items)
+
+
+def config_from_spec(base, spec):
+  """`base` (a config dataclass) with the overrides of `spec`: 'field=value' items joined by '/',
+  e.g. 'max_chunk=64/kblock=16/wy=1'; '' or 'default' gives `base`."""
+  if spec in ("", "default"):
+    return base
+  fields = {f.name: f.type for f in dataclasses.fields(base)}
+  kw = {}
+  for item in spec.split("/"):
+    name, sep, val = item.partition("=")
+    if not sep or name not in fields:
+      raise ValueError(f"--sweep item {item!r}: expected field=value with field in {sorted(fields)}")
+    typ = fields[name] if isinstance(fields[name], str) else fields[name].__name__
+    kw[name] = {"bool": lambda x: x in ("1", "true", "True"), "int": int}.get(typ, str)(val)
+  return dataclasses.replace(base, **kw)
 
 
 def _sweeps(results):
   from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
   from pallas_kernels.kdn_gain import config as gcfg  # pylint: disable=g-import-not-at-top
-  _sweep(results, FLAGS.sweep, dcfg, _delta_rule_config, "diag_kdn_pallas", True,
-         "delta_rule_config")
-  _sweep(results, FLAGS.gain_sweep, gcfg,
-         lambda mc: dataclasses.replace(gcfg.DEFAULT, max_chunk=int(mc)), "diag_gain_pallas", False,
-         "gain_config")
+  base, gbase = dcfg.DEFAULT, gcfg.DEFAULT
+  _sweep(results, FLAGS.sweep, dcfg, lambda spec: config_from_spec(base, spec), "diag_kdn_pallas",
+         True, "delta_rule_config")
+  _sweep(results, FLAGS.gain_sweep, gcfg, lambda spec: config_from_spec(gbase, spec),
+         "diag_gain_pallas", False, "gain_config")
   print("configs:", results.get("delta_rule_config"), results.get("gain_config"), flush=True)
 
 
@@ -425,6 +477,8 @@ def _write(results, out):
 def main(argv):
   del argv
   results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": []}
+  start = _START[0] = time.time()
+  _sweeps(results)   # first, so that the check covers the configuration the rows use
   if FLAGS.check or FLAGS.check_only:
     try:
       results["check"] = run_check()
@@ -435,8 +489,6 @@ def main(argv):
       _write(results, FLAGS.out)
       return
   have_fla = _fla() is not None
-  start = time.time()
-  _sweeps(results)
   if FLAGS.stages:
     for t in (int(z) for z in FLAGS.seq_lens[:2]):
       try:

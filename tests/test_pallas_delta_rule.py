@@ -104,11 +104,16 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
   _check(args, seg, chunk, 1e-5, 1e-4)
 
 
-@pytest.mark.parametrize("variant", [dict(blocked=True), dict(blocked=False), dict(kblock=16),
-                                     dict(kblock=64), dict(split_output=True, kblock=16)])
+@pytest.mark.parametrize("variant", [dict(blocked=True), dict(blocked=True, block=8, wy=True),
+                                     dict(blocked=False), dict(kblock=16),
+                                     dict(kblock=64), dict(split_output=True, kblock=16),
+                                     dict(wy=True), dict(wy=True, split_output=True, kblock=16),
+                                     dict(split_backward=True),
+                                     dict(split_backward=True, wy=True, blocked=True, block=8)])
 def test_delta_rule_intra_variants(variant):
   """Every kernel variant (intra pair products: column loop, sub-blocked, K-blocked; outputs in
-  the serial kernel or a separate parallel kernel) is exact."""
+  the serial kernel or a separate parallel kernel; compact-WY state chain; backward partials in
+  the serial kernel or a parallel one) is exact."""
   old = dr_config.DEFAULT
   try:
     dr_config.set_default(**variant)
@@ -118,7 +123,7 @@ def test_delta_rule_intra_variants(variant):
     seg[0, 20:] = 1
     seg[1, 38:] = 3
     _check(args, seg, 32, 1e-5, 1e-4)
-    if variant.get("kblock"):
+    if variant.get("kblock") or variant.get("blocked"):
       _check(_inputs(3, 1, 40, 2, 64, 64, jnp.float32, False, "strong"), None, 16, 1e-5, 1e-4)
   finally:
     dr_config.DEFAULT = old
@@ -147,7 +152,7 @@ def test_delta_rule_unsupported_width():
     delta_rule(x, x, x, x, x, 1.0, jnp.zeros((1, 1, 48, 48)))
 
 
-@pytest.mark.parametrize("variant", [{}, dict(kblock=8, split_output=True)])
+@pytest.mark.parametrize("variant", [{}, dict(kblock=8, split_output=True, wy=True)])
 def test_delta_rule_tpu_interpret_matches(variant):
   """Mosaic-TPU interpret mode (the only TPU validation available here) == generic interpret."""
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top

@@ -69,24 +69,40 @@ def _same_seg(pid_ref, b, t0, c):
 # ------------------------------------------------------------------------------------ forward
 
 
-def _column_products(q, k, g, w_ref, g_ref, b, h, t0, n):
-  """[n, n] L (strict) and P/scale (inclusive) of the n tokens from t0 (q, k, g: their [n, K]
-  rows) by a loop over the n columns: exact, O(n^2 K) exps."""
-  row, col = _iota(n, 0), _iota(n, 1)
+def _block_rows(ref, b, h, t0, C, block, jj):
+  """[C, K] f32: row r holds ref's row (r // block) * block + jj, the jj-th token of r's
+  diagonal block (C // block single-row loads)."""
+  out = None
+  for ib in range(C // block):
+    x = ref[b, pl.ds(t0 + ib * block + jj, 1), h, :].astype(jnp.float32)
+    if out is None:
+      out = jnp.broadcast_to(x, (C, x.shape[1]))
+    else:
+      out = jnp.where(lax.broadcasted_iota(jnp.int32, out.shape, 0) >= ib * block, x, out)
+  return out
 
-  def col_body(j, lp):
+
+def _diag_products(q, k, g, w_ref, g_ref, b, h, t0, C, block):
+  """L (strict) and P/scale (inclusive) inside the diagonal block x block tiles of the chunk (all
+  of it when block == C), by a loop over the `block` columns of every tile at once: exact,
+  exp(<= 0) only."""
+  row, col = _iota(C, 0), _iota(C, 1)
+  at0 = (row // block) * block
+  rmod = row % block
+
+  def col_body(jj, lp):
     lmat, pmat = lp
-    wj = w_ref[b, pl.ds(t0 + j, 1), h, :].astype(jnp.float32)
-    gj = g_ref[b, pl.ds(t0 + j, 1), h, :]
-    we = wj * jnp.exp(jnp.minimum(g - gj, 0.0))
+    we = _block_rows(w_ref, b, h, t0, C, block, jj)
+    we = we * jnp.exp(jnp.minimum(g - _block_rows(g_ref, b, h, t0, C, block, jj), 0.0))
     kw = jnp.sum(k * we, axis=1)[:, None]
     qw = jnp.sum(q * we, axis=1)[:, None]
-    lmat = jnp.where((col == j) & (row > j), kw, lmat)
-    pmat = jnp.where((col == j) & (row >= j), qw, pmat)
+    at = col == at0 + jj
+    lmat = jnp.where(at & (rmod > jj), kw, lmat)
+    pmat = jnp.where(at & (rmod >= jj), qw, pmat)
     return lmat, pmat
 
-  zeros = jnp.zeros((n, n), jnp.float32)
-  return lax.fori_loop(0, n, col_body, (zeros, zeros))
+  zeros = jnp.zeros((C, C), jnp.float32)
+  return lax.fori_loop(0, block, col_body, (zeros, zeros))
 
 
 def _pairs_kblock(refs, b, h, t0, C, kd, bk):
@@ -111,39 +127,28 @@ def _pairs_kblock(refs, b, h, t0, C, kd, bk):
   return jnp.where(row > col, lmat, 0.0), jnp.where(row >= col, pmat, 0.0)
 
 
-def _select(block, C, js):
-  """[block, C] 0/1 matrix E with E[a, js + a] = 1 (embeds a diagonal block by E^T X E)."""
-  r = lax.broadcasted_iota(jnp.int32, (block, C), 0)
-  c = lax.broadcasted_iota(jnp.int32, (block, C), 1)
-  return (c == r + js).astype(jnp.float32)
-
-
-def _pairs_blocked(q, k, w, g, refs, b, h, t0, C, block, prec, hi):
-  """L and P/scale with sub-blocks: off-diagonal blocks as matmuls around a reference point
-  (the last token of the column block, so both factors are exp(<= 0)); diagonal blocks by a
-  column loop over `block` rows only."""
-  q_ref, k_ref, w_ref, g_ref = refs[:4]
-  row = _iota(C, 0)
+def _offdiag_factors(g, w, g_ref, b, h, t0, C, block, js):
+  """Column block [js, js + block) against the later rows, around the reference point g_n of the
+  block's last token: exp(g_r - g_j) = exp(g_r - g_n) exp(g_n - g_j), both factors exp(<= 0).
+  Returns (xs [C, K] row factors, y_t [C, K] w * column factors, zero outside the block, ys)."""
   row_k = lax.broadcasted_iota(jnp.int32, g.shape, 0)
-  lmat = jnp.zeros((C, C), jnp.float32)
-  pmat = jnp.zeros((C, C), jnp.float32)
-  for jb in range(C // block):
-    js = jb * block
-    if js + block < C:
-      g_r = g_ref[b, pl.ds(t0 + js + block - 1, 1), h, :]
-      xs = jnp.exp(jnp.minimum(g - g_r, 0.0))
-      ys = jnp.exp(jnp.minimum(g_r - g, 0.0))
-      y_t = jnp.where((row_k >= js) & (row_k < js + block), w * ys, 0.0)
-      later = row >= js + block
-      lmat = lmat + jnp.where(later, _dot_nt(k * xs, y_t, prec), 0.0)
-      pmat = pmat + jnp.where(later, _dot_nt(q * xs, y_t, prec), 0.0)
-    kj = k_ref[b, pl.ds(t0 + js, block), h, :].astype(jnp.float32)
-    qj = q_ref[b, pl.ds(t0 + js, block), h, :].astype(jnp.float32)
-    gjb = g_ref[b, pl.ds(t0 + js, block), h, :]
-    dl, dp = _column_products(qj, kj, gjb, w_ref, g_ref, b, h, t0 + js, block)
-    sel = _select(block, C, js)
-    lmat = lmat + _dot_tn(sel, _dot(dl, sel, hi), hi)
-    pmat = pmat + _dot_tn(sel, _dot(dp, sel, hi), hi)
+  g_n = g_ref[b, pl.ds(t0 + js + block - 1, 1), h, :]
+  xs = jnp.exp(jnp.minimum(g - g_n, 0.0))
+  ys = jnp.exp(jnp.minimum(g_n - g, 0.0))
+  y_t = jnp.where((row_k >= js) & (row_k < js + block), w * ys, 0.0)
+  return xs, y_t, ys
+
+
+def _pairs_blocked(q, k, w, g, refs, b, h, t0, C, block, prec):
+  """L and P/scale with sub-blocks: off-diagonal blocks as tensor-core matmuls around a reference
+  point; the diagonal blocks by a `block`-step column loop over all of them at once."""
+  row = _iota(C, 0)
+  lmat, pmat = _diag_products(q, k, g, refs[2], refs[3], b, h, t0, C, block)
+  for js in range(0, C - block, block):
+    xs, y_t, _ = _offdiag_factors(g, w, refs[3], b, h, t0, C, block, js)
+    later = row >= js + block
+    lmat = lmat + jnp.where(later, _dot_nt(k * xs, y_t, prec), 0.0)
+    pmat = pmat + jnp.where(later, _dot_nt(q * xs, y_t, prec), 0.0)
   return lmat, pmat
 
 
@@ -187,11 +192,11 @@ def _unit_lower_inverse_blocked(lmat, C, block, hi):
   return amat
 
 
-def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, kblock, prec, hi):
-  if has_seg:
-    q_ref, k_ref, w_ref, g_ref, pid_ref, a_out, p_out, wt_out = refs
-  else:
-    q_ref, k_ref, w_ref, g_ref, a_out, p_out, wt_out = refs
+def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, kblock, wy, prec, hi):
+  n_in = 4 + (2 if has_seg else 0)
+  q_ref, k_ref, w_ref, g_ref = refs[:4]
+  pid_ref, cont_ref = refs[4:n_in] if has_seg else (None, None)
+  a_out, p_out, wt_out = refs[n_in:n_in + 3]
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   C = chunk
   t0 = c * C
@@ -203,9 +208,9 @@ def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, kblock, prec
   if kblock:
     lmat, pmat = _pairs_kblock(refs, b, h, t0, C, q.shape[1], kblock)
   elif blocked:
-    lmat, pmat = _pairs_blocked(q, k, w, g, refs, b, h, t0, C, block, prec, hi)
+    lmat, pmat = _pairs_blocked(q, k, w, g, refs, b, h, t0, C, block, prec)
   else:
-    lmat, pmat = _column_products(q, k, g, refs[2], refs[3], b, h, t0, C)
+    lmat, pmat = _diag_products(q, k, g, refs[2], refs[3], b, h, t0, C, C)
   g_last = g_ref[b, t0 + C - 1, h, :]
   e_last = jnp.exp(jnp.minimum(g_last[None, :] - g, 0.0))
   if has_seg:
@@ -222,6 +227,13 @@ def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, kblock, prec
   a_out[b, h, pl.ds(t0, C), :] = amat
   p_out[b, h, pl.ds(t0, C), :] = pmat
   wt_out[b, pl.ds(t0, C), h, :] = w * e_last
+  if wy:
+    # Compact WY: W = A Kbar (rows continuing the chunk-start state only), so the serial kernels
+    # form Delta = A U' - W S_0 with one dot on the state chain instead of two.
+    kbar = k * jnp.exp(g)
+    if has_seg:
+      kbar = kbar * cont_ref[b, pl.ds(t0, C)][:, None]
+    refs[n_in + 3][b, pl.ds(t0, C), h, :] = _dot(amat, kbar, prec)
 
 
 def _chunk_common(refs, b, h, t0, C, scale, has_seg):
@@ -242,10 +254,11 @@ def _chunk_common(refs, b, h, t0, C, scale, has_seg):
 
 
 def _recur_fwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, save_states,
-                      split):
-  """Serial over chunks. split=False: emits O itself. split=True: emits Delta instead, so the
-  dependent chain per chunk is 3 dots (U, Delta, S) and O is formed by _output_kernel."""
-  names = ["q", "k", "v", "g", "a", "p", "wt", "h0"] + (["cont"] if has_seg else [])
+                      split, wy):
+  """Serial over chunks. split=False: emits O itself. split=True: emits Delta instead, and O is
+  formed by _output_kernel. The dependent chain per chunk is 3 dots (U, Delta, S), 2 with wy."""
+  names = ["q", "k", "v", "g", "a", "p", "wt", "h0"] + (["cont"] if has_seg else []) + (
+      ["wk"] if wy else [])
   n_in = len(names)
   r = dict(zip(names, refs[:n_in]))
   o_ref, sfin_ref = refs[n_in], refs[n_in + 1]    # o_ref holds Delta when split
@@ -263,7 +276,8 @@ def _recur_fwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, s
     v = r["v"][b, pl.ds(t0, C), h, pl.ds(v0, block_v)].astype(jnp.float32)
     amat = r["a"][b, h, pl.ds(t0, C), :]
     wt = r["wt"][b, pl.ds(t0, C), h, :]
-    u, s_base, delta = _delta(kbar, v, amat, s, s_init, cont, cont_last, has_seg, prec)
+    wk = r["wk"][b, pl.ds(t0, C), h, :] if wy else None
+    s_base, delta = _delta(kbar, v, amat, wk, s, s_init, cont, cont_last, has_seg, prec)
     if split:
       o_ref[b, pl.ds(t0, C), h, pl.ds(v0, block_v)] = delta
     else:
@@ -275,16 +289,21 @@ def _recur_fwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, s
   sfin_ref[b, h, :, pl.ds(v0, block_v)] = s
 
 
-def _delta(kbar, v, amat, s, s_init, cont, cont_last, has_seg, prec):
-  """U = V - Kbar S_0, Delta = A U, and the state the chunk's decay applies to (S_init when the
-  chunk's last token starts a new segment inside the chunk)."""
+def _delta(kbar, v, amat, wk, s, s_init, cont, cont_last, has_seg, prec):
+  """Delta = A U with U = V - Kbar S_0, and the state the chunk's decay applies to (S_init when
+  the chunk's last token starts a new segment inside the chunk).
+
+  wk = A Kbar (rows with cont) or None: then Delta = A (V - Kbar_new S_init) - wk S_0, whose
+  only dot on the serial state chain is wk S_0."""
+  s_base = cont_last * s + (1.0 - cont_last) * s_init if has_seg else s
+  if wk is not None:
+    u_off = v - _dot(kbar * (1.0 - cont), s_init, prec) if has_seg else v
+    return s_base, _dot(amat, u_off, prec) - _dot(wk, s, prec)
   if has_seg:
     u = v - _dot(kbar * cont, s, prec) - _dot(kbar * (1.0 - cont), s_init, prec)
-    s_base = cont_last * s + (1.0 - cont_last) * s_init
   else:
     u = v - _dot(kbar, s, prec)
-    s_base = s
-  return u, s_base, _dot(amat, u, prec)
+  return s_base, _dot(amat, u, prec)
 
 
 def _output(qbar, cont, s, s_init, pmat, delta, has_seg, prec):
@@ -315,142 +334,149 @@ def _output_kernel(*refs, chunk, scale, has_seg, block_v, prec):
 # ----------------------------------------------------------------------------------- backward
 
 
-def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec):
-  names = ["q", "k", "v", "g", "a", "p", "wt", "h0", "states", "do", "dsfin"] + (
-      ["cont"] if has_seg else [])
+_BWD_IN = ["q", "k", "v", "g", "a", "p", "wt", "h0", "do"]
+
+
+def _bwd_names(has_seg, wy, extra):
+  return _BWD_IN + extra + (["cont"] if has_seg else []) + (["wk"] if wy else [])
+
+
+def _bwd_chain(r, b, h, t0, C, scale, has_seg, vs, ds, s_init, prec, wy):
+  """One chunk of the reverse state chain, given dS (the gradient of the state after the chunk):
+  dDelta = P^T dO + Wt dS, dU = A^T dDelta, dS_prev and S_init's share (segments).
+
+  Kbar_c^T dU = (A Kbar_c)^T dDelta: with wy the chain dS -> dDelta -> dS_prev is 2 dots."""
+  kbar, qbar, e_last, cont, cont_last = _chunk_common(r, b, h, t0, C, scale, has_seg)
+  do = r["do"][b, pl.ds(t0, C), h, vs].astype(jnp.float32)
+  amat = r["a"][b, h, pl.ds(t0, C), :]
+  d_delta = _dot_tn(r["p"][b, h, pl.ds(t0, C), :], do, prec) + _dot(
+      r["wt"][b, pl.ds(t0, C), h, :], ds, prec)
+  du = _dot_tn(amat, d_delta, prec)
+  ds_decayed = e_last * ds
+  cq = qbar * cont if has_seg else qbar
+  if wy:
+    chain = _dot_tn(r["wk"][b, pl.ds(t0, C), h, :], d_delta, prec)
+  else:
+    chain = _dot_tn(kbar * cont if has_seg else kbar, du, prec)
+  ds_prev = (cont_last * ds_decayed if has_seg else ds_decayed) + _dot_tn(cq, do, prec) - chain
+  ds_init_part = None
+  if has_seg:
+    ds_init_part = ((1.0 - cont_last) * ds_decayed + _dot_tn(qbar * (1.0 - cont), do, prec)
+                    - _dot_tn(kbar * (1.0 - cont), du, prec))
+  return ds_prev, ds_init_part, dict(kbar=kbar, qbar=qbar, cont=cont, cont_last=cont_last, do=do,
+                                     amat=amat, du=du)
+
+
+def _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs, s, ds, s_init, x, prec, wy):
+  """The chunk's dV and per-V-block partial gradients of P, L, Wt, Kbar, Qbar and g_last."""
+  dv_ref, dp_ref, dl_ref, dwt_ref, dkbar_ref, dqbar_ref, dgl_ref = outs
+  t0 = c * C
+  v = r["v"][b, pl.ds(t0, C), h, vs].astype(jnp.float32)
+  wk = r["wk"][b, pl.ds(t0, C), h, :] if wy else None
+  s_base, delta = _delta(x["kbar"], v, x["amat"], wk, s, s_init, x["cont"], x["cont_last"],
+                         has_seg, prec)
+  do, du, cont = x["do"], x["du"], x["cont"]
+  dv_ref[b, pl.ds(t0, C), h, vs] = du.astype(dv_ref.dtype)
+  dp_ref[b, h, vb, pl.ds(t0, C), :] = _dot_nt(do, delta, prec)
+  dl_ref[b, h, vb, pl.ds(t0, C), :] = -_dot_nt(du, delta, prec)
+  dwt_ref[b, h, vb, pl.ds(t0, C), :] = _dot_nt(delta, ds, prec)
+  e_last_row = jnp.exp(r["g"][b, t0 + C - 1, h, :])
+  dgl_ref[b, h, vb, c, :] = e_last_row * jnp.sum(ds * s_base, axis=1)
+  if has_seg:
+    dkbar = -(_dot_nt(du * cont, s, prec) + _dot_nt(du * (1.0 - cont), s_init, prec))
+    dqbar = _dot_nt(do * cont, s, prec) + _dot_nt(do * (1.0 - cont), s_init, prec)
+  else:
+    dkbar = -_dot_nt(du, s, prec)
+    dqbar = _dot_nt(do, s, prec)
+  dkbar_ref[b, h, vb, pl.ds(t0, C), :] = dkbar
+  dqbar_ref[b, h, vb, pl.ds(t0, C), :] = dqbar
+
+
+def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, wy, split):
+  """Serial over chunks in reverse. split=False: also emits dV and the partial gradients.
+  split=True: only the state chain, saving each chunk's dS for _bwd_partials_kernel."""
+  names = _bwd_names(has_seg, wy, ["states", "dsfin"])
   n_in = len(names)
   r = dict(zip(names, refs[:n_in]))
-  dv_ref, dh0_ref, dp_ref, dl_ref, dwt_ref, dkbar_ref, dqbar_ref, dgl_ref = refs[n_in:]
+  dh0_ref = refs[n_in]
+  outs = refs[n_in + 1:]
   b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   C = chunk
-  v0 = vb * block_v
-  vs = pl.ds(v0, block_v)
+  vs = pl.ds(vb * block_v, block_v)
   s_init = r["h0"][b, h, :, vs].astype(jnp.float32)
 
   def body(i, carry):
     ds, ds_init = carry
     c = num_chunks - 1 - i
-    t0 = c * C
-    s = r["states"][b, h, c, :, vs]
-    kbar, qbar, e_last, cont, cont_last = _chunk_common(r, b, h, t0, C, scale, has_seg)
-    v = r["v"][b, pl.ds(t0, C), h, vs].astype(jnp.float32)
-    do = r["do"][b, pl.ds(t0, C), h, vs].astype(jnp.float32)
-    amat = r["a"][b, h, pl.ds(t0, C), :]
-    pmat = r["p"][b, h, pl.ds(t0, C), :]
-    wt = r["wt"][b, pl.ds(t0, C), h, :]
-    u, s_base, delta = _delta(kbar, v, amat, s, s_init, cont, cont_last, has_seg, prec)
-    d_delta = _dot_tn(pmat, do, prec) + _dot(wt, ds, prec)
-    du = _dot_tn(amat, d_delta, prec)
-    dv_ref[b, pl.ds(t0, C), h, vs] = du.astype(dv_ref.dtype)
-    dp_ref[b, h, vb, pl.ds(t0, C), :] = _dot_nt(do, delta, prec)
-    dl_ref[b, h, vb, pl.ds(t0, C), :] = -_dot_nt(du, delta, prec)
-    dwt_ref[b, h, vb, pl.ds(t0, C), :] = _dot_nt(delta, ds, prec)
-    e_last_row = jnp.exp(r["g"][b, t0 + C - 1, h, :])
-    dgl_ref[b, h, vb, c, :] = e_last_row * jnp.sum(ds * s_base, axis=1)
-    ds_decayed = e_last * ds
-    if has_seg:
-      dkbar = -(_dot_nt(du * cont, s, prec) + _dot_nt(du * (1.0 - cont), s_init, prec))
-      dqbar = _dot_nt(do * cont, s, prec) + _dot_nt(do * (1.0 - cont), s_init, prec)
-      ds_prev = (cont_last * ds_decayed + _dot_tn(qbar * cont, do, prec)
-                 - _dot_tn(kbar * cont, du, prec))
-      ds_init = ds_init + ((1.0 - cont_last) * ds_decayed
-                           + _dot_tn(qbar * (1.0 - cont), do, prec)
-                           - _dot_tn(kbar * (1.0 - cont), du, prec))
+    ds_prev, ds_init_part, x = _bwd_chain(r, b, h, c * C, C, scale, has_seg, vs, ds, s_init,
+                                          prec, wy)
+    if split:
+      outs[0][b, h, c, :, vs] = ds
     else:
-      dkbar = -_dot_nt(du, s, prec)
-      dqbar = _dot_nt(do, s, prec)
-      ds_prev = ds_decayed + _dot_tn(qbar, do, prec) - _dot_tn(kbar, du, prec)
-    dkbar_ref[b, h, vb, pl.ds(t0, C), :] = dkbar
-    dqbar_ref[b, h, vb, pl.ds(t0, C), :] = dqbar
-    return ds_prev, ds_init
+      _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs, r["states"][b, h, c, :, vs], ds,
+                    s_init, x, prec, wy)
+    return ds_prev, ds_init if ds_init_part is None else ds_init + ds_init_part
 
   ds0 = r["dsfin"][b, h, :, vs].astype(jnp.float32)
   ds, ds_init = lax.fori_loop(0, num_chunks, body, (ds0, jnp.zeros_like(ds0)))
   dh0_ref[b, h, :, vs] = ds + ds_init
 
 
-def _pairs_bwd_loop(q, k, g, dpm, dlm, r, b, h, t0, C):
+def _bwd_partials_kernel(*refs, chunk, scale, has_seg, block_v, prec, wy):
+  """Parallel over (chunk, V block): _bwd_partials from the saved states and state gradients."""
+  names = _bwd_names(has_seg, wy, ["states", "dstates"])
+  r = dict(zip(names, refs[:len(names)]))
+  outs = refs[len(names):]
+  b, h, c, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+  C = chunk
+  vs = pl.ds(vb * block_v, block_v)
+  s_init = r["h0"][b, h, :, vs].astype(jnp.float32)
+  ds = r["dstates"][b, h, c, :, vs]
+  _, _, x = _bwd_chain(r, b, h, c * C, C, scale, has_seg, vs, ds, s_init, prec, wy)
+  _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs, r["states"][b, h, c, :, vs], ds, s_init, x,
+                prec, wy)
+
+
+def _diag_pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C, block):
+  """Pair accumulators (see _intra_bwd_epilogue) of the diagonal block x block tiles (the whole
+  chunk when block == C), by a `block`-step column loop over all tiles at once."""
   row, col = _iota(C, 0), _iota(C, 1)
   row_k = lax.broadcasted_iota(jnp.int32, q.shape, 0)
+  at0 = (row // block) * block
 
-  def col_body(j, acc):
+  def col_body(jj, acc):
     dq_acc, dk_acc, dw_acc = acc
-    wj = r["w"][b, pl.ds(t0 + j, 1), h, :].astype(jnp.float32)
-    gj = r["g"][b, pl.ds(t0 + j, 1), h, :]
-    e = jnp.exp(jnp.minimum(g - gj, 0.0))
-    pj = jnp.sum(jnp.where(col == j, dpm, 0.0), axis=1)[:, None]     # dP[:, j] (scaled)
-    lj = jnp.sum(jnp.where(col == j, dlm, 0.0), axis=1)[:, None]     # dL[:, j]
+    wj = _block_rows(r["w"], b, h, t0, C, block, jj)
+    e = jnp.exp(jnp.minimum(g - _block_rows(r["g"], b, h, t0, C, block, jj), 0.0))
+    at = col == at0 + jj
+    pj = jnp.sum(jnp.where(at, dpm, 0.0), axis=1)[:, None]     # dP[r, j(r)] (scaled)
+    lj = jnp.sum(jnp.where(at, dlm, 0.0), axis=1)[:, None]     # dL[r, j(r)]
     we = wj * e
     dq_acc = dq_acc + pj * we
     dk_acc = dk_acc + lj * we
-    dwj = jnp.sum((pj * q + lj * k) * e, axis=0)
-    dw_acc = jnp.where(row_k == j, dwj[None, :], dw_acc)
+    m = (pj * q + lj * k) * e
+    for ib in range(C // block):
+      in_blk = (row_k >= ib * block) & (row_k < (ib + 1) * block)
+      dwj = jnp.sum(jnp.where(in_blk, m, 0.0), axis=0)[None, :]
+      dw_acc = dw_acc + jnp.where(row_k == ib * block + jj, dwj, 0.0)
     return dq_acc, dk_acc, dw_acc
 
   zeros = jnp.zeros_like(q)
-  return lax.fori_loop(0, C, col_body, (zeros, zeros, zeros))
+  return lax.fori_loop(0, block, col_body, (zeros, zeros, zeros))
 
 
-def _pairs_bwd_blocked(q, k, w, g, dpm, dlm, r, b, h, t0, C, block, prec, hi, scale, has_seg,
-                       num_vb):
+def _pairs_bwd_blocked(q, k, w, g, dpm, dlm, r, b, h, t0, C, block, prec):
+  """_diag_pairs_bwd on the diagonal tiles plus the off-diagonal blocks as matmuls."""
   row, col = _iota(C, 0), _iota(C, 1)
-  row_k = lax.broadcasted_iota(jnp.int32, q.shape, 0)
-  r16, c16 = _iota(block, 0), _iota(block, 1)
-  r16k = lax.broadcasted_iota(jnp.int32, (block, q.shape[1]), 0)
-  dq_acc = jnp.zeros_like(q)
-  dk_acc = jnp.zeros_like(q)
-  dw_acc = jnp.zeros_like(q)
-  for jb in range(C // block):
-    js = jb * block
-    if js + block < C:
-      g_r = r["g"][b, pl.ds(t0 + js + block - 1, 1), h, :]
-      xs = jnp.exp(jnp.minimum(g - g_r, 0.0))
-      ys = jnp.exp(jnp.minimum(g_r - g, 0.0))
-      y_t = jnp.where((row_k >= js) & (row_k < js + block), w * ys, 0.0)
-      sel = (row >= js + block) & (col >= js) & (col < js + block)
-      gp = jnp.where(sel, dpm, 0.0)
-      gl = jnp.where(sel, dlm, 0.0)
-      dq_acc = dq_acc + xs * _dot(gp, y_t, prec)
-      dk_acc = dk_acc + xs * _dot(gl, y_t, prec)
-      dw_acc = dw_acc + ys * (_dot_tn(gp, q * xs, prec) + _dot_tn(gl, k * xs, prec))
-    rows = pl.ds(t0 + js, block)
-    cols = pl.ds(js, block)
-    gpd = r["dp"][b, h, 0, rows, cols]
-    gld = r["dl"][b, h, 0, rows, cols]
-    for j in range(1, num_vb):
-      gpd = gpd + r["dp"][b, h, j, rows, cols]
-      gld = gld + r["dl"][b, h, j, rows, cols]
-    gpd = jnp.where(r16 > c16, gpd, 0.0) * scale   # P's diagonal is handled by the caller
-    gld = jnp.where(r16 > c16, gld, 0.0)
-    if has_seg:
-      pidb = r["pid"][b, rows]
-      sameb = pidb[:, None] == pidb[None, :]
-      gpd = jnp.where(sameb, gpd, 0.0)
-      gld = jnp.where(sameb, gld, 0.0)
-    qj = r["q"][b, rows, h, :].astype(jnp.float32)
-    kj = r["k"][b, rows, h, :].astype(jnp.float32)
-    gjb = r["g"][b, rows, h, :]
-
-    def col_body(jj, acc, js=js, qj=qj, kj=kj, gjb=gjb, gpd=gpd, gld=gld):
-      dqb, dkb, dwb = acc
-      wj = r["w"][b, pl.ds(t0 + js + jj, 1), h, :].astype(jnp.float32)
-      gj = r["g"][b, pl.ds(t0 + js + jj, 1), h, :]
-      e = jnp.exp(jnp.minimum(gjb - gj, 0.0))
-      pj = jnp.sum(jnp.where(c16 == jj, gpd, 0.0), axis=1)[:, None]
-      lj = jnp.sum(jnp.where(c16 == jj, gld, 0.0), axis=1)[:, None]
-      we = wj * e
-      dqb = dqb + pj * we
-      dkb = dkb + lj * we
-      dwj = jnp.sum((pj * qj + lj * kj) * e, axis=0)
-      dwb = jnp.where(r16k == jj, dwj[None, :], dwb)
-      return dqb, dkb, dwb
-
-    zb = jnp.zeros((block, q.shape[1]), jnp.float32)
-    dqb, dkb, dwb = lax.fori_loop(0, block, col_body, (zb, zb, zb))
-    selm = _select(block, C, js)
-    dq_acc = dq_acc + _dot_tn(selm, dqb, hi)
-    dk_acc = dk_acc + _dot_tn(selm, dkb, hi)
-    dw_acc = dw_acc + _dot_tn(selm, dwb, hi)
+  dq_acc, dk_acc, dw_acc = _diag_pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C, block)
+  for js in range(0, C - block, block):
+    xs, y_t, ys = _offdiag_factors(g, w, r["g"], b, h, t0, C, block, js)
+    sel = (row >= js + block) & (col >= js) & (col < js + block)
+    gp = jnp.where(sel, dpm, 0.0)
+    gl = jnp.where(sel, dlm, 0.0)
+    dq_acc = dq_acc + xs * _dot(gp, y_t, prec)
+    dk_acc = dk_acc + xs * _dot(gl, y_t, prec)
+    dw_acc = dw_acc + ys * (_dot_tn(gp, q * xs, prec) + _dot_tn(gl, k * xs, prec))
   return dq_acc, dk_acc, dw_acc
 
 
@@ -556,10 +582,9 @@ def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, blocked, block, kblo
   w = _tile(r["w"], b, t0, C, h)
   g = _tile(r["g"], b, t0, C, h)
   if blocked:
-    acc = _pairs_bwd_blocked(q, k, w, g, dpm, dlm, r, b, h, t0, C, block, prec, hi, scale,
-                             has_seg, num_vb)
+    acc = _pairs_bwd_blocked(q, k, w, g, dpm, dlm, r, b, h, t0, C, block, prec)
   else:
-    acc = _pairs_bwd_loop(q, k, g, dpm, dlm, r, b, h, t0, C)
+    acc = _diag_pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C, C)
   store(_intra_bwd_epilogue(q, k, w, g, acc, p_diag, vsum("dwt", allk), vsum("dkbar", allk),
                             vsum("dqbar", allk), dgl_sum(allk), e_last_of(g, allk), scale, hi),
         allk)
@@ -585,29 +610,30 @@ def _params(interpret, num_warps, cfg):
               compiler_params=common.compiler_params(num_warps, cfg.num_stages))
 
 
-def intra_forward(q, k, w, g, pid, *, chunk, scale, interpret, cfg, cfg_prec):
-  """Stage 1 (parallel over chunks): A = (I + L)^-1, P (scaled) and Wt."""
+def intra_forward(q, k, w, g, pid, cont, *, chunk, scale, interpret, cfg, cfg_prec):
+  """Stage 1 (parallel over chunks): A = (I + L)^-1, P (scaled), Wt, and with cfg.wy W = A Kbar
+  (else None)."""
   bsz, t, nh, kd = k.shape
   nc = t // chunk
   has_seg = pid is not None
   prec = _precision(cfg, cfg_prec, interpret)
   f32 = jnp.float32
-  intra_in = [q, k, w, g] + ([pid] if has_seg else [])
-  amat, pmat, wt = pl.pallas_call(
+  intra_in = [q, k, w, g] + ([pid, cont] if has_seg else [])
+  lane = jax.ShapeDtypeStruct((bsz, t, nh, kd), f32)
+  out_shape = [jax.ShapeDtypeStruct((bsz, nh, t, chunk), f32),
+               jax.ShapeDtypeStruct((bsz, nh, t, chunk), f32), lane] + ([lane] if cfg.wy else [])
+  outs = pl.pallas_call(
       functools.partial(_intra_fwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
                         blocked=cfg.blocked and chunk > cfg.block, block=cfg.block,
-                        kblock=_kblock(cfg, kd), prec=prec,
+                        kblock=_kblock(cfg, kd), wy=cfg.wy, prec=prec,
                         hi=common.dot_precision("exact", interpret)),
-      out_shape=(jax.ShapeDtypeStruct((bsz, nh, t, chunk), f32),
-                 jax.ShapeDtypeStruct((bsz, nh, t, chunk), f32),
-                 jax.ShapeDtypeStruct((bsz, t, nh, kd), f32)),
-      grid=(bsz, nh, nc), name="delta_rule_intra_fwd",
+      out_shape=tuple(out_shape), grid=(bsz, nh, nc), name="delta_rule_intra_fwd",
       **_params(interpret, cfg.num_warps_intra, cfg),
   )(*intra_in)
-  return amat, pmat, wt
+  return tuple(outs) + (() if cfg.wy else (None,))
 
 
-def recur_forward(q, k, v, g, h0, cont, amat, pmat, wt, *, chunk, scale, interpret, cfg,
+def recur_forward(q, k, v, g, h0, cont, amat, pmat, wt, wk, *, chunk, scale, interpret, cfg,
                   cfg_prec, save_states):
   """Stage 2 (serial over chunks): outputs, final state and (optionally) chunk-start states.
 
@@ -626,11 +652,12 @@ def recur_forward(q, k, v, g, h0, cont, amat, pmat, wt, *, chunk, scale, interpr
                jax.ShapeDtypeStruct((bsz, nh, kd, vd), f32)]
   if keep_states:
     out_shape.append(jax.ShapeDtypeStruct((bsz, nh, nc, kd, vd), f32))
-  recur_in = [q, k, v, g, amat, pmat, wt, h0] + ([cont] if has_seg else [])
+  recur_in = [q, k, v, g, amat, pmat, wt, h0] + ([cont] if has_seg else []) + (
+      [wk] if wk is not None else [])
   outs = pl.pallas_call(
       functools.partial(_recur_fwd_kernel, chunk=chunk, num_chunks=nc, scale=scale,
                         has_seg=has_seg, block_v=block_v, prec=prec, save_states=keep_states,
-                        split=split),
+                        split=split, wy=wk is not None),
       out_shape=tuple(out_shape), grid=(bsz, nh, vd // block_v), name="delta_rule_recur_fwd",
       **_params(interpret, cfg.num_warps_recur, cfg),
   )(*recur_in)
@@ -655,37 +682,49 @@ def forward(q, k, v, w, g, h0, cont, pid, *, chunk, scale, interpret, cfg, cfg_p
   cont: [B,T] f32 or None; pid: [B,T] int32 or None (both None without segments).
   """
   kw = dict(chunk=chunk, scale=scale, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
-  amat, pmat, wt = intra_forward(q, k, w, g, pid, **kw)
-  o, sfin, states = recur_forward(q, k, v, g, h0, cont, amat, pmat, wt, save_states=save_states,
-                                  **kw)
-  return o, sfin, (amat, pmat, wt, states)
+  amat, pmat, wt, wk = intra_forward(q, k, w, g, pid, cont, **kw)
+  o, sfin, states = recur_forward(q, k, v, g, h0, cont, amat, pmat, wt, wk,
+                                  save_states=save_states, **kw)
+  return o, sfin, (amat, pmat, wt, wk, states)
 
 
 def recur_backward(q, k, v, g, h0, cont, res, do, dsfin, *, chunk, scale, interpret, cfg,
                    cfg_prec):
-  """Backward stage 1 (serial over chunks, reversed): dV, dS_init and per-V-block partials."""
-  amat, pmat, wt, states = res
+  """Backward stage 1: dS_init (serial over chunks, reversed), dV and per-V-block partials (in
+  the serial kernel, or with cfg.split_backward in a parallel kernel from the saved dS)."""
+  amat, pmat, wt, wk, states = res
   bsz, t, nh, kd = k.shape
   vd = v.shape[-1]
   nc = t // chunk
   has_seg = cont is not None
+  wy = wk is not None
   prec = _precision(cfg, cfg_prec, interpret)
   f32 = jnp.float32
   block_v = min(cfg.block_v, vd)
   nvb = vd // block_v
-  recur_in = [q, k, v, g, amat, pmat, wt, h0, states, do, dsfin] + ([cont] if has_seg else [])
+  opt = ([cont] if has_seg else []) + ([wk] if wy else [])
+  common_in = [q, k, v, g, amat, pmat, wt, h0, do]
   cc = jax.ShapeDtypeStruct((bsz, nh, nvb, t, chunk), f32)
   ck = jax.ShapeDtypeStruct((bsz, nh, nvb, t, kd), f32)
-  return pl.pallas_call(
-      functools.partial(_recur_bwd_kernel, chunk=chunk, num_chunks=nc, scale=scale,
-                        has_seg=has_seg, block_v=block_v, prec=prec),
-      out_shape=(jax.ShapeDtypeStruct(v.shape, f32),
-                 jax.ShapeDtypeStruct((bsz, nh, kd, vd), f32),
-                 cc, cc, ck, ck, ck,
-                 jax.ShapeDtypeStruct((bsz, nh, nvb, nc, kd), f32)),
+  partial_shapes = (jax.ShapeDtypeStruct(v.shape, f32), cc, cc, ck, ck, ck,
+                    jax.ShapeDtypeStruct((bsz, nh, nvb, nc, kd), f32))
+  split = cfg.split_backward
+  kw = dict(chunk=chunk, scale=scale, has_seg=has_seg, block_v=block_v, prec=prec, wy=wy)
+  dh0, *outs = pl.pallas_call(
+      functools.partial(_recur_bwd_kernel, num_chunks=nc, split=split, **kw),
+      out_shape=(jax.ShapeDtypeStruct((bsz, nh, kd, vd), f32),) + (
+          (jax.ShapeDtypeStruct(states.shape, f32),) if split else partial_shapes),
       grid=(bsz, nh, nvb), name="delta_rule_recur_bwd",
       **_params(interpret, cfg.num_warps_recur, cfg),
-  )(*recur_in)
+  )(*common_in, states, dsfin, *opt)
+  if split:
+    outs = pl.pallas_call(
+        functools.partial(_bwd_partials_kernel, **kw),
+        out_shape=partial_shapes, grid=(bsz, nh, nc, nvb), name="delta_rule_bwd_partials",
+        **_params(interpret, cfg.num_warps_intra, cfg),
+    )(*common_in, states, outs[0], *opt)
+  dv, *partials = outs
+  return (dv, dh0, *partials)
 
 
 def intra_backward(q, k, w, g, pid, partials, *, chunk, scale, interpret, cfg, cfg_prec):

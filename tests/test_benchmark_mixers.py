@@ -1,0 +1,38 @@
+"""experiments/benchmark_mixers.py on CPU: the kernel check at a tiny shape (interpret mode) meets
+the accuracy bounds, sweep specs parse into configs and bad ones are refused, and the winners of a
+sweep combine into one spec."""
+from __future__ import annotations
+
+import pytest
+
+from experiments import benchmark_mixers as bm
+from pallas_kernels.delta_rule import config as dr_config
+from pallas_kernels.kdn_gain import config as gain_config
+
+
+def test_check_meets_bounds_in_interpret_mode():
+  res = bm.run_check(b=1, t=40, h=1, d=16, cut=13)
+  assert any("seg_" in k for k in res)
+  for name, err in res.items():
+    bound = 1e-5 if "float32" in name else 5e-3
+    assert err <= bound, (name, err)
+
+
+def test_config_from_spec():
+  base = dr_config.DeltaRuleConfig()
+  assert bm.config_from_spec(base, "default") is base
+  cfg = bm.config_from_spec(base, "max_chunk=64/wy=1/fast_dots=tf32/block_v=64")
+  assert (cfg.max_chunk, cfg.wy, cfg.fast_dots, cfg.block_v) == (64, True, "tf32", 64)
+  assert bm.config_from_spec(gain_config.GainConfig(), "max_chunk=128").max_chunk == 128
+  with pytest.raises(ValueError, match="field=value"):
+    bm.config_from_spec(base, "chunk=64")
+  with pytest.raises(ValueError, match="DeltaRuleConfig.block_v"):
+    bm.config_from_spec(base, "block_v=48")
+
+
+def test_combine_winners():
+  timed = [("fast_dots=bf16", 10.0), ("wy=1", 9.0), ("block_v=64", 11.0), ("num_stages=2", 8.0),
+           ("blocked=1", None)]
+  assert bm.combine_winners(timed) == "fast_dots=bf16/wy=1/num_stages=2"
+  assert bm.combine_winners(timed[:3]) is None          # one winner: nothing new to try
+  assert bm.combine_winners([("default", None), ("wy=1", 1.0), ("x=1", 1.0)]) is None
