@@ -51,6 +51,8 @@ flags.DEFINE_list("sweep", [], "DeltaRuleConfig overrides to try on diag_kdn_pal
 flags.DEFINE_list("gain_sweep", [], "GainConfig overrides to try on diag_gain_pallas fwd, same "
                   "syntax, e.g. 'max_chunk=128'")
 flags.DEFINE_integer("sweep_len", 4096, "sequence length for the sweeps")
+flags.DEFINE_boolean("sweep_stages", False, "time the pallas stages (see --stages) under every "
+                     "delta-rule sweep spec")
 flags.DEFINE_boolean("sweep_combine", True, "after a sweep, also time the first spec merged with "
                      "every spec that beat it")
 flags.DEFINE_boolean("stages", False, "also time the pallas stages one by one (diag KDN): gain, "
@@ -317,24 +319,24 @@ def _time_stages(t):
   # The precision the op picks for bf16 data (ops.diag_kdn hands the kernels fp32 arrays).
   kw = dict(chunk=chunk, scale=d ** -0.5, interpret=common.resolve_interpret(None), cfg=cfg,
             cfg_prec=common.precision_for(jnp.bfloat16))
+  # Arrays go in as arguments: closed-over arrays become constants that XLA folds for minutes.
   intra = jax.jit(lambda q, k, w, g: dk.intra_forward(q, k, w, g, None, None, **kw))
   out["delta_intra_fwd"] = _time_fn(intra, (x["q"], x["k"], w, g), first, "delta_intra_fwd")
   amat, pmat, wt, wk = intra(x["q"], x["k"], w, g)
   h0 = jnp.zeros((b, h, d, d), jnp.float32)
-  recur = jax.jit(lambda q, k, v, g, a, p, wt, wk: dk.recur_forward(
+  recur = jax.jit(lambda q, k, v, g, a, p, wt, wk, h0: dk.recur_forward(
       q, k, v, g, h0, None, a, p, wt, wk, save_states=True, **kw))
-  args = (x["q"], x["k"], x["v"], g, amat, pmat, wt, wk)
+  args = (x["q"], x["k"], x["v"], g, amat, pmat, wt, wk, h0)
   out["delta_recur_fwd"] = _time_fn(recur, args, first, "delta_recur_fwd")
   o, _, states = recur(*args)
-  res = (amat, pmat, wt, wk, states)
-  dsfin = jnp.zeros((b, h, d, d), jnp.float32)
-  rbwd = jax.jit(lambda do: dk.recur_backward(x["q"], x["k"], x["v"], g, h0, None, res, do,
-                                               dsfin, **kw))
-  do = jnp.ones_like(o)
-  out["delta_recur_bwd"] = _time_fn(rbwd, (do,), first, "delta_recur_bwd")
-  partials = tuple(rbwd(do)[2:])
-  ibwd = jax.jit(lambda parts: dk.intra_backward(x["q"], x["k"], w, g, None, parts, **kw))
-  out["delta_intra_bwd"] = _time_fn(ibwd, (partials,), first, "delta_intra_bwd")
+  rbwd = jax.jit(lambda q, k, v, g, h0, res, do: dk.recur_backward(
+      q, k, v, g, h0, None, res, do, jnp.zeros_like(h0), **kw))
+  args = (x["q"], x["k"], x["v"], g, h0, (amat, pmat, wt, wk, states), jnp.ones_like(o))
+  out["delta_recur_bwd"] = _time_fn(rbwd, args, first, "delta_recur_bwd")
+  partials = tuple(rbwd(*args)[2:])
+  ibwd = jax.jit(lambda q, k, w, g, parts: dk.intra_backward(q, k, w, g, None, parts, **kw))
+  out["delta_intra_bwd"] = _time_fn(ibwd, (x["q"], x["k"], w, g, partials), first,
+                                    "delta_intra_bwd")
   out["first_call_s"] = first
   return out
 
@@ -367,6 +369,12 @@ def _sweep(results, specs, module, make_config, row, fwd_bwd, key):
       logging.warning("sweep %s failed: %s", spec, e)
     rec = {"sweep": spec, "row": row, "fwd_bwd": fwd_bwd, "T": FLAGS.sweep_len, "ms": ms,
            "first_call_s": first.get(row)}
+    if FLAGS.sweep_stages and ms is not None and module.__name__.endswith("delta_rule.config"):
+      try:
+        rec["stages"] = {k: v if isinstance(v, dict) else round(v, 3)
+                         for k, v in _time_stages(FLAGS.sweep_len).items()}
+      except Exception as e:  # pylint: disable=broad-except
+        rec["stages_error"] = f"{type(e).__name__}: {e}"[:300]
     print(json.dumps(rec), flush=True)
     results.setdefault("sweeps", []).append(rec)
     timed.append((spec, ms))

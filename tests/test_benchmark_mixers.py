@@ -13,8 +13,9 @@ from pallas_kernels.kdn_gain import config as gain_config
 def test_check_meets_bounds_in_interpret_mode():
   res = bm.run_check(b=1, t=40, h=1, d=16, cut=13)
   assert any("seg_" in k for k in res)
-  for name, err in res.items():
-    bound = 1e-5 if "float32" in name else 5e-3
+  for name, err in res.items():   # the issue's bounds: forward, then gradients
+    fwd = name.endswith(("_o", "_S")) or name.startswith("diag_gain")
+    bound = {True: (1e-5, 5e-3), False: (1e-4, 1e-2)}[fwd]["float32" not in name]
     assert err <= bound, (name, err)
 
 
@@ -36,3 +37,26 @@ def test_combine_winners():
   assert bm.combine_winners(timed) == "fast_dots=bf16/wy=1/num_stages=2"
   assert bm.combine_winners(timed[:3]) is None          # one winner: nothing new to try
   assert bm.combine_winners([("default", None), ("wy=1", 1.0), ("x=1", 1.0)]) is None
+
+
+def test_sweep_with_stages_at_tiny_shape():
+  """The sweep times every spec (and its stage split), keeps the fastest as the default, records
+  what it tried, and leaves the module default alone when nothing runs."""
+  bm.FLAGS(["bm", "--batch=1", "--heads=1", "--dim=16", "--reps=1", "--warmup=0",
+            "--sweep_len=40", "--sweep_stages", "--time_budget_s=1e9"])
+  old = dr_config.DEFAULT
+  results = {}
+  try:
+    bm._START[0] = __import__("time").time()
+    bm._sweep(results, ["default", "wy=1/split_backward=1"], dr_config,
+              lambda spec: bm.config_from_spec(old, spec), "diag_kdn_pallas", True, "cfg")
+    recs = results["sweeps"]
+    assert [r["sweep"] for r in recs] == ["default", "wy=1/split_backward=1"]
+    for r in recs:
+      assert r["ms"] > 0 and r["first_call_s"] > 0, r
+      assert set(r["stages"]) >= {"gain_fwd", "delta_intra_fwd", "delta_recur_fwd",
+                                  "delta_recur_bwd", "delta_intra_bwd"}, r
+    assert results["cfg"] == repr(dr_config.DEFAULT)
+  finally:
+    dr_config.DEFAULT = old
+    bm.FLAGS.unparse_flags()

@@ -4,7 +4,7 @@
 # sections: ops (reference vs chunked), stages (pallas stage split + kernel config sweep),
 # mixers (mixer table vs flash-linear-attention), layers (whole layers vs fla's KDA layer),
 # train (125M LM training throughput on 1 GPU, and on 2 when there are 2). Default: all.
-# Kernel config sweep (stages): SWEEP='default,wy=1/max_chunk=64/kblock=16' (DeltaRuleConfig fields).
+# Kernel config sweep (stages): SWEEP='default,wy=0/max_chunk=64/kblock=16' (DeltaRuleConfig fields).
 # Extra train flags: TRAIN_EXTRA='--config.model.scan_layers=True --config.model.impl=pallas'.
 # Results land in $RES (default /tmp/kdn_gpu); with $OUT set (the device tool) they are also packed
 # into $OUT/results.tgz. Each section has its own time limit.
@@ -35,11 +35,14 @@ ops)
     --impls=reference,chunked --ops=diag_kdn,iso_kdn --repeats=5 \
     --out="$RES/bench_ops_gpu.json" 2>&1 | quiet | tee "$RES/bench_ops_gpu.txt" ;;
 stages)
+  # Sweep (each spec timed fwd+bwd at 4096, with its stage split), keep the fastest, check it on
+  # the GPU, then time STAGE_ROWS at STAGE_LENS with it (one process: the winner carries over).
   timeout ${STAGES_LIMIT:-540} python3 -m experiments.benchmark_mixers --out="$RES/stages" \
-    --seq_lens=4096 --reps=10 --check=${STAGES_CHECK:-true} --time_budget_s=${STAGES_BUDGET:-420} \
-    --stages --sweep=${SWEEP-default,wy=1,split_backward=1,blocked=1,num_stages=2,block_v=64,blocked=1/block=8,split_output=1,num_warps_recur=4,num_warps_intra=4} \
-    --rows=diag_kdn_pallas,iso_kdn_pallas,fla_chunk_kda \
-    2>&1 | quiet | tail -40 | tee "$RES/stages.txt" ;;
+    --seq_lens=${STAGE_LENS:-4096} --pallas_lens= --reps=${REPS:-10} --check=${STAGES_CHECK:-true} \
+    --time_budget_s=${STAGES_BUDGET:-420} --stages --sweep_stages \
+    --sweep=${SWEEP-default,inverse=rows_t,inverse=doubling,inverse=blocks/block=8,blocked=1/block=8/inverse=rows_t,max_chunk=16,max_chunk=64/blocked=1/inverse=doubling,num_warps_intra=16} \
+    --rows=${STAGE_ROWS:-diag_kdn_pallas,iso_kdn_pallas,fla_chunk_kda} \
+    2>&1 | quiet | tail -60 | tee "$RES/stages.txt" ;;
 mixers)
   timeout ${MIXERS_LIMIT:-300} python3 -m experiments.benchmark_mixers --out="$RES/mixers" \
     --seq_lens=$MIXER_LENS --reps=${REPS:-30} --check=false --time_budget_s=${MIXERS_BUDGET:-260} \

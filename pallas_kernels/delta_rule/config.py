@@ -7,12 +7,13 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class DeltaRuleConfig:
-  # Defaults = the fastest of the H200 sweep (diag KDN fwd+bwd, B=4 H=16 K=V=128 bf16 T=4096):
-  # 32/8/8 warps/block_v 32: 19.7 ms; 32/4/4/64: 27.5 ms; 64/8/8/64: 25.5 ms.
+  # Defaults = the fastest of the H200 sweeps (diag KDN fwd+bwd, B=4 H=16 K=V=128 bf16 T=4096;
+  # docs/benchmark_mixers.md): each of wy, split_backward, split_output, block_v=64,
+  # num_warps_recur=4, num_stages=2 beat the 17.2 ms baseline on its own (13.5 ms for wy alone).
   max_chunk: int = 32        # caps the caller's chunk_size (C_m)
   block: int = 16            # sub-block for the intra-chunk decay products and the inverse
-  # Sub-blocked intra kernels (matmuls around a reference point + blocked inverse). Validated on
-  # CPU only: its first H200 compile ran > 3 minutes and was cut off, so it is off by default.
+  # Sub-blocked intra pair products: off-diagonal block x block tiles as matmuls around a
+  # reference point, the diagonal tiles by a `block`-step column loop (else a C-step loop).
   blocked: bool = False
   # Pair products of the intra kernels as [C, C, kblock] tiles summed over K in K/kblock steps
   # (0: the C-step column loop). Validated in interpret mode; not yet timed on a GPU.
@@ -21,20 +22,23 @@ class DeltaRuleConfig:
   # fp32 accumulation: twice the TF32 tensor-core rate; flash-linear-attention's choice; H200 diag
   # KDN fwd+bwd T=4096: 14.9 ms against 16.5 ms with 'tf32') or 'tf32' (fp32 operands).
   fast_dots: str = "bf16"
-  # Serial kernel keeps only the state chain (3 dots per chunk) and a parallel kernel forms the
-  # outputs from the saved chunk-start states (flash-linear-attention's split). Validated in
-  # interpret mode; not yet timed on a GPU.
-  split_output: bool = False
+  # Serial kernel keeps only the state chain and a parallel kernel forms the outputs from the
+  # saved chunk-start states (flash-linear-attention's split).
+  split_output: bool = True
   # The reverse serial kernel keeps only the state-gradient chain and saves each chunk's dS; a
   # parallel kernel forms dV and the partial gradients (the backward twin of split_output).
-  split_backward: bool = False
+  split_backward: bool = True
+  # (I + L)^-1 in the intra kernel: 'rows' (forward substitution, reductions across rows),
+  # 'rows_t' (the same on the transpose: reductions within rows), 'blocks' (block substitution
+  # with `block`-sized diagonal blocks, matmuls), 'doubling' (product of 2 log2(C) - 2 matmuls).
+  inverse: str = "rows"
   # Compact WY: the intra kernel also emits W = A Kbar, so each chunk's dependent dot chain in
   # the serial kernels is 2 dots (W S_0, then the state update) instead of 3.
-  wy: bool = False
-  block_v: int = 32          # value-columns per program in the recurrent (state-passing) kernels
+  wy: bool = True
+  block_v: int = 64          # value-columns per program in the recurrent (state-passing) kernels
   num_warps_intra: int = 8   # Triton warps, intra-chunk kernels (parallel over chunks)
-  num_warps_recur: int = 8   # Triton warps, recurrent kernels (serial over chunks)
-  num_stages: int = 1
+  num_warps_recur: int = 4   # Triton warps, recurrent kernels (serial over chunks)
+  num_stages: int = 2         # Triton software-pipelining stages of the kernels' loops
 
   def __post_init__(self):
     pow2 = lambda n: n > 0 and n & (n - 1) == 0
@@ -43,6 +47,9 @@ class DeltaRuleConfig:
         raise ValueError(f"DeltaRuleConfig.{name} must be a power of two, got {getattr(self, name)}")
     if self.kblock and not pow2(self.kblock):
       raise ValueError(f"DeltaRuleConfig.kblock must be 0 or a power of two, got {self.kblock}")
+    if self.inverse not in ("rows", "rows_t", "blocks", "doubling"):
+      raise ValueError("DeltaRuleConfig.inverse must be 'rows', 'rows_t', 'blocks' or 'doubling', "
+                       f"got {self.inverse!r}")
     if self.fast_dots not in ("tf32", "bf16"):
       raise ValueError(f"DeltaRuleConfig.fast_dots must be 'tf32' or 'bf16', got {self.fast_dots!r}")
 

@@ -166,6 +166,43 @@ def _unit_lower_inverse_rows(lmat, C):
   return lax.fori_loop(1, C, sub_body, eye)
 
 
+def _unit_lower_inverse_rows_t(lmat, C):
+  """(I + L)^-1 by forward substitution, built as its transpose one column at a time, so every
+  reduction runs along axis 1 (within a row: no cross-warp reduction on a GPU)."""
+  row, col = _iota(C, 0), _iota(C, 1)
+  eye = (row == col).astype(jnp.float32)
+  lt = jnp.transpose(lmat)
+
+  def sub_body(i, at):
+    li = jnp.sum(jnp.where(col == i, lt, 0.0), axis=1)[None, :]   # L[i, :] as a row
+    new = jnp.sum(at * li, axis=1)[:, None]                       # (A^T L^T)[:, i]
+    return jnp.where(col == i, jnp.where(row == i, 1.0, 0.0) - new, at)
+
+  return jnp.transpose(lax.fori_loop(1, C, sub_body, eye))
+
+
+def _unit_lower_inverse_doubling(lmat, C, hi):
+  """(I + L)^-1 = (I + M)(I + M^2)(I + M^4)... with M = -L (nilpotent: M^C = 0): 2 log2(C) - 2
+  dots, fp32-accurate (hi)."""
+  row, col = _iota(C, 0), _iota(C, 1)
+  m = -lmat
+  amat = (row == col).astype(jnp.float32) + m
+  for _ in range(C.bit_length() - 2):
+    m = _dot(m, m, hi)
+    amat = amat + _dot(amat, m, hi)
+  return amat
+
+
+def _unit_lower_inverse(lmat, C, inverse, block, hi):
+  if inverse == "rows":
+    return _unit_lower_inverse_rows(lmat, C)
+  if inverse == "rows_t":
+    return _unit_lower_inverse_rows_t(lmat, C)
+  if inverse == "doubling":
+    return _unit_lower_inverse_doubling(lmat, C, hi)
+  return _unit_lower_inverse_blocked(lmat, C, min(block, C), hi)
+
+
 def _unit_lower_inverse_blocked(lmat, C, block, hi):
   """(I + L)^-1 = sum_n (-M)^n D^-1 with D = I + blockdiag(L), M = D^-1 (L - blockdiag(L)).
 
@@ -192,7 +229,8 @@ def _unit_lower_inverse_blocked(lmat, C, block, hi):
   return amat
 
 
-def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, kblock, wy, prec, hi):
+def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, kblock, wy, inverse, prec,
+                      hi):
   n_in = 4 + (2 if has_seg else 0)
   q_ref, k_ref, w_ref, g_ref = refs[:4]
   pid_ref, cont_ref = refs[4:n_in] if has_seg else (None, None)
@@ -220,10 +258,7 @@ def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, kblock, wy, 
     pid_last = pid_ref[b, t0 + C - 1]
     e_last = jnp.where((pid == pid_last)[:, None], e_last, 0.0)
   pmat = pmat * scale
-  if blocked:
-    amat = _unit_lower_inverse_blocked(lmat, C, block, hi)
-  else:
-    amat = _unit_lower_inverse_rows(lmat, C)
+  amat = _unit_lower_inverse(lmat, C, inverse, block, hi)
   a_out[b, h, pl.ds(t0, C), :] = amat
   p_out[b, h, pl.ds(t0, C), :] = pmat
   wt_out[b, pl.ds(t0, C), h, :] = w * e_last
@@ -625,7 +660,7 @@ def intra_forward(q, k, w, g, pid, cont, *, chunk, scale, interpret, cfg, cfg_pr
   outs = pl.pallas_call(
       functools.partial(_intra_fwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
                         blocked=cfg.blocked and chunk > cfg.block, block=cfg.block,
-                        kblock=_kblock(cfg, kd), wy=cfg.wy, prec=prec,
+                        kblock=_kblock(cfg, kd), wy=cfg.wy, inverse=cfg.inverse, prec=prec,
                         hi=common.dot_precision("exact", interpret)),
       out_shape=tuple(out_shape), grid=(bsz, nh, nc), name="delta_rule_intra_fwd",
       **_params(interpret, cfg.num_warps_intra, cfg),
