@@ -112,7 +112,8 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
                                      dict(split_backward=True, wy=True, blocked=True, block=8),
                                      dict(inverse="rows_t"), dict(inverse="doubling"),
                                      dict(wy=False, split_output=False, split_backward=False),
-                                     dict(inverse="blocks", block=8)])
+                                     dict(inverse="blocks", block=8), dict(k_split=2),
+                                     dict(k_split=4, max_chunk=16, inverse="doubling")])
 def test_delta_rule_intra_variants(variant):
   """Every kernel variant (intra pair products: column loop, sub-blocked, K-blocked; outputs in
   the serial kernel or a separate parallel kernel; compact-WY state chain; backward partials in
@@ -185,7 +186,7 @@ def test_delta_rule_precision_argument():
 
 
 @pytest.mark.parametrize("bad", [dict(kblock=48), dict(fast_dots="bf-16"), dict(block_v=48),
-                                 dict(inverse="lu"),
+                                 dict(inverse="lu"), dict(k_split=3),
                                  dict(max_chunk=0)])
 def test_delta_rule_config_rejects_bad_values(bad):
   with pytest.raises(ValueError, match="DeltaRuleConfig." + next(iter(bad))):

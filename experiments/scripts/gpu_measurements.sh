@@ -51,7 +51,8 @@ mixers)
     2>&1 | quiet | tail -40 | tee "$RES/bench_mixers_gpu.txt" ;;
 layers)
   timeout ${LAYERS_LIMIT:-240} python3 -m experiments.benchmark_layers --out="$RES/layers" \
-    --time_budget_s=${LAYERS_BUDGET:-200} --rows=${LAYER_ROWS:-kdn_diag,kdn_iso,kda,gated_deltanet,fla_kda_layer} 2>&1 | quiet | tail -30 | tee "$RES/bench_layers_gpu.txt" ;;
+    --time_budget_s=${LAYERS_BUDGET:-200} --impls=${LAYER_IMPLS:-pallas,chunked} \
+    --rows=${LAYER_ROWS:-kdn_diag,kdn_iso,kda,gated_deltanet,fla_kda_layer} 2>&1 | quiet | tail -30 | tee "$RES/bench_layers_gpu.txt" ;;
 train)
   python3 -m experiments.data.make_token_file /tmp/kdn_tokens.npy --num_docs=20000 >/dev/null
   for n in $(seq 1 "$ngpu"); do

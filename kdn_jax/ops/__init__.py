@@ -3,7 +3,7 @@
 Layout [B, T, H, K] (flash-linear-attention's). Every op takes
 `impl` in {'auto', 'reference', 'chunked', 'pallas'}; 'reference' is the
 token-by-token ground truth, 'chunked' the chunkwise XLA form, 'pallas' the
-kernels in `pallas_kernels`; 'auto' picks Pallas on GPU/TPU, else chunked.
+kernels in `pallas_kernels`; 'auto' picks Pallas on GPU, else chunked.
 """
 
 from kdn_jax.ops.delta_rule import (delta_net, delta_rule, delta_rule_step,

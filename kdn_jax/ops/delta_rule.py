@@ -33,8 +33,9 @@ def run_memory(op, impl, q, k, v, log_alpha, write, memory0, segment_ids,
                chunk_size, input_dtype):
   """Runs the memory recurrence with impl; inputs already in compute dtype.
 
-  input_dtype (the caller's q dtype) sets the Pallas dot precision: TF32 for
-  bf16/fp16 data, fp32-accurate for fp32/fp64 data.
+  input_dtype (the caller's q dtype) sets the Pallas dot precision: 'fast'
+  (bf16 operands, fp32 accumulation) for bf16/fp16 data, fp32-accurate for
+  fp32/fp64 data.
   """
   if impl == "pallas":
     kernels = dispatch.pallas_module()

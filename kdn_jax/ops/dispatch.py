@@ -17,11 +17,12 @@ def pallas_module():
     return None
 
 
-# Platforms on which 'auto' picks the Pallas kernels. Empty for now: on the
-# H200 the first Pallas delta-rule kernels measured 43x slower than fla's
-# chunk_kda (docs/benchmark_mixers.md), so 'auto' stays on the XLA chunked
-# form everywhere until a benchmark shows Pallas ahead.
-PALLAS_AUTO_PLATFORMS = ()
+# Platforms on which 'auto' picks the Pallas kernels. GPU: on the H200 the
+# kernels beat the XLA chunked form (diag KDN fwd+bwd T=4096: 9.8 ms against
+# 26.7 ms; docs/benchmark_mixers.md). Not TPU: the kernels pass Mosaic-TPU
+# interpret mode on CPU only, and they take whole arrays without BlockSpecs,
+# which a real TPU would have to fit in VMEM.
+PALLAS_AUTO_PLATFORMS = ("gpu",)
 
 
 def resolve_impl(op, impl):

@@ -69,12 +69,12 @@ def _same_seg(pid_ref, b, t0, c):
 # ------------------------------------------------------------------------------------ forward
 
 
-def _block_rows(ref, b, h, t0, C, block, jj):
-  """[C, K] f32: row r holds ref's row (r // block) * block + jj, the jj-th token of r's
-  diagonal block (C // block single-row loads)."""
+def _block_rows(ref, b, h, t0, C, block, jj, cols=slice(None)):
+  """[C, K] f32 (K: the `cols` columns): row r holds ref's row (r // block) * block + jj, the
+  jj-th token of r's diagonal block (C // block single-row loads)."""
   out = None
   for ib in range(C // block):
-    x = ref[b, pl.ds(t0 + ib * block + jj, 1), h, :].astype(jnp.float32)
+    x = ref[b, pl.ds(t0 + ib * block + jj, 1), h, cols].astype(jnp.float32)
     if out is None:
       out = jnp.broadcast_to(x, (C, x.shape[1]))
     else:
@@ -82,7 +82,7 @@ def _block_rows(ref, b, h, t0, C, block, jj):
   return out
 
 
-def _diag_products(q, k, g, w_ref, g_ref, b, h, t0, C, block):
+def _diag_products(q, k, g, w_ref, g_ref, b, h, t0, C, block, cols=slice(None)):
   """L (strict) and P/scale (inclusive) inside the diagonal block x block tiles of the chunk (all
   of it when block == C), by a loop over the `block` columns of every tile at once: exact,
   exp(<= 0) only."""
@@ -92,8 +92,8 @@ def _diag_products(q, k, g, w_ref, g_ref, b, h, t0, C, block):
 
   def col_body(jj, lp):
     lmat, pmat = lp
-    we = _block_rows(w_ref, b, h, t0, C, block, jj)
-    we = we * jnp.exp(jnp.minimum(g - _block_rows(g_ref, b, h, t0, C, block, jj), 0.0))
+    we = _block_rows(w_ref, b, h, t0, C, block, jj, cols)
+    we = we * jnp.exp(jnp.minimum(g - _block_rows(g_ref, b, h, t0, C, block, jj, cols), 0.0))
     kw = jnp.sum(k * we, axis=1)[:, None]
     qw = jnp.sum(q * we, axis=1)[:, None]
     at = col == at0 + jj
@@ -229,8 +229,21 @@ def _unit_lower_inverse_blocked(lmat, C, block, hi):
   return amat
 
 
-def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, kblock, wy, inverse, prec,
-                      hi):
+def _split_products(refs, b, h, t0, C, k_split):
+  """_diag_products over the whole chunk, K in k_split column slices one after another: exact
+  (L and P are sums over K), and only [C, K / k_split] tiles are live in the loop."""
+  kd = refs[0].shape[-1]
+  lmat = pmat = None
+  for i in range(k_split):
+    cols = pl.ds(i * (kd // k_split), kd // k_split)
+    q, k, g = (refs[n][b, pl.ds(t0, C), h, cols].astype(jnp.float32) for n in (0, 1, 3))
+    lp = _diag_products(q, k, g, refs[2], refs[3], b, h, t0, C, C, cols)
+    lmat, pmat = lp if lmat is None else (lmat + lp[0], pmat + lp[1])
+  return lmat, pmat
+
+
+def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, kblock, k_split, wy, inverse,
+                      prec, hi):
   n_in = 4 + (2 if has_seg else 0)
   q_ref, k_ref, w_ref, g_ref = refs[:4]
   pid_ref, cont_ref = refs[4:n_in] if has_seg else (None, None)
@@ -238,17 +251,16 @@ def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, kblock, wy, 
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   C = chunk
   t0 = c * C
-  q = _tile(q_ref, b, t0, C, h)
+  if kblock:
+    lmat, pmat = _pairs_kblock(refs, b, h, t0, C, q_ref.shape[-1], kblock)
+  elif blocked:
+    lmat, pmat = _pairs_blocked(*(_tile(x, b, t0, C, h) for x in refs[:4]), refs, b, h, t0, C,
+                                block, prec)
+  else:
+    lmat, pmat = _split_products(refs, b, h, t0, C, k_split)
   k = _tile(k_ref, b, t0, C, h)
   w = _tile(w_ref, b, t0, C, h)
   g = _tile(g_ref, b, t0, C, h)
-  row, col = _iota(C, 0), _iota(C, 1)
-  if kblock:
-    lmat, pmat = _pairs_kblock(refs, b, h, t0, C, q.shape[1], kblock)
-  elif blocked:
-    lmat, pmat = _pairs_blocked(q, k, w, g, refs, b, h, t0, C, block, prec)
-  else:
-    lmat, pmat = _diag_products(q, k, g, refs[2], refs[3], b, h, t0, C, C)
   g_last = g_ref[b, t0 + C - 1, h, :]
   e_last = jnp.exp(jnp.minimum(g_last[None, :] - g, 0.0))
   if has_seg:
@@ -472,7 +484,7 @@ def _bwd_partials_kernel(*refs, chunk, scale, has_seg, block_v, prec, wy):
                 prec, wy)
 
 
-def _diag_pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C, block):
+def _diag_pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C, block, cols=slice(None)):
   """Pair accumulators (see _intra_bwd_epilogue) of the diagonal block x block tiles (the whole
   chunk when block == C), by a `block`-step column loop over all tiles at once."""
   row, col = _iota(C, 0), _iota(C, 1)
@@ -481,8 +493,8 @@ def _diag_pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C, block):
 
   def col_body(jj, acc):
     dq_acc, dk_acc, dw_acc = acc
-    wj = _block_rows(r["w"], b, h, t0, C, block, jj)
-    e = jnp.exp(jnp.minimum(g - _block_rows(r["g"], b, h, t0, C, block, jj), 0.0))
+    wj = _block_rows(r["w"], b, h, t0, C, block, jj, cols)
+    e = jnp.exp(jnp.minimum(g - _block_rows(r["g"], b, h, t0, C, block, jj, cols), 0.0))
     at = col == at0 + jj
     pj = jnp.sum(jnp.where(at, dpm, 0.0), axis=1)[:, None]     # dP[r, j(r)] (scaled)
     lj = jnp.sum(jnp.where(at, dlm, 0.0), axis=1)[:, None]     # dL[r, j(r)]
@@ -551,7 +563,8 @@ def _pairs_bwd_kblock(q, k, w, g, dpm, dlm):
   return dq_acc, dk_acc, dw_acc
 
 
-def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, blocked, block, kblock, prec, hi):
+def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, blocked, block, kblock, k_split, prec,
+                      hi):
   names = ["q", "k", "w", "g", "dp", "dl", "dwt", "dkbar", "dqbar", "dgl"] + (
       ["pid"] if has_seg else [])
   n_in = len(names)
@@ -599,30 +612,27 @@ def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, blocked, block, kblo
     for ref, val in zip(outs, vals):
       ref[b, rows, h, cols] = val
 
+  def kslice(cols, pairs):
+    q, k, w, g = (r[n][b, rows, h, cols].astype(jnp.float32) for n in ("q", "k", "w", "g"))
+    acc = pairs(q, k, w, g, cols)
+    store(_intra_bwd_epilogue(q, k, w, g, acc, p_diag, vsum("dwt", cols), vsum("dkbar", cols),
+                              vsum("dqbar", cols), dgl_sum(cols), e_last_of(g, cols), scale, hi),
+          cols)
+
   if kblock:
     def kbody(i, carry):
-      cols = pl.ds(i * kblock, kblock)
-      q, k, w, g = (r[n][b, rows, h, cols].astype(jnp.float32) for n in ("q", "k", "w", "g"))
-      acc = _pairs_bwd_kblock(q, k, w, g, dpm, dlm)
-      store(_intra_bwd_epilogue(q, k, w, g, acc, p_diag, vsum("dwt", cols), vsum("dkbar", cols),
-                                vsum("dqbar", cols), dgl_sum(cols), e_last_of(g, cols), scale, hi),
-            cols)
+      kslice(pl.ds(i * kblock, kblock), lambda q, k, w, g, _: _pairs_bwd_kblock(q, k, w, g, dpm, dlm))
       return carry
 
     lax.fori_loop(0, kd // kblock, kbody, 0)
-    return
-  allk = pl.ds(0, kd)
-  q = _tile(r["q"], b, t0, C, h)
-  k = _tile(r["k"], b, t0, C, h)
-  w = _tile(r["w"], b, t0, C, h)
-  g = _tile(r["g"], b, t0, C, h)
-  if blocked:
-    acc = _pairs_bwd_blocked(q, k, w, g, dpm, dlm, r, b, h, t0, C, block, prec)
+  elif blocked:
+    kslice(pl.ds(0, kd), lambda q, k, w, g, _: _pairs_bwd_blocked(q, k, w, g, dpm, dlm, r, b, h, t0,
+                                                                  C, block, prec))
   else:
-    acc = _diag_pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C, C)
-  store(_intra_bwd_epilogue(q, k, w, g, acc, p_diag, vsum("dwt", allk), vsum("dkbar", allk),
-                            vsum("dqbar", allk), dgl_sum(allk), e_last_of(g, allk), scale, hi),
-        allk)
+    # K slices one after another: the pair accumulators are per K column, so slices are exact.
+    for i in range(k_split):
+      kslice(pl.ds(i * (kd // k_split), kd // k_split),
+             lambda q, k, w, g, cols: _diag_pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C, C, cols))
 
 
 # ----------------------------------------------------------------------------------- wrappers
@@ -633,6 +643,11 @@ def _precision(cfg, cfg_prec, interpret):
   if cfg_prec == "fast" and cfg.fast_dots == "bf16":
     return BF16_OPERANDS
   return common.dot_precision(cfg_prec, interpret)
+
+
+def _k_split(cfg, kd):
+  """Sequential K slices of the intra column loops, capped so a slice is >= 16 columns."""
+  return max(1, min(cfg.k_split, kd // 16))
 
 
 def _kblock(cfg, kd):
@@ -660,7 +675,8 @@ def intra_forward(q, k, w, g, pid, cont, *, chunk, scale, interpret, cfg, cfg_pr
   outs = pl.pallas_call(
       functools.partial(_intra_fwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
                         blocked=cfg.blocked and chunk > cfg.block, block=cfg.block,
-                        kblock=_kblock(cfg, kd), wy=cfg.wy, inverse=cfg.inverse, prec=prec,
+                        kblock=_kblock(cfg, kd), k_split=_k_split(cfg, kd), wy=cfg.wy,
+                        inverse=cfg.inverse, prec=prec,
                         hi=common.dot_precision("exact", interpret)),
       out_shape=tuple(out_shape), grid=(bsz, nh, nc), name="delta_rule_intra_fwd",
       **_params(interpret, cfg.num_warps_intra, cfg),
@@ -774,7 +790,7 @@ def intra_backward(q, k, w, g, pid, partials, *, chunk, scale, interpret, cfg, c
   return pl.pallas_call(
       functools.partial(_intra_bwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
                         num_vb=nvb, blocked=cfg.blocked and chunk > cfg.block, block=cfg.block,
-                        kblock=_kblock(cfg, kd), prec=prec,
+                        kblock=_kblock(cfg, kd), k_split=_k_split(cfg, kd), prec=prec,
                         hi=common.dot_precision("exact", interpret)),
       out_shape=(lane, lane, lane, lane, lane), grid=(bsz, nh, nc), name="delta_rule_intra_bwd",
       **_params(interpret, cfg.num_warps_intra, cfg),
