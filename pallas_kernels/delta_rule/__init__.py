@@ -67,7 +67,10 @@ def delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None
   if chunk_size not in (16, 32, 64, 128):
     raise NotImplementedError(f"delta_rule: chunk_size={chunk_size} not supported")
   cfg = _config.DEFAULT
-  chunk = min(chunk_size, cfg.max_chunk, max(16, 1 << (t - 1).bit_length()))
+  # Compiled GPU kernels with 16-token chunks gave wrong fp32 gradients across segment resets on
+  # the H200 (config.py), so compiled runs use chunks of at least 32.
+  min_chunk = 16 if interpret else 32
+  chunk = max(min_chunk, min(chunk_size, cfg.max_chunk, 1 << (t - 1).bit_length()))
   t_pad = -(-t // chunk) * chunk
   la = log_alpha.astype(jnp.float32)
   if la.ndim == 3:

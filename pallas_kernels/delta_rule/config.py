@@ -7,21 +7,24 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class DeltaRuleConfig:
-  # Defaults = the fastest of the H200 sweeps (diag KDN fwd+bwd, B=4 H=16 K=V=128 bf16 T=4096;
-  # docs/benchmark_mixers.md): each of wy, split_backward, split_output, block_v=64,
-  # num_warps_recur=4, num_stages=2 beat the 17.2 ms baseline on its own (13.5 ms for wy alone).
-  # Third sweep (same protocol, docs/benchmark_mixers.md): max_chunk 16 with the 'blocks' inverse on
-  # 8-token blocks, 9.8 ms against 11.1 ms for chunk 32 with 'rows'.
-  max_chunk: int = 16        # caps the caller's chunk_size (C_m)
+  # Defaults: the fastest configuration that passed the H200 correctness check with segments in
+  # fp32 and bf16 (diag KDN fwd+bwd, B=4 H=16 K=V=128 bf16 T=4096: 12.8 ms against 17.2 ms for the
+  # previous defaults; sweeps in docs/benchmark_mixers.md). Each of wy, split_backward,
+  # split_output, block_v=64, num_warps_recur=4 and num_stages=2 was faster on its own.
+  # max_chunk=16 was faster still (9.8 ms) but its fp32 gradients with a segment reset were wrong
+  # on the H200 (relative error 0.1 in dk, dv, dw, dlog_alpha; cause not found; interpret mode is
+  # exact), so compiled GPU runs use chunks of at least 32 (see delta_rule).
+  max_chunk: int = 32        # caps the caller's chunk_size (C_m)
   block: int = 8             # sub-block for the intra-chunk decay products and the inverse
   # Sub-blocked intra pair products: off-diagonal block x block tiles as matmuls around a
   # reference point, the diagonal tiles by a `block`-step column loop (else a C-step loop).
-  blocked: bool = False
+  blocked: bool = True
   # Pair products of the intra kernels as [C, C, kblock] tiles summed over K in K/kblock steps
-  # (0: the C-step column loop). Validated in interpret mode; not yet timed on a GPU.
+  # (0: the C-step column loop). Slower on the H200 (22.6 against 16.5 ms with kblock=16).
   kblock: int = 0
   # The intra column loops run over K in k_split slices one after another (exact), so only
-  # [C, K / k_split] tiles are live: fewer registers per program, more programs per SM.
+  # [C, K / k_split] tiles are live: fewer registers per program, more programs per SM. No gain on
+  # the H200 (chunk 16: 10.6 ms with k_split=2, 11.2 with 4, against 10.5 ms).
   k_split: int = 1
   # What precision='fast' (bf16/fp16 data) means for the dots: 'bf16' (operands rounded to bf16,
   # fp32 accumulation: twice the TF32 tensor-core rate; flash-linear-attention's choice; H200 diag
@@ -36,6 +39,7 @@ class DeltaRuleConfig:
   # (I + L)^-1 in the intra kernel: 'rows' (forward substitution, reductions across rows),
   # 'rows_t' (the same on the transpose: reductions within rows), 'blocks' (block substitution
   # with `block`-sized diagonal blocks, matmuls), 'doubling' (product of 2 log2(C) - 2 matmuls).
+  # H200, chunk 32: intra forward 3.17 ms (rows), 2.72 (rows_t), 2.41 (blocks, 8), 2.23 (doubling).
   inverse: str = "blocks"
   # Compact WY: the intra kernel also emits W = A Kbar, so each chunk's dependent dot chain in
   # the serial kernels is 2 dots (W S_0, then the state update) instead of 3.
