@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 import traceback
 
@@ -26,37 +27,43 @@ import numpy as np
 
 from experiments.timing import import_for_cuda, median_time, torch_cuda_median_ms
 
-FLAGS = flags.FLAGS
-flags.DEFINE_string("out", "/tmp/benchmark_mixers", "output directory")
-flags.DEFINE_list("seq_lens", ["2048", "4096", "8192", "16384", "32768"], "sequence lengths")
-flags.DEFINE_integer("batch", 4, "batch size")
-flags.DEFINE_integer("heads", 16, "heads")
-flags.DEFINE_integer("dim", 128, "K = V per head")
-flags.DEFINE_integer("reps", 30, "timed runs (median reported)")
-flags.DEFINE_integer("warmup", 3, "untimed runs after compilation")
+# This script's flags live in their own registry: benchmark_layers defines flags of the same names
+# (--out, --seq_lens, ...) and a test process imports both modules.
+FLAGS = flags.FlagValues()
+flags.DEFINE_string("out", "/tmp/benchmark_mixers", "output directory", flag_values=FLAGS)
+flags.DEFINE_list("seq_lens", ["2048", "4096", "8192", "16384", "32768"], "sequence lengths",
+                  flag_values=FLAGS)
+flags.DEFINE_integer("batch", 4, "batch size", flag_values=FLAGS)
+flags.DEFINE_integer("heads", 16, "heads", flag_values=FLAGS)
+flags.DEFINE_integer("dim", 128, "K = V per head", flag_values=FLAGS)
+flags.DEFINE_integer("reps", 30, "timed runs (median reported)", flag_values=FLAGS)
+flags.DEFINE_integer("warmup", 3, "untimed runs after compilation", flag_values=FLAGS)
 flags.DEFINE_list("rows", ["diag_kdn_pallas", "iso_kdn_pallas", "diag_gain_pallas",
                            "iso_gain_pallas", "diag_kdn_chunked", "iso_kdn_chunked",
                            "kda_pallas", "gdn_pallas", "kda_chunked", "gdn_chunked",
-                           "fla_chunk_kda", "fla_chunk_gdn"], "rows to time")
-flags.DEFINE_integer("chunked_max_len", 32768, "skip *_chunked rows above this length")
+                           "fla_chunk_kda", "fla_chunk_gdn"], "rows to time", flag_values=FLAGS)
+flags.DEFINE_integer("chunked_max_len", 32768, "skip *_chunked rows above this length",
+                     flag_values=FLAGS)
 flags.DEFINE_list("pallas_lens", [], "if set, time *_pallas rows only at these lengths (each new "
-                  "length compiles the kernels again)")
-flags.DEFINE_boolean("check", True, "run the GPU correctness check first")
-flags.DEFINE_boolean("check_only", False, "only run the correctness check")
+                  "length compiles the kernels again)", flag_values=FLAGS)
+flags.DEFINE_boolean("check", True, "run the GPU correctness check first", flag_values=FLAGS)
+flags.DEFINE_boolean("check_only", False, "only run the correctness check", flag_values=FLAGS)
 flags.DEFINE_float("time_budget_s", 420.0, "stop timing new cells (and sweep specs) after this "
-                   "many seconds")
+                   "many seconds", flag_values=FLAGS)
 flags.DEFINE_list("sweep", [], "DeltaRuleConfig overrides to try on diag_kdn_pallas fwd+bwd at "
                   "--sweep_len, each 'field=value/field=value' ('default': none), e.g. "
-                  "'max_chunk=64/kblock=16/wy=1'; the fastest is used for the rows")
+                  "'max_chunk=64/kblock=16/wy=1'; the fastest is used for the rows",
+                  flag_values=FLAGS)
 flags.DEFINE_list("gain_sweep", [], "GainConfig overrides to try on diag_gain_pallas fwd, same "
-                  "syntax, e.g. 'max_chunk=128'")
-flags.DEFINE_integer("sweep_len", 4096, "sequence length for the sweeps")
+                  "syntax, e.g. 'max_chunk=128'", flag_values=FLAGS)
+flags.DEFINE_integer("sweep_len", 4096, "sequence length for the sweeps", flag_values=FLAGS)
 flags.DEFINE_boolean("sweep_stages", False, "time the pallas stages (see --stages) under every "
-                     "delta-rule sweep spec")
+                     "delta-rule sweep spec", flag_values=FLAGS)
 flags.DEFINE_boolean("sweep_combine", True, "after a sweep, also time the first spec merged with "
-                     "every spec that beat it")
+                     "every spec that beat it", flag_values=FLAGS)
 flags.DEFINE_boolean("stages", False, "also time the pallas stages one by one (diag KDN): gain, "
-                     "delta-rule intra (parallel) and recurrent (serial) kernels, fwd and bwd")
+                     "delta-rule intra (parallel) and recurrent (serial) kernels, fwd and bwd",
+                     flag_values=FLAGS)
 
 
 # ----------------------------------------------------------------------------------- inputs
@@ -236,6 +243,21 @@ def _rel(a, b):
   return float(np.sqrt(np.mean((a - b) ** 2) / max(np.mean(b ** 2), 1e-300)))
 
 
+# The issue's accuracy bounds: (forward, gradients) for fp32 and for bf16 inputs.
+CHECK_BOUNDS = {"float32": (1e-5, 1e-4), "bfloat16": (5e-3, 1e-2)}
+
+
+def check_violations(res):
+  """Names of run_check results above CHECK_BOUNDS, with their values."""
+  bad = {}
+  for name, err in res.items():
+    fwd = name.endswith(("_o", "_S")) or name.startswith("diag_gain")
+    dtype = "float32" if "float32" in name else "bfloat16"
+    if not err <= CHECK_BOUNDS[dtype][0 if fwd else 1]:
+      bad[name] = err
+  return bad
+
+
 def run_check(b=2, t=300, h=2, d=128, cut=100):
   """Relative RMS errors of the Pallas delta rule and diag gain (default config) against plain
   fp32 scans, fp32 and bf16 inputs, without and with a segment reset at token `cut`."""
@@ -246,18 +268,18 @@ def run_check(b=2, t=300, h=2, d=128, cut=100):
     w = (0.5 * x["beta"][..., None].astype(jnp.float32) * x["k"].astype(jnp.float32))
     s0 = 0.1 * jax.random.normal(jax.random.PRNGKey(2), (b, h, d, d))
     seg = (jnp.arange(t)[None, :] >= cut).astype(jnp.int32) * jnp.ones((b, 1), jnp.int32)
-    args = (x["q"], x["k"], x["v"], x["la"], w)
+    args = (x["q"], x["k"], x["v"], x["la"], w, s0)
     def f_pk(*a):
-      return pk.delta_rule(*a, d ** -0.5, s0)
+      return pk.delta_rule(*a[:5], d ** -0.5, a[5])
     def f_ref(*a):
       a = [z.astype(jnp.float32) for z in a]
       with jax.default_matmul_precision("highest"):
-        return _scan_reference(*a, d ** -0.5, s0)
+        return _scan_reference(*a[:5], d ** -0.5, a[5])
     def f_pk_seg(*a):
-      return pk.delta_rule(*a, d ** -0.5, s0, seg)
+      return pk.delta_rule(*a[:5], d ** -0.5, a[5], seg)
     def f_ref_seg(*a):   # the reset at token `cut` = two independent runs from s0
-      o_a, _ = f_ref(*(z[:, :cut] for z in a))
-      o_b, s_b = f_ref(*(z[:, cut:] for z in a))
+      o_a, _ = f_ref(*(z[:, :cut] for z in a[:5]), a[5])
+      o_b, s_b = f_ref(*(z[:, cut:] for z in a[:5]), a[5])
       return jnp.concatenate([o_a, o_b], axis=1), s_b
     tag = jnp.dtype(dtype).name
     ct = jax.random.normal(jax.random.PRNGKey(3), (b, t, h, d))
@@ -268,9 +290,9 @@ def run_check(b=2, t=300, h=2, d=128, cut=100):
       o2, s2 = jax.jit(fb)(*args)
       res[f"delta_rule_{tag}_{name}o"] = _rel(o1, o2)
       res[f"delta_rule_{tag}_{name}S"] = _rel(s1, s2)
-      g1 = jax.jit(jax.grad(loss(fa), argnums=(0, 1, 2, 3, 4)))(*args)
-      g2 = jax.jit(jax.grad(loss(fb), argnums=(0, 1, 2, 3, 4)))(*args)
-      for n, a1, a2 in zip(("dq", "dk", "dv", "dla", "dw"), g1, g2):
+      g1 = jax.jit(jax.grad(loss(fa), argnums=tuple(range(6))))(*args)
+      g2 = jax.jit(jax.grad(loss(fb), argnums=tuple(range(6))))(*args)
+      for n, a1, a2 in zip(("dq", "dk", "dv", "dla", "dw", "dh0"), g1, g2):
         res[f"delta_rule_{tag}_{name}{n}"] = _rel(a1, a2)
     mu = jnp.full((h,), float(d))
     kap, _ = jax.jit(lambda k, la, om, r: pk.diag_gain(k, la, om, r, mu, jnp.ones((b, h, d))))(
@@ -299,12 +321,13 @@ def _time_stages(t):
   """Per-stage times (ms) of the diag-KDN pallas path at length t (fwd stages and bwd stages)."""
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
   from pallas_kernels import common  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.delta_rule import chunk_length  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import kernel as dk  # pylint: disable=g-import-not-at-top
   b, h, d = FLAGS.batch, FLAGS.heads, FLAGS.dim
   x = _inputs(jax.random.PRNGKey(0), b, t, h, d, jnp.bfloat16)
   cfg = dcfg.DEFAULT
-  chunk = min(64, cfg.max_chunk)
+  chunk = chunk_length(cfg, 64, t, common.resolve_interpret(None))  # what the op runs
   mu = jnp.full((h,), float(d))
   p0 = jnp.ones((b, h, d), jnp.float32)
   out, first = {}, {}
@@ -391,17 +414,19 @@ def _sweep(results, specs, module, make_config, row, fwd_bwd, key):
 
 
 def combine_winners(timed):
-  """The first spec plus the overrides of every later spec that beat it (None if < 2 did)."""
+  """The first spec plus the overrides of every later spec that beat it (None if < 2 did); when
+  winners set the same field, the faster spec's value is kept."""
   (base, base_ms), rest = timed[0], timed[1:]
   if base_ms is None:
     return None
-  wins = [spec for spec, ms in rest if ms is not None and ms < base_ms]
+  wins = sorted(((ms, spec) for spec, ms in rest if ms is not None and ms < base_ms), reverse=True)
   if len(wins) < 2:
     return None
-  items = [] if base in ("", "default") else base.split("/")
-  for spec in wins:
-    items += [it for it in spec.split("/") if it not in items]
-  return "/".join(items)
+  fields = {}
+  for spec in [base] + [spec for _, spec in wins]:   # slowest winner first, fastest last
+    if spec not in ("", "default"):
+      fields.update(item.partition("=")[::2] for item in spec.split("/"))
+  return "/".join(f"{k}={v}" for k, v in fields.items())
 
 
 def config_from_spec(base, spec):
@@ -414,7 +439,8 @@ def config_from_spec(base, spec):
   for item in spec.split("/"):
     name, sep, val = item.partition("=")
     if not sep or name not in fields:
-      raise ValueError(f"--sweep item {item!r}: expected field=value with field in {sorted(fields)}")
+      raise ValueError(f"--sweep item {item!r}: expected field=value with field in "
+                       f"{sorted(fields)}")
     typ = fields[name] if isinstance(fields[name], str) else fields[name].__name__
     kw[name] = {"bool": lambda x: x in ("1", "true", "True"), "int": int}.get(typ, str)(val)
   return dataclasses.replace(base, **kw)
@@ -454,6 +480,12 @@ def _write(results, out):
   table = "\n".join(lines)
   hdr = (f"Mixer timings in ms (median of {FLAGS.reps}), batch {FLAGS.batch}, "
          f"{FLAGS.heads} heads x {FLAGS.dim}, bf16, device: {results.get('device')}\n\n")
+  if results.get("delta_rule_config"):
+    hdr += f"Pallas delta-rule config: `{results['delta_rule_config']}`\n\n"
+  if results.get("check_failed"):
+    hdr += f"**This config FAILED the GPU check:** {results['check_failed']}\n\n"
+  if not lens:
+    table = "(no rows timed)"
   with open(os.path.join(out, "results.md"), "w") as fh:
     fh.write(hdr + table + "\n")
   try:
@@ -482,14 +514,32 @@ def _write(results, out):
   return table
 
 
+def _parse_flags(argv):
+  """This script's flags from FLAGS, absl's own (--verbosity, ...) from the global registry;
+  an unknown flag fails there."""
+  if any(a in ("-h", "--help", "--helpshort", "--helpfull") for a in argv[1:]):
+    print(FLAGS.get_help())
+    sys.exit(0)
+  try:
+    return flags.FLAGS(FLAGS(argv, known_only=True))
+  except flags.Error as e:
+    sys.exit(f"FATAL Flags parsing error: {e}")
+
+
 def main(argv):
   del argv
   results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": []}
   start = _START[0] = time.time()
   _sweeps(results)   # first, so that the check covers the configuration the rows use
+  from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
+  results.setdefault("delta_rule_config", repr(dcfg.DEFAULT))
   if FLAGS.check or FLAGS.check_only:
     try:
       results["check"] = run_check()
+      bad = check_violations(results["check"])
+      if bad:   # the rows still run (they time this config), but the report says it is wrong
+        results["check_failed"] = bad
+        logging.error("GPU CHECK FAILED for %s: %s", results.get("delta_rule_config"), bad)
     except Exception as e:  # pylint: disable=broad-except
       traceback.print_exc()
       results["check_error"] = repr(e)[:2000]
@@ -532,4 +582,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

@@ -104,20 +104,19 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
   _check(args, seg, chunk, 1e-5, 1e-4)
 
 
-@pytest.mark.parametrize("variant", [dict(blocked=True), dict(blocked=True, block=8, wy=True),
-                                     dict(blocked=False), dict(kblock=16),
-                                     dict(kblock=64), dict(split_output=True, kblock=16),
-                                     dict(wy=True), dict(wy=True, split_output=True, kblock=16),
-                                     dict(split_backward=True),
-                                     dict(split_backward=True, wy=True, blocked=True, block=8),
-                                     dict(inverse="rows_t"), dict(inverse="doubling"),
-                                     dict(wy=False, split_output=False, split_backward=False),
-                                     dict(inverse="blocks", block=8), dict(k_split=2),
-                                     dict(k_split=4, max_chunk=16, inverse="doubling")])
+@pytest.mark.parametrize("variant", [
+    {},                                                         # the shipped default
+    dict(blocked=False, max_chunk=16),                          # wrong on the H200 (config.py)
+    dict(blocked=True, block=16), dict(blocked=False, k_split=2),
+    dict(kblock=16), dict(kblock=64, split_output=False),
+    dict(wy=False, split_output=False, split_backward=False),   # the 3-dot serial chain
+    dict(wy=False, split_backward=False, kblock=16),
+    dict(inverse="rows"), dict(inverse="rows_t"), dict(inverse="doubling"),
+    dict(k_split=4, max_chunk=16, inverse="doubling", blocked=False)])
 def test_delta_rule_intra_variants(variant):
-  """Every kernel variant (intra pair products: column loop, sub-blocked, K-blocked; outputs in
-  the serial kernel or a separate parallel kernel; compact-WY state chain; backward partials in
-  the serial kernel or a parallel one) is exact."""
+  """Every kernel variant (intra pair products: column loop, sub-blocked, K-blocked, K-split;
+  inverses; outputs and backward partials in the serial kernels or parallel ones; 2- or 3-dot
+  serial chain) is exact."""
   old = dr_config.DEFAULT
   try:
     dr_config.set_default(**variant)
@@ -127,7 +126,7 @@ def test_delta_rule_intra_variants(variant):
     seg[0, 20:] = 1
     seg[1, 38:] = 3
     _check(args, seg, 32, 1e-5, 1e-4)
-    if variant.get("kblock") or variant.get("blocked"):
+    if dr_config.DEFAULT.kblock or dr_config.DEFAULT.blocked:   # reference points / K blocks
       _check(_inputs(3, 1, 40, 2, 64, 64, jnp.float32, False, "strong"), None, 16, 1e-5, 1e-4)
   finally:
     dr_config.DEFAULT = old
@@ -186,8 +185,21 @@ def test_delta_rule_precision_argument():
 
 
 @pytest.mark.parametrize("bad", [dict(kblock=48), dict(fast_dots="bf-16"), dict(block_v=48),
-                                 dict(inverse="lu"), dict(k_split=3),
+                                 dict(inverse="lu"), dict(k_split=3), dict(min_chunk=24),
                                  dict(max_chunk=0)])
 def test_delta_rule_config_rejects_bad_values(bad):
   with pytest.raises(ValueError, match="DeltaRuleConfig." + next(iter(bad))):
     dr_config.DeltaRuleConfig(**bad)
+
+
+def test_chunk_length_floor():
+  """Compiled runs use chunks of at least min_chunk (32: chunk 16 failed the H200 fp32 check);
+  interpret mode keeps 16, and short sequences shrink the chunk down to the floor."""
+  from pallas_kernels.delta_rule import chunk_length  # pylint: disable=g-import-not-at-top
+  cfg = dr_config.DeltaRuleConfig()
+  assert chunk_length(cfg, 64, 300, interpret=False) == 32
+  assert chunk_length(cfg, 64, 1, interpret=False) == 32
+  assert chunk_length(cfg, 64, 1, interpret=True) == 16
+  small = dr_config.DeltaRuleConfig(max_chunk=16, min_chunk=16)
+  assert chunk_length(small, 64, 300, interpret=False) == 16
+  assert chunk_length(dr_config.DeltaRuleConfig(max_chunk=16), 64, 300, interpret=False) == 32

@@ -10,7 +10,7 @@ from pallas_kernels import common
 from pallas_kernels.delta_rule import config as _config
 from pallas_kernels.delta_rule import kernel as _kernel
 
-__all__ = ["delta_rule"]
+__all__ = ["delta_rule", "chunk_length"]
 
 
 def _cumsum(la, starts):
@@ -48,12 +48,19 @@ def _core_bwd(chunk, scale, interpret, cfg, prec, saved, cts):
 _core.defvjp(_core_fwd, _core_bwd)
 
 
+def chunk_length(cfg, chunk_size, t, interpret):
+  """The kernels' chunk C for a caller's chunk_size and length t: capped by cfg.max_chunk and by
+  t (rounded up to a power of two), at least 16, and at least cfg.min_chunk when compiled."""
+  lo = 16 if interpret else max(16, cfg.min_chunk)
+  return max(lo, min(chunk_size, cfg.max_chunk, 1 << (t - 1).bit_length()))
+
+
 def delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None, *,
                chunk_size=64, precision=None, interpret=None):
   """S_t = (I - w_t k_t^T) D_t S_{t-1} + w_t v_t^T,  o_t = scale * S_t^T q_t.
 
   q, k, write: [B,T,H,K]; v: [B,T,H,V]; log_alpha: [B,T,H,K] or [B,T,H]; initial_state: [B,H,K,V]
-  float32; segment_ids: [B,T] int or None. precision: 'fast' (TF32 dots, for bf16/fp16 data) or
+  float32; segment_ids: [B,T] int or None. precision: 'fast' (bf16-operand or TF32 dots, for bf16/fp16 data) or
   'exact' (fp32-accurate dots); None picks from q.dtype. Returns (o [B,T,H,V] q.dtype,
   S_final [B,H,K,V] f32).
   """
@@ -67,10 +74,7 @@ def delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None
   if chunk_size not in (16, 32, 64, 128):
     raise NotImplementedError(f"delta_rule: chunk_size={chunk_size} not supported")
   cfg = _config.DEFAULT
-  # Compiled GPU kernels with 16-token chunks gave wrong fp32 gradients across segment resets on
-  # the H200 (config.py), so compiled runs use chunks of at least 32.
-  min_chunk = 16 if interpret else 32
-  chunk = max(min_chunk, min(chunk_size, cfg.max_chunk, 1 << (t - 1).bit_length()))
+  chunk = chunk_length(cfg, chunk_size, t, interpret)
   t_pad = -(-t // chunk) * chunk
   la = log_alpha.astype(jnp.float32)
   if la.ndim == 3:

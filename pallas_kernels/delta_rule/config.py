@@ -13,8 +13,9 @@ class DeltaRuleConfig:
   # split_output, block_v=64, num_warps_recur=4 and num_stages=2 was faster on its own.
   # max_chunk=16 was faster still (9.8 ms) but its fp32 gradients with a segment reset were wrong
   # on the H200 (relative error 0.1 in dk, dv, dw, dlog_alpha; cause not found; interpret mode is
-  # exact), so compiled GPU runs use chunks of at least 32 (see delta_rule).
+  # exact), so compiled runs use chunks of at least min_chunk = 32 (min_chunk=16 reproduces it).
   max_chunk: int = 32        # caps the caller's chunk_size (C_m)
+  min_chunk: int = 32        # floor of the chunk in compiled runs (interpret mode: 16)
   block: int = 8             # sub-block for the intra-chunk decay products and the inverse
   # Sub-blocked intra pair products: off-diagonal block x block tiles as matmuls around a
   # reference point, the diagonal tiles by a `block`-step column loop (else a C-step loop).
@@ -51,7 +52,7 @@ class DeltaRuleConfig:
 
   def __post_init__(self):
     pow2 = lambda n: n > 0 and n & (n - 1) == 0
-    for name in ("max_chunk", "block", "block_v"):
+    for name in ("max_chunk", "min_chunk", "block", "block_v"):
       if not pow2(getattr(self, name)):
         raise ValueError(f"DeltaRuleConfig.{name} must be a power of two, got {getattr(self, name)}")
     if not pow2(self.k_split):

@@ -8,13 +8,19 @@ starts), state S_0 at the chunk start (S_init for rows whose segment starts insi
     U = V - Kbar S_0,  Delta = A U,  O = Qbar S_0 + P Delta,  S_C = exp(g_last) S_0 + Wt^T Delta.
 Decay ratios are only ever formed as exp(min(g_r - g_j, 0)) of log DIFFERENCES, never exp(-g).
 
-Kernels:
-  _intra_fwd  grid (B, H, NC): L, P by a column loop, A by forward substitution, Wt.
-  _recur_fwd  grid (B, H, V/BV): serial over chunks; emits O, S_final, and chunk-start states.
-  _recur_bwd  grid (B, H, V/BV): serial over chunks in reverse; dV, dS_0, dS_init and per-V-block
-              partial gradients of P, L, Wt, Kbar, Qbar, g_last.
-  _intra_bwd  grid (B, H, NC): sums the partials, back-propagates through the decay-weighted
-              products; emits dq, dk, dw and dg (gradient w.r.t. the chunk-local cumsum).
+Kernels (options in config.DeltaRuleConfig):
+  _intra_fwd   grid (B, H, NC): L, P (column loop over the chunk, or matmuls off the diagonal
+               tiles with `blocked`), A (`inverse`), Wt, and with `wy` W = A Kbar, which turns
+               the serial chain into Delta = A U' - W S_0 (U' = V minus the S_init rows).
+  _recur_fwd   grid (B, H, V/BV): serial over chunks; S_final and the chunk-start states, and O
+               (or, with `split_output`, Delta for _output_kernel).
+  _output      grid (B, H, NC, V/BV): O = Qbar S_0 + P Delta from the saved states.
+  _recur_bwd   grid (B, H, V/BV): serial over chunks in reverse; the dS chain and dS_init, and the
+               per-V-block partials (or, with `split_backward`, dS per chunk for _bwd_partials).
+  _bwd_partials grid (B, H, NC, V/BV): dV and per-V-block partial gradients of P, L, Wt, Kbar,
+               Qbar, g_last.
+  _intra_bwd   grid (B, H, NC): sums the partials, back-propagates through the decay-weighted
+               products; emits dq, dk, dw and dg (gradient w.r.t. the chunk-local cumsum).
 """
 from __future__ import annotations
 
@@ -251,16 +257,16 @@ def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, kblock, k_sp
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   C = chunk
   t0 = c * C
-  if kblock:
-    lmat, pmat = _pairs_kblock(refs, b, h, t0, C, q_ref.shape[-1], kblock)
-  elif blocked:
-    lmat, pmat = _pairs_blocked(*(_tile(x, b, t0, C, h) for x in refs[:4]), refs, b, h, t0, C,
-                                block, prec)
+  if blocked and not kblock:
+    q, k, w, g = (_tile(x, b, t0, C, h) for x in refs[:4])
+    lmat, pmat = _pairs_blocked(q, k, w, g, refs, b, h, t0, C, block, prec)
   else:
-    lmat, pmat = _split_products(refs, b, h, t0, C, k_split)
-  k = _tile(k_ref, b, t0, C, h)
-  w = _tile(w_ref, b, t0, C, h)
-  g = _tile(g_ref, b, t0, C, h)
+    if kblock:
+      lmat, pmat = _pairs_kblock(refs, b, h, t0, C, q_ref.shape[-1], kblock)
+    else:
+      lmat, pmat = _split_products(refs, b, h, t0, C, k_split)
+    # Loaded after the pair loops, so these full-K tiles are not live inside them.
+    k, w, g = (_tile(x, b, t0, C, h) for x in (k_ref, w_ref, g_ref))
   g_last = g_ref[b, t0 + C - 1, h, :]
   e_last = jnp.exp(jnp.minimum(g_last[None, :] - g, 0.0))
   if has_seg:
@@ -410,7 +416,7 @@ def _bwd_chain(r, b, h, t0, C, scale, has_seg, vs, ds, s_init, prec, wy):
   if has_seg:
     ds_init_part = ((1.0 - cont_last) * ds_decayed + _dot_tn(qbar * (1.0 - cont), do, prec)
                     - _dot_tn(kbar * (1.0 - cont), du, prec))
-  return ds_prev, ds_init_part, dict(kbar=kbar, qbar=qbar, cont=cont, cont_last=cont_last, do=do,
+  return ds_prev, ds_init_part, dict(kbar=kbar, cont=cont, cont_last=cont_last, do=do,
                                      amat=amat, du=du)
 
 
@@ -639,7 +645,7 @@ def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, blocked, block, kblo
 
 
 def _precision(cfg, cfg_prec, interpret):
-  """The kernels' dot precision: 'fast' means TF32, or bf16 operands with cfg.fast_dots='bf16'."""
+  """The kernels' dot precision: 'fast' means bf16 operands (cfg.fast_dots='bf16') or TF32."""
   if cfg_prec == "fast" and cfg.fast_dots == "bf16":
     return BF16_OPERANDS
   return common.dot_precision(cfg_prec, interpret)
