@@ -52,7 +52,7 @@ flags.DEFINE_float("time_budget_s", 420.0, "stop timing new cells (and sweep spe
                    "many seconds", flag_values=FLAGS)
 flags.DEFINE_list("sweep", [], "DeltaRuleConfig overrides to try on diag_kdn_pallas fwd+bwd at "
                   "--sweep_len, each 'field=value/field=value' ('default': none), e.g. "
-                  "'max_chunk=64/kblock=16/wy=1'; the fastest is used for the rows",
+                  "'max_chunk=64/blocked=0/wy=1'; the fastest is used for the rows",
                   flag_values=FLAGS)
 flags.DEFINE_list("gain_sweep", [], "GainConfig overrides to try on diag_gain_pallas fwd, same "
                   "syntax, e.g. 'max_chunk=128'", flag_values=FLAGS)
@@ -431,7 +431,7 @@ def combine_winners(timed):
 
 def config_from_spec(base, spec):
   """`base` (a config dataclass) with the overrides of `spec`: 'field=value' items joined by '/',
-  e.g. 'max_chunk=64/kblock=16/wy=1'; '' or 'default' gives `base`."""
+  e.g. 'max_chunk=64/blocked=0/wy=1'; '' or 'default' gives `base`."""
   if spec in ("", "default"):
     return base
   fields = {f.name: f.type for f in dataclasses.fields(base)}

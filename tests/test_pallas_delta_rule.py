@@ -108,13 +108,13 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
     {},                                                         # the shipped default
     dict(blocked=False, max_chunk=16),                          # wrong on the H200 (config.py)
     dict(blocked=True, block=16), dict(blocked=False, k_split=2),
-    dict(kblock=16), dict(kblock=64, split_output=False),
+    dict(blocked=False, split_output=False),
     dict(wy=False, split_output=False, split_backward=False),   # the 3-dot serial chain
-    dict(wy=False, split_backward=False, kblock=16),
+    dict(wy=False, split_backward=False, blocked=False),
     dict(inverse="rows"), dict(inverse="rows_t"), dict(inverse="doubling"),
     dict(k_split=4, max_chunk=16, inverse="doubling", blocked=False)])
 def test_delta_rule_intra_variants(variant):
-  """Every kernel variant (intra pair products: column loop, sub-blocked, K-blocked, K-split;
+  """Every kernel variant (intra pair products: column loop, sub-blocked, K-split;
   inverses; outputs and backward partials in the serial kernels or parallel ones; 2- or 3-dot
   serial chain) is exact."""
   old = dr_config.DEFAULT
@@ -126,7 +126,7 @@ def test_delta_rule_intra_variants(variant):
     seg[0, 20:] = 1
     seg[1, 38:] = 3
     _check(args, seg, 32, 1e-5, 1e-4)
-    if dr_config.DEFAULT.kblock or dr_config.DEFAULT.blocked:   # reference points / K blocks
+    if dr_config.DEFAULT.blocked:   # reference points around the off-diagonal tiles
       _check(_inputs(3, 1, 40, 2, 64, 64, jnp.float32, False, "strong"), None, 16, 1e-5, 1e-4)
   finally:
     dr_config.DEFAULT = old
@@ -136,7 +136,7 @@ def test_delta_rule_bf16_operand_dots():
   """fast_dots='bf16' (bf16 dot operands for bf16 data) stays within the bf16 bounds over 5 chunks."""
   old = dr_config.DEFAULT
   try:
-    dr_config.set_default(fast_dots="bf16", kblock=16)
+    dr_config.set_default(fast_dots="bf16", blocked=False)
     seg = np.zeros((1, 150), np.int32)
     seg[:, 70:] = 1
     _check(_inputs(11, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"), seg, 32, 5e-3, 1e-2)
@@ -155,7 +155,7 @@ def test_delta_rule_unsupported_width():
     delta_rule(x, x, x, x, x, 1.0, jnp.zeros((1, 1, 48, 48)))
 
 
-@pytest.mark.parametrize("variant", [{}, dict(kblock=8, split_output=True, wy=True)])
+@pytest.mark.parametrize("variant", [{}, dict(blocked=False, wy=False, split_backward=False)])
 def test_delta_rule_tpu_interpret_matches(variant):
   """Mosaic-TPU interpret mode (the only TPU validation available here) == generic interpret."""
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
@@ -184,7 +184,7 @@ def test_delta_rule_precision_argument():
   np.testing.assert_array_equal(o1, o2)
 
 
-@pytest.mark.parametrize("bad", [dict(kblock=48), dict(fast_dots="bf-16"), dict(block_v=48),
+@pytest.mark.parametrize("bad", [dict(block=48), dict(fast_dots="bf-16"), dict(block_v=48),
                                  dict(inverse="lu"), dict(k_split=3), dict(min_chunk=24),
                                  dict(max_chunk=0)])
 def test_delta_rule_config_rejects_bad_values(bad):

@@ -20,9 +20,6 @@ class DeltaRuleConfig:
   # Sub-blocked intra pair products: off-diagonal block x block tiles as matmuls around a
   # reference point, the diagonal tiles by a `block`-step column loop (else a C-step loop).
   blocked: bool = True
-  # Pair products of the intra kernels as [C, C, kblock] tiles summed over K in K/kblock steps
-  # (0: the C-step column loop). Slower on the H200 (22.6 against 16.5 ms with kblock=16).
-  kblock: int = 0
   # The intra column loops run over K in k_split slices one after another (exact), so only
   # [C, K / k_split] tiles are live: fewer registers per program, more programs per SM. No gain on
   # the H200 (chunk 16: 10.6 ms with k_split=2, 11.2 with 4, against 10.5 ms).
@@ -57,8 +54,6 @@ class DeltaRuleConfig:
         raise ValueError(f"DeltaRuleConfig.{name} must be a power of two, got {getattr(self, name)}")
     if not pow2(self.k_split):
       raise ValueError(f"DeltaRuleConfig.k_split must be a power of two, got {self.k_split}")
-    if self.kblock and not pow2(self.kblock):
-      raise ValueError(f"DeltaRuleConfig.kblock must be 0 or a power of two, got {self.kblock}")
     if self.inverse not in ("rows", "rows_t", "blocks", "doubling"):
       raise ValueError("DeltaRuleConfig.inverse must be 'rows', 'rows_t', 'blocks' or 'doubling', "
                        f"got {self.inverse!r}")

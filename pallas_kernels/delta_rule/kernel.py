@@ -111,28 +111,6 @@ def _diag_products(q, k, g, w_ref, g_ref, b, h, t0, C, block, cols=slice(None)):
   return lax.fori_loop(0, block, col_body, (zeros, zeros))
 
 
-def _pairs_kblock(refs, b, h, t0, C, kd, bk):
-  """L (strict) and P/scale (inclusive) as [C, C, bk] decay-weighted products, summed over K in
-  kd / bk steps: every (r, j) pair of the chunk at once, instead of C dependent column steps."""
-  q_ref, k_ref, w_ref, g_ref = refs[:4]
-  row, col = _iota(C, 0), _iota(C, 1)
-
-  def body(i, lp):
-    lmat, pmat = lp
-    ks = pl.ds(i * bk, bk)
-    kb = k_ref[b, pl.ds(t0, C), h, ks].astype(jnp.float32)
-    qb = q_ref[b, pl.ds(t0, C), h, ks].astype(jnp.float32)
-    wb = w_ref[b, pl.ds(t0, C), h, ks].astype(jnp.float32)
-    gb = g_ref[b, pl.ds(t0, C), h, ks]
-    we = wb[None, :, :] * jnp.exp(jnp.minimum(gb[:, None, :] - gb[None, :, :], 0.0))  # [r, j, c]
-    return (lmat + jnp.sum(kb[:, None, :] * we, axis=2),
-            pmat + jnp.sum(qb[:, None, :] * we, axis=2))
-
-  zeros = jnp.zeros((C, C), jnp.float32)
-  lmat, pmat = lax.fori_loop(0, kd // bk, body, (zeros, zeros))
-  return jnp.where(row > col, lmat, 0.0), jnp.where(row >= col, pmat, 0.0)
-
-
 def _offdiag_factors(g, w, g_ref, b, h, t0, C, block, js):
   """Column block [js, js + block) against the later rows, around the reference point g_n of the
   block's last token: exp(g_r - g_j) = exp(g_r - g_n) exp(g_n - g_j), both factors exp(<= 0).
@@ -248,7 +226,7 @@ def _split_products(refs, b, h, t0, C, k_split):
   return lmat, pmat
 
 
-def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, kblock, k_split, wy, inverse,
+def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, k_split, wy, inverse,
                       prec, hi):
   n_in = 4 + (2 if has_seg else 0)
   q_ref, k_ref, w_ref, g_ref = refs[:4]
@@ -257,14 +235,11 @@ def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, kblock, k_sp
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   C = chunk
   t0 = c * C
-  if blocked and not kblock:
+  if blocked:
     q, k, w, g = (_tile(x, b, t0, C, h) for x in refs[:4])
     lmat, pmat = _pairs_blocked(q, k, w, g, refs, b, h, t0, C, block, prec)
   else:
-    if kblock:
-      lmat, pmat = _pairs_kblock(refs, b, h, t0, C, q_ref.shape[-1], kblock)
-    else:
-      lmat, pmat = _split_products(refs, b, h, t0, C, k_split)
+    lmat, pmat = _split_products(refs, b, h, t0, C, k_split)
     # Loaded after the pair loops, so these full-K tiles are not live inside them.
     k, w, g = (_tile(x, b, t0, C, h) for x in (k_ref, w_ref, g_ref))
   g_last = g_ref[b, t0 + C - 1, h, :]
@@ -559,17 +534,7 @@ def _intra_bwd_epilogue(q, k, w, g, acc, p_diag, dwt, dkbar, dqbar, dgl, e_last,
   return dq, dk, dw, dg, dla_x
 
 
-def _pairs_bwd_kblock(q, k, w, g, dpm, dlm):
-  """The pair accumulators of one [C, bk] column block, all (r, j) pairs at once."""
-  e = jnp.exp(jnp.minimum(g[:, None, :] - g[None, :, :], 0.0))          # [r, j, c]
-  we = w[None, :, :] * e
-  dq_acc = jnp.sum(dpm[:, :, None] * we, axis=1)
-  dk_acc = jnp.sum(dlm[:, :, None] * we, axis=1)
-  dw_acc = jnp.sum((dpm[:, :, None] * q[:, None, :] + dlm[:, :, None] * k[:, None, :]) * e, axis=0)
-  return dq_acc, dk_acc, dw_acc
-
-
-def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, blocked, block, kblock, k_split, prec,
+def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, blocked, block, k_split, prec,
                       hi):
   names = ["q", "k", "w", "g", "dp", "dl", "dwt", "dkbar", "dqbar", "dgl"] + (
       ["pid"] if has_seg else [])
@@ -625,13 +590,7 @@ def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, blocked, block, kblo
                               vsum("dqbar", cols), dgl_sum(cols), e_last_of(g, cols), scale, hi),
           cols)
 
-  if kblock:
-    def kbody(i, carry):
-      kslice(pl.ds(i * kblock, kblock), lambda q, k, w, g, _: _pairs_bwd_kblock(q, k, w, g, dpm, dlm))
-      return carry
-
-    lax.fori_loop(0, kd // kblock, kbody, 0)
-  elif blocked:
+  if blocked:
     kslice(pl.ds(0, kd), lambda q, k, w, g, _: _pairs_bwd_blocked(q, k, w, g, dpm, dlm, r, b, h, t0,
                                                                   C, block, prec))
   else:
@@ -656,11 +615,6 @@ def _k_split(cfg, kd):
   return max(1, min(cfg.k_split, kd // 16))
 
 
-def _kblock(cfg, kd):
-  """K-column block of the pair products (0: column loop), capped at K."""
-  return min(cfg.kblock, kd) if cfg.kblock else 0
-
-
 def _params(interpret, num_warps, cfg):
   return dict(interpret=interpret,
               compiler_params=common.compiler_params(num_warps, cfg.num_stages))
@@ -681,7 +635,7 @@ def intra_forward(q, k, w, g, pid, cont, *, chunk, scale, interpret, cfg, cfg_pr
   outs = pl.pallas_call(
       functools.partial(_intra_fwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
                         blocked=cfg.blocked and chunk > cfg.block, block=cfg.block,
-                        kblock=_kblock(cfg, kd), k_split=_k_split(cfg, kd), wy=cfg.wy,
+                        k_split=_k_split(cfg, kd), wy=cfg.wy,
                         inverse=cfg.inverse, prec=prec,
                         hi=common.dot_precision("exact", interpret)),
       out_shape=tuple(out_shape), grid=(bsz, nh, nc), name="delta_rule_intra_fwd",
@@ -796,7 +750,7 @@ def intra_backward(q, k, w, g, pid, partials, *, chunk, scale, interpret, cfg, c
   return pl.pallas_call(
       functools.partial(_intra_bwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
                         num_vb=nvb, blocked=cfg.blocked and chunk > cfg.block, block=cfg.block,
-                        kblock=_kblock(cfg, kd), k_split=_k_split(cfg, kd), prec=prec,
+                        k_split=_k_split(cfg, kd), prec=prec,
                         hi=common.dot_precision("exact", interpret)),
       out_shape=(lane, lane, lane, lane, lane), grid=(bsz, nh, nc), name="delta_rule_intra_bwd",
       **_params(interpret, cfg.num_warps_intra, cfg),
