@@ -364,26 +364,20 @@ def _time_stages(t):
   return out
 
 
-_START = [0.0]   # when main() began; sweeps and timed cells share --time_budget_s
+def _sweep(results, specs, module, make_config, row, fwd_bwd, key, deadline, stages=False):
+  """Times `row` at --sweep_len under each config make_config(spec) (with the pallas stage split
+  when `stages`) until time.time() passes `deadline`; with --sweep_combine, the specs that beat
+  the first one are merged into one more spec and timed too. The fastest config becomes
+  `module.DEFAULT` (recorded under results[key]); if none ran, the default is left as it was."""
+  original = module.DEFAULT
+  timed = []   # (spec, ms or None, config)
 
-
-def _sweep(results, specs, module, make_config, row, fwd_bwd, key):
-  """Times `row` at --sweep_len under each config make_config(spec); keeps the fastest as
-  `module.DEFAULT` (recorded under results[key]). With --sweep_combine, the specs that beat the
-  first one are then merged into one more spec and timed too."""
-  best = None
-  timed = []
-  specs = list(specs)
-  i = 0
-  while i < len(specs):
-    spec = specs[i]
-    if time.time() - _START[0] > FLAGS.time_budget_s:
+  def run(spec):
+    if time.time() > deadline:
       logging.warning("time budget spent: sweep %s not timed", spec)
       results.setdefault("sweeps", []).append({"sweep": spec, "skipped": "time budget"})
-      i += 1
-      continue
-    cfg = make_config(spec)
-    module.DEFAULT = cfg
+      return
+    cfg = module.DEFAULT = make_config(spec)
     first = {}
     try:
       ms = _time_jax_row(row, FLAGS.sweep_len, fwd_bwd, first)
@@ -392,7 +386,7 @@ def _sweep(results, specs, module, make_config, row, fwd_bwd, key):
       logging.warning("sweep %s failed: %s", spec, e)
     rec = {"sweep": spec, "row": row, "fwd_bwd": fwd_bwd, "T": FLAGS.sweep_len, "ms": ms,
            "first_call_s": first.get(row)}
-    if FLAGS.sweep_stages and ms is not None and module.__name__.endswith("delta_rule.config"):
+    if stages and ms is not None:
       try:
         rec["stages"] = {k: v if isinstance(v, dict) else round(v, 3)
                          for k, v in _time_stages(FLAGS.sweep_len).items()}
@@ -400,17 +394,18 @@ def _sweep(results, specs, module, make_config, row, fwd_bwd, key):
         rec["stages_error"] = f"{type(e).__name__}: {e}"[:300]
     print(json.dumps(rec), flush=True)
     results.setdefault("sweeps", []).append(rec)
-    timed.append((spec, ms))
-    if ms is not None and (best is None or ms < best[0]):
-      best = (ms, cfg)
-    i += 1
-    if i == len(specs) and FLAGS.sweep_combine and len(timed) == len(specs):
-      combined = combine_winners(timed)
-      if combined is not None and combined not in specs:
-        specs.append(combined)
-  if best is not None:
-    module.DEFAULT = best[1]
-    results[key] = repr(best[1])
+    timed.append((spec, ms, cfg))
+
+  for spec in specs:
+    run(spec)
+  if FLAGS.sweep_combine and timed and len(timed) == len(specs):
+    combined = combine_winners([(spec, ms) for spec, ms, _ in timed])
+    if combined is not None and combined not in specs:
+      run(combined)
+  ok = [(ms, cfg) for _, ms, cfg in timed if ms is not None]
+  module.DEFAULT = min(ok, key=lambda m: m[0])[1] if ok else original
+  if ok:
+    results[key] = repr(module.DEFAULT)
 
 
 def combine_winners(timed):
@@ -429,6 +424,9 @@ def combine_winners(timed):
   return "/".join(f"{k}={v}" for k, v in fields.items())
 
 
+_BOOLS = {"1": True, "true": True, "True": True, "0": False, "false": False, "False": False}
+
+
 def config_from_spec(base, spec):
   """`base` (a config dataclass) with the overrides of `spec`: 'field=value' items joined by '/',
   e.g. 'max_chunk=64/blocked=0/wy=1'; '' or 'default' gives `base`."""
@@ -442,20 +440,21 @@ def config_from_spec(base, spec):
       raise ValueError(f"--sweep item {item!r}: expected field=value with field in "
                        f"{sorted(fields)}")
     typ = fields[name] if isinstance(fields[name], str) else fields[name].__name__
-    kw[name] = {"bool": lambda x: x in ("1", "true", "True"), "int": int}.get(typ, str)(val)
+    if typ == "bool" and val not in _BOOLS:
+      raise ValueError(f"--sweep item {item!r}: expected one of {sorted(_BOOLS)}")
+    kw[name] = _BOOLS[val] if typ == "bool" else int(val) if typ == "int" else val
   return dataclasses.replace(base, **kw)
 
 
-def _sweeps(results):
+def _sweeps(results, deadline):
   from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
   from pallas_kernels.kdn_gain import config as gcfg  # pylint: disable=g-import-not-at-top
   base, gbase = dcfg.DEFAULT, gcfg.DEFAULT
   _sweep(results, FLAGS.sweep, dcfg, lambda spec: config_from_spec(base, spec), "diag_kdn_pallas",
-         True, "delta_rule_config")
+         True, "delta_rule_config", deadline, stages=FLAGS.sweep_stages)
   _sweep(results, FLAGS.gain_sweep, gcfg, lambda spec: config_from_spec(gbase, spec),
-         "diag_gain_pallas", False, "gain_config")
+         "diag_gain_pallas", False, "gain_config", deadline)
   print("configs:", results.get("delta_rule_config"), results.get("gain_config"), flush=True)
-
 
 
 def _write(results, out):
@@ -529,8 +528,9 @@ def _parse_flags(argv):
 def main(argv):
   del argv
   results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": []}
-  start = _START[0] = time.time()
-  _sweeps(results)   # first, so that the check covers the configuration the rows use
+  start = time.time()
+  # Sweeps first, so that the check covers the configuration the rows use.
+  _sweeps(results, start + FLAGS.time_budget_s)
   from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
   results.setdefault("delta_rule_config", repr(dcfg.DEFAULT))
   if FLAGS.check or FLAGS.check_only:

@@ -32,6 +32,8 @@ def test_config_from_spec():
   cfg = bm.config_from_spec(base, "max_chunk=64/wy=1/fast_dots=tf32/block_v=64")
   assert (cfg.max_chunk, cfg.wy, cfg.fast_dots, cfg.block_v) == (64, True, "tf32", 64)
   assert bm.config_from_spec(gain_config.GainConfig(), "max_chunk=128").max_chunk == 128
+  with pytest.raises(ValueError, match="expected one of"):
+    bm.config_from_spec(base, "wy=yes")
   with pytest.raises(ValueError, match="field=value"):
     bm.config_from_spec(base, "chunk=64")
   with pytest.raises(ValueError, match="DeltaRuleConfig.block_v"):
@@ -51,22 +53,47 @@ def test_combine_winners():
 
 def test_sweep_with_stages_at_tiny_shape():
   """The sweep times every spec (and its stage split), keeps the fastest as the default, records
-  what it tried, and leaves the module default alone when nothing runs."""
+  what it tried, and times nothing past its deadline."""
   bm.FLAGS(["bm", "--batch=1", "--heads=1", "--dim=16", "--reps=1", "--warmup=0",
-            "--sweep_len=40", "--sweep_stages", "--time_budget_s=1e9"])
+            "--sweep_len=40"])
   old = dr_config.DEFAULT
   results = {}
+  make = lambda spec: bm.config_from_spec(old, spec)
   try:
-    bm._START[0] = __import__("time").time()
-    bm._sweep(results, ["default", "wy=1/split_backward=1"], dr_config,
-              lambda spec: bm.config_from_spec(old, spec), "diag_kdn_pallas", True, "cfg")
+    bm._sweep(results, ["default", "wy=0/split_backward=0"], dr_config, make,
+              "diag_kdn_pallas", True, "cfg", deadline=float("inf"), stages=True)
     recs = results["sweeps"]
-    assert [r["sweep"] for r in recs] == ["default", "wy=1/split_backward=1"]
+    assert [r["sweep"] for r in recs] == ["default", "wy=0/split_backward=0"]
     for r in recs:
       assert r["ms"] > 0 and r["first_call_s"] > 0, r
       assert set(r["stages"]) >= {"gain_fwd", "delta_intra_fwd", "delta_recur_fwd",
                                   "delta_recur_bwd", "delta_intra_bwd"}, r
     assert results["cfg"] == repr(dr_config.DEFAULT)
+    assert dr_config.DEFAULT in (old, make("wy=0/split_backward=0"))
+    # Past the deadline nothing runs.
+    dr_config.DEFAULT = old
+    late = {}
+    bm._sweep(late, ["wy=0"], dr_config, make, "diag_kdn_pallas", True, "cfg", deadline=0.0)
+    assert late["sweeps"] == [{"sweep": "wy=0", "skipped": "time budget"}] and "cfg" not in late
+    assert dr_config.DEFAULT is old
+  finally:
+    dr_config.DEFAULT = old
+    bm.FLAGS.unparse_flags()
+
+
+def test_sweep_restores_the_default_when_every_spec_fails(monkeypatch):
+  def fail(*a, **k):
+    raise RuntimeError("compile error")
+  monkeypatch.setattr(bm, "_time_jax_row", fail)
+  bm.FLAGS(["bm", "--sweep_len=40"])
+  old = dr_config.DEFAULT
+  results = {}
+  try:
+    bm._sweep(results, ["wy=0", "max_chunk=16"], dr_config,
+              lambda spec: bm.config_from_spec(old, spec), "diag_kdn_pallas", True, "cfg",
+              deadline=float("inf"))
+    assert [r["ms"] for r in results["sweeps"]] == [None, None] and "cfg" not in results
+    assert dr_config.DEFAULT is old
   finally:
     dr_config.DEFAULT = old
     bm.FLAGS.unparse_flags()

@@ -144,8 +144,7 @@ def _unit_lower_inverse_rows(lmat, C):
   def sub_body(i, amat):
     lrow = jnp.sum(jnp.where(row == i, lmat, 0.0), axis=0)          # L[i, :]
     new = jnp.sum(lrow[:, None] * amat, axis=0)                     # (L A)[i, :]
-    erow = jnp.sum(jnp.where(row == i, eye, 0.0), axis=0)
-    return jnp.where(row == i, (erow - new)[None, :], amat)
+    return jnp.where(row == i, jnp.where(col == i, 1.0, 0.0) - new[None, :], amat)
 
   return lax.fori_loop(1, C, sub_body, eye)
 
@@ -177,16 +176,6 @@ def _unit_lower_inverse_doubling(lmat, C, hi):
   return amat
 
 
-def _unit_lower_inverse(lmat, C, inverse, block, hi):
-  if inverse == "rows":
-    return _unit_lower_inverse_rows(lmat, C)
-  if inverse == "rows_t":
-    return _unit_lower_inverse_rows_t(lmat, C)
-  if inverse == "doubling":
-    return _unit_lower_inverse_doubling(lmat, C, hi)
-  return _unit_lower_inverse_blocked(lmat, C, min(block, C), hi)
-
-
 def _unit_lower_inverse_blocked(lmat, C, block, hi):
   """(I + L)^-1 = sum_n (-M)^n D^-1 with D = I + blockdiag(L), M = D^-1 (L - blockdiag(L)).
 
@@ -211,6 +200,16 @@ def _unit_lower_inverse_blocked(lmat, C, block, hi):
     term = -_dot(mmat, term, hi)
     amat = amat + term
   return amat
+
+
+def _unit_lower_inverse(lmat, C, inverse, block, hi):
+  if inverse == "rows":
+    return _unit_lower_inverse_rows(lmat, C)
+  if inverse == "rows_t":
+    return _unit_lower_inverse_rows_t(lmat, C)
+  if inverse == "doubling":
+    return _unit_lower_inverse_doubling(lmat, C, hi)
+  return _unit_lower_inverse_blocked(lmat, C, min(block, C), hi)
 
 
 def _split_products(refs, b, h, t0, C, k_split):
