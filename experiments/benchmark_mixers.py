@@ -41,7 +41,9 @@ flags.DEFINE_integer("warmup", 3, "untimed runs after compilation", flag_values=
 flags.DEFINE_list("rows", ["diag_kdn_pallas", "iso_kdn_pallas", "diag_gain_pallas",
                            "iso_gain_pallas", "diag_kdn_chunked", "iso_kdn_chunked",
                            "kda_pallas", "gdn_pallas", "kda_chunked", "gdn_chunked",
-                           "fla_chunk_kda", "fla_chunk_gdn"], "rows to time", flag_values=FLAGS)
+                           "fla_chunk_kda", "fla_chunk_gdn"],
+                  "rows to time; diag_kdn_seg_<impl> / iso_kdn_seg_<impl>: with segment_ids "
+                  "(packed documents of 1000 tokens)", flag_values=FLAGS)
 flags.DEFINE_integer("chunked_max_len", 32768, "skip *_chunked rows above this length",
                      flag_values=FLAGS)
 flags.DEFINE_list("pallas_lens", [], "if set, time *_pallas rows only at these lengths (each new "
@@ -107,19 +109,27 @@ def _direct_kdn(diag, x, d):
   return o
 
 
+_DOC_LEN = 1000   # document length of the *_seg rows (not a multiple of any chunk)
+
+
 def _make_jax_fn(row, d):
   """Returns f(x) -> output array (differentiable in the float inputs)."""
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
   ops = _ops()
   name, impl = row.rsplit("_", 1)
+  docs = name.endswith("_seg")   # packed documents: segment_ids with a reset every _DOC_LEN
+  name = name[:-4] if docs else name
   if name in ("diag_kdn", "iso_kdn"):
     diag = name == "diag_kdn"
     if ops is not None:
       fn = ops.diag_kdn if diag else ops.iso_kdn
       def f(x):
         om = x["om"] if diag else x["om_iso"]
+        b, t = x["q"].shape[:2]
+        seg = (jnp.broadcast_to(jnp.arange(t) // _DOC_LEN, (b, t)).astype(jnp.int32)
+               if docs else None)
         return fn(x["q"], x["k"], x["v"], x["la"], om, x["r"], info_scale=float(d),
-                  impl=impl)[0]
+                  segment_ids=seg, impl=impl)[0]
       return f, ("q", "k", "v", "la", "om" if diag else "om_iso", "r")
     if impl != "pallas":
       raise RuntimeError("kdn_jax.ops unavailable")

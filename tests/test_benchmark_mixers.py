@@ -3,6 +3,9 @@ the accuracy bounds, sweep specs parse into configs and bad ones are refused, an
 sweep combine into one spec."""
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from experiments import benchmark_mixers as bm
@@ -97,3 +100,16 @@ def test_sweep_restores_the_default_when_every_spec_fails(monkeypatch):
   finally:
     dr_config.DEFAULT = old
     bm.FLAGS.unparse_flags()
+
+
+def test_seg_rows_pass_document_resets(monkeypatch):
+  """*_kdn_seg_<impl> rows run the op with segment_ids: identical to the plain row on the first
+  document, different after the first reset."""
+  monkeypatch.setattr(bm, "_DOC_LEN", 10)
+  x = bm._inputs(jax.random.PRNGKey(0), 1, 25, 1, 16, jnp.float32)
+  plain, _ = bm._make_jax_fn("diag_kdn_chunked", 16)
+  docs, names = bm._make_jax_fn("diag_kdn_seg_chunked", 16)
+  assert names == ("q", "k", "v", "la", "om", "r")
+  a, b = np.asarray(plain(x)), np.asarray(docs(x))
+  np.testing.assert_allclose(a[:, :10], b[:, :10], rtol=1e-5, atol=1e-6)
+  assert np.abs(a[:, 10:] - b[:, 10:]).max() > 1e-3

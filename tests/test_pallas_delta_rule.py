@@ -112,7 +112,8 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
     dict(wy=False, split_output=False, split_backward=False),   # the 3-dot serial chain
     dict(wy=False, split_backward=False, blocked=False),
     dict(inverse="rows"), dict(inverse="rows_t"), dict(inverse="doubling"),
-    dict(k_split=4, max_chunk=16, inverse="doubling", blocked=False)])
+    dict(k_split=4, max_chunk=16, inverse="doubling", blocked=False),
+    dict(block_v=32, block_v_parallel=64), dict(block_v=64, block_v_parallel=32)])
 def test_delta_rule_intra_variants(variant):
   """Every kernel variant (intra pair products: column loop, sub-blocked, K-split;
   inverses; outputs and backward partials in the serial kernels or parallel ones; 2- or 3-dot
@@ -185,6 +186,7 @@ def test_delta_rule_precision_argument():
 
 
 @pytest.mark.parametrize("bad", [dict(block=48), dict(fast_dots="bf-16"), dict(block_v=48),
+                                 dict(block_v_parallel=96),
                                  dict(inverse="lu"), dict(k_split=3), dict(min_chunk=24),
                                  dict(max_chunk=0)])
 def test_delta_rule_config_rejects_bad_values(bad):

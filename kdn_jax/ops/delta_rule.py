@@ -30,10 +30,11 @@ def default_chunk_size(impl):
 
 
 def run_memory(op, impl, q, k, v, log_alpha, write, memory0, segment_ids,
-               chunk_size, input_dtype):
-  """Runs the memory recurrence with impl; inputs already in compute dtype.
+               chunk_size, input_dtype, scale):
+  """Runs the memory recurrence with impl; inputs already in compute dtype,
+  q not yet multiplied by `scale`.
 
-  input_dtype (the caller's q dtype) sets the Pallas dot precision: 'fast'
+  input_dtype (the caller's q/k/v dtype) sets the Pallas dot precision: 'fast'
   (bf16 operands, fp32 accumulation) for bf16/fp16 data, fp32-accurate for
   fp32/fp64 data.
   """
@@ -42,9 +43,16 @@ def run_memory(op, impl, q, k, v, log_alpha, write, memory0, segment_ids,
     if kernels is None:
       raise NotImplementedError(f"{op}: impl='pallas' but pallas_kernels "
                                 "cannot be imported")
+    # q, k, v were all 16-bit when their result type is: casting back is exact,
+    # and the kernels read half the bytes (they compute in fp32 inside).
+    narrow = jnp.dtype(input_dtype).itemsize == 2
+    kq, kk, kv = ((x.astype(input_dtype) if narrow else x) for x in (q, k, v))
+    kscale = scale
+    if not isinstance(scale, (int, float)):   # a traced scale: fold it into q
+      kq, kscale = kq * scale, 1.0
     try:
       return kernels.delta_rule(
-          q, k, v, log_alpha, write, 1.0, memory0, segment_ids,
+          kq, kk, kv, log_alpha, write, kscale, memory0, segment_ids,
           chunk_size=chunk_size,
           precision=kernels.precision_for(input_dtype))
     except NotImplementedError as e:
@@ -52,6 +60,7 @@ def run_memory(op, impl, q, k, v, log_alpha, write, memory0, segment_ids,
                           "%s: pallas path unavailable (%s); using chunked",
                           1, op, e)
       impl = "chunked"
+  q = q * scale
   if impl == "chunked":
     return delta_rule_chunked(q, k, v, log_alpha, write, memory0, segment_ids,
                               chunk_size=chunk_size)
@@ -94,10 +103,10 @@ def delta_rule(q, k, v, log_alpha, write, *, scale=None, initial_state=None,
   memory0 = (jnp.zeros((b, h, kd, vd), cd) if initial_state is None
              else initial_state.astype(cd))
   scale = kd ** -0.5 if scale is None else scale
-  o, memory = run_memory(op, impl, q.astype(cd) * scale, k.astype(cd),
+  o, memory = run_memory(op, impl, q.astype(cd), k.astype(cd),
                          v.astype(cd), log_alpha.astype(cd), write.astype(cd),
                          memory0, segment_ids, chunk_size,
-                         jnp.result_type(q, k, v))
+                         jnp.result_type(q, k, v), scale)
   return o.astype(q.dtype), (memory if output_final_state else None)
 
 

@@ -74,17 +74,16 @@ def _kdn(op, diag, q, k, v, log_alpha, omega, r, info_scale, scale,
   scale = kd ** -0.5 if scale is None else scale
   q, k, v, log_alpha, omega, r = (
       x.astype(cd) for x in (q, k, v, log_alpha, omega, r))
-  q = q * scale
   if impl == "reference":
     starts = None if segment_ids is None else variance.segment_starts(
         segment_ids)
-    o, (memory, var) = _kdn_reference(diag, q, k, v, log_alpha, omega, r, mu,
+    o, (memory, var) = _kdn_reference(diag, q * scale, k, v, log_alpha, omega, r, mu,
                                       tuple(state0), starts)
   else:
     write, var = _gain(op, diag, impl, k, log_alpha, omega, r, mu,
                        state0.variance, segment_ids)
     o, memory = run_memory(op, impl, q, k, v, log_alpha, write, state0.memory,
-                           segment_ids, chunk_size, input_dtype)
+                           segment_ids, chunk_size, input_dtype, scale)
   final = KDNState(memory, var) if output_final_state else None
   return o.astype(out_dtype), final
 

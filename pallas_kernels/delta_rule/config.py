@@ -43,13 +43,16 @@ class DeltaRuleConfig:
   # the serial kernels is 2 dots (W S_0, then the state update) instead of 3.
   wy: bool = True
   block_v: int = 64          # value-columns per program in the recurrent (state-passing) kernels
+  # value-columns per program in the parallel output and backward-partials kernels (fewer V
+  # blocks: fewer per-V-block partial-gradient bytes for the intra backward to read and sum)
+  block_v_parallel: int = 64
   num_warps_intra: int = 8   # Triton warps, intra-chunk kernels (parallel over chunks)
   num_warps_recur: int = 4   # Triton warps, recurrent kernels (serial over chunks)
   num_stages: int = 2         # Triton software-pipelining stages of the kernels' loops
 
   def __post_init__(self):
     pow2 = lambda n: n > 0 and n & (n - 1) == 0
-    for name in ("max_chunk", "min_chunk", "block", "block_v"):
+    for name in ("max_chunk", "min_chunk", "block", "block_v", "block_v_parallel"):
       if not pow2(getattr(self, name)):
         raise ValueError(f"DeltaRuleConfig.{name} must be a power of two, got {getattr(self, name)}")
     if not pow2(self.k_split):

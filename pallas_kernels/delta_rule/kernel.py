@@ -251,26 +251,25 @@ def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, k_split, wy,
     e_last = jnp.where((pid == pid_last)[:, None], e_last, 0.0)
   pmat = pmat * scale
   amat = _unit_lower_inverse(lmat, C, inverse, block, hi)
-  a_out[b, h, pl.ds(t0, C), :] = amat
-  p_out[b, h, pl.ds(t0, C), :] = pmat
-  wt_out[b, pl.ds(t0, C), h, :] = w * e_last
+  a_out[b, h, pl.ds(t0, C), :] = amat.astype(a_out.dtype)
+  p_out[b, h, pl.ds(t0, C), :] = pmat.astype(p_out.dtype)
+  wt_out[b, pl.ds(t0, C), h, :] = (w * e_last).astype(wt_out.dtype)
   if wy:
     # Compact WY: W = A Kbar (rows continuing the chunk-start state only), so the serial kernels
     # form Delta = A U' - W S_0 with one dot on the state chain instead of two.
     kbar = k * jnp.exp(g)
     if has_seg:
       kbar = kbar * cont_ref[b, pl.ds(t0, C)][:, None]
-    refs[n_in + 3][b, pl.ds(t0, C), h, :] = _dot(amat, kbar, prec)
+    wk_out = refs[n_in + 3]
+    wk_out[b, pl.ds(t0, C), h, :] = _dot(amat, kbar, prec).astype(wk_out.dtype)
 
 
-def _chunk_common(refs, b, h, t0, C, scale, has_seg):
-  """Loads k, q (decayed), v-independent per-chunk quantities for the recurrent kernels."""
-  k = _tile(refs["k"], b, t0, C, h)
-  q = _tile(refs["q"], b, t0, C, h)
-  g = _tile(refs["g"], b, t0, C, h)
-  e = jnp.exp(g)
-  kbar = k * e
-  qbar = (scale * q) * e
+def _chunk_common(refs, b, h, t0, C, scale, has_seg, need_k=True, need_q=True):
+  """Per-chunk, V-independent quantities of the recurrent kernels: Kbar, Qbar (None unless
+  needed: the serial kernels load only what their chain uses), e_last, and the segment masks."""
+  g = _tile(refs["g"], b, t0, C, h) if need_k or need_q else None
+  kbar = _tile(refs["k"], b, t0, C, h) * jnp.exp(g) if need_k else None
+  qbar = (scale * _tile(refs["q"], b, t0, C, h)) * jnp.exp(g) if need_q else None
   e_last = jnp.exp(refs["g"][b, t0 + C - 1, h, :])[:, None]     # [K, 1]
   if has_seg:
     cont = refs["cont"][b, pl.ds(t0, C)][:, None]               # [C, 1] float
@@ -299,7 +298,8 @@ def _recur_fwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, s
     t0 = c * C
     if save_states:
       states_ref[b, h, c, :, pl.ds(v0, block_v)] = s
-    kbar, qbar, e_last, cont, cont_last = _chunk_common(r, b, h, t0, C, scale, has_seg)
+    kbar, qbar, e_last, cont, cont_last = _chunk_common(
+        r, b, h, t0, C, scale, has_seg, need_k=has_seg or not wy, need_q=not split)
     v = r["v"][b, pl.ds(t0, C), h, pl.ds(v0, block_v)].astype(jnp.float32)
     amat = r["a"][b, h, pl.ds(t0, C), :]
     wt = r["wt"][b, pl.ds(t0, C), h, :]
@@ -373,7 +373,8 @@ def _bwd_chain(r, b, h, t0, C, scale, has_seg, vs, ds, s_init, prec, wy):
   dDelta = P^T dO + Wt dS, dU = A^T dDelta, dS_prev and S_init's share (segments).
 
   Kbar_c^T dU = (A Kbar_c)^T dDelta: with wy the chain dS -> dDelta -> dS_prev is 2 dots."""
-  kbar, qbar, e_last, cont, cont_last = _chunk_common(r, b, h, t0, C, scale, has_seg)
+  kbar, qbar, e_last, cont, cont_last = _chunk_common(r, b, h, t0, C, scale, has_seg,
+                                                      need_k=has_seg or not wy)
   do = r["do"][b, pl.ds(t0, C), h, vs].astype(jnp.float32)
   amat = r["a"][b, h, pl.ds(t0, C), :]
   d_delta = _dot_tn(r["p"][b, h, pl.ds(t0, C), :], do, prec) + _dot(
@@ -609,14 +610,27 @@ def _precision(cfg, cfg_prec, interpret):
   return common.dot_precision(cfg_prec, interpret)
 
 
+def _operand_dtype(prec):
+  """Storage dtype of arrays that are only dot operands: bf16 when the dots round to bf16."""
+  return jnp.bfloat16 if prec == BF16_OPERANDS else jnp.float32
+
+
 def _k_split(cfg, kd):
   """Sequential K slices of the intra column loops, capped so a slice is >= 16 columns."""
   return max(1, min(cfg.k_split, kd // 16))
 
 
-def _params(interpret, num_warps, cfg):
-  return dict(interpret=interpret,
-              compiler_params=common.compiler_params(num_warps, cfg.num_stages))
+def _params(interpret, num_warps, cfg, num_stages=None):
+  stages = cfg.num_stages if num_stages is None else num_stages
+  return dict(interpret=interpret, compiler_params=common.compiler_params(num_warps, stages))
+
+
+# Triton 3.x (jax 0.11.2, H200) miscompiles the reverse serial kernel with segments when its loop
+# is software-pipelined (num_stages=2, 4 warps, chunk 16): every saved dS was wrong (relative 0.1,
+# the first one entirely) while interpret mode on the same GPU was exact; num_stages=1, 8 warps or
+# wy=False each gave the exact result (docs/benchmark_mixers.md, fifth session). That kernel's loop
+# (two [K, BV] carries: dS and dS_init) therefore never pipelines when there are segments.
+_SEG_RECUR_BWD_STAGES = 1
 
 
 def intra_forward(q, k, w, g, pid, cont, *, chunk, scale, interpret, cfg, cfg_prec):
@@ -626,11 +640,13 @@ def intra_forward(q, k, w, g, pid, cont, *, chunk, scale, interpret, cfg, cfg_pr
   nc = t // chunk
   has_seg = pid is not None
   prec = _precision(cfg, cfg_prec, interpret)
-  f32 = jnp.float32
   intra_in = [q, k, w, g] + ([pid, cont] if has_seg else [])
-  lane = jax.ShapeDtypeStruct((bsz, t, nh, kd), f32)
-  out_shape = [jax.ShapeDtypeStruct((bsz, nh, t, chunk), f32),
-               jax.ShapeDtypeStruct((bsz, nh, t, chunk), f32), lane] + ([lane] if cfg.wy else [])
+  # A, P, Wt and W only ever enter dots; with bf16-operand dots they are rounded to bf16 there,
+  # so storing them in bf16 is exact and halves their bytes.
+  dt = _operand_dtype(prec)
+  lane = jax.ShapeDtypeStruct((bsz, t, nh, kd), dt)
+  out_shape = [jax.ShapeDtypeStruct((bsz, nh, t, chunk), dt),
+               jax.ShapeDtypeStruct((bsz, nh, t, chunk), dt), lane] + ([lane] if cfg.wy else [])
   outs = pl.pallas_call(
       functools.partial(_intra_fwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
                         blocked=cfg.blocked and chunk > cfg.block, block=cfg.block,
@@ -675,11 +691,12 @@ def recur_forward(q, k, v, g, h0, cont, amat, pmat, wt, wk, *, chunk, scale, int
   states = outs[2] if keep_states else None
   if split:
     out_in = [q, g, pmat, o, states, h0] + ([cont] if has_seg else [])
+    bv_par = min(cfg.block_v_parallel, vd)
     o = pl.pallas_call(
         functools.partial(_output_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
-                          block_v=block_v, prec=prec),
+                          block_v=bv_par, prec=prec),
         out_shape=jax.ShapeDtypeStruct(v.shape[:3] + (vd,), q.dtype),
-        grid=(bsz, nh, nc, vd // block_v), name="delta_rule_output",
+        grid=(bsz, nh, nc, vd // bv_par), name="delta_rule_output",
         **_params(interpret, cfg.num_warps_intra, cfg),
     )(*out_in)
   return o, sfin, states if save_states else None
@@ -710,26 +727,28 @@ def recur_backward(q, k, v, g, h0, cont, res, do, dsfin, *, chunk, scale, interp
   wy = wk is not None
   prec = _precision(cfg, cfg_prec, interpret)
   f32 = jnp.float32
+  split = cfg.split_backward
   block_v = min(cfg.block_v, vd)
-  nvb = vd // block_v
+  bv_part = min(cfg.block_v_parallel, vd) if split else block_v   # partials' V blocks
+  nvb = vd // bv_part
   opt = ([cont] if has_seg else []) + ([wk] if wy else [])
   common_in = [q, k, v, g, amat, pmat, wt, h0, do]
   cc = jax.ShapeDtypeStruct((bsz, nh, nvb, t, chunk), f32)
   ck = jax.ShapeDtypeStruct((bsz, nh, nvb, t, kd), f32)
   partial_shapes = (jax.ShapeDtypeStruct(v.shape, f32), cc, cc, ck, ck, ck,
                     jax.ShapeDtypeStruct((bsz, nh, nvb, nc, kd), f32))
-  split = cfg.split_backward
-  kw = dict(chunk=chunk, scale=scale, has_seg=has_seg, block_v=block_v, prec=prec, wy=wy)
+  kw = dict(chunk=chunk, scale=scale, has_seg=has_seg, prec=prec, wy=wy)
   dh0, *outs = pl.pallas_call(
-      functools.partial(_recur_bwd_kernel, num_chunks=nc, split=split, **kw),
+      functools.partial(_recur_bwd_kernel, num_chunks=nc, split=split, block_v=block_v, **kw),
       out_shape=(jax.ShapeDtypeStruct((bsz, nh, kd, vd), f32),) + (
           (jax.ShapeDtypeStruct(states.shape, f32),) if split else partial_shapes),
-      grid=(bsz, nh, nvb), name="delta_rule_recur_bwd",
-      **_params(interpret, cfg.num_warps_recur, cfg),
+      grid=(bsz, nh, vd // block_v), name="delta_rule_recur_bwd",
+      **_params(interpret, cfg.num_warps_recur, cfg,
+                _SEG_RECUR_BWD_STAGES if has_seg else None),
   )(*common_in, states, dsfin, *opt)
   if split:
     outs = pl.pallas_call(
-        functools.partial(_bwd_partials_kernel, **kw),
+        functools.partial(_bwd_partials_kernel, block_v=bv_part, **kw),
         out_shape=partial_shapes, grid=(bsz, nh, nc, nvb), name="delta_rule_bwd_partials",
         **_params(interpret, cfg.num_warps_intra, cfg),
     )(*common_in, states, outs[0], *opt)
