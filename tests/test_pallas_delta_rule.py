@@ -106,7 +106,8 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
 
 @pytest.mark.parametrize("variant", [
     {},                                                         # the shipped default
-    dict(blocked=False, max_chunk=16),                          # wrong on the H200 (config.py)
+    dict(blocked=True, max_chunk=32),                           # the chunk-32 config
+    dict(blocked=False, max_chunk=16, split_backward=False),    # two-carry serial backward
     dict(blocked=True, block=16), dict(blocked=False, k_split=2),
     dict(blocked=False, split_output=False),
     dict(wy=False, split_output=False, split_backward=False),   # the 3-dot serial chain
@@ -195,13 +196,14 @@ def test_delta_rule_config_rejects_bad_values(bad):
 
 
 def test_chunk_length_floor():
-  """Compiled runs use chunks of at least min_chunk (32: chunk 16 failed the H200 fp32 check);
-  interpret mode keeps 16, and short sequences shrink the chunk down to the floor."""
+  """Compiled runs use chunks of at least min_chunk (a floor for GPUs where short chunks
+  misbehave); interpret mode keeps 16, and short sequences shrink the chunk down to the floor."""
   from pallas_kernels.delta_rule import chunk_length  # pylint: disable=g-import-not-at-top
-  cfg = dr_config.DeltaRuleConfig()
+  cfg = dr_config.DeltaRuleConfig(max_chunk=32, min_chunk=32)
   assert chunk_length(cfg, 64, 300, interpret=False) == 32
   assert chunk_length(cfg, 64, 1, interpret=False) == 32
   assert chunk_length(cfg, 64, 1, interpret=True) == 16
   small = dr_config.DeltaRuleConfig(max_chunk=16, min_chunk=16)
   assert chunk_length(small, 64, 300, interpret=False) == 16
-  assert chunk_length(dr_config.DeltaRuleConfig(max_chunk=16), 64, 300, interpret=False) == 32
+  assert chunk_length(dr_config.DeltaRuleConfig(max_chunk=16, min_chunk=32), 64, 300,
+                      interpret=False) == 32

@@ -8,18 +8,18 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class DeltaRuleConfig:
   # Defaults: the fastest configuration that passed the H200 correctness check with segments in
-  # fp32 and bf16 (diag KDN fwd+bwd, B=4 H=16 K=V=128 bf16 T=4096: 12.8 ms against 17.2 ms for the
-  # previous defaults; sweeps in docs/benchmark_mixers.md). Each of wy, split_backward,
-  # split_output, block_v=64, num_warps_recur=4 and num_stages=2 was faster on its own.
-  # max_chunk=16 was faster still (9.8 ms) but its fp32 gradients with a segment reset were wrong
-  # on the H200 (relative error 0.1 in dk, dv, dw, dlog_alpha; cause not found; interpret mode is
-  # exact), so compiled runs use chunks of at least min_chunk = 32 (min_chunk=16 reproduces it).
-  max_chunk: int = 32        # caps the caller's chunk_size (C_m)
-  min_chunk: int = 32        # floor of the chunk in compiled runs (interpret mode: 16)
+  # fp32 and bf16 (sweeps, stage splits and checks in docs/benchmark_mixers.md). Sessions 4-5,
+  # diag KDN fwd+bwd, B=4 H=16 K=V=128 bf16 T=4096: 17.2 ms (old defaults) -> 12.8 (wy,
+  # split_backward, split_output, block_v=64, num_warps_recur=4, num_stages=2, each faster on its
+  # own) -> 9.4 (chunk 16, block_v_parallel=128, bf16 storage of A/P/Wt/W). Chunk 16 first failed
+  # the fp32 reset check: a Triton miscompile of the two-carry serial backward (kernel.py), fixed
+  # by carrying dS alone. min_chunk keeps a floor for compiled runs should a GPU need one.
+  max_chunk: int = 16        # caps the caller's chunk_size (C_m)
+  min_chunk: int = 16        # floor of the chunk in compiled runs (interpret mode: 16)
   block: int = 8             # sub-block for the intra-chunk decay products and the inverse
   # Sub-blocked intra pair products: off-diagonal block x block tiles as matmuls around a
   # reference point, the diagonal tiles by a `block`-step column loop (else a C-step loop).
-  blocked: bool = True
+  blocked: bool = False
   # The intra column loops run over K in k_split slices one after another (exact), so only
   # [C, K / k_split] tiles are live: fewer registers per program, more programs per SM. No gain on
   # the H200 (chunk 16: 10.6 ms with k_split=2, 11.2 with 4, against 10.5 ms).
@@ -45,8 +45,10 @@ class DeltaRuleConfig:
   block_v: int = 64          # value-columns per program in the recurrent (state-passing) kernels
   # value-columns per program in the parallel output and backward-partials kernels (fewer V
   # blocks: fewer per-V-block partial-gradient bytes for the intra backward to read and sum)
-  block_v_parallel: int = 64
-  num_warps_intra: int = 8   # Triton warps, intra-chunk kernels (parallel over chunks)
+  block_v_parallel: int = 128
+  num_warps_intra: int = 8   # Triton warps, intra-chunk forward kernel (parallel over chunks)
+  num_warps_intra_bwd: int = 4   # Triton warps, intra-chunk backward kernel
+  num_warps_parallel: int = 8    # Triton warps, the parallel output and backward-partials kernels
   num_warps_recur: int = 4   # Triton warps, recurrent kernels (serial over chunks)
   num_stages: int = 2         # Triton software-pipelining stages of the kernels' loops
 

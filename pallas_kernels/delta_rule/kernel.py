@@ -368,9 +368,9 @@ def _bwd_names(has_seg, wy, extra):
   return _BWD_IN + extra + (["cont"] if has_seg else []) + (["wk"] if wy else [])
 
 
-def _bwd_chain(r, b, h, t0, C, scale, has_seg, vs, ds, s_init, prec, wy):
+def _bwd_chain(r, b, h, t0, C, scale, has_seg, vs, ds, s_init, prec, wy, init_part=True):
   """One chunk of the reverse state chain, given dS (the gradient of the state after the chunk):
-  dDelta = P^T dO + Wt dS, dU = A^T dDelta, dS_prev and S_init's share (segments).
+  dDelta = P^T dO + Wt dS, dU = A^T dDelta, dS_prev and (segments, init_part) S_init's share.
 
   Kbar_c^T dU = (A Kbar_c)^T dDelta: with wy the chain dS -> dDelta -> dS_prev is 2 dots."""
   kbar, qbar, e_last, cont, cont_last = _chunk_common(r, b, h, t0, C, scale, has_seg,
@@ -388,7 +388,7 @@ def _bwd_chain(r, b, h, t0, C, scale, has_seg, vs, ds, s_init, prec, wy):
     chain = _dot_tn(kbar * cont if has_seg else kbar, du, prec)
   ds_prev = (cont_last * ds_decayed if has_seg else ds_decayed) + _dot_tn(cq, do, prec) - chain
   ds_init_part = None
-  if has_seg:
+  if has_seg and init_part:
     ds_init_part = ((1.0 - cont_last) * ds_decayed + _dot_tn(qbar * (1.0 - cont), do, prec)
                     - _dot_tn(kbar * (1.0 - cont), du, prec))
   return ds_prev, ds_init_part, dict(kbar=kbar, cont=cont, cont_last=cont_last, do=do,
@@ -433,19 +433,28 @@ def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, w
   vs = pl.ds(vb * block_v, block_v)
   s_init = r["h0"][b, h, :, vs].astype(jnp.float32)
 
+  ds0 = r["dsfin"][b, h, :, vs].astype(jnp.float32)
+  if split:
+    # One carry: S_init's share of the segments (dS_init) is formed in XLA from the saved dS
+    # (seg_init_grad), so the dependent chain is the same as without segments.
+    def chain_body(i, ds):
+      c = num_chunks - 1 - i
+      outs[0][b, h, c, :, vs] = ds
+      return _bwd_chain(r, b, h, c * C, C, scale, has_seg, vs, ds, s_init, prec, wy,
+                        init_part=False)[0]
+
+    dh0_ref[b, h, :, vs] = lax.fori_loop(0, num_chunks, chain_body, ds0)
+    return
+
   def body(i, carry):
     ds, ds_init = carry
     c = num_chunks - 1 - i
     ds_prev, ds_init_part, x = _bwd_chain(r, b, h, c * C, C, scale, has_seg, vs, ds, s_init,
                                           prec, wy)
-    if split:
-      outs[0][b, h, c, :, vs] = ds
-    else:
-      _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs, r["states"][b, h, c, :, vs], ds,
-                    s_init, x, prec, wy)
+    _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs, r["states"][b, h, c, :, vs], ds,
+                  s_init, x, prec, wy)
     return ds_prev, ds_init if ds_init_part is None else ds_init + ds_init_part
 
-  ds0 = r["dsfin"][b, h, :, vs].astype(jnp.float32)
   ds, ds_init = lax.fori_loop(0, num_chunks, body, (ds0, jnp.zeros_like(ds0)))
   dh0_ref[b, h, :, vs] = ds + ds_init
 
@@ -625,11 +634,12 @@ def _params(interpret, num_warps, cfg, num_stages=None):
   return dict(interpret=interpret, compiler_params=common.compiler_params(num_warps, stages))
 
 
-# Triton 3.x (jax 0.11.2, H200) miscompiles the reverse serial kernel with segments when its loop
-# is software-pipelined (num_stages=2, 4 warps, chunk 16): every saved dS was wrong (relative 0.1,
-# the first one entirely) while interpret mode on the same GPU was exact; num_stages=1, 8 warps or
-# wy=False each gave the exact result (docs/benchmark_mixers.md, fifth session). That kernel's loop
-# (two [K, BV] carries: dS and dS_init) therefore never pipelines when there are segments.
+# Triton 3.x (jax 0.11.2, H200) miscompiled the reverse serial kernel with segments when it
+# carried two [K, BV] arrays (dS and dS_init) in a software-pipelined loop (num_stages=2, 4 warps,
+# chunk 16): every saved dS was wrong (relative 0.1, the first one entirely) while interpret mode
+# on the same GPU was exact (docs/benchmark_mixers.md, fifth session). With split_backward the
+# kernel now carries dS alone (dS_init comes from seg_init_grad); the two-carry kernel of
+# split_backward=False never pipelines when there are segments.
 _SEG_RECUR_BWD_STAGES = 1
 
 
@@ -697,7 +707,7 @@ def recur_forward(q, k, v, g, h0, cont, amat, pmat, wt, wk, *, chunk, scale, int
                           block_v=bv_par, prec=prec),
         out_shape=jax.ShapeDtypeStruct(v.shape[:3] + (vd,), q.dtype),
         grid=(bsz, nh, nc, vd // bv_par), name="delta_rule_output",
-        **_params(interpret, cfg.num_warps_intra, cfg),
+        **_params(interpret, cfg.num_warps_parallel, cfg),
     )(*out_in)
   return o, sfin, states if save_states else None
 
@@ -744,16 +754,37 @@ def recur_backward(q, k, v, g, h0, cont, res, do, dsfin, *, chunk, scale, interp
           (jax.ShapeDtypeStruct(states.shape, f32),) if split else partial_shapes),
       grid=(bsz, nh, vd // block_v), name="delta_rule_recur_bwd",
       **_params(interpret, cfg.num_warps_recur, cfg,
-                _SEG_RECUR_BWD_STAGES if has_seg else None),
+                _SEG_RECUR_BWD_STAGES if has_seg and not split else None),
   )(*common_in, states, dsfin, *opt)
   if split:
+    dstates = outs[0]
     outs = pl.pallas_call(
         functools.partial(_bwd_partials_kernel, block_v=bv_part, **kw),
         out_shape=partial_shapes, grid=(bsz, nh, nc, nvb), name="delta_rule_bwd_partials",
-        **_params(interpret, cfg.num_warps_intra, cfg),
-    )(*common_in, states, outs[0], *opt)
+        **_params(interpret, cfg.num_warps_parallel, cfg),
+    )(*common_in, states, dstates, *opt)
+    if has_seg:
+      dh0 = dh0 + seg_init_grad(q, k, g, cont, do, outs[0], dstates, chunk=chunk, scale=scale,
+                                exact=cfg_prec == "exact")
   dv, *partials = outs
   return (dv, dh0, *partials)
+
+
+def seg_init_grad(q, k, g, cont, do, dv, dstates, *, chunk, scale, exact):
+  """S_init's gradient from the rows that restart from it after a reset inside a chunk
+  (cont == 0): sum over chunks of (1 - cont_last) e_last dS + Qbar_new^T dO - Kbar_new^T dU,
+  with dU = dV. Plain XLA: three contractions over time, off the serial chain."""
+  f32 = jnp.float32
+  prec = lax.Precision.HIGHEST if exact else lax.Precision.DEFAULT
+  e = jnp.exp(g)
+  new = (1.0 - cont)[:, :, None, None]
+  qn = (scale * q.astype(f32)) * e * new
+  kn = k.astype(f32) * e * new
+  d = (jnp.einsum("bthk,bthv->bhkv", qn, do.astype(f32), precision=prec)
+       - jnp.einsum("bthk,bthv->bhkv", kn, dv, precision=prec))
+  last = slice(chunk - 1, None, chunk)
+  w_last = (1.0 - cont[:, last])[:, :, None, None] * jnp.exp(g[:, last])    # [B, NC, H, K]
+  return d + jnp.einsum("bchk,bhckv->bhkv", w_last, dstates, precision=prec)
 
 
 def intra_backward(q, k, w, g, pid, partials, *, chunk, scale, interpret, cfg, cfg_prec):
@@ -771,7 +802,7 @@ def intra_backward(q, k, w, g, pid, partials, *, chunk, scale, interpret, cfg, c
                         k_split=_k_split(cfg, kd), prec=prec,
                         hi=common.dot_precision("exact", interpret)),
       out_shape=(lane, lane, lane, lane, lane), grid=(bsz, nh, nc), name="delta_rule_intra_bwd",
-      **_params(interpret, cfg.num_warps_intra, cfg),
+      **_params(interpret, cfg.num_warps_intra_bwd, cfg),
   )(*intra_in)
 
 

@@ -7,7 +7,8 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class GainConfig:
-  max_chunk: int = 256    # caps the caller's chunk_size (C_g)
+  # caps the caller's chunk_size (C_g); H200 diag gain fwd, T=4096: 0.82 ms at 128, 0.91 at 256
+  max_chunk: int = 128
   num_warps: int = 4      # Triton warps per program
   num_stages: int = 1
 
