@@ -63,6 +63,8 @@ flags.DEFINE_boolean("sweep_stages", False, "time the pallas stages (see --stage
                      "delta-rule sweep spec", flag_values=FLAGS)
 flags.DEFINE_boolean("sweep_combine", True, "after a sweep, also time the first spec merged with "
                      "every spec that beat it", flag_values=FLAGS)
+flags.DEFINE_boolean("stages_docs", False, "with --stages, also time the stages at the first "
+                     "length with packed documents (segment_ids)", flag_values=FLAGS)
 flags.DEFINE_boolean("stages", False, "also time the pallas stages one by one (diag KDN): gain, "
                      "delta-rule intra (parallel) and recurrent (serial) kernels, fwd and bwd",
                      flag_values=FLAGS)
@@ -327,48 +329,57 @@ def run_check(b=2, t=300, h=2, d=128, cut=100):
 # ------------------------------------------------------------------------------------- main
 
 
-def _time_stages(t):
-  """Per-stage times (ms) of the diag-KDN pallas path at length t (fwd stages and bwd stages)."""
+def _time_stages(t, docs=False):
+  """Per-stage times (ms) of the diag-KDN pallas path at length t (fwd stages and bwd stages);
+  with `docs`, packed documents of _DOC_LEN tokens (segment_ids)."""
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
   from pallas_kernels import common  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import chunk_length  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.delta_rule import segment_arrays  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import kernel as dk  # pylint: disable=g-import-not-at-top
   b, h, d = FLAGS.batch, FLAGS.heads, FLAGS.dim
   x = _inputs(jax.random.PRNGKey(0), b, t, h, d, jnp.bfloat16)
   cfg = dcfg.DEFAULT
-  chunk = chunk_length(cfg, 64, t, common.resolve_interpret(None))  # what the op runs
+  interpret = common.resolve_interpret(None)
+  chunk = chunk_length(cfg, 64, t, interpret)  # what the op runs
+  t_pad = -(-t // chunk) * chunk
+  x = {n: common.pad_time(v, t_pad, 1.0 if n == "r" else 0.0) for n, v in x.items()}
+  seg = (jnp.broadcast_to(jnp.arange(t_pad) // _DOC_LEN, (b, t_pad)).astype(jnp.int32)
+         if docs else None)
+  starts, cont, pid = segment_arrays(seg, b, t_pad, t_pad, chunk)
   mu = jnp.full((h,), float(d))
   p0 = jnp.ones((b, h, d), jnp.float32)
   out, first = {}, {}
-  gain = jax.jit(lambda k, la, om, r: pk.diag_gain(k, la, om, r, mu, p0)[0])
-  out["gain_fwd"] = _time_fn(gain, (x["k"], x["la"], x["om"], x["r"]), first, "gain_fwd")
-  w = gain(x["k"], x["la"], x["om"], x["r"])
-  starts = jnp.broadcast_to((jnp.arange(t) % chunk == 0)[None, :], (b, t))
-  cums = jax.jit(lambda la: common.segmented_cumsum(la.astype(jnp.float32),
-                                                    starts[:, :, None, None], axis=1))
-  out["cumsum_glue"] = _time_fn(cums, (x["la"],), first, "cumsum_glue")
-  g = cums(x["la"])
-  # The precision the op picks for bf16 data (ops.diag_kdn hands the kernels fp32 arrays).
-  kw = dict(chunk=chunk, scale=d ** -0.5, interpret=common.resolve_interpret(None), cfg=cfg,
+  gain = jax.jit(lambda k, la, om, r, seg: pk.diag_gain(k, la, om, r, mu, p0, seg)[0])
+  gargs = (x["k"], x["la"], x["om"], x["r"], seg)
+  out["gain_fwd"] = _time_fn(gain, gargs, first, "gain_fwd")
+  w = gain(*gargs)
+  cums = jax.jit(lambda la, starts: common.segmented_cumsum(la.astype(jnp.float32),
+                                                            starts[:, :, None, None], axis=1))
+  out["cumsum_glue"] = _time_fn(cums, (x["la"], starts), first, "cumsum_glue")
+  g = cums(x["la"], starts)
+  # The precision the op picks for bf16 data.
+  kw = dict(chunk=chunk, scale=d ** -0.5, interpret=interpret, cfg=cfg,
             cfg_prec=common.precision_for(jnp.bfloat16))
   # Arrays go in as arguments: closed-over arrays become constants that XLA folds for minutes.
-  intra = jax.jit(lambda q, k, w, g: dk.intra_forward(q, k, w, g, None, None, **kw))
-  out["delta_intra_fwd"] = _time_fn(intra, (x["q"], x["k"], w, g), first, "delta_intra_fwd")
-  amat, pmat, wt, wk = intra(x["q"], x["k"], w, g)
+  intra = jax.jit(lambda q, k, w, g, pid, cont: dk.intra_forward(q, k, w, g, pid, cont, **kw))
+  iargs = (x["q"], x["k"], w, g, pid, cont)
+  out["delta_intra_fwd"] = _time_fn(intra, iargs, first, "delta_intra_fwd")
+  amat, pmat, wt, wk = intra(*iargs)
   h0 = jnp.zeros((b, h, d, d), jnp.float32)
-  recur = jax.jit(lambda q, k, v, g, a, p, wt, wk, h0: dk.recur_forward(
-      q, k, v, g, h0, None, a, p, wt, wk, save_states=True, **kw))
-  args = (x["q"], x["k"], x["v"], g, amat, pmat, wt, wk, h0)
+  recur = jax.jit(lambda q, k, v, g, a, p, wt, wk, h0, cont: dk.recur_forward(
+      q, k, v, g, h0, cont, a, p, wt, wk, save_states=True, **kw))
+  args = (x["q"], x["k"], x["v"], g, amat, pmat, wt, wk, h0, cont)
   out["delta_recur_fwd"] = _time_fn(recur, args, first, "delta_recur_fwd")
   o, _, states = recur(*args)
-  rbwd = jax.jit(lambda q, k, v, g, h0, res, do: dk.recur_backward(
-      q, k, v, g, h0, None, res, do, jnp.zeros_like(h0), **kw))
-  args = (x["q"], x["k"], x["v"], g, h0, (amat, pmat, wt, wk, states), jnp.ones_like(o))
+  rbwd = jax.jit(lambda q, k, v, g, h0, cont, res, do: dk.recur_backward(
+      q, k, v, g, h0, cont, res, do, jnp.zeros_like(h0), **kw))
+  args = (x["q"], x["k"], x["v"], g, h0, cont, (amat, pmat, wt, wk, states), jnp.ones_like(o))
   out["delta_recur_bwd"] = _time_fn(rbwd, args, first, "delta_recur_bwd")
   partials = tuple(rbwd(*args)[2:])
-  ibwd = jax.jit(lambda q, k, w, g, parts: dk.intra_backward(q, k, w, g, None, parts, **kw))
-  out["delta_intra_bwd"] = _time_fn(ibwd, (x["q"], x["k"], w, g, partials), first,
+  ibwd = jax.jit(lambda q, k, w, g, pid, parts: dk.intra_backward(q, k, w, g, pid, parts, **kw))
+  out["delta_intra_bwd"] = _time_fn(ibwd, (x["q"], x["k"], w, g, pid, partials), first,
                                     "delta_intra_bwd")
   out["first_call_s"] = first
   return out
@@ -558,11 +569,12 @@ def main(argv):
       return
   have_fla = _fla() is not None
   if FLAGS.stages:
-    for t in (int(z) for z in FLAGS.seq_lens[:2]):
+    for t, docs in [(int(z), False) for z in FLAGS.seq_lens[:2]] + (
+        [(int(FLAGS.seq_lens[0]), True)] if FLAGS.stages_docs else []):
       try:
-        rec = {"stages": _time_stages(t), "T": t}
+        rec = {"stages": _time_stages(t, docs), "T": t, "docs": docs}
       except Exception as e:  # pylint: disable=broad-except
-        rec = {"stages_error": f"{type(e).__name__}: {e}"[:500], "T": t}
+        rec = {"stages_error": f"{type(e).__name__}: {e}"[:500], "T": t, "docs": docs}
       print(json.dumps(rec), flush=True)
       results.setdefault("stage_times", []).append(rec)
   for t in (int(s) for s in FLAGS.seq_lens):

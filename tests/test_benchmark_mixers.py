@@ -113,3 +113,17 @@ def test_seg_rows_pass_document_resets(monkeypatch):
   a, b = np.asarray(plain(x)), np.asarray(docs(x))
   np.testing.assert_allclose(a[:, :10], b[:, :10], rtol=1e-5, atol=1e-6)
   assert np.abs(a[:, 10:] - b[:, 10:]).max() > 1e-3
+
+
+def test_stage_split_with_documents(monkeypatch):
+  """--stages_docs: the stage split runs every kernel with segment bookkeeping (T not a multiple
+  of the chunk, several documents)."""
+  monkeypatch.setattr(bm, "_DOC_LEN", 10)
+  bm.FLAGS(["bm", "--batch=1", "--heads=1", "--dim=16", "--reps=1", "--warmup=0"])
+  try:
+    out = bm._time_stages(40, docs=True)
+  finally:
+    bm.FLAGS.unparse_flags()
+  for name in ("gain_fwd", "cumsum_glue", "delta_intra_fwd", "delta_recur_fwd",
+               "delta_recur_bwd", "delta_intra_bwd"):
+    assert out[name] > 0, (name, out)

@@ -10,7 +10,7 @@ from pallas_kernels import common
 from pallas_kernels.delta_rule import config as _config
 from pallas_kernels.delta_rule import kernel as _kernel
 
-__all__ = ["delta_rule", "chunk_length"]
+__all__ = ["delta_rule", "chunk_length", "segment_arrays"]
 
 
 def _cumsum(la, starts):
@@ -55,6 +55,20 @@ def chunk_length(cfg, chunk_size, t, interpret):
   return max(lo, min(chunk_size, cfg.max_chunk, 1 << (t - 1).bit_length()))
 
 
+def segment_arrays(segment_ids, bsz, t, t_pad, chunk):
+  """The kernels' segment bookkeeping for time padded to t_pad: (starts [B, t_pad] bool: where
+  the log-decay cumsum restarts (chunk starts and resets), cont [B, t_pad] f32: 1 while no reset
+  has happened yet in the token's chunk, pid [B, t_pad] int32: segment number); cont and pid are
+  None without segment_ids."""
+  chunk_start = (jnp.arange(t_pad) % chunk == 0)[None, :]
+  if segment_ids is None:
+    return jnp.broadcast_to(chunk_start, (bsz, t_pad)), None, None
+  reset = common.reset_flags(segment_ids, bsz, t, t_pad)
+  pid = jnp.cumsum(reset.astype(jnp.int32), axis=1)
+  in_chunk = common.segmented_cumsum(reset.astype(jnp.int32), chunk_start, axis=1)
+  return chunk_start | reset, (in_chunk == 0).astype(jnp.float32), pid
+
+
 def delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None, *,
                chunk_size=64, precision=None, interpret=None):
   """S_t = (I - w_t k_t^T) D_t S_{t-1} + w_t v_t^T,  o_t = scale * S_t^T q_t.
@@ -80,16 +94,7 @@ def delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None
   if la.ndim == 3:
     la = jnp.broadcast_to(la[..., None], la.shape + (kd,))
   q, k, v, w, la = (common.pad_time(x, t_pad) for x in (q, k, v, write, la))
-  chunk_start = (jnp.arange(t_pad) % chunk == 0)[None, :]
-  if segment_ids is None:
-    starts = jnp.broadcast_to(chunk_start, (bsz, t_pad))
-    cont = pid = None
-  else:
-    reset = common.reset_flags(segment_ids, bsz, t, t_pad)
-    starts = chunk_start | reset
-    pid = jnp.cumsum(reset.astype(jnp.int32), axis=1)
-    in_chunk = common.segmented_cumsum(reset.astype(jnp.int32), chunk_start, axis=1)
-    cont = (in_chunk == 0).astype(jnp.float32)
+  starts, cont, pid = segment_arrays(segment_ids, bsz, t, t_pad, chunk)
   o, sfin = _core(q, k, v, w, la, initial_state.astype(jnp.float32), starts, cont, pid, chunk,
                   float(scale), interpret, cfg, precision)
   return o[:, :t], sfin

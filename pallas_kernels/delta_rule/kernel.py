@@ -784,7 +784,8 @@ def seg_init_grad(q, k, g, cont, do, dv, dstates, *, chunk, scale, exact):
        - jnp.einsum("bthk,bthv->bhkv", kn, dv, precision=prec))
   last = slice(chunk - 1, None, chunk)
   w_last = (1.0 - cont[:, last])[:, :, None, None] * jnp.exp(g[:, last])    # [B, NC, H, K]
-  return d + jnp.einsum("bchk,bhckv->bhkv", w_last, dstates, precision=prec)
+  # A weighted sum over chunks (K is a batch axis here): one reduction pass over dS, no transpose.
+  return d + jnp.sum(jnp.moveaxis(w_last, 1, 2)[..., None] * dstates, axis=2)
 
 
 def intra_backward(q, k, w, g, pid, partials, *, chunk, scale, interpret, cfg, cfg_prec):
