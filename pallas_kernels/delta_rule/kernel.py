@@ -784,8 +784,9 @@ def seg_init_grad(q, k, g, cont, do, dv, dstates, *, chunk, scale, exact):
        - jnp.einsum("bthk,bthv->bhkv", kn, dv, precision=prec))
   last = slice(chunk - 1, None, chunk)
   w_last = (1.0 - cont[:, last])[:, :, None, None] * jnp.exp(g[:, last])    # [B, NC, H, K]
-  # A weighted sum over chunks (K is a batch axis here): one reduction pass over dS, no transpose.
-  return d + jnp.sum(jnp.moveaxis(w_last, 1, 2)[..., None] * dstates, axis=2)
+  # (Written as a broadcast-multiply-sum over chunks instead, this gave garbage on XLA:CPU
+  # behind the interpret-mode kernels, jax 0.10.2; the einsum is exact.)
+  return d + jnp.einsum("bchk,bhckv->bhkv", w_last, dstates, precision=prec)
 
 
 def intra_backward(q, k, w, g, pid, partials, *, chunk, scale, interpret, cfg, cfg_prec):
