@@ -373,8 +373,10 @@ def _bwd_chain(r, b, h, t0, C, scale, has_seg, vs, ds, s_init, prec, wy, init_pa
   dDelta = P^T dO + Wt dS, dU = A^T dDelta, dS_prev and (segments, init_part) S_init's share.
 
   Kbar_c^T dU = (A Kbar_c)^T dDelta: with wy the chain dS -> dDelta -> dS_prev is 2 dots."""
+  # Kbar: the 3-dot chain, S_init's in-kernel share and the partials' Delta (init_part is only
+  # False for the split serial chain, which needs neither).
   kbar, qbar, e_last, cont, cont_last = _chunk_common(r, b, h, t0, C, scale, has_seg,
-                                                      need_k=has_seg or not wy)
+                                                      need_k=not wy or (has_seg and init_part))
   do = r["do"][b, pl.ds(t0, C), h, vs].astype(jnp.float32)
   amat = r["a"][b, h, pl.ds(t0, C), :]
   d_delta = _dot_tn(r["p"][b, h, pl.ds(t0, C), :], do, prec) + _dot(
