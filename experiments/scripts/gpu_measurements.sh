@@ -20,7 +20,7 @@ sections=${*:-check ops stages mixers layers train}
 # Identical programs (a sweep's winner and the same row later) compile once per run.
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/kdn_jax_cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
-MIXER_LENS=${MIXER_LENS:-2048,4096,8192,16384,32768}
+MIXER_LENS=${MIXER_LENS:-4096,16384,2048,8192,32768}
 TRAIN_STEPS=${TRAIN_STEPS:-30}
 
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$RES/gpus.txt"
@@ -39,15 +39,17 @@ stages)
   # the GPU, then time STAGE_ROWS at STAGE_LENS with it (one process: the winner carries over).
   timeout ${STAGES_LIMIT:-540} python3 -m experiments.benchmark_mixers --out="$RES/stages" \
     --seq_lens=${STAGE_LENS:-4096} --pallas_lens= --reps=${REPS:-10} --check=${STAGES_CHECK:-true} \
-    --time_budget_s=${STAGES_BUDGET:-420} --stages --sweep_stages \
-    --sweep=${SWEEP-default,inverse=rows_t,inverse=doubling,inverse=blocks/block=8,blocked=1/block=8/inverse=rows_t,max_chunk=16,max_chunk=64/blocked=1/inverse=doubling,num_warps_intra=16} \
+    --time_budget_s=${STAGES_BUDGET:-420} --stages --stages_docs --sweep_stages \
+    --sweep=${SWEEP-default,num_warps_intra_bwd=8,block_v_parallel=64,max_chunk=32/min_chunk=32/blocked=1,num_warps_intra=4} \
     --rows=${STAGE_ROWS:-diag_kdn_pallas,iso_kdn_pallas,fla_chunk_kda} \
     2>&1 | quiet | tail -60 | tee "$RES/stages.txt" ;;
 mixers)
-  timeout ${MIXERS_LIMIT:-300} python3 -m experiments.benchmark_mixers --out="$RES/mixers" \
-    --seq_lens=$MIXER_LENS --reps=${REPS:-30} --check=false --time_budget_s=${MIXERS_BUDGET:-260} \
-    --pallas_lens=${PALLAS_LENS:-4096,16384} --sweep=${SWEEP-} \
-    --rows=${MIXER_ROWS:-diag_kdn_chunked,iso_kdn_chunked,kda_chunked,gdn_chunked,fla_chunk_kda,fla_chunk_gdn,diag_kdn_pallas,iso_kdn_pallas} \
+  # The docs/mixers_h200 table: ~500 s on one H200.
+  timeout ${MIXERS_LIMIT:-570} python3 -m experiments.benchmark_mixers --out="$RES/mixers" \
+    --seq_lens=$MIXER_LENS --reps=${REPS:-30} --check=false --time_budget_s=${MIXERS_BUDGET:-490} \
+    --pallas_lens=${PALLAS_LENS:-} --sweep=${SWEEP-} \
+    --chunked_max_len=${CHUNKED_MAX_LEN:-8192} \
+    --rows=${MIXER_ROWS:-diag_kdn_pallas,iso_kdn_pallas,fla_chunk_kda,fla_chunk_gdn,kda_pallas,gdn_pallas,diag_kdn_chunked,iso_kdn_chunked} \
     2>&1 | quiet | tail -40 | tee "$RES/bench_mixers_gpu.txt" ;;
 layers)
   timeout ${LAYERS_LIMIT:-240} python3 -m experiments.benchmark_layers --out="$RES/layers" \
