@@ -59,6 +59,10 @@ flags.DEFINE_list("sweep", [], "DeltaRuleConfig overrides to try on diag_kdn_pal
 flags.DEFINE_list("gain_sweep", [], "GainConfig overrides to try on diag_gain_pallas fwd, same "
                   "syntax, e.g. 'max_chunk=128'", flag_values=FLAGS)
 flags.DEFINE_integer("sweep_len", 4096, "sequence length for the sweeps", flag_values=FLAGS)
+flags.DEFINE_enum("sweep_row", "diag_kdn_pallas",
+                  ["diag_kdn_pallas", "iso_kdn_pallas", "diag_kdn_seg_pallas", "iso_kdn_seg_pallas"],
+                  "the row --sweep times (fwd+bwd); the *_seg rows sweep the packed-documents "
+                  "path", flag_values=FLAGS)
 flags.DEFINE_boolean("sweep_stages", False, "time the pallas stages (see --stages) under every "
                      "delta-rule sweep spec", flag_values=FLAGS)
 flags.DEFINE_boolean("sweep_combine", True, "after a sweep, also time the first spec merged with "
@@ -410,7 +414,7 @@ def _sweep(results, specs, module, make_config, row, fwd_bwd, key, deadline, sta
     if stages and ms is not None:
       try:
         rec["stages"] = {k: v if isinstance(v, dict) else round(v, 3)
-                         for k, v in _time_stages(FLAGS.sweep_len).items()}
+                         for k, v in _time_stages(FLAGS.sweep_len, "_seg_" in row).items()}
       except Exception as e:  # pylint: disable=broad-except
         rec["stages_error"] = f"{type(e).__name__}: {e}"[:300]
     print(json.dumps(rec), flush=True)
@@ -471,7 +475,7 @@ def _sweeps(results, deadline):
   from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
   from pallas_kernels.kdn_gain import config as gcfg  # pylint: disable=g-import-not-at-top
   base, gbase = dcfg.DEFAULT, gcfg.DEFAULT
-  _sweep(results, FLAGS.sweep, dcfg, lambda spec: config_from_spec(base, spec), "diag_kdn_pallas",
+  _sweep(results, FLAGS.sweep, dcfg, lambda spec: config_from_spec(base, spec), FLAGS.sweep_row,
          True, "delta_rule_config", deadline, stages=FLAGS.sweep_stages)
   _sweep(results, FLAGS.gain_sweep, gcfg, lambda spec: config_from_spec(gbase, spec),
          "diag_gain_pallas", False, "gain_config", deadline)

@@ -117,13 +117,21 @@ def test_seg_rows_pass_document_resets(monkeypatch):
 
 def test_stage_split_with_documents(monkeypatch):
   """--stages_docs: the stage split runs every kernel with segment bookkeeping (T not a multiple
-  of the chunk, several documents)."""
+  of the chunk, several documents); --sweep_row sweeps the documents row with that split."""
   monkeypatch.setattr(bm, "_DOC_LEN", 10)
-  bm.FLAGS(["bm", "--batch=1", "--heads=1", "--dim=16", "--reps=1", "--warmup=0"])
+  bm.FLAGS(["bm", "--batch=1", "--heads=1", "--dim=16", "--reps=1", "--warmup=0",
+            "--sweep_len=40", "--sweep_row=diag_kdn_seg_pallas"])
+  old = dr_config.DEFAULT
   try:
     out = bm._time_stages(40, docs=True)
+    results = {}
+    bm._sweep(results, ["default"], dr_config, lambda spec: bm.config_from_spec(old, spec),
+              bm.FLAGS.sweep_row, True, "cfg", deadline=float("inf"), stages=True)
   finally:
+    dr_config.DEFAULT = old
     bm.FLAGS.unparse_flags()
+  (rec,) = results["sweeps"]
+  assert rec["row"] == "diag_kdn_seg_pallas" and rec["ms"] > 0 and "delta_recur_bwd" in rec["stages"]
   for name in ("gain_fwd", "cumsum_glue", "delta_intra_fwd", "delta_recur_fwd",
                "delta_recur_bwd", "delta_intra_bwd"):
     assert out[name] > 0, (name, out)
