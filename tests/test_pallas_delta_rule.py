@@ -146,6 +146,20 @@ def test_delta_rule_bf16_operand_dots():
     dr_config.DEFAULT = old
 
 
+def test_delta_rule_bf16_states():
+  """bf16_states (saved states and state gradients in bf16 under bf16-operand dots) stays within
+  the bf16 bounds, with segments and with the two-carry serial backward."""
+  old = dr_config.DEFAULT
+  seg = np.zeros((1, 150), np.int32)
+  seg[:, 70:] = 1
+  try:
+    for extra in ({}, dict(split_backward=False, split_output=False)):
+      dr_config.set_default(bf16_states=True, **extra)
+      _check(_inputs(13, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"), seg, 32, 5e-3, 1e-2)
+  finally:
+    dr_config.DEFAULT = old
+
+
 def test_delta_rule_bf16():
   args = _inputs(7, 1, 40, 2, 64, 64, jnp.bfloat16, False, "normal")
   _check(args, None, 32, 5e-3, 1e-2)

@@ -42,6 +42,9 @@ class DeltaRuleConfig:
   # Compact WY: the intra kernel also emits W = A Kbar, so each chunk's dependent dot chain in
   # the serial kernels is 2 dots (W S_0, then the state update) instead of 3.
   wy: bool = True
+  # Saved chunk-start states and state gradients ([B, H, T/C, K, V], the largest arrays) in bf16
+  # under bf16-operand dots: half their bytes; not yet timed or checked on a GPU.
+  bf16_states: bool = False
   block_v: int = 64          # value-columns per program in the recurrent (state-passing) kernels
   # value-columns per program in the parallel output and backward-partials kernels (fewer V
   # blocks: fewer per-V-block partial-gradient bytes for the intra backward to read and sum)

@@ -297,7 +297,7 @@ def _recur_fwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, s
   def body(c, s):
     t0 = c * C
     if save_states:
-      states_ref[b, h, c, :, pl.ds(v0, block_v)] = s
+      states_ref[b, h, c, :, pl.ds(v0, block_v)] = s.astype(states_ref.dtype)
     kbar, qbar, e_last, cont, cont_last = _chunk_common(
         r, b, h, t0, C, scale, has_seg, need_k=has_seg or not wy, need_q=not split)
     v = r["v"][b, pl.ds(t0, C), h, pl.ds(v0, block_v)].astype(jnp.float32)
@@ -306,7 +306,7 @@ def _recur_fwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, s
     wk = r["wk"][b, pl.ds(t0, C), h, :] if wy else None
     s_base, delta = _delta(kbar, v, amat, wk, s, s_init, cont, cont_last, has_seg, prec)
     if split:
-      o_ref[b, pl.ds(t0, C), h, pl.ds(v0, block_v)] = delta
+      o_ref[b, pl.ds(t0, C), h, pl.ds(v0, block_v)] = delta.astype(o_ref.dtype)
     else:
       o = _output(qbar, cont, s, s_init, r["p"][b, h, pl.ds(t0, C), :], delta, has_seg, prec)
       o_ref[b, pl.ds(t0, C), h, pl.ds(v0, block_v)] = o.astype(o_ref.dtype)
@@ -353,7 +353,7 @@ def _output_kernel(*refs, chunk, scale, has_seg, block_v, prec):
   vs = pl.ds(vb * block_v, block_v)
   qbar = (scale * _tile(r["q"], b, t0, C, h)) * jnp.exp(_tile(r["g"], b, t0, C, h))
   cont = r["cont"][b, pl.ds(t0, C)][:, None] if has_seg else None
-  o = _output(qbar, cont, r["states"][b, h, c, :, vs], r["h0"][b, h, :, vs].astype(jnp.float32),
+  o = _output(qbar, cont, r["states"][b, h, c, :, vs].astype(jnp.float32), r["h0"][b, h, :, vs].astype(jnp.float32),
               r["p"][b, h, pl.ds(t0, C), :], r["delta"][b, pl.ds(t0, C), h, vs], has_seg, prec)
   o_ref[b, pl.ds(t0, C), h, vs] = o.astype(o_ref.dtype)
 
@@ -441,7 +441,7 @@ def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, w
     # (seg_init_grad), so the dependent chain is the same as without segments.
     def chain_body(i, ds):
       c = num_chunks - 1 - i
-      outs[0][b, h, c, :, vs] = ds
+      outs[0][b, h, c, :, vs] = ds.astype(outs[0].dtype)
       return _bwd_chain(r, b, h, c * C, C, scale, has_seg, vs, ds, s_init, prec, wy,
                         init_part=False)[0]
 
@@ -453,7 +453,8 @@ def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, w
     c = num_chunks - 1 - i
     ds_prev, ds_init_part, x = _bwd_chain(r, b, h, c * C, C, scale, has_seg, vs, ds, s_init,
                                           prec, wy)
-    _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs, r["states"][b, h, c, :, vs], ds,
+    _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs,
+                  r["states"][b, h, c, :, vs].astype(jnp.float32), ds,
                   s_init, x, prec, wy)
     return ds_prev, ds_init if ds_init_part is None else ds_init + ds_init_part
 
@@ -470,9 +471,10 @@ def _bwd_partials_kernel(*refs, chunk, scale, has_seg, block_v, prec, wy):
   C = chunk
   vs = pl.ds(vb * block_v, block_v)
   s_init = r["h0"][b, h, :, vs].astype(jnp.float32)
-  ds = r["dstates"][b, h, c, :, vs]
+  ds = r["dstates"][b, h, c, :, vs].astype(jnp.float32)
   _, _, x = _bwd_chain(r, b, h, c * C, C, scale, has_seg, vs, ds, s_init, prec, wy)
-  _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs, r["states"][b, h, c, :, vs], ds, s_init, x,
+  _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs,
+                r["states"][b, h, c, :, vs].astype(jnp.float32), ds, s_init, x,
                 prec, wy)
 
 
@@ -626,6 +628,13 @@ def _operand_dtype(prec):
   return jnp.bfloat16 if prec == BF16_OPERANDS else jnp.float32
 
 
+def _state_dtype(cfg, prec):
+  """Storage of the saved chunk-start states and state gradients: bf16 with cfg.bf16_states under
+  bf16-operand dots (their dots round to bf16 anyway; only the elementwise decay gradient of
+  g_last sees the rounding), else fp32."""
+  return jnp.bfloat16 if cfg.bf16_states and prec == BF16_OPERANDS else jnp.float32
+
+
 def _k_split(cfg, kd):
   """Sequential K slices of the intra column loops, capped so a slice is >= 16 columns."""
   return max(1, min(cfg.k_split, kd // 16))
@@ -686,10 +695,11 @@ def recur_forward(q, k, v, g, h0, cont, amat, pmat, wt, wk, *, chunk, scale, int
   block_v = min(cfg.block_v, vd)
   split = cfg.split_output
   keep_states = save_states or split
-  out_shape = [jax.ShapeDtypeStruct(v.shape[:3] + (vd,), f32 if split else q.dtype),
+  # Delta (split) only enters the output kernel's dot: operand dtype, exact.
+  out_shape = [jax.ShapeDtypeStruct(v.shape[:3] + (vd,), _operand_dtype(prec) if split else q.dtype),
                jax.ShapeDtypeStruct((bsz, nh, kd, vd), f32)]
   if keep_states:
-    out_shape.append(jax.ShapeDtypeStruct((bsz, nh, nc, kd, vd), f32))
+    out_shape.append(jax.ShapeDtypeStruct((bsz, nh, nc, kd, vd), _state_dtype(cfg, prec)))
   recur_in = [q, k, v, g, amat, pmat, wt, h0] + ([cont] if has_seg else []) + (
       [wk] if wk is not None else [])
   outs = pl.pallas_call(
@@ -753,7 +763,7 @@ def recur_backward(q, k, v, g, h0, cont, res, do, dsfin, *, chunk, scale, interp
   dh0, *outs = pl.pallas_call(
       functools.partial(_recur_bwd_kernel, num_chunks=nc, split=split, block_v=block_v, **kw),
       out_shape=(jax.ShapeDtypeStruct((bsz, nh, kd, vd), f32),) + (
-          (jax.ShapeDtypeStruct(states.shape, f32),) if split else partial_shapes),
+          (jax.ShapeDtypeStruct(states.shape, states.dtype),) if split else partial_shapes),
       grid=(bsz, nh, vd // block_v), name="delta_rule_recur_bwd",
       **_params(interpret, cfg.num_warps_recur, cfg,
                 _SEG_RECUR_BWD_STAGES if has_seg and not split else None),
