@@ -60,7 +60,8 @@ flags.DEFINE_list("gain_sweep", [], "GainConfig overrides to try on diag_gain_pa
                   "syntax, e.g. 'max_chunk=128'", flag_values=FLAGS)
 flags.DEFINE_integer("sweep_len", 4096, "sequence length for the sweeps", flag_values=FLAGS)
 flags.DEFINE_enum("sweep_row", "diag_kdn_pallas",
-                  ["diag_kdn_pallas", "iso_kdn_pallas", "diag_kdn_seg_pallas", "iso_kdn_seg_pallas"],
+                  ["diag_kdn_pallas", "iso_kdn_pallas", "diag_kdn_seg_pallas",
+                   "iso_kdn_seg_pallas"],
                   "the row --sweep times (fwd+bwd); the *_seg rows sweep the packed-documents "
                   "path", flag_values=FLAGS)
 flags.DEFINE_boolean("sweep_stages", False, "time the pallas stages (see --stages) under every "
@@ -125,6 +126,9 @@ def _make_jax_fn(row, d):
   name, impl = row.rsplit("_", 1)
   docs = name.endswith("_seg")   # packed documents: segment_ids with a reset every _DOC_LEN
   name = name[:-4] if docs else name
+  if docs and (name not in ("diag_kdn", "iso_kdn") or ops is None):
+    raise ValueError(f"row {row!r}: the _seg rows are diag_kdn_seg_<impl> and iso_kdn_seg_<impl> "
+                     "(through kdn_jax.ops)")
   if name in ("diag_kdn", "iso_kdn"):
     diag = name == "diag_kdn"
     if ops is not None:

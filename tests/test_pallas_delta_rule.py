@@ -107,11 +107,10 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
 @pytest.mark.parametrize("variant", [
     {},                                                         # the shipped default
     dict(blocked=True, max_chunk=32),                           # the chunk-32 config
-    dict(blocked=False, max_chunk=16, split_backward=False),    # two-carry serial backward
     dict(blocked=True, block=16), dict(blocked=False, k_split=2),
     dict(blocked=False, split_output=False),
-    dict(wy=False, split_output=False, split_backward=False),   # the 3-dot serial chain
-    dict(wy=False, split_backward=False, blocked=False),
+    dict(wy=False, split_output=False),                         # the 3-dot serial chain
+    dict(wy=False, blocked=False),
     dict(inverse="rows"), dict(inverse="rows_t"), dict(inverse="doubling"),
     dict(k_split=4, max_chunk=16, inverse="doubling", blocked=False),
     dict(block_v=32, block_v_parallel=64), dict(block_v=64, block_v_parallel=32)])
@@ -148,12 +147,12 @@ def test_delta_rule_bf16_operand_dots():
 
 def test_delta_rule_bf16_states():
   """bf16_states (saved states and state gradients in bf16 under bf16-operand dots) stays within
-  the bf16 bounds, with segments and with the two-carry serial backward."""
+  the bf16 bounds, with segments, with and without the split output kernel."""
   old = dr_config.DEFAULT
   seg = np.zeros((1, 150), np.int32)
   seg[:, 70:] = 1
   try:
-    for extra in ({}, dict(split_backward=False, split_output=False)):
+    for extra in ({}, dict(split_output=False)):
       dr_config.set_default(bf16_states=True, **extra)
       _check(_inputs(13, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"), seg, 32, 5e-3, 1e-2)
   finally:
@@ -171,7 +170,7 @@ def test_delta_rule_unsupported_width():
     delta_rule(x, x, x, x, x, 1.0, jnp.zeros((1, 1, 48, 48)))
 
 
-@pytest.mark.parametrize("variant", [{}, dict(blocked=False, wy=False, split_backward=False)])
+@pytest.mark.parametrize("variant", [{}, dict(blocked=False, wy=False, split_output=False)])
 def test_delta_rule_tpu_interpret_matches(variant):
   """Mosaic-TPU interpret mode (the only TPU validation available here) == generic interpret."""
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top

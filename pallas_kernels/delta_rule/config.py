@@ -9,11 +9,11 @@ import dataclasses
 class DeltaRuleConfig:
   # Defaults: the fastest configuration that passed the H200 correctness check with segments in
   # fp32 and bf16 (sweeps, stage splits and checks in docs/benchmark_mixers.md). Sessions 4-5,
-  # diag KDN fwd+bwd, B=4 H=16 K=V=128 bf16 T=4096: 17.2 ms (old defaults) -> 12.8 (wy,
-  # split_backward, split_output, block_v=64, num_warps_recur=4, num_stages=2, each faster on its
-  # own) -> 9.4 (chunk 16, block_v_parallel=128, bf16 storage of A/P/Wt/W). Chunk 16 first failed
-  # the fp32 reset check: a Triton miscompile of the two-carry serial backward (kernel.py), fixed
-  # by carrying dS alone. min_chunk keeps a floor for compiled runs should a GPU need one.
+  # diag KDN fwd+bwd, B=4 H=16 K=V=128 bf16 T=4096: 17.2 ms (old defaults) -> 12.8 (wy, split
+  # kernels, block_v=64, num_warps_recur=4, num_stages=2, each faster on its own) -> 8.0 (chunk 16,
+  # bf16 storage of A/P/Wt/W, block_v_parallel=128, 4-warp intra backward). Chunk 16 first failed
+  # the fp32 reset check: the two-carry serial backward (kernel.py, _SEG_NOTE), now one carry.
+  # min_chunk keeps a floor for compiled runs should a GPU need one.
   max_chunk: int = 16        # caps the caller's chunk_size (C_m)
   min_chunk: int = 16        # floor of the chunk in compiled runs (interpret mode: 16)
   block: int = 8             # sub-block for the intra-chunk decay products and the inverse
@@ -29,11 +29,10 @@ class DeltaRuleConfig:
   # KDN fwd+bwd T=4096: 14.9 ms against 16.5 ms with 'tf32') or 'tf32' (fp32 operands).
   fast_dots: str = "bf16"
   # Serial kernel keeps only the state chain and a parallel kernel forms the outputs from the
-  # saved chunk-start states (flash-linear-attention's split).
+  # saved chunk-start states (flash-linear-attention's split). The backward is always split this
+  # way (the reverse serial kernel keeps only the dS chain; split_backward=False, which formed the
+  # partials in the serial kernel, was slower and needed a second loop carry with segments).
   split_output: bool = True
-  # The reverse serial kernel keeps only the state-gradient chain and saves each chunk's dS; a
-  # parallel kernel forms dV and the partial gradients (the backward twin of split_output).
-  split_backward: bool = True
   # (I + L)^-1 in the intra kernel: 'rows' (forward substitution, reductions across rows),
   # 'rows_t' (the same on the transpose: reductions within rows), 'blocks' (block substitution
   # with `block`-sized diagonal blocks, matmuls), 'doubling' (product of 2 log2(C) - 2 matmuls).

@@ -8,15 +8,16 @@ starts), state S_0 at the chunk start (S_init for rows whose segment starts insi
     U = V - Kbar S_0,  Delta = A U,  O = Qbar S_0 + P Delta,  S_C = exp(g_last) S_0 + Wt^T Delta.
 Decay ratios are only ever formed as exp(min(g_r - g_j, 0)) of log DIFFERENCES, never exp(-g).
 
-Kernels (options in config.DeltaRuleConfig):
+Kernels (options in config.DeltaRuleConfig; BV = block_v in the serial kernels, block_v_parallel
+in the parallel ones):
   _intra_fwd   grid (B, H, NC): L, P (column loop over the chunk, or matmuls off the diagonal
                tiles with `blocked`), A (`inverse`), Wt, and with `wy` W = A Kbar, which turns
                the serial chain into Delta = A U' - W S_0 (U' = V minus the S_init rows).
   _recur_fwd   grid (B, H, V/BV): serial over chunks; S_final and the chunk-start states, and O
                (or, with `split_output`, Delta for _output_kernel).
   _output      grid (B, H, NC, V/BV): O = Qbar S_0 + P Delta from the saved states.
-  _recur_bwd   grid (B, H, V/BV): serial over chunks in reverse; the dS chain and dS_init, and the
-               per-V-block partials (or, with `split_backward`, dS per chunk for _bwd_partials).
+  _recur_bwd   grid (B, H, V/BV): serial over chunks in reverse; the dS chain alone, saving each
+               chunk's dS (S_init's share of segments: seg_init_grad, in XLA).
   _bwd_partials grid (B, H, NC, V/BV): dV and per-V-block partial gradients of P, L, Wt, Kbar,
                Qbar, g_last.
   _intra_bwd   grid (B, H, NC): sums the partials, back-propagates through the decay-weighted
@@ -353,7 +354,8 @@ def _output_kernel(*refs, chunk, scale, has_seg, block_v, prec):
   vs = pl.ds(vb * block_v, block_v)
   qbar = (scale * _tile(r["q"], b, t0, C, h)) * jnp.exp(_tile(r["g"], b, t0, C, h))
   cont = r["cont"][b, pl.ds(t0, C)][:, None] if has_seg else None
-  o = _output(qbar, cont, r["states"][b, h, c, :, vs].astype(jnp.float32), r["h0"][b, h, :, vs].astype(jnp.float32),
+  o = _output(qbar, cont, r["states"][b, h, c, :, vs].astype(jnp.float32),
+              r["h0"][b, h, :, vs].astype(jnp.float32),
               r["p"][b, h, pl.ds(t0, C), :], r["delta"][b, pl.ds(t0, C), h, vs], has_seg, prec)
   o_ref[b, pl.ds(t0, C), h, vs] = o.astype(o_ref.dtype)
 
@@ -368,15 +370,14 @@ def _bwd_names(has_seg, wy, extra):
   return _BWD_IN + extra + (["cont"] if has_seg else []) + (["wk"] if wy else [])
 
 
-def _bwd_chain(r, b, h, t0, C, scale, has_seg, vs, ds, s_init, prec, wy, init_part=True):
+def _bwd_chain(r, b, h, t0, C, scale, has_seg, vs, ds, prec, wy):
   """One chunk of the reverse state chain, given dS (the gradient of the state after the chunk):
-  dDelta = P^T dO + Wt dS, dU = A^T dDelta, dS_prev and (segments, init_part) S_init's share.
+  dDelta = P^T dO + Wt dS, dU = A^T dDelta and dS_prev (S_init's share of segments that start
+  inside the chunk is seg_init_grad's, outside the kernels).
 
   Kbar_c^T dU = (A Kbar_c)^T dDelta: with wy the chain dS -> dDelta -> dS_prev is 2 dots."""
-  # Kbar: the 3-dot chain, S_init's in-kernel share and the partials' Delta (init_part is only
-  # False for the split serial chain, which needs neither).
   kbar, qbar, e_last, cont, cont_last = _chunk_common(r, b, h, t0, C, scale, has_seg,
-                                                      need_k=not wy or (has_seg and init_part))
+                                                      need_k=has_seg or not wy)
   do = r["do"][b, pl.ds(t0, C), h, vs].astype(jnp.float32)
   amat = r["a"][b, h, pl.ds(t0, C), :]
   d_delta = _dot_tn(r["p"][b, h, pl.ds(t0, C), :], do, prec) + _dot(
@@ -389,12 +390,7 @@ def _bwd_chain(r, b, h, t0, C, scale, has_seg, vs, ds, s_init, prec, wy, init_pa
   else:
     chain = _dot_tn(kbar * cont if has_seg else kbar, du, prec)
   ds_prev = (cont_last * ds_decayed if has_seg else ds_decayed) + _dot_tn(cq, do, prec) - chain
-  ds_init_part = None
-  if has_seg and init_part:
-    ds_init_part = ((1.0 - cont_last) * ds_decayed + _dot_tn(qbar * (1.0 - cont), do, prec)
-                    - _dot_tn(kbar * (1.0 - cont), du, prec))
-  return ds_prev, ds_init_part, dict(kbar=kbar, cont=cont, cont_last=cont_last, do=do,
-                                     amat=amat, du=du)
+  return ds_prev, dict(kbar=kbar, cont=cont, cont_last=cont_last, do=do, amat=amat, du=du)
 
 
 def _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs, s, ds, s_init, x, prec, wy):
@@ -422,44 +418,24 @@ def _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs, s, ds, s_init, x, prec, 
   dqbar_ref[b, h, vb, pl.ds(t0, C), :] = dqbar
 
 
-def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, wy, split):
-  """Serial over chunks in reverse. split=False: also emits dV and the partial gradients.
-  split=True: only the state chain, saving each chunk's dS for _bwd_partials_kernel."""
-  names = _bwd_names(has_seg, wy, ["states", "dsfin"])
+def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, wy):
+  """Serial over chunks in reverse: the state-gradient chain alone, saving each chunk's dS for
+  _bwd_partials_kernel. One loop carry (see _SEG_NOTE)."""
+  names = _bwd_names(has_seg, wy, ["dsfin"])
   n_in = len(names)
   r = dict(zip(names, refs[:n_in]))
-  dh0_ref = refs[n_in]
-  outs = refs[n_in + 1:]
+  dh0_ref, ds_ref = refs[n_in], refs[n_in + 1]
   b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   C = chunk
   vs = pl.ds(vb * block_v, block_v)
-  s_init = r["h0"][b, h, :, vs].astype(jnp.float32)
 
-  ds0 = r["dsfin"][b, h, :, vs].astype(jnp.float32)
-  if split:
-    # One carry: S_init's share of the segments (dS_init) is formed in XLA from the saved dS
-    # (seg_init_grad), so the dependent chain is the same as without segments.
-    def chain_body(i, ds):
-      c = num_chunks - 1 - i
-      outs[0][b, h, c, :, vs] = ds.astype(outs[0].dtype)
-      return _bwd_chain(r, b, h, c * C, C, scale, has_seg, vs, ds, s_init, prec, wy,
-                        init_part=False)[0]
-
-    dh0_ref[b, h, :, vs] = lax.fori_loop(0, num_chunks, chain_body, ds0)
-    return
-
-  def body(i, carry):
-    ds, ds_init = carry
+  def body(i, ds):
     c = num_chunks - 1 - i
-    ds_prev, ds_init_part, x = _bwd_chain(r, b, h, c * C, C, scale, has_seg, vs, ds, s_init,
-                                          prec, wy)
-    _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs,
-                  r["states"][b, h, c, :, vs].astype(jnp.float32), ds,
-                  s_init, x, prec, wy)
-    return ds_prev, ds_init if ds_init_part is None else ds_init + ds_init_part
+    ds_ref[b, h, c, :, vs] = ds.astype(ds_ref.dtype)
+    return _bwd_chain(r, b, h, c * C, C, scale, has_seg, vs, ds, prec, wy)[0]
 
-  ds, ds_init = lax.fori_loop(0, num_chunks, body, (ds0, jnp.zeros_like(ds0)))
-  dh0_ref[b, h, :, vs] = ds + ds_init
+  dh0_ref[b, h, :, vs] = lax.fori_loop(0, num_chunks, body,
+                                       r["dsfin"][b, h, :, vs].astype(jnp.float32))
 
 
 def _bwd_partials_kernel(*refs, chunk, scale, has_seg, block_v, prec, wy):
@@ -472,7 +448,7 @@ def _bwd_partials_kernel(*refs, chunk, scale, has_seg, block_v, prec, wy):
   vs = pl.ds(vb * block_v, block_v)
   s_init = r["h0"][b, h, :, vs].astype(jnp.float32)
   ds = r["dstates"][b, h, c, :, vs].astype(jnp.float32)
-  _, _, x = _bwd_chain(r, b, h, c * C, C, scale, has_seg, vs, ds, s_init, prec, wy)
+  _, x = _bwd_chain(r, b, h, c * C, C, scale, has_seg, vs, ds, prec, wy)
   _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs,
                 r["states"][b, h, c, :, vs].astype(jnp.float32), ds, s_init, x,
                 prec, wy)
@@ -630,8 +606,8 @@ def _operand_dtype(prec):
 
 def _state_dtype(cfg, prec):
   """Storage of the saved chunk-start states and state gradients: bf16 with cfg.bf16_states under
-  bf16-operand dots (their dots round to bf16 anyway; only the elementwise decay gradient of
-  g_last sees the rounding), else fp32."""
+  bf16-operand dots (their dots round to bf16 anyway; the elementwise uses see the rounding: the
+  g_last decay gradient and, with segments, seg_init_grad's chunk-end term), else fp32."""
   return jnp.bfloat16 if cfg.bf16_states and prec == BF16_OPERANDS else jnp.float32
 
 
@@ -640,18 +616,17 @@ def _k_split(cfg, kd):
   return max(1, min(cfg.k_split, kd // 16))
 
 
-def _params(interpret, num_warps, cfg, num_stages=None):
-  stages = cfg.num_stages if num_stages is None else num_stages
-  return dict(interpret=interpret, compiler_params=common.compiler_params(num_warps, stages))
+def _params(interpret, num_warps, cfg):
+  return dict(interpret=interpret,
+              compiler_params=common.compiler_params(num_warps, cfg.num_stages))
 
 
-# Triton 3.x (jax 0.11.2, H200) miscompiled the reverse serial kernel with segments when it
-# carried two [K, BV] arrays (dS and dS_init) in a software-pipelined loop (num_stages=2, 4 warps,
-# chunk 16): every saved dS was wrong (relative 0.1, the first one entirely) while interpret mode
-# on the same GPU was exact (docs/benchmark_mixers.md, fifth session). With split_backward the
-# kernel now carries dS alone (dS_init comes from seg_init_grad); the two-carry kernel of
-# split_backward=False never pipelines when there are segments.
-_SEG_RECUR_BWD_STAGES = 1
+# _SEG_NOTE: the reverse serial kernel once also carried S_init's gradient (a second [K, BV]
+# array) when there were segments. On the H200 (jax 0.11.2, Triton 3.6, num_stages=2, 4 warps,
+# chunk 16) every dS it saved was then wrong (relative 0.125) while interpret mode on the same GPU
+# was exact; num_stages=1 brought the error down to 4e-6 (dS_init 1.5e-4), not to zero. Likely a
+# Triton pipelining miscompile of the two-carry loop; the kernel now carries dS alone and
+# seg_init_grad forms S_init's share in XLA (docs/benchmark_mixers.md, fifth session).
 
 
 def intra_forward(q, k, w, g, pid, cont, *, chunk, scale, interpret, cfg, cfg_prec):
@@ -695,8 +670,7 @@ def recur_forward(q, k, v, g, h0, cont, amat, pmat, wt, wk, *, chunk, scale, int
   block_v = min(cfg.block_v, vd)
   split = cfg.split_output
   keep_states = save_states or split
-  # Delta (split) only enters the output kernel's dot: operand dtype, exact.
-  out_shape = [jax.ShapeDtypeStruct(v.shape[:3] + (vd,), _operand_dtype(prec) if split else q.dtype),
+  out_shape = [jax.ShapeDtypeStruct(v.shape[:3] + (vd,), f32 if split else q.dtype),
                jax.ShapeDtypeStruct((bsz, nh, kd, vd), f32)]
   if keep_states:
     out_shape.append(jax.ShapeDtypeStruct((bsz, nh, nc, kd, vd), _state_dtype(cfg, prec)))
@@ -739,8 +713,10 @@ def forward(q, k, v, w, g, h0, cont, pid, *, chunk, scale, interpret, cfg, cfg_p
 
 def recur_backward(q, k, v, g, h0, cont, res, do, dsfin, *, chunk, scale, interpret, cfg,
                    cfg_prec):
-  """Backward stage 1: dS_init (serial over chunks, reversed), dV and per-V-block partials (in
-  the serial kernel, or with cfg.split_backward in a parallel kernel from the saved dS)."""
+  """Backward stage 1: the reverse dS chain (serial over chunks, saving each chunk's dS), then,
+  parallel over (chunk, V block), dV and the per-V-block partial gradients; with segments,
+  S_init's share of the segments that restart from it (seg_init_grad, XLA). Returns
+  (dV, dS_init, partials...)."""
   amat, pmat, wt, wk, states = res
   bsz, t, nh, kd = k.shape
   vd = v.shape[-1]
@@ -749,36 +725,31 @@ def recur_backward(q, k, v, g, h0, cont, res, do, dsfin, *, chunk, scale, interp
   wy = wk is not None
   prec = _precision(cfg, cfg_prec, interpret)
   f32 = jnp.float32
-  split = cfg.split_backward
   block_v = min(cfg.block_v, vd)
-  bv_part = min(cfg.block_v_parallel, vd) if split else block_v   # partials' V blocks
+  bv_part = min(cfg.block_v_parallel, vd)
   nvb = vd // bv_part
   opt = ([cont] if has_seg else []) + ([wk] if wy else [])
   common_in = [q, k, v, g, amat, pmat, wt, h0, do]
+  kw = dict(chunk=chunk, scale=scale, has_seg=has_seg, prec=prec, wy=wy)
+  dh0, dstates = pl.pallas_call(
+      functools.partial(_recur_bwd_kernel, num_chunks=nc, block_v=block_v, **kw),
+      out_shape=(jax.ShapeDtypeStruct((bsz, nh, kd, vd), f32),
+                 jax.ShapeDtypeStruct(states.shape, states.dtype)),
+      grid=(bsz, nh, vd // block_v), name="delta_rule_recur_bwd",
+      **_params(interpret, cfg.num_warps_recur, cfg),
+  )(*common_in, dsfin, *opt)
   cc = jax.ShapeDtypeStruct((bsz, nh, nvb, t, chunk), f32)
   ck = jax.ShapeDtypeStruct((bsz, nh, nvb, t, kd), f32)
   partial_shapes = (jax.ShapeDtypeStruct(v.shape, f32), cc, cc, ck, ck, ck,
                     jax.ShapeDtypeStruct((bsz, nh, nvb, nc, kd), f32))
-  kw = dict(chunk=chunk, scale=scale, has_seg=has_seg, prec=prec, wy=wy)
-  dh0, *outs = pl.pallas_call(
-      functools.partial(_recur_bwd_kernel, num_chunks=nc, split=split, block_v=block_v, **kw),
-      out_shape=(jax.ShapeDtypeStruct((bsz, nh, kd, vd), f32),) + (
-          (jax.ShapeDtypeStruct(states.shape, states.dtype),) if split else partial_shapes),
-      grid=(bsz, nh, vd // block_v), name="delta_rule_recur_bwd",
-      **_params(interpret, cfg.num_warps_recur, cfg,
-                _SEG_RECUR_BWD_STAGES if has_seg and not split else None),
-  )(*common_in, states, dsfin, *opt)
-  if split:
-    dstates = outs[0]
-    outs = pl.pallas_call(
-        functools.partial(_bwd_partials_kernel, block_v=bv_part, **kw),
-        out_shape=partial_shapes, grid=(bsz, nh, nc, nvb), name="delta_rule_bwd_partials",
-        **_params(interpret, cfg.num_warps_parallel, cfg),
-    )(*common_in, states, dstates, *opt)
-    if has_seg:
-      dh0 = dh0 + seg_init_grad(q, k, g, cont, do, outs[0], dstates, chunk=chunk, scale=scale,
-                                exact=cfg_prec == "exact")
-  dv, *partials = outs
+  dv, *partials = pl.pallas_call(
+      functools.partial(_bwd_partials_kernel, block_v=bv_part, **kw),
+      out_shape=partial_shapes, grid=(bsz, nh, nc, nvb), name="delta_rule_bwd_partials",
+      **_params(interpret, cfg.num_warps_parallel, cfg),
+  )(*common_in, states, dstates, *opt)
+  if has_seg:
+    dh0 = dh0 + seg_init_grad(q, k, g, cont, do, dv, dstates, chunk=chunk, scale=scale,
+                              exact=cfg_prec == "exact")
   return (dv, dh0, *partials)
 
 
