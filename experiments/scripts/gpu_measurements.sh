@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements reported in docs/. Run from the repo root on a GPU host:
 #   bash experiments/scripts/gpu_measurements.sh [section ...]
-# sections: ops (reference vs chunked), stages (pallas stage split + kernel config sweep),
+# sections: ops (reference vs chunked), stages (pallas stage split + kernel config sweep), docs
+# (the same for the packed-documents path),
 # mixers (mixer table vs flash-linear-attention), layers (whole layers vs fla's KDA layer),
 # train (125M LM training throughput on 1 GPU, and on 2 when there are 2). Default: all.
 # Kernel config sweep (stages): SWEEP='default,wy=0/max_chunk=64/blocked=0' (DeltaRuleConfig fields).
@@ -16,7 +17,7 @@ trap pack EXIT
 trap 'exit 143' TERM
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 quiet() { grep -v -E '^[WI][0-9]{4} |libtpu|tpu backend'; }
-sections=${*:-check ops stages mixers layers train}
+sections=${*:-check ops stages docs mixers layers train}
 # Identical programs (a sweep's winner and the same row later) compile once per run.
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/kdn_jax_cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
@@ -43,6 +44,15 @@ stages)
     --sweep=${SWEEP-default,num_warps_intra_bwd=8,block_v_parallel=64,max_chunk=32/min_chunk=32/blocked=1,num_warps_intra=4} \
     --rows=${STAGE_ROWS:-diag_kdn_pallas,iso_kdn_pallas,fla_chunk_kda} \
     2>&1 | quiet | tail -60 | tee "$RES/stages.txt" ;;
+docs)
+  # The packed-documents path (segment_ids): sweep on diag_kdn_seg_pallas with the stage split
+  # under documents, then the GPU check of the winner (segments included) and its rows.
+  timeout ${DOCS_LIMIT:-400} python3 -m experiments.benchmark_mixers --out="$RES/docs" \
+    --seq_lens=4096 --pallas_lens= --reps=${REPS:-10} --check=true --time_budget_s=${DOCS_BUDGET:-300} \
+    --sweep_row=diag_kdn_seg_pallas --sweep_stages \
+    --sweep=${DOCS_SWEEP-default,block_v_parallel=64,bf16_states=1,num_warps_parallel=4/block_v_parallel=64} \
+    --rows=diag_kdn_seg_pallas,iso_kdn_seg_pallas,diag_kdn_pallas \
+    2>&1 | quiet | tail -40 | tee "$RES/docs.txt" ;;
 mixers)
   # The docs/mixers_h200 table: ~500 s on one H200.
   timeout ${MIXERS_LIMIT:-570} python3 -m experiments.benchmark_mixers --out="$RES/mixers" \
