@@ -113,7 +113,8 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
     dict(wy=False, blocked=False),
     dict(inverse="rows"), dict(inverse="rows_t"), dict(inverse="doubling"),
     dict(k_split=4, max_chunk=16, inverse="doubling", blocked=False),
-    dict(block_v=32, block_v_parallel=64), dict(block_v=64, block_v_parallel=32)])
+    dict(block_v=32, block_v_parallel=64), dict(block_v=64, block_v_parallel=32),
+    dict(max_chunk=32, sub_block=16)])
 def test_delta_rule_intra_variants(variant):
   """Every kernel variant (intra pair products: column loop, sub-blocked, K-split;
   inverses; outputs and backward partials in the serial kernels or parallel ones; 2- or 3-dot
@@ -141,6 +142,25 @@ def test_delta_rule_bf16_operand_dots():
     seg = np.zeros((1, 150), np.int32)
     seg[:, 70:] = 1
     _check(_inputs(11, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"), seg, 32, 5e-3, 1e-2)
+  finally:
+    dr_config.DEFAULT = old
+
+
+@pytest.mark.parametrize("variant,dtype,decay,tol", [
+    (dict(sub_block=16), jnp.float32, "strong", (1e-5, 1e-4)),
+    (dict(sub_block=16, wy=False, split_output=False), jnp.float32, "normal", (1e-5, 1e-4)),
+    (dict(sub_block=32), jnp.float32, "normal", (1e-5, 1e-4)),
+    (dict(sub_block=16), jnp.bfloat16, "normal", (5e-3, 1e-2))])
+def test_delta_rule_sub_blocks(variant, dtype, decay, tol):
+  """sub_block (intra kernels on 16/32-row blocks of a 64-token chunk, intra_sub.py) against
+  the float64 loop: resets inside and across sub-blocks, T not a multiple of the chunk."""
+  old = dr_config.DEFAULT
+  seg = np.zeros((1, 150), np.int32)
+  seg[:, 40:] = 1     # inside a sub-block
+  seg[:, 96:] = 2     # at a sub-block start
+  try:
+    dr_config.set_default(max_chunk=64, **variant)
+    _check(_inputs(17, 1, 150, 2, 64, 64, dtype, False, decay), seg, 64, *tol)
   finally:
     dr_config.DEFAULT = old
 
@@ -200,7 +220,7 @@ def test_delta_rule_precision_argument():
 
 
 @pytest.mark.parametrize("bad", [dict(block=48), dict(fast_dots="bf-16"), dict(block_v=48),
-                                 dict(block_v_parallel=96),
+                                 dict(block_v_parallel=96), dict(sub_block=8),
                                  dict(inverse="lu"), dict(k_split=3), dict(min_chunk=24),
                                  dict(max_chunk=0)])
 def test_delta_rule_config_rejects_bad_values(bad):

@@ -41,7 +41,7 @@ stages)
   timeout ${STAGES_LIMIT:-540} python3 -m experiments.benchmark_mixers --out="$RES/stages" \
     --seq_lens=${STAGE_LENS:-4096} --pallas_lens= --reps=${REPS:-10} --check=${STAGES_CHECK:-true} \
     --time_budget_s=${STAGES_BUDGET:-420} --stages --stages_docs --sweep_stages \
-    --sweep=${SWEEP-default,num_warps_intra_bwd=8,block_v_parallel=64,max_chunk=32/min_chunk=32/blocked=1,num_warps_intra=4} \
+    --sweep=${SWEEP-default,max_chunk=64/sub_block=16,max_chunk=32/sub_block=16,max_chunk=64/sub_block=16/num_warps_intra=4,bf16_states=1} \
     --rows=${STAGE_ROWS:-diag_kdn_pallas,iso_kdn_pallas,fla_chunk_kda} \
     2>&1 | quiet | tail -60 | tee "$RES/stages.txt" ;;
 docs)

@@ -24,6 +24,10 @@ class DeltaRuleConfig:
   # [C, K / k_split] tiles are live: fewer registers per program, more programs per SM. No gain on
   # the H200 (chunk 16: 10.6 ms with k_split=2, 11.2 with 4, against 10.5 ms).
   k_split: int = 1
+  # Intra kernels on sub_block-row blocks for chunks longer than that (intra_sub.py; 0: off):
+  # meant for long serial chunks (e.g. max_chunk=64, sub_block=16: 4x fewer serial steps than
+  # chunk 16 at about the chunk-16 intra cost); exact in interpret mode, not yet timed on a GPU.
+  sub_block: int = 0
   # What precision='fast' (bf16/fp16 data) means for the dots: 'bf16' (operands rounded to bf16,
   # fp32 accumulation: twice the TF32 tensor-core rate; flash-linear-attention's choice; H200 diag
   # KDN fwd+bwd T=4096: 14.9 ms against 16.5 ms with 'tf32') or 'tf32' (fp32 operands).
@@ -59,6 +63,9 @@ class DeltaRuleConfig:
     for name in ("max_chunk", "min_chunk", "block", "block_v", "block_v_parallel"):
       if not pow2(getattr(self, name)):
         raise ValueError(f"DeltaRuleConfig.{name} must be a power of two, got {getattr(self, name)}")
+    if self.sub_block and (not pow2(self.sub_block) or self.sub_block < 16):
+      raise ValueError("DeltaRuleConfig.sub_block must be 0 or a power of two >= 16, got "
+                       f"{self.sub_block}")
     if not pow2(self.k_split):
       raise ValueError(f"DeltaRuleConfig.k_split must be a power of two, got {self.k_split}")
     if self.inverse not in ("rows", "rows_t", "blocks", "doubling"):

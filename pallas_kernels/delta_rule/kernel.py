@@ -497,8 +497,11 @@ def _pairs_bwd_blocked(q, k, w, g, dpm, dlm, r, b, h, t0, C, block, prec):
   return dq_acc, dk_acc, dw_acc
 
 
-def _intra_bwd_epilogue(q, k, w, g, acc, p_diag, dwt, dkbar, dqbar, dgl, e_last, scale, hi):
-  """Per-token gradients from the pair accumulators; works on any slice of the K columns.
+def _intra_bwd_epilogue(q, k, w, g, acc, p_diag, dwt, dkbar, dqbar, dgl, e_last, scale, hi,
+                        dla_prefix=None, with_dgl=True):
+  """Per-token gradients from the pair accumulators; works on any slice of the K columns, and on
+  a block of the chunk's rows (intra_sub): dla_prefix [1, K] = sum of dWt * Wt over the chunk's
+  earlier rows, with_dgl = the block holds the chunk's last row.
 
   acc = (X_q, X_k, Y_w): X_r = sum_j G_rj y_j e_rj (G = dP or dL, y = w) and
   Y_j = sum_r (dP_rj q_r + dL_rj k_r) e_rj."""
@@ -518,8 +521,11 @@ def _intra_bwd_epilogue(q, k, w, g, acc, p_diag, dwt, dkbar, dqbar, dgl, e_last,
   # and -t at j avoids cancelling O(1) terms when exp(g_last - g_j) == 1 (e.g. padded tails).
   twt = dwt * wt
   dla_x = _dot((row > col).astype(jnp.float32), twt, hi)
+  if dla_prefix is not None:
+    dla_x = dla_x + dla_prefix
   dg = q * dq_acc + k * dk_acc - w * dw_acc + dqbar * qbar + dkbar * kbar
-  dg = dg + jnp.where(row_k == C - 1, dgl[None, :], 0.0)
+  if with_dgl:
+    dg = dg + jnp.where(row_k == C - 1, dgl[None, :], 0.0)
   return dq, dk, dw, dg, dla_x
 
 
@@ -611,6 +617,11 @@ def _state_dtype(cfg, prec):
   return jnp.bfloat16 if cfg.bf16_states and prec == BF16_OPERANDS else jnp.float32
 
 
+def _use_sub(cfg, chunk):
+  """The intra kernels work on cfg.sub_block-row blocks (intra_sub.py) for longer chunks."""
+  return bool(cfg.sub_block) and chunk > cfg.sub_block
+
+
 def _k_split(cfg, kd):
   """Sequential K slices of the intra column loops, capped so a slice is >= 16 columns."""
   return max(1, min(cfg.k_split, kd // 16))
@@ -643,12 +654,19 @@ def intra_forward(q, k, w, g, pid, cont, *, chunk, scale, interpret, cfg, cfg_pr
   lane = jax.ShapeDtypeStruct((bsz, t, nh, kd), dt)
   out_shape = [jax.ShapeDtypeStruct((bsz, nh, t, chunk), dt),
                jax.ShapeDtypeStruct((bsz, nh, t, chunk), dt), lane] + ([lane] if cfg.wy else [])
+  hi = common.dot_precision("exact", interpret)
+  if _use_sub(cfg, chunk):
+    from pallas_kernels.delta_rule import intra_sub  # pylint: disable=g-import-not-at-top
+    body = functools.partial(intra_sub.intra_fwd_sub_kernel, chunk=chunk, sub=cfg.sub_block,
+                             scale=scale, has_seg=has_seg, wy=cfg.wy, inverse=cfg.inverse,
+                             block=cfg.block, prec=prec, hi=hi)
+  else:
+    body = functools.partial(_intra_fwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
+                             blocked=cfg.blocked and chunk > cfg.block, block=cfg.block,
+                             k_split=_k_split(cfg, kd), wy=cfg.wy, inverse=cfg.inverse,
+                             prec=prec, hi=hi)
   outs = pl.pallas_call(
-      functools.partial(_intra_fwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
-                        blocked=cfg.blocked and chunk > cfg.block, block=cfg.block,
-                        k_split=_k_split(cfg, kd), wy=cfg.wy,
-                        inverse=cfg.inverse, prec=prec,
-                        hi=common.dot_precision("exact", interpret)),
+      body,
       out_shape=tuple(out_shape), grid=(bsz, nh, nc), name="delta_rule_intra_fwd",
       **_params(interpret, cfg.num_warps_intra, cfg),
   )(*intra_in)
@@ -781,11 +799,17 @@ def intra_backward(q, k, w, g, pid, partials, *, chunk, scale, interpret, cfg, c
   prec = _precision(cfg, cfg_prec, interpret)
   intra_in = [q, k, w, g, *partials] + ([pid] if has_seg else [])
   lane = jax.ShapeDtypeStruct((bsz, t, nh, kd), jnp.float32)
+  hi = common.dot_precision("exact", interpret)
+  if _use_sub(cfg, chunk):
+    from pallas_kernels.delta_rule import intra_sub  # pylint: disable=g-import-not-at-top
+    body = functools.partial(intra_sub.intra_bwd_sub_kernel, chunk=chunk, sub=cfg.sub_block,
+                             scale=scale, has_seg=has_seg, num_vb=nvb, prec=prec, hi=hi)
+  else:
+    body = functools.partial(_intra_bwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
+                             num_vb=nvb, blocked=cfg.blocked and chunk > cfg.block,
+                             block=cfg.block, k_split=_k_split(cfg, kd), prec=prec, hi=hi)
   return pl.pallas_call(
-      functools.partial(_intra_bwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
-                        num_vb=nvb, blocked=cfg.blocked and chunk > cfg.block, block=cfg.block,
-                        k_split=_k_split(cfg, kd), prec=prec,
-                        hi=common.dot_precision("exact", interpret)),
+      body,
       out_shape=(lane, lane, lane, lane, lane), grid=(bsz, nh, nc), name="delta_rule_intra_bwd",
       **_params(interpret, cfg.num_warps_intra_bwd, cfg),
   )(*intra_in)
