@@ -101,11 +101,7 @@ def intra_fwd_sub_kernel(*refs, chunk, sub, scale, has_seg, wy, inverse, block, 
 
 
 def intra_bwd_sub_kernel(*refs, chunk, sub, scale, has_seg, num_vb, prec, hi):
-  names = ["q", "k", "w", "g", "dp", "dl", "dwt", "dkbar", "dqbar", "dgl"] + (
-      ["pid"] if has_seg else [])
-  n_in = len(names)
-  r = dict(zip(names, refs[:n_in]))
-  outs = refs[n_in:]
+  r, outs = _k._intra_bwd_refs(refs, has_seg)
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   C, S = chunk, sub
   nb = C // S

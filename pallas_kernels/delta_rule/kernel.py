@@ -529,13 +529,16 @@ def _intra_bwd_epilogue(q, k, w, g, acc, p_diag, dwt, dkbar, dqbar, dgl, e_last,
   return dq, dk, dw, dg, dla_x
 
 
-def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, blocked, block, k_split, prec,
-                      hi):
+def _intra_bwd_refs(refs, has_seg):
+  """The intra backward kernels' inputs by name, and their output refs (dq, dk, dw, dg, dla_x)."""
   names = ["q", "k", "w", "g", "dp", "dl", "dwt", "dkbar", "dqbar", "dgl"] + (
       ["pid"] if has_seg else [])
-  n_in = len(names)
-  r = dict(zip(names, refs[:n_in]))
-  outs = refs[n_in:]
+  return dict(zip(names, refs[:len(names)])), refs[len(names):]
+
+
+def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, blocked, block, k_split, prec,
+                      hi):
+  r, outs = _intra_bwd_refs(refs, has_seg)
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   C = chunk
   t0 = c * C
