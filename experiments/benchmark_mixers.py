@@ -119,6 +119,11 @@ def _direct_kdn(diag, x, d):
 _DOC_LEN = 1000   # document length of the *_seg rows (not a multiple of any chunk)
 
 
+def _doc_ids(b, t):
+  """segment_ids [b, t] of packed documents of _DOC_LEN tokens."""
+  return jnp.broadcast_to(jnp.arange(t) // _DOC_LEN, (b, t)).astype(jnp.int32)
+
+
 def _make_jax_fn(row, d):
   """Returns f(x) -> output array (differentiable in the float inputs)."""
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
@@ -136,8 +141,7 @@ def _make_jax_fn(row, d):
       def f(x):
         om = x["om"] if diag else x["om_iso"]
         b, t = x["q"].shape[:2]
-        seg = (jnp.broadcast_to(jnp.arange(t) // _DOC_LEN, (b, t)).astype(jnp.int32)
-               if docs else None)
+        seg = _doc_ids(b, t) if docs else None
         return fn(x["q"], x["k"], x["v"], x["la"], om, x["r"], info_scale=float(d),
                   segment_ids=seg, impl=impl)[0]
       return f, ("q", "k", "v", "la", "om" if diag else "om_iso", "r")
@@ -353,8 +357,7 @@ def _time_stages(t, docs=False):
   chunk = chunk_length(cfg, 64, t, interpret)  # what the op runs
   t_pad = -(-t // chunk) * chunk
   x = {n: common.pad_time(v, t_pad, 1.0 if n == "r" else 0.0) for n, v in x.items()}
-  seg = (jnp.broadcast_to(jnp.arange(t_pad) // _DOC_LEN, (b, t_pad)).astype(jnp.int32)
-         if docs else None)
+  seg = _doc_ids(b, t_pad) if docs else None
   starts, cont, pid = segment_arrays(seg, b, t_pad, t_pad, chunk)
   mu = jnp.full((h,), float(d))
   p0 = jnp.ones((b, h, d), jnp.float32)

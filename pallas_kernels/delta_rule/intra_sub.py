@@ -16,7 +16,6 @@ Outputs are those of kernel._intra_fwd_kernel / _intra_bwd_kernel, bit for bit i
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.delta_rule import kernel as _k
@@ -61,6 +60,7 @@ def intra_fwd_sub_kernel(*refs, chunk, sub, scale, has_seg, wy, inverse, block, 
         lmat[i, j] = _k._dot_nt(kx, y, prec)
         pmat[i, j] = _k._dot_nt(qx, y, prec)
   g_last = g_ref[b, t0 + C - 1, h, :]
+  pids, pid_last = [None] * nb, None
   if has_seg:
     pids, same = _seg_masks(pid_ref, b, t0, S, nb)
     lmat = {ij: m * same[ij] for ij, m in lmat.items()}
@@ -83,10 +83,8 @@ def intra_fwd_sub_kernel(*refs, chunk, sub, scale, has_seg, wy, inverse, block, 
       cols = pl.ds(j * S, S)
       a_out[b, h, rows, cols] = amat.get((i, j), zero).astype(a_out.dtype)
       p_out[b, h, rows, cols] = (scale * pmat.get((i, j), zero)).astype(p_out.dtype)
-    e_last = jnp.exp(jnp.minimum(g_last[None, :] - g[i], 0.0))
-    if has_seg:
-      e_last = jnp.where((pids[i] == pid_last)[:, None], e_last, 0.0)
-    wt_out[b, rows, h, :] = (w[i] * e_last).astype(wt_out.dtype)
+    wt_out[b, rows, h, :] = (w[i] * _k._e_last(g[i], g_last, pids[i], pid_last)).astype(
+        wt_out.dtype)
   if wy:
     wk_out = refs[n_in + 3]
     kbar = [k[j] * jnp.exp(g[j]) for j in range(nb)]
@@ -109,14 +107,13 @@ def intra_bwd_sub_kernel(*refs, chunk, sub, scale, has_seg, num_vb, prec, hi):
   row, col = _k._iota(S, 0), _k._iota(S, 1)
 
   def vsum(name, rows, cols):
-    acc = r[name][b, h, 0, rows, cols]
-    for v in range(1, num_vb):
-      acc = acc + r[name][b, h, v, rows, cols]
-    return acc
+    return _k._vsum(r[name], b, h, num_vb, rows, cols)
 
   q, k, w, g = (_blocks(r[n], b, h, t0, S, nb) for n in ("q", "k", "w", "g"))
+  pids, pid_last = [None] * nb, None
   if has_seg:
     pids, same = _seg_masks(r["pid"], b, t0, S, nb)
+    pid_last = r["pid"][b, t0 + C - 1]
   dpm, dlm, p_diag = {}, {}, []
   for i in range(nb):
     for j in range(i + 1):
@@ -150,16 +147,12 @@ def intra_bwd_sub_kernel(*refs, chunk, sub, scale, has_seg, num_vb, prec, hi):
       dk_acc[i] = dk_acc[i] + xs * _k._dot(dlm[i, j], wy, prec)
       dw_acc[j] = dw_acc[j] + ys * (_k._dot_tn(dpm[i, j], qx, prec)
                                     + _k._dot_tn(dlm[i, j], kx, prec))
-  dgl = r["dgl"][b, h, 0, c, :]
-  for v in range(1, num_vb):
-    dgl = dgl + r["dgl"][b, h, v, c, :]
+  dgl = _k._vsum(r["dgl"], b, h, num_vb, c, slice(None))
   g_last = r["g"][b, t0 + C - 1, h, :]
   prefix = jnp.zeros((1, q[0].shape[1]), jnp.float32)
   for i in range(nb):
     rows = pl.ds(t0 + i * S, S)
-    e_last = jnp.exp(jnp.minimum(g_last[None, :] - g[i], 0.0))
-    if has_seg:
-      e_last = jnp.where((pids[i] == r["pid"][b, t0 + C - 1])[:, None], e_last, 0.0)
+    e_last = _k._e_last(g[i], g_last, pids[i], pid_last)
     dwt = vsum("dwt", rows, slice(None))
     vals = _k._intra_bwd_epilogue(
         q[i], k[i], w[i], g[i], (dq_acc[i], dk_acc[i], dw_acc[i]), p_diag[i], dwt,

@@ -73,6 +73,15 @@ def _same_seg(pid_ref, b, t0, c):
   return (pid[:, None] == pid[None, :]).astype(jnp.float32), pid
 
 
+def _e_last(g, g_last, pid=None, pid_last=None):
+  """exp(g_last - g) per row (the decay from each token to the chunk's last one), zero for rows
+  outside the last token's segment (pid given)."""
+  e_last = jnp.exp(jnp.minimum(g_last[None, :] - g, 0.0))
+  if pid is not None:
+    e_last = jnp.where((pid == pid_last)[:, None], e_last, 0.0)
+  return e_last
+
+
 # ------------------------------------------------------------------------------------ forward
 
 
@@ -242,14 +251,13 @@ def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, k_split, wy,
     lmat, pmat = _split_products(refs, b, h, t0, C, k_split)
     # Loaded after the pair loops, so these full-K tiles are not live inside them.
     k, w, g = (_tile(x, b, t0, C, h) for x in (k_ref, w_ref, g_ref))
-  g_last = g_ref[b, t0 + C - 1, h, :]
-  e_last = jnp.exp(jnp.minimum(g_last[None, :] - g, 0.0))
+  pid = None
   if has_seg:
     same, pid = _same_seg(pid_ref, b, t0, C)
     lmat = lmat * same
     pmat = pmat * same
-    pid_last = pid_ref[b, t0 + C - 1]
-    e_last = jnp.where((pid == pid_last)[:, None], e_last, 0.0)
+  e_last = _e_last(g, g_ref[b, t0 + C - 1, h, :], pid,
+                   pid_ref[b, t0 + C - 1] if has_seg else None)
   pmat = pmat * scale
   amat = _unit_lower_inverse(lmat, C, inverse, block, hi)
   a_out[b, h, pl.ds(t0, C), :] = amat.astype(a_out.dtype)
@@ -529,6 +537,14 @@ def _intra_bwd_epilogue(q, k, w, g, acc, p_diag, dwt, dkbar, dqbar, dgl, e_last,
   return dq, dk, dw, dg, dla_x
 
 
+def _vsum(ref, b, h, num_vb, *idx):
+  """Sum over the V blocks (axis 2) of a per-V-block partial: ref[b, h, :, *idx]."""
+  acc = ref[(b, h, 0) + idx]
+  for j in range(1, num_vb):
+    acc = acc + ref[(b, h, j) + idx]
+  return acc
+
+
 def _intra_bwd_refs(refs, has_seg):
   """The intra backward kernels' inputs by name, and their output refs (dq, dk, dw, dg, dla_x)."""
   names = ["q", "k", "w", "g", "dp", "dl", "dwt", "dkbar", "dqbar", "dgl"] + (
@@ -547,23 +563,14 @@ def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, blocked, block, k_sp
   rows = pl.ds(t0, C)
 
   def vsum(name, cols):
-    acc = r[name][b, h, 0, rows, cols]
-    for j in range(1, num_vb):
-      acc = acc + r[name][b, h, j, rows, cols]
-    return acc
+    return _vsum(r[name], b, h, num_vb, rows, cols)
 
   def dgl_sum(cols):
-    acc = r["dgl"][b, h, 0, c, cols]
-    for j in range(1, num_vb):
-      acc = acc + r["dgl"][b, h, j, c, cols]
-    return acc
+    return _vsum(r["dgl"], b, h, num_vb, c, cols)
 
   def e_last_of(g, cols):
-    g_last = r["g"][b, t0 + C - 1, h, cols]
-    e_last = jnp.exp(jnp.minimum(g_last[None, :] - g, 0.0))
-    if has_seg:
-      e_last = jnp.where((pid == r["pid"][b, t0 + C - 1])[:, None], e_last, 0.0)
-    return e_last
+    return _e_last(g, r["g"][b, t0 + C - 1, h, cols], pid,
+                   r["pid"][b, t0 + C - 1] if has_seg else None)
 
   dpm = jnp.where(row >= col, vsum("dp", pl.ds(0, C)), 0.0) * scale
   dlm = jnp.where(row > col, vsum("dl", pl.ds(0, C)), 0.0)
