@@ -347,6 +347,7 @@ def _time_stages(t, docs=False):
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
   from pallas_kernels import common  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import chunk_length  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.delta_rule.chunk_cumsum import chunk_cumsum  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import segment_arrays  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import kernel as dk  # pylint: disable=g-import-not-at-top
@@ -366,8 +367,7 @@ def _time_stages(t, docs=False):
   gargs = (x["k"], x["la"], x["om"], x["r"], seg)
   out["gain_fwd"] = _time_fn(gain, gargs, first, "gain_fwd")
   w = gain(*gargs)
-  cums = jax.jit(lambda la, starts: common.segmented_cumsum(la.astype(jnp.float32),
-                                                            starts[:, :, None, None], axis=1))
+  cums = jax.jit(lambda la, starts: chunk_cumsum(la, starts, chunk=chunk, interpret=interpret))
   out["cumsum_glue"] = _time_fn(cums, (x["la"], starts), first, "cumsum_glue")
   g = cums(x["la"], starts)
   # The precision the op picks for bf16 data.

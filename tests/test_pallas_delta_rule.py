@@ -165,14 +165,15 @@ def test_delta_rule_sub_blocks(variant, dtype, decay, tol):
 
 
 def test_delta_rule_bf16_states():
-  """bf16_states (saved states and state gradients in bf16 under bf16-operand dots) stays within
-  the bf16 bounds, with segments, with and without the split output kernel."""
+  """bf16_states (saved states and state gradients in bf16 under bf16-operand dots; the default)
+  stays within the bf16 bounds, with segments, with and without the split output kernel; fp32
+  states (bf16_states=False) too."""
   old = dr_config.DEFAULT
   seg = np.zeros((1, 150), np.int32)
   seg[:, 70:] = 1
   try:
-    for extra in ({}, dict(split_output=False)):
-      dr_config.set_default(bf16_states=True, **extra)
+    for extra in (dict(bf16_states=True, split_output=False), dict(bf16_states=False)):
+      dr_config.set_default(**extra)
       _check(_inputs(13, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"), seg, 32, 5e-3, 1e-2)
   finally:
     dr_config.DEFAULT = old

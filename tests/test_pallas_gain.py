@@ -94,26 +94,29 @@ def _run(diag, t, chunk, mu_f, r_val, strong, segs, dtype, tol_fwd, tol_grad):
   segj = None if seg is None else jnp.asarray(seg)
   fn = diag_gain if diag else iso_gain
   oracle = _diag_oracle if diag else _iso_oracle
-  f = jax.jit(lambda *a: fn(*a[:4], mu, a[4], segj, chunk_size=chunk))
+  # args: k, log_alpha, omega, r, p0, info_scale (all differentiated).
+  args = args + [mu]
+  f = jax.jit(lambda *a: fn(*a[:4], a[5], a[4], segj, chunk_size=chunk))
   gain, pf = f(*args)
   assert gain.dtype == jnp.float32 and pf.dtype == jnp.float32
   rng = np.random.default_rng(9)
   ct_g = rng.normal(size=gain.shape)
   ct_p = rng.normal(size=pf.shape)
+  argnums = tuple(range(6))
   with jax.enable_x64(True):
     a64 = [jnp.asarray(np.asarray(x, np.float32), jnp.float64) for x in args]
-    mu64 = jnp.asarray(mu, jnp.float64)
     seg64 = None if seg is None else jnp.asarray(seg)
-    rgain, rp = oracle(*a64[:4], mu64, a64[4], seg64)
-    loss64 = lambda *a: (jnp.sum(oracle(*a[:4], mu64, a[4], seg64)[0] * ct_g)
-                         + jnp.sum(oracle(*a[:4], mu64, a[4], seg64)[1] * ct_p))
-    rg = [np.asarray(x) for x in jax.jit(jax.grad(loss64, argnums=(0, 1, 2, 3, 4)))(*a64)]
+    rgain, rp = oracle(*a64[:4], a64[5], a64[4], seg64)
+    loss64 = lambda *a: (jnp.sum(oracle(*a[:4], a[5], a[4], seg64)[0] * ct_g)
+                         + jnp.sum(oracle(*a[:4], a[5], a[4], seg64)[1] * ct_p))
+    rg = [np.asarray(x) for x in jax.jit(jax.grad(loss64, argnums=argnums))(*a64)]
     rgain, rp = np.asarray(rgain), np.asarray(rp)
   assert _rel(gain, rgain) <= tol_fwd, _rel(gain, rgain)
   assert _rel(pf, rp) <= tol_fwd, _rel(pf, rp)
   loss = lambda *a: jnp.sum(f(*a)[0] * ct_g) + jnp.sum(f(*a)[1] * ct_p)
-  g = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*args)
-  errs = {n: _rel(x, y) for n, x, y in zip(("k", "log_alpha", "omega", "r", "p0"), g, rg)}
+  g = jax.jit(jax.grad(loss, argnums=argnums))(*args)
+  names = ("k", "log_alpha", "omega", "r", "p0", "info_scale")
+  errs = {n: _rel(x, y) for n, x, y in zip(names, g, rg)}
   for n, e in errs.items():
     assert e <= tol_grad, (n, errs)
 

@@ -7,42 +7,40 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import common
+from pallas_kernels.delta_rule import chunk_cumsum as _cumsum_kernels
 from pallas_kernels.delta_rule import config as _config
 from pallas_kernels.delta_rule import kernel as _kernel
 
 __all__ = ["delta_rule", "chunk_length", "segment_arrays"]
 
 
-def _cumsum(la, starts):
-  return common.segmented_cumsum(la, starts[:, :, None, None], axis=1)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
 def _core(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg, prec):
-  g = _cumsum(la, starts)
+  g = _cumsum_kernels.chunk_cumsum(la, starts, chunk=chunk, interpret=interpret)
   o, sfin, _ = _kernel.forward(q, k, v, w, g, h0, cont, pid, chunk=chunk, scale=scale,
                                interpret=interpret, cfg=cfg, cfg_prec=prec, save_states=False)
   return o, sfin
 
 
 def _core_fwd(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg, prec):
-  g = _cumsum(la, starts)
+  g = _cumsum_kernels.chunk_cumsum(la, starts, chunk=chunk, interpret=interpret)
   o, sfin, res = _kernel.forward(q, k, v, w, g, h0, cont, pid, chunk=chunk, scale=scale,
                                  interpret=interpret, cfg=cfg, cfg_prec=prec, save_states=True)
-  return (o, sfin), (q, k, v, w, g, h0, starts, cont, pid, res)
+  # (an empty array carries log_alpha's dtype: residuals must be arrays)
+  return (o, sfin), (q, k, v, w, g, h0, starts, cont, pid, res, jnp.zeros((0,), la.dtype))
 
 
 def _core_bwd(chunk, scale, interpret, cfg, prec, saved, cts):
-  q, k, v, w, g, h0, starts, cont, pid, res = saved
+  q, k, v, w, g, h0, starts, cont, pid, res, la_like = saved
   do, dsfin = cts
   dq, dk, dv, dw, dg, dla_x, dh0 = _kernel.backward(
       q, k, v, w, g, h0, cont, pid, res, do, dsfin.astype(jnp.float32), chunk=chunk,
       scale=scale, interpret=interpret, cfg=cfg, cfg_prec=prec)
   # g = within-(chunk, segment) cumsum of log_alpha  =>  dla = reverse cumsum of dg, plus the
   # terms the kernel already expressed in log_alpha space.
-  dla = common.segmented_reverse_cumsum(dg, starts[:, :, None, None], axis=1) + dla_x
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dw.astype(w.dtype), dla,
-          dh0, None, None, None)
+  dla = _cumsum_kernels.chunk_reverse_cumsum(dg, dla_x, starts, chunk=chunk, interpret=interpret)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dw.astype(w.dtype),
+          dla.astype(la_like.dtype), dh0, None, None, None)
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -90,7 +88,7 @@ def delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None
   cfg = _config.DEFAULT
   chunk = chunk_length(cfg, chunk_size, t, interpret)
   t_pad = -(-t // chunk) * chunk
-  la = log_alpha.astype(jnp.float32)
+  la = log_alpha   # the cumsum kernel reads it in its own dtype and sums in fp32
   if la.ndim == 3:
     la = jnp.broadcast_to(la[..., None], la.shape + (kd,))
   q, k, v, w, la = (common.pad_time(x, t_pad) for x in (q, k, v, write, la))

@@ -11,7 +11,9 @@ class DeltaRuleConfig:
   # fp32 and bf16 (sweeps, stage splits and checks in docs/benchmark_mixers.md). Sessions 4-5,
   # diag KDN fwd+bwd, B=4 H=16 K=V=128 bf16 T=4096: 17.2 ms (old defaults) -> 12.8 (wy, split
   # kernels, block_v=64, num_warps_recur=4, num_stages=2, each faster on its own) -> 8.0 (chunk 16,
-  # bf16 storage of A/P/Wt/W, block_v_parallel=128, 4-warp intra backward). Chunk 16 first failed
+  # bf16 storage of A/P/Wt/W, block_v_parallel=128, 4-warp intra backward) -> 7.3 (bf16 states,
+  # session 6; sub_block at chunk 64/32 was 16.1/11.2 ms there: its intra kernels cost 6.3 ms
+  # forward against 1.6). Chunk 16 first failed
   # the fp32 reset check: the two-carry serial backward (kernel.py, _SEG_NOTE), now one carry.
   # min_chunk keeps a floor for compiled runs should a GPU need one.
   max_chunk: int = 16        # caps the caller's chunk_size (C_m)
@@ -26,7 +28,8 @@ class DeltaRuleConfig:
   k_split: int = 1
   # Intra kernels on sub_block-row blocks for chunks longer than that (intra_sub.py; 0: off):
   # meant for long serial chunks (e.g. max_chunk=64, sub_block=16: 4x fewer serial steps than
-  # chunk 16 at about the chunk-16 intra cost); exact in interpret mode, not yet timed on a GPU.
+  # chunk 16); exact in interpret mode, but slow on the H200 (T=4096 intra forward 6.3 ms at
+  # chunk 64, 2.8 at chunk 32, against 1.6 ms at chunk 16): kept as a sweep option.
   sub_block: int = 0
   # What precision='fast' (bf16/fp16 data) means for the dots: 'bf16' (operands rounded to bf16,
   # fp32 accumulation: twice the TF32 tensor-core rate; flash-linear-attention's choice; H200 diag
@@ -46,8 +49,10 @@ class DeltaRuleConfig:
   # the serial kernels is 2 dots (W S_0, then the state update) instead of 3.
   wy: bool = True
   # Saved chunk-start states and state gradients ([B, H, T/C, K, V], the largest arrays) in bf16
-  # under bf16-operand dots: half their bytes; not yet timed or checked on a GPU.
-  bf16_states: bool = False
+  # under bf16-operand dots: half their bytes (fla stores its chunk states in the data dtype
+  # too). H200 T=4096 diag KDN fwd+bwd 8.09 -> 7.26 ms; with packed documents the recurrent
+  # backward 9.1 -> 5.1 ms; the GPU check (bf16 <= 4.1e-3) passes. fp32 data keeps fp32 states.
+  bf16_states: bool = True
   block_v: int = 64          # value-columns per program in the recurrent (state-passing) kernels
   # value-columns per program in the parallel output and backward-partials kernels (fewer V
   # blocks: fewer per-V-block partial-gradient bytes for the intra backward to read and sum)

@@ -10,33 +10,36 @@ from pallas_kernels import common
 from pallas_kernels.kdn_gain import config as _config
 from pallas_kernels.kdn_gain import kernel as _kernel
 
-__all__ = ["diag_gain", "iso_gain", "gain_lanes"]
+__all__ = ["diag_gain", "iso_gain"]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def gain_lanes(kx, kk, a, om, u, r, reset, p0, chunk, interpret, cfg):
-  """Generic lane recurrence (see kernel.py). All float32, time already padded to the chunk."""
-  gain, _, pfin = _kernel.gain_forward(kx, kk, a, om, u, r, reset, p0, chunk=chunk,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _gain(k, la, om, r, mu, reset, p0, chunk, interpret, cfg):
+  """The gain recurrence from the raw inputs (kernel.py), time already padded to the chunk."""
+  gain, _, pfin = _kernel.gain_forward((k, la, om, r, mu), reset, p0, chunk=chunk,
                                        interpret=interpret, cfg=cfg)
   return gain, pfin
 
 
-def _gain_fwd(kx, kk, a, om, u, r, reset, p0, chunk, interpret, cfg):
-  gain, pprev, pfin = _kernel.gain_forward(kx, kk, a, om, u, r, reset, p0, chunk=chunk,
-                                           interpret=interpret, cfg=cfg)
-  return (gain, pfin), (kx, kk, a, om, u, r, reset, pprev)
+def _gain_fwd(k, la, om, r, mu, reset, p0, chunk, interpret, cfg):
+  raw = (k, la, om, r, mu)
+  gain, pprev, pfin = _kernel.gain_forward(raw, reset, p0, chunk=chunk, interpret=interpret,
+                                           cfg=cfg)
+  return (gain, pfin), (raw, reset, pprev)
 
 
 def _gain_bwd(chunk, interpret, cfg, res, cts):
-  kx, kk, a, om, u, r, reset, pprev = res
+  raw, reset, pprev = res
   dgain, dpfin = cts
-  dkx, dkk, da, dom, du, dr, dp0 = _kernel.gain_backward(
-      kx, kk, a, om, u, r, reset, pprev, dgain.astype(jnp.float32),
-      dpfin.astype(jnp.float32), chunk=chunk, interpret=interpret, cfg=cfg)
-  return dkx, dkk, da, dom, du, dr, None, dp0
+  d_raw, dp0 = _kernel.gain_backward(raw, reset, pprev, dgain.astype(jnp.float32),
+                                     dpfin.astype(jnp.float32), chunk=chunk,
+                                     interpret=interpret, cfg=cfg)
+  dk, dla, dom, dr, dmu = d_raw
+  return (dk.astype(raw[0].dtype), dla.astype(raw[1].dtype), dom.astype(raw[2].dtype),
+          dr.astype(raw[3].dtype), dmu.sum(axis=(0, 1)), None, dp0)
 
 
-gain_lanes.defvjp(_gain_fwd, _gain_bwd)
+_gain.defvjp(_gain_fwd, _gain_bwd)
 
 
 def _prep(t, chunk_size, batch, segment_ids):
@@ -46,26 +49,25 @@ def _prep(t, chunk_size, batch, segment_ids):
   return chunk, t_pad, reset
 
 
+def _run(k, log_alpha, omega, r, info_scale, p0, segment_ids, chunk_size, interpret):
+  interpret = common.resolve_interpret(interpret)
+  bsz, t, nh, _ = k.shape
+  chunk, t_pad, reset = _prep(t, chunk_size, bsz, segment_ids)
+  k, la, om = (common.pad_time(x, t_pad) for x in (k, log_alpha, omega))
+  rr = common.pad_time(r, t_pad, 1.0)
+  mu = jnp.broadcast_to(jnp.asarray(info_scale, jnp.float32), (nh,))
+  return _gain(k, la, om, rr, mu, reset, p0.astype(jnp.float32), chunk, interpret,
+               _config.DEFAULT)
+
+
 def diag_gain(k, log_alpha, omega, r, info_scale, p0, segment_ids=None, *, chunk_size=256,
               interpret=None):
   """Diagonal KDN gain. k, log_alpha, omega: [B,T,H,K]; r: [B,T,H]; info_scale: [H]; p0: [B,H,K].
 
   Returns (kappa [B,T,H,K] float32, p_final [B,H,K] float32).
   """
-  interpret = common.resolve_interpret(interpret)
-  bsz, t, nh, kd = k.shape
-  chunk, t_pad, reset = _prep(t, chunk_size, bsz, segment_ids)
-  f32 = jnp.float32
-  k = common.pad_time(k.astype(f32), t_pad)
-  la = common.pad_time(log_alpha.astype(f32), t_pad)
-  om = common.pad_time(omega.astype(f32), t_pad)
-  rr = common.pad_time(r.astype(f32), t_pad, 1.0)
-  mu = jnp.broadcast_to(jnp.asarray(info_scale, f32), (nh,)).reshape(1, 1, nh, 1)
-  kk = k * k
-  u = mu * kk / rr[..., None]
-  a = jnp.exp(2.0 * la)
-  cfg = _config.DEFAULT
-  kappa, pfin = gain_lanes(k, kk, a, om, u, rr, reset, p0.astype(f32), chunk, interpret, cfg)
+  t = k.shape[1]
+  kappa, pfin = _run(k, log_alpha, omega, r, info_scale, p0, segment_ids, chunk_size, interpret)
   return kappa[:, :t], pfin
 
 
@@ -75,20 +77,7 @@ def iso_gain(k, log_alpha, omega, r, info_scale, b0, segment_ids=None, *, chunk_
 
   Returns (beta [B,T,H] float32, b_final [B,H] float32).
   """
-  interpret = common.resolve_interpret(interpret)
-  bsz, t, nh, kd = k.shape
-  chunk, t_pad, reset = _prep(t, chunk_size, bsz, segment_ids)
-  f32 = jnp.float32
-  k = common.pad_time(k.astype(f32), t_pad)
-  la = common.pad_time(log_alpha.astype(f32), t_pad)
-  om = common.pad_time(omega.astype(f32), t_pad)[..., None]
-  rr = common.pad_time(r.astype(f32), t_pad, 1.0)
-  mu = jnp.broadcast_to(jnp.asarray(info_scale, f32), (nh,)).reshape(1, 1, nh, 1)
-  kk = jnp.sum(k * k, axis=-1, keepdims=True)
-  a = jnp.mean(jnp.exp(2.0 * la), axis=-1, keepdims=True)
-  u = mu * kk / (kd * rr[..., None])
-  kx = jnp.ones_like(kk)
-  cfg = _config.DEFAULT
-  beta, bfin = gain_lanes(kx, kk, a, om, u, rr, reset, b0.astype(f32)[..., None], chunk,
-                          interpret, cfg)
+  t = k.shape[1]
+  beta, bfin = _run(k, log_alpha, omega, r, info_scale, b0[..., None], segment_ids, chunk_size,
+                    interpret)
   return beta[:, :t, :, 0], bfin[..., 0]

@@ -6,7 +6,9 @@ one). Per token t and lane i the inputs are
     kx  numerator factor,  kk  quadratic weight,      r   observation noise (per token, shared by lanes)
 and the recurrence is
     p_hat = a p + om;  den = r + sum_i p_hat_i kk_i;  gain = p_hat kx / den;  p = p_hat / (1 + u p_hat)
-with p reset to p0 before every token whose reset flag is set (token 0 always resets).
+with p reset to p0 before every token whose reset flag is set (token 0 always resets). The lanes
+are formed inside the kernels from the raw inputs (k, log_alpha, omega, r, mu: `_lanes`), and the
+backward emits the raw inputs' gradients (`_raw_grads`): no fp32 lane arrays go through memory.
 
 The variance update is the Moebius map M_t = [[a, om], [u a, 1 + u om]] (a reset token uses M_t R, R
 the constant map to p0). Forward = two kernels:
@@ -17,7 +19,7 @@ the constant map to p0). Forward = two kernels:
 Backward = two kernels over the linear adjoint recurrence dp_{t-1} = m_t dp_t + c_t:
   3. `_bwd_reduce_kernel`: per chunk, the composed affine map (m, c) from chunk-end to chunk-start.
   4. `_bwd_replay_kernel`: per chunk, the carry from later chunks, then a reverse token replay that
-     emits every input gradient, plus each chunk's dp0 contribution (from its resets).
+     emits every raw input's gradient, plus each chunk's dp0 contribution (from its resets).
 """
 from __future__ import annotations
 
@@ -36,6 +38,43 @@ def _row(ref, b, t, h):
   if len(ref.shape) == 4:
     return ref[b, pl.ds(t, 1), h, :].astype(jnp.float32)
   return ref[b, pl.ds(t, 1), h].astype(jnp.float32)
+
+
+RAW = ("k", "la", "om", "r", "mu")   # the kernels' raw inputs, in this order
+
+
+def _lanes(raw, b, t, h, diag):
+  """Token t's lane inputs, formed in the kernel from the raw rows (the raw inputs are read once,
+  in their own dtype, instead of five fp32 lane arrays made in XLA):
+    diag: kx = k, kk = k^2, a = exp(2 la), om, u = mu k^2 / r            (lanes: K channels)
+    iso:  kx = 1, kk = |k|^2, a = mean exp(2 la), om, u = mu |k|^2 / (K r)  (one lane)
+  r is a [1, 1] column; `k` and `e2` = exp(2 la) are kept for the raw gradients."""
+  k = _row(raw["k"], b, t, h)
+  e2 = jnp.exp(2.0 * _row(raw["la"], b, t, h))
+  r = _row(raw["r"], b, t, h)[:, None]
+  mu = raw["mu"][pl.ds(h, 1)].astype(jnp.float32)[:, None]
+  om = _row(raw["om"], b, t, h)
+  if diag:
+    kk = k * k
+    return dict(a=e2, om=om, u=mu * kk / r, kx=k, kk=kk, r=r, k=k, e2=e2, mu=mu)
+  kk = jnp.sum(k * k, axis=1, keepdims=True)
+  return dict(a=jnp.mean(e2, axis=1, keepdims=True), om=om[:, None],
+              u=mu * kk / (k.shape[1] * r), kx=jnp.ones_like(kk), kk=kk, r=r, k=k, e2=e2, mu=mu)
+
+
+def _raw_grads(x, g, diag):
+  """Chain rule from the lane gradients g (see _bwd_token) through _lanes to the raw inputs;
+  mu's is per token (summed over (batch, time) outside)."""
+  k, r, mu = x["k"], x["r"], x["mu"]
+  gu_r = g["u"] / r
+  if diag:
+    return dict(k=g["kx"] + 2.0 * k * (g["kk"] + mu * gu_r), la=2.0 * x["e2"] * g["a"],
+                om=g["om"], r=g["r"] - jnp.sum(gu_r * x["u"], axis=1),
+                mu=jnp.sum(gu_r * x["kk"], axis=1))
+  kd = k.shape[1]
+  return dict(k=2.0 * k * (g["kk"] + mu * gu_r / kd), la=(2.0 / kd) * x["e2"] * g["a"],
+              om=g["om"].reshape(-1), r=g["r"] - (gu_r * x["u"]).reshape(-1),
+              mu=(gu_r * x["kk"]).reshape(-1) / kd)
 
 
 def _token_matrix(a, om, u, reset, p0):
@@ -64,18 +103,21 @@ def _matmul2(x, y):
   return n11 * inv, n12 * inv, n21 * inv, n22 * inv
 
 
-def _reduce_kernel(a_ref, om_ref, u_ref, reset_ref, p0_ref, prod_ref, *, chunk):
+def _raw_refs(refs):
+  return dict(zip(RAW, refs[:len(RAW)])), refs[len(RAW):]
+
+
+def _reduce_kernel(*refs, chunk, diag):
+  raw, (reset_ref, p0_ref, prod_ref) = _raw_refs(refs)
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   p0 = p0_ref[b, h, :].astype(jnp.float32)[None, :]
   t0 = c * chunk
 
   def body(i, m):
     t = t0 + i
-    a = _row(a_ref, b, t, h)
-    om = _row(om_ref, b, t, h)
-    u = _row(u_ref, b, t, h)
+    x = _lanes(raw, b, t, h, diag)
     reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
-    return _matmul2(_token_matrix(a, om, u, reset, p0), m)
+    return _matmul2(_token_matrix(x["a"], x["om"], x["u"], reset, p0), m)
 
   one = jnp.ones_like(p0)
   zero = jnp.zeros_like(p0)
@@ -95,8 +137,8 @@ def _carry_in(prod_ref, p0, b, h, c):
   return lax.fori_loop(0, c, body, p0)
 
 
-def _replay_kernel(kx_ref, kk_ref, a_ref, om_ref, u_ref, r_ref, reset_ref, p0_ref, prod_ref,
-                   gain_ref, pprev_ref, pfin_ref, *, chunk, num_chunks):
+def _replay_kernel(*refs, chunk, num_chunks, diag):
+  raw, (reset_ref, p0_ref, prod_ref, gain_ref, pprev_ref, pfin_ref) = _raw_refs(refs)
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   p0 = p0_ref[b, h, :].astype(jnp.float32)[None, :]
   p = _carry_in(prod_ref, p0, b, h, c)
@@ -106,14 +148,13 @@ def _replay_kernel(kx_ref, kk_ref, a_ref, om_ref, u_ref, r_ref, reset_ref, p0_re
     t = t0 + i
     reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
     p = jnp.where(reset, p0, p)
-    a, om, u, kx, kk, r = _token_inputs(
-        (a_ref, om_ref, u_ref, kx_ref, kk_ref, r_ref), b, t, h)
-    p_hat = a * p + om
-    den = r + jnp.sum(p_hat * kk, axis=1, keepdims=True)
-    gain = p_hat * kx / den
+    x = _lanes(raw, b, t, h, diag)
+    p_hat = x["a"] * p + x["om"]
+    den = x["r"] + jnp.sum(p_hat * x["kk"], axis=1, keepdims=True)
+    gain = p_hat * x["kx"] / den
     gain_ref[b, pl.ds(t, 1), h, :] = gain.astype(gain_ref.dtype)
     pprev_ref[b, pl.ds(t, 1), h, :] = p
-    return p_hat / (1.0 + u * p_hat)
+    return p_hat / (1.0 + x["u"] * p_hat)
 
   p = lax.fori_loop(0, chunk, body, p)
 
@@ -122,17 +163,11 @@ def _replay_kernel(kx_ref, kk_ref, a_ref, om_ref, u_ref, r_ref, reset_ref, p0_re
     pfin_ref[b, h, :] = p.reshape(-1)
 
 
-def _token_inputs(refs, b, t, h):
-  """Token t's rows of (a, omega, u, k-gain, k-info, r); r as a column."""
-  *lanes, r_ref = refs
-  return (*(_row(x, b, t, h) for x in lanes), _row(r_ref, b, t, h)[:, None])
-
-
-def _bwd_token(t, b, h, refs, dp):
-  """One reverse step. Returns (gradients..., m, c) where dp_prev = m * dp + c (before resets)."""
-  kx_ref, kk_ref, a_ref, om_ref, u_ref, r_ref, pprev_ref, dgain_ref = refs
-  a, om, u, kx, kk, r = _token_inputs(
-      (a_ref, om_ref, u_ref, kx_ref, kk_ref, r_ref), b, t, h)
+def _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, dp, diag):
+  """One reverse step. Returns (lane gradients, lanes, dp_hat, m, c, a) where
+  dp_prev = m * dp + c (before resets)."""
+  x = _lanes(raw, b, t, h, diag)
+  a, om, u, kx, kk, r = (x[n] for n in ("a", "om", "u", "kx", "kk", "r"))
   p_prev = _row(pprev_ref, b, t, h)
   dgain = _row(dgain_ref, b, t, h)
   p_hat = a * p_prev + om
@@ -153,37 +188,37 @@ def _bwd_token(t, b, h, refs, dp):
       a=dp_hat * p_prev,
       om=dp_hat,
   )
-  return grads, dp_hat, a * m, a * q, a
+  return grads, x, dp_hat, a * m, a * q, a
 
 
-def _bwd_reduce_kernel(kx_ref, kk_ref, a_ref, om_ref, u_ref, r_ref, pprev_ref, dgain_ref,
-                       reset_ref, map_ref, *, chunk):
+def _bwd_reduce_kernel(*refs, chunk, diag):
+  raw, (pprev_ref, dgain_ref, reset_ref, map_ref) = _raw_refs(refs)
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  refs = (kx_ref, kk_ref, a_ref, om_ref, u_ref, r_ref, pprev_ref, dgain_ref)
   t_last = c * chunk + chunk - 1
 
   def body(i, mc):
     mm, cc = mc
     t = t_last - i
     # dp_t = mm * dp_out + cc  ->  dp_{t-1} = m_t dp_t + c_t.
-    _, _, m_t, c_t, _ = _bwd_token(t, b, h, refs, jnp.zeros_like(mm))
+    _, _, _, m_t, c_t, _ = _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, jnp.zeros_like(mm),
+                                      diag)
     reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
     m_t = jnp.where(reset, 0.0, m_t)
     c_t = jnp.where(reset, 0.0, c_t)
     return m_t * mm, m_t * cc + c_t
 
-  one = jnp.ones((1, a_ref.shape[-1]), jnp.float32)
+  one = jnp.ones((1, pprev_ref.shape[-1]), jnp.float32)
   mm, cc = lax.fori_loop(0, chunk, body, (one, jnp.zeros_like(one)))
   map_ref[b, h, c, 0, :] = mm.reshape(-1)
   map_ref[b, h, c, 1, :] = cc.reshape(-1)
 
 
-def _bwd_replay_kernel(kx_ref, kk_ref, a_ref, om_ref, u_ref, r_ref, pprev_ref, dgain_ref,
-                       reset_ref, map_ref, dpfin_ref,
-                       dkx_ref, dkk_ref, da_ref, dom_ref, du_ref, dr_ref, dp0_ref,
-                       *, chunk, num_chunks):
+def _bwd_replay_kernel(*refs, chunk, num_chunks, diag):
+  raw, rest = _raw_refs(refs)
+  pprev_ref, dgain_ref, reset_ref, map_ref, dpfin_ref = rest[:5]
+  d_refs = dict(zip(RAW, rest[5:10]))
+  dp0_ref = rest[10]
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  refs = (kx_ref, kk_ref, a_ref, om_ref, u_ref, r_ref, pprev_ref, dgain_ref)
   dp_fin = dpfin_ref[b, h, :].astype(jnp.float32)[None, :]
 
   def carry_body(j, dp):
@@ -196,11 +231,13 @@ def _bwd_replay_kernel(kx_ref, kk_ref, a_ref, om_ref, u_ref, r_ref, pprev_ref, d
   def body(i, state):
     dp, dp0 = state
     t = t_last - i
-    g, dp_hat, _, _, a = _bwd_token(t, b, h, refs, dp)
-    for name, ref in (("kx", dkx_ref), ("kk", dkk_ref), ("a", da_ref), ("om", dom_ref),
-                      ("u", du_ref)):
-      ref[b, pl.ds(t, 1), h, :] = g[name]
-    dr_ref[b, pl.ds(t, 1), h] = g["r"]
+    g, x, dp_hat, _, _, a = _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, dp, diag)
+    for name, val in _raw_grads(x, g, diag).items():
+      ref = d_refs[name]
+      if len(ref.shape) == 4:
+        ref[b, pl.ds(t, 1), h, :] = val
+      else:
+        ref[b, pl.ds(t, 1), h] = val
     reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
     dprev = a * dp_hat
     dp0 = dp0 + jnp.where(reset, dprev, 0.0)
@@ -215,49 +252,53 @@ def _bwd_replay_kernel(kx_ref, kk_ref, a_ref, om_ref, u_ref, r_ref, pprev_ref, d
 # Wrappers (all arrays already padded to a multiple of the chunk).
 
 
-def _launch(r, per_lane, chunk, interpret, cfg):
+def _launch(r, lanes, chunk, interpret, cfg):
   """Sizes, grid (batch, head, chunk) and pallas_call options of one gain pass."""
   bsz, t, nh = r.shape
   params = dict(interpret=interpret,
                 compiler_params=common.compiler_params(cfg.num_warps, cfg.num_stages))
-  return bsz, nh, t // chunk, per_lane.shape[-1], (bsz, nh, t // chunk), params
+  return bsz, t, nh, t // chunk, (bsz, nh, t // chunk), params
 
 
-def gain_forward(kx, kk, a, om, u, r, reset, p0, *, chunk, interpret, cfg):
-  """Lane arrays [B,T,H,L] float32, r [B,T,H], reset [B,T], p0 [B,H,L]."""
-  bsz, nh, nc, lanes, grid, params = _launch(r, p0, chunk, interpret, cfg)
+def gain_forward(raw, reset, p0, *, chunk, interpret, cfg):
+  """raw: (k [B,T,H,K], log_alpha [B,T,H,K], omega [B,T,H,K] (diag) or [B,T,H] (iso),
+  r [B,T,H], mu [H]) in any float dtype; reset [B,T]; p0 [B,H,L] (L = K diag, 1 iso).
+  Returns (gain [B,T,H,L], p_prev [B,T,H,L] (residual), p_final [B,H,L]), float32."""
+  r = raw[3]
+  lanes = p0.shape[-1]
+  diag = len(raw[2].shape) == 4
+  bsz, t, nh, nc, grid, params = _launch(r, lanes, chunk, interpret, cfg)
   reset = reset.astype(jnp.int32)
   prod = pl.pallas_call(
-      functools.partial(_reduce_kernel, chunk=chunk),
+      functools.partial(_reduce_kernel, chunk=chunk, diag=diag),
       out_shape=jax.ShapeDtypeStruct((bsz, nh, nc, 4, lanes), jnp.float32),
       grid=grid, name="kdn_gain_reduce", **params,
-  )(a, om, u, reset, p0)
-  lane_shape = kx.shape
-  gain, pprev, pfin = pl.pallas_call(
-      functools.partial(_replay_kernel, chunk=chunk, num_chunks=nc),
-      out_shape=(jax.ShapeDtypeStruct(lane_shape, jnp.float32),
-                 jax.ShapeDtypeStruct(lane_shape, jnp.float32),
-                 jax.ShapeDtypeStruct((bsz, nh, lanes), jnp.float32)),
+  )(*raw, reset, p0)
+  lane = jax.ShapeDtypeStruct((bsz, t, nh, lanes), jnp.float32)
+  return pl.pallas_call(
+      functools.partial(_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag),
+      out_shape=(lane, lane, jax.ShapeDtypeStruct((bsz, nh, lanes), jnp.float32)),
       grid=grid, name="kdn_gain_replay", **params,
-  )(kx, kk, a, om, u, r, reset, p0, prod)
-  return gain, pprev, pfin
+  )(*raw, reset, p0, prod)
 
 
-def gain_backward(kx, kk, a, om, u, r, reset, pprev, dgain, dpfin, *, chunk, interpret, cfg):
-  bsz, nh, nc, lanes, grid, params = _launch(r, dpfin, chunk, interpret, cfg)
+def gain_backward(raw, reset, pprev, dgain, dpfin, *, chunk, interpret, cfg):
+  """Returns the float32 gradients of the raw inputs (mu's per token, [B,T,H]) and of p0."""
+  r = raw[3]
+  lanes = pprev.shape[-1]
+  diag = len(raw[2].shape) == 4
+  bsz, t, nh, nc, grid, params = _launch(r, lanes, chunk, interpret, cfg)
   reset = reset.astype(jnp.int32)
   maps = pl.pallas_call(
-      functools.partial(_bwd_reduce_kernel, chunk=chunk),
+      functools.partial(_bwd_reduce_kernel, chunk=chunk, diag=diag),
       out_shape=jax.ShapeDtypeStruct((bsz, nh, nc, 2, lanes), jnp.float32),
       grid=grid, name="kdn_gain_bwd_reduce", **params,
-  )(kx, kk, a, om, u, r, pprev, dgain, reset)
-  lane = jax.ShapeDtypeStruct(kx.shape, jnp.float32)
-  outs = pl.pallas_call(
-      functools.partial(_bwd_replay_kernel, chunk=chunk, num_chunks=nc),
-      out_shape=(lane, lane, lane, lane, lane,
-                 jax.ShapeDtypeStruct(r.shape, jnp.float32),
-                 jax.ShapeDtypeStruct((bsz, nh, nc, lanes), jnp.float32)),
+  )(*raw, pprev, dgain, reset)
+  per_token = jax.ShapeDtypeStruct(r.shape, jnp.float32)
+  d_shapes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in raw[:4]) + (per_token,)
+  *d_raw, dp0 = pl.pallas_call(
+      functools.partial(_bwd_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag),
+      out_shape=d_shapes + (jax.ShapeDtypeStruct((bsz, nh, nc, lanes), jnp.float32),),
       grid=grid, name="kdn_gain_bwd_replay", **params,
-  )(kx, kk, a, om, u, r, pprev, dgain, reset, maps, dpfin)
-  dkx, dkk, da, dom, du, dr, dp0 = outs
-  return dkx, dkk, da, dom, du, dr, dp0.sum(axis=2)
+  )(*raw, pprev, dgain, reset, maps, dpfin)
+  return tuple(d_raw), dp0.sum(axis=2)
