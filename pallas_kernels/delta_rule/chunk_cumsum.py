@@ -19,9 +19,9 @@ from pallas_kernels import common
 _MAX_ROWS = 64   # rows per program (unrolled): a whole number of chunks
 
 
-def _rows_per_program(t, chunk):
+def _rows_per_program(t, chunk, max_rows=_MAX_ROWS):
   rows = chunk
-  while rows * 2 <= _MAX_ROWS and t % (rows * 2) == 0:
+  while rows * 2 <= max_rows and t % (rows * 2) == 0:
     rows *= 2
   return rows
 

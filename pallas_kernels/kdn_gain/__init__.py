@@ -16,8 +16,9 @@ __all__ = ["diag_gain", "iso_gain"]
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
 def _gain(k, la, om, r, mu, reset, p0, chunk, interpret, cfg):
   """The gain recurrence from the raw inputs (kernel.py), time already padded to the chunk."""
+  # Not differentiated: p_prev (the backward's residual) is not written.
   gain, _, pfin = _kernel.gain_forward((k, la, om, r, mu), reset, p0, chunk=chunk,
-                                       interpret=interpret, cfg=cfg)
+                                       interpret=interpret, cfg=cfg, save_pprev=False)
   return gain, pfin
 
 

@@ -137,8 +137,10 @@ def _carry_in(prod_ref, p0, b, h, c):
   return lax.fori_loop(0, c, body, p0)
 
 
-def _replay_kernel(*refs, chunk, num_chunks, diag):
-  raw, (reset_ref, p0_ref, prod_ref, gain_ref, pprev_ref, pfin_ref) = _raw_refs(refs)
+def _replay_kernel(*refs, chunk, num_chunks, diag, save_pprev):
+  raw, rest = _raw_refs(refs)
+  reset_ref, p0_ref, prod_ref, gain_ref = rest[:4]
+  pprev_ref, pfin_ref = rest[4:] if save_pprev else (None, rest[4])
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   p0 = p0_ref[b, h, :].astype(jnp.float32)[None, :]
   p = _carry_in(prod_ref, p0, b, h, c)
@@ -153,7 +155,8 @@ def _replay_kernel(*refs, chunk, num_chunks, diag):
     den = x["r"] + jnp.sum(p_hat * x["kk"], axis=1, keepdims=True)
     gain = p_hat * x["kx"] / den
     gain_ref[b, pl.ds(t, 1), h, :] = gain.astype(gain_ref.dtype)
-    pprev_ref[b, pl.ds(t, 1), h, :] = p
+    if save_pprev:
+      pprev_ref[b, pl.ds(t, 1), h, :] = p
     return p_hat / (1.0 + x["u"] * p_hat)
 
   p = lax.fori_loop(0, chunk, body, p)
@@ -260,10 +263,11 @@ def _launch(r, lanes, chunk, interpret, cfg):
   return bsz, t, nh, t // chunk, (bsz, nh, t // chunk), params
 
 
-def gain_forward(raw, reset, p0, *, chunk, interpret, cfg):
+def gain_forward(raw, reset, p0, *, chunk, interpret, cfg, save_pprev=True):
   """raw: (k [B,T,H,K], log_alpha [B,T,H,K], omega [B,T,H,K] (diag) or [B,T,H] (iso),
   r [B,T,H], mu [H]) in any float dtype; reset [B,T]; p0 [B,H,L] (L = K diag, 1 iso).
-  Returns (gain [B,T,H,L], p_prev [B,T,H,L] (residual), p_final [B,H,L]), float32."""
+  Returns (gain [B,T,H,L], p_prev [B,T,H,L] (the backward's residual; None unless save_pprev),
+  p_final [B,H,L]), float32."""
   r = raw[3]
   lanes = p0.shape[-1]
   diag = len(raw[2].shape) == 4
@@ -275,11 +279,14 @@ def gain_forward(raw, reset, p0, *, chunk, interpret, cfg):
       grid=grid, name="kdn_gain_reduce", **params,
   )(*raw, reset, p0)
   lane = jax.ShapeDtypeStruct((bsz, t, nh, lanes), jnp.float32)
-  return pl.pallas_call(
-      functools.partial(_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag),
-      out_shape=(lane, lane, jax.ShapeDtypeStruct((bsz, nh, lanes), jnp.float32)),
+  outs = pl.pallas_call(
+      functools.partial(_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag,
+                        save_pprev=save_pprev),
+      out_shape=(lane,) + ((lane,) if save_pprev else ()) + (
+          jax.ShapeDtypeStruct((bsz, nh, lanes), jnp.float32),),
       grid=grid, name="kdn_gain_replay", **params,
   )(*raw, reset, p0, prod)
+  return (outs[0], outs[1], outs[2]) if save_pprev else (outs[0], None, outs[1])
 
 
 def gain_backward(raw, reset, pprev, dgain, dpfin, *, chunk, interpret, cfg):
