@@ -3,8 +3,9 @@
 g_t = sum of log_alpha over t's piece up to t, where pieces restart at every `starts` flag
 (chunk starts and segment resets); the backward is the reverse cumsum within pieces, plus an
 addend. One program per (batch, head, block of rows), the rows summed one after another in fp32:
-the same sequential sum as a token loop (a masked matmul would round on GPU tensor cores), and
-about 4x less time than XLA's associative scan over all of T (H200, T=4096: 0.3-0.5 ms).
+the same sequential sum as a token loop (a masked matmul would round on GPU tensor cores).
+H200, B=4 H=16 K=128 T=4096: 0.15 ms, against 0.3-0.5 ms for XLA's associative scan over all of
+T; a statically unrolled row loop ran 0.19 ms and took 7 s to compile (the loop: 0.1 s).
 """
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 
-_MAX_ROWS = 64   # rows per program (unrolled): a whole number of chunks
+_MAX_ROWS = 64   # rows per program: a whole number of chunks
 
 
 def _rows_per_program(t, chunk, max_rows=_MAX_ROWS):
@@ -26,30 +28,35 @@ def _rows_per_program(t, chunk, max_rows=_MAX_ROWS):
   return rows
 
 
+def _restart(starts_ref, b, t):
+  return starts_ref[b, pl.ds(t, 1)][:, None] > 0
+
+
 def _forward_kernel(x_ref, starts_ref, g_ref, *, rows):
   b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   t0 = i * rows
-  acc = None
-  for j in range(rows):
-    x = x_ref[b, pl.ds(t0 + j, 1), h, :].astype(jnp.float32)
-    if acc is None:      # the block starts a chunk: a restart
-      acc = x
-    else:
-      acc = jnp.where(starts_ref[b, pl.ds(t0 + j, 1)][:, None] > 0, x, acc + x)
-    g_ref[b, pl.ds(t0 + j, 1), h, :] = acc
+
+  def body(j, acc):
+    t = t0 + j
+    x = x_ref[b, pl.ds(t, 1), h, :].astype(jnp.float32)
+    acc = jnp.where(_restart(starts_ref, b, t), x, acc + x)   # row 0 of a block restarts
+    g_ref[b, pl.ds(t, 1), h, :] = acc
+    return acc
+
+  lax.fori_loop(0, rows, body, jnp.zeros((1, x_ref.shape[-1]), jnp.float32))
 
 
 def _reverse_kernel(dg_ref, add_ref, starts_ref, out_ref, *, rows):
   b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   t0 = i * rows
-  acc = None
-  for j in reversed(range(rows)):
-    x = dg_ref[b, pl.ds(t0 + j, 1), h, :]
-    if acc is None:      # the block's last row ends a chunk
-      acc = x
-    else:                # the piece ends where the next row starts a new one
-      acc = jnp.where(starts_ref[b, pl.ds(t0 + j + 1, 1)][:, None] > 0, x, acc + x)
-    out_ref[b, pl.ds(t0 + j, 1), h, :] = acc + add_ref[b, pl.ds(t0 + j, 1), h, :]
+
+  def body(j, acc):
+    t = t0 + rows - 1 - j
+    acc = acc + dg_ref[b, pl.ds(t, 1), h, :]
+    out_ref[b, pl.ds(t, 1), h, :] = acc + add_ref[b, pl.ds(t, 1), h, :]
+    return jnp.where(_restart(starts_ref, b, t), 0.0, acc)   # t starts its piece
+
+  lax.fori_loop(0, rows, body, jnp.zeros((1, dg_ref.shape[-1]), jnp.float32))
 
 
 def _call(kernel, name, args, starts, chunk, interpret, num_warps):
@@ -63,13 +70,13 @@ def _call(kernel, name, args, starts, chunk, interpret, num_warps):
   )(*args, starts.astype(jnp.int32))
 
 
-def chunk_cumsum(la, starts, *, chunk, interpret, num_warps=4):
+def chunk_cumsum(la, starts, *, chunk, interpret, num_warps=1):
   """la [B,T,H,K] (T a multiple of chunk), starts [B,T] bool (True at every chunk start and
   reset) -> g [B,T,H,K] float32."""
   return _call(_forward_kernel, "delta_rule_cumsum", (la,), starts, chunk, interpret, num_warps)
 
 
-def chunk_reverse_cumsum(dg, add, starts, *, chunk, interpret, num_warps=4):
+def chunk_reverse_cumsum(dg, add, starts, *, chunk, interpret, num_warps=1):
   """The transpose of chunk_cumsum applied to dg, plus `add` (all [B,T,H,K] float32)."""
   return _call(_reverse_kernel, "delta_rule_reverse_cumsum", (dg.astype(jnp.float32), add.astype(jnp.float32)), starts,
                chunk, interpret, num_warps)
