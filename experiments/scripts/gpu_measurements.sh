@@ -41,7 +41,7 @@ stages)
   timeout ${STAGES_LIMIT:-540} python3 -m experiments.benchmark_mixers --out="$RES/stages" \
     --seq_lens=${STAGE_LENS:-4096} --pallas_lens= --reps=${REPS:-10} --check=${STAGES_CHECK:-true} \
     --time_budget_s=${STAGES_BUDGET:-420} --stages --stages_docs --sweep_stages \
-    --sweep=${SWEEP-default,max_chunk=64/sub_block=16,max_chunk=32/sub_block=16,max_chunk=64/sub_block=16/num_warps_intra=4,bf16_states=1} \
+    --sweep=${SWEEP-default,bf16_states=0,max_chunk=32,num_warps_intra=4} \
     --rows=${STAGE_ROWS:-diag_kdn_pallas,iso_kdn_pallas,fla_chunk_kda} \
     2>&1 | quiet | tail -60 | tee "$RES/stages.txt" ;;
 docs)
@@ -50,7 +50,7 @@ docs)
   timeout ${DOCS_LIMIT:-400} python3 -m experiments.benchmark_mixers --out="$RES/docs" \
     --seq_lens=4096 --pallas_lens= --reps=${REPS:-10} --check=true --time_budget_s=${DOCS_BUDGET:-300} \
     --sweep_row=diag_kdn_seg_pallas --sweep_stages \
-    --sweep=${DOCS_SWEEP-default,block_v_parallel=64,bf16_states=1,num_warps_parallel=4/block_v_parallel=64} \
+    --sweep=${DOCS_SWEEP-default,block_v_parallel=64,num_warps_parallel=4/block_v_parallel=64} \
     --rows=diag_kdn_seg_pallas,iso_kdn_seg_pallas,diag_kdn_pallas \
     2>&1 | quiet | tail -40 | tee "$RES/docs.txt" ;;
 mixers)
