@@ -275,16 +275,64 @@ def check_violations(res):
   """Names of run_check results above CHECK_BOUNDS, with their values."""
   bad = {}
   for name, err in res.items():
-    fwd = name.endswith(("_o", "_S")) or name.startswith("diag_gain")
+    fwd = name.endswith(("_o", "_S", "_kappa", "_pfin"))
     dtype = "float32" if "float32" in name else "bfloat16"
     if not err <= CHECK_BOUNDS[dtype][0 if fwd else 1]:
       bad[name] = err
   return bad
 
 
+def _gain_scan(diag, k, la, om, r, mu, p0, seg):
+  """The KDN gain as a plain fp32 token scan (a reset where seg changes): (gain, p_final)."""
+  kd = k.shape[-1]
+  reset = jnp.concatenate([jnp.zeros_like(seg[:, :1]), seg[:, 1:] != seg[:, :-1]], axis=1)
+
+  def step(p, xs):
+    kt, lat, omt, rt, rs = xs
+    p = jnp.where(rs.reshape(rs.shape + (1,) * (p.ndim - 1)), p0, p)
+    if diag:
+      ph = jnp.exp(2 * lat) * p + omt
+      gain = ph * kt / (rt[..., None] + jnp.sum(ph * kt * kt, -1, keepdims=True))
+      return ph / (1 + mu[None, :, None] * kt * kt / rt[..., None] * ph), gain
+    ph = jnp.mean(jnp.exp(2 * lat), -1) * p + omt
+    s = jnp.sum(kt * kt, -1)
+    return ph / (1 + mu[None, :] * ph * s / (kd * rt)), ph / (rt + ph * s)
+
+  xs = tuple(jnp.moveaxis(z, 1, 0) for z in (k, la, om, r, reset))
+  p, gain = jax.lax.scan(step, p0, xs)
+  return jnp.moveaxis(gain, 0, 1), p
+
+
+def _gain_check(pk, x, seg, tag, b, h, d):
+  """diag/iso gain (Pallas, with the reset of `seg`) against _gain_scan: the gain, the final
+  variance and the gradients of k, log_alpha, omega, r, info_scale and p0."""
+  res = {}
+  for diag in (True, False):
+    mode = "diag" if diag else "iso"
+    fn = pk.diag_gain if diag else pk.iso_gain
+    om = x["om"] if diag else x["om_iso"]
+    p0 = jnp.full((b, h, d) if diag else (b, h), 0.5)
+    args = (x["k"], x["la"], om, x["r"], jnp.full((h,), float(d)), p0)
+    ct = jax.random.normal(jax.random.PRNGKey(4), x["k"].shape if diag else x["r"].shape)
+    f_pk = lambda *a, fn=fn: fn(*a, seg)
+    def f_ref(*a, diag=diag):
+      return _gain_scan(diag, *(z.astype(jnp.float32) for z in a), seg)
+    def loss(f):
+      return lambda *a: jnp.sum(f(*a)[0] * ct) + jnp.sum(f(*a)[1])
+    (g1, p1), (g2, p2) = jax.jit(f_pk)(*args), jax.jit(f_ref)(*args)
+    res[f"{mode}_gain_{tag}_kappa"] = _rel(g1, g2)
+    res[f"{mode}_gain_{tag}_pfin"] = _rel(p1, p2)
+    d1 = jax.jit(jax.grad(loss(f_pk), argnums=tuple(range(6))))(*args)
+    d2 = jax.jit(jax.grad(loss(f_ref), argnums=tuple(range(6))))(*args)
+    for n, a1, a2 in zip(("dk", "dla", "dom", "dr", "dmu", "dp0"), d1, d2):
+      res[f"{mode}_gain_{tag}_{n}"] = _rel(a1, a2)
+  return res
+
+
 def run_check(b=2, t=300, h=2, d=128, cut=100):
-  """Relative RMS errors of the Pallas delta rule and diag gain (default config) against plain
-  fp32 scans, fp32 and bf16 inputs, without and with a segment reset at token `cut`."""
+  """Relative RMS errors of the Pallas delta rule and the diag and iso gains (default configs)
+  against plain fp32 scans, fp32 and bf16 inputs, without and with a segment reset at token
+  `cut` (the gains: with it)."""
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
   res = {}
   for dtype in (jnp.float32, jnp.bfloat16):
@@ -318,20 +366,7 @@ def run_check(b=2, t=300, h=2, d=128, cut=100):
       g2 = jax.jit(jax.grad(loss(fb), argnums=tuple(range(6))))(*args)
       for n, a1, a2 in zip(("dq", "dk", "dv", "dla", "dw", "dh0"), g1, g2):
         res[f"delta_rule_{tag}_{name}{n}"] = _rel(a1, a2)
-    mu = jnp.full((h,), float(d))
-    kap, _ = jax.jit(lambda k, la, om, r: pk.diag_gain(k, la, om, r, mu, jnp.ones((b, h, d))))(
-        x["k"], x["la"], x["om"], x["r"])
-    def gain_ref(k, la, om, r):
-      k, la, om, r = (z.astype(jnp.float32) for z in (k, la, om, r))
-      def step(p, xs):
-        kt, lat, omt, rt = xs
-        ph = jnp.exp(2 * lat) * p + omt
-        kap = ph * kt / (rt[..., None] + jnp.sum(ph * kt * kt, -1, keepdims=True))
-        return ph / (1 + mu[None, :, None] * kt * kt / rt[..., None] * ph), kap
-      xs = tuple(jnp.moveaxis(z, 1, 0) for z in (k, la, om, r))
-      _, kap = jax.lax.scan(step, jnp.ones((b, h, d)), xs)
-      return jnp.moveaxis(kap, 0, 1)
-    res[f"diag_gain_{tag}"] = _rel(kap, jax.jit(gain_ref)(x["k"], x["la"], x["om"], x["r"]))
+    res.update(_gain_check(pk, x, seg, tag, b, h, d))
   for kname, val in res.items():
     logging.info("check %s: %.3g", kname, val)
     print(f"check {kname}: {val:.3g}", flush=True)

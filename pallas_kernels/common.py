@@ -17,7 +17,6 @@ __all__ = [
     "pad_time",
     "reset_flags",
     "segmented_cumsum",
-    "segmented_reverse_cumsum",
     "check_width",
 ]
 
@@ -108,17 +107,4 @@ def segmented_cumsum(x, starts, axis):
   """Inclusive cumsum along `axis` that restarts where `starts` (broadcastable bool) is True."""
   starts = jnp.broadcast_to(starts, x.shape)
   out, _ = lax.associative_scan(_seg_add, (x, starts), axis=axis)
-  return out
-
-
-def segmented_reverse_cumsum(x, starts, axis):
-  """sum_{s >= t, same piece} x_s where pieces begin at `starts` (True at a piece's first element)."""
-  starts = jnp.broadcast_to(starts, x.shape)
-  # A piece ends right before the next start: in reverse order, "ends" play the role of starts.
-  n = x.shape[axis]
-  nxt = lax.slice_in_dim(starts, 1, n, axis=axis)
-  pad_shape = list(starts.shape)
-  pad_shape[axis] = 1
-  ends = jnp.concatenate([nxt, jnp.ones(pad_shape, bool)], axis=axis)
-  out, _ = lax.associative_scan(_seg_add, (x, ends), axis=axis, reverse=True)
   return out

@@ -17,16 +17,17 @@ def test_check_meets_bounds_in_interpret_mode():
   res = bm.run_check(b=1, t=40, h=1, d=16, cut=13)
   assert any("seg_" in k for k in res)
   assert "delta_rule_float32_seg_dh0" in res
+  assert {"diag_gain_float32_dp0", "iso_gain_bfloat16_dmu", "iso_gain_float32_kappa"} <= set(res)
   assert bm.check_violations(res) == {}, res
 
 
 def test_check_violations_use_the_issue_bounds():
   res = {"delta_rule_float32_o": 2e-5, "delta_rule_float32_seg_dk": 5e-5,
          "delta_rule_bfloat16_dv": 2e-2, "delta_rule_bfloat16_S": 4e-3,
-         "diag_gain_float32": float("nan")}
+         "diag_gain_float32_kappa": float("nan"), "iso_gain_bfloat16_dmu": 9e-3}
   assert bm.check_violations(res) == {"delta_rule_float32_o": 2e-5,
                                       "delta_rule_bfloat16_dv": 2e-2,
-                                      "diag_gain_float32": res["diag_gain_float32"]}
+                                      "diag_gain_float32_kappa": res["diag_gain_float32_kappa"]}
 
 
 def test_config_from_spec():

@@ -128,3 +128,12 @@ def test_gain_tpu_interpret_matches():
   a = diag_gain(*args[:4], mu, args[4], chunk_size=16, interpret=pltpu.InterpretParams())
   b = diag_gain(*args[:4], mu, args[4], chunk_size=16, interpret=True)
   assert _rel(a[0], b[0]) < 1e-6 and _rel(a[1], b[1]) < 1e-6
+
+
+def test_gain_shape_errors_name_the_argument():
+  args = _inputs(5, 1, 8, 2, 16, True, jnp.float32, None, False)
+  mu = jnp.full((2,), 16.0)
+  with pytest.raises(ValueError, match="omega"):
+    diag_gain(args[0], args[1], args[2][..., 0], args[3], mu, args[4])
+  with pytest.raises(ValueError, match="b0"):
+    iso_gain(args[0], args[1], args[2][..., 0], args[3], mu, args[4])

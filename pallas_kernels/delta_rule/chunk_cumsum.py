@@ -61,6 +61,8 @@ def _reverse_kernel(dg_ref, add_ref, starts_ref, out_ref, *, rows):
 
 def _call(kernel, name, args, starts, chunk, interpret, num_warps):
   bsz, t, nh, kd = args[0].shape
+  if t % chunk:
+    raise ValueError(f"{name}: time length {t} is not a multiple of chunk={chunk}")
   rows = _rows_per_program(t, chunk)
   return pl.pallas_call(
       functools.partial(kernel, rows=rows),
@@ -77,6 +79,8 @@ def chunk_cumsum(la, starts, *, chunk, interpret, num_warps=1):
 
 
 def chunk_reverse_cumsum(dg, add, starts, *, chunk, interpret, num_warps=1):
-  """The transpose of chunk_cumsum applied to dg, plus `add` (all [B,T,H,K] float32)."""
-  return _call(_reverse_kernel, "delta_rule_reverse_cumsum", (dg.astype(jnp.float32), add.astype(jnp.float32)), starts,
-               chunk, interpret, num_warps)
+  """The transpose of chunk_cumsum applied to dg, plus `add` (all [B,T,H,K] float32); starts as
+  for chunk_cumsum (True at every chunk start: the program blocks end on chunk boundaries)."""
+  return _call(_reverse_kernel, "delta_rule_reverse_cumsum",
+               (dg.astype(jnp.float32), add.astype(jnp.float32)), starts, chunk, interpret,
+               num_warps)

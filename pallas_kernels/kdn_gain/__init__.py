@@ -13,27 +13,27 @@ from pallas_kernels.kdn_gain import kernel as _kernel
 __all__ = ["diag_gain", "iso_gain"]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _gain(k, la, om, r, mu, reset, p0, chunk, interpret, cfg):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _gain(k, la, om, r, mu, reset, p0, diag, chunk, interpret, cfg):
   """The gain recurrence from the raw inputs (kernel.py), time already padded to the chunk."""
   # Not differentiated: p_prev (the backward's residual) is not written.
-  gain, _, pfin = _kernel.gain_forward((k, la, om, r, mu), reset, p0, chunk=chunk,
+  gain, _, pfin = _kernel.gain_forward((k, la, om, r, mu), reset, p0, diag=diag, chunk=chunk,
                                        interpret=interpret, cfg=cfg, save_pprev=False)
   return gain, pfin
 
 
-def _gain_fwd(k, la, om, r, mu, reset, p0, chunk, interpret, cfg):
+def _gain_fwd(k, la, om, r, mu, reset, p0, diag, chunk, interpret, cfg):
   raw = (k, la, om, r, mu)
-  gain, pprev, pfin = _kernel.gain_forward(raw, reset, p0, chunk=chunk, interpret=interpret,
-                                           cfg=cfg)
+  gain, pprev, pfin = _kernel.gain_forward(raw, reset, p0, diag=diag, chunk=chunk,
+                                           interpret=interpret, cfg=cfg)
   return (gain, pfin), (raw, reset, pprev)
 
 
-def _gain_bwd(chunk, interpret, cfg, res, cts):
+def _gain_bwd(diag, chunk, interpret, cfg, res, cts):
   raw, reset, pprev = res
   dgain, dpfin = cts
   d_raw, dp0 = _kernel.gain_backward(raw, reset, pprev, dgain.astype(jnp.float32),
-                                     dpfin.astype(jnp.float32), chunk=chunk,
+                                     dpfin.astype(jnp.float32), diag=diag, chunk=chunk,
                                      interpret=interpret, cfg=cfg)
   dk, dla, dom, dr, dmu = d_raw
   return (dk.astype(raw[0].dtype), dla.astype(raw[1].dtype), dom.astype(raw[2].dtype),
@@ -50,14 +50,23 @@ def _prep(t, chunk_size, batch, segment_ids):
   return chunk, t_pad, reset
 
 
-def _run(k, log_alpha, omega, r, info_scale, p0, segment_ids, chunk_size, interpret):
+def _run(diag, k, log_alpha, omega, r, info_scale, p0, segment_ids, chunk_size, interpret):
   interpret = common.resolve_interpret(interpret)
-  bsz, t, nh, _ = k.shape
+  bsz, t, nh, kd = k.shape
+  op = "diag_gain" if diag else "iso_gain"
+  for name, x, want in (("log_alpha", log_alpha, (bsz, t, nh, kd)),
+                        ("omega", omega, (bsz, t, nh, kd) if diag else (bsz, t, nh)),
+                        ("r", r, (bsz, t, nh)),
+                        ("p0" if diag else "b0", p0, (bsz, nh, kd) if diag else (bsz, nh))):
+    if tuple(x.shape) != want:
+      raise ValueError(f"{op}: {name} has shape {tuple(x.shape)}; expected {want} "
+                       f"(from k {tuple(k.shape)})")
   chunk, t_pad, reset = _prep(t, chunk_size, bsz, segment_ids)
   k, la, om = (common.pad_time(x, t_pad) for x in (k, log_alpha, omega))
   rr = common.pad_time(r, t_pad, 1.0)
   mu = jnp.broadcast_to(jnp.asarray(info_scale, jnp.float32), (nh,))
-  return _gain(k, la, om, rr, mu, reset, p0.astype(jnp.float32), chunk, interpret,
+  p0 = p0.astype(jnp.float32) if diag else p0.astype(jnp.float32)[..., None]   # [B, H, lanes]
+  return _gain(k, la, om, rr, mu, reset, p0, diag, chunk, interpret,
                _config.DEFAULT)
 
 
@@ -68,7 +77,8 @@ def diag_gain(k, log_alpha, omega, r, info_scale, p0, segment_ids=None, *, chunk
   Returns (kappa [B,T,H,K] float32, p_final [B,H,K] float32).
   """
   t = k.shape[1]
-  kappa, pfin = _run(k, log_alpha, omega, r, info_scale, p0, segment_ids, chunk_size, interpret)
+  kappa, pfin = _run(True, k, log_alpha, omega, r, info_scale, p0, segment_ids, chunk_size,
+                     interpret)
   return kappa[:, :t], pfin
 
 
@@ -79,6 +89,6 @@ def iso_gain(k, log_alpha, omega, r, info_scale, b0, segment_ids=None, *, chunk_
   Returns (beta [B,T,H] float32, b_final [B,H] float32).
   """
   t = k.shape[1]
-  beta, bfin = _run(k, log_alpha, omega, r, info_scale, b0[..., None], segment_ids, chunk_size,
+  beta, bfin = _run(False, k, log_alpha, omega, r, info_scale, b0, segment_ids, chunk_size,
                     interpret)
   return beta[:, :t, :, 0], bfin[..., 0]

@@ -7,7 +7,8 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class GainConfig:
-  # caps the caller's chunk_size (C_g); H200 diag gain fwd, T=4096: 0.82 ms at 128, 0.91 at 256
+  # caps the caller's chunk_size (C_g); H200 diag gain fwd, T=4096 (raw-input kernels): 0.46 ms
+  # at 128 (1 warp); at 4 warps 0.48 at 64, 0.63 at 256
   max_chunk: int = 128
   # Triton warps per program; H200 diag gain fwd T=4096 (kernels reading the raw inputs): 0.46 ms
   # with 1 warp, 0.50 with 2 (rows are [1, K]: one warp covers them)

@@ -15,7 +15,8 @@ the constant map to p0). Forward = two kernels:
   1. `_reduce_kernel`: per chunk (grid (B, H, NC)), the renormalised product of the chunk's M_t.
   2. `_replay_kernel`: per chunk, the exclusive carry (the products of all earlier chunks applied to
      p0, serial over chunks but only a 2x2 map per step), then a token replay emitting the gain, the
-     variance p_{t-1} each token started from (a residual for the backward) and the final variance.
+     final variance and, when differentiated (`save_pprev`), the variance p_{t-1} each token
+     started from (the backward's residual).
 Backward = two kernels over the linear adjoint recurrence dp_{t-1} = m_t dp_t + c_t:
   3. `_bwd_reduce_kernel`: per chunk, the composed affine map (m, c) from chunk-end to chunk-start.
   4. `_bwd_replay_kernel`: per chunk, the carry from later chunks, then a reverse token replay that
@@ -255,7 +256,7 @@ def _bwd_replay_kernel(*refs, chunk, num_chunks, diag):
 # Wrappers (all arrays already padded to a multiple of the chunk).
 
 
-def _launch(r, lanes, chunk, interpret, cfg):
+def _launch(r, chunk, interpret, cfg):
   """Sizes, grid (batch, head, chunk) and pallas_call options of one gain pass."""
   bsz, t, nh = r.shape
   params = dict(interpret=interpret,
@@ -263,15 +264,15 @@ def _launch(r, lanes, chunk, interpret, cfg):
   return bsz, t, nh, t // chunk, (bsz, nh, t // chunk), params
 
 
-def gain_forward(raw, reset, p0, *, chunk, interpret, cfg, save_pprev=True):
+def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True):
   """raw: (k [B,T,H,K], log_alpha [B,T,H,K], omega [B,T,H,K] (diag) or [B,T,H] (iso),
-  r [B,T,H], mu [H]) in any float dtype; reset [B,T]; p0 [B,H,L] (L = K diag, 1 iso).
+  r [B,T,H], mu [H]) in any float dtype; reset [B,T]; p0 [B,H,L] (L = K diag, 1 iso); diag
+  picks the lane formation (_lanes).
   Returns (gain [B,T,H,L], p_prev [B,T,H,L] (the backward's residual; None unless save_pprev),
   p_final [B,H,L]), float32."""
   r = raw[3]
   lanes = p0.shape[-1]
-  diag = len(raw[2].shape) == 4
-  bsz, t, nh, nc, grid, params = _launch(r, lanes, chunk, interpret, cfg)
+  bsz, t, nh, nc, grid, params = _launch(r, chunk, interpret, cfg)
   reset = reset.astype(jnp.int32)
   prod = pl.pallas_call(
       functools.partial(_reduce_kernel, chunk=chunk, diag=diag),
@@ -289,12 +290,11 @@ def gain_forward(raw, reset, p0, *, chunk, interpret, cfg, save_pprev=True):
   return (outs[0], outs[1], outs[2]) if save_pprev else (outs[0], None, outs[1])
 
 
-def gain_backward(raw, reset, pprev, dgain, dpfin, *, chunk, interpret, cfg):
+def gain_backward(raw, reset, pprev, dgain, dpfin, *, diag, chunk, interpret, cfg):
   """Returns the float32 gradients of the raw inputs (mu's per token, [B,T,H]) and of p0."""
   r = raw[3]
   lanes = pprev.shape[-1]
-  diag = len(raw[2].shape) == 4
-  bsz, t, nh, nc, grid, params = _launch(r, lanes, chunk, interpret, cfg)
+  bsz, t, nh, nc, grid, params = _launch(r, chunk, interpret, cfg)
   reset = reset.astype(jnp.int32)
   maps = pl.pallas_call(
       functools.partial(_bwd_reduce_kernel, chunk=chunk, diag=diag),
