@@ -317,16 +317,23 @@ def _gain_check(pk, x, seg, tag, b, h, d):
     f_pk = lambda *a, fn=fn: fn(*a, seg)
     def f_ref(*a, diag=diag):
       return _gain_scan(diag, *(z.astype(jnp.float32) for z in a), seg)
-    def loss(f):
-      return lambda *a: jnp.sum(f(*a)[0] * ct) + jnp.sum(f(*a)[1])
-    (g1, p1), (g2, p2) = jax.jit(f_pk)(*args), jax.jit(f_ref)(*args)
-    res[f"{mode}_gain_{tag}_kappa"] = _rel(g1, g2)
-    res[f"{mode}_gain_{tag}_pfin"] = _rel(p1, p2)
-    d1 = jax.jit(jax.grad(loss(f_pk), argnums=tuple(range(6))))(*args)
-    d2 = jax.jit(jax.grad(loss(f_ref), argnums=tuple(range(6))))(*args)
-    for n, a1, a2 in zip(("dk", "dla", "dom", "dr", "dmu", "dp0"), d1, d2):
-      res[f"{mode}_gain_{tag}_{n}"] = _rel(a1, a2)
+    _compare(res, f"{mode}_gain_{tag}_", f_pk, f_ref, args, ct, ("kappa", "pfin"),
+             ("dk", "dla", "dom", "dr", "dmu", "dp0"))
   return res
+
+
+def _compare(res, prefix, fa, fb, args, ct, out_names, grad_names):
+  """res[prefix + name]: relative RMS error of fa against fb, for both outputs and for the
+  gradients of sum(out_0 * ct) + sum(out_1) w.r.t. every argument."""
+  def loss(fn):
+    return lambda *a: jnp.sum(fn(*a)[0].astype(jnp.float32) * ct) + jnp.sum(fn(*a)[1])
+  for n, a1, a2 in zip(out_names, jax.jit(fa)(*args), jax.jit(fb)(*args)):
+    res[prefix + n] = _rel(a1, a2)
+  argnums = tuple(range(len(args)))
+  g1 = jax.jit(jax.grad(loss(fa), argnums=argnums))(*args)
+  g2 = jax.jit(jax.grad(loss(fb), argnums=argnums))(*args)
+  for n, a1, a2 in zip(grad_names, g1, g2):
+    res[prefix + n] = _rel(a1, a2)
 
 
 def run_check(b=2, t=300, h=2, d=128, cut=100):
@@ -355,17 +362,9 @@ def run_check(b=2, t=300, h=2, d=128, cut=100):
       return jnp.concatenate([o_a, o_b], axis=1), s_b
     tag = jnp.dtype(dtype).name
     ct = jax.random.normal(jax.random.PRNGKey(3), (b, t, h, d))
-    def loss(fn):
-      return lambda *a: jnp.sum(fn(*a)[0].astype(jnp.float32) * ct) + jnp.sum(fn(*a)[1])
     for name, fa, fb in (("", f_pk, f_ref), ("seg_", f_pk_seg, f_ref_seg)):
-      o1, s1 = jax.jit(fa)(*args)
-      o2, s2 = jax.jit(fb)(*args)
-      res[f"delta_rule_{tag}_{name}o"] = _rel(o1, o2)
-      res[f"delta_rule_{tag}_{name}S"] = _rel(s1, s2)
-      g1 = jax.jit(jax.grad(loss(fa), argnums=tuple(range(6))))(*args)
-      g2 = jax.jit(jax.grad(loss(fb), argnums=tuple(range(6))))(*args)
-      for n, a1, a2 in zip(("dq", "dk", "dv", "dla", "dw", "dh0"), g1, g2):
-        res[f"delta_rule_{tag}_{name}{n}"] = _rel(a1, a2)
+      _compare(res, f"delta_rule_{tag}_{name}", fa, fb, args, ct, ("o", "S"),
+               ("dq", "dk", "dv", "dla", "dw", "dh0"))
     res.update(_gain_check(pk, x, seg, tag, b, h, d))
   for kname, val in res.items():
     logging.info("check %s: %.3g", kname, val)
