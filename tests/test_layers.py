@@ -288,3 +288,17 @@ def test_swa_decode_cache_is_a_window_sized_ring():
         ys.append(y_t[:, None])
     _close(jnp.concatenate(ys, 1), y_par)
     assert sorted(np.asarray(cache['pos']).tolist()) == [8, 9, 10]
+
+
+def test_full_attention_cache_overflow_is_loud():
+    """Decoding past the full-attention cache's max_len gives NaN, not clamped writes; a prefill
+    longer than the cache is refused while tracing."""
+    att = _mixer('attention')
+    x = _x(1, 6)
+    cache = att.init_cache(1, 4)
+    y, cache = att.prefill(x[:, :4], cache)
+    assert np.isfinite(np.asarray(y)).all()
+    y5, _ = att.step(x[:, 4], cache)
+    assert np.isnan(np.asarray(y5)).all()
+    with pytest.raises(ValueError, match='max_len=4'):
+        att.prefill(x[:, :6], att.init_cache(1, 4))

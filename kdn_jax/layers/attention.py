@@ -4,7 +4,8 @@ Training/chunked path: ``__call__(x, *, initial_state=None, segment_ids=None) ->
 (attention carries nothing across training chunks; ``initial_state`` must be None).
 Decoding uses a separate KV cache: ``init_cache(batch, max_len)`` ->
 ``{'k': [B, L, H, D], 'v': [B, L, H, D], 'pos': int32 [L], 'index': int32 []}``; ``prefill(x, cache)`` and
-``step(x_t, cache)``. Full attention: L = max_len, slot = position. `swa`: a ring buffer of
+``step(x_t, cache)``. Full attention: L = max_len, slot = position (outputs past max_len are
+NaN). `swa`: a ring buffer of
 L = window slots (slot = position mod L), so decoding memory is O(window), not O(length);
 ``pos`` holds each slot's absolute position (-1: empty).
 """
@@ -92,6 +93,8 @@ class Attention(nnx.Module):
         qpos = idx + jnp.arange(T, dtype=jnp.int32)
         q, k, v = self._qkv(x, qpos)
         if self.window is None:  # full cache: write first, then attend over every slot
+            if T > L:
+                raise ValueError(f'attention.prefill: {T} tokens do not fit a KV cache of max_len={L}')
             ck = jax.lax.dynamic_update_slice(cache['k'], k.astype(cache['k'].dtype), (0, idx, 0, 0))
             cv = jax.lax.dynamic_update_slice(cache['v'], v.astype(cache['v'].dtype), (0, idx, 0, 0))
             kpos = jnp.where(jnp.arange(L) < idx + T, jnp.arange(L, dtype=jnp.int32), -1)
@@ -110,6 +113,10 @@ class Attention(nnx.Module):
         if self.window is not None:
             mask = mask & (qpos[:, None] - kpos[None, :] < self.window)
         o = jax.nn.dot_product_attention(q, keys.astype(self.dtype), vals.astype(self.dtype), mask=mask[None, None])
+        if self.window is None:
+            # Past max_len, dynamic_update_slice would clamp the write onto the last slots and
+            # return plausible but wrong outputs; the index is traced, so poison them with NaN.
+            o = jnp.where(idx + T <= L, o, jnp.nan)
         return self.o_proj(o.astype(self.dtype)), new
 
     def step(self, x_t, cache):
