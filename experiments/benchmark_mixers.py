@@ -119,6 +119,11 @@ def _direct_kdn(diag, x, d):
 _DOC_LEN = 1000   # document length of the *_seg rows (not a multiple of any chunk)
 
 
+def _is_docs_row(row):
+  """diag_kdn_seg_<impl> / iso_kdn_seg_<impl>: the op with packed documents."""
+  return row.rsplit("_", 1)[0].endswith("_seg")
+
+
 def _doc_ids(b, t):
   """segment_ids [b, t] of packed documents of _DOC_LEN tokens."""
   return jnp.broadcast_to(jnp.arange(t) // _DOC_LEN, (b, t)).astype(jnp.int32)
@@ -129,7 +134,7 @@ def _make_jax_fn(row, d):
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
   ops = _ops()
   name, impl = row.rsplit("_", 1)
-  docs = name.endswith("_seg")   # packed documents: segment_ids with a reset every _DOC_LEN
+  docs = _is_docs_row(row)   # packed documents: segment_ids with a reset every _DOC_LEN
   name = name[:-4] if docs else name
   if docs and (name not in ("diag_kdn", "iso_kdn") or ops is None):
     raise ValueError(f"row {row!r}: the _seg rows are diag_kdn_seg_<impl> and iso_kdn_seg_<impl> "
@@ -257,7 +262,7 @@ def _scan_reference(q, k, v, la, w, scale, s0):
     s = s + wt[..., None] * delta[..., None, :]
     return s, scale * jnp.einsum("bhkv,bhk->bhv", s, qt)
   xs = tuple(jnp.moveaxis(z.astype(f32), 1, 0) for z in (q, k, v, la, w))
-  s, o = jax.lax.scan(step, s0, xs, precision=None) if False else jax.lax.scan(step, s0, xs)
+  s, o = jax.lax.scan(step, s0, xs)
   return jnp.moveaxis(o, 0, 1), s
 
 
@@ -283,22 +288,19 @@ def check_violations(res):
 
 
 def _gain_scan(diag, k, la, om, r, mu, p0, seg):
-  """The KDN gain as a plain fp32 token scan (a reset where seg changes): (gain, p_final)."""
-  kd = k.shape[-1]
-  reset = jnp.concatenate([jnp.zeros_like(seg[:, :1]), seg[:, 1:] != seg[:, :-1]], axis=1)
+  """The KDN gain as a plain token scan of kdn_jax.ops.variance's steps (a reset where seg
+  changes): (gain, p_final)."""
+  from kdn_jax.ops import variance  # pylint: disable=g-import-not-at-top
+  step_fn = variance.diag_variance_step if diag else variance.iso_variance_step
+  mu = mu[:, None] if diag else mu          # against [B, H, K] (diag) or [B, H] (iso) rows
 
   def step(p, xs):
-    kt, lat, omt, rt, rs = xs
-    p = jnp.where(rs.reshape(rs.shape + (1,) * (p.ndim - 1)), p0, p)
-    if diag:
-      ph = jnp.exp(2 * lat) * p + omt
-      gain = ph * kt / (rt[..., None] + jnp.sum(ph * kt * kt, -1, keepdims=True))
-      return ph / (1 + mu[None, :, None] * kt * kt / rt[..., None] * ph), gain
-    ph = jnp.mean(jnp.exp(2 * lat), -1) * p + omt
-    s = jnp.sum(kt * kt, -1)
-    return ph / (1 + mu[None, :] * ph * s / (kd * rt)), ph / (rt + ph * s)
+    kt, lat, omt, rt, st = xs
+    p = jnp.where(st.reshape(st.shape + (1,) * (p.ndim - 1)), p0, p)
+    gain, _, p = step_fn(p, kt, lat, omt, rt, mu)
+    return p, gain
 
-  xs = tuple(jnp.moveaxis(z, 1, 0) for z in (k, la, om, r, reset))
+  xs = tuple(jnp.moveaxis(z, 1, 0) for z in (k, la, om, r, variance.segment_starts(seg)))
   p, gain = jax.lax.scan(step, p0, xs)
   return jnp.moveaxis(gain, 0, 1), p
 
@@ -326,7 +328,10 @@ def _compare(res, prefix, fa, fb, args, ct, out_names, grad_names):
   """res[prefix + name]: relative RMS error of fa against fb, for both outputs and for the
   gradients of sum(out_0 * ct) + sum(out_1) w.r.t. every argument."""
   def loss(fn):
-    return lambda *a: jnp.sum(fn(*a)[0].astype(jnp.float32) * ct) + jnp.sum(fn(*a)[1])
+    def f(*a):
+      out0, out1 = fn(*a)
+      return jnp.sum(out0.astype(jnp.float32) * ct) + jnp.sum(out1)
+    return f
   for n, a1, a2 in zip(out_names, jax.jit(fa)(*args), jax.jit(fb)(*args)):
     res[prefix + n] = _rel(a1, a2)
   argnums = tuple(range(len(args)))
@@ -455,7 +460,7 @@ def _sweep(results, specs, module, make_config, row, fwd_bwd, key, deadline, sta
     if stages and ms is not None:
       try:
         rec["stages"] = {k: v if isinstance(v, dict) else round(v, 3)
-                         for k, v in _time_stages(FLAGS.sweep_len, "_seg_" in row).items()}
+                         for k, v in _time_stages(FLAGS.sweep_len, _is_docs_row(row)).items()}
       except Exception as e:  # pylint: disable=broad-except
         rec["stages_error"] = f"{type(e).__name__}: {e}"[:300]
     print(json.dumps(rec), flush=True)

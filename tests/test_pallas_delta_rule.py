@@ -1,4 +1,6 @@
 """Accuracy of pallas_kernels.delta_rule (CPU interpret mode) against a float64 token loop."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -72,14 +74,16 @@ def _check(args, seg, chunk, tol_fwd, tol_grad, scale=0.7):
     a64 = [jnp.asarray(np.asarray(x, np.float32), jnp.float64) for x in args]
     seg64 = None if seg is None else jnp.asarray(seg)
     ro, rs = _oracle(*a64, scale, seg64)
-    loss64 = lambda *a: (jnp.sum(_oracle(*a, scale, seg64)[0] * ct_o)
-                         + jnp.sum(_oracle(*a, scale, seg64)[1] * ct_s))
+    def loss64(*a):
+      o64, s64 = _oracle(*a, scale, seg64)
+      return jnp.sum(o64 * ct_o) + jnp.sum(s64 * ct_s)
     rg = jax.jit(jax.grad(loss64, argnums=tuple(range(6))))(*a64)
     ro, rs, rg = np.asarray(ro), np.asarray(rs), [np.asarray(x) for x in rg]
   assert _rel(o, ro) <= tol_fwd, ("o", _rel(o, ro))
   assert _rel(s, rs) <= tol_fwd, ("S_final", _rel(s, rs))
-  loss = lambda *a: (jnp.sum(f(*a)[0].astype(jnp.float32) * ct_o)
-                     + jnp.sum(f(*a)[1] * ct_s))
+  def loss(*a):
+    o, s = f(*a)
+    return jnp.sum(o.astype(jnp.float32) * ct_o) + jnp.sum(s * ct_s)
   g = jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*args)
   errs = {n: _rel(x, y) for n, x, y in zip(NAMES, g, rg)}
   for n, e in errs.items():
@@ -89,19 +93,26 @@ def _check(args, seg, chunk, tol_fwd, tol_grad, scale=0.7):
 
 @pytest.mark.parametrize("t,chunk,scalar_decay,decay,segs", [
     (65, 64, False, "normal", None),          # T = chunk + 1, per-channel decay
+    (17, 16, False, "normal", None),          # T = chunk + 1 at the shipped chunk
     (1, 64, True, "normal", None),            # T = 1, scalar decay
     (40, 16, False, "strong", None),          # log_alpha = -20, several chunks
     (50, 16, True, "normal", (7, 20, 21, 33)),  # segment boundaries inside chunks
     (37, 32, False, "strong", (5, 30)),
 ])
 def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
+  """The default config at the chunk given (max_chunk raised to it: the shipped cap is 16)."""
   args = _inputs(t, 1, t, 2, 64, 64, jnp.float32, scalar_decay, decay)
   seg = None
   if segs is not None:
     seg = np.zeros((1, t), np.int32)
     for s in segs:
       seg[:, s:] += 1
-  _check(args, seg, chunk, 1e-5, 1e-4)
+  old = dr_config.DEFAULT
+  try:
+    dr_config.set_default(max_chunk=chunk)
+    _check(args, seg, chunk, 1e-5, 1e-4)
+  finally:
+    dr_config.DEFAULT = old
 
 
 @pytest.mark.parametrize("variant", [
@@ -135,7 +146,8 @@ def test_delta_rule_intra_variants(variant):
 
 
 def test_delta_rule_bf16_operand_dots():
-  """fast_dots='bf16' (bf16 dot operands for bf16 data) stays within the bf16 bounds over 5 chunks."""
+  """fast_dots='bf16' (bf16 dot operands for bf16 data) stays within the bf16 bounds over 10
+  chunks."""
   old = dr_config.DEFAULT
   try:
     dr_config.set_default(fast_dots="bf16", blocked=False)
@@ -173,7 +185,7 @@ def test_delta_rule_bf16_states():
   seg[:, 70:] = 1
   try:
     for extra in (dict(bf16_states=True, split_output=False), dict(bf16_states=False)):
-      dr_config.set_default(**extra)
+      dr_config.DEFAULT = dataclasses.replace(old, **extra)
       _check(_inputs(13, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"), seg, 32, 5e-3, 1e-2)
   finally:
     dr_config.DEFAULT = old

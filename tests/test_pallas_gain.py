@@ -107,13 +107,16 @@ def _run(diag, t, chunk, mu_f, r_val, strong, segs, dtype, tol_fwd, tol_grad):
     a64 = [jnp.asarray(np.asarray(x, np.float32), jnp.float64) for x in args]
     seg64 = None if seg is None else jnp.asarray(seg)
     rgain, rp = oracle(*a64[:4], a64[5], a64[4], seg64)
-    loss64 = lambda *a: (jnp.sum(oracle(*a[:4], a[5], a[4], seg64)[0] * ct_g)
-                         + jnp.sum(oracle(*a[:4], a[5], a[4], seg64)[1] * ct_p))
+    def loss64(*a):
+      g64, p64 = oracle(*a[:4], a[5], a[4], seg64)
+      return jnp.sum(g64 * ct_g) + jnp.sum(p64 * ct_p)
     rg = [np.asarray(x) for x in jax.jit(jax.grad(loss64, argnums=argnums))(*a64)]
     rgain, rp = np.asarray(rgain), np.asarray(rp)
   assert _rel(gain, rgain) <= tol_fwd, _rel(gain, rgain)
   assert _rel(pf, rp) <= tol_fwd, _rel(pf, rp)
-  loss = lambda *a: jnp.sum(f(*a)[0] * ct_g) + jnp.sum(f(*a)[1] * ct_p)
+  def loss(*a):
+    gain, pf = f(*a)
+    return jnp.sum(gain * ct_g) + jnp.sum(pf * ct_p)
   g = jax.jit(jax.grad(loss, argnums=argnums))(*args)
   names = ("k", "log_alpha", "omega", "r", "p0", "info_scale")
   errs = {n: _rel(x, y) for n, x, y in zip(names, g, rg)}

@@ -100,6 +100,9 @@ class Attention(nnx.Module):
             kpos = jnp.where(jnp.arange(L) < idx + T, jnp.arange(L, dtype=jnp.int32), -1)
             new = {'k': ck, 'v': cv, 'pos': kpos, 'index': idx + T}
             keys, vals = ck, cv
+            # Past max_len, dynamic_update_slice clamps the write onto the last slots and the
+            # outputs would look plausible but be wrong; the index is traced, so they become NaN.
+            fits = idx + T <= L
         else:  # ring: attend over (old slots, new tokens), then keep the newest L tokens
             keys = jnp.concatenate([cache['k'], k.astype(cache['k'].dtype)], axis=1)
             vals = jnp.concatenate([cache['v'], v.astype(cache['v'].dtype)], axis=1)
@@ -114,9 +117,7 @@ class Attention(nnx.Module):
             mask = mask & (qpos[:, None] - kpos[None, :] < self.window)
         o = jax.nn.dot_product_attention(q, keys.astype(self.dtype), vals.astype(self.dtype), mask=mask[None, None])
         if self.window is None:
-            # Past max_len, dynamic_update_slice would clamp the write onto the last slots and
-            # return plausible but wrong outputs; the index is traced, so poison them with NaN.
-            o = jnp.where(idx + T <= L, o, jnp.nan)
+            o = jnp.where(fits, o, jnp.nan)
         return self.o_proj(o.astype(self.dtype)), new
 
     def step(self, x_t, cache):

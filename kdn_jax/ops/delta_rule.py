@@ -47,13 +47,9 @@ def run_memory(op, impl, q, k, v, log_alpha, write, memory0, segment_ids,
     # and the kernels read half the bytes (they compute in fp32 inside).
     narrow = jnp.dtype(input_dtype).itemsize == 2
     kq, kk, kv = ((x.astype(input_dtype) if narrow else x) for x in (q, k, v))
-    if isinstance(scale, jax.core.Tracer):   # a traced scale: fold it into q (compute dtype)
-      kq, kscale = q * scale, 1.0
-    else:
-      kscale = float(scale)
     try:
       return kernels.delta_rule(
-          kq, kk, kv, log_alpha, write, kscale, memory0, segment_ids,
+          kq, kk, kv, log_alpha, write, scale, memory0, segment_ids,
           chunk_size=chunk_size,
           precision=kernels.precision_for(input_dtype))
     except NotImplementedError as e:

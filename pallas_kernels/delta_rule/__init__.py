@@ -91,8 +91,12 @@ def delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None
   la = log_alpha   # the cumsum kernel reads it in its own dtype and sums in fp32
   if la.ndim == 3:
     la = jnp.broadcast_to(la[..., None], la.shape + (kd,))
+  out_dtype = q.dtype
+  if isinstance(scale, jax.core.Tracer):
+    # A traced scale cannot be a kernel constant: fold it into q (fp32) instead.
+    q, scale = q.astype(jnp.float32) * scale, 1.0
   q, k, v, w, la = (common.pad_time(x, t_pad) for x in (q, k, v, write, la))
   starts, cont, pid = segment_arrays(segment_ids, bsz, t, t_pad, chunk)
   o, sfin = _core(q, k, v, w, la, initial_state.astype(jnp.float32), starts, cont, pid, chunk,
                   float(scale), interpret, cfg, precision)
-  return o[:, :t], sfin
+  return o[:, :t].astype(out_dtype), sfin
