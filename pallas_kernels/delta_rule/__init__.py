@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import common
+from pallas_kernels import sharding as _sharding
 from pallas_kernels.delta_rule import chunk_cumsum as _cumsum_kernels
 from pallas_kernels.delta_rule import config as _config
 from pallas_kernels.delta_rule import kernel as _kernel
@@ -14,31 +15,60 @@ from pallas_kernels.delta_rule import kernel as _kernel
 __all__ = ["delta_rule", "chunk_length", "segment_arrays"]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
-def _core(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg, prec):
-  g = _cumsum_kernels.chunk_cumsum(la, starts, chunk=chunk, interpret=interpret)
-  o, sfin, _ = _kernel.forward(q, k, v, w, g, h0, cont, pid, chunk=chunk, scale=scale,
-                               interpret=interpret, cfg=cfg, cfg_prec=prec, save_states=False)
-  return o, sfin
+# (batch, head) dims of the kernels' arrays, for sharding.per_shard.
+_BTHK = (0, 2)     # [B, T, H, K or V]
+_BH = (0, 1)       # [B, H, ...]: states, A, P
+_BT = (0, None)    # [B, T]: segment bookkeeping
+_IN = (_BTHK,) * 5 + (_BH, _BT, _BT, _BT)           # q, k, v, w, la, h0, starts, cont, pid
+_RES = (_BTHK, _BH, _BH, _BTHK, _BTHK, _BH)         # g, A, P, Wt, W, chunk-start states
 
 
-def _core_fwd(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg, prec):
+def _forward_body(q, k, v, w, la, h0, starts, cont, pid, *, chunk, scale, interpret, cfg, prec,
+                  save):
   g = _cumsum_kernels.chunk_cumsum(la, starts, chunk=chunk, interpret=interpret)
   o, sfin, res = _kernel.forward(q, k, v, w, g, h0, cont, pid, chunk=chunk, scale=scale,
-                                 interpret=interpret, cfg=cfg, cfg_prec=prec, save_states=True)
-  # (an empty array carries log_alpha's dtype: residuals must be arrays)
-  return (o, sfin), (q, k, v, w, g, h0, starts, cont, pid, res, jnp.zeros((0,), la.dtype))
+                                 interpret=interpret, cfg=cfg, cfg_prec=prec, save_states=save)
+  return (o, sfin, g) + tuple(res) if save else (o, sfin)
 
 
-def _core_bwd(chunk, scale, interpret, cfg, prec, saved, cts):
-  q, k, v, w, g, h0, starts, cont, pid, res, la_like = saved
-  do, dsfin = cts
+def _backward_body(q, k, v, w, g, h0, starts, cont, pid, amat, pmat, wt, wk, states, do, dsfin,
+                   *, chunk, scale, interpret, cfg, prec):
   dq, dk, dv, dw, dg, dla_x, dh0 = _kernel.backward(
-      q, k, v, w, g, h0, cont, pid, res, do, dsfin.astype(jnp.float32), chunk=chunk,
+      q, k, v, w, g, h0, cont, pid, (amat, pmat, wt, wk, states), do, dsfin, chunk=chunk,
       scale=scale, interpret=interpret, cfg=cfg, cfg_prec=prec)
   # g = within-(chunk, segment) cumsum of log_alpha  =>  dla = reverse cumsum of dg, plus the
   # terms the kernel already expressed in log_alpha space.
   dla = _cumsum_kernels.chunk_reverse_cumsum(dg, dla_x, starts, chunk=chunk, interpret=interpret)
+  return dq, dk, dv, dw, dla, dh0
+
+
+def _forward(save, args, chunk, scale, interpret, cfg, prec):
+  body = functools.partial(_forward_body, chunk=chunk, scale=scale, interpret=interpret,
+                           cfg=cfg, prec=prec, save=save)
+  return _sharding.per_shard(body, _IN, (_BTHK, _BH) + (_RES if save else ()))(*args)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
+def _core(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg, prec):
+  return _forward(False, (q, k, v, w, la, h0, starts, cont, pid), chunk, scale, interpret, cfg,
+                  prec)
+
+
+def _core_fwd(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg, prec):
+  o, sfin, *res = _forward(True, (q, k, v, w, la, h0, starts, cont, pid), chunk, scale,
+                           interpret, cfg, prec)
+  # (an empty array carries log_alpha's dtype: residuals must be arrays)
+  return (o, sfin), (q, k, v, w, h0, starts, cont, pid, res, jnp.zeros((0,), la.dtype))
+
+
+def _core_bwd(chunk, scale, interpret, cfg, prec, saved, cts):
+  q, k, v, w, h0, starts, cont, pid, res, la_like = saved
+  do, dsfin = cts
+  body = functools.partial(_backward_body, chunk=chunk, scale=scale, interpret=interpret,
+                           cfg=cfg, prec=prec)
+  dims = _IN[:4] + (_BTHK,) + _IN[5:] + _RES[1:] + (_BTHK, _BH)
+  dq, dk, dv, dw, dla, dh0 = _sharding.per_shard(body, dims, _IN[:5] + (_BH,))(
+      q, k, v, w, *res[:1], h0, starts, cont, pid, *res[1:], do, dsfin.astype(jnp.float32))
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dw.astype(w.dtype),
           dla.astype(la_like.dtype), dh0, None, None, None)
 

@@ -7,35 +7,53 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import common
+from pallas_kernels import sharding as _sharding
 from pallas_kernels.kdn_gain import config as _config
 from pallas_kernels.kdn_gain import kernel as _kernel
 
 __all__ = ["diag_gain", "iso_gain"]
 
 
+# (batch, head) dims for sharding.per_shard: k, log_alpha, omega, r, per-token gains and
+# gradients [B,T,H,...]; mu [H]; reset [B,T]; p0 / p_final [B,H,L].
+_BTH, _MU, _BT, _BH = (0, 2), (None, 0), (0, None), (0, 1)
+_RAW = (_BTH, _BTH, _BTH, _BTH, _MU)
+
+
+def _forward(raw, reset, p0, diag, chunk, interpret, cfg, save_pprev):
+  def body(k, la, om, r, mu, reset, p0):
+    return _kernel.gain_forward((k, la, om, r, mu), reset, p0, diag=diag, chunk=chunk,
+                                interpret=interpret, cfg=cfg, save_pprev=save_pprev)
+  return _sharding.per_shard(body, _RAW + (_BT, _BH), (_BTH, _BTH, _BH))(*raw, reset, p0)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
 def _gain(k, la, om, r, mu, reset, p0, diag, chunk, interpret, cfg):
   """The gain recurrence from the raw inputs (kernel.py), time already padded to the chunk."""
   # Not differentiated: p_prev (the backward's residual) is not written.
-  gain, _, pfin = _kernel.gain_forward((k, la, om, r, mu), reset, p0, diag=diag, chunk=chunk,
-                                       interpret=interpret, cfg=cfg, save_pprev=False)
+  gain, _, pfin = _forward((k, la, om, r, mu), reset, p0, diag, chunk, interpret, cfg, False)
   return gain, pfin
 
 
 def _gain_fwd(k, la, om, r, mu, reset, p0, diag, chunk, interpret, cfg):
   raw = (k, la, om, r, mu)
-  gain, pprev, pfin = _kernel.gain_forward(raw, reset, p0, diag=diag, chunk=chunk,
-                                           interpret=interpret, cfg=cfg)
+  gain, pprev, pfin = _forward(raw, reset, p0, diag, chunk, interpret, cfg, True)
   return (gain, pfin), (raw, reset, pprev)
 
 
 def _gain_bwd(diag, chunk, interpret, cfg, res, cts):
   raw, reset, pprev = res
   dgain, dpfin = cts
-  d_raw, dp0 = _kernel.gain_backward(raw, reset, pprev, dgain.astype(jnp.float32),
-                                     dpfin.astype(jnp.float32), diag=diag, chunk=chunk,
-                                     interpret=interpret, cfg=cfg)
-  dk, dla, dom, dr, dmu = d_raw
+
+  def body(k, la, om, r, mu, reset, pprev, dgain, dpfin):
+    d_raw, dp0 = _kernel.gain_backward((k, la, om, r, mu), reset, pprev, dgain, dpfin,
+                                       diag=diag, chunk=chunk, interpret=interpret, cfg=cfg)
+    return tuple(d_raw) + (dp0,)
+
+  dk, dla, dom, dr, dmu, dp0 = _sharding.per_shard(
+      body, _RAW + (_BT, _BTH, _BTH, _BH), (_BTH,) * 5 + (_BH,))(
+          *raw, reset, pprev, dgain.astype(jnp.float32), dpfin.astype(jnp.float32))
+  # mu's gradient per token ([B,T,H]) is summed here, outside the shards.
   return (dk.astype(raw[0].dtype), dla.astype(raw[1].dtype), dom.astype(raw[2].dtype),
           dr.astype(raw[3].dtype), dmu.sum(axis=(0, 1)), None, dp0)
 
