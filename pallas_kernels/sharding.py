@@ -55,13 +55,13 @@ def _shardings(mesh, shapes, dims, batch_axes, head_axes):
   return tuple(out)
 
 
-def _rule(in_shapes, in_dims, out_shapes, out_dims):
+def _rule(in_ndims, in_dims, out_ndims, out_dims):
   """Shardy rule: factor b = batch, h = heads, every other dim its own replicated factor."""
   local = []
 
-  def value(shape, dims, tag):
+  def value(ndim, dims, tag):
     names = []
-    for j in range(len(shape)):
+    for j in range(ndim):
       if j == dims[0]:
         names.append("b")
       elif j == dims[1]:
@@ -71,35 +71,32 @@ def _rule(in_shapes, in_dims, out_shapes, out_dims):
         local.append(names[-1])
     return " ".join(names)
 
-  lhs = ", ".join(value(s.shape, d, f"i{i}") for i, (s, d) in enumerate(zip(in_shapes, in_dims)))
-  rhs = ", ".join(value(s.shape, d, f"o{i}") for i, (s, d) in enumerate(zip(out_shapes, out_dims)))
+  lhs = ", ".join(value(n, d, f"i{i}") for i, (n, d) in enumerate(zip(in_ndims, in_dims)))
+  rhs = ", ".join(value(n, d, f"o{i}") for i, (n, d) in enumerate(zip(out_ndims, out_dims)))
   return f"{lhs} -> {rhs}", tuple(local)
 
 
 def per_shard(fn, in_dims, out_dims):
   """`fn(*args) -> tuple` run per (batch, head) shard under a sharded jit.
 
-  in_dims / out_dims: for each argument / result, (batch_dim, head_dim) with None where the
-  array has no such dim. Arguments and results may be None (absent optional arrays); `fn` must
-  be independent across batch entries and heads (results with a batch or head dim depend only
-  on the same entries of the arguments)."""
+  in_dims: for each argument, (batch_dim, head_dim) with None where the array has no such dim;
+  arguments may be None (absent optional arrays). out_dims: for each result, (batch_dim,
+  head_dim, ndim), or None for a result `fn` returns as None (given up front, so the body is
+  traced once). `fn` must be independent across batch entries and heads (results with a batch
+  or head dim depend only on the same entries of the arguments)."""
   def wrapped(*args):
     present = [i for i, a in enumerate(args) if a is not None]
     dims = [in_dims[i] for i in present]
 
-    def full(*arrays):
+    arrays = [args[i] for i in present]
+    out_present = [j for j, d in enumerate(out_dims) if d is not None]
+    odims = [out_dims[j][:2] for j in out_present]
+
+    def body(*arrays):
       filled = [None] * len(args)
       for i, a in zip(present, arrays):
         filled[i] = a
-      return fn(*filled)
-
-    arrays = [args[i] for i in present]
-    out_struct = jax.eval_shape(full, *arrays)
-    out_present = [j for j, o in enumerate(out_struct) if o is not None]
-    odims = [out_dims[j] for j in out_present]
-
-    def body(*arrays):
-      out = full(*arrays)
+      out = fn(*filled)
       return tuple(out[j] for j in out_present)
 
     def axes(mesh, arg_shapes):
@@ -116,7 +113,8 @@ def per_shard(fn, in_dims, out_dims):
       return (mesh, body, _shardings(mesh, out_shapes, odims, batch, heads),
               _shardings(mesh, arg_shapes, dims, batch, heads))
 
-    rule, local = _rule(arrays, dims, [out_struct[j] for j in out_present], odims)
+    rule, local = _rule([a.ndim for a in arrays], dims, [out_dims[j][2] for j in out_present],
+                        odims)
     cp = custom_partitioning(body)
     cp.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule,
                      need_replication_factors=local)
@@ -132,6 +130,6 @@ def per_shard(fn, in_dims, out_dims):
       return out, tuple(True for _ in out)
 
     out = iter(call(*arrays))
-    return tuple(next(out) if o is not None else None for o in out_struct)
+    return tuple(None if d is None else next(out) for d in out_dims)
 
   return wrapped

@@ -34,21 +34,30 @@ def _loss(family):
   return loss
 
 
-def _mesh():
-  devices = np.array(jax.devices()[:4])
-  if len(devices) < 4:
-    pytest.fail("tests need >= 4 devices (conftest sets 8 CPU devices)")
-  return Mesh(devices.reshape(2, 2), ("data", "tensor"))
+# (mesh shape, mesh axes, batch axes): data parallel with heads over "tensor", and FSDP-style
+# batch over two mesh axes at once (experiments/sharding.py's BATCH_AXES).
+MESHES = {"data_tensor": ((2, 2), ("data", "tensor"), "data"),
+          "data_fsdp_tensor": ((2, 2, 2), ("data", "fsdp", "tensor"), ("data", "fsdp"))}
 
 
-@pytest.mark.parametrize("family", ["diag", "iso"])
-def test_sharded_jit_runs_per_shard(family):
-  mesh = _mesh()
+def _mesh(shape, names):
+  n = int(np.prod(shape))
+  devices = np.array(jax.devices()[:n])
+  if len(devices) < n:
+    pytest.fail(f"tests need >= {n} devices (conftest sets 8 CPU devices)")
+  return Mesh(devices.reshape(shape), names)
+
+
+@pytest.mark.parametrize("family,mesh_name", [("diag", "data_tensor"), ("iso", "data_tensor"),
+                                              ("diag", "data_fsdp_tensor")])
+def test_sharded_jit_runs_per_shard(family, mesh_name):
+  shape, names, batch = MESHES[mesh_name]
+  mesh = _mesh(shape, names)
   args, mu, seg = _args(family)
-  bth = lambda a: jax.device_put(a, NamedSharding(mesh, P("data", None, "tensor")))
+  bth = lambda a: jax.device_put(a, NamedSharding(mesh, P(batch, None, "tensor")))
   sharded = [bth(a) for a in args] + [
       jax.device_put(mu, NamedSharding(mesh, P("tensor"))),
-      jax.device_put(seg, NamedSharding(mesh, P("data")))]
+      jax.device_put(seg, NamedSharding(mesh, P(batch)))]
   loss = _loss(family)
   grad = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(7))))
   want_val, want = grad(*args, mu, seg)
@@ -62,7 +71,7 @@ def test_sharded_jit_runs_per_shard(family):
   fn = ops.diag_kdn if family == "diag" else ops.iso_kdn
   out = jax.jit(lambda *a: fn(*a[:6], info_scale=a[6], segment_ids=a[7], impl="pallas")[0])(
       *sharded)
-  assert out.sharding.spec == P("data", None, "tensor")
+  assert out.sharding.spec == P(batch, None, "tensor")
 
 
 def test_pallas_path_vmaps():

@@ -15,12 +15,19 @@ from pallas_kernels.delta_rule import kernel as _kernel
 __all__ = ["delta_rule", "chunk_length", "segment_arrays"]
 
 
-# (batch, head) dims of the kernels' arrays, for sharding.per_shard.
+# (batch, head) dims of the kernels' arrays for sharding.per_shard, and (batch, head, ndim) of
+# their results.
 _BTHK = (0, 2)     # [B, T, H, K or V]
 _BH = (0, 1)       # [B, H, ...]: states, A, P
 _BT = (0, None)    # [B, T]: segment bookkeeping
 _IN = (_BTHK,) * 5 + (_BH, _BT, _BT, _BT)           # q, k, v, w, la, h0, starts, cont, pid
 _RES = (_BTHK, _BH, _BH, _BTHK, _BTHK, _BH)         # g, A, P, Wt, W, chunk-start states
+_OUT4, _STATE4, _STATES5 = (0, 2, 4), (0, 1, 4), (0, 1, 5)
+
+
+def _res_out(wy):
+  """Result dims of the saved residuals g, A, P, Wt, W (None without wy), states."""
+  return (_OUT4, _STATE4, _STATE4, _OUT4, _OUT4 if wy else None, _STATES5)
 
 
 def _forward_body(q, k, v, w, la, h0, starts, cont, pid, *, chunk, scale, interpret, cfg, prec,
@@ -45,7 +52,8 @@ def _backward_body(q, k, v, w, g, h0, starts, cont, pid, amat, pmat, wt, wk, sta
 def _forward(save, args, chunk, scale, interpret, cfg, prec):
   body = functools.partial(_forward_body, chunk=chunk, scale=scale, interpret=interpret,
                            cfg=cfg, prec=prec, save=save)
-  return _sharding.per_shard(body, _IN, (_BTHK, _BH) + (_RES if save else ()))(*args)
+  outs = (_OUT4, _STATE4) + (_res_out(cfg.wy) if save else ())
+  return _sharding.per_shard(body, _IN, outs)(*args)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
@@ -67,7 +75,7 @@ def _core_bwd(chunk, scale, interpret, cfg, prec, saved, cts):
   body = functools.partial(_backward_body, chunk=chunk, scale=scale, interpret=interpret,
                            cfg=cfg, prec=prec)
   dims = _IN[:4] + (_BTHK,) + _IN[5:] + _RES[1:] + (_BTHK, _BH)
-  dq, dk, dv, dw, dla, dh0 = _sharding.per_shard(body, dims, _IN[:5] + (_BH,))(
+  dq, dk, dv, dw, dla, dh0 = _sharding.per_shard(body, dims, (_OUT4,) * 5 + (_STATE4,))(
       q, k, v, w, *res[:1], h0, starts, cont, pid, *res[1:], do, dsfin.astype(jnp.float32))
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dw.astype(w.dtype),
           dla.astype(la_like.dtype), dh0, None, None, None)

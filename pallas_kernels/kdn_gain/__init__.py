@@ -15,16 +15,18 @@ __all__ = ["diag_gain", "iso_gain"]
 
 
 # (batch, head) dims for sharding.per_shard: k, log_alpha, omega, r, per-token gains and
-# gradients [B,T,H,...]; mu [H]; reset [B,T]; p0 / p_final [B,H,L].
+# gradients [B,T,H,...]; mu [H]; reset [B,T]; p0 / p_final [B,H,L]. Results: (batch, head, ndim).
 _BTH, _MU, _BT, _BH = (0, 2), (None, 0), (0, None), (0, 1)
 _RAW = (_BTH, _BTH, _BTH, _BTH, _MU)
+_LANES, _PER_TOKEN, _P = (0, 2, 4), (0, 2, 3), (0, 1, 3)
 
 
 def _forward(raw, reset, p0, diag, chunk, interpret, cfg, save_pprev):
   def body(k, la, om, r, mu, reset, p0):
     return _kernel.gain_forward((k, la, om, r, mu), reset, p0, diag=diag, chunk=chunk,
                                 interpret=interpret, cfg=cfg, save_pprev=save_pprev)
-  return _sharding.per_shard(body, _RAW + (_BT, _BH), (_BTH, _BTH, _BH))(*raw, reset, p0)
+  outs = (_LANES, _LANES if save_pprev else None, _P)
+  return _sharding.per_shard(body, _RAW + (_BT, _BH), outs)(*raw, reset, p0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
@@ -51,7 +53,8 @@ def _gain_bwd(diag, chunk, interpret, cfg, res, cts):
     return tuple(d_raw) + (dp0,)
 
   dk, dla, dom, dr, dmu, dp0 = _sharding.per_shard(
-      body, _RAW + (_BT, _BTH, _BTH, _BH), (_BTH,) * 5 + (_BH,))(
+      body, _RAW + (_BT, _BTH, _BTH, _BH),
+      (_LANES, _LANES, (0, 2, raw[2].ndim), _PER_TOKEN, _PER_TOKEN, _P))(
           *raw, reset, pprev, dgain.astype(jnp.float32), dpfin.astype(jnp.float32))
   # mu's gradient per token ([B,T,H]) is summed here, outside the shards.
   return (dk.astype(raw[0].dtype), dla.astype(raw[1].dtype), dom.astype(raw[2].dtype),
