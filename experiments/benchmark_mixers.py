@@ -253,17 +253,11 @@ def _time_fla_row(row, t, fwd_bwd):
 
 
 def _scan_reference(q, k, v, la, w, scale, s0):
-  """Token loop (lax.scan, float32) for the general delta rule."""
+  """kdn_jax's token loop (float32) for the general delta rule."""
+  from kdn_jax.ops.delta_reference import delta_rule_reference  # pylint: disable=g-import-not-at-top
   f32 = jnp.float32
-  def step(s, xs):
-    qt, kt, vt, lat, wt = xs
-    s = jnp.exp(lat)[..., None] * s
-    delta = vt - jnp.einsum("bhkv,bhk->bhv", s, kt)
-    s = s + wt[..., None] * delta[..., None, :]
-    return s, scale * jnp.einsum("bhkv,bhk->bhv", s, qt)
-  xs = tuple(jnp.moveaxis(z.astype(f32), 1, 0) for z in (q, k, v, la, w))
-  s, o = jax.lax.scan(step, s0, xs)
-  return jnp.moveaxis(o, 0, 1), s
+  return delta_rule_reference(scale * q.astype(f32), *(z.astype(f32) for z in (k, v, la, w)),
+                              s0)
 
 
 def _rel(a, b):

@@ -48,9 +48,22 @@ def _mesh(shape, names):
   return Mesh(devices.reshape(shape), names)
 
 
-@pytest.mark.parametrize("family,mesh_name", [("diag", "data_tensor"), ("iso", "data_tensor"),
-                                              ("diag", "data_fsdp_tensor")])
-def test_sharded_jit_runs_per_shard(family, mesh_name):
+@pytest.fixture
+def partitioner(request):
+  """Both XLA partitioners: Shardy (jax's default) uses per_shard's sharding rule, GSPMD its
+  callbacks."""
+  before = jax.config.jax_use_shardy_partitioner
+  jax.config.update("jax_use_shardy_partitioner", request.param == "shardy")
+  yield request.param
+  jax.config.update("jax_use_shardy_partitioner", before)
+
+
+@pytest.mark.parametrize("family,mesh_name,partitioner", [
+    ("diag", "data_tensor", "shardy"), ("iso", "data_tensor", "shardy"),
+    ("diag", "data_fsdp_tensor", "shardy"), ("diag", "data_tensor", "gspmd")],
+    indirect=["partitioner"])
+def test_sharded_jit_runs_per_shard(family, mesh_name, partitioner):
+  del partitioner
   shape, names, batch = MESHES[mesh_name]
   mesh = _mesh(shape, names)
   args, mu, seg = _args(family)
@@ -68,10 +81,33 @@ def test_sharded_jit_runs_per_shard(family, mesh_name):
   # The kernels ran on the shards: no operand was gathered, and the output keeps the sharding.
   hlo = grad.lower(*sharded).compile().as_text()
   assert len(re.findall(r"all-gather", hlo)) == 0
+  # Forward only and without segments (no cont / pid operands, no saved residuals).
   fn = ops.diag_kdn if family == "diag" else ops.iso_kdn
-  out = jax.jit(lambda *a: fn(*a[:6], info_scale=a[6], segment_ids=a[7], impl="pallas")[0])(
-      *sharded)
+  fwd = jax.jit(lambda *a: fn(*a[:6], info_scale=a[6], impl="pallas")[0])
+  out = fwd(*sharded[:7])
   assert out.sharding.spec == P(batch, None, "tensor")
+  np.testing.assert_allclose(out, fwd(*args, mu), rtol=2e-5, atol=2e-6)
+
+
+def test_time_sharded_operand_is_gathered_with_a_warning(caplog):
+  mesh = _mesh((2, 2), ("data", "tensor"))
+  args, _, _ = _args("diag")
+  # q sharded along T as well: the kernels cannot keep that, so it is gathered (still correct).
+  q = jax.device_put(args[0], NamedSharding(mesh, P("data", "tensor")))
+  f = jax.jit(lambda *a: ops.diag_kdn(*a, impl="pallas")[0])
+  with caplog.at_level("WARNING"):
+    got = f(q, *args[1:])
+  np.testing.assert_allclose(got, f(*args), rtol=2e-5, atol=2e-6)
+  assert any("gathered" in r.getMessage() for r in caplog.records)
+
+
+def test_inside_shard_map_without_vma_check():
+  mesh = _mesh((2,), ("x",))
+  args, _, _ = _args("diag")
+  body = lambda *a: ops.diag_kdn(*a, impl="pallas")[0]
+  sm = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x"),
+                             check_vma=False))
+  np.testing.assert_allclose(sm(*args), jax.jit(body)(*args), rtol=2e-5, atol=2e-6)
 
 
 def test_pallas_path_vmaps():
