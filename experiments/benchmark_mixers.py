@@ -252,14 +252,6 @@ def _time_fla_row(row, t, fwd_bwd):
 # ------------------------------------------------------------------------------------ check
 
 
-def _scan_reference(q, k, v, la, w, scale, s0):
-  """kdn_jax's token loop (float32) for the general delta rule."""
-  from kdn_jax.ops.delta_reference import delta_rule_reference  # pylint: disable=g-import-not-at-top
-  f32 = jnp.float32
-  return delta_rule_reference(scale * q.astype(f32), *(z.astype(f32) for z in (k, v, la, w)),
-                              s0)
-
-
 def _rel(a, b):
   a = np.asarray(a, np.float64)
   b = np.asarray(b, np.float64)
@@ -340,6 +332,7 @@ def run_check(b=2, t=300, h=2, d=128, cut=100):
   against plain fp32 scans, fp32 and bf16 inputs, without and with a segment reset at token
   `cut` (the gains: with it)."""
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
+  from kdn_jax.ops.delta_reference import delta_rule_reference  # pylint: disable=g-import-not-at-top
   res = {}
   for dtype in (jnp.float32, jnp.bfloat16):
     x = _inputs(jax.random.PRNGKey(1), b, t, h, d, dtype)
@@ -349,10 +342,10 @@ def run_check(b=2, t=300, h=2, d=128, cut=100):
     args = (x["q"], x["k"], x["v"], x["la"], w, s0)
     def f_pk(*a):
       return pk.delta_rule(*a[:5], d ** -0.5, a[5])
-    def f_ref(*a):
-      a = [z.astype(jnp.float32) for z in a]
+    def f_ref(*a):   # kdn_jax's float32 token loop (q arrives scaled)
+      q, *rest = (z.astype(jnp.float32) for z in a)
       with jax.default_matmul_precision("highest"):
-        return _scan_reference(*a[:5], d ** -0.5, a[5])
+        return delta_rule_reference(d ** -0.5 * q, *rest)
     def f_pk_seg(*a):
       return pk.delta_rule(*a[:5], d ** -0.5, a[5], seg)
     def f_ref_seg(*a):   # the reset at token `cut` = two independent runs from s0

@@ -58,7 +58,7 @@ def _shardings(mesh, shapes, dims, batch_axes, head_axes):
   return tuple(out)
 
 
-def _warn_gathered(fn, arg_shapes, kept):
+def _warn_gathered(name, arg_shapes, kept):
   """Warns (at compile time) when an operand's sharding is more than the kernels keep."""
   for i, (s, want) in enumerate(zip(arg_shapes, kept)):
     have = getattr(s, "sharding", None)
@@ -69,8 +69,7 @@ def _warn_gathered(fn, arg_shapes, kept):
       logging.warning(
           "pallas_kernels: %s operand %d %s arrives sharded as %s; the kernel keeps only its "
           "batch / head sharding (%s, divisible sizes), so it is gathered to that first.",
-          getattr(fn, "__name__", getattr(getattr(fn, "func", None), "__name__", "kernel")), i,
-          tuple(s.shape), have.spec, want.spec)
+          name, i, tuple(s.shape), have.spec, want.spec)
 
 
 def _rule(in_ndims, in_dims, out_ndims, out_dims):
@@ -94,8 +93,8 @@ def _rule(in_ndims, in_dims, out_ndims, out_dims):
   return f"{lhs} -> {rhs}", tuple(local)
 
 
-def per_shard(fn, in_dims, out_dims):
-  """`fn(*args) -> tuple` run per (batch, head) shard under a sharded jit.
+def per_shard(fn, in_dims, out_dims, name):
+  """`fn(*args) -> tuple` run per (batch, head) shard under a sharded jit (`name`: for warnings).
 
   in_dims: for each argument, (batch_dim, head_dim) with None where the array has no such dim;
   arguments may be None (absent optional arrays). out_dims: for each result, (batch_dim,
@@ -131,7 +130,7 @@ def per_shard(fn, in_dims, out_dims):
       batch, heads = axes(mesh, arg_shapes)
       out_shapes = jax.tree.leaves(result_shape)
       arg_shardings = _shardings(mesh, arg_shapes, dims, batch, heads)
-      _warn_gathered(fn, arg_shapes, arg_shardings)
+      _warn_gathered(name, arg_shapes, arg_shardings)
       return (mesh, body, _shardings(mesh, out_shapes, odims, batch, heads), arg_shardings)
 
     rule, local = _rule([a.ndim for a in arrays], dims, [out_dims[j][2] for j in out_present],

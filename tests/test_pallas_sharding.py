@@ -1,8 +1,6 @@
 """The Pallas path under a sharded jit runs per (batch, head) shard (pallas_kernels.sharding):
 same numbers as one device, no operand gathered, and it still composes with vmap."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,7 +78,7 @@ def test_sharded_jit_runs_per_shard(family, mesh_name, partitioner):
     np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6, err_msg=name)
   # The kernels ran on the shards: no operand was gathered, and the output keeps the sharding.
   hlo = grad.lower(*sharded).compile().as_text()
-  assert len(re.findall(r"all-gather", hlo)) == 0
+  assert "all-gather" not in hlo
   # Forward only and without segments (no cont / pid operands, no saved residuals).
   fn = ops.diag_kdn if family == "diag" else ops.iso_kdn
   fwd = jax.jit(lambda *a: fn(*a[:6], info_scale=a[6], impl="pallas")[0])

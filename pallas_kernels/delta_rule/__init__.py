@@ -22,7 +22,7 @@ _BH = (0, 1)       # [B, H, ...]: states, A, P
 _BT = (0, None)    # [B, T]: segment bookkeeping
 _IN = (_BTHK,) * 5 + (_BH, _BT, _BT, _BT)           # q, k, v, w, la, h0, starts, cont, pid
 _RES = (_BTHK, _BH, _BH, _BTHK, _BTHK, _BH)         # g, A, P, Wt, W, chunk-start states
-_OUT4, _STATE4, _STATES5 = (0, 2, 4), (0, 1, 4), (0, 1, 5)
+_OUT4, _STATE4, _STATES5 = _BTHK + (4,), _BH + (4,), _BH + (5,)
 
 
 def _res_out(wy):
@@ -53,7 +53,7 @@ def _forward(save, args, chunk, scale, interpret, cfg, prec):
   body = functools.partial(_forward_body, chunk=chunk, scale=scale, interpret=interpret,
                            cfg=cfg, prec=prec, save=save)
   outs = (_OUT4, _STATE4) + (_res_out(cfg.wy) if save else ())
-  return _sharding.per_shard(body, _IN, outs)(*args)
+  return _sharding.per_shard(body, _IN, outs, "delta_rule forward")(*args)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
@@ -75,7 +75,8 @@ def _core_bwd(chunk, scale, interpret, cfg, prec, saved, cts):
   body = functools.partial(_backward_body, chunk=chunk, scale=scale, interpret=interpret,
                            cfg=cfg, prec=prec)
   dims = _IN[:4] + (_BTHK,) + _IN[5:] + _RES[1:] + (_BTHK, _BH)
-  dq, dk, dv, dw, dla, dh0 = _sharding.per_shard(body, dims, (_OUT4,) * 5 + (_STATE4,))(
+  dq, dk, dv, dw, dla, dh0 = _sharding.per_shard(body, dims, (_OUT4,) * 5 + (_STATE4,),
+                                                  "delta_rule backward")(
       q, k, v, w, *res[:1], h0, starts, cont, pid, *res[1:], do, dsfin.astype(jnp.float32))
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dw.astype(w.dtype),
           dla.astype(la_like.dtype), dh0, None, None, None)

@@ -18,7 +18,7 @@ __all__ = ["diag_gain", "iso_gain"]
 # gradients [B,T,H,...]; mu [H]; reset [B,T]; p0 / p_final [B,H,L]. Results: (batch, head, ndim).
 _BTH, _MU, _BT, _BH = (0, 2), (None, 0), (0, None), (0, 1)
 _RAW = (_BTH, _BTH, _BTH, _BTH, _MU)
-_LANES, _PER_TOKEN, _P = (0, 2, 4), (0, 2, 3), (0, 1, 3)
+_LANES, _PER_TOKEN, _P = _BTH + (4,), _BTH + (3,), _BH + (3,)
 
 
 def _forward(raw, reset, p0, diag, chunk, interpret, cfg, save_pprev):
@@ -26,7 +26,8 @@ def _forward(raw, reset, p0, diag, chunk, interpret, cfg, save_pprev):
     return _kernel.gain_forward((k, la, om, r, mu), reset, p0, diag=diag, chunk=chunk,
                                 interpret=interpret, cfg=cfg, save_pprev=save_pprev)
   outs = (_LANES, _LANES if save_pprev else None, _P)
-  return _sharding.per_shard(body, _RAW + (_BT, _BH), outs)(*raw, reset, p0)
+  shard = _sharding.per_shard(body, _RAW + (_BT, _BH), outs, "kdn_gain forward")
+  return shard(*raw, reset, p0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
@@ -54,7 +55,7 @@ def _gain_bwd(diag, chunk, interpret, cfg, res, cts):
 
   dk, dla, dom, dr, dmu, dp0 = _sharding.per_shard(
       body, _RAW + (_BT, _BTH, _BTH, _BH),
-      (_LANES, _LANES, (0, 2, raw[2].ndim), _PER_TOKEN, _PER_TOKEN, _P))(
+      (_LANES, _LANES, _BTH + (raw[2].ndim,), _PER_TOKEN, _PER_TOKEN, _P), "kdn_gain backward")(
           *raw, reset, pprev, dgain.astype(jnp.float32), dpfin.astype(jnp.float32))
   # mu's gradient per token ([B,T,H]) is summed here, outside the shards.
   return (dk.astype(raw[0].dtype), dla.astype(raw[1].dtype), dom.astype(raw[2].dtype),
@@ -86,7 +87,8 @@ def _run(diag, k, log_alpha, omega, r, info_scale, p0, segment_ids, chunk_size, 
   k, la, om = (common.pad_time(x, t_pad) for x in (k, log_alpha, omega))
   rr = common.pad_time(r, t_pad, 1.0)
   mu = jnp.broadcast_to(jnp.asarray(info_scale, jnp.float32), (nh,))
-  p0 = p0.astype(jnp.float32) if diag else p0.astype(jnp.float32)[..., None]   # [B, H, lanes]
+  p0 = p0.astype(jnp.float32)
+  p0 = p0 if diag else p0[..., None]   # [B, H, lanes]
   return _gain(k, la, om, rr, mu, reset, p0, diag, chunk, interpret,
                _config.DEFAULT)
 
