@@ -29,6 +29,50 @@ def unflatten(template, flat: dict):
       treedef, [flat['|'.join(_key_str(k) for k in path)] for path, _ in leaves])
 
 
+def find_checkpoint(source: str) -> tuple[str, int]:
+  """(checkpoints directory, step) of ``source``: a run's workdir (its latest checkpoint), its
+  ``checkpoints`` directory, or one step directory ``.../checkpoints/<step>``."""
+  source = os.path.abspath(source)
+  if not os.path.isdir(source):
+    raise FileNotFoundError(f'no such directory: {source!r}')
+  base = os.path.basename(source.rstrip('/'))
+  if base.isdigit() and os.path.isdir(os.path.join(source, 'state')):
+    return os.path.dirname(source), int(base)
+  root = os.path.join(source, 'checkpoints')
+  root = root if os.path.isdir(root) else source
+  steps = ocp.utils.checkpoint_steps(root) if os.path.isdir(root) else []
+  if not steps:
+    raise FileNotFoundError(f'no checkpoint in {source!r} (expected <workdir>/checkpoints/<step>)')
+  return root, max(steps)
+
+
+def restore_params(source: str, abstract_params) -> tuple[object, int]:
+  """Restores only the parameters of another run's checkpoint into ``abstract_params`` (a pytree of
+  ShapeDtypeStructs with shardings, the ``params`` of a train state); returns (params, step).
+
+  Raises ValueError naming the first parameters that are missing or differ in shape, before reading
+  any array."""
+  root, step = find_checkpoint(source)
+  state_dir = os.path.join(root, str(step), 'state')
+  want = {f'params|{k}': v for k, v in flatten(abstract_params).items()}
+  meta = ocp.PyTreeCheckpointer().metadata(state_dir)
+  meta = getattr(meta, 'item_metadata', meta)
+  meta = getattr(meta, 'tree', meta)
+  have = {k: tuple(getattr(v, 'shape', ())) for k, v in dict(meta).items()}
+  missing = [k for k in want if k not in have]
+  wrong = [f'{k}: checkpoint {have[k]}, model {tuple(v.shape)}' for k, v in want.items()
+           if k in have and have[k] != tuple(v.shape)]
+  if missing or wrong:
+    problems = [f'missing {k}' for k in missing[:5]] + wrong[:5]
+    raise ValueError(f'checkpoint {root}/{step} does not fit this model '
+                     f'({len(missing)} parameters missing, {len(wrong)} of another shape): ' + '; '.join(problems))
+  restore_args = jax.tree.map(lambda v: ocp.ArrayRestoreArgs(sharding=v.sharding, dtype=v.dtype), want)
+  out = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
+      item=want, restore_args=restore_args, partial_restore=True))
+  flat = {k[len('params|'):]: v for k, v in out.items()}
+  return unflatten(abstract_params, flat), step
+
+
 class Checkpointer:
 
   def __init__(self, directory: str, keep: int = 3, async_save: bool = True):
@@ -58,6 +102,10 @@ class Checkpointer:
         data=grain.checkpoint.CheckpointRestore(data_iter),
         record=ocp.args.JsonRestore()))
     return unflatten(abstract_state, out['state']), out['record']
+
+  def record(self, step: int) -> dict:
+    """The JSON record saved with ``step`` (reads nothing else)."""
+    return dict(self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))['record'])
 
   def wait(self):
     self.manager.wait_until_finished()

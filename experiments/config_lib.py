@@ -13,7 +13,7 @@ from typing import Any
 
 import ml_collections
 
-MIXERS = ('kdn_diag', 'kdn_iso', 'kda', 'gated_deltanet', 'deltanet', 'gdn2', 'gla', 'attention', 'swa')
+MIXERS = ('kdn_diag', 'kdn_iso', 'kda', 'gated_deltanet', 'deltanet', 'gdn2', 'gla', 'mamba2', 'attention', 'swa')
 INITIAL_STATES = ('zero', 'random_noise', 'fitted_noise', 'state_passing', 'tbtt')
 DATA_KINDS = ('mqar', 'copying', 'passkey', 'token_file')
 DTYPES = ('float32', 'bfloat16', 'float16')
@@ -56,7 +56,11 @@ def base_config() -> ml_collections.ConfigDict:
   d.read_threads = 4            # grain threads reading/generating examples
   d.train_path = ''             # token_file: .npy (1-D token memmap) or .array_record
   d.eval_path = ''
+  d.long_eval_path = ''         # token_file: long documents for length evaluation (experiments/evaluate.py)
+  d.corpus_dir = ''             # a prepared corpus (experiments/data/prepare.py): fills the empty paths
   d.eos_id = -1                 # token_file: document separator (>=0 needed for tbtt)
+  d.pack_documents = True       # token_file: windows carry segment_ids where documents begin (when the
+                                # boundaries are known: <name>.docs.npy, array_record records, or eos_id)
   d.num_train_examples = 1_000_000  # synthetic tasks: size of the (index-addressed) train set
   d.num_eval_examples = 512
   d.mqar = ml_collections.ConfigDict(dict(vocab_size=8192, num_kv_pairs=8, eval_num_kv_pairs=0,
@@ -67,6 +71,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.train = t = ml_collections.ConfigDict()
   t.num_steps = 1000
   t.initial_state = 'zero'      # one of INITIAL_STATES
+  # Post-training: start a new run from the parameters of another run (its workdir, or one checkpoint
+  # directory <workdir>/checkpoints/<step>); fresh optimizer, step 0, this run's initial_state. Ignored
+  # once this workdir has a checkpoint of its own (resume).
+  t.init_from = ''
   t.noise_std = 0.1             # random_noise sigma
   t.state_reset_prob = 0.1      # state_passing per-sequence reset probability
   t.fitted_noise_beta = 0.1     # weight of the previous estimate (0.9 current / 0.1 previous)
@@ -191,8 +199,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None,
     _fail('data.read_threads', 'must be positive')
   if d.prefetch < 0:
     _fail('data.prefetch', 'must be >= 0')
-  if d.kind == 'token_file' and not d.train_path:
-    _fail('data.train_path', 'required for data.kind="token_file"')
+  if d.kind == 'token_file' and not d.train_path and not d.corpus_dir:
+    _fail('data.train_path', 'required for data.kind="token_file" (or set data.corpus_dir)')
   if d.kind == 'mqar':
     q = d.mqar
     if q.vocab_size > m.vocab_size:

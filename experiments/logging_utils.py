@@ -66,9 +66,17 @@ def progress_line(step, total, metrics, tokens_per_s, eta_s) -> str:
 
 
 
+def write_json(path: str, obj) -> str:
+  """Writes ``obj`` as indented JSON atomically (tmp file + rename)."""
+  tmp = f'{path}.tmp'
+  with open(tmp, 'w', encoding='utf-8') as f:
+    json.dump(obj, f, indent=2, sort_keys=True)
+  os.replace(tmp, path)
+  return path
+
+
 def write_summary(workdir: str, summary: dict):
-  with open(os.path.join(workdir, 'summary.json'), 'w', encoding='utf-8') as f:
-    json.dump(summary, f, indent=2, sort_keys=True)
+  write_json(os.path.join(workdir, 'summary.json'), summary)
 
 
 def plot_loss(workdir: str) -> str | None:

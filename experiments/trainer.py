@@ -7,6 +7,7 @@ writes metrics, a summary and a loss curve.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import signal
@@ -103,6 +104,12 @@ class Trainer:
     if config.checkpoint.enabled:
       self.checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), config.checkpoint.keep,
                                                 config.checkpoint.async_save)
+    self.config_json = json.loads(config.to_json_best_effort())
+    self.init_from_step = None
+    if self._check_resumable() is None and config.train.init_from:
+      self._init_from(config.train.init_from)
+    if self.is_main:
+      logging_utils.write_json(os.path.join(workdir, 'config.json'), self.config_json)
     self.last_metrics = {}
 
   # ---------------------------------------------------------------- model
@@ -172,6 +179,34 @@ class Trainer:
         'params': self.param_shardings, 'opt_state': opt_sh, 'step': rep, 'rng': rep, 'carry': carry_sh,
         'carry_valid': rep, 'fstats': None if fstats is None else jax.tree.map(lambda _: rep, fstats)}
 
+  def _check_resumable(self):
+    """The step this workdir resumes from (None: a new run). A checkpoint written under another
+    initial-state strategy cannot be resumed (its carried state differs): that needs a new run."""
+    step = self.checkpointer.latest_step() if self.checkpointer else None
+    if step is None:
+      return None
+    record = self.checkpointer.record(step)
+    saved = record.get('initial_state', self.strategy)
+    if saved != self.strategy:
+      raise config_lib.ConfigError(
+          f'config.train.initial_state: {self.workdir} holds a run trained with initial_state={saved!r} '
+          f'(step {step}); to continue it with {self.strategy!r} start a new workdir with '
+          f'--config.train.init_from={self.workdir}')
+    return step
+
+  def _init_from(self, source):
+    """Post-training: parameters from another run's checkpoint; optimizer, step and RNG start fresh."""
+    abs_params = self.abstract_state()['params']
+    try:
+      params, step = ckpt_lib.restore_params(source, abs_params)
+    except (FileNotFoundError, ValueError) as e:
+      raise config_lib.ConfigError(f'config.train.init_from: {e}') from e
+    self.state['params'] = params
+    self.init_from_step = step
+    if self.is_main:
+      print(f'Initialised parameters from {source} (step {step}); fresh optimizer, '
+            f'initial_state={self.strategy}', flush=True)
+
   def abstract_state(self):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state,
                         self.state_shardings)
@@ -193,7 +228,7 @@ class Trainer:
       init, reset = init_lib.initial_states(
           self.strategy, default, key=key, carry=state['carry'], reset=tbtt_reset, stats=state['fstats'],
           sigma=cfg.train.noise_std, reset_prob=cfg.train.state_reset_prob)
-    logits, final = model(batch['inputs'], states=init)
+    logits, final = model(batch['inputs'], states=init, segment_ids=batch.get('segment_ids'))
     nll, correct, count = cross_entropy(logits, batch['targets'], batch['mask'], cfg.train.z_loss)
     denom = jnp.maximum(count, 1.0)
     aux = {'final': jax.lax.stop_gradient(final), 'reset': reset,
@@ -228,7 +263,8 @@ class Trainer:
 
   def _eval_step(self, params, rest, batch):
     model = self.merge(params, rest)
-    logits, _ = model(batch['inputs'])  # always the model's normal initial state
+    # always the model's normal initial state
+    logits, _ = model(batch['inputs'], segment_ids=batch.get('segment_ids'))
     return cross_entropy(logits, batch['targets'], batch['mask'])
 
   def _build_steps(self):
@@ -266,9 +302,10 @@ class Trainer:
     step = self.step()
     if self.checkpointer.latest_step() == step:
       return
-    self.checkpointer.save(step, self.state, self.data_iter,
-                           {'step': step, 'metrics': {k: float(v) for k, v in self.last_metrics.items()}},
-                           force=force)
+    record = {'step': step, 'metrics': {k: float(v) for k, v in self.last_metrics.items()},
+              'initial_state': self.strategy, 'init_from': self.config.train.init_from,
+              'init_from_step': self.init_from_step, 'config': self.config_json}
+    self.checkpointer.save(step, self.state, self.data_iter, record, force=force)
 
   def maybe_restore(self) -> bool:
     if self.checkpointer is None:
@@ -391,7 +428,8 @@ class Trainer:
                                        (step_log - step_steady) * tokens_per_step
                                        / max(t_log - t_steady, 1e-9)),
                'num_params': self.num_params, 'train': self.last_metrics,
-               'eval': eval_metrics, 'initial_state': self.strategy, 'mesh': dict(self.mesh.shape)}
+               'eval': eval_metrics, 'initial_state': self.strategy, 'mesh': dict(self.mesh.shape),
+               'init_from': self.config.train.init_from or None, 'init_from_step': self.init_from_step}
     if self.is_main:
       logging_utils.write_summary(self.workdir, summary)
       if cfg.logging.plot:

@@ -7,15 +7,17 @@ import os
 import grain
 import numpy as np
 
-from experiments.data import synthetic, token_files
+from experiments.data import corpus, synthetic, token_files
 
 
 def check_data_files(config):
-  """Raises FileNotFoundError before training if a configured data file is missing."""
+  """Fills token-file paths from ``data.corpus_dir``, then raises FileNotFoundError before training if a
+  configured data file is missing."""
   d = config.data
   if d.kind != 'token_file':
     return
-  for key in ('train_path', 'eval_path'):
+  corpus.resolve(config)
+  for key in ('train_path', 'eval_path', 'long_eval_path'):
     path = d[key]
     if path and not os.path.exists(path):
       raise FileNotFoundError(f'config.data.{key}: data file not found: {path!r}')
@@ -47,7 +49,9 @@ def _map_dataset(config, split: str) -> grain.MapDataset:
   if d.kind == 'token_file':
     path = d.train_path if split == 'train' else (d.eval_path or d.train_path)
     seq_len = d.seq_len if split == 'train' or not d.eval_seq_len else d.eval_seq_len
-    return grain.MapDataset.source(token_files.WindowSource(token_files.load_tokens(path), seq_len))
+    tokens = token_files.load_tokens(path)
+    offsets = token_files.load_offsets(path, tokens, d.eos_id) if d.pack_documents else None
+    return grain.MapDataset.source(token_files.WindowSource(tokens, seq_len, offsets))
   n = d.num_train_examples if split == 'train' else d.num_eval_examples
   return grain.MapDataset.range(n).map(_example_fn(config, split))
 

@@ -1,10 +1,41 @@
 """Token files: 1-D ``.npy`` arrays of token ids (read as memmaps), optionally ``.array_record`` files whose
-records are little-endian int32 token sequences (one document per record)."""
+records are little-endian int32 token sequences (one document per record).
+
+Document boundaries, when known, come from a ``<name>.docs.npy`` sidecar beside ``<name>.npy`` (int64
+offsets [n_docs + 1], document i = tokens[off[i]:off[i+1]], as ``experiments.data.prepare`` writes), from
+the records of an ``.array_record`` file, or else from a separator token (``eos_id``)."""
 from __future__ import annotations
 
 import os
 
 import numpy as np
+
+
+def docs_path(path: str) -> str:
+  """The offsets sidecar of a ``.npy`` token file."""
+  return path[:-len('.npy')] + '.docs.npy'
+
+
+def _array_record_docs(path: str) -> list[np.ndarray]:
+  from array_record.python import array_record_module as arm  # pylint: disable=g-import-not-at-top
+  reader = arm.ArrayRecordReader(path)
+  return [np.frombuffer(r, dtype='<i4') for r in reader.read_all()]
+
+
+def load_offsets(path: str, tokens: np.ndarray, eos_id: int = -1) -> np.ndarray | None:
+  """Document offsets [n_docs + 1] of a token file, or None when its boundaries are unknown."""
+  if path.endswith('.npy') and os.path.exists(docs_path(path)):
+    off = np.asarray(np.load(docs_path(path)), np.int64)
+    if off.ndim != 1 or len(off) < 2 or off[0] != 0 or off[-1] != len(tokens) or np.any(np.diff(off) <= 0):
+      raise ValueError(f'{docs_path(path)}: expected increasing document offsets from 0 to {len(tokens)}')
+    return off
+  if path.endswith('.array_record'):
+    lens = [len(d) for d in _array_record_docs(path)]
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+  if eos_id >= 0:  # every document ends with (and includes) eos_id; a trailing rest is one more
+    ends = np.flatnonzero(np.asarray(tokens) == eos_id) + 1
+    return np.unique(np.concatenate([[0], ends, [len(tokens)]])).astype(np.int64)
+  return None
 
 
 def load_tokens(path: str) -> np.ndarray:
@@ -16,18 +47,30 @@ def load_tokens(path: str) -> np.ndarray:
       raise ValueError(f'{path}: expected a 1-D token array, got shape {arr.shape}')
     return arr
   if path.endswith('.array_record'):
-    from array_record.python import array_record_module as arm  # pylint: disable=g-import-not-at-top
-    reader = arm.ArrayRecordReader(path)
-    docs = [np.frombuffer(r, dtype='<i4') for r in reader.read_all()]
+    docs = _array_record_docs(path)
     return np.concatenate(docs) if docs else np.zeros((0,), np.int32)
   raise ValueError(f'{path}: unsupported token file type (use .npy or .array_record)')
 
 
-class WindowSource:
-  """Random access to non-overlapping windows of ``seq_len + 1`` tokens."""
+def segment_ids(offsets: np.ndarray, start: int, length: int) -> np.ndarray:
+  """Segment id (0, 1, ...) of the inputs ``tokens[start:start + length]`` of a packed window.
 
-  def __init__(self, tokens: np.ndarray, seq_len: int):
-    self.tokens, self.seq_len = tokens, seq_len
+  Input position p belongs to the document whose first TARGET is p + 1: document i's inputs are
+  ``tokens[off[i] - 1 : off[i+1] - 1]`` (the previous document's last token, its EOS, acts as BOS), so
+  every target token of document i is predicted from document i's own context only."""
+  p = np.arange(start, start + length) + 1
+  doc = np.searchsorted(offsets, p, side='right') - 1
+  return (doc - doc[0]).astype(np.int32)
+
+
+class WindowSource:
+  """Random access to non-overlapping windows of ``seq_len + 1`` tokens (packed documents).
+
+  With ``offsets`` (document boundaries) each window also carries ``segment_ids``: the model restarts
+  from its initial state wherever a new document begins inside the window."""
+
+  def __init__(self, tokens: np.ndarray, seq_len: int, offsets: np.ndarray | None = None):
+    self.tokens, self.seq_len, self.offsets = tokens, seq_len, offsets
     self.n = (len(tokens) - 1) // seq_len
     if self.n <= 0:
       raise ValueError(f'token file has {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}')
@@ -36,8 +79,12 @@ class WindowSource:
     return self.n
 
   def __getitem__(self, i):
-    w = np.asarray(self.tokens[i * self.seq_len: i * self.seq_len + self.seq_len + 1], np.int32)
-    return {'inputs': w[:-1], 'targets': w[1:], 'mask': np.ones(self.seq_len, np.float32)}
+    start = i * self.seq_len
+    w = np.asarray(self.tokens[start: start + self.seq_len + 1], np.int32)
+    out = {'inputs': w[:-1], 'targets': w[1:], 'mask': np.ones(self.seq_len, np.float32)}
+    if self.offsets is not None:
+      out['segment_ids'] = segment_ids(self.offsets, start, self.seq_len)
+    return out
 
 
 def documents(tokens: np.ndarray, eos_id: int) -> list[tuple[int, int]]:
