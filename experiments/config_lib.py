@@ -94,7 +94,7 @@ def base_config() -> ml_collections.ConfigDict:
   o.weight_decay = 0.1
   o.clip_norm = 1.0             # <= 0: no clipping
   # Parameters whose path contains one of these (comma-separated, case-sensitive) get no weight decay.
-  o.no_decay = 'A_log,dt_bias,norm,variance_raw,init_var,initial_variance,bias'
+  o.no_decay = 'A_log,dt_bias,norm,variance_raw,init_var,initial_variance,bias,/D'  # /D: Mamba-2's skip
 
   c.mesh = m = ml_collections.ConfigDict()
   m.data = -1                   # -1 fills the remaining devices

@@ -48,8 +48,14 @@ class Decay(nnx.Module):
 
     def __call__(self, x):
         """x [..., d] -> log_alpha float32 [..., H, K] (per channel) or [..., H]."""
+        return self.log_alpha_and_dt(x)[0]
+
+    def log_alpha_and_dt(self, x):
+        """x [..., d] -> (log_alpha, dt), both float32 of the same shape, log_alpha = -exp(A_log) * dt,
+        dt = softplus(f(x) + dt_bias) (the Mamba-2 step size, also used to scale the input)."""
         f = self.f(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
         A = jnp.exp(self.A_log[...].astype(jnp.float32))
         if self.per_channel:
             A = A[:, None]
-        return -A * jax.nn.softplus(f)
+        dt = jax.nn.softplus(f)
+        return -A * dt, dt

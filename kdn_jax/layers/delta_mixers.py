@@ -6,6 +6,7 @@ L2-normalised q/k, low-rank sigmoid output gate + RMSNorm, o_proj), so only the 
   deltanet       S = (I - beta k k^T) S + beta k v^T
   gdn2           S = (I - k (b*k)^T) diag(alpha) S + k (w*v)^T       b = sigmoid(low rank -> H*K), w = sigmoid(low rank -> H*V)
   gla            S = diag(alpha) S + k v^T                           per-channel KDA decay, no erase
+  (mamba2        S = alpha S + dt k v^T, o += D v                    scalar decay, dt-scaled input: layers/mamba2.py)
 """
 from __future__ import annotations
 

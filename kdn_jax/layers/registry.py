@@ -6,6 +6,7 @@ from __future__ import annotations
 from kdn_jax.layers.attention import FullAttention, SlidingWindowAttention
 from kdn_jax.layers.delta_mixers import GDN2, GLA, KDA, DeltaNet, GatedDeltaNet
 from kdn_jax.layers.kdn_mixer import KDNDiag, KDNIso
+from kdn_jax.layers.mamba2 import Mamba2
 
 MIXERS = {
     'kdn_diag': KDNDiag,
@@ -15,6 +16,7 @@ MIXERS = {
     'deltanet': DeltaNet,
     'gdn2': GDN2,
     'gla': GLA,
+    'mamba2': Mamba2,
     'attention': FullAttention,
     'swa': SlidingWindowAttention,
 }
