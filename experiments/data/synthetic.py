@@ -63,16 +63,30 @@ def copying_example(index: int, *, seed: int, seq_len: int, vocab_size: int, cop
   return _pack(seq, scored, seq_len)
 
 
-def passkey_example(index: int, *, seed: int, seq_len: int, vocab_size: int, digits: int) -> dict:
+def passkey_example(index: int, *, seed: int, seq_len: int, vocab_size: int, digits: int,
+                    depth: float | None = None) -> dict:
   """Filler tokens with ``KEY d_1..d_D`` hidden at a random depth and ``QUERY d_1..d_D`` at the end; the
-  answer digits are scored. Tokens: 1 = KEY, 2 = QUERY, 10..19 = digits, 20.. = filler."""
+  answer digits are scored. Tokens: 1 = KEY, 2 = QUERY, 10..19 = digits, 20.. = filler.
+
+  ``depth`` (optional, a fraction in [0, 1]) fixes where KEY sits: position
+  ``round(depth * (seq_len - 2 * digits - 2))``, 0 = the first token, 1 = the last slot that leaves one filler
+  token before QUERY. ``None`` (default) draws it uniformly (the same draws as before ``depth`` existed).
+  """
   rng = _rng(seed, index)
   code = rng.integers(0, 10, size=digits) + 10
   seq = rng.integers(20, vocab_size, size=seq_len + 1)
   q = seq_len - digits  # QUERY position; the digits follow up to the end
-  depth = rng.integers(0, q - digits - 1)
-  seq[depth] = 1
-  seq[depth + 1:depth + 1 + digits] = code
+  if q - digits - 1 < 1:
+    raise ValueError(f'passkey: seq_len={seq_len} is too short for digits={digits} '
+                     f'(needs seq_len >= {2 * digits + 2})')
+  if depth is None:
+    pos = rng.integers(0, q - digits - 1)
+  else:
+    if not 0.0 <= depth <= 1.0:
+      raise ValueError(f'passkey: depth must be in [0, 1], got {depth}')
+    pos = int(round(depth * (q - digits - 2)))
+  seq[pos] = 1
+  seq[pos + 1:pos + 1 + digits] = code
   seq[q] = 2
   seq[q + 1:q + 1 + digits] = code
   return _pack(seq, np.arange(q, q + digits), seq_len)
