@@ -104,3 +104,21 @@ def plot_loss(workdir: str) -> str | None:
   fig.savefig(path, dpi=100)
   plt.close(fig)
   return path
+
+
+class Progress:
+  """A progress line with rate and ETA, printed at most every ``every_s`` seconds (and at the end)."""
+
+  def __init__(self, total: int, desc: str, every_s: float = 5.0):
+    self.total, self.desc, self.every_s = max(int(total), 1), desc, every_s
+    self.done, self.t0, self.t_print = 0, time.time(), 0.0
+
+  def update(self, n: int = 1):
+    self.done += n
+    now = time.time()
+    if self.done >= self.total or now - self.t_print >= self.every_s:
+      self.t_print = now
+      rate = self.done / max(now - self.t0, 1e-9)
+      eta = (self.total - self.done) / max(rate, 1e-9)
+      print(f'  {self.desc}: {self.done}/{self.total} | {fmt_time(now - self.t0)} elapsed | '
+            f'ETA {fmt_time(eta)}', flush=True)

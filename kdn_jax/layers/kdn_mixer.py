@@ -126,6 +126,19 @@ class KDNMixer(RecurrentMixer):
                    segment_ids=segment_ids, impl=self.impl, chunk_size=self.chunk_size)
         return o, {'memory': fs.memory, 'variance': fs.variance}
 
+    def write_strength(self, x, *, initial_state=None, segment_ids=None):
+        """Effective same-key write strength beta_eff = z / (r + z), z = k^T P_hat k (MATH.md section 2; iso:
+        z = b_hat ||k||^2), per token and head: the KDN paper's probe. x [B, T, d] -> float32 [B, T, H]."""
+        B = x.shape[0]
+        state = self.init_state(B) if initial_state is None else initial_state
+        _, k, _, _ = self.project(x, state['conv'], segment_ids)
+        g = self._gates(x)
+        kf = k.astype(jnp.float32)
+        scan = ops.diag_variance_scan if self.diagonal else ops.iso_variance_scan
+        prior, _ = scan(kf, g['log_alpha'], g['omega'], g['r'], self.info_scale(), state['variance'], segment_ids)
+        z = jnp.sum(prior * kf * kf, axis=-1) if self.diagonal else prior * jnp.sum(kf * kf, axis=-1)
+        return z / (g['r'] + z)
+
     def _core_step(self, q, k, v, gates, state):
         fn = ops.diag_kdn_step if self.diagonal else ops.iso_kdn_step
         o, fs = fn(q, k, v, gates['log_alpha'], gates['omega'], gates['r'],

@@ -102,17 +102,21 @@ class RecurrentMixer(nnx.Module):
     def _out(self, o, x):
         return self.o_proj(self.o_norm(o, self.g_proj(x)))
 
-    def __call__(self, x, *, initial_state=None, segment_ids=None):
-        """x [B, T, d] -> (y [B, T, d], final_state)."""
-        B = x.shape[0]
-        if initial_state is None:
-            initial_state = self.init_state(B)
-        conv = initial_state['conv']
+    def project(self, x, conv, segment_ids=None):
+        """x [B, T, d] -> (q, k, v after short conv, q/k L2-normalised; the new conv caches)."""
         q, cq = self.q_conv(self.q_proj(x), conv['q'], segment_ids)
         k, ck = self.k_conv(self.k_proj(x), conv['k'], segment_ids)
         v, cv = self.v_conv(self.v_proj(x), conv['v'], segment_ids)
         q = l2_normalize(q).astype(self.dtype)
         k = l2_normalize(k).astype(self.dtype)
+        return q, k, v, (cq, ck, cv)
+
+    def __call__(self, x, *, initial_state=None, segment_ids=None):
+        """x [B, T, d] -> (y [B, T, d], final_state)."""
+        B = x.shape[0]
+        if initial_state is None:
+            initial_state = self.init_state(B)
+        q, k, v, (cq, ck, cv) = self.project(x, initial_state['conv'], segment_ids)
         gates = self._gates(x)
         core_in = {kk: vv for kk, vv in initial_state.items() if kk != 'conv'}
         o, core = self._core(q, k, v, gates, core_in, segment_ids)

@@ -7,6 +7,7 @@
   init_cache(batch, max_len)   decode caches (recurrent: state dict, attention: KV cache).
   prefill(tokens, cache)       -> (logits, cache)      chunked path, continues from the cache.
   decode_step(token [B], cache) -> (logits [B,vocab], cache)
+  mixer_inputs(tokens)         every mixer's normalised input (probes).
 The residual stream is kept in float32; mixers/MLP compute in cfg.dtype.
 """
 from __future__ import annotations
@@ -107,6 +108,16 @@ class LanguageModel(nnx.Module):
                 x, st = blk(x, st, segment_ids)
             new_states.append(st)
         return self._logits(x), new_states
+
+    def mixer_inputs(self, tokens, *, segment_ids=None) -> list:
+        """The normalised input of every layer's mixer ([B, T, d] each), from the normal initial state:
+        for probes of the recurrence (e.g. KDN's write strength) on real activations."""
+        x = self._embed(tokens)
+        out = []
+        for blk in self.blocks:
+            out.append(blk.norm1(x))
+            x, _ = blk(x, None, segment_ids)
+        return out
 
     def prefill(self, tokens, cache):
         x = self._embed(tokens)

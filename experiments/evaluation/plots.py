@@ -1,0 +1,150 @@
+"""PNG plots of the evaluation suites (matplotlib, Agg backend)."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+
+# MQAR is scored per query and copying per character (the papers' metrics); needle tasks by exact match.
+METRIC = {'mqar': 'token_accuracy', 'copy': 'token_accuracy', 'passkey': 'exact_match', 'snih1': 'exact_match',
+          'snih2': 'exact_match', 'snih3': 'exact_match'}
+
+
+def _plt():
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  return plt
+
+
+def _save(fig, path):
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  _plt().close(fig)
+  return path
+
+
+def position_ppl(res: dict, path: str) -> str:
+  plt = _plt()
+  fig, ax = plt.subplots(figsize=(7, 4))
+  ax.plot(res['bucket_center'], res['bucket_ppl'], '-', lw=1.5, label='position-wise PPL')
+  ax.axvline(res['train_len'], color='k', ls='--', lw=1, label=f'training length {res["train_len"]}')
+  if res.get('p_star') is not None:
+    ax.axhline(res['p_star'], color='tab:red', ls=':', lw=1, label=f'p* = {res["p_star"]:.2f}')
+  ax.set_xscale('log')
+  ax.set_yscale('log')
+  ax.set_xlabel('position t (tokens)')
+  ax.set_ylabel('perplexity at t')
+  ax.set_title(f'{res["sequences"]} sequences of {res["max_len"]} tokens')
+  ax.grid(alpha=0.3, which='both')
+  ax.legend()
+  return _save(fig, path)
+
+
+def effrem(res: dict, path: str) -> str:
+  plt = _plt()
+  fig, ax = plt.subplots(figsize=(6, 4))
+  t, m, s = np.asarray(res['t']), np.asarray(res['mean']), np.asarray(res['std'])
+  ax.plot(t, m, 'o-', ms=3, label='mean')
+  ax.fill_between(t, np.clip(m - s, 0, 1), np.clip(m + s, 0, 1), alpha=0.2, label='± std')
+  ax.axvline(res['T'] - res['train_len'], color='k', ls='--', lw=1,
+             label=f'T - training length ({res["train_len"]})')
+  ax.set_xlabel('prefix cut t')
+  ax.set_ylabel(r'EffRem$_T$(t)')
+  ax.set_ylim(0, 1)
+  ax.set_title(f'Effective Remembrance, T = {res["T"]}')
+  ax.grid(alpha=0.3)
+  ax.legend()
+  return _save(fig, path)
+
+
+def state_stats(res: dict, path: str) -> str:
+  plt = _plt()
+  keys = [k for k in ('memory_norm', 'memory_std', 'variance_mean') if any(
+      k in (lay or {}) for lay in res['series'][0]['layers'])]
+  fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.6), squeeze=False)
+  t = [p['t'] for p in res['series']]
+  for ax, key in zip(axes[0], keys):
+    for i in range(len(res['series'][0]['layers'])):
+      vals = [p['layers'][i][key] if p['layers'][i] and key in p['layers'][i] else np.nan for p in res['series']]
+      if not np.all(np.isnan(vals)):
+        ax.plot(t, vals, label=f'layer {i}')
+    ax.axvline(res['train_len'], color='k', ls='--', lw=1)
+    ax.set_xscale('symlog', linthresh=max(res['train_len'] // 4, 1))
+    ax.set_xlabel('position t')
+    ax.set_title(key)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  return _save(fig, path)
+
+
+def beta_hist(res: dict, path: str) -> str:
+  plt = _plt()
+  bins = np.asarray(res['bins'])
+  centers = 0.5 * (bins[1:] + bins[:-1])
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for name, s in res['layers'].items():
+    h = np.asarray(s['hist'], float)
+    ax.plot(centers, h / max(h.sum(), 1), label=f'layer {name} (mean {s["mean"]:.3f})')
+  ax.set_xlabel(r'$\beta_{eff} = z / (r + z)$')
+  ax.set_ylabel('fraction of tokens x heads')
+  ax.set_title('KDN effective write strength')
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  return _save(fig, path)
+
+
+def retrieval(task: str, cells: list[dict], path: str) -> str:
+  """Heatmap of exact match over length x the task's second axis (a line plot when it has one value)."""
+  plt = _plt()
+  axis = cells[0]['axis']
+  lengths = sorted({c['length'] for c in cells})
+  points = sorted({c[axis] for c in cells}, key=lambda p: (p is None, p))
+  metric = METRIC[task]
+  if len(points) == 1 or task == 'copy':
+    fig, ax = plt.subplots(figsize=(6, 4))
+    by_len = {c['length']: c for c in cells}
+    ax.plot(lengths, [by_len[n][metric] for n in lengths], 'o-')
+    ax.set_xscale('log', base=2)
+    ax.set_xlabel('sequence length')
+    ax.set_ylabel(metric.replace('_', ' '))
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    if 'train_len' in cells[0]:
+      ax.axvline(cells[0]['train_len'], color='k', ls='--', lw=1, label='training length')
+      ax.legend()
+  else:
+    grid = np.full((len(points), len(lengths)), np.nan)
+    for c in cells:
+      grid[points.index(c[axis]), lengths.index(c['length'])] = c[metric]
+    fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 2.5, 0.55 * len(points) + 2))
+    im = ax.imshow(grid, vmin=0, vmax=1, cmap='viridis', aspect='auto', origin='lower')
+    for i in range(len(points)):
+      for j in range(len(lengths)):
+        if not np.isnan(grid[i, j]):
+          ax.text(j, i, f'{grid[i, j]:.2f}', ha='center', va='center', fontsize=8,
+                  color='w' if grid[i, j] < 0.6 else 'k')
+    ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+    ax.set_yticks(range(len(points)), [str(p) for p in points])
+    ax.set_xlabel('sequence length')
+    ax.set_ylabel(axis)
+    fig.colorbar(im, ax=ax, label=metric.replace('_', ' '))
+  ax.set_title(f'{task}: {metric.replace("_", " ")}')
+  return _save(fig, path)
+
+
+def save_all(out_dir: str, results: dict) -> list[str]:
+  """Writes the PNG of every suite present in ``results``; returns the paths."""
+  paths = []
+  if 'position_ppl' in results:
+    paths.append(position_ppl(results['position_ppl'], os.path.join(out_dir, 'position_ppl.png')))
+  if 'effrem' in results:
+    paths.append(effrem(results['effrem'], os.path.join(out_dir, 'effrem.png')))
+  if results.get('state_stats', {}).get('series'):
+    paths.append(state_stats(results['state_stats'], os.path.join(out_dir, 'state_stats.png')))
+  if results.get('beta_eff', {}).get('layers'):
+    paths.append(beta_hist(results['beta_eff'], os.path.join(out_dir, 'beta_eff.png')))
+  for task, cells in results.get('retrieval', {}).get('tasks', {}).items():
+    paths.append(retrieval(task, cells, os.path.join(out_dir, f'retrieval_{task}.png')))
+  return paths

@@ -1,0 +1,307 @@
+"""The evaluation suites. Each takes an :class:`Context` (the restored run, its scorer and the settings)
+and returns a JSON-ready dict that records its own settings beside its numbers.
+
+  ppl           perplexity on the run's validation split (packed documents, normal initial state)
+  position_ppl  PPL(t) up to ``max_len`` on long documents, chunked with the state carried; also the
+                state statistics over time (``state_stats``) from the same pass
+  effrem        EffRem_T(t) at T = 4x the training length (MATH.md section 7)
+  state_stats   memory / variance statistics per layer at chunk ends over a long input
+  beta_eff      KDN write-strength distribution per layer (KDN layers only)
+  retrieval     the run's retrieval task grids (MQAR / copy / passkey runs: their task over longer
+                lengths; corpus LMs: S-NIAH-1/2/3)
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+
+from experiments.data import corpus, pipeline, retrieval, token_files
+from experiments.data.tokenizer import BPETokenizer
+from experiments.evaluation import long_context, probes
+from experiments.evaluation.run_loader import EvalRun
+
+SUITES = ('ppl', 'position_ppl', 'effrem', 'state_stats', 'beta_eff', 'retrieval')
+LM_DEFAULT = ('ppl', 'position_ppl', 'effrem', 'beta_eff', 'retrieval')
+SYNTHETIC_DEFAULT = ('retrieval', 'state_stats', 'beta_eff')
+SYNTHETIC_TASK = {'mqar': 'mqar', 'copying': 'copy', 'passkey': 'passkey'}
+
+
+@dataclasses.dataclass
+class Settings:
+  max_len: int = 0               # position_ppl / state_stats length; 0: max(32768, 8 x training length)
+  chunk: int = 0                 # tokens per carried chunk; 0: the training length
+  num_sequences: int = 16        # long sequences for position_ppl / state_stats
+  effrem_len: int = 0            # 0: 4 x training length
+  effrem_points: int = 33
+  effrem_sequences: int = 8
+  batch: int = 8                 # rows per forward (effrem, retrieval, beta_eff)
+  retrieval_lengths: tuple = ()  # (): training length x 1, 2, 4, 8
+  retrieval_examples: int = 32
+  long_eval_path: str = ''       # overrides the run's data.long_eval_path
+  tokenizer: str = ''            # overrides the run's corpus tokenizer
+  seed: int = 0
+
+
+@dataclasses.dataclass
+class Context:
+  run: EvalRun
+  scorer: long_context.ChunkedScorer
+  settings: Settings
+
+  @property
+  def data(self):
+    return self.run.config.data
+
+  @property
+  def train_len(self) -> int:
+    return int(self.data.seq_len)
+
+  @property
+  def is_lm(self) -> bool:
+    return self.data.kind == 'token_file'
+
+  @property
+  def max_len(self) -> int:
+    return self.settings.max_len or max(32768, 8 * self.train_len)
+
+  @property
+  def chunk(self) -> int:
+    return self.settings.chunk or self.train_len
+
+  def long_eval(self) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, document offsets) of the long-evaluation documents."""
+    path = self.settings.long_eval_path or self.data.get('long_eval_path', '')
+    if not path:
+      raise ValueError('--long_eval_path: the run has no data.long_eval_path (a corpus long_eval.npy or any '
+                       'token file with document boundaries)')
+    tokens = token_files.load_tokens(path)
+    off = token_files.load_offsets(path, tokens, int(self.data.eos_id))
+    if off is None:
+      raise ValueError(f'--long_eval_path: {path!r} has no document boundaries (.docs.npy sidecar or '
+                       'data.eos_id)')
+    return tokens, off
+
+  def bos(self):
+    return int(self.data.eos_id) if int(self.data.eos_id) >= 0 else None
+
+  def tokenizer(self) -> BPETokenizer:
+    path = self.settings.tokenizer or corpus.tokenizer_path(self.run.config)
+    if not path:
+      raise ValueError('--tokenizer: S-NIAH needs the corpus tokenizer (tokenizer.json); the run has no '
+                       'data.corpus_dir')
+    return BPETokenizer.load(path)
+
+  def long_sequences(self, length: int, n: int) -> np.ndarray:
+    """[n', length + 1] token windows: long-eval documents (LM runs) or the run's task at ``length``."""
+    if self.is_lm:
+      tokens, off = self.long_eval()
+      return long_context.document_windows(tokens, off, length, self.bos(), max_windows=n)[0]
+    fn = retrieval.example_fn(*self._task_cell(length), seed=self.settings.seed + 7, **self._task_kw())
+    exs = [fn(i) for i in range(n)]
+    return np.stack([np.concatenate([e['inputs'], e['targets'][-1:]]) for e in exs])
+
+  def _task_kw(self) -> dict:
+    kind = self.data.kind
+    if kind == 'mqar':
+      return {'vocab_size': int(self.data.mqar.vocab_size), 'power_a': float(self.data.mqar.power_a)}
+    if kind == 'copying':
+      return {'vocab_size': int(self.data.copying.vocab_size)}
+    return {'vocab_size': int(self.data.passkey.vocab_size), 'digits': int(self.data.passkey.digits)}
+
+  def _task_cell(self, length):
+    task = SYNTHETIC_TASK[self.data.kind]
+    point = {'mqar': int(self.data.mqar.num_kv_pairs), 'copy': None, 'passkey': 0.5}[task]
+    return task, length, point
+
+
+def default_suites(ctx: 'Context') -> tuple[str, ...]:
+  """By the run's data; S-NIAH retrieval only where a tokenizer is at hand."""
+  if not ctx.is_lm:
+    return SYNTHETIC_DEFAULT
+  tok = ctx.settings.tokenizer or corpus.tokenizer_path(ctx.run.config)
+  return LM_DEFAULT if tok and os.path.exists(tok) else tuple(s for s in LM_DEFAULT if s != 'retrieval')
+
+
+def check(ctx: Context, suites) -> None:
+  """Every reason a requested suite cannot run, raised before any long work."""
+  s = ctx.settings
+  unknown = [x for x in suites if x not in SUITES]
+  if unknown:
+    raise ValueError(f'--suite: unknown suite(s) {unknown}; expected names from {list(SUITES)}')
+  if s.max_len and s.max_len < ctx.train_len:
+    raise ValueError(f'--max_len: {s.max_len} is shorter than the training length {ctx.train_len}')
+  if ctx.is_lm and ({'position_ppl', 'state_stats', 'effrem'} & set(suites)):
+    tokens, off = ctx.long_eval()
+    longest = int(np.max(np.diff(off)))
+    need = max(ctx.max_len if {'position_ppl', 'state_stats'} & set(suites) else 0,
+               (s.effrem_len or 4 * ctx.train_len) if 'effrem' in suites else 0) + 1
+    if longest < need:
+      raise ValueError(f'--max_len: the longest long-eval document has {longest} tokens, fewer than the '
+                       f'{need} this evaluation needs; lower --max_len / --effrem_len or use longer documents')
+  if not ctx.is_lm and {'ppl', 'position_ppl', 'effrem'} & set(suites):
+    raise ValueError(f'--suite: ppl, position_ppl and effrem need a language-model run (data.kind='
+                     f'"token_file"); this run trained on {ctx.data.kind!r}')
+  if 'retrieval' in suites:
+    retrieval_cells(ctx, dry_run=True)
+
+
+# ------------------------------------------------------------------------------------------ suites
+def ppl(ctx: Context) -> dict:
+  batches = pipeline.make_eval_batches(ctx.run.config)
+  nll_sum, count = 0.0, 0.0
+  for b in batches:
+    nll, _ = ctx.scorer.one_shot(b['inputs'], b['targets'], b.get('segment_ids'))
+    nll_sum += float(np.sum(nll * b['mask']))
+    count += float(np.sum(b['mask']))
+  loss = nll_sum / max(count, 1.0)
+  return {'loss': loss, 'perplexity': float(np.exp(loss)), 'tokens': int(count), 'batches': len(batches),
+          'seq_len': ctx.train_len, 'eval_path': ctx.data.eval_path or ctx.data.train_path}
+
+
+def _long_pass(ctx: Context, length: int, with_nll: bool) -> tuple[np.ndarray, list, int]:
+  seqs = ctx.long_sequences(length, ctx.settings.num_sequences)
+  series = []
+
+  def on_chunk(t_end, cache):
+    series.append({'t': int(t_end), 'layers': probes.state_stats(cache)})
+
+  on_chunk(0, ctx.run.model.init_cache(len(seqs), length))  # the normal initial state
+  nll, _ = ctx.scorer.score(seqs[:, :-1], seqs[:, 1:], ctx.chunk, on_chunk=on_chunk,
+                            progress=f'{"position_ppl" if with_nll else "state_stats"} ({len(seqs)} x {length})')
+  return nll, series, len(seqs)
+
+
+def _state_result(ctx, series, n, length) -> dict:
+  return {'series': series, 'chunk': ctx.chunk, 'sequences': n, 'length': length, 'train_len': ctx.train_len}
+
+
+def position_ppl(ctx: Context) -> tuple[dict, dict, np.ndarray]:
+  """Returns (position_ppl result, state_stats result, mean NLL per position [max_len])."""
+  L = ctx.max_len
+  nll, series, n = _long_pass(ctx, L, True)
+  per_pos = nll.mean(axis=0).astype(np.float64)
+  edges = long_context.position_buckets(L)
+  centers, bppl = [], []
+  for a, b in zip(edges[:-1], edges[1:]):
+    centers.append(float(0.5 * (a + b - 1)) + 1.0)  # 1-based positions for the log axis
+    bppl.append(float(np.exp(per_pos[a:b].mean())))
+  centers, bppl = np.asarray(centers), np.asarray(bppl)
+  # p*: the best bucket inside the training range, skipping its first eighth (little context, few
+  # positions per bucket: noise, not length behaviour)
+  inside = (centers <= ctx.train_len) & (centers >= ctx.train_len / 8)
+  p_star = t_star = generalises_to = None
+  if inside.any():
+    i_star = int(np.argmin(np.where(inside, bppl, np.inf)))
+    p_star, t_star = float(bppl[i_star]), float(centers[i_star])
+    above = np.flatnonzero((centers >= t_star) & (bppl > p_star * (1 + 1e-9)))
+    generalises_to = float(centers[above[0] - 1]) if len(above) else float(L)
+  res = {'max_len': L, 'sequences': n, 'chunk': ctx.chunk, 'train_len': ctx.train_len,
+         'perplexity': float(np.exp(per_pos.mean())), 'bucket_edges': edges.tolist(),
+         'bucket_center': centers.tolist(), 'bucket_ppl': bppl.tolist(), 'p_star': p_star, 't_star': t_star,
+         'generalises_to': generalises_to,
+         'ppl_at': {str(t): float(np.exp(per_pos[max(0, t // 2):t].mean())) for t in
+                    (ctx.train_len, 2 * ctx.train_len, 4 * ctx.train_len, 8 * ctx.train_len, L) if t <= L}}
+  return res, _state_result(ctx, series, n, L), per_pos
+
+
+def state_stats(ctx: Context) -> dict:
+  L = ctx.max_len if ctx.is_lm else 8 * ctx.train_len
+  _, series, n = _long_pass(ctx, L, False)
+  return _state_result(ctx, series, n, L)
+
+
+def effrem(ctx: Context) -> dict:
+  s = ctx.settings
+  T = s.effrem_len or 4 * ctx.train_len
+  seqs = ctx.long_sequences(T, s.effrem_sequences)[:, :-1]
+  ts = long_context.effrem_grid(T, s.effrem_points)
+  vals = long_context.effective_remembrance(ctx.scorer, seqs, ts, batch=s.batch,
+                                            progress=f'effrem ({len(seqs)} x {len(ts)} cuts, T={T})')
+  return {'T': T, 'train_len': ctx.train_len, 'sequences': len(seqs), 't': ts.tolist(),
+          'mean': vals.mean(0).tolist(), 'std': vals.std(0).tolist(), 'per_sequence': vals.tolist()}
+
+
+def beta_eff(ctx: Context) -> dict:
+  batches = (pipeline.make_eval_batches(ctx.run.config) if ctx.is_lm else
+             [{'inputs': w[:, :-1]} for w in [ctx.long_sequences(ctx.train_len, ctx.settings.batch)]])
+  acc: dict[int, list] = {}
+  for b in batches:
+    for i, v in probes.write_strengths(ctx.run.model, b['inputs'], b.get('segment_ids')).items():
+      acc.setdefault(i, []).append(v)
+  if not acc:
+    return {'skipped': 'no KDN layers in this model'}
+  res = probes.beta_summary({i: np.concatenate(v) for i, v in acc.items()})
+  res.update(seq_len=ctx.train_len, sequences=int(sum(len(b['inputs']) for b in batches)))
+  return res
+
+
+def retrieval_cells(ctx: Context, dry_run: bool = False) -> dict:
+  """{task: cells} of the run's retrieval grids; ``dry_run`` only validates them (no examples)."""
+  s = ctx.settings
+  lengths = list(s.retrieval_lengths) or [ctx.train_len * f for f in (1, 2, 4, 8)]
+  n = 1 if dry_run else s.retrieval_examples
+  if ctx.is_lm:
+    tok = ctx.tokenizer()
+    # corpus-text haystack: the validation split (documents the model never trained on)
+    hay = np.asarray(token_files.load_tokens(ctx.data.eval_path or ctx.data.train_path))
+    shortest = max(retrieval.min_length(t, 0.0, tokenizer=tok) for t in ('snih1', 'snih2', 'snih3'))
+    lengths = [x for x in lengths if x >= shortest] or [shortest]
+    specs = {'snih1': {}, 'snih2': {'haystack_tokens': hay}, 'snih3': {'haystack_tokens': hay}}
+    out = {t: retrieval.grid(t, lengths, None, n, s.seed, tokenizer=tok, **kw) for t, kw in specs.items()}
+  else:
+    task = SYNTHETIC_TASK[ctx.data.kind]
+    kw = ctx._task_kw()  # pylint: disable=protected-access
+    if task == 'mqar':
+      base = int(ctx.data.mqar.num_kv_pairs)
+      points = [p for p in (base, 2 * base, 4 * base) if p < kw['vocab_size'] // 2 - 1]  # distinct keys
+      cells = []
+      for p in points:
+        ok = [x for x in lengths if x >= retrieval.min_length('mqar', p, **kw)]
+        if ok:
+          cells += retrieval.grid('mqar', ok, [p], n, s.seed, **kw)
+      out = {'mqar': cells}
+    else:
+      out = {task: retrieval.grid(task, lengths, None, n, s.seed, **kw)}
+  return out
+
+
+def run_retrieval(ctx: Context) -> dict:
+  tasks = retrieval_cells(ctx)
+  res = {}
+  for task, cells in tasks.items():
+    rows = []
+    for c in cells:
+      ex = c['examples']
+      correct = _correct(ctx, ex)
+      sc = retrieval.score(correct, ex['mask'])
+      rows.append({'task': task, 'length': c['length'], 'axis': c['axis'], c['axis']: c[c['axis']],
+                   'exact_match': sc['exact_match'], 'token_accuracy': sc['token_accuracy'],
+                   'num_examples': sc['num_examples'], 'train_len': ctx.train_len})
+      print(f'  retrieval {task} length {c["length"]} {c["axis"]} {c[c["axis"]]}: exact match '
+            f'{sc["exact_match"]:.3f}, token accuracy {sc["token_accuracy"]:.3f}', flush=True)
+    res[task] = rows
+  return {'tasks': res, 'examples_per_cell': ctx.settings.retrieval_examples, 'seed': ctx.settings.seed,
+          'train_len': ctx.train_len}
+
+
+def _correct(ctx: Context, ex: dict) -> np.ndarray:
+  """Argmax-correct [N, T] over batches of rows; chunked with carried state past 4x the chunk."""
+  b = ctx.settings.batch
+  inputs, targets = ex['inputs'], ex['targets']
+  out = []
+  for s in range(0, len(inputs), b):
+    x, y = inputs[s:s + b], targets[s:s + b]
+    if x.shape[1] <= 4 * ctx.chunk:
+      _, c = ctx.scorer.one_shot(x, y)
+    else:
+      _, c = ctx.scorer.score(x, y, ctx.chunk)
+    out.append(c)
+  return np.concatenate(out)
+
+
+def write_npy(path: str, arr: np.ndarray):
+  tmp = f'{path}.tmp.npy'
+  np.save(tmp, arr)
+  os.replace(tmp, path)
