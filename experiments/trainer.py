@@ -26,7 +26,7 @@ from experiments import initial_states as init_lib
 from experiments import logging_utils
 from experiments import optim
 from experiments import sharding
-from experiments.data import pipeline
+from experiments.data import corpus, pipeline
 from kdn_jax.models import config as model_config_lib
 
 
@@ -85,6 +85,8 @@ class Trainer:
     sharding.maybe_initialize_distributed(config)
     self.devices = list(jax.devices() if devices is None else devices)
     self.process_index, self.process_count = jax.process_index(), jax.process_count()
+    if config.data.kind == 'token_file':  # corpus_dir fills paths and eos_id that validation checks
+      corpus.resolve(config)
     config_lib.validate(config, len(self.devices), self.process_count)
     if 'mlp_matched' in config.model:  # flag overrides of the mixer keep parameters matched
       model_config_lib.resolve_mlp_hidden(config.model)

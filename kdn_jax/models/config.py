@@ -29,6 +29,8 @@ SIZES = {
                  swa_window=16, chunk_size=16, mlp_multiple=1),
     '20m': dict(vocab_size=32000, num_layers=12, d_model=256, num_heads=4, head_dim=64, mlp_hidden=704,
                 mlp_multiple=8),
+    '30m': dict(vocab_size=16384, num_layers=6, d_model=512, num_heads=4, head_dim=128, mlp_hidden=1408,
+                mlp_multiple=64),
     '125m': dict(vocab_size=32000, num_layers=12, d_model=768, num_heads=6, head_dim=128, mlp_hidden=2048,
                  mlp_multiple=64),
     '350m': dict(vocab_size=32000, num_layers=24, d_model=1024, num_heads=8, head_dim=128, mlp_hidden=2752,
