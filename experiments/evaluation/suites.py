@@ -37,6 +37,7 @@ class Settings:
   effrem_points: int = 33
   effrem_sequences: int = 8
   batch: int = 8                 # rows per forward (effrem, retrieval, beta_eff)
+  probe_batches: int = 2         # validation batches probed for beta_eff
   retrieval_lengths: tuple = ()  # (): training length x 1, 2, 4, 8
   retrieval_examples: int = 32
   long_eval_path: str = ''       # overrides the run's data.long_eval_path
@@ -224,7 +225,7 @@ def effrem(ctx: Context) -> dict:
 
 
 def beta_eff(ctx: Context) -> dict:
-  batches = (pipeline.make_eval_batches(ctx.run.config) if ctx.is_lm else
+  batches = (pipeline.make_eval_batches(ctx.run.config)[:ctx.settings.probe_batches] if ctx.is_lm else
              [{'inputs': w[:, :-1]} for w in [ctx.long_sequences(ctx.train_len, ctx.settings.batch)]])
   acc: dict[int, list] = {}
   for b in batches:

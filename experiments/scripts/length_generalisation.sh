@@ -61,12 +61,12 @@ wait
 echo "== post-train ($POST): $STRATEGIES  [$(( $(date +%s) - t0 )) s]"
 for m in $MIXERS; do for s in $STRATEGIES; do
   echo "$RUNS/$m/$s --config=configs/lm_corpus.py:$POST,$m,$s --config.train.init_from=$RUNS/$m/pretrain $POST_EXTRA"
-done; done | xargs -P "$PAR" -L 1 bash -c 'train "$@"' _
+done; done | xargs -d '\n' -P "$PAR" -I{} bash -c 'train {}'
 echo "== evaluate  [$(( $(date +%s) - t0 )) s]"
 {
   for m in $MIXERS; do
     echo "$RUNS/$m/pretrain ppl,position_ppl,effrem,beta_eff,retrieval"
     for s in $STRATEGIES; do echo "$RUNS/$m/$s ppl,position_ppl,effrem,beta_eff"; done
   done
-} | xargs -P "$PAR" -L 1 bash -c 'evaluate "$@"' _
+} | xargs -d '\n' -P "$PAR" -I{} bash -c 'evaluate {}'
 echo "== done [$(( $(date +%s) - t0 )) s]"
