@@ -2,6 +2,7 @@
 statistics) + grain iterator state + a small JSON record; periodic and final saves, keep-N, async saves."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -46,6 +47,21 @@ def find_checkpoint(source: str) -> tuple[str, int]:
   return root, max(steps)
 
 
+class _DropMissingMetadata(logging.Filter):
+  def filter(self, record):
+    return 'Metadata file does not exist' not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_missing_metadata():
+  log, filt = logging.getLogger('absl'), _DropMissingMetadata()
+  log.addFilter(filt)
+  try:
+    yield
+  finally:
+    log.removeFilter(filt)
+
+
 def restore_params(source: str, abstract_params) -> tuple[object, int]:
   """Restores only the parameters of another run's checkpoint into ``abstract_params`` (a pytree of
   ShapeDtypeStructs with shardings, the ``params`` of a train state); returns (params, step).
@@ -55,7 +71,8 @@ def restore_params(source: str, abstract_params) -> tuple[object, int]:
   root, step = find_checkpoint(source)
   state_dir = os.path.join(root, str(step), 'state')
   want = {f'params|{k}': v for k, v in flatten(abstract_params).items()}
-  meta = ocp.PyTreeCheckpointer().metadata(state_dir)
+  with _quiet_missing_metadata():  # the step-level metadata file lives one level up: a harmless warning
+    meta = ocp.PyTreeCheckpointer().metadata(state_dir)
   meta = getattr(meta, 'item_metadata', meta)
   meta = getattr(meta, 'tree', meta)
   have = {k: tuple(getattr(v, 'shape', ())) for k, v in dict(meta).items()}
