@@ -13,11 +13,8 @@ problem (no checkpoint, unknown suite, a length the data cannot serve) is report
 """
 from __future__ import annotations
 
-import os
 import sys
-import time
 
-import numpy as np
 from absl import app, flags, logging
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory written by experiments.train.')
@@ -60,92 +57,21 @@ def settings_from_flags():
                   tokenizer=_TOKENIZER.value, seed=_SEED.value)
 
 
-def evaluate(workdir: str, suites=None, settings=None, step=None, out_dir: str = '') -> dict:
-  """Runs ``suites`` on ``workdir``'s checkpoint; writes <out_dir>/<suite>.json, PNGs and summary.json."""
-  from experiments import logging_utils  # pylint: disable=g-import-not-at-top
-  from experiments.evaluation import long_context, plots, run_loader  # pylint: disable=g-import-not-at-top
-  from experiments.evaluation import suites as S  # pylint: disable=g-import-not-at-top
-
-  settings = settings or S.Settings()
-  run = run_loader.load(workdir, step)
-  ctx = S.Context(run, long_context.ChunkedScorer(run.model), settings)
-  suites = list(suites or S.default_suites(ctx))
-  S.check(ctx, suites)
-  out_dir = out_dir or os.path.join(workdir, 'eval')
-  os.makedirs(out_dir, exist_ok=True)
-  print(f'Evaluating {run.checkpoint} ({run.config.model.get("mixer")}, trained on {run.config.data.kind}, '
-        f'length {ctx.train_len}): {", ".join(suites)} -> {out_dir}', flush=True)
-  meta = {'workdir': os.path.abspath(workdir), 'checkpoint': run.checkpoint, 'step': run.step,
-          'mixer': run.config.model.get('mixer'), 'layer_pattern': run.config.model.get('layer_pattern'),
-          'initial_state': run.config.train.initial_state, 'train_len': ctx.train_len,
-          'settings': {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(settings).items()}}
-  results, times = {}, {}
-
-  def done(name, res, t0):
-    times[name] = time.time() - t0
-    res = {**res, 'meta': meta, 'wall_time_s': times[name]}
-    results[name] = res
-    logging_utils.write_json(os.path.join(out_dir, f'{name}.json'), res)
-    print(f'{name}: done in {logging_utils.fmt_time(times[name])}', flush=True)
-
-  for name in suites:
-    t0 = time.time()
-    if name == 'position_ppl':
-      res, stats, per_pos = S.position_ppl(ctx)
-      S.write_npy(os.path.join(out_dir, 'position_nll.npy'), per_pos.astype(np.float32))
-      done(name, res, t0)
-      if 'state_stats' not in results:
-        done('state_stats', stats, t0)
-    elif name == 'state_stats':
-      if 'state_stats' not in results:
-        done(name, S.state_stats(ctx), t0)
-    elif name == 'retrieval':
-      done(name, S.run_retrieval(ctx), t0)
-    else:
-      done(name, getattr(S, name)(ctx), t0)
-  pngs = plots.save_all(out_dir, results)
-  summary = {**meta, 'suites': list(results), 'wall_time_s': times, 'plots': [os.path.basename(p) for p in pngs],
-             'headline': _headline(results)}
-  logging_utils.write_json(os.path.join(out_dir, 'summary.json'), summary)
-  for line in _headline(results):
-    print(line, flush=True)
-  print(f'Wrote {len(results)} JSON files and {len(pngs)} plots to {out_dir}', flush=True)
-  return results
-
-
-def _headline(results) -> list[str]:
-  from experiments.evaluation import plots  # pylint: disable=g-import-not-at-top
-  lines = []
-  if 'ppl' in results:
-    lines.append(f'validation perplexity {results["ppl"]["perplexity"]:.3f}')
-  if 'position_ppl' in results:
-    r = results['position_ppl']
-    lines.append(f'position-wise: PPL {r["perplexity"]:.3f} over {r["max_len"]} tokens; p* {r["p_star"]} at '
-                 f't* {r["t_star"]}; within p* up to t = {r["generalises_to"]}')
-  if 'effrem' in results:
-    r = results['effrem']
-    lines.append(f'EffRem_T (T={r["T"]}): t=0 {r["mean"][0]:.3f}, middle {r["mean"][len(r["mean"]) // 2]:.3f}, '
-                 f'last {r["mean"][-1]:.3f}')
-  if 'beta_eff' in results and 'all' in results['beta_eff']:
-    lines.append(f'beta_eff mean {results["beta_eff"]["all"]["mean"]:.3f}')
-  for task, rows in results.get('retrieval', {}).get('tasks', {}).items():
-    metric = plots.METRIC[task]
-    by_len = {}
-    for r in rows:
-      by_len.setdefault(r['length'], []).append(r[metric])
-    lines.append(f'{task} {metric.replace("_", " ")} by length: ' + ', '.join(f'{n}: {np.mean(v):.2f}' for n, v in
-                                                                 sorted(by_len.items())))
-  return lines
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)
   suites = [s.strip() for s in _SUITE.value.split(',') if s.strip()]
+  from experiments.evaluation.suites import SUITES  # pylint: disable=g-import-not-at-top
+  unknown = [s for s in suites if s not in SUITES]
+  if unknown:  # before any checkpoint is read
+    print(f'Evaluation error: --suite: unknown suite(s) {unknown}; expected names from {list(SUITES)}',
+          file=sys.stderr)
+    return 2
+  from experiments.evaluation import runner  # pylint: disable=g-import-not-at-top  (imports jax)
   try:
-    evaluate(_WORKDIR.value, suites, settings_from_flags(), _STEP.value, _OUT.value)
+    runner.evaluate(_WORKDIR.value, suites, settings_from_flags(), _STEP.value, _OUT.value)
   except (ValueError, FileNotFoundError) as e:
     print(f'Evaluation error: {e}', file=sys.stderr)
     return 2

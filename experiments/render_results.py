@@ -23,11 +23,12 @@ SECTIONS = (
     ('3. Length generalisation', 'lengen:render'),
     ('4. Copying and passkey', 'copy_passkey:render'),
     ('5. S-NIAH', 'lengen:render_sniah'),
+    ('Appendix: evaluation cost', 'eval_cost:render'),
 )
 
 
-def render(results_dir: str) -> str:
-  fig_dir = os.path.join(results_dir, 'figures')
+def render(results_dir: str, fig_dir: str | None = None) -> str:
+  fig_dir = fig_dir or os.path.join(results_dir, 'figures')
   parts = [HEADER]
   for title, target in SECTIONS:
     md = ''

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments import evaluate, trainer
+from experiments import trainer
 from experiments.data import corpus, token_files
 from experiments.data.tokenizer import BPETokenizer
 from experiments.evaluation import long_context, probes, run_loader, suites
+from experiments.evaluation.runner import evaluate
 from kdn_jax import ops
 from kdn_jax.models.config import model_config
 from kdn_jax.models.lm import LanguageModel
@@ -129,7 +130,7 @@ def test_evaluate_every_suite_on_a_checkpoint(lm_run):
   before = {f: os.path.getmtime(os.path.join(workdir, f)) for f in ('metrics.jsonl', 'summary.json')}
   s = suites.Settings(max_len=256, chunk=64, num_sequences=3, effrem_points=5, effrem_sequences=2, batch=4,
                       retrieval_lengths=(256,), retrieval_examples=2)
-  res = evaluate.evaluate(workdir, list(suites.SUITES), s)
+  res = evaluate(workdir, list(suites.SUITES), s)
   out = os.path.join(workdir, 'eval')
   for name in suites.SUITES:
     with open(os.path.join(out, f'{name}.json'), encoding='utf-8') as f:
@@ -165,13 +166,22 @@ def test_evaluate_errors_before_work(lm_run, tmp_path, capsys):
   workdir, _ = lm_run
   os.makedirs(tmp_path / 'empty')
   with pytest.raises(FileNotFoundError, match='--workdir: no checkpoint'):
-    evaluate.evaluate(str(tmp_path / 'empty'), ['ppl'])
+    evaluate(str(tmp_path / 'empty'), ['ppl'])
   with pytest.raises(FileNotFoundError, match='--step: no checkpoint for step 7'):
-    evaluate.evaluate(workdir, ['ppl'], step=7)
+    evaluate(workdir, ['ppl'], step=7)
   with pytest.raises(ValueError, match=r"--suite: unknown suite\(s\) \['nope'\]"):
-    evaluate.evaluate(workdir, ['nope'])
+    evaluate(workdir, ['nope'])
   with pytest.raises(ValueError, match=r'--max_len: the longest long-eval document has \d+ tokens'):
-    evaluate.evaluate(workdir, ['position_ppl'], suites.Settings(max_len=100_000), out_dir=str(tmp_path / 'o'))
+    evaluate(workdir, ['position_ppl'], suites.Settings(max_len=100_000), out_dir=str(tmp_path / 'o'))
   with pytest.raises(ValueError, match='--max_len: 8 is shorter than the training length 32'):
-    evaluate.evaluate(workdir, ['position_ppl'], suites.Settings(max_len=8), out_dir=str(tmp_path / 'o'))
+    evaluate(workdir, ['position_ppl'], suites.Settings(max_len=8), out_dir=str(tmp_path / 'o'))
   assert not os.path.exists(tmp_path / 'o')  # nothing written on a refused evaluation
+
+
+def test_cli_reports_bad_input_with_exit_code_2(lm_run):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run([sys.executable, '-m', 'experiments.evaluate', f'--workdir={lm_run[0]}', '--suite=nope'],
+                       cwd=root, capture_output=True, text=True, timeout=300, check=False)
+  assert out.returncode == 2 and "--suite: unknown suite(s) ['nope']" in out.stderr, out.stderr[-2000:]

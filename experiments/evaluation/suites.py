@@ -99,11 +99,12 @@ class Context:
     if self.is_lm:
       tokens, off = self.long_eval()
       return long_context.document_windows(tokens, off, length, self.bos(), max_windows=n)[0]
-    fn = retrieval.example_fn(*self._task_cell(length), seed=self.settings.seed + 7, **self._task_kw())
+    fn = retrieval.example_fn(*self._task_cell(length), seed=self.settings.seed + 7, **self.task_kw())
     exs = [fn(i) for i in range(n)]
     return np.stack([np.concatenate([e['inputs'], e['targets'][-1:]]) for e in exs])
 
-  def _task_kw(self) -> dict:
+  def task_kw(self) -> dict:
+    """The run's synthetic-task generator arguments (vocabulary, ...)."""
     kind = self.data.kind
     if kind == 'mqar':
       return {'vocab_size': int(self.data.mqar.vocab_size), 'power_a': float(self.data.mqar.power_a)}
@@ -253,7 +254,7 @@ def retrieval_cells(ctx: Context, dry_run: bool = False) -> dict:
     out = {t: retrieval.grid(t, lengths, None, n, s.seed, tokenizer=tok, **kw) for t, kw in specs.items()}
   else:
     task = SYNTHETIC_TASK[ctx.data.kind]
-    kw = ctx._task_kw()  # pylint: disable=protected-access
+    kw = ctx.task_kw()
     if task == 'mqar':
       base = int(ctx.data.mqar.num_kv_pairs)
       points = [p for p in (base, 2 * base, 4 * base) if p < kw['vocab_size'] // 2 - 1]  # distinct keys

@@ -1,0 +1,85 @@
+"""Runs evaluation suites on a checkpoint and writes their JSON, plots and summary (the library behind
+``python -m experiments.evaluate``; importable without that CLI's absl flags)."""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from experiments import logging_utils
+from experiments.evaluation import long_context, plots, run_loader
+from experiments.evaluation import suites as S
+
+
+def evaluate(workdir: str, suites=None, settings=None, step=None, out_dir: str = '') -> dict:
+  """Runs ``suites`` on ``workdir``'s checkpoint; writes <out_dir>/<suite>.json, PNGs and summary.json."""
+  settings = settings or S.Settings()
+  run = run_loader.load(workdir, step)
+  ctx = S.Context(run, long_context.ChunkedScorer(run.model), settings)
+  suites = list(suites or S.default_suites(ctx))
+  S.check(ctx, suites)
+  out_dir = out_dir or os.path.join(workdir, 'eval')
+  os.makedirs(out_dir, exist_ok=True)
+  print(f'Evaluating {run.checkpoint} ({run.config.model.get("mixer")}, trained on {run.config.data.kind}, '
+        f'length {ctx.train_len}): {", ".join(suites)} -> {out_dir}', flush=True)
+  meta = {'workdir': os.path.abspath(workdir), 'checkpoint': run.checkpoint, 'step': run.step,
+          'mixer': run.config.model.get('mixer'), 'layer_pattern': run.config.model.get('layer_pattern'),
+          'initial_state': run.config.train.initial_state, 'train_len': ctx.train_len,
+          'settings': {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(settings).items()}}
+  results, times = {}, {}
+
+  def done(name, res, t0):
+    times[name] = time.time() - t0
+    res = {**res, 'meta': meta, 'wall_time_s': times[name]}
+    results[name] = res
+    logging_utils.write_json(os.path.join(out_dir, f'{name}.json'), res)
+    print(f'{name}: done in {logging_utils.fmt_time(times[name])}', flush=True)
+
+  for name in suites:
+    t0 = time.time()
+    if name == 'position_ppl':
+      res, stats, per_pos = S.position_ppl(ctx)
+      S.write_npy(os.path.join(out_dir, 'position_nll.npy'), per_pos.astype(np.float32))
+      done(name, res, t0)
+      if 'state_stats' not in results:
+        done('state_stats', stats, t0)
+    elif name == 'state_stats':
+      if 'state_stats' not in results:
+        done(name, S.state_stats(ctx), t0)
+    elif name == 'retrieval':
+      done(name, S.run_retrieval(ctx), t0)
+    else:
+      done(name, getattr(S, name)(ctx), t0)
+  pngs = plots.save_all(out_dir, results)
+  summary = {**meta, 'suites': list(results), 'wall_time_s': times, 'plots': [os.path.basename(p) for p in pngs],
+             'headline': _headline(results)}
+  logging_utils.write_json(os.path.join(out_dir, 'summary.json'), summary)
+  for line in _headline(results):
+    print(line, flush=True)
+  print(f'Wrote {len(results)} JSON files and {len(pngs)} plots to {out_dir}', flush=True)
+  return results
+
+
+def _headline(results) -> list[str]:
+  lines = []
+  if 'ppl' in results:
+    lines.append(f'validation perplexity {results["ppl"]["perplexity"]:.3f}')
+  if 'position_ppl' in results:
+    r = results['position_ppl']
+    lines.append(f'position-wise: PPL {r["perplexity"]:.3f} over {r["max_len"]} tokens; p* {r["p_star"]} at '
+                 f't* {r["t_star"]}; within p* up to t = {r["generalises_to"]}')
+  if 'effrem' in results:
+    r = results['effrem']
+    lines.append(f'EffRem_T (T={r["T"]}): t=0 {r["mean"][0]:.3f}, middle {r["mean"][len(r["mean"]) // 2]:.3f}, '
+                 f'last {r["mean"][-1]:.3f}')
+  if 'beta_eff' in results and 'all' in results['beta_eff']:
+    lines.append(f'beta_eff mean {results["beta_eff"]["all"]["mean"]:.3f}')
+  for task, rows in results.get('retrieval', {}).get('tasks', {}).items():
+    metric = plots.METRIC[task]
+    by_len = {}
+    for r in rows:
+      by_len.setdefault(r['length'], []).append(r[metric])
+    lines.append(f'{task} {metric.replace("_", " ")} by length: ' + ', '.join(f'{n}: {np.mean(v):.2f}' for n, v in
+                                                                 sorted(by_len.items())))
+  return lines
