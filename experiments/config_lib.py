@@ -65,7 +65,9 @@ def base_config() -> ml_collections.ConfigDict:
   d.num_eval_examples = 512
   d.mqar = ml_collections.ConfigDict(dict(vocab_size=8192, num_kv_pairs=8, eval_num_kv_pairs=0,
                                           power_a=0.01))
-  d.copying = ml_collections.ConfigDict(dict(vocab_size=32, copy_len=16, eval_copy_len=0))
+  # copying: copy_len symbols per example; min_copy_len > 0 draws each example's length uniformly from
+  # [min_copy_len, copy_len] (0: always copy_len); eval_copy_len > 0 fixes the validation length.
+  d.copying = ml_collections.ConfigDict(dict(vocab_size=32, copy_len=16, eval_copy_len=0, min_copy_len=0))
   d.passkey = ml_collections.ConfigDict(dict(vocab_size=64, digits=5))
 
   c.train = t = ml_collections.ConfigDict()
@@ -211,9 +213,22 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None,
     if q.vocab_size < 2 * n + 2:
       _fail('data.mqar.vocab_size', f'too small for {n} key/value pairs')
   if d.kind == 'copying':
-    cl = max(d.copying.copy_len, d.copying.eval_copy_len)
-    if 2 * cl + 2 > max(d.seq_len, d.eval_seq_len or d.seq_len) + 1:
-      _fail('data.copying.copy_len', f'{cl} needs seq_len >= {2 * cl + 1}')
+    if d.copying.copy_len <= 0:
+      _fail('data.copying.copy_len', f'must be positive, got {d.copying.copy_len}')
+    if d.copying.eval_copy_len < 0:
+      _fail('data.copying.eval_copy_len', 'must be >= 0 (0: as training)')
+    if not 0 <= d.copying.min_copy_len <= d.copying.copy_len:
+      _fail('data.copying.min_copy_len', f'must be in [0, copy_len={d.copying.copy_len}] (0: fixed), got '
+            f'{d.copying.min_copy_len}')
+    if d.copying.vocab_size < 4:
+      _fail('data.copying.vocab_size', 'needs at least one symbol besides pad/BOS/SEP (>= 4)')
+    cl = d.copying.copy_len
+    if 2 * cl + 1 > d.seq_len:
+      _fail('data.copying.copy_len', f'{cl} needs data.seq_len >= {2 * cl + 1}, got {d.seq_len}')
+    ecl, elen = d.copying.eval_copy_len or cl, d.eval_seq_len or d.seq_len
+    if 2 * ecl + 1 > elen:
+      _fail('data.copying.eval_copy_len' if d.copying.eval_copy_len else 'data.eval_seq_len',
+            f'validation copy length {ecl} needs an evaluation length >= {2 * ecl + 1}, got {elen}')
     if d.copying.vocab_size > m.vocab_size:
       _fail('data.copying.vocab_size', 'exceeds model.vocab_size')
   if d.kind == 'passkey' and d.passkey.vocab_size > m.vocab_size:

@@ -35,9 +35,12 @@ def _example_fn(config, split: str):
                              num_kv_pairs=n, power_a=q.power_a)
   if d.kind == 'copying':
     c = d.copying
-    n = c.copy_len if train or not c.eval_copy_len else c.eval_copy_len
+    fixed_eval = not train and c.eval_copy_len
+    n = c.eval_copy_len if fixed_eval else c.copy_len
+    # min_copy_len > 0: lengths drawn from [min_copy_len, copy_len] (train, and eval unless eval_copy_len)
     return functools.partial(synthetic.copying_example, seed=seed, seq_len=seq_len,
-                             vocab_size=c.vocab_size, copy_len=n)
+                             vocab_size=c.vocab_size, copy_len=n,
+                             min_copy_len=0 if fixed_eval else c.get('min_copy_len', 0))
   if d.kind == 'passkey':
     return functools.partial(synthetic.passkey_example, seed=seed, seq_len=seq_len,
                              vocab_size=d.passkey.vocab_size, digits=d.passkey.digits)

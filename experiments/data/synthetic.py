@@ -50,9 +50,23 @@ def mqar_example(index: int, *, seed: int, seq_len: int, vocab_size: int, num_kv
   return _pack(seq, qpos, seq_len)
 
 
-def copying_example(index: int, *, seed: int, seq_len: int, vocab_size: int, copy_len: int) -> dict:
-  """``BOS x_1..x_L SEP x_1..x_L`` then padding; the copied half is scored. Tokens 0/1/2 = pad/BOS/SEP."""
+def copying_example(index: int, *, seed: int, seq_len: int, vocab_size: int, copy_len: int,
+                    min_copy_len: int = 0) -> dict:
+  """``BOS x_1..x_L SEP x_1..x_L`` then padding; the copied half is scored. Tokens 0/1/2 = pad/BOS/SEP.
+
+  ``min_copy_len`` (optional): 0 (default) or ``copy_len`` = every example copies exactly ``copy_len``
+  symbols (the same draws as before the option existed); ``1 <= min_copy_len < copy_len`` = the example's
+  length L is drawn uniformly from ``[min_copy_len, copy_len]`` (first draw of the example's generator, so
+  still deterministic in (seed, index)); ``seq_len`` must hold the longest, ``2 * copy_len + 1``.
+  """
   rng = _rng(seed, index)
+  if min_copy_len and min_copy_len != copy_len:
+    if not 1 <= min_copy_len < copy_len:
+      raise ValueError(f'copying: min_copy_len must be 0 or in [1, copy_len={copy_len}], got {min_copy_len}')
+    copy_len = int(rng.integers(min_copy_len, copy_len + 1))
+  if 2 * copy_len + 1 > seq_len:
+    raise ValueError(f'copying: seq_len={seq_len} is too short for copy_len={copy_len} '
+                     f'(needs seq_len >= {2 * copy_len + 1})')
   x = rng.integers(3, vocab_size, size=copy_len)
   seq = np.zeros(seq_len + 1, np.int64)
   seq[0] = 1
