@@ -188,6 +188,7 @@ class Trainer:
     if step is None:
       return None
     record = self.checkpointer.record(step)
+    self.init_from_step = record.get('init_from_step')  # a resumed post-training run keeps its origin
     saved = record.get('initial_state', self.strategy)
     if saved != self.strategy:
       raise config_lib.ConfigError(
