@@ -162,7 +162,7 @@ def test_evaluate_every_suite_on_a_checkpoint(lm_run):
   assert after == before  # the run's own records are untouched
 
 
-def test_evaluate_errors_before_work(lm_run, tmp_path, capsys):
+def test_evaluate_errors_before_work(lm_run, tmp_path):
   workdir, _ = lm_run
   os.makedirs(tmp_path / 'empty')
   with pytest.raises(FileNotFoundError, match='--workdir: no checkpoint'):

@@ -1,6 +1,7 @@
-"""Tests of the Mamba-2 mixer (kdn_jax.layers.mamba2): chunked forward == step decode (given state,
-packed segments), the recurrence against a float64 token loop, parameter matching, and a tiny LM
-forward + grad. Tiny shapes, CPU, a few compiled programs."""
+"""Tests of the Mamba-2 mixer (kdn_jax.layers.mamba2): the recurrence against a float64 token loop,
+parameter matching, and a tiny LM forward + grad. Chunked forward == step decode and packed segments ==
+separate sequences are checked for mamba2 by tests/test_layers.py (test_recurrent_mixer runs every
+recurrent mixer). Tiny shapes, CPU, a few compiled programs."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +15,6 @@ from kdn_jax.models import LanguageModel, model_config
 from kdn_jax.models.config import analytic_non_embedding
 
 T = 12
-LENS = (4, 4, 4)
 
 
 def _mixer(impl='chunked'):
@@ -29,41 +29,6 @@ def _x(B, T_, seed=1):
 def _random_state(m, batch, seed=2):
     rng = np.random.default_rng(seed)
     return jax.tree.map(lambda a: jnp.asarray(0.3 * rng.standard_normal(a.shape), jnp.float32), m.init_state(batch))
-
-
-def _close(a, b, atol=2e-4, what=''):
-    jax.tree.map(lambda u, v: np.testing.assert_allclose(np.asarray(u), np.asarray(v), atol=atol, rtol=1e-3,
-                                                         err_msg=what), a, b)
-
-
-@nnx.jit
-def _forward_vs_decode(m, x, st0, x1):
-    out = {'fwd': m(x, initial_state=st0)}
-
-    def body(s, x_t):
-        y, s = m.step(x_t, s)
-        return s, y
-    s, ys = jax.lax.scan(body, st0, jnp.moveaxis(x, 1, 0))
-    out['dec'] = (jnp.moveaxis(ys, 0, 1), s)
-    seg = jnp.asarray(np.repeat(np.arange(len(LENS)), LENS)[None], jnp.int32)
-    st1 = jax.tree.map(lambda a: a[:1], st0)
-    out['packed'] = m(x1, initial_state=st1, segment_ids=seg)
-    n = len(LENS)
-    ys, ss = m(x1.reshape(n, T // n, -1), initial_state=jax.tree.map(lambda a: jnp.repeat(a, n, 0), st1))
-    out['separate'] = (ys.reshape(1, T, -1), jax.tree.map(lambda a: a[-1:], ss))
-    return out
-
-
-def test_chunked_forward_matches_step_decode_and_segments():
-    m = _mixer()
-    st0 = _random_state(m, 2)
-    out = _forward_vs_decode(m, _x(2, T), st0, _x(1, T, seed=3))
-    y, fs = out['fwd']
-    assert y.shape == (2, T, 64) and set(fs) == {'memory', 'conv'}
-    assert fs['memory'].shape == (2, 2, 32, 32) and fs['memory'].dtype == jnp.float32
-    assert float(jnp.abs(fs['memory'] - st0['memory']).max()) > 1e-3  # the state moved
-    _close(out['fwd'], out['dec'], what='chunked forward vs step decode (nonzero initial state)')
-    _close(out['packed'], out['separate'], what='packed segments vs separate sequences')
 
 
 @nnx.jit

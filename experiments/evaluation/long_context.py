@@ -116,24 +116,24 @@ def effective_remembrance(scorer: ChunkedScorer, sequences: np.ndarray, ts: np.n
   Returns [N, len(ts)]."""
   n, t_len = sequences.shape
   pos = np.arange(t_len)
-  rows = [(i, int(t)) for i in range(n) for t in ts]
+  rows = [(i, j, int(t)) for i in range(n) for j, t in enumerate(ts)]
   bar = logging_utils.Progress(-(-len(rows) // batch), progress) if progress else None
 
   def last_probs(part):
     full = part + [part[-1]] * (batch - len(part))  # one compiled shape
-    inputs = np.stack([sequences[i] for i, _ in full])
-    seg = np.stack([(pos >= t).astype(np.int32) for _, t in full])
+    inputs = np.stack([sequences[r[0]] for r in full])
+    seg = np.stack([(pos >= t).astype(np.int32) for *_, t in full])
     probs = jax.nn.softmax(scorer.logits(inputs, seg)[:, -1], axis=-1)
     return np.asarray(probs[:len(part)], np.float64)
 
-  whole = np.concatenate([last_probs([(i, 0) for i in range(s, min(s + batch, n))])
+  whole = np.concatenate([last_probs([(i, 0, 0) for i in range(s, min(s + batch, n))])
                           for s in range(0, n, batch)])
   out = np.zeros((n, len(ts)), np.float64)
   for s in range(0, len(rows), batch):
     part = rows[s:s + batch]
     probs = last_probs(part)
-    for r, (i, t) in enumerate(part):
-      out[i, list(ts).index(t)] = 0.5 * np.abs(whole[i] - probs[r]).sum()
+    for r, (i, j, _) in enumerate(part):
+      out[i, j] = 0.5 * np.abs(whole[i] - probs[r]).sum()
     if bar:
       bar.update()
   return out
