@@ -18,7 +18,7 @@ its `commands.json`). Sections follow issue 17's list; a study not run yet says 
 
 # (title, 'module:function' of experiments.results, or None where no renderer exists yet)
 SECTIONS = (
-    ('1. MQAR', None),
+    ('1. MQAR', 'mqar:render'),
     ('2. Information scale', 'info_scale:render'),
     ('3. Length generalisation', 'lengen:render'),
     ('4. Copying and passkey', 'copy_passkey:render'),
