@@ -97,8 +97,8 @@ def render(results_dir: str, fig_dir: str) -> str:
               f'({", ".join(f"{lr:g}" for lr in grid["learning_rates"])}): {len(swept)} of '
               f'{len(cells) * len(mixers)}.')
   if len(swept) < len(cells) * len(mixers):
-    coverage += (' **The learning-rate sweep the issue asks for was not run**: the grid costs about 45 min of '
-                 'GPU time (runs sharing one GPU time-slice it) against 30 min per session, so each number '
+    coverage += (' **The learning-rate sweep the issue asks for was not run**: the grid needs about 30 min of '
+                 'GPU time (nine waves of 12 runs at 3-4 min each) against 30 min per session, so each number '
                  'is the accuracy at the rates that did complete (shown in brackets where more than one did).')
   if stopped:
     coverage += f' Stopped by the time limit before their final evaluation: {", ".join(stopped)}.'
