@@ -53,6 +53,19 @@ class DeltaRuleConfig:
   # too). H200 T=4096 diag KDN fwd+bwd 8.09 -> 7.26 ms; with packed documents the recurrent
   # backward 9.1 -> 5.1 ms; the GPU check (bf16 <= 4.1e-3) passes. fp32 data keeps fp32 states.
   bf16_states: bool = True
+  # The chunk-64 forward by stage (issue 18; with max_chunk = min_chunk = 64): a pair kernel per
+  # (chunk, 16-row block) for L, P and Wt (intra._pair_rows_kernel), a WY kernel for
+  # A = (I + L)^-1 (fp32 forward substitution on the 16 x 16 diagonal blocks, merged in closed
+  # form), W = A Kbar and U = A V' (wy.py), a serial pass whose chain is Delta = U - W S_0 and
+  # S <- exp(g_last) S + Wt^T Delta (Delta stored in the operand dtype), and the output kernel on
+  # a (V block, chunk, batch head) grid. Needs wy and split_output. The backward consumes the
+  # same residuals (A, P, Wt, W, states); sub_block=16 gives it the 16-row intra backward.
+  precompute_u: bool = False
+  num_warps_pairs: int = 4   # Triton warps, the precomputed-U path's pair kernel
+  # A call that is not differentiated (inference, evaluation) runs the precomputed-U forward at
+  # this chunk (0: like a differentiated one); differentiated calls keep the config above, whose
+  # residuals the backward reads (__init__.forward_only).
+  forward_only_chunk: int = 0
   block_v: int = 64          # value-columns per program in the recurrent (state-passing) kernels
   # value-columns per program in the parallel output and backward-partials kernels (fewer V
   # blocks: fewer per-V-block partial-gradient bytes for the intra backward to read and sum)
@@ -76,6 +89,11 @@ class DeltaRuleConfig:
     if self.inverse not in ("rows", "rows_t", "blocks", "doubling"):
       raise ValueError("DeltaRuleConfig.inverse must be 'rows', 'rows_t', 'blocks' or 'doubling', "
                        f"got {self.inverse!r}")
+    if self.forward_only_chunk and not pow2(self.forward_only_chunk):
+      raise ValueError("DeltaRuleConfig.forward_only_chunk must be 0 or a power of two, got "
+                       f"{self.forward_only_chunk}")
+    if self.precompute_u and not (self.wy and self.split_output):
+      raise ValueError("DeltaRuleConfig.precompute_u needs wy=True and split_output=True")
     if self.fast_dots not in ("tf32", "bf16"):
       raise ValueError(f"DeltaRuleConfig.fast_dots must be 'tf32' or 'bf16', got {self.fast_dots!r}")
 
