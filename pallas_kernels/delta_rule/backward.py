@@ -162,8 +162,8 @@ def _pairs_bwd_blocked(q, k, w, g, dpm, dlm, r, b, h, t0, C, block, prec):
 def _intra_bwd_epilogue(q, k, w, g, acc, p_diag, dwt, dkbar, dqbar, dgl, e_last, scale, hi,
                         dla_prefix=None, with_dgl=True):
   """Per-token gradients from the pair accumulators; works on any slice of the K columns, and on
-  a block of the chunk's rows (_intra_bwd_sub_kernel): dla_prefix [1, K] = sum of dWt * Wt over the chunk's
-  earlier rows, with_dgl = the block holds the chunk's last row.
+  a block of the chunk's rows (_intra_bwd_sub_kernel): dla_prefix [1, K] = sum of dWt * Wt over
+  the chunk's earlier rows, with_dgl = the block holds the chunk's last row.
 
   acc = (X_q, X_k, Y_w): X_r = sum_j G_rj y_j e_rj (G = dP or dL, y = w) and
   Y_j = sum_r (dP_rj q_r + dL_rj k_r) e_rj."""
@@ -297,7 +297,7 @@ def _intra_bwd_sub_kernel(*refs, chunk, sub, scale, has_seg, num_vb, prec, hi):
       if has_seg:
         dp, dl = dp * same[i, j], dl * same[i, j]
       if i == j:
-        # P's diagonal is split off as in kernel._intra_bwd_kernel (exact cancellation in dg).
+        # P's diagonal is split off as in _intra_bwd_kernel (exact cancellation in dg).
         p_diag.append(jnp.sum(jnp.where(row == col, dp, 0.0), axis=1)[:, None])
         dp = jnp.where(row > col, dp, 0.0)
       dpm[i, j], dlm[i, j] = dp, dl

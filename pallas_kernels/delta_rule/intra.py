@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 from pallas_kernels.delta_rule import wy as _wy
+from pallas_kernels.delta_rule.inverse import unit_lower_inverse
 from pallas_kernels.delta_rule.tiles import (
     dot, dot_nt, iota, tile, same_seg, decay_to_last, block_rows, offdiag_factors,
     kernel_precision, operand_dtype, use_sub, k_split_of, launch_params, sub_blocks, ref_point,
@@ -73,82 +74,6 @@ def _pairs_blocked(q, k, w, g, refs, b, h, t0, C, block, prec):
   return lmat, pmat
 
 
-def _unit_lower_inverse_rows(lmat, C):
-  """(I + L)^-1 for strictly lower L, by forward substitution one row at a time."""
-  row, col = iota(C, 0), iota(C, 1)
-  eye = (row == col).astype(jnp.float32)
-
-  def sub_body(i, amat):
-    lrow = jnp.sum(jnp.where(row == i, lmat, 0.0), axis=0)          # L[i, :]
-    new = jnp.sum(lrow[:, None] * amat, axis=0)                     # (L A)[i, :]
-    return jnp.where(row == i, jnp.where(col == i, 1.0, 0.0) - new[None, :], amat)
-
-  return lax.fori_loop(1, C, sub_body, eye)
-
-
-def _unit_lower_inverse_rows_t(lmat, C):
-  """(I + L)^-1 by forward substitution, built as its transpose one column at a time, so every
-  reduction runs along axis 1 (within a row: no cross-warp reduction on a GPU)."""
-  row, col = iota(C, 0), iota(C, 1)
-  eye = (row == col).astype(jnp.float32)
-  lt = jnp.transpose(lmat)
-
-  def sub_body(i, at):
-    li = jnp.sum(jnp.where(col == i, lt, 0.0), axis=1)[None, :]   # L[i, :] as a row
-    new = jnp.sum(at * li, axis=1)[:, None]                       # (A^T L^T)[:, i]
-    return jnp.where(col == i, jnp.where(row == i, 1.0, 0.0) - new, at)
-
-  return jnp.transpose(lax.fori_loop(1, C, sub_body, eye))
-
-
-def _unit_lower_inverse_doubling(lmat, C, hi):
-  """(I + L)^-1 = (I + M)(I + M^2)(I + M^4)... with M = -L (nilpotent: M^C = 0): 2 log2(C) - 2
-  dots, fp32-accurate (hi)."""
-  row, col = iota(C, 0), iota(C, 1)
-  m = -lmat
-  amat = (row == col).astype(jnp.float32) + m
-  for _ in range(C.bit_length() - 2):
-    m = dot(m, m, hi)
-    amat = amat + dot(amat, m, hi)
-  return amat
-
-
-def _unit_lower_inverse_blocked(lmat, C, block, hi):
-  """(I + L)^-1 = sum_n (-M)^n D^-1 with D = I + blockdiag(L), M = D^-1 (L - blockdiag(L)).
-
-  D^-1 by forward substitution run on all diagonal blocks at once (block - 1 matmul steps);
-  M is nilpotent of index C / block, so the series is exact (block forward substitution)."""
-  row, col = iota(C, 0), iota(C, 1)
-  eye = (row == col).astype(jnp.float32)
-  same_blk = (row // block) == (col // block)
-  lbd = jnp.where(same_blk, lmat, 0.0)
-  nmat = lmat - lbd
-  rmod = row % block
-
-  def sub_body(i, dinv):
-    return jnp.where(rmod == i, eye - dot(lbd, dinv, hi), dinv)
-
-  dinv = lax.fori_loop(1, block, sub_body, eye)
-  if C == block:
-    return dinv
-  mmat = dot(dinv, nmat, hi)
-  amat, term = dinv, dinv
-  for _ in range(C // block - 1):
-    term = -dot(mmat, term, hi)
-    amat = amat + term
-  return amat
-
-
-def _unit_lower_inverse(lmat, C, inverse, block, hi):
-  if inverse == "rows":
-    return _unit_lower_inverse_rows(lmat, C)
-  if inverse == "rows_t":
-    return _unit_lower_inverse_rows_t(lmat, C)
-  if inverse == "doubling":
-    return _unit_lower_inverse_doubling(lmat, C, hi)
-  return _unit_lower_inverse_blocked(lmat, C, min(block, C), hi)
-
-
 def _split_products(refs, b, h, t0, C, k_split):
   """_diag_products over the whole chunk, K in k_split column slices one after another: exact
   (L and P are sums over K), and only [C, K / k_split] tiles are live in the loop."""
@@ -186,7 +111,7 @@ def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, k_split, wy,
   e_last = decay_to_last(g, g_ref[b, t0 + C - 1, h, :], pid,
                    pid_ref[b, t0 + C - 1] if has_seg else None)
   pmat = pmat * scale
-  amat = _unit_lower_inverse(lmat, C, inverse, block, hi)
+  amat = unit_lower_inverse(lmat, C, inverse, block, hi)
   a_out[b, h, pl.ds(t0, C), :] = amat.astype(a_out.dtype)
   p_out[b, h, pl.ds(t0, C), :] = pmat.astype(p_out.dtype)
   wt_out[b, pl.ds(t0, C), h, :] = (w * e_last).astype(wt_out.dtype)
@@ -231,7 +156,7 @@ def _intra_fwd_sub_kernel(*refs, chunk, sub, scale, has_seg, wy, inverse, block,
   # Block forward substitution for A = (I + L)^-1.
   amat = {}
   for i in range(nb):
-    amat[i, i] = _unit_lower_inverse(lmat[i, i], S, inverse, block, hi)
+    amat[i, i] = unit_lower_inverse(lmat[i, i], S, inverse, block, hi)
     for j in range(i):
       acc = None
       for m in range(j, i):
@@ -302,6 +227,25 @@ def sub_rows(cfg, chunk):
   return min(cfg.sub_block or 16, chunk)
 
 
+def pair_rows_forward(q, k, w, g, pid, *, chunk, scale, interpret, cfg, cfg_prec):
+  """The precomputed-U path's pair kernel: (L [B, H, T, C] fp32 (the inverse is formed from it
+  in fp32, wy.py), P [B, H, T, C] scaled, Wt [B, T, H, K]), P and Wt in the operand dtype."""
+  bsz, t, nh, kd = k.shape
+  has_seg = pid is not None
+  prec = kernel_precision(cfg, cfg_prec, interpret)
+  dt = operand_dtype(prec)
+  sub = sub_rows(cfg, chunk)
+  return pl.pallas_call(
+      functools.partial(_pair_rows_kernel, chunk=chunk, sub=sub, scale=scale, has_seg=has_seg,
+                        prec=prec),
+      out_shape=(jax.ShapeDtypeStruct((bsz, nh, t, chunk), jnp.float32),
+                 jax.ShapeDtypeStruct((bsz, nh, t, chunk), dt),
+                 jax.ShapeDtypeStruct((bsz, t, nh, kd), dt)),
+      grid=(bsz, nh, t // chunk, chunk // sub), name="delta_rule_pair_rows",
+      **launch_params(interpret, cfg.num_warps_pairs, cfg),
+  )(*([q, k, w, g] + ([pid] if has_seg else [])))
+
+
 def intra_forward(q, k, v, w, g, h0, pid, cont, *, chunk, scale, interpret, cfg, cfg_prec):
   """The intra stage (parallel over chunks): (A = (I + L)^-1, P (scaled), Wt, W = A Kbar (None
   without cfg.wy), U = A V' (None unless cfg.precompute_u))."""
@@ -315,17 +259,11 @@ def intra_forward(q, k, v, w, g, h0, pid, cont, *, chunk, scale, interpret, cfg,
   lane = jax.ShapeDtypeStruct((bsz, t, nh, kd), dt)
   cc = jax.ShapeDtypeStruct((bsz, nh, t, chunk), dt)
   if cfg.precompute_u:
-    sub = sub_rows(cfg, chunk)
-    # L stays fp32: the inverse is formed from it in fp32 (wy.py).
-    lmat, pmat, wt = pl.pallas_call(
-        functools.partial(_pair_rows_kernel, chunk=chunk, sub=sub, scale=scale,
-                          has_seg=has_seg, prec=prec),
-        out_shape=(jax.ShapeDtypeStruct((bsz, nh, t, chunk), jnp.float32), cc, lane),
-        grid=(bsz, nh, nc, chunk // sub), name="delta_rule_pair_rows",
-        **launch_params(interpret, cfg.num_warps_pairs, cfg),
-    )(*([q, k, w, g] + ([pid] if has_seg else [])))
-    amat, wk, u = _wy.wy_forward(lmat, k, v, g, h0, cont, chunk=chunk, sub=sub,
-                                 interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
+    lmat, pmat, wt = pair_rows_forward(q, k, w, g, pid, chunk=chunk, scale=scale,
+                                       interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
+    amat, wk, u = _wy.wy_forward(lmat, k, v, g, h0, cont, chunk=chunk,
+                                 sub=sub_rows(cfg, chunk), interpret=interpret, cfg=cfg,
+                                 cfg_prec=cfg_prec)
     return amat, pmat, wt, wk, u
   intra_in = [q, k, w, g] + ([pid, cont] if has_seg else [])
   out_shape = [cc, cc, lane] + ([lane] if cfg.wy else [])

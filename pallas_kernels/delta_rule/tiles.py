@@ -120,7 +120,8 @@ def state_dtype(cfg, prec):
 
 
 def use_sub(cfg, chunk):
-  """The intra kernels work on cfg.sub_block-row blocks (intra_sub.py) for longer chunks."""
+  """The intra kernels work on cfg.sub_block-row blocks for longer chunks (intra.py's and
+  backward.py's _intra_*_sub_kernel)."""
   return bool(cfg.sub_block) and chunk > cfg.sub_block
 
 

@@ -7,11 +7,12 @@ chunk), from L (intra._pair_rows_kernel, fp32)
 so that the serial pass carries Delta = U - W S_0 alone: two dots on its chain (W S_0, then
 S <- exp(g_last) S_0 + Wt^T Delta) and no A V product inside the loop.
 
-A is formed in fp32 in two steps: forward substitution on the S x S diagonal blocks (all of them
-at once, one row of every block per step, elementwise: no rounded dot touches it), then their
-merge into the C x C inverse, A = sum_n (-M)^n D^-1 with D^-1 the block-diagonal inverse and
-M = D^-1 (L - blockdiag(L)), nilpotent of index C / S (the closed form of block forward
-substitution, C / S fp32-accurate dots).
+A is formed in fp32 (DeltaRuleConfig.wy_inverse, inverse.py): 'sub_rows' = forward substitution
+on the S x S diagonal blocks (all of them at once, one row of every block per step, elementwise:
+no rounded dot touches it), then their merge into the C x C inverse, A = sum_n (-M)^n D^-1 with
+D^-1 the block-diagonal inverse and M = D^-1 (L - blockdiag(L)), nilpotent of index C / S (the
+closed form of block forward substitution, C / S fp32-accurate dots); 'sub_dots' = the same with
+the diagonal blocks' substitution as fp32-accurate dots; 'doubling' = the product form.
 """
 from __future__ import annotations
 
@@ -19,42 +20,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
+from pallas_kernels.delta_rule.inverse import unit_lower_inverse
 from pallas_kernels.delta_rule.tiles import (
-    dot, iota, tile, kernel_precision, operand_dtype, launch_params)
+    dot, tile, kernel_precision, operand_dtype, launch_params)
 
 
-def unit_lower_inverse_sub_blocks(lmat, C, S, hi):
-  """(I + L)^-1 for strictly lower L [C, C] (fp32), S-row diagonal blocks first."""
-  row, col = iota(C, 0), iota(C, 1)
-  eye = (row == col).astype(jnp.float32)
-  same_blk = (row // S) == (col // S)
-  lbd = jnp.where(same_blk, lmat, 0.0)
-  rmod = row % S
-
-  def sub_body(i, dinv):
-    # Row i of every diagonal block at once: those rows of L have disjoint column supports,
-    # so their sum over rows is each block's row, side by side; and D^-1 is block diagonal, so
-    # new[n] = sum_m lrow[m] D^-1[m, n] is (L_bb D_bb^-1)[i, n] of n's own block b.
-    lrow = jnp.sum(jnp.where(rmod == i, lbd, 0.0), axis=0)
-    new = jnp.sum(lrow[:, None] * dinv, axis=0)
-    return jnp.where((rmod == i) & same_blk, eye - new[None, :], dinv)
-
-  dinv = lax.fori_loop(1, S, sub_body, eye)
-  if C == S:
-    return dinv
-  mmat = dot(dinv, lmat - lbd, hi)
-  amat, term = dinv, dinv
-  for _ in range(C // S - 1):
-    term = -dot(mmat, term, hi)
-    amat = amat + term
-  return amat
-
-
-def _wy_kernel(*refs, chunk, sub, has_seg, block_v, prec, hi):
+def _wy_kernel(*refs, chunk, sub, has_seg, block_v, inverse, prec, hi):
   names = ["l", "k", "g", "v", "h0"] + (["cont"] if has_seg else [])
   r = dict(zip(names, refs[:len(names)]))
   a_out, wk_out, u_out = refs[len(names):]
@@ -62,7 +36,7 @@ def _wy_kernel(*refs, chunk, sub, has_seg, block_v, prec, hi):
   C = chunk
   t0 = c * C
   rows = pl.ds(t0, C)
-  amat = unit_lower_inverse_sub_blocks(r["l"][b, h, rows, :], C, sub, hi)
+  amat = unit_lower_inverse(r["l"][b, h, rows, :], C, inverse, sub, hi)
   a_out[b, h, rows, :] = amat.astype(a_out.dtype)
   kbar = tile(r["k"], b, t0, C, h) * jnp.exp(tile(r["g"], b, t0, C, h))
   cont = r["cont"][b, rows][:, None] if has_seg else None
@@ -77,8 +51,10 @@ def _wy_kernel(*refs, chunk, sub, has_seg, block_v, prec, hi):
 
 
 def wy_forward(lmat, k, v, g, h0, cont, *, chunk, sub, interpret, cfg, cfg_prec):
-  """(A [B, H, T, C], W [B, T, H, K], U [B, T, H, V]), all in the dots' operand dtype (bf16
-  under bf16-operand dots: they only ever enter dots that round them so)."""
+  """(A [B, H, T, C], W [B, T, H, K], U [B, T, H, V]), all in the dots' operand dtype. A and W
+  only ever enter dots, which round them so anyway; U is the first term of Delta = U - W S_0, so
+  storing it in bf16 (the design of issue 18, and fla's) is one more bf16 rounding of Delta, for
+  bf16 data only (tests: within the bf16 bounds)."""
   bsz, t, nh, kd = k.shape
   vd = v.shape[-1]
   has_seg = cont is not None
@@ -90,7 +66,8 @@ def wy_forward(lmat, k, v, g, h0, cont, *, chunk, sub, interpret, cfg, cfg_prec)
                jax.ShapeDtypeStruct((bsz, t, nh, vd), dt))
   return pl.pallas_call(
       functools.partial(_wy_kernel, chunk=chunk, sub=sub, has_seg=has_seg,
-                        block_v=min(cfg.block_v_parallel, vd), prec=prec, hi=hi),
+                        block_v=min(cfg.block_v_parallel, vd), inverse=cfg.wy_inverse,
+                        prec=prec, hi=hi),
       out_shape=out_shape, grid=(bsz, nh, t // chunk), name="delta_rule_wy",
       **launch_params(interpret, cfg.num_warps_intra, cfg),
   )(*([lmat, k, g, v, h0] + ([cont] if has_seg else [])))
