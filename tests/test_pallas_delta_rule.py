@@ -125,7 +125,8 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
     dict(inverse="rows"), dict(inverse="rows_t"), dict(inverse="doubling"),
     dict(k_split=4, max_chunk=16, inverse="doubling", blocked=False),
     dict(block_v=32, block_v_parallel=64), dict(block_v=64, block_v_parallel=32),
-    dict(max_chunk=32, sub_block=16)])
+    dict(max_chunk=32, sub_block=16),
+    dict(forward_only_chunk=32, wy_inverse="sub_dots")])   # primal: precompute_u, chunk 32
 def test_delta_rule_intra_variants(variant):
   """Every kernel variant (intra pair products: column loop, sub-blocked, K-split;
   inverses; outputs and backward partials in the serial kernels or parallel ones; 2- or 3-dot
@@ -159,12 +160,15 @@ def test_delta_rule_bf16_operand_dots():
 
 
 @pytest.mark.parametrize("variant,dtype,decay,tol", [
-    (dict(sub_block=16), jnp.float32, "strong", (1e-5, 1e-4)),
+    (dict(precompute_u=True, sub_block=16), jnp.float32, "strong", (1e-5, 1e-4)),
     (dict(sub_block=16, wy=False, split_output=False), jnp.float32, "normal", (1e-5, 1e-4)),
-    (dict(sub_block=16), jnp.bfloat16, "normal", (5e-3, 1e-2))])
+    (dict(precompute_u=True, sub_block=16, wy_inverse="doubling"), jnp.bfloat16, "normal",
+     (5e-3, 1e-2))])
 def test_delta_rule_sub_blocks(variant, dtype, decay, tol):
-  """sub_block (intra kernels on 16-row blocks of a 64-token chunk, intra_sub.py) against
-  the float64 loop: resets inside and across sub-blocks, T not a multiple of the chunk."""
+  """16-row blocks of a 64-token chunk against the float64 loop: the chunk-64 forward by stage
+  (precompute_u: pair rows, WY, U-driven serial pass) with the 16-row intra backward, and the
+  sub_block intra kernels (intra.py / backward.py) with the 3-dot serial chain; resets inside
+  and at the start of a row block, an initial state, T not a multiple of the chunk."""
   old = dr_config.DEFAULT
   seg = np.zeros((1, 150), np.int32)
   seg[:, 40:] = 1     # inside a sub-block
@@ -234,7 +238,8 @@ def test_delta_rule_precision_argument():
 @pytest.mark.parametrize("bad", [dict(block=48), dict(fast_dots="bf-16"), dict(block_v=48),
                                  dict(block_v_parallel=96), dict(sub_block=8),
                                  dict(inverse="lu"), dict(k_split=3), dict(min_chunk=24),
-                                 dict(max_chunk=0)])
+                                 dict(max_chunk=0), dict(precompute_u=True, wy=False),
+                                 dict(wy_inverse="rows"), dict(forward_only_chunk=48)])
 def test_delta_rule_config_rejects_bad_values(bad):
   with pytest.raises(ValueError, match="DeltaRuleConfig." + next(iter(bad))):
     dr_config.DeltaRuleConfig(**bad)

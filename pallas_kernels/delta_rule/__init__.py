@@ -1,6 +1,24 @@
-"""Chunked asymmetric delta rule (per-channel or scalar decay) as Pallas kernels + custom VJP."""
+"""Chunked asymmetric delta rule (per-channel or scalar decay) as Pallas kernels + custom VJP.
+
+Per (batch, head) and chunk of C tokens with chunk-local log-decay cumsum g (restarted at segment
+starts), state S_0 at the chunk start (S_init for rows whose segment starts inside the chunk):
+    L_rj = sum_c k_rc w_jc exp(g_rc - g_jc)   (r > j, same segment)        A = (I + L)^-1
+    P_rj = scale sum_c q_rc w_jc exp(g_rc - g_jc)   (r >= j, same segment)
+    Kbar = k * exp(g), Qbar = scale q * exp(g), Wt_j = w_j exp(g_last - g_j) (same segment as last)
+    U = V - Kbar S_0,  Delta = A U,  O = Qbar S_0 + P Delta,  S_C = exp(g_last) S_0 + Wt^T Delta.
+Decay ratios are only ever formed as exp(min(g_r - g_j, 0)) of log DIFFERENCES, never exp(-g).
+
+One module per stage (options in config.DeltaRuleConfig), imported only from here:
+  chunk_cumsum  g and its transpose
+  intra         L, P, A, Wt and (compact WY) W = A Kbar, parallel over chunks
+  state_pass    the serial chunk loop: S_final, chunk-start states, Delta (or O)
+  output        O = Qbar S_0 + P Delta, parallel over chunks
+  backward      the reverse dS chain, dV and partials, the intra backward
+  tiles         helpers the stage kernels share (no kernels)
+"""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -8,11 +26,14 @@ import jax.numpy as jnp
 
 from pallas_kernels import common
 from pallas_kernels import sharding as _sharding
+from pallas_kernels.delta_rule import backward as _backward
 from pallas_kernels.delta_rule import chunk_cumsum as _cumsum_kernels
 from pallas_kernels.delta_rule import config as _config
-from pallas_kernels.delta_rule import kernel as _kernel
+from pallas_kernels.delta_rule import intra as _intra
+from pallas_kernels.delta_rule import output as _output
+from pallas_kernels.delta_rule import state_pass as _state_pass
 
-__all__ = ["delta_rule", "chunk_length", "segment_arrays"]
+__all__ = ["delta_rule", "chunk_length", "forward_only", "segment_arrays"]
 
 
 # (batch, head) dims of the kernels' arrays for sharding.per_shard, and (batch, head, ndim) of
@@ -30,17 +51,32 @@ def _res_out(wy):
   return (_OUT4, _STATE4, _STATE4, _OUT4, _OUT4 if wy else None, _STATES5)
 
 
+def forward(q, k, v, w, g, h0, cont, pid, *, chunk, scale, interpret, cfg, cfg_prec,
+            save_states):
+  """The forward stages after the cumsum: (o, S_final, residuals (A, P, Wt, W, states)).
+
+  q, k, w: [B,T,H,K]; v: [B,T,H,V]; g: [B,T,H,K] f32 chunk-local cumsum; h0 [B,H,K,V] f32;
+  cont: [B,T] f32 or None; pid: [B,T] int32 or None (both None without segments)."""
+  kw = dict(chunk=chunk, scale=scale, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
+  amat, pmat, wt, wk, u = _intra.intra_forward(q, k, v, w, g, h0, pid, cont, **kw)
+  o, sfin, states = _state_pass.state_forward(q, k, v, g, h0, cont, amat, pmat, wt, wk, u,
+                                              save_states=save_states, **kw)
+  if cfg.split_output:   # o is Delta: the output stage forms O from it and the states
+    o = _output.output_forward(q, g, pmat, o, states, h0, cont, **kw)
+  return o, sfin, (amat, pmat, wt, wk, states if save_states else None)
+
+
 def _forward_body(q, k, v, w, la, h0, starts, cont, pid, *, chunk, scale, interpret, cfg, prec,
                   save):
   g = _cumsum_kernels.chunk_cumsum(la, starts, chunk=chunk, interpret=interpret)
-  o, sfin, res = _kernel.forward(q, k, v, w, g, h0, cont, pid, chunk=chunk, scale=scale,
-                                 interpret=interpret, cfg=cfg, cfg_prec=prec, save_states=save)
+  o, sfin, res = forward(q, k, v, w, g, h0, cont, pid, chunk=chunk, scale=scale,
+                         interpret=interpret, cfg=cfg, cfg_prec=prec, save_states=save)
   return (o, sfin, g) + tuple(res) if save else (o, sfin)
 
 
 def _backward_body(q, k, v, w, g, h0, starts, cont, pid, amat, pmat, wt, wk, states, do, dsfin,
                    *, chunk, scale, interpret, cfg, prec):
-  dq, dk, dv, dw, dg, dla_x, dh0 = _kernel.backward(
+  dq, dk, dv, dw, dg, dla_x, dh0 = _backward.backward(
       q, k, v, w, g, h0, cont, pid, (amat, pmat, wt, wk, states), do, dsfin, chunk=chunk,
       scale=scale, interpret=interpret, cfg=cfg, cfg_prec=prec)
   # g = within-(chunk, segment) cumsum of log_alpha  =>  dla = reverse cumsum of dg, plus the
@@ -56,20 +92,27 @@ def _forward(save, args, chunk, scale, interpret, cfg, prec):
   return _sharding.per_shard(body, _IN, outs, "delta_rule forward")(*args)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
-def _core(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg, prec):
-  return _forward(False, (q, k, v, w, la, h0, starts, cont, pid), chunk, scale, interpret, cfg,
-                  prec)
+# A call that is not differentiated runs the primal, _core: with cfg.forward_only_chunk that is
+# the forward of (cfg_fo, chunk_fo) on its own segment bookkeeping (starts_fo, cont_fo); a
+# differentiated one runs _core_fwd, whose residuals are those of (cfg, chunk), the backward's.
+@functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(11, 18)))
+def _core(q, k, v, w, la, h0, starts, cont, pid, starts_fo, cont_fo, chunk, chunk_fo, scale,
+          interpret, cfg, cfg_fo, prec):
+  return _forward(False, (q, k, v, w, la, h0, starts_fo, cont_fo, pid), chunk_fo, scale,
+                  interpret, cfg_fo, prec)
 
 
-def _core_fwd(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg, prec):
+def _core_fwd(q, k, v, w, la, h0, starts, cont, pid, starts_fo, cont_fo, chunk, chunk_fo, scale,
+              interpret, cfg, cfg_fo, prec):
+  del starts_fo, cont_fo, chunk_fo, cfg_fo
   o, sfin, *res = _forward(True, (q, k, v, w, la, h0, starts, cont, pid), chunk, scale,
                            interpret, cfg, prec)
   # (an empty array carries log_alpha's dtype: residuals must be arrays)
   return (o, sfin), (q, k, v, w, h0, starts, cont, pid, res, jnp.zeros((0,), la.dtype))
 
 
-def _core_bwd(chunk, scale, interpret, cfg, prec, saved, cts):
+def _core_bwd(chunk, chunk_fo, scale, interpret, cfg, cfg_fo, prec, saved, cts):
+  del chunk_fo, cfg_fo
   q, k, v, w, h0, starts, cont, pid, res, la_like = saved
   do, dsfin = cts
   body = functools.partial(_backward_body, chunk=chunk, scale=scale, interpret=interpret,
@@ -79,7 +122,7 @@ def _core_bwd(chunk, scale, interpret, cfg, prec, saved, cts):
                                                   "delta_rule backward")(
       q, k, v, w, *res[:1], h0, starts, cont, pid, *res[1:], do, dsfin.astype(jnp.float32))
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dw.astype(w.dtype),
-          dla.astype(la_like.dtype), dh0, None, None, None)
+          dla.astype(la_like.dtype), dh0, None, None, None, None, None)
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -90,6 +133,17 @@ def chunk_length(cfg, chunk_size, t, interpret):
   t (rounded up to a power of two), at least 16, and at least cfg.min_chunk when compiled."""
   lo = 16 if interpret else max(16, cfg.min_chunk)
   return max(lo, min(chunk_size, cfg.max_chunk, 1 << (t - 1).bit_length()))
+
+
+def forward_only(cfg, chunk_size, t, interpret):
+  """(config, chunk) of a call that is not differentiated: with cfg.forward_only_chunk = N, the
+  precomputed-U forward at chunk N (capped like any chunk: chunk_length); else cfg's own."""
+  if not cfg.forward_only_chunk:
+    return cfg, chunk_length(cfg, chunk_size, t, interpret)
+  n = cfg.forward_only_chunk
+  cfg_fo = dataclasses.replace(cfg, max_chunk=n, precompute_u=True, wy=True, split_output=True,
+                               forward_only_chunk=0)
+  return cfg_fo, chunk_length(cfg_fo, chunk_size, t, interpret)
 
 
 def segment_arrays(segment_ids, bsz, t, t_pad, chunk):
@@ -126,7 +180,8 @@ def delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None
     raise NotImplementedError(f"delta_rule: chunk_size={chunk_size} not supported")
   cfg = _config.DEFAULT
   chunk = chunk_length(cfg, chunk_size, t, interpret)
-  t_pad = -(-t // chunk) * chunk
+  cfg_fo, chunk_fo = forward_only(cfg, chunk_size, t, interpret)
+  t_pad = -(-t // max(chunk, chunk_fo)) * max(chunk, chunk_fo)   # powers of two: a multiple of both
   la = log_alpha   # the cumsum kernel reads it in its own dtype and sums in fp32
   if la.ndim == 3:
     la = jnp.broadcast_to(la[..., None], la.shape + (kd,))
@@ -136,6 +191,10 @@ def delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None
     q, scale = q.astype(jnp.float32) * scale, 1.0
   q, k, v, w, la = (common.pad_time(x, t_pad) for x in (q, k, v, write, la))
   starts, cont, pid = segment_arrays(segment_ids, bsz, t, t_pad, chunk)
-  o, sfin = _core(q, k, v, w, la, initial_state.astype(jnp.float32), starts, cont, pid, chunk,
-                  float(scale), interpret, cfg, precision)
+  starts_fo, cont_fo = starts, cont
+  if chunk_fo != chunk:   # (the unused set is dead code in either jit)
+    starts_fo, cont_fo, _ = segment_arrays(segment_ids, bsz, t, t_pad, chunk_fo)
+  o, sfin = _core(q, k, v, w, la, initial_state.astype(jnp.float32), starts, cont, pid,
+                  starts_fo, cont_fo, chunk, chunk_fo, float(scale), interpret, cfg, cfg_fo,
+                  precision)
   return o[:, :t].astype(out_dtype), sfin

@@ -14,7 +14,7 @@ class DeltaRuleConfig:
   # bf16 storage of A/P/Wt/W, block_v_parallel=128, 4-warp intra backward) -> 7.3 (bf16 states,
   # session 6; sub_block at chunk 64/32 was 16.1/11.2 ms there: its intra kernels cost 6.3 ms
   # forward against 1.6). Chunk 16 first failed
-  # the fp32 reset check: the two-carry serial backward (kernel.py, _SEG_NOTE), now one carry.
+  # the fp32 reset check: the two-carry serial backward (backward.py, _SEG_NOTE), now one carry.
   # min_chunk keeps a floor for compiled runs should a GPU need one.
   max_chunk: int = 16        # caps the caller's chunk_size (C_m)
   min_chunk: int = 16        # floor of the chunk in compiled runs (interpret mode: 16)
@@ -26,7 +26,8 @@ class DeltaRuleConfig:
   # [C, K / k_split] tiles are live: fewer registers per program, more programs per SM. No gain on
   # the H200 (chunk 16: 10.6 ms with k_split=2, 11.2 with 4, against 10.5 ms).
   k_split: int = 1
-  # Intra kernels on sub_block-row blocks for chunks longer than that (intra_sub.py; 0: off):
+  # Intra kernels on sub_block-row blocks for chunks longer than that (0: off; the
+  # _intra_*_sub_kernel functions of intra.py / backward.py):
   # meant for long serial chunks (e.g. max_chunk=64, sub_block=16: 4x fewer serial steps than
   # chunk 16); exact in interpret mode, but slow on the H200 (T=4096 intra forward 6.3 ms at
   # chunk 64, 2.8 at chunk 32, against 1.6 ms at chunk 16): kept as a sweep option.
@@ -53,6 +54,24 @@ class DeltaRuleConfig:
   # too). H200 T=4096 diag KDN fwd+bwd 8.09 -> 7.26 ms; with packed documents the recurrent
   # backward 9.1 -> 5.1 ms; the GPU check (bf16 <= 4.1e-3) passes. fp32 data keeps fp32 states.
   bf16_states: bool = True
+  # The chunk-64 forward by stage (issue 18; with max_chunk = min_chunk = 64): a pair kernel per
+  # (chunk, 16-row block) for L, P and Wt (intra._pair_rows_kernel), a WY kernel for
+  # A = (I + L)^-1 (fp32 forward substitution on the 16 x 16 diagonal blocks, merged in closed
+  # form), W = A Kbar and U = A V' (wy.py), a serial pass whose chain is Delta = U - W S_0 and
+  # S <- exp(g_last) S + Wt^T Delta (Delta stored in the operand dtype), and the output kernel on
+  # a (V block, chunk, batch head) grid. Needs wy and split_output. The backward consumes the
+  # same residuals (A, P, Wt, W, states); sub_block=16 gives it the 16-row intra backward.
+  # H200, diag KDN T=4096 (docs/benchmark_mixers.md, eighth session): fwd 6.36 ms against 3.01
+  # (serial pass + output 0.68 against 1.33, but pair rows + WY 5.45 against the intra's 1.53),
+  # fwd+bwd 13.45 against 6.62: an option until its intra kernels get cheaper.
+  precompute_u: bool = False
+  num_warps_pairs: int = 4   # Triton warps, the precomputed-U path's pair kernel
+  # (I + L)^-1 in the precomputed-U path's WY kernel (wy.py): 'sub_rows', 'sub_dots', 'doubling'.
+  wy_inverse: str = "sub_rows"
+  # A call that is not differentiated (inference, evaluation) runs the precomputed-U forward at
+  # this chunk (0: like a differentiated one); differentiated calls keep the config above, whose
+  # residuals the backward reads (__init__.forward_only).
+  forward_only_chunk: int = 0
   block_v: int = 64          # value-columns per program in the recurrent (state-passing) kernels
   # value-columns per program in the parallel output and backward-partials kernels (fewer V
   # blocks: fewer per-V-block partial-gradient bytes for the intra backward to read and sum)
@@ -76,6 +95,14 @@ class DeltaRuleConfig:
     if self.inverse not in ("rows", "rows_t", "blocks", "doubling"):
       raise ValueError("DeltaRuleConfig.inverse must be 'rows', 'rows_t', 'blocks' or 'doubling', "
                        f"got {self.inverse!r}")
+    if self.forward_only_chunk and not pow2(self.forward_only_chunk):
+      raise ValueError("DeltaRuleConfig.forward_only_chunk must be 0 or a power of two, got "
+                       f"{self.forward_only_chunk}")
+    if self.precompute_u and not (self.wy and self.split_output):
+      raise ValueError("DeltaRuleConfig.precompute_u needs wy=True and split_output=True")
+    if self.wy_inverse not in ("sub_rows", "sub_dots", "doubling"):
+      raise ValueError("DeltaRuleConfig.wy_inverse must be 'sub_rows', 'sub_dots' or 'doubling', "
+                       f"got {self.wy_inverse!r}")
     if self.fast_dots not in ("tf32", "bf16"):
       raise ValueError(f"DeltaRuleConfig.fast_dots must be 'tf32' or 'bf16', got {self.fast_dots!r}")
 

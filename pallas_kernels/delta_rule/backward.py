@@ -1,0 +1,427 @@
+"""Backward stages of the chunked delta rule.
+
+  _recur_bwd_kernel    grid (B, H, V/BV): serial over chunks in reverse; the dS chain alone,
+                       saving each chunk's dS (S_init's share of segments: seg_init_grad, XLA).
+  _bwd_partials_kernel grid (B, H, NC, V/BV): dV and per-V-block partial gradients of P, L, Wt,
+                       Kbar, Qbar, g_last.
+  _intra_bwd_kernel    grid (B, H, NC): sums the partials, back-propagates through the
+                       decay-weighted products; emits dq, dk, dw and dg (gradient w.r.t. the
+                       chunk-local cumsum); _intra_bwd_sub_kernel does the same on sub_block-row
+                       blocks of a longer chunk.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import common
+from pallas_kernels.delta_rule.tiles import (
+    dot, dot_nt, dot_tn, iota, same_seg, decay_to_last, block_rows, offdiag_factors,
+    kernel_precision, use_sub, k_split_of, launch_params, sub_blocks, ref_point, seg_masks)
+from pallas_kernels.delta_rule.state_pass import chunk_common, delta_rows
+
+
+_BWD_IN = ["q", "k", "v", "g", "a", "p", "wt", "h0", "do"]
+
+
+def _bwd_names(has_seg, wy, extra):
+  return _BWD_IN + extra + (["cont"] if has_seg else []) + (["wk"] if wy else [])
+
+
+def _bwd_chain(r, b, h, t0, C, scale, has_seg, vs, ds, prec, wy):
+  """One chunk of the reverse state chain, given dS (the gradient of the state after the chunk):
+  dDelta = P^T dO + Wt dS, dU = A^T dDelta and dS_prev (S_init's share of segments that start
+  inside the chunk is seg_init_grad's, outside the kernels).
+
+  Kbar_c^T dU = (A Kbar_c)^T dDelta: with wy the chain dS -> dDelta -> dS_prev is 2 dots."""
+  kbar, qbar, e_last, cont, cont_last = chunk_common(r, b, h, t0, C, scale, has_seg,
+                                                      need_k=has_seg or not wy)
+  do = r["do"][b, pl.ds(t0, C), h, vs].astype(jnp.float32)
+  amat = r["a"][b, h, pl.ds(t0, C), :]
+  d_delta = dot_tn(r["p"][b, h, pl.ds(t0, C), :], do, prec) + dot(
+      r["wt"][b, pl.ds(t0, C), h, :], ds, prec)
+  du = dot_tn(amat, d_delta, prec)
+  ds_decayed = e_last * ds
+  cq = qbar * cont if has_seg else qbar
+  if wy:
+    chain = dot_tn(r["wk"][b, pl.ds(t0, C), h, :], d_delta, prec)
+  else:
+    chain = dot_tn(kbar * cont if has_seg else kbar, du, prec)
+  ds_prev = (cont_last * ds_decayed if has_seg else ds_decayed) + dot_tn(cq, do, prec) - chain
+  return ds_prev, dict(kbar=kbar, cont=cont, cont_last=cont_last, do=do, amat=amat, du=du)
+
+
+def _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs, s, ds, s_init, x, prec, wy):
+  """The chunk's dV and per-V-block partial gradients of P, L, Wt, Kbar, Qbar and g_last."""
+  dv_ref, dp_ref, dl_ref, dwt_ref, dkbar_ref, dqbar_ref, dgl_ref = outs
+  t0 = c * C
+  v = r["v"][b, pl.ds(t0, C), h, vs].astype(jnp.float32)
+  wk = r["wk"][b, pl.ds(t0, C), h, :] if wy else None
+  s_base, delta = delta_rows(x["kbar"], v, x["amat"], wk, s, s_init, x["cont"], x["cont_last"],
+                         has_seg, prec)
+  do, du, cont = x["do"], x["du"], x["cont"]
+  dv_ref[b, pl.ds(t0, C), h, vs] = du.astype(dv_ref.dtype)
+  dp_ref[b, h, vb, pl.ds(t0, C), :] = dot_nt(do, delta, prec)
+  dl_ref[b, h, vb, pl.ds(t0, C), :] = -dot_nt(du, delta, prec)
+  dwt_ref[b, h, vb, pl.ds(t0, C), :] = dot_nt(delta, ds, prec)
+  e_last_row = jnp.exp(r["g"][b, t0 + C - 1, h, :])
+  dgl_ref[b, h, vb, c, :] = e_last_row * jnp.sum(ds * s_base, axis=1)
+  if has_seg:
+    dkbar = -(dot_nt(du * cont, s, prec) + dot_nt(du * (1.0 - cont), s_init, prec))
+    dqbar = dot_nt(do * cont, s, prec) + dot_nt(do * (1.0 - cont), s_init, prec)
+  else:
+    dkbar = -dot_nt(du, s, prec)
+    dqbar = dot_nt(do, s, prec)
+  dkbar_ref[b, h, vb, pl.ds(t0, C), :] = dkbar
+  dqbar_ref[b, h, vb, pl.ds(t0, C), :] = dqbar
+
+
+def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, wy):
+  """Serial over chunks in reverse: the state-gradient chain alone, saving each chunk's dS for
+  _bwd_partials_kernel. One loop carry (see _SEG_NOTE)."""
+  names = _bwd_names(has_seg, wy, ["dsfin"])
+  n_in = len(names)
+  r = dict(zip(names, refs[:n_in]))
+  dh0_ref, ds_ref = refs[n_in], refs[n_in + 1]
+  b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  C = chunk
+  vs = pl.ds(vb * block_v, block_v)
+
+  def body(i, ds):
+    c = num_chunks - 1 - i
+    ds_ref[b, h, c, :, vs] = ds.astype(ds_ref.dtype)
+    return _bwd_chain(r, b, h, c * C, C, scale, has_seg, vs, ds, prec, wy)[0]
+
+  dh0_ref[b, h, :, vs] = lax.fori_loop(0, num_chunks, body,
+                                       r["dsfin"][b, h, :, vs].astype(jnp.float32))
+
+
+def _bwd_partials_kernel(*refs, chunk, scale, has_seg, block_v, prec, wy):
+  """Parallel over (chunk, V block): _bwd_partials from the saved states and state gradients."""
+  names = _bwd_names(has_seg, wy, ["states", "dstates"])
+  r = dict(zip(names, refs[:len(names)]))
+  outs = refs[len(names):]
+  b, h, c, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+  C = chunk
+  vs = pl.ds(vb * block_v, block_v)
+  s_init = r["h0"][b, h, :, vs].astype(jnp.float32)
+  ds = r["dstates"][b, h, c, :, vs].astype(jnp.float32)
+  _, x = _bwd_chain(r, b, h, c * C, C, scale, has_seg, vs, ds, prec, wy)
+  _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs,
+                r["states"][b, h, c, :, vs].astype(jnp.float32), ds, s_init, x,
+                prec, wy)
+
+
+def _diag_pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C, block, cols=slice(None)):
+  """Pair accumulators (see _intra_bwd_epilogue) of the diagonal block x block tiles (the whole
+  chunk when block == C), by a `block`-step column loop over all tiles at once."""
+  row, col = iota(C, 0), iota(C, 1)
+  row_k = lax.broadcasted_iota(jnp.int32, q.shape, 0)
+  at0 = (row // block) * block
+
+  def col_body(jj, acc):
+    dq_acc, dk_acc, dw_acc = acc
+    wj = block_rows(r["w"], b, h, t0, C, block, jj, cols)
+    e = jnp.exp(jnp.minimum(g - block_rows(r["g"], b, h, t0, C, block, jj, cols), 0.0))
+    at = col == at0 + jj
+    pj = jnp.sum(jnp.where(at, dpm, 0.0), axis=1)[:, None]     # dP[r, j(r)] (scaled)
+    lj = jnp.sum(jnp.where(at, dlm, 0.0), axis=1)[:, None]     # dL[r, j(r)]
+    we = wj * e
+    dq_acc = dq_acc + pj * we
+    dk_acc = dk_acc + lj * we
+    m = (pj * q + lj * k) * e
+    for ib in range(C // block):
+      in_blk = (row_k >= ib * block) & (row_k < (ib + 1) * block)
+      dwj = jnp.sum(jnp.where(in_blk, m, 0.0), axis=0)[None, :]
+      dw_acc = dw_acc + jnp.where(row_k == ib * block + jj, dwj, 0.0)
+    return dq_acc, dk_acc, dw_acc
+
+  zeros = jnp.zeros_like(q)
+  return lax.fori_loop(0, block, col_body, (zeros, zeros, zeros))
+
+
+def _pairs_bwd_blocked(q, k, w, g, dpm, dlm, r, b, h, t0, C, block, prec):
+  """_diag_pairs_bwd on the diagonal tiles plus the off-diagonal blocks as matmuls."""
+  row, col = iota(C, 0), iota(C, 1)
+  dq_acc, dk_acc, dw_acc = _diag_pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C, block)
+  for js in range(0, C - block, block):
+    xs, y_t, ys = offdiag_factors(g, w, r["g"], b, h, t0, C, block, js)
+    sel = (row >= js + block) & (col >= js) & (col < js + block)
+    gp = jnp.where(sel, dpm, 0.0)
+    gl = jnp.where(sel, dlm, 0.0)
+    dq_acc = dq_acc + xs * dot(gp, y_t, prec)
+    dk_acc = dk_acc + xs * dot(gl, y_t, prec)
+    dw_acc = dw_acc + ys * (dot_tn(gp, q * xs, prec) + dot_tn(gl, k * xs, prec))
+  return dq_acc, dk_acc, dw_acc
+
+
+def _intra_bwd_epilogue(q, k, w, g, acc, p_diag, dwt, dkbar, dqbar, dgl, e_last, scale, hi,
+                        dla_prefix=None, with_dgl=True):
+  """Per-token gradients from the pair accumulators; works on any slice of the K columns, and on
+  a block of the chunk's rows (_intra_bwd_sub_kernel): dla_prefix [1, K] = sum of dWt * Wt over
+  the chunk's earlier rows, with_dgl = the block holds the chunk's last row.
+
+  acc = (X_q, X_k, Y_w): X_r = sum_j G_rj y_j e_rj (G = dP or dL, y = w) and
+  Y_j = sum_r (dP_rj q_r + dL_rj k_r) e_rj."""
+  dq_acc, dk_acc, dw_acc = acc
+  C = q.shape[0]
+  row, col = iota(C, 0), iota(C, 1)
+  row_k = lax.broadcasted_iota(jnp.int32, q.shape, 0)
+  e0 = jnp.exp(g)
+  qbar = (scale * q) * e0
+  kbar = k * e0
+  wt = w * e_last
+  dq = dq_acc + p_diag * w + scale * dqbar * e0
+  dk = dk_acc + dkbar * e0
+  dw = dw_acc + p_diag * q + dwt * e_last
+  # Wt_j = w_j exp(g_last - g_j): its log-decay gradient t_j reaches log_alpha_s exactly for
+  # j < s <= last. Emitting that directly (dla_x = strict-lower-ones @ t) instead of +t at `last`
+  # and -t at j avoids cancelling O(1) terms when exp(g_last - g_j) == 1 (e.g. padded tails).
+  twt = dwt * wt
+  dla_x = dot((row > col).astype(jnp.float32), twt, hi)
+  if dla_prefix is not None:
+    dla_x = dla_x + dla_prefix
+  dg = q * dq_acc + k * dk_acc - w * dw_acc + dqbar * qbar + dkbar * kbar
+  if with_dgl:
+    dg = dg + jnp.where(row_k == C - 1, dgl[None, :], 0.0)
+  return dq, dk, dw, dg, dla_x
+
+
+def _vsum(ref, b, h, num_vb, *idx):
+  """Sum over the V blocks (axis 2) of a per-V-block partial: ref[b, h, :, *idx]."""
+  acc = ref[(b, h, 0) + idx]
+  for j in range(1, num_vb):
+    acc = acc + ref[(b, h, j) + idx]
+  return acc
+
+
+def _intra_bwd_refs(refs, has_seg):
+  """The intra backward kernels' inputs by name, and their output refs (dq, dk, dw, dg, dla_x)."""
+  names = ["q", "k", "w", "g", "dp", "dl", "dwt", "dkbar", "dqbar", "dgl"] + (
+      ["pid"] if has_seg else [])
+  return dict(zip(names, refs[:len(names)])), refs[len(names):]
+
+
+def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, blocked, block, k_split, prec,
+                      hi):
+  r, outs = _intra_bwd_refs(refs, has_seg)
+  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  C = chunk
+  t0 = c * C
+  kd = r["q"].shape[-1]
+  row, col = iota(C, 0), iota(C, 1)
+  rows = pl.ds(t0, C)
+
+  def vsum(name, cols):
+    return _vsum(r[name], b, h, num_vb, rows, cols)
+
+  def dgl_sum(cols):
+    return _vsum(r["dgl"], b, h, num_vb, c, cols)
+
+  def e_last_of(g, cols):
+    return decay_to_last(g, r["g"][b, t0 + C - 1, h, cols], pid,
+                   r["pid"][b, t0 + C - 1] if has_seg else None)
+
+  dpm = jnp.where(row >= col, vsum("dp", pl.ds(0, C)), 0.0) * scale
+  dlm = jnp.where(row > col, vsum("dl", pl.ds(0, C)), 0.0)
+  pid = None
+  if has_seg:
+    same, pid = same_seg(r["pid"], b, t0, C)
+    dpm = dpm * same
+    dlm = dlm * same
+  # P's diagonal (r == j: decay factor exactly 1) is split off: its contributions to dg cancel
+  # exactly, and leaving them in would swamp tiny decay gradients with rounding noise.
+  p_diag = jnp.sum(jnp.where(row == col, dpm, 0.0), axis=1)[:, None]
+  dpm = jnp.where(row > col, dpm, 0.0)
+
+  def store(vals, cols):
+    for ref, val in zip(outs, vals):
+      ref[b, rows, h, cols] = val
+
+  def kslice(cols, pairs):
+    q, k, w, g = (r[n][b, rows, h, cols].astype(jnp.float32) for n in ("q", "k", "w", "g"))
+    acc = pairs(q, k, w, g, cols)
+    store(_intra_bwd_epilogue(q, k, w, g, acc, p_diag, vsum("dwt", cols), vsum("dkbar", cols),
+                              vsum("dqbar", cols), dgl_sum(cols), e_last_of(g, cols), scale, hi),
+          cols)
+
+  if blocked:
+    kslice(pl.ds(0, kd), lambda q, k, w, g, _: _pairs_bwd_blocked(q, k, w, g, dpm, dlm, r, b, h, t0,
+                                                                  C, block, prec))
+  else:
+    # K slices one after another: the pair accumulators are per K column, so slices are exact.
+    for i in range(k_split):
+      kslice(pl.ds(i * (kd // k_split), kd // k_split),
+             lambda q, k, w, g, cols: _diag_pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C, C, cols))
+
+
+
+
+# _SEG_NOTE: the reverse serial kernel once also carried S_init's gradient (a second [K, BV]
+# array) when there were segments. On the H200 (jax 0.11.2, Triton 3.6, num_stages=2, 4 warps,
+# chunk 16) every dS it saved was then wrong (relative 0.125) while interpret mode on the same GPU
+# was exact; num_stages=1 brought the error down to 4e-6 (dS_init 1.5e-4), not to zero. Likely a
+# Triton pipelining miscompile of the two-carry loop; the kernel now carries dS alone and
+# seg_init_grad forms S_init's share in XLA (docs/benchmark_mixers.md, fifth session).
+
+
+def _intra_bwd_sub_kernel(*refs, chunk, sub, scale, has_seg, num_vb, prec, hi):
+  r, outs = _intra_bwd_refs(refs, has_seg)
+  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  C, S = chunk, sub
+  nb = C // S
+  t0 = c * C
+  row, col = iota(S, 0), iota(S, 1)
+
+  def vsum(name, rows, cols):
+    return _vsum(r[name], b, h, num_vb, rows, cols)
+
+  q, k, w, g = (sub_blocks(r[n], b, h, t0, S, nb) for n in ("q", "k", "w", "g"))
+  pids, pid_last = [None] * nb, None
+  if has_seg:
+    pids, same = seg_masks(r["pid"], b, t0, S, nb)
+    pid_last = r["pid"][b, t0 + C - 1]
+  dpm, dlm, p_diag = {}, {}, []
+  for i in range(nb):
+    for j in range(i + 1):
+      rows, cols = pl.ds(t0 + i * S, S), pl.ds(j * S, S)
+      dp = vsum("dp", rows, cols) * scale
+      dl = vsum("dl", rows, cols)
+      if i == j:
+        dp = jnp.where(row >= col, dp, 0.0)
+        dl = jnp.where(row > col, dl, 0.0)
+      if has_seg:
+        dp, dl = dp * same[i, j], dl * same[i, j]
+      if i == j:
+        # P's diagonal is split off as in _intra_bwd_kernel (exact cancellation in dg).
+        p_diag.append(jnp.sum(jnp.where(row == col, dp, 0.0), axis=1)[:, None])
+        dp = jnp.where(row > col, dp, 0.0)
+      dpm[i, j], dlm[i, j] = dp, dl
+  dq_acc, dk_acc, dw_acc = [], [], []
+  for i in range(nb):
+    a_q, a_k, a_w = _diag_pairs_bwd(q[i], k[i], g[i], dpm[i, i], dlm[i, i], r, b, h,
+                                       t0 + i * S, S, S)
+    dq_acc.append(a_q)
+    dk_acc.append(a_k)
+    dw_acc.append(a_w)
+  for i in range(1, nb):
+    g0, xs = ref_point(r["g"], b, h, t0, S, i, g[i])
+    qx, kx = q[i] * xs, k[i] * xs
+    for j in range(i):
+      ys = jnp.exp(jnp.minimum(g0 - g[j], 0.0))
+      wy = w[j] * ys
+      dq_acc[i] = dq_acc[i] + xs * dot(dpm[i, j], wy, prec)
+      dk_acc[i] = dk_acc[i] + xs * dot(dlm[i, j], wy, prec)
+      dw_acc[j] = dw_acc[j] + ys * (dot_tn(dpm[i, j], qx, prec)
+                                    + dot_tn(dlm[i, j], kx, prec))
+  dgl = _vsum(r["dgl"], b, h, num_vb, c, slice(None))
+  g_last = r["g"][b, t0 + C - 1, h, :]
+  prefix = jnp.zeros((1, q[0].shape[1]), jnp.float32)
+  for i in range(nb):
+    rows = pl.ds(t0 + i * S, S)
+    e_last = decay_to_last(g[i], g_last, pids[i], pid_last)
+    dwt = vsum("dwt", rows, slice(None))
+    vals = _intra_bwd_epilogue(
+        q[i], k[i], w[i], g[i], (dq_acc[i], dk_acc[i], dw_acc[i]), p_diag[i], dwt,
+        vsum("dkbar", rows, slice(None)), vsum("dqbar", rows, slice(None)), dgl, e_last, scale,
+        hi, dla_prefix=prefix, with_dgl=i == nb - 1)
+    prefix = prefix + jnp.sum(dwt * w[i] * e_last, axis=0, keepdims=True)
+    for ref, val in zip(outs, vals):
+      ref[b, rows, h, :] = val
+
+
+def recur_backward(q, k, v, g, h0, cont, res, do, dsfin, *, chunk, scale, interpret, cfg,
+                   cfg_prec):
+  """Backward stage 1: the reverse dS chain (serial over chunks, saving each chunk's dS), then,
+  parallel over (chunk, V block), dV and the per-V-block partial gradients; with segments,
+  S_init's share of the segments that restart from it (seg_init_grad, XLA). Returns
+  (dV, dS_init, partials...)."""
+  amat, pmat, wt, wk, states = res
+  bsz, t, nh, kd = k.shape
+  vd = v.shape[-1]
+  nc = t // chunk
+  has_seg = cont is not None
+  wy = wk is not None
+  prec = kernel_precision(cfg, cfg_prec, interpret)
+  f32 = jnp.float32
+  block_v = min(cfg.block_v, vd)
+  bv_part = min(cfg.block_v_parallel, vd)
+  nvb = vd // bv_part
+  opt = ([cont] if has_seg else []) + ([wk] if wy else [])
+  common_in = [q, k, v, g, amat, pmat, wt, h0, do]
+  kw = dict(chunk=chunk, scale=scale, has_seg=has_seg, prec=prec, wy=wy)
+  dh0, dstates = pl.pallas_call(
+      functools.partial(_recur_bwd_kernel, num_chunks=nc, block_v=block_v, **kw),
+      out_shape=(jax.ShapeDtypeStruct((bsz, nh, kd, vd), f32),
+                 jax.ShapeDtypeStruct(states.shape, states.dtype)),
+      grid=(bsz, nh, vd // block_v), name="delta_rule_recur_bwd",
+      **launch_params(interpret, cfg.num_warps_recur, cfg),
+  )(*common_in, dsfin, *opt)
+  cc = jax.ShapeDtypeStruct((bsz, nh, nvb, t, chunk), f32)
+  ck = jax.ShapeDtypeStruct((bsz, nh, nvb, t, kd), f32)
+  partial_shapes = (jax.ShapeDtypeStruct(v.shape, f32), cc, cc, ck, ck, ck,
+                    jax.ShapeDtypeStruct((bsz, nh, nvb, nc, kd), f32))
+  dv, *partials = pl.pallas_call(
+      functools.partial(_bwd_partials_kernel, block_v=bv_part, **kw),
+      out_shape=partial_shapes, grid=(bsz, nh, nc, nvb), name="delta_rule_bwd_partials",
+      **launch_params(interpret, cfg.num_warps_parallel, cfg),
+  )(*common_in, states, dstates, *opt)
+  if has_seg:
+    dh0 = dh0 + seg_init_grad(q, k, g, cont, do, dv, dstates, chunk=chunk, scale=scale,
+                              exact=cfg_prec == "exact")
+  return (dv, dh0, *partials)
+
+
+def seg_init_grad(q, k, g, cont, do, dv, dstates, *, chunk, scale, exact):
+  """S_init's gradient from the rows that restart from it after a reset inside a chunk
+  (cont == 0): sum over chunks of (1 - cont_last) e_last dS + Qbar_new^T dO - Kbar_new^T dU,
+  with dU = dV. Plain XLA: three contractions over time, off the serial chain."""
+  f32 = jnp.float32
+  prec = lax.Precision.HIGHEST if exact else lax.Precision.DEFAULT
+  e = jnp.exp(g)
+  new = (1.0 - cont)[:, :, None, None]
+  qn = (scale * q.astype(f32)) * e * new
+  kn = k.astype(f32) * e * new
+  d = (jnp.einsum("bthk,bthv->bhkv", qn, do.astype(f32), precision=prec)
+       - jnp.einsum("bthk,bthv->bhkv", kn, dv, precision=prec))
+  last = slice(chunk - 1, None, chunk)
+  w_last = (1.0 - cont[:, last])[:, :, None, None] * jnp.exp(g[:, last])    # [B, NC, H, K]
+  # (Written as a broadcast-multiply-sum over chunks instead, this gave garbage on XLA:CPU
+  # behind the interpret-mode kernels, jax 0.10.2; the einsum is exact.)
+  return d + jnp.einsum("bchk,bhckv->bhkv", w_last, dstates, precision=prec)
+
+
+def intra_backward(q, k, w, g, pid, partials, *, chunk, scale, interpret, cfg, cfg_prec):
+  """Backward stage 2 (parallel over chunks): dq, dk, dw, dg and the direct log-decay term."""
+  bsz, t, nh, kd = k.shape
+  nc = t // chunk
+  has_seg = pid is not None
+  nvb = partials[0].shape[2]
+  prec = kernel_precision(cfg, cfg_prec, interpret)
+  intra_in = [q, k, w, g, *partials] + ([pid] if has_seg else [])
+  lane = jax.ShapeDtypeStruct((bsz, t, nh, kd), jnp.float32)
+  hi = common.dot_precision("exact", interpret)
+  if use_sub(cfg, chunk):
+    body = functools.partial(_intra_bwd_sub_kernel, chunk=chunk, sub=cfg.sub_block,
+                             scale=scale, has_seg=has_seg, num_vb=nvb, prec=prec, hi=hi)
+  else:
+    body = functools.partial(_intra_bwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
+                             num_vb=nvb, blocked=cfg.blocked and chunk > cfg.block,
+                             block=cfg.block, k_split=k_split_of(cfg, kd), prec=prec, hi=hi)
+  return pl.pallas_call(
+      body,
+      out_shape=(lane, lane, lane, lane, lane), grid=(bsz, nh, nc), name="delta_rule_intra_bwd",
+      **launch_params(interpret, cfg.num_warps_intra_bwd, cfg),
+  )(*intra_in)
+
+
+def backward(q, k, v, w, g, h0, cont, pid, res, do, dsfin, *, chunk, scale, interpret, cfg,
+             cfg_prec):
+  kw = dict(chunk=chunk, scale=scale, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
+  dv, dh0, *partials = recur_backward(q, k, v, g, h0, cont, res, do, dsfin, **kw)
+  dq, dk, dw, dg, dla_x = intra_backward(q, k, w, g, pid, partials, **kw)
+  return dq, dk, dv, dw, dg, dla_x, dh0

@@ -1,0 +1,285 @@
+"""Intra-chunk forward stage: per (batch, head, chunk), the decay-weighted pair products
+L (strict) and P (inclusive, scaled), A = (I + L)^-1, Wt = w exp(g_last - g) and, with compact
+WY, W = A Kbar (the equations: __init__'s docstring).
+
+_intra_fwd_kernel works on the whole chunk (column loop over C, or matmuls off the diagonal
+block x block tiles with `blocked`); _intra_fwd_sub_kernel on sub_block-row blocks of a longer
+chunk (the sixth session's `sub_block` option): [S, K] tiles, an S-step column loop on the
+diagonal S x S tiles, every block pair (i > j) by matmuls around the reference point g0 = g of
+block i's first token,
+
+    exp(g_r - g_c) = exp(g_r - g0) exp(g0 - g_c)   (r in block i, c in block j; both <= 1 for a
+                                                    same-segment pair, clamped otherwise)
+
+and A by block forward substitution, A_ij = -A_ii sum_{j <= m < i} L_im A_mj.
+
+With cfg.precompute_u (the chunk-64 forward of issue 18) the stage is two kernels:
+_pair_rows_kernel, one program per (chunk, S-row block i): L and P of the block's rows against
+the whole chunk (the diagonal S x S tile by an S-step column loop of exact exp(<= 0), the
+earlier blocks by one small dot each around g0 = g of row block i's first token) and Wt; then
+wy.wy_forward: A, W = A Kbar and U = A V' from L (no [C, K] tile of the pair products is live
+in the inverse's kernel, and no inverse in the pair products' one).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import common
+from pallas_kernels.delta_rule import wy as _wy
+from pallas_kernels.delta_rule.inverse import unit_lower_inverse
+from pallas_kernels.delta_rule.tiles import (
+    dot, dot_nt, iota, tile, same_seg, decay_to_last, block_rows, offdiag_factors,
+    kernel_precision, operand_dtype, use_sub, k_split_of, launch_params, sub_blocks, ref_point,
+    seg_masks)
+
+
+def _diag_products(q, k, g, w_ref, g_ref, b, h, t0, C, block, cols=slice(None)):
+  """L (strict) and P/scale (inclusive) inside the diagonal block x block tiles of the chunk (all
+  of it when block == C), by a loop over the `block` columns of every tile at once: exact,
+  exp(<= 0) only."""
+  row, col = iota(C, 0), iota(C, 1)
+  at0 = (row // block) * block
+  rmod = row % block
+
+  def col_body(jj, lp):
+    lmat, pmat = lp
+    we = block_rows(w_ref, b, h, t0, C, block, jj, cols)
+    we = we * jnp.exp(jnp.minimum(g - block_rows(g_ref, b, h, t0, C, block, jj, cols), 0.0))
+    kw = jnp.sum(k * we, axis=1)[:, None]
+    qw = jnp.sum(q * we, axis=1)[:, None]
+    at = col == at0 + jj
+    lmat = jnp.where(at & (rmod > jj), kw, lmat)
+    pmat = jnp.where(at & (rmod >= jj), qw, pmat)
+    return lmat, pmat
+
+  zeros = jnp.zeros((C, C), jnp.float32)
+  return lax.fori_loop(0, block, col_body, (zeros, zeros))
+
+
+def _pairs_blocked(q, k, w, g, refs, b, h, t0, C, block, prec):
+  """L and P/scale with sub-blocks: off-diagonal blocks as tensor-core matmuls around a reference
+  point; the diagonal blocks by a `block`-step column loop over all of them at once."""
+  row = iota(C, 0)
+  lmat, pmat = _diag_products(q, k, g, refs[2], refs[3], b, h, t0, C, block)
+  for js in range(0, C - block, block):
+    xs, y_t, _ = offdiag_factors(g, w, refs[3], b, h, t0, C, block, js)
+    later = row >= js + block
+    lmat = lmat + jnp.where(later, dot_nt(k * xs, y_t, prec), 0.0)
+    pmat = pmat + jnp.where(later, dot_nt(q * xs, y_t, prec), 0.0)
+  return lmat, pmat
+
+
+def _split_products(refs, b, h, t0, C, k_split):
+  """_diag_products over the whole chunk, K in k_split column slices one after another: exact
+  (L and P are sums over K), and only [C, K / k_split] tiles are live in the loop."""
+  kd = refs[0].shape[-1]
+  lmat = pmat = None
+  for i in range(k_split):
+    cols = pl.ds(i * (kd // k_split), kd // k_split)
+    q, k, g = (refs[n][b, pl.ds(t0, C), h, cols].astype(jnp.float32) for n in (0, 1, 3))
+    lp = _diag_products(q, k, g, refs[2], refs[3], b, h, t0, C, C, cols)
+    lmat, pmat = lp if lmat is None else (lmat + lp[0], pmat + lp[1])
+  return lmat, pmat
+
+
+def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, k_split, wy, inverse,
+                      prec, hi):
+  n_in = 4 + (2 if has_seg else 0)
+  q_ref, k_ref, w_ref, g_ref = refs[:4]
+  pid_ref, cont_ref = refs[4:n_in] if has_seg else (None, None)
+  a_out, p_out, wt_out = refs[n_in:n_in + 3]
+  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  C = chunk
+  t0 = c * C
+  if blocked:
+    q, k, w, g = (tile(x, b, t0, C, h) for x in refs[:4])
+    lmat, pmat = _pairs_blocked(q, k, w, g, refs, b, h, t0, C, block, prec)
+  else:
+    lmat, pmat = _split_products(refs, b, h, t0, C, k_split)
+    # Loaded after the pair loops, so these full-K tiles are not live inside them.
+    k, w, g = (tile(x, b, t0, C, h) for x in (k_ref, w_ref, g_ref))
+  pid = None
+  if has_seg:
+    same, pid = same_seg(pid_ref, b, t0, C)
+    lmat = lmat * same
+    pmat = pmat * same
+  e_last = decay_to_last(g, g_ref[b, t0 + C - 1, h, :], pid,
+                   pid_ref[b, t0 + C - 1] if has_seg else None)
+  pmat = pmat * scale
+  amat = unit_lower_inverse(lmat, C, inverse, block, hi)
+  a_out[b, h, pl.ds(t0, C), :] = amat.astype(a_out.dtype)
+  p_out[b, h, pl.ds(t0, C), :] = pmat.astype(p_out.dtype)
+  wt_out[b, pl.ds(t0, C), h, :] = (w * e_last).astype(wt_out.dtype)
+  if wy:
+    # Compact WY: W = A Kbar (rows continuing the chunk-start state only), so the serial kernels
+    # form Delta = A U' - W S_0 with one dot on the state chain instead of two.
+    kbar = k * jnp.exp(g)
+    if has_seg:
+      kbar = kbar * cont_ref[b, pl.ds(t0, C)][:, None]
+    wk_out = refs[n_in + 3]
+    wk_out[b, pl.ds(t0, C), h, :] = dot(amat, kbar, prec).astype(wk_out.dtype)
+
+
+def _intra_fwd_sub_kernel(*refs, chunk, sub, scale, has_seg, wy, inverse, block, prec, hi):
+  n_in = 4 + (2 if has_seg else 0)
+  q_ref, k_ref, w_ref, g_ref = refs[:4]
+  pid_ref, cont_ref = refs[4:n_in] if has_seg else (None, None)
+  a_out, p_out, wt_out = refs[n_in:n_in + 3]
+  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  C, S = chunk, sub
+  nb = C // S
+  t0 = c * C
+  q, k, w, g = (sub_blocks(x, b, h, t0, S, nb) for x in (q_ref, k_ref, w_ref, g_ref))
+  lmat, pmat = {}, {}
+  for i in range(nb):
+    lmat[i, i], pmat[i, i] = _diag_products(q[i], k[i], g[i], w_ref, g_ref, b, h,
+                                               t0 + i * S, S, S)
+    if i:
+      g0, xs = ref_point(g_ref, b, h, t0, S, i, g[i])
+      kx, qx = k[i] * xs, q[i] * xs
+      for j in range(i):
+        y = w[j] * jnp.exp(jnp.minimum(g0 - g[j], 0.0))
+        lmat[i, j] = dot_nt(kx, y, prec)
+        pmat[i, j] = dot_nt(qx, y, prec)
+  g_last = g_ref[b, t0 + C - 1, h, :]
+  pids, pid_last = [None] * nb, None
+  if has_seg:
+    pids, same = seg_masks(pid_ref, b, t0, S, nb)
+    lmat = {ij: m * same[ij] for ij, m in lmat.items()}
+    pmat = {ij: m * same[ij] for ij, m in pmat.items()}
+    pid_last = pid_ref[b, t0 + C - 1]
+  # Block forward substitution for A = (I + L)^-1.
+  amat = {}
+  for i in range(nb):
+    amat[i, i] = unit_lower_inverse(lmat[i, i], S, inverse, block, hi)
+    for j in range(i):
+      acc = None
+      for m in range(j, i):
+        term = dot(lmat[i, m], amat[m, j], hi)
+        acc = term if acc is None else acc + term
+      amat[i, j] = -dot(amat[i, i], acc, hi)
+  zero = jnp.zeros((S, S), jnp.float32)
+  for i in range(nb):
+    rows = pl.ds(t0 + i * S, S)
+    for j in range(nb):
+      cols = pl.ds(j * S, S)
+      a_out[b, h, rows, cols] = amat.get((i, j), zero).astype(a_out.dtype)
+      p_out[b, h, rows, cols] = (scale * pmat.get((i, j), zero)).astype(p_out.dtype)
+    wt_out[b, rows, h, :] = (w[i] * decay_to_last(g[i], g_last, pids[i], pid_last)).astype(
+        wt_out.dtype)
+  if wy:
+    wk_out = refs[n_in + 3]
+    kbar = [k[j] * jnp.exp(g[j]) for j in range(nb)]
+    if has_seg:
+      kbar = [kb * cont_ref[b, pl.ds(t0 + j * S, S)][:, None] for j, kb in enumerate(kbar)]
+    for i in range(nb):
+      wk = None
+      for j in range(i + 1):
+        term = dot(amat[i, j], kbar[j], prec)
+        wk = term if wk is None else wk + term
+      wk_out[b, pl.ds(t0 + i * S, S), h, :] = wk.astype(wk_out.dtype)
+
+
+def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec):
+  """Rows [i S, (i + 1) S) of L (f32, strict, zero above the diagonal) and of P (scaled), and
+  their Wt rows; i = program_id(3). Every [S, S] tile of the row block is computed and stored
+  (zeros right of the diagonal tile), so the outputs need no initialisation."""
+  n_in = 4 + (1 if has_seg else 0)
+  q_ref, k_ref, w_ref, g_ref = refs[:4]
+  pid_ref = refs[4] if has_seg else None
+  l_out, p_out, wt_out = refs[n_in:n_in + 3]
+  b, h, c, i = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+  C, S = chunk, sub
+  t0 = c * C
+  r0 = t0 + i * S
+  q, k, g = (tile(x, b, r0, S, h) for x in (q_ref, k_ref, g_ref))
+  # The diagonal tile: an S-step loop over its columns, exp(min(g_r - g_j, 0)) exactly.
+  lmat_ii, pmat_ii = _diag_products(q, k, g, w_ref, g_ref, b, h, r0, S, S)
+  g0, xs = ref_point(g_ref, b, h, r0, S, 0, g)
+  kx, qx = k * xs, q * xs
+  rows = pl.ds(r0, S)
+  pid_i = pid_ref[b, rows] if has_seg else None
+  for j in range(C // S):
+    cols = pl.ds(t0 + j * S, S)
+    # exp(g_r - g_c) = exp(g_r - g0) exp(g0 - g_c), both factors <= 1 for the same-segment
+    # pairs r >= g0's row > c that are kept (j < i); the dot is wasted (and zeroed) for j >= i.
+    y = tile(w_ref, b, t0 + j * S, S, h) * jnp.exp(
+        jnp.minimum(g0 - tile(g_ref, b, t0 + j * S, S, h), 0.0))
+    lmat = jnp.where(j < i, dot_nt(kx, y, prec), jnp.where(j == i, lmat_ii, 0.0))
+    pmat = jnp.where(j < i, dot_nt(qx, y, prec), jnp.where(j == i, pmat_ii, 0.0))
+    if has_seg:
+      same = (pid_i[:, None] == pid_ref[b, cols][None, :]).astype(jnp.float32)
+      lmat, pmat = lmat * same, pmat * same
+    l_out[b, h, rows, pl.ds(j * S, S)] = lmat
+    p_out[b, h, rows, pl.ds(j * S, S)] = (scale * pmat).astype(p_out.dtype)
+  g_last = g_ref[b, t0 + C - 1, h, :]
+  e_last = decay_to_last(g, g_last, pid_i, pid_ref[b, t0 + C - 1] if has_seg else None)
+  wt_out[b, rows, h, :] = (tile(w_ref, b, r0, S, h) * e_last).astype(wt_out.dtype)
+
+
+def sub_rows(cfg, chunk):
+  """Row-block size of the precomputed-U path's kernels: cfg.sub_block (16 when 0), at most C."""
+  return min(cfg.sub_block or 16, chunk)
+
+
+def pair_rows_forward(q, k, w, g, pid, *, chunk, scale, interpret, cfg, cfg_prec):
+  """The precomputed-U path's pair kernel: (L [B, H, T, C] fp32 (the inverse is formed from it
+  in fp32, wy.py), P [B, H, T, C] scaled, Wt [B, T, H, K]), P and Wt in the operand dtype."""
+  bsz, t, nh, kd = k.shape
+  has_seg = pid is not None
+  prec = kernel_precision(cfg, cfg_prec, interpret)
+  dt = operand_dtype(prec)
+  sub = sub_rows(cfg, chunk)
+  return pl.pallas_call(
+      functools.partial(_pair_rows_kernel, chunk=chunk, sub=sub, scale=scale, has_seg=has_seg,
+                        prec=prec),
+      out_shape=(jax.ShapeDtypeStruct((bsz, nh, t, chunk), jnp.float32),
+                 jax.ShapeDtypeStruct((bsz, nh, t, chunk), dt),
+                 jax.ShapeDtypeStruct((bsz, t, nh, kd), dt)),
+      grid=(bsz, nh, t // chunk, chunk // sub), name="delta_rule_pair_rows",
+      **launch_params(interpret, cfg.num_warps_pairs, cfg),
+  )(*([q, k, w, g] + ([pid] if has_seg else [])))
+
+
+def intra_forward(q, k, v, w, g, h0, pid, cont, *, chunk, scale, interpret, cfg, cfg_prec):
+  """The intra stage (parallel over chunks): (A = (I + L)^-1, P (scaled), Wt, W = A Kbar (None
+  without cfg.wy), U = A V' (None unless cfg.precompute_u))."""
+  bsz, t, nh, kd = k.shape
+  nc = t // chunk
+  has_seg = pid is not None
+  prec = kernel_precision(cfg, cfg_prec, interpret)
+  # A, P, Wt, W and U only ever enter dots; with bf16-operand dots they are rounded to bf16
+  # there, so storing them in bf16 is exact and halves their bytes.
+  dt = operand_dtype(prec)
+  lane = jax.ShapeDtypeStruct((bsz, t, nh, kd), dt)
+  cc = jax.ShapeDtypeStruct((bsz, nh, t, chunk), dt)
+  if cfg.precompute_u:
+    lmat, pmat, wt = pair_rows_forward(q, k, w, g, pid, chunk=chunk, scale=scale,
+                                       interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
+    amat, wk, u = _wy.wy_forward(lmat, k, v, g, h0, cont, chunk=chunk,
+                                 sub=sub_rows(cfg, chunk), interpret=interpret, cfg=cfg,
+                                 cfg_prec=cfg_prec)
+    return amat, pmat, wt, wk, u
+  intra_in = [q, k, w, g] + ([pid, cont] if has_seg else [])
+  out_shape = [cc, cc, lane] + ([lane] if cfg.wy else [])
+  hi = common.dot_precision("exact", interpret)
+  if use_sub(cfg, chunk):
+    body = functools.partial(_intra_fwd_sub_kernel, chunk=chunk, sub=cfg.sub_block,
+                             scale=scale, has_seg=has_seg, wy=cfg.wy, inverse=cfg.inverse,
+                             block=cfg.block, prec=prec, hi=hi)
+  else:
+    body = functools.partial(_intra_fwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
+                             blocked=cfg.blocked and chunk > cfg.block, block=cfg.block,
+                             k_split=k_split_of(cfg, kd), wy=cfg.wy, inverse=cfg.inverse,
+                             prec=prec, hi=hi)
+  outs = pl.pallas_call(
+      body,
+      out_shape=tuple(out_shape), grid=(bsz, nh, nc), name="delta_rule_intra_fwd",
+      **launch_params(interpret, cfg.num_warps_intra, cfg),
+  )(*intra_in)
+  return tuple(outs) + (() if cfg.wy else (None,)) + (None,)

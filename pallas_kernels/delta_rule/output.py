@@ -1,0 +1,67 @@
+"""Output stage (forward, parallel over chunks and V blocks):
+O = Qbar S_0 (S_init for rows whose segment starts inside the chunk) + P Delta,
+from the saved chunk-start states and the serial pass's Delta.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.delta_rule.tiles import (
+    dot, tile, kernel_precision, launch_params)
+
+
+def output_rows(qbar, cont, s, s_init, pmat, delta, has_seg, prec):
+  """O = Qbar S_0 (S_init for rows whose segment starts in the chunk) + P Delta."""
+  if has_seg:
+    o = dot(qbar * cont, s, prec) + dot(qbar * (1.0 - cont), s_init, prec)
+  else:
+    o = dot(qbar, s, prec)
+  return o + dot(pmat, delta, prec)
+
+
+def _output_kernel(*refs, chunk, scale, has_seg, block_v, prec, heads_last):
+  """Parallel over (chunk, V block): O from the saved chunk-start state and Delta. Grid
+  (B, H, NC, V/BV), or with heads_last (V/BV, NC, B H): the V blocks of one chunk, then the
+  chunks of one (batch, head), run next to each other and share its q, g and P tiles in L2."""
+  names = ["q", "g", "p", "delta", "states", "h0"] + (["cont"] if has_seg else [])
+  r = dict(zip(names, refs[:len(names)]))
+  o_ref = refs[len(names)]
+  if heads_last:
+    vb, c, bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    nh = r["q"].shape[2]
+    b, h = bh // nh, bh % nh
+  else:
+    b, h, c, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+  C = chunk
+  t0 = c * C
+  vs = pl.ds(vb * block_v, block_v)
+  qbar = (scale * tile(r["q"], b, t0, C, h)) * jnp.exp(tile(r["g"], b, t0, C, h))
+  cont = r["cont"][b, pl.ds(t0, C)][:, None] if has_seg else None
+  o = output_rows(qbar, cont, r["states"][b, h, c, :, vs].astype(jnp.float32),
+              r["h0"][b, h, :, vs].astype(jnp.float32),
+              r["p"][b, h, pl.ds(t0, C), :], r["delta"][b, pl.ds(t0, C), h, vs], has_seg, prec)
+  o_ref[b, pl.ds(t0, C), h, vs] = o.astype(o_ref.dtype)
+
+
+def output_forward(q, g, pmat, delta, states, h0, cont, *, chunk, scale, interpret, cfg, cfg_prec):
+  """O [B, T, H, V] in q's dtype from Delta [B, T, H, V] and the chunk-start states."""
+  bsz, t, nh, _ = q.shape
+  vd = delta.shape[-1]
+  has_seg = cont is not None
+  prec = kernel_precision(cfg, cfg_prec, interpret)
+  bv_par = min(cfg.block_v_parallel, vd)
+  out_in = [q, g, pmat, delta, states, h0] + ([cont] if has_seg else [])
+  heads_last = cfg.precompute_u   # the issue-18 layout, with the precomputed-U path
+  grid = ((vd // bv_par, t // chunk, bsz * nh) if heads_last
+          else (bsz, nh, t // chunk, vd // bv_par))
+  return pl.pallas_call(
+      functools.partial(_output_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
+                        block_v=bv_par, prec=prec, heads_last=heads_last),
+      out_shape=jax.ShapeDtypeStruct((bsz, t, nh, vd), q.dtype),
+      grid=grid, name="delta_rule_output",
+      **launch_params(interpret, cfg.num_warps_parallel, cfg),
+  )(*out_in)

@@ -1,0 +1,135 @@
+"""Helpers the delta-rule stage kernels share: dots at the kernels' precision, tile loads,
+segment masks, the decay to the chunk's last token, sub-block reference points, storage dtypes
+and launch parameters. No kernels here, and no imports of the stage modules."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import common
+
+
+_NT = (((1,), (1,)), ((), ()))   # x @ y^T
+_TN = (((0,), (0,)), ((), ()))   # x^T @ y
+
+
+BF16_OPERANDS = "bf16_operands"   # a `prec` value: round both operands to bf16, accumulate in fp32
+
+
+def dims(x, y, dims, prec):
+  if prec == BF16_OPERANDS:
+    x, y, prec = x.astype(jnp.bfloat16), y.astype(jnp.bfloat16), lax.Precision.DEFAULT
+  return lax.dot_general(x, y, dims, precision=prec, preferred_element_type=jnp.float32)
+
+
+def dot(x, y, prec):
+  return dims(x, y, (((1,), (0,)), ((), ())), prec)
+
+
+def dot_nt(x, y, prec):
+  return dims(x, y, _NT, prec)
+
+
+def dot_tn(x, y, prec):
+  return dims(x, y, _TN, prec)
+
+
+def iota(c, axis):
+  return lax.broadcasted_iota(jnp.int32, (c, c), axis)
+
+
+def tile(ref, b, t0, c, h, f32=True):
+  x = ref[b, pl.ds(t0, c), h, :]
+  return x.astype(jnp.float32) if f32 else x
+
+
+def same_seg(pid_ref, b, t0, c):
+  pid = pid_ref[b, pl.ds(t0, c)]
+  return (pid[:, None] == pid[None, :]).astype(jnp.float32), pid
+
+
+def decay_to_last(g, g_last, pid=None, pid_last=None):
+  """exp(g_last - g) per row (the decay from each token to the chunk's last one), zero for rows
+  outside the last token's segment (pid given)."""
+  e_last = jnp.exp(jnp.minimum(g_last[None, :] - g, 0.0))
+  if pid is not None:
+    e_last = jnp.where((pid == pid_last)[:, None], e_last, 0.0)
+  return e_last
+
+
+def block_rows(ref, b, h, t0, C, block, jj, cols=slice(None)):
+  """[C, K] f32 (K: the `cols` columns): row r holds ref's row (r // block) * block + jj, the
+  jj-th token of r's diagonal block (C // block single-row loads)."""
+  out = None
+  for ib in range(C // block):
+    x = ref[b, pl.ds(t0 + ib * block + jj, 1), h, cols].astype(jnp.float32)
+    if out is None:
+      out = jnp.broadcast_to(x, (C, x.shape[1]))
+    else:
+      out = jnp.where(lax.broadcasted_iota(jnp.int32, out.shape, 0) >= ib * block, x, out)
+  return out
+
+
+def offdiag_factors(g, w, g_ref, b, h, t0, C, block, js):
+  """Column block [js, js + block) against the later rows, around the reference point g_n of the
+  block's last token: exp(g_r - g_j) = exp(g_r - g_n) exp(g_n - g_j), both factors exp(<= 0).
+  Returns (xs [C, K] row factors, y_t [C, K] w * column factors, zero outside the block, ys)."""
+  row_k = lax.broadcasted_iota(jnp.int32, g.shape, 0)
+  g_n = g_ref[b, pl.ds(t0 + js + block - 1, 1), h, :]
+  xs = jnp.exp(jnp.minimum(g - g_n, 0.0))
+  ys = jnp.exp(jnp.minimum(g_n - g, 0.0))
+  y_t = jnp.where((row_k >= js) & (row_k < js + block), w * ys, 0.0)
+  return xs, y_t, ys
+
+
+def sub_blocks(ref, b, h, t0, S, nb):
+  return [tile(ref, b, t0 + i * S, S, h) for i in range(nb)]
+
+
+def ref_point(g_ref, b, h, t0, S, i, g_i):
+  """(g0 [1, K], row factors exp(min(g_i - g0, 0))) of block i."""
+  g0 = g_ref[b, pl.ds(t0 + i * S, 1), h, :].astype(jnp.float32)
+  return g0, jnp.exp(jnp.minimum(g_i - g0, 0.0))
+
+
+def seg_masks(pid_ref, b, t0, S, nb):
+  pids = [pid_ref[b, pl.ds(t0 + i * S, S)] for i in range(nb)]
+  same = {(i, j): (pids[i][:, None] == pids[j][None, :]).astype(jnp.float32)
+          for i in range(nb) for j in range(i + 1)}
+  return pids, same
+
+
+def kernel_precision(cfg, cfg_prec, interpret):
+  """The kernels' dot precision: 'fast' means bf16 operands (cfg.fast_dots='bf16') or TF32."""
+  if cfg_prec == "fast" and cfg.fast_dots == "bf16":
+    return BF16_OPERANDS
+  return common.dot_precision(cfg_prec, interpret)
+
+
+def operand_dtype(prec):
+  """Storage dtype of arrays that are only dot operands: bf16 when the dots round to bf16."""
+  return jnp.bfloat16 if prec == BF16_OPERANDS else jnp.float32
+
+
+def state_dtype(cfg, prec):
+  """Storage of the saved chunk-start states and state gradients: bf16 with cfg.bf16_states under
+  bf16-operand dots (their dots round to bf16 anyway; the elementwise uses see the rounding: the
+  g_last decay gradient and, with segments, seg_init_grad's chunk-end term), else fp32."""
+  return jnp.bfloat16 if cfg.bf16_states and prec == BF16_OPERANDS else jnp.float32
+
+
+def use_sub(cfg, chunk):
+  """The intra kernels work on cfg.sub_block-row blocks for longer chunks (intra.py's and
+  backward.py's _intra_*_sub_kernel)."""
+  return bool(cfg.sub_block) and chunk > cfg.sub_block
+
+
+def k_split_of(cfg, kd):
+  """Sequential K slices of the intra column loops, capped so a slice is >= 16 columns."""
+  return max(1, min(cfg.k_split, kd // 16))
+
+
+def launch_params(interpret, num_warps, cfg):
+  return dict(interpret=interpret,
+              compiler_params=common.compiler_params(num_warps, cfg.num_stages))

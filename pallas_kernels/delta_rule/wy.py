@@ -1,0 +1,73 @@
+"""The WY stage of the precomputed-U forward (DeltaRuleConfig.precompute_u): per (batch, head,
+chunk), from L (intra._pair_rows_kernel, fp32)
+
+    A = (I + L)^-1,   W = A Kbar_c,   U = A V'   (Kbar_c = Kbar on the rows that continue the
+                                                 chunk-start state; V' = V - Kbar_new S_init)
+
+so that the serial pass carries Delta = U - W S_0 alone: two dots on its chain (W S_0, then
+S <- exp(g_last) S_0 + Wt^T Delta) and no A V product inside the loop.
+
+A is formed in fp32 (DeltaRuleConfig.wy_inverse, inverse.py): 'sub_rows' = forward substitution
+on the S x S diagonal blocks (all of them at once, one row of every block per step, elementwise:
+no rounded dot touches it), then their merge into the C x C inverse, A = sum_n (-M)^n D^-1 with
+D^-1 the block-diagonal inverse and M = D^-1 (L - blockdiag(L)), nilpotent of index C / S (the
+closed form of block forward substitution, C / S fp32-accurate dots); 'sub_dots' = the same with
+the diagonal blocks' substitution as fp32-accurate dots; 'doubling' = the product form.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import common
+from pallas_kernels.delta_rule.inverse import unit_lower_inverse
+from pallas_kernels.delta_rule.tiles import (
+    dot, tile, kernel_precision, operand_dtype, launch_params)
+
+
+def _wy_kernel(*refs, chunk, sub, has_seg, block_v, inverse, prec, hi):
+  names = ["l", "k", "g", "v", "h0"] + (["cont"] if has_seg else [])
+  r = dict(zip(names, refs[:len(names)]))
+  a_out, wk_out, u_out = refs[len(names):]
+  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  C = chunk
+  t0 = c * C
+  rows = pl.ds(t0, C)
+  amat = unit_lower_inverse(r["l"][b, h, rows, :], C, inverse, sub, hi)
+  a_out[b, h, rows, :] = amat.astype(a_out.dtype)
+  kbar = tile(r["k"], b, t0, C, h) * jnp.exp(tile(r["g"], b, t0, C, h))
+  cont = r["cont"][b, rows][:, None] if has_seg else None
+  wk_out[b, rows, h, :] = dot(amat, kbar * cont if has_seg else kbar, prec).astype(wk_out.dtype)
+  # U in V blocks: only a [C, block_v] value tile (and S_init's [K, block_v]) live at a time.
+  for vb in range(r["v"].shape[-1] // block_v):
+    vs = pl.ds(vb * block_v, block_v)
+    v = r["v"][b, rows, h, vs].astype(jnp.float32)
+    if has_seg:   # rows after a reset inside the chunk start from S_init, known up front
+      v = v - dot(kbar * (1.0 - cont), r["h0"][b, h, :, vs], prec)
+    u_out[b, rows, h, vs] = dot(amat, v, prec).astype(u_out.dtype)
+
+
+def wy_forward(lmat, k, v, g, h0, cont, *, chunk, sub, interpret, cfg, cfg_prec):
+  """(A [B, H, T, C], W [B, T, H, K], U [B, T, H, V]), all in the dots' operand dtype. A and W
+  only ever enter dots, which round them so anyway; U is the first term of Delta = U - W S_0, so
+  storing it in bf16 (the design of issue 18, and fla's) is one more bf16 rounding of Delta, for
+  bf16 data only (tests: within the bf16 bounds)."""
+  bsz, t, nh, kd = k.shape
+  vd = v.shape[-1]
+  has_seg = cont is not None
+  prec = kernel_precision(cfg, cfg_prec, interpret)
+  dt = operand_dtype(prec)
+  hi = common.dot_precision("exact", interpret)
+  out_shape = (jax.ShapeDtypeStruct((bsz, nh, t, chunk), dt),
+               jax.ShapeDtypeStruct((bsz, t, nh, kd), dt),
+               jax.ShapeDtypeStruct((bsz, t, nh, vd), dt))
+  return pl.pallas_call(
+      functools.partial(_wy_kernel, chunk=chunk, sub=sub, has_seg=has_seg,
+                        block_v=min(cfg.block_v_parallel, vd), inverse=cfg.wy_inverse,
+                        prec=prec, hi=hi),
+      out_shape=out_shape, grid=(bsz, nh, t // chunk), name="delta_rule_wy",
+      **launch_params(interpret, cfg.num_warps_intra, cfg),
+  )(*([lmat, k, g, v, h0] + ([cont] if has_seg else [])))
