@@ -1,5 +1,6 @@
 """The KDN layer's fused pieces against the plain-JAX composition they replace (CPU, interpret
-mode): the gate front-end inside the gain kernels (KDNMixer.fuse_front). Outputs, final states
+mode): the gate front-end inside the gain kernels (KDNMixer.fuse_front) and the q/k/v short convs
+as Pallas kernels (fuse_conv). Outputs, final states (conv caches included)
 and the gradients of every parameter and of the input, with packed segments, a non-trivial
 initial state and T not a multiple of any block."""
 import importlib
@@ -40,7 +41,9 @@ def _outputs_and_grads(layer, x, state, seg, ct):
 
     def loss(params, x):
         y, fs = nnx.merge(graphdef, params, rest)(x, initial_state=state, segment_ids=seg)
-        return jnp.sum(y.astype(jnp.float32) * ct) + jnp.sum(fs['memory']) + jnp.sum(fs['variance']), (y, fs)
+        conv = sum(jnp.sum(c * c) for c in jax.tree.leaves(fs['conv']))
+        return (jnp.sum(y.astype(jnp.float32) * ct) + jnp.sum(fs['memory']) + jnp.sum(fs['variance']) + conv,
+                (y, fs))
 
     (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
     return out, grads
@@ -62,7 +65,7 @@ def chunked_memory(monkeypatch):
 
 
 @pytest.mark.parametrize('name', ['kdn_diag', 'kdn_iso'])
-def test_fused_front_layer_matches_composition(name, chunked_memory):
+def test_fused_layer_matches_composition(name, chunked_memory):
     B, T = 2, 19   # 19: past one 16-token chunk, not a multiple of it
     layer = _layer(name, info_scale='learned')
     rng = np.random.default_rng(0)
@@ -74,8 +77,8 @@ def test_fused_front_layer_matches_composition(name, chunked_memory):
     seg = jnp.asarray(np.repeat([[0] * 7 + [1] * 5 + [2] * 7], B, 0), jnp.int32)
     state = _state(layer, B)
     got = _outputs_and_grads(layer, x, state, seg, ct)
-    assert layer._fused_front(layer._gates(x))  # pylint: disable=protected-access
-    layer.fuse_front = False
+    assert layer._fused_front(layer._gates(x)) and layer._fused_conv()  # pylint: disable=protected-access
+    layer.fuse_front = layer.fuse_conv = False
     want = _outputs_and_grads(layer, x, state, seg, ct)
     flat_got, flat_want = jax.tree.leaves_with_path(got), jax.tree.leaves(want)
     errs = {jax.tree_util.keystr(p): _rel(g, w) for (p, g), w in zip(flat_got, flat_want)}
