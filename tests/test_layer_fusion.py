@@ -1,6 +1,6 @@
 """The KDN layer's fused pieces against the plain-JAX composition they replace (CPU, interpret
 mode): the gate front-end inside the gain kernels (KDNMixer.fuse_front) and the q/k/v short convs
-as Pallas kernels (fuse_conv). Outputs, final states (conv caches included)
+as Pallas kernels (fuse_conv), the gated output norm as one (fuse_norm). Outputs, final states (conv caches included)
 and the gradients of every parameter and of the input, with packed segments, a non-trivial
 initial state and T not a multiple of any block."""
 import importlib
@@ -77,8 +77,8 @@ def test_fused_layer_matches_composition(name, chunked_memory):
     seg = jnp.asarray(np.repeat([[0] * 7 + [1] * 5 + [2] * 7], B, 0), jnp.int32)
     state = _state(layer, B)
     got = _outputs_and_grads(layer, x, state, seg, ct)
-    assert layer._fused_front(layer._gates(x)) and layer._fused_conv()  # pylint: disable=protected-access
-    layer.fuse_front = layer.fuse_conv = False
+    assert layer._fused_front(layer._gates(x)) and layer._fused_conv() and layer._fused_norm()  # pylint: disable=protected-access
+    layer.fuse_front = layer.fuse_conv = layer.fuse_norm = False
     want = _outputs_and_grads(layer, x, state, seg, ct)
     flat_got, flat_want = jax.tree.leaves_with_path(got), jax.tree.leaves(want)
     errs = {jax.tree_util.keystr(p): _rel(g, w) for (p, g), w in zip(flat_got, flat_want)}

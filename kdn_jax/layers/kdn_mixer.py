@@ -11,7 +11,8 @@ exp activations above) runs inside the gain kernels (pallas_kernels.kdn_gain.*_g
 layer hands them the projections, and they emit the delta rule's log_alpha. The plain-JAX
 front-end (`gate_values`) stays the reference and serves the other impls, decoding and the
 beta_eff probe; `fuse_front = False` on an instance turns the fused path off. Likewise the q/k/v
-short convs run as a Pallas kernel on that path (`fuse_conv`, RecurrentMixer).
+short convs and the gated output norm run as Pallas kernels on that path (`fuse_conv`, `fuse_norm`;
+RecurrentMixer).
 
 Options (config keys):
   info_scale: "1" | "sqrt_k" | "k" | "4k" | "learned" | float   (learned: exp(log_mu) per head, init K)
@@ -63,6 +64,7 @@ class KDNMixer(RecurrentMixer):
     diagonal = True
     fuse_front = True  # the gate front-end inside the gain kernels when the impl is pallas
     fuse_conv = True   # q/k/v short convs as Pallas kernels when the impl is pallas
+    fuse_norm = True   # the gated output RMSNorm as a Pallas kernel, likewise
 
     def _init_gates(self, cfg, rngs):
         d, H, K = self.d_model, self.num_heads, self.key_dim

@@ -47,6 +47,7 @@ class RecurrentMixer(nnx.Module):
     # q/k/v short convs with the Pallas kernel (pallas_kernels.causal_conv1d) when the impl resolves
     # to pallas; on for the KDN mixers (issue 24), off here so far
     fuse_conv = False
+    fuse_norm = False  # likewise the sigmoid-gated output RMSNorm (pallas_kernels.gated_norm)
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         d, H, K = int(cfg.d_model), int(cfg.num_heads), int(cfg.head_dim)
@@ -104,10 +105,13 @@ class RecurrentMixer(nnx.Module):
         return self(x, initial_state=cache)
 
     def _out(self, o, x):
-        return self.o_proj(self.o_norm(o, self.g_proj(x)))
+        return self.o_proj(self.o_norm(o, self.g_proj(x), fused=self._fused_norm()))
 
     def _fused_conv(self) -> bool:
         return self.fuse_conv and dispatch.resolve_impl('recurrent_mixer', self.impl) == 'pallas'
+
+    def _fused_norm(self) -> bool:
+        return self.fuse_norm and dispatch.resolve_impl('recurrent_mixer', self.impl) == 'pallas'
 
     def project(self, x, conv, segment_ids=None):
         """x [B, T, d] -> (q, k, v after short conv, q/k L2-normalised; the new conv caches)."""
