@@ -93,7 +93,7 @@ def _forward_kernel(*refs, width, block_t, activation, has_pos):
     y_ref[b, pl.ds(t, 1), h, :] = y.astype(y_ref.dtype)
     return carry
 
-  lax.fori_loop(0, block_t, body, 0)
+  lax.fori_loop(0, block_t, body, jnp.int32(0))
 
 
 def _backward_kernel(*refs, width, block_t, activation, has_pos):
@@ -104,7 +104,7 @@ def _backward_kernel(*refs, width, block_t, activation, has_pos):
   t_pad = x_ref.shape[1]
   rows = _Rows(x_ref, w_ref, cache_ref, pos_ref, b, h, t_pad, width, x_ref.dtype)
   n_acc = acc_ref.shape[3]
-  row_id = lax.broadcasted_iota(jnp.int32, (n_acc, 1), 0)
+  row_id = jnp.arange(n_acc, dtype=jnp.int32)[:, None]   # 1-D iota: what every backend lowers
 
   def dpre(s, pos):
     """dL/dpre at row s (0 past the padded end: those rows do not exist)."""
