@@ -64,7 +64,10 @@ def chunked_memory(monkeypatch):
     monkeypatch.setattr(kdn_mod, 'run_memory', run_memory)
 
 
-@pytest.mark.parametrize('name', ['kdn_diag', 'kdn_iso'])
+# kdn_diag only (suite time): iso's gain with the front-end is held to the composition in
+# test_pallas_gain_fused.py, and its layer (write = beta k) fused against unfused on the GPU by
+# experiments/check_fusion.py.
+@pytest.mark.parametrize('name', ['kdn_diag'])
 def test_fused_layer_matches_composition(name, chunked_memory):
     B, T = 2, 19   # 19: past one 16-token chunk, not a multiple of it
     layer = _layer(name, info_scale='learned')
