@@ -54,6 +54,9 @@ flags.DEFINE_string("out", "/tmp/benchmark_layers", "output prefix: <out>.json, 
 flags.DEFINE_list("seq_lens", ["4096", "16384"], "sequence lengths T")
 flags.DEFINE_list("rows", list(JAX_MIXERS) + [FLA_ROW], "kdn_jax mixer names and/or fla_kda_layer")
 flags.DEFINE_list("impls", ["chunked"], "memory-update impls of the kdn_jax rows (chunked, pallas)")
+flags.DEFINE_list("fusion", ["on"], "pallas rows with the layer's fused glue kernels 'on' (the default "
+                  "path), and/or 'off' (rows <mixer>_pallas_unfused: the plain-JAX glue), or single "
+                  "pieces 'front', 'conv', 'norm' (rows <mixer>_pallas_<piece>: only that one on)")
 flags.DEFINE_integer("batch", 4, "batch size")
 flags.DEFINE_integer("width", 2048, "d_model / hidden_size")
 flags.DEFINE_integer("num_heads", 16, "heads")
@@ -64,12 +67,25 @@ flags.DEFINE_integer("warmup", 3, "untimed runs after the compiling call")
 flags.DEFINE_float("time_budget_s", 420.0, "start no new cell after this many seconds")
 
 
-def _jax_times(mixer, impl, t, s):
+FUSED_PIECES = ("front", "conv", "norm")   # RecurrentMixer / KDNMixer fuse_<piece> switches
+
+
+def set_fusion(layer, fusion):
+  """'on': the layer's defaults; 'off': every fused glue kernel off; a piece name: that one only."""
+  if fusion == "on":
+    return
+  for piece in FUSED_PIECES:
+    if hasattr(layer, "fuse_" + piece):
+      setattr(layer, "fuse_" + piece, fusion == piece)
+
+
+def _jax_times(mixer, impl, t, s, fusion="on"):
   """(fwd ms, fwd+bwd ms) of one kdn_jax layer, params passed to a pure jitted function."""
   cfg = model_config("tiny", d_model=s["width"], num_heads=s["num_heads"],
                      head_dim=s["head_dim"], mixer=mixer, impl=impl, chunk_size=s["chunk_size"],
                      dtype="bfloat16", param_dtype="float32", mlp_hidden=1)
   layer = MIXERS[mixer](cfg, rngs=nnx.Rngs(0))
+  set_fusion(layer, fusion)
   graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
   kx, kc = jax.random.split(jax.random.PRNGKey(1))
   shape = (s["batch"], t, s["width"])
@@ -215,8 +231,11 @@ def _write(results, out):
 
 def run(out, seq_lens=(4096, 16384), rows=JAX_MIXERS + (FLA_ROW,), impls=("chunked",), batch=4,
         width=2048, num_heads=16, head_dim=128, chunk_size=64, reps=30, warmup=3,
-        time_budget_s=420.0):
+        time_budget_s=420.0, fusion=("on",)):
   """Times every (row, T) cell until the budget runs out; writes and returns the results dict."""
+  bad = [f for f in fusion if f not in ("on", "off") + FUSED_PIECES]
+  if bad:
+    raise ValueError(f"--fusion: unknown {bad}; expected on, off or one of {FUSED_PIECES}")
   unknown = [r for r in rows if r != FLA_ROW and r not in MIXERS]
   if unknown:
     raise ValueError(f"--rows: unknown {unknown}; expected {FLA_ROW} or one of {sorted(MIXERS)}")
@@ -234,11 +253,13 @@ def run(out, seq_lens=(4096, 16384), rows=JAX_MIXERS + (FLA_ROW,), impls=("chunk
   lens = [int(z) for z in seq_lens]
   cells = []
   for t in lens:
-    cells += [(m, impl, t) for impl in impls for m in rows if m != FLA_ROW]
-    cells += [(FLA_ROW, None, t)] if FLA_ROW in rows else []
+    cells += [(m, impl, t, f) for impl in impls for f in (fusion if impl == "pallas" else ("on",))
+              for m in rows if m != FLA_ROW]
+    cells += [(FLA_ROW, None, t, "on")] if FLA_ROW in rows else []
   start = time.time()
-  for mixer, impl, t in cells:
+  for mixer, impl, t, fused in cells:
     row = mixer if impl is None else f"{mixer}_{impl}"
+    row += {"on": "", "off": "_unfused"}.get(fused, "_" + fused)
     rec = {"row": row, "T": t}
     if mixer == FLA_ROW and fla is None:
       rec["skipped"] = reason
@@ -248,7 +269,8 @@ def run(out, seq_lens=(4096, 16384), rows=JAX_MIXERS + (FLA_ROW,), impls=("chunk
     else:
       print(f"[{time.time() - start:7.1f}s] {row} T={t}: started", flush=True)
       try:
-        ms = _fla_times(t, settings, fla) if impl is None else _jax_times(mixer, impl, t, settings)
+        ms = (_fla_times(t, settings, fla) if impl is None
+              else _jax_times(mixer, impl, t, settings, fused))
         rec["fwd_ms"], rec["fwd_bwd_ms"] = ms
       except Exception as e:  # pylint: disable=broad-except
         rec["error"] = f"{type(e).__name__}: {e}"[:300]
@@ -270,7 +292,7 @@ def main(argv):
   run(FLAGS.out, seq_lens=[int(t) for t in FLAGS.seq_lens], rows=tuple(FLAGS.rows),
       impls=tuple(FLAGS.impls), batch=FLAGS.batch, width=FLAGS.width, num_heads=FLAGS.num_heads,
       head_dim=FLAGS.head_dim, chunk_size=FLAGS.chunk_size, reps=FLAGS.reps, warmup=FLAGS.warmup,
-      time_budget_s=FLAGS.time_budget_s)
+      time_budget_s=FLAGS.time_budget_s, fusion=tuple(FLAGS.fusion))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ Public API (all arrays in [B, T, H, *] layout):
   delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None, *, chunk_size=64,
              precision=None, interpret=None)
   precision_for(dtype) -> 'fast' | 'exact' (the dot precision delta_rule picks for that dtype)
+Layer glue (import from their folders): kdn_gain.diag_gain_fused / iso_gain_fused (the gain with
+the gate front-end), causal_conv1d.causal_conv1d, gated_norm.gated_rms_norm.
 """
 from pallas_kernels.common import precision_for
 from pallas_kernels.kdn_gain import diag_gain, iso_gain

@@ -53,7 +53,12 @@ class Decay(nnx.Module):
     def log_alpha_and_dt(self, x):
         """x [..., d] -> (log_alpha, dt), both float32 of the same shape, log_alpha = -exp(A_log) * dt,
         dt = softplus(f(x) + dt_bias) (the Mamba-2 step size, also used to scale the input)."""
-        f = self.f(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
+        return self.activate(self.f(x))
+
+    def activate(self, f):
+        """f = self.f(x) (the projection before its activation) -> (log_alpha, dt), float32.
+        The reference of the fused front-end in pallas_kernels.kdn_gain (*_gain_fused)."""
+        f = f.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
         A = jnp.exp(self.A_log[...].astype(jnp.float32))
         if self.per_channel:
             A = A[:, None]

@@ -6,6 +6,14 @@ process noise omega = softplus(.) (diag: low rank d -> rank -> H*K, second layer
 iso: d -> H); observation noise r = r_min + softplus(d -> H).
 Learned positive initial variance per head c0 = floor + softplus(raw) (init 1.0, floor 0.1).
 
+With impl 'pallas' (also 'auto' on a GPU) and learned noise, the gate front-end (the softplus /
+exp activations above) runs inside the gain kernels (pallas_kernels.kdn_gain.*_gain_fused): the
+layer hands them the projections, and they emit the delta rule's log_alpha. The plain-JAX
+front-end (`gate_values`) stays the reference and serves the other impls, decoding and the
+beta_eff probe; `fuse_front = False` on an instance turns the fused path off. Likewise the q/k/v
+short convs and the gated output norm run as Pallas kernels on that path (`fuse_conv`, `fuse_norm`;
+RecurrentMixer).
+
 Options (config keys):
   info_scale: "1" | "sqrt_k" | "k" | "4k" | "learned" | float   (learned: exp(log_mu) per head, init K)
   noise:      "learned" | "fixed_r" (r = 1) | "fixed" (r = 1 and omega = 1)
@@ -19,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kdn_jax import ops
+from kdn_jax.ops import dispatch
 from kdn_jax.layers.decay import Decay
 from kdn_jax.layers.dense import Dense, LowRank, constant_init, inv_softplus, make_param, zeros_init
 from kdn_jax.layers.recurrent import RecurrentMixer
@@ -53,6 +62,9 @@ def resolve_info_scale(info_scale, K: int):
 class KDNMixer(RecurrentMixer):
     has_variance = True
     diagonal = True
+    fuse_front = True  # the gate front-end inside the gain kernels when the impl is pallas
+    fuse_conv = True   # q/k/v short convs as Pallas kernels when the impl is pallas
+    fuse_norm = True   # the gated output RMSNorm as a Pallas kernel, likewise
 
     def _init_gates(self, cfg, rngs):
         d, H, K = self.d_model, self.num_heads, self.key_dim
@@ -94,24 +106,45 @@ class KDNMixer(RecurrentMixer):
             return self.info_scale_fixed
         return jnp.exp(self.log_info_scale[...].astype(jnp.float32))
 
-    def noise_params(self, x):
-        """x [..., d] -> (omega [..., H, K] (diag) / [..., H] (iso), r [..., H]), float32."""
+    def gate_projections(self, x):
+        """x [..., d] -> the gate projections before their activations, in the compute dtype:
+        f (decay), omega_raw, r_raw (None where the noise mode fixes them)."""
+        return {'f': self.decay.f(x),
+                'omega_raw': None if self.omega_proj is None else self.omega_proj(x),
+                'r_raw': None if self.r_proj is None else self.r_proj(x)}
+
+    def gate_values(self, raw, lead):
+        """The plain-JAX gate front-end: projections -> (log_alpha, omega, r), float32; `lead` is
+        the token dims ([B, T] or [B]) for the fixed noise modes' constants."""
         H, K = self.num_heads, self.key_dim
-        lead = x.shape[:-1]
         om_shape = lead + ((H, K) if self.diagonal else (H,))
-        if self.omega_proj is None:
+        if raw['omega_raw'] is None:
             omega = jnp.ones(om_shape, jnp.float32)
         else:
-            omega = jax.nn.softplus(self.omega_proj(x).astype(jnp.float32))
-        if self.r_proj is None:
+            omega = jax.nn.softplus(raw['omega_raw'].astype(jnp.float32))
+        if raw['r_raw'] is None:
             r = jnp.ones(lead + (H,), jnp.float32)
         else:
-            r = self.r_min + jax.nn.softplus(self.r_proj(x).astype(jnp.float32))
-        return omega, r
+            r = self.r_min + jax.nn.softplus(raw['r_raw'].astype(jnp.float32))
+        return {'log_alpha': self.decay.activate(raw['f'])[0], 'omega': omega, 'r': r}
+
+    def noise_params(self, x):
+        """x [..., d] -> (omega [..., H, K] (diag) / [..., H] (iso), r [..., H]), float32."""
+        g = self.gate_values(self.gate_projections(x), x.shape[:-1])
+        return g['omega'], g['r']
 
     def _gates(self, x):
-        omega, r = self.noise_params(x)
-        return {'log_alpha': self.decay(x), 'omega': omega, 'r': r}
+        raw = self.gate_projections(x)
+        # The activated gates are dead code (removed under jit) when the fused path takes 'raw'.
+        return dict(self.gate_values(raw, x.shape[:-1]), raw=raw)
+
+    def _fused_front(self, gates):
+        """Whether _core runs the gate front-end inside the gain kernels: the pallas impl, learned
+        noise (both projections present) and no float64 (the kernels compute in fp32)."""
+        raw = gates['raw']
+        return (self.fuse_front and self.noise == 'learned'
+                and dispatch.resolve_impl('kdn_mixer', self.impl) == 'pallas'
+                and all(jnp.dtype(v.dtype).itemsize <= 4 for v in raw.values()))
 
     def _init_core(self, batch):
         H, K = self.num_heads, self.key_dim
@@ -120,11 +153,28 @@ class KDNMixer(RecurrentMixer):
         return {'memory': jnp.zeros((batch, H, K, self.value_dim), jnp.float32), 'variance': var}
 
     def _core(self, q, k, v, gates, state, segment_ids):
+        if self._fused_front(gates):
+            return self._core_fused(q, k, v, gates['raw'], state, segment_ids)
         fn = ops.diag_kdn if self.diagonal else ops.iso_kdn
         o, fs = fn(q, k, v, gates['log_alpha'], gates['omega'], gates['r'], info_scale=self.info_scale(),
                    initial_state=ops.KDNState(state['memory'], state['variance']), output_final_state=True,
                    segment_ids=segment_ids, impl=self.impl, chunk_size=self.chunk_size)
         return o, {'memory': fs.memory, 'variance': fs.variance}
+
+    def _core_fused(self, q, k, v, raw, state, segment_ids):
+        """The pallas path with the fused front-end: gain kernels on the projections (they emit
+        log_alpha), then the delta rule with write kappa (iso: beta k), erase k."""
+        from pallas_kernels import kdn_gain  # pylint: disable=g-import-not-at-top
+        fn = kdn_gain.diag_gain_fused if self.diagonal else kdn_gain.iso_gain_fused
+        decay = self.decay
+        gain, log_alpha, variance = fn(k, raw['f'], decay.dt_bias[...], decay.A_log[...], raw['omega_raw'],
+                                       raw['r_raw'], self.r_min, self.info_scale(), state['variance'],
+                                       segment_ids)
+        write = gain if self.diagonal else gain[..., None] * k.astype(jnp.float32)
+        o, memory = ops.delta_rule(q, k, v, log_alpha, write, initial_state=state['memory'],
+                                   output_final_state=True, segment_ids=segment_ids, impl='pallas',
+                                   chunk_size=self.chunk_size)
+        return o, {'memory': memory, 'variance': variance}
 
     def write_strength(self, x, *, initial_state=None, segment_ids=None):
         """Effective same-key write strength beta_eff = z / (r + z), z = k^T P_hat k (MATH.md section 2; iso:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kdn_jax.layers.dense import Dense, LowRank
+from kdn_jax.ops import dispatch
 from kdn_jax.layers.gated_norm import GatedRMSNorm
 from kdn_jax.layers.short_conv import ShortConv
 
@@ -43,6 +44,10 @@ class RecurrentMixer(nnx.Module):
     """Base class. Subclasses implement _init_gates, _gates, _core, _core_step, _init_core."""
 
     has_variance = False
+    # q/k/v short convs with the Pallas kernel (pallas_kernels.causal_conv1d) when the impl resolves
+    # to pallas; on for the KDN mixers (issue 24), off here so far
+    fuse_conv = False
+    fuse_norm = False  # likewise the sigmoid-gated output RMSNorm (pallas_kernels.gated_norm)
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         d, H, K = int(cfg.d_model), int(cfg.num_heads), int(cfg.head_dim)
@@ -100,13 +105,20 @@ class RecurrentMixer(nnx.Module):
         return self(x, initial_state=cache)
 
     def _out(self, o, x):
-        return self.o_proj(self.o_norm(o, self.g_proj(x)))
+        return self.o_proj(self.o_norm(o, self.g_proj(x), fused=self._fused_norm()))
+
+    def _fused_conv(self) -> bool:
+        return self.fuse_conv and dispatch.resolve_impl('recurrent_mixer', self.impl) == 'pallas'
+
+    def _fused_norm(self) -> bool:
+        return self.fuse_norm and dispatch.resolve_impl('recurrent_mixer', self.impl) == 'pallas'
 
     def project(self, x, conv, segment_ids=None):
         """x [B, T, d] -> (q, k, v after short conv, q/k L2-normalised; the new conv caches)."""
-        q, cq = self.q_conv(self.q_proj(x), conv['q'], segment_ids)
-        k, ck = self.k_conv(self.k_proj(x), conv['k'], segment_ids)
-        v, cv = self.v_conv(self.v_proj(x), conv['v'], segment_ids)
+        fused = self._fused_conv()
+        q, cq = self.q_conv(self.q_proj(x), conv['q'], segment_ids, fused=fused)
+        k, ck = self.k_conv(self.k_proj(x), conv['k'], segment_ids, fused=fused)
+        v, cv = self.v_conv(self.v_proj(x), conv['v'], segment_ids, fused=fused)
         q = l2_normalize(q).astype(self.dtype)
         k = l2_normalize(k).astype(self.dtype)
         return q, k, v, (cq, ck, cv)

@@ -3,6 +3,10 @@
 The cache holds the last W-1 *inputs* (oldest first): shape [B, W-1, *channels].
 With ``segment_ids`` every packed segment starts from the given cache, exactly as if the
 segments were run as separate sequences.
+
+``fused=True`` computes the convolution + SiLU with the Pallas kernel
+(pallas_kernels.causal_conv1d, for which the plain-JAX sums below are the reference); the new
+cache is formed here either way.
 """
 from __future__ import annotations
 
@@ -40,35 +44,54 @@ class ShortConv(nnx.Module):
     def _act(self, y):
         return jax.nn.silu(y) if self.activation else y
 
-    def __call__(self, x, cache=None, segment_ids=None):
+    def fusable(self) -> bool:
+        """Whether the Pallas kernel covers this conv: channels (H, K) and width >= 2."""
+        return len(self.channels) == 2 and self.width >= 2
+
+    def __call__(self, x, cache=None, segment_ids=None, *, fused=False):
         """x [B, T, *C] -> (y [B, T, *C], new_cache [B, W-1, *C])."""
         B, T = x.shape[:2]
-        W = self.width
         if cache is None:
             cache = self.init_cache(B)
         x = x.astype(self.dtype)
         xp = jnp.concatenate([cache.astype(self.dtype), x], axis=1)  # [B, W-1+T, C]
+        pos = None if segment_ids is None else positions_in_segment(segment_ids)
+        if fused and self.fusable():
+            from pallas_kernels.causal_conv1d import causal_conv1d  # pylint: disable=g-import-not-at-top
+            y = causal_conv1d(x, self.weight[...], cache, segment_ids, activation=self.activation)
+        else:
+            y = self._act(self._conv(xp, T, pos)).astype(self.dtype)
+        return y, self._new_cache(xp, T, pos)
+
+    def _conv(self, xp, T, pos):
+        """The causal sums in fp32 (before the activation): the kernel's reference."""
+        B, W = xp.shape[0], self.width
         w = self.weight[...].astype(jnp.float32)
         extra = (1,) * len(self.channels)
-        y = jnp.zeros(x.shape, jnp.float32)
+        y = jnp.zeros((B, T) + self.channels, jnp.float32)
         t = jnp.arange(T, dtype=jnp.int32)[None, :]
-        if segment_ids is None:
-            for j in range(W):  # tap j looks j steps back
+        for j in range(W):  # tap j looks j steps back
+            if pos is None:
                 y = y + xp[:, W - 1 - j: W - 1 - j + T].astype(jnp.float32) * w[W - 1 - j]
-            new_cache = xp[:, T:]
-        else:
-            pos = positions_in_segment(segment_ids)
-            for j in range(W):
+            else:
                 idx = (W - 1) + jnp.where(pos >= j, t - j, pos - j)  # before the segment start -> cache
                 idx = jnp.broadcast_to(idx, (B, T)).reshape((B, T) + extra)
                 y = y + jnp.take_along_axis(xp, idx, axis=1).astype(jnp.float32) * w[W - 1 - j]
-            pos_last = pos[:, -1:]
-            cols = []
-            for j in range(W - 2, -1, -1):  # oldest first
-                idx = (W - 1) + jnp.where(pos_last >= j, T - 1 - j, pos_last - j)
-                cols.append(jnp.take_along_axis(xp, idx.reshape((B, 1) + extra), axis=1))
-            new_cache = jnp.concatenate(cols, axis=1) if cols else xp[:, :0]
-        return self._act(y).astype(self.dtype), new_cache.astype(jnp.float32)
+        return y
+
+    def _new_cache(self, xp, T, pos):
+        """The last W-1 inputs of every sequence's last segment (oldest first), float32."""
+        B, W = xp.shape[0], self.width
+        if pos is None:
+            return xp[:, T:].astype(jnp.float32)
+        extra = (1,) * len(self.channels)
+        pos_last = pos[:, -1:]
+        cols = []
+        for j in range(W - 2, -1, -1):  # oldest first
+            idx = (W - 1) + jnp.where(pos_last >= j, T - 1 - j, pos_last - j)
+            cols.append(jnp.take_along_axis(xp, idx.reshape((B, 1) + extra), axis=1))
+        new_cache = jnp.concatenate(cols, axis=1) if cols else xp[:, :0]
+        return new_cache.astype(jnp.float32)
 
     def step(self, x_t, cache):
         """x_t [B, *C] -> (y_t, new_cache)."""

@@ -11,7 +11,7 @@ from pallas_kernels import sharding as _sharding
 from pallas_kernels.kdn_gain import config as _config
 from pallas_kernels.kdn_gain import kernel as _kernel
 
-__all__ = ["diag_gain", "iso_gain"]
+__all__ = ["diag_gain", "iso_gain", "diag_gain_fused", "iso_gain_fused", "PAD_PREACT"]
 
 
 # (batch, head) dims for sharding.per_shard: k, log_alpha, omega, r, per-token gains and
@@ -24,7 +24,7 @@ _LANES, _PER_TOKEN, _P = _BTH + (4,), _BTH + (3,), _BH + (3,)
 def _forward(raw, reset, p0, diag, chunk, interpret, cfg, save_pprev):
   def body(k, la, om, r, mu, reset, p0):
     return _kernel.gain_forward((k, la, om, r, mu), reset, p0, diag=diag, chunk=chunk,
-                                interpret=interpret, cfg=cfg, save_pprev=save_pprev)
+                                interpret=interpret, cfg=cfg, save_pprev=save_pprev)[:3]
   outs = (_LANES, _LANES if save_pprev else None, _P)
   shard = _sharding.per_shard(body, _RAW + (_BT, _BH), outs, "kdn_gain forward")
   return shard(*raw, reset, p0)
@@ -63,6 +63,120 @@ def _gain_bwd(diag, chunk, interpret, cfg, res, cts):
 
 
 _gain.defvjp(_gain_fwd, _gain_bwd)
+
+
+# ------------------------------------------------------------------------------------------
+# The gain with the gate front-end fused in (kernel.py, `front`): it reads the layer's gate
+# projections before their activations and emits log_alpha for the delta rule.
+
+# Padded tokens must leave the variance unchanged (alpha = 1, omega = 0, k = 0): a very negative
+# pre-activation has softplus 0 in fp32 (exp underflows) and sigmoid 0, so f and omega_raw are
+# padded with it; r_raw pads with 0 (any finite r > 0 will do when k = 0).
+PAD_PREACT = -1e4
+# dims for per_shard: k, f, dt_bias [H,K], A_log [H], omega_raw, r_raw, mu [H]
+_RAW_FRONT = (_BTH, _BTH, _MU, _MU, _BTH, _BTH, _MU)
+
+
+def _front_forward(raw, reset, p0, diag, chunk, interpret, cfg, save_pprev, r_min):
+  def body(k, f, dtb, alog, om, r, mu, reset, p0):
+    gain, pprev, pfin, la = _kernel.gain_forward(
+        (k, f, dtb, alog, om, r, mu), reset, p0, diag=diag, chunk=chunk, interpret=interpret,
+        cfg=cfg, save_pprev=save_pprev, front=r_min)
+    return gain, la, pprev, pfin
+  outs = (_LANES, _LANES, _LANES if save_pprev else None, _P)
+  return _sharding.per_shard(body, _RAW_FRONT + (_BT, _BH), outs,
+                             "kdn_gain_fused forward")(*raw, reset, p0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
+def _gain_front(k, f, dtb, alog, om, r, mu, reset, p0, diag, chunk, interpret, cfg, r_min):
+  """(gain, log_alpha, p_final) from the pre-activations, time already padded to the chunk."""
+  gain, la, _, pfin = _front_forward((k, f, dtb, alog, om, r, mu), reset, p0, diag, chunk,
+                                     interpret, cfg, False, r_min)
+  return gain, la, pfin
+
+
+def _gain_front_fwd(k, f, dtb, alog, om, r, mu, reset, p0, diag, chunk, interpret, cfg, r_min):
+  raw = (k, f, dtb, alog, om, r, mu)
+  gain, la, pprev, pfin = _front_forward(raw, reset, p0, diag, chunk, interpret, cfg, True,
+                                         r_min)
+  return (gain, la, pfin), (raw, reset, pprev)
+
+
+def _gain_front_bwd(diag, chunk, interpret, cfg, r_min, res, cts):
+  raw, reset, pprev = res
+  dgain, dla, dpfin = cts
+
+  def body(k, f, dtb, alog, om, r, mu, reset, pprev, dgain, dpfin, dla):
+    d_raw, dp0, ddt, dalog = _kernel.gain_backward(
+        (k, f, dtb, alog, om, r, mu), reset, pprev, dgain, dpfin, diag=diag, chunk=chunk,
+        interpret=interpret, cfg=cfg, front=r_min, dla_out=dla)
+    return tuple(d_raw) + (dp0, ddt, dalog)
+
+  om_dims = _BTH + (raw[4].ndim,)
+  dk, df, dom, dr, dmu, dp0, ddt, dalog = _sharding.per_shard(
+      body, _RAW_FRONT + (_BT, _BTH, _BTH, _BH, _BTH),
+      (_LANES, _LANES, om_dims, _PER_TOKEN, _PER_TOKEN, _P, _BH + (3,), _BH + (2,)),
+      "kdn_gain_fused backward")(
+          *raw, reset, pprev, dgain.astype(jnp.float32), dpfin.astype(jnp.float32),
+          dla.astype(jnp.float32))
+  # sums over batch (and heads' shares of mu) stay outside the shards
+  k, f, dtb, alog = raw[:4]
+  return (dk.astype(k.dtype), df, ddt.sum(axis=0).astype(dtb.dtype),
+          dalog.sum(axis=0).astype(alog.dtype), dom, dr, dmu.sum(axis=(0, 1)), None, dp0)
+
+
+_gain_front.defvjp(_gain_front_fwd, _gain_front_bwd)
+
+
+def _run_fused(diag, k, f, dt_bias, a_log, omega_raw, r_raw, r_min, info_scale, p0, segment_ids,
+               chunk_size, interpret):
+  interpret = common.resolve_interpret(interpret)
+  bsz, t, nh, kd = k.shape
+  op = "diag_gain_fused" if diag else "iso_gain_fused"
+  for name, x, want in (("f", f, (bsz, t, nh, kd)), ("dt_bias", dt_bias, (nh, kd)),
+                        ("a_log", a_log, (nh,)),
+                        ("omega_raw", omega_raw, (bsz, t, nh, kd) if diag else (bsz, t, nh)),
+                        ("r_raw", r_raw, (bsz, t, nh)),
+                        ("p0" if diag else "b0", p0, (bsz, nh, kd) if diag else (bsz, nh))):
+    if tuple(x.shape) != want:
+      raise ValueError(f"{op}: {name} has shape {tuple(x.shape)}; expected {want} "
+                       f"(from k {tuple(k.shape)})")
+  if not r_min > 0:
+    raise ValueError(f"{op}: r_min must be > 0, got {r_min}")
+  chunk, t_pad, reset = _prep(t, chunk_size, bsz, segment_ids)
+  k = common.pad_time(k, t_pad)
+  f, om = (common.pad_time(x, t_pad, PAD_PREACT) for x in (f, omega_raw))
+  rr = common.pad_time(r_raw, t_pad)
+  mu = jnp.broadcast_to(jnp.asarray(info_scale, jnp.float32), (nh,))
+  p0 = p0.astype(jnp.float32)
+  p0 = p0 if diag else p0[..., None]
+  gain, la, pfin = _gain_front(k, f, dt_bias, a_log, om, rr, mu, reset, p0, diag, chunk,
+                               interpret, _config.DEFAULT, float(r_min))
+  return gain[:, :t], la[:, :t], pfin
+
+
+def diag_gain_fused(k, f, dt_bias, a_log, omega_raw, r_raw, r_min, info_scale, p0,
+                    segment_ids=None, *, chunk_size=256, interpret=None):
+  """Diagonal KDN gain from the gate projections before their activations:
+  log_alpha = -exp(a_log) softplus(f + dt_bias), omega = softplus(omega_raw),
+  r = r_min + softplus(r_raw), applied inside the kernels.
+
+  k, f, omega_raw: [B,T,H,K]; dt_bias [H,K]; a_log [H]; r_raw [B,T,H]; r_min a float > 0;
+  info_scale [H] or a float; p0 [B,H,K]. Gradients flow to all but r_min.
+  Returns (kappa [B,T,H,K] f32, log_alpha [B,T,H,K] f32, p_final [B,H,K] f32).
+  """
+  return _run_fused(True, k, f, dt_bias, a_log, omega_raw, r_raw, r_min, info_scale, p0,
+                    segment_ids, chunk_size, interpret)
+
+
+def iso_gain_fused(k, f, dt_bias, a_log, omega_raw, r_raw, r_min, info_scale, b0,
+                   segment_ids=None, *, chunk_size=256, interpret=None):
+  """Isotropic KDN gain from the gate projections (like diag_gain_fused; omega_raw [B,T,H],
+  b0 [B,H]). Returns (beta [B,T,H] f32, log_alpha [B,T,H,K] f32, b_final [B,H] f32)."""
+  beta, la, bfin = _run_fused(False, k, f, dt_bias, a_log, omega_raw, r_raw, r_min, info_scale,
+                              b0, segment_ids, chunk_size, interpret)
+  return beta[..., 0], la, bfin[..., 0]
 
 
 def _prep(t, chunk_size, batch, segment_ids):

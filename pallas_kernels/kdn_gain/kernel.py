@@ -10,6 +10,16 @@ with p reset to p0 before every token whose reset flag is set (token 0 always re
 are formed inside the kernels from the raw inputs (k, log_alpha, omega, r, mu: `_lanes`), and the
 backward emits the raw inputs' gradients (`_raw_grads`): no fp32 lane arrays go through memory.
 
+With a `front` (the gate front-end: r_min, a Python float), the raw inputs are the layer's gate
+projections before their activations (k, f, dt_bias, A_log, omega_raw, r_raw, mu) and the
+kernels apply them:
+    log_alpha = -exp(A_log) softplus(f + dt_bias),  omega = softplus(omega_raw),
+    r = r_min + softplus(r_raw)
+so the fp32 log_alpha and omega arrays are never formed in XLA. The forward still writes log_alpha
+(the delta-rule kernels need it); the backward takes that output's cotangent, adds it to the
+gain's own log_alpha gradient and emits the projections' gradients (in their dtype) plus
+per-chunk partial sums for dt_bias and A_log (summed outside, like dp0).
+
 The variance update is the Moebius map M_t = [[a, om], [u a, 1 + u om]] (a reset token uses M_t R, R
 the constant map to p0). Forward = two kernels:
   1. `_reduce_kernel`: per chunk (grid (B, H, NC)), the renormalised product of the chunk's M_t.
@@ -42,25 +52,63 @@ def _row(ref, b, t, h):
 
 
 RAW = ("k", "la", "om", "r", "mu")   # the kernels' raw inputs, in this order
+# ... with the gate front-end: the pre-activation projections and the front-end parameters
+RAW_FRONT = ("k", "f", "dt_bias", "a_log", "om", "r", "mu")
+# gradients the backward writes per token (front: f in place of la; dt_bias / A_log as partials)
+GRADS = ("k", "la", "om", "r", "mu")
+GRADS_FRONT = ("k", "f", "om", "r", "mu")
 
 
-def _lanes(raw, b, t, h, diag):
+def raw_names(front):
+  return RAW if front is None else RAW_FRONT
+
+
+def _softplus(x):
+  # jax.nn.softplus's form (logaddexp(x, 0)) in primitives every Pallas backend lowers
+  return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
+
+
+def _sigmoid(x):
+  # softplus' derivative; exp overflow at very negative x gives 1 / inf = 0, the right limit
+  return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def _front(raw, b, t, h, front):
+  """The gate front-end at token t: (log_alpha [1, K], omega row, r row, what its chain rule
+  needs). `front` is r_min (r's floor)."""
+  z = _row(raw["f"], b, t, h) + raw["dt_bias"][pl.ds(h, 1), :].astype(jnp.float32)
+  a_scale = jnp.exp(raw["a_log"][pl.ds(h, 1)].astype(jnp.float32))[:, None]   # [1, 1]
+  la = -a_scale * _softplus(z)
+  om_raw = _row(raw["om"], b, t, h)
+  r_raw = _row(raw["r"], b, t, h)
+  chain = dict(la=la, a_scale=a_scale, sig_z=_sigmoid(z), sig_om=_sigmoid(om_raw),
+               sig_r=_sigmoid(r_raw))
+  return la, _softplus(om_raw), front + _softplus(r_raw), chain
+
+
+def _lanes(raw, b, t, h, diag, front=None):
   """Token t's lane inputs, formed in the kernel from the raw rows (the raw inputs are read once,
   in their own dtype, instead of five fp32 lane arrays made in XLA):
     diag: kx = k, kk = k^2, a = exp(2 la), om, u = mu k^2 / r            (lanes: K channels)
     iso:  kx = 1, kk = |k|^2, a = mean exp(2 la), om, u = mu |k|^2 / (K r)  (one lane)
-  r is a [1, 1] column; `k` and `e2` = exp(2 la) are kept for the raw gradients."""
+  r is a [1, 1] column; `k` and `e2` = exp(2 la) are kept for the raw gradients (with a front,
+  also log_alpha itself and the front-end's derivatives, under "front")."""
   k = _row(raw["k"], b, t, h)
-  e2 = jnp.exp(2.0 * _row(raw["la"], b, t, h))
-  r = _row(raw["r"], b, t, h)[:, None]
+  if front is None:
+    la, om, r = _row(raw["la"], b, t, h), _row(raw["om"], b, t, h), _row(raw["r"], b, t, h)
+    chain = None
+  else:
+    la, om, r, chain = _front(raw, b, t, h, front)
+  e2 = jnp.exp(2.0 * la)
+  r = r[:, None]
   mu = raw["mu"][pl.ds(h, 1)].astype(jnp.float32)[:, None]
-  om = _row(raw["om"], b, t, h)
   if diag:
     kk = k * k
-    return dict(a=e2, om=om, u=mu * kk / r, kx=k, kk=kk, r=r, k=k, e2=e2, mu=mu)
+    return dict(a=e2, om=om, u=mu * kk / r, kx=k, kk=kk, r=r, k=k, e2=e2, mu=mu, front=chain)
   kk = jnp.sum(k * k, axis=1, keepdims=True)
   return dict(a=jnp.mean(e2, axis=1, keepdims=True), om=om[:, None],
-              u=mu * kk / (k.shape[1] * r), kx=jnp.ones_like(kk), kk=kk, r=r, k=k, e2=e2, mu=mu)
+              u=mu * kk / (k.shape[1] * r), kx=jnp.ones_like(kk), kk=kk, r=r, k=k, e2=e2, mu=mu,
+              front=chain)
 
 
 def _raw_grads(x, g, diag):
@@ -76,6 +124,18 @@ def _raw_grads(x, g, diag):
   return dict(k=2.0 * k * (g["kk"] + mu * gu_r / kd), la=(2.0 / kd) * x["e2"] * g["a"],
               om=g["om"].reshape(-1), r=g["r"] - (gu_r * x["u"]).reshape(-1),
               mu=(gu_r * x["kk"]).reshape(-1) / kd)
+
+
+def _front_grads(x, d, dla_out):
+  """Continues _raw_grads through the gate front-end: `dla_out` is the cotangent of the
+  log_alpha the forward emitted (from the delta rule), added to the gain's own. Returns the
+  per-token gradients (f in place of la) and this token's dt_bias and A_log shares ([1, K]
+  rows: d/d dt_bias = d/d f; d la / d A_log = la)."""
+  c = x["front"]
+  dla = d["la"] + dla_out
+  df = dla * (-c["a_scale"]) * c["sig_z"]
+  grads = dict(k=d["k"], f=df, om=d["om"] * c["sig_om"], r=d["r"] * c["sig_r"], mu=d["mu"])
+  return grads, df, dla * c["la"]
 
 
 def _token_matrix(a, om, u, reset, p0):
@@ -104,19 +164,20 @@ def _matmul2(x, y):
   return n11 * inv, n12 * inv, n21 * inv, n22 * inv
 
 
-def _raw_refs(refs):
-  return dict(zip(RAW, refs[:len(RAW)])), refs[len(RAW):]
+def _raw_refs(refs, front):
+  names = raw_names(front)
+  return dict(zip(names, refs[:len(names)])), refs[len(names):]
 
 
-def _reduce_kernel(*refs, chunk, diag):
-  raw, (reset_ref, p0_ref, prod_ref) = _raw_refs(refs)
+def _reduce_kernel(*refs, chunk, diag, front):
+  raw, (reset_ref, p0_ref, prod_ref) = _raw_refs(refs, front)
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   p0 = p0_ref[b, h, :].astype(jnp.float32)[None, :]
   t0 = c * chunk
 
   def body(i, m):
     t = t0 + i
-    x = _lanes(raw, b, t, h, diag)
+    x = _lanes(raw, b, t, h, diag, front)
     reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
     return _matmul2(_token_matrix(x["a"], x["om"], x["u"], reset, p0), m)
 
@@ -138,10 +199,12 @@ def _carry_in(prod_ref, p0, b, h, c):
   return lax.fori_loop(0, c, body, p0)
 
 
-def _replay_kernel(*refs, chunk, num_chunks, diag, save_pprev):
-  raw, rest = _raw_refs(refs)
+def _replay_kernel(*refs, chunk, num_chunks, diag, save_pprev, front):
+  raw, rest = _raw_refs(refs, front)
   reset_ref, p0_ref, prod_ref, gain_ref = rest[:4]
-  pprev_ref, pfin_ref = rest[4:] if save_pprev else (None, rest[4])
+  rest = rest[4:]
+  la_ref, rest = (None, rest) if front is None else (rest[0], rest[1:])
+  pprev_ref, pfin_ref = rest if save_pprev else (None, rest[0])
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   p0 = p0_ref[b, h, :].astype(jnp.float32)[None, :]
   p = _carry_in(prod_ref, p0, b, h, c)
@@ -151,7 +214,9 @@ def _replay_kernel(*refs, chunk, num_chunks, diag, save_pprev):
     t = t0 + i
     reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
     p = jnp.where(reset, p0, p)
-    x = _lanes(raw, b, t, h, diag)
+    x = _lanes(raw, b, t, h, diag, front)
+    if front is not None:   # the delta rule's decay, from the same front-end evaluation
+      la_ref[b, pl.ds(t, 1), h, :] = x["front"]["la"].astype(la_ref.dtype)
     p_hat = x["a"] * p + x["om"]
     den = x["r"] + jnp.sum(p_hat * x["kk"], axis=1, keepdims=True)
     gain = p_hat * x["kx"] / den
@@ -167,10 +232,10 @@ def _replay_kernel(*refs, chunk, num_chunks, diag, save_pprev):
     pfin_ref[b, h, :] = p.reshape(-1)
 
 
-def _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, dp, diag):
+def _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, dp, diag, front):
   """One reverse step. Returns (lane gradients, lanes, dp_hat, m, c, a) where
   dp_prev = m * dp + c (before resets)."""
-  x = _lanes(raw, b, t, h, diag)
+  x = _lanes(raw, b, t, h, diag, front)
   a, om, u, kx, kk, r = (x[n] for n in ("a", "om", "u", "kx", "kk", "r"))
   p_prev = _row(pprev_ref, b, t, h)
   dgain = _row(dgain_ref, b, t, h)
@@ -195,8 +260,8 @@ def _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, dp, diag):
   return grads, x, dp_hat, a * m, a * q, a
 
 
-def _bwd_reduce_kernel(*refs, chunk, diag):
-  raw, (pprev_ref, dgain_ref, reset_ref, map_ref) = _raw_refs(refs)
+def _bwd_reduce_kernel(*refs, chunk, diag, front):
+  raw, (pprev_ref, dgain_ref, reset_ref, map_ref) = _raw_refs(refs, front)
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   t_last = c * chunk + chunk - 1
 
@@ -205,7 +270,7 @@ def _bwd_reduce_kernel(*refs, chunk, diag):
     t = t_last - i
     # dp_t = mm * dp_out + cc  ->  dp_{t-1} = m_t dp_t + c_t.
     _, _, _, m_t, c_t, _ = _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, jnp.zeros_like(mm),
-                                      diag)
+                                      diag, front)
     reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
     m_t = jnp.where(reset, 0.0, m_t)
     c_t = jnp.where(reset, 0.0, c_t)
@@ -217,11 +282,14 @@ def _bwd_reduce_kernel(*refs, chunk, diag):
   map_ref[b, h, c, 1, :] = cc.reshape(-1)
 
 
-def _bwd_replay_kernel(*refs, chunk, num_chunks, diag):
-  raw, rest = _raw_refs(refs)
+def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front):
+  raw, rest = _raw_refs(refs, front)
   pprev_ref, dgain_ref, reset_ref, map_ref, dpfin_ref = rest[:5]
-  d_refs = dict(zip(RAW, rest[5:10]))
-  dp0_ref = rest[10]
+  rest = rest[5:]
+  dla_out_ref, rest = (None, rest) if front is None else (rest[0], rest[1:])
+  d_refs = dict(zip(GRADS if front is None else GRADS_FRONT, rest[:5]))
+  dp0_ref = rest[5]
+  dparam_refs = rest[6:]   # front: per-chunk dt_bias and A_log partials [B, H, NC, K]
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   dp_fin = dpfin_ref[b, h, :].astype(jnp.float32)[None, :]
 
@@ -233,23 +301,31 @@ def _bwd_replay_kernel(*refs, chunk, num_chunks, diag):
   t_last = c * chunk + chunk - 1
 
   def body(i, state):
-    dp, dp0 = state
+    dp, dp0, dparams = state
     t = t_last - i
-    g, x, dp_hat, _, _, a = _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, dp, diag)
-    for name, val in _raw_grads(x, g, diag).items():
+    g, x, dp_hat, _, _, a = _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, dp, diag, front)
+    grads = _raw_grads(x, g, diag)
+    if front is not None:
+      grads, d_dt, d_alog = _front_grads(x, grads, _row(dla_out_ref, b, t, h))
+      dparams = (dparams[0] + d_dt, dparams[1] + d_alog)
+    for name, val in grads.items():
       ref = d_refs[name]
       if len(ref.shape) == 4:
-        ref[b, pl.ds(t, 1), h, :] = val
+        ref[b, pl.ds(t, 1), h, :] = val.astype(ref.dtype)
       else:
-        ref[b, pl.ds(t, 1), h] = val
+        ref[b, pl.ds(t, 1), h] = val.astype(ref.dtype)
     reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
     dprev = a * dp_hat
     dp0 = dp0 + jnp.where(reset, dprev, 0.0)
     dp = jnp.where(reset, 0.0, dprev)
-    return dp, dp0
+    return dp, dp0, dparams
 
-  _, dp0 = lax.fori_loop(0, chunk, body, (dp, jnp.zeros_like(dp)))
+  kd = raw["k"].shape[-1]
+  dparams = () if front is None else (jnp.zeros((1, kd), jnp.float32),) * 2
+  _, dp0, dparams = lax.fori_loop(0, chunk, body, (dp, jnp.zeros_like(dp), dparams))
   dp0_ref[b, h, c, :] = dp0.reshape(-1)
+  for ref, val in zip(dparam_refs, dparams):
+    ref[b, h, c, :] = val.reshape(-1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,48 +340,72 @@ def _launch(r, chunk, interpret, cfg):
   return bsz, t, nh, t // chunk, (bsz, nh, t // chunk), params
 
 
-def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True):
+def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True, front=None):
   """raw: (k [B,T,H,K], log_alpha [B,T,H,K], omega [B,T,H,K] (diag) or [B,T,H] (iso),
-  r [B,T,H], mu [H]) in any float dtype; reset [B,T]; p0 [B,H,L] (L = K diag, 1 iso); diag
-  picks the lane formation (_lanes).
+  r [B,T,H], mu [H]) in any float dtype, or with `front` (r_min) the pre-activations
+  (k, f [B,T,H,K], dt_bias [H,K], A_log [H], omega_raw, r_raw, mu); reset [B,T]; p0 [B,H,L]
+  (L = K diag, 1 iso); diag picks the lane formation (_lanes).
   Returns (gain [B,T,H,L], p_prev [B,T,H,L] (the backward's residual; None unless save_pprev),
-  p_final [B,H,L]), float32."""
-  r = raw[3]
+  p_final [B,H,L], log_alpha [B,T,H,K] (front only, else None)), float32."""
+  r = raw[-2]
+  k = raw[0]
   lanes = p0.shape[-1]
   bsz, t, nh, nc, grid, params = _launch(r, chunk, interpret, cfg)
   reset = reset.astype(jnp.int32)
   prod = pl.pallas_call(
-      functools.partial(_reduce_kernel, chunk=chunk, diag=diag),
+      functools.partial(_reduce_kernel, chunk=chunk, diag=diag, front=front),
       out_shape=jax.ShapeDtypeStruct((bsz, nh, nc, 4, lanes), jnp.float32),
       grid=grid, name="kdn_gain_reduce", **params,
   )(*raw, reset, p0)
   lane = jax.ShapeDtypeStruct((bsz, t, nh, lanes), jnp.float32)
+  la_out = () if front is None else (jax.ShapeDtypeStruct(k.shape, jnp.float32),)
   outs = pl.pallas_call(
       functools.partial(_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag,
-                        save_pprev=save_pprev),
-      out_shape=(lane,) + ((lane,) if save_pprev else ()) + (
+                        save_pprev=save_pprev, front=front),
+      out_shape=(lane,) + la_out + ((lane,) if save_pprev else ()) + (
           jax.ShapeDtypeStruct((bsz, nh, lanes), jnp.float32),),
       grid=grid, name="kdn_gain_replay", **params,
   )(*raw, reset, p0, prod)
-  return (outs[0], outs[1], outs[2]) if save_pprev else (outs[0], None, outs[1])
+  gain, outs = outs[0], outs[1:]
+  la, outs = (None, outs) if front is None else (outs[0], outs[1:])
+  pprev, pfin = outs if save_pprev else (None, outs[0])
+  return gain, pprev, pfin, la
 
 
-def gain_backward(raw, reset, pprev, dgain, dpfin, *, diag, chunk, interpret, cfg):
-  """Returns the float32 gradients of the raw inputs (mu's per token, [B,T,H]) and of p0."""
-  r = raw[3]
+def gain_backward(raw, reset, pprev, dgain, dpfin, *, diag, chunk, interpret, cfg, front=None,
+                  dla_out=None):
+  """Returns the float32 gradients of the raw inputs (mu's per token, [B,T,H]) and of p0. With
+  `front`: `dla_out` is the cotangent of the emitted log_alpha; the per-token gradients are
+  (k (f32), f, omega_raw, r_raw (their dtypes), mu), followed by dp0, dt_bias [H,K] and
+  A_log [H] (summed over batch and chunks here)."""
+  r = raw[-2]
+  k = raw[0]
   lanes = pprev.shape[-1]
   bsz, t, nh, nc, grid, params = _launch(r, chunk, interpret, cfg)
   reset = reset.astype(jnp.int32)
   maps = pl.pallas_call(
-      functools.partial(_bwd_reduce_kernel, chunk=chunk, diag=diag),
+      functools.partial(_bwd_reduce_kernel, chunk=chunk, diag=diag, front=front),
       out_shape=jax.ShapeDtypeStruct((bsz, nh, nc, 2, lanes), jnp.float32),
       grid=grid, name="kdn_gain_bwd_reduce", **params,
   )(*raw, pprev, dgain, reset)
+  f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
   per_token = jax.ShapeDtypeStruct(r.shape, jnp.float32)
-  d_shapes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in raw[:4]) + (per_token,)
-  *d_raw, dp0 = pl.pallas_call(
-      functools.partial(_bwd_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag),
-      out_shape=d_shapes + (jax.ShapeDtypeStruct((bsz, nh, nc, lanes), jnp.float32),),
+  if front is None:
+    d_shapes = tuple(f32(x) for x in raw[:4]) + (per_token,)
+    extra_in, extra_out = (), ()
+  else:
+    # f, omega_raw, r_raw: the gradients go straight to the projections, in their dtype
+    d_shapes = (f32(k),) + tuple(jax.ShapeDtypeStruct(raw[i].shape, raw[i].dtype)
+                                 for i in (1, 4, 5)) + (per_token,)
+    extra_in = (dla_out,)
+    extra_out = (jax.ShapeDtypeStruct((bsz, nh, nc, k.shape[-1]), jnp.float32),) * 2
+  outs = pl.pallas_call(
+      functools.partial(_bwd_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag, front=front),
+      out_shape=d_shapes + (jax.ShapeDtypeStruct((bsz, nh, nc, lanes), jnp.float32),) + extra_out,
       grid=grid, name="kdn_gain_bwd_replay", **params,
-  )(*raw, pprev, dgain, reset, maps, dpfin)
-  return tuple(d_raw), dp0.sum(axis=2)
+  )(*raw, pprev, dgain, reset, maps, dpfin, *extra_in)
+  d_raw, dp0 = outs[:5], outs[5].sum(axis=2)
+  if front is None:
+    return tuple(d_raw), dp0
+  # dt_bias / A_log: sums over chunks here; over batch (and A_log's K) outside the shards
+  return tuple(d_raw), dp0, outs[6].sum(axis=2), outs[7].sum(axis=(2, 3))

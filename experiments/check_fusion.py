@@ -1,0 +1,176 @@
+r"""GPU check of the KDN layer's fused glue kernels (issue 24) against their plain-JAX references:
+the causal conv1d + SiLU (ShortConv), the gated RMSNorm (GatedRMSNorm), the gain with the gate
+front-end (the composed front-end + unfused gain), and the whole kdn_diag / kdn_iso layer with
+fusion on against off. Values and gradients (rel. RMS error), fresh random inputs, packed segments,
+T not a multiple of any block. Compiled kernels on a GPU; interpret mode on CPU (smoke test).
+
+  python -m experiments.check_fusion --out=$OUT/check_fusion.json          # GPU
+  python -m experiments.check_fusion --t=37 --heads=2 --head_dim=16 --d_model=32   # CPU smoke
+"""
+from __future__ import annotations
+
+import json
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+FLAGS = flags.FlagValues()
+flags.DEFINE_string("out", "", "write the results as JSON here", flag_values=FLAGS)
+flags.DEFINE_integer("t", 1000, "sequence length (not a multiple of the blocks)", flag_values=FLAGS)
+flags.DEFINE_integer("batch", 2, "batch", flag_values=FLAGS)
+flags.DEFINE_integer("heads", 4, "heads", flag_values=FLAGS)
+flags.DEFINE_integer("head_dim", 128, "K = V", flag_values=FLAGS)
+flags.DEFINE_integer("d_model", 512, "layer width", flag_values=FLAGS)
+
+# fp32 kernels against fp32 references: rounding-level; bf16 layers: one bf16 rounding apart
+TOL = {"float32": 1e-4, "bfloat16": 2e-2}
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+    return float("nan")
+  return float(np.sqrt(np.mean((a - b) ** 2) / max(np.mean(b ** 2), 1e-30)))
+
+
+def _segments(rng, b, t):
+  seg = np.zeros((b, t), np.int32)
+  for s in sorted(rng.choice(np.arange(1, t), size=3, replace=False)):
+    seg[1:, s:] += 1   # row 0: one segment; the others: four
+  return jnp.asarray(seg)
+
+
+def _compare(name, fn, ref, args, dtype, results):
+  """Outputs and VJPs (random cotangents) of fn and ref on args; one entry per output / grad."""
+  out_shapes = jax.eval_shape(ref, *args)
+  rng = np.random.default_rng(7)
+  cts = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape), jnp.float32).astype(s.dtype),
+                     out_shapes)
+
+  def run(f):
+    def g(*a):
+      out, vjp = jax.vjp(f, *a)
+      return out, vjp(cts)
+    return jax.jit(g)(*args)
+  got, want = run(fn), run(ref)
+  errs = {}
+  for (path, x), y in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(want)):
+    errs[jax.tree_util.keystr(path)] = _rel(x, y)
+  worst = max(errs.values()) if errs else 0.0
+  ok = bool(np.isfinite(worst) and worst <= TOL[jnp.dtype(dtype).name])
+  results[name] = {"worst_rel": worst, "ok": ok, "dtype": jnp.dtype(dtype).name, "errors": errs}
+  print(f"{name:32s} {jnp.dtype(dtype).name:9s} worst rel {worst:.2e} {'ok' if ok else 'FAIL'}",
+        flush=True)
+
+
+def check_conv(results, b, t, h, kd, dtype):
+  from kdn_jax.layers.short_conv import ShortConv
+  from pallas_kernels.causal_conv1d import causal_conv1d
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=(b, t, h, kd)), jnp.float32).astype(dtype)
+  w = jnp.asarray(rng.normal(size=(4, h, kd)) / 2, jnp.float32)
+  cache = jnp.asarray(rng.normal(size=(b, 3, h, kd)), jnp.float32)
+  seg = _segments(rng, b, t)
+
+  def ref(x, w, cache):
+    conv = ShortConv((h, kd), 4, dtype=dtype, rngs=nnx.Rngs(0))
+    conv.weight[...] = w
+    return conv(x, cache, seg)[0]
+  _compare("causal_conv1d", lambda x, w, c: causal_conv1d(x, w, c, seg), ref, (x, w, cache), dtype,
+           results)
+
+
+def check_norm(results, b, t, h, kd, dtype):
+  from kdn_jax.layers.gated_norm import rms_norm
+  from pallas_kernels.gated_norm import gated_rms_norm
+  rng = np.random.default_rng(2)
+  o, g = (jnp.asarray(rng.normal(size=(b, t, h, kd)), jnp.float32).astype(dtype) for _ in range(2))
+  w = jnp.asarray(1 + 0.3 * rng.normal(size=(kd,)), jnp.float32)
+  ref = lambda o, g, w: (rms_norm(o, w, 1e-6) * jax.nn.sigmoid(g.astype(jnp.float32))).astype(o.dtype)
+  _compare("gated_rms_norm", lambda o, g, w: gated_rms_norm(o, g, w, 1e-6), ref, (o, g, w), dtype,
+           results)
+
+
+def check_gain(results, b, t, h, kd, diag):
+  from pallas_kernels import kdn_gain
+  rng = np.random.default_rng(3)
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  k = f32(rng.normal(size=(b, t, h, kd)) / np.sqrt(kd))
+  f = f32(rng.normal(size=(b, t, h, kd)))
+  dtb = f32(np.log(np.expm1(np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), size=(h, kd))))))
+  alog = f32(np.log(rng.uniform(1, 16, size=(h,))))
+  om = f32(rng.normal(size=(b, t, h, kd) if diag else (b, t, h)) - 2)
+  r = f32(rng.normal(size=(b, t, h)))
+  mu = f32(np.full((h,), kd))
+  p0 = f32(0.1 + np.abs(rng.normal(size=(b, h, kd) if diag else (b, h))))
+  seg = _segments(rng, b, t)
+
+  def ref(k, f, dtb, alog, om, r, mu, p0):
+    la = -jnp.exp(alog)[:, None] * jax.nn.softplus(f + dtb)
+    fn = kdn_gain.diag_gain if diag else kdn_gain.iso_gain
+    gain, pf = fn(k, la, jax.nn.softplus(om), 0.01 + jax.nn.softplus(r), mu, p0, seg)
+    return gain, la, pf
+
+  def fused(k, f, dtb, alog, om, r, mu, p0):
+    fn = kdn_gain.diag_gain_fused if diag else kdn_gain.iso_gain_fused
+    return fn(k, f, dtb, alog, om, r, 0.01, mu, p0, seg)
+  _compare(("diag" if diag else "iso") + "_gain_fused", fused, ref, (k, f, dtb, alog, om, r, mu, p0),
+           jnp.float32, results)
+
+
+def check_layer(results, mixer, b, t, h, kd, d):
+  from experiments.benchmark_layers import set_fusion
+  from kdn_jax.layers import MIXERS
+  from kdn_jax.models.config import model_config
+  cfg = model_config("tiny", mixer=mixer, d_model=d, num_heads=h, head_dim=kd, impl="pallas",
+                     chunk_size=64, dtype="bfloat16", param_dtype="float32", mlp_hidden=1,
+                     info_scale="learned")
+  layer = MIXERS[mixer](cfg, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(4)
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+  params = jax.tree.map(lambda p: p + 0.05 * jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
+  x = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32).astype(jnp.bfloat16)
+  seg = _segments(rng, b, t)
+
+  def apply(fusion):
+    set_fusion(layer, fusion)
+    gd, _, rest_ = nnx.split(layer, nnx.Param, ...)
+    def f(params, x):
+      y, fs = nnx.merge(gd, params, rest_)(x, segment_ids=seg)
+      return y, {"memory": fs["memory"], "variance": fs["variance"]}
+    return f
+  _compare(mixer + "_layer_fused_vs_unfused", apply("on"), apply("off"), (params, x), jnp.bfloat16,
+           results)
+
+
+def main(argv):
+  del argv
+  b, t, h, kd, d = FLAGS.batch, FLAGS.t, FLAGS.heads, FLAGS.head_dim, FLAGS.d_model
+  print(f"device {jax.devices()[0]}; B={b} T={t} H={h} K={kd} d={d}", flush=True)
+  results = {"device": str(jax.devices()[0]), "shape": dict(B=b, T=t, H=h, K=kd, d=d)}
+  for name, fn in (("conv32", lambda: check_conv(results, b, t, h, kd, jnp.float32)),
+                   ("conv16", lambda: check_conv(results, b, t, h, kd, jnp.bfloat16)),
+                   ("norm", lambda: check_norm(results, b, t, h, kd, jnp.float32)),
+                   ("gain_diag", lambda: check_gain(results, b, t, h, kd, True)),
+                   ("gain_iso", lambda: check_gain(results, b, t, h, kd, False)),
+                   ("layer_diag", lambda: check_layer(results, "kdn_diag", b, t, h, kd, d)),
+                   ("layer_iso", lambda: check_layer(results, "kdn_iso", b, t, h, kd, d))):
+    try:
+      fn()
+    except Exception as e:  # pylint: disable=broad-except
+      results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
+      print(f"{name}: ERROR {type(e).__name__}: {str(e)[:1500]}", flush=True)
+    if FLAGS.out:
+      with open(FLAGS.out, "w") as fh:
+        json.dump(results, fh, indent=1)
+  bad = [k for k, v in results.items() if isinstance(v, dict) and "ok" in v and not v["ok"]]
+  print("ALL OK" if not bad else f"FAILED: {bad}", flush=True)
+
+
+if __name__ == "__main__":
+  FLAGS(["check_fusion"] + [a for a in __import__("sys").argv[1:]])
+  app.run(main, argv=["check_fusion"])

@@ -1,0 +1,85 @@
+"""pallas_kernels.causal_conv1d (CPU interpret mode) against the layer's plain-JAX short conv
+(kdn_jax.layers.short_conv.ShortConv): outputs and the gradients of x, weight and cache, with
+packed segments, T = 1, T not a multiple of the block, bf16 inputs."""
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kdn_jax.layers.short_conv import ShortConv
+from pallas_kernels.causal_conv1d import causal_conv1d
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.sqrt(np.mean((a - b) ** 2) / max(np.mean(b ** 2), 1e-30)))
+
+
+def _reference(x, w, cache, seg, activation):
+  conv = ShortConv(w.shape[1:], w.shape[0], activation=activation, dtype=x.dtype, rngs=nnx.Rngs(0))
+  conv.weight[...] = w
+  return conv(x, cache, seg)[0]
+
+
+@pytest.mark.parametrize("t,segs,dtype,activation", [
+    (37, (1, 2, 20), jnp.float32, True),   # segments (one of length 1), T % block != 0
+    (20, (9,), jnp.bfloat16, True),        # the layer's compute dtype
+    (1, None, jnp.bfloat16, True),         # T = 1: the cache alone
+    (5, None, jnp.float32, False),         # no SiLU
+])
+def test_causal_conv1d_matches_short_conv(t, segs, dtype, activation):
+  b, h, kd, width = 2, 2, 16, 4
+  rng = np.random.default_rng(t)
+  x = jnp.asarray(rng.normal(size=(b, t, h, kd)), jnp.float32).astype(dtype)
+  w = jnp.asarray(rng.normal(size=(width, h, kd)) / 2, jnp.float32)
+  cache = jnp.asarray(rng.normal(size=(b, width - 1, h, kd)), jnp.float32)
+  seg = None
+  if segs is not None:
+    seg = np.zeros((b, t), np.int32)
+    for s in segs:
+      seg[1:, s:] += 1   # batch row 0: one segment; row 1: several
+    seg = jnp.asarray(seg)
+  ct = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+
+  def run(fn):
+    def f(x, w, cache):
+      y, vjp = jax.vjp(lambda *a: fn(*a, seg, activation), x, w, cache)
+      return y, vjp(ct.astype(y.dtype))
+    return jax.jit(f)(x, w, cache)
+  kernel = lambda x, w, c, s, a: causal_conv1d(x, w, c, s, activation=a)
+  (y, grads), (y_ref, grads_ref) = run(kernel), run(_reference)
+  tol = 1e-6 if dtype == jnp.float32 else 4e-3   # bf16: one rounding of the same fp32 sums
+  assert y.dtype == y_ref.dtype and _rel(y, y_ref) <= tol, _rel(y, y_ref)
+  for name, g, r in zip(("x", "weight", "cache"), grads, grads_ref):
+    assert g.dtype == r.dtype and g.shape == r.shape, name
+    assert _rel(g, r) <= (1e-5 if dtype == jnp.float32 else 4e-3), (name, _rel(g, r))
+
+
+def test_conv_and_gated_norm_run_per_shard():
+  """Under a (data, tensor)-sharded jit the conv and gated-norm kernels run on their batch / head
+  shards (no operand gathered) and give the one-device gradients."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from pallas_kernels.gated_norm import gated_rms_norm
+  mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "tensor"))
+  b, t, h, kd = 4, 20, 4, 16
+  rng = np.random.default_rng(0)
+  x, g = (jnp.asarray(rng.normal(size=(b, t, h, kd)), jnp.float32) for _ in range(2))
+  w = jnp.asarray(rng.normal(size=(4, h, kd)), jnp.float32)
+  cache = jnp.asarray(rng.normal(size=(b, 3, h, kd)), jnp.float32)
+  nw = jnp.asarray(1 + rng.normal(size=(kd,)), jnp.float32)
+  seg = jnp.asarray((np.arange(t)[None] >= np.array([[3], [9], [20], [15]])).astype(np.int32))
+
+  def loss(x, g, w, cache, nw, seg):
+    y = gated_rms_norm(causal_conv1d(x, w, cache, seg), g, nw, 1e-6)
+    return jnp.sum(y * jnp.cos(y))
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+  put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))
+  sharded = (put(x, "data", None, "tensor"), put(g, "data", None, "tensor"),
+             put(w, None, "tensor"), put(cache, "data", None, "tensor"), put(nw), put(seg, "data"))
+  want = grad(x, g, w, cache, nw, seg)
+  got = grad(*sharded)
+  for name, a, r in zip(("x", "gate", "weight", "cache", "norm weight"), got, want):
+    np.testing.assert_allclose(a, r, rtol=2e-5, atol=2e-6, err_msg=name)
+  assert "all-gather" not in grad.lower(*sharded).compile().as_text()
