@@ -1,0 +1,58 @@
+"""The Mosaic-TPU kernels (BlockSpec tiles, carried state in VMEM scratch) in TPU interpret mode
+on CPU against the float64 oracles: outputs, final states and every gradient, at two block
+sizes, T not a multiple of the block, segments; and their VMEM budgets at a real size."""
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+import kdn_oracle
+from pallas_kernels import diag_gain, iso_gain, tpu_common
+from pallas_kernels.kdn_gain import tpu as gain_tpu
+from test_pallas_gain import _diag_oracle, _inputs, _iso_oracle, _rel
+
+TPU = pltpu.InterpretParams()
+
+
+def _segments(b, t, starts):
+  seg = np.zeros((b, t), np.int32)
+  for s in starts:
+    seg[0, s:] += 1          # batch row 0 has resets, row 1 none
+  return jnp.asarray(seg)
+
+
+# (diag, T, block, dtype, segment starts in row 0): blocks 16 and 32, T never a multiple.
+GAIN_CASES = [
+    (True, 37, 16, jnp.float32, (5, 21)),
+    (False, 45, 32, jnp.float32, (33,)),
+    (True, 23, 32, jnp.bfloat16, (9,)),     # 16-row groups (bf16 sublane tile), one block
+]
+
+
+@pytest.mark.parametrize("diag,t,block,dtype,starts", GAIN_CASES)
+def test_gain_tpu_matches_oracle(diag, t, block, dtype, starts):
+  b, h, kd = 2, 2, 16
+  k, la, om, r, p0 = _inputs(t, b, t, h, kd, diag, dtype, None, True)
+  mu = jnp.asarray([kd, 4.0 * kd], jnp.float32)
+  seg = _segments(b, t, starts) if starts else None
+  fn = diag_gain if diag else iso_gain
+  f = lambda k, la, om, r, mu, p0: fn(k, la, om, r, mu, p0, seg, chunk_size=block,
+                                      interpret=TPU)
+  args = (k, la, om, r, mu, p0)
+  (gain, pf), vjp = jax.vjp(f, *args)
+  rng = np.random.default_rng(1)
+  cts = (jnp.asarray(rng.normal(size=gain.shape), jnp.float32),
+         jnp.asarray(rng.normal(size=pf.shape), jnp.float32))
+  grads = jax.jit(vjp)(cts)
+  oracle = _diag_oracle if diag else _iso_oracle
+  with jax.enable_x64(True):
+    a64 = [jnp.asarray(np.asarray(x, np.float32), jnp.float64) for x in args]
+    ref, ref_vjp = jax.vjp(lambda *a: oracle(*a[:5], a[5], seg), *a64)
+    ref_grads = ref_vjp(tuple(jnp.asarray(c, jnp.float64) for c in cts))
+  tol_f, tol_g = (1e-5, 1e-4) if dtype == jnp.float32 else (5e-3, 1e-2)
+  assert _rel(gain, ref[0]) <= tol_f and _rel(pf, ref[1]) <= tol_f
+  names = ("k", "log_alpha", "omega", "r", "info_scale", "p0")
+  errs = {n: _rel(x, y) for n, x, y in zip(names, grads, ref_grads)}
+  assert all(e <= tol_g for e in errs.values()), errs
