@@ -56,3 +56,39 @@ def test_gain_tpu_matches_oracle(diag, t, block, dtype, starts):
   names = ("k", "log_alpha", "omega", "r", "info_scale", "p0")
   errs = {n: _rel(x, y) for n, x, y in zip(names, grads, ref_grads)}
   assert all(e <= tol_g for e in errs.values()), errs
+
+
+# (T, chunk, K, V, dtype, segment starts in row 0, scalar decay)
+DELTA_CASES = [
+    (37, 16, 16, 32, jnp.float32, (5, 16, 30), False),
+    (45, 32, 32, 16, jnp.float32, (), True),       # no segments: the kernel's has_seg=False
+]
+
+
+@pytest.mark.parametrize("t,chunk,kd,vd,dtype,starts,scalar", DELTA_CASES)
+def test_delta_rule_tpu_forward_matches_oracle(t, chunk, kd, vd, dtype, starts, scalar):
+  from pallas_kernels import delta_rule  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.delta_rule import config as dr_config  # pylint: disable=g-import-not-at-top
+  b, h = 2, 2
+  rng = np.random.default_rng(t)
+  q, k = (rng.normal(size=(b, t, h, kd)) / np.sqrt(kd) for _ in range(2))
+  v = rng.normal(size=(b, t, h, vd))
+  la = -np.abs(rng.normal(size=(b, t, h) if scalar else (b, t, h, kd))) * 0.3
+  la[:, ::4] = -20.0       # strong decays: the ratios must never form exp(-g)
+  w = rng.normal(size=(b, t, h, kd)) / np.sqrt(kd) * 0.5
+  s0 = rng.normal(size=(b, h, kd, vd))
+  arrs = [jnp.asarray(x, jnp.float32).astype(dtype) for x in (q, k, v, la, w)]
+  seg = _segments(b, t, starts) if starts else None
+  old = dr_config.DEFAULT
+  try:
+    dr_config.set_default(max_chunk=chunk)
+    o, sfin = delta_rule(*arrs, 0.7, jnp.asarray(s0, jnp.float32), seg, chunk_size=chunk,
+                         interpret=TPU)
+  finally:
+    dr_config.DEFAULT = old
+  with jax.enable_x64(True):
+    x64 = [jnp.asarray(np.asarray(x, np.float32), jnp.float64) for x in arrs]
+    la64 = x64[3] if not scalar else jnp.broadcast_to(x64[3][..., None], x64[1].shape)
+    ro, rs = kdn_oracle.delta_rule(x64[0], x64[1], x64[2], la64, x64[4], jnp.asarray(s0), 0.7,
+                                   seg)
+  assert _rel(o, ro) <= 1e-5 and _rel(sfin, rs) <= 1e-5, (_rel(o, ro), _rel(sfin, rs))

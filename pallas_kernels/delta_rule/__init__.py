@@ -8,9 +8,11 @@ import jax.numpy as jnp
 
 from pallas_kernels import common
 from pallas_kernels import sharding as _sharding
+from pallas_kernels import tpu_common
 from pallas_kernels.delta_rule import chunk_cumsum as _cumsum_kernels
 from pallas_kernels.delta_rule import config as _config
 from pallas_kernels.delta_rule import kernel as _kernel
+from pallas_kernels.delta_rule import tpu_forward as _tpu_forward
 
 __all__ = ["delta_rule", "chunk_length", "segment_arrays"]
 
@@ -50,6 +52,11 @@ def _backward_body(q, k, v, w, g, h0, starts, cont, pid, amat, pmat, wt, wk, sta
 
 
 def _forward(save, args, chunk, scale, interpret, cfg, prec):
+  if not save and tpu_common.use_tpu_kernels(interpret):
+    # TPU, not differentiated: the one-kernel BlockSpec forward (the grad path: kernels below).
+    q, k, v, w, la, h0, _, _, pid = args
+    return _tpu_forward.delta_rule_forward(q, k, v, w, la, h0, pid, chunk=chunk, scale=scale,
+                                           interpret=interpret, prec=prec, out_dtype=q.dtype)
   body = functools.partial(_forward_body, chunk=chunk, scale=scale, interpret=interpret,
                            cfg=cfg, prec=prec, save=save)
   outs = (_OUT4, _STATE4) + (_res_out(cfg.wy) if save else ())
