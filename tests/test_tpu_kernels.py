@@ -92,3 +92,25 @@ def test_delta_rule_tpu_forward_matches_oracle(t, chunk, kd, vd, dtype, starts, 
     ro, rs = kdn_oracle.delta_rule(x64[0], x64[1], x64[2], la64, x64[4], jnp.asarray(s0), 0.7,
                                    seg)
   assert _rel(o, ro) <= 1e-5 and _rel(sfin, rs) <= 1e-5, (_rel(o, ro), _rel(sfin, rs))
+
+
+def test_tile_bytes_pad_to_the_tpu_layout():
+  """(8 | 16 sublanes, 128 lanes) tiles: a [1, K] f32 row takes a whole (8, 128) tile; 16-bit
+  rows pack in pairs (16-row tiles); leading dims multiply."""
+  assert tpu_common.tile_bytes((1, 16), jnp.float32) == 8 * 128 * 4
+  assert tpu_common.tile_bytes((16, 1), jnp.bfloat16) == 16 * 128 * 2
+  assert tpu_common.tile_bytes((24, 130), jnp.float32) == 24 * 256 * 4
+  assert tpu_common.tile_bytes((3, 8, 128), jnp.int32) == 3 * 8 * 128 * 4
+  assert tpu_common.Block("x", (8, 128), jnp.float32).bytes == 2 * 8 * 128 * 4   # 2 buffers
+
+
+def test_every_tpu_kernel_fits_16mib_of_vmem_at_real_size():
+  """Issue 21: at B=4, T=16k, H=16, K=V=128 bf16 every TPU kernel's live VMEM (tiles double-
+  buffered + scratch) is under 16 MiB, at the default blocks and the largest chunk."""
+  from pallas_kernels import tpu_vmem  # pylint: disable=g-import-not-at-top
+  for chunk in (None, 64):
+    got = tpu_vmem.budgets(4, 16384, 16, 128, 128, jnp.bfloat16, chunk=chunk)
+    assert len(got) == 5 and all(0 < n < 16 * 2**20 for n in got.values()), got
+  # The budget does not grow with T (only the grid does).
+  assert tpu_vmem.budgets(4, 1024, 16, 128, 128, jnp.bfloat16) == tpu_vmem.budgets(
+      4, 16384, 16, 128, 128, jnp.bfloat16)
