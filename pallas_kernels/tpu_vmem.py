@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import tpu_common
 from pallas_kernels.delta_rule import config as dr_config
+from pallas_kernels.delta_rule import tpu_backward
 from pallas_kernels.delta_rule import tpu_forward
 from pallas_kernels.kdn_gain import config as gain_config
 from pallas_kernels.kdn_gain import tpu as gain_tpu
@@ -32,8 +33,10 @@ def budgets(bsz, t, nh, kd, vd, dtype, gain_block=None, chunk=None):
         gain_tpu.forward_blocks(bsz, t, nh, kd, diag, gain_block, dtype))
     out[f"kdn_gain {name} backward (block_t={gain_block})"] = tpu_common.vmem_bytes(
         gain_tpu.backward_blocks(bsz, t, nh, kd, diag, gain_block, dtype))
-  out[f"delta_rule forward (chunk={chunk}, segments)"] = tpu_common.vmem_bytes(
+  out[f"delta_rule forward (chunk={chunk}, segments, saving states)"] = tpu_common.vmem_bytes(
       tpu_forward.forward_blocks(bsz, t, nh, kd, vd, chunk, dtype))
+  out[f"delta_rule backward (chunk={chunk}, segments)"] = tpu_common.vmem_bytes(
+      tpu_backward.backward_blocks(bsz, t, nh, kd, vd, chunk, dtype))
   return out
 
 

@@ -16,6 +16,21 @@ from test_pallas_gain import _diag_oracle, _inputs, _iso_oracle, _rel
 TPU = pltpu.InterpretParams()
 
 
+def _outputs_and_grads(f, args, out_shapes, seed):
+  """f(*args), and the gradients of <f(*args), cts> for random cts, in one jit (eager TPU
+  interpret mode runs op by op: several times slower)."""
+  rng = np.random.default_rng(seed)
+  cts = tuple(jnp.asarray(rng.normal(size=s), jnp.float32) for s in out_shapes)
+
+  @jax.jit
+  def run(args):
+    out, vjp = jax.vjp(f, *args)
+    return out, vjp(cts)
+
+  out, grads = run(tuple(args))
+  return out, grads, cts
+
+
 def _segments(b, t, starts):
   seg = np.zeros((b, t), np.int32)
   for s in starts:
@@ -23,29 +38,28 @@ def _segments(b, t, starts):
   return jnp.asarray(seg)
 
 
-# (diag, T, block, dtype, segment starts in row 0): blocks 16 and 32, T never a multiple.
+# (diag, T, block, dtype, segment starts in row 0, strong decays every 3rd token): blocks 16
+# and 32, T never a multiple; mild decays keep the variance (and its gradient) carried across
+# blocks.
 GAIN_CASES = [
-    (True, 37, 16, jnp.float32, (5, 21)),
-    (False, 45, 32, jnp.float32, (33,)),
-    (True, 23, 32, jnp.bfloat16, (9,)),     # 16-row groups (bf16 sublane tile), one block
+    (True, 37, 16, jnp.float32, (5, 21), False),
+    (False, 45, 32, jnp.float32, (33,), False),
+    (True, 23, 32, jnp.bfloat16, (9,), True),   # 16-row groups (bf16 sublane tile), one block
 ]
 
 
-@pytest.mark.parametrize("diag,t,block,dtype,starts", GAIN_CASES)
-def test_gain_tpu_matches_oracle(diag, t, block, dtype, starts):
+@pytest.mark.parametrize("diag,t,block,dtype,starts,strong", GAIN_CASES)
+def test_gain_tpu_matches_oracle(diag, t, block, dtype, starts, strong):
   b, h, kd = 2, 2, 16
-  k, la, om, r, p0 = _inputs(t, b, t, h, kd, diag, dtype, None, True)
+  k, la, om, r, p0 = _inputs(t, b, t, h, kd, diag, dtype, None, strong)
   mu = jnp.asarray([kd, 4.0 * kd], jnp.float32)
   seg = _segments(b, t, starts) if starts else None
   fn = diag_gain if diag else iso_gain
   f = lambda k, la, om, r, mu, p0: fn(k, la, om, r, mu, p0, seg, chunk_size=block,
                                       interpret=TPU)
   args = (k, la, om, r, mu, p0)
-  (gain, pf), vjp = jax.vjp(f, *args)
-  rng = np.random.default_rng(1)
-  cts = (jnp.asarray(rng.normal(size=gain.shape), jnp.float32),
-         jnp.asarray(rng.normal(size=pf.shape), jnp.float32))
-  grads = jax.jit(vjp)(cts)
+  (gain, pf), grads, cts = _outputs_and_grads(f, args, (la.shape if diag else r.shape, p0.shape),
+                                              1)
   oracle = _diag_oracle if diag else _iso_oracle
   with jax.enable_x64(True):
     a64 = [jnp.asarray(np.asarray(x, np.float32), jnp.float64) for x in args]
@@ -66,7 +80,9 @@ DELTA_CASES = [
 
 
 @pytest.mark.parametrize("t,chunk,kd,vd,dtype,starts,scalar", DELTA_CASES)
-def test_delta_rule_tpu_forward_matches_oracle(t, chunk, kd, vd, dtype, starts, scalar):
+def test_delta_rule_tpu_matches_oracle(t, chunk, kd, vd, dtype, starts, scalar):
+  """Outputs, final state and the gradients of q, k, v, log_alpha, write and the initial state
+  (tpu_forward.py + tpu_backward.py through delta_rule's custom_vjp)."""
   from pallas_kernels import delta_rule  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import config as dr_config  # pylint: disable=g-import-not-at-top
   b, h = 2, 2
@@ -74,24 +90,36 @@ def test_delta_rule_tpu_forward_matches_oracle(t, chunk, kd, vd, dtype, starts, 
   q, k = (rng.normal(size=(b, t, h, kd)) / np.sqrt(kd) for _ in range(2))
   v = rng.normal(size=(b, t, h, vd))
   la = -np.abs(rng.normal(size=(b, t, h) if scalar else (b, t, h, kd))) * 0.3
-  la[:, ::4] = -20.0       # strong decays: the ratios must never form exp(-g)
+  # One strong decay (the ratios must never form exp(-g)); elsewhere mild, so the state and its
+  # gradient carry across chunks.
+  la = la * 0.3
+  la[:, 3] = -20.0
   w = rng.normal(size=(b, t, h, kd)) / np.sqrt(kd) * 0.5
   s0 = rng.normal(size=(b, h, kd, vd))
-  arrs = [jnp.asarray(x, jnp.float32).astype(dtype) for x in (q, k, v, la, w)]
+  args = [jnp.asarray(x, jnp.float32).astype(dtype) for x in (q, k, v, la, w)] + [
+      jnp.asarray(s0, jnp.float32)]
   seg = _segments(b, t, starts) if starts else None
   old = dr_config.DEFAULT
   try:
     dr_config.set_default(max_chunk=chunk)
-    o, sfin = delta_rule(*arrs, 0.7, jnp.asarray(s0, jnp.float32), seg, chunk_size=chunk,
-                         interpret=TPU)
+    f = lambda q, k, v, la, w, s0: delta_rule(q, k, v, la, w, 0.7, s0, seg, chunk_size=chunk,
+                                              interpret=TPU)
+    (o, sfin), grads, cts = _outputs_and_grads(f, args, (v.shape, s0.shape), 2)
   finally:
     dr_config.DEFAULT = old
+
+  def oracle(q, k, v, la, w, s0):
+    la = la if not scalar else jnp.broadcast_to(la[..., None], k.shape)
+    return kdn_oracle.delta_rule(q, k, v, la, w, s0, 0.7, seg)
+
   with jax.enable_x64(True):
-    x64 = [jnp.asarray(np.asarray(x, np.float32), jnp.float64) for x in arrs]
-    la64 = x64[3] if not scalar else jnp.broadcast_to(x64[3][..., None], x64[1].shape)
-    ro, rs = kdn_oracle.delta_rule(x64[0], x64[1], x64[2], la64, x64[4], jnp.asarray(s0), 0.7,
-                                   seg)
+    x64 = [jnp.asarray(np.asarray(x, np.float32), jnp.float64) for x in args]
+    (ro, rs), ref_vjp = jax.vjp(oracle, *x64)
+    ref_grads = ref_vjp(tuple(jnp.asarray(c, jnp.float64) for c in cts))
   assert _rel(o, ro) <= 1e-5 and _rel(sfin, rs) <= 1e-5, (_rel(o, ro), _rel(sfin, rs))
+  names = ("q", "k", "v", "log_alpha", "write", "initial_state")
+  errs = {n: _rel(x, y) for n, x, y in zip(names, grads, ref_grads)}
+  assert all(e <= 1e-4 for e in errs.values()), errs
 
 
 def test_tile_bytes_pad_to_the_tpu_layout():
@@ -110,7 +138,7 @@ def test_every_tpu_kernel_fits_16mib_of_vmem_at_real_size():
   from pallas_kernels import tpu_vmem  # pylint: disable=g-import-not-at-top
   for chunk in (None, 64):
     got = tpu_vmem.budgets(4, 16384, 16, 128, 128, jnp.bfloat16, chunk=chunk)
-    assert len(got) == 5 and all(0 < n < 16 * 2**20 for n in got.values()), got
+    assert len(got) == 6 and all(0 < n < 16 * 2**20 for n in got.values()), got
   # The budget does not grow with T (only the grid does).
   assert tpu_vmem.budgets(4, 1024, 16, 128, 128, jnp.bfloat16) == tpu_vmem.budgets(
       4, 16384, 16, 128, 128, jnp.bfloat16)

@@ -12,6 +12,7 @@ from pallas_kernels import tpu_common
 from pallas_kernels.delta_rule import chunk_cumsum as _cumsum_kernels
 from pallas_kernels.delta_rule import config as _config
 from pallas_kernels.delta_rule import kernel as _kernel
+from pallas_kernels.delta_rule import tpu_backward as _tpu_backward
 from pallas_kernels.delta_rule import tpu_forward as _tpu_forward
 
 __all__ = ["delta_rule", "chunk_length", "segment_arrays"]
@@ -52,11 +53,13 @@ def _backward_body(q, k, v, w, g, h0, starts, cont, pid, amat, pmat, wt, wk, sta
 
 
 def _forward(save, args, chunk, scale, interpret, cfg, prec):
-  if not save and tpu_common.use_tpu_kernels(interpret):
-    # TPU, not differentiated: the one-kernel BlockSpec forward (the grad path: kernels below).
+  if tpu_common.use_tpu_kernels(interpret):
+    # TPU: one BlockSpec kernel (tpu_forward.py); with `save` it also returns the chunk-start
+    # states, the residual of tpu_backward.py.
     q, k, v, w, la, h0, _, _, pid = args
     return _tpu_forward.delta_rule_forward(q, k, v, w, la, h0, pid, chunk=chunk, scale=scale,
-                                           interpret=interpret, prec=prec, out_dtype=q.dtype)
+                                           interpret=interpret, prec=prec, out_dtype=q.dtype,
+                                           save_states=save)
   body = functools.partial(_forward_body, chunk=chunk, scale=scale, interpret=interpret,
                            cfg=cfg, prec=prec, save=save)
   outs = (_OUT4, _STATE4) + (_res_out(cfg.wy) if save else ())
@@ -70,6 +73,10 @@ def _core(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg, p
 
 
 def _core_fwd(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg, prec):
+  if tpu_common.use_tpu_kernels(interpret):
+    o, sfin, states = _forward(True, (q, k, v, w, la, h0, starts, cont, pid), chunk, scale,
+                               interpret, cfg, prec)
+    return (o, sfin), (q, k, v, w, la, h0, pid, states)
   o, sfin, *res = _forward(True, (q, k, v, w, la, h0, starts, cont, pid), chunk, scale,
                            interpret, cfg, prec)
   # (an empty array carries log_alpha's dtype: residuals must be arrays)
@@ -77,6 +84,13 @@ def _core_fwd(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cf
 
 
 def _core_bwd(chunk, scale, interpret, cfg, prec, saved, cts):
+  if tpu_common.use_tpu_kernels(interpret):
+    q, k, v, w, la, h0, pid, states = saved
+    grads = _tpu_backward.delta_rule_backward(q, k, v, w, la, h0, pid, states, *cts,
+                                              chunk=chunk, scale=scale, interpret=interpret,
+                                              prec=prec)
+    return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v, w, la))) + (
+        grads[5], None, None, None)
   q, k, v, w, h0, starts, cont, pid, res, la_like = saved
   do, dsfin = cts
   body = functools.partial(_backward_body, chunk=chunk, scale=scale, interpret=interpret,

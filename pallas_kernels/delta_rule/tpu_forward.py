@@ -19,8 +19,8 @@ the chunk's columns with decay ratios exp(min(g_r - g_j, 0)) (never exp(-g): no 
 strong decay), A by forward substitution in matmuls. The V/BV programs of a head recompute the
 K-side work (L, P, A: once per head when BV = V, the default for V <= 128).
 
-This is the inference (undifferentiated) forward: it saves no residuals, so under `jax.grad`
-the delta rule still runs the whole-array kernels (docs/tpu.md, "what is left").
+Differentiated, it also writes every chunk's start state (the residual of tpu_backward.py, which
+recomputes the rest per chunk).
 
 Layouts: q, k, w, log_alpha as [B, T, H*K] (free reshapes), block (C, K) at column block h;
 v and o as [B, T, H*V], block (C, BV); initial / final state [B*H, K, V], block (K, BV);
@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import common
 from pallas_kernels import tpu_common
 
-__all__ = ["delta_rule_forward", "forward_blocks", "local_reset_count"]
+__all__ = ["delta_rule_forward", "forward_blocks", "local_reset_count", "chunk_terms"]
 
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
@@ -82,24 +82,16 @@ def _pair_products(q, k, w, g, mask_strict, mask_incl, scale):
   return jnp.where(mask_strict, lmat, 0.0), jnp.where(mask_incl, pmat * scale, 0.0)
 
 
-def _forward_kernel(*refs, scale, has_seg, prec):
-  q_ref, k_ref, w_ref, la_ref, v_ref, h0_ref = refs[:6]
-  lp_ref = refs[6] if has_seg else None
-  o_ref, sfin_ref, s_scr = refs[-3:]
-  c_idx = pl.program_id(2)
-
-  @pl.when(c_idx == 0)
-  def _():
-    s_scr[...] = h0_ref[...]
-
-  q, k, w, la = (r[...].astype(F32) for r in (q_ref, k_ref, w_ref, la_ref))
-  v = v_ref[...].astype(F32)
+def chunk_terms(q, k, w, la, lp, scale):
+  """Everything of a chunk that does not touch the state (shared with tpu_backward.py, which
+  recomputes it instead of storing A, P and Wt). q, k, w, la: [C, K] f32; lp: [C, 1] f32 resets
+  so far in the chunk, or None without segments."""
   c = q.shape[0]
   row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
   col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
   strict, incl = row > col, row >= col
-  if has_seg:
-    lp = lp_ref[...]                                            # [C, 1] resets so far in chunk
+  cont = in_last = None
+  if lp is not None:
     lp_cols = _dot_nt(jnp.ones_like(lp), lp, HIGHEST)           # [C, C]: (r, j) -> count_j
     same = lp == lp_cols
     strict, incl = strict & same, incl & same
@@ -108,29 +100,59 @@ def _forward_kernel(*refs, scale, has_seg, prec):
   # Chunk-local cumsum restarted at resets, as a 0/1 lower-triangular matmul (fp32-accurate).
   g = _dot(incl.astype(F32), la, HIGHEST)
   lmat, pmat = _pair_products(q, k, w, g, strict, incl, scale)
-  amat = _unit_lower_inverse(lmat)
   e = jnp.exp(g)
-  kbar, qbar = k * e, (scale * q) * e
   g_last = g[c - 1:c]
-  wt = w * jnp.exp(jnp.minimum(g_last - g, 0.0))
-  # exp(g_last) as a [K, 1] column (to scale the state's rows) by an outer product with 1: no
-  # lane-to-sublane relayout needed.
-  e_col = _dot_tn(jnp.exp(g_last), jnp.ones((1, 1), F32), HIGHEST)
+  decay_to_last = jnp.exp(jnp.minimum(g_last - g, 0.0))
+  if in_last is not None:
+    decay_to_last = decay_to_last * in_last
+  e_last = jnp.exp(g_last)
+  return dict(
+      strict=strict, incl=incl, cont=cont, in_last=in_last, g=g, pmat=pmat,
+      amat=_unit_lower_inverse(lmat), e=e, kbar=k * e, qbar=(scale * q) * e,
+      decay_to_last=decay_to_last, wt=w * decay_to_last, e_last=e_last,
+      # exp(g_last) as a [K, 1] column (to scale the state's rows) by an outer product with 1:
+      # no lane-to-sublane relayout needed.
+      e_col=_dot_tn(e_last, jnp.ones((1, 1), F32), HIGHEST))
+
+
+def rows_from(x, cont, s0, s_init, prec):
+  """x @ S_0 where rows still on the carry read S_0 and the others S_init (cont None: all S_0)."""
+  if cont is None:
+    return _dot(x, s0, prec)
+  return _dot(x * cont, s0, prec) + _dot(x * (1.0 - cont), s_init, prec)
+
+
+def chunk_base(ct, s0, s_init):
+  """The state the chunk's decay applies to: S_init when its last token's segment began in it."""
+  if ct["cont"] is None:
+    return s0
+  cont_last = ct["cont"][-1:]
+  return cont_last * s0 + (1.0 - cont_last) * s_init
+
+
+def _forward_kernel(*refs, scale, has_seg, prec, save_states):
+  q_ref, k_ref, w_ref, la_ref, v_ref, h0_ref = refs[:6]
+  lp_ref = refs[6] if has_seg else None
+  o_ref, sfin_ref = refs[6 + has_seg:8 + has_seg]
+  states_ref = refs[8 + has_seg] if save_states else None
+  s_scr = refs[-1]
+  c_idx = pl.program_id(2)
+
+  @pl.when(c_idx == 0)
+  def _():
+    s_scr[...] = h0_ref[...]
+
+  q, k, w, la = (r[...].astype(F32) for r in (q_ref, k_ref, w_ref, la_ref))
+  v = v_ref[...].astype(F32)
+  ct = chunk_terms(q, k, w, la, lp_ref[...] if has_seg else None, scale)
   s0 = s_scr[...]
-  if has_seg:
-    s_init = h0_ref[...]
-    wt = wt * in_last
-    u = v - _dot(kbar * cont, s0, prec) - _dot(kbar * (1.0 - cont), s_init, prec)
-    o = _dot(qbar * cont, s0, prec) + _dot(qbar * (1.0 - cont), s_init, prec)
-    cont_last = cont[c - 1:c]
-    s_base = cont_last * s0 + (1.0 - cont_last) * s_init
-  else:
-    u = v - _dot(kbar, s0, prec)
-    o = _dot(qbar, s0, prec)
-    s_base = s0
-  delta = _dot(amat, u, prec)
-  o_ref[...] = (o + _dot(pmat, delta, prec)).astype(o_ref.dtype)
-  s_new = e_col * s_base + _dot_tn(wt, delta, prec)
+  if save_states:
+    states_ref[...] = s0
+  s_init = h0_ref[...]
+  delta = _dot(ct["amat"], v - rows_from(ct["kbar"], ct["cont"], s0, s_init, prec), prec)
+  o = rows_from(ct["qbar"], ct["cont"], s0, s_init, prec) + _dot(ct["pmat"], delta, prec)
+  o_ref[...] = o.astype(o_ref.dtype)
+  s_new = ct["e_col"] * chunk_base(ct, s0, s_init) + _dot_tn(ct["wt"], delta, prec)
   s_scr[...] = s_new
 
   @pl.when(c_idx == pl.num_programs(2) - 1)
@@ -138,7 +160,7 @@ def _forward_kernel(*refs, scale, has_seg, prec):
     sfin_ref[...] = s_new
 
 
-def _plan(bsz, t, nh, kd, vd, chunk, block_v, dtypes, out_dtype, has_seg):
+def _plan(bsz, t, nh, kd, vd, chunk, block_v, dtypes, out_dtype, has_seg, save_states=False):
   """(in_specs, out_specs, out_shape, scratch, VMEM blocks) of the forward."""
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
   nvb = vd // block_v
@@ -159,8 +181,12 @@ def _plan(bsz, t, nh, kd, vd, chunk, block_v, dtypes, out_dtype, has_seg):
     in_specs.append(spec("resets in chunk", (chunk, 1), F32,
                          lambda bh, vb, c: (bh // nh, c, 0)))
   out_specs = [val("o", out_dtype), state("S_final")]
-  out_shape = (jax.ShapeDtypeStruct((bsz, t, nh * vd), out_dtype),
-               jax.ShapeDtypeStruct((bsz * nh, kd, vd), F32))
+  out_shape = [jax.ShapeDtypeStruct((bsz, t, nh * vd), out_dtype),
+               jax.ShapeDtypeStruct((bsz * nh, kd, vd), F32)]
+  if save_states:   # the backward's residual: every chunk's start state
+    blocks.append(tpu_common.Block("chunk-start S", (kd, block_v), F32))
+    out_specs.append(pl.BlockSpec((None, None, kd, block_v), lambda bh, vb, c: (bh, c, 0, vb)))
+    out_shape.append(jax.ShapeDtypeStruct((bsz * nh, t // chunk, kd, vd), F32))
   blocks.append(tpu_common.Block("S carry", (kd, block_v), F32, pipelined=False))
   return in_specs, out_specs, out_shape, [pltpu.VMEM((kd, block_v), F32)], blocks
 
@@ -169,9 +195,10 @@ def _block_v(vd):
   return min(vd, 128)
 
 
-def forward_blocks(bsz, t, nh, kd, vd, chunk, dtype, has_seg=True):
-  """The forward's VMEM Blocks for inputs of one `dtype`."""
-  return _plan(bsz, t, nh, kd, vd, chunk, _block_v(vd), (dtype,) * 5, dtype, has_seg)[4]
+def forward_blocks(bsz, t, nh, kd, vd, chunk, dtype, has_seg=True, save_states=True):
+  """The forward's VMEM Blocks for inputs of one `dtype` (training: saving the states)."""
+  return _plan(bsz, t, nh, kd, vd, chunk, _block_v(vd), (dtype,) * 5, dtype, has_seg,
+               save_states)[4]
 
 
 def local_reset_count(pid, chunk):
@@ -184,27 +211,30 @@ def local_reset_count(pid, chunk):
   return (per_chunk - before[..., None]).astype(F32).reshape(bsz, t, 1)
 
 
-def delta_rule_forward(q, k, v, w, la, h0, pid, *, chunk, scale, interpret, prec, out_dtype):
+def delta_rule_forward(q, k, v, w, la, h0, pid, *, chunk, scale, interpret, prec, out_dtype,
+                       save_states=False):
   """q, k, w, la: [B,T,H,K] (T a multiple of chunk; la per channel); v [B,T,H,V]; h0 [B,H,K,V]
   f32; pid [B,T] int32 or None (no segments); prec: 'fast' | 'exact'.
-  Returns (o [B,T,H,V] out_dtype, S_final [B,H,K,V] f32)."""
+  Returns (o [B,T,H,V] out_dtype, S_final [B,H,K,V] f32, and with save_states the chunk-start
+  states [B*H, T/chunk, K, V] f32 (tpu_backward's residual))."""
   bsz, t, nh, kd = k.shape
   vd = v.shape[-1]
   has_seg = pid is not None
   block_v = _block_v(vd)
   in_specs, out_specs, out_shape, scratch, _ = _plan(
       bsz, t, nh, kd, vd, chunk, block_v, tuple(x.dtype for x in (q, k, v, w, la)), out_dtype,
-      has_seg)
+      has_seg, save_states)
   flat = lambda x: x.reshape(bsz, t, nh * x.shape[-1])
   args = [flat(q), flat(k), flat(w), flat(la), flat(v), h0.reshape(bsz * nh, kd, vd)]
   if has_seg:
     args.append(local_reset_count(pid, chunk))
   kw = {} if interpret is False or interpret is None else dict(interpret=interpret)
-  o, sfin = pl.pallas_call(
+  outs = pl.pallas_call(
       functools.partial(_forward_kernel, scale=scale, has_seg=has_seg,
-                        prec=common.dot_precision(prec, interpret)),
+                        prec=common.dot_precision(prec, interpret), save_states=save_states),
       grid=(bsz * nh, vd // block_v, t // chunk), in_specs=in_specs, out_specs=out_specs,
-      out_shape=out_shape, scratch_shapes=scratch, name="delta_rule_tpu_fwd",
+      out_shape=tuple(out_shape), scratch_shapes=scratch, name="delta_rule_tpu_fwd",
       compiler_params=tpu_common.compiler_params(("parallel", "parallel", "arbitrary")), **kw,
   )(*args)
-  return o.reshape(bsz, t, nh, vd), sfin.reshape(bsz, nh, kd, vd)
+  o, sfin = outs[0].reshape(bsz, t, nh, vd), outs[1].reshape(bsz, nh, kd, vd)
+  return (o, sfin, outs[2]) if save_states else (o, sfin)
