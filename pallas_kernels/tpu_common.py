@@ -24,7 +24,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import sharding
 
-__all__ = ["use_tpu_kernels", "per_shard", "compiler_params", "tile_bytes", "Block", "vmem_bytes"]
+__all__ = ["use_tpu_kernels", "per_shard", "check_lane_tile", "compiler_params", "tile_bytes",
+           "Block", "vmem_bytes"]
 
 LANES = 128
 SUBLANES_32BIT = 8
@@ -54,6 +55,16 @@ def per_shard(interpret, fn, in_dims, out_dims, name):
   if use_tpu_kernels(interpret):
     return fn
   return sharding.per_shard(fn, in_dims, out_dims, name)
+
+
+def check_lane_tile(op, name, width):
+  """Compiled on a TPU, a block's minor dim must be a multiple of 128 lanes or the array's whole
+  minor dim; the kernels tile [B, T, H*K] by K columns, so K (and V) must be multiples of 128
+  there. Interpret mode does not check layouts, so it runs any width (the tests use 16, 32)."""
+  if jax.default_backend() == "tpu" and width % LANES:
+    raise NotImplementedError(
+        f"{op}: {name}={width} is not a multiple of {LANES}, which the Mosaic-TPU kernels' "
+        "(rows, K) tiles need; use impl='chunked' on TPU for this width.")
 
 
 def compiler_params(semantics: Sequence[str]):

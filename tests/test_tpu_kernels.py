@@ -149,8 +149,9 @@ def test_iso_kdn_impl_pallas_runs_the_tpu_kernels():
   log_alpha, omega, r, memory, variance) match the float64 oracle on test_ops_grad's shared
   body, with segments; 'auto' keeps the XLA chunked path on TPU."""
   from kdn_jax.ops import dispatch  # pylint: disable=g-import-not-at-top
-  from ops_cases import make_inputs, make_state, rel_err, round_f32  # pylint: disable=g-import-not-at-top
   import test_ops_grad as og  # pylint: disable=g-import-not-at-top
+  from ops_cases import (make_inputs, make_state, rel_err,  # pylint: disable=g-import-not-at-top
+                         round_f32)
   from pallas_kernels.delta_rule import tpu_backward  # pylint: disable=g-import-not-at-top
   assert dispatch.PALLAS_AUTO_PLATFORMS == ("gpu",)
   b, t, vd = og.B, 37, 16      # V >= 16: the kernels' smallest width

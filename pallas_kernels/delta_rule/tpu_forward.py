@@ -219,6 +219,8 @@ def delta_rule_forward(q, k, v, w, la, h0, pid, *, chunk, scale, interpret, prec
   states [B*H, T/chunk, K, V] f32 (tpu_backward's residual))."""
   bsz, t, nh, kd = k.shape
   vd = v.shape[-1]
+  for name, n in (("K", kd), ("V", vd)):
+    tpu_common.check_lane_tile("delta_rule", name, n)
   has_seg = pid is not None
   block_v = _block_v(vd)
   in_specs, out_specs, out_shape, scratch, _ = _plan(

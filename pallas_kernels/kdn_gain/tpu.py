@@ -3,7 +3,8 @@
 Same recurrence and the same entry points (`gain_forward`, `gain_backward`, same arguments and
 results) as the Triton/generic kernels in kernel.py, which stay the GPU path; the two are
 selected in `kdn_gain/__init__.py` (`tpu_common.use_tpu_kernels`). Per token, lane i:
-    p_hat = a p + om;  den = r + sum_i p_hat_i kk_i;  gain = p_hat kx / den;  p = p_hat / (1 + u p_hat)
+    p_hat = a p + om;  den = r + sum_i p_hat_i kk_i;  gain = p_hat kx / den;
+    p = p_hat / (1 + u p_hat)
 (lanes as in kernel.py: diag a = exp(2 la), kx = k, kk = k^2, u = mu k^2 / r over K lanes; iso one
 lane with a = mean exp(2 la), kx = 1, kk = |k|^2, u = mu |k|^2 / (K r)).
 
@@ -341,6 +342,7 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
   del cfg   # Triton warps/stages: nothing to set on TPU
   k = raw[0]
   bsz, t, nh, kd = k.shape
+  tpu_common.check_lane_tile("kdn_gain", "K", kd)
   (kf, laf, omf, r, rs), mu = _to_kernel(raw, reset, diag)
   plan = _forward_plan(bsz, t, nh, kd, diag, chunk, tuple(x.dtype for x in raw[:4]), save_pprev)
   rows = _rows([x.dtype for x in raw[:4]])
