@@ -71,19 +71,23 @@ def test_gain_tpu_matches_oracle(diag, t, block, dtype, starts):
   assert all(e <= tol_g for e in errs.values()), errs
 
 
-# (T, chunk, K, V, dtype, segment starts in row 0, scalar decay)
+# (T, chunk, K, V, forward V block, segment starts in row 0, scalar decay)
 DELTA_CASES = [
-    (37, 16, 16, 32, jnp.float32, (5, 16, 30), False),
-    (45, 32, 32, 16, jnp.float32, (), True),       # no segments: the kernel's has_seg=False
+    (37, 16, 16, 32, 16, (5, 16, 30), False),   # two V blocks in the forward
+    (45, 32, 32, 16, None, (), True),           # no segments: the kernel's has_seg=False
 ]
 
 
-@pytest.mark.parametrize("t,chunk,kd,vd,dtype,starts,scalar", DELTA_CASES)
-def test_delta_rule_tpu_matches_oracle(t, chunk, kd, vd, dtype, starts, scalar):
+@pytest.mark.parametrize("t,chunk,kd,vd,block_v,starts,scalar", DELTA_CASES)
+def test_delta_rule_tpu_matches_oracle(t, chunk, kd, vd, block_v, starts, scalar, monkeypatch):
   """Outputs, final state and the gradients of q, k, v, log_alpha, write and the initial state
   (tpu_forward.py + tpu_backward.py through delta_rule's custom_vjp)."""
   from pallas_kernels import delta_rule  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import config as dr_config  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.delta_rule import tpu_forward  # pylint: disable=g-import-not-at-top
+  if block_v:
+    monkeypatch.setattr(tpu_forward, "BLOCK_V", block_v)
+  dtype = jnp.float32
   b, h = 2, 2
   rng = np.random.default_rng(t)
   q, k = (rng.normal(size=(b, t, h, kd)) / np.sqrt(kd) for _ in range(2))

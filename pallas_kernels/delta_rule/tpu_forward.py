@@ -191,8 +191,13 @@ def _plan(bsz, t, nh, kd, vd, chunk, block_v, dtypes, out_dtype, has_seg, save_s
   return in_specs, out_specs, out_shape, [pltpu.VMEM((kd, block_v), F32)], blocks
 
 
+# Value columns per forward program: one 128-lane tile (a V split costs only recomputed K-side
+# work, and keeps the state scratch at [K, 128]). The backward always takes all of V.
+BLOCK_V = 128
+
+
 def _block_v(vd):
-  return min(vd, 128)
+  return min(vd, BLOCK_V)
 
 
 def forward_blocks(bsz, t, nh, kd, vd, chunk, dtype, has_seg=True, save_states=True):
