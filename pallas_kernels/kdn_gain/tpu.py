@@ -168,18 +168,18 @@ def _forward_kernel(k_ref, la_ref, om_ref, r_ref, reset_ref, p0_ref, mu_ref, *re
     x = _lanes(k_ref[sl, :], la_ref[sl, :], om_ref[sl, :], r_ref[sl, :], mu, h, diag)
     reset = reset_ref[sl, :] > 0
     gains = jnp.zeros(out_shape, F32)
-    starts = gains
+    p_before = gains   # the variance each token starts from (the backward's residual)
     for i in range(rows):   # the serial part: one token after another
       at = slice(i, i + 1)
       p = jnp.where(reset[at], p0, p)
       p_hat = x["a"][at] * p + x["om"][at]
       den = x["r"][at] + jnp.sum(p_hat * x["kk"][at], axis=1, keepdims=True)
       gains = jnp.where(row_id == i, p_hat * x["kx"][at] / den, gains)
-      starts = jnp.where(row_id == i, p, starts)
+      p_before = jnp.where(row_id == i, p, p_before)
       p = p_hat / (1.0 + x["u"][at] * p_hat)
     gain_ref[sl, :] = gains
     if save_pprev:
-      pprev_ref[sl, :] = starts
+      pprev_ref[sl, :] = p_before
     return p
 
   p = lax.fori_loop(0, gain_ref.shape[0] // rows, group, p_scr[...])
