@@ -27,7 +27,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kdn_jax import ops
-from kdn_jax.ops import dispatch
 from kdn_jax.layers.decay import Decay
 from kdn_jax.layers.dense import Dense, LowRank, constant_init, inv_softplus, make_param, zeros_init
 from kdn_jax.layers.recurrent import RecurrentMixer
@@ -143,7 +142,7 @@ class KDNMixer(RecurrentMixer):
         noise (both projections present) and no float64 (the kernels compute in fp32)."""
         raw = gates['raw']
         return (self.fuse_front and self.noise == 'learned'
-                and dispatch.resolve_impl('kdn_mixer', self.impl) == 'pallas'
+                and self._glue_kernels()
                 and all(jnp.dtype(v.dtype).itemsize <= 4 for v in raw.values()))
 
     def _init_core(self, batch):

@@ -107,11 +107,17 @@ class RecurrentMixer(nnx.Module):
     def _out(self, o, x):
         return self.o_proj(self.o_norm(o, self.g_proj(x), fused=self._fused_norm()))
 
+    def _glue_kernels(self) -> bool:
+        """Whether the fused glue kernels (conv, norm, gate front-end) may run: the pallas impl, not
+        on a TPU (they are written for the Triton lowering; the TPU kernels cover the ops only)."""
+        return (dispatch.resolve_impl('recurrent_mixer', self.impl) == 'pallas'
+                and jax.default_backend() != 'tpu')
+
     def _fused_conv(self) -> bool:
-        return self.fuse_conv and dispatch.resolve_impl('recurrent_mixer', self.impl) == 'pallas'
+        return self.fuse_conv and self._glue_kernels()
 
     def _fused_norm(self) -> bool:
-        return self.fuse_norm and dispatch.resolve_impl('recurrent_mixer', self.impl) == 'pallas'
+        return self.fuse_norm and self._glue_kernels()
 
     def project(self, x, conv, segment_ids=None):
         """x [B, T, d] -> (q, k, v after short conv, q/k L2-normalised; the new conv caches)."""

@@ -15,6 +15,7 @@ One module per stage (options in config.DeltaRuleConfig), imported only from her
   output        O = Qbar S_0 + P Delta, parallel over chunks
   backward      the reverse dS chain, dV and partials, the intra backward
   tiles         helpers the stage kernels share (no kernels)
+  tpu_forward / tpu_backward   the Mosaic-TPU kernels (BlockSpec tiles; docs/tpu.md)
 """
 from __future__ import annotations
 
@@ -26,12 +27,15 @@ import jax.numpy as jnp
 
 from pallas_kernels import common
 from pallas_kernels import sharding as _sharding
+from pallas_kernels import tpu_common
 from pallas_kernels.delta_rule import backward as _backward
 from pallas_kernels.delta_rule import chunk_cumsum as _cumsum_kernels
 from pallas_kernels.delta_rule import config as _config
 from pallas_kernels.delta_rule import intra as _intra
 from pallas_kernels.delta_rule import output as _output
 from pallas_kernels.delta_rule import state_pass as _state_pass
+from pallas_kernels.delta_rule import tpu_backward as _tpu_backward
+from pallas_kernels.delta_rule import tpu_forward as _tpu_forward
 
 __all__ = ["delta_rule", "chunk_length", "forward_only", "segment_arrays"]
 
@@ -86,6 +90,13 @@ def _backward_body(q, k, v, w, g, h0, starts, cont, pid, amat, pmat, wt, wk, sta
 
 
 def _forward(save, args, chunk, scale, interpret, cfg, prec):
+  if tpu_common.use_tpu_kernels(interpret):
+    # TPU: one BlockSpec kernel (tpu_forward.py); with `save` it also returns the chunk-start
+    # states, the residual of tpu_backward.py.
+    q, k, v, w, la, h0, _, _, pid = args
+    return _tpu_forward.delta_rule_forward(q, k, v, w, la, h0, pid, chunk=chunk, scale=scale,
+                                           interpret=interpret, prec=prec, out_dtype=q.dtype,
+                                           save_states=save)
   body = functools.partial(_forward_body, chunk=chunk, scale=scale, interpret=interpret,
                            cfg=cfg, prec=prec, save=save)
   outs = (_OUT4, _STATE4) + (_res_out(cfg.wy) if save else ())
@@ -105,6 +116,10 @@ def _core(q, k, v, w, la, h0, starts, cont, pid, starts_fo, cont_fo, chunk, chun
 def _core_fwd(q, k, v, w, la, h0, starts, cont, pid, starts_fo, cont_fo, chunk, chunk_fo, scale,
               interpret, cfg, cfg_fo, prec):
   del starts_fo, cont_fo, chunk_fo, cfg_fo
+  if tpu_common.use_tpu_kernels(interpret):
+    o, sfin, states = _forward(True, (q, k, v, w, la, h0, starts, cont, pid), chunk, scale,
+                               interpret, cfg, prec)
+    return (o, sfin), (q, k, v, w, la, h0, pid, states)
   o, sfin, *res = _forward(True, (q, k, v, w, la, h0, starts, cont, pid), chunk, scale,
                            interpret, cfg, prec)
   # (an empty array carries log_alpha's dtype: residuals must be arrays)
@@ -113,6 +128,13 @@ def _core_fwd(q, k, v, w, la, h0, starts, cont, pid, starts_fo, cont_fo, chunk, 
 
 def _core_bwd(chunk, chunk_fo, scale, interpret, cfg, cfg_fo, prec, saved, cts):
   del chunk_fo, cfg_fo
+  if tpu_common.use_tpu_kernels(interpret):
+    q, k, v, w, la, h0, pid, states = saved
+    grads = _tpu_backward.delta_rule_backward(q, k, v, w, la, h0, pid, states, *cts,
+                                              chunk=chunk, scale=scale, interpret=interpret,
+                                              prec=prec)
+    return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v, w, la))) + (
+        grads[5], None, None, None, None, None)
   q, k, v, w, h0, starts, cont, pid, res, la_like = saved
   do, dsfin = cts
   body = functools.partial(_backward_body, chunk=chunk, scale=scale, interpret=interpret,

@@ -8,8 +8,15 @@ import jax.numpy as jnp
 
 from pallas_kernels import common
 from pallas_kernels import sharding as _sharding
+from pallas_kernels import tpu_common
 from pallas_kernels.kdn_gain import config as _config
 from pallas_kernels.kdn_gain import kernel as _kernel
+from pallas_kernels.kdn_gain import tpu as _tpu
+
+
+def _kernels(interpret):
+  """The Mosaic-TPU kernels on TPU (and in TPU interpret mode), else the Triton/generic ones."""
+  return _tpu if tpu_common.use_tpu_kernels(interpret) else _kernel
 
 __all__ = ["diag_gain", "iso_gain", "diag_gain_fused", "iso_gain_fused", "PAD_PREACT"]
 
@@ -23,10 +30,11 @@ _LANES, _PER_TOKEN, _P = _BTH + (4,), _BTH + (3,), _BH + (3,)
 
 def _forward(raw, reset, p0, diag, chunk, interpret, cfg, save_pprev):
   def body(k, la, om, r, mu, reset, p0):
-    return _kernel.gain_forward((k, la, om, r, mu), reset, p0, diag=diag, chunk=chunk,
-                                interpret=interpret, cfg=cfg, save_pprev=save_pprev)[:3]
+    return _kernels(interpret).gain_forward(
+        (k, la, om, r, mu), reset, p0, diag=diag, chunk=chunk, interpret=interpret, cfg=cfg,
+        save_pprev=save_pprev)[:3]
   outs = (_LANES, _LANES if save_pprev else None, _P)
-  shard = _sharding.per_shard(body, _RAW + (_BT, _BH), outs, "kdn_gain forward")
+  shard = tpu_common.per_shard(interpret, body, _RAW + (_BT, _BH), outs, "kdn_gain forward")
   return shard(*raw, reset, p0)
 
 
@@ -49,12 +57,13 @@ def _gain_bwd(diag, chunk, interpret, cfg, res, cts):
   dgain, dpfin = cts
 
   def body(k, la, om, r, mu, reset, pprev, dgain, dpfin):
-    d_raw, dp0 = _kernel.gain_backward((k, la, om, r, mu), reset, pprev, dgain, dpfin,
-                                       diag=diag, chunk=chunk, interpret=interpret, cfg=cfg)
+    d_raw, dp0 = _kernels(interpret).gain_backward(
+        (k, la, om, r, mu), reset, pprev, dgain, dpfin, diag=diag, chunk=chunk,
+        interpret=interpret, cfg=cfg)
     return tuple(d_raw) + (dp0,)
 
-  dk, dla, dom, dr, dmu, dp0 = _sharding.per_shard(
-      body, _RAW + (_BT, _BTH, _BTH, _BH),
+  dk, dla, dom, dr, dmu, dp0 = tpu_common.per_shard(
+      interpret, body, _RAW + (_BT, _BTH, _BTH, _BH),
       (_LANES, _LANES, _BTH + (raw[2].ndim,), _PER_TOKEN, _PER_TOKEN, _P), "kdn_gain backward")(
           *raw, reset, pprev, dgain.astype(jnp.float32), dpfin.astype(jnp.float32))
   # mu's gradient per token ([B,T,H]) is summed here, outside the shards.
