@@ -29,19 +29,20 @@ TOL = 2e-5  # fp32: observed ~3e-7
 SEGMENT_IDS = np.array([[0] * 5 + [1] * 15 + [2] * 12 + [3] + [4] * 7,
                         [0] * T], np.int32)
 
-# (op, family of ops_cases.make_inputs, impl, segments, slice counts): the
-# unsplit op is compiled once per row, the split one once per slice count.
+# (op, family of ops_cases.make_inputs, impl, segments, slices, batch split):
+# the batch split puts B over a 'data' axis too (batch_axes).
 CASES = [
-    ("diag_kdn", "diag", "chunked", True, (8,)),
-    ("iso_kdn", "iso", "chunked", True, (4,)),
-    ("kda", "delta_channel", "chunked", False, (4,)),
-    ("gated_delta_rule", "delta_scalar", "chunked", True, (2,)),
-    ("diag_kdn", "diag", "pallas", True, (4,)),
+    ("diag_kdn", "diag", "chunked", True, 8, 1),
+    ("iso_kdn", "iso", "chunked", True, 4, 1),
+    ("kda", "delta_channel", "chunked", False, 4, 2),
+    ("gated_delta_rule", "delta_scalar", "chunked", True, 2, 1),
+    ("diag_kdn", "diag", "pallas", True, 4, 1),
 ]
 
 
-def _mesh(n):
-  return Mesh(np.array(jax.devices()[:n]), ("context",))
+def _mesh(n, data=1):
+  return Mesh(np.array(jax.devices()[:n * data]).reshape(data, n),
+              ("data", "context"))
 
 
 def _case(op, family, seed=3):
@@ -106,48 +107,26 @@ def _assert_no_sequence_gather(hlo, n):
     assert np.prod(shape) <= n * B * H * K * K, shape
 
 
-@pytest.mark.parametrize("op,family,impl,segments,slices", CASES)
-def test_equals_single_device(op, family, impl, segments, slices):
+@pytest.mark.parametrize("op,family,impl,segments,n,data", CASES)
+def test_equals_single_device(op, family, impl, segments, n, data):
   arrays, diff_kw, plain = _case(op, family)
   seg = jnp.asarray(SEGMENT_IDS) if segments else None
   static_kw = dict(impl=impl, chunk_size=8 if impl == "chunked" else 16,
                    segment_ids=seg)
   ((_, (o0, s0)), g0), _ = _loss_and_grads(plain, arrays, diff_kw, static_kw)
-  for n in slices:
-    mesh = _mesh(n)
-    # Inputs arrive split along T, as under a context-parallel jit.
-    put = lambda a, mesh=mesh: jax.device_put(
-        a, NamedSharding(mesh, P(None, "context")))
-    sharded_kw = dict(static_kw, segment_ids=None if seg is None else put(seg))
-    ((_, (o1, s1)), g1), hlo = _loss_and_grads(
-        cp.context_sharded(op, mesh), [put(a) for a in arrays], diff_kw,
-        sharded_kw)
-    _assert_close(o1, o0, f"outputs, {n} slices")
-    _assert_close(s1, s0, f"final state, {n} slices")
-    _assert_close(g1, g0, f"gradients, {n} slices")
-    _assert_no_sequence_gather(hlo, n)
-
-
-def test_inside_user_shard_map():
-  """The op-level entry inside a user's shard_map (batch and context axes)."""
-  arrays, diff_kw, _ = _case("diag_kdn", "diag")
-  mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "context"))
-  seq, per_seq = P("data", "context"), P("data")
-
-  def body(arrays, init, seg):
-    return cp.diag_kdn(*arrays, axis_name="context", initial_state=init,
-                       segment_ids=seg, output_final_state=True,
-                       impl="chunked", chunk_size=16)
-
-  f = jax.jit(jax.shard_map(body, mesh=mesh,
-                            in_specs=((seq,) * 6, per_seq, seq),
-                            out_specs=(seq, per_seq)))
-  seg = jnp.asarray(SEGMENT_IDS)
-  o1, s1 = f(tuple(arrays), diff_kw["initial_state"], seg)
-  o0, s0 = ops.diag_kdn(*arrays, initial_state=diff_kw["initial_state"],
-                        segment_ids=seg, output_final_state=True,
-                        impl="chunked", chunk_size=16)
-  _assert_close((o1, s1), (o0, s0), "outputs and final state")
+  mesh = _mesh(n, data)
+  batch_axes = "data" if data > 1 else None
+  # Inputs arrive split along T, as under a context-parallel jit.
+  put = lambda a: jax.device_put(a, NamedSharding(mesh, P(batch_axes,
+                                                          "context")))
+  sharded_kw = dict(static_kw, segment_ids=None if seg is None else put(seg))
+  sharded = cp.context_sharded(op, mesh, batch_axes=batch_axes)
+  ((_, (o1, s1)), g1), hlo = _loss_and_grads(
+      sharded, [put(a) for a in arrays], diff_kw, sharded_kw)
+  _assert_close(o1, o0, "outputs")
+  _assert_close(s1, s0, "final state")
+  _assert_close(g1, g0, "gradients")
+  _assert_no_sequence_gather(hlo, n)
 
 
 def test_errors_name_the_argument():
@@ -164,3 +143,94 @@ def test_errors_name_the_argument():
     cp.context_sharded("mamba", mesh)
   with pytest.raises(ValueError, match="axis_name='context' is not a mesh axis"):
     cp.diag_kdn(*arrays, axis_name="context")
+
+
+def test_training_step_context_2_equals_context_1(tmp_path, monkeypatch):
+  """One trainer step of a KDN + KDA model: mesh.context=2 (T split, the
+  layers calling the context-parallel ops) against one device."""
+  from experiments import trainer  # pylint: disable=g-import-not-at-top
+  from runner_helpers import host, tiny_config  # pylint: disable=g-import-not-at-top
+
+  def one_step(context, workdir):
+    c = tiny_config(layer_pattern="kdn_diag,kda")
+    c.model.impl = "chunked"
+    c.mesh.data, c.mesh.fsdp, c.mesh.context = 1, 1, context
+    tr = trainer.Trainer(c, str(workdir), devices=jax.devices()[:context])
+    metrics = tr.train_step(next(tr.data_iter))
+    out = float(metrics["loss"]), host(tr.state["params"])
+    tr.close()
+    return out
+
+  built = []
+  real = cp.context_sharded
+  monkeypatch.setattr(cp, "context_sharded",
+                      lambda name, *a, **k: built.append(name) or real(name, *a, **k))
+  loss1, p1 = one_step(1, tmp_path / "one")
+  assert not built
+  loss2, p2 = one_step(2, tmp_path / "two")
+  assert set(built) == {"diag_kdn", "kda"}, built
+  np.testing.assert_allclose(loss2, loss1, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(p1)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_benchmark_runs_in_tiny_mode(tmp_path):
+  import json  # pylint: disable=g-import-not-at-top
+  from experiments import benchmark_context_parallel as bench  # pylint: disable=g-import-not-at-top
+  bench.FLAGS.unparse_flags()
+  bench.FLAGS(["bench", "--tiny", f"--out={tmp_path}", "--contexts=2"])
+  try:
+    bench.main(None)
+  finally:
+    bench.FLAGS.unparse_flags()
+  result = json.load(open(tmp_path / "benchmark_context_parallel.json"))
+  rows = {(r["section"], r["context"]): r for r in result["rows"]}
+  assert set(rows) == {("overhead+long", 0), ("overhead+long", 1), ("split", 2)}, rows
+  for r in rows.values():
+    assert "error" not in r and r["ms"] > 0, r
+  assert (tmp_path / "benchmark_context_parallel.md").exists()
+
+
+def test_evaluation_scorer_with_context_2():
+  """experiments/evaluate.py --context=2: the chunked carry scorer (its
+  prefill passes the cache's state, a learned initial variance, to the
+  context-parallel op) scores as without it."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from experiments import evaluate  # pylint: disable=g-import-not-at-top
+  from experiments.evaluation import long_context  # pylint: disable=g-import-not-at-top
+  from kdn_jax.models.config import model_config  # pylint: disable=g-import-not-at-top
+  from kdn_jax.models.lm import LanguageModel  # pylint: disable=g-import-not-at-top
+  cfg = model_config("tiny", mixer="kdn_diag", layer_pattern="kdn_diag", vocab_size=32,
+                     num_layers=1, d_model=32, num_heads=2, head_dim=8, mlp_hidden=32,
+                     chunk_size=8, impl="chunked")
+  model = LanguageModel(cfg, rngs=nnx.Rngs(0))
+  tokens = np.random.default_rng(0).integers(0, 32, (2, 25))
+  score = lambda: long_context.ChunkedScorer(model).score(tokens[:, :-1], tokens[:, 1:], chunk=24)
+  want, _ = score()
+  built = []
+  real = cp.context_sharded
+  try:
+    cp.context_sharded = lambda name, *a, **k: built.append(name) or real(name, *a, **k)
+    with evaluate.context_parallel(2):
+      got, _ = score()
+  finally:
+    cp.context_sharded = real
+  assert set(built) == {"diag_kdn"}, built
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda c: setattr(c.mesh, "context", 2), r"config\.model\.impl: 'reference' has no"),
+    (lambda c: (setattr(c.mesh, "context", 2), setattr(c.model, "impl", "chunked"),
+                setattr(c.data, "eval_seq_len", 17)),
+     r"config\.data\.eval_seq_len: 17 is not divisible by mesh\.context = 2"),
+    (lambda c: (setattr(c.mesh, "context", 3), setattr(c.model, "impl", "chunked")),
+     r"config\.mesh: fixed axes .*'context': 3.* do not divide the 8 devices"),
+])
+def test_config_mesh_context_is_validated(mutate, match):
+  from experiments import config_lib  # pylint: disable=g-import-not-at-top
+  from runner_helpers import tiny_config  # pylint: disable=g-import-not-at-top
+  c = tiny_config()
+  mutate(c)
+  with pytest.raises(config_lib.ConfigError, match=match):
+    config_lib.validate(c, num_devices=8)

@@ -52,6 +52,8 @@ from kdn_jax.ops import mobius
 from kdn_jax.ops import validation as val
 from kdn_jax.ops import variance
 from kdn_jax.ops.delta_rule import default_chunk_size, run_memory
+# kdn.py's own checks, state defaults and gain dispatch, so both forms of the
+# op accept and refuse the same inputs.
 from kdn_jax.ops.kdn import _check_kdn, _gain, _initial_state
 from kdn_jax.ops.state import KDNState
 
@@ -88,7 +90,7 @@ def _slice_index_and_size(axis_name):
 
 
 def _exclusive_chain(axis_name, local_map, apply_map, start):
-  """Each slice's incoming value and the value after the last slice.
+  """The value entering this device's slice.
 
   local_map: this slice's map (a pytree); apply_map(map, x) -> x. The maps of
   all slices are all-gathered (they are small) and applied in slice order
