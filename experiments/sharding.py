@@ -108,6 +108,7 @@ def traced_context_parallel(mesh: Mesh, fn):
     with context_parallel(mesh):
       return fn(*args, **kwargs)
 
+  call.jitted = fn  # for .lower() (inside context_parallel(mesh))
   return call
 
 

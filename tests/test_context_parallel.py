@@ -163,13 +163,27 @@ def test_training_step_context_2_equals_context_1(tmp_path, monkeypatch):
   from experiments import trainer  # pylint: disable=g-import-not-at-top
   from runner_helpers import host, tiny_config  # pylint: disable=g-import-not-at-top
 
+  from experiments import sharding  # pylint: disable=g-import-not-at-top
+
   def one_step(context, workdir):
     c = tiny_config(layer_pattern="kdn_diag,kda")
     c.model.impl = "chunked"
+    c.data.seq_len = 24  # 12 per slice: no HLO dim below is mistaken for it
     c.mesh.data, c.mesh.fsdp, c.mesh.context = 1, 1, context
     tr = trainer.Trainer(c, str(workdir), devices=jax.devices()[:context])
-    metrics = tr.train_step(next(tr.data_iter))
+    batch = next(tr.data_iter)
+    metrics = tr.train_step(batch)
     out = float(metrics["loss"]), host(tr.state["params"])
+    if context > 1:
+      # The whole step moves no sequence between devices: no all-to-all
+      # (the short convs exchange halos), all-gathers of per-slice maps only.
+      with sharding.context_parallel(tr.mesh):
+        hlo = tr._train_step_jit.jitted.lower(  # pylint: disable=protected-access
+            tr.state, tr.rest, sharding.global_batch(batch, tr.mesh)).compile().as_text()
+      assert not re.search(r"\ball-to-all(-start)?\(", hlo)
+      t = c.data.seq_len
+      for shape in _all_gather_shapes(hlo):
+        assert t not in shape and t // context not in shape[1:], shape
     tr.close()
     return out
 
@@ -244,3 +258,35 @@ def test_config_mesh_context_is_validated(mutate, match):
   mutate(c)
   with pytest.raises(config_lib.ConfigError, match=match):
     config_lib.validate(c, num_devices=8)
+
+
+@pytest.mark.parametrize("n", [4])
+def test_short_conv_halo_equals_plain(n):
+  """layers.context_conv.short_conv under sequence_sharding: outputs, the
+  new cache and the gradients (input, cache, weight) equal ShortConv's, with
+  packed segments (one starting at a slice start, whose halo it must not
+  read, two within W-1 tokens after one) and a given cache."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from kdn_jax.layers.context_conv import short_conv  # pylint: disable=g-import-not-at-top
+  from kdn_jax.layers.short_conv import ShortConv  # pylint: disable=g-import-not-at-top
+  conv = ShortConv((H, K), 4, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.float32)
+  cache = jnp.asarray(rng.standard_normal((B, 3, H, K)), jnp.float32)
+  seg = jnp.asarray(SEGMENT_IDS)
+  ct = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.float32)
+  graphdef, params = nnx.split(conv)
+
+  def loss(params, x, cache, seg):
+    y, new_cache = short_conv(nnx.merge(graphdef, params), x, cache, seg)
+    return jnp.sum(y * ct) + jnp.sum(new_cache ** 2), (y, new_cache)
+
+  # A fresh function per trace: the setting is read while tracing and is not
+  # part of JAX's trace cache key.
+  grad = lambda: jax.value_and_grad(lambda *a: loss(*a), argnums=(0, 1, 2), has_aux=True)
+  for s in (seg, None):
+    want = jax.jit(grad())(params, x, cache, s)
+    with cp.sequence_sharding(_mesh(n), "context"):
+      got = jax.jit(grad())(params, x, cache, s)
+      assert "ppermute" in str(jax.make_jaxpr(grad())(params, x, cache, s))
+    _assert_close(got, want, f"conv, segments={s is not None}")

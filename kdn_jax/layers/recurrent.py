@@ -16,6 +16,7 @@ from flax import nnx
 
 from kdn_jax.layers.dense import Dense, LowRank
 from kdn_jax.layers.gated_norm import GatedRMSNorm
+from kdn_jax.layers.context_conv import short_conv
 from kdn_jax.layers.short_conv import ShortConv
 
 
@@ -104,9 +105,10 @@ class RecurrentMixer(nnx.Module):
 
     def project(self, x, conv, segment_ids=None):
         """x [B, T, d] -> (q, k, v after short conv, q/k L2-normalised; the new conv caches)."""
-        q, cq = self.q_conv(self.q_proj(x), conv['q'], segment_ids)
-        k, ck = self.k_conv(self.k_proj(x), conv['k'], segment_ids)
-        v, cv = self.v_conv(self.v_proj(x), conv['v'], segment_ids)
+        # short_conv: the plain call, or a halo exchange when T is split (context parallelism)
+        q, cq = short_conv(self.q_conv, self.q_proj(x), conv['q'], segment_ids)
+        k, ck = short_conv(self.k_conv, self.k_proj(x), conv['k'], segment_ids)
+        v, cv = short_conv(self.v_conv, self.v_proj(x), conv['v'], segment_ids)
         q = l2_normalize(q).astype(self.dtype)
         k = l2_normalize(k).astype(self.dtype)
         return q, k, v, (cq, ck, cv)

@@ -451,8 +451,10 @@ def sequence_sharding(mesh, axis_name="context", batch_axes=None):
   """While active, `op(name)` returns the context-parallel op over
   `mesh[axis_name]` (when that axis has more than one device).
 
-  Jitted functions must be traced inside it (call them inside it): layers
-  pick their op while tracing.
+  Layers pick their op while tracing, and the setting is not part of JAX's
+  trace cache key: trace a function inside it (call a jitted function only
+  inside it, or give it a fresh function), or a cached trace from outside is
+  reused.
   """
   if axis_name not in mesh.axis_names:
     raise ValueError(f"sequence_sharding: axis_name={axis_name!r} is not an "
@@ -462,6 +464,15 @@ def sequence_sharding(mesh, axis_name="context", batch_axes=None):
     yield
   finally:
     _SETTING.reset(token)
+
+
+def active_setting():
+  """(mesh, axis_name, batch_axes) of the active `sequence_sharding` when its
+  axis has more than one device, else None."""
+  setting = _SETTING.get()
+  if setting is None or setting[0].shape[setting[1]] == 1:
+    return None
+  return setting
 
 
 def _plain_op(name):
@@ -480,8 +491,8 @@ def op(name):
     raise ValueError(f"context_parallel.op: name={name!r} is not one of "
                      f"{', '.join(OPS)}")
   plain = _plain_op(name)
-  setting = _SETTING.get()
-  if setting is None or setting[0].shape[setting[1]] == 1:
+  setting = active_setting()
+  if setting is None:
     return plain
   mesh, axis_name, batch_axes = setting
   sharded = context_sharded(name, mesh, axis_name=axis_name,
@@ -500,5 +511,5 @@ def op(name):
   return call
 
 
-__all__ = ["OPS", "op", "sequence_sharding", "context_sharded", "delta_net", "delta_rule", "diag_kdn",
+__all__ = ["OPS", "active_setting", "op", "sequence_sharding", "context_sharded", "delta_net", "delta_rule", "diag_kdn",
            "gated_delta_rule", "gdn2", "gla", "iso_kdn", "kda"]
