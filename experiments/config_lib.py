@@ -102,6 +102,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.data = -1                   # -1 fills the remaining devices
   m.fsdp = 1
   m.tensor = 1
+  m.context = 1                 # devices one sequence's T is split over (context parallelism)
   m.distributed = False         # call jax.distributed.initialize() (env-configured cluster)
   # logical axis -> mesh axis ('' = replicated); a dim that does not divide is replicated.
   m.rules = ml_collections.ConfigDict(dict(vocab='tensor', embed='fsdp', mlp='tensor', heads='tensor',
@@ -152,15 +153,15 @@ def check_keys(config: ml_collections.ConfigDict, schema: ml_collections.ConfigD
       check_keys(config[key], schema[key], prefix=f'{full}.')
 
 
-def mesh_shape(config, num_devices: int) -> tuple[int, int, int]:
-  """Resolves the (data, fsdp, tensor) mesh shape; -1 fills the rest."""
-  dims = [int(config.mesh.data), int(config.mesh.fsdp), int(config.mesh.tensor)]
-  names = ('data', 'fsdp', 'tensor')
+def mesh_shape(config, num_devices: int) -> tuple[int, int, int, int]:
+  """Resolves the (data, fsdp, tensor, context) mesh shape; -1 fills the rest."""
+  names = ('data', 'fsdp', 'tensor', 'context')
+  dims = [int(config.mesh[n]) for n in names]
   for n, v in zip(names, dims):
     if v == 0 or v < -1:
       _fail(f'mesh.{n}', f'invalid value {v}; use a positive size or -1')
   if sum(v == -1 for v in dims) > 1:
-    _fail('mesh', 'at most one of data/fsdp/tensor may be -1')
+    _fail('mesh', 'at most one of data/fsdp/tensor/context may be -1')
   known = math.prod(v for v in dims if v != -1)
   if -1 in dims:
     if num_devices % known:
@@ -263,6 +264,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None,
     if not 0 <= o[key] < 1:
       _fail(f'optim.{key}', 'must be in [0, 1)')
 
+  if config.mesh.context != 1 and str(config.model.get('impl', 'auto')) == 'reference':
+    _fail('model.impl', "'reference' has no context-parallel form; use 'auto', 'chunked' or 'pallas' "
+          'with mesh.context > 1')
   for logical, axis in config.mesh.rules.items():
     if axis not in ('', 'data', 'fsdp', 'tensor'):
       _fail(f'mesh.rules.{logical}', f'unknown mesh axis {axis!r}')
@@ -270,13 +274,17 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None,
     _fail('checkpoint', 'every_steps must be >= 0 and keep > 0')
 
   if num_devices is not None:
-    data, fsdp, _ = mesh_shape(config, num_devices)
+    data, fsdp, _, context = mesh_shape(config, num_devices)
     batch_par = data * fsdp
     for key in ('global_batch_size', 'eval_batch_size'):
       if d[key] % batch_par:
         _fail(f'data.{key}', f'{d[key]} is not divisible by data*fsdp = {batch_par}')
       if d[key] % process_count:
         _fail(f'data.{key}', f'not divisible by the {process_count} processes')
+    for key in ('seq_len', 'eval_seq_len'):
+      if d[key] % context:  # eval_seq_len 0 (= seq_len) passes
+        _fail(f'data.{key}', f'{d[key]} is not divisible by mesh.context = {context} (each device '
+              'holds an equal slice of T)')
   return config
 
 

@@ -33,6 +33,8 @@ _REXAMPLES = flags.DEFINE_integer('retrieval_examples', 32, 'Examples per retrie
 _LONG_EVAL = flags.DEFINE_string('long_eval_path', '', 'Long documents (default: the run\'s long_eval_path).')
 _TOKENIZER = flags.DEFINE_string('tokenizer', '', 'tokenizer.json for S-NIAH (default: the run\'s corpus).')
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed of the generated evaluation tasks.')
+_CONTEXT = flags.DEFINE_integer('context', 1, 'Devices one sequence is split over: the recurrent ops split T '
+                                'over them (context parallelism; lengths they do not divide run unsplit).')
 flags.mark_flags_as_required(['workdir'])
 
 
@@ -57,6 +59,20 @@ def settings_from_flags():
                   tokenizer=_TOKENIZER.value, seed=_SEED.value)
 
 
+def context_parallel(num_devices: int):
+  """The context the suites run in: T split over the first ``num_devices`` devices (a no-op for 1)."""
+  import contextlib  # pylint: disable=g-import-not-at-top
+  if num_devices == 1:
+    return contextlib.nullcontext()
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from experiments import sharding  # pylint: disable=g-import-not-at-top
+  if not 1 <= num_devices <= len(jax.devices()):
+    raise ValueError(f'--context: must be in [1, {len(jax.devices())}] (the devices), got {num_devices}')
+  devices = np.array(jax.devices()[:num_devices]).reshape(1, 1, 1, num_devices)
+  return sharding.context_parallel(jax.sharding.Mesh(devices, sharding.AXES))
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
@@ -71,7 +87,8 @@ def main(argv):
     return 2
   from experiments.evaluation import runner  # pylint: disable=g-import-not-at-top  (imports jax)
   try:
-    runner.evaluate(_WORKDIR.value, suites, settings_from_flags(), _STEP.value, _OUT.value)
+    with context_parallel(_CONTEXT.value):
+      runner.evaluate(_WORKDIR.value, suites, settings_from_flags(), _STEP.value, _OUT.value)
   except (ValueError, FileNotFoundError) as e:
     print(f'Evaluation error: {e}', file=sys.stderr)
     return 2

@@ -10,8 +10,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from experiments import config_lib
 
-AXES = ('data', 'fsdp', 'tensor')
+AXES = ('data', 'fsdp', 'tensor', 'context')
 BATCH_AXES = ('data', 'fsdp')  # FSDP is data parallel too: the batch is split over both.
+CONTEXT_AXIS = 'context'  # splits T of every batch array (context parallelism, kdn_jax.ops.context_parallel)
 _META_KEYS = ('out_sharding', 'sharding_names', 'sharding')
 
 _initialized = False
@@ -86,12 +87,37 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
   return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
 
 
+def sequence_batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+  """[B, T, ...] batch arrays: B over the batch axes, T over the context axis."""
+  if ndim < 2:
+    return batch_sharding(mesh, ndim)
+  return NamedSharding(mesh, P(BATCH_AXES, CONTEXT_AXIS, *([None] * (ndim - 2))))
+
+
+def context_parallel(mesh: Mesh):
+  """The context under which a model is traced: its recurrent ops split T over the context axis when
+  it has more than one device (a no-op context otherwise)."""
+  from kdn_jax.ops import context_parallel as cp  # pylint: disable=g-import-not-at-top
+  return cp.sequence_sharding(mesh, CONTEXT_AXIS, BATCH_AXES)
+
+
+def traced_context_parallel(mesh: Mesh, fn):
+  """fn (a jitted step) called, and so traced, under ``context_parallel(mesh)``."""
+
+  def call(*args, **kwargs):
+    with context_parallel(mesh):
+      return fn(*args, **kwargs)
+
+  call.jitted = fn  # for .lower() (inside context_parallel(mesh))
+  return call
+
+
 def leading_batch_shardings(tree, mesh: Mesh):
   """Shards every array leaf of ``tree`` (e.g. recurrent states) along its leading batch axis."""
   return jax.tree.map(lambda x: batch_sharding(mesh, np.ndim(x)) if np.ndim(x) else replicated(mesh), tree)
 
 
 def global_batch(local_batch: dict, mesh: Mesh) -> dict:
-  """Assembles per-process numpy batches into globally sharded jax arrays."""
-  return {k: jax.make_array_from_process_local_data(batch_sharding(mesh, v.ndim), v)
+  """Assembles per-process numpy batches ([B, T] arrays) into globally sharded jax arrays."""
+  return {k: jax.make_array_from_process_local_data(sequence_batch_sharding(mesh, v.ndim), v)
           for k, v in local_batch.items()}

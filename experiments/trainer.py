@@ -273,11 +273,12 @@ class Trainer:
   def _build_steps(self):
     rep = sharding.replicated(self.mesh)
     rest_sh = jax.tree.map(lambda _: rep, self.rest)
-    self._train_step_jit = jax.jit(
+    # Traced with the recurrent ops splitting T over mesh.context (a no-op when it is 1).
+    self._train_step_jit = sharding.traced_context_parallel(self.mesh, jax.jit(
         self._train_step, in_shardings=(self.state_shardings, rest_sh, None),
-        out_shardings=(self.state_shardings, rep, None), donate_argnums=(0,))
-    self._eval_step_jit = jax.jit(self._eval_step, in_shardings=(self.param_shardings, rest_sh, None),
-                                  out_shardings=rep)
+        out_shardings=(self.state_shardings, rep, None), donate_argnums=(0,)))
+    self._eval_step_jit = sharding.traced_context_parallel(self.mesh, jax.jit(
+        self._eval_step, in_shardings=(self.param_shardings, rest_sh, None), out_shardings=rep))
 
   def train_step(self, local_batch: dict):
     """One step on a per-process numpy batch; returns host metrics."""

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kdn_jax import ops
+from kdn_jax.ops import context_parallel
 from kdn_jax.layers.decay import Decay
 from kdn_jax.layers.dense import Dense, LowRank
 from kdn_jax.layers.recurrent import RecurrentMixer
@@ -32,7 +33,7 @@ class _BetaMixin:
 class KDA(_BetaMixin, RecurrentMixer):
     """Kimi Delta Attention: per-channel decay, write beta * k."""
     PER_CHANNEL_DECAY = True
-    OP = staticmethod(ops.kda)
+    OP = 'kda'  # a context_parallel.op name
 
     def _init_gates(self, cfg, rngs):
         rank = {'rank': self.rank} if self.PER_CHANNEL_DECAY else {}
@@ -44,7 +45,7 @@ class KDA(_BetaMixin, RecurrentMixer):
         return {'g': self.decay(x), 'beta': self.beta(x)}
 
     def _core(self, q, k, v, gates, state, segment_ids):
-        o, m = self.OP(q, k, v, gates['g'], gates['beta'], initial_state=state['memory'], output_final_state=True,
+        o, m = context_parallel.op(self.OP)(q, k, v, gates['g'], gates['beta'], initial_state=state['memory'], output_final_state=True,
                        segment_ids=segment_ids, impl=self.impl, chunk_size=self.chunk_size)
         return o, {'memory': m}
 
@@ -57,7 +58,7 @@ class KDA(_BetaMixin, RecurrentMixer):
 class GatedDeltaNet(KDA):
     """Gated DeltaNet: KDA with one scalar decay per head."""
     PER_CHANNEL_DECAY = False
-    OP = staticmethod(ops.gated_delta_rule)
+    OP = 'gated_delta_rule'
 
 
 class DeltaNet(_BetaMixin, RecurrentMixer):
@@ -68,7 +69,7 @@ class DeltaNet(_BetaMixin, RecurrentMixer):
         return {'beta': self.beta(x)}
 
     def _core(self, q, k, v, gates, state, segment_ids):
-        o, m = ops.delta_net(q, k, v, gates['beta'], initial_state=state['memory'], output_final_state=True,
+        o, m = context_parallel.op('delta_net')(q, k, v, gates['beta'], initial_state=state['memory'], output_final_state=True,
                              segment_ids=segment_ids, impl=self.impl,
                        chunk_size=self.chunk_size)
         return o, {'memory': m}
@@ -93,7 +94,7 @@ class GDN2(RecurrentMixer):
                 'w': jax.nn.sigmoid(self.w_proj(x).astype(jnp.float32))}
 
     def _core(self, q, k, v, gates, state, segment_ids):
-        o, m = ops.gdn2(q, k, v, gates['g'], gates['b'], gates['w'], initial_state=state['memory'],
+        o, m = context_parallel.op('gdn2')(q, k, v, gates['g'], gates['b'], gates['w'], initial_state=state['memory'],
                         output_final_state=True, segment_ids=segment_ids, impl=self.impl,
                        chunk_size=self.chunk_size)
         return o, {'memory': m}
@@ -115,7 +116,7 @@ class GLA(RecurrentMixer):
         return {'g': self.decay(x)}
 
     def _core(self, q, k, v, gates, state, segment_ids):
-        o, m = ops.gla(q, k, v, gates['g'], initial_state=state['memory'], output_final_state=True,
+        o, m = context_parallel.op('gla')(q, k, v, gates['g'], initial_state=state['memory'], output_final_state=True,
                        segment_ids=segment_ids, impl=self.impl,
                        chunk_size=self.chunk_size)
         return o, {'memory': m}

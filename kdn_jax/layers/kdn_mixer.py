@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kdn_jax import ops
+from kdn_jax.ops import context_parallel
 from kdn_jax.layers.decay import Decay
 from kdn_jax.layers.dense import Dense, LowRank, constant_init, inv_softplus, make_param, zeros_init
 from kdn_jax.layers.recurrent import RecurrentMixer
@@ -154,7 +155,7 @@ class KDNMixer(RecurrentMixer):
     def _core(self, q, k, v, gates, state, segment_ids):
         if self._fused_front(gates):
             return self._core_fused(q, k, v, gates['raw'], state, segment_ids)
-        fn = ops.diag_kdn if self.diagonal else ops.iso_kdn
+        fn = context_parallel.op('diag_kdn' if self.diagonal else 'iso_kdn')
         o, fs = fn(q, k, v, gates['log_alpha'], gates['omega'], gates['r'], info_scale=self.info_scale(),
                    initial_state=ops.KDNState(state['memory'], state['variance']), output_final_state=True,
                    segment_ids=segment_ids, impl=self.impl, chunk_size=self.chunk_size)

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kdn_jax.layers.dense import Dense, LowRank
-from kdn_jax.ops import dispatch
+from kdn_jax.ops import context_parallel, dispatch
 from kdn_jax.layers.gated_norm import GatedRMSNorm
+from kdn_jax.layers.context_conv import short_conv
 from kdn_jax.layers.short_conv import ShortConv
 
 
@@ -109,9 +110,10 @@ class RecurrentMixer(nnx.Module):
 
     def _glue_kernels(self) -> bool:
         """Whether the fused glue kernels (conv, norm, gate front-end) may run: the pallas impl, not
-        on a TPU (they are written for the Triton lowering; the TPU kernels cover the ops only)."""
+        on a TPU (they are written for the Triton lowering; the TPU kernels cover the ops only), and
+        T not split over devices (they are not wrapped for it: per_shard would gather the sequence)."""
         return (dispatch.resolve_impl('recurrent_mixer', self.impl) == 'pallas'
-                and jax.default_backend() != 'tpu')
+                and jax.default_backend() != 'tpu' and context_parallel.active_setting() is None)
 
     def _fused_conv(self) -> bool:
         return self.fuse_conv and self._glue_kernels()
@@ -121,10 +123,12 @@ class RecurrentMixer(nnx.Module):
 
     def project(self, x, conv, segment_ids=None):
         """x [B, T, d] -> (q, k, v after short conv, q/k L2-normalised; the new conv caches)."""
+        # short_conv: the plain call (the Pallas conv when fused), or a halo exchange when T is split
+        # (context parallelism)
         fused = self._fused_conv()
-        q, cq = self.q_conv(self.q_proj(x), conv['q'], segment_ids, fused=fused)
-        k, ck = self.k_conv(self.k_proj(x), conv['k'], segment_ids, fused=fused)
-        v, cv = self.v_conv(self.v_proj(x), conv['v'], segment_ids, fused=fused)
+        q, cq = short_conv(self.q_conv, self.q_proj(x), conv['q'], segment_ids, fused=fused)
+        k, ck = short_conv(self.k_conv, self.k_proj(x), conv['k'], segment_ids, fused=fused)
+        v, cv = short_conv(self.v_conv, self.v_proj(x), conv['v'], segment_ids, fused=fused)
         q = l2_normalize(q).astype(self.dtype)
         k = l2_normalize(k).astype(self.dtype)
         return q, k, v, (cq, ck, cv)
