@@ -13,7 +13,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import config_lib, trainer
-from runner_helpers import compilation_cache, host, tiny_config
+from runner_helpers import compilation_cache, host, tiny_config, write_doc_tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,50 +45,150 @@ def test_sharded_step_matches_single_device(tmp_path):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-def _losses(workdir):
+def _train_rows(workdir):
+  """(step, loss) of every train row of metrics.jsonl, in file order (duplicates kept, to be caught)."""
   recs = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
-  return {r['step']: r['loss'] for r in recs if r['split'] == 'train'}
+  return [(r['step'], r['loss']) for r in recs if r['split'] == 'train']
 
 
-def test_kill_and_resume_is_exact(tmp_path):
+def _assert_same_run(wa, wb, tra, trb, n):
+  """Two workdirs/trainers hold the same run: the same train rows (each step once) and final state."""
+  ra, rb = _train_rows(wa), _train_rows(wb)
+  assert [s for s, _ in ra] == [s for s, _ in rb] == list(range(1, n + 1)), (ra, rb)
+  assert ra == rb  # bit-equal losses
+  for key in ('params', 'carry', 'fstats'):
+    a, b = host(tra.state[key]), host(trb.state[key])
+    assert (a is None) == (b is None), key
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+      np.testing.assert_array_equal(x, y, err_msg=key)
+
+
+def test_sigterm_crash_and_resume_are_exact(tmp_path, capsys):
+  """A run crashed after an unsaved step (its metric row already written), resumed, stopped by a real
+  SIGTERM, resumed again: the same losses (one row per step), parameters and carried states as an
+  uninterrupted run; a further run with a smaller num_steps warns and trains nothing."""
+  import signal  # pylint: disable=g-import-not-at-top
+
   def cfg():
     c = tiny_config('state_passing')
     c.train.state_reset_prob = 0.3
     c.checkpoint.enabled = True
+    c.checkpoint.every_steps = 2
     c.data.prefetch = 2
     return c
-  n = 3
+
+  def with_hook(tr, at_call, action):
+    calls = [0]
+    inner = tr.train_step
+
+    def step(local):
+      calls[0] += 1
+      if calls[0] == at_call:
+        action()
+      return inner(local)
+    tr.train_step = step
+
+  def crash():
+    raise RuntimeError('simulated crash')
+
+  n = 6
   with compilation_cache(tmp_path / 'xla_cache'):
-    _kill_and_resume(cfg, n, tmp_path)
+    straight = trainer.Trainer(cfg(), str(tmp_path / 'a'))
+    straight.run()
+    wb = str(tmp_path / 'b')
+    tr = trainer.Trainer(cfg(), wb)
+    with_hook(tr, 4, crash)  # steps 1-3 ran and logged; the last checkpoint is step 2
+    with pytest.raises(RuntimeError, match='simulated crash'):
+      tr.run()
+    tr.close()
+    assert [s for s, _ in _train_rows(wb)] == [1, 2, 3]
+    tr = trainer.Trainer(cfg(), wb)
+    # SIGTERM arrives during the 2nd step of this run (step 4): that step finishes, is saved, and the run stops
+    with_hook(tr, 2, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    s = tr.run()
+    tr.close()
+    assert s['status'] == 'preempted' and s['step'] == 4 and s['steps_this_run'] == 2, s
+    assert 'Resumed from checkpoint at step 2' in capsys.readouterr().out
+    resumed = trainer.Trainer(cfg(), wb)
+    s = resumed.run()
+    assert s['status'] == 'completed' and s['steps_this_run'] == n - 4, s
+    _assert_same_run(tmp_path / 'a', wb, straight, resumed, n)
+    straight.close()
+    resumed.close()
+
+    short = cfg()
+    short.train.num_steps = 3
+    tr = trainer.Trainer(short, wb)
+    s = tr.run()
+    tr.close()
+    assert s['steps_this_run'] == 0 and 'beyond config.train.num_steps=3' in s['warning']
+    assert 'nothing to train' in capsys.readouterr().out
+    assert [st for st, _ in _train_rows(wb)] == list(range(1, n + 1))  # no rows dropped or added
 
 
-def _kill_and_resume(cfg, n, tmp_path):
-  straight = trainer.Trainer(cfg(), str(tmp_path / 'a'))
-  straight.run()
-  p_straight = host(straight.state['params'])
-  carry_straight = host(straight.state['carry'])
-  straight.close()
+def _damage(step_dir, how):
+  """Damages a saved checkpoint step the way a fault would."""
+  state = os.path.join(step_dir, 'state')
+  files = sorted((os.path.join(d, f) for d, _, fs in os.walk(state) for f in fs),
+                 key=os.path.getsize)
+  if how == 'truncated':  # a disk or copy fault: the biggest array file cut in half
+    with open(files[-1], 'r+b') as f:
+      f.truncate(os.path.getsize(files[-1]) // 2)
+  else:  # a half-written copy: the array data and metadata files of the state are gone
+    for f in files:
+      if 'manifest' in f or f.endswith(('_METADATA', '.ocdbt')) or os.sep + 'd' + os.sep in f:
+        os.remove(f)
 
-  first = trainer.Trainer(cfg(), str(tmp_path / 'b'))
-  s = first.run(stop_at=n)  # like a preemption: saves at step n and returns
-  assert s['status'] == 'preempted' and s['step'] == n
-  first.close()
-  second = trainer.Trainer(cfg(), str(tmp_path / 'b'))
-  s = second.run()
-  assert s['status'] == 'completed' and s['steps_this_run'] == 2 * n - n
-  p_resumed = host(second.state['params'])
-  carry_resumed = host(second.state['carry'])
-  second.close()
 
-  la, lb = _losses(tmp_path / 'a'), _losses(tmp_path / 'b')
-  assert sorted(la) == sorted(lb) == list(range(1, 2 * n + 1))
-  for k in la:
-    assert la[k] == lb[k], (k, la[k], lb[k])
-  for a, b in zip(jax.tree.leaves(p_straight), jax.tree.leaves(p_resumed)):
-    np.testing.assert_array_equal(a, b)
-  for a, b in zip(jax.tree.leaves(carry_straight), jax.tree.leaves(carry_resumed)):
-    np.testing.assert_array_equal(a, b)
-  assert os.path.exists(tmp_path / 'b' / 'summary.json')
+@pytest.mark.parametrize('strategy, how', [('tbtt', 'truncated'), ('fitted_noise', 'half_written')])
+def test_carried_state_runs_resume_exactly_past_a_damaged_checkpoint(tmp_path, capsys, strategy, how):
+  """TBTT (over an .array_record token file) and fitted-noise runs: the final checkpoint is damaged
+  after the run ended, so resuming the workdir detects it, sets it aside with a message, restarts from
+  the previous checkpoint and must reproduce the run exactly (losses with one row per step, parameters,
+  carried states / noise statistics); the damaged files are kept."""
+  import shutil  # pylint: disable=g-import-not-at-top
+
+  def cfg():
+    if strategy == 'tbtt':
+      c = tiny_config('tbtt', kind='token_file', train_path=_array_record_docs(tmp_path), eos_id=1)
+    else:
+      c = tiny_config(strategy)
+    c.checkpoint.enabled = True
+    c.checkpoint.every_steps = 3
+    c.mesh.data = 1  # one device compiles faster; the sharded resume is test_sigterm_crash_and_resume_are_exact's
+    return c
+  n, one = 6, jax.devices()[:1]
+  with compilation_cache(tmp_path / 'xla_cache'):
+    straight = trainer.Trainer(cfg(), str(tmp_path / 'a'), devices=one)
+    straight.run()
+    if strategy == 'fitted_noise':
+      assert int(straight.state['fstats']['count']) == n
+    wb = tmp_path / 'b'
+    shutil.copytree(tmp_path / 'a', wb)
+    _damage(str(wb / 'checkpoints' / str(n)), how)
+    resumed = trainer.Trainer(cfg(), str(wb), devices=one)
+    s = resumed.run()
+    assert s['steps_this_run'] == n - 3, s
+    err = capsys.readouterr().err
+    assert f'Checkpoint step {n} in {wb}/checkpoints is unreadable' in err, err
+    assert 'falling back to the previous checkpoint' in err
+    assert os.path.isdir(wb / 'checkpoints.unreadable' / str(n))  # kept for inspection
+    _assert_same_run(tmp_path / 'a', wb, straight, resumed, n)
+    straight.close()
+    resumed.close()
+
+
+def _array_record_docs(tmp_path):
+  """Random documents (each ending in eos=1) as an .array_record file, one record per document."""
+  from array_record.python import array_record_module as arm  # pylint: disable=g-import-not-at-top
+  path = str(tmp_path / 'docs.array_record')
+  if not os.path.exists(path):
+    docs = write_doc_tokens(str(tmp_path / 'docs.npy'), num_docs=24, eos=1, vocab=32, min_len=10, max_len=50)
+    w = arm.ArrayRecordWriter(path, 'group_size:1')
+    for d in docs:
+      w.write(np.asarray(d, '<i4').tobytes())
+    w.close()
+  return path
 
 
 def test_nan_loss_halts_or_skips(tmp_path):
