@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -245,8 +246,40 @@ def test_unknown_key_and_missing_data(tmp_path):
   with pytest.raises(flags.Error, match='optim.bogus'):
     fv(['prog', f'--config={ROOT}/configs/mqar.py:smoke', '--config.optim.bogus=3'])
   c = tiny_config(kind='token_file', train_path=str(tmp_path / 'missing.npy'))
-  with pytest.raises(FileNotFoundError, match='missing.npy'):
+  with pytest.raises(FileNotFoundError, match=r"train_path: data file not found: .*missing.npy.*make one with "
+                     r"`python -m experiments.data.make_token_file .*missing.npy`.*experiments.data.prepare"):
     trainer.Trainer(c, str(tmp_path / 'w'))
+
+
+def test_cli_config_mistakes_are_one_line_with_one_exit_code(tmp_path):
+  """Config file, config-arg and key mistakes: exit code 2 and a single 'Config error:' line naming the bad
+  token and the valid choices (no traceback), before jax is even imported."""
+  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS='')
+  flagfile = tmp_path / 'bad.flags'
+  flagfile.write_text('--config=configs/nosuch.py:smoke\n')
+  cases = [
+      (['--config=configs/nosuch.py'], r"no config file 'configs/nosuch.py'; available: .*configs/mqar.py"),
+      ([f'--flagfile={flagfile}'], r"no config file 'configs/nosuch.py' \(in 'configs/nosuch.py:smoke'\)"),
+      (['--config=configs/mqar.py:smok'], r"configs/mqar.py:smok: unknown preset 'smok'; valid presets: smoke, "
+                                          'default'),
+      (['--config=configs/mqar.py:smoke,nosuchmixer', '--config.train.num_steps=2'],
+       r"unknown token 'nosuchmixer'; .* mixer \(kdn_diag, .*\) and one initial state \(zero, .*tbtt\)"),
+      (['--config=configs/mqar.py:smoke,gla,kda'], r'more than one mixer \(gla, kda\)'),
+      (['--config=configs/mqar.py:smoke', '--config.optim.learning_rat=1'],
+       r"unknown config key 'config.optim.learning_rat'"),
+      (['--config=configs/mqar.py:smoke', '--config.train.num_steps=abc'],
+       r'--config.train.num_steps=abc: ValueError: invalid literal'),
+  ]
+  procs = [subprocess.Popen([sys.executable, '-m', 'experiments.train', *args, f'--workdir={tmp_path}/w'],
+                            cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+           for args, _ in cases]
+  for p, (args, pattern) in zip(procs, cases):
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 2, (args, err[-2000:])
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('Config error: '), (args, err[-2000:])
+    assert re.search(pattern, lines[0]), (args, lines[0])
+  assert not os.path.exists(tmp_path / 'w')  # nothing was built
 
 
 def test_cli_end_to_end(tmp_path):
@@ -268,7 +301,7 @@ def test_cli_end_to_end(tmp_path):
   assert summary['steady_tokens_per_s'] > summary['tokens_per_s'] > 0  # compile excluded
   r = subprocess.run(cmd[:5] + ['--config.train.nonsense=1'], cwd=ROOT, env=env, capture_output=True,
                      text=True, timeout=300)
-  assert r.returncode != 0 and 'nonsense' in r.stderr
+  assert r.returncode == 2 and 'nonsense' in r.stderr
 
 
 def test_host_init_two_processes():
