@@ -1,6 +1,7 @@
 """Runner tests: sharded == single-device step, kill/resume determinism, NaN handling, bad configs, CLI."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -14,7 +15,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import config_lib, trainer
-from runner_helpers import compilation_cache, host, tiny_config, write_doc_tokens
+from runner_helpers import compilation_cache, host, tiny_config, write_array_record, write_doc_tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -180,16 +181,12 @@ def test_carried_state_runs_resume_exactly_past_a_damaged_checkpoint(tmp_path, c
 
 
 def _array_record_docs(tmp_path):
-  """Random documents (each ending in eos=1) as an .array_record file, one record per document."""
-  from array_record.python import array_record_module as arm  # pylint: disable=g-import-not-at-top
-  path = str(tmp_path / 'docs.array_record')
-  if not os.path.exists(path):
-    docs = write_doc_tokens(str(tmp_path / 'docs.npy'), num_docs=24, eos=1, vocab=32, min_len=10, max_len=50)
-    w = arm.ArrayRecordWriter(path, 'group_size:1')
-    for d in docs:
-      w.write(np.asarray(d, '<i4').tobytes())
-    w.close()
-  return path
+  """Random documents (each ending in eos=1) as an .array_record file."""
+  path = tmp_path / 'docs.array_record'
+  if not path.exists():
+    write_array_record(path, write_doc_tokens(str(tmp_path / 'docs.npy'), num_docs=24, eos=1, vocab=32,
+                                              min_len=10, max_len=50))
+  return str(path)
 
 
 def test_nan_loss_halts_or_skips(tmp_path):
@@ -198,7 +195,6 @@ def test_nan_loss_halts_or_skips(tmp_path):
   tr = trainer.Trainer(c, str(tmp_path / 'halt'))
   tr.run(stop_at=1)  # a good checkpoint at step 1
   tr.state['params'] = jax.tree.map(lambda x: x * np.nan, tr.state['params'])
-  tr.checkpointer.manager.reload() if hasattr(tr.checkpointer.manager, 'reload') else None
   # Resuming would restore the good checkpoint; instead keep training the poisoned state in place.
   tr.maybe_restore = lambda: False
   with pytest.raises(trainer.NonFiniteLossError, match='non-finite loss/gradients at step 2;.*Last good checkpoint: step 1'):
@@ -241,10 +237,11 @@ def test_unknown_key_and_missing_data(tmp_path):
     c.train.bogus = 1
   with pytest.raises(config_lib.ConfigError, match=r'config\.train\.bogus: unknown key'):
     config_lib.validate(c)
+  argv = ['prog', f'--config={ROOT}/configs/mqar.py:smoke', '--config.optim.bogus=3']
   fv = flags.FlagValues()
-  config_flags.DEFINE_config_file('config', None, flag_values=fv, lock_config=True)
-  with pytest.raises(flags.Error, match='optim.bogus'):
-    fv(['prog', f'--config={ROOT}/configs/mqar.py:smoke', '--config.optim.bogus=3'])
+  config_flags.DEFINE_config_file('config', None, flag_values=fv, lock_config=True, sys_argv=argv)
+  with pytest.raises(AttributeError, match='bogus'):  # the locked config refuses the key (not an unknown flag)
+    fv(argv)
   c = tiny_config(kind='token_file', train_path=str(tmp_path / 'missing.npy'))
   with pytest.raises(FileNotFoundError, match=r"train_path: data file not found: .*missing.npy.*make one with "
                      r"`python -m experiments.data.make_token_file .*missing.npy`.*experiments.data.prepare"):
@@ -286,7 +283,8 @@ def test_cli_end_to_end(tmp_path):
   """The absl app: config file + overrides, outputs in the workdir; an unknown key fails naming it."""
   env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS='')
   wd = tmp_path / 'cli'
-  cmd = [sys.executable, '-m', 'experiments.train', '--config=configs/mqar.py:smoke', f'--workdir={wd}',
+  # configs/mqar.flags (the committed flags file) then overrides: later flags win
+  cmd = [sys.executable, '-m', 'experiments.train', '--flagfile=configs/mqar.flags', f'--workdir={wd}',
          '--config.train.num_steps=3', '--config.train.log_every=1', '--config.data.eval_batch_size=8',
          '--config.train.eval_batches=1', '--config.model.num_layers=1', '--config.data.seq_len=32',
          '--config.data.global_batch_size=4', '--config.data.mqar.num_kv_pairs=4']
@@ -302,6 +300,30 @@ def test_cli_end_to_end(tmp_path):
   r = subprocess.run(cmd[:5] + ['--config.train.nonsense=1'], cwd=ROOT, env=env, capture_output=True,
                      text=True, timeout=300)
   assert r.returncode == 2 and 'nonsense' in r.stderr
+
+
+@pytest.mark.parametrize('flagfile', sorted(glob.glob(os.path.join(ROOT, 'configs', '*.flags'))),
+                         ids=os.path.basename)
+def test_committed_flags_files_parse_to_valid_configs(flagfile):
+  """Every configs/*.flags file parses (config file, arg, overrides) into a config that validates on 8
+  devices, and none writes into the README quick start's workdir (a flags run would resume that run)."""
+  argv = ['prog', f'--flagfile={flagfile}']
+  fv = flags.FlagValues()
+  # sys_argv: config_flags reads the --config.* overrides from it, not from the argv parsed
+  config_flags.DEFINE_config_file('config', None, flag_values=fv, lock_config=True, sys_argv=argv)
+  flags.DEFINE_string('workdir', None, '', flag_values=fv)
+  cwd = os.getcwd()
+  os.chdir(ROOT)  # flags files name configs/ relative to the repository root, as the README runs them
+  try:
+    fv(argv)
+    config = fv.config
+  finally:
+    os.chdir(cwd)
+  config_lib.validate(config, num_devices=8)
+  readme = open(os.path.join(ROOT, 'README.md'), encoding='utf-8').read()
+  readme_workdirs = set(re.findall(r'--workdir=(\S+)', readme))
+  assert '/tmp/kdn_mqar_smoke' in readme_workdirs
+  assert fv.workdir and fv.workdir not in readme_workdirs, fv.workdir
 
 
 def test_host_init_two_processes():
