@@ -5,6 +5,7 @@ import glob
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -45,6 +46,18 @@ def test_sharded_step_matches_single_device(tmp_path):
   np.testing.assert_allclose(loss8, loss1, rtol=1e-5, atol=1e-5)
   for a, b in zip(jax.tree.leaves(p8), jax.tree.leaves(p1)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  # Tensor parallel: heads, MLP and vocabulary split over tensor=2 (with data=2 x fsdp=2).
+  ct = tiny_config()
+  ct.mesh.data, ct.mesh.fsdp, ct.mesh.tensor = 2, 2, 2
+  tr = trainer.Trainer(ct, str(tmp_path / 'tensor'))
+  specs = {str(s.spec) for s in jax.tree.leaves(tr.param_shardings)}
+  assert any('tensor' in s for s in specs), specs
+  lossT = float(tr.train_step(next(tr.data_iter))['loss'])
+  pT = host(tr.state['params'])
+  tr.close()
+  np.testing.assert_allclose(lossT, loss1, rtol=1e-5, atol=1e-5)
+  for a, b in zip(jax.tree.leaves(pT), jax.tree.leaves(p1)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def _train_rows(workdir):
@@ -69,7 +82,6 @@ def test_sigterm_crash_and_resume_are_exact(tmp_path, capsys):
   """A run crashed after an unsaved step (its metric row already written), resumed, stopped by a real
   SIGTERM, resumed again: the same losses (one row per step), parameters and carried states as an
   uninterrupted run; a further run with a smaller num_steps warns and trains nothing."""
-  import signal  # pylint: disable=g-import-not-at-top
 
   def cfg():
     c = tiny_config('state_passing')
@@ -326,21 +338,46 @@ def test_committed_flags_files_parse_to_valid_configs(flagfile):
   assert fv.workdir and fv.workdir not in readme_workdirs, fv.workdir
 
 
-def test_host_init_two_processes():
-  """Parameter init on each process's own host CPU, then sharded across 2 jax.distributed processes:
-  every process holds exactly its shards of the seed's values."""
-  import socket  # pylint: disable=g-import-not-at-top
-  with socket.socket() as sock:
-    sock.bind(('127.0.0.1', 0))
-    port = str(sock.getsockname()[1])
+def _two_processes(*args, timeout=300):
+  """Runs tests/multihost_train_process.py as jax.distributed processes 0 and 1 (each with one CPU
+  device) on a free coordinator port; returns [(returncode, stdout, stderr)] per process."""
+  import portpicker  # pylint: disable=g-import-not-at-top
+  port = str(portpicker.pick_unused_port())
   env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS='')
-  script = os.path.join(ROOT, 'tests', 'host_init_process.py')
-  procs = [subprocess.Popen([sys.executable, script, str(i), port], cwd=ROOT, env=env, text=True,
+  script = os.path.join(ROOT, 'tests', 'multihost_train_process.py')
+  procs = [subprocess.Popen([sys.executable, script, str(i), port, *args], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
-  outs = [p.communicate(timeout=240) for p in procs]
-  for i, (p, (out, err)) in enumerate(zip(procs, outs)):
-    assert p.returncode == 0, err[-3000:]
-    assert f'process {i} ok' in out
+  outs = []
+  for p in procs:
+    try:
+      out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      raise
+    outs.append((p.returncode, out, err))
+  return outs
+
+
+def test_two_process_training_survives_a_kill(tmp_path):
+  """2 jax.distributed CPU processes: host-side parameter init gives each its shards; a training run is
+  SIGKILLed on both hosts mid-run (after an unsaved, logged step), rerun, resumes from the last checkpoint
+  and ends with the uninterrupted run's losses (one row per step) and parameters."""
+  first = _two_processes(str(tmp_path), 'first')
+  for i, (rc, out, err) in enumerate(first):
+    assert rc == -signal.SIGKILL, (i, rc, err[-3000:])  # killed in workdir b, after finishing workdir a
+    assert out.count('params ') == 1, (i, out[-2000:])
+  assert [s for s, _ in _train_rows(tmp_path / 'b')] == [1, 2, 3, 4, 5]  # step 5: logged, never saved
+  second = _two_processes(str(tmp_path), 'resume')
+  for i, (rc, out, err) in enumerate(second):
+    assert rc == 0, (i, err[-3000:])
+  assert 'Resumed from checkpoint at step 4' in second[0][1]
+  ra, rb = _train_rows(tmp_path / 'a'), _train_rows(tmp_path / 'b')
+  assert [s for s, _ in ra] == list(range(1, 7)) and ra == rb, (ra, rb)
+  for i in range(2):  # each process's parameters after the resumed run equal those of the straight run
+    straight = [l for l in first[i][1].splitlines() if l.startswith('params ')]
+    resumed = [l for l in second[i][1].splitlines() if l.startswith('params ')]
+    assert straight == resumed, (i, straight, resumed)
 
 
 def test_training_agrees_across_fast_paths(tmp_path):
