@@ -355,7 +355,12 @@ class Trainer:
     writer = logging_utils.MetricWriter(self.workdir, cfg.logging.tensorboard, self.is_main,
                                         resume_step=start_step)
     old_handler = None
-    if threading.current_thread() is threading.main_thread():
+    # Several processes must stop at the same step (a save is collective; a host that stops alone leaves
+    # the others waiting in the next step's all-reduce). jax.distributed's preemption service catches
+    # SIGTERM on any host and agrees on a step for all of them, so there the Python handler (which would
+    # replace the service's) is not installed.
+    sync_preemption = _preemption_service() is not None
+    if threading.current_thread() is threading.main_thread() and not sync_preemption:
       old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
     status, t0 = 'completed', time.time()
     t_log, step_log = t0, start_step
@@ -369,7 +374,8 @@ class Trainer:
     try:
       step = start_step
       while step < total:
-        if self._stop_requested or (stop_at is not None and step >= stop_at):
+        if (self._stop_requested or (stop_at is not None and step >= stop_at)
+            or (sync_preemption and _reached_preemption(step))):
           status = 'preempted'
           break
         local = next(self.data_iter)
@@ -462,6 +468,24 @@ class Trainer:
     close = getattr(self.data_iter, 'close', None)
     if close:
       close()
+
+
+def _preemption_service():
+  """jax.distributed's preemption sync manager when several processes run with it, else None."""
+  if jax.process_count() == 1:
+    return None
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  return getattr(distributed.global_state, 'preemption_sync_manager', None)
+
+
+def _reached_preemption(step: int) -> bool:
+  """True on every process at the same step once any of them got SIGTERM (called every step)."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  if multihost_utils.reached_preemption_sync_point(step):
+    logging.warning('preemption (SIGTERM on some process) agreed at step %d: saving a checkpoint and exiting',
+                    step)
+    return True
+  return False
 
 
 class _null:

@@ -3,7 +3,9 @@
 argv: process_id, coordinator port, base dir, phase. Phase 'first': check the host-side parameter init
 (every process holds exactly its shards of the seed's values), train workdir a uninterrupted, then train
 workdir b and SIGKILL this process in the middle of step 6 (rows 1-5 logged, last checkpoint step 4).
-Phase 'resume': rerun workdir b, which resumes from step 4 and finishes. Prints 'params <checksum>' after
+Phase 'sigterm': rerun workdir b (resumes from step 4); process 1 alone gets SIGTERM during its
+second step, and both processes stop at one agreed step, saving it. Phase 'resume': rerun workdir b
+again, which finishes. Prints 'params <checksum>' after
 each completed run (the checksum of this process's copy of the replicated parameters)."""
 import os
 import signal
@@ -47,6 +49,7 @@ def config():
   c.train.state_reset_prob = 0.3
   c.checkpoint.enabled = True
   c.checkpoint.every_steps = 2
+  c.train.num_steps = 8
   return c
 
 
@@ -55,20 +58,22 @@ def checksum(tr):
                   for x in jax.tree.leaves(tr.state['params'])))
 
 
-def train(workdir, kill_at_call=None):
+def train(workdir, kill_at_call=None, term_at_call=None):
   tr = trainer.Trainer(config(), os.path.join(base, workdir))
-  if kill_at_call:
-    calls, inner = [0], tr.train_step
+  calls, inner = [0], tr.train_step
 
-    def step(local):
-      calls[0] += 1
-      if calls[0] == kill_at_call:
-        os.kill(os.getpid(), signal.SIGKILL)  # no handler, no cleanup: like a lost host
-      return inner(local)
-    tr.train_step = step
+  def step(local):
+    calls[0] += 1
+    if calls[0] == kill_at_call:
+      os.kill(os.getpid(), signal.SIGKILL)  # no handler, no cleanup: like a lost host
+    if calls[0] == term_at_call:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return inner(local)
+  tr.train_step = step
   s = tr.run()
-  assert s['status'] == 'completed', s
-  print('params', checksum(tr), flush=True)
+  print('status', s['status'], s['step'], flush=True)
+  if s['status'] == 'completed':
+    print('params', checksum(tr), flush=True)
   tr.close()
 
 
@@ -76,5 +81,7 @@ if phase == 'first':
   check_host_init()
   train('a')
   train('b', kill_at_call=6)
+elif phase == 'sigterm':  # only process 1 gets SIGTERM: both must stop (and save) at one agreed step
+  train("b", term_at_call=2 if pid == 1 else None)
 else:
   train('b')
