@@ -65,10 +65,7 @@ def main(argv):
 def _root_message(e: BaseException) -> str:
   """The first line of the innermost ConfigError (or else the innermost error) behind ``e``: absl and
   ml_collections re-wrap errors raised while loading a config file, adding tracebacks."""
-  chain = []
-  while e is not None and e not in chain:
-    chain.append(e)
-    e = e.__cause__ or e.__context__
+  chain = _chain(e)
   configs = [c for c in chain if isinstance(c, config_lib.ConfigError)
              and not str(c).startswith('Error whilst parsing')]
   root = configs[-1] if configs else chain[-1]
@@ -76,13 +73,17 @@ def _root_message(e: BaseException) -> str:
   return lines[0] if configs else f'{type(root).__name__}: {lines[-1]}'
 
 
+def _expanded_args(argv) -> list[str]:
+  """The command line with --flagfile contents inlined (absl reports an unreadable flagfile itself)."""
+  try:
+    return flags.FLAGS.read_flags_from_files(argv[1:], force_gnu=False)
+  except flags.Error:
+    return argv[1:]
+
+
 def _config_file_problem(argv) -> str | None:
   """A message when the --config file (also from --flagfile) does not exist, naming what does."""
-  try:
-    args = flags.FLAGS.read_flags_from_files(argv[1:], force_gnu=False)
-  except flags.Error:
-    return None  # absl reports an unreadable flagfile itself
-  values = [a.split('=', 1)[1] for a in args if a.startswith('--config=')]
+  values = [a.split('=', 1)[1] for a in _expanded_args(argv) if a.startswith('--config=')]
   if not values:
     return None
   spec = values[-1]
@@ -111,7 +112,7 @@ def _parse_flags(argv):
     # An override of a key the locked config lacks surfaces as a KeyError/AttributeError (or absl's unknown
     # flag) whose text holds the key's last component.
     lookup = [c for c in _chain(e) if isinstance(c, (AttributeError, KeyError, flags.UnrecognizedFlagError))]
-    overrides = [a.split('=')[0][2:] for a in argv[1:] if a.startswith('--config.')]
+    overrides = [a.split('=')[0][2:] for a in _expanded_args(argv) if a.startswith('--config.')]
     named = [o for o in overrides if any(re.search(rf'\b{re.escape(o.split(".")[-1])}\b', str(c)) for c in lookup)]
     if named:
       _config_error(f'unknown config key {named[0]!r} (configs are locked; see '
@@ -120,7 +121,8 @@ def _parse_flags(argv):
     _config_error(f'--{bad_flag[1]}={bad_flag[2]}: {msg}' if bad_flag else msg)
 
 
-def _chain(e):
+def _chain(e) -> list[BaseException]:
+  """``e`` and the errors it was raised from or while handling, outermost first."""
   out = []
   while e is not None and e not in out:
     out.append(e)
