@@ -136,7 +136,8 @@ class Checkpointer:
       os.makedirs(os.path.dirname(dest), exist_ok=True)
       shutil.move(os.path.join(self.directory, str(step)), dest)
       print(msg, file=sys.stderr, flush=True)
-    logging.warning(msg)
+    else:
+      logging.warning(msg)
     if jax.process_count() > 1:  # the others must not list the step before process 0 has moved it
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       multihost_utils.sync_global_devices(f'kdn_set_aside_{step}')
@@ -144,11 +145,13 @@ class Checkpointer:
 
   def latest_record(self):
     """(step, record) of the newest checkpoint whose record reads, or (None, None) without one."""
-    for step in sorted(self.manager.all_steps(), reverse=True):
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    for step in steps:
       try:
         return step, self.record(step)
       except Exception as e:  # pylint: disable=broad-except  (any read failure: set aside, try older)
         self._set_aside(step, e)
+    self._none_readable(steps)
     return None, None
 
   def restore_latest(self, abstract_state, data_iter):
@@ -159,7 +162,8 @@ class Checkpointer:
     partial state. orbax itself writes each step to a temporary directory and renames it when complete,
     so a save interrupted by a kill is never listed as a step."""
     want = flatten(abstract_state)
-    for step in sorted(self.manager.all_steps(), reverse=True):
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    for step in steps:
       try:
         problems = _misfit(_saved_shapes(os.path.join(self.directory, str(step), 'state')), want)
       except Exception as e:  # pylint: disable=broad-except  (unreadable metadata: damaged)
@@ -174,7 +178,17 @@ class Checkpointer:
         return step, state, record
       except Exception as e:  # pylint: disable=broad-except
         self._set_aside(step, e)
+    self._none_readable(steps)
     return None
+
+  def _none_readable(self, steps):
+    """Every checkpoint failed: more likely a changed data pipeline than damage, so never restart from
+    step 0 silently."""
+    if steps:
+      raise RuntimeError(
+          f'none of the checkpoints {sorted(steps)} in {self.directory} restores; they were moved to '
+          f'{self.directory}.unreadable/ (messages above). If the config changed, move them back and resume '
+          'with the config they were saved with; otherwise delete them to start over')
 
   def save(self, step: int, state, data_iter, record: dict, force: bool = False):
     args = ocp.args.Composite(state=ocp.args.StandardSave(flatten(state)),

@@ -456,9 +456,10 @@ class Trainer:
     msg = (f'Warning: the checkpoint in {self.workdir} is at step {step}, '
            f'{"beyond" if step > total else "already at"} config.train.num_steps={total}: nothing to train. '
            'Raise --config.train.num_steps to train on, or use a new --workdir.')
-    logging.warning(msg)
     if self.is_main:
       print(msg, flush=True)
+    else:
+      logging.warning(msg)
     return {'status': 'completed', 'step': step, 'num_steps': total, 'steps_this_run': 0,
             'warning': msg, 'initial_state': self.strategy}
 

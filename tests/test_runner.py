@@ -129,6 +129,16 @@ def test_sigterm_crash_and_resume_are_exact(tmp_path, capsys):
     _assert_same_run(tmp_path / 'a', wb, straight, resumed, n)
     straight.close()
     resumed.close()
+  if how == 'truncated':  # every checkpoint damaged: an error, never a silent restart from step 0
+    wc = tmp_path / 'c'
+    shutil.copytree(tmp_path / 'a', wc)
+    for step in (3, n):
+      _damage(str(wc / 'checkpoints' / str(step)), how)
+    tr = trainer.Trainer(cfg(), str(wc), devices=one)
+    with pytest.raises(RuntimeError, match=r'none of the checkpoints \[3, 6\] .* restores'):
+      tr.run()
+    tr.close()
+    assert sorted(os.listdir(wc / 'checkpoints.unreadable')) == ['3', '6']
 
     short = cfg()
     short.train.num_steps = 3
@@ -190,6 +200,16 @@ def test_carried_state_runs_resume_exactly_past_a_damaged_checkpoint(tmp_path, c
     _assert_same_run(tmp_path / 'a', wb, straight, resumed, n)
     straight.close()
     resumed.close()
+  if how == 'truncated':  # every checkpoint damaged: an error, never a silent restart from step 0
+    wc = tmp_path / 'c'
+    shutil.copytree(tmp_path / 'a', wc)
+    for step in (3, n):
+      _damage(str(wc / 'checkpoints' / str(step)), how)
+    tr = trainer.Trainer(cfg(), str(wc), devices=one)
+    with pytest.raises(RuntimeError, match=r'none of the checkpoints \[3, 6\] .* restores'):
+      tr.run()
+    tr.close()
+    assert sorted(os.listdir(wc / 'checkpoints.unreadable')) == ['3', '6']
 
 
 def _array_record_docs(tmp_path):
