@@ -129,16 +129,6 @@ def test_sigterm_crash_and_resume_are_exact(tmp_path, capsys):
     _assert_same_run(tmp_path / 'a', wb, straight, resumed, n)
     straight.close()
     resumed.close()
-  if how == 'truncated':  # every checkpoint damaged: an error, never a silent restart from step 0
-    wc = tmp_path / 'c'
-    shutil.copytree(tmp_path / 'a', wc)
-    for step in (3, n):
-      _damage(str(wc / 'checkpoints' / str(step)), how)
-    tr = trainer.Trainer(cfg(), str(wc), devices=one)
-    with pytest.raises(RuntimeError, match=r'none of the checkpoints \[3, 6\] .* restores'):
-      tr.run()
-    tr.close()
-    assert sorted(os.listdir(wc / 'checkpoints.unreadable')) == ['3', '6']
 
     short = cfg()
     short.train.num_steps = 3
