@@ -5,6 +5,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
+import sys
+import time
 
 import grain
 import jax
@@ -62,6 +65,30 @@ def _quiet_missing_metadata():
     log.removeFilter(filt)
 
 
+def _saved_shapes(state_dir: str) -> dict:
+  """{flat key: shape} of a saved train state, read from its metadata only (no arrays)."""
+  with _quiet_missing_metadata():  # the step-level metadata file lives one level up: a harmless warning
+    meta = ocp.PyTreeCheckpointer().metadata(state_dir)
+  meta = getattr(meta, 'item_metadata', meta)
+  meta = getattr(meta, 'tree', meta)
+  return {k: tuple(getattr(v, 'shape', ())) for k, v in dict(meta).items()}
+
+
+def _misfit(have: dict, want: dict) -> str:
+  """'' when every wanted array is saved with its shape, else a short list of the differences."""
+  missing = [k for k in want if k not in have]
+  wrong = [f'{k}: checkpoint {have[k]}, model {tuple(v.shape)}' for k, v in want.items()
+           if k in have and have[k] != tuple(v.shape)]
+  if not missing and not wrong:
+    return ''
+  return (f'{len(missing)} arrays missing, {len(wrong)} of another shape: '
+          + '; '.join([f'missing {k}' for k in missing[:5]] + wrong[:5]))
+
+
+class CheckpointMismatchError(ValueError):
+  """A readable checkpoint saved by another model or config (not damage: it is left in place)."""
+
+
 def restore_params(source: str, abstract_params) -> tuple[object, int]:
   """Restores only the parameters of another run's checkpoint into ``abstract_params`` (a pytree of
   ShapeDtypeStructs with shardings, the ``params`` of a train state); returns (params, step).
@@ -71,18 +98,9 @@ def restore_params(source: str, abstract_params) -> tuple[object, int]:
   root, step = find_checkpoint(source)
   state_dir = os.path.join(root, str(step), 'state')
   want = {f'params|{k}': v for k, v in flatten(abstract_params).items()}
-  with _quiet_missing_metadata():  # the step-level metadata file lives one level up: a harmless warning
-    meta = ocp.PyTreeCheckpointer().metadata(state_dir)
-  meta = getattr(meta, 'item_metadata', meta)
-  meta = getattr(meta, 'tree', meta)
-  have = {k: tuple(getattr(v, 'shape', ())) for k, v in dict(meta).items()}
-  missing = [k for k in want if k not in have]
-  wrong = [f'{k}: checkpoint {have[k]}, model {tuple(v.shape)}' for k, v in want.items()
-           if k in have and have[k] != tuple(v.shape)]
-  if missing or wrong:
-    problems = [f'missing {k}' for k in missing[:5]] + wrong[:5]
-    raise ValueError(f'checkpoint {root}/{step} does not fit this model '
-                     f'({len(missing)} parameters missing, {len(wrong)} of another shape): ' + '; '.join(problems))
+  problems = _misfit(_saved_shapes(state_dir), want)
+  if problems:
+    raise ValueError(f'checkpoint {root}/{step} does not fit this model ({problems})')
   restore_args = jax.tree.map(lambda v: ocp.ArrayRestoreArgs(sharding=v.sharding, dtype=v.dtype), want)
   out = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
       item=want, restore_args=restore_args, partial_restore=True))
@@ -101,6 +119,76 @@ class Checkpointer:
 
   def latest_step(self):
     return self.manager.latest_step()
+
+  def _set_aside(self, step: int, error: Exception):
+    """Moves an unreadable checkpoint out of the way, keeping its files.
+
+    It leaves ``directory`` (orbax would keep listing it as the latest step, and a later save of the same
+    step would be skipped or refused) for ``<directory>.unreadable/<step>[.<time>]``, where it can be
+    inspected or deleted by hand. Only process 0 moves files; every process then re-reads the step list."""
+    dest = os.path.join(f'{self.directory}.unreadable', str(step))
+    if os.path.exists(dest):
+      dest = f'{dest}.{int(time.time())}'
+    first_line = (str(error).strip().splitlines() or [''])[0][:200]
+    msg = (f'Checkpoint step {step} in {self.directory} is unreadable ({type(error).__name__}: {first_line}); '
+           f'moved it to {dest} and falling back to the previous checkpoint')
+    if jax.process_index() == 0:
+      os.makedirs(os.path.dirname(dest), exist_ok=True)
+      shutil.move(os.path.join(self.directory, str(step)), dest)
+      print(msg, file=sys.stderr, flush=True)
+    else:
+      logging.warning(msg)
+    if jax.process_count() > 1:  # the others must not list the step before process 0 has moved it
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      multihost_utils.sync_global_devices(f'kdn_set_aside_{step}')
+    self.manager.reload()
+
+  def latest_record(self):
+    """(step, record) of the newest checkpoint whose record reads, or (None, None) without one."""
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    for step in steps:
+      try:
+        return step, self.record(step)
+      except Exception as e:  # pylint: disable=broad-except  (any read failure: set aside, try older)
+        self._set_aside(step, e)
+    self._none_readable(steps)
+    return None, None
+
+  def restore_latest(self, abstract_state, data_iter):
+    """(step, state, record) of the newest checkpoint that restores completely, or None without one.
+
+    A checkpoint that fails to restore (truncated or missing files after a crash mid-write or a damaged
+    disk) is set aside with a message and the next older one is tried: a resume never starts from a
+    partial state. orbax itself writes each step to a temporary directory and renames it when complete,
+    so a save interrupted by a kill is never listed as a step."""
+    want = flatten(abstract_state)
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    for step in steps:
+      try:
+        problems = _misfit(_saved_shapes(os.path.join(self.directory, str(step), 'state')), want)
+      except Exception as e:  # pylint: disable=broad-except  (unreadable metadata: damaged)
+        self._set_aside(step, e)
+        continue
+      if problems:  # a changed model or config, not damage: stop rather than set good files aside
+        raise CheckpointMismatchError(
+            f'{self.directory}/{step} was saved by another model or config ({problems}); resume with the '
+            'config it was trained with, or start a new --workdir (--config.train.init_from copies parameters)')
+      try:
+        state, record = self.restore(step, abstract_state, data_iter)
+        return step, state, record
+      except Exception as e:  # pylint: disable=broad-except
+        self._set_aside(step, e)
+    self._none_readable(steps)
+    return None
+
+  def _none_readable(self, steps):
+    """Every checkpoint failed: more likely a changed data pipeline than damage, so never restart from
+    step 0 silently."""
+    if steps:
+      raise RuntimeError(
+          f'none of the checkpoints {sorted(steps)} in {self.directory} restores; they were moved to '
+          f'{self.directory}.unreadable/ (messages above). If the config changed, move them back and resume '
+          'with the config they were saved with; otherwise delete them to start over')
 
   def save(self, step: int, state, data_iter, record: dict, force: bool = False):
     args = ocp.args.Composite(state=ocp.args.StandardSave(flatten(state)),

@@ -21,16 +21,23 @@ NAN_POLICIES = ('halt', 'skip')
 
 
 def parse_arg(arg: str, presets: tuple[str, ...], config_name: str):
-  """'<preset>[,<mixer>][,<initial_state>]' -> (preset, mixer, initial_state)."""
+  """'<preset>[,<mixer>][,<initial_state>]' -> (preset, mixer, initial_state).
+
+  Raises ConfigError naming the first bad token and the valid choices for its position."""
   parts = [p for p in (arg or presets[0]).split(',') if p]
   preset = parts[0]
-  mixer = next((p for p in parts[1:] if p in MIXERS), 'kdn_diag')
-  strategy = next((p for p in parts[1:] if p in INITIAL_STATES), 'zero')
-  unknown = [p for p in parts[1:] if p not in MIXERS and p not in INITIAL_STATES]
-  if preset not in presets or unknown:
-    raise ValueError(f'{config_name}: unknown arg {arg!r}; use {"|".join(presets)}'
-                     '[,<mixer>][,<initial_state>]')
-  return preset, mixer, strategy
+  if preset not in presets:
+    raise ConfigError(f'{config_name}:{arg}: unknown preset {preset!r}; valid presets: {", ".join(presets)}')
+  mixers = [p for p in parts[1:] if p in MIXERS]
+  strategies = [p for p in parts[1:] if p in INITIAL_STATES]
+  for p in parts[1:]:
+    if p not in MIXERS and p not in INITIAL_STATES:
+      raise ConfigError(f'{config_name}:{arg}: unknown token {p!r}; after the preset give at most one mixer '
+                        f'({", ".join(MIXERS)}) and one initial state ({", ".join(INITIAL_STATES)})')
+  for kind, found in (('mixer', mixers), ('initial state', strategies)):
+    if len(found) > 1:
+      raise ConfigError(f'{config_name}:{arg}: more than one {kind} ({", ".join(found)}); give at most one')
+  return preset, (mixers or ['kdn_diag'])[0], (strategies or ['zero'])[0]
 
 
 class ConfigError(ValueError):

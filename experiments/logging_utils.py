@@ -17,17 +17,24 @@ def fmt_time(seconds: float) -> str:
 class MetricWriter:
   """Writes metrics.jsonl and TensorBoard events under ``workdir`` (process 0 only)."""
 
-  def __init__(self, workdir: str, tensorboard: bool = True, active: bool = True):
+  def __init__(self, workdir: str, tensorboard: bool = True, active: bool = True,
+               resume_step: int | None = None):
+    """``resume_step``: the step training (re)starts from; rows and events after it are dropped first."""
     self.workdir, self.active = workdir, active
     self.tb = None
     if not active:
       return
     os.makedirs(workdir, exist_ok=True)
-    self.jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a', encoding='utf-8')
+    path = os.path.join(workdir, 'metrics.jsonl')
+    if resume_step is not None:
+      truncate_metrics(path, resume_step)
+    self.jsonl = open(path, 'a', encoding='utf-8')
     if tensorboard:
       try:
         from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-        self.tb = SummaryWriter(os.path.join(workdir, 'tb'))
+        # purge_step: TensorBoard hides this directory's older events at steps >= it
+        purge = None if resume_step is None else resume_step + 1
+        self.tb = SummaryWriter(os.path.join(workdir, 'tb'), purge_step=purge)
       except ImportError:
         logging.warning('tensorboardX not installed: no TensorBoard event files')
 
@@ -48,6 +55,30 @@ class MetricWriter:
     self.jsonl.close()
     if self.tb is not None:
       self.tb.close()
+
+
+def truncate_metrics(path: str, last_step: int) -> int:
+  """Drops the rows of a metrics JSONL after ``last_step`` (and a torn last line from a kill mid-write),
+  atomically; returns how many rows were dropped."""
+  if not os.path.exists(path):
+    return 0
+  with open(path, encoding='utf-8') as f:
+    lines = [line for line in f if line.strip()]
+  keep = []
+  for line in lines:
+    try:
+      rec = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    if int(rec.get('step', 0)) <= last_step:
+      keep.append(line if line.endswith('\n') else line + '\n')
+  if len(keep) == len(lines) and (not lines or lines[-1].endswith('\n')):
+    return 0
+  tmp = f'{path}.tmp'
+  with open(tmp, 'w', encoding='utf-8') as f:
+    f.writelines(keep)
+  os.replace(tmp, path)
+  return len(lines) - len(keep)
 
 
 def read_metrics(workdir: str, split: str | None = None) -> list[dict]:

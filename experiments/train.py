@@ -10,6 +10,8 @@ from the latest checkpoint.
 """
 from __future__ import annotations
 
+import os
+import re
 import sys
 
 from absl import app, flags, logging
@@ -23,44 +25,109 @@ _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metr
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
+# Every configuration mistake (config file, config arg, unknown key, bad value, missing data, a workdir
+# holding another run) exits with this code after one 'Config error: ...' line on stderr.
+CONFIG_ERROR_EXIT = 2
+
+
+def _config_error(msg: str):
+  print(f'Config error: {msg}', file=sys.stderr, flush=True)
+  sys.exit(CONFIG_ERROR_EXIT)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   if not flags.FLAGS['verbosity'].present:
     # Progress lines go to stdout; library INFO logs (orbax's per-save lines) need --verbosity=0.
     logging.set_verbosity(logging.WARNING)
-  config = _CONFIG.value
   try:
+    config = _CONFIG.value
     config_lib.check_keys(config)
-  except config_lib.ConfigError as e:
-    print(f'Config error: {e}', file=sys.stderr)
-    return 2
+  except (OSError, config_lib.ConfigError) as e:  # OSError: get_config's deferred load failure
+    _config_error(_root_message(e))
   from experiments import trainer  # pylint: disable=g-import-not-at-top  (imports jax)
+  from experiments import checkpoint  # pylint: disable=g-import-not-at-top
   try:
     tr = trainer.Trainer(config, _WORKDIR.value)
   except (config_lib.ConfigError, FileNotFoundError) as e:
-    print(f'Config error: {e}', file=sys.stderr)
-    return 2
+    _config_error(str(e))
   try:
     summary = tr.run()
+  except checkpoint.CheckpointMismatchError as e:  # raised at the start of run(), before any training
+    _config_error(str(e))
   finally:
     tr.close()
   logging.info('summary: %s', summary)  # also in <workdir>/summary.json
   return 0 if summary['status'] in ('completed', 'preempted') else 1
 
 
+def _root_message(e: BaseException) -> str:
+  """The first line of the innermost ConfigError (or else the innermost error) behind ``e``: absl and
+  ml_collections re-wrap errors raised while loading a config file, adding tracebacks."""
+  chain = _chain(e)
+  configs = [c for c in chain if isinstance(c, config_lib.ConfigError)
+             and not str(c).startswith('Error whilst parsing')]
+  root = configs[-1] if configs else chain[-1]
+  lines = str(root).strip().splitlines() or ['']
+  return lines[0] if configs else f'{type(root).__name__}: {lines[-1]}'
+
+
+def _expanded_args(argv) -> list[str]:
+  """The command line with --flagfile contents inlined (absl reports an unreadable flagfile itself)."""
+  try:
+    return flags.FLAGS.read_flags_from_files(argv[1:], force_gnu=False)
+  except flags.Error:
+    return argv[1:]
+
+
+def _config_file_problem(argv) -> str | None:
+  """A message when the --config file (also from --flagfile) does not exist, naming what does."""
+  values = [a.split('=', 1)[1] for a in _expanded_args(argv) if a.startswith('--config=')]
+  if not values:
+    return None
+  spec = values[-1]
+  path = spec.split(':', 1)[0]
+  if os.path.isfile(path):
+    return None
+  folder = os.path.dirname(path) or '.'
+  found = sorted(os.path.join(os.path.dirname(path), f) for f in (os.listdir(folder) if os.path.isdir(folder) else [])
+                 if f.endswith('.py') and not f.startswith('_'))
+  return (f'--config: no config file {path!r}{"" if spec == path else f" (in {spec!r})"}; '
+          + (f'available: {", ".join(found)}' if found else f'no .py config files in {folder!r}'))
+
+
 def _parse_flags(argv):
-  """absl flag parsing with a one-line error naming the config key that could not be applied."""
+  """absl flag parsing with one 'Config error:' line naming the config file, arg token or key that could not
+  be used."""
+  problem = _config_file_problem(argv)
+  if problem:
+    _config_error(problem)
   try:
     return flags.FLAGS(argv)
-  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
-    msg = str(e).strip('\'"')
-    overrides = [a.split('=')[0] for a in argv[1:] if a.startswith('--config.')]
-    named = [o for o in overrides if msg and msg.split()[0].strip('\'"') in o]
-    if isinstance(e, (AttributeError, KeyError)) and named:
-      sys.exit(f'Config error: unknown config key {named[0][2:]!r} (configs are locked; see '
-               'experiments/config_lib.py for the schema)')
-    sys.exit(f'Config error: {type(e).__name__}: {msg}')
+  except (flags.Error, AttributeError, KeyError, TypeError, ValueError, OSError) as e:
+    msg = _root_message(e)
+    if any(isinstance(c, config_lib.ConfigError) for c in _chain(e)):
+      _config_error(msg)
+    # An override of a key the locked config lacks surfaces as a KeyError/AttributeError (or absl's unknown
+    # flag) whose text holds the key's last component.
+    lookup = [c for c in _chain(e) if isinstance(c, (AttributeError, KeyError, flags.UnrecognizedFlagError))]
+    overrides = [a.split('=')[0][2:] for a in _expanded_args(argv) if a.startswith('--config.')]
+    named = [o for o in overrides if any(re.search(rf'\b{re.escape(o.split(".")[-1])}\b', str(c)) for c in lookup)]
+    if named:
+      _config_error(f'unknown config key {named[0]!r} (configs are locked; see '
+                    'experiments/config_lib.py for the schema)')
+    bad_flag = re.match(r'flag --([\w.]+)=(.*?): ', str(e))  # absl's prefix names the flag and its value
+    _config_error(f'--{bad_flag[1]}={bad_flag[2]}: {msg}' if bad_flag else msg)
+
+
+def _chain(e) -> list[BaseException]:
+  """``e`` and the errors it was raised from or while handling, outermost first."""
+  out = []
+  while e is not None and e not in out:
+    out.append(e)
+    e = e.__cause__ or e.__context__
+  return out
 
 
 if __name__ == '__main__':

@@ -184,10 +184,11 @@ class Trainer:
   def _check_resumable(self):
     """The step this workdir resumes from (None: a new run). A checkpoint written under another
     initial-state strategy cannot be resumed (its carried state differs): that needs a new run."""
-    step = self.checkpointer.latest_step() if self.checkpointer else None
+    if self.checkpointer is None:
+      return None
+    step, record = self.checkpointer.latest_record()  # an unreadable latest one is set aside
     if step is None:
       return None
-    record = self.checkpointer.record(step)
     self.init_from_step = record.get('init_from_step')  # a resumed post-training run keeps its origin
     saved = record.get('initial_state', self.strategy)
     if saved != self.strategy:
@@ -314,10 +315,10 @@ class Trainer:
   def maybe_restore(self) -> bool:
     if self.checkpointer is None:
       return False
-    step = self.checkpointer.latest_step()
-    if step is None:
+    found = self.checkpointer.restore_latest(self.abstract_state(), self.data_iter)
+    if found is None:
       return False
-    self.state, _ = self.checkpointer.restore(step, self.abstract_state(), self.data_iter)
+    step, self.state, _ = found
     logging.info('restored checkpoint at step %d', step)
     if self.is_main:
       print(f'Resumed from checkpoint at step {step}', flush=True)
@@ -344,14 +345,24 @@ class Trainer:
   def run(self, stop_at: int | None = None) -> dict:
     """Trains to ``train.num_steps`` (or stops early at ``stop_at`` like a preemption, saving first)."""
     cfg = self.config
-    writer = logging_utils.MetricWriter(self.workdir, cfg.logging.tensorboard, self.is_main)
-    old_handler = None
-    if threading.current_thread() is threading.main_thread():
-      old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
     self.maybe_restore()
     total = cfg.train.num_steps
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
     start_step = self.step()
+    if start_step >= total:
+      return self._nothing_to_train(start_step, total)
+    # Rows past the restored step were written by a run that died before its next checkpoint: they are
+    # dropped, so the resumed run's rows replace them instead of appearing twice.
+    writer = logging_utils.MetricWriter(self.workdir, cfg.logging.tensorboard, self.is_main,
+                                        resume_step=start_step)
+    old_handler = None
+    # Several processes must stop at the same step (a save is collective; a host that stops alone leaves
+    # the others waiting in the next step's all-reduce). jax.distributed's preemption service catches
+    # SIGTERM on any host and agrees on a step for all of them, so there the Python handler (which would
+    # replace the service's) is not installed.
+    sync_preemption = _preemption_service() is not None
+    if threading.current_thread() is threading.main_thread() and not sync_preemption:
+      old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
     status, t0 = 'completed', time.time()
     t_log, step_log = t0, start_step
     eval_metrics = {}
@@ -364,7 +375,8 @@ class Trainer:
     try:
       step = start_step
       while step < total:
-        if self._stop_requested or (stop_at is not None and step >= stop_at):
+        if (self._stop_requested or (stop_at is not None and step >= stop_at)
+            or (sync_preemption and _reached_preemption(step))):
           status = 'preempted'
           break
         local = next(self.data_iter)
@@ -440,12 +452,42 @@ class Trainer:
         logging_utils.plot_loss(self.workdir)
     return summary
 
+  def _nothing_to_train(self, step: int, total: int) -> dict:
+    """A workdir whose checkpoint already reaches train.num_steps: say so (no training, no new rows)."""
+    msg = (f'Warning: the checkpoint in {self.workdir} is at step {step}, '
+           f'{"beyond" if step > total else "already at"} config.train.num_steps={total}: nothing to train. '
+           'Raise --config.train.num_steps to train on, or use a new --workdir.')
+    if self.is_main:
+      print(msg, flush=True)
+    else:
+      logging.warning(msg)
+    return {'status': 'completed', 'step': step, 'num_steps': total, 'steps_this_run': 0,
+            'warning': msg, 'initial_state': self.strategy}
+
   def close(self):
     if self.checkpointer is not None:
       self.checkpointer.close()
     close = getattr(self.data_iter, 'close', None)
     if close:
       close()
+
+
+def _preemption_service():
+  """jax.distributed's preemption sync manager when several processes run with it, else None."""
+  if jax.process_count() == 1:
+    return None
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  return getattr(distributed.global_state, 'preemption_sync_manager', None)
+
+
+def _reached_preemption(step: int) -> bool:
+  """True on every process at the same step once any of them got SIGTERM (called every step)."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  if multihost_utils.reached_preemption_sync_point(step):
+    logging.warning('preemption (SIGTERM on some process) agreed at step %d: saving a checkpoint and exiting',
+                    step)
+    return True
+  return False
 
 
 class _null:

@@ -45,6 +45,16 @@ def write_doc_tokens(path, num_docs=24, eos=1, vocab=32, seed=0, min_len=10, max
   return docs
 
 
+def write_array_record(path, docs):
+  """``docs`` as an .array_record token file: one record of little-endian int32 tokens per document."""
+  from array_record.python import array_record_module as arm  # pylint: disable=g-import-not-at-top
+  w = arm.ArrayRecordWriter(str(path), 'group_size:1')
+  for d in docs:
+    w.write(np.asarray(d, '<i4').tobytes())
+  w.close()
+  return str(path)
+
+
 def compilation_cache(tmp_dir):
   """Context manager: a persistent XLA compilation cache, so identical train steps across Trainers in one
   test (e.g. kill/resume) compile once."""

@@ -12,7 +12,7 @@ from flax import nnx
 from experiments import config_lib, trainer
 from experiments.data import pipeline, token_files
 from kdn_jax.models.lm import LanguageModel
-from runner_helpers import host, tiny_config, write_doc_tokens
+from runner_helpers import host, tiny_config, write_array_record, write_doc_tokens
 
 
 def test_segment_ids_follow_document_offsets(tmp_path):
@@ -55,6 +55,14 @@ def test_pipeline_batches_carry_segment_ids(tmp_path):
   # a new segment starts at every separator in the inputs (the EOS is the next document's BOS)
   starts = np.diff(seg, axis=1) != 0
   np.testing.assert_array_equal(starts, batch['inputs'][:, 1:] == 1)
+  # The same documents as an .array_record file (one record each, boundaries from the records, no
+  # separator id needed) give the same batches.
+  tokens = np.load(path)
+  rec = write_array_record(tmp_path / 'docs.array_record', np.split(tokens, np.flatnonzero(tokens == 1)[:-1] + 1))
+  rc = tiny_config(kind='token_file', train_path=rec, eos_id=-1)
+  rbatch = next(pipeline.make_train_iterator(rc))
+  for key in ('inputs', 'targets', 'mask', 'segment_ids'):
+    np.testing.assert_array_equal(rbatch[key], batch[key], err_msg=key)
   c.data.pack_documents = False
   assert 'segment_ids' not in next(pipeline.make_train_iterator(c))
 

@@ -20,7 +20,11 @@ def check_data_files(config):
   for key in ('train_path', 'eval_path', 'long_eval_path'):
     path = d[key]
     if path and not os.path.exists(path):
-      raise FileNotFoundError(f'config.data.{key}: data file not found: {path!r}')
+      raise FileNotFoundError(
+          f'config.data.{key}: data file not found: {path!r}; make one with `python -m '
+          f'experiments.data.make_token_file {path}` (synthetic documents) or `python -m experiments.data.prepare '
+          '--out=<dir>` (a text corpus, then --config.data.corpus_dir=<dir>), or point '
+          f'--config.data.{key} to an existing .npy / .array_record token file')
 
 
 def _example_fn(config, split: str):
