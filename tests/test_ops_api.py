@@ -1,5 +1,6 @@
 """Dtypes, composability (jit, vmap, grad, shard_map) and input errors."""
 
+import logging
 import re
 
 import jax
@@ -108,6 +109,17 @@ BAD_INPUTS = [
                               x["k"]), ValueError, "log_alpha must have shape"),
     (lambda x: ops.iso_kdn(x["q"], x["k"], x["v"], x["log_alpha"], x["omega"],
                            x["r"]), ValueError, "omega must have shape [B, T, H]"),
+    # An explicit impl='pallas' never falls back to chunked: it names the value.
+    (lambda x: _diag(x, impl="pallas"), ValueError,
+     "diag_kdn: impl='pallas': V (value width) = 8 is not supported by the "
+     "Pallas kernels (supported: 16, 32, 64, 128)"),
+    (lambda x: ops.kda(x["q"][..., :8], x["k"][..., :8], x["q"],
+                       x["log_alpha"][..., :8], x["r"], impl="pallas"),
+     ValueError, "K (key width) = 8 is not supported"),
+    (lambda x: ops.delta_rule(x["q"], x["k"], x["q"], x["log_alpha"], x["k"],
+                              impl="pallas", chunk_size=8), ValueError,
+     "chunk_size = 8 is not supported by the Pallas kernels (supported: 16, "
+     "32, 64, 128 or None)"),
 ]
 
 
@@ -141,3 +153,36 @@ def test_pallas_delta_rule_scale_forms_agree():
   assert o_traced.dtype == o_kernel.dtype == jnp.bfloat16
   for o in (o_traced, o_chunked, o_kernel):
     assert rel_err(o, o_py) <= 5e-3, rel_err(o, o_py)
+
+
+def test_auto_falls_back_with_the_reason_logged_once(monkeypatch, caplog):
+  """'auto' on a Pallas platform runs chunked for widths the kernels lack and
+  says why, once per (op, reason); supported widths get the kernels."""
+  from kdn_jax.ops import dispatch  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(dispatch, "PALLAS_AUTO_PLATFORMS", (jax.default_backend(),))
+  monkeypatch.setattr(dispatch, "_FALLBACKS_LOGGED", set())
+  caplog.set_level(logging.WARNING)
+  assert dispatch.resolve_impl("diag_kdn", "auto", 16, 16, None) == "pallas"
+  for _ in range(2):
+    assert dispatch.resolve_impl("diag_kdn", "auto", 16, 8, None) == "chunked"
+  assert dispatch.resolve_impl("diag_kdn", "auto", 16, 16, 8) == "chunked"
+  msgs = [r.getMessage() for r in caplog.records if "impl='auto'" in r.getMessage()]
+  assert msgs == [
+      "diag_kdn: impl='auto' uses 'chunked': V (value width) = 8 is not "
+      "supported by the Pallas kernels (supported: 16, 32, 64, 128)",
+      "diag_kdn: impl='auto' uses 'chunked': chunk_size = 8 is not supported "
+      "by the Pallas kernels (supported: 16, 32, 64, 128 or None)"], msgs
+  # Through an op: V = 8 under 'auto' gives the chunked result.
+  x = _inputs()
+  np.testing.assert_array_equal(_diag(x, impl="auto")[0], _diag(x, impl="chunked")[0])
+
+
+def test_pallas_limits_match_the_kernels():
+  """dispatch reads the kernels' limits; the kernels' own checks agree."""
+  x = jnp.zeros((1, 4, 1, 16))
+  s0 = jnp.zeros((1, 1, 16, 16))
+  for c in pallas_kernels.common.SUPPORTED_CHUNKS[::3]:  # 16 and 128
+    pallas_kernels.delta_rule(x, x, x, x, x, 1.0, s0, chunk_size=c)
+  for c in (8, 48, 256):
+    with pytest.raises(NotImplementedError):
+      pallas_kernels.delta_rule(x, x, x, x, x, 1.0, s0, chunk_size=c)

@@ -6,7 +6,6 @@ Wrappers keep flash-linear-attention's argument meaning.
 
 import jax
 import jax.numpy as jnp
-from absl import logging
 
 from kdn_jax.ops import dispatch
 from kdn_jax.ops import validation as val
@@ -26,7 +25,16 @@ def default_chunk_size(impl):
   """
   if impl == "chunked" and jax.default_backend() == "cpu":
     return 16
-  return 64
+  return dispatch.PALLAS_DEFAULT_CHUNK
+
+
+def resolve(op, impl, kd, vd, chunk_size):
+  """(impl, chunk_size) that run: chunk_size checked, then impl resolved for
+  these widths (dispatch.resolve_impl), then the chunk default filled in."""
+  if chunk_size is not None:
+    val.check_chunk_size(op, chunk_size)
+  impl = dispatch.resolve_impl(op, impl, kd, vd, chunk_size)
+  return impl, default_chunk_size(impl) if chunk_size is None else chunk_size
 
 
 def run_memory(op, impl, q, k, v, log_alpha, write, memory0, segment_ids,
@@ -39,24 +47,16 @@ def run_memory(op, impl, q, k, v, log_alpha, write, memory0, segment_ids,
   fp32/fp64 data.
   """
   if impl == "pallas":
+    # resolve_impl has checked that the kernels import and take these widths
+    # and this chunk size: an explicit 'pallas' never falls back silently.
     kernels = dispatch.pallas_module()
-    if kernels is None:
-      raise NotImplementedError(f"{op}: impl='pallas' but pallas_kernels "
-                                "cannot be imported")
     # q, k, v were all 16-bit when their result type is: casting back is exact,
     # and the kernels read half the bytes (they compute in fp32 inside).
     narrow = jnp.dtype(input_dtype).itemsize == 2
     kq, kk, kv = ((x.astype(input_dtype) if narrow else x) for x in (q, k, v))
-    try:
-      return kernels.delta_rule(
-          kq, kk, kv, log_alpha, write, scale, memory0, segment_ids,
-          chunk_size=chunk_size,
-          precision=kernels.precision_for(input_dtype))
-    except NotImplementedError as e:
-      logging.log_first_n(logging.WARNING,
-                          "%s: pallas path unavailable (%s); using chunked",
-                          1, op, e)
-      impl = "chunked"
+    return kernels.delta_rule(
+        kq, kk, kv, log_alpha, write, scale, memory0, segment_ids,
+        chunk_size=chunk_size, precision=kernels.precision_for(input_dtype))
   q = q * scale
   if impl == "chunked":
     return delta_rule_chunked(q, k, v, log_alpha, write, memory0, segment_ids,
@@ -89,9 +89,7 @@ def delta_rule(q, k, v, log_alpha, write, *, scale=None, initial_state=None,
   val.check_float(op, "write", write)
   val.check_shape(op, "write", write, (b, t, h, kd), "[B, T, H, K]")
   val.check_segment_ids(op, segment_ids, b, t)
-  impl = dispatch.resolve_impl(op, impl)
-  chunk_size = default_chunk_size(impl) if chunk_size is None else chunk_size
-  val.check_chunk_size(op, chunk_size)
+  impl, chunk_size = resolve(op, impl, kd, vd, chunk_size)
   if initial_state is not None:
     val.check_float(op, "initial_state", initial_state)
     val.check_shape(op, "initial_state", initial_state, (b, h, kd, vd),

@@ -10,8 +10,7 @@ from kdn_jax.ops import dispatch
 from kdn_jax.ops import validation as val
 from kdn_jax.ops import variance
 from kdn_jax.ops.delta_reference import delta_step, scan_tokens
-from kdn_jax.ops.delta_rule import (DEFAULT_CHUNK, default_chunk_size,
-                                    run_memory)
+from kdn_jax.ops.delta_rule import DEFAULT_CHUNK, resolve, run_memory
 from kdn_jax.ops.state import KDNState
 
 
@@ -63,9 +62,7 @@ def _kdn(op, diag, q, k, v, log_alpha, omega, r, info_scale, scale,
          initial_state, output_final_state, segment_ids, impl, chunk_size):
   b, t, h, kd, vd = _check_kdn(op, diag, q, k, v, log_alpha, omega, r)
   val.check_segment_ids(op, segment_ids, b, t)
-  impl = dispatch.resolve_impl(op, impl)
-  chunk_size = default_chunk_size(impl) if chunk_size is None else chunk_size
-  val.check_chunk_size(op, chunk_size)
+  impl, chunk_size = resolve(op, impl, kd, vd, chunk_size)
   out_dtype = q.dtype
   cd = val.compute_dtype(q, k, v, log_alpha, omega, r)
   input_dtype = jnp.result_type(q, k, v)
@@ -107,9 +104,6 @@ def _kdn_reference(diag, q, k, v, log_alpha, omega, r, mu, state0, starts):
 def _gain(op, diag, impl, k, log_alpha, omega, r, mu, var0, segment_ids):
   """Write directions for all tokens and the final variance."""
   kernels = dispatch.pallas_module() if impl == "pallas" else None
-  if impl == "pallas" and kernels is None:
-    raise NotImplementedError(f"{op}: impl='pallas' but pallas_kernels cannot "
-                              "be imported")
   if diag:
     fn = kernels.diag_gain if kernels else variance.diag_gain
     return fn(k, log_alpha, omega, r, mu, var0, segment_ids)
