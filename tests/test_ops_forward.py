@@ -175,3 +175,46 @@ def test_wrappers_match_delta_rule():
     outs.append(np.einsum("bhkv,bhk->bhv", s, gq[:, i]) * kd ** -0.5)
   np.testing.assert_allclose(pairs[-1][0], np.stack(outs, 1), rtol=1e-4,
                              atol=1e-5)
+
+
+def _baseline_inputs(b, t, h, kd, vd, seed):
+  rng = np.random.default_rng(seed)
+  n = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  return dict(q=n(b, t, h, kd), k=n(b, t, h, kd) / 4, v=n(b, t, h, vd),
+              g_c=-jax.nn.softplus(n(b, t, h, kd)),
+              g_s=-jax.nn.softplus(n(b, t, h)), beta=jax.nn.sigmoid(n(b, t, h)),
+              bk=jax.nn.sigmoid(n(b, t, h, kd)),
+              wv=jax.nn.sigmoid(n(b, t, h, vd)))
+
+
+# op -> (parallel, decode step, its gate arguments after q, k, v)
+BASELINES = {
+    "kda": (ops.kda, ops.kda_step, ("g_c", "beta")),
+    "gated_delta_rule": (ops.gated_delta_rule, ops.gated_delta_rule_step,
+                         ("g_s", "beta")),
+    "delta_net": (ops.delta_net, ops.delta_net_step, ("beta",)),
+    "gdn2": (ops.gdn2, ops.gdn2_step, ("g_c", "bk", "wv")),
+    "gla": (ops.gla, ops.gla_step, ("g_s",)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BASELINES))
+def test_baseline_decode_steps_equal_parallel(name):
+  """Stepping a baseline's *_step through T tokens from an initial state gives
+  the parallel op's outputs and final state (the same [B, H, K, V] layout)."""
+  b, t, h, kd, vd = 2, 13, 2, 16, 8
+  parallel, step, gates = BASELINES[name]
+  x = _baseline_inputs(b, t, h, kd, vd, seed=len(name))
+  s0 = 0.3 * jnp.asarray(np.random.default_rng(1).standard_normal(
+      (b, h, kd, vd)), jnp.float32)
+  args = [x[n] for n in ("q", "k", "v") + gates]
+  o, final = parallel(*args, initial_state=s0, output_final_state=True,
+                      impl="chunked")
+  step = jax.jit(step)
+  mem, outs = s0, []
+  for i in range(t):
+    o_t, mem = step(*(a[:, i] for a in args), mem)
+    outs.append(o_t)
+  assert mem.shape == final.shape == (b, h, kd, vd)
+  np.testing.assert_allclose(np.stack(outs, 1), o, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(mem, final, rtol=1e-5, atol=1e-5)

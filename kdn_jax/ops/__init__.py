@@ -6,8 +6,10 @@ token-by-token ground truth, 'chunked' the chunkwise XLA form, 'pallas' the
 kernels in `pallas_kernels`; 'auto' picks Pallas on GPU, else chunked.
 """
 
-from kdn_jax.ops.delta_rule import (delta_net, delta_rule, delta_rule_step,
-                                    gated_delta_rule, gdn2, gla, kda)
+from kdn_jax.ops.delta_rule import (delta_net, delta_net_step, delta_rule,
+                                    delta_rule_step, gated_delta_rule,
+                                    gated_delta_rule_step, gdn2, gdn2_step,
+                                    gla, gla_step, kda, kda_step)
 from kdn_jax.ops.kdn import diag_kdn, diag_kdn_step, iso_kdn, iso_kdn_step
 from kdn_jax.ops.mobius import mobius_scan
 from kdn_jax.ops.state import KDNState
@@ -15,8 +17,9 @@ from kdn_jax.ops.validation import IMPLS
 from kdn_jax.ops.variance import diag_variance_scan, iso_variance_scan
 
 __all__ = [
-    "IMPLS", "KDNState", "delta_net", "delta_rule", "delta_rule_step",
-    "diag_kdn", "diag_kdn_step", "diag_variance_scan", "gated_delta_rule",
-    "gdn2", "gla", "iso_kdn", "iso_kdn_step", "iso_variance_scan", "kda",
-    "mobius_scan",
+    "IMPLS", "KDNState", "delta_net", "delta_net_step", "delta_rule",
+    "delta_rule_step", "diag_kdn", "diag_kdn_step", "diag_variance_scan",
+    "gated_delta_rule", "gated_delta_rule_step", "gdn2", "gdn2_step", "gla",
+    "gla_step", "iso_kdn", "iso_kdn_step", "iso_variance_scan", "kda",
+    "kda_step", "mobius_scan",
 ]

@@ -164,3 +164,35 @@ def gla(q, k, v, g, **kwargs):
   g: [B,T,H,K] or [B,T,H]. No erase: the erase key is zero.
   """
   return delta_rule(q, jnp.zeros_like(k), v, g, k, **kwargs)
+
+
+# Decode steps of the named members: one token, the same arguments as the
+# parallel op without T, and the memory [B, H, K, V] the parallel op returns as
+# its final state (so a prefill's final state continues token by token).
+
+
+def kda_step(q, k, v, g, beta, memory, *, scale=None):
+  """One token of `kda`: q, k, g [B,H,K]; v [B,H,V]; beta [B,H]."""
+  return delta_rule_step(q, k, v, g, _beta_times(beta, k), memory, scale=scale)
+
+
+def gated_delta_rule_step(q, k, v, g, beta, memory, *, scale=None):
+  """One token of `gated_delta_rule`: g, beta [B,H]."""
+  return delta_rule_step(q, k, v, g, _beta_times(beta, k), memory, scale=scale)
+
+
+def delta_net_step(q, k, v, beta, memory, *, scale=None):
+  """One token of `delta_net` (no decay): beta [B,H]."""
+  return delta_rule_step(q, k, v, jnp.zeros(q.shape[:2], q.dtype),
+                         _beta_times(beta, k), memory, scale=scale)
+
+
+def gdn2_step(q, k, v, g, b, w, memory, *, scale=None):
+  """One token of `gdn2`: b [B,H,K] or [B,H]; w [B,H,V] or [B,H]."""
+  return delta_rule_step(q, _beta_times(b, k), _beta_times(w, v), g, k, memory,
+                         scale=scale)
+
+
+def gla_step(q, k, v, g, memory, *, scale=None):
+  """One token of `gla` (no erase): g [B,H,K] or [B,H]."""
+  return delta_rule_step(q, jnp.zeros_like(k), v, g, k, memory, scale=scale)
