@@ -186,3 +186,65 @@ def test_pallas_limits_match_the_kernels():
   for c in (8, 48, 256):
     with pytest.raises(NotImplementedError):
       pallas_kernels.delta_rule(x, x, x, x, x, 1.0, s0, chunk_size=c)
+
+
+# checked=True: (call, message). x has K = 16, V = 8, H = 4; the checks come
+# before any impl, so the cheapest to compile (reference) runs them.
+R = dict(checked=True, impl="reference")
+BAD_VALUES = [
+    (lambda x: _diag(dict(x, r=x["r"].at[0, 2, 1].set(-0.5)), **R),
+     "diag_kdn: r must be > 0; got 1 bad value(s), first -0.5"),
+    (lambda x: _diag(dict(x, r=x["r"].at[1, 0, 0].set(jnp.nan)), **R),
+     "diag_kdn: r must be > 0; got 1 bad value(s), first nan"),
+    (lambda x: _diag(dict(x, log_alpha=x["log_alpha"].at[0, 2].set(0.25)),
+                     **R),
+     f"diag_kdn: log_alpha must be <= 0; got {H * K} bad value(s), first 0.25"),
+    (lambda x: ops.iso_kdn(x["q"], x["k"], x["v"], x["log_alpha"],
+                           -x["r"], x["r"], **R),
+     "iso_kdn: omega must be >= 0"),
+    (lambda x: _diag(x, initial_state=ops.KDNState(
+        jnp.zeros((B, H, K, V)), jnp.zeros((B, H, K))), **R),
+     "diag_kdn: initial_state.variance must be > 0"),
+    (lambda x: ops.kda(x["q"], x["k"], x["v"], -x["log_alpha"], x["r"],
+                       **R), "kda: g (log decay) must be <= 0"),
+    (lambda x: ops.delta_rule(x["q"], x["k"], x["v"], -x["log_alpha"], x["k"],
+                              **R), "delta_rule: log_alpha must be <= 0"),
+    (lambda x: ops.gla_step(x["q"][:, 0], x["k"][:, 0], x["v"][:, 0],
+                            -x["log_alpha"][:, 0], jnp.zeros((B, H, K, V)),
+                            checked=True), "gla_step: g (log decay) must be <= 0"),
+    (lambda x: ops.diag_kdn_step(
+        *(x[n][:, 0] for n in ("q", "k", "v", "log_alpha", "omega")),
+        -x["r"][:, 0], ops.KDNState(jnp.zeros((B, H, K, V)), jnp.ones((B, H, K))),
+        checked=True), "diag_kdn_step: r must be > 0"),
+]
+
+
+@pytest.mark.parametrize("i", range(len(BAD_VALUES)))
+def test_checked_mode_names_the_bad_value(i):
+  """Eagerly, and jitted through ops.checked: the same named error."""
+  fn, msg = BAD_VALUES[i]
+  x = _inputs(t=3)
+  with pytest.raises(ops.InvalidValueError, match=re.escape(msg)):
+    fn(x)
+  with pytest.raises(ops.InvalidValueError, match=re.escape(msg)):
+    ops.checked(jax.jit(fn))(x)
+
+
+def test_checked_mode_traced_info_scale_and_gradients():
+  """A learned (traced) mu is checked too; with good values the checks change
+  nothing, gradients included, and they pass through the Pallas path."""
+  x = _inputs(t=8)
+  x["v"] = x["q"]  # V = 16, a width the Pallas kernels take
+
+  def loss(x, mu, impl, checked):
+    return jnp.sum(_diag(x, info_scale=mu, impl=impl, checked=checked)[0] ** 2)
+
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=(2, 3))
+  mu = jnp.full((H,), float(K))
+  with pytest.raises(ops.InvalidValueError, match=re.escape(
+      "diag_kdn: info_scale must be > 0; got 1 bad value(s), first -1.0")):
+    ops.checked(grad)(x, mu.at[2].set(-1.0), "reference", True)
+  got = ops.checked(grad)(x, mu, "pallas", True)
+  want = grad(x, mu, "reference", False)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert rel_err(a, b) <= 1e-5, rel_err(a, b)
