@@ -21,6 +21,8 @@ __all__ = [
 ]
 
 SUPPORTED_WIDTHS = (16, 32, 64, 128)
+# chunk_size values delta_rule accepts (kdn_jax.ops.dispatch reads both before any kernel runs).
+SUPPORTED_CHUNKS = (16, 32, 64, 128)
 
 
 def resolve_interpret(interpret):

@@ -47,22 +47,34 @@ def make_state(family, b, h, kd, vd, seed=1):
 
 
 def run(family, x, impl, *, state=None, segment_ids=None, chunk_size=32,
-        dtype=jnp.float32):
-  """Runs kdn_jax on inputs x cast to dtype; returns (o, final tuple)."""
+        dtype=jnp.float32, jit=False):
+  """Runs kdn_jax on inputs x cast to dtype; returns (o, final tuple).
+
+  jit=True traces once per (family, impl, shapes): worth it where a test calls
+  Pallas (interpret mode, ~1 s a call eagerly) on many same-shape inputs.
+  """
   c = {key: jnp.asarray(val, dtype) for key, val in x.items() if key != "mu"}
+  st = None if state is None else tuple(jnp.asarray(s, dtype) for s in state)
+  fn = _run_jit if jit else _run
+  return fn(family, c, x.get("mu"), st, segment_ids, impl, chunk_size)
+
+
+def _run(family, c, mu, state, segment_ids, impl, chunk_size):
   kw = dict(impl=impl, output_final_state=True, segment_ids=segment_ids,
             chunk_size=chunk_size)
   if family in ("diag", "iso"):
     fn = ops.diag_kdn if family == "diag" else ops.iso_kdn
-    init = None if state is None else ops.KDNState(
-        *(jnp.asarray(s, dtype) for s in state))
+    init = None if state is None else ops.KDNState(*state)
     o, st = fn(c["q"], c["k"], c["v"], c["log_alpha"], c["omega"], c["r"],
-               info_scale=x["mu"], initial_state=init, **kw)
+               info_scale=mu, initial_state=init, **kw)
     return o, (st.memory, st.variance)
-  init = None if state is None else jnp.asarray(state[0], dtype)
+  init = None if state is None else state[0]
   o, s = ops.delta_rule(c["q"], c["k"], c["v"], c["log_alpha"], c["write"],
                         initial_state=init, **kw)
   return o, (s,)
+
+
+_run_jit = jax.jit(_run, static_argnums=(0, 5, 6))
 
 
 def oracle(family, x, *, state=None, segment_ids=None):

@@ -1,5 +1,6 @@
-"""experiments/benchmark_layers.py at a tiny shape on CPU: every kdn_jax layer row is timed, the fla row
-is skipped with a reason, the time budget stops new cells, and the verdicts follow the ratios."""
+"""experiments/benchmark_layers.py at a tiny shape on CPU: every kdn_jax layer row is timed (and what
+is timed is the layer and its full backward), the fla row is skipped with a reason, the time budget
+stops new cells, and the verdicts follow the ratios."""
 from __future__ import annotations
 
 import json
@@ -11,8 +12,18 @@ TINY = dict(seq_lens=(32,), batch=1, width=32, num_heads=2, head_dim=16, chunk_s
             warmup=0)
 
 
-def test_tiny_run_on_cpu(tmp_path):
+def test_tiny_run_on_cpu(tmp_path, monkeypatch):
   out = str(tmp_path / 'layers')
+  timed = []   # per cell: (mixer, impl), then (function timed, its arguments) per timing
+  real_times, real_median = bl._jax_times, bl.median_time
+
+  def spy_times(mixer, impl, *rest):
+    timed.append((mixer, impl))
+    return real_times(mixer, impl, *rest)
+
+  monkeypatch.setattr(bl, '_jax_times', spy_times)
+  monkeypatch.setattr(bl, 'median_time',
+                      lambda fn, *a, **kw: timed.append((fn, a)) or real_median(fn, *a, **kw))
   bl.run(out, **TINY)
   with open(out + '.json') as fh:
     res = json.load(fh)
@@ -42,3 +53,40 @@ def test_verdicts_from_ratios():
   diag, iso = bl.verdicts({'rows': rows})
   assert diag.startswith('target kdn_diag_chunked') and diag.endswith('T=4096 0.95x -> MET'), diag
   assert iso.startswith('target kdn_iso_chunked') and iso.endswith('T=4096 0.95x -> MISSED'), iso
+
+  _check_timed_kdn_diag(timed[:3])
+
+
+def _check_timed_kdn_diag(timed):
+  """What the run timed for kdn_diag is the registry's layer (the output of the layer built and
+  called directly) and the gradient of sum(y * ct) w.r.t. the input and every parameter (equal to
+  a vjp of that forward): a benchmark timing something else, or a backward that skips the
+  parameters, fails here."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from kdn_jax.layers.registry import MIXERS  # pylint: disable=g-import-not-at-top
+  from kdn_jax.models.config import model_config  # pylint: disable=g-import-not-at-top
+
+  assert timed[0] == ('kdn_diag', 'chunked'), timed[0]
+  (fwd, (params, x)), (grad, (params_g, x_g, ct)) = timed[1:]
+  assert x.shape == x_g.shape == ct.shape == (1, 32, 32)
+  cfg = model_config('tiny', d_model=32, num_heads=2, head_dim=16, mixer='kdn_diag',
+                     impl='chunked', chunk_size=16, dtype='bfloat16', param_dtype='float32',
+                     mlp_hidden=1)
+  graphdef, state = nnx.split(MIXERS['kdn_diag'](cfg, rngs=nnx.Rngs(0)))
+  direct = jax.jit(lambda x: nnx.merge(graphdef, state)(x)[0])
+  np.testing.assert_array_equal(fwd(params, x), direct(x))
+  f32 = lambda t: jax.tree.map(lambda a: np.asarray(a, np.float32), t)
+  g_params, g_x = grad(params_g, x_g, ct)
+  vjp = jax.jit(lambda p, x, ct: jax.vjp(lambda p, x: fwd(p, x).astype(jnp.float32), p, x)[1](
+      ct.astype(jnp.float32)))
+  w_params, w_x = vjp(params, x, ct)
+  np.testing.assert_allclose(f32(g_x), f32(w_x), rtol=2e-2, atol=1e-3)
+  g_leaves, w_leaves = jax.tree.leaves(f32(g_params)), jax.tree.leaves(f32(w_params))
+  assert len(g_leaves) == len(w_leaves) == len(jax.tree.leaves(params))
+  # (some parameters start with a zero gradient: zero-initialised second layers)
+  assert sum(np.any(g != 0) for g in g_leaves) > len(g_leaves) // 2
+  for g, w in zip(g_leaves, w_leaves):
+    np.testing.assert_allclose(g, w, rtol=2e-2, atol=1e-3)

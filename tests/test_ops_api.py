@@ -1,5 +1,6 @@
 """Dtypes, composability (jit, vmap, grad, shard_map) and input errors."""
 
+import logging
 import re
 
 import jax
@@ -52,8 +53,13 @@ def test_jit_vmap_grad_compose():
   qs = jnp.stack([x["q"], 2 * x["q"]])
   got = jax.vmap(f)(qs)
   np.testing.assert_allclose(got[1], f(2 * x["q"]), rtol=1e-5, atol=1e-6)
-  g = jax.jit(jax.grad(lambda q: jnp.sum(f(q) ** 2)))(x["q"])
-  assert g.shape == x["q"].shape and np.all(np.isfinite(g))
+  np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-6)
+  # The jitted gradient against the token loop's (held to the float64 oracle
+  # in test_ops_grad).
+  loss = lambda impl: lambda q: jnp.sum(
+      _diag(dict(x, q=q), impl=impl)[0] ** 2)
+  g = jax.jit(jax.grad(loss("chunked")))(x["q"])
+  assert rel_err(g, jax.grad(loss("reference"))(x["q"])) <= 1e-5
 
 
 @pytest.mark.parametrize("axis", ["heads", "batch"])
@@ -108,6 +114,17 @@ BAD_INPUTS = [
                               x["k"]), ValueError, "log_alpha must have shape"),
     (lambda x: ops.iso_kdn(x["q"], x["k"], x["v"], x["log_alpha"], x["omega"],
                            x["r"]), ValueError, "omega must have shape [B, T, H]"),
+    # An explicit impl='pallas' never falls back to chunked: it names the value.
+    (lambda x: _diag(x, impl="pallas"), ValueError,
+     "diag_kdn: impl='pallas': V (value width) = 8 is not supported by the "
+     "Pallas kernels (supported: 16, 32, 64, 128)"),
+    (lambda x: ops.kda(x["q"][..., :8], x["k"][..., :8], x["q"],
+                       x["log_alpha"][..., :8], x["r"], impl="pallas"),
+     ValueError, "K (key width) = 8 is not supported"),
+    (lambda x: ops.delta_rule(x["q"], x["k"], x["q"], x["log_alpha"], x["k"],
+                              impl="pallas", chunk_size=8), ValueError,
+     "chunk_size = 8 is not supported by the Pallas kernels (supported: 16, "
+     "32, 64, 128 or None)"),
 ]
 
 
@@ -141,3 +158,98 @@ def test_pallas_delta_rule_scale_forms_agree():
   assert o_traced.dtype == o_kernel.dtype == jnp.bfloat16
   for o in (o_traced, o_chunked, o_kernel):
     assert rel_err(o, o_py) <= 5e-3, rel_err(o, o_py)
+
+
+def test_auto_falls_back_with_the_reason_logged_once(monkeypatch, caplog):
+  """'auto' on a Pallas platform runs chunked for widths the kernels lack and
+  says why, once per (op, reason); supported widths get the kernels."""
+  from kdn_jax.ops import dispatch  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(dispatch, "PALLAS_AUTO_PLATFORMS", (jax.default_backend(),))
+  monkeypatch.setattr(dispatch, "_FALLBACKS_LOGGED", set())
+  caplog.set_level(logging.WARNING)
+  assert dispatch.resolve_impl("diag_kdn", "auto", 16, 16, None) == "pallas"
+  for _ in range(2):
+    assert dispatch.resolve_impl("diag_kdn", "auto", 16, 8, None) == "chunked"
+  assert dispatch.resolve_impl("diag_kdn", "auto", 16, 16, 8) == "chunked"
+  msgs = [r.getMessage() for r in caplog.records if "impl='auto'" in r.getMessage()]
+  assert msgs == [
+      "diag_kdn: impl='auto' uses 'chunked': V (value width) = 8 is not "
+      "supported by the Pallas kernels (supported: 16, 32, 64, 128)",
+      "diag_kdn: impl='auto' uses 'chunked': chunk_size = 8 is not supported "
+      "by the Pallas kernels (supported: 16, 32, 64, 128 or None)"], msgs
+  # Through an op: V = 8 under 'auto' gives the chunked result.
+  x = _inputs()
+  np.testing.assert_array_equal(_diag(x, impl="auto")[0], _diag(x, impl="chunked")[0])
+
+
+def test_pallas_limits_match_the_kernels():
+  """dispatch reads the kernels' limits; the kernels' own checks agree."""
+  x = jnp.zeros((1, 4, 1, 16))
+  s0 = jnp.zeros((1, 1, 16, 16))
+  for c in pallas_kernels.common.SUPPORTED_CHUNKS[::3]:  # 16 and 128
+    pallas_kernels.delta_rule(x, x, x, x, x, 1.0, s0, chunk_size=c)
+  for c in (8, 48, 256):
+    with pytest.raises(NotImplementedError):
+      pallas_kernels.delta_rule(x, x, x, x, x, 1.0, s0, chunk_size=c)
+
+
+# checked=True: (call, message). x has K = 16, V = 8, H = 4; the checks come
+# before any impl, so the cheapest to compile (reference) runs them.
+R = dict(checked=True, impl="reference")
+BAD_VALUES = [
+    (lambda x: _diag(dict(x, r=x["r"].at[0, 2, 1].set(-0.5)), **R),
+     "diag_kdn: r must be > 0; got 1 bad value(s), first -0.5"),
+    (lambda x: _diag(dict(x, r=x["r"].at[1, 0, 0].set(jnp.nan)), **R),
+     "diag_kdn: r must be > 0; got 1 bad value(s), first nan"),
+    (lambda x: _diag(dict(x, log_alpha=x["log_alpha"].at[0, 2].set(0.25)),
+                     **R),
+     f"diag_kdn: log_alpha must be <= 0; got {H * K} bad value(s), first 0.25"),
+    (lambda x: ops.iso_kdn(x["q"], x["k"], x["v"], x["log_alpha"],
+                           -x["r"], x["r"], **R),
+     "iso_kdn: omega must be >= 0"),
+    (lambda x: _diag(x, initial_state=ops.KDNState(
+        jnp.zeros((B, H, K, V)), jnp.zeros((B, H, K))), **R),
+     "diag_kdn: initial_state.variance must be > 0"),
+    (lambda x: ops.kda(x["q"], x["k"], x["v"], -x["log_alpha"], x["r"],
+                       **R), "kda: g (log decay) must be <= 0"),
+    (lambda x: ops.delta_rule(x["q"], x["k"], x["v"], -x["log_alpha"], x["k"],
+                              **R), "delta_rule: log_alpha must be <= 0"),
+    (lambda x: ops.gla_step(x["q"][:, 0], x["k"][:, 0], x["v"][:, 0],
+                            -x["log_alpha"][:, 0], jnp.zeros((B, H, K, V)),
+                            checked=True), "gla_step: g (log decay) must be <= 0"),
+    (lambda x: ops.diag_kdn_step(
+        *(x[n][:, 0] for n in ("q", "k", "v", "log_alpha", "omega")),
+        -x["r"][:, 0], ops.KDNState(jnp.zeros((B, H, K, V)), jnp.ones((B, H, K))),
+        checked=True), "diag_kdn_step: r must be > 0"),
+]
+
+
+@pytest.mark.parametrize("i", range(len(BAD_VALUES)))
+def test_checked_mode_names_the_bad_value(i):
+  """Eagerly, and jitted through ops.checked: the same named error."""
+  fn, msg = BAD_VALUES[i]
+  x = _inputs(t=3)
+  with pytest.raises(ops.InvalidValueError, match=re.escape(msg)):
+    fn(x)
+  with pytest.raises(ops.InvalidValueError, match=re.escape(msg)):
+    ops.checked(jax.jit(fn))(x)
+
+
+def test_checked_mode_traced_info_scale_and_gradients():
+  """A learned (traced) mu is checked too; with good values the checks change
+  nothing, gradients included, and they pass through the Pallas path."""
+  x = _inputs(t=8)
+  x["v"] = x["q"]  # V = 16, a width the Pallas kernels take
+
+  def loss(x, mu, impl, checked):
+    return jnp.sum(_diag(x, info_scale=mu, impl=impl, checked=checked)[0] ** 2)
+
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=(2, 3))
+  mu = jnp.full((H,), float(K))
+  with pytest.raises(ops.InvalidValueError, match=re.escape(
+      "diag_kdn: info_scale must be > 0; got 1 bad value(s), first -1.0")):
+    ops.checked(grad)(x, mu.at[2].set(-1.0), "reference", True)
+  got = ops.checked(grad)(x, mu, "pallas", True)
+  want = grad(x, mu, "reference", False)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert rel_err(a, b) <= 1e-5, rel_err(a, b)

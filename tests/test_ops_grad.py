@@ -11,24 +11,30 @@ import kdn_oracle
 from ops_cases import FAMILIES, make_inputs, make_state, rel_err, round_f32
 from kdn_jax import ops
 
-B, T, H, K, V = 2, 45, 2, 16, 8
+B, T, H, K, V = 2, 45, 2, 16, 32  # widths the Pallas kernels take
 
 
 def _arg_names(family):
   base = ["q", "k", "v", "log_alpha"]
   if family in ("diag", "iso"):
-    return base + ["omega", "r", "memory", "variance"]
+    return base + ["omega", "r", "memory", "variance", "info_scale"]
   return base + ["write", "memory"]
 
 
-def _loss_fn(family, impl, segment_ids, mu):
-  """Scalar loss of (inputs..., state...) touching outputs and final state."""
+def _mu(h, kd):
+  """A per-head info_scale (mu), differentiated like a learned one."""
+  return np.linspace(0.5, 2.0, h) * kd
+
+
+def _loss_fn(family, impl, segment_ids):
+  """Scalar loss of (inputs..., state..., info_scale) touching outputs and
+  final state."""
 
   def loss(*args):
     kw = dict(impl=impl, output_final_state=True, segment_ids=segment_ids,
               chunk_size=16)
     if family in ("diag", "iso"):
-      q, k, v, la, om, r, mem, var = args
+      q, k, v, la, om, r, mem, var, mu = args
       fn = ops.diag_kdn if family == "diag" else ops.iso_kdn
       o, st = fn(q, k, v, la, om, r, info_scale=mu,
                  initial_state=ops.KDNState(mem, var), **kw)
@@ -50,12 +56,12 @@ def _weighted(o, final):
   return total
 
 
-def _oracle_loss(family, segment_ids, mu):
-  scale = K ** -0.5
+def _oracle_loss(family, segment_ids, kd):
+  scale = kd ** -0.5
 
   def loss(*args):
     if family in ("diag", "iso"):
-      q, k, v, la, om, r, mem, var = args
+      q, k, v, la, om, r, mem, var, mu = args
       o, s, p = kdn_oracle.kdn(q, k, v, la, om, r, mem, var, mu, scale,
                                family == "diag", segment_ids)
       return _weighted(o, (s, p))
@@ -66,15 +72,30 @@ def _oracle_loss(family, segment_ids, mu):
   return loss
 
 
-@pytest.mark.parametrize("segmented", [False, True])
-@pytest.mark.parametrize("impl", ["reference", "chunked"])
-@pytest.mark.parametrize("family", FAMILIES)
+def _arrays(family, x, state, h, kd):
+  names = _arg_names(family)
+  arrays = [x[n] for n in names if n in x] + list(state)
+  if "info_scale" in names:
+    arrays.append(_mu(h, kd))
+  return names, arrays
+
+
+# Pallas (interpret mode, several seconds per gradient on CPU) runs with
+# packed segments, where every kernel path runs (resets, the initial state's
+# share); without them only for one family of each kernel (gain, decay).
+GRAD_CASES = [(f, i, s) for f in FAMILIES for i in ("reference", "chunked")
+              for s in (False, True)] + [
+                  (f, "pallas", True) for f in FAMILIES] + [
+                      ("diag", "pallas", False), ("delta_scalar", "pallas", False)]
+
+
+@pytest.mark.parametrize("family,impl,segmented", GRAD_CASES)
 def test_grads_match_token_loop(family, impl, segmented):
+  """Every gradient (inputs, initial state, info_scale) against autodiff of
+  the float64 token loop."""
   x = round_f32(make_inputs(family, B, T, H, K, V, seed=11))
   state = round_f32(dict(enumerate(make_state(family, B, H, K, V))))
-  names = _arg_names(family)
-  arrays = [x[n] for n in names if n in x] + [state[i] for i in
-                                              sorted(state)]
+  names, arrays = _arrays(family, x, [state[i] for i in sorted(state)], H, K)
   seg = None
   if segmented:
     s = np.zeros((B, T), np.int32)
@@ -82,12 +103,13 @@ def test_grads_match_token_loop(family, impl, segmented):
     s[1, 9:30], s[1, 30:] = 1, 2
     seg = jnp.asarray(s)
   argnums = tuple(range(len(arrays)))
-  got = jax.grad(_loss_fn(family, impl, seg, x.get("mu")), argnums)(
+  got = jax.grad(_loss_fn(family, impl, seg), argnums)(
       *(jnp.asarray(a, jnp.float32) for a in arrays))
   with jax.enable_x64(True):
-    want = jax.grad(_oracle_loss(family, seg, x.get("mu")), argnums)(
+    want = jax.grad(_oracle_loss(family, seg, K), argnums)(
         *(jnp.asarray(a, jnp.float64) for a in arrays))
     want = [np.asarray(w) for w in want]
+  assert len(got) == len(names)
   for name, g, w in zip(names, got, want):
     assert np.all(np.isfinite(g)), name
     assert rel_err(g, w) <= 1e-4, (name, rel_err(g, w))
@@ -96,27 +118,13 @@ def test_grads_match_token_loop(family, impl, segmented):
 @pytest.mark.parametrize("impl", ["reference", "chunked"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_check_grads_numerically(family, impl):
-  b, t, h, kd, vd = 1, 5, 1, 4, 3
+  """Central finite differences in float64 (info_scale included): the
+  gradients the float64 oracle is autodiffed to are themselves right.
+  Not Pallas: its kernels compute in float32 and take K >= 16."""
+  b, t, h, kd, vd = 1, 5, 2, 4, 3
   with jax.enable_x64(True):
     x = make_inputs(family, b, t, h, kd, vd, seed=12)
-    state = make_state(family, b, h, kd, vd)
-    names = _arg_names(family)
-    arrays = [jnp.asarray(x[n]) for n in names if n in x] + [
-        jnp.asarray(s) for s in state]
+    _, arrays = _arrays(family, x, make_state(family, b, h, kd, vd), h, kd)
     seg = jnp.asarray([[0, 0, 1, 1, 1]])
-    check_grads(_loss_fn(family, impl, seg, x.get("mu")), arrays, order=1,
-                modes=["rev"], eps=1e-6, atol=1e-6, rtol=1e-6)
-
-
-def test_info_scale_gradient_through_array():
-  """A per-head mu passed as an array gets a gradient (learned info_scale)."""
-  x = make_inputs("diag", 1, 20, H, K, V, seed=13)
-  c = {k: jnp.asarray(v, jnp.float32) for k, v in x.items() if k != "mu"}
-
-  def loss(mu):
-    o, _ = ops.diag_kdn(c["q"], c["k"], c["v"], c["log_alpha"], c["omega"],
-                        c["r"], info_scale=mu, impl="chunked")
-    return jnp.sum(o ** 2)
-
-  g = jax.grad(loss)(jnp.full((H,), float(K)))
-  assert g.shape == (H,) and np.all(np.isfinite(g)) and np.any(g != 0)
+    check_grads(_loss_fn(family, impl, seg), [jnp.asarray(a) for a in arrays],
+                order=1, modes=["rev"], eps=1e-6, atol=1e-6, rtol=1e-6)

@@ -91,12 +91,12 @@ def _check(args, seg, chunk, tol_fwd, tol_grad, scale=0.7):
   return errs
 
 
+# The shipped chunk (16) at T = 1, partial chunks, both decay forms and resets inside chunks is
+# held to the float64 loop through the ops (tests/ops_cases.py, impl="pallas"); here: longer
+# chunks (max_chunk raised) and the gradients under strong decay.
 @pytest.mark.parametrize("t,chunk,scalar_decay,decay,segs", [
     (65, 64, False, "normal", None),          # T = chunk + 1, per-channel decay
-    (17, 16, False, "normal", None),          # T = chunk + 1 at the shipped chunk
-    (1, 64, True, "normal", None),            # T = 1, scalar decay
     (40, 16, False, "strong", None),          # log_alpha = -20, several chunks
-    (50, 16, True, "normal", (7, 20, 21, 33)),  # segment boundaries inside chunks
     (37, 32, False, "strong", (5, 30)),
 ])
 def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
@@ -115,8 +115,7 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
     dr_config.DEFAULT = old
 
 
-@pytest.mark.parametrize("variant", [
-    {},                                                         # the shipped default
+@pytest.mark.parametrize("variant", [   # (the shipped default: through the ops, ops_cases)
     dict(blocked=True, max_chunk=32),                           # the chunk-32 config
     dict(blocked=True, block=16), dict(blocked=False, k_split=2),
     dict(blocked=False, split_output=False),
@@ -148,7 +147,7 @@ def test_delta_rule_intra_variants(variant):
 
 def test_delta_rule_bf16_operand_dots():
   """fast_dots='bf16' (bf16 dot operands for bf16 data) stays within the bf16 bounds over 10
-  chunks."""
+  chunks (with blocked=False this is the shipped default on bf16 data)."""
   old = dr_config.DEFAULT
   try:
     dr_config.set_default(fast_dots="bf16", blocked=False)
@@ -193,11 +192,6 @@ def test_delta_rule_bf16_states():
       _check(_inputs(13, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"), seg, 32, 5e-3, 1e-2)
   finally:
     dr_config.DEFAULT = old
-
-
-def test_delta_rule_bf16():
-  args = _inputs(7, 1, 40, 2, 64, 64, jnp.bfloat16, False, "normal")
-  _check(args, None, 32, 5e-3, 1e-2)
 
 
 def test_delta_rule_unsupported_width():

@@ -6,7 +6,6 @@ Wrappers keep flash-linear-attention's argument meaning.
 
 import jax
 import jax.numpy as jnp
-from absl import logging
 
 from kdn_jax.ops import dispatch
 from kdn_jax.ops import validation as val
@@ -26,7 +25,16 @@ def default_chunk_size(impl):
   """
   if impl == "chunked" and jax.default_backend() == "cpu":
     return 16
-  return 64
+  return dispatch.PALLAS_DEFAULT_CHUNK
+
+
+def resolve(op, impl, kd, vd, chunk_size):
+  """(impl, chunk_size) that run: chunk_size checked, then impl resolved for
+  these widths (dispatch.resolve_impl), then the chunk default filled in."""
+  if chunk_size is not None:
+    val.check_chunk_size(op, chunk_size)
+  impl = dispatch.resolve_impl(op, impl, kd, vd, chunk_size)
+  return impl, default_chunk_size(impl) if chunk_size is None else chunk_size
 
 
 def run_memory(op, impl, q, k, v, log_alpha, write, memory0, segment_ids,
@@ -39,24 +47,16 @@ def run_memory(op, impl, q, k, v, log_alpha, write, memory0, segment_ids,
   fp32/fp64 data.
   """
   if impl == "pallas":
+    # resolve_impl has checked that the kernels import and take these widths
+    # and this chunk size: an explicit 'pallas' never falls back silently.
     kernels = dispatch.pallas_module()
-    if kernels is None:
-      raise NotImplementedError(f"{op}: impl='pallas' but pallas_kernels "
-                                "cannot be imported")
     # q, k, v were all 16-bit when their result type is: casting back is exact,
     # and the kernels read half the bytes (they compute in fp32 inside).
     narrow = jnp.dtype(input_dtype).itemsize == 2
     kq, kk, kv = ((x.astype(input_dtype) if narrow else x) for x in (q, k, v))
-    try:
-      return kernels.delta_rule(
-          kq, kk, kv, log_alpha, write, scale, memory0, segment_ids,
-          chunk_size=chunk_size,
-          precision=kernels.precision_for(input_dtype))
-    except NotImplementedError as e:
-      logging.log_first_n(logging.WARNING,
-                          "%s: pallas path unavailable (%s); using chunked",
-                          1, op, e)
-      impl = "chunked"
+    return kernels.delta_rule(
+        kq, kk, kv, log_alpha, write, scale, memory0, segment_ids,
+        chunk_size=chunk_size, precision=kernels.precision_for(input_dtype))
   q = q * scale
   if impl == "chunked":
     return delta_rule_chunked(q, k, v, log_alpha, write, memory0, segment_ids,
@@ -67,7 +67,7 @@ def run_memory(op, impl, q, k, v, log_alpha, write, memory0, segment_ids,
 
 def delta_rule(q, k, v, log_alpha, write, *, scale=None, initial_state=None,
                output_final_state=False, segment_ids=None, impl="auto",
-               chunk_size=DEFAULT_CHUNK):
+               chunk_size=DEFAULT_CHUNK, checked=False):
   """General delta rule with write direction `write` and erase direction `k`.
 
   Args:
@@ -79,6 +79,8 @@ def delta_rule(q, k, v, log_alpha, write, *, scale=None, initial_state=None,
     segment_ids: [B, T] ints for packed sequences, or None.
     impl: 'auto', 'reference', 'chunked' or 'pallas'.
     chunk_size: chunk length of the chunked/pallas paths (None: per platform).
+    checked: check log_alpha <= 0 and raise `ops.InvalidValueError` naming
+      it; under jit wrap the caller in `ops.checked`.
 
   Returns:
     (o [B, T, H, V] in q's dtype, final memory [B, H, K, V] or None).
@@ -89,9 +91,9 @@ def delta_rule(q, k, v, log_alpha, write, *, scale=None, initial_state=None,
   val.check_float(op, "write", write)
   val.check_shape(op, "write", write, (b, t, h, kd), "[B, T, H, K]")
   val.check_segment_ids(op, segment_ids, b, t)
-  impl = dispatch.resolve_impl(op, impl)
-  chunk_size = default_chunk_size(impl) if chunk_size is None else chunk_size
-  val.check_chunk_size(op, chunk_size)
+  if checked:
+    val.check_values(op, (("log_alpha", log_alpha, "<= 0"),))
+  impl, chunk_size = resolve(op, impl, kd, vd, chunk_size)
   if initial_state is not None:
     val.check_float(op, "initial_state", initial_state)
     val.check_shape(op, "initial_state", initial_state, (b, h, kd, vd),
@@ -107,7 +109,8 @@ def delta_rule(q, k, v, log_alpha, write, *, scale=None, initial_state=None,
   return o.astype(q.dtype), (memory if output_final_state else None)
 
 
-def delta_rule_step(q, k, v, log_alpha, write, memory, *, scale=None):
+def delta_rule_step(q, k, v, log_alpha, write, memory, *, scale=None,
+                    checked=False):
   """One decode step. q, k, write [B, H, K]; v [B, H, V]; log_alpha [B, H, K]
   or [B, H]; memory [B, H, K, V]. Returns (o_t [B, H, V], new memory)."""
   op = "delta_rule_step"
@@ -123,6 +126,8 @@ def delta_rule_step(q, k, v, log_alpha, write, memory, *, scale=None):
   if log_alpha.shape not in ((b, h, kd), (b, h)):
     raise ValueError(f"{op}: log_alpha must have shape [B, H, K] or [B, H], "
                      f"got {tuple(log_alpha.shape)}")
+  if checked:
+    val.check_values(op, (("log_alpha", log_alpha, "<= 0"),))
   cd = val.compute_dtype(q, k, v, log_alpha, write, memory)
   scale = kd ** -0.5 if scale is None else scale
   o, memory = delta_step(memory.astype(cd), q.astype(cd) * scale,
@@ -135,18 +140,29 @@ def _beta_times(beta, x):
   return beta[..., None] * x if beta.ndim == x.ndim - 1 else beta * x
 
 
+def _check_gate(op, g, kwargs):
+  """Checked mode of a wrapper: its decay is called g (delta_rule's log_alpha
+  check would name the wrong argument)."""
+  if kwargs.pop("checked", False):
+    val.check_values(op, (("g (log decay)", g, "<= 0"),))
+  return kwargs
+
+
 def kda(q, k, v, g, beta, **kwargs):
   """Kimi Delta Attention: per-channel decay g [B,T,H,K], write beta * k."""
+  kwargs = _check_gate("kda", g, kwargs)
   return delta_rule(q, k, v, g, _beta_times(beta, k), **kwargs)
 
 
 def gated_delta_rule(q, k, v, g, beta, **kwargs):
   """Gated DeltaNet: scalar decay g [B,T,H], write beta * k."""
+  kwargs = _check_gate("gated_delta_rule", g, kwargs)
   return delta_rule(q, k, v, g, _beta_times(beta, k), **kwargs)
 
 
 def delta_net(q, k, v, beta, **kwargs):
   """DeltaNet: no decay, write beta * k."""
+  kwargs.pop("checked", None)  # no decay: nothing to check
   return delta_rule(q, k, v, jnp.zeros(q.shape[:3], q.dtype),
                     _beta_times(beta, k), **kwargs)
 
@@ -157,6 +173,7 @@ def gdn2(q, k, v, g, b, w, **kwargs):
   The read/erase key is b * k, the write direction k, the value w * v;
   b is [B,T,H,K] or [B,T,H], w is [B,T,H,V] or [B,T,H].
   """
+  kwargs = _check_gate("gdn2", g, kwargs)
   return delta_rule(q, _beta_times(b, k), _beta_times(w, v), g, k, **kwargs)
 
 
@@ -165,4 +182,42 @@ def gla(q, k, v, g, **kwargs):
 
   g: [B,T,H,K] or [B,T,H]. No erase: the erase key is zero.
   """
+  kwargs = _check_gate("gla", g, kwargs)
   return delta_rule(q, jnp.zeros_like(k), v, g, k, **kwargs)
+
+
+# Decode steps of the named members: one token, the same arguments as the
+# parallel op without T, and the memory [B, H, K, V] the parallel op returns as
+# its final state (so a prefill's final state continues token by token).
+
+
+def kda_step(q, k, v, g, beta, memory, *, scale=None, checked=False):
+  """One token of `kda`: q, k, g [B,H,K]; v [B,H,V]; beta [B,H]."""
+  _check_gate("kda_step", g, dict(checked=checked))
+  return delta_rule_step(q, k, v, g, _beta_times(beta, k), memory, scale=scale)
+
+
+def gated_delta_rule_step(q, k, v, g, beta, memory, *, scale=None,
+                          checked=False):
+  """One token of `gated_delta_rule`: g, beta [B,H]."""
+  _check_gate("gated_delta_rule_step", g, dict(checked=checked))
+  return delta_rule_step(q, k, v, g, _beta_times(beta, k), memory, scale=scale)
+
+
+def delta_net_step(q, k, v, beta, memory, *, scale=None):
+  """One token of `delta_net` (no decay): beta [B,H]."""
+  return delta_rule_step(q, k, v, jnp.zeros(q.shape[:2], q.dtype),
+                         _beta_times(beta, k), memory, scale=scale)
+
+
+def gdn2_step(q, k, v, g, b, w, memory, *, scale=None, checked=False):
+  """One token of `gdn2`: b [B,H,K] or [B,H]; w [B,H,V] or [B,H]."""
+  _check_gate("gdn2_step", g, dict(checked=checked))
+  return delta_rule_step(q, _beta_times(b, k), _beta_times(w, v), g, k, memory,
+                         scale=scale)
+
+
+def gla_step(q, k, v, g, memory, *, scale=None, checked=False):
+  """One token of `gla` (no erase): g [B,H,K] or [B,H]."""
+  _check_gate("gla_step", g, dict(checked=checked))
+  return delta_rule_step(q, jnp.zeros_like(k), v, g, k, memory, scale=scale)

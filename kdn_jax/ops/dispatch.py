@@ -1,4 +1,5 @@
-"""Which implementation runs: `impl` names and the platform default."""
+"""Which implementation runs: `impl` names, the platform default and the
+limits of the Pallas kernels."""
 
 import importlib
 
@@ -24,14 +25,67 @@ def pallas_module():
 # which a real TPU would have to fit in VMEM.
 PALLAS_AUTO_PLATFORMS = ("gpu",)
 
+# Pallas chunk length when the caller passes chunk_size=None.
+PALLAS_DEFAULT_CHUNK = 64
 
-def resolve_impl(op, impl):
-  """'auto' -> 'pallas' on PALLAS_AUTO_PLATFORMS when the kernels import,
-  else 'chunked'."""
+
+def pallas_unsupported(kernels, kd, vd, chunk_size):
+  """Why the kernels cannot run this call (a sentence), or None when they can.
+
+  chunk_size None means the Pallas default. The limits are the kernels' own
+  (pallas_kernels.common), read here so that the choice is made before any
+  kernel is traced instead of by catching the kernels' errors.
+  """
+  widths = kernels.common.SUPPORTED_WIDTHS
+  chunks = kernels.common.SUPPORTED_CHUNKS
+  for name, n in (("K (key width)", kd), ("V (value width)", vd)):
+    if n not in widths:
+      return (f"{name} = {n} is not supported by the Pallas kernels "
+              f"(supported: {', '.join(map(str, widths))})")
+  if chunk_size is not None and chunk_size not in chunks:
+    return (f"chunk_size = {chunk_size} is not supported by the Pallas kernels "
+            f"(supported: {', '.join(map(str, chunks))} or None)")
+  return None
+
+
+_FALLBACKS_LOGGED = set()
+
+
+def _log_fallback(op, reason):
+  """Logs each distinct (op, reason) of an 'auto' fallback once per process
+  (ops are traced again for every new shape; one line per cause is enough)."""
+  if (op, reason) not in _FALLBACKS_LOGGED:
+    _FALLBACKS_LOGGED.add((op, reason))
+    logging.warning("%s: impl='auto' uses 'chunked': %s", op, reason)
+
+
+def resolve_impl(op, impl, kd=None, vd=None, chunk_size=None):
+  """The implementation that runs.
+
+  'auto' -> 'pallas' on PALLAS_AUTO_PLATFORMS when the kernels import and
+  support (kd, vd, chunk_size), else 'chunked' (the reason logged once).
+  An explicit 'pallas' never falls back: an unsupported width or chunk size
+  raises ValueError naming the value and what is supported. kd / vd None
+  skip the width checks (callers that only need the name).
+  """
   check_impl(op, impl)
-  if impl != "auto":
+  if impl not in ("auto", "pallas"):
     return impl
-  if (jax.default_backend() in PALLAS_AUTO_PLATFORMS and
-      pallas_module() is not None):
+  if impl == "auto" and jax.default_backend() not in PALLAS_AUTO_PLATFORMS:
+    return "chunked"
+  kernels = pallas_module()
+  if kernels is None:
+    if impl == "pallas":
+      raise NotImplementedError(f"{op}: impl='pallas' but pallas_kernels "
+                                "cannot be imported")
+    _log_fallback(op, "pallas_kernels cannot be imported")
+    return "chunked"
+  reason = (None if kd is None else
+            pallas_unsupported(kernels, kd, vd, chunk_size))
+  if reason is None:
     return "pallas"
+  if impl == "pallas":
+    raise ValueError(f"{op}: impl='pallas': {reason}; use impl='chunked' "
+                     "(or 'auto', which falls back to it)")
+  _log_fallback(op, reason)
   return "chunked"

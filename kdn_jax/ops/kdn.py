@@ -10,8 +10,7 @@ from kdn_jax.ops import dispatch
 from kdn_jax.ops import validation as val
 from kdn_jax.ops import variance
 from kdn_jax.ops.delta_reference import delta_step, scan_tokens
-from kdn_jax.ops.delta_rule import (DEFAULT_CHUNK, default_chunk_size,
-                                    run_memory)
+from kdn_jax.ops.delta_rule import DEFAULT_CHUNK, resolve, run_memory
 from kdn_jax.ops.state import KDNState
 
 
@@ -59,18 +58,28 @@ def _gain_step(diag, mu):
   return step
 
 
+def _check_kdn_values(op, log_alpha, omega, r, mu, variance):
+  """Checked mode: the domain of the KDN inputs (MATH.md section 2)."""
+  val.check_values(op, (("log_alpha", log_alpha, "<= 0"),
+                        ("omega", omega, ">= 0"), ("r", r, "> 0"),
+                        ("info_scale", mu, "> 0"),
+                        ("initial_state.variance", variance, "> 0")))
+
+
 def _kdn(op, diag, q, k, v, log_alpha, omega, r, info_scale, scale,
-         initial_state, output_final_state, segment_ids, impl, chunk_size):
+         initial_state, output_final_state, segment_ids, impl, chunk_size,
+         checked):
   b, t, h, kd, vd = _check_kdn(op, diag, q, k, v, log_alpha, omega, r)
   val.check_segment_ids(op, segment_ids, b, t)
-  impl = dispatch.resolve_impl(op, impl)
-  chunk_size = default_chunk_size(impl) if chunk_size is None else chunk_size
-  val.check_chunk_size(op, chunk_size)
+  impl, chunk_size = resolve(op, impl, kd, vd, chunk_size)
   out_dtype = q.dtype
   cd = val.compute_dtype(q, k, v, log_alpha, omega, r)
   input_dtype = jnp.result_type(q, k, v)
   mu = val.info_scale_array(op, info_scale, h, kd, cd)
   state0 = _initial_state(op, diag, initial_state, b, h, kd, vd, cd)
+  if checked:
+    _check_kdn_values(op, log_alpha, omega, r, mu,
+                      None if initial_state is None else state0.variance)
   scale = kd ** -0.5 if scale is None else scale
   q, k, v, log_alpha, omega, r = (
       x.astype(cd) for x in (q, k, v, log_alpha, omega, r))
@@ -107,9 +116,6 @@ def _kdn_reference(diag, q, k, v, log_alpha, omega, r, mu, state0, starts):
 def _gain(op, diag, impl, k, log_alpha, omega, r, mu, var0, segment_ids):
   """Write directions for all tokens and the final variance."""
   kernels = dispatch.pallas_module() if impl == "pallas" else None
-  if impl == "pallas" and kernels is None:
-    raise NotImplementedError(f"{op}: impl='pallas' but pallas_kernels cannot "
-                              "be imported")
   if diag:
     fn = kernels.diag_gain if kernels else variance.diag_gain
     return fn(k, log_alpha, omega, r, mu, var0, segment_ids)
@@ -120,7 +126,7 @@ def _gain(op, diag, impl, k, log_alpha, omega, r, mu, var0, segment_ids):
 
 def diag_kdn(q, k, v, log_alpha, omega, r, *, info_scale=None, scale=None,
              initial_state=None, output_final_state=False, segment_ids=None,
-             impl="auto", chunk_size=DEFAULT_CHUNK):
+             impl="auto", chunk_size=DEFAULT_CHUNK, checked=False):
   """Diagonal Kalman Delta Network.
 
   Args:
@@ -136,27 +142,30 @@ def diag_kdn(q, k, v, log_alpha, omega, r, *, info_scale=None, scale=None,
     impl: 'auto', 'reference', 'chunked' or 'pallas'.
     chunk_size: memory chunk length for 'chunked' / 'pallas' (None: per
       platform, see `delta_rule.default_chunk_size`).
+    checked: check the values (log_alpha <= 0, omega >= 0, r > 0, mu > 0,
+      initial variance > 0) and raise `ops.InvalidValueError` naming the
+      argument; under jit wrap the caller in `ops.checked`.
 
   Returns:
     (o [B, T, H, V] in the input dtype, KDNState or None).
   """
   return _kdn("diag_kdn", True, q, k, v, log_alpha, omega, r, info_scale,
               scale, initial_state, output_final_state, segment_ids, impl,
-              chunk_size)
+              chunk_size, checked)
 
 
 def iso_kdn(q, k, v, log_alpha, omega, r, *, info_scale=None, scale=None,
             initial_state=None, output_final_state=False, segment_ids=None,
-            impl="auto", chunk_size=DEFAULT_CHUNK):
+            impl="auto", chunk_size=DEFAULT_CHUNK, checked=False):
   """Isotropic Kalman Delta Network: like `diag_kdn` with omega [B, T, H]
   and a per-head scalar variance (KDNState.variance [B, H])."""
   return _kdn("iso_kdn", False, q, k, v, log_alpha, omega, r, info_scale,
               scale, initial_state, output_final_state, segment_ids, impl,
-              chunk_size)
+              chunk_size, checked)
 
 
 def _kdn_step(op, diag, q, k, v, log_alpha, omega, r, state, info_scale,
-              scale):
+              scale, checked):
   if not isinstance(state, KDNState):
     raise TypeError(f"{op}: state must be a KDNState, got "
                     f"{type(state).__name__}")
@@ -168,6 +177,8 @@ def _kdn_step(op, diag, q, k, v, log_alpha, omega, r, state, info_scale,
   cd = val.compute_dtype(q, k, v, log_alpha, omega, r)
   mu = val.info_scale_array(op, info_scale, h, kd, cd)
   state = _initial_state(op, diag, state, b, h, kd, vd, cd)
+  if checked:
+    _check_kdn_values(op, log_alpha, omega, r, mu, state.variance)
   scale = kd ** -0.5 if scale is None else scale
   q, k, v, log_alpha, omega, r = (
       x.astype(cd) for x in (q, k, v, log_alpha, omega, r))
@@ -177,18 +188,18 @@ def _kdn_step(op, diag, q, k, v, log_alpha, omega, r, state, info_scale,
 
 
 def diag_kdn_step(q, k, v, log_alpha, omega, r, state, *, info_scale=None,
-                  scale=None):
+                  scale=None, checked=False):
   """One decode token of diag_kdn.
 
   q, k, log_alpha, omega: [B, H, K]; v: [B, H, V]; r: [B, H]; state: KDNState.
   Returns (o_t [B, H, V], new KDNState).
   """
   return _kdn_step("diag_kdn_step", True, q, k, v, log_alpha, omega, r, state,
-                   info_scale, scale)
+                   info_scale, scale, checked)
 
 
 def iso_kdn_step(q, k, v, log_alpha, omega, r, state, *, info_scale=None,
-                 scale=None):
+                 scale=None, checked=False):
   """One decode token of iso_kdn (omega, r: [B, H]; variance [B, H])."""
   return _kdn_step("iso_kdn_step", False, q, k, v, log_alpha, omega, r, state,
-                   info_scale, scale)
+                   info_scale, scale, checked)

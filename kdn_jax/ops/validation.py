@@ -99,3 +99,60 @@ def compute_dtype(*arrays):
   if any(jnp.result_type(a) == jnp.float64 for a in arrays if a is not None):
     return jnp.float64
   return jnp.float32
+
+
+class InvalidValueError(ValueError):
+  """A value outside an op's documented domain (checked mode: `checked=True`)."""
+
+
+# rule -> the elementwise test a valid value passes (NaN passes none of them).
+_VALUE_RULES = {"> 0": lambda x: x > 0, ">= 0": lambda x: x >= 0,
+                "<= 0": lambda x: x <= 0}
+_CHECK_SUFFIX = " (`check` failed)"
+
+
+def check_values(op, checks):
+  """Checked mode: every (name, array, rule) in checks must hold elementwise.
+
+  rule is one of '> 0', '>= 0', '<= 0'. Concrete arrays are checked now and
+  raise InvalidValueError; traced ones (under jit / grad / vmap) become
+  `checkify.check`s, which `kdn_jax.ops.checked` (or checkify.checkify)
+  turns into the same error. Opt-in: a check is a device-to-host sync (or,
+  traced, an extra output), which a training step should not pay.
+  """
+  from jax.experimental import checkify  # pylint: disable=g-import-not-at-top
+  for name, x, rule in checks:
+    if x is None:
+      continue
+    ok = _VALUE_RULES[rule](x)
+    msg = f"{op}: {name} must be {rule}"
+    if not isinstance(x, jax.core.Tracer):
+      ok = np.asarray(ok)
+      if not ok.all():
+        first = np.asarray(x).ravel()[np.argmin(ok.ravel())]
+        raise InvalidValueError(f"{msg}; got {int((~ok).sum())} bad value(s), "
+                                f"first {first}")
+      continue
+    bad = ~ok
+    checkify.check(~jnp.any(bad), msg + "; got {n} bad value(s), first {first}",
+                   n=jnp.sum(bad), first=jnp.ravel(x)[jnp.argmax(jnp.ravel(bad))])
+
+
+def checked(fn):
+  """fn with the value checks of the ops it calls (`checked=True`) made
+  usable under jit: returns a function that runs fn through
+  `jax.experimental.checkify` and raises InvalidValueError naming the op and
+  the argument of the first bad value. fn may be jitted itself; call the
+  result outside jit.
+  """
+  from jax.experimental import checkify  # pylint: disable=g-import-not-at-top
+  functionalized = checkify.checkify(fn, errors=checkify.user_checks)
+
+  def run(*args, **kwargs):
+    err, out = functionalized(*args, **kwargs)
+    msg = err.get()
+    if msg is not None:
+      raise InvalidValueError(msg.removesuffix(_CHECK_SUFFIX))
+    return out
+
+  return run
