@@ -18,7 +18,6 @@ records its error and the script goes on.
 
 import json
 import os
-import sys
 import time
 
 import jax
@@ -27,7 +26,7 @@ import numpy as np
 from absl import app, flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from experiments import timing
+from experiments import cli, timing
 from kdn_jax import ops
 from kdn_jax.ops import context_parallel as cp
 
@@ -166,18 +165,6 @@ def _table(rows):
                                 "program GiB/device", "device peak GiB", "error"], body)
 
 
-def _parse_flags(argv):
-  """This script's flags from FLAGS (its own registry: pytest imports several benchmark scripts),
-  absl's own (--verbosity, ...) from the global one; an unknown flag fails there."""
-  if any(a in ("-h", "--help", "--helpshort", "--helpfull") for a in argv[1:]):
-    print(FLAGS.get_help())
-    sys.exit(0)
-  try:
-    return flags.FLAGS(FLAGS(argv, known_only=True))
-  except flags.Error as e:
-    sys.exit(f"FATAL Flags parsing error: {e}")
-
-
 def main(argv):
   del argv
   s = _settings()
@@ -196,4 +183,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=cli.own_flags_parser(FLAGS))

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from experiments import cli
 from experiments.timing import import_for_cuda, markdown_table, median_time, torch_cuda_median_ms
 from kdn_jax.layers.registry import MIXERS
 from kdn_jax.models.config import model_config
@@ -49,22 +50,28 @@ ANCHORS = {  # name -> {T: (fwd ms, fwd+bwd ms)}
 PAPER_SHAPE = dict(batch=4, width=2048, num_heads=16, head_dim=128)  # the anchors' shape
 TARGETS = (("kdn_diag", 1.0), ("kdn_iso", 0.9))  # fwd+bwd time / fla KDA layer, at most
 
-FLAGS = flags.FLAGS
-flags.DEFINE_string("out", "/tmp/benchmark_layers", "output prefix: <out>.json, <out>.md, <out>.png")
-flags.DEFINE_list("seq_lens", ["4096", "16384"], "sequence lengths T")
-flags.DEFINE_list("rows", list(JAX_MIXERS) + [FLA_ROW], "kdn_jax mixer names and/or fla_kda_layer")
-flags.DEFINE_list("impls", ["chunked"], "memory-update impls of the kdn_jax rows (chunked, pallas)")
+FLAGS = flags.FlagValues()
+flags.DEFINE_string("out", "/tmp/benchmark_layers", "output prefix: <out>.json, <out>.md, <out>.png",
+                  flag_values=FLAGS)
+flags.DEFINE_list("seq_lens", ["4096", "16384"], "sequence lengths T", flag_values=FLAGS)
+flags.DEFINE_list("rows", list(JAX_MIXERS) + [FLA_ROW], "kdn_jax mixer names and/or fla_kda_layer",
+                  flag_values=FLAGS)
+flags.DEFINE_list("impls", ["chunked"], "memory-update impls of the kdn_jax rows (chunked, pallas)",
+                  flag_values=FLAGS)
 flags.DEFINE_list("fusion", ["on"], "pallas rows with the layer's fused glue kernels 'on' (the default "
                   "path), and/or 'off' (rows <mixer>_pallas_unfused: the plain-JAX glue), or single "
-                  "pieces 'front', 'conv', 'norm' (rows <mixer>_pallas_<piece>: only that one on)")
-flags.DEFINE_integer("batch", 4, "batch size")
-flags.DEFINE_integer("width", 2048, "d_model / hidden_size")
-flags.DEFINE_integer("num_heads", 16, "heads")
-flags.DEFINE_integer("head_dim", 128, "K = V per head")
-flags.DEFINE_integer("chunk_size", 64, "memory chunk length of the kdn_jax layers")
-flags.DEFINE_integer("reps", 30, "timed runs (median reported)")
-flags.DEFINE_integer("warmup", 3, "untimed runs after the compiling call")
-flags.DEFINE_float("time_budget_s", 420.0, "start no new cell after this many seconds")
+                  "pieces 'front', 'conv', 'norm' (rows <mixer>_pallas_<piece>: only that one on)",
+                  flag_values=FLAGS)
+flags.DEFINE_integer("batch", 4, "batch size", flag_values=FLAGS)
+flags.DEFINE_integer("width", 2048, "d_model / hidden_size", flag_values=FLAGS)
+flags.DEFINE_integer("num_heads", 16, "heads", flag_values=FLAGS)
+flags.DEFINE_integer("head_dim", 128, "K = V per head", flag_values=FLAGS)
+flags.DEFINE_integer("chunk_size", 64, "memory chunk length of the kdn_jax layers",
+                  flag_values=FLAGS)
+flags.DEFINE_integer("reps", 30, "timed runs (median reported)", flag_values=FLAGS)
+flags.DEFINE_integer("warmup", 3, "untimed runs after the compiling call", flag_values=FLAGS)
+flags.DEFINE_float("time_budget_s", 420.0, "start no new cell after this many seconds",
+                  flag_values=FLAGS)
 
 
 FUSED_PIECES = ("front", "conv", "norm")   # RecurrentMixer / KDNMixer fuse_<piece> switches
@@ -296,4 +303,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.own_flags_parser(FLAGS))

@@ -13,7 +13,6 @@ import dataclasses
 import json
 import math
 import os
-import sys
 import time
 import traceback
 
@@ -25,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import cli
 from experiments.timing import import_for_cuda, median_time, torch_cuda_median_ms
 
 # This script's flags live in their own registry: benchmark_layers defines flags of the same names
@@ -605,18 +605,6 @@ def _write(results, out):
   return table
 
 
-def _parse_flags(argv):
-  """This script's flags from FLAGS, absl's own (--verbosity, ...) from the global registry;
-  an unknown flag fails there."""
-  if any(a in ("-h", "--help", "--helpshort", "--helpfull") for a in argv[1:]):
-    print(FLAGS.get_help())
-    sys.exit(0)
-  try:
-    return flags.FLAGS(FLAGS(argv, known_only=True))
-  except flags.Error as e:
-    sys.exit(f"FATAL Flags parsing error: {e}")
-
-
 def main(argv):
   del argv
   results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": []}
@@ -675,4 +663,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=cli.own_flags_parser(FLAGS))

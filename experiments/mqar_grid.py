@@ -23,6 +23,7 @@ import time
 from absl import app, flags
 
 from configs import mqar_grid
+from experiments import cli
 from experiments.logging_utils import Progress, write_json
 
 FLAGS = flags.FlagValues()
@@ -183,10 +184,5 @@ def main(argv):
     print(f'collected {n_done}/{len(grid["runs"])} completed runs into {FLAGS.out}/grid.json')
 
 
-def run():
-  FLAGS(sys.argv)
-  app.run(main, argv=[sys.argv[0]])
-
-
 if __name__ == '__main__':
-  run()
+  app.run(main, flags_parser=cli.own_flags_parser(FLAGS))

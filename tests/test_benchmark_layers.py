@@ -38,6 +38,7 @@ def test_tiny_run_on_cpu(tmp_path, monkeypatch):
   assert all('not measured' in v for v in res['verdicts'])
   md = (tmp_path / 'layers.md').read_text()
   assert 'kdn_diag_chunked' in md and (tmp_path / 'layers.png').stat().st_size > 0
+  _check_timed_kdn_diag(timed[:3])
 
 
 def test_time_budget_stops_new_cells(tmp_path):
@@ -53,8 +54,6 @@ def test_verdicts_from_ratios():
   diag, iso = bl.verdicts({'rows': rows})
   assert diag.startswith('target kdn_diag_chunked') and diag.endswith('T=4096 0.95x -> MET'), diag
   assert iso.startswith('target kdn_iso_chunked') and iso.endswith('T=4096 0.95x -> MISSED'), iso
-
-  _check_timed_kdn_diag(timed[:3])
 
 
 def _check_timed_kdn_diag(timed):

@@ -150,7 +150,7 @@ def test_every_tpu_kernel_fits_16mib_of_vmem_at_real_size():
 def test_iso_kdn_impl_pallas_runs_the_tpu_kernels():
   """The wiring: ops.iso_kdn(impl='pallas') in TPU interpret mode (what a TPU backend selects)
   runs kdn_gain/tpu.py and delta_rule/tpu_*.py, and its loss and every gradient (q, k, v,
-  log_alpha, omega, r, memory, variance) match the float64 oracle on test_ops_grad's shared
+  log_alpha, omega, r, memory, variance, info_scale) match the float64 oracle on test_ops_grad's shared
   body, with segments; 'auto' keeps the XLA chunked path on TPU."""
   from kdn_jax.ops import dispatch  # pylint: disable=g-import-not-at-top
   import test_ops_grad as og  # pylint: disable=g-import-not-at-top
@@ -161,7 +161,7 @@ def test_iso_kdn_impl_pallas_runs_the_tpu_kernels():
   b, t, vd = og.B, 37, 16      # V >= 16: the kernels' smallest width
   x = round_f32(make_inputs("iso", b, t, og.H, og.K, vd, seed=11))
   state = round_f32(dict(enumerate(make_state("iso", b, og.H, og.K, vd))))
-  arrays = [x[n] for n in og._arg_names("iso")[:6]] + [state[0], state[1]]
+  _, arrays = og._arrays("iso", x, (state[0], state[1]), og.H, og.K)  # + a per-head info_scale
   seg = jnp.asarray(np.array([[0] * 20 + [1] * 17, [0] * 9 + [1] * 21 + [2] * 7]), jnp.int32)
   argnums = tuple(range(len(arrays)))
   calls = []
@@ -175,7 +175,7 @@ def test_iso_kdn_impl_pallas_runs_the_tpu_kernels():
     for (m, n), fn in zip(spied, real):
       setattr(m, n, spy(n, fn))
     with pltpu.force_tpu_interpret_mode(TPU):
-      loss, got = jax.jit(jax.value_and_grad(og._loss_fn("iso", "pallas", seg, x["mu"]),
+      loss, got = jax.jit(jax.value_and_grad(og._loss_fn("iso", "pallas", seg),
                                              argnums))(
           *(jnp.asarray(a, jnp.float32) for a in arrays))
   finally:
@@ -183,7 +183,7 @@ def test_iso_kdn_impl_pallas_runs_the_tpu_kernels():
       setattr(m, n, fn)
   assert sorted(calls) == ["delta_rule_backward", "gain_backward"], calls
   with jax.enable_x64(True):
-    want_loss, want = jax.value_and_grad(og._oracle_loss("iso", seg, x["mu"]), argnums)(
+    want_loss, want = jax.value_and_grad(og._oracle_loss("iso", seg, og.K), argnums)(
         *(jnp.asarray(a, jnp.float64) for a in arrays))
   assert rel_err(loss, want_loss) <= 1e-5
   for name, g, w in zip(og._arg_names("iso"), got, want):
