@@ -51,7 +51,7 @@ from kdn_jax.ops import dispatch
 from kdn_jax.ops import mobius
 from kdn_jax.ops import validation as val
 from kdn_jax.ops import variance
-from kdn_jax.ops.delta_rule import default_chunk_size, run_memory
+from kdn_jax.ops.delta_rule import check_args, default_chunk_size, run_memory
 # kdn.py's own checks, state defaults and gain dispatch, so both forms of the
 # op accept and refuse the same inputs.
 from kdn_jax.ops.kdn import _check_kdn, _gain, _initial_state
@@ -257,6 +257,17 @@ def _check_axis(op, axis_name):
                      "use context_sharded under jit)") from e
 
 
+def _local_impl(op, impl, chunk_size):
+  """(impl, chunk_size) of the local slices: 'reference' has no context-parallel form."""
+  impl = dispatch.resolve_impl(op, impl)
+  if impl == "reference":
+    raise ValueError(f"{op}: impl='reference' has no context-parallel form; "
+                     "use 'chunked' or 'pallas'")
+  chunk_size = default_chunk_size(impl) if chunk_size is None else chunk_size
+  val.check_chunk_size(op, chunk_size)
+  return impl, chunk_size
+
+
 def _kdn_cp(op, diag, q, k, v, log_alpha, omega, r, axis_name, info_scale,
             scale, initial_state, output_final_state, segment_ids, impl,
             chunk_size):
@@ -264,12 +275,7 @@ def _kdn_cp(op, diag, q, k, v, log_alpha, omega, r, axis_name, info_scale,
   b, _, h, kd, vd = _check_kdn(op, diag, q, k, v, log_alpha, omega, r)
   t_local = q.shape[1]
   val.check_segment_ids(op, segment_ids, b, t_local)
-  impl = dispatch.resolve_impl(op, impl)
-  if impl == "reference":
-    raise ValueError(f"{op}: impl='reference' has no context-parallel form; "
-                     "use 'chunked' or 'pallas'")
-  chunk_size = default_chunk_size(impl) if chunk_size is None else chunk_size
-  val.check_chunk_size(op, chunk_size)
+  impl, chunk_size = _local_impl(op, impl, chunk_size)
   cd = val.compute_dtype(q, k, v, log_alpha, omega, r)
   input_dtype = jnp.result_type(q, k, v)
   out_dtype = q.dtype
@@ -325,24 +331,9 @@ def delta_rule(q, k, v, log_alpha, write, *, axis_name, scale=None,
   """
   op = "context_parallel.delta_rule"
   _check_axis(op, axis_name)
-  b, t_local, h, kd, vd = val.check_qkv(op, q, k, v)
-  val.check_decay(op, "log_alpha", log_alpha, b, t_local, h, kd)
-  val.check_float(op, "write", write)
-  val.check_shape(op, "write", write, (b, t_local, h, kd), "[B, T, H, K]")
-  val.check_segment_ids(op, segment_ids, b, t_local)
-  impl = dispatch.resolve_impl(op, impl)
-  if impl == "reference":
-    raise ValueError(f"{op}: impl='reference' has no context-parallel form; "
-                     "use 'chunked' or 'pallas'")
-  chunk_size = default_chunk_size(impl) if chunk_size is None else chunk_size
-  val.check_chunk_size(op, chunk_size)
-  if initial_state is not None:
-    val.check_float(op, "initial_state", initial_state)
-    val.check_shape(op, "initial_state", initial_state, (b, h, kd, vd),
-                    "[B, H, K, V]")
-  cd = val.compute_dtype(q, k, v, log_alpha, write, initial_state)
-  memory0 = (jnp.zeros((b, h, kd, vd), cd) if initial_state is None
-             else initial_state.astype(cd))
+  (_, _, _, kd, _), cd, memory0 = check_args(op, q, k, v, log_alpha, write,
+                                             initial_state, segment_ids)
+  impl, chunk_size = _local_impl(op, impl, chunk_size)
   scale = kd ** -0.5 if scale is None else scale
   bounds = None if segment_ids is None else _Boundaries(axis_name, segment_ids)
   o, memory = _memory_cp(axis_name, op, impl, q.astype(cd), k.astype(cd),

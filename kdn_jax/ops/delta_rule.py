@@ -37,6 +37,24 @@ def resolve(op, impl, kd, vd, chunk_size):
   return impl, default_chunk_size(impl) if chunk_size is None else chunk_size
 
 
+def check_args(op, q, k, v, log_alpha, write, initial_state, segment_ids):
+  """delta_rule's argument checks -> ((B, T, H, K, V), compute dtype, the
+  initial memory in it: zeros when initial_state is None)."""
+  b, t, h, kd, vd = val.check_qkv(op, q, k, v)
+  val.check_decay(op, "log_alpha", log_alpha, b, t, h, kd)
+  val.check_float(op, "write", write)
+  val.check_shape(op, "write", write, (b, t, h, kd), "[B, T, H, K]")
+  val.check_segment_ids(op, segment_ids, b, t)
+  if initial_state is not None:
+    val.check_float(op, "initial_state", initial_state)
+    val.check_shape(op, "initial_state", initial_state, (b, h, kd, vd),
+                    "[B, H, K, V]")
+  cd = val.compute_dtype(q, k, v, log_alpha, write, initial_state)
+  memory0 = (jnp.zeros((b, h, kd, vd), cd) if initial_state is None
+             else initial_state.astype(cd))
+  return (b, t, h, kd, vd), cd, memory0
+
+
 def run_memory(op, impl, q, k, v, log_alpha, write, memory0, segment_ids,
                chunk_size, input_dtype, scale):
   """Runs the memory recurrence with impl; inputs already in compute dtype,
@@ -86,21 +104,11 @@ def delta_rule(q, k, v, log_alpha, write, *, scale=None, initial_state=None,
     (o [B, T, H, V] in q's dtype, final memory [B, H, K, V] or None).
   """
   op = "delta_rule"
-  b, t, h, kd, vd = val.check_qkv(op, q, k, v)
-  val.check_decay(op, "log_alpha", log_alpha, b, t, h, kd)
-  val.check_float(op, "write", write)
-  val.check_shape(op, "write", write, (b, t, h, kd), "[B, T, H, K]")
-  val.check_segment_ids(op, segment_ids, b, t)
+  (_, _, _, kd, vd), cd, memory0 = check_args(op, q, k, v, log_alpha, write,
+                                              initial_state, segment_ids)
   if checked:
     val.check_values(op, (("log_alpha", log_alpha, "<= 0"),))
   impl, chunk_size = resolve(op, impl, kd, vd, chunk_size)
-  if initial_state is not None:
-    val.check_float(op, "initial_state", initial_state)
-    val.check_shape(op, "initial_state", initial_state, (b, h, kd, vd),
-                    "[B, H, K, V]")
-  cd = val.compute_dtype(q, k, v, log_alpha, write, initial_state)
-  memory0 = (jnp.zeros((b, h, kd, vd), cd) if initial_state is None
-             else initial_state.astype(cd))
   scale = kd ** -0.5 if scale is None else scale
   o, memory = run_memory(op, impl, q.astype(cd), k.astype(cd),
                          v.astype(cd), log_alpha.astype(cd), write.astype(cd),

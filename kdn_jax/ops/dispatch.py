@@ -20,9 +20,10 @@ def pallas_module():
 
 # Platforms on which 'auto' picks the Pallas kernels. GPU: on the H200 the
 # kernels beat the XLA chunked form (diag KDN fwd+bwd T=4096: 9.8 ms against
-# 26.7 ms; docs/benchmark_mixers.md). Not TPU: the kernels pass Mosaic-TPU
-# interpret mode on CPU only, and they take whole arrays without BlockSpecs,
-# which a real TPU would have to fit in VMEM.
+# 26.7 ms; docs/benchmark_mixers.md). Not TPU: its BlockSpec kernels
+# (pallas_kernels/*/tpu*.py, selected by impl='pallas' there) are checked in
+# TPU interpret mode on CPU only; 'auto' stays chunked until a TPU run
+# (experiments/scripts/tpu_first_run.sh) shows them exact and faster.
 PALLAS_AUTO_PLATFORMS = ("gpu",)
 
 # Pallas chunk length when the caller passes chunk_size=None.
