@@ -6,7 +6,14 @@ from __future__ import annotations
 import json
 import math
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
 from experiments import benchmark_layers as bl
+from kdn_jax.layers.registry import MIXERS
+from kdn_jax.models.config import model_config
 
 TINY = dict(seq_lens=(32,), batch=1, width=32, num_heads=2, head_dim=16, chunk_size=16, reps=1,
             warmup=0)
@@ -61,13 +68,6 @@ def _check_timed_kdn_diag(timed):
   called directly) and the gradient of sum(y * ct) w.r.t. the input and every parameter (equal to
   a vjp of that forward): a benchmark timing something else, or a backward that skips the
   parameters, fails here."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  from kdn_jax.layers.registry import MIXERS  # pylint: disable=g-import-not-at-top
-  from kdn_jax.models.config import model_config  # pylint: disable=g-import-not-at-top
-
   assert timed[0] == ('kdn_diag', 'chunked'), timed[0]
   (fwd, (params, x)), (grad, (params_g, x_g, ct)) = timed[1:]
   assert x.shape == x_g.shape == ct.shape == (1, 32, 32)

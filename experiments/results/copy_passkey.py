@@ -135,20 +135,30 @@ def _mean_where(curve: dict, pred) -> float:
   return float(np.mean(v)) if v else float('nan')
 
 
-def render_copying(results_dir: str, fig_dir: str) -> str:
-  root = os.path.join(results_dir, 'copying')
+def _study(results_dir: str, name: str, task: str, title: str):
+  """(runs, the evaluated run keys, commands.json, the section's opening lines) of the study in
+  results_dir/name, or None when no run has a `task` evaluation."""
+  root = os.path.join(results_dir, name)
   runs = _runs(root, COPY_RUNS)
-  evaluated = [k for k in runs if _cells(runs[k], 'copy')]
+  evaluated = [k for k in runs if _cells(runs[k], task)]
   if not evaluated:
-    return ''
+    return None
   cmds = load(os.path.join(root, 'commands.json')) if exists(root, 'commands.json') else {}
-  first = runs[evaluated[0]]['config']
-  lo, hi = _copy_range(first)
-  out = ['### Copying', '']
+  out = [title, '']
   if cmds.get('machine'):
     out += [f'Machine: {cmds["machine"]}.', '']
   if cmds.get('protocol'):
     out += [cmds['protocol'], '']
+  return runs, evaluated, cmds, out
+
+
+def render_copying(results_dir: str, fig_dir: str) -> str:
+  study = _study(results_dir, 'copying', 'copy', '### Copying')
+  if study is None:
+    return ''
+  runs, evaluated, cmds, out = study
+  first = runs[evaluated[0]]['config']
+  lo, hi = _copy_range(first)
   out += [f'Model ({evaluated[0][0]}): {_model_line(first)}. Training examples copy L ~ U[{lo}, {hi}] random '
           f'symbols (`BOS x SEP x`, sequences of {first["data"]["seq_len"]} tokens); the copied half is scored. '
           'Evaluation (`--suite=retrieval`) at sequence length T copies the longest L that fits, '
@@ -303,19 +313,12 @@ def _depth_mean(r: dict) -> dict[int, float]:
 
 
 def render_passkey(results_dir: str, fig_dir: str) -> str:
-  root = os.path.join(results_dir, 'passkey')
-  runs = _runs(root, COPY_RUNS)
-  evaluated = [k for k in runs if _cells(runs[k], 'passkey')]
-  if not evaluated:
+  study = _study(results_dir, 'passkey', 'passkey', '### Passkey')
+  if study is None:
     return ''
-  cmds = load(os.path.join(root, 'commands.json')) if exists(root, 'commands.json') else {}
+  runs, evaluated, cmds, out = study
   first = runs[evaluated[0]]['config']
   digits = first['data']['passkey']['digits']
-  out = ['### Passkey', '']
-  if cmds.get('machine'):
-    out += [f'Machine: {cmds["machine"]}.', '']
-  if cmds.get('protocol'):
-    out += [cmds['protocol'], '']
   out += [f'Model: {_model_line(first)}. Filler tokens with `KEY d1..d{digits}` at a random position and '
           f'`QUERY d1..d{digits}` at the end; evaluated from the zero state on a length x depth grid (depth 0 = '
           'the key at the start, 1 = just before the query), exact match = all digits right (teacher-forced '

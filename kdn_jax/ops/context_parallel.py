@@ -57,11 +57,6 @@ from kdn_jax.ops.delta_rule import check_args, default_chunk_size, run_memory
 from kdn_jax.ops.kdn import _check_kdn, _gain, _initial_state
 from kdn_jax.ops.state import KDNState
 
-# Widths the Pallas delta-rule kernels take (pallas_kernels.common); kept here
-# so this module imports without the kernels. A wider augmented state is run
-# as two kernel calls (values, then the transition).
-_PALLAS_WIDTHS = (16, 32, 64, 128)
-
 
 class _Boundaries:
   """Where segments start in this slice, seen globally.
@@ -201,7 +196,10 @@ def _run_augmented(op, impl, q, k, v, log_alpha, write, memory_v0, segment_ids,
                           write=write, segment_ids=segment_ids,
                           chunk_size=chunk_size, input_dtype=input_dtype,
                           scale=scale)
-  if impl == "pallas" and vd + kd not in _PALLAS_WIDTHS:
+  # An augmented state wider than the Pallas kernels take runs as two kernel
+  # calls (values, then the transition).
+  if (impl == "pallas" and
+      vd + kd not in dispatch.pallas_module().common.SUPPORTED_WIDTHS):
     o_v, s_v = run(v=v, memory0=memory_v0)
     o_k, phi = run(v=zeros, memory0=eye)
     return o_v, o_k, s_v, phi
