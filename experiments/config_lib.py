@@ -8,6 +8,7 @@ key fails at start naming the key; :func:`validate` checks values and names the 
 from __future__ import annotations
 
 import importlib
+import os
 import math
 from typing import Any
 
@@ -88,6 +89,9 @@ def base_config() -> ml_collections.ConfigDict:
   t.state_reset_prob = 0.1      # state_passing per-sequence reset probability
   t.fitted_noise_beta = 0.1     # weight of the previous estimate (0.9 current / 0.1 previous)
   t.nan_policy = 'halt'         # 'halt' or 'skip' the step on a non-finite loss
+  # Learning rates trained at once in one process (experiments/lr_sweep.py; () = one run at
+  # optim.learning_rate): members share the initial parameters and batches, each gets workdir/lr<rate>/.
+  t.lr_sweep = ()
   t.log_every = 10
   t.eval_every = 0              # 0: only at the end
   t.eval_batches = 4
@@ -258,6 +262,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None,
   if t.initial_state == 'tbtt' and d.kind == 'token_file' and d.eos_id < 0:
     _fail('data.eos_id', 'tbtt over token files needs a document separator id (>= 0)')
 
+  sweep = tuple(t.lr_sweep)
+  if any(not isinstance(lr, (int, float)) or not lr > 0 for lr in sweep) or len(set(sweep)) != len(sweep):
+    _fail('train.lr_sweep', f'must be distinct positive learning rates, got {sweep}')
+
   o = config.optim
   if not o.learning_rate > 0:
     _fail('optim.learning_rate', f'must be positive, got {o.learning_rate}')
@@ -293,6 +301,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None,
         _fail(f'data.{key}', f'{d[key]} is not divisible by mesh.context = {context} (each device '
               'holds an equal slice of T)')
   return config
+
+
+def sweep_member_dir(workdir: str, lr: float) -> str:
+  """The folder of one learning rate of a sweep (experiments/lr_sweep.py), a plain run's layout."""
+  return os.path.join(workdir, f'lr{lr:g}')
 
 
 def import_object(path: str) -> Any:

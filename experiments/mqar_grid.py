@@ -3,10 +3,13 @@
     python -m experiments.mqar_grid --runs=workdirs/mqar --parallel=8 --out=docs/results/mqar
     python -m experiments.mqar_grid --runs=workdirs/mqar --collect_only --out=docs/results/mqar
 
-Each run is ``python -m experiments.train --config=configs/mqar_grid.py:<cell>,<mixer>
---config.optim.learning_rate=<lr> --workdir=<runs>/<cell>/<mixer>/lr<lr>`` in its own process (several
-share one accelerator); a completed run is skipped, an interrupted one resumes from its checkpoint. Runs
-are ordered learning rate first, so a stopped grid holds whole sweeps of the first rates. ``--out`` gets
+Each (cell, mixer) is one process training every learning rate at once (``experiments/lr_sweep.py``):
+``python -m experiments.train --config=configs/mqar_grid.py:<cell>,<mixer>
+--config.train.lr_sweep=<lrs> --workdir=<runs>/<cell>/<mixer>``, each rate's run in ``.../lr<lr>``; several
+processes share one accelerator. ``--nolr_sweep`` runs one process per rate instead
+(``--config.optim.learning_rate=<lr> --workdir=<runs>/<cell>/<mixer>/lr<lr>``, the same folders), ordered
+learning rate first so a stopped grid holds whole sweeps of the first rates. A completed run is skipped, an
+interrupted one resumes from its checkpoint. ``--out`` gets
 ``grid.json`` (every run's final validation accuracy, the best rate per cell and mixer) and
 ``commands.json``; docs/RESULTS.md section 1 is rendered from them (experiments/results/mqar.py).
 """
@@ -24,6 +27,7 @@ from absl import app, flags
 
 from configs import mqar_grid
 from experiments import cli
+from experiments.config_lib import sweep_member_dir
 from experiments.logging_utils import Progress, write_json
 
 FLAGS = flags.FlagValues()
@@ -33,7 +37,9 @@ flags.DEFINE_list('cells', list(mqar_grid.CELLS), 'grid cells d<d_model>_t<seq_l
                   flag_values=FLAGS)
 flags.DEFINE_list('mixers', list(mqar_grid.MIXERS), 'mixers', flag_values=FLAGS)
 flags.DEFINE_list('lrs', [repr(lr) for lr in mqar_grid.LEARNING_RATES], 'learning rates', flag_values=FLAGS)
-flags.DEFINE_integer('parallel', 4, 'runs at a time', flag_values=FLAGS)
+flags.DEFINE_integer('parallel', 4, 'processes at a time', flag_values=FLAGS)
+flags.DEFINE_bool('lr_sweep', True, 'one process per (cell, mixer) trains every rate at once (vmapped); '
+                  'false: one process per rate', flag_values=FLAGS)
 flags.DEFINE_integer('run_timeout', 0, 'seconds per run (0: none); a stopped run saves and resumes later',
                      flag_values=FLAGS)
 flags.DEFINE_integer('deadline_s', 0, 'stop the grid after this many seconds (0: none): running runs get '
@@ -44,21 +50,25 @@ flags.DEFINE_bool('collect_only', False, 'only collect finished runs into --out'
 flags.DEFINE_string('machine', '', 'where the runs ran, recorded in commands.json', flag_values=FLAGS)
 
 
-def lr_tag(lr: float) -> str:
-  return f'lr{lr:g}'
+def sweep_dir(root: str, cell: str, mixer: str) -> str:
+  return os.path.join(root, cell, mixer)
 
 
 def run_dir(root: str, cell: str, mixer: str, lr: float) -> str:
-  return os.path.join(root, cell, mixer, lr_tag(lr))
+  return sweep_member_dir(sweep_dir(root, cell, mixer), lr)
 
 
 def config_arg(cell: str, mixer: str, cpu: bool) -> str:
   return f'configs/mqar_grid.py:{cell},{mixer}' + (',cpu' if cpu else '')
 
 
-def train_command(root: str, cell: str, mixer: str, lr: float, cpu: bool) -> list[str]:
-  return [sys.executable, '-m', 'experiments.train', f'--config={config_arg(cell, mixer, cpu)}',
-          f'--config.optim.learning_rate={lr!r}', f'--workdir={run_dir(root, cell, mixer, lr)}']
+def train_command(root: str, cell: str, mixer: str, lrs, cpu: bool) -> list[str]:
+  """One process for ``lrs``: a float (one run) or a sequence of rates (one sweep)."""
+  head = [sys.executable, '-m', 'experiments.train', f'--config={config_arg(cell, mixer, cpu)}']
+  if isinstance(lrs, (int, float)):
+    return head + [f'--config.optim.learning_rate={lrs!r}', f'--workdir={run_dir(root, cell, mixer, lrs)}']
+  return head + [f'--config.train.lr_sweep=({",".join(repr(float(lr)) for lr in lrs)},)',
+                 f'--workdir={sweep_dir(root, cell, mixer)}']
 
 
 def _summary(workdir: str) -> dict | None:
@@ -94,10 +104,20 @@ def run_order(lrs):
   return sorted(lrs, key=lambda lr: (abs(math.log(lr) - mid), lr))
 
 
-def run_grid(root, cells, mixers, lrs, parallel, cpu, run_timeout=0, deadline_s=0):
-  jobs = [(cell, mixer, lr) for lr in run_order(lrs) for cell in cells for mixer in mixers]
-  todo = [j for j in jobs if not completed(run_dir(root, *j))]
-  print(f'MQAR grid: {len(jobs)} runs, {len(jobs) - len(todo)} already completed, {len(todo)} to run, '
+def grid_jobs(root, cells, mixers, lrs, sweep: bool):
+  """(cell, mixer, lr or rates, log folder) per process still to run."""
+  if sweep:
+    jobs = [(cell, mixer, tuple(lrs), sweep_dir(root, cell, mixer)) for cell in cells for mixer in mixers]
+    return len(jobs), [j for j in jobs if not all(completed(run_dir(root, j[0], j[1], lr)) for lr in lrs)]
+  jobs = [(cell, mixer, lr, run_dir(root, cell, mixer, lr))
+          for lr in run_order(lrs) for cell in cells for mixer in mixers]
+  return len(jobs), [j for j in jobs if not completed(j[3])]
+
+
+def run_grid(root, cells, mixers, lrs, parallel, cpu, run_timeout=0, deadline_s=0, sweep=True):
+  n_jobs, todo = grid_jobs(root, cells, mixers, lrs, sweep)
+  kind = f'sweeps of {len(lrs)} rates' if sweep else 'runs'
+  print(f'MQAR grid: {n_jobs} {kind}, {n_jobs - len(todo)} already completed, {len(todo)} to run, '
         f'{parallel} at a time', flush=True)
   env = dict(os.environ, PYTHONUNBUFFERED='1', XLA_PYTHON_CLIENT_PREALLOCATE='false')
   progress = Progress(len(todo), 'MQAR runs', every_s=30.0)
@@ -107,26 +127,27 @@ def run_grid(root, cells, mixers, lrs, parallel, cpu, run_timeout=0, deadline_s=
   outcome = {'ok': 0, 'failed': 0}
 
   def one(job):
-    wd = run_dir(root, *job)
+    cell, mixer, rates, wd = job
+    name = f'{cell}/{mixer}/{rates}'
     if time.time() >= end or (outcome['failed'] >= parallel and not outcome['ok']):
       progress.update()
-      return f'{"/".join(map(str, job))}: not started (deadline, or every run so far failed)'
+      return f'{name}: not started (deadline, or every run so far failed)'
     os.makedirs(wd, exist_ok=True)
     t0 = time.time()
     limit = min(run_timeout or float('inf'), end - t0)
     with open(os.path.join(wd, 'train.log'), 'a', encoding='utf-8') as log:
-      proc = subprocess.Popen(train_command(root, *job, cpu), stdout=log, stderr=subprocess.STDOUT,
-                              env=env)
+      proc = subprocess.Popen(train_command(root, cell, mixer, rates, cpu), stdout=log,
+                              stderr=subprocess.STDOUT, env=env)
       try:
         rc = proc.wait(timeout=None if limit == float('inf') else limit)
       except subprocess.TimeoutExpired:
         proc.terminate()  # SIGTERM: the trainer saves a checkpoint; the next call resumes the run
         rc = f'stopped ({proc.wait()})'
-    s = _summary(wd) or {}
-    acc = (s.get('eval') or {}).get('accuracy')
+    accs = [((_summary(run_dir(root, cell, mixer, lr)) or {}).get('eval') or {}).get('accuracy')
+            for lr in (rates if sweep else [rates])]
     outcome['ok' if rc == 0 else 'failed'] += 1
     progress.update()
-    return f'{"/".join(map(str, job))}: rc={rc} {time.time() - t0:.0f}s val_acc={acc}'
+    return f'{name}: rc={rc} {time.time() - t0:.0f}s val_acc={accs}'
 
   with concurrent.futures.ThreadPoolExecutor(max(parallel, 1)) as pool:
     for line in pool.map(one, todo):
@@ -162,17 +183,21 @@ def main(argv):
   check_grid(FLAGS.cells, FLAGS.mixers, lrs)
   if not FLAGS.collect_only:
     run_grid(FLAGS.runs, FLAGS.cells, FLAGS.mixers, lrs, FLAGS.parallel, FLAGS.cpu, FLAGS.run_timeout,
-             FLAGS.deadline_s)
+             FLAGS.deadline_s, FLAGS.lr_sweep)
   if FLAGS.out:
     os.makedirs(FLAGS.out, exist_ok=True)
     grid = collect(FLAGS.runs, FLAGS.cells, FLAGS.mixers, lrs)
     write_json(os.path.join(FLAGS.out, 'grid.json'), grid)
-    example = ' '.join(['python'] + train_command('<runs>', '<cell>', '<mixer>', 0.0, FLAGS.cpu)[1:])
+    if FLAGS.lr_sweep:
+      run = ' '.join(['python'] + train_command('<runs>', '<cell>', '<mixer>', lrs, FLAGS.cpu)[1:])
+    else:
+      run = ' '.join(['python'] + train_command('<runs>', '<cell>', '<mixer>', 0.0, FLAGS.cpu)[1:])
+      run = run.replace('learning_rate=0.0', 'learning_rate=<lr>').replace('lr0', 'lr<lr>')
     c = mqar_grid.get_config(config_arg(FLAGS.cells[0], FLAGS.mixers[0], FLAGS.cpu).split(':')[1])
     write_json(os.path.join(FLAGS.out, 'commands.json'), dict(
         grid=(f'python -m experiments.mqar_grid --runs=<runs> --parallel={FLAGS.parallel} '
-              f'--out={FLAGS.out}' + (' --cpu' if FLAGS.cpu else '')),
-        run=example.replace('learning_rate=0.0', 'learning_rate=<lr>').replace('lr0', 'lr<lr>'),
+              f'--out={FLAGS.out}' + (' --cpu' if FLAGS.cpu else '') + ('' if FLAGS.lr_sweep else ' --nolr_sweep')),
+        run=run,
         machine=FLAGS.machine,
         protocol=(f'{c.train.num_steps} steps of {c.data.global_batch_size} sequences per run (AdamW, '
                   f'weight decay {c.optim.weight_decay}, {c.optim.warmup_steps} warm-up steps, cosine to '

@@ -5,13 +5,16 @@ import jax
 import optax
 
 
-def schedule(config) -> optax.Schedule:
+def schedule(config, peak_lr: float | None = None) -> optax.Schedule:
+  """Warm-up then cosine to ``min_lr_ratio`` x the peak: ``peak_lr``, or ``optim.learning_rate`` when None.
+  Every value is proportional to the peak (a learning-rate sweep trains at peak 1 and scales the update)."""
   o = config.optim
+  peak = o.learning_rate if peak_lr is None else peak_lr
   total = max(int(config.train.num_steps), 1)
   warmup = min(int(o.warmup_steps), total)
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0 if warmup else o.learning_rate, peak_value=o.learning_rate, warmup_steps=warmup,
-      decay_steps=max(total, warmup + 1), end_value=o.learning_rate * o.min_lr_ratio)
+      init_value=0.0 if warmup else peak, peak_value=peak, warmup_steps=warmup,
+      decay_steps=max(total, warmup + 1), end_value=peak * o.min_lr_ratio)
 
 
 def path_str(path) -> str:
@@ -32,11 +35,13 @@ def decay_mask(params, patterns: str):
   return jax.tree_util.tree_map_with_path(lambda path, _: not any(p in path_str(path) for p in pats), params)
 
 
-def make_optimizer(config, params) -> optax.GradientTransformation:
+def make_optimizer(config, params, peak_lr: float | None = None) -> optax.GradientTransformation:
+  """AdamW: the decoupled weight decay is added before the rate scales the update, so the update is
+  proportional to the peak rate (``peak_lr``; None: ``optim.learning_rate``)."""
   o = config.optim
   parts = []
   if o.clip_norm > 0:
     parts.append(optax.clip_by_global_norm(o.clip_norm))
-  parts.append(optax.adamw(schedule(config), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+  parts.append(optax.adamw(schedule(config, peak_lr), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                            mask=decay_mask(params, o.no_decay)))
   return optax.chain(*parts)

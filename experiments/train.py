@@ -46,10 +46,10 @@ def main(argv):
     config_lib.check_keys(config)
   except (OSError, config_lib.ConfigError) as e:  # OSError: get_config's deferred load failure
     _config_error(_root_message(e))
-  from experiments import trainer  # pylint: disable=g-import-not-at-top  (imports jax)
+  from experiments import lr_sweep  # pylint: disable=g-import-not-at-top  (imports jax)
   from experiments import checkpoint  # pylint: disable=g-import-not-at-top
   try:
-    tr = trainer.Trainer(config, _WORKDIR.value)
+    tr = lr_sweep.make_trainer(config, _WORKDIR.value)
   except (config_lib.ConfigError, FileNotFoundError) as e:
     _config_error(str(e))
   try:

@@ -80,6 +80,7 @@ def _host_init(init, shardings):
 
 
 class Trainer:
+  peak_lr = None  # the optimizer's peak rate; None: config.optim.learning_rate (a sweep trains at 1)
 
   def __init__(self, config, workdir: str, devices=None):
     sharding.maybe_initialize_distributed(config)
@@ -156,7 +157,7 @@ class Trainer:
   def _build_state(self):
     cfg = self.config
     params, self.rest = self._init_fn()
-    self.tx = optim.make_optimizer(cfg, params)
+    self.tx = optim.make_optimizer(cfg, params, self.peak_lr)
     abs_opt = jax.eval_shape(self.tx.init, params)
     rep = sharding.replicated(self.mesh)
     opt_sh = optax.tree_map_params(self.tx, lambda _, s: s, abs_opt, self.param_shardings,
@@ -239,12 +240,18 @@ class Trainer:
            'accuracy': correct / denom, 'tokens': count}
     return nll / denom, aux
 
-  def _train_step(self, state, rest, batch):
+  def _train_step(self, state, rest, batch, lr_scale=None):
+    """One optimizer step. ``lr_scale`` multiplies the update (the optimizer is linear in its peak rate, so
+    a unit-rate optimizer scaled by ``lr`` is the optimizer at rate ``lr``: how a sweep vmaps rates)."""
     cfg = self.config
     key = jax.random.fold_in(state['rng'], state['step'])
     (loss, aux), grads = jax.value_and_grad(self._loss_fn, has_aux=True)(
         state['params'], rest, batch, state, key)
     updates, opt_state = self.tx.update(grads, state['opt_state'], state['params'])
+    lr = optim.schedule(cfg, self.peak_lr)(state['step'])
+    if lr_scale is not None:
+      updates = jax.tree.map(lambda u: (u * lr_scale).astype(u.dtype), updates)
+      lr = lr * lr_scale
     params = optax.apply_updates(state['params'], updates)
     gnorm = optax.tree.norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
@@ -260,7 +267,7 @@ class Trainer:
       new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
       new['step'] = keep_step
     metrics = {'loss': loss, 'accuracy': aux['accuracy'], 'grad_norm': gnorm,
-               'lr': optim.schedule(cfg)(state['step']), 'finite': ok.astype(jnp.float32)}
+               'lr': lr, 'finite': ok.astype(jnp.float32)}
     if aux['reset'] is not None:
       metrics['reset_frac'] = jnp.mean(aux['reset'].astype(jnp.float32))
     return new, metrics, aux['reset']
@@ -307,7 +314,7 @@ class Trainer:
     step = self.step()
     if self.checkpointer.latest_step() == step:
       return
-    record = {'step': step, 'metrics': {k: float(v) for k, v in self.last_metrics.items()},
+    record = {'step': step, 'metrics': {k: np.asarray(v).tolist() for k, v in self.last_metrics.items()},
               'initial_state': self.strategy, 'init_from': self.config.train.init_from,
               'init_from_step': self.init_from_step, 'config': self.config_json}
     self.checkpointer.save(step, self.state, self.data_iter, record, force=force)
@@ -353,8 +360,7 @@ class Trainer:
       return self._nothing_to_train(start_step, total)
     # Rows past the restored step were written by a run that died before its next checkpoint: they are
     # dropped, so the resumed run's rows replace them instead of appearing twice.
-    writer = logging_utils.MetricWriter(self.workdir, cfg.logging.tensorboard, self.is_main,
-                                        resume_step=start_step)
+    writer = self._metric_writer(start_step)
     old_handler = None
     # Several processes must stop at the same step (a save is collective; a host that stops alone leaves
     # the others waiting in the next step's all-reduce). jax.distributed's preemption service catches
@@ -397,7 +403,7 @@ class Trainer:
         if step % cfg.train.log_every == 0 or step == total or at_save or at_eval:
           self._check_finite(pending_finite)
           pending_finite = []
-          self.last_metrics = {k: float(v) for k, v in metrics.items()}
+          self.last_metrics = self._host_metrics(metrics)
         if step % cfg.train.log_every == 0 or step == total:
           now = time.time()
           tps, eta = None, None  # no interval yet right after the (compiling) first step
@@ -408,21 +414,19 @@ class Trainer:
           writer.write(step, 'train', {**self.last_metrics,
                                        **({} if tps is None else {'tokens_per_s': tps})})
           if self.is_main:
-            print(logging_utils.progress_line(step, total, self.last_metrics, tps, eta), flush=True)
+            print(self._progress_line(step, total, tps, eta), flush=True)
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < total:
           eval_metrics = self.evaluate()
           writer.write(step, 'eval', eval_metrics)
           if self.is_main:
-            print(f'eval @ {step}: loss {eval_metrics["loss"]:.4f} accuracy {eval_metrics["accuracy"]:.4f}',
-                  flush=True)
+            print(f'eval @ {step}: {self._describe_eval(eval_metrics)}', flush=True)
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < total:
           self.save()
       if status == 'completed':
         eval_metrics = self.evaluate()
         writer.write(self.step(), 'eval', eval_metrics)
         if self.is_main:
-          print(f'final eval @ {self.step()}: loss {eval_metrics["loss"]:.4f} '
-                f'val accuracy {eval_metrics["accuracy"]:.4f}', flush=True)
+          print(f'final eval @ {self.step()}: {self._describe_eval(eval_metrics, final=True)}', flush=True)
       self._check_finite(pending_finite)
       self.save(force=True)
       if status == 'preempted' and self.is_main:
@@ -447,10 +451,27 @@ class Trainer:
                'eval': eval_metrics, 'initial_state': self.strategy, 'mesh': dict(self.mesh.shape),
                'init_from': self.config.train.init_from or None, 'init_from_step': self.init_from_step}
     if self.is_main:
-      logging_utils.write_summary(self.workdir, summary)
-      if cfg.logging.plot:
-        logging_utils.plot_loss(self.workdir)
+      self._write_summary(summary)
     return summary
+
+  # ---------------------------------------------------------------- reporting (a sweep overrides these)
+  def _metric_writer(self, start_step: int):
+    return logging_utils.MetricWriter(self.workdir, self.config.logging.tensorboard, self.is_main,
+                                      resume_step=start_step)
+
+  def _host_metrics(self, metrics) -> dict:
+    return {k: float(v) for k, v in metrics.items()}
+
+  def _progress_line(self, step, total, tokens_per_s, eta_s) -> str:
+    return logging_utils.progress_line(step, total, self.last_metrics, tokens_per_s, eta_s)
+
+  def _describe_eval(self, metrics, final=False) -> str:
+    return f'loss {metrics["loss"]:.4f} {"val " if final else ""}accuracy {metrics["accuracy"]:.4f}'
+
+  def _write_summary(self, summary: dict):
+    logging_utils.write_summary(self.workdir, summary)
+    if self.config.logging.plot:
+      logging_utils.plot_loss(self.workdir)
 
   def _nothing_to_train(self, step: int, total: int) -> dict:
     """A workdir whose checkpoint already reaches train.num_steps: say so (no training, no new rows)."""

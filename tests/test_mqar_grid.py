@@ -60,3 +60,20 @@ def test_collect_keeps_the_best_completed_rate(tmp_path):
   assert status[('gla', 1e-3)] == 'missing' and status[('gla', 1e-2)] == 'preempted'
   assert launcher.completed(launcher.run_dir(str(tmp_path), cell, 'kda', 1e-3))
   assert not launcher.completed(launcher.run_dir(str(tmp_path), cell, 'kda', 1e-2))
+
+
+def test_sweep_jobs_are_one_process_per_cell_and_mixer(tmp_path):
+  cell, lrs = 'd64_t256_kv16', [1e-3, 3e-3, 1e-2]
+  _summary(tmp_path, cell, 'kda', 1e-3, 'completed', 0.5)
+  _summary(tmp_path, cell, 'kda', 3e-3, 'completed', 0.8)
+  _summary(tmp_path, cell, 'kda', 1e-2, 'completed', 0.1)
+  _summary(tmp_path, cell, 'gla', 1e-3, 'completed', 0.5)  # a sweep with one member done still runs
+  n, todo = launcher.grid_jobs(str(tmp_path), [cell], ['kda', 'gla'], lrs, sweep=True)
+  assert n == 2 and [(j[1], j[2]) for j in todo] == [('gla', tuple(lrs))]
+  cmd = launcher.train_command(str(tmp_path), cell, 'gla', tuple(lrs), cpu=False)
+  assert '--config.train.lr_sweep=(0.001,0.003,0.01,)' in cmd
+  assert f'--workdir={launcher.sweep_dir(str(tmp_path), cell, "gla")}' in cmd
+  # each rate's folder is the member folder of the sweep, where collect reads it
+  assert launcher.run_dir(str(tmp_path), cell, 'gla', 3e-3) == os.path.join(str(tmp_path), cell, 'gla', 'lr0.003')
+  n, todo = launcher.grid_jobs(str(tmp_path), [cell], ['kda', 'gla'], lrs, sweep=False)
+  assert n == 6 and len(todo) == 2 and todo[0][2] == 3e-3
