@@ -55,8 +55,9 @@ flags.DEFINE_string("logdir", "", "trace directory; empty = a fresh temporary on
                     flag_values=FLAGS)
 flags.DEFINE_string("out", "/tmp/profile_layer.json", "JSON with everything", flag_values=FLAGS)
 
-# First match wins. Our pallas_call names (grep pallas_kernels/ for `name=`) come first; copies
-# and reductions before the generic fusion bucket, so e.g. loop_transpose_fusion counts as a copy.
+# First match wins. Our pallas_call names (grep pallas_kernels/ for `name=`) come first; copies,
+# reductions and casts before the generic fusion bucket (loop_transpose_fusion is a copy,
+# wrapped_convert_3 a cast). XLA's Triton GEMMs are gemm_fusion_dot_*, cuBLAS's sm90_xmma_* / nvjet_*.
 BUCKETS = (
     ("delta_rule (pallas)", r"delta_rule"),
     ("gain (pallas)", r"kdn_gain"),
@@ -65,7 +66,8 @@ BUCKETS = (
     ("gemm (cuBLAS/cutlass)", r"gemm|cutlass|cublas|nvjet|xmma|sm90|sm80|(^|[_.])dot"),
     ("copy/transpose", r"copy|transpose|memcpy|memset"),
     ("reduction", r"reduce"),
-    ("xla fusion", r"fusion|^loop_|^input_"),
+    ("convert (casts)", r"convert"),
+    ("xla fusion", r"fusion|^loop_|^input_|^wrapped_"),
 )
 OTHER = "other"
 # Lines of a GPU plane that re-list the stream kernels per HLO op / module / step.
