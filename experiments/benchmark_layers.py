@@ -86,18 +86,19 @@ def set_fusion(layer, fusion):
       setattr(layer, "fuse_" + piece, fusion == piece)
 
 
-def _jax_times(mixer, impl, t, s, fusion="on"):
-  """(fwd ms, fwd+bwd ms) of one kdn_jax layer, params passed to a pure jitted function."""
+def layer_fns(mixer, impl, t, s, fusion="on", dtype="bfloat16"):
+  """(jitted fwd, jitted fwd+bwd, (params, x), ct) of one kdn_jax layer; fwd+bwd takes
+  (params, x, ct) and returns the gradients of sum(y * ct) w.r.t. params and x."""
   cfg = model_config("tiny", d_model=s["width"], num_heads=s["num_heads"],
                      head_dim=s["head_dim"], mixer=mixer, impl=impl, chunk_size=s["chunk_size"],
-                     dtype="bfloat16", param_dtype="float32", mlp_hidden=1)
+                     dtype=dtype, param_dtype="float32", mlp_hidden=1)
   layer = MIXERS[mixer](cfg, rngs=nnx.Rngs(0))
   set_fusion(layer, fusion)
   graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
   kx, kc = jax.random.split(jax.random.PRNGKey(1))
   shape = (s["batch"], t, s["width"])
-  x = jax.random.normal(kx, shape, jnp.float32).astype(jnp.bfloat16)
-  ct = jax.random.normal(kc, shape, jnp.float32).astype(jnp.bfloat16)
+  x = jax.random.normal(kx, shape, jnp.float32).astype(dtype)
+  ct = jax.random.normal(kc, shape, jnp.float32).astype(dtype)
 
   def apply(params, x):
     return nnx.merge(graphdef, params, rest)(x)[0]
@@ -105,8 +106,14 @@ def _jax_times(mixer, impl, t, s, fusion="on"):
   def loss(params, x, ct):
     return jnp.sum(apply(params, x).astype(jnp.float32) * ct.astype(jnp.float32))
 
-  timed = lambda fn, *a: median_time(fn, params, x, *a, warmup=1 + s["warmup"], repeats=s["reps"])
-  return timed(jax.jit(apply)), timed(jax.jit(jax.grad(loss, argnums=(0, 1))), ct)
+  return jax.jit(apply), jax.jit(jax.grad(loss, argnums=(0, 1))), (params, x), ct
+
+
+def _jax_times(mixer, impl, t, s, fusion="on"):
+  """(fwd ms, fwd+bwd ms) of one kdn_jax layer, params passed to a pure jitted function."""
+  fwd, fwd_bwd, args, ct = layer_fns(mixer, impl, t, s, fusion)
+  timed = lambda fn, *a: median_time(fn, *args, *a, warmup=1 + s["warmup"], repeats=s["reps"])
+  return timed(fwd), timed(fwd_bwd, ct)
 
 
 def _fla_times(t, s, mods):
