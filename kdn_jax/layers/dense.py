@@ -10,6 +10,7 @@ Parameters are created with ``eager_sharding=False`` so that building a model ne
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Sequence
 
@@ -68,6 +69,37 @@ def inv_softplus(x: float) -> float:
     return float(x + math.log(-math.expm1(-x)))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _dot_low_precision(x, w, dims):
+    return jax.lax.dot_general(x, w, (dims, ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot_low_precision_fwd(x, w, dims):
+    return _dot_low_precision(x, w, dims), (x, w)
+
+
+def _dot_low_precision_bwd(dims, res, ct):
+    x, w = res
+    # The float32 output's cotangent is rounded to the operands' dtype: left float32, it would turn both
+    # backward matmuls into float32 x bf16 products, which XLA runs as float32 (TF32) GEMMs: measured on
+    # the H200, 13.9 of a KDN layer's 56 ms fwd+bwd at T=16k. Accumulation stays float32 in the GEMMs.
+    _, vjp = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=x.dtype), x, w)
+    return vjp(ct.astype(x.dtype))
+
+
+_dot_low_precision.defvjp(_dot_low_precision_fwd, _dot_low_precision_bwd)
+
+
+def project(x: jax.Array, w: jax.Array, dims) -> jax.Array:
+    """float32 ``dot_general(x, w)`` contracting ``dims`` (no batch dims). With bf16/fp16 operands the
+    backward's matmuls take bf16/fp16 operands too (mixed-precision training); float32 is a plain dot."""
+    if x.dtype == jnp.float32 and w.dtype == jnp.float32:
+        return jax.lax.dot_general(x, w, (dims, ((), ())), preferred_element_type=jnp.float32)
+    if x.dtype != w.dtype:
+        raise ValueError(f'project: x and w need one dtype, got {x.dtype} and {w.dtype}')
+    return _dot_low_precision(x, w, tuple(tuple(d) for d in dims))
+
+
 class Dense(nnx.Module):
     """y = x . W (+ b), contracting the trailing ``len(in_shape)`` dims of x with the leading dims of W.
 
@@ -94,7 +126,7 @@ class Dense(nnx.Module):
         w = self.kernel[...].astype(self.dtype)
         x = x.astype(self.dtype)
         dims = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-        y = jax.lax.dot_general(x, w, (dims, ((), ())), preferred_element_type=jnp.float32)
+        y = project(x, w, dims)
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
         return y.astype(self.dtype)

@@ -17,7 +17,7 @@ import ml_collections
 import jax.numpy as jnp
 from flax import nnx
 
-from kdn_jax.layers.dense import Dense, make_param, normal_init
+from kdn_jax.layers.dense import Dense, make_param, normal_init, project
 from kdn_jax.layers.gated_norm import RMSNorm
 from kdn_jax.layers.mlp import SwiGLU
 from kdn_jax.layers.recurrent import get_dtype
@@ -80,7 +80,7 @@ class LanguageModel(nnx.Module):
         if self.tie_embeddings:
             # embeddings ~ N(0, 1); scale the tied read-out by d^-1/2 so initial logits are O(1)
             w = self.embed[...].astype(self.dtype)
-            logits = jnp.einsum('...d,vd->...v', h, w, preferred_element_type=jnp.float32)
+            logits = project(h.astype(self.dtype), w, (((h.ndim - 1,), (1,))))
             return logits * (int(self.cfg.d_model) ** -0.5)
         return self.lm_head(h).astype(jnp.float32)
 
