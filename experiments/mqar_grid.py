@@ -168,7 +168,8 @@ def collect(root, cells, mixers, lrs) -> dict:
         if s:  # a stopped run has no final evaluation ('eval' is empty)
           row.update(accuracy=s['eval'].get('accuracy'), loss=s['eval'].get('loss'), step=s['step'],
                      num_steps=s['num_steps'], num_params=s['num_params'],
-                     steady_tokens_per_s=s.get('steady_tokens_per_s'))
+                     steady_tokens_per_s=s.get('steady_tokens_per_s'),
+                     sweep=bool(s.get('sweep')))  # a member of a vmapped sweep, or a run of its own
         runs.append(row)
         done = row['status'] == 'completed'
         key = f'{cell}/{mixer}'
