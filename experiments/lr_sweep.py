@@ -174,15 +174,18 @@ class SweepTrainer(trainer_lib.Trainer):
         one['status'], one['diverged_at_step'] = 'diverged', self.diverged[i]
       cfg = dict(self.config_json, optim=dict(self.config_json['optim'], learning_rate=lr),
                  train=dict(self.config_json['train'], lr_sweep=[]))
-      logging_utils.write_json(os.path.join(d, 'config.json'), cfg)
       if one['status'] == 'completed':
-        self._save_member(i, d, cfg)
+        self._save_member(i, d, cfg)  # every process: orbax saves are collective
+      members.append({'learning_rate': lr, 'dir': d, 'status': one['status'], 'eval': one['eval']})
+      if not self.is_main:
+        continue
+      logging_utils.write_json(os.path.join(d, 'config.json'), cfg)
       logging_utils.write_summary(d, one)
       if self.config.logging.plot:
         logging_utils.plot_loss(d)
-      members.append({'learning_rate': lr, 'dir': d, 'status': one['status'], 'eval': one['eval']})
-    summary = {k: v for k, v in summary.items() if k not in ('train', 'eval')}
-    logging_utils.write_summary(self.workdir, dict(summary, members=members))
+    if self.is_main:
+      summary = {k: v for k, v in summary.items() if k not in ('train', 'eval')}
+      logging_utils.write_summary(self.workdir, dict(summary, members=members))
 
   def _save_member(self, i: int, directory: str, cfg: dict):
     """The member's final state as a plain run's checkpoint (what evaluate and init_from read)."""

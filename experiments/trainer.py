@@ -450,8 +450,7 @@ class Trainer:
                'num_params': self.num_params, 'train': self.last_metrics,
                'eval': eval_metrics, 'initial_state': self.strategy, 'mesh': dict(self.mesh.shape),
                'init_from': self.config.train.init_from or None, 'init_from_step': self.init_from_step}
-    if self.is_main:
-      self._write_summary(summary)
+    self._write_summary(summary)
     return summary
 
   # ---------------------------------------------------------------- reporting (a sweep overrides these)
@@ -469,6 +468,9 @@ class Trainer:
     return f'loss {metrics["loss"]:.4f} {"val " if final else ""}accuracy {metrics["accuracy"]:.4f}'
 
   def _write_summary(self, summary: dict):
+    """Called on every process (a sweep saves its members' checkpoints, which is collective)."""
+    if not self.is_main:
+      return
     logging_utils.write_summary(self.workdir, summary)
     if self.config.logging.plot:
       logging_utils.plot_loss(self.workdir)
