@@ -33,7 +33,7 @@ def _sweep_config(strategy='zero'):
   return c
 
 
-def test_each_member_trains_as_its_single_run_and_a_stopped_sweep_resumes(tmp_path):
+def test_members_train_as_single_runs_resume_and_freeze_when_non_finite(tmp_path):
   with compilation_cache(tmp_path / 'cache'):
     single = {}
     for lr in RATES[1:]:  # one single run: each member's rate is scaled the same way
@@ -71,16 +71,15 @@ def test_each_member_trains_as_its_single_run_and_a_stopped_sweep_resumes(tmp_pa
   with open(os.path.join(wd, 'summary.json')) as f:
     assert [m['status'] for m in json.load(f)['members']] == ['completed', 'completed']
 
-
-def test_a_non_finite_member_is_frozen_and_reported_while_the_others_finish(tmp_path):
-  c = _sweep_config()
+  # The same program again (compiled once; part of this test for the suite's time): a non-finite member.
+  c = _sweep_config('state_passing')
   c.checkpoint.enabled = False
   with compilation_cache(tmp_path / 'cache'):
-    _poisoned_runs(c, tmp_path)
+    _a_non_finite_member_is_frozen_and_reported_while_the_others_finish(c, tmp_path)
 
 
-def _poisoned_runs(c, tmp_path):
-  tr = lr_sweep.SweepTrainer(c, str(tmp_path / 'sweep'))
+def _a_non_finite_member_is_frozen_and_reported_while_the_others_finish(c, tmp_path):
+  tr = lr_sweep.SweepTrainer(c, str(tmp_path / 'poisoned'))
   emb = tr.state['params']['embed']
   tr.state['params']['embed'] = emb.at[1].multiply(np.inf)  # poison the second rate only
   poisoned = np.asarray(tr.state['params']['embed'][1])
@@ -90,7 +89,7 @@ def _poisoned_runs(c, tmp_path):
   np.testing.assert_array_equal(np.asarray(tr.state['params']['embed'][1]), poisoned)
   statuses = {}
   for lr in RATES:
-    with open(os.path.join(config_lib.sweep_member_dir(str(tmp_path / 'sweep'), lr), 'summary.json')) as f:
+    with open(os.path.join(config_lib.sweep_member_dir(str(tmp_path / 'poisoned'), lr), 'summary.json')) as f:
       s = json.load(f)
     statuses[lr] = (s['status'], s.get('diverged_at_step'))
   assert statuses == {3e-3: ('completed', None), 1e-2: ('diverged', 1)}
