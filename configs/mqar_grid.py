@@ -62,6 +62,7 @@ def get_config(arg: str = 'd64_t256_kv16'):
   c.data.read_threads = 2
   c.data.mqar.vocab_size = vocab
   c.data.mqar.num_kv_pairs = kv
+  c.train.loss_positions = kv  # logits only at the kv scored queries: the same loss, ~T/kv x less memory
   c.train.num_steps = 60 if cpu else STEPS
   c.train.log_every = 20 if cpu else 250
   c.train.eval_every = 0

@@ -92,6 +92,9 @@ def base_config() -> ml_collections.ConfigDict:
   # Learning rates trained at once in one process (experiments/lr_sweep.py; () = one run at
   # optim.learning_rate): members share the initial parameters and batches, each gets workdir/lr<rate>/.
   t.lr_sweep = ()
+  # > 0: the loss and accuracy read the model's logits only at the first loss_positions scored positions of
+  # each row (identical values; no [B, T, vocab] logits): MQAR scores num_kv_pairs positions. 0: everywhere.
+  t.loss_positions = 0
   t.log_every = 10
   t.eval_every = 0              # 0: only at the end
   t.eval_batches = 4
@@ -262,6 +265,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None,
   if t.initial_state == 'tbtt' and d.kind == 'token_file' and d.eos_id < 0:
     _fail('data.eos_id', 'tbtt over token files needs a document separator id (>= 0)')
 
+  if t.loss_positions < 0:
+    _fail('train.loss_positions', f'must be >= 0, got {t.loss_positions}')
+  if t.loss_positions and d.kind == 'mqar' and t.loss_positions < d.mqar.num_kv_pairs:
+    _fail('train.loss_positions', f'{t.loss_positions} is below the {d.mqar.num_kv_pairs} scored positions '
+          'of an MQAR row (data.mqar.num_kv_pairs)')
   sweep = tuple(t.lr_sweep)
   if any(not isinstance(lr, (int, float)) or not lr > 0 for lr in sweep) or len(set(sweep)) != len(sweep):
     _fail('train.lr_sweep', f'must be distinct positive learning rates, got {sweep}')

@@ -107,10 +107,11 @@ class SweepTrainer(trainer_lib.Trainer):
 
   def evaluate(self) -> dict:
     from experiments import sharding  # pylint: disable=g-import-not-at-top
-    tot = np.zeros((3, len(self.lrs)))
+    tot = np.zeros((4, len(self.lrs)))
     for b in self.eval_batches:
       tot += np.asarray(jax.device_get(self._eval_step_jit(self.state['params'], self.rest,
                                                             sharding.global_batch(b, self.mesh))))
+    trainer_lib.check_dropped(self.config, tot[3], 'validation')
     n = np.maximum(tot[2], 1.0)
     return {'loss': tot[0] / n, 'accuracy': tot[1] / n, 'perplexity': np.exp(np.minimum(tot[0] / n, 50))}
 

@@ -61,6 +61,24 @@ def cross_entropy(logits, targets, mask, z_loss=0.0):
   return jnp.sum(nll * mask), jnp.sum(correct * mask), jnp.sum(mask)
 
 
+def supervised_positions(mask, count: int):
+  """[B, count] positions of the first ``count`` scored entries of each row of ``mask`` [B, T], in order
+  (rows with fewer are padded with unscored positions)."""
+  return jnp.argsort(mask <= 0, axis=1, stable=True)[:, :count].astype(jnp.int32)
+
+
+def scored_logits(model, batch, count: int, **kwargs):
+  """(logits, final states, targets, mask): everywhere, or with ``count`` > 0 at the first ``count`` scored
+  positions of each row only (train.loss_positions), with ``dropped`` = the scored entries left out."""
+  pos = supervised_positions(batch['mask'], count) if count else None
+  logits, final = model(batch['inputs'], segment_ids=batch.get('segment_ids'), read_positions=pos, **kwargs)
+  if pos is None:
+    return logits, final, batch['targets'], batch['mask'], jnp.zeros((), jnp.float32)
+  mask = jnp.take_along_axis(batch['mask'], pos, axis=1)
+  return (logits, final, jnp.take_along_axis(batch['targets'], pos, axis=1), mask,
+          jnp.sum(batch['mask']) - jnp.sum(mask))
+
+
 def _host_init(init, shardings):
   """Runs ``init`` op by op on the host CPU, then lays the values out with ``shardings``.
 
@@ -77,6 +95,13 @@ def _host_init(init, shardings):
     values = jax.device_get(init())
   return jax.tree.map(
       lambda x, sh: jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx]), values, shardings)
+
+
+def check_dropped(config, dropped, where: str):
+  """Raises when train.loss_positions left scored entries out (a row had more than it allows)."""
+  if np.any(np.asarray(dropped) > 0):
+    raise ValueError(f'config.train.loss_positions={config.train.loss_positions}: {where} has rows with more '
+                     f'scored positions ({int(np.max(dropped))} entries left out); raise it, or 0 = every position')
 
 
 class Trainer:
@@ -233,11 +258,11 @@ class Trainer:
       init, reset = init_lib.initial_states(
           self.strategy, default, key=key, carry=state['carry'], reset=tbtt_reset, stats=state['fstats'],
           sigma=cfg.train.noise_std, reset_prob=cfg.train.state_reset_prob)
-    logits, final = model(batch['inputs'], states=init, segment_ids=batch.get('segment_ids'))
-    nll, correct, count = cross_entropy(logits, batch['targets'], batch['mask'], cfg.train.z_loss)
+    logits, final, targets, mask, dropped = scored_logits(model, batch, cfg.train.loss_positions, states=init)
+    nll, correct, count = cross_entropy(logits, targets, mask, cfg.train.z_loss)
     denom = jnp.maximum(count, 1.0)
     aux = {'final': jax.lax.stop_gradient(final), 'reset': reset,
-           'accuracy': correct / denom, 'tokens': count}
+           'accuracy': correct / denom, 'tokens': count, 'dropped': dropped}
     return nll / denom, aux
 
   def _train_step(self, state, rest, batch, lr_scale=None):
@@ -266,7 +291,7 @@ class Trainer:
       keep_step = new['step']
       new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
       new['step'] = keep_step
-    metrics = {'loss': loss, 'accuracy': aux['accuracy'], 'grad_norm': gnorm,
+    metrics = {'loss': loss, 'accuracy': aux['accuracy'], 'grad_norm': gnorm, 'dropped_targets': aux['dropped'],
                'lr': lr, 'finite': ok.astype(jnp.float32)}
     if aux['reset'] is not None:
       metrics['reset_frac'] = jnp.mean(aux['reset'].astype(jnp.float32))
@@ -275,8 +300,8 @@ class Trainer:
   def _eval_step(self, params, rest, batch):
     model = self.merge(params, rest)
     # always the model's normal initial state
-    logits, _ = model(batch['inputs'], segment_ids=batch.get('segment_ids'))
-    return cross_entropy(logits, batch['targets'], batch['mask'])
+    logits, _, targets, mask, dropped = scored_logits(model, batch, self.config.train.loss_positions)
+    return (*cross_entropy(logits, targets, mask), dropped)
 
   def _build_steps(self):
     rep = sharding.replicated(self.mesh)
@@ -297,10 +322,11 @@ class Trainer:
     return metrics
 
   def evaluate(self) -> dict:
-    tot = np.zeros(3)
+    tot = np.zeros(4)
     for b in self.eval_batches:
       batch = sharding.global_batch(b, self.mesh)
       tot += np.array([float(x) for x in self._eval_step_jit(self.state['params'], self.rest, batch)])
+    check_dropped(self.config, tot[3], 'validation')
     n = max(tot[2], 1.0)
     return {'loss': tot[0] / n, 'accuracy': tot[1] / n, 'perplexity': float(np.exp(min(tot[0] / n, 50)))}
 
@@ -404,6 +430,7 @@ class Trainer:
           self._check_finite(pending_finite)
           pending_finite = []
           self.last_metrics = self._host_metrics(metrics)
+          check_dropped(cfg, self.last_metrics['dropped_targets'], f'step {step}')
         if step % cfg.train.log_every == 0 or step == total:
           now = time.time()
           tps, eta = None, None  # no interval yet right after the (compiling) first step

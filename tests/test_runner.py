@@ -15,7 +15,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from experiments import config_lib, trainer
+from experiments import config_lib, sharding, trainer
 from runner_helpers import compilation_cache, host, tiny_config, write_array_record, write_doc_tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -418,3 +418,31 @@ def test_training_agrees_across_fast_paths(tmp_path):
   assert losses['reference'][0] != losses['reference'][-1]  # training moved the parameters
   for impl in ('chunked', 'pallas'):
     np.testing.assert_allclose(losses[impl], losses['reference'], rtol=2e-5, atol=2e-5, err_msg=impl)
+
+
+def test_loss_positions_gives_the_same_loss_gradients_and_accuracy(tmp_path):
+  """train.loss_positions reads the logits only at the scored positions: the same loss, gradients and
+  validation numbers as every position; too few positions for the data is an error naming the key."""
+  results = []
+  for count in (0, 2):  # tiny_config's MQAR rows score num_kv_pairs = 2 positions
+    c = tiny_config()
+    c.train.loss_positions = count
+    tr = trainer.Trainer(c, str(tmp_path / f'p{count}'))
+    batch = sharding.global_batch(next(tr.data_iter), tr.mesh)
+    (loss, aux), grads = jax.value_and_grad(tr._loss_fn, has_aux=True)(
+        tr.state['params'], tr.rest, batch, tr.state, jax.random.PRNGKey(0))
+    results.append((float(loss), float(aux['accuracy']), host(grads), tr.evaluate()))
+    assert float(aux['dropped']) == 0.0
+    tr.close()
+  (l0, a0, g0, e0), (l1, a1, g1, e1) = results
+  np.testing.assert_allclose(l1, l0, rtol=1e-6)
+  assert a1 == a0 and e1['accuracy'] == e0['accuracy']
+  np.testing.assert_allclose(e1['loss'], e0['loss'], rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  c = tiny_config()
+  c.train.loss_positions = 1
+  with pytest.raises(config_lib.ConfigError, match=r'config\.train\.loss_positions: 1 is below the 2 scored'):
+    config_lib.validate(c)
+  with pytest.raises(ValueError, match=r'loss_positions=1: step 3 has rows with more scored positions'):
+    trainer.check_dropped(c, np.array([0.0, 2.0]), 'step 3')

@@ -90,7 +90,10 @@ class LanguageModel(nnx.Module):
     def init_cache(self, batch: int, max_len: int) -> list:
         return [blk.mixer.init_cache(batch, max_len) for blk in self.blocks]
 
-    def __call__(self, tokens, *, states=None, segment_ids=None):
+    def __call__(self, tokens, *, states=None, segment_ids=None, read_positions=None):
+        """tokens [B, T] -> (logits [B, T, V] float32, final states). ``read_positions`` [B, P] int: logits
+        only at those positions ([B, P, V]): a loss scored at a few positions (MQAR's queries) need not
+        hold the vocabulary's logits at every position."""
         if states is None:
             states = [None] * len(self.blocks)
         if len(states) != len(self.blocks):
@@ -99,7 +102,7 @@ class LanguageModel(nnx.Module):
         if self.scan_layers and layer_scan.can_scan(self.layer_names, states):
             x, new_states = layer_scan.scan_blocks(list(self.blocks), self.layer_names, x, states, segment_ids,
                                                    remat=self.remat)
-            return self._logits(x), new_states
+            return self._logits(_take_positions(x, read_positions)), new_states
         new_states = []
         for blk, st in zip(self.blocks, states):
             if self.remat:
@@ -107,7 +110,7 @@ class LanguageModel(nnx.Module):
             else:
                 x, st = blk(x, st, segment_ids)
             new_states.append(st)
-        return self._logits(x), new_states
+        return self._logits(_take_positions(x, read_positions)), new_states
 
     def mixer_inputs(self, tokens, *, segment_ids=None) -> list:
         """The normalised input of every layer's mixer ([B, T, d] each), from the normal initial state:
@@ -134,3 +137,10 @@ class LanguageModel(nnx.Module):
             x, c = blk.step(x, c)
             new.append(c)
         return self._logits(x), new
+
+
+def _take_positions(x, positions):
+    """x [B, T, d] at positions [B, P] -> [B, P, d] (None: x)."""
+    if positions is None:
+        return x
+    return jnp.take_along_axis(x, positions[..., None].astype(jnp.int32), axis=1)
