@@ -68,8 +68,8 @@ def supervised_positions(mask, count: int):
 
 
 def scored_logits(model, batch, count: int, **kwargs):
-  """(logits, final states, targets, mask): everywhere, or with ``count`` > 0 at the first ``count`` scored
-  positions of each row only (train.loss_positions), with ``dropped`` = the scored entries left out."""
+  """(logits, final states, targets, mask, dropped): everywhere, or with ``count`` > 0 at the first ``count``
+  scored positions of each row only (train.loss_positions); ``dropped`` = the scored entries left out."""
   pos = supervised_positions(batch['mask'], count) if count else None
   logits, final = model(batch['inputs'], segment_ids=batch.get('segment_ids'), read_positions=pos, **kwargs)
   if pos is None:
@@ -398,7 +398,7 @@ class Trainer:
     status, t0 = 'completed', time.time()
     t_log, step_log = t0, start_step
     eval_metrics = {}
-    pending_finite = []
+    pending_finite, pending_dropped = [], []
     t_steady, step_steady = None, None
     if self.is_main:
       print(f'Training {cfg.model.get("mixer")} model ({self.num_params / 1e6:.2f}M params) on '
@@ -418,6 +418,8 @@ class Trainer:
         # serialise dispatch. Halting then still happens before any checkpoint of a bad state.
         if cfg.train.nan_policy == 'halt':
           pending_finite.append((step, metrics['finite']))
+        if cfg.train.loss_positions:  # checked with the finiteness flags, without a per-step sync
+          pending_dropped.append((step, metrics['dropped_targets']))
         at_save = bool(cfg.checkpoint.every_steps) and step % cfg.checkpoint.every_steps == 0
         at_eval = bool(cfg.train.eval_every) and step % cfg.train.eval_every == 0
         if step == start_step + 1:  # keep compilation out of the tokens/s of the first interval
@@ -430,7 +432,9 @@ class Trainer:
           self._check_finite(pending_finite)
           pending_finite = []
           self.last_metrics = self._host_metrics(metrics)
-          check_dropped(cfg, self.last_metrics['dropped_targets'], f'step {step}')
+          for s, d in pending_dropped:
+            check_dropped(cfg, jax.device_get(d), f'step {s}')
+          pending_dropped = []
         if step % cfg.train.log_every == 0 or step == total:
           now = time.time()
           tps, eta = None, None  # no interval yet right after the (compiling) first step

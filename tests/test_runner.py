@@ -444,5 +444,12 @@ def test_loss_positions_gives_the_same_loss_gradients_and_accuracy(tmp_path):
   c.train.loss_positions = 1
   with pytest.raises(config_lib.ConfigError, match=r'config\.train\.loss_positions: 1 is below the 2 scored'):
     config_lib.validate(c)
-  with pytest.raises(ValueError, match=r'loss_positions=1: step 3 has rows with more scored positions'):
-    trainer.check_dropped(c, np.array([0.0, 2.0]), 'step 3')
+  # Data whose rows score more positions than loss_positions stops training at the next log point.
+  c = tiny_config()
+  c.data.kind, c.data.seq_len = 'copying', 16
+  c.data.copying.copy_len = 7  # BOS x SEP x: 7 scored positions a row
+  c.train.loss_positions = 4
+  tr = trainer.Trainer(c, str(tmp_path / 'copy'))
+  with pytest.raises(ValueError, match=r'loss_positions=4: step 1 has rows with more scored positions'):
+    tr.run()
+  tr.close()
