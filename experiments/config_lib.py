@@ -8,8 +8,8 @@ key fails at start naming the key; :func:`validate` checks values and names the 
 from __future__ import annotations
 
 import importlib
-import os
 import math
+import os
 from typing import Any
 
 import ml_collections

@@ -29,6 +29,7 @@ import numpy as np
 from experiments import checkpoint as ckpt_lib
 from experiments import config_lib
 from experiments import logging_utils
+from experiments import sharding
 from experiments import trainer as trainer_lib
 
 
@@ -52,7 +53,8 @@ class _MemberWriters:
 
 
 class SweepTrainer(trainer_lib.Trainer):
-  """``Trainer`` over ``config.train.lr_sweep``: state, steps, evaluation and records per member."""
+  """``Trainer`` over ``config.train.lr_sweep``: state, steps and records per member (``evaluate`` is the
+  base's over the vmapped evaluation step)."""
   peak_lr = 1.0
 
   def __init__(self, config, workdir: str, devices=None):
@@ -65,7 +67,7 @@ class SweepTrainer(trainer_lib.Trainer):
     self.state = {k: None if v is None else jax.tree.map(lambda x: jnp.stack([x] * n), v)
                   for k, v in self.state.items()}
     self.state['alive'] = jnp.ones((n,), bool)
-    rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    rep = sharding.replicated(self.mesh)
     self.state_shardings = {k: None if v is None else jax.tree.map(_stacked_sharding, v)
                             for k, v in self.state_shardings.items()}
     self.state_shardings['alive'] = rep
@@ -89,7 +91,6 @@ class SweepTrainer(trainer_lib.Trainer):
     return new, metrics, reset
 
   def _build_sweep_steps(self):
-    from experiments import sharding  # pylint: disable=g-import-not-at-top
     rep = sharding.replicated(self.mesh)
     rest_sh = jax.tree.map(lambda _: rep, self.rest)
     member_param_sh = jax.tree.map(_stacked_sharding, self.param_shardings)
@@ -100,20 +101,10 @@ class SweepTrainer(trainer_lib.Trainer):
         donate_argnums=(0,)))
     # Members evaluated one after another (lax.map): an evaluation batch is often larger than a training
     # one, and N members' logits at once are what runs out of memory first (seen: 4.3 GiB at vocab 8192).
-    evaluate = lambda params, rest, batch: jnp.stack(jax.lax.map(
-        lambda p: jnp.stack(self._eval_step(p, rest, batch)), params), axis=1)
+    evaluate = lambda params, rest, batch: jax.lax.map(
+        lambda p: jnp.stack(self._eval_step(p, rest, batch)), params).T  # [4 totals, members]
     self._eval_step_jit = sharding.traced_context_parallel(self.mesh, jax.jit(
         evaluate, in_shardings=(member_param_sh, rest_sh, None), out_shardings=rep))
-
-  def evaluate(self) -> dict:
-    from experiments import sharding  # pylint: disable=g-import-not-at-top
-    tot = np.zeros((4, len(self.lrs)))
-    for b in self.eval_batches:
-      tot += np.asarray(jax.device_get(self._eval_step_jit(self.state['params'], self.rest,
-                                                            sharding.global_batch(b, self.mesh))))
-    trainer_lib.check_dropped(self.config, tot[3], 'validation')
-    n = np.maximum(tot[2], 1.0)
-    return {'loss': tot[0] / n, 'accuracy': tot[1] / n, 'perplexity': np.exp(np.minimum(tot[0] / n, 50))}
 
   def _check_finite(self, pending):
     """Records members that turned non-finite; halts (like one run) only when every member has."""

@@ -322,13 +322,14 @@ class Trainer:
     return metrics
 
   def evaluate(self) -> dict:
-    tot = np.zeros(4)
-    for b in self.eval_batches:
-      batch = sharding.global_batch(b, self.mesh)
-      tot += np.array([float(x) for x in self._eval_step_jit(self.state['params'], self.rest, batch)])
+    """Validation loss, accuracy and perplexity over the fixed batches (a sweep: arrays over its members)."""
+    tot = sum(np.asarray(jax.device_get(self._eval_step_jit(
+        self.state['params'], self.rest, sharding.global_batch(b, self.mesh))), np.float64)
+              for b in self.eval_batches)  # (nll, correct, count, dropped)[, members]
     check_dropped(self.config, tot[3], 'validation')
-    n = max(tot[2], 1.0)
-    return {'loss': tot[0] / n, 'accuracy': tot[1] / n, 'perplexity': float(np.exp(min(tot[0] / n, 50)))}
+    loss = tot[0] / np.maximum(tot[2], 1.0)
+    out = {'loss': loss, 'accuracy': tot[1] / np.maximum(tot[2], 1.0), 'perplexity': np.exp(np.minimum(loss, 50))}
+    return {k: float(v) if np.ndim(v) == 0 else v for k, v in out.items()}
 
   # ---------------------------------------------------------------- checkpoints
   def step(self) -> int:
