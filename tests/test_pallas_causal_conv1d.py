@@ -1,6 +1,7 @@
 """pallas_kernels.causal_conv1d (CPU interpret mode) against the layer's plain-JAX short conv
 (kdn_jax.layers.short_conv.ShortConv): outputs and the gradients of x, weight and cache, with
-packed segments, T = 1, T not a multiple of the block, bf16 inputs."""
+packed segments, T = 1, T not a multiple of the block, several blocks (the rows a block takes
+from its neighbours), bf16 inputs."""
 import numpy as np
 import pytest
 
@@ -10,6 +11,7 @@ from flax import nnx
 
 from kdn_jax.layers.short_conv import ShortConv
 from pallas_kernels.causal_conv1d import causal_conv1d
+from pallas_kernels.causal_conv1d import config as conv_config
 
 
 def _rel(a, b):
@@ -23,13 +25,27 @@ def _reference(x, w, cache, seg, activation):
   return conv(x, cache, seg)[0]
 
 
-@pytest.mark.parametrize("t,segs,dtype,activation", [
-    (37, (1, 2, 20), jnp.float32, True),   # segments (one of length 1), T % block != 0
-    (20, (9,), jnp.bfloat16, True),        # the layer's compute dtype
-    (1, None, jnp.bfloat16, True),         # T = 1: the cache alone
-    (5, None, jnp.float32, False),         # no SiLU
-])
-def test_causal_conv1d_matches_short_conv(t, segs, dtype, activation):
+@pytest.fixture
+def block_t(request):
+  """The kernels' block_t for the case (None: the default), restored afterwards."""
+  saved = conv_config.DEFAULT
+  if request.param is not None:
+    conv_config.set_default(block_t=request.param)
+  yield request.param
+  conv_config.DEFAULT = saved
+
+
+@pytest.mark.parametrize("t,segs,dtype,activation,block_t", [
+    (37, (1, 2, 20), jnp.float32, True, None),   # segments (one of length 1), T % block != 0
+    # 4 blocks of 16: segments ending at / starting at / crossing block boundaries, of length 1
+    # and 2, the last one (length 1) continued by the padding
+    (53, (1, 2, 14, 16, 31, 33, 48, 52), jnp.float32, True, 16),
+    (53, None, jnp.float32, False, 16),          # several blocks, no segments, no SiLU
+    (20, (9,), jnp.bfloat16, True, None),        # the layer's compute dtype
+    (1, None, jnp.bfloat16, True, None),         # T = 1: the cache alone
+    (5, None, jnp.float32, False, None),         # no SiLU
+], indirect=["block_t"])
+def test_causal_conv1d_matches_short_conv(t, segs, dtype, activation, block_t):  # pylint: disable=redefined-outer-name,unused-argument
   b, h, kd, width = 2, 2, 16, 4
   rng = np.random.default_rng(t)
   x = jnp.asarray(rng.normal(size=(b, t, h, kd)), jnp.float32).astype(dtype)

@@ -4,18 +4,23 @@ Per (batch, head) and channel i, with tap weights w[0..W-1] (w[W-1] on the curre
     pre_t = sum_j w[W-1-j] * src_j(t),   y_t = silu(pre_t) (or pre_t),
     src_j(t) = x[t-j]                    if the token t-j is in t's segment (pos_t >= j),
              = cache[W-1 + pos_t - j]     otherwise (every segment starts from the given cache),
-pos_t being t's position inside its segment (= t without segments). This is
-kdn_jax.layers.short_conv.ShortConv's convolution; the cache holds the W-1 inputs before the
-sequence, oldest first, rounded to x's dtype as the layer does.
+pos_t being t's position inside its segment (= t without segments): 0 at a segment start, else
+pos_{t-1} + 1 (the kernels rely on that). This is kdn_jax.layers.short_conv.ShortConv's
+convolution; the cache holds the W-1 inputs before the sequence, oldest first, rounded to x's
+dtype as the layer does.
 
 Grid (B, T / block_t, H); every program runs over its block's rows ([1, K] each, K = one head's
-channels) with a `lax.fori_loop`: row loads at (clamped) dynamic row offsets, so no shifted
-register blocks (which Triton cannot slice) and no padded copy of x in front of the sequence.
-  forward:  y_t from W row loads.
-  backward: dx_t = sum_j [pos_{t+j} >= j] w[W-1-j] * dpre_{t+j}, dpre_s = dy_s silu'(pre_s)
-            recomputed at the W rows s = t..t+W-1 (no dpre array in HBM, no serial carry of rows);
-            the weight and cache gradients accumulate per program in ONE carried [R, K] array
-            (rows 0..W-1: dw[W-1-j] by tap j; rows W..2W-2: dcache) and are summed outside.
+channels) with a `lax.fori_loop`. Triton cannot slice or shift register tiles, so the rows a
+step shares with its neighbours travel in the loop carry as separate [1, K] values (renaming
+them is free) and every step loads one new x row at a dynamic offset:
+  forward (ascending t): carries src_0..src_{W-2} of row t-1; row t's window is that shifted by
+            one (or the cache rows at a segment start) plus x_t.
+  backward (descending t): carries x_t..x_{t-W+2} (loads x_{t-W+1}), dpre of the W-1 rows after
+            t, zeroed where those rows' segments start after t (so dx_t = sum_j w[W-1-j] *
+            dpre_{t+j} with no per-term test; dpre_s = dy_s silu'(pre_s) is computed once per
+            row), and the weight / cache gradients as W + (W-1) separate [1, K] f32 sums, written
+            once per program as rows of [B, T / block_t, H, 2W-1, K] and summed outside.
+            The W-1 rows after the block (the next block's) are recomputed before the loop.
 """
 from __future__ import annotations
 
@@ -30,8 +35,8 @@ from pallas_kernels import common
 
 
 def acc_rows(width):
-  """Rows of the per-program gradient accumulator: W taps + W-1 cache rows, to a power of 2."""
-  return 1 << (2 * width - 2).bit_length()
+  """Rows of the per-program gradient output: dw by tap j (rows 0..W-1), dcache (W..2W-2)."""
+  return 2 * width - 1
 
 
 def _sigmoid(x):
@@ -41,8 +46,8 @@ def _sigmoid(x):
 class _Rows:
   """Row access of one program (batch b, head h): x rows, positions, cache rows, weights."""
 
-  def __init__(self, x_ref, w_ref, cache_ref, pos_ref, b, h, t_pad, width, x_dtype):
-    self.x_ref, self.pos_ref, self.b, self.h, self.t_pad, self.width = x_ref, pos_ref, b, h, t_pad, width
+  def __init__(self, x_ref, w_ref, cache_ref, pos_ref, b, h, width, x_dtype):
+    self.x_ref, self.pos_ref, self.b, self.h, self.width = x_ref, pos_ref, b, h, width
     # the layer rounds the cache to x's dtype before the products (ShortConv: xp's concat)
     self.cache = [cache_ref[b, c, pl.ds(h, 1), :].astype(x_dtype).astype(jnp.float32)
                   for c in range(width - 1)]
@@ -55,27 +60,30 @@ class _Rows:
     return self.pos_ref[self.b, pl.ds(t, 1)][:, None]
 
   def x(self, t):
-    return self.x_ref[self.b, pl.ds(t, 1), self.h, :].astype(jnp.float32)
+    """x row max(t, 0) as f32 (a row before the sequence: row 0, then replaced by the cache)."""
+    return self.x_ref[self.b, pl.ds(jnp.maximum(t, 0), 1), self.h, :].astype(jnp.float32)
 
-  def cache_row(self, c):
-    """Cache row c ([1, 1] int in [0, W-2] where used) as a [1, K] value: a select chain over
-    the W-1 rows loaded once per program."""
-    out = jnp.zeros_like(self.cache[0])
-    for i, row in enumerate(self.cache):
-      out = jnp.where(c == i, row, out)
+  def cache_row(self, c, lo=0):
+    """Cache row c ([1, 1] int, in [lo, W-2] where used) as a [1, K] value: a select chain over
+    the rows loaded once per program."""
+    out = self.cache[lo]
+    for i in range(lo + 1, self.width - 1):
+      out = jnp.where(c == i, self.cache[i], out)
     return out
 
-  def src(self, t, pos, j):
-    """src_j(t): x[t-j] inside the segment, else the cache row it starts from."""
-    xr = self.x(jnp.maximum(t - j, 0))
-    if j == 0:
+  def src(self, xr, pos, j, min_pos=0):
+    """src_j(t) from xr = x[t-j]: the cache row instead before t's segment start (pos < j).
+    With pos >= min_pos only cache rows from W-1+min_pos-j on are read: a shorter select chain."""
+    if j <= min_pos:
       return xr
-    return jnp.where(pos >= j, xr, self.cache_row(self.width - 1 + pos - j))
+    lo = max(self.width - 1 + min_pos - j, 0)
+    return jnp.where(pos >= j, xr, self.cache_row(self.width - 1 + pos - j, lo=lo))
 
   def pre(self, t, pos):
+    """pre_t from W row loads (the rows next to a program's block only)."""
     acc = jnp.zeros_like(self.w[0])
     for j in range(self.width):
-      acc = acc + self.w[self.width - 1 - j] * self.src(t, pos, j)
+      acc = acc + self.w[self.width - 1 - j] * self.src(self.x(t - j), pos, j)
     return acc
 
 
@@ -84,16 +92,30 @@ def _forward_kernel(*refs, width, block_t, activation, has_pos):
   pos_ref = refs[3] if has_pos else None
   y_ref = refs[-1]
   b, i, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  rows = _Rows(x_ref, w_ref, cache_ref, pos_ref, b, h, x_ref.shape[1], width, x_ref.dtype)
+  rows = _Rows(x_ref, w_ref, cache_ref, pos_ref, b, h, width, x_ref.dtype)
+  w = rows.w
+  t0 = i * block_t
+  # src_0..src_{W-2} of row t0-1; in front of the sequence a virtual row at position -1, whose
+  # window is the cache (pos_{t0-1} <= t0-1 elsewhere)
+  pos_prev = jnp.minimum(rows.pos(jnp.maximum(t0 - 1, 0)), t0 - 1)
+  prev = tuple(rows.src(rows.x(t0 - 1 - j), pos_prev, j, min_pos=-1) for j in range(width - 1))
 
-  def body(r, carry):
-    t = i * block_t + r
-    pre = rows.pre(t, rows.pos(t))
+  def body(r, prev):
+    t = t0 + r
+    src = [rows.x(t)] + list(prev)
+    if has_pos:
+      # a segment start reads the cache: src_j = cache[W-1-j]; elsewhere src_j(t) = src_{j-1}(t-1)
+      start = rows.pos(t) == 0
+      src[1:] = [jnp.where(start, rows.cache[width - 1 - j], src[j]) for j in range(1, width)]
+    # (without segments only t = 0 starts one: t0 - 1's virtual window above)
+    pre = w[width - 1] * src[0]
+    for j in range(1, width):
+      pre = pre + w[width - 1 - j] * src[j]
     y = pre * _sigmoid(pre) if activation else pre
     y_ref[b, pl.ds(t, 1), h, :] = y.astype(y_ref.dtype)
-    return carry
+    return tuple(src[:width - 1])
 
-  lax.fori_loop(0, block_t, body, jnp.int32(0))
+  lax.fori_loop(0, block_t, body, prev)
 
 
 def _backward_kernel(*refs, width, block_t, activation, has_pos):
@@ -102,44 +124,61 @@ def _backward_kernel(*refs, width, block_t, activation, has_pos):
   dy_ref, dx_ref, acc_ref = rest
   b, i, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   t_pad = x_ref.shape[1]
-  rows = _Rows(x_ref, w_ref, cache_ref, pos_ref, b, h, t_pad, width, x_ref.dtype)
-  n_acc = acc_ref.shape[3]
-  row_id = jnp.arange(n_acc, dtype=jnp.int32)[:, None]   # 1-D iota: what every backend lowers
+  rows = _Rows(x_ref, w_ref, cache_ref, pos_ref, b, h, width, x_ref.dtype)
+  w = rows.w
+  t_last = i * block_t + block_t - 1
+  zero = jnp.zeros_like(w[0])
 
-  def dpre(s, pos):
-    """dL/dpre at row s (0 past the padded end: those rows do not exist)."""
-    sc = jnp.minimum(s, t_pad - 1)
-    dy = dy_ref[b, pl.ds(sc, 1), h, :].astype(jnp.float32)
-    if activation:
-      pre = rows.pre(sc, pos)
-      sg = _sigmoid(pre)
-      dy = dy * sg * (1.0 + pre * (1.0 - sg))
-    return jnp.where(s < t_pad, dy, 0.0)
+  def dpre(dy, pre):
+    if not activation:
+      return dy
+    sg = _sigmoid(pre)
+    return dy * sg * (1.0 + pre * (1.0 - sg))
 
-  def body(r, acc):
-    t = i * block_t + r
-    pos_t = rows.pos(t)
-    dx = jnp.zeros_like(rows.w[0])
-    for j in range(width):
-      s = t + j
-      pos_s = rows.pos(jnp.minimum(s, t_pad - 1))
-      g = dpre(s, pos_s)
-      if j == 0:
-        g_t = g
-      # token t feeds row s through tap j only when s's segment started at or before t
-      dx = dx + jnp.where(pos_s >= j, rows.w[width - 1 - j] * g, 0.0)
+  # dpre of rows t_last+k (the next block's; 0 past the padded end), zeroed unless row t_last
+  # is in their segment (pos >= k): exactly the terms dx_{t_last} takes from them
+  after = []
+  for k in range(1, width):
+    s = jnp.minimum(t_last + k, t_pad - 1)
+    pos_s = rows.pos(s)
+    g = dpre(dy_ref[b, pl.ds(s, 1), h, :].astype(jnp.float32), rows.pre(s, pos_s))
+    after.append(jnp.where(t_last + k < t_pad, jnp.where(pos_s >= k, g, 0.0), 0.0))
+  xs = tuple(rows.x(t_last - j) for j in range(width - 1))   # x_t .. x_{t-W+2}
+
+  def body(r, carry):
+    xs, after, dw, dc = carry
+    t = t_last - r
+    pos = rows.pos(t)
+    xw = xs + (rows.x(t - width + 1),)
+    src = [xw[0]] + [rows.src(xw[j], pos, j) for j in range(1, width)]
+    pre = w[width - 1] * src[0]
+    for j in range(1, width):
+      pre = pre + w[width - 1 - j] * src[j]
+    g = dpre(dy_ref[b, pl.ds(t, 1), h, :].astype(jnp.float32), pre)
+    dx = w[width - 1] * g
+    for k in range(1, width):
+      dx = dx + w[width - 1 - k] * after[k - 1]
     dx_ref[b, pl.ds(t, 1), h, :] = dx.astype(dx_ref.dtype)
-    for j in range(width):
-      acc = acc + jnp.where(row_id == j, g_t * rows.src(t, pos_t, j), 0.0)
-      if j > 0:
-        # rows before the segment start read cache row W-1+pos-j: its gradient
-        c = width - 1 + pos_t - j
-        share = jnp.where(pos_t < j, rows.w[width - 1 - j] * g_t, 0.0)
-        acc = acc + jnp.where(row_id == width + c, share, 0.0)
-    return acc
+    dw = tuple(dw[j] + g * src[j] for j in range(width))
+    # rows before t's segment start read cache row c = W-1+pos-j through tap j, i.e. weight
+    # c - pos: a select of that weight (0 where pos > c)
+    dc_new = []
+    for c in range(width - 1):
+      wc = zero
+      for m in range(c + 1):
+        wc = jnp.where(pos == c - m, w[m], wc)
+      dc_new.append(dc[c] + g * wc)
+    after = (g,) + after[:width - 2]
+    if has_pos:
+      # a segment starts at t: the rows after it do not read t-1 or earlier
+      after = tuple(jnp.where(pos == 0, 0.0, a) for a in after)
+    # (without segments only t = 0 starts one, the last step of block 0)
+    return xw[1:], after, dw, tuple(dc_new)
 
-  acc = lax.fori_loop(0, block_t, body, jnp.zeros((n_acc, x_ref.shape[-1]), jnp.float32))
-  acc_ref[b, i, h, :, :] = acc
+  init = (xs, tuple(after), (zero,) * width, (zero,) * (width - 1))
+  _, _, dw, dc = lax.fori_loop(0, block_t, body, init)
+  for j, row in enumerate(dw + dc):
+    acc_ref[b, i, h, pl.ds(j, 1), :] = row
 
 
 def _params(interpret, cfg):
@@ -161,7 +200,7 @@ def forward(x, w, cache, pos, *, activation, interpret, cfg):
 
 
 def backward(x, w, cache, pos, dy, *, activation, interpret, cfg):
-  """-> (dx [B,T,H,K] x.dtype, per-program accumulators [B, T/block_t, H, R, K] f32: rows
+  """-> (dx [B,T,H,K] x.dtype, per-program sums [B, T/block_t, H, 2W-1, K] f32: rows
   0..W-1 = dw by tap j (weight index W-1-j), rows W..2W-2 = dcache)."""
   bsz, t, nh, kd = x.shape
   width = w.shape[0]
