@@ -195,11 +195,18 @@ def main(argv):
       run = ' '.join(['python'] + train_command('<runs>', '<cell>', '<mixer>', 0.0, FLAGS.cpu)[1:])
       run = run.replace('learning_rate=0.0', 'learning_rate=<lr>').replace('lr0', 'lr<lr>')
     c = mqar_grid.get_config(config_arg(FLAGS.cells[0], FLAGS.mixers[0], FLAGS.cpu).split(':')[1])
-    write_json(os.path.join(FLAGS.out, 'commands.json'), dict(
+    # what a person wrote into commands.json (the device calls, notes) survives a re-collect
+    path = os.path.join(FLAGS.out, 'commands.json')
+    kept = {}
+    if os.path.exists(path):
+      with open(path) as fh:
+        kept = {k: v for k, v in json.load(fh).items() if k not in ('grid', 'run', 'protocol')}
+    if FLAGS.machine or 'machine' not in kept:
+      kept['machine'] = FLAGS.machine
+    write_json(path, dict(kept,
         grid=(f'python -m experiments.mqar_grid --runs=<runs> --parallel={FLAGS.parallel} '
               f'--out={FLAGS.out}' + (' --cpu' if FLAGS.cpu else '') + ('' if FLAGS.lr_sweep else ' --nolr_sweep')),
         run=run,
-        machine=FLAGS.machine,
         protocol=(f'{c.train.num_steps} steps of {c.data.global_batch_size} sequences per run (AdamW, '
                   f'weight decay {c.optim.weight_decay}, {c.optim.warmup_steps} warm-up steps, cosine to '
                   f'{c.optim.min_lr_ratio} x the rate), vocabulary {c.data.mqar.vocab_size}, '
