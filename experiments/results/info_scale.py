@@ -59,7 +59,25 @@ def render(results_dir: str, fig_dir: str) -> str:
       ('**Reproduced (direction):** ' if monotone else '**Not reproduced:** ')
       + 'the paper reports that write strength falls as mu grows (0.943, 0.891, 0.826, 0.805 for 1, sqrt(K), K, '
       f'4K); ours, in the same order: {", ".join(f"{m:.3f}" for m in means)}'
-      + (' — the same monotone fall. ' if monotone else ' — not monotone. ')
-      + 'Caveats: the runs other than mu = K stopped between steps 1296 and 1510 of 2000 (a time limit; '
-      'mu = K is evaluated at 2000), so the perplexity column mixes training lengths and is not a fair '
-      'comparison of mu; learning rates were not tuned per setting.', ''])
+      + (' — the same monotone fall' if monotone else ' — not monotone')
+      + '; the steps between neighbours are ' + ', '.join(f'{b - a:+.3f}' for a, b in zip(means, means[1:]))
+      + ' (paper: ' + ', '.join(f'{b - a:+.3f}' for a, b in zip(list(PAPER.values()), list(PAPER.values())[1:]))
+      + '). '
+      + caveats(rows, cmds), ''])
+
+
+def caveats(rows, cmds) -> str:
+  """What limits the comparison, from the runs' own records."""
+  steps = sorted({r[1] for r in rows})
+  ppl = [r[4] for r in rows]
+  out = ['Caveats: ']
+  if len(steps) > 1:
+    out.append(f'the runs were evaluated at different steps ({", ".join(map(str, steps))}), so the perplexity '
+               'column mixes training lengths; ')
+  else:
+    out.append(f'every run is evaluated at step {steps[0]}; ')
+  out.append(f'validation perplexities span {min(ppl):.1f}-{max(ppl):.1f} with one seed per setting, too close to '
+             'rank the settings; learning rates were not tuned per setting.')
+  if cmds.get('corpus_note'):
+    out.append(' ' + cmds['corpus_note'])
+  return ''.join(out)
