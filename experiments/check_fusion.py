@@ -28,6 +28,8 @@ flags.DEFINE_integer("d_model", 512, "layer width", flag_values=FLAGS)
 
 # fp32 kernels against fp32 references: rounding-level; bf16 layers: one bf16 rounding apart
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
+# the fused bf16 layer against fp32: within LAYER_SLACK x the unfused bf16 layer's own error
+LAYER_SLACK, LAYER_FLOOR = 1.5, 1e-3
 
 
 def _rel(a, b):
@@ -123,28 +125,63 @@ def check_gain(results, b, t, h, kd, diag):
 
 
 def check_layer(results, mixer, b, t, h, kd, d):
+  """The bf16 layer with its fused glue against the same layer unfused, both measured against the
+  unfused layer in float32 (the truth): fused passes where its error is within the unfused
+  path's own bf16 error (x LAYER_SLACK, floor LAYER_FLOOR) for every output and gradient. (A
+  direct fused-vs-unfused bound fails on small reductions such as the gradient of kdn_iso's
+  per-head log_info_scale, where two bf16 paths differ by 2e-2 while each is as close to the
+  truth as the other.)"""
   from experiments.benchmark_layers import set_fusion
   from kdn_jax.layers import MIXERS
   from kdn_jax.models.config import model_config
-  cfg = model_config("tiny", mixer=mixer, d_model=d, num_heads=h, head_dim=kd, impl="pallas",
-                     chunk_size=64, dtype="bfloat16", param_dtype="float32", mlp_hidden=1,
-                     info_scale="learned")
-  layer = MIXERS[mixer](cfg, rngs=nnx.Rngs(0))
+
+  def make(dtype):
+    cfg = model_config("tiny", mixer=mixer, d_model=d, num_heads=h, head_dim=kd, impl="pallas",
+                       chunk_size=64, dtype=dtype, param_dtype="float32", mlp_hidden=1,
+                       info_scale="learned")
+    return MIXERS[mixer](cfg, rngs=nnx.Rngs(0))
+  layer, layer32 = make("bfloat16"), make("float32")
   rng = np.random.default_rng(4)
-  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+  _, params, _ = nnx.split(layer, nnx.Param, ...)
   params = jax.tree.map(lambda p: p + 0.05 * jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
   x = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32).astype(jnp.bfloat16)
   seg = _segments(rng, b, t)
 
-  def apply(fusion):
-    set_fusion(layer, fusion)
-    gd, _, rest_ = nnx.split(layer, nnx.Param, ...)
+  def apply(lay, fusion):
+    set_fusion(lay, fusion)
+    gd, _, rest_ = nnx.split(lay, nnx.Param, ...)
     def f(params, x):
-      y, fs = nnx.merge(gd, params, rest_)(x, segment_ids=seg)
+      y, fs = nnx.merge(gd, params, rest_)(x.astype(lay.dtype), segment_ids=seg)
       return y, {"memory": fs["memory"], "variance": fs["variance"]}
     return f
-  _compare(mixer + "_layer_fused_vs_unfused", apply("on"), apply("off"), (params, x), jnp.bfloat16,
-           results)
+  fused, unfused, truth = apply(layer, "on"), apply(make("bfloat16"), "off"), apply(layer32, "off")
+  out_shapes = jax.eval_shape(unfused, params, x)
+  crng = np.random.default_rng(7)
+  cts = jax.tree.map(lambda s: jnp.asarray(crng.normal(size=s.shape), jnp.float32).astype(s.dtype),
+                     out_shapes)
+
+  def run(f, cts):
+    def g(p, x):
+      out, vjp = jax.vjp(f, p, x)
+      return out, vjp(cts)
+    return jax.jit(g)(params, x)
+  got, base = run(fused, cts), run(unfused, cts)
+  with jax.default_matmul_precision("highest"):   # no TF32 in the truth on GPUs
+    want = run(truth, jax.tree.map(lambda c: c.astype(jnp.float32), cts))
+  errs, worst_ratio, ok = {}, 0.0, True
+  for (path, a), u, w in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(base), jax.tree.leaves(want)):
+    e_f, e_u = _rel(a, w), _rel(u, w)
+    bound = max(LAYER_SLACK * e_u, LAYER_FLOOR)
+    errs[jax.tree_util.keystr(path)] = {"fused_vs_fp32": e_f, "unfused_vs_fp32": e_u,
+                                        "fused_vs_unfused": _rel(a, u)}
+    ok &= bool(np.isfinite(e_f) and e_f <= bound)
+    worst_ratio = max(worst_ratio, e_f / bound if np.isfinite(e_f) else float("inf"))
+  worst = max(v["fused_vs_fp32"] for v in errs.values())
+  name = mixer + "_layer_fused_vs_fp32"
+  results[name] = {"worst_rel": worst, "worst_over_bound": worst_ratio, "ok": ok,
+                   "dtype": "bfloat16", "errors": errs}
+  print(f"{name:32s} bfloat16  worst rel {worst:.2e}, worst / bound {worst_ratio:.2f} "
+        f"{'ok' if ok else 'FAIL'}", flush=True)
 
 
 def main(argv):
