@@ -47,7 +47,9 @@ import jax.numpy as jnp
 from absl import logging
 from jax.sharding import PartitionSpec as P
 
+from kdn_jax.ops import delta_rule as delta_rule_ops
 from kdn_jax.ops import dispatch
+from kdn_jax.ops import kdn as kdn_ops
 from kdn_jax.ops import mobius
 from kdn_jax.ops import validation as val
 from kdn_jax.ops import variance
@@ -465,9 +467,8 @@ def active_setting():
 
 
 def _plain_op(name):
-  # Imported here: kdn_jax.ops (the package) imports this module.
-  from kdn_jax import ops  # pylint: disable=g-import-not-at-top
-  return getattr(ops, name)
+  """The unsplit op, from the module that defines it (not the package, which imports this one)."""
+  return getattr(kdn_ops if name in ("diag_kdn", "iso_kdn") else delta_rule_ops, name)
 
 
 def op(name):
