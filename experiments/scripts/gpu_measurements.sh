@@ -4,7 +4,8 @@
 # sections: ops (reference vs chunked), stages (pallas stage split + kernel config sweep), docs
 # (the same for the packed-documents path),
 # mixers (mixer table vs flash-linear-attention), layers (whole layers vs fla's KDA layer),
-# train (125M LM training throughput on 1 GPU, and on 2 when there are 2). Default: all.
+# train (125M LM training throughput on 1 GPU, and on 2 when there are 2), mgpu (the Mosaic GPU
+# output stage: tests and timing). Default: all.
 # Kernel config sweep (stages): SWEEP='default,wy=0/max_chunk=64/blocked=0' (DeltaRuleConfig fields).
 # Extra train flags: TRAIN_EXTRA='--config.model.scan_layers=True --config.model.impl=pallas'.
 # Results land in $RES (default /tmp/kdn_gpu); with $OUT set (the device tool) they are also packed
@@ -80,5 +81,12 @@ train)
     grep -c "Compiling" "$RES/train_${n}gpu.txt" | sed 's/^/compiles logged: /'
     cp "/tmp/kdn_train_${n}gpu/summary.json" "$RES/train_${n}gpu_summary.json" 2>/dev/null
   done ;;
+mgpu)
+  # Issue 18's Mosaic GPU trial port of the output stage (docs/mosaic_gpu.md): its compiled tests,
+  # then Triton (chunk 16 / 64) against Mosaic GPU (chunk 64) at 4k and 16k.
+  timeout ${MGPU_TEST_LIMIT:-150} python3 -m pytest -q tests/test_output_mgpu.py 2>&1 | tail -15 \
+    | tee "$RES/mgpu_tests.txt"
+  timeout ${MGPU_LIMIT:-150} python3 -m experiments.benchmark_output_stage --out="$RES/output_stage.json" \
+    2>&1 | quiet | tail -20 | tee "$RES/output_stage.txt" ;;
 *) echo "unknown section $s" ;;
 esac; done
