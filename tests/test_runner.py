@@ -423,33 +423,36 @@ def test_training_agrees_across_fast_paths(tmp_path):
 def test_loss_positions_gives_the_same_loss_gradients_and_accuracy(tmp_path):
   """train.loss_positions reads the logits only at the scored positions: the same loss, gradients and
   validation numbers as every position; too few positions for the data is an error naming the key."""
-  results = []
-  for count in (0, 2):  # tiny_config's MQAR rows score num_kv_pairs = 2 positions
+  # One persistent XLA cache: the three Trainers build the same model (its init compiles once).
+  with compilation_cache(tmp_path / 'xla_cache'):
+    results = []
+    for count in (0, 2):  # tiny_config's MQAR rows score num_kv_pairs = 2 positions
+      c = tiny_config()
+      c.train.loss_positions = count
+      tr = trainer.Trainer(c, str(tmp_path / f'p{count}'))
+      batch = sharding.global_batch(next(tr.data_iter), tr.mesh)
+      # jitted: one compile instead of op-by-op eager dispatch of the whole model and its backward pass.
+      (loss, aux), grads = jax.jit(jax.value_and_grad(tr._loss_fn, has_aux=True))(
+          tr.state['params'], tr.rest, batch, tr.state, jax.random.PRNGKey(0))
+      results.append((float(loss), float(aux['accuracy']), host(grads), tr.evaluate()))
+      assert float(aux['dropped']) == 0.0
+      tr.close()
+    (l0, a0, g0, e0), (l1, a1, g1, e1) = results
+    np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    assert a1 == a0 and e1['accuracy'] == e0['accuracy']
+    np.testing.assert_allclose(e1['loss'], e0['loss'], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     c = tiny_config()
-    c.train.loss_positions = count
-    tr = trainer.Trainer(c, str(tmp_path / f'p{count}'))
-    batch = sharding.global_batch(next(tr.data_iter), tr.mesh)
-    (loss, aux), grads = jax.value_and_grad(tr._loss_fn, has_aux=True)(
-        tr.state['params'], tr.rest, batch, tr.state, jax.random.PRNGKey(0))
-    results.append((float(loss), float(aux['accuracy']), host(grads), tr.evaluate()))
-    assert float(aux['dropped']) == 0.0
+    c.train.loss_positions = 1
+    with pytest.raises(config_lib.ConfigError, match=r'config\.train\.loss_positions: 1 is below the 2 scored'):
+      config_lib.validate(c)
+    # Data whose rows score more positions than loss_positions stops training at the next log point.
+    c = tiny_config()
+    c.data.kind, c.data.seq_len = 'copying', 16
+    c.data.copying.copy_len = 7  # BOS x SEP x: 7 scored positions a row
+    c.train.loss_positions = 4
+    tr = trainer.Trainer(c, str(tmp_path / 'copy'))
+    with pytest.raises(ValueError, match=r'loss_positions=4: step 1 has rows with more scored positions'):
+      tr.run()
     tr.close()
-  (l0, a0, g0, e0), (l1, a1, g1, e1) = results
-  np.testing.assert_allclose(l1, l0, rtol=1e-6)
-  assert a1 == a0 and e1['accuracy'] == e0['accuracy']
-  np.testing.assert_allclose(e1['loss'], e0['loss'], rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-  c = tiny_config()
-  c.train.loss_positions = 1
-  with pytest.raises(config_lib.ConfigError, match=r'config\.train\.loss_positions: 1 is below the 2 scored'):
-    config_lib.validate(c)
-  # Data whose rows score more positions than loss_positions stops training at the next log point.
-  c = tiny_config()
-  c.data.kind, c.data.seq_len = 'copying', 16
-  c.data.copying.copy_len = 7  # BOS x SEP x: 7 scored positions a row
-  c.train.loss_positions = 4
-  tr = trainer.Trainer(c, str(tmp_path / 'copy'))
-  with pytest.raises(ValueError, match=r'loss_positions=4: step 1 has rows with more scored positions'):
-    tr.run()
-  tr.close()
