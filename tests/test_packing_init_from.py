@@ -83,18 +83,22 @@ def test_packed_batch_equals_documents_run_separately():
   off = np.concatenate([[0, 1], 1 + np.cumsum([len(d) for d in docs])])  # the leading EOS is doc 0
   inputs, targets = stream[:-1], stream[1:]
   seg = token_files.segment_ids(off, 0, len(inputs))
-  logits, _ = model(jnp.asarray(inputs[None]), segment_ids=jnp.asarray(seg[None]))
+  alone_inputs = [np.concatenate([[eos], d[:-1]]).astype(np.int32)[None] for d in docs]
+
+  @nnx.jit
+  def forwards(m, x, s, xs):  # every forward of the test in one compiled program (eager: a compile per op)
+    return m(x, segment_ids=s)[0], [m(a)[0] for a in xs], m(x)[0]
+
+  logits, alone_logits, lg_nos = forwards(model, jnp.asarray(inputs[None]), jnp.asarray(seg[None]),
+                                          [jnp.asarray(a) for a in alone_inputs])
   packed = _nll(logits, jnp.asarray(targets[None]))[0]
   pos = 0
-  for d in docs:
-    x = np.concatenate([[eos], d[:-1]]).astype(np.int32)
-    lg, _ = model(jnp.asarray(x[None]))
+  for d, lg in zip(docs, alone_logits):
     alone = _nll(lg, jnp.asarray(d[None].astype(np.int32)))[0]
     np.testing.assert_allclose(packed[pos:pos + len(d)], alone, rtol=1e-4, atol=1e-4)
     pos += len(d)
   assert pos == len(targets)
   # and without segment ids the later documents do see the earlier ones
-  lg_nos, _ = model(jnp.asarray(inputs[None]))
   assert np.abs(_nll(lg_nos, jnp.asarray(targets[None]))[0] - packed).max() > 1e-3
 
 
