@@ -46,6 +46,14 @@ def _segments(rng, b, t):
   return jnp.asarray(seg)
 
 
+def _outputs_and_vjp(f, args, cts):
+  """(f(*args), the VJP of cts), jitted."""
+  def g(*a):
+    out, vjp = jax.vjp(f, *a)
+    return out, vjp(cts)
+  return jax.jit(g)(*args)
+
+
 def _compare(name, fn, ref, args, dtype, results):
   """Outputs and VJPs (random cotangents) of fn and ref on args; one entry per output / grad."""
   out_shapes = jax.eval_shape(ref, *args)
@@ -53,12 +61,7 @@ def _compare(name, fn, ref, args, dtype, results):
   cts = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape), jnp.float32).astype(s.dtype),
                      out_shapes)
 
-  def run(f):
-    def g(*a):
-      out, vjp = jax.vjp(f, *a)
-      return out, vjp(cts)
-    return jax.jit(g)(*args)
-  got, want = run(fn), run(ref)
+  got, want = _outputs_and_vjp(fn, args, cts), _outputs_and_vjp(ref, args, cts)
   errs = {}
   for (path, x), y in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(want)):
     errs[jax.tree_util.keystr(path)] = _rel(x, y)
@@ -160,14 +163,9 @@ def check_layer(results, mixer, b, t, h, kd, d):
   cts = jax.tree.map(lambda s: jnp.asarray(crng.normal(size=s.shape), jnp.float32).astype(s.dtype),
                      out_shapes)
 
-  def run(f, cts):
-    def g(p, x):
-      out, vjp = jax.vjp(f, p, x)
-      return out, vjp(cts)
-    return jax.jit(g)(params, x)
-  got, base = run(fused, cts), run(unfused, cts)
+  got, base = _outputs_and_vjp(fused, (params, x), cts), _outputs_and_vjp(unfused, (params, x), cts)
   with jax.default_matmul_precision("highest"):   # no TF32 in the truth on GPUs
-    want = run(truth, jax.tree.map(lambda c: c.astype(jnp.float32), cts))
+    want = _outputs_and_vjp(truth, (params, x), jax.tree.map(lambda c: c.astype(jnp.float32), cts))
   errs, worst_ratio, ok = {}, 0.0, True
   for (path, a), u, w in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(base), jax.tree.leaves(want)):
     e_f, e_u = _rel(a, w), _rel(u, w)
