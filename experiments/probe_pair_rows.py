@@ -1,0 +1,120 @@
+"""Where the chunk-64 pair-rows kernel's time goes (issue 18; GPU only): variants of
+intra._pair_rows_kernel with parts removed, timed at B=4, H=16, K=128, bf16, T=4096 and 16384.
+
+  python -m experiments.probe_pair_rows /tmp/pair_rows_probe.json
+
+Rows: current_nw{4,8} (the shipped kernel's structure, 4 / 8 warps), diag_only (no off-diagonal
+dots), offdiag_only (no diagonal column loop), neither (loads and stores only), per_chunk_nw{4,8}
+(one program per 64-token chunk, its four row blocks in a static loop, no dots above the
+diagonal), shipped_pairs (intra.pair_rows_forward itself) and intra_c16 (the chunk-16 intra
+stage that ships). The variants drop segments and the scale: timing only, not exactness
+(docs/benchmark_mixers.md, session 29)."""
+import functools
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from experiments import timing
+from pallas_kernels.delta_rule import intra as I
+from pallas_kernels.delta_rule import config as dcfg
+from pallas_kernels.delta_rule.tiles import (dot_nt, tile, ref_point, launch_params, BF16_OPERANDS)
+
+def kern(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, diag, off, C=64, S=16):
+  b, h, c, i = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+  t0 = c * C; r0 = t0 + i * S
+  q, k, g = (tile(x, b, r0, S, h) for x in (q_ref, k_ref, g_ref))
+  if diag:
+    lii, pii = I._diag_products(q, k, g, w_ref, g_ref, b, h, r0, S, S)
+  else:
+    lii = pii = jnp.zeros((S, S), jnp.float32)
+  g0, xs = ref_point(g_ref, b, h, r0, S, 0, g)
+  kx, qx = k * xs, q * xs
+  rows = pl.ds(r0, S)
+  for j in range(C // S):
+    if off:
+      y = tile(w_ref, b, t0 + j * S, S, h) * jnp.exp(jnp.minimum(g0 - tile(g_ref, b, t0 + j * S, S, h), 0.0))
+      lo, po = dot_nt(kx, y, BF16_OPERANDS), dot_nt(qx, y, BF16_OPERANDS)
+    else:
+      lo = po = jnp.zeros((S, S), jnp.float32)
+    lmat = jnp.where(j < i, lo, jnp.where(j == i, lii, 0.0))
+    pmat = jnp.where(j < i, po, jnp.where(j == i, pii, 0.0))
+    l_out[b, h, rows, pl.ds(j * S, S)] = lmat
+    p_out[b, h, rows, pl.ds(j * S, S)] = pmat.astype(p_out.dtype)
+  wt_out[b, rows, h, :] = (tile(w_ref, b, r0, S, h) * jnp.exp(g)).astype(wt_out.dtype)
+
+def kern3(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, C=64, S=16):
+  # grid (b, h, c): one program per 64-chunk; the 4 row blocks in a static loop.
+  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  t0 = c * C
+  for i in range(C // S):
+    r0 = t0 + i * S
+    q, k, g = (tile(x, b, r0, S, h) for x in (q_ref, k_ref, g_ref))
+    lii, pii = I._diag_products(q, k, g, w_ref, g_ref, b, h, r0, S, S)
+    g0, xs = ref_point(g_ref, b, h, r0, S, 0, g)
+    kx, qx = k * xs, q * xs
+    rows = pl.ds(r0, S)
+    for j in range(C // S):
+      if j < i:
+        y = tile(w_ref, b, t0 + j * S, S, h) * jnp.exp(jnp.minimum(g0 - tile(g_ref, b, t0 + j * S, S, h), 0.0))
+        lmat, pmat = dot_nt(kx, y, BF16_OPERANDS), dot_nt(qx, y, BF16_OPERANDS)
+      elif j == i:
+        lmat, pmat = lii, pii
+      else:
+        lmat = pmat = jnp.zeros((S, S), jnp.float32)
+      l_out[b, h, rows, pl.ds(j * S, S)] = lmat
+      p_out[b, h, rows, pl.ds(j * S, S)] = pmat.astype(p_out.dtype)
+    wt_out[b, rows, h, :] = (tile(w_ref, b, r0, S, h) * jnp.exp(g)).astype(wt_out.dtype)
+
+def call(body, q, k, w, g, grid, nw):
+  B, T, H, K = k.shape
+  cfg = dcfg.DeltaRuleConfig()
+  return pl.pallas_call(body, out_shape=(jax.ShapeDtypeStruct((B, H, T, 64), jnp.float32),
+      jax.ShapeDtypeStruct((B, H, T, 64), jnp.bfloat16), jax.ShapeDtypeStruct((B, T, H, K), jnp.bfloat16)),
+      grid=grid, **launch_params(False, nw, cfg))(q, k, w, g)
+
+def med(fn, *a):
+  return timing.median_time(fn, *a, warmup=3, repeats=20)
+
+def main(out):
+  B, H, K = 4, 16, 128
+  res = {}
+  for T in (4096, 16384):
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    q, k, w = (jax.random.normal(kk, (B, T, H, K), jnp.float32).astype(jnp.bfloat16) for kk in ks[:3])
+    la = -jax.nn.softplus(jax.random.normal(ks[3], (B, T, H, K)))
+    g = jnp.cumsum(la.reshape(B, T // 64, 64, H, K), axis=2).reshape(B, T, H, K)
+    g4 = (B, H, T // 64, 4)
+    variants = {}
+    for nw in (4, 8):
+      variants[f"current_nw{nw}"] = (functools.partial(kern, diag=True, off=True), g4, nw)
+    variants["diag_only"] = (functools.partial(kern, diag=True, off=False), g4, 4)
+    variants["offdiag_only"] = (functools.partial(kern, diag=False, off=True), g4, 4)
+    variants["neither"] = (functools.partial(kern, diag=False, off=False), g4, 4)
+    for nw in (4, 8):
+      variants[f"per_chunk_nw{nw}"] = (kern3, (B, H, T // 64), nw)
+    for name, (body, grid, nw) in variants.items():
+      try:
+        f = jax.jit(lambda q, k, w, g, body=body, grid=grid, nw=nw: call(body, q, k, w, g, grid, nw))
+        ms = med(f, q, k, w, g)
+      except Exception as e:
+        ms = f"{type(e).__name__}: {str(e)[:200]}"
+      res[f"{name}_T{T}"] = ms
+      print(name, T, ms, flush=True)
+    # the shipped pair kernel and the chunk-16 intra kernel, for scale
+    cfg64 = dcfg.DeltaRuleConfig(max_chunk=64, min_chunk=64, precompute_u=True, sub_block=16)
+    kw = dict(chunk=64, scale=K ** -0.5, interpret=False, cfg=cfg64, cfg_prec="fast")
+    f = jax.jit(lambda q, k, w, g: I.pair_rows_forward(q, k, w, g, None, **kw))
+    res[f"shipped_pairs_T{T}"] = med(f, q, k, w, g); print("shipped_pairs", T, res[f"shipped_pairs_T{T}"])
+    g16 = jnp.cumsum(la.reshape(B, T // 16, 16, H, K), axis=2).reshape(B, T, H, K)
+    cfg16 = dcfg.DeltaRuleConfig()
+    kw16 = dict(chunk=16, scale=K ** -0.5, interpret=False, cfg=cfg16, cfg_prec="fast")
+    v = q; h0 = jnp.zeros((B, H, K, K), jnp.float32)
+    f = jax.jit(lambda q, k, v, w, g, h0: I.intra_forward(q, k, v, w, g, h0, None, None, **kw16))
+    res[f"intra_c16_T{T}"] = med(f, q, k, v, w, g16, h0); print("intra_c16", T, res[f"intra_c16_T{T}"])
+  json.dump(res, open(out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1])
