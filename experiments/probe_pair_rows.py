@@ -15,6 +15,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from experiments import timing
 from pallas_kernels.delta_rule import intra as I
@@ -67,12 +68,91 @@ def kern3(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, C=64, S=16):
       p_out[b, h, rows, pl.ds(j * S, S)] = pmat.astype(p_out.dtype)
     wt_out[b, rows, h, :] = (tile(w_ref, b, r0, S, h) * jnp.exp(g)).astype(wt_out.dtype)
 
+
+def _diag_cols(q, k, g, w_ref, g_ref, l_out, p_out, b, h, r0, col0, scale, S):
+  """The diagonal S x S tile, one column per step stored straight to L and P (no [S, S] tile
+  carried through the loop and merged with selects)."""
+  row = lax.broadcasted_iota(jnp.int32, (S,), 0)
+
+  def body(jj, carry):
+    wj = w_ref[b, r0 + jj, h, :].astype(jnp.float32)
+    gj = g_ref[b, r0 + jj, h, :]
+    e = jnp.exp(jnp.minimum(g - gj[None, :], 0.0)) * wj[None, :]
+    kw = jnp.sum(k * e, axis=1)
+    qw = jnp.sum(q * e, axis=1)
+    l_out[b, h, pl.ds(r0, S), col0 + jj] = jnp.where(row > jj, kw, 0.0)
+    p_out[b, h, pl.ds(r0, S), col0 + jj] = (scale * jnp.where(row >= jj, qw, 0.0)).astype(
+        p_out.dtype)
+    return carry
+
+  lax.fori_loop(0, S, body, 0)
+
+
+def kern_cols(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, off, scale, C=64, S=16):
+  # grid (b, h, c, i) like the shipped kernel; diagonal by column stores; dots only below it.
+  b, h, c, i = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+  t0 = c * C
+  r0 = t0 + i * S
+  q, k, g = (tile(x, b, r0, S, h) for x in (q_ref, k_ref, g_ref))
+  _diag_cols(q, k, g, w_ref, g_ref, l_out, p_out, b, h, r0, i * S, scale, S)
+  g0, xs = ref_point(g_ref, b, h, r0, S, 0, g)
+  kx, qx = k * xs, q * xs
+  rows = pl.ds(r0, S)
+  for j in range(C // S):
+    cols = pl.ds(j * S, S)
+
+    @pl.when(j < i)
+    def _():
+      if off:
+        y = tile(w_ref, b, t0 + j * S, S, h) * jnp.exp(
+            jnp.minimum(g0 - tile(g_ref, b, t0 + j * S, S, h), 0.0))
+        lo, po = dot_nt(kx, y, BF16_OPERANDS), dot_nt(qx, y, BF16_OPERANDS)
+      else:
+        lo = po = jnp.zeros((S, S), jnp.float32)
+      l_out[b, h, rows, cols] = lo
+      p_out[b, h, rows, cols] = (scale * po).astype(p_out.dtype)
+
+    @pl.when(j > i)
+    def _():
+      l_out[b, h, rows, cols] = jnp.zeros((S, S), jnp.float32)
+      p_out[b, h, rows, cols] = jnp.zeros((S, S), p_out.dtype)
+  wt_out[b, rows, h, :] = (tile(w_ref, b, r0, S, h) * jnp.exp(g)).astype(wt_out.dtype)
+
+
+def kern_cols_chunk(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, scale, C=64, S=16):
+  # grid (b, h, c): the chunk's row blocks in a static loop; diagonal by column stores.
+  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  t0 = c * C
+  for i in range(C // S):
+    r0 = t0 + i * S
+    rows = pl.ds(r0, S)
+    q, k, g = (tile(x, b, r0, S, h) for x in (q_ref, k_ref, g_ref))
+    _diag_cols(q, k, g, w_ref, g_ref, l_out, p_out, b, h, r0, i * S, scale, S)
+    if i:
+      g0, xs = ref_point(g_ref, b, h, r0, S, 0, g)
+      kx, qx = k * xs, q * xs
+    for j in range(C // S):
+      cols = pl.ds(j * S, S)
+      if j < i:
+        y = tile(w_ref, b, t0 + j * S, S, h) * jnp.exp(
+            jnp.minimum(g0 - tile(g_ref, b, t0 + j * S, S, h), 0.0))
+        l_out[b, h, rows, cols] = dot_nt(kx, y, BF16_OPERANDS)
+        p_out[b, h, rows, cols] = (scale * dot_nt(qx, y, BF16_OPERANDS)).astype(p_out.dtype)
+      elif j > i:
+        l_out[b, h, rows, cols] = jnp.zeros((S, S), jnp.float32)
+        p_out[b, h, rows, cols] = jnp.zeros((S, S), p_out.dtype)
+    wt_out[b, rows, h, :] = (tile(w_ref, b, r0, S, h) * jnp.exp(g)).astype(wt_out.dtype)
+
+
+INTERPRET = jax.default_backend() == "cpu"
+
+
 def call(body, q, k, w, g, grid, nw):
   B, T, H, K = k.shape
   cfg = dcfg.DeltaRuleConfig()
   return pl.pallas_call(body, out_shape=(jax.ShapeDtypeStruct((B, H, T, 64), jnp.float32),
       jax.ShapeDtypeStruct((B, H, T, 64), jnp.bfloat16), jax.ShapeDtypeStruct((B, T, H, K), jnp.bfloat16)),
-      grid=grid, **launch_params(False, nw, cfg))(q, k, w, g)
+      grid=grid, **launch_params(INTERPRET, nw, cfg))(q, k, w, g)
 
 def med(fn, *a):
   return timing.median_time(fn, *a, warmup=3, repeats=20)
@@ -94,6 +174,11 @@ def main(out):
     variants["neither"] = (functools.partial(kern, diag=False, off=False), g4, 4)
     for nw in (4, 8):
       variants[f"per_chunk_nw{nw}"] = (kern3, (B, H, T // 64), nw)
+    sc = K ** -0.5
+    for nw in (4, 8):
+      variants[f"cols_nw{nw}"] = (functools.partial(kern_cols, off=True, scale=sc), g4, nw)
+      variants[f"cols_chunk_nw{nw}"] = (functools.partial(kern_cols_chunk, scale=sc), (B, H, T // 64), nw)
+    variants["cols_diag_only"] = (functools.partial(kern_cols, off=False, scale=sc), g4, 4)
     for name, (body, grid, nw) in variants.items():
       try:
         f = jax.jit(lambda q, k, w, g, body=body, grid=grid, nw=nw: call(body, q, k, w, g, grid, nw))

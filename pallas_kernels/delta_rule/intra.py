@@ -185,10 +185,37 @@ def _intra_fwd_sub_kernel(*refs, chunk, sub, scale, has_seg, wy, inverse, block,
       wk_out[b, pl.ds(t0 + i * S, S), h, :] = wk.astype(wk_out.dtype)
 
 
+def _diag_columns(q, k, g, w_ref, g_ref, pid_ref, l_out, p_out, b, h, r0, col0, scale, S):
+  """The diagonal S x S tile of L (strict) and P (scaled, inclusive) of the row block starting at
+  token r0, one column per step stored straight to l_out / p_out (columns col0 + jj): exact
+  exp(min(g_r - g_j, 0)). No [S, S] tile is carried through the loop: merging each step's
+  column into one with selects cost a layout conversion per step (H200, T=4096: 1.8 ms for this
+  loop that way; docs/benchmark_mixers.md, session 29)."""
+  row = lax.broadcasted_iota(jnp.int32, (S,), 0)
+  pid_i = pid_ref[b, pl.ds(r0, S)] if pid_ref is not None else None
+
+  def body(jj, carry):
+    wj = w_ref[b, r0 + jj, h, :].astype(jnp.float32)
+    gj = g_ref[b, r0 + jj, h, :].astype(jnp.float32)
+    e = jnp.exp(jnp.minimum(g - gj[None, :], 0.0)) * wj[None, :]
+    kw = jnp.sum(k * e, axis=1)
+    qw = jnp.sum(q * e, axis=1)
+    keep_l, keep_p = row > jj, row >= jj
+    if pid_i is not None:
+      same = pid_i == pid_ref[b, r0 + jj]
+      keep_l, keep_p = keep_l & same, keep_p & same
+    l_out[b, h, pl.ds(r0, S), col0 + jj] = jnp.where(keep_l, kw, 0.0).astype(l_out.dtype)
+    p_out[b, h, pl.ds(r0, S), col0 + jj] = (scale * jnp.where(keep_p, qw, 0.0)).astype(
+        p_out.dtype)
+    return carry
+
+  lax.fori_loop(0, S, body, 0)
+
+
 def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec):
   """Rows [i S, (i + 1) S) of L (f32, strict, zero above the diagonal) and of P (scaled), and
-  their Wt rows; i = program_id(3). Every [S, S] tile of the row block is computed and stored
-  (zeros right of the diagonal tile), so the outputs need no initialisation."""
+  their Wt rows; i = program_id(3). Every [S, S] tile of the row block is stored (zeros right of
+  the diagonal tile), so the outputs need no initialisation."""
   n_in = 4 + (1 if has_seg else 0)
   q_ref, k_ref, w_ref, g_ref = refs[:4]
   pid_ref = refs[4] if has_seg else None
@@ -197,26 +224,34 @@ def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec):
   C, S = chunk, sub
   t0 = c * C
   r0 = t0 + i * S
-  q, k, g = (tile(x, b, r0, S, h) for x in (q_ref, k_ref, g_ref))
-  # The diagonal tile: an S-step loop over its columns, exp(min(g_r - g_j, 0)) exactly.
-  lmat_ii, pmat_ii = _diag_products(q, k, g, w_ref, g_ref, b, h, r0, S, S)
-  g0, xs = ref_point(g_ref, b, h, r0, S, 0, g)
-  kx, qx = k * xs, q * xs
   rows = pl.ds(r0, S)
+  q, k, g = (tile(x, b, r0, S, h) for x in (q_ref, k_ref, g_ref))
+  _diag_columns(q, k, g, w_ref, g_ref, pid_ref, l_out, p_out, b, h, r0, i * S, scale, S)
   pid_i = pid_ref[b, rows] if has_seg else None
-  for j in range(C // S):
-    cols = pl.ds(t0 + j * S, S)
-    # exp(g_r - g_c) = exp(g_r - g0) exp(g0 - g_c), both factors <= 1 for the same-segment
-    # pairs r >= g0's row > c that are kept (j < i); the dot is wasted (and zeroed) for j >= i.
-    y = tile(w_ref, b, t0 + j * S, S, h) * jnp.exp(
-        jnp.minimum(g0 - tile(g_ref, b, t0 + j * S, S, h), 0.0))
-    lmat = jnp.where(j < i, dot_nt(kx, y, prec), jnp.where(j == i, lmat_ii, 0.0))
-    pmat = jnp.where(j < i, dot_nt(qx, y, prec), jnp.where(j == i, pmat_ii, 0.0))
-    if has_seg:
-      same = (pid_i[:, None] == pid_ref[b, cols][None, :]).astype(jnp.float32)
-      lmat, pmat = lmat * same, pmat * same
-    l_out[b, h, rows, pl.ds(j * S, S)] = lmat
-    p_out[b, h, rows, pl.ds(j * S, S)] = (scale * pmat).astype(p_out.dtype)
+  if C > S:
+    g0, xs = ref_point(g_ref, b, h, r0, S, 0, g)
+    kx, qx = k * xs, q * xs
+  nb = C // S
+  for j in range(nb):
+    cols = pl.ds(j * S, S)
+
+    @pl.when(j < i) if j < nb - 1 else (lambda f: None)   # (j < i is possible for j < nb - 1)
+    def _():
+      # exp(g_r - g_c) = exp(g_r - g0) exp(g0 - g_c), both factors <= 1 for the same-segment
+      # pairs r >= g0's row > c that are kept.
+      y = tile(w_ref, b, t0 + j * S, S, h) * jnp.exp(
+          jnp.minimum(g0 - tile(g_ref, b, t0 + j * S, S, h), 0.0))
+      lmat, pmat = dot_nt(kx, y, prec), dot_nt(qx, y, prec)
+      if has_seg:
+        same = (pid_i[:, None] == pid_ref[b, pl.ds(t0 + j * S, S)][None, :]).astype(jnp.float32)
+        lmat, pmat = lmat * same, pmat * same
+      l_out[b, h, rows, cols] = lmat
+      p_out[b, h, rows, cols] = (scale * pmat).astype(p_out.dtype)
+
+    @pl.when(j > i) if j > 0 else (lambda f: None)
+    def _():
+      l_out[b, h, rows, cols] = jnp.zeros((S, S), l_out.dtype)
+      p_out[b, h, rows, cols] = jnp.zeros((S, S), p_out.dtype)
   g_last = g_ref[b, t0 + C - 1, h, :]
   e_last = decay_to_last(g, g_last, pid_i, pid_ref[b, t0 + C - 1] if has_seg else None)
   wt_out[b, rows, h, :] = (tile(w_ref, b, r0, S, h) * e_last).astype(wt_out.dtype)
