@@ -28,6 +28,7 @@ from experiments import optim
 from experiments import sharding
 from experiments.data import corpus, pipeline
 from kdn_jax.models import config as model_config_lib
+from pallas_kernels import common
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -109,6 +110,7 @@ class Trainer:
 
   def __init__(self, config, workdir: str, devices=None):
     sharding.maybe_initialize_distributed(config)
+    common.load_lowerings()   # before any step is traced (else step 2 compiles again on GPUs)
     self.devices = list(jax.devices() if devices is None else devices)
     self.process_index, self.process_count = jax.process_index(), jax.process_count()
     if config.data.kind == 'token_file':  # corpus_dir fills paths and eos_id that validation checks

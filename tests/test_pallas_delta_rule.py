@@ -133,7 +133,7 @@ def test_delta_rule_intra_variants(variant):
   serial chain) is exact."""
   old = dr_config.DEFAULT
   try:
-    dr_config.set_default(**variant)
+    dr_config.set_default(**{"precompute_u": False, **variant})   # the single intra kernel's options
     t = 45
     args = _inputs(5, 2, t, 1, 64, 64, jnp.float32, False, "normal")
     seg = np.zeros((2, t), np.int32)
@@ -161,7 +161,7 @@ def test_delta_rule_bf16_operand_dots():
 
 @pytest.mark.parametrize("variant,dtype,decay,tol", [
     (dict(precompute_u=True, sub_block=16), jnp.float32, "strong", (1e-5, 1e-4)),
-    (dict(sub_block=16, wy=False, split_output=False), jnp.float32, "normal", (1e-5, 1e-4)),
+    (dict(sub_block=16, wy=False, split_output=False, precompute_u=False), jnp.float32, "normal", (1e-5, 1e-4)),
     (dict(precompute_u=True, sub_block=16, wy_inverse="doubling"), jnp.bfloat16, "normal",
      (5e-3, 1e-2))])
 def test_delta_rule_sub_blocks(variant, dtype, decay, tol):
@@ -188,7 +188,8 @@ def test_delta_rule_bf16_states():
   seg = np.zeros((1, 150), np.int32)
   seg[:, 70:] = 1
   try:
-    for extra in (dict(bf16_states=True, split_output=False), dict(bf16_states=False)):
+    for extra in (dict(bf16_states=True, split_output=False, precompute_u=False),
+                  dict(bf16_states=False)):
       dr_config.DEFAULT = dataclasses.replace(old, **extra)
       _check(_inputs(13, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"), seg, 32, 5e-3, 1e-2)
   finally:
@@ -201,7 +202,8 @@ def test_delta_rule_unsupported_width():
     delta_rule(x, x, x, x, x, 1.0, jnp.zeros((1, 1, 48, 48)))
 
 
-@pytest.mark.parametrize("variant", [{}, dict(blocked=False, wy=False, split_output=False)])
+@pytest.mark.parametrize("variant", [{}, dict(blocked=False, wy=False, split_output=False,
+                                                  precompute_u=False)])
 def test_delta_rule_tpu_interpret_matches(variant):
   """Mosaic-TPU interpret mode (the only TPU validation available here) == generic interpret."""
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top

@@ -54,17 +54,19 @@ class DeltaRuleConfig:
   # too). H200 T=4096 diag KDN fwd+bwd 8.09 -> 7.26 ms; with packed documents the recurrent
   # backward 9.1 -> 5.1 ms; the GPU check (bf16 <= 4.1e-3) passes. fp32 data keeps fp32 states.
   bf16_states: bool = True
-  # The chunk-64 forward by stage (issue 18; with max_chunk = min_chunk = 64): a pair kernel per
-  # (chunk, 16-row block) for L, P and Wt (intra._pair_rows_kernel), a WY kernel for
-  # A = (I + L)^-1 (fp32 forward substitution on the 16 x 16 diagonal blocks, merged in closed
-  # form), W = A Kbar and U = A V' (wy.py), a serial pass whose chain is Delta = U - W S_0 and
+  # The forward by stage (issue 18): a pair kernel per (chunk, 16-row block) for L, P and Wt
+  # (intra._pair_rows_kernel: the diagonal 16 x 16 tile by a column loop whose columns are stored
+  # straight to L and P, earlier blocks by small dots), a WY kernel for A = (I + L)^-1 (fp32
+  # forward substitution on the 16 x 16 diagonal blocks, merged in closed form for longer
+  # chunks), W = A Kbar and U = A V' (wy.py), a serial pass whose chain is Delta = U - W S_0 and
   # S <- exp(g_last) S + Wt^T Delta (Delta stored in the operand dtype), and the output kernel on
   # a (V block, chunk, batch head) grid. Needs wy and split_output. The backward consumes the
-  # same residuals (A, P, Wt, W, states); sub_block=16 gives it the 16-row intra backward.
-  # H200, diag KDN T=4096 (docs/benchmark_mixers.md, eighth session): fwd 6.36 ms against 3.01
-  # (serial pass + output 0.68 against 1.33, but pair rows + WY 5.45 against the intra's 1.53),
-  # fwd+bwd 13.45 against 6.62: an option until its intra kernels get cheaper.
-  precompute_u: bool = False
+  # same residuals (A, P, Wt, W, states). The default since session 29: H200, diag KDN T=4096,
+  # op forward 2.95 -> 2.70 ms at chunk 16 (intra stage 1.53 -> 1.10: pair rows 0.82 + WY 0.40),
+  # once the pair kernel stored its diagonal tile by columns (4.26 -> 1.83 ms at chunk 64; the
+  # chunk-64 forward, 3.40 ms, still loses: docs/benchmark_mixers.md). False: the single intra
+  # kernel (intra._intra_fwd_kernel) and the blocked / k_split / inverse options below.
+  precompute_u: bool = True
   num_warps_pairs: int = 4   # Triton warps, the precomputed-U path's pair kernel
   # (I + L)^-1 in the precomputed-U path's WY kernel (wy.py): 'sub_rows', 'sub_dots', 'doubling'.
   wy_inverse: str = "sub_rows"
@@ -76,7 +78,9 @@ class DeltaRuleConfig:
   # value-columns per program in the parallel output and backward-partials kernels (fewer V
   # blocks: fewer per-V-block partial-gradient bytes for the intra backward to read and sum)
   block_v_parallel: int = 128
-  num_warps_intra: int = 8   # Triton warps, intra-chunk forward kernel (parallel over chunks)
+  # Triton warps, the intra-chunk forward kernels (parallel over chunks): the WY kernel under
+  # precompute_u (H200 T=4096: 0.40 ms with 4, 0.45 with 8), else the single intra kernel (8 there)
+  num_warps_intra: int = 4
   num_warps_intra_bwd: int = 4   # Triton warps, intra-chunk backward kernel
   num_warps_parallel: int = 8    # Triton warps, the parallel output and backward-partials kernels
   num_warps_recur: int = 4   # Triton warps, recurrent kernels (serial over chunks)
