@@ -86,8 +86,6 @@ def main(argv):
           file=sys.stderr)
     return 2
   from experiments.evaluation import runner  # pylint: disable=g-import-not-at-top  (imports jax)
-  from pallas_kernels import common  # pylint: disable=g-import-not-at-top
-  common.load_lowerings()   # before anything is traced: else each jitted scorer compiles twice on GPUs
   try:
     with context_parallel(_CONTEXT.value):
       runner.evaluate(_WORKDIR.value, suites, settings_from_flags(), _STEP.value, _OUT.value)

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -28,7 +29,6 @@ from experiments import optim
 from experiments import sharding
 from experiments.data import corpus, pipeline
 from kdn_jax.models import config as model_config_lib
-from pallas_kernels import common
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -98,6 +98,31 @@ def _host_init(init, shardings):
       lambda x, sh: jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx]), values, shardings)
 
 
+def tracing_context():
+  """(jit tracing-context values: count, their names or None, the imported module names)."""
+  from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
+  try:
+    names = tuple(jax_config.trace_context_names())
+  except Exception:  # pylint: disable=broad-except  (older jaxlibs cannot name them)
+    names = None
+  return len(jax_config.trace_context()), names, frozenset(sys.modules)
+
+
+def context_growth(before, after):
+  """A warning when jit's tracing context grew between two `tracing_context()` snapshots (else
+  None). A value registered while the first step was traced or compiled (seen on jax 0.11.2 with
+  CUDA; not on CPU) changes the key of every jit cache entry made before it, so the train step is
+  traced and compiled again at the next step (docs/training_throughput.md, session 29)."""
+  if after[0] == before[0]:
+    return None
+  names = None if before[1] is None or after[1] is None else sorted(set(after[1]) - set(before[1]))
+  mods = sorted(m for m in after[2] - before[2] if not m.startswith('experiments'))
+  return (f'jit tracing context grew during the first step ({before[0]} -> {after[0]} values; '
+          f'new: {names if names is not None else "unnamed"}; modules imported meanwhile: '
+          f'{mods[:20]}{" ..." if len(mods) > 20 else ""}): the train step will be traced and '
+          'compiled again at the next step')
+
+
 def check_dropped(config, dropped, where: str):
   """Raises when train.loss_positions left scored entries out (a row had more than it allows)."""
   if np.any(np.asarray(dropped) > 0):
@@ -110,7 +135,6 @@ class Trainer:
 
   def __init__(self, config, workdir: str, devices=None):
     sharding.maybe_initialize_distributed(config)
-    common.load_lowerings()   # before any step is traced (else step 2 compiles again on GPUs)
     self.devices = list(jax.devices() if devices is None else devices)
     self.process_index, self.process_count = jax.process_index(), jax.process_count()
     if config.data.kind == 'token_file':  # corpus_dir fills paths and eos_id that validation checks
@@ -402,13 +426,15 @@ class Trainer:
     t_log, step_log = t0, start_step
     eval_metrics = {}
     pending_finite, pending_dropped = [], []
-    t_steady, step_steady = None, None
+    past_first = False   # the first (compiling) step is done
+    interval_tps = []   # tokens/s of each logged interval after the first (compiling) step
     if self.is_main:
       print(f'Training {cfg.model.get("mixer")} model ({self.num_params / 1e6:.2f}M params) on '
             f'{cfg.data.kind}, mesh {dict(self.mesh.shape)}, initial_state={self.strategy}, '
             f'steps {start_step}->{total}', flush=True)
     try:
       step = start_step
+      ctx_before = tracing_context()
       while step < total:
         if (self._stop_requested or (stop_at is not None and step >= stop_at)
             or (sync_preemption and _reached_preemption(step))):
@@ -429,8 +455,11 @@ class Trainer:
           jax.block_until_ready(metrics['loss'])
           if self.is_main:
             print(f'first step done in {time.time() - t0:.1f}s (includes compilation)', flush=True)
+            grew = context_growth(ctx_before, tracing_context())
+            if grew:
+              logging.warning(grew)
           t_log, step_log = time.time(), step
-          t_steady, step_steady = t_log, step
+          past_first = True
         if step % cfg.train.log_every == 0 or step == total or at_save or at_eval:
           self._check_finite(pending_finite)
           pending_finite = []
@@ -443,6 +472,8 @@ class Trainer:
           tps, eta = None, None  # no interval yet right after the (compiling) first step
           if step > step_log:
             tps = (step - step_log) * tokens_per_step / max(now - t_log, 1e-9)
+            if past_first:
+              interval_tps.append(tps)
             eta = (total - step) * (now - t_log) / max(step - step_log, 1)
             t_log, step_log = now, step
           writer.write(step, 'train', {**self.last_metrics,
@@ -476,11 +507,11 @@ class Trainer:
     summary = {'status': status, 'step': self.step(), 'num_steps': total, 'wall_time_s': elapsed,
                'steps_this_run': self.step() - start_step,
                'tokens_per_s': (self.step() - start_step) * tokens_per_step / max(elapsed, 1e-9),
-               # from the end of the first (compiling) step to the last log point; includes any
-               # eval and checkpoint time in between
-               'steady_tokens_per_s': (None if t_steady is None or step_log <= step_steady else
-                                       (step_log - step_steady) * tokens_per_step
-                                       / max(t_log - t_steady, 1e-9)),
+               # the median over the logged intervals after the first (compiling) step: an
+               # interval that held an eval, a checkpoint or a recompile counts as one slow
+               # interval instead of dragging a mean down (a step-2 recompile on GPUs:
+               # docs/training_throughput.md)
+               'steady_tokens_per_s': (float(np.median(interval_tps)) if interval_tps else None),
                'num_params': self.num_params, 'train': self.last_metrics,
                'eval': eval_metrics, 'initial_state': self.strategy, 'mesh': dict(self.mesh.shape),
                'init_from': self.config.train.init_from or None, 'init_from_step': self.init_from_step}

@@ -5,8 +5,6 @@ per-op folders.
 """
 from __future__ import annotations
 
-import importlib
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -20,7 +18,6 @@ __all__ = [
     "reset_flags",
     "segmented_cumsum",
     "check_width",
-    "load_lowerings",
 ]
 
 SUPPORTED_WIDTHS = (16, 32, 64, 128)
@@ -42,44 +39,6 @@ def compiler_params(num_warps: int = 4, num_stages: int = 1):
     from jax.experimental.pallas import triton as pltr  # pylint: disable=g-import-not-at-top
     return pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages)
   return None
-
-
-# jax's Pallas lowering modules per backend (some paths are private and differ between versions:
-# a missing one is skipped).
-_LOWERING_MODULES = {
-    "gpu": ("jax.experimental.pallas.triton", "jax._src.pallas.triton.lowering",
-            "jax._src.pallas.triton.pallas_call_registration"),
-    "tpu": ("jax.experimental.pallas.tpu", "jax._src.pallas.mosaic.lowering",
-            "jax._src.pallas.mosaic.pallas_call_registration"),
-}
-
-
-def _context_names():
-  try:
-    from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
-    return set(jax_config.trace_context_names())
-  except Exception:  # pylint: disable=broad-except  (jaxlib < 455 has no names)
-    return None
-
-
-def load_lowerings():
-  """Imports jax's Pallas lowering modules for the default backend now, before anything is traced.
-
-  jax imports them at the first lowering of a pallas_call. On jax 0.11 with CUDA that import adds
-  a value to jit's tracing context, so a step traced before it misses jit's cache on its second
-  call and is traced and compiled again (H200, the 125M LM: a second 28 s compile at step 2;
-  JAX_EXPLAIN_CACHE_MISSES said "number of tracing context values differs: now 51 and before 50").
-  Call it after jax.distributed is initialised and before the first jit. Returns the names of the
-  tracing-context values the imports added (None where jaxlib cannot list them).
-  """
-  before = _context_names()
-  for name in _LOWERING_MODULES.get(jax.default_backend(), ()):
-    try:
-      importlib.import_module(name)
-    except ImportError:
-      pass
-  after = _context_names()
-  return None if before is None or after is None else sorted(after - before)
 
 
 PRECISIONS = ("fast", "exact")

@@ -456,3 +456,19 @@ def test_loss_positions_gives_the_same_loss_gradients_and_accuracy(tmp_path):
     with pytest.raises(ValueError, match=r'loss_positions=4: step 1 has rows with more scored positions'):
       tr.run()
     tr.close()
+
+
+def test_context_growth_names_what_was_added():
+  """The first-step check: silent when jit's tracing context kept its size, else a warning that
+  names the added values and the modules imported meanwhile (the step-2 recompile on GPUs)."""
+  now = trainer.tracing_context()
+  assert now[0] == len(now[1]) if now[1] is not None else now[0] > 0
+  assert trainer.context_growth(now, now) is None
+  later = (now[0] + 1, None if now[1] is None else now[1] + ('some_new_context',),
+           now[2] | {'some_plugin.lowering', 'experiments.local'})
+  msg = trainer.context_growth(now, later)
+  assert f'{now[0]} -> {now[0] + 1} values' in msg
+  assert 'some_plugin.lowering' in msg and 'experiments.local' not in msg
+  if now[1] is not None:
+    assert "['some_new_context']" in msg
+  assert 'compiled again' in msg
