@@ -6,8 +6,9 @@ intra._pair_rows_kernel with parts removed, timed at B=4, H=16, K=128, bf16, T=4
 Rows: current_nw{4,8} (the shipped kernel's structure, 4 / 8 warps), diag_only (no off-diagonal
 dots), offdiag_only (no diagonal column loop), neither (loads and stores only), per_chunk_nw{4,8}
 (one program per 64-token chunk, its four row blocks in a static loop, no dots above the
-diagonal), shipped_pairs (intra.pair_rows_forward itself) and intra_c16 (the chunk-16 intra
-stage that ships). The variants drop segments and the scale: timing only, not exactness
+diagonal), cols_nw{4,8} / cols_chunk_nw{4,8} / cols_diag_only (the same with the diagonal tile
+by column stores, intra._diag_columns: the shipped kernel since session 29), shipped_pairs
+(intra.pair_rows_forward itself) and intra_c16 (the single chunk-16 intra kernel). The variants drop segments and the scale: timing only, not exactness
 (docs/benchmark_mixers.md, session 29)."""
 import functools
 import json
@@ -69,32 +70,13 @@ def kern3(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, C=64, S=16):
     wt_out[b, rows, h, :] = (tile(w_ref, b, r0, S, h) * jnp.exp(g)).astype(wt_out.dtype)
 
 
-def _diag_cols(q, k, g, w_ref, g_ref, l_out, p_out, b, h, r0, col0, scale, S):
-  """The diagonal S x S tile, one column per step stored straight to L and P (no [S, S] tile
-  carried through the loop and merged with selects)."""
-  row = lax.broadcasted_iota(jnp.int32, (S,), 0)
-
-  def body(jj, carry):
-    wj = w_ref[b, r0 + jj, h, :].astype(jnp.float32)
-    gj = g_ref[b, r0 + jj, h, :]
-    e = jnp.exp(jnp.minimum(g - gj[None, :], 0.0)) * wj[None, :]
-    kw = jnp.sum(k * e, axis=1)
-    qw = jnp.sum(q * e, axis=1)
-    l_out[b, h, pl.ds(r0, S), col0 + jj] = jnp.where(row > jj, kw, 0.0)
-    p_out[b, h, pl.ds(r0, S), col0 + jj] = (scale * jnp.where(row >= jj, qw, 0.0)).astype(
-        p_out.dtype)
-    return carry
-
-  lax.fori_loop(0, S, body, 0)
-
-
 def kern_cols(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, off, scale, C=64, S=16):
   # grid (b, h, c, i) like the shipped kernel; diagonal by column stores; dots only below it.
   b, h, c, i = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
   t0 = c * C
   r0 = t0 + i * S
   q, k, g = (tile(x, b, r0, S, h) for x in (q_ref, k_ref, g_ref))
-  _diag_cols(q, k, g, w_ref, g_ref, l_out, p_out, b, h, r0, i * S, scale, S)
+  I._diag_columns(q, k, g, w_ref, g_ref, None, l_out, p_out, b, h, r0, i * S, scale, S)
   g0, xs = ref_point(g_ref, b, h, r0, S, 0, g)
   kx, qx = k * xs, q * xs
   rows = pl.ds(r0, S)
@@ -127,7 +109,7 @@ def kern_cols_chunk(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, scale, 
     r0 = t0 + i * S
     rows = pl.ds(r0, S)
     q, k, g = (tile(x, b, r0, S, h) for x in (q_ref, k_ref, g_ref))
-    _diag_cols(q, k, g, w_ref, g_ref, l_out, p_out, b, h, r0, i * S, scale, S)
+    I._diag_columns(q, k, g, w_ref, g_ref, None, l_out, p_out, b, h, r0, i * S, scale, S)
     if i:
       g0, xs = ref_point(g_ref, b, h, r0, S, 0, g)
       kx, qx = k * xs, q * xs
@@ -193,7 +175,7 @@ def main(out):
     f = jax.jit(lambda q, k, w, g: I.pair_rows_forward(q, k, w, g, None, **kw))
     res[f"shipped_pairs_T{T}"] = med(f, q, k, w, g); print("shipped_pairs", T, res[f"shipped_pairs_T{T}"])
     g16 = jnp.cumsum(la.reshape(B, T // 16, 16, H, K), axis=2).reshape(B, T, H, K)
-    cfg16 = dcfg.DeltaRuleConfig()
+    cfg16 = dcfg.DeltaRuleConfig(precompute_u=False, num_warps_intra=8)   # the single intra kernel
     kw16 = dict(chunk=16, scale=K ** -0.5, interpret=False, cfg=cfg16, cfg_prec="fast")
     v = q; h0 = jnp.zeros((B, H, K, K), jnp.float32)
     f = jax.jit(lambda q, k, v, w, g, h0: I.intra_forward(q, k, v, w, g, h0, None, None, **kw16))

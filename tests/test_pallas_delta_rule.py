@@ -117,18 +117,18 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
 
 @pytest.mark.parametrize("variant", [   # (the shipped default: through the ops, ops_cases)
     dict(blocked=True, max_chunk=32),                           # the chunk-32 config
-    dict(blocked=True, block=16), dict(blocked=False, k_split=2),
+    dict(blocked=True, block=16),
     dict(blocked=False, split_output=False),
     dict(wy=False, split_output=False),                         # the 3-dot serial chain
     dict(wy=False, blocked=False),
-    dict(inverse="rows"), dict(inverse="rows_t"), dict(inverse="doubling"),
-    dict(k_split=4, max_chunk=16, inverse="doubling", blocked=False),
+    dict(inverse="doubling"),
+    dict(max_chunk=16, inverse="doubling", blocked=False),
     dict(block_v=32, block_v_parallel=64), dict(block_v=64, block_v_parallel=32),
     dict(max_chunk=32, sub_block=16),
     dict(forward_only_chunk=32, wy_inverse="sub_dots"),    # primal: precompute_u, chunk 32
     dict(precompute_u=True, max_chunk=16)])                # pair rows + WY at chunk 16
 def test_delta_rule_intra_variants(variant):
-  """Every kernel variant (intra pair products: column loop, sub-blocked, K-split;
+  """Every kernel variant (intra pair products: column loop, sub-blocked;
   inverses; outputs and backward partials in the serial kernels or parallel ones; 2- or 3-dot
   serial chain) is exact."""
   old = dr_config.DEFAULT
@@ -234,7 +234,7 @@ def test_delta_rule_precision_argument():
 
 @pytest.mark.parametrize("bad", [dict(block=48), dict(fast_dots="bf-16"), dict(block_v=48),
                                  dict(block_v_parallel=96), dict(sub_block=8),
-                                 dict(inverse="lu"), dict(k_split=3), dict(min_chunk=24),
+                                 dict(inverse="lu"), dict(inverse="rows"), dict(min_chunk=24),
                                  dict(max_chunk=0), dict(precompute_u=True, wy=False),
                                  dict(wy_inverse="rows"), dict(forward_only_chunk=48)])
 def test_delta_rule_config_rejects_bad_values(bad):

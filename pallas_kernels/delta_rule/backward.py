@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import common
 from pallas_kernels.delta_rule.tiles import (
     dot, dot_nt, dot_tn, iota, same_seg, decay_to_last, block_rows, offdiag_factors,
-    kernel_precision, use_sub, k_split_of, launch_params, sub_blocks, ref_point, seg_masks)
+    kernel_precision, use_sub, launch_params, sub_blocks, ref_point, seg_masks)
 from pallas_kernels.delta_rule.state_pass import chunk_common, delta_rows
 
 
@@ -206,8 +206,7 @@ def _intra_bwd_refs(refs, has_seg):
   return dict(zip(names, refs[:len(names)])), refs[len(names):]
 
 
-def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, blocked, block, k_split, prec,
-                      hi):
+def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, blocked, block, prec, hi):
   r, outs = _intra_bwd_refs(refs, has_seg)
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   C = chunk
@@ -253,10 +252,8 @@ def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, blocked, block, k_sp
     kslice(pl.ds(0, kd), lambda q, k, w, g, _: _pairs_bwd_blocked(q, k, w, g, dpm, dlm, r, b, h, t0,
                                                                   C, block, prec))
   else:
-    # K slices one after another: the pair accumulators are per K column, so slices are exact.
-    for i in range(k_split):
-      kslice(pl.ds(i * (kd // k_split), kd // k_split),
-             lambda q, k, w, g, cols: _diag_pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C, C, cols))
+    kslice(pl.ds(0, kd),
+           lambda q, k, w, g, cols: _diag_pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C, C, cols))
 
 
 
@@ -411,7 +408,7 @@ def intra_backward(q, k, w, g, pid, partials, *, chunk, scale, interpret, cfg, c
   else:
     body = functools.partial(_intra_bwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
                              num_vb=nvb, blocked=cfg.blocked and chunk > cfg.block,
-                             block=cfg.block, k_split=k_split_of(cfg, kd), prec=prec, hi=hi)
+                             block=cfg.block, prec=prec, hi=hi)
   return pl.pallas_call(
       body,
       out_shape=(lane, lane, lane, lane, lane), grid=(bsz, nh, nc), name="delta_rule_intra_bwd",

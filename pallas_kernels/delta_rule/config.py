@@ -22,10 +22,6 @@ class DeltaRuleConfig:
   # Sub-blocked intra pair products: off-diagonal block x block tiles as matmuls around a
   # reference point, the diagonal tiles by a `block`-step column loop (else a C-step loop).
   blocked: bool = False
-  # The intra column loops run over K in k_split slices one after another (exact), so only
-  # [C, K / k_split] tiles are live: fewer registers per program, more programs per SM. No gain on
-  # the H200 (chunk 16: 10.6 ms with k_split=2, 11.2 with 4, against 10.5 ms).
-  k_split: int = 1
   # Intra kernels on sub_block-row blocks for chunks longer than that (0: off; the
   # _intra_*_sub_kernel functions of intra.py / backward.py):
   # meant for long serial chunks (e.g. max_chunk=64, sub_block=16: 4x fewer serial steps than
@@ -41,10 +37,10 @@ class DeltaRuleConfig:
   # way (the reverse serial kernel keeps only the dS chain; split_backward=False, which formed the
   # partials in the serial kernel, was slower and needed a second loop carry with segments).
   split_output: bool = True
-  # (I + L)^-1 in the intra kernel: 'rows' (forward substitution, reductions across rows),
-  # 'rows_t' (the same on the transpose: reductions within rows), 'blocks' (block substitution
-  # with `block`-sized diagonal blocks, matmuls), 'doubling' (product of 2 log2(C) - 2 matmuls).
-  # H200, chunk 32: intra forward 3.17 ms (rows), 2.72 (rows_t), 2.41 (blocks, 8), 2.23 (doubling).
+  # (I + L)^-1 in the single intra kernel: 'blocks' (block substitution with `block`-sized
+  # diagonal blocks, matmuls) or 'doubling' (product of 2 log2(C) - 2 matmuls). H200, chunk 32:
+  # intra forward 2.41 ms (blocks, 8), 2.23 (doubling); forward substitution by rows (removed in
+  # session 29, like the K-split column loops: slower in every measured cell) took 2.72-3.17.
   inverse: str = "blocks"
   # Compact WY: the intra kernel also emits W = A Kbar, so each chunk's dependent dot chain in
   # the serial kernels is 2 dots (W S_0, then the state update) instead of 3.
@@ -65,7 +61,7 @@ class DeltaRuleConfig:
   # op forward 2.95 -> 2.70 ms at chunk 16 (intra stage 1.53 -> 1.10: pair rows 0.82 + WY 0.40),
   # once the pair kernel stored its diagonal tile by columns (4.26 -> 1.83 ms at chunk 64; the
   # chunk-64 forward, 3.40 ms, still loses: docs/benchmark_mixers.md). False: the single intra
-  # kernel (intra._intra_fwd_kernel) and the blocked / k_split / inverse options below.
+  # kernel (intra._intra_fwd_kernel) and the blocked / inverse options below.
   precompute_u: bool = True
   num_warps_pairs: int = 4   # Triton warps, the precomputed-U path's pair kernel
   # (I + L)^-1 in the precomputed-U path's WY kernel (wy.py): 'sub_rows', 'sub_dots', 'doubling'.
@@ -94,10 +90,8 @@ class DeltaRuleConfig:
     if self.sub_block and (not pow2(self.sub_block) or self.sub_block < 16):
       raise ValueError("DeltaRuleConfig.sub_block must be 0 or a power of two >= 16, got "
                        f"{self.sub_block}")
-    if not pow2(self.k_split):
-      raise ValueError(f"DeltaRuleConfig.k_split must be a power of two, got {self.k_split}")
-    if self.inverse not in ("rows", "rows_t", "blocks", "doubling"):
-      raise ValueError("DeltaRuleConfig.inverse must be 'rows', 'rows_t', 'blocks' or 'doubling', "
+    if self.inverse not in ("blocks", "doubling"):
+      raise ValueError("DeltaRuleConfig.inverse must be 'blocks' or 'doubling', "
                        f"got {self.inverse!r}")
     if self.forward_only_chunk and not pow2(self.forward_only_chunk):
       raise ValueError("DeltaRuleConfig.forward_only_chunk must be 0 or a power of two, got "

@@ -34,7 +34,7 @@ from pallas_kernels.delta_rule import wy as _wy
 from pallas_kernels.delta_rule.inverse import unit_lower_inverse
 from pallas_kernels.delta_rule.tiles import (
     dot, dot_nt, iota, tile, same_seg, decay_to_last, block_rows, offdiag_factors,
-    kernel_precision, operand_dtype, use_sub, k_split_of, launch_params, sub_blocks, ref_point,
+    kernel_precision, operand_dtype, use_sub, launch_params, sub_blocks, ref_point,
     seg_masks)
 
 
@@ -74,21 +74,7 @@ def _pairs_blocked(q, k, w, g, refs, b, h, t0, C, block, prec):
   return lmat, pmat
 
 
-def _split_products(refs, b, h, t0, C, k_split):
-  """_diag_products over the whole chunk, K in k_split column slices one after another: exact
-  (L and P are sums over K), and only [C, K / k_split] tiles are live in the loop."""
-  kd = refs[0].shape[-1]
-  lmat = pmat = None
-  for i in range(k_split):
-    cols = pl.ds(i * (kd // k_split), kd // k_split)
-    q, k, g = (refs[n][b, pl.ds(t0, C), h, cols].astype(jnp.float32) for n in (0, 1, 3))
-    lp = _diag_products(q, k, g, refs[2], refs[3], b, h, t0, C, C, cols)
-    lmat, pmat = lp if lmat is None else (lmat + lp[0], pmat + lp[1])
-  return lmat, pmat
-
-
-def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, k_split, wy, inverse,
-                      prec, hi):
+def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, wy, inverse, prec, hi):
   n_in = 4 + (2 if has_seg else 0)
   q_ref, k_ref, w_ref, g_ref = refs[:4]
   pid_ref, cont_ref = refs[4:n_in] if has_seg else (None, None)
@@ -100,9 +86,9 @@ def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, k_split, wy,
     q, k, w, g = (tile(x, b, t0, C, h) for x in refs[:4])
     lmat, pmat = _pairs_blocked(q, k, w, g, refs, b, h, t0, C, block, prec)
   else:
-    lmat, pmat = _split_products(refs, b, h, t0, C, k_split)
-    # Loaded after the pair loops, so these full-K tiles are not live inside them.
-    k, w, g = (tile(x, b, t0, C, h) for x in (k_ref, w_ref, g_ref))
+    q, k, g = (tile(x, b, t0, C, h) for x in (q_ref, k_ref, g_ref))
+    lmat, pmat = _diag_products(q, k, g, w_ref, g_ref, b, h, t0, C, C)
+    w = tile(w_ref, b, t0, C, h)
   pid = None
   if has_seg:
     same, pid = same_seg(pid_ref, b, t0, C)
@@ -310,7 +296,7 @@ def intra_forward(q, k, v, w, g, h0, pid, cont, *, chunk, scale, interpret, cfg,
   else:
     body = functools.partial(_intra_fwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
                              blocked=cfg.blocked and chunk > cfg.block, block=cfg.block,
-                             k_split=k_split_of(cfg, kd), wy=cfg.wy, inverse=cfg.inverse,
+                             wy=cfg.wy, inverse=cfg.inverse,
                              prec=prec, hi=hi)
   outs = pl.pallas_call(
       body,

@@ -9,34 +9,6 @@ from jax import lax
 from pallas_kernels.delta_rule.tiles import dot, iota
 
 
-def _unit_lower_inverse_rows(lmat, C):
-  """(I + L)^-1 for strictly lower L, by forward substitution one row at a time."""
-  row, col = iota(C, 0), iota(C, 1)
-  eye = (row == col).astype(jnp.float32)
-
-  def sub_body(i, amat):
-    lrow = jnp.sum(jnp.where(row == i, lmat, 0.0), axis=0)          # L[i, :]
-    new = jnp.sum(lrow[:, None] * amat, axis=0)                     # (L A)[i, :]
-    return jnp.where(row == i, jnp.where(col == i, 1.0, 0.0) - new[None, :], amat)
-
-  return lax.fori_loop(1, C, sub_body, eye)
-
-
-def _unit_lower_inverse_rows_t(lmat, C):
-  """(I + L)^-1 by forward substitution, built as its transpose one column at a time, so every
-  reduction runs along axis 1 (within a row: no cross-warp reduction on a GPU)."""
-  row, col = iota(C, 0), iota(C, 1)
-  eye = (row == col).astype(jnp.float32)
-  lt = jnp.transpose(lmat)
-
-  def sub_body(i, at):
-    li = jnp.sum(jnp.where(col == i, lt, 0.0), axis=1)[None, :]   # L[i, :] as a row
-    new = jnp.sum(at * li, axis=1)[:, None]                       # (A^T L^T)[:, i]
-    return jnp.where(col == i, jnp.where(row == i, 1.0, 0.0) - new, at)
-
-  return jnp.transpose(lax.fori_loop(1, C, sub_body, eye))
-
-
 def _unit_lower_inverse_doubling(lmat, C, hi):
   """(I + L)^-1 = (I + M)(I + M^2)(I + M^4)... with M = -L (nilpotent: M^C = 0): 2 log2(C) - 2
   dots, fp32-accurate (hi)."""
@@ -77,10 +49,6 @@ def _unit_lower_inverse_blocked(lmat, C, block, hi):
 
 def unit_lower_inverse(lmat, C, inverse, block, hi):
   """(I + L)^-1 by the DeltaRuleConfig.inverse / wy_inverse method named `inverse`."""
-  if inverse == "rows":
-    return _unit_lower_inverse_rows(lmat, C)
-  if inverse == "rows_t":
-    return _unit_lower_inverse_rows_t(lmat, C)
   if inverse == "doubling":
     return _unit_lower_inverse_doubling(lmat, C, hi)
   if inverse == "sub_rows":

@@ -125,11 +125,6 @@ def use_sub(cfg, chunk):
   return bool(cfg.sub_block) and chunk > cfg.sub_block
 
 
-def k_split_of(cfg, kd):
-  """Sequential K slices of the intra column loops, capped so a slice is >= 16 columns."""
-  return max(1, min(cfg.k_split, kd // 16))
-
-
 def launch_params(interpret, num_warps, cfg):
   return dict(interpret=interpret,
               compiler_params=common.compiler_params(num_warps, cfg.num_stages))
