@@ -161,13 +161,14 @@ def test_delta_rule_bf16_operand_dots():
 
 @pytest.mark.parametrize("variant,dtype,decay,tol", [
     (dict(precompute_u=True, sub_block=16), jnp.float32, "strong", (1e-5, 1e-4)),
-    (dict(sub_block=16, wy=False, split_output=False, precompute_u=False), jnp.float32, "normal", (1e-5, 1e-4)),
+    (dict(sub_block=16, wy=False, split_output=False, precompute_u=False), jnp.float32, "normal",
+     (1e-5, 1e-4)),
     (dict(precompute_u=True, sub_block=16, wy_inverse="doubling"), jnp.bfloat16, "normal",
      (5e-3, 1e-2))])
 def test_delta_rule_sub_blocks(variant, dtype, decay, tol):
   """16-row blocks of a 64-token chunk against the float64 loop: the chunk-64 forward by stage
   (precompute_u: pair rows, WY, U-driven serial pass) with the 16-row intra backward, and the
-  sub_block intra kernels (intra.py / backward.py) with the 3-dot serial chain; resets inside
+  single intra kernel's 64-token forward with the 16-row backward and the 3-dot serial chain; resets inside
   and at the start of a row block, an initial state, T not a multiple of the chunk."""
   old = dr_config.DEFAULT
   seg = np.zeros((1, 150), np.int32)

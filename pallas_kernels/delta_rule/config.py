@@ -22,11 +22,10 @@ class DeltaRuleConfig:
   # Sub-blocked intra pair products: off-diagonal block x block tiles as matmuls around a
   # reference point, the diagonal tiles by a `block`-step column loop (else a C-step loop).
   blocked: bool = False
-  # Intra kernels on sub_block-row blocks for chunks longer than that (0: off; the
-  # _intra_*_sub_kernel functions of intra.py / backward.py):
-  # meant for long serial chunks (e.g. max_chunk=64, sub_block=16: 4x fewer serial steps than
-  # chunk 16); exact in interpret mode, but slow on the H200 (T=4096 intra forward 6.3 ms at
-  # chunk 64, 2.8 at chunk 32, against 1.6 ms at chunk 16): kept as a sweep option.
+  # The intra backward on sub_block-row blocks of longer chunks (0: off; backward.py's
+  # _intra_bwd_sub_kernel), and the row block of the precompute_u kernels (16 when 0). The forward
+  # kernel of the same shape (sixth session: 6.3 ms at chunk 64 against 1.6 at chunk 16 on the
+  # H200) was removed in session 29: the pair-rows kernel does that work.
   sub_block: int = 0
   # What precision='fast' (bf16/fp16 data) means for the dots: 'bf16' (operands rounded to bf16,
   # fp32 accumulation: twice the TF32 tensor-core rate; flash-linear-attention's choice; H200 diag

@@ -3,17 +3,13 @@ L (strict) and P (inclusive, scaled), A = (I + L)^-1, Wt = w exp(g_last - g) and
 WY, W = A Kbar (the equations: __init__'s docstring).
 
 _intra_fwd_kernel works on the whole chunk (column loop over C, or matmuls off the diagonal
-block x block tiles with `blocked`); _intra_fwd_sub_kernel on sub_block-row blocks of a longer
-chunk (the sixth session's `sub_block` option): [S, K] tiles, an S-step column loop on the
-diagonal S x S tiles, every block pair (i > j) by matmuls around the reference point g0 = g of
-block i's first token,
+block x block tiles with `blocked`, around the reference point of each column block,
 
-    exp(g_r - g_c) = exp(g_r - g0) exp(g0 - g_c)   (r in block i, c in block j; both <= 1 for a
-                                                    same-segment pair, clamped otherwise)
+    exp(g_r - g_c) = exp(g_r - g_n) exp(g_n - g_c)   (both factors <= 1 for a same-segment pair)
 
-and A by block forward substitution, A_ij = -A_ii sum_{j <= m < i} L_im A_mj.
+) and inverts I + L in the same kernel (DeltaRuleConfig.precompute_u=False).
 
-With cfg.precompute_u (the chunk-64 forward of issue 18) the stage is two kernels:
+With cfg.precompute_u (the default since session 29; issue 18) the stage is two kernels:
 _pair_rows_kernel, one program per (chunk, S-row block i): L and P of the block's rows against
 the whole chunk (the diagonal S x S tile by an S-step column loop of exact exp(<= 0), the
 earlier blocks by one small dot each around g0 = g of row block i's first token) and Wt; then
@@ -34,8 +30,7 @@ from pallas_kernels.delta_rule import wy as _wy
 from pallas_kernels.delta_rule.inverse import unit_lower_inverse
 from pallas_kernels.delta_rule.tiles import (
     dot, dot_nt, iota, tile, same_seg, decay_to_last, block_rows, offdiag_factors,
-    kernel_precision, operand_dtype, use_sub, launch_params, sub_blocks, ref_point,
-    seg_masks)
+    kernel_precision, operand_dtype, launch_params, ref_point)
 
 
 def _diag_products(q, k, g, w_ref, g_ref, b, h, t0, C, block, cols=slice(None)):
@@ -109,66 +104,6 @@ def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, wy, inverse,
       kbar = kbar * cont_ref[b, pl.ds(t0, C)][:, None]
     wk_out = refs[n_in + 3]
     wk_out[b, pl.ds(t0, C), h, :] = dot(amat, kbar, prec).astype(wk_out.dtype)
-
-
-def _intra_fwd_sub_kernel(*refs, chunk, sub, scale, has_seg, wy, inverse, block, prec, hi):
-  n_in = 4 + (2 if has_seg else 0)
-  q_ref, k_ref, w_ref, g_ref = refs[:4]
-  pid_ref, cont_ref = refs[4:n_in] if has_seg else (None, None)
-  a_out, p_out, wt_out = refs[n_in:n_in + 3]
-  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  C, S = chunk, sub
-  nb = C // S
-  t0 = c * C
-  q, k, w, g = (sub_blocks(x, b, h, t0, S, nb) for x in (q_ref, k_ref, w_ref, g_ref))
-  lmat, pmat = {}, {}
-  for i in range(nb):
-    lmat[i, i], pmat[i, i] = _diag_products(q[i], k[i], g[i], w_ref, g_ref, b, h,
-                                               t0 + i * S, S, S)
-    if i:
-      g0, xs = ref_point(g_ref, b, h, t0, S, i, g[i])
-      kx, qx = k[i] * xs, q[i] * xs
-      for j in range(i):
-        y = w[j] * jnp.exp(jnp.minimum(g0 - g[j], 0.0))
-        lmat[i, j] = dot_nt(kx, y, prec)
-        pmat[i, j] = dot_nt(qx, y, prec)
-  g_last = g_ref[b, t0 + C - 1, h, :]
-  pids, pid_last = [None] * nb, None
-  if has_seg:
-    pids, same = seg_masks(pid_ref, b, t0, S, nb)
-    lmat = {ij: m * same[ij] for ij, m in lmat.items()}
-    pmat = {ij: m * same[ij] for ij, m in pmat.items()}
-    pid_last = pid_ref[b, t0 + C - 1]
-  # Block forward substitution for A = (I + L)^-1.
-  amat = {}
-  for i in range(nb):
-    amat[i, i] = unit_lower_inverse(lmat[i, i], S, inverse, block, hi)
-    for j in range(i):
-      acc = None
-      for m in range(j, i):
-        term = dot(lmat[i, m], amat[m, j], hi)
-        acc = term if acc is None else acc + term
-      amat[i, j] = -dot(amat[i, i], acc, hi)
-  zero = jnp.zeros((S, S), jnp.float32)
-  for i in range(nb):
-    rows = pl.ds(t0 + i * S, S)
-    for j in range(nb):
-      cols = pl.ds(j * S, S)
-      a_out[b, h, rows, cols] = amat.get((i, j), zero).astype(a_out.dtype)
-      p_out[b, h, rows, cols] = (scale * pmat.get((i, j), zero)).astype(p_out.dtype)
-    wt_out[b, rows, h, :] = (w[i] * decay_to_last(g[i], g_last, pids[i], pid_last)).astype(
-        wt_out.dtype)
-  if wy:
-    wk_out = refs[n_in + 3]
-    kbar = [k[j] * jnp.exp(g[j]) for j in range(nb)]
-    if has_seg:
-      kbar = [kb * cont_ref[b, pl.ds(t0 + j * S, S)][:, None] for j, kb in enumerate(kbar)]
-    for i in range(nb):
-      wk = None
-      for j in range(i + 1):
-        term = dot(amat[i, j], kbar[j], prec)
-        wk = term if wk is None else wk + term
-      wk_out[b, pl.ds(t0 + i * S, S), h, :] = wk.astype(wk_out.dtype)
 
 
 def _diag_columns(q, k, g, w_ref, g_ref, pid_ref, l_out, p_out, b, h, r0, col0, scale, S):
@@ -289,15 +224,9 @@ def intra_forward(q, k, v, w, g, h0, pid, cont, *, chunk, scale, interpret, cfg,
   intra_in = [q, k, w, g] + ([pid, cont] if has_seg else [])
   out_shape = [cc, cc, lane] + ([lane] if cfg.wy else [])
   hi = common.dot_precision("exact", interpret)
-  if use_sub(cfg, chunk):
-    body = functools.partial(_intra_fwd_sub_kernel, chunk=chunk, sub=cfg.sub_block,
-                             scale=scale, has_seg=has_seg, wy=cfg.wy, inverse=cfg.inverse,
-                             block=cfg.block, prec=prec, hi=hi)
-  else:
-    body = functools.partial(_intra_fwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
-                             blocked=cfg.blocked and chunk > cfg.block, block=cfg.block,
-                             wy=cfg.wy, inverse=cfg.inverse,
-                             prec=prec, hi=hi)
+  body = functools.partial(_intra_fwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
+                           blocked=cfg.blocked and chunk > cfg.block, block=cfg.block,
+                           wy=cfg.wy, inverse=cfg.inverse, prec=prec, hi=hi)
   outs = pl.pallas_call(
       body,
       out_shape=tuple(out_shape), grid=(bsz, nh, nc), name="delta_rule_intra_fwd",

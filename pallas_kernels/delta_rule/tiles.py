@@ -120,8 +120,8 @@ def state_dtype(cfg, prec):
 
 
 def use_sub(cfg, chunk):
-  """The intra kernels work on cfg.sub_block-row blocks for longer chunks (intra.py's and
-  backward.py's _intra_*_sub_kernel)."""
+  """The intra backward works on cfg.sub_block-row blocks for longer chunks (backward.py's
+  _intra_bwd_sub_kernel)."""
   return bool(cfg.sub_block) and chunk > cfg.sub_block
 
 
