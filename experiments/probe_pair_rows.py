@@ -76,7 +76,7 @@ def kern_cols(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, off, scale, C
   t0 = c * C
   r0 = t0 + i * S
   q, k, g = (tile(x, b, r0, S, h) for x in (q_ref, k_ref, g_ref))
-  I._diag_columns(q, k, g, w_ref, g_ref, None, l_out, p_out, b, h, r0, i * S, scale, S)
+  I._diag_columns(q, k, g, w_ref, g_ref, None, None, l_out, p_out, b, h, r0, i * S, scale, S)
   g0, xs = ref_point(g_ref, b, h, r0, S, 0, g)
   kx, qx = k * xs, q * xs
   rows = pl.ds(r0, S)
@@ -109,7 +109,7 @@ def kern_cols_chunk(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, scale, 
     r0 = t0 + i * S
     rows = pl.ds(r0, S)
     q, k, g = (tile(x, b, r0, S, h) for x in (q_ref, k_ref, g_ref))
-    I._diag_columns(q, k, g, w_ref, g_ref, None, l_out, p_out, b, h, r0, i * S, scale, S)
+    I._diag_columns(q, k, g, w_ref, g_ref, None, None, l_out, p_out, b, h, r0, i * S, scale, S)
     if i:
       g0, xs = ref_point(g_ref, b, h, r0, S, 0, g)
       kx, qx = k * xs, q * xs

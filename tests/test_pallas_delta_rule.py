@@ -125,8 +125,7 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
     dict(max_chunk=16, inverse="doubling", blocked=False),
     dict(block_v=32, block_v_parallel=64), dict(block_v=64, block_v_parallel=32),
     dict(max_chunk=32, sub_block=16),
-    dict(forward_only_chunk=32, wy_inverse="sub_dots"),    # primal: precompute_u, chunk 32
-    dict(precompute_u=True, max_chunk=16)])                # pair rows + WY at chunk 16
+    dict(forward_only_chunk=32, wy_inverse="sub_dots")])   # primal: precompute_u, chunk 32
 def test_delta_rule_intra_variants(variant):
   """Every kernel variant (intra pair products: column loop, sub-blocked;
   inverses; outputs and backward partials in the serial kernels or parallel ones; 2- or 3-dot

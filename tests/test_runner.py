@@ -462,7 +462,7 @@ def test_context_growth_names_what_was_added():
   """The first-step check: silent when jit's tracing context kept its size, else a warning that
   names the added values and the modules imported meanwhile (the step-2 recompile on GPUs)."""
   now = trainer.tracing_context()
-  assert now[0] == len(now[1]) if now[1] is not None else now[0] > 0
+  assert now[0] > 0 and (now[1] is None or now[0] == len(now[1]))
   assert trainer.context_growth(now, now) is None
   later = (now[0] + 1, None if now[1] is None else now[1] + ('some_new_context',),
            now[2] | {'some_plugin.lowering', 'experiments.local'})

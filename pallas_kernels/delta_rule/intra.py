@@ -106,14 +106,13 @@ def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, wy, inverse,
     wk_out[b, pl.ds(t0, C), h, :] = dot(amat, kbar, prec).astype(wk_out.dtype)
 
 
-def _diag_columns(q, k, g, w_ref, g_ref, pid_ref, l_out, p_out, b, h, r0, col0, scale, S):
+def _diag_columns(q, k, g, w_ref, g_ref, pid_ref, pid_i, l_out, p_out, b, h, r0, col0, scale, S):
   """The diagonal S x S tile of L (strict) and P (scaled, inclusive) of the row block starting at
   token r0, one column per step stored straight to l_out / p_out (columns col0 + jj): exact
   exp(min(g_r - g_j, 0)). No [S, S] tile is carried through the loop: merging each step's
   column into one with selects cost a layout conversion per step (H200, T=4096: 1.8 ms for this
   loop that way; docs/benchmark_mixers.md, session 29)."""
   row = lax.broadcasted_iota(jnp.int32, (S,), 0)
-  pid_i = pid_ref[b, pl.ds(r0, S)] if pid_ref is not None else None
 
   def body(jj, carry):
     wj = w_ref[b, r0 + jj, h, :].astype(jnp.float32)
@@ -122,7 +121,7 @@ def _diag_columns(q, k, g, w_ref, g_ref, pid_ref, l_out, p_out, b, h, r0, col0, 
     kw = jnp.sum(k * e, axis=1)
     qw = jnp.sum(q * e, axis=1)
     keep_l, keep_p = row > jj, row >= jj
-    if pid_i is not None:
+    if pid_i is not None:   # (pid_i: the row block's segment ids)
       same = pid_i == pid_ref[b, r0 + jj]
       keep_l, keep_p = keep_l & same, keep_p & same
     l_out[b, h, pl.ds(r0, S), col0 + jj] = jnp.where(keep_l, kw, 0.0).astype(l_out.dtype)
@@ -147,32 +146,36 @@ def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec):
   r0 = t0 + i * S
   rows = pl.ds(r0, S)
   q, k, g = (tile(x, b, r0, S, h) for x in (q_ref, k_ref, g_ref))
-  _diag_columns(q, k, g, w_ref, g_ref, pid_ref, l_out, p_out, b, h, r0, i * S, scale, S)
   pid_i = pid_ref[b, rows] if has_seg else None
+  _diag_columns(q, k, g, w_ref, g_ref, pid_ref, pid_i, l_out, p_out, b, h, r0, i * S, scale, S)
   if C > S:
     g0, xs = ref_point(g_ref, b, h, r0, S, 0, g)
     kx, qx = k * xs, q * xs
+
+  def earlier_tile(j):
+    # exp(g_r - g_c) = exp(g_r - g0) exp(g0 - g_c), both factors <= 1 for the same-segment
+    # pairs r >= g0's row > c that are kept.
+    cols = pl.ds(j * S, S)
+    y = tile(w_ref, b, t0 + j * S, S, h) * jnp.exp(
+        jnp.minimum(g0 - tile(g_ref, b, t0 + j * S, S, h), 0.0))
+    lmat, pmat = dot_nt(kx, y, prec), dot_nt(qx, y, prec)
+    if has_seg:
+      same = (pid_i[:, None] == pid_ref[b, pl.ds(t0 + j * S, S)][None, :]).astype(jnp.float32)
+      lmat, pmat = lmat * same, pmat * same
+    l_out[b, h, rows, cols] = lmat
+    p_out[b, h, rows, cols] = (scale * pmat).astype(p_out.dtype)
+
+  def zero_tile(j):
+    cols = pl.ds(j * S, S)
+    l_out[b, h, rows, cols] = jnp.zeros((S, S), l_out.dtype)
+    p_out[b, h, rows, cols] = jnp.zeros((S, S), p_out.dtype)
+
   nb = C // S
   for j in range(nb):
-    cols = pl.ds(j * S, S)
-
-    @pl.when(j < i) if j < nb - 1 else (lambda f: None)   # (j < i is possible for j < nb - 1)
-    def _():
-      # exp(g_r - g_c) = exp(g_r - g0) exp(g0 - g_c), both factors <= 1 for the same-segment
-      # pairs r >= g0's row > c that are kept.
-      y = tile(w_ref, b, t0 + j * S, S, h) * jnp.exp(
-          jnp.minimum(g0 - tile(g_ref, b, t0 + j * S, S, h), 0.0))
-      lmat, pmat = dot_nt(kx, y, prec), dot_nt(qx, y, prec)
-      if has_seg:
-        same = (pid_i[:, None] == pid_ref[b, pl.ds(t0 + j * S, S)][None, :]).astype(jnp.float32)
-        lmat, pmat = lmat * same, pmat * same
-      l_out[b, h, rows, cols] = lmat
-      p_out[b, h, rows, cols] = (scale * pmat).astype(p_out.dtype)
-
-    @pl.when(j > i) if j > 0 else (lambda f: None)
-    def _():
-      l_out[b, h, rows, cols] = jnp.zeros((S, S), l_out.dtype)
-      p_out[b, h, rows, cols] = jnp.zeros((S, S), p_out.dtype)
+    if j < nb - 1:   # an earlier block of some row block
+      pl.when(j < i)(functools.partial(earlier_tile, j))
+    if j > 0:        # a later block of some row block
+      pl.when(j > i)(functools.partial(zero_tile, j))
   g_last = g_ref[b, t0 + C - 1, h, :]
   e_last = decay_to_last(g, g_last, pid_i, pid_ref[b, t0 + C - 1] if has_seg else None)
   wt_out[b, rows, h, :] = (tile(w_ref, b, r0, S, h) * e_last).astype(wt_out.dtype)
