@@ -25,6 +25,7 @@ import jax.numpy as jnp
 # a jit tracing-context value (pallas_fuser_disable_nested_fuse, jax 0.11), and a value registered
 # while a step is being traced changes the key of every jit cache entry made before it, so the
 # first train step compiled a second time at step 2 (H200: +28 s per run; docs/training_throughput.md).
+from jax.experimental.pallas import fuser as _pallas_fuser  # noqa: F401  (defines that value)
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import sharding
