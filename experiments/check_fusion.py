@@ -29,12 +29,10 @@ flags.DEFINE_integer("d_model", 512, "layer width", flag_values=FLAGS)
 
 # fp32 kernels against fp32 references: rounding-level; bf16 layers: one bf16 rounding apart
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
-# the fused bf16 layer against fp32: within LAYER_SLACK x the unfused bf16 layer's own error, or
-# within two bf16 ulps of 1 (2^-6) where that is larger: small reductions (a per-head bias
-# gradient, a sum of 2000 cancelling bf16 terms) land anywhere inside that noise on either path
-# (H200, session 30: kdn_iso's r_proj bias 1.37e-2 fused against 7.5e-3 unfused, 1.22x a
-# 1.5x bound). A fusion bug shows as errors far above bf16 precision.
-LAYER_SLACK, LAYER_FLOOR = 1.5, 2.0 ** -6
+# the fused bf16 layer against fp32: within LAYER_SLACK x the unfused bf16 layer's own error
+# (H200, session 30: passes everywhere but the r_proj bias gradient, fused 1.4e-2 / 1.9e-2 against
+# unfused 7.5e-3 / 1.0e-2 for kdn_iso / kdn_diag: docs/benchmark_layers.md)
+LAYER_SLACK, LAYER_FLOOR = 1.5, 1e-3
 
 
 def _rel(a, b):

@@ -21,12 +21,6 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-# Imported here, not inside use_tpu_kernels: its import chain (Mosaic, the Pallas fuser) registers
-# a jit tracing-context value (pallas_fuser_disable_nested_fuse, jax 0.11), and a value registered
-# while a step is being traced changes the key of every jit cache entry made before it, so the
-# first train step compiled a second time at step 2 (H200: +28 s per run; docs/training_throughput.md).
-from jax.experimental.pallas import fuser as _pallas_fuser  # noqa: F401  (defines that value)
-from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import sharding
 
@@ -44,6 +38,7 @@ def use_tpu_kernels(interpret) -> bool:
   which jax applies to every pallas_call (so the ops' impl='pallas' path can be run that way)."""
   if jax.default_backend() == "tpu":
     return True
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
   if isinstance(interpret, pltpu.InterpretParams):
     return True
   # The context manager's state has no public getter; pallas_call reads this same flag.

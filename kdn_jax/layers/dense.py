@@ -104,17 +104,15 @@ class Dense(nnx.Module):
     """y = x . W (+ b), contracting the trailing ``len(in_shape)`` dims of x with the leading dims of W.
 
     ``in_shape`` / ``out_shape`` are tuples; ``names`` gives one logical axis name per kernel dim
-    (in dims then out dims). Compute happens in ``dtype`` (params are cast), accumulation in f32;
-    the result is in ``out_dtype`` (default ``dtype``).
+    (in dims then out dims). Compute happens in ``dtype`` (params are cast), accumulation in f32.
     """
 
     def __init__(self, in_shape, out_shape, names, *, use_bias=False, kernel_init=None, bias_init=zeros_init,
-                 dtype=jnp.float32, param_dtype=jnp.float32, out_dtype=None, rngs: nnx.Rngs):
+                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         in_shape = (in_shape,) if isinstance(in_shape, int) else tuple(in_shape)
         out_shape = (out_shape,) if isinstance(out_shape, int) else tuple(out_shape)
         self.in_shape, self.out_shape = in_shape, out_shape
         self.dtype = dtype
-        self.out_dtype = dtype if out_dtype is None else out_dtype
         fan_in = math.prod(in_shape)
         kernel_init = kernel_init or fan_in_init(fan_in)
         self.kernel = make_param(rngs, kernel_init, in_shape + out_shape, param_dtype, names)
@@ -131,7 +129,7 @@ class Dense(nnx.Module):
         y = project(x, w, dims)
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
-        return y.astype(self.out_dtype)
+        return y.astype(self.dtype)
 
 
 class LowRank(nnx.Module):

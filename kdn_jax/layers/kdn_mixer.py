@@ -81,13 +81,9 @@ class KDNMixer(RecurrentMixer):
         elif self.diagonal:
             self.omega_proj = LowRank(d, self.rank, (H, K), ('heads', 'kv'), use_bias=True, zero_second=True, **kw)
         else:
-            self.omega_proj = Dense(d, H, ('embed', 'heads'), use_bias=True, out_dtype=jnp.float32, **kw)
+            self.omega_proj = Dense(d, H, ('embed', 'heads'), use_bias=True, **kw)
         if self.noise == 'learned':
-            # Per-head projections ([..., H]: a 1/K share of the gate bytes) leave in float32: their
-            # gradients are summed over every token into the bias, and rounding each token's to bf16
-            # first doubled that sum's error in the fused path (H200 check_fusion, session 30:
-            # r_proj bias 1.9e-2 against 1.0e-2, where XLA's unfused path kept excess precision).
-            self.r_proj = Dense(d, H, ('embed', 'heads'), use_bias=True, out_dtype=jnp.float32, **kw)
+            self.r_proj = Dense(d, H, ('embed', 'heads'), use_bias=True, **kw)
         else:
             self.r_proj = None
         self.variance_raw = make_param(rngs, constant_init(inv_softplus(VARIANCE_INIT - VARIANCE_FLOOR)), (H,),
