@@ -180,22 +180,6 @@ def test_delta_rule_sub_blocks(variant, dtype, decay, tol):
     dr_config.DEFAULT = old
 
 
-@pytest.mark.parametrize("t", [128, 150])
-def test_delta_rule_output_chunks(t):
-  """output_chunks=4 (the output kernel loops over consecutive chunks) against the float64 loop:
-  4 chunks per program at T=128; at T=150 (10 chunks) the largest power of two dividing the
-  count, 2; resets inside a chunk and at a program's second chunk."""
-  old = dr_config.DEFAULT
-  seg = np.zeros((1, t), np.int32)
-  seg[:, 21:] = 1
-  seg[:, 80:] = 2
-  try:
-    dr_config.set_default(output_chunks=4)
-    _check(_inputs(19, 1, t, 2, 32, 32, jnp.float32, False, "normal"), seg, 16, 1e-5, 1e-4)
-  finally:
-    dr_config.DEFAULT = old
-
-
 def test_delta_rule_bf16_states():
   """bf16_states (saved states and state gradients in bf16 under bf16-operand dots; the default)
   stays within the bf16 bounds, with segments, with and without the split output kernel; fp32
@@ -252,8 +236,7 @@ def test_delta_rule_precision_argument():
                                  dict(block_v_parallel=96), dict(sub_block=8),
                                  dict(inverse="lu"), dict(inverse="rows"), dict(min_chunk=24),
                                  dict(max_chunk=0), dict(precompute_u=True, wy=False),
-                                 dict(wy_inverse="rows"), dict(forward_only_chunk=48),
-                                 dict(output_chunks=3)])
+                                 dict(wy_inverse="rows"), dict(forward_only_chunk=48)])
 def test_delta_rule_config_rejects_bad_values(bad):
   with pytest.raises(ValueError, match="DeltaRuleConfig." + next(iter(bad))):
     dr_config.DeltaRuleConfig(**bad)

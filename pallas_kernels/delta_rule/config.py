@@ -76,22 +76,19 @@ class DeltaRuleConfig:
   # Triton warps, the intra-chunk forward kernels (parallel over chunks): the WY kernel under
   # precompute_u (H200 T=4096: 0.40 ms with 4, 0.45 with 8), else the single intra kernel (8 there)
   num_warps_intra: int = 4
-  # Chunks per program of the output kernel under precompute_u (a loop over consecutive chunks:
-  # at chunk 16 a program's work is one [16, K] x [K, BV] dot, so launches and the state loads'
-  # latency dominate)
-  output_chunks: int = 1
   num_warps_intra_bwd: int = 4   # Triton warps, intra-chunk backward kernel
   num_warps_parallel: int = 8    # Triton warps, the backward-partials kernel
   # Triton warps, the output kernel: its program is one [C, K] x [K, BV] dot (H200, diag KDN
-  # T=4096, session 30: output stage 0.83 ms with 8, 0.53 with 4; op forward 2.57 -> 2.39 ms)
+  # T=4096, session 30: output stage 0.83 ms with 8 warps, 0.53 with 4; op forward 2.57 -> 2.36
+  # ms. Looping over 2-8 consecutive chunks per program, tried in the same sweep, gained nothing
+  # beyond that and was dropped: docs/benchmark_mixers.md)
   num_warps_output: int = 4
   num_warps_recur: int = 4   # Triton warps, recurrent kernels (serial over chunks)
   num_stages: int = 2         # Triton software-pipelining stages of the kernels' loops
 
   def __post_init__(self):
     pow2 = lambda n: n > 0 and n & (n - 1) == 0
-    for name in ("max_chunk", "min_chunk", "block", "block_v", "block_v_parallel",
-                 "output_chunks"):
+    for name in ("max_chunk", "min_chunk", "block", "block_v", "block_v_parallel"):
       if not pow2(getattr(self, name)):
         raise ValueError(f"DeltaRuleConfig.{name} must be a power of two, got {getattr(self, name)}")
     if self.sub_block and (not pow2(self.sub_block) or self.sub_block < 16):

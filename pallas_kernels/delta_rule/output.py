@@ -8,7 +8,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.delta_rule.tiles import (
@@ -24,12 +23,10 @@ def output_rows(qbar, cont, s, s_init, pmat, delta, has_seg, prec):
   return o + dot(pmat, delta, prec)
 
 
-def _output_kernel(*refs, chunk, scale, has_seg, block_v, prec, heads_last, per_program):
+def _output_kernel(*refs, chunk, scale, has_seg, block_v, prec, heads_last):
   """Parallel over (chunk, V block): O from the saved chunk-start state and Delta. Grid
-  (B, H, NC, V/BV), or with heads_last (V/BV, NC / per_program, B H): the V blocks of one chunk,
-  then the chunks of one (batch, head), run next to each other and share its q, g and P tiles in
-  L2. A program forms `per_program` consecutive chunks in a loop (fewer, longer programs whose
-  next state load can overlap the current chunk's dots)."""
+  (B, H, NC, V/BV), or with heads_last (V/BV, NC, B H): the V blocks of one chunk, then the
+  chunks of one (batch, head), run next to each other and share its q, g and P tiles in L2."""
   names = ["q", "g", "p", "delta", "states", "h0"] + (["cont"] if has_seg else [])
   r = dict(zip(names, refs[:len(names)]))
   o_ref = refs[len(names)]
@@ -40,24 +37,14 @@ def _output_kernel(*refs, chunk, scale, has_seg, block_v, prec, heads_last, per_
   else:
     b, h, c, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
   C = chunk
+  t0 = c * C
   vs = pl.ds(vb * block_v, block_v)
-  s_init = r["h0"][b, h, :, vs].astype(jnp.float32)
-
-  def one_chunk(i, carry):
-    ci = c * per_program + i
-    t0 = ci * C
-    qbar = (scale * tile(r["q"], b, t0, C, h)) * jnp.exp(tile(r["g"], b, t0, C, h))
-    cont = r["cont"][b, pl.ds(t0, C)][:, None] if has_seg else None
-    o = output_rows(qbar, cont, r["states"][b, h, ci, :, vs].astype(jnp.float32), s_init,
-                    r["p"][b, h, pl.ds(t0, C), :], r["delta"][b, pl.ds(t0, C), h, vs], has_seg,
-                    prec)
-    o_ref[b, pl.ds(t0, C), h, vs] = o.astype(o_ref.dtype)
-    return carry
-
-  if per_program == 1:
-    one_chunk(0, 0)
-  else:
-    lax.fori_loop(0, per_program, one_chunk, 0)
+  qbar = (scale * tile(r["q"], b, t0, C, h)) * jnp.exp(tile(r["g"], b, t0, C, h))
+  cont = r["cont"][b, pl.ds(t0, C)][:, None] if has_seg else None
+  o = output_rows(qbar, cont, r["states"][b, h, c, :, vs].astype(jnp.float32),
+              r["h0"][b, h, :, vs].astype(jnp.float32),
+              r["p"][b, h, pl.ds(t0, C), :], r["delta"][b, pl.ds(t0, C), h, vs], has_seg, prec)
+  o_ref[b, pl.ds(t0, C), h, vs] = o.astype(o_ref.dtype)
 
 
 def output_forward(q, g, pmat, delta, states, h0, cont, *, chunk, scale, interpret, cfg, cfg_prec):
@@ -69,16 +56,11 @@ def output_forward(q, g, pmat, delta, states, h0, cont, *, chunk, scale, interpr
   bv_par = min(cfg.block_v_parallel, vd)
   out_in = [q, g, pmat, delta, states, h0] + ([cont] if has_seg else [])
   heads_last = cfg.precompute_u   # the issue-18 layout, with the precomputed-U path
-  nc = t // chunk
-  per_program = cfg.output_chunks if heads_last else 1
-  while nc % per_program:   # the largest power of two <= output_chunks that divides nc
-    per_program //= 2
-  grid = ((vd // bv_par, nc // per_program, bsz * nh) if heads_last
-          else (bsz, nh, nc, vd // bv_par))
+  grid = ((vd // bv_par, t // chunk, bsz * nh) if heads_last
+          else (bsz, nh, t // chunk, vd // bv_par))
   return pl.pallas_call(
       functools.partial(_output_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
-                        block_v=bv_par, prec=prec, heads_last=heads_last,
-                        per_program=per_program),
+                        block_v=bv_par, prec=prec, heads_last=heads_last),
       out_shape=jax.ShapeDtypeStruct((bsz, t, nh, vd), q.dtype),
       grid=grid, name="delta_rule_output",
       **launch_params(interpret, cfg.num_warps_output, cfg),
