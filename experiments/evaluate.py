@@ -86,6 +86,8 @@ def main(argv):
           file=sys.stderr)
     return 2
   from experiments.evaluation import runner  # pylint: disable=g-import-not-at-top  (imports jax)
+  from kdn_jax.ops import dispatch  # pylint: disable=g-import-not-at-top
+  dispatch.warm_kernel_imports()   # before anything is traced (see the function)
   try:
     with context_parallel(_CONTEXT.value):
       runner.evaluate(_WORKDIR.value, suites, settings_from_flags(), _STEP.value, _OUT.value)

@@ -109,15 +109,6 @@ def tracing_context():
   return len(jax_config.trace_context()), names, frozenset(sys.modules)
 
 
-def warm_pallas_imports():
-  """Lowers one tiny Pallas kernel before any jit of the model (pallas_kernels.warm_imports: jax's
-  lazily imported Pallas modules registered a jit tracing-context value during the first train
-  step on jax 0.11.2 + CUDA, and the step compiled again at step 2). No-op without the kernels."""
-  kernels = dispatch.pallas_module()
-  if kernels is not None:
-    kernels.warm_imports()
-
-
 def context_growth(before, after):
   """A warning when jit's tracing context grew between two `tracing_context()` snapshots (else
   None). A value registered while the first step was traced or compiled (seen on jax 0.11.2 with
@@ -156,7 +147,7 @@ class Trainer:
     self.config, self.workdir = config, workdir
     self.is_main = self.process_index == 0
     os.makedirs(workdir, exist_ok=True)
-    warm_pallas_imports()
+    dispatch.warm_kernel_imports()   # before any jit of the model
     self.mesh = sharding.make_mesh(config, self.devices)
     self.strategy = config.train.initial_state
     self._stop_requested = False

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
-from pallas_kernels import tpu_common
 
 
 def _copy(x_ref, o_ref):
@@ -27,7 +26,8 @@ def _copy(x_ref, o_ref):
 def warm_imports(interpret=None) -> None:
   """Lower (not compile) one [16, 128] copy kernel with `interpret` resolved as the kernels do
   (compiled on GPU, interpret mode on CPU). Call it before the first jit that reaches a kernel."""
+  # every kernel call imports jax's Mosaic-TPU package (tpu_common.use_tpu_kernels)
+  from jax.experimental.pallas import tpu  # pylint: disable=g-import-not-at-top,unused-import
   interpret = common.resolve_interpret(interpret)
-  tpu_common.use_tpu_kernels(interpret)   # imports jax's Mosaic-TPU package, as every kernel call does
   shape = jax.ShapeDtypeStruct((16, 128), jnp.float32)
   jax.jit(lambda x: pl.pallas_call(_copy, out_shape=shape, interpret=interpret)(x)).lower(shape)

@@ -83,4 +83,3 @@ def test_imports_point_down():
 
 def test_cycle_finder_finds_a_cycle():
   assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-

@@ -18,6 +18,15 @@ def pallas_module():
     return None
 
 
+def warm_kernel_imports():
+  """Before a program's first jit: pallas_kernels.warm_imports() (jax's lazily imported Pallas
+  modules, which on jax 0.11.2 + CUDA registered a jit tracing-context value inside the first
+  train step's trace, so the step compiled again at step 2). No-op without the kernels."""
+  kernels = pallas_module()
+  if kernels is not None:
+    kernels.warm_imports()
+
+
 # Platforms on which 'auto' picks the Pallas kernels. GPU: on the H200 the
 # kernels beat the XLA chunked form (diag KDN fwd+bwd T=4096: 9.8 ms against
 # 26.7 ms; docs/benchmark_mixers.md). Not TPU: its BlockSpec kernels
