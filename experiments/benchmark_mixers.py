@@ -54,7 +54,7 @@ flags.DEFINE_float("time_budget_s", 420.0, "stop timing new cells (and sweep spe
                    "many seconds", flag_values=FLAGS)
 flags.DEFINE_list("sweep", [], "DeltaRuleConfig overrides to try on diag_kdn_pallas fwd+bwd at "
                   "--sweep_len, each 'field=value/field=value' ('default': none), e.g. "
-                  "'max_chunk=64/blocked=0/wy=1'; the fastest is used for the rows",
+                  "'max_chunk=64/sub_block=16'; the fastest is used for the rows",
                   flag_values=FLAGS)
 flags.DEFINE_list("gain_sweep", [], "GainConfig overrides to try on diag_gain_pallas fwd, same "
                   "syntax, e.g. 'max_chunk=128'", flag_values=FLAGS)
@@ -419,29 +419,24 @@ def _time_stages(t, docs=False):
   iargs = (x["q"], x["k"], x["v"], w, g, h0, pid, cont)
   out["delta_intra_fwd"] = _time_fn(intra, iargs, first, "delta_intra_fwd")
   amat, pmat, wt, wk, u = intra(*iargs)
-  if cfg.precompute_u:   # its two kernels apart: the pair rows, then the WY kernel
-    pairs = jax.jit(lambda q, k, w, g, pid: dintra.pair_rows_forward(q, k, w, g, pid, **kw))
-    out["delta_pairs_fwd"] = _time_fn(pairs, (x["q"], x["k"], w, g, pid), first,
-                                      "delta_pairs_fwd")
-    lmat = pairs(x["q"], x["k"], w, g, pid)[0]
-    wy_kw = {n: val for n, val in kw.items() if n != "scale"}
-    wyf = jax.jit(lambda lmat, k, v, g, h0, cont: dwy.wy_forward(
-        lmat, k, v, g, h0, cont, sub=dintra.sub_rows(cfg, chunk), **wy_kw))
-    out["delta_wy_fwd"] = _time_fn(wyf, (lmat, x["k"], x["v"], g, h0, cont), first,
-                                   "delta_wy_fwd")
-  state = jax.jit(lambda q, k, v, g, a, p, wt, wk, u, h0, cont: dstate.state_forward(
-      q, k, v, g, h0, cont, a, p, wt, wk, u, save_states=True, **kw))
-  args = (x["q"], x["k"], x["v"], g, amat, pmat, wt, wk, u, h0, cont)
+  # its two kernels apart: the pair rows, then the WY kernel
+  pairs = jax.jit(lambda q, k, w, g, pid: dintra.pair_rows_forward(q, k, w, g, pid, **kw))
+  out["delta_pairs_fwd"] = _time_fn(pairs, (x["q"], x["k"], w, g, pid), first, "delta_pairs_fwd")
+  lmat = pairs(x["q"], x["k"], w, g, pid)[0]
+  nosc = {n: val for n, val in kw.items() if n != "scale"}
+  wyf = jax.jit(lambda lmat, k, v, g, h0, cont: dwy.wy_forward(
+      lmat, k, v, g, h0, cont, sub=dintra.sub_rows(cfg, chunk), **nosc))
+  out["delta_wy_fwd"] = _time_fn(wyf, (lmat, x["k"], x["v"], g, h0, cont), first, "delta_wy_fwd")
+  state = jax.jit(lambda u, wk, wt, g, h0, cont: dstate.state_forward(u, wk, wt, g, h0, cont,
+                                                                      **nosc))
+  args = (u, wk, wt, g, h0, cont)
   out["delta_state_fwd"] = _time_fn(state, args, first, "delta_state_fwd")
-  o, _, states = state(*args)
-  if cfg.split_output:   # o is Delta: the output stage, alone
-    output = jax.jit(lambda q, g, p, delta, states, h0, cont: dout.output_forward(
-        q, g, p, delta, states, h0, cont, **kw))
-    oargs = (x["q"], g, pmat, o, states, h0, cont)
-    out["delta_output_fwd"] = _time_fn(output, oargs, first, "delta_output_fwd")
-    o = output(*oargs)
-  else:
-    out["delta_output_fwd"] = 0.0
+  delta, _, states = state(*args)
+  output = jax.jit(lambda q, g, p, delta, states, h0, cont: dout.output_forward(
+      q, g, p, delta, states, h0, cont, **kw))
+  oargs = (x["q"], g, pmat, delta, states, h0, cont)
+  out["delta_output_fwd"] = _time_fn(output, oargs, first, "delta_output_fwd")
+  o = output(*oargs)
   # the serial pass and the output stage together (the earlier sessions' "recurrent fwd")
   out["delta_recur_fwd"] = out["delta_state_fwd"] + out["delta_output_fwd"]
   rbwd = jax.jit(lambda q, k, v, g, h0, cont, res, do: dbwd.recur_backward(
@@ -521,7 +516,7 @@ _BOOLS = {"1": True, "true": True, "True": True, "0": False, "false": False, "Fa
 
 def config_from_spec(base, spec):
   """`base` (a config dataclass) with the overrides of `spec`: 'field=value' items joined by '/',
-  e.g. 'max_chunk=64/blocked=0/wy=1'; '' or 'default' gives `base`."""
+  e.g. 'max_chunk=64/sub_block=16/bf16_states=0'; '' or 'default' gives `base`."""
   if spec in ("", "default"):
     return base
   fields = {f.name: f.type for f in dataclasses.fields(base)}

@@ -2,7 +2,7 @@ r"""The delta-rule output stage (O = Qbar S_0 + P Delta) alone: Triton against M
 
 Rows, each at B=4 H=16 K=V=128 bf16 and T in --seq_lens (default 4096, 16384):
   triton c16    output.output_forward, the default config (chunk 16)
-  triton c64    output.output_forward, the precompute_u config at chunk 64 (issue 18's layout)
+  triton c64    output.output_forward, the default config at chunk 64 (issue 18's layout)
   mosaic c64    output_mgpu.output_forward on the same chunk-64 inputs as `triton c64`
 Inputs are what the forward hands the stage under bf16-operand dots: q bf16, g fp32, P / Delta /
 chunk-start states bf16. Each row reports the median wall time of --reps jitted calls and the
@@ -50,7 +50,7 @@ flags.DEFINE_boolean("interpret", False, "every row in interpret mode (a CPU che
 flags.DEFINE_string("out", "/tmp/output_stage.json", "JSON output path", flag_values=FLAGS)
 
 SCALE = 128 ** -0.5
-_CFG64 = dataclasses.replace(config.DEFAULT, precompute_u=True, max_chunk=64, min_chunk=64)
+_CFG64 = dataclasses.replace(config.DEFAULT, max_chunk=64, min_chunk=64)
 # row -> (chunk, config, stage module)
 ROWS = {"triton_c16": (16, config.DEFAULT, output),
         "triton_c64": (64, _CFG64, output),

@@ -169,13 +169,13 @@ def main(out):
         ms = f"{type(e).__name__}: {str(e)[:200]}"
       res[f"{name}_T{T}"] = ms
       print(name, T, ms, flush=True)
-    # the shipped pair kernel and the chunk-16 intra kernel, for scale
-    cfg64 = dcfg.DeltaRuleConfig(max_chunk=64, min_chunk=64, precompute_u=True, sub_block=16)
+    # the shipped pair kernel at chunk 64 and the shipped chunk-16 intra stage, for scale
+    cfg64 = dcfg.DeltaRuleConfig(max_chunk=64, min_chunk=64, sub_block=16)
     kw = dict(chunk=64, scale=K ** -0.5, interpret=False, cfg=cfg64, cfg_prec="fast")
     f = jax.jit(lambda q, k, w, g: I.pair_rows_forward(q, k, w, g, None, **kw))
     res[f"shipped_pairs_T{T}"] = med(f, q, k, w, g); print("shipped_pairs", T, res[f"shipped_pairs_T{T}"])
     g16 = jnp.cumsum(la.reshape(B, T // 16, 16, H, K), axis=2).reshape(B, T, H, K)
-    cfg16 = dcfg.DeltaRuleConfig(precompute_u=False, num_warps_intra=8)   # the single intra kernel
+    cfg16 = dcfg.DeltaRuleConfig()   # pair rows + WY at chunk 16
     kw16 = dict(chunk=16, scale=K ** -0.5, interpret=False, cfg=cfg16, cfg_prec="fast")
     v = q; h0 = jnp.zeros((B, H, K, K), jnp.float32)
     f = jax.jit(lambda q, k, v, w, g, h0: I.intra_forward(q, k, v, w, g, h0, None, None, **kw16))

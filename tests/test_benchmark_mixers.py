@@ -35,11 +35,11 @@ def test_check_violations_use_the_issue_bounds():
 def test_config_from_spec():
   base = dr_config.DeltaRuleConfig()
   assert bm.config_from_spec(base, "default") is base
-  cfg = bm.config_from_spec(base, "max_chunk=64/wy=1/fast_dots=tf32/block_v=64")
-  assert (cfg.max_chunk, cfg.wy, cfg.fast_dots, cfg.block_v) == (64, True, "tf32", 64)
+  cfg = bm.config_from_spec(base, "max_chunk=64/bf16_states=0/fast_dots=tf32/block_v=64")
+  assert (cfg.max_chunk, cfg.bf16_states, cfg.fast_dots, cfg.block_v) == (64, False, "tf32", 64)
   assert bm.config_from_spec(gain_config.GainConfig(), "max_chunk=128").max_chunk == 128
   with pytest.raises(ValueError, match="expected one of"):
-    bm.config_from_spec(base, "wy=yes")
+    bm.config_from_spec(base, "bf16_states=yes")
   with pytest.raises(ValueError, match="field=value"):
     bm.config_from_spec(base, "chunk=64")
   with pytest.raises(ValueError, match="DeltaRuleConfig.block_v"):
@@ -66,21 +66,21 @@ def test_sweep_with_stages_at_tiny_shape():
   results = {}
   make = lambda spec: bm.config_from_spec(old, spec)
   try:
-    bm._sweep(results, ["default", "precompute_u=0/wy=0/split_output=0"], dr_config, make,
+    bm._sweep(results, ["default", "max_chunk=32/bf16_states=0"], dr_config, make,
               "diag_kdn_pallas", True, "cfg", deadline=float("inf"), stages=True)
     recs = results["sweeps"]
-    assert [r["sweep"] for r in recs] == ["default", "precompute_u=0/wy=0/split_output=0"]
+    assert [r["sweep"] for r in recs] == ["default", "max_chunk=32/bf16_states=0"]
     for r in recs:
       assert r["ms"] > 0 and r["first_call_s"] > 0, r
       assert set(r["stages"]) >= {"gain_fwd", "delta_intra_fwd", "delta_recur_fwd",
                                   "delta_recur_bwd", "delta_intra_bwd"}, r
     assert results["cfg"] == repr(dr_config.DEFAULT)
-    assert dr_config.DEFAULT in (old, make("precompute_u=0/wy=0/split_output=0"))
+    assert dr_config.DEFAULT in (old, make("max_chunk=32/bf16_states=0"))
     # Past the deadline nothing runs.
     dr_config.DEFAULT = old
     late = {}
-    bm._sweep(late, ["precompute_u=0/wy=0"], dr_config, make, "diag_kdn_pallas", True, "cfg", deadline=0.0)
-    assert late["sweeps"] == [{"sweep": "precompute_u=0/wy=0", "skipped": "time budget"}] and "cfg" not in late
+    bm._sweep(late, ["max_chunk=32"], dr_config, make, "diag_kdn_pallas", True, "cfg", deadline=0.0)
+    assert late["sweeps"] == [{"sweep": "max_chunk=32", "skipped": "time budget"}] and "cfg" not in late
     assert dr_config.DEFAULT is old
   finally:
     dr_config.DEFAULT = old
@@ -95,7 +95,7 @@ def test_sweep_restores_the_default_when_every_spec_fails(monkeypatch):
   old = dr_config.DEFAULT
   results = {}
   try:
-    bm._sweep(results, ["precompute_u=0/wy=0", "max_chunk=16"], dr_config,
+    bm._sweep(results, ["max_chunk=32", "max_chunk=16"], dr_config,
               lambda spec: bm.config_from_spec(old, spec), "diag_kdn_pallas", True, "cfg",
               deadline=float("inf"))
     assert [r["ms"] for r in results["sweeps"]] == [None, None] and "cfg" not in results

@@ -16,7 +16,7 @@ import pytest
 from pallas_kernels.delta_rule import config, output, output_mgpu
 
 C = 64
-CFG = dataclasses.replace(config.DEFAULT, precompute_u=True, max_chunk=C, min_chunk=C)
+CFG = dataclasses.replace(config.DEFAULT, max_chunk=C, min_chunk=C)
 
 
 def _on_hopper():

@@ -116,41 +116,32 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
 
 
 @pytest.mark.parametrize("variant", [   # (the shipped default: through the ops, ops_cases)
-    dict(blocked=True, max_chunk=32),                           # the chunk-32 config
-    dict(blocked=True, block=16),
-    dict(blocked=False, split_output=False),
-    dict(wy=False, split_output=False),                         # the 3-dot serial chain
-    dict(wy=False, blocked=False),
-    dict(inverse="doubling"),
-    dict(max_chunk=16, inverse="doubling", blocked=False),
     dict(block_v=32, block_v_parallel=64), dict(block_v=64, block_v_parallel=32),
+    dict(max_chunk=32, wy_inverse="doubling"),   # chunk 32: two row blocks, the 32-step backward
     dict(max_chunk=32, sub_block=16),
-    dict(forward_only_chunk=32, wy_inverse="sub_dots")])   # primal: precompute_u, chunk 32
-def test_delta_rule_intra_variants(variant):
-  """Every kernel variant (intra pair products: column loop, sub-blocked;
-  inverses; outputs and backward partials in the serial kernels or parallel ones; 2- or 3-dot
-  serial chain) is exact."""
+    dict(forward_only_chunk=32, wy_inverse="sub_dots")])   # primal at chunk 32, residuals at 16
+def test_delta_rule_kernel_variants(variant):
+  """Every kernel option (V blocks of the serial and parallel kernels, the WY kernel's inverses,
+  chunk 32 with and without the 16-row intra backward, the forward-only chunk) is exact."""
   old = dr_config.DEFAULT
   try:
-    dr_config.set_default(**{"precompute_u": False, **variant})   # the single intra kernel's options
+    dr_config.set_default(**variant)
     t = 45
     args = _inputs(5, 2, t, 1, 64, 64, jnp.float32, False, "normal")
     seg = np.zeros((2, t), np.int32)
     seg[0, 20:] = 1
     seg[1, 38:] = 3
     _check(args, seg, 32, 1e-5, 1e-4)
-    if dr_config.DEFAULT.blocked:   # reference points around the off-diagonal tiles
-      _check(_inputs(3, 1, 40, 2, 64, 64, jnp.float32, False, "strong"), None, 16, 1e-5, 1e-4)
   finally:
     dr_config.DEFAULT = old
 
 
 def test_delta_rule_bf16_operand_dots():
-  """fast_dots='bf16' (bf16 dot operands for bf16 data) stays within the bf16 bounds over 10
-  chunks (with blocked=False this is the shipped default on bf16 data)."""
+  """fast_dots='bf16' (bf16 dot operands for bf16 data; the shipped default) stays within the
+  bf16 bounds over 10 chunks."""
   old = dr_config.DEFAULT
   try:
-    dr_config.set_default(fast_dots="bf16", blocked=False)
+    dr_config.set_default(fast_dots="bf16")
     seg = np.zeros((1, 150), np.int32)
     seg[:, 70:] = 1
     _check(_inputs(11, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"), seg, 32, 5e-3, 1e-2)
@@ -159,16 +150,13 @@ def test_delta_rule_bf16_operand_dots():
 
 
 @pytest.mark.parametrize("variant,dtype,decay,tol", [
-    (dict(precompute_u=True, sub_block=16), jnp.float32, "strong", (1e-5, 1e-4)),
-    (dict(sub_block=16, wy=False, split_output=False, precompute_u=False), jnp.float32, "normal",
-     (1e-5, 1e-4)),
-    (dict(precompute_u=True, sub_block=16, wy_inverse="doubling"), jnp.bfloat16, "normal",
-     (5e-3, 1e-2))])
+    (dict(sub_block=16), jnp.float32, "strong", (1e-5, 1e-4)),
+    (dict(sub_block=16), jnp.float32, "normal", (1e-5, 1e-4)),
+    (dict(sub_block=16, wy_inverse="doubling"), jnp.bfloat16, "normal", (5e-3, 1e-2))])
 def test_delta_rule_sub_blocks(variant, dtype, decay, tol):
   """16-row blocks of a 64-token chunk against the float64 loop: the chunk-64 forward by stage
-  (precompute_u: pair rows, WY, U-driven serial pass) with the 16-row intra backward, and the
-  single intra kernel's 64-token forward with the 16-row backward and the 3-dot serial chain; resets inside
-  and at the start of a row block, an initial state, T not a multiple of the chunk."""
+  (pair rows, WY, serial pass) with the 16-row intra backward; resets inside and at the start of
+  a row block, an initial state, T not a multiple of the chunk."""
   old = dr_config.DEFAULT
   seg = np.zeros((1, 150), np.int32)
   seg[:, 40:] = 1     # inside a sub-block
@@ -182,14 +170,12 @@ def test_delta_rule_sub_blocks(variant, dtype, decay, tol):
 
 def test_delta_rule_bf16_states():
   """bf16_states (saved states and state gradients in bf16 under bf16-operand dots; the default)
-  stays within the bf16 bounds, with segments, with and without the split output kernel; fp32
-  states (bf16_states=False) too."""
+  stays within the bf16 bounds with segments at chunk 32; fp32 states (bf16_states=False) too."""
   old = dr_config.DEFAULT
   seg = np.zeros((1, 150), np.int32)
   seg[:, 70:] = 1
   try:
-    for extra in (dict(bf16_states=True, split_output=False, precompute_u=False),
-                  dict(bf16_states=False)):
+    for extra in (dict(bf16_states=True, max_chunk=32), dict(bf16_states=False)):
       dr_config.DEFAULT = dataclasses.replace(old, **extra)
       _check(_inputs(13, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"), seg, 32, 5e-3, 1e-2)
   finally:
@@ -202,21 +188,14 @@ def test_delta_rule_unsupported_width():
     delta_rule(x, x, x, x, x, 1.0, jnp.zeros((1, 1, 48, 48)))
 
 
-@pytest.mark.parametrize("variant", [{}, dict(blocked=False, wy=False, split_output=False,
-                                                  precompute_u=False)])
-def test_delta_rule_tpu_interpret_matches(variant):
+def test_delta_rule_tpu_interpret_matches():
   """Mosaic-TPU interpret mode (the only TPU validation available here) == generic interpret."""
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
-  old = dr_config.DEFAULT
-  try:
-    dr_config.set_default(**variant)
-    args = _inputs(3, 1, 20, 1, 16, 16, jnp.float32, False, "normal")
-    seg = jnp.asarray(np.array([[0] * 9 + [1] * 11]), jnp.int32)
-    o1, s1 = delta_rule(*args[:5], 0.5, args[5], seg, chunk_size=16,
-                        interpret=pltpu.InterpretParams())
-    o2, s2 = delta_rule(*args[:5], 0.5, args[5], seg, chunk_size=16, interpret=True)
-  finally:
-    dr_config.DEFAULT = old
+  args = _inputs(3, 1, 20, 1, 16, 16, jnp.float32, False, "normal")
+  seg = jnp.asarray(np.array([[0] * 9 + [1] * 11]), jnp.int32)
+  o1, s1 = delta_rule(*args[:5], 0.5, args[5], seg, chunk_size=16,
+                      interpret=pltpu.InterpretParams())
+  o2, s2 = delta_rule(*args[:5], 0.5, args[5], seg, chunk_size=16, interpret=True)
   assert _rel(o1, o2) < 1e-6 and _rel(s1, s2) < 1e-6
 
 
@@ -232,11 +211,10 @@ def test_delta_rule_precision_argument():
   np.testing.assert_array_equal(o1, o2)
 
 
-@pytest.mark.parametrize("bad", [dict(block=48), dict(fast_dots="bf-16"), dict(block_v=48),
-                                 dict(block_v_parallel=96), dict(sub_block=8),
-                                 dict(inverse="lu"), dict(inverse="rows"), dict(min_chunk=24),
-                                 dict(max_chunk=0), dict(precompute_u=True, wy=False),
-                                 dict(wy_inverse="rows"), dict(forward_only_chunk=48)])
+@pytest.mark.parametrize("bad", [dict(fast_dots="bf-16"), dict(block_v=48),
+                                 dict(block_v_parallel=96), dict(sub_block=8), dict(min_chunk=24),
+                                 dict(max_chunk=0), dict(wy_inverse="rows"),
+                                 dict(forward_only_chunk=48)])
 def test_delta_rule_config_rejects_bad_values(bad):
   with pytest.raises(ValueError, match="DeltaRuleConfig." + next(iter(bad))):
     dr_config.DeltaRuleConfig(**bad)

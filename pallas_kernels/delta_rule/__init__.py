@@ -10,8 +10,9 @@ Decay ratios are only ever formed as exp(min(g_r - g_j, 0)) of log DIFFERENCES, 
 
 One module per stage (options in config.DeltaRuleConfig), imported only from here:
   chunk_cumsum  g and its transpose
-  intra         L, P, A, Wt and (compact WY) W = A Kbar, parallel over chunks
-  state_pass    the serial chunk loop: S_final, chunk-start states, Delta (or O)
+  intra         L, P and Wt (the pair kernel), then wy: A, W = A Kbar, U = A V', parallel
+                over chunks
+  state_pass    the serial chunk loop: S_final, chunk-start states, Delta = U - W S_0
   output        O = Qbar S_0 + P Delta, parallel over chunks
   backward      the reverse dS chain, dV and partials, the intra backward
   tiles         helpers the stage kernels share (no kernels)
@@ -52,9 +53,7 @@ _RES = (_BTHK, _BH, _BH, _BTHK, _BTHK, _BH)         # g, A, P, Wt, W, chunk-star
 _OUT4, _STATE4, _STATES5 = _BTHK + (4,), _BH + (4,), _BH + (5,)
 
 
-def _res_out(wy):
-  """Result dims of the saved residuals g, A, P, Wt, W (None without wy), states."""
-  return (_OUT4, _STATE4, _STATE4, _OUT4, _OUT4 if wy else None, _STATES5)
+_RES_OUT = (_OUT4, _STATE4, _STATE4, _OUT4, _OUT4, _STATES5)   # results: g, A, P, Wt, W, states
 
 
 def forward(q, k, v, w, g, h0, cont, pid, *, chunk, scale, interpret, cfg, cfg_prec,
@@ -63,12 +62,10 @@ def forward(q, k, v, w, g, h0, cont, pid, *, chunk, scale, interpret, cfg, cfg_p
 
   q, k, w: [B,T,H,K]; v: [B,T,H,V]; g: [B,T,H,K] f32 chunk-local cumsum; h0 [B,H,K,V] f32;
   cont: [B,T] f32 or None; pid: [B,T] int32 or None (both None without segments)."""
-  kw = dict(chunk=chunk, scale=scale, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
-  amat, pmat, wt, wk, u = _intra.intra_forward(q, k, v, w, g, h0, pid, cont, **kw)
-  o, sfin, states = _state_pass.state_forward(q, k, v, g, h0, cont, amat, pmat, wt, wk, u,
-                                              save_states=save_states, **kw)
-  if cfg.split_output:   # o is Delta: the output stage forms O from it and the states
-    o = _output.output_forward(q, g, pmat, o, states, h0, cont, **kw)
+  kw = dict(chunk=chunk, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
+  amat, pmat, wt, wk, u = _intra.intra_forward(q, k, v, w, g, h0, pid, cont, scale=scale, **kw)
+  delta, sfin, states = _state_pass.state_forward(u, wk, wt, g, h0, cont, **kw)
+  o = _output.output_forward(q, g, pmat, delta, states, h0, cont, scale=scale, **kw)
   return o, sfin, (amat, pmat, wt, wk, states if save_states else None)
 
 
@@ -101,7 +98,7 @@ def _forward(save, args, chunk, scale, interpret, cfg, prec):
                                            save_states=save)
   body = functools.partial(_forward_body, chunk=chunk, scale=scale, interpret=interpret,
                            cfg=cfg, prec=prec, save=save)
-  outs = (_OUT4, _STATE4) + (_res_out(cfg.wy) if save else ())
+  outs = (_OUT4, _STATE4) + (_RES_OUT if save else ())
   return _sharding.per_shard(body, _IN, outs, "delta_rule forward")(*args)
 
 
@@ -161,12 +158,11 @@ def chunk_length(cfg, chunk_size, t, interpret):
 
 def forward_only(cfg, chunk_size, t, interpret):
   """(config, chunk) of a call that is not differentiated: with cfg.forward_only_chunk = N, the
-  precomputed-U forward at chunk N (capped like any chunk: chunk_length); else cfg's own."""
+  forward at chunk N (capped like any chunk: chunk_length); else cfg's own."""
   if not cfg.forward_only_chunk:
     return cfg, chunk_length(cfg, chunk_size, t, interpret)
   n = cfg.forward_only_chunk
-  cfg_fo = dataclasses.replace(cfg, max_chunk=n, precompute_u=True, wy=True, split_output=True,
-                               forward_only_chunk=0)
+  cfg_fo = dataclasses.replace(cfg, max_chunk=n, forward_only_chunk=0)
   return cfg_fo, chunk_length(cfg_fo, chunk_size, t, interpret)
 
 

@@ -20,26 +20,49 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 from pallas_kernels.delta_rule.tiles import (
-    dot, dot_nt, dot_tn, iota, same_seg, decay_to_last, block_rows, offdiag_factors,
-    kernel_precision, use_sub, launch_params, sub_blocks, ref_point, seg_masks)
-from pallas_kernels.delta_rule.state_pass import chunk_common, delta_rows
+    dot, dot_nt, dot_tn, iota, tile, same_seg, decay_to_last, kernel_precision,
+    use_sub, launch_params, sub_blocks, ref_point, seg_masks)
+
+
+def chunk_common(refs, b, h, t0, C, scale, has_seg):
+  """Per-chunk, V-independent quantities of the backward's chain and partials: Kbar (None
+  without segments: only the segment terms use it), Qbar, e_last, and the segment masks."""
+  g = tile(refs["g"], b, t0, C, h)
+  kbar = tile(refs["k"], b, t0, C, h) * jnp.exp(g) if has_seg else None
+  qbar = (scale * tile(refs["q"], b, t0, C, h)) * jnp.exp(g)
+  e_last = jnp.exp(refs["g"][b, t0 + C - 1, h, :])[:, None]     # [K, 1]
+  if has_seg:
+    cont = refs["cont"][b, pl.ds(t0, C)][:, None]               # [C, 1] float
+    cont_last = refs["cont"][b, t0 + C - 1]
+  else:
+    cont, cont_last = None, None
+  return kbar, qbar, e_last, cont, cont_last
+
+
+def delta_rows(kbar, v, amat, wk, s, s_init, cont, cont_last, has_seg, prec):
+  """Delta = A U with U = V - Kbar S_0 (compact WY: wk = A Kbar over the rows with cont, so
+  Delta = A (V - Kbar_new S_init) - wk S_0, whose only dot on the chain is wk S_0), and the
+  state the chunk's decay applies to (S_init when the chunk's last token starts a new segment
+  inside the chunk). kbar is used only with segments (None otherwise)."""
+  s_base = cont_last * s + (1.0 - cont_last) * s_init if has_seg else s
+  u_off = v - dot(kbar * (1.0 - cont), s_init, prec) if has_seg else v
+  return s_base, dot(amat, u_off, prec) - dot(wk, s, prec)
 
 
 _BWD_IN = ["q", "k", "v", "g", "a", "p", "wt", "h0", "do"]
 
 
-def _bwd_names(has_seg, wy, extra):
-  return _BWD_IN + extra + (["cont"] if has_seg else []) + (["wk"] if wy else [])
+def _bwd_names(has_seg, extra):
+  return _BWD_IN + extra + (["cont"] if has_seg else []) + ["wk"]
 
 
-def _bwd_chain(r, b, h, t0, C, scale, has_seg, vs, ds, prec, wy):
+def _bwd_chain(r, b, h, t0, C, scale, has_seg, vs, ds, prec):
   """One chunk of the reverse state chain, given dS (the gradient of the state after the chunk):
   dDelta = P^T dO + Wt dS, dU = A^T dDelta and dS_prev (S_init's share of segments that start
   inside the chunk is seg_init_grad's, outside the kernels).
 
-  Kbar_c^T dU = (A Kbar_c)^T dDelta: with wy the chain dS -> dDelta -> dS_prev is 2 dots."""
-  kbar, qbar, e_last, cont, cont_last = chunk_common(r, b, h, t0, C, scale, has_seg,
-                                                      need_k=has_seg or not wy)
+  Kbar_c^T dU = (A Kbar_c)^T dDelta = W^T dDelta: the chain dS -> dDelta -> dS_prev is 2 dots."""
+  kbar, qbar, e_last, cont, cont_last = chunk_common(r, b, h, t0, C, scale, has_seg)
   do = r["do"][b, pl.ds(t0, C), h, vs].astype(jnp.float32)
   amat = r["a"][b, h, pl.ds(t0, C), :]
   d_delta = dot_tn(r["p"][b, h, pl.ds(t0, C), :], do, prec) + dot(
@@ -47,20 +70,17 @@ def _bwd_chain(r, b, h, t0, C, scale, has_seg, vs, ds, prec, wy):
   du = dot_tn(amat, d_delta, prec)
   ds_decayed = e_last * ds
   cq = qbar * cont if has_seg else qbar
-  if wy:
-    chain = dot_tn(r["wk"][b, pl.ds(t0, C), h, :], d_delta, prec)
-  else:
-    chain = dot_tn(kbar * cont if has_seg else kbar, du, prec)
+  chain = dot_tn(r["wk"][b, pl.ds(t0, C), h, :], d_delta, prec)
   ds_prev = (cont_last * ds_decayed if has_seg else ds_decayed) + dot_tn(cq, do, prec) - chain
   return ds_prev, dict(kbar=kbar, cont=cont, cont_last=cont_last, do=do, amat=amat, du=du)
 
 
-def _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs, s, ds, s_init, x, prec, wy):
+def _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs, s, ds, s_init, x, prec):
   """The chunk's dV and per-V-block partial gradients of P, L, Wt, Kbar, Qbar and g_last."""
   dv_ref, dp_ref, dl_ref, dwt_ref, dkbar_ref, dqbar_ref, dgl_ref = outs
   t0 = c * C
   v = r["v"][b, pl.ds(t0, C), h, vs].astype(jnp.float32)
-  wk = r["wk"][b, pl.ds(t0, C), h, :] if wy else None
+  wk = r["wk"][b, pl.ds(t0, C), h, :]
   s_base, delta = delta_rows(x["kbar"], v, x["amat"], wk, s, s_init, x["cont"], x["cont_last"],
                          has_seg, prec)
   do, du, cont = x["do"], x["du"], x["cont"]
@@ -80,10 +100,10 @@ def _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs, s, ds, s_init, x, prec, 
   dqbar_ref[b, h, vb, pl.ds(t0, C), :] = dqbar
 
 
-def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, wy):
+def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec):
   """Serial over chunks in reverse: the state-gradient chain alone, saving each chunk's dS for
   _bwd_partials_kernel. One loop carry (see _SEG_NOTE)."""
-  names = _bwd_names(has_seg, wy, ["dsfin"])
+  names = _bwd_names(has_seg, ["dsfin"])
   n_in = len(names)
   r = dict(zip(names, refs[:n_in]))
   dh0_ref, ds_ref = refs[n_in], refs[n_in + 1]
@@ -94,15 +114,15 @@ def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, w
   def body(i, ds):
     c = num_chunks - 1 - i
     ds_ref[b, h, c, :, vs] = ds.astype(ds_ref.dtype)
-    return _bwd_chain(r, b, h, c * C, C, scale, has_seg, vs, ds, prec, wy)[0]
+    return _bwd_chain(r, b, h, c * C, C, scale, has_seg, vs, ds, prec)[0]
 
   dh0_ref[b, h, :, vs] = lax.fori_loop(0, num_chunks, body,
                                        r["dsfin"][b, h, :, vs].astype(jnp.float32))
 
 
-def _bwd_partials_kernel(*refs, chunk, scale, has_seg, block_v, prec, wy):
+def _bwd_partials_kernel(*refs, chunk, scale, has_seg, block_v, prec):
   """Parallel over (chunk, V block): _bwd_partials from the saved states and state gradients."""
-  names = _bwd_names(has_seg, wy, ["states", "dstates"])
+  names = _bwd_names(has_seg, ["states", "dstates"])
   r = dict(zip(names, refs[:len(names)]))
   outs = refs[len(names):]
   b, h, c, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
@@ -110,53 +130,33 @@ def _bwd_partials_kernel(*refs, chunk, scale, has_seg, block_v, prec, wy):
   vs = pl.ds(vb * block_v, block_v)
   s_init = r["h0"][b, h, :, vs].astype(jnp.float32)
   ds = r["dstates"][b, h, c, :, vs].astype(jnp.float32)
-  _, x = _bwd_chain(r, b, h, c * C, C, scale, has_seg, vs, ds, prec, wy)
+  _, x = _bwd_chain(r, b, h, c * C, C, scale, has_seg, vs, ds, prec)
   _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs,
                 r["states"][b, h, c, :, vs].astype(jnp.float32), ds, s_init, x,
-                prec, wy)
+                prec)
 
 
-def _diag_pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C, block, cols=slice(None)):
-  """Pair accumulators (see _intra_bwd_epilogue) of the diagonal block x block tiles (the whole
-  chunk when block == C), by a `block`-step column loop over all tiles at once."""
-  row, col = iota(C, 0), iota(C, 1)
+def _pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C):
+  """Pair accumulators (see _intra_bwd_epilogue) of the whole chunk, by a C-step column loop:
+  exact, exp(<= 0) only."""
+  col = iota(C, 1)
   row_k = lax.broadcasted_iota(jnp.int32, q.shape, 0)
-  at0 = (row // block) * block
 
   def col_body(jj, acc):
     dq_acc, dk_acc, dw_acc = acc
-    wj = block_rows(r["w"], b, h, t0, C, block, jj, cols)
-    e = jnp.exp(jnp.minimum(g - block_rows(r["g"], b, h, t0, C, block, jj, cols), 0.0))
-    at = col == at0 + jj
-    pj = jnp.sum(jnp.where(at, dpm, 0.0), axis=1)[:, None]     # dP[r, j(r)] (scaled)
-    lj = jnp.sum(jnp.where(at, dlm, 0.0), axis=1)[:, None]     # dL[r, j(r)]
+    wj = r["w"][b, pl.ds(t0 + jj, 1), h, :].astype(jnp.float32)
+    e = jnp.exp(jnp.minimum(g - r["g"][b, pl.ds(t0 + jj, 1), h, :].astype(jnp.float32), 0.0))
+    at = col == jj
+    pj = jnp.sum(jnp.where(at, dpm, 0.0), axis=1)[:, None]     # dP[r, j] (scaled)
+    lj = jnp.sum(jnp.where(at, dlm, 0.0), axis=1)[:, None]     # dL[r, j]
     we = wj * e
     dq_acc = dq_acc + pj * we
     dk_acc = dk_acc + lj * we
-    m = (pj * q + lj * k) * e
-    for ib in range(C // block):
-      in_blk = (row_k >= ib * block) & (row_k < (ib + 1) * block)
-      dwj = jnp.sum(jnp.where(in_blk, m, 0.0), axis=0)[None, :]
-      dw_acc = dw_acc + jnp.where(row_k == ib * block + jj, dwj, 0.0)
-    return dq_acc, dk_acc, dw_acc
+    dwj = jnp.sum((pj * q + lj * k) * e, axis=0)[None, :]
+    return dq_acc, dk_acc, dw_acc + jnp.where(row_k == jj, dwj, 0.0)
 
   zeros = jnp.zeros_like(q)
-  return lax.fori_loop(0, block, col_body, (zeros, zeros, zeros))
-
-
-def _pairs_bwd_blocked(q, k, w, g, dpm, dlm, r, b, h, t0, C, block, prec):
-  """_diag_pairs_bwd on the diagonal tiles plus the off-diagonal blocks as matmuls."""
-  row, col = iota(C, 0), iota(C, 1)
-  dq_acc, dk_acc, dw_acc = _diag_pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C, block)
-  for js in range(0, C - block, block):
-    xs, y_t, ys = offdiag_factors(g, w, r["g"], b, h, t0, C, block, js)
-    sel = (row >= js + block) & (col >= js) & (col < js + block)
-    gp = jnp.where(sel, dpm, 0.0)
-    gl = jnp.where(sel, dlm, 0.0)
-    dq_acc = dq_acc + xs * dot(gp, y_t, prec)
-    dk_acc = dk_acc + xs * dot(gl, y_t, prec)
-    dw_acc = dw_acc + ys * (dot_tn(gp, q * xs, prec) + dot_tn(gl, k * xs, prec))
-  return dq_acc, dk_acc, dw_acc
+  return lax.fori_loop(0, C, col_body, (zeros, zeros, zeros))
 
 
 def _intra_bwd_epilogue(q, k, w, g, acc, p_diag, dwt, dkbar, dqbar, dgl, e_last, scale, hi,
@@ -206,24 +206,16 @@ def _intra_bwd_refs(refs, has_seg):
   return dict(zip(names, refs[:len(names)])), refs[len(names):]
 
 
-def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, blocked, block, prec, hi):
+def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, hi):
   r, outs = _intra_bwd_refs(refs, has_seg)
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   C = chunk
   t0 = c * C
-  kd = r["q"].shape[-1]
   row, col = iota(C, 0), iota(C, 1)
   rows = pl.ds(t0, C)
 
   def vsum(name, cols):
     return _vsum(r[name], b, h, num_vb, rows, cols)
-
-  def dgl_sum(cols):
-    return _vsum(r["dgl"], b, h, num_vb, c, cols)
-
-  def e_last_of(g, cols):
-    return decay_to_last(g, r["g"][b, t0 + C - 1, h, cols], pid,
-                   r["pid"][b, t0 + C - 1] if has_seg else None)
 
   dpm = jnp.where(row >= col, vsum("dp", pl.ds(0, C)), 0.0) * scale
   dlm = jnp.where(row > col, vsum("dl", pl.ds(0, C)), 0.0)
@@ -236,26 +228,15 @@ def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, blocked, block, prec
   # exactly, and leaving them in would swamp tiny decay gradients with rounding noise.
   p_diag = jnp.sum(jnp.where(row == col, dpm, 0.0), axis=1)[:, None]
   dpm = jnp.where(row > col, dpm, 0.0)
-
-  def store(vals, cols):
-    for ref, val in zip(outs, vals):
-      ref[b, rows, h, cols] = val
-
-  def kslice(cols, pairs):
-    q, k, w, g = (r[n][b, rows, h, cols].astype(jnp.float32) for n in ("q", "k", "w", "g"))
-    acc = pairs(q, k, w, g, cols)
-    store(_intra_bwd_epilogue(q, k, w, g, acc, p_diag, vsum("dwt", cols), vsum("dkbar", cols),
-                              vsum("dqbar", cols), dgl_sum(cols), e_last_of(g, cols), scale, hi),
-          cols)
-
-  if blocked:
-    kslice(pl.ds(0, kd), lambda q, k, w, g, _: _pairs_bwd_blocked(q, k, w, g, dpm, dlm, r, b, h, t0,
-                                                                  C, block, prec))
-  else:
-    kslice(pl.ds(0, kd),
-           lambda q, k, w, g, cols: _diag_pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C, C, cols))
-
-
+  q, k, w, g = (r[n][b, rows, h, :].astype(jnp.float32) for n in ("q", "k", "w", "g"))
+  e_last = decay_to_last(g, r["g"][b, t0 + C - 1, h, :], pid,
+                         r["pid"][b, t0 + C - 1] if has_seg else None)
+  acc = _pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C)
+  grads = _intra_bwd_epilogue(q, k, w, g, acc, p_diag, vsum("dwt", slice(None)),
+                              vsum("dkbar", slice(None)), vsum("dqbar", slice(None)),
+                              _vsum(r["dgl"], b, h, num_vb, c, slice(None)), e_last, scale, hi)
+  for ref, val in zip(outs, grads):
+    ref[b, rows, h, :] = val
 
 
 # _SEG_NOTE: the reverse serial kernel once also carried S_init's gradient (a second [K, BV]
@@ -300,8 +281,7 @@ def _intra_bwd_sub_kernel(*refs, chunk, sub, scale, has_seg, num_vb, prec, hi):
       dpm[i, j], dlm[i, j] = dp, dl
   dq_acc, dk_acc, dw_acc = [], [], []
   for i in range(nb):
-    a_q, a_k, a_w = _diag_pairs_bwd(q[i], k[i], g[i], dpm[i, i], dlm[i, i], r, b, h,
-                                       t0 + i * S, S, S)
+    a_q, a_k, a_w = _pairs_bwd(q[i], k[i], g[i], dpm[i, i], dlm[i, i], r, b, h, t0 + i * S, S)
     dq_acc.append(a_q)
     dk_acc.append(a_k)
     dw_acc.append(a_w)
@@ -342,15 +322,14 @@ def recur_backward(q, k, v, g, h0, cont, res, do, dsfin, *, chunk, scale, interp
   vd = v.shape[-1]
   nc = t // chunk
   has_seg = cont is not None
-  wy = wk is not None
   prec = kernel_precision(cfg, cfg_prec, interpret)
   f32 = jnp.float32
   block_v = min(cfg.block_v, vd)
   bv_part = min(cfg.block_v_parallel, vd)
   nvb = vd // bv_part
-  opt = ([cont] if has_seg else []) + ([wk] if wy else [])
+  opt = ([cont] if has_seg else []) + [wk]
   common_in = [q, k, v, g, amat, pmat, wt, h0, do]
-  kw = dict(chunk=chunk, scale=scale, has_seg=has_seg, prec=prec, wy=wy)
+  kw = dict(chunk=chunk, scale=scale, has_seg=has_seg, prec=prec)
   dh0, dstates = pl.pallas_call(
       functools.partial(_recur_bwd_kernel, num_chunks=nc, block_v=block_v, **kw),
       out_shape=(jax.ShapeDtypeStruct((bsz, nh, kd, vd), f32),
@@ -407,8 +386,7 @@ def intra_backward(q, k, w, g, pid, partials, *, chunk, scale, interpret, cfg, c
                              scale=scale, has_seg=has_seg, num_vb=nvb, prec=prec, hi=hi)
   else:
     body = functools.partial(_intra_bwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
-                             num_vb=nvb, blocked=cfg.blocked and chunk > cfg.block,
-                             block=cfg.block, prec=prec, hi=hi)
+                             num_vb=nvb, hi=hi)
   return pl.pallas_call(
       body,
       out_shape=(lane, lane, lane, lane, lane), grid=(bsz, nh, nc), name="delta_rule_intra_bwd",

@@ -18,63 +18,43 @@ class DeltaRuleConfig:
   # min_chunk keeps a floor for compiled runs should a GPU need one.
   max_chunk: int = 16        # caps the caller's chunk_size (C_m)
   min_chunk: int = 16        # floor of the chunk in compiled runs (interpret mode: 16)
-  block: int = 8             # sub-block for the intra-chunk decay products and the inverse
-  # Sub-blocked intra pair products: off-diagonal block x block tiles as matmuls around a
-  # reference point, the diagonal tiles by a `block`-step column loop (else a C-step loop).
-  blocked: bool = False
   # The intra backward on sub_block-row blocks of longer chunks (0: off; backward.py's
-  # _intra_bwd_sub_kernel), and the row block of the precompute_u kernels (16 when 0). The forward
-  # kernel of the same shape (sixth session: 6.3 ms at chunk 64 against 1.6 at chunk 16 on the
-  # H200) was removed in session 29: the pair-rows kernel does that work.
+  # _intra_bwd_sub_kernel), and the row block of the forward's pair and WY kernels (16 when 0).
   sub_block: int = 0
   # What precision='fast' (bf16/fp16 data) means for the dots: 'bf16' (operands rounded to bf16,
   # fp32 accumulation: twice the TF32 tensor-core rate; flash-linear-attention's choice; H200 diag
   # KDN fwd+bwd T=4096: 14.9 ms against 16.5 ms with 'tf32') or 'tf32' (fp32 operands).
   fast_dots: str = "bf16"
-  # Serial kernel keeps only the state chain and a parallel kernel forms the outputs from the
-  # saved chunk-start states (flash-linear-attention's split). The backward is always split this
-  # way (the reverse serial kernel keeps only the dS chain; split_backward=False, which formed the
-  # partials in the serial kernel, was slower and needed a second loop carry with segments).
-  split_output: bool = True
-  # (I + L)^-1 in the single intra kernel: 'blocks' (block substitution with `block`-sized
-  # diagonal blocks, matmuls) or 'doubling' (product of 2 log2(C) - 2 matmuls). H200, chunk 32:
-  # intra forward 2.41 ms (blocks, 8), 2.23 (doubling); forward substitution by rows (removed in
-  # session 29, like the K-split column loops: slower in every measured cell) took 2.72-3.17.
-  inverse: str = "blocks"
-  # Compact WY: the intra kernel also emits W = A Kbar, so each chunk's dependent dot chain in
-  # the serial kernels is 2 dots (W S_0, then the state update) instead of 3.
-  wy: bool = True
   # Saved chunk-start states and state gradients ([B, H, T/C, K, V], the largest arrays) in bf16
   # under bf16-operand dots: half their bytes (fla stores its chunk states in the data dtype
   # too). H200 T=4096 diag KDN fwd+bwd 8.09 -> 7.26 ms; with packed documents the recurrent
   # backward 9.1 -> 5.1 ms; the GPU check (bf16 <= 4.1e-3) passes. fp32 data keeps fp32 states.
   bf16_states: bool = True
-  # The forward by stage (issue 18): a pair kernel per (chunk, 16-row block) for L, P and Wt
-  # (intra._pair_rows_kernel: the diagonal 16 x 16 tile by a column loop whose columns are stored
-  # straight to L and P, earlier blocks by small dots), a WY kernel for A = (I + L)^-1 (fp32
-  # forward substitution on the 16 x 16 diagonal blocks, merged in closed form for longer
-  # chunks), W = A Kbar and U = A V' (wy.py), a serial pass whose chain is Delta = U - W S_0 and
-  # S <- exp(g_last) S + Wt^T Delta (Delta stored in the operand dtype), and the output kernel on
-  # a (V block, chunk, batch head) grid. Needs wy and split_output. The backward consumes the
-  # same residuals (A, P, Wt, W, states). The default since session 29: H200, diag KDN T=4096,
-  # op forward 2.95 -> 2.70 ms at chunk 16 (intra stage 1.53 -> 1.10: pair rows 0.82 + WY 0.40),
-  # once the pair kernel stored its diagonal tile by columns (4.26 -> 1.83 ms at chunk 64; the
-  # chunk-64 forward, 3.40 ms, still loses: docs/benchmark_mixers.md). False: the single intra
-  # kernel (intra._intra_fwd_kernel) and the blocked / inverse options below.
-  precompute_u: bool = True
-  num_warps_pairs: int = 4   # Triton warps, the precomputed-U path's pair kernel
-  # (I + L)^-1 in the precomputed-U path's WY kernel (wy.py): 'sub_rows', 'sub_dots', 'doubling'.
+  # The forward by stage (issue 18; __init__'s docstring): a pair kernel per (chunk, 16-row
+  # block) for L, P and Wt (intra._pair_rows_kernel: the diagonal 16 x 16 tile by a column loop
+  # whose columns are stored straight to L and P, earlier blocks by small dots), a WY kernel for
+  # A = (I + L)^-1 (fp32 forward substitution on the 16 x 16 diagonal blocks, merged in closed
+  # form for longer chunks), W = A Kbar and U = A V' (wy.py), a serial pass whose chain is
+  # Delta = U - W S_0 and S <- exp(g_last) S + Wt^T Delta (Delta stored in the operand dtype),
+  # and the output kernel on a (V block, chunk, batch head) grid. The backward consumes the same
+  # residuals (A, P, Wt, W, states), its serial kernel keeping only the dS chain.
+  # Session 29 (H200, diag KDN T=4096): op forward 2.95 -> 2.70 ms against the single intra
+  # kernel it replaced (intra stage 1.53 -> 1.10); the chunk-64 forward (3.40 ms) still loses.
+  # Removed in session 31 as slower in every measured cell: that single intra kernel (with its
+  # `blocked` sub-tiles and `inverse` options), the 3-dot serial chain (`wy=False`) and the
+  # serial kernel that formed O itself (`split_output=False`) (docs/benchmark_mixers.md).
+  num_warps_pairs: int = 4   # Triton warps, the pair kernel
+  # (I + L)^-1 in the WY kernel (wy.py): 'sub_rows', 'sub_dots', 'doubling'.
   wy_inverse: str = "sub_rows"
-  # A call that is not differentiated (inference, evaluation) runs the precomputed-U forward at
-  # this chunk (0: like a differentiated one); differentiated calls keep the config above, whose
-  # residuals the backward reads (__init__.forward_only).
+  # A call that is not differentiated (inference, evaluation) runs the forward at this chunk
+  # (0: like a differentiated one); differentiated calls keep the config above, whose residuals
+  # the backward reads (__init__.forward_only).
   forward_only_chunk: int = 0
   block_v: int = 64          # value-columns per program in the recurrent (state-passing) kernels
   # value-columns per program in the parallel output and backward-partials kernels (fewer V
   # blocks: fewer per-V-block partial-gradient bytes for the intra backward to read and sum)
   block_v_parallel: int = 128
-  # Triton warps, the intra-chunk forward kernels (parallel over chunks): the WY kernel under
-  # precompute_u (H200 T=4096: 0.40 ms with 4, 0.45 with 8), else the single intra kernel (8 there)
+  # Triton warps, the WY kernel (H200 T=4096: 0.40 ms with 4, 0.45 with 8)
   num_warps_intra: int = 4
   num_warps_intra_bwd: int = 4   # Triton warps, intra-chunk backward kernel
   num_warps_parallel: int = 8    # Triton warps, the backward-partials kernel
@@ -88,20 +68,15 @@ class DeltaRuleConfig:
 
   def __post_init__(self):
     pow2 = lambda n: n > 0 and n & (n - 1) == 0
-    for name in ("max_chunk", "min_chunk", "block", "block_v", "block_v_parallel"):
+    for name in ("max_chunk", "min_chunk", "block_v", "block_v_parallel"):
       if not pow2(getattr(self, name)):
         raise ValueError(f"DeltaRuleConfig.{name} must be a power of two, got {getattr(self, name)}")
     if self.sub_block and (not pow2(self.sub_block) or self.sub_block < 16):
       raise ValueError("DeltaRuleConfig.sub_block must be 0 or a power of two >= 16, got "
                        f"{self.sub_block}")
-    if self.inverse not in ("blocks", "doubling"):
-      raise ValueError("DeltaRuleConfig.inverse must be 'blocks' or 'doubling', "
-                       f"got {self.inverse!r}")
     if self.forward_only_chunk and not pow2(self.forward_only_chunk):
       raise ValueError("DeltaRuleConfig.forward_only_chunk must be 0 or a power of two, got "
                        f"{self.forward_only_chunk}")
-    if self.precompute_u and not (self.wy and self.split_output):
-      raise ValueError("DeltaRuleConfig.precompute_u needs wy=True and split_output=True")
     if self.wy_inverse not in ("sub_rows", "sub_dots", "doubling"):
       raise ValueError("DeltaRuleConfig.wy_inverse must be 'sub_rows', 'sub_dots' or 'doubling', "
                        f"got {self.wy_inverse!r}")

@@ -1,20 +1,14 @@
 """Intra-chunk forward stage: per (batch, head, chunk), the decay-weighted pair products
-L (strict) and P (inclusive, scaled), A = (I + L)^-1, Wt = w exp(g_last - g) and, with compact
-WY, W = A Kbar (the equations: __init__'s docstring).
-
-_intra_fwd_kernel works on the whole chunk (column loop over C, or matmuls off the diagonal
-block x block tiles with `blocked`, around the reference point of each column block,
-
-    exp(g_r - g_c) = exp(g_r - g_n) exp(g_n - g_c)   (both factors <= 1 for a same-segment pair)
-
-) and inverts I + L in the same kernel (DeltaRuleConfig.precompute_u=False).
-
-With cfg.precompute_u (the default since session 29; issue 18) the stage is two kernels:
+L (strict) and P (inclusive, scaled), Wt = w exp(g_last - g), then A = (I + L)^-1, W = A Kbar
+and U = A V' (the equations: __init__'s docstring). Two kernels:
 _pair_rows_kernel, one program per (chunk, S-row block i): L and P of the block's rows against
 the whole chunk (the diagonal S x S tile by an S-step column loop of exact exp(<= 0), the
-earlier blocks by one small dot each around g0 = g of row block i's first token) and Wt; then
-wy.wy_forward: A, W = A Kbar and U = A V' from L (no [C, K] tile of the pair products is live
-in the inverse's kernel, and no inverse in the pair products' one).
+earlier blocks by one small dot each around g0 = g of row block i's first token,
+
+    exp(g_r - g_c) = exp(g_r - g0) exp(g0 - g_c)   (both factors <= 1 for a same-segment pair)
+
+) and Wt; then wy.wy_forward: A, W and U from L (no [C, K] tile of the pair products is live in
+the inverse's kernel, and no inverse in the pair products' one).
 """
 from __future__ import annotations
 
@@ -25,85 +19,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import common
 from pallas_kernels.delta_rule import wy as _wy
-from pallas_kernels.delta_rule.inverse import unit_lower_inverse
 from pallas_kernels.delta_rule.tiles import (
-    dot, dot_nt, iota, tile, same_seg, decay_to_last, block_rows, offdiag_factors,
-    kernel_precision, operand_dtype, launch_params, ref_point)
-
-
-def _diag_products(q, k, g, w_ref, g_ref, b, h, t0, C, block, cols=slice(None)):
-  """L (strict) and P/scale (inclusive) inside the diagonal block x block tiles of the chunk (all
-  of it when block == C), by a loop over the `block` columns of every tile at once: exact,
-  exp(<= 0) only."""
-  row, col = iota(C, 0), iota(C, 1)
-  at0 = (row // block) * block
-  rmod = row % block
-
-  def col_body(jj, lp):
-    lmat, pmat = lp
-    we = block_rows(w_ref, b, h, t0, C, block, jj, cols)
-    we = we * jnp.exp(jnp.minimum(g - block_rows(g_ref, b, h, t0, C, block, jj, cols), 0.0))
-    kw = jnp.sum(k * we, axis=1)[:, None]
-    qw = jnp.sum(q * we, axis=1)[:, None]
-    at = col == at0 + jj
-    lmat = jnp.where(at & (rmod > jj), kw, lmat)
-    pmat = jnp.where(at & (rmod >= jj), qw, pmat)
-    return lmat, pmat
-
-  zeros = jnp.zeros((C, C), jnp.float32)
-  return lax.fori_loop(0, block, col_body, (zeros, zeros))
-
-
-def _pairs_blocked(q, k, w, g, refs, b, h, t0, C, block, prec):
-  """L and P/scale with sub-blocks: off-diagonal blocks as tensor-core matmuls around a reference
-  point; the diagonal blocks by a `block`-step column loop over all of them at once."""
-  row = iota(C, 0)
-  lmat, pmat = _diag_products(q, k, g, refs[2], refs[3], b, h, t0, C, block)
-  for js in range(0, C - block, block):
-    xs, y_t, _ = offdiag_factors(g, w, refs[3], b, h, t0, C, block, js)
-    later = row >= js + block
-    lmat = lmat + jnp.where(later, dot_nt(k * xs, y_t, prec), 0.0)
-    pmat = pmat + jnp.where(later, dot_nt(q * xs, y_t, prec), 0.0)
-  return lmat, pmat
-
-
-def _intra_fwd_kernel(*refs, chunk, scale, has_seg, blocked, block, wy, inverse, prec, hi):
-  n_in = 4 + (2 if has_seg else 0)
-  q_ref, k_ref, w_ref, g_ref = refs[:4]
-  pid_ref, cont_ref = refs[4:n_in] if has_seg else (None, None)
-  a_out, p_out, wt_out = refs[n_in:n_in + 3]
-  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  C = chunk
-  t0 = c * C
-  if blocked:
-    q, k, w, g = (tile(x, b, t0, C, h) for x in refs[:4])
-    lmat, pmat = _pairs_blocked(q, k, w, g, refs, b, h, t0, C, block, prec)
-  else:
-    q, k, g = (tile(x, b, t0, C, h) for x in (q_ref, k_ref, g_ref))
-    lmat, pmat = _diag_products(q, k, g, w_ref, g_ref, b, h, t0, C, C)
-    w = tile(w_ref, b, t0, C, h)
-  pid = None
-  if has_seg:
-    same, pid = same_seg(pid_ref, b, t0, C)
-    lmat = lmat * same
-    pmat = pmat * same
-  e_last = decay_to_last(g, g_ref[b, t0 + C - 1, h, :], pid,
-                   pid_ref[b, t0 + C - 1] if has_seg else None)
-  pmat = pmat * scale
-  amat = unit_lower_inverse(lmat, C, inverse, block, hi)
-  a_out[b, h, pl.ds(t0, C), :] = amat.astype(a_out.dtype)
-  p_out[b, h, pl.ds(t0, C), :] = pmat.astype(p_out.dtype)
-  wt_out[b, pl.ds(t0, C), h, :] = (w * e_last).astype(wt_out.dtype)
-  if wy:
-    # Compact WY: W = A Kbar (rows continuing the chunk-start state only), so the serial kernels
-    # form Delta = A U' - W S_0 with one dot on the state chain instead of two.
-    kbar = k * jnp.exp(g)
-    if has_seg:
-      kbar = kbar * cont_ref[b, pl.ds(t0, C)][:, None]
-    wk_out = refs[n_in + 3]
-    wk_out[b, pl.ds(t0, C), h, :] = dot(amat, kbar, prec).astype(wk_out.dtype)
+    dot_nt, tile, decay_to_last, kernel_precision, operand_dtype, launch_params, ref_point)
 
 
 def _diag_columns(q, k, g, w_ref, g_ref, pid_ref, pid_i, l_out, p_out, b, h, r0, col0, scale, S):
@@ -182,12 +100,12 @@ def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec):
 
 
 def sub_rows(cfg, chunk):
-  """Row-block size of the precomputed-U path's kernels: cfg.sub_block (16 when 0), at most C."""
+  """Row-block size of the pair and WY kernels: cfg.sub_block (16 when 0), at most C."""
   return min(cfg.sub_block or 16, chunk)
 
 
 def pair_rows_forward(q, k, w, g, pid, *, chunk, scale, interpret, cfg, cfg_prec):
-  """The precomputed-U path's pair kernel: (L [B, H, T, C] fp32 (the inverse is formed from it
+  """The pair kernel: (L [B, H, T, C] fp32 (the inverse is formed from it
   in fp32, wy.py), P [B, H, T, C] scaled, Wt [B, T, H, K]), P and Wt in the operand dtype."""
   bsz, t, nh, kd = k.shape
   has_seg = pid is not None
@@ -206,33 +124,11 @@ def pair_rows_forward(q, k, w, g, pid, *, chunk, scale, interpret, cfg, cfg_prec
 
 
 def intra_forward(q, k, v, w, g, h0, pid, cont, *, chunk, scale, interpret, cfg, cfg_prec):
-  """The intra stage (parallel over chunks): (A = (I + L)^-1, P (scaled), Wt, W = A Kbar (None
-  without cfg.wy), U = A V' (None unless cfg.precompute_u))."""
-  bsz, t, nh, kd = k.shape
-  nc = t // chunk
-  has_seg = pid is not None
-  prec = kernel_precision(cfg, cfg_prec, interpret)
-  # A, P, Wt, W and U only ever enter dots; with bf16-operand dots they are rounded to bf16
-  # there, so storing them in bf16 is exact and halves their bytes.
-  dt = operand_dtype(prec)
-  lane = jax.ShapeDtypeStruct((bsz, t, nh, kd), dt)
-  cc = jax.ShapeDtypeStruct((bsz, nh, t, chunk), dt)
-  if cfg.precompute_u:
-    lmat, pmat, wt = pair_rows_forward(q, k, w, g, pid, chunk=chunk, scale=scale,
-                                       interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
-    amat, wk, u = _wy.wy_forward(lmat, k, v, g, h0, cont, chunk=chunk,
-                                 sub=sub_rows(cfg, chunk), interpret=interpret, cfg=cfg,
-                                 cfg_prec=cfg_prec)
-    return amat, pmat, wt, wk, u
-  intra_in = [q, k, w, g] + ([pid, cont] if has_seg else [])
-  out_shape = [cc, cc, lane] + ([lane] if cfg.wy else [])
-  hi = common.dot_precision("exact", interpret)
-  body = functools.partial(_intra_fwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
-                           blocked=cfg.blocked and chunk > cfg.block, block=cfg.block,
-                           wy=cfg.wy, inverse=cfg.inverse, prec=prec, hi=hi)
-  outs = pl.pallas_call(
-      body,
-      out_shape=tuple(out_shape), grid=(bsz, nh, nc), name="delta_rule_intra_fwd",
-      **launch_params(interpret, cfg.num_warps_intra, cfg),
-  )(*intra_in)
-  return tuple(outs) + (() if cfg.wy else (None,)) + (None,)
+  """The intra stage (parallel over chunks): (A = (I + L)^-1, P (scaled), Wt, W = A Kbar,
+  U = A V'): the pair kernel, then the WY kernel (wy.py). A, P, Wt, W and U only ever enter
+  dots; with bf16-operand dots they are rounded to bf16 there, so they are stored in bf16."""
+  lmat, pmat, wt = pair_rows_forward(q, k, w, g, pid, chunk=chunk, scale=scale,
+                                     interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
+  amat, wk, u = _wy.wy_forward(lmat, k, v, g, h0, cont, chunk=chunk, sub=sub_rows(cfg, chunk),
+                               interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
+  return amat, pmat, wt, wk, u

@@ -14,36 +14,28 @@ from pallas_kernels.delta_rule.tiles import (
     dot, tile, kernel_precision, launch_params)
 
 
-def output_rows(qbar, cont, s, s_init, pmat, delta, has_seg, prec):
-  """O = Qbar S_0 (S_init for rows whose segment starts in the chunk) + P Delta."""
-  if has_seg:
-    o = dot(qbar * cont, s, prec) + dot(qbar * (1.0 - cont), s_init, prec)
-  else:
-    o = dot(qbar, s, prec)
-  return o + dot(pmat, delta, prec)
-
-
-def _output_kernel(*refs, chunk, scale, has_seg, block_v, prec, heads_last):
+def _output_kernel(*refs, chunk, scale, has_seg, block_v, prec):
   """Parallel over (chunk, V block): O from the saved chunk-start state and Delta. Grid
-  (B, H, NC, V/BV), or with heads_last (V/BV, NC, B H): the V blocks of one chunk, then the
-  chunks of one (batch, head), run next to each other and share its q, g and P tiles in L2."""
+  (V/BV, NC, B H): the V blocks of one chunk, then the chunks of one (batch, head), run next to
+  each other and share its q, g and P tiles in L2."""
   names = ["q", "g", "p", "delta", "states", "h0"] + (["cont"] if has_seg else [])
   r = dict(zip(names, refs[:len(names)]))
   o_ref = refs[len(names)]
-  if heads_last:
-    vb, c, bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    nh = r["q"].shape[2]
-    b, h = bh // nh, bh % nh
-  else:
-    b, h, c, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+  vb, c, bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  nh = r["q"].shape[2]
+  b, h = bh // nh, bh % nh
   C = chunk
   t0 = c * C
   vs = pl.ds(vb * block_v, block_v)
   qbar = (scale * tile(r["q"], b, t0, C, h)) * jnp.exp(tile(r["g"], b, t0, C, h))
-  cont = r["cont"][b, pl.ds(t0, C)][:, None] if has_seg else None
-  o = output_rows(qbar, cont, r["states"][b, h, c, :, vs].astype(jnp.float32),
-              r["h0"][b, h, :, vs].astype(jnp.float32),
-              r["p"][b, h, pl.ds(t0, C), :], r["delta"][b, pl.ds(t0, C), h, vs], has_seg, prec)
+  s = r["states"][b, h, c, :, vs].astype(jnp.float32)
+  if has_seg:   # rows whose segment starts inside the chunk read S_init
+    cont = r["cont"][b, pl.ds(t0, C)][:, None]
+    o = dot(qbar * cont, s, prec) + dot(qbar * (1.0 - cont),
+                                        r["h0"][b, h, :, vs].astype(jnp.float32), prec)
+  else:
+    o = dot(qbar, s, prec)
+  o = o + dot(r["p"][b, h, pl.ds(t0, C), :], r["delta"][b, pl.ds(t0, C), h, vs], prec)
   o_ref[b, pl.ds(t0, C), h, vs] = o.astype(o_ref.dtype)
 
 
@@ -55,12 +47,10 @@ def output_forward(q, g, pmat, delta, states, h0, cont, *, chunk, scale, interpr
   prec = kernel_precision(cfg, cfg_prec, interpret)
   bv_par = min(cfg.block_v_parallel, vd)
   out_in = [q, g, pmat, delta, states, h0] + ([cont] if has_seg else [])
-  heads_last = cfg.precompute_u   # the issue-18 layout, with the precomputed-U path
-  grid = ((vd // bv_par, t // chunk, bsz * nh) if heads_last
-          else (bsz, nh, t // chunk, vd // bv_par))
+  grid = (vd // bv_par, t // chunk, bsz * nh)
   return pl.pallas_call(
       functools.partial(_output_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
-                        block_v=bv_par, prec=prec, heads_last=heads_last),
+                        block_v=bv_par, prec=prec),
       out_shape=jax.ShapeDtypeStruct((bsz, t, nh, vd), q.dtype),
       grid=grid, name="delta_rule_output",
       **launch_params(interpret, cfg.num_warps_output, cfg),

@@ -20,7 +20,7 @@ memory", docs/mosaic_gpu.md).
 Scope (each limit raises NotImplementedError naming the argument): no segments (`cont` must be
 None; output.py's Qbar (1 - cont) S_init term needs a [C] row vector broadcast over [C, K], which
 failed Warpgroup layout inference in jax 0.10.2), chunk 64 only (one 64-row wgmma M tile: the
-precompute_u config, DeltaRuleConfig(precompute_u=True, max_chunk=64, min_chunk=64)), bf16-operand
+config at chunk 64, DeltaRuleConfig(max_chunk=64, min_chunk=64)), bf16-operand
 dots only (cfg_prec='fast' with cfg.fast_dots='bf16'; TF32 wgmma takes only K-major operands, and
 S_0 and Delta are V-major). fp32 chunk-start states (bf16_states=False) are cast to bf16 before
 the kernel (an XLA pass over the largest array). SMEM per CTA at K = V = 128, bf16 data: 104 KiB

@@ -58,31 +58,6 @@ def decay_to_last(g, g_last, pid=None, pid_last=None):
   return e_last
 
 
-def block_rows(ref, b, h, t0, C, block, jj, cols=slice(None)):
-  """[C, K] f32 (K: the `cols` columns): row r holds ref's row (r // block) * block + jj, the
-  jj-th token of r's diagonal block (C // block single-row loads)."""
-  out = None
-  for ib in range(C // block):
-    x = ref[b, pl.ds(t0 + ib * block + jj, 1), h, cols].astype(jnp.float32)
-    if out is None:
-      out = jnp.broadcast_to(x, (C, x.shape[1]))
-    else:
-      out = jnp.where(lax.broadcasted_iota(jnp.int32, out.shape, 0) >= ib * block, x, out)
-  return out
-
-
-def offdiag_factors(g, w, g_ref, b, h, t0, C, block, js):
-  """Column block [js, js + block) against the later rows, around the reference point g_n of the
-  block's last token: exp(g_r - g_j) = exp(g_r - g_n) exp(g_n - g_j), both factors exp(<= 0).
-  Returns (xs [C, K] row factors, y_t [C, K] w * column factors, zero outside the block, ys)."""
-  row_k = lax.broadcasted_iota(jnp.int32, g.shape, 0)
-  g_n = g_ref[b, pl.ds(t0 + js + block - 1, 1), h, :]
-  xs = jnp.exp(jnp.minimum(g - g_n, 0.0))
-  ys = jnp.exp(jnp.minimum(g_n - g, 0.0))
-  y_t = jnp.where((row_k >= js) & (row_k < js + block), w * ys, 0.0)
-  return xs, y_t, ys
-
-
 def sub_blocks(ref, b, h, t0, S, nb):
   return [tile(ref, b, t0 + i * S, S, h) for i in range(nb)]
 
