@@ -74,7 +74,8 @@ def test_sharded_jit_runs_per_shard(family, mesh_name, partitioner):
   grad = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(7))))
   want_val, want = grad(*args, mu, seg)
   got_val, got = grad(*sharded)
-  np.testing.assert_allclose(got_val, want_val, rtol=1e-6)
+  # (the scalar loss sums the shards' partial sums in another order: fp32 rounding, seen at 1.1e-6)
+  np.testing.assert_allclose(got_val, want_val, rtol=1e-5)
   for name, g, w in zip(NAMES + ("info_scale",), got, want):
     np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6, err_msg=name)
   # The kernels ran on the shards: no operand was gathered, and the output keeps the sharding.
