@@ -26,12 +26,14 @@ flags.DEFINE_integer("batch", 2, "batch", flag_values=FLAGS)
 flags.DEFINE_integer("heads", 4, "heads", flag_values=FLAGS)
 flags.DEFINE_integer("head_dim", 128, "K = V", flag_values=FLAGS)
 flags.DEFINE_integer("d_model", 512, "layer width", flag_values=FLAGS)
+flags.DEFINE_integer("layer_seeds", 4, "draws (parameters, inputs, cotangents) pooled in the "
+                     "whole-layer check", lower_bound=1, flag_values=FLAGS)
 
 # fp32 kernels against fp32 references: rounding-level; bf16 layers: one bf16 rounding apart
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
-# the fused bf16 layer against fp32: within LAYER_SLACK x the unfused bf16 layer's own error
-# (H200, session 30: passes everywhere but the r_proj bias gradient, fused 1.4e-2 / 1.9e-2 against
-# unfused 7.5e-3 / 1.0e-2 for kdn_iso / kdn_diag: docs/benchmark_layers.md)
+# the fused bf16 layer against fp32: within LAYER_SLACK x the unfused bf16 layer's own error,
+# pooled over draws (check_layer; session 30's single draw failed on the r_proj bias gradient,
+# whose error moves 4x between draws: docs/benchmark_layers.md, session 31)
 LAYER_SLACK, LAYER_FLOOR = 1.5, 1e-3
 
 
@@ -130,13 +132,29 @@ def check_gain(results, b, t, h, kd, diag):
            jnp.float32, results)
 
 
-def check_layer(results, mixer, b, t, h, kd, d):
+def _pooled_rel(pairs):
+  """Relative RMS error over several (got, want) pairs taken together (seeds pooled)."""
+  num = sum(float(np.sum((np.asarray(a, np.float64) - np.asarray(w, np.float64)) ** 2))
+            for a, w in pairs)
+  den = sum(float(np.sum(np.asarray(w, np.float64) ** 2)) for _, w in pairs)
+  finite = all(np.all(np.isfinite(np.asarray(a, np.float64))) for a, _ in pairs)
+  return float(np.sqrt(num / max(den, 1e-30))) if finite else float("nan")
+
+
+def check_layer(results, mixer, b, t, h, kd, d, seeds):
   """The bf16 layer with its fused glue against the same layer unfused, both measured against the
   unfused layer in float32 (the truth): fused passes where its error is within the unfused
-  path's own bf16 error (x LAYER_SLACK, floor LAYER_FLOOR) for every output and gradient. (A
-  direct fused-vs-unfused bound fails on small reductions such as the gradient of kdn_iso's
-  per-head log_info_scale, where two bf16 paths differ by 2e-2 while each is as close to the
-  truth as the other.)"""
+  path's own bf16 error (x LAYER_SLACK, floor LAYER_FLOOR) for every output and gradient.
+
+  Two things make that comparison fair (docs/benchmark_layers.md, sessions 30-31):
+  - Errors are pooled over `seeds` draws of parameters, inputs and cotangents. Small cancelling
+    reductions (the r_proj bias gradient sums ~2000 tokens into H elements) have an error that
+    moves 4x between draws for the same path, so one draw cannot rank two paths. (A direct
+    fused-vs-unfused bound fails too, e.g. on kdn_iso's per-head log_info_scale gradient.)
+  - Both bf16 paths are compiled with xla_allow_excess_precision off, so each rounds where its
+    dtypes say. With it on (XLA's default) XLA keeps fp32 through the unfused path's bf16 casts
+    when it fuses them with their consumers, which a kernel's bf16 output cannot get; the errors
+    with it on are recorded beside (`*_excess`)."""
   from experiments.benchmark_layers import set_fusion
   from kdn_jax.layers import MIXERS
   from kdn_jax.models.config import model_config
@@ -146,12 +164,7 @@ def check_layer(results, mixer, b, t, h, kd, d):
                        chunk_size=64, dtype=dtype, param_dtype="float32", mlp_hidden=1,
                        info_scale="learned")
     return MIXERS[mixer](cfg, rngs=nnx.Rngs(0))
-  layer, layer32 = make("bfloat16"), make("float32")
-  rng = np.random.default_rng(4)
-  _, params, _ = nnx.split(layer, nnx.Param, ...)
-  params = jax.tree.map(lambda p: p + 0.05 * jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
-  x = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32).astype(jnp.bfloat16)
-  seg = _segments(rng, b, t)
+  seg = _segments(np.random.default_rng(4), b, t)
 
   def apply(lay, fusion):
     set_fusion(lay, fusion)
@@ -160,34 +173,63 @@ def check_layer(results, mixer, b, t, h, kd, d):
       y, fs = nnx.merge(gd, params, rest_)(x.astype(lay.dtype), segment_ids=seg)
       return y, {"memory": fs["memory"], "variance": fs["variance"]}
     return f
-  fused, unfused, truth = apply(layer, "on"), apply(make("bfloat16"), "off"), apply(layer32, "off")
-  out_shapes = jax.eval_shape(unfused, params, x)
-  crng = np.random.default_rng(7)
-  cts = jax.tree.map(lambda s: jnp.asarray(crng.normal(size=s.shape), jnp.float32).astype(s.dtype),
-                     out_shapes)
 
-  got, base = _outputs_and_vjp(fused, (params, x), cts), _outputs_and_vjp(unfused, (params, x), cts)
-  with jax.default_matmul_precision("highest"):   # no TF32 in the truth on GPUs
-    want = _outputs_and_vjp(truth, (params, x), jax.tree.map(lambda c: c.astype(jnp.float32), cts))
+  def outputs_and_vjp(f):
+    def g(params, x, cts):
+      out, vjp = jax.vjp(f, params, x)
+      return out, vjp(cts)
+    return g
+
+  _, params0, _ = nnx.split(make("bfloat16"), nnx.Param, ...)
+  x_shape = jax.ShapeDtypeStruct((b, t, d), jnp.bfloat16)
+  fns = {"fused": outputs_and_vjp(apply(make("bfloat16"), "on")),
+         "unfused": outputs_and_vjp(apply(make("bfloat16"), "off"))}
+  truth_f = apply(make("float32"), "off")
+  out_shapes = jax.eval_shape(apply(make("bfloat16"), "off"), params0, x_shape)
+  arg_shapes = (params0, x_shape, out_shapes)
+  compiled = {}
+  for name, g in fns.items():
+    lowered = jax.jit(g).lower(*arg_shapes)
+    compiled[name] = lowered.compile(compiler_options={"xla_allow_excess_precision": False})
+    compiled[name + "_excess"] = lowered.compile()
+  truth = jax.jit(outputs_and_vjp(truth_f))   # traced under "highest" below: no TF32 on GPUs
+
+  runs = {name: [] for name in compiled}
+  wants = []
+  for s in range(seeds):
+    rng = np.random.default_rng(100 + s)
+    params = jax.tree.map(lambda p: p + 0.05 * jnp.asarray(rng.normal(size=p.shape), p.dtype),
+                          params0)
+    x = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32).astype(jnp.bfloat16)
+    cts = jax.tree.map(lambda z: jnp.asarray(rng.normal(size=z.shape), jnp.float32).astype(z.dtype),
+                       out_shapes)
+    with jax.default_matmul_precision("highest"):
+      wants.append(jax.tree.leaves(truth(params, x, jax.tree.map(
+          lambda c: c.astype(jnp.float32), cts))))
+    for name, fn in compiled.items():
+      runs[name].append(jax.tree.leaves(fn(params, x, cts)))
   errs, worst_ratio, ok = {}, 0.0, True
-  for (path, a), u, w in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(base), jax.tree.leaves(want)):
-    e_f, e_u = _rel(a, w), _rel(u, w)
-    bound = max(LAYER_SLACK * e_u, LAYER_FLOOR)
-    errs[jax.tree_util.keystr(path)] = {"fused_vs_fp32": e_f, "unfused_vs_fp32": e_u,
-                                        "fused_vs_unfused": _rel(a, u)}
-    ok &= bool(np.isfinite(e_f) and e_f <= bound)
-    worst_ratio = max(worst_ratio, e_f / bound if np.isfinite(e_f) else float("inf"))
+  for i, (path, _) in enumerate(jax.tree.leaves_with_path(jax.eval_shape(fns["fused"],
+                                                                         *arg_shapes))):
+    e = {name: _pooled_rel([(r[i], w[i]) for r, w in zip(rs, wants)]) for name, rs in runs.items()}
+    bound = max(LAYER_SLACK * e["unfused"], LAYER_FLOOR)
+    errs[jax.tree_util.keystr(path)] = {
+        "fused_vs_fp32": e["fused"], "unfused_vs_fp32": e["unfused"],
+        "fused_vs_fp32_excess": e["fused_excess"], "unfused_vs_fp32_excess": e["unfused_excess"]}
+    ok &= bool(np.isfinite(e["fused"]) and e["fused"] <= bound)
+    worst_ratio = max(worst_ratio, e["fused"] / bound if np.isfinite(e["fused"]) else float("inf"))
   worst = max(v["fused_vs_fp32"] for v in errs.values())
   name = mixer + "_layer_fused_vs_fp32"
   results[name] = {"worst_rel": worst, "worst_over_bound": worst_ratio, "ok": ok,
-                   "dtype": "bfloat16", "errors": errs}
+                   "dtype": "bfloat16", "seeds": seeds, "errors": errs}
   print(f"{name:32s} bfloat16  worst rel {worst:.2e}, worst / bound {worst_ratio:.2f} "
-        f"{'ok' if ok else 'FAIL'}", flush=True)
+        f"({seeds} seeds pooled) {'ok' if ok else 'FAIL'}", flush=True)
 
 
 def main(argv):
   del argv
   b, t, h, kd, d = FLAGS.batch, FLAGS.t, FLAGS.heads, FLAGS.head_dim, FLAGS.d_model
+  seeds = FLAGS.layer_seeds
   print(f"device {jax.devices()[0]}; B={b} T={t} H={h} K={kd} d={d}", flush=True)
   results = {"device": str(jax.devices()[0]), "shape": dict(B=b, T=t, H=h, K=kd, d=d)}
   for name, fn in (("conv32", lambda: check_conv(results, b, t, h, kd, jnp.float32)),
@@ -195,8 +237,8 @@ def main(argv):
                    ("norm", lambda: check_norm(results, b, t, h, kd, jnp.float32)),
                    ("gain_diag", lambda: check_gain(results, b, t, h, kd, True)),
                    ("gain_iso", lambda: check_gain(results, b, t, h, kd, False)),
-                   ("layer_diag", lambda: check_layer(results, "kdn_diag", b, t, h, kd, d)),
-                   ("layer_iso", lambda: check_layer(results, "kdn_iso", b, t, h, kd, d))):
+                   ("layer_diag", lambda: check_layer(results, "kdn_diag", b, t, h, kd, d, seeds)),
+                   ("layer_iso", lambda: check_layer(results, "kdn_iso", b, t, h, kd, d, seeds))):
     try:
       fn()
     except Exception as e:  # pylint: disable=broad-except
