@@ -1,15 +1,18 @@
 """Where the chunk-64 pair-rows kernel's time goes (issue 18; GPU only): variants of
-intra._pair_rows_kernel with parts removed, timed at B=4, H=16, K=128, bf16, T=4096 and 16384.
+intra._pair_rows_kernel, timed at B=4, H=16, K=128, bf16, T=4096 and 16384.
 
   python -m experiments.probe_pair_rows /tmp/pair_rows_probe.json
 
-Rows: current_nw{4,8} (the shipped kernel's structure, 4 / 8 warps), diag_only (no off-diagonal
-dots), offdiag_only (no diagonal column loop), neither (loads and stores only), per_chunk_nw{4,8}
-(one program per 64-token chunk, its four row blocks in a static loop, no dots above the
-diagonal), cols_nw{4,8} / cols_chunk_nw{4,8} / cols_diag_only (the same with the diagonal tile
-by column stores, intra._diag_columns: the shipped kernel since session 29), shipped_pairs
-(intra.pair_rows_forward itself) and intra_c16 (the single chunk-16 intra kernel). The variants drop segments and the scale: timing only, not exactness
-(docs/benchmark_mixers.md, session 29)."""
+Rows: one_dot_nw{4,8} (session 31, not yet timed: the earlier blocks as one [16, K] x [K, 64]
+dot with a masked row store, instead of up to three [16, K] x [K, 16] dots under pl.when),
+cols_nw{4,8} / cols_chunk_nw{4,8} / cols_diag_only (the shipped structure: diagonal tile by
+column stores, intra._diag_columns; per (chunk, row block) / one program per chunk / without
+the off-diagonal dots), shipped_pairs (intra.pair_rows_forward itself) and intra_c16 (the whole
+chunk-16 intra stage, pair rows + WY; before session 31: the removed single intra kernel at 8
+warps). Session 29's rows of the carried-tile kernel (current_*, diag_only, offdiag_only,
+neither, per_chunk_*) went with its helper in session 31; their numbers are in
+docs/benchmark_mixers.md. The variants drop segments: timing only (one_dot's exactness is
+checked against the shipped kernel in interpret mode by tests/test_probe_pair_rows.py)."""
 import functools
 import json
 import sys
@@ -18,56 +21,32 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
 from experiments import timing
 from pallas_kernels.delta_rule import intra as I
 from pallas_kernels.delta_rule import config as dcfg
 from pallas_kernels.delta_rule.tiles import (dot_nt, tile, ref_point, launch_params, BF16_OPERANDS)
 
-def kern(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, diag, off, C=64, S=16):
+def kern_one_dot(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, scale, C=64, S=16):
+  # grid (b, h, c, i): the row block's earlier blocks as ONE [S, K] x [K, C] dot around g0 (the
+  # columns at and after the row block masked to zero in the column factor), stored as one masked
+  # [S, C] row store that skips the diagonal tile; the diagonal tile by column stores as shipped.
   b, h, c, i = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
-  t0 = c * C; r0 = t0 + i * S
-  q, k, g = (tile(x, b, r0, S, h) for x in (q_ref, k_ref, g_ref))
-  if diag:
-    lii, pii = I._diag_products(q, k, g, w_ref, g_ref, b, h, r0, S, S)
-  else:
-    lii = pii = jnp.zeros((S, S), jnp.float32)
-  g0, xs = ref_point(g_ref, b, h, r0, S, 0, g)
-  kx, qx = k * xs, q * xs
-  rows = pl.ds(r0, S)
-  for j in range(C // S):
-    if off:
-      y = tile(w_ref, b, t0 + j * S, S, h) * jnp.exp(jnp.minimum(g0 - tile(g_ref, b, t0 + j * S, S, h), 0.0))
-      lo, po = dot_nt(kx, y, BF16_OPERANDS), dot_nt(qx, y, BF16_OPERANDS)
-    else:
-      lo = po = jnp.zeros((S, S), jnp.float32)
-    lmat = jnp.where(j < i, lo, jnp.where(j == i, lii, 0.0))
-    pmat = jnp.where(j < i, po, jnp.where(j == i, pii, 0.0))
-    l_out[b, h, rows, pl.ds(j * S, S)] = lmat
-    p_out[b, h, rows, pl.ds(j * S, S)] = pmat.astype(p_out.dtype)
-  wt_out[b, rows, h, :] = (tile(w_ref, b, r0, S, h) * jnp.exp(g)).astype(wt_out.dtype)
-
-def kern3(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, C=64, S=16):
-  # grid (b, h, c): one program per 64-chunk; the 4 row blocks in a static loop.
-  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   t0 = c * C
-  for i in range(C // S):
-    r0 = t0 + i * S
-    q, k, g = (tile(x, b, r0, S, h) for x in (q_ref, k_ref, g_ref))
-    lii, pii = I._diag_products(q, k, g, w_ref, g_ref, b, h, r0, S, S)
-    g0, xs = ref_point(g_ref, b, h, r0, S, 0, g)
-    kx, qx = k * xs, q * xs
-    rows = pl.ds(r0, S)
-    for j in range(C // S):
-      if j < i:
-        y = tile(w_ref, b, t0 + j * S, S, h) * jnp.exp(jnp.minimum(g0 - tile(g_ref, b, t0 + j * S, S, h), 0.0))
-        lmat, pmat = dot_nt(kx, y, BF16_OPERANDS), dot_nt(qx, y, BF16_OPERANDS)
-      elif j == i:
-        lmat, pmat = lii, pii
-      else:
-        lmat = pmat = jnp.zeros((S, S), jnp.float32)
-      l_out[b, h, rows, pl.ds(j * S, S)] = lmat
-      p_out[b, h, rows, pl.ds(j * S, S)] = pmat.astype(p_out.dtype)
-    wt_out[b, rows, h, :] = (tile(w_ref, b, r0, S, h) * jnp.exp(g)).astype(wt_out.dtype)
+  r0 = t0 + i * S
+  rows = pl.ds(r0, S)
+  q, k, g = (tile(x, b, r0, S, h) for x in (q_ref, k_ref, g_ref))
+  g0, xs = ref_point(g_ref, b, h, r0, S, 0, g)
+  col_t = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
+  y = jnp.where(col_t < i * S, tile(w_ref, b, t0, C, h) * jnp.exp(
+      jnp.minimum(g0 - tile(g_ref, b, t0, C, h), 0.0)), 0.0)
+  off_diag = (lax.broadcasted_iota(jnp.int32, (S, C), 1) // S) != i
+  idx = (b, h, rows, pl.ds(0, C))
+  pltr.store(l_out.at[idx], dot_nt(k * xs, y, BF16_OPERANDS), mask=off_diag)
+  pltr.store(p_out.at[idx], (scale * dot_nt(q * xs, y, BF16_OPERANDS)).astype(p_out.dtype),
+             mask=off_diag)
+  I._diag_columns(q, k, g, w_ref, g_ref, None, None, l_out, p_out, b, h, r0, i * S, scale, S)
+  wt_out[b, rows, h, :] = (tile(w_ref, b, r0, S, h) * jnp.exp(g)).astype(wt_out.dtype)
 
 
 def kern_cols(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, off, scale, C=64, S=16):
@@ -149,14 +128,9 @@ def main(out):
     g = jnp.cumsum(la.reshape(B, T // 64, 64, H, K), axis=2).reshape(B, T, H, K)
     g4 = (B, H, T // 64, 4)
     variants = {}
-    for nw in (4, 8):
-      variants[f"current_nw{nw}"] = (functools.partial(kern, diag=True, off=True), g4, nw)
-    variants["diag_only"] = (functools.partial(kern, diag=True, off=False), g4, 4)
-    variants["offdiag_only"] = (functools.partial(kern, diag=False, off=True), g4, 4)
-    variants["neither"] = (functools.partial(kern, diag=False, off=False), g4, 4)
-    for nw in (4, 8):
-      variants[f"per_chunk_nw{nw}"] = (kern3, (B, H, T // 64), nw)
     sc = K ** -0.5
+    for nw in (4, 8):
+      variants[f"one_dot_nw{nw}"] = (functools.partial(kern_one_dot, scale=sc), g4, nw)
     for nw in (4, 8):
       variants[f"cols_nw{nw}"] = (functools.partial(kern_cols, off=True, scale=sc), g4, nw)
       variants[f"cols_chunk_nw{nw}"] = (functools.partial(kern_cols_chunk, scale=sc), (B, H, T // 64), nw)

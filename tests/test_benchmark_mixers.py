@@ -47,14 +47,14 @@ def test_config_from_spec():
 
 
 def test_combine_winners():
-  timed = [("fast_dots=bf16", 10.0), ("wy=1", 9.0), ("block_v=64", 11.0), ("num_stages=2", 8.0),
-           ("blocked=1", None)]
-  assert bm.combine_winners(timed) == "fast_dots=bf16/wy=1/num_stages=2"
+  timed = [("fast_dots=bf16", 10.0), ("bf16_states=0", 9.0), ("block_v=64", 11.0),
+           ("num_stages=2", 8.0), ("sub_block=16", None)]
+  assert bm.combine_winners(timed) == "fast_dots=bf16/bf16_states=0/num_stages=2"
   assert bm.combine_winners(timed[:3]) is None          # one winner: nothing new to try
-  assert bm.combine_winners([("default", None), ("wy=1", 1.0), ("x=1", 1.0)]) is None
+  assert bm.combine_winners([("default", None), ("bf16_states=0", 1.0), ("x=1", 1.0)]) is None
   # Two winners setting one field: the faster one's value is kept.
   assert bm.combine_winners([("default", 10.0), ("max_chunk=16", 8.0),
-                             ("max_chunk=64/wy=1", 9.0)]) == "max_chunk=16/wy=1"
+                             ("max_chunk=64/bf16_states=0", 9.0)]) == "max_chunk=16/bf16_states=0"
 
 
 def test_sweep_with_stages_at_tiny_shape():

@@ -170,12 +170,14 @@ def test_delta_rule_sub_blocks(variant, dtype, decay, tol):
 
 def test_delta_rule_bf16_states():
   """bf16_states (saved states and state gradients in bf16 under bf16-operand dots; the default)
-  stays within the bf16 bounds with segments at chunk 32; fp32 states (bf16_states=False) too."""
+  stays within the bf16 bounds with segments at chunk 32; fp32 states (bf16_states=False) and
+  TF32 dots on bf16 data (fast_dots='tf32') too."""
   old = dr_config.DEFAULT
   seg = np.zeros((1, 150), np.int32)
   seg[:, 70:] = 1
   try:
-    for extra in (dict(bf16_states=True, max_chunk=32), dict(bf16_states=False)):
+    for extra in (dict(bf16_states=True, max_chunk=32), dict(bf16_states=False),
+                  dict(fast_dots="tf32")):   # (tf32: fp32 operands, so fp32 states too)
       dr_config.DEFAULT = dataclasses.replace(old, **extra)
       _check(_inputs(13, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"), seg, 32, 5e-3, 1e-2)
   finally:

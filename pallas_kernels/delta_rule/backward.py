@@ -137,8 +137,9 @@ def _bwd_partials_kernel(*refs, chunk, scale, has_seg, block_v, prec):
 
 
 def _pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C):
-  """Pair accumulators (see _intra_bwd_epilogue) of the whole chunk, by a C-step column loop:
-  exact, exp(<= 0) only."""
+  """Pair accumulators (see _intra_bwd_epilogue) of the C rows from token t0 against themselves
+  (the whole chunk, or one diagonal S x S tile in _intra_bwd_sub_kernel), by a C-step column
+  loop: exact, exp(<= 0) only."""
   col = iota(C, 1)
   row_k = lax.broadcasted_iota(jnp.int32, q.shape, 0)
 
@@ -161,7 +162,7 @@ def _pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C):
 
 def _intra_bwd_epilogue(q, k, w, g, acc, p_diag, dwt, dkbar, dqbar, dgl, e_last, scale, hi,
                         dla_prefix=None, with_dgl=True):
-  """Per-token gradients from the pair accumulators; works on any slice of the K columns, and on
+  """Per-token gradients from the pair accumulators; works on the whole chunk, and on
   a block of the chunk's rows (_intra_bwd_sub_kernel): dla_prefix [1, K] = sum of dWt * Wt over
   the chunk's earlier rows, with_dgl = the block holds the chunk's last row.
 

@@ -1,6 +1,6 @@
 """(I + L)^-1 for a strictly lower-triangular L [C, C] inside a kernel, by the methods that
-DeltaRuleConfig.inverse (the intra kernels) and DeltaRuleConfig.wy_inverse (the WY kernel of the
-precomputed-U path) name. Plain functions of in-register tiles: no refs, no kernels."""
+DeltaRuleConfig.wy_inverse (the WY kernel, wy.py) names. Plain functions of in-register tiles: no
+refs, no kernels."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -48,12 +48,12 @@ def _unit_lower_inverse_blocked(lmat, C, block, hi):
 
 
 def unit_lower_inverse(lmat, C, inverse, block, hi):
-  """(I + L)^-1 by the DeltaRuleConfig.inverse / wy_inverse method named `inverse`."""
+  """(I + L)^-1 by the DeltaRuleConfig.wy_inverse method named `inverse`."""
   if inverse == "doubling":
     return _unit_lower_inverse_doubling(lmat, C, hi)
   if inverse == "sub_rows":
     return _unit_lower_inverse_sub_rows(lmat, C, min(block, C), hi)
-  return _unit_lower_inverse_blocked(lmat, C, min(block, C), hi)   # 'blocks' / 'sub_dots'
+  return _unit_lower_inverse_blocked(lmat, C, min(block, C), hi)   # 'sub_dots'
 
 
 def _unit_lower_inverse_sub_rows(lmat, C, S, hi):

@@ -1,4 +1,4 @@
-"""The WY stage of the precomputed-U forward (DeltaRuleConfig.precompute_u): per (batch, head,
+"""The WY stage of the forward (the second kernel of intra.intra_forward): per (batch, head,
 chunk), from L (intra._pair_rows_kernel, fp32)
 
     A = (I + L)^-1,   W = A Kbar_c,   U = A V'   (Kbar_c = Kbar on the rows that continue the
