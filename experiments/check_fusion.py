@@ -51,12 +51,13 @@ def _segments(rng, b, t):
   return jnp.asarray(seg)
 
 
-def _outputs_and_vjp(f, args, cts):
-  """(f(*args), the VJP of cts), jitted."""
+def _outputs_and_vjp(f):
+  """g(*args, cts) -> (f(*args), the VJP of cts); cts is an argument, so one compile serves
+  every draw."""
   def g(*a):
-    out, vjp = jax.vjp(f, *a)
-    return out, vjp(cts)
-  return jax.jit(g)(*args)
+    out, vjp = jax.vjp(f, *a[:-1])
+    return out, vjp(a[-1])
+  return g
 
 
 def _compare(name, fn, ref, args, dtype, results):
@@ -66,7 +67,7 @@ def _compare(name, fn, ref, args, dtype, results):
   cts = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape), jnp.float32).astype(s.dtype),
                      out_shapes)
 
-  got, want = _outputs_and_vjp(fn, args, cts), _outputs_and_vjp(ref, args, cts)
+  got, want = (jax.jit(_outputs_and_vjp(f))(*args, cts) for f in (fn, ref))
   errs = {}
   for (path, x), y in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(want)):
     errs[jax.tree_util.keystr(path)] = _rel(x, y)
@@ -174,16 +175,10 @@ def check_layer(results, mixer, b, t, h, kd, d, seeds):
       return y, {"memory": fs["memory"], "variance": fs["variance"]}
     return f
 
-  def outputs_and_vjp(f):
-    def g(params, x, cts):
-      out, vjp = jax.vjp(f, params, x)
-      return out, vjp(cts)
-    return g
-
   _, params0, _ = nnx.split(make("bfloat16"), nnx.Param, ...)
   x_shape = jax.ShapeDtypeStruct((b, t, d), jnp.bfloat16)
-  fns = {"fused": outputs_and_vjp(apply(make("bfloat16"), "on")),
-         "unfused": outputs_and_vjp(apply(make("bfloat16"), "off"))}
+  fns = {"fused": _outputs_and_vjp(apply(make("bfloat16"), "on")),
+         "unfused": _outputs_and_vjp(apply(make("bfloat16"), "off"))}
   truth_f = apply(make("float32"), "off")
   out_shapes = jax.eval_shape(apply(make("bfloat16"), "off"), params0, x_shape)
   arg_shapes = (params0, x_shape, out_shapes)
@@ -192,7 +187,7 @@ def check_layer(results, mixer, b, t, h, kd, d, seeds):
     lowered = jax.jit(g).lower(*arg_shapes)
     compiled[name] = lowered.compile(compiler_options={"xla_allow_excess_precision": False})
     compiled[name + "_excess"] = lowered.compile()
-  truth = jax.jit(outputs_and_vjp(truth_f))   # traced under "highest" below: no TF32 on GPUs
+  truth = jax.jit(_outputs_and_vjp(truth_f))   # traced under "highest" below: no TF32 on GPUs
 
   runs = {name: [] for name in compiled}
   wants = []

@@ -179,8 +179,8 @@ def test_lm_sharding_and_dtypes_abstract():
 
 
 # ------------------------------------------------------------------------------------ training ---
-def test_tiny_model_learns_repetition(optimized_xla):
-    del optimized_xla
+@pytest.mark.usefixtures('optimized_xla')
+def test_tiny_model_learns_repetition():
     # The chunked op under a repeated jitted train step: this once deadlocked XLA:CPU (its batched
     # triangular solve); the op now inverts with matmuls only.
     cfg = model_config('tiny', mixer='kdn_diag', vocab_size=32, chunk_size=16, impl='chunked')
