@@ -3,16 +3,16 @@ intra._pair_rows_kernel, timed at B=4, H=16, K=128, bf16, T=4096 and 16384.
 
   python -m experiments.probe_pair_rows /tmp/pair_rows_probe.json
 
-Rows: one_dot_nw{4,8} (session 31, not yet timed: the earlier blocks as one [16, K] x [K, 64]
-dot with a masked row store, instead of up to three [16, K] x [K, 16] dots under pl.when),
-cols_nw{4,8} / cols_chunk_nw{4,8} / cols_diag_only (the shipped structure: diagonal tile by
-column stores, intra._diag_columns; per (chunk, row block) / one program per chunk / without
-the off-diagonal dots), shipped_pairs (intra.pair_rows_forward itself) and intra_c16 (the whole
-chunk-16 intra stage, pair rows + WY; before session 31: the removed single intra kernel at 8
-warps). Session 29's rows of the carried-tile kernel (current_*, diag_only, offdiag_only,
-neither, per_chunk_*) went with its helper in session 31; their numbers are in
-docs/benchmark_mixers.md. The variants drop segments: timing only (one_dot's exactness is
-checked against the shipped kernel in interpret mode by tests/test_probe_pair_rows.py)."""
+Rows: cols_nw{4,8} / cols_chunk_nw{4,8} / cols_diag_only (the structure before session 32:
+diagonal tile by column stores, intra._diag_columns, and one small dot per earlier block under
+pl.when; per (chunk, row block) / one program per chunk / without the off-diagonal dots),
+shipped_pairs (intra.pair_rows_forward itself: since session 32 the earlier blocks as one
+[16, K] x [K, 64] dot with a masked row store, session 31's one_dot variant, which this probe
+timed at 1.46 ms against 1.93 at T=4096 before it was shipped), shipped_pairs_dk32 (the same
+with diag_block_k=32: the diagonal tile formed whole) and intra_c16 (the whole chunk-16 intra
+stage, pair rows + WY). Session 29's rows of the carried-tile kernel went with its helper in
+session 31; their numbers are in docs/benchmark_mixers.md. The variants drop segments: timing
+only."""
 import functools
 import json
 import sys
@@ -21,33 +21,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltr
 from experiments import timing
 from pallas_kernels.delta_rule import intra as I
 from pallas_kernels.delta_rule import config as dcfg
 from pallas_kernels.delta_rule.tiles import (dot_nt, tile, ref_point, launch_params, BF16_OPERANDS)
-
-def kern_one_dot(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, scale, C=64, S=16):
-  # grid (b, h, c, i): the row block's earlier blocks as ONE [S, K] x [K, C] dot around g0 (the
-  # columns at and after the row block masked to zero in the column factor), stored as one masked
-  # [S, C] row store that skips the diagonal tile; the diagonal tile by column stores as shipped.
-  b, h, c, i = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
-  t0 = c * C
-  r0 = t0 + i * S
-  rows = pl.ds(r0, S)
-  q, k, g = (tile(x, b, r0, S, h) for x in (q_ref, k_ref, g_ref))
-  g0, xs = ref_point(g_ref, b, h, r0, S, 0, g)
-  col_t = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
-  y = jnp.where(col_t < i * S, tile(w_ref, b, t0, C, h) * jnp.exp(
-      jnp.minimum(g0 - tile(g_ref, b, t0, C, h), 0.0)), 0.0)
-  off_diag = (lax.broadcasted_iota(jnp.int32, (S, C), 1) // S) != i
-  idx = (b, h, rows, pl.ds(0, C))
-  pltr.store(l_out.at[idx], dot_nt(k * xs, y, BF16_OPERANDS), mask=off_diag)
-  pltr.store(p_out.at[idx], (scale * dot_nt(q * xs, y, BF16_OPERANDS)).astype(p_out.dtype),
-             mask=off_diag)
-  I._diag_columns(q, k, g, w_ref, g_ref, None, None, l_out, p_out, b, h, r0, i * S, scale, S)
-  wt_out[b, rows, h, :] = (tile(w_ref, b, r0, S, h) * jnp.exp(g)).astype(wt_out.dtype)
-
 
 def kern_cols(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, off, scale, C=64, S=16):
   # grid (b, h, c, i) like the shipped kernel; diagonal by column stores; dots only below it.
@@ -130,8 +107,6 @@ def main(out):
     variants = {}
     sc = K ** -0.5
     for nw in (4, 8):
-      variants[f"one_dot_nw{nw}"] = (functools.partial(kern_one_dot, scale=sc), g4, nw)
-    for nw in (4, 8):
       variants[f"cols_nw{nw}"] = (functools.partial(kern_cols, off=True, scale=sc), g4, nw)
       variants[f"cols_chunk_nw{nw}"] = (functools.partial(kern_cols_chunk, scale=sc), (B, H, T // 64), nw)
     variants["cols_diag_only"] = (functools.partial(kern_cols, off=False, scale=sc), g4, 4)
@@ -148,6 +123,11 @@ def main(out):
     kw = dict(chunk=64, scale=K ** -0.5, interpret=False, cfg=cfg64, cfg_prec="fast")
     f = jax.jit(lambda q, k, w, g: I.pair_rows_forward(q, k, w, g, None, **kw))
     res[f"shipped_pairs_T{T}"] = med(f, q, k, w, g); print("shipped_pairs", T, res[f"shipped_pairs_T{T}"])
+    kw_dk = dict(kw, cfg=dcfg.DeltaRuleConfig(max_chunk=64, min_chunk=64, sub_block=16,
+                                              diag_block_k=32))
+    f = jax.jit(lambda q, k, w, g: I.pair_rows_forward(q, k, w, g, None, **kw_dk))
+    res[f"shipped_pairs_dk32_T{T}"] = med(f, q, k, w, g)
+    print("shipped_pairs_dk32", T, res[f"shipped_pairs_dk32_T{T}"])
     g16 = jnp.cumsum(la.reshape(B, T // 16, 16, H, K), axis=2).reshape(B, T, H, K)
     cfg16 = dcfg.DeltaRuleConfig()   # pair rows + WY at chunk 16
     kw16 = dict(chunk=16, scale=K ** -0.5, interpret=False, cfg=cfg16, cfg_prec="fast")

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import common
 from pallas_kernels.delta_rule.tiles import (
     dot, dot_nt, dot_tn, iota, tile, same_seg, decay_to_last, kernel_precision,
-    use_sub, launch_params, sub_blocks, ref_point, seg_masks)
+    use_sub, launch_params, sub_blocks, ref_point, seg_masks, diag_block_k)
 
 
 def chunk_common(refs, b, h, t0, C, scale, has_seg):
@@ -160,6 +160,19 @@ def _pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C):
   return lax.fori_loop(0, C, col_body, (zeros, zeros, zeros))
 
 
+def _pairs_bwd_tiles(q, k, w, g, dpm, dlm):
+  """_pairs_bwd's accumulators for one K slice ([C, kb] operands) from whole [C, C, kb]
+  products (r, j, channel) reduced over j or r: no per-column extractions, reductions or
+  row scatters (DeltaRuleConfig.diag_block_k). Exact, exp(<= 0) only."""
+  e = jnp.exp(jnp.minimum(g[:, None, :] - g[None, :, :], 0.0))
+  we = w[None, :, :] * e
+  dq_acc = jnp.sum(dpm[:, :, None] * we, axis=1)
+  dk_acc = jnp.sum(dlm[:, :, None] * we, axis=1)
+  dw_acc = jnp.sum((dpm[:, :, None] * q[:, None, :] + dlm[:, :, None] * k[:, None, :]) * e,
+                   axis=0)
+  return dq_acc, dk_acc, dw_acc
+
+
 def _intra_bwd_epilogue(q, k, w, g, acc, p_diag, dwt, dkbar, dqbar, dgl, e_last, scale, hi,
                         dla_prefix=None, with_dgl=True):
   """Per-token gradients from the pair accumulators; works on the whole chunk, and on
@@ -207,7 +220,7 @@ def _intra_bwd_refs(refs, has_seg):
   return dict(zip(names, refs[:len(names)])), refs[len(names):]
 
 
-def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, hi):
+def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, hi, diag_kb):
   r, outs = _intra_bwd_refs(refs, has_seg)
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   C = chunk
@@ -229,15 +242,23 @@ def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, hi):
   # exactly, and leaving them in would swamp tiny decay gradients with rounding noise.
   p_diag = jnp.sum(jnp.where(row == col, dpm, 0.0), axis=1)[:, None]
   dpm = jnp.where(row > col, dpm, 0.0)
-  q, k, w, g = (r[n][b, rows, h, :].astype(jnp.float32) for n in ("q", "k", "w", "g"))
-  e_last = decay_to_last(g, r["g"][b, t0 + C - 1, h, :], pid,
-                         r["pid"][b, t0 + C - 1] if has_seg else None)
-  acc = _pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C)
-  grads = _intra_bwd_epilogue(q, k, w, g, acc, p_diag, vsum("dwt", slice(None)),
-                              vsum("dkbar", slice(None)), vsum("dqbar", slice(None)),
-                              _vsum(r["dgl"], b, h, num_vb, c, slice(None)), e_last, scale, hi)
-  for ref, val in zip(outs, grads):
-    ref[b, rows, h, :] = val
+  # Every step after the pair matrices is per channel: with diag_kb, K slice by K slice.
+  kd = r["k"].shape[-1]
+  kb = diag_kb or kd
+  for k0 in range(0, kd, kb):
+    ks = slice(None) if kb == kd else pl.ds(k0, kb)
+    q, k, w, g = (r[n][b, rows, h, ks].astype(jnp.float32) for n in ("q", "k", "w", "g"))
+    e_last = decay_to_last(g, r["g"][b, t0 + C - 1, h, ks], pid,
+                           r["pid"][b, t0 + C - 1] if has_seg else None)
+    if diag_kb:
+      acc = _pairs_bwd_tiles(q, k, w, g, dpm, dlm)
+    else:
+      acc = _pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C)
+    grads = _intra_bwd_epilogue(q, k, w, g, acc, p_diag, vsum("dwt", ks), vsum("dkbar", ks),
+                                vsum("dqbar", ks), _vsum(r["dgl"], b, h, num_vb, c, ks), e_last,
+                                scale, hi)
+    for ref, val in zip(outs, grads):
+      ref[b, rows, h, ks] = val
 
 
 # _SEG_NOTE: the reverse serial kernel once also carried S_init's gradient (a second [K, BV]
@@ -387,7 +408,7 @@ def intra_backward(q, k, w, g, pid, partials, *, chunk, scale, interpret, cfg, c
                              scale=scale, has_seg=has_seg, num_vb=nvb, prec=prec, hi=hi)
   else:
     body = functools.partial(_intra_bwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
-                             num_vb=nvb, hi=hi)
+                             num_vb=nvb, hi=hi, diag_kb=diag_block_k(cfg, kd))
   return pl.pallas_call(
       body,
       out_shape=(lane, lane, lane, lane, lane), grid=(bsz, nh, nc), name="delta_rule_intra_bwd",

@@ -44,6 +44,12 @@ class DeltaRuleConfig:
   # `blocked` sub-tiles and `inverse` options), the 3-dot serial chain (`wy=False`) and the
   # serial kernel that formed O itself (`split_output=False`) (docs/benchmark_mixers.md).
   num_warps_pairs: int = 4   # Triton warps, the pair kernel
+  # The diagonal S x S tiles of the pair products (forward: L and P in the pair kernel;
+  # backward: their gradients in the whole-chunk intra backward): 0 = an S-step column loop
+  # (a row reduction and a strided column store per step); k > 0 = the [S, S, k] products of
+  # k channels at a time summed into whole tiles (intra._diag_tile, backward._pairs_bwd_tiles).
+  # Both exact in fp32, exp(<= 0) only.
+  diag_block_k: int = 0
   # (I + L)^-1 in the WY kernel (wy.py): 'sub_rows', 'sub_dots', 'doubling'.
   wy_inverse: str = "sub_rows"
   # A call that is not differentiated (inference, evaluation) runs the forward at this chunk
@@ -74,6 +80,9 @@ class DeltaRuleConfig:
     if self.sub_block and (not pow2(self.sub_block) or self.sub_block < 16):
       raise ValueError("DeltaRuleConfig.sub_block must be 0 or a power of two >= 16, got "
                        f"{self.sub_block}")
+    if self.diag_block_k and (not pow2(self.diag_block_k) or self.diag_block_k < 16):
+      raise ValueError("DeltaRuleConfig.diag_block_k must be 0 or a power of two >= 16, got "
+                       f"{self.diag_block_k}")
     if self.forward_only_chunk and not pow2(self.forward_only_chunk):
       raise ValueError("DeltaRuleConfig.forward_only_chunk must be 0 or a power of two, got "
                        f"{self.forward_only_chunk}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels import common
 
@@ -66,6 +67,16 @@ def ref_point(g_ref, b, h, t0, S, i, g_i):
   """(g0 [1, K], row factors exp(min(g_i - g0, 0))) of block i."""
   g0 = g_ref[b, pl.ds(t0 + i * S, 1), h, :].astype(jnp.float32)
   return g0, jnp.exp(jnp.minimum(g_i - g0, 0.0))
+
+
+def masked_store(ref, idx, val, mask):
+  """ref[idx] = val where mask (Triton's masked store; the interpret mode runs it too)."""
+  pltr.store(ref.at[idx], val, mask=mask)
+
+
+def diag_block_k(cfg, kd):
+  """K-slice width of the diagonal-tile pair products (0: the column loops), at most K."""
+  return min(cfg.diag_block_k, kd) if cfg.diag_block_k else 0
 
 
 def seg_masks(pid_ref, b, t0, S, nb):
