@@ -442,6 +442,14 @@ def _time_stages(t, docs=False):
       q, k, v, g, h0, cont, res, do, jnp.zeros_like(h0), **kw))
   args = (x["q"], x["k"], x["v"], g, h0, cont, (amat, pmat, wt, wk, states), jnp.ones_like(o))
   out["delta_recur_bwd"] = _time_fn(rbwd, args, first, "delta_recur_bwd")
+  # its two kernels apart: the serial dS chain, then the parallel partials
+  sgr = jax.jit(lambda q, k, v, g, h0, cont, res, do: dbwd.state_grads(
+      q, k, v, g, h0, cont, res, do, jnp.zeros_like(h0), **kw))
+  out["delta_state_bwd"] = _time_fn(sgr, args, first, "delta_state_bwd")
+  dstates = sgr(*args)[1]
+  parts = jax.jit(lambda q, k, v, g, h0, cont, res, do, dstates: dbwd.bwd_partials(
+      q, k, v, g, h0, cont, res, do, dstates, **kw))
+  out["delta_partials_bwd"] = _time_fn(parts, args + (dstates,), first, "delta_partials_bwd")
   partials = tuple(rbwd(*args)[2:])
   ibwd = jax.jit(lambda q, k, w, g, pid, parts: dbwd.intra_backward(q, k, w, g, pid, parts, **kw))
   out["delta_intra_bwd"] = _time_fn(ibwd, (x["q"], x["k"], w, g, pid, partials), first,

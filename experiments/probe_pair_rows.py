@@ -8,9 +8,8 @@ diagonal tile by column stores, intra._diag_columns, and one small dot per earli
 pl.when; per (chunk, row block) / one program per chunk / without the off-diagonal dots),
 shipped_pairs (intra.pair_rows_forward itself: since session 32 the earlier blocks as one
 [16, K] x [K, 64] dot with a masked row store, session 31's one_dot variant, which this probe
-timed at 1.46 ms against 1.93 at T=4096 before it was shipped), shipped_pairs_dk32 (the same
-with diag_block_k=32: the diagonal tile formed whole) and intra_c16 (the whole chunk-16 intra
-stage, pair rows + WY). Session 29's rows of the carried-tile kernel went with its helper in
+timed at 1.46 ms against 1.93 at T=4096 before it was shipped) and intra_c16 (the whole
+chunk-16 intra stage, pair rows + WY). Session 29's rows of the carried-tile kernel went with its helper in
 session 31; their numbers are in docs/benchmark_mixers.md. The variants drop segments: timing
 only."""
 import functools
@@ -123,11 +122,6 @@ def main(out):
     kw = dict(chunk=64, scale=K ** -0.5, interpret=False, cfg=cfg64, cfg_prec="fast")
     f = jax.jit(lambda q, k, w, g: I.pair_rows_forward(q, k, w, g, None, **kw))
     res[f"shipped_pairs_T{T}"] = med(f, q, k, w, g); print("shipped_pairs", T, res[f"shipped_pairs_T{T}"])
-    kw_dk = dict(kw, cfg=dcfg.DeltaRuleConfig(max_chunk=64, min_chunk=64, sub_block=16,
-                                              diag_block_k=32))
-    f = jax.jit(lambda q, k, w, g: I.pair_rows_forward(q, k, w, g, None, **kw_dk))
-    res[f"shipped_pairs_dk32_T{T}"] = med(f, q, k, w, g)
-    print("shipped_pairs_dk32", T, res[f"shipped_pairs_dk32_T{T}"])
     g16 = jnp.cumsum(la.reshape(B, T // 16, 16, H, K), axis=2).reshape(B, T, H, K)
     cfg16 = dcfg.DeltaRuleConfig()   # pair rows + WY at chunk 16
     kw16 = dict(chunk=16, scale=K ** -0.5, interpret=False, cfg=cfg16, cfg_prec="fast")

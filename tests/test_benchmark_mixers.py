@@ -73,7 +73,8 @@ def test_sweep_with_stages_at_tiny_shape():
     for r in recs:
       assert r["ms"] > 0 and r["first_call_s"] > 0, r
       assert set(r["stages"]) >= {"gain_fwd", "delta_intra_fwd", "delta_recur_fwd",
-                                  "delta_recur_bwd", "delta_intra_bwd"}, r
+                                  "delta_recur_bwd", "delta_state_bwd", "delta_partials_bwd",
+                                  "delta_intra_bwd"}, r
     assert results["cfg"] == repr(dr_config.DEFAULT)
     assert dr_config.DEFAULT in (old, make("max_chunk=32/bf16_states=0"))
     # Past the deadline nothing runs.
@@ -145,5 +146,5 @@ def test_stage_split_with_documents(monkeypatch):
   assert rec["row"] == "diag_kdn_seg_pallas" and rec["ms"] > 0
   assert seen and all(seen), seen   # the op and the stage split both ran with segments
   for name in ("gain_fwd", "cumsum_glue", "delta_intra_fwd", "delta_recur_fwd",
-               "delta_recur_bwd", "delta_intra_bwd"):
+               "delta_recur_bwd", "delta_state_bwd", "delta_partials_bwd", "delta_intra_bwd"):
     assert rec["stages"][name] > 0, (name, rec["stages"])

@@ -120,12 +120,12 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
     dict(max_chunk=32, wy_inverse="doubling"),   # chunk 32: two row blocks, the 32-step backward
     dict(max_chunk=32, sub_block=16),
     dict(forward_only_chunk=32, wy_inverse="sub_dots"),   # primal at chunk 32, residuals at 16
-    dict(diag_block_k=16),                  # diagonal tiles whole, four K slices
-    dict(max_chunk=32, diag_block_k=64)])   # the same on 32 x 32 backward tiles, one K slice
+    dict(bwd_pair_loads=True),              # the intra backward's diagonal tiles by two loops
+    dict(max_chunk=32, sub_block=16, bwd_pair_loads=True, block_v_parallel=32)])
 def test_delta_rule_kernel_variants(variant):
   """Every kernel option (V blocks of the serial and parallel kernels, the WY kernel's inverses,
-  chunk 32 with and without the 16-row intra backward, the forward-only chunk, the diagonal
-  tiles formed whole) is exact."""
+  chunk 32 with and without the 16-row intra backward, the forward-only chunk, the intra
+  backward's two-loop diagonal tiles) is exact."""
   old = dr_config.DEFAULT
   try:
     dr_config.set_default(**variant)
@@ -218,7 +218,7 @@ def test_delta_rule_precision_argument():
 
 @pytest.mark.parametrize("bad", [dict(fast_dots="bf-16"), dict(block_v=48),
                                  dict(block_v_parallel=96), dict(sub_block=8), dict(min_chunk=24),
-                                 dict(max_chunk=0), dict(wy_inverse="rows"), dict(diag_block_k=8),
+                                 dict(max_chunk=0), dict(wy_inverse="rows"),
                                  dict(forward_only_chunk=48)])
 def test_delta_rule_config_rejects_bad_values(bad):
   with pytest.raises(ValueError, match="DeltaRuleConfig." + next(iter(bad))):

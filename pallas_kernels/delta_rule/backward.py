@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import common
 from pallas_kernels.delta_rule.tiles import (
     dot, dot_nt, dot_tn, iota, tile, same_seg, decay_to_last, kernel_precision,
-    use_sub, launch_params, sub_blocks, ref_point, seg_masks, diag_block_k)
+    use_sub, launch_params, sub_blocks, ref_point, seg_masks)
 
 
 def chunk_common(refs, b, h, t0, C, scale, has_seg):
@@ -160,17 +160,41 @@ def _pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C):
   return lax.fori_loop(0, C, col_body, (zeros, zeros, zeros))
 
 
-def _pairs_bwd_tiles(q, k, w, g, dpm, dlm):
-  """_pairs_bwd's accumulators for one K slice ([C, kb] operands) from whole [C, C, kb]
-  products (r, j, channel) reduced over j or r: no per-column extractions, reductions or
-  row scatters (DeltaRuleConfig.diag_block_k). Exact, exp(<= 0) only."""
-  e = jnp.exp(jnp.minimum(g[:, None, :] - g[None, :, :], 0.0))
-  we = w[None, :, :] * e
-  dq_acc = jnp.sum(dpm[:, :, None] * we, axis=1)
-  dk_acc = jnp.sum(dlm[:, :, None] * we, axis=1)
-  dw_acc = jnp.sum((dpm[:, :, None] * q[:, None, :] + dlm[:, :, None] * k[:, None, :]) * e,
-                   axis=0)
-  return dq_acc, dk_acc, dw_acc
+def _pairs_bwd_loads(q, k, g, r, b, h, t0, col0, C, scale, num_vb, pid):
+  """The same accumulators as _pairs_bwd from two loops that read dP and dL entries from
+  memory instead of extracting them from register tiles: a column loop for X_q, X_k (each step
+  adds [C, K] terms, no reduction) and a row loop for Y_w (likewise, no row scatter), at the
+  price of twice the exps. Rows t0..t0+C-1 against columns col0.. of the chunk's pair arrays;
+  pid: the rows' segment ids (None without segments)."""
+  row = lax.broadcasted_iota(jnp.int32, (C,), 0)
+  rows = pl.ds(t0, C)
+
+  def kept(keep, jj):
+    if pid is not None:
+      keep = keep & (pid == r["pid"][b, t0 + jj])
+    return keep
+
+  def col_body(jj, acc):
+    dq_acc, dk_acc = acc
+    keep = kept(row > jj, jj)
+    pj = jnp.where(keep, _vsum(r["dp"], b, h, num_vb, rows, col0 + jj), 0.0)[:, None] * scale
+    lj = jnp.where(keep, _vsum(r["dl"], b, h, num_vb, rows, col0 + jj), 0.0)[:, None]
+    wj = r["w"][b, pl.ds(t0 + jj, 1), h, :].astype(jnp.float32)
+    gj = r["g"][b, pl.ds(t0 + jj, 1), h, :].astype(jnp.float32)
+    we = wj * jnp.exp(jnp.minimum(g - gj, 0.0))
+    return dq_acc + pj * we, dk_acc + lj * we
+
+  def row_body(ii, dw_acc):
+    keep = kept(row < ii, ii)
+    cols = pl.ds(col0, C)
+    pr = jnp.where(keep, _vsum(r["dp"], b, h, num_vb, t0 + ii, cols), 0.0)[:, None] * scale
+    lr = jnp.where(keep, _vsum(r["dl"], b, h, num_vb, t0 + ii, cols), 0.0)[:, None]
+    qi, ki, gi = (r[n][b, pl.ds(t0 + ii, 1), h, :].astype(jnp.float32) for n in ("q", "k", "g"))
+    return dw_acc + (pr * qi + lr * ki) * jnp.exp(jnp.minimum(gi - g, 0.0))
+
+  zeros = jnp.zeros_like(q)
+  dq_acc, dk_acc = lax.fori_loop(0, C, col_body, (zeros, zeros))
+  return dq_acc, dk_acc, lax.fori_loop(0, C, row_body, zeros)
 
 
 def _intra_bwd_epilogue(q, k, w, g, acc, p_diag, dwt, dkbar, dqbar, dgl, e_last, scale, hi,
@@ -220,7 +244,7 @@ def _intra_bwd_refs(refs, has_seg):
   return dict(zip(names, refs[:len(names)])), refs[len(names):]
 
 
-def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, hi, diag_kb):
+def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, hi, pair_loads):
   r, outs = _intra_bwd_refs(refs, has_seg)
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   C = chunk
@@ -242,23 +266,18 @@ def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, hi, diag_kb):
   # exactly, and leaving them in would swamp tiny decay gradients with rounding noise.
   p_diag = jnp.sum(jnp.where(row == col, dpm, 0.0), axis=1)[:, None]
   dpm = jnp.where(row > col, dpm, 0.0)
-  # Every step after the pair matrices is per channel: with diag_kb, K slice by K slice.
-  kd = r["k"].shape[-1]
-  kb = diag_kb or kd
-  for k0 in range(0, kd, kb):
-    ks = slice(None) if kb == kd else pl.ds(k0, kb)
-    q, k, w, g = (r[n][b, rows, h, ks].astype(jnp.float32) for n in ("q", "k", "w", "g"))
-    e_last = decay_to_last(g, r["g"][b, t0 + C - 1, h, ks], pid,
-                           r["pid"][b, t0 + C - 1] if has_seg else None)
-    if diag_kb:
-      acc = _pairs_bwd_tiles(q, k, w, g, dpm, dlm)
-    else:
-      acc = _pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C)
-    grads = _intra_bwd_epilogue(q, k, w, g, acc, p_diag, vsum("dwt", ks), vsum("dkbar", ks),
-                                vsum("dqbar", ks), _vsum(r["dgl"], b, h, num_vb, c, ks), e_last,
-                                scale, hi)
-    for ref, val in zip(outs, grads):
-      ref[b, rows, h, ks] = val
+  q, k, w, g = (r[n][b, rows, h, :].astype(jnp.float32) for n in ("q", "k", "w", "g"))
+  e_last = decay_to_last(g, r["g"][b, t0 + C - 1, h, :], pid,
+                         r["pid"][b, t0 + C - 1] if has_seg else None)
+  if pair_loads:
+    acc = _pairs_bwd_loads(q, k, g, r, b, h, t0, 0, C, scale, num_vb, pid)
+  else:
+    acc = _pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C)
+  grads = _intra_bwd_epilogue(q, k, w, g, acc, p_diag, vsum("dwt", slice(None)),
+                              vsum("dkbar", slice(None)), vsum("dqbar", slice(None)),
+                              _vsum(r["dgl"], b, h, num_vb, c, slice(None)), e_last, scale, hi)
+  for ref, val in zip(outs, grads):
+    ref[b, rows, h, :] = val
 
 
 # _SEG_NOTE: the reverse serial kernel once also carried S_init's gradient (a second [K, BV]
@@ -269,7 +288,7 @@ def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, hi, diag_kb):
 # seg_init_grad forms S_init's share in XLA (docs/benchmark_mixers.md, fifth session).
 
 
-def _intra_bwd_sub_kernel(*refs, chunk, sub, scale, has_seg, num_vb, prec, hi):
+def _intra_bwd_sub_kernel(*refs, chunk, sub, scale, has_seg, num_vb, prec, hi, pair_loads):
   r, outs = _intra_bwd_refs(refs, has_seg)
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   C, S = chunk, sub
@@ -303,7 +322,11 @@ def _intra_bwd_sub_kernel(*refs, chunk, sub, scale, has_seg, num_vb, prec, hi):
       dpm[i, j], dlm[i, j] = dp, dl
   dq_acc, dk_acc, dw_acc = [], [], []
   for i in range(nb):
-    a_q, a_k, a_w = _pairs_bwd(q[i], k[i], g[i], dpm[i, i], dlm[i, i], r, b, h, t0 + i * S, S)
+    if pair_loads:
+      a_q, a_k, a_w = _pairs_bwd_loads(q[i], k[i], g[i], r, b, h, t0 + i * S, i * S, S, scale,
+                                       num_vb, pids[i])
+    else:
+      a_q, a_k, a_w = _pairs_bwd(q[i], k[i], g[i], dpm[i, i], dlm[i, i], r, b, h, t0 + i * S, S)
     dq_acc.append(a_q)
     dk_acc.append(a_k)
     dw_acc.append(a_w)
@@ -333,42 +356,66 @@ def _intra_bwd_sub_kernel(*refs, chunk, sub, scale, has_seg, num_vb, prec, hi):
       ref[b, rows, h, :] = val
 
 
-def recur_backward(q, k, v, g, h0, cont, res, do, dsfin, *, chunk, scale, interpret, cfg,
-                   cfg_prec):
-  """Backward stage 1: the reverse dS chain (serial over chunks, saving each chunk's dS), then,
-  parallel over (chunk, V block), dV and the per-V-block partial gradients; with segments,
-  S_init's share of the segments that restart from it (seg_init_grad, XLA). Returns
-  (dV, dS_init, partials...)."""
-  amat, pmat, wt, wk, states = res
-  bsz, t, nh, kd = k.shape
-  vd = v.shape[-1]
-  nc = t // chunk
-  has_seg = cont is not None
+def _bwd_inputs(q, k, v, g, h0, cont, res, do, cfg, cfg_prec, interpret, chunk, scale):
+  amat, pmat, wt, wk, _ = res
   prec = kernel_precision(cfg, cfg_prec, interpret)
-  f32 = jnp.float32
+  kw = dict(chunk=chunk, scale=scale, has_seg=cont is not None, prec=prec)
+  return [q, k, v, g, amat, pmat, wt, h0, do], ([cont] if cont is not None else []) + [wk], kw
+
+
+def state_grads(q, k, v, g, h0, cont, res, do, dsfin, *, chunk, scale, interpret, cfg,
+                cfg_prec):
+  """The reverse dS chain, serial over chunks: (dS_init's chain share [B, H, K, V] fp32, each
+  chunk's dS [B, H, T/C, K, V] in the states' dtype)."""
+  states = res[4]
+  bsz, _, nh, kd = k.shape
+  vd = v.shape[-1]
   block_v = min(cfg.block_v, vd)
-  bv_part = min(cfg.block_v_parallel, vd)
-  nvb = vd // bv_part
-  opt = ([cont] if has_seg else []) + [wk]
-  common_in = [q, k, v, g, amat, pmat, wt, h0, do]
-  kw = dict(chunk=chunk, scale=scale, has_seg=has_seg, prec=prec)
-  dh0, dstates = pl.pallas_call(
-      functools.partial(_recur_bwd_kernel, num_chunks=nc, block_v=block_v, **kw),
-      out_shape=(jax.ShapeDtypeStruct((bsz, nh, kd, vd), f32),
+  common_in, opt, kw = _bwd_inputs(q, k, v, g, h0, cont, res, do, cfg, cfg_prec, interpret,
+                                   chunk, scale)
+  return pl.pallas_call(
+      functools.partial(_recur_bwd_kernel, num_chunks=k.shape[1] // chunk, block_v=block_v,
+                        **kw),
+      out_shape=(jax.ShapeDtypeStruct((bsz, nh, kd, vd), jnp.float32),
                  jax.ShapeDtypeStruct(states.shape, states.dtype)),
       grid=(bsz, nh, vd // block_v), name="delta_rule_recur_bwd",
       **launch_params(interpret, cfg.num_warps_recur, cfg),
   )(*common_in, dsfin, *opt)
+
+
+def bwd_partials(q, k, v, g, h0, cont, res, do, dstates, *, chunk, scale, interpret, cfg,
+                 cfg_prec):
+  """Parallel over (chunk, V block): dV and the per-V-block partial gradients of P, L, Wt,
+  Kbar, Qbar and g_last, from the saved states and state gradients."""
+  states = res[4]
+  bsz, t, nh, kd = k.shape
+  vd = v.shape[-1]
+  nc = t // chunk
+  f32 = jnp.float32
+  bv_part = min(cfg.block_v_parallel, vd)
+  nvb = vd // bv_part
+  common_in, opt, kw = _bwd_inputs(q, k, v, g, h0, cont, res, do, cfg, cfg_prec, interpret,
+                                   chunk, scale)
   cc = jax.ShapeDtypeStruct((bsz, nh, nvb, t, chunk), f32)
   ck = jax.ShapeDtypeStruct((bsz, nh, nvb, t, kd), f32)
   partial_shapes = (jax.ShapeDtypeStruct(v.shape, f32), cc, cc, ck, ck, ck,
                     jax.ShapeDtypeStruct((bsz, nh, nvb, nc, kd), f32))
-  dv, *partials = pl.pallas_call(
+  return pl.pallas_call(
       functools.partial(_bwd_partials_kernel, block_v=bv_part, **kw),
       out_shape=partial_shapes, grid=(bsz, nh, nc, nvb), name="delta_rule_bwd_partials",
       **launch_params(interpret, cfg.num_warps_parallel, cfg),
   )(*common_in, states, dstates, *opt)
-  if has_seg:
+
+
+def recur_backward(q, k, v, g, h0, cont, res, do, dsfin, *, chunk, scale, interpret, cfg,
+                   cfg_prec):
+  """Backward stage 1: the reverse dS chain (state_grads), then dV and the per-V-block partial
+  gradients (bwd_partials); with segments, S_init's share of the segments that restart from it
+  (seg_init_grad, XLA). Returns (dV, dS_init, partials...)."""
+  kw = dict(chunk=chunk, scale=scale, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
+  dh0, dstates = state_grads(q, k, v, g, h0, cont, res, do, dsfin, **kw)
+  dv, *partials = bwd_partials(q, k, v, g, h0, cont, res, do, dstates, **kw)
+  if cont is not None:
     dh0 = dh0 + seg_init_grad(q, k, g, cont, do, dv, dstates, chunk=chunk, scale=scale,
                               exact=cfg_prec == "exact")
   return (dv, dh0, *partials)
@@ -405,10 +452,11 @@ def intra_backward(q, k, w, g, pid, partials, *, chunk, scale, interpret, cfg, c
   hi = common.dot_precision("exact", interpret)
   if use_sub(cfg, chunk):
     body = functools.partial(_intra_bwd_sub_kernel, chunk=chunk, sub=cfg.sub_block,
-                             scale=scale, has_seg=has_seg, num_vb=nvb, prec=prec, hi=hi)
+                             scale=scale, has_seg=has_seg, num_vb=nvb, prec=prec, hi=hi,
+                             pair_loads=cfg.bwd_pair_loads)
   else:
     body = functools.partial(_intra_bwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
-                             num_vb=nvb, hi=hi, diag_kb=diag_block_k(cfg, kd))
+                             num_vb=nvb, hi=hi, pair_loads=cfg.bwd_pair_loads)
   return pl.pallas_call(
       body,
       out_shape=(lane, lane, lane, lane, lane), grid=(bsz, nh, nc), name="delta_rule_intra_bwd",

@@ -44,12 +44,6 @@ class DeltaRuleConfig:
   # `blocked` sub-tiles and `inverse` options), the 3-dot serial chain (`wy=False`) and the
   # serial kernel that formed O itself (`split_output=False`) (docs/benchmark_mixers.md).
   num_warps_pairs: int = 4   # Triton warps, the pair kernel
-  # The diagonal S x S tiles of the pair products (forward: L and P in the pair kernel;
-  # backward: their gradients in the whole-chunk intra backward): 0 = an S-step column loop
-  # (a row reduction and a strided column store per step); k > 0 = the [S, S, k] products of
-  # k channels at a time summed into whole tiles (intra._diag_tile, backward._pairs_bwd_tiles).
-  # Both exact in fp32, exp(<= 0) only.
-  diag_block_k: int = 0
   # (I + L)^-1 in the WY kernel (wy.py): 'sub_rows', 'sub_dots', 'doubling'.
   wy_inverse: str = "sub_rows"
   # A call that is not differentiated (inference, evaluation) runs the forward at this chunk
@@ -63,6 +57,10 @@ class DeltaRuleConfig:
   # Triton warps, the WY kernel (H200 T=4096: 0.40 ms with 4, 0.45 with 8)
   num_warps_intra: int = 4
   num_warps_intra_bwd: int = 4   # Triton warps, intra-chunk backward kernel
+  # The intra backward's diagonal tiles (backward._pairs_bwd_loads): a column loop and a row
+  # loop reading dP / dL entries from memory, instead of one column loop that extracts them from
+  # register tiles by masked reductions and scatters its dw rows by selects (session 32 trial).
+  bwd_pair_loads: bool = False
   num_warps_parallel: int = 8    # Triton warps, the backward-partials kernel
   # Triton warps, the output kernel: its program is one [C, K] x [K, BV] dot (H200, diag KDN
   # T=4096, session 30: output stage 0.83 ms with 8 warps, 0.53 with 4; op forward 2.57 -> 2.36
@@ -80,9 +78,6 @@ class DeltaRuleConfig:
     if self.sub_block and (not pow2(self.sub_block) or self.sub_block < 16):
       raise ValueError("DeltaRuleConfig.sub_block must be 0 or a power of two >= 16, got "
                        f"{self.sub_block}")
-    if self.diag_block_k and (not pow2(self.diag_block_k) or self.diag_block_k < 16):
-      raise ValueError("DeltaRuleConfig.diag_block_k must be 0 or a power of two >= 16, got "
-                       f"{self.diag_block_k}")
     if self.forward_only_chunk and not pow2(self.forward_only_chunk):
       raise ValueError("DeltaRuleConfig.forward_only_chunk must be 0 or a power of two, got "
                        f"{self.forward_only_chunk}")

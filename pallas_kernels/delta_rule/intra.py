@@ -21,8 +21,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.delta_rule import wy as _wy
 from pallas_kernels.delta_rule.tiles import (
-    dot_nt, iota, tile, decay_to_last, kernel_precision, operand_dtype, launch_params, ref_point,
-    masked_store, diag_block_k)
+    dot_nt, tile, decay_to_last, kernel_precision, operand_dtype, launch_params, ref_point,
+    masked_store)
 
 
 def _diag_columns(q, k, g, w_ref, g_ref, pid_ref, pid_i, l_out, p_out, b, h, r0, col0, scale, S):
@@ -51,30 +51,7 @@ def _diag_columns(q, k, g, w_ref, g_ref, pid_ref, pid_i, l_out, p_out, b, h, r0,
   lax.fori_loop(0, S, body, 0)
 
 
-def _diag_tile(q_ref, k_ref, w_ref, g_ref, pid_i, l_out, p_out, b, h, r0, col0, scale, S, kb):
-  """The same diagonal tile as _diag_columns, formed whole: per K slice of kb channels the
-  [S, S, kb] products exp(min(g_r - g_j, 0)) w_j (k_r, q_r), summed over the slice into [S, S]
-  L and P, then one masked tile store each. No per-column reductions into a second register
-  layout and no strided column stores; registers bounded by kb (DeltaRuleConfig.diag_block_k)."""
-  lmat = jnp.zeros((S, S), jnp.float32)
-  pmat = jnp.zeros((S, S), jnp.float32)
-  for k0 in range(0, k_ref.shape[-1], kb):
-    q, k, w, g = (x[b, pl.ds(r0, S), h, pl.ds(k0, kb)].astype(jnp.float32)
-                  for x in (q_ref, k_ref, w_ref, g_ref))
-    e = jnp.exp(jnp.minimum(g[:, None, :] - g[None, :, :], 0.0)) * w[None, :, :]
-    lmat = lmat + jnp.sum(k[:, None, :] * e, axis=2)
-    pmat = pmat + jnp.sum(q[:, None, :] * e, axis=2)
-  row, col = iota(S, 0), iota(S, 1)
-  keep_l, keep_p = row > col, row >= col
-  if pid_i is not None:
-    same = pid_i[:, None] == pid_i[None, :]
-    keep_l, keep_p = keep_l & same, keep_p & same
-  cols = pl.ds(col0, S)
-  l_out[b, h, pl.ds(r0, S), cols] = jnp.where(keep_l, lmat, 0.0).astype(l_out.dtype)
-  p_out[b, h, pl.ds(r0, S), cols] = (scale * jnp.where(keep_p, pmat, 0.0)).astype(p_out.dtype)
-
-
-def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec, diag_kb):
+def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec):
   """Rows [i S, (i + 1) S) of L (f32, strict, zero above the diagonal) and of P (scaled), and
   their Wt rows; i = program_id(3). Every column of the row block is stored (zeros right of the
   diagonal tile), so the outputs need no initialisation."""
@@ -108,12 +85,7 @@ def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec, diag_kb):
     idx = (b, h, rows, pl.ds(0, C))
     masked_store(l_out, idx, lmat, off_diag)
     masked_store(p_out, idx, (scale * pmat).astype(p_out.dtype), off_diag)
-  if diag_kb:
-    _diag_tile(q_ref, k_ref, w_ref, g_ref, pid_i, l_out, p_out, b, h, r0, i * S, scale, S,
-               diag_kb)
-  else:
-    _diag_columns(q, k, g, w_ref, g_ref, pid_ref, pid_i, l_out, p_out, b, h, r0, i * S, scale,
-                  S)
+  _diag_columns(q, k, g, w_ref, g_ref, pid_ref, pid_i, l_out, p_out, b, h, r0, i * S, scale, S)
   g_last = g_ref[b, t0 + C - 1, h, :]
   e_last = decay_to_last(g, g_last, pid_i, pid_ref[b, t0 + C - 1] if has_seg else None)
   wt_out[b, rows, h, :] = (tile(w_ref, b, r0, S, h) * e_last).astype(wt_out.dtype)
@@ -134,7 +106,7 @@ def pair_rows_forward(q, k, w, g, pid, *, chunk, scale, interpret, cfg, cfg_prec
   sub = sub_rows(cfg, chunk)
   return pl.pallas_call(
       functools.partial(_pair_rows_kernel, chunk=chunk, sub=sub, scale=scale, has_seg=has_seg,
-                        prec=prec, diag_kb=diag_block_k(cfg, kd)),
+                        prec=prec),
       out_shape=(jax.ShapeDtypeStruct((bsz, nh, t, chunk), jnp.float32),
                  jax.ShapeDtypeStruct((bsz, nh, t, chunk), dt),
                  jax.ShapeDtypeStruct((bsz, t, nh, kd), dt)),

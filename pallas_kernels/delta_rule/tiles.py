@@ -74,11 +74,6 @@ def masked_store(ref, idx, val, mask):
   pltr.store(ref.at[idx], val, mask=mask)
 
 
-def diag_block_k(cfg, kd):
-  """K-slice width of the diagonal-tile pair products (0: the column loops), at most K."""
-  return min(cfg.diag_block_k, kd) if cfg.diag_block_k else 0
-
-
 def seg_masks(pid_ref, b, t0, S, nb):
   pids = [pid_ref[b, pl.ds(t0 + i * S, S)] for i in range(nb)]
   same = {(i, j): (pids[i][:, None] == pids[j][None, :]).astype(jnp.float32)
