@@ -3,7 +3,8 @@ intra._pair_rows_kernel, timed at B=4, H=16, K=128, bf16, T=4096 and 16384.
 
   python -m experiments.probe_pair_rows /tmp/pair_rows_probe.json
 
-Rows: cols_nw{4,8} / cols_chunk_nw{4,8} / cols_diag_only (the structure before session 32:
+Rows: diag_{cols,rows}_c16_nw{2,4} (session 32: the chunk-16 pair kernel's diagonal tile by
+the shipped column loop, or row by row with contiguous row stores), cols_nw{4,8} / cols_chunk_nw{4,8} / cols_diag_only (the structure before session 32:
 diagonal tile by column stores, intra._diag_columns, and one small dot per earlier block under
 pl.when; per (chunk, row block) / one program per chunk / without the off-diagonal dots),
 shipped_pairs (intra.pair_rows_forward itself: since session 32 the earlier blocks as one
@@ -81,14 +82,43 @@ def kern_cols_chunk(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, scale, 
     wt_out[b, rows, h, :] = (tile(w_ref, b, r0, S, h) * jnp.exp(g)).astype(wt_out.dtype)
 
 
+def kern_diag_rows(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, scale, S=16):
+  # grid (b, h, c) at chunk S: the diagonal tile row by row, each row of L and P one contiguous
+  # [S] store (the shipped column loop stores strided columns).
+  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  r0 = c * S
+  w, g = tile(w_ref, b, r0, S, h), tile(g_ref, b, r0, S, h)
+  col = lax.broadcasted_iota(jnp.int32, (S,), 0)
+
+  def body(ii, carry):
+    qi, ki, gi = (x[b, r0 + ii, h, :].astype(jnp.float32) for x in (q_ref, k_ref, g_ref))
+    e = jnp.exp(jnp.minimum(gi[None, :] - g, 0.0)) * w
+    l_out[b, h, r0 + ii, pl.ds(0, S)] = jnp.where(col < ii, jnp.sum(ki[None, :] * e, axis=1), 0.0)
+    p_out[b, h, r0 + ii, pl.ds(0, S)] = (scale * jnp.where(
+        col <= ii, jnp.sum(qi[None, :] * e, axis=1), 0.0)).astype(p_out.dtype)
+    return carry
+
+  lax.fori_loop(0, S, body, 0)
+  wt_out[b, pl.ds(r0, S), h, :] = (w * jnp.exp(g)).astype(wt_out.dtype)
+
+
+def kern_diag_cols(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, scale, S=16):
+  # the same at chunk S by the shipped column loop (intra._diag_columns)
+  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  r0 = c * S
+  q, k, g = (tile(x, b, r0, S, h) for x in (q_ref, k_ref, g_ref))
+  I._diag_columns(q, k, g, w_ref, g_ref, None, None, l_out, p_out, b, h, r0, 0, scale, S)
+  wt_out[b, pl.ds(r0, S), h, :] = (tile(w_ref, b, r0, S, h) * jnp.exp(g)).astype(wt_out.dtype)
+
+
 INTERPRET = jax.default_backend() == "cpu"
 
 
-def call(body, q, k, w, g, grid, nw):
+def call(body, q, k, w, g, grid, nw, C=64):
   B, T, H, K = k.shape
   cfg = dcfg.DeltaRuleConfig()
-  return pl.pallas_call(body, out_shape=(jax.ShapeDtypeStruct((B, H, T, 64), jnp.float32),
-      jax.ShapeDtypeStruct((B, H, T, 64), jnp.bfloat16), jax.ShapeDtypeStruct((B, T, H, K), jnp.bfloat16)),
+  return pl.pallas_call(body, out_shape=(jax.ShapeDtypeStruct((B, H, T, C), jnp.float32),
+      jax.ShapeDtypeStruct((B, H, T, C), jnp.bfloat16), jax.ShapeDtypeStruct((B, T, H, K), jnp.bfloat16)),
       grid=grid, **launch_params(INTERPRET, nw, cfg))(q, k, w, g)
 
 def med(fn, *a):
@@ -109,10 +139,18 @@ def main(out):
       variants[f"cols_nw{nw}"] = (functools.partial(kern_cols, off=True, scale=sc), g4, nw)
       variants[f"cols_chunk_nw{nw}"] = (functools.partial(kern_cols_chunk, scale=sc), (B, H, T // 64), nw)
     variants["cols_diag_only"] = (functools.partial(kern_cols, off=False, scale=sc), g4, 4)
-    for name, (body, grid, nw) in variants.items():
+    g16 = jnp.cumsum(la.reshape(B, T // 16, 16, H, K), axis=2).reshape(B, T, H, K)
+    for nw in (2, 4):   # chunk 16 (the shipped chunk): the diagonal tile alone, columns or rows
+      variants[f"diag_cols_c16_nw{nw}"] = (functools.partial(kern_diag_cols, scale=sc),
+                                           (B, H, T // 16), nw, 16)
+      variants[f"diag_rows_c16_nw{nw}"] = (functools.partial(kern_diag_rows, scale=sc),
+                                           (B, H, T // 16), nw, 16)
+    for name, (body, grid, nw, *cc) in variants.items():
+      C = cc[0] if cc else 64
       try:
-        f = jax.jit(lambda q, k, w, g, body=body, grid=grid, nw=nw: call(body, q, k, w, g, grid, nw))
-        ms = med(f, q, k, w, g)
+        f = jax.jit(lambda q, k, w, g, body=body, grid=grid, nw=nw, C=C: call(
+            body, q, k, w, g, grid, nw, C))
+        ms = med(f, q, k, w, g16 if C == 16 else g)
       except Exception as e:
         ms = f"{type(e).__name__}: {str(e)[:200]}"
       res[f"{name}_T{T}"] = ms
@@ -122,7 +160,6 @@ def main(out):
     kw = dict(chunk=64, scale=K ** -0.5, interpret=False, cfg=cfg64, cfg_prec="fast")
     f = jax.jit(lambda q, k, w, g: I.pair_rows_forward(q, k, w, g, None, **kw))
     res[f"shipped_pairs_T{T}"] = med(f, q, k, w, g); print("shipped_pairs", T, res[f"shipped_pairs_T{T}"])
-    g16 = jnp.cumsum(la.reshape(B, T // 16, 16, H, K), axis=2).reshape(B, T, H, K)
     cfg16 = dcfg.DeltaRuleConfig()   # pair rows + WY at chunk 16
     kw16 = dict(chunk=16, scale=K ** -0.5, interpret=False, cfg=cfg16, cfg_prec="fast")
     v = q; h0 = jnp.zeros((B, H, K, K), jnp.float32)

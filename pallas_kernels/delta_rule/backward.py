@@ -160,43 +160,6 @@ def _pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C):
   return lax.fori_loop(0, C, col_body, (zeros, zeros, zeros))
 
 
-def _pairs_bwd_loads(q, k, g, r, b, h, t0, col0, C, scale, num_vb, pid):
-  """The same accumulators as _pairs_bwd from two loops that read dP and dL entries from
-  memory instead of extracting them from register tiles: a column loop for X_q, X_k (each step
-  adds [C, K] terms, no reduction) and a row loop for Y_w (likewise, no row scatter), at the
-  price of twice the exps. Rows t0..t0+C-1 against columns col0.. of the chunk's pair arrays;
-  pid: the rows' segment ids (None without segments)."""
-  row = lax.broadcasted_iota(jnp.int32, (C,), 0)
-  rows = pl.ds(t0, C)
-
-  def kept(keep, jj):
-    if pid is not None:
-      keep = keep & (pid == r["pid"][b, t0 + jj])
-    return keep
-
-  def col_body(jj, acc):
-    dq_acc, dk_acc = acc
-    keep = kept(row > jj, jj)
-    pj = jnp.where(keep, _vsum(r["dp"], b, h, num_vb, rows, col0 + jj), 0.0)[:, None] * scale
-    lj = jnp.where(keep, _vsum(r["dl"], b, h, num_vb, rows, col0 + jj), 0.0)[:, None]
-    wj = r["w"][b, pl.ds(t0 + jj, 1), h, :].astype(jnp.float32)
-    gj = r["g"][b, pl.ds(t0 + jj, 1), h, :].astype(jnp.float32)
-    we = wj * jnp.exp(jnp.minimum(g - gj, 0.0))
-    return dq_acc + pj * we, dk_acc + lj * we
-
-  def row_body(ii, dw_acc):
-    keep = kept(row < ii, ii)
-    cols = pl.ds(col0, C)
-    pr = jnp.where(keep, _vsum(r["dp"], b, h, num_vb, t0 + ii, cols), 0.0)[:, None] * scale
-    lr = jnp.where(keep, _vsum(r["dl"], b, h, num_vb, t0 + ii, cols), 0.0)[:, None]
-    qi, ki, gi = (r[n][b, pl.ds(t0 + ii, 1), h, :].astype(jnp.float32) for n in ("q", "k", "g"))
-    return dw_acc + (pr * qi + lr * ki) * jnp.exp(jnp.minimum(gi - g, 0.0))
-
-  zeros = jnp.zeros_like(q)
-  dq_acc, dk_acc = lax.fori_loop(0, C, col_body, (zeros, zeros))
-  return dq_acc, dk_acc, lax.fori_loop(0, C, row_body, zeros)
-
-
 def _intra_bwd_epilogue(q, k, w, g, acc, p_diag, dwt, dkbar, dqbar, dgl, e_last, scale, hi,
                         dla_prefix=None, with_dgl=True):
   """Per-token gradients from the pair accumulators; works on the whole chunk, and on
@@ -244,7 +207,7 @@ def _intra_bwd_refs(refs, has_seg):
   return dict(zip(names, refs[:len(names)])), refs[len(names):]
 
 
-def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, hi, pair_loads):
+def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, hi):
   r, outs = _intra_bwd_refs(refs, has_seg)
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   C = chunk
@@ -269,10 +232,7 @@ def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, hi, pair_loads):
   q, k, w, g = (r[n][b, rows, h, :].astype(jnp.float32) for n in ("q", "k", "w", "g"))
   e_last = decay_to_last(g, r["g"][b, t0 + C - 1, h, :], pid,
                          r["pid"][b, t0 + C - 1] if has_seg else None)
-  if pair_loads:
-    acc = _pairs_bwd_loads(q, k, g, r, b, h, t0, 0, C, scale, num_vb, pid)
-  else:
-    acc = _pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C)
+  acc = _pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C)
   grads = _intra_bwd_epilogue(q, k, w, g, acc, p_diag, vsum("dwt", slice(None)),
                               vsum("dkbar", slice(None)), vsum("dqbar", slice(None)),
                               _vsum(r["dgl"], b, h, num_vb, c, slice(None)), e_last, scale, hi)
@@ -288,7 +248,7 @@ def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, hi, pair_loads):
 # seg_init_grad forms S_init's share in XLA (docs/benchmark_mixers.md, fifth session).
 
 
-def _intra_bwd_sub_kernel(*refs, chunk, sub, scale, has_seg, num_vb, prec, hi, pair_loads):
+def _intra_bwd_sub_kernel(*refs, chunk, sub, scale, has_seg, num_vb, prec, hi):
   r, outs = _intra_bwd_refs(refs, has_seg)
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   C, S = chunk, sub
@@ -322,11 +282,7 @@ def _intra_bwd_sub_kernel(*refs, chunk, sub, scale, has_seg, num_vb, prec, hi, p
       dpm[i, j], dlm[i, j] = dp, dl
   dq_acc, dk_acc, dw_acc = [], [], []
   for i in range(nb):
-    if pair_loads:
-      a_q, a_k, a_w = _pairs_bwd_loads(q[i], k[i], g[i], r, b, h, t0 + i * S, i * S, S, scale,
-                                       num_vb, pids[i])
-    else:
-      a_q, a_k, a_w = _pairs_bwd(q[i], k[i], g[i], dpm[i, i], dlm[i, i], r, b, h, t0 + i * S, S)
+    a_q, a_k, a_w = _pairs_bwd(q[i], k[i], g[i], dpm[i, i], dlm[i, i], r, b, h, t0 + i * S, S)
     dq_acc.append(a_q)
     dk_acc.append(a_k)
     dw_acc.append(a_w)
@@ -357,6 +313,8 @@ def _intra_bwd_sub_kernel(*refs, chunk, sub, scale, has_seg, num_vb, prec, hi, p
 
 
 def _bwd_inputs(q, k, v, g, h0, cont, res, do, cfg, cfg_prec, interpret, chunk, scale):
+  """The serial and partials kernels' shared inputs (in _bwd_names order), their optional tail
+  (cont, W) and their static arguments."""
   amat, pmat, wt, wk, _ = res
   prec = kernel_precision(cfg, cfg_prec, interpret)
   kw = dict(chunk=chunk, scale=scale, has_seg=cont is not None, prec=prec)
@@ -452,11 +410,10 @@ def intra_backward(q, k, w, g, pid, partials, *, chunk, scale, interpret, cfg, c
   hi = common.dot_precision("exact", interpret)
   if use_sub(cfg, chunk):
     body = functools.partial(_intra_bwd_sub_kernel, chunk=chunk, sub=cfg.sub_block,
-                             scale=scale, has_seg=has_seg, num_vb=nvb, prec=prec, hi=hi,
-                             pair_loads=cfg.bwd_pair_loads)
+                             scale=scale, has_seg=has_seg, num_vb=nvb, prec=prec, hi=hi)
   else:
     body = functools.partial(_intra_bwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
-                             num_vb=nvb, hi=hi, pair_loads=cfg.bwd_pair_loads)
+                             num_vb=nvb, hi=hi)
   return pl.pallas_call(
       body,
       out_shape=(lane, lane, lane, lane, lane), grid=(bsz, nh, nc), name="delta_rule_intra_bwd",

@@ -57,10 +57,6 @@ class DeltaRuleConfig:
   # Triton warps, the WY kernel (H200 T=4096: 0.40 ms with 4, 0.45 with 8)
   num_warps_intra: int = 4
   num_warps_intra_bwd: int = 4   # Triton warps, intra-chunk backward kernel
-  # The intra backward's diagonal tiles (backward._pairs_bwd_loads): a column loop and a row
-  # loop reading dP / dL entries from memory, instead of one column loop that extracts them from
-  # register tiles by masked reductions and scatters its dw rows by selects (session 32 trial).
-  bwd_pair_loads: bool = False
   num_warps_parallel: int = 8    # Triton warps, the backward-partials kernel
   # Triton warps, the output kernel: its program is one [C, K] x [K, BV] dot (H200, diag KDN
   # T=4096, session 30: output stage 0.83 ms with 8 warps, 0.53 with 4; op forward 2.57 -> 2.36
