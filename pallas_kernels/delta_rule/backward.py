@@ -4,6 +4,9 @@
                        saving each chunk's dS (S_init's share of segments: seg_init_grad, XLA).
   _bwd_partials_kernel grid (B, H, NC, V/BV): dV and per-V-block partial gradients of P, L, Wt,
                        Kbar, Qbar, g_last.
+  _fused_bwd_kernel    grid (B, H, NC), with DeltaRuleConfig.fuse_bwd: _bwd_partials_kernel and
+                       _intra_bwd_kernel in one program per chunk (all of V), the partials
+                       kept in registers.
   _intra_bwd_kernel    grid (B, H, NC): sums the partials, back-propagates through the
                        decay-weighted products; emits dq, dk, dw and dg (gradient w.r.t. the
                        chunk-local cumsum); _intra_bwd_sub_kernel does the same on sub_block-row
@@ -75,29 +78,40 @@ def _bwd_chain(r, b, h, t0, C, scale, has_seg, vs, ds, prec):
   return ds_prev, dict(kbar=kbar, cont=cont, cont_last=cont_last, do=do, amat=amat, du=du)
 
 
-def _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs, s, ds, s_init, x, prec):
-  """The chunk's dV and per-V-block partial gradients of P, L, Wt, Kbar, Qbar and g_last."""
-  dv_ref, dp_ref, dl_ref, dwt_ref, dkbar_ref, dqbar_ref, dgl_ref = outs
+def _partials_values(r, c, C, has_seg, vs, s, ds, s_init, x, prec, b, h):
+  """The chunk's dV and (this V block's share of) the partial gradients of P, L, Wt, Kbar, Qbar
+  and g_last, as values: (dv, dp, dl, dwt, dkbar, dqbar, dgl [K])."""
   t0 = c * C
   v = r["v"][b, pl.ds(t0, C), h, vs].astype(jnp.float32)
   wk = r["wk"][b, pl.ds(t0, C), h, :]
   s_base, delta = delta_rows(x["kbar"], v, x["amat"], wk, s, s_init, x["cont"], x["cont_last"],
-                         has_seg, prec)
+                             has_seg, prec)
   do, du, cont = x["do"], x["du"], x["cont"]
-  dv_ref[b, pl.ds(t0, C), h, vs] = du.astype(dv_ref.dtype)
-  dp_ref[b, h, vb, pl.ds(t0, C), :] = dot_nt(do, delta, prec)
-  dl_ref[b, h, vb, pl.ds(t0, C), :] = -dot_nt(du, delta, prec)
-  dwt_ref[b, h, vb, pl.ds(t0, C), :] = dot_nt(delta, ds, prec)
   e_last_row = jnp.exp(r["g"][b, t0 + C - 1, h, :])
-  dgl_ref[b, h, vb, c, :] = e_last_row * jnp.sum(ds * s_base, axis=1)
+  dgl = e_last_row * jnp.sum(ds * s_base, axis=1)
   if has_seg:
     dkbar = -(dot_nt(du * cont, s, prec) + dot_nt(du * (1.0 - cont), s_init, prec))
     dqbar = dot_nt(do * cont, s, prec) + dot_nt(do * (1.0 - cont), s_init, prec)
   else:
     dkbar = -dot_nt(du, s, prec)
     dqbar = dot_nt(do, s, prec)
-  dkbar_ref[b, h, vb, pl.ds(t0, C), :] = dkbar
-  dqbar_ref[b, h, vb, pl.ds(t0, C), :] = dqbar
+  return (du, dot_nt(do, delta, prec), -dot_nt(du, delta, prec), dot_nt(delta, ds, prec), dkbar,
+          dqbar, dgl)
+
+
+def _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs, s, ds, s_init, x, prec):
+  """Writes _partials_values to the per-V-block partial outputs."""
+  dv_ref, dp_ref, dl_ref, dwt_ref, dkbar_ref, dqbar_ref, dgl_ref = outs
+  dv, dp, dl, dwt, dkbar, dqbar, dgl = _partials_values(r, c, C, has_seg, vs, s, ds, s_init, x,
+                                                        prec, b, h)
+  rows = pl.ds(c * C, C)
+  dv_ref[b, rows, h, vs] = dv.astype(dv_ref.dtype)
+  dp_ref[b, h, vb, rows, :] = dp
+  dl_ref[b, h, vb, rows, :] = dl
+  dwt_ref[b, h, vb, rows, :] = dwt
+  dgl_ref[b, h, vb, c, :] = dgl
+  dkbar_ref[b, h, vb, rows, :] = dkbar
+  dqbar_ref[b, h, vb, rows, :] = dqbar
 
 
 def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec):
@@ -207,19 +221,14 @@ def _intra_bwd_refs(refs, has_seg):
   return dict(zip(names, refs[:len(names)])), refs[len(names):]
 
 
-def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, hi):
-  r, outs = _intra_bwd_refs(refs, has_seg)
-  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  C = chunk
+def _intra_grads(r, b, h, c, C, scale, has_seg, hi, dp, dl, dwt, dkbar, dqbar, dgl):
+  """The chunk's (dq, dk, dw, dg, dla_x) from its summed partials (dp, dl [C, C]; dwt, dkbar,
+  dqbar [C, K]; dgl [K]); r: refs with q, k, w, g (and pid with segments)."""
   t0 = c * C
   row, col = iota(C, 0), iota(C, 1)
   rows = pl.ds(t0, C)
-
-  def vsum(name, cols):
-    return _vsum(r[name], b, h, num_vb, rows, cols)
-
-  dpm = jnp.where(row >= col, vsum("dp", pl.ds(0, C)), 0.0) * scale
-  dlm = jnp.where(row > col, vsum("dl", pl.ds(0, C)), 0.0)
+  dpm = jnp.where(row >= col, dp, 0.0) * scale
+  dlm = jnp.where(row > col, dl, 0.0)
   pid = None
   if has_seg:
     same, pid = same_seg(r["pid"], b, t0, C)
@@ -233,10 +242,44 @@ def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, hi):
   e_last = decay_to_last(g, r["g"][b, t0 + C - 1, h, :], pid,
                          r["pid"][b, t0 + C - 1] if has_seg else None)
   acc = _pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C)
-  grads = _intra_bwd_epilogue(q, k, w, g, acc, p_diag, vsum("dwt", slice(None)),
-                              vsum("dkbar", slice(None)), vsum("dqbar", slice(None)),
-                              _vsum(r["dgl"], b, h, num_vb, c, slice(None)), e_last, scale, hi)
+  return _intra_bwd_epilogue(q, k, w, g, acc, p_diag, dwt, dkbar, dqbar, dgl, e_last, scale, hi)
+
+
+def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, hi):
+  r, outs = _intra_bwd_refs(refs, has_seg)
+  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  C = chunk
+  rows = pl.ds(c * C, C)
+
+  def vsum(name, cols):
+    return _vsum(r[name], b, h, num_vb, rows, cols)
+
+  grads = _intra_grads(r, b, h, c, C, scale, has_seg, hi, vsum("dp", pl.ds(0, C)),
+                       vsum("dl", pl.ds(0, C)), vsum("dwt", slice(None)),
+                       vsum("dkbar", slice(None)), vsum("dqbar", slice(None)),
+                       _vsum(r["dgl"], b, h, num_vb, c, slice(None)))
   for ref, val in zip(outs, grads):
+    ref[b, rows, h, :] = val
+
+
+def _fused_bwd_kernel(*refs, chunk, scale, has_seg, prec, hi):
+  """_bwd_partials_kernel and _intra_bwd_kernel in one program per chunk (all of V in one
+  block): the partial gradients stay in registers instead of a round trip through memory
+  (DeltaRuleConfig.fuse_bwd). Outputs dV, dq, dk, dw, dg, dla_x."""
+  names = _bwd_names(has_seg, ["states", "dstates"]) + ["w"] + (["pid"] if has_seg else [])
+  r = dict(zip(names, refs[:len(names)]))
+  dv_ref, *outs = refs[len(names):]
+  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  C = chunk
+  vs = slice(None)
+  s_init = r["h0"][b, h, :, :].astype(jnp.float32)
+  ds = r["dstates"][b, h, c, :, :].astype(jnp.float32)
+  _, x = _bwd_chain(r, b, h, c * C, C, scale, has_seg, vs, ds, prec)
+  dv, *parts = _partials_values(r, c, C, has_seg, vs, r["states"][b, h, c, :, :].astype(
+      jnp.float32), ds, s_init, x, prec, b, h)
+  rows = pl.ds(c * C, C)
+  dv_ref[b, rows, h, :] = dv.astype(dv_ref.dtype)
+  for ref, val in zip(outs, _intra_grads(r, b, h, c, C, scale, has_seg, hi, *parts)):
     ref[b, rows, h, :] = val
 
 
@@ -373,10 +416,36 @@ def recur_backward(q, k, v, g, h0, cont, res, do, dsfin, *, chunk, scale, interp
   kw = dict(chunk=chunk, scale=scale, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
   dh0, dstates = state_grads(q, k, v, g, h0, cont, res, do, dsfin, **kw)
   dv, *partials = bwd_partials(q, k, v, g, h0, cont, res, do, dstates, **kw)
-  if cont is not None:
-    dh0 = dh0 + seg_init_grad(q, k, g, cont, do, dv, dstates, chunk=chunk, scale=scale,
-                              exact=cfg_prec == "exact")
-  return (dv, dh0, *partials)
+  return (dv, _add_seg_init(dh0, q, k, g, cont, do, dv, dstates, chunk, scale, cfg_prec),
+          *partials)
+
+
+def _add_seg_init(dh0, q, k, g, cont, do, dv, dstates, chunk, scale, cfg_prec):
+  if cont is None:
+    return dh0
+  return dh0 + seg_init_grad(q, k, g, cont, do, dv, dstates, chunk=chunk, scale=scale,
+                             exact=cfg_prec == "exact")
+
+
+def fuses_bwd(cfg, chunk, vd):
+  """Whether the backward runs _fused_bwd_kernel: cfg.fuse_bwd, one V block of the parallel
+  kernels (V <= block_v_parallel) and the whole-chunk intra backward (no sub_block rows)."""
+  return cfg.fuse_bwd and vd <= cfg.block_v_parallel and not use_sub(cfg, chunk)
+
+
+def fused_backward(q, k, v, w, g, h0, cont, pid, res, do, dstates, *, chunk, scale, interpret,
+                   cfg, cfg_prec):
+  """bwd_partials and intra_backward as one kernel (fuses_bwd): (dV, dq, dk, dw, dg, dla_x)."""
+  bsz, t, nh, kd = k.shape
+  common_in, opt, kw = _bwd_inputs(q, k, v, g, h0, cont, res, do, cfg, cfg_prec, interpret,
+                                   chunk, scale)
+  lane = jax.ShapeDtypeStruct((bsz, t, nh, kd), jnp.float32)
+  return pl.pallas_call(
+      functools.partial(_fused_bwd_kernel, hi=common.dot_precision("exact", interpret), **kw),
+      out_shape=(jax.ShapeDtypeStruct(v.shape, jnp.float32),) + (lane,) * 5,
+      grid=(bsz, nh, t // chunk), name="delta_rule_fused_bwd",
+      **launch_params(interpret, cfg.num_warps_parallel, cfg),
+  )(*common_in, res[4], dstates, *opt, w, *([pid] if pid is not None else []))
 
 
 def seg_init_grad(q, k, g, cont, do, dv, dstates, *, chunk, scale, exact):
@@ -424,6 +493,12 @@ def intra_backward(q, k, w, g, pid, partials, *, chunk, scale, interpret, cfg, c
 def backward(q, k, v, w, g, h0, cont, pid, res, do, dsfin, *, chunk, scale, interpret, cfg,
              cfg_prec):
   kw = dict(chunk=chunk, scale=scale, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
+  if fuses_bwd(cfg, chunk, v.shape[-1]):
+    dh0, dstates = state_grads(q, k, v, g, h0, cont, res, do, dsfin, **kw)
+    dv, dq, dk, dw, dg, dla_x = fused_backward(q, k, v, w, g, h0, cont, pid, res, do, dstates,
+                                               **kw)
+    dh0 = _add_seg_init(dh0, q, k, g, cont, do, dv, dstates, chunk, scale, cfg_prec)
+    return dq, dk, dv, dw, dg, dla_x, dh0
   dv, dh0, *partials = recur_backward(q, k, v, g, h0, cont, res, do, dsfin, **kw)
   dq, dk, dw, dg, dla_x = intra_backward(q, k, w, g, pid, partials, **kw)
   return dq, dk, dv, dw, dg, dla_x, dh0
