@@ -4,15 +4,15 @@ intra._pair_rows_kernel, timed at B=4, H=16, K=128, bf16, T=4096 and 16384.
   python -m experiments.probe_pair_rows /tmp/pair_rows_probe.json
 
 Rows: diag_{cols,rows}_c16_nw{2,4} (session 32: the chunk-16 pair kernel's diagonal tile by
-the shipped column loop, or row by row with contiguous row stores), cols_nw{4,8} / cols_chunk_nw{4,8} / cols_diag_only (the structure before session 32:
-diagonal tile by column stores, intra._diag_columns, and one small dot per earlier block under
-pl.when; per (chunk, row block) / one program per chunk / without the off-diagonal dots),
-shipped_pairs (intra.pair_rows_forward itself: since session 32 the earlier blocks as one
-[16, K] x [K, 64] dot with a masked row store, session 31's one_dot variant, which this probe
-timed at 1.46 ms against 1.93 at T=4096 before it was shipped) and intra_c16 (the whole
-chunk-16 intra stage, pair rows + WY). Session 29's rows of the carried-tile kernel went with its helper in
-session 31; their numbers are in docs/benchmark_mixers.md. The variants drop segments: timing
-only."""
+the shipped column loop, or row by row with contiguous row stores); cols_nw{4,8},
+cols_chunk_nw{4,8}, cols_diag_only (the chunk-64 structure before session 32: diagonal tile by
+column stores, intra._diag_columns, and one small dot per earlier block under pl.when; per
+(chunk, row block) / one program per chunk / without the off-diagonal dots); shipped_pairs
+(intra.pair_rows_forward itself: since session 32 the earlier blocks as one [16, K] x [K, 64]
+dot with a masked row store, session 31's one_dot variant, which this probe timed at 1.46 ms
+against 1.93 at T=4096 before it was shipped); intra_c16 (the whole chunk-16 intra stage, pair
+rows + WY). Session 29's rows of the carried-tile kernel went with its helper in session 31;
+their numbers are in docs/benchmark_mixers.md. The variants drop segments: timing only."""
 import functools
 import json
 import sys

@@ -27,7 +27,7 @@ from pallas_kernels.delta_rule.tiles import (
     use_sub, launch_params, sub_blocks, ref_point, seg_masks)
 
 
-def chunk_common(refs, b, h, t0, C, scale, has_seg):
+def _chunk_common(refs, b, h, t0, C, scale, has_seg):
   """Per-chunk, V-independent quantities of the backward's chain and partials: Kbar (None
   without segments: only the segment terms use it), Qbar, e_last, and the segment masks."""
   g = tile(refs["g"], b, t0, C, h)
@@ -42,7 +42,7 @@ def chunk_common(refs, b, h, t0, C, scale, has_seg):
   return kbar, qbar, e_last, cont, cont_last
 
 
-def delta_rows(kbar, v, amat, wk, s, s_init, cont, cont_last, has_seg, prec):
+def _delta_rows(kbar, v, amat, wk, s, s_init, cont, cont_last, has_seg, prec):
   """Delta = A U with U = V - Kbar S_0 (compact WY: wk = A Kbar over the rows with cont, so
   Delta = A (V - Kbar_new S_init) - wk S_0, whose only dot on the chain is wk S_0), and the
   state the chunk's decay applies to (S_init when the chunk's last token starts a new segment
@@ -65,7 +65,7 @@ def _bwd_chain(r, b, h, t0, C, scale, has_seg, vs, ds, prec):
   inside the chunk is seg_init_grad's, outside the kernels).
 
   Kbar_c^T dU = (A Kbar_c)^T dDelta = W^T dDelta: the chain dS -> dDelta -> dS_prev is 2 dots."""
-  kbar, qbar, e_last, cont, cont_last = chunk_common(r, b, h, t0, C, scale, has_seg)
+  kbar, qbar, e_last, cont, cont_last = _chunk_common(r, b, h, t0, C, scale, has_seg)
   do = r["do"][b, pl.ds(t0, C), h, vs].astype(jnp.float32)
   amat = r["a"][b, h, pl.ds(t0, C), :]
   d_delta = dot_tn(r["p"][b, h, pl.ds(t0, C), :], do, prec) + dot(
@@ -84,7 +84,7 @@ def _partials_values(r, c, C, has_seg, vs, s, ds, s_init, x, prec, b, h):
   t0 = c * C
   v = r["v"][b, pl.ds(t0, C), h, vs].astype(jnp.float32)
   wk = r["wk"][b, pl.ds(t0, C), h, :]
-  s_base, delta = delta_rows(x["kbar"], v, x["amat"], wk, s, s_init, x["cont"], x["cont_last"],
+  s_base, delta = _delta_rows(x["kbar"], v, x["amat"], wk, s, s_init, x["cont"], x["cont_last"],
                              has_seg, prec)
   do, du, cont = x["do"], x["du"], x["cont"]
   e_last_row = jnp.exp(r["g"][b, t0 + C - 1, h, :])

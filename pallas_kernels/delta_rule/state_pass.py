@@ -15,7 +15,7 @@ from pallas_kernels.delta_rule.tiles import (
     dot, dot_tn, kernel_precision, operand_dtype, state_dtype, launch_params)
 
 
-def _state_pass_u_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec):
+def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec):
   """Serial over chunks with U = A V' precomputed (wy.py): Delta = U - W S_0 and
   S <- exp(g_last) S_base + Wt^T Delta, the chain's only two dots; Delta is stored for the
   output stage in the dots' operand dtype (it only enters P Delta there)."""
@@ -52,11 +52,11 @@ def state_forward(u, wk, wt, g, h0, cont, *, chunk, interpret, cfg, cfg_prec):
   prec = kernel_precision(cfg, cfg_prec, interpret)
   block_v = min(cfg.block_v, vd)
   return pl.pallas_call(
-      functools.partial(_state_pass_u_kernel, chunk=chunk, num_chunks=nc, has_seg=has_seg,
+      functools.partial(_state_pass_kernel, chunk=chunk, num_chunks=nc, has_seg=has_seg,
                         block_v=block_v, prec=prec),
       out_shape=(jax.ShapeDtypeStruct(u.shape, operand_dtype(prec)),
                  jax.ShapeDtypeStruct((bsz, nh, kd, vd), jnp.float32),
                  jax.ShapeDtypeStruct((bsz, nh, nc, kd, vd), state_dtype(cfg, prec))),
-      grid=(bsz, nh, vd // block_v), name="delta_rule_state_pass_u",
+      grid=(bsz, nh, vd // block_v), name="delta_rule_state_pass",
       **launch_params(interpret, cfg.num_warps_recur, cfg),
   )(*([u, wk, wt, g, h0] + ([cont] if has_seg else [])))
