@@ -60,7 +60,8 @@ class DeltaRuleConfig:
   num_warps_parallel: int = 8    # Triton warps, the backward-partials kernel (and the fused one)
   # The backward's partials kernel and its intra-chunk kernel as one (backward._fused_bwd_kernel:
   # the five fp32 partial-gradient arrays, 470 MB at B=4 H=16 T=4096 K=V=128, never reach
-  # memory); only with one V block (V <= block_v_parallel) and without sub_block rows.
+  # memory); only with one V block (V <= block_v_parallel) and without sub_block rows. Session
+  # 32: exact (bit-identical to the unfused path in interpret mode), not yet timed on a GPU.
   fuse_bwd: bool = False
   # Triton warps, the output kernel: its program is one [C, K] x [K, BV] dot (H200, diag KDN
   # T=4096, session 30: output stage 0.83 ms with 8 warps, 0.53 with 4; op forward 2.57 -> 2.36
