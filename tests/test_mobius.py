@@ -15,8 +15,10 @@ def _positive(t):
   return hnp.arrays(np.float64, (t,), elements=st.floats(0.05, 3.0))
 
 
+# Lengths from a fixed set (T = 1, odd, powers of two and around them): each new length compiles
+# the scan again, which was most of this test's 43 s with any length in 1..40.
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 40).flatmap(
+@given(st.sampled_from([1, 2, 3, 7, 16, 33, 40]).flatmap(
     lambda t: st.tuples(_positive(t), _positive(t), _positive(t),
                         _positive(t))), st.floats(0.0, 5.0), st.booleans())
 def test_scan_equals_sequential_map(abcd, x0, reverse):
