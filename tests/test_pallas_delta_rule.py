@@ -120,7 +120,7 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
     dict(max_chunk=32, wy_inverse="doubling"),   # chunk 32: two row blocks, the 32-step backward
     dict(max_chunk=32, sub_block=16),
     dict(forward_only_chunk=32, wy_inverse="sub_dots"),   # primal at chunk 32, residuals at 16
-    dict(fuse_bwd=True), dict(fuse_bwd=True, max_chunk=32)])   # partials + intra bwd, one kernel
+    dict(fuse_bwd=True)])   # partials + intra bwd, one kernel
 def test_delta_rule_kernel_variants(variant):
   """Every kernel option (V blocks of the serial and parallel kernels, the WY kernel's inverses,
   chunk 32 with and without the 16-row intra backward, the forward-only chunk, the fused
