@@ -66,17 +66,20 @@ def test_sweep_with_stages_at_tiny_shape():
   results = {}
   make = lambda spec: bm.config_from_spec(old, spec)
   try:
-    bm._sweep(results, ["default", "max_chunk=32/bf16_states=0"], dr_config, make,
+    spec = "max_chunk=32/bf16_states=0/fuse_bwd=1"
+    bm._sweep(results, ["default", spec], dr_config, make,
               "diag_kdn_pallas", True, "cfg", deadline=float("inf"), stages=True)
     recs = results["sweeps"]
-    assert [r["sweep"] for r in recs] == ["default", "max_chunk=32/bf16_states=0"]
+    assert [r["sweep"] for r in recs] == ["default", spec]
     for r in recs:
       assert r["ms"] > 0 and r["first_call_s"] > 0, r
       assert set(r["stages"]) >= {"gain_fwd", "delta_intra_fwd", "delta_recur_fwd",
                                   "delta_recur_bwd", "delta_state_bwd", "delta_partials_bwd",
                                   "delta_intra_bwd"}, r
+    # the fused backward is timed as a stage of its own where the spec runs it
+    assert ["delta_fused_bwd" in r["stages"] for r in recs] == [False, True]
     assert results["cfg"] == repr(dr_config.DEFAULT)
-    assert dr_config.DEFAULT in (old, make("max_chunk=32/bf16_states=0"))
+    assert dr_config.DEFAULT in (old, make(spec))
     # Past the deadline nothing runs.
     dr_config.DEFAULT = old
     late = {}
