@@ -119,12 +119,10 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
     dict(block_v=32, block_v_parallel=64), dict(block_v=64, block_v_parallel=32),
     dict(max_chunk=32, wy_inverse="doubling"),   # chunk 32: two row blocks, the 32-step backward
     dict(max_chunk=32, sub_block=16),
-    dict(forward_only_chunk=32, wy_inverse="sub_dots"),   # primal at chunk 32, residuals at 16
-    dict(fuse_bwd=True)])   # partials + intra bwd, one kernel
+    dict(forward_only_chunk=32, wy_inverse="sub_dots")])   # primal at chunk 32, residuals at 16
 def test_delta_rule_kernel_variants(variant):
   """Every kernel option (V blocks of the serial and parallel kernels, the WY kernel's inverses,
-  chunk 32 with and without the 16-row intra backward, the forward-only chunk, the fused
-  backward) is exact."""
+  chunk 32 with and without the 16-row intra backward, the forward-only chunk) is exact."""
   old = dr_config.DEFAULT
   try:
     dr_config.set_default(**variant)
@@ -134,6 +132,24 @@ def test_delta_rule_kernel_variants(variant):
     seg[0, 20:] = 1
     seg[1, 38:] = 3
     _check(args, seg, 32, 1e-5, 1e-4)
+  finally:
+    dr_config.DEFAULT = old
+
+
+@pytest.mark.parametrize("segments", [False, True])
+def test_delta_rule_fused_backward(segments):
+  """fuse_bwd (the backward's partials and intra kernels as one) against the float64 loop, with
+  and without resets; V != K."""
+  old = dr_config.DEFAULT
+  try:
+    dr_config.set_default(fuse_bwd=True)
+    t = 45
+    seg = None
+    if segments:
+      seg = np.zeros((2, t), np.int32)
+      seg[0, 20:] = 1
+      seg[1, 38:] = 3
+    _check(_inputs(6, 2, t, 1, 64, 32, jnp.float32, False, "normal"), seg, 16, 1e-5, 1e-4)
   finally:
     dr_config.DEFAULT = old
 
@@ -157,8 +173,8 @@ def test_delta_rule_bf16_operand_dots():
     (dict(sub_block=32), jnp.float32, "normal", (1e-5, 1e-4)),   # two 32-row blocks
     (dict(sub_block=16, wy_inverse="doubling"), jnp.bfloat16, "normal", (5e-3, 1e-2))])
 def test_delta_rule_sub_blocks(variant, dtype, decay, tol):
-  """16-row blocks of a 64-token chunk against the float64 loop: the chunk-64 forward by stage
-  (pair rows, WY, serial pass) with the 16-row intra backward; resets inside and at the start of
+  """16- or 32-row blocks of a 64-token chunk against the float64 loop: the chunk-64 forward by
+  stage (pair rows, WY, serial pass) with the row-block intra backward; resets inside and at the start of
   a row block, an initial state, T not a multiple of the chunk."""
   old = dr_config.DEFAULT
   seg = np.zeros((1, 150), np.int32)

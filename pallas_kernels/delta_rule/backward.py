@@ -78,7 +78,7 @@ def _bwd_chain(r, b, h, t0, C, scale, has_seg, vs, ds, prec):
   return ds_prev, dict(kbar=kbar, cont=cont, cont_last=cont_last, do=do, amat=amat, du=du)
 
 
-def _partials_values(r, c, C, has_seg, vs, s, ds, s_init, x, prec, b, h):
+def _partials_values(r, b, h, c, C, has_seg, vs, s, ds, s_init, x, prec):
   """The chunk's dV and (this V block's share of) the partial gradients of P, L, Wt, Kbar, Qbar
   and g_last, as values: (dv, dp, dl, dwt, dkbar, dqbar, dgl [K])."""
   t0 = c * C
@@ -102,8 +102,8 @@ def _partials_values(r, c, C, has_seg, vs, s, ds, s_init, x, prec, b, h):
 def _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs, s, ds, s_init, x, prec):
   """Writes _partials_values to the per-V-block partial outputs."""
   dv_ref, dp_ref, dl_ref, dwt_ref, dkbar_ref, dqbar_ref, dgl_ref = outs
-  dv, dp, dl, dwt, dkbar, dqbar, dgl = _partials_values(r, c, C, has_seg, vs, s, ds, s_init, x,
-                                                        prec, b, h)
+  dv, dp, dl, dwt, dkbar, dqbar, dgl = _partials_values(r, b, h, c, C, has_seg, vs, s, ds, s_init,
+                                                        x, prec)
   rows = pl.ds(c * C, C)
   dv_ref[b, rows, h, vs] = dv.astype(dv_ref.dtype)
   dp_ref[b, h, vb, rows, :] = dp
@@ -140,14 +140,17 @@ def _bwd_partials_kernel(*refs, chunk, scale, has_seg, block_v, prec):
   r = dict(zip(names, refs[:len(names)]))
   outs = refs[len(names):]
   b, h, c, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
-  C = chunk
   vs = pl.ds(vb * block_v, block_v)
+  _bwd_partials(r, outs, b, h, c, vb, chunk, has_seg, vs,
+                *_chunk_states(r, b, h, c, chunk, scale, has_seg, vs, prec), prec)
+
+
+def _chunk_states(r, b, h, c, C, scale, has_seg, vs, prec):
+  """(S_0, dS, S_init, the chain's values) of chunk c's V block vs, for _partials_values."""
   s_init = r["h0"][b, h, :, vs].astype(jnp.float32)
   ds = r["dstates"][b, h, c, :, vs].astype(jnp.float32)
   _, x = _bwd_chain(r, b, h, c * C, C, scale, has_seg, vs, ds, prec)
-  _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs,
-                r["states"][b, h, c, :, vs].astype(jnp.float32), ds, s_init, x,
-                prec)
+  return r["states"][b, h, c, :, vs].astype(jnp.float32), ds, s_init, x
 
 
 def _pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C):
@@ -272,11 +275,8 @@ def _fused_bwd_kernel(*refs, chunk, scale, has_seg, prec, hi):
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   C = chunk
   vs = slice(None)
-  s_init = r["h0"][b, h, :, :].astype(jnp.float32)
-  ds = r["dstates"][b, h, c, :, :].astype(jnp.float32)
-  _, x = _bwd_chain(r, b, h, c * C, C, scale, has_seg, vs, ds, prec)
-  dv, *parts = _partials_values(r, c, C, has_seg, vs, r["states"][b, h, c, :, :].astype(
-      jnp.float32), ds, s_init, x, prec, b, h)
+  dv, *parts = _partials_values(r, b, h, c, C, has_seg, vs,
+                                *_chunk_states(r, b, h, c, C, scale, has_seg, vs, prec), prec)
   rows = pl.ds(c * C, C)
   dv_ref[b, rows, h, :] = dv.astype(dv_ref.dtype)
   for ref, val in zip(outs, _intra_grads(r, b, h, c, C, scale, has_seg, hi, *parts)):

@@ -32,7 +32,8 @@ class DeltaRuleConfig:
   bf16_states: bool = True
   # The forward by stage (issue 18; __init__'s docstring): a pair kernel per (chunk, 16-row
   # block) for L, P and Wt (intra._pair_rows_kernel: the diagonal 16 x 16 tile by a column loop
-  # whose columns are stored straight to L and P, earlier blocks by small dots), a WY kernel for
+  # whose columns are stored straight to L and P, earlier blocks (chunks > 16) by one dot with a
+  # masked row store), a WY kernel for
   # A = (I + L)^-1 (fp32 forward substitution on the 16 x 16 diagonal blocks, merged in closed
   # form for longer chunks), W = A Kbar and U = A V' (wy.py), a serial pass whose chain is
   # Delta = U - W S_0 and S <- exp(g_last) S + Wt^T Delta (Delta stored in the operand dtype),
@@ -59,8 +60,8 @@ class DeltaRuleConfig:
   num_warps_intra_bwd: int = 4   # Triton warps, intra-chunk backward kernel
   num_warps_parallel: int = 8    # Triton warps, the backward-partials kernel (and the fused one)
   # The backward's partials kernel and its intra-chunk kernel as one (backward._fused_bwd_kernel:
-  # the five fp32 partial-gradient arrays, 470 MB at B=4 H=16 T=4096 K=V=128, never reach
-  # memory); only with one V block (V <= block_v_parallel) and without sub_block rows. Session
+  # the six fp32 partial-gradient arrays, about 440 MB at B=4 H=16 T=4096 K=V=128 chunk 16,
+  # never reach memory); only with one V block (V <= block_v_parallel) and without sub_block rows. Session
   # 32: exact (bit-identical to the unfused path in interpret mode), not yet timed on a GPU.
   fuse_bwd: bool = False
   # Triton warps, the output kernel: its program is one [C, K] x [K, BV] dot (H200, diag KDN

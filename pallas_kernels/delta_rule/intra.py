@@ -3,11 +3,11 @@ L (strict) and P (inclusive, scaled), Wt = w exp(g_last - g), then A = (I + L)^-
 and U = A V' (the equations: __init__'s docstring). Two kernels:
 _pair_rows_kernel, one program per (chunk, S-row block i): L and P of the block's rows against
 the whole chunk (the diagonal S x S tile by an S-step column loop of exact exp(<= 0), the
-earlier blocks by one small dot each around g0 = g of row block i's first token,
+earlier blocks as one [S, K] x [K, C] dot around g0 = g of row block i's first token,
 
     exp(g_r - g_c) = exp(g_r - g0) exp(g0 - g_c)   (both factors <= 1 for a same-segment pair)
 
-) and Wt; then wy.wy_forward: A, W and U from L (no [C, K] tile of the pair products is live in
+stored by one masked row store) and Wt; then wy.wy_forward: A, W and U from L (no [C, K] tile of the pair products is live in
 the inverse's kernel, and no inverse in the pair products' one).
 """
 from __future__ import annotations
