@@ -177,10 +177,11 @@ def check_layer(results, mixer, b, t, h, kd, d, seeds):
 
   _, params0, _ = nnx.split(make("bfloat16"), nnx.Param, ...)
   x_shape = jax.ShapeDtypeStruct((b, t, d), jnp.bfloat16)
+  unfused_f = apply(make("bfloat16"), "off")
   fns = {"fused": _outputs_and_vjp(apply(make("bfloat16"), "on")),
-         "unfused": _outputs_and_vjp(apply(make("bfloat16"), "off"))}
+         "unfused": _outputs_and_vjp(unfused_f)}
   truth_f = apply(make("float32"), "off")
-  out_shapes = jax.eval_shape(apply(make("bfloat16"), "off"), params0, x_shape)
+  out_shapes = jax.eval_shape(unfused_f, params0, x_shape)
   arg_shapes = (params0, x_shape, out_shapes)
   compiled = {}
   for name, g in fns.items():

@@ -2,9 +2,9 @@
 
 Why: jax 0.11 deprecates Pallas's Triton backend in favour of Mosaic GPU. This is the same stage
 as output.output_forward (same arguments, same result), written for Mosaic GPU as a trial port:
-one CTA (one warpgroup, 128 threads) per (V block, chunk, batch head), like output.py's
-(V block, chunk, batch head) grid. The tiles come in by TMA (copy_gmem_to_smem, one barrier each), the two dots
-are bf16 wgmma with an fp32 register accumulator:
+one CTA (one warpgroup, 128 threads) per (V block, chunk, batch head), output.py's grid. The
+tiles come in by TMA (copy_gmem_to_smem, one barrier each), the two dots are bf16 wgmma with an
+fp32 register accumulator:
 
     acc  = P [C, C] @ Delta [C, BV]            issued first: needs no arithmetic
     Qbar = scale q exp(g) -> bf16 -> SMEM      computed while that wgmma runs
