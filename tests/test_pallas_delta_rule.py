@@ -136,18 +136,21 @@ def test_delta_rule_kernel_variants(variant):
     dr_config.DEFAULT = old
 
 
+@pytest.mark.parametrize("fuse_bwd", [True, False])
 @pytest.mark.parametrize("segments", [False, True])
-def test_delta_rule_fused_backward(segments):
-  """fuse_bwd (the backward's partials and intra kernels as one) against the float64 loop, with
-  and without resets; V != K."""
+def test_delta_rule_fused_backward(segments, fuse_bwd):
+  """The backward with its partials and intra kernels as one (fuse_bwd, the default) and as two,
+  against the float64 loop, with and without resets; V != K. The resets fall inside a chunk and
+  on a chunk's first row, next to chunks without one (tiles.by_reset: the segment-free bodies)."""
   old = dr_config.DEFAULT
   try:
-    dr_config.set_default(fuse_bwd=True)
+    dr_config.set_default(fuse_bwd=fuse_bwd)
     t = 45
     seg = None
     if segments:
       seg = np.zeros((2, t), np.int32)
       seg[0, 20:] = 1
+      seg[0, 32:] = 2
       seg[1, 38:] = 3
     _check(_inputs(6, 2, t, 1, 64, 32, jnp.float32, False, "normal"), seg, 16, 1e-5, 1e-4)
   finally:

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import common
 from pallas_kernels.delta_rule.tiles import (
     dot, dot_nt, dot_tn, iota, tile, same_seg, decay_to_last, kernel_precision,
-    use_sub, launch_params, sub_blocks, ref_point, seg_masks)
+    use_sub, launch_params, sub_blocks, ref_point, seg_masks, by_reset, chunk_has_reset)
 
 
 def _chunk_common(refs, b, h, t0, C, scale, has_seg):
@@ -141,8 +141,14 @@ def _bwd_partials_kernel(*refs, chunk, scale, has_seg, block_v, prec):
   outs = refs[len(names):]
   b, h, c, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
   vs = pl.ds(vb * block_v, block_v)
-  _bwd_partials(r, outs, b, h, c, vb, chunk, has_seg, vs,
-                *_chunk_states(r, b, h, c, chunk, scale, has_seg, vs, prec), prec)
+  by_reset(has_seg, _reset(r, b, c, chunk, has_seg), lambda seg: _bwd_partials(
+      r, outs, b, h, c, vb, chunk, seg, vs, *_chunk_states(r, b, h, c, chunk, scale, seg, vs,
+                                                            prec), prec))
+
+
+def _reset(r, b, c, C, has_seg):
+  """Whether chunk c holds a reset (tiles.by_reset); None without segments."""
+  return chunk_has_reset(r["cont"], b, c * C + C - 1) if has_seg else None
 
 
 def _chunk_states(r, b, h, c, C, scale, has_seg, vs, prec):
@@ -273,13 +279,18 @@ def _fused_bwd_kernel(*refs, chunk, scale, has_seg, prec, hi):
   r = dict(zip(names, refs[:len(names)]))
   dv_ref, *outs = refs[len(names):]
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  C = chunk
+  by_reset(has_seg, _reset(r, b, c, chunk, has_seg),
+           lambda seg: _fused_bwd(r, dv_ref, outs, b, h, c, chunk, scale, seg, prec, hi))
+
+
+def _fused_bwd(r, dv_ref, outs, b, h, c, C, scale, seg, prec, hi):
+  """_fused_bwd_kernel's body; seg: the chunk holds a reset."""
   vs = slice(None)
-  dv, *parts = _partials_values(r, b, h, c, C, has_seg, vs,
-                                *_chunk_states(r, b, h, c, C, scale, has_seg, vs, prec), prec)
+  dv, *parts = _partials_values(r, b, h, c, C, seg, vs,
+                                *_chunk_states(r, b, h, c, C, scale, seg, vs, prec), prec)
   rows = pl.ds(c * C, C)
   dv_ref[b, rows, h, :] = dv.astype(dv_ref.dtype)
-  for ref, val in zip(outs, _intra_grads(r, b, h, c, C, scale, has_seg, hi, *parts)):
+  for ref, val in zip(outs, _intra_grads(r, b, h, c, C, scale, seg, hi, *parts)):
     ref[b, rows, h, :] = val
 
 
@@ -444,7 +455,7 @@ def fused_backward(q, k, v, w, g, h0, cont, pid, res, do, dstates, *, chunk, sca
       functools.partial(_fused_bwd_kernel, hi=common.dot_precision("exact", interpret), **kw),
       out_shape=(jax.ShapeDtypeStruct(v.shape, jnp.float32),) + (lane,) * 5,
       grid=(bsz, nh, t // chunk), name="delta_rule_fused_bwd",
-      **launch_params(interpret, cfg.num_warps_parallel, cfg),
+      **launch_params(interpret, cfg.num_warps_fused, cfg),
   )(*common_in, res[4], dstates, *opt, w, *([pid] if pid is not None else []))
 
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.delta_rule.tiles import (
-    dot, tile, kernel_precision, launch_params)
+    dot, tile, kernel_precision, launch_params, by_reset, chunk_has_reset)
 
 
 def _output_kernel(*refs, chunk, scale, has_seg, block_v, prec):
@@ -27,9 +27,16 @@ def _output_kernel(*refs, chunk, scale, has_seg, block_v, prec):
   C = chunk
   t0 = c * C
   vs = pl.ds(vb * block_v, block_v)
+  reset = chunk_has_reset(r["cont"], b, t0 + C - 1) if has_seg else None
+  by_reset(has_seg, reset, lambda seg: _output_rows(r, o_ref, b, h, c, t0, C, vs, scale, seg,
+                                                    prec))
+
+
+def _output_rows(r, o_ref, b, h, c, t0, C, vs, scale, seg, prec):
+  """One chunk's O rows for one V block; seg: the chunk holds a reset."""
   qbar = (scale * tile(r["q"], b, t0, C, h)) * jnp.exp(tile(r["g"], b, t0, C, h))
   s = r["states"][b, h, c, :, vs].astype(jnp.float32)
-  if has_seg:   # rows whose segment starts inside the chunk read S_init
+  if seg:   # rows whose segment starts inside the chunk read S_init
     cont = r["cont"][b, pl.ds(t0, C)][:, None]
     o = dot(qbar * cont, s, prec) + dot(qbar * (1.0 - cont),
                                         r["h0"][b, h, :, vs].astype(jnp.float32), prec)

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import common
 from pallas_kernels.delta_rule.inverse import unit_lower_inverse
 from pallas_kernels.delta_rule.tiles import (
-    dot, tile, kernel_precision, operand_dtype, launch_params)
+    dot, tile, kernel_precision, operand_dtype, launch_params, by_reset, chunk_has_reset)
 
 
 def _wy_kernel(*refs, chunk, sub, has_seg, block_v, inverse, prec, hi):
@@ -39,13 +39,22 @@ def _wy_kernel(*refs, chunk, sub, has_seg, block_v, inverse, prec, hi):
   amat = unit_lower_inverse(r["l"][b, h, rows, :], C, inverse, sub, hi)
   a_out[b, h, rows, :] = amat.astype(a_out.dtype)
   kbar = tile(r["k"], b, t0, C, h) * jnp.exp(tile(r["g"], b, t0, C, h))
-  cont = r["cont"][b, rows][:, None] if has_seg else None
-  wk_out[b, rows, h, :] = dot(amat, kbar * cont if has_seg else kbar, prec).astype(wk_out.dtype)
+  reset = chunk_has_reset(r["cont"], b, t0 + C - 1) if has_seg else None
+  by_reset(has_seg, reset, lambda seg: _wk_u(r, wk_out, u_out, amat, kbar, b, h, t0, C, seg,
+                                             block_v, prec))
+
+
+def _wk_u(r, wk_out, u_out, amat, kbar, b, h, t0, C, seg, block_v, prec):
+  """W and U of the chunk; seg: the chunk holds a reset (rows after it: Kbar_c = 0 and V' =
+  V - Kbar S_init)."""
+  rows = pl.ds(t0, C)
+  cont = r["cont"][b, rows][:, None] if seg else None
+  wk_out[b, rows, h, :] = dot(amat, kbar * cont if seg else kbar, prec).astype(wk_out.dtype)
   # U in V blocks: only a [C, block_v] value tile (and S_init's [K, block_v]) live at a time.
   for vb in range(r["v"].shape[-1] // block_v):
     vs = pl.ds(vb * block_v, block_v)
     v = r["v"][b, rows, h, vs].astype(jnp.float32)
-    if has_seg:   # rows after a reset inside the chunk start from S_init, known up front
+    if seg:   # rows after a reset inside the chunk start from S_init, known up front
       v = v - dot(kbar * (1.0 - cont), r["h0"][b, h, :, vs], prec)
     u_out[b, rows, h, vs] = dot(amat, v, prec).astype(u_out.dtype)
 
