@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.delta_rule import wy as _wy
 from pallas_kernels.delta_rule.tiles import (
     dot_nt, tile, decay_to_last, kernel_precision, operand_dtype, launch_params, ref_point,
-    masked_store, by_reset)
+    masked_store)
 
 
 def _diag_columns(q, k, g, w_ref, g_ref, pid_ref, pid_i, l_out, p_out, b, h, r0, col0, scale, S):
@@ -62,16 +62,6 @@ def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec):
   b, h, c, i = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
   C, S = chunk, sub
   t0 = c * C
-  reset = pid_ref[b, t0] != pid_ref[b, t0 + C - 1] if has_seg else None
-  by_reset(has_seg, reset, lambda seg: _pair_rows(
-      q_ref, k_ref, w_ref, g_ref, pid_ref if seg else None, l_out, p_out, wt_out, b, h, t0, i,
-      C, S, scale, prec))
-
-
-def _pair_rows(q_ref, k_ref, w_ref, g_ref, pid_ref, l_out, p_out, wt_out, b, h, t0, i, C, S,
-               scale, prec):
-  """_pair_rows_kernel's body; pid_ref None: the chunk is one segment (no masks)."""
-  has_seg = pid_ref is not None
   r0 = t0 + i * S
   rows = pl.ds(r0, S)
   q, k, g = (tile(x, b, r0, S, h) for x in (q_ref, k_ref, g_ref))

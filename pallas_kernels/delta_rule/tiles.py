@@ -55,8 +55,11 @@ def by_reset(has_seg, reset, body):
   chunk holds a reset (reset: a traced bool scalar), the segment-free body elsewhere. In a chunk
   without a reset every row continues the chunk-start state and shares one segment, so both
   bodies give the same values there; the segment body's S_init tile and masks cost registers and
-  dots (H200, packed 1000-token documents, T=4096, chunk 16: the backward partials 4.3 ms
-  against 1.5 without segments, 17 ms at 4 warps), which most chunks then skip."""
+  dots, which most chunks then skip. Used where it paid (H200, packed 1000-token documents,
+  T=4096, chunk 16, session 33): WY 0.91 -> 0.72 ms, output 0.77 -> 0.59, the backward partials
+  4.30 -> 1.63 (1.45 without segments) and the fused backward 6.39 -> 2.75 (2.58); op fwd+bwd
+  9.56 -> 6.42. The pair kernel, whose segment masks are cheap (0.83 against 0.77 ms without
+  segments), did not gain (0.87) and keeps one body."""
   if not has_seg:
     body(False)
     return
