@@ -7,12 +7,12 @@
   _fused_bwd_kernel    grid (B, H, NC), with DeltaRuleConfig.fuse_bwd (the default, where V fits
                        one block): _bwd_partials_kernel and _intra_bwd_kernel in one program
                        per chunk (all of V), the partials kept in registers.
-With segments, the partials and fused kernels run their segment-free body on chunks without a
-reset (tiles.by_reset).
   _intra_bwd_kernel    grid (B, H, NC): sums the partials, back-propagates through the
                        decay-weighted products; emits dq, dk, dw and dg (gradient w.r.t. the
                        chunk-local cumsum); _intra_bwd_sub_kernel does the same on sub_block-row
                        blocks of a longer chunk.
+With segments, the partials and fused kernels run their segment-free body on chunks without a
+reset (tiles.by_reset).
 """
 from __future__ import annotations
 

@@ -58,12 +58,14 @@ class DeltaRuleConfig:
   # Triton warps, the WY kernel (H200 T=4096: 0.40 ms with 4, 0.45 with 8)
   num_warps_intra: int = 4
   num_warps_intra_bwd: int = 4   # Triton warps, intra-chunk backward kernel
-  num_warps_parallel: int = 8    # Triton warps, the backward-partials kernel
+  # Triton warps, the backward-partials kernel (where the fused one does not apply; with
+  # segments, before tiles.by_reset, it ran 17.4 ms at 4 warps against 4.3 at 8, H200 T=4096)
+  num_warps_parallel: int = 8
   # The backward's partials kernel and its intra-chunk kernel as one (backward._fused_bwd_kernel:
   # the six fp32 partial-gradient arrays, about 440 MB at B=4 H=16 T=4096 K=V=128 chunk 16,
   # never reach memory); only with one V block (V <= block_v_parallel) and without sub_block
   # rows. H200 session 33, diag KDN T=4096: op fwd+bwd 6.45 ms unfused -> 5.88 fused at 4 warps
-  # (6.31 at 8): the fused kernel 2.51 ms against partials + intra backward 1.10 + 2.03.
+  # (6.31 at 8): the fused kernel 2.51 ms against partials + intra backward 1.48 + 2.00.
   fuse_bwd: bool = True
   num_warps_fused: int = 4       # Triton warps, the fused backward kernel
   # Triton warps, the output kernel: its program is one [C, K] x [K, BV] dot (H200, diag KDN
