@@ -63,8 +63,11 @@ mixers)
     --rows=${MIXER_ROWS:-diag_kdn_pallas,iso_kdn_pallas,fla_chunk_kda,fla_chunk_gdn,kda_pallas,gdn_pallas,diag_kdn_chunked,iso_kdn_chunked} \
     2>&1 | quiet | tail -40 | tee "$RES/bench_mixers_gpu.txt" ;;
 layers)
-  timeout ${LAYERS_LIMIT:-240} python3 -m experiments.benchmark_layers --out="$RES/layers" \
-    --time_budget_s=${LAYERS_BUDGET:-200} --impls=${LAYER_IMPLS:-pallas,chunked} \
+  # fla's KDA layer autotunes on its first call (> 190 s): T=16384 first, and a limit that lets
+  # it finish (session 33's 235 s cut it off; session 30's 370 s budget did not).
+  timeout ${LAYERS_LIMIT:-430} python3 -m experiments.benchmark_layers --out="$RES/layers" \
+    --seq_lens=${LAYER_LENS:-16384,4096} \
+    --time_budget_s=${LAYERS_BUDGET:-370} --impls=${LAYER_IMPLS:-pallas,chunked} \
     --rows=${LAYER_ROWS:-kdn_diag,kdn_iso,kda,gated_deltanet,fla_kda_layer} 2>&1 | quiet | tail -30 | tee "$RES/bench_layers_gpu.txt" ;;
 train)
   python3 -m experiments.data.make_token_file /tmp/kdn_tokens.npy --num_docs=20000 >/dev/null
