@@ -140,8 +140,9 @@ def test_delta_rule_kernel_variants(variant):
 @pytest.mark.parametrize("segments", [False, True])
 def test_delta_rule_fused_backward(segments, fuse_bwd):
   """The backward with its partials and intra kernels as one (fuse_bwd, the default) and as two,
-  against the float64 loop, with and without resets; V != K. The resets fall inside a chunk and
-  on a chunk's first row, next to chunks without one (tiles.by_reset: the segment-free bodies)."""
+  against the float64 loop, with and without resets; V != K. The resets fall on a chunk's last
+  row, on the next chunk's first row and inside a chunk, next to a chunk without one
+  (tiles.by_reset: the segment-free bodies)."""
   old = dr_config.DEFAULT
   try:
     dr_config.set_default(fuse_bwd=fuse_bwd)
@@ -149,7 +150,7 @@ def test_delta_rule_fused_backward(segments, fuse_bwd):
     seg = None
     if segments:
       seg = np.zeros((2, t), np.int32)
-      seg[0, 20:] = 1
+      seg[0, 31:] = 1
       seg[0, 32:] = 2
       seg[1, 38:] = 3
     _check(_inputs(6, 2, t, 1, 64, 32, jnp.float32, False, "normal"), seg, 16, 1e-5, 1e-4)

@@ -51,7 +51,7 @@ docs)
   timeout ${DOCS_LIMIT:-400} python3 -m experiments.benchmark_mixers --out="$RES/docs" \
     --seq_lens=4096 --pallas_lens= --reps=${REPS:-10} --check=true --time_budget_s=${DOCS_BUDGET:-300} \
     --sweep_row=diag_kdn_seg_pallas --sweep_stages \
-    --sweep=${DOCS_SWEEP-default,block_v_parallel=64,num_warps_parallel=4/block_v_parallel=64} \
+    --sweep=${DOCS_SWEEP-default,fuse_bwd=0,num_warps_fused=8} \
     --rows=diag_kdn_seg_pallas,iso_kdn_seg_pallas,diag_kdn_pallas \
     2>&1 | quiet | tail -40 | tee "$RES/docs.txt" ;;
 mixers)

@@ -5,7 +5,7 @@
   _bwd_partials_kernel grid (B, H, NC, V/BV): dV and per-V-block partial gradients of P, L, Wt,
                        Kbar, Qbar, g_last.
   _fused_bwd_kernel    grid (B, H, NC), with DeltaRuleConfig.fuse_bwd (the default, where V fits
-                       one block): _bwd_partials_kernel and _intra_bwd_kernel in one program
+                       one block and without sub_block rows): _bwd_partials_kernel and _intra_bwd_kernel in one program
                        per chunk (all of V), the partials kept in registers.
   _intra_bwd_kernel    grid (B, H, NC): sums the partials, back-propagates through the
                        decay-weighted products; emits dq, dk, dw and dg (gradient w.r.t. the

@@ -54,7 +54,8 @@ def by_reset(has_seg, reset, body):
   """body(seg) for one chunk: with segments (has_seg), the segment body (seg=True) only where the
   chunk holds a reset (reset: a traced bool scalar), the segment-free body elsewhere. In a chunk
   without a reset every row continues the chunk-start state and shares one segment, so both
-  bodies give the same values there; the segment body's S_init tile and masks cost registers and
+  bodies give the same values there (up to fp32 rounding: the segment body's blends by cont,
+  e.g. of S and S_init, may round or contract differently); the segment body's S_init tile and masks cost registers and
   dots, which most chunks then skip. Used where it paid (H200, packed 1000-token documents,
   T=4096, chunk 16, session 33): WY 0.91 -> 0.72 ms, output 0.77 -> 0.59, the backward partials
   4.30 -> 1.63 (1.45 without segments) and the fused backward 6.39 -> 2.75 (2.58); op fwd+bwd
