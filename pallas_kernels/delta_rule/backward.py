@@ -5,8 +5,9 @@
   _bwd_partials_kernel grid (B, H, NC, V/BV): dV and per-V-block partial gradients of P, L, Wt,
                        Kbar, Qbar, g_last.
   _fused_bwd_kernel    grid (B, H, NC), with DeltaRuleConfig.fuse_bwd (the default, where V fits
-                       one block and without sub_block rows): _bwd_partials_kernel and _intra_bwd_kernel in one program
-                       per chunk (all of V), the partials kept in registers.
+                       one block and without sub_block rows): _bwd_partials_kernel and
+                       _intra_bwd_kernel in one program per chunk (all of V), the partials
+                       kept in registers.
   _intra_bwd_kernel    grid (B, H, NC): sums the partials, back-propagates through the
                        decay-weighted products; emits dq, dk, dw and dg (gradient w.r.t. the
                        chunk-local cumsum); _intra_bwd_sub_kernel does the same on sub_block-row
@@ -26,7 +27,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import common
 from pallas_kernels.delta_rule.tiles import (
     dot, dot_nt, dot_tn, iota, tile, same_seg, decay_to_last, kernel_precision,
-    use_sub, launch_params, sub_blocks, ref_point, seg_masks, by_reset, chunk_has_reset)
+    use_sub, launch_params, sub_blocks, ref_point, seg_masks, by_reset)
 
 
 def _chunk_common(refs, b, h, t0, C, scale, has_seg):
@@ -143,14 +144,9 @@ def _bwd_partials_kernel(*refs, chunk, scale, has_seg, block_v, prec):
   outs = refs[len(names):]
   b, h, c, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
   vs = pl.ds(vb * block_v, block_v)
-  by_reset(has_seg, _reset(r, b, c, chunk, has_seg), lambda seg: _bwd_partials(
+  by_reset(r.get("cont"), b, c * chunk + chunk - 1, lambda seg: _bwd_partials(
       r, outs, b, h, c, vb, chunk, seg, vs, *_chunk_states(r, b, h, c, chunk, scale, seg, vs,
                                                             prec), prec))
-
-
-def _reset(r, b, c, C, has_seg):
-  """Whether chunk c holds a reset (tiles.by_reset); None without segments."""
-  return chunk_has_reset(r["cont"], b, c * C + C - 1) if has_seg else None
 
 
 def _chunk_states(r, b, h, c, C, scale, has_seg, vs, prec):
@@ -281,7 +277,7 @@ def _fused_bwd_kernel(*refs, chunk, scale, has_seg, prec, hi):
   r = dict(zip(names, refs[:len(names)]))
   dv_ref, *outs = refs[len(names):]
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  by_reset(has_seg, _reset(r, b, c, chunk, has_seg),
+  by_reset(r.get("cont"), b, c * chunk + chunk - 1,
            lambda seg: _fused_bwd(r, dv_ref, outs, b, h, c, chunk, scale, seg, prec, hi))
 
 

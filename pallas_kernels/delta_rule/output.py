@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.delta_rule.tiles import (
-    dot, tile, kernel_precision, launch_params, by_reset, chunk_has_reset)
+    dot, tile, kernel_precision, launch_params, by_reset)
 
 
 def _output_kernel(*refs, chunk, scale, has_seg, block_v, prec):
@@ -27,9 +27,8 @@ def _output_kernel(*refs, chunk, scale, has_seg, block_v, prec):
   C = chunk
   t0 = c * C
   vs = pl.ds(vb * block_v, block_v)
-  reset = chunk_has_reset(r["cont"], b, t0 + C - 1) if has_seg else None
-  by_reset(has_seg, reset, lambda seg: _output_rows(r, o_ref, b, h, c, t0, C, vs, scale, seg,
-                                                    prec))
+  by_reset(r.get("cont"), b, t0 + C - 1, lambda seg: _output_rows(
+      r, o_ref, b, h, c, t0, C, vs, scale, seg, prec))
 
 
 def _output_rows(r, o_ref, b, h, c, t0, C, vs, scale, seg, prec):

@@ -50,28 +50,25 @@ def same_seg(pid_ref, b, t0, c):
   return (pid[:, None] == pid[None, :]).astype(jnp.float32), pid
 
 
-def by_reset(has_seg, reset, body):
-  """body(seg) for one chunk: with segments (has_seg), the segment body (seg=True) only where the
-  chunk holds a reset (reset: a traced bool scalar), the segment-free body elsewhere. In a chunk
-  without a reset every row continues the chunk-start state and shares one segment, so both
-  bodies give the same values there (up to fp32 rounding: the segment body's blends by cont,
-  e.g. of S and S_init, may round or contract differently); the segment body's S_init tile and masks cost registers and
-  dots, which most chunks then skip. Used where it paid (H200, packed 1000-token documents,
-  T=4096, chunk 16, session 33): WY 0.91 -> 0.72 ms, output 0.77 -> 0.59, the backward partials
-  4.30 -> 1.63 (1.45 without segments) and the fused backward 6.39 -> 2.75 (2.58); op fwd+bwd
-  9.56 -> 6.42. The pair kernel, whose segment masks are cheap (0.83 against 0.77 ms without
-  segments), did not gain (0.87) and keeps one body."""
-  if not has_seg:
+def by_reset(cont_ref, b, t_last, body):
+  """body(seg) for the chunk ending at token t_last: without segments (cont_ref None) the
+  segment-free body; with them, the segment body (seg=True) only where the chunk holds a reset
+  (cont is 1 until the chunk's first reset, so its last row is 0 exactly when there is one, at
+  any row, the first included), the segment-free body elsewhere. In a chunk without a reset
+  every row continues the chunk-start state and shares one segment, so both bodies give the
+  same values there (up to fp32 rounding: the segment body's blends by cont, e.g. of S and
+  S_init, may round or contract differently); the segment body's S_init tile and masks cost
+  registers and dots, which most chunks then skip. Used where it paid (H200, packed 1000-token
+  documents, T=4096, chunk 16, session 33): WY 0.91 -> 0.72 ms, output 0.77 -> 0.59, the
+  backward partials 4.30 -> 1.63 (1.45 without segments) and the fused backward 6.39 -> 2.75
+  (2.58); op fwd+bwd 9.56 -> 6.42. The pair kernel, whose segment masks are cheap (0.83 against
+  0.77 ms without segments), did not gain (0.87) and keeps one body."""
+  if cont_ref is None:
     body(False)
     return
+  reset = cont_ref[b, t_last] < 0.5
   pl.when(reset)(lambda: body(True))
   pl.when(jnp.logical_not(reset))(lambda: body(False))
-
-
-def chunk_has_reset(cont_ref, b, t_last):
-  """Whether the chunk ending at token t_last holds a reset (cont: 1 until the chunk's first
-  reset, so its last row is 0 exactly when there is one, at any row, the first included)."""
-  return cont_ref[b, t_last] < 0.5
 
 
 def decay_to_last(g, g_last, pid=None, pid_last=None):

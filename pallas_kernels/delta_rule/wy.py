@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import common
 from pallas_kernels.delta_rule.inverse import unit_lower_inverse
 from pallas_kernels.delta_rule.tiles import (
-    dot, tile, kernel_precision, operand_dtype, launch_params, by_reset, chunk_has_reset)
+    dot, tile, kernel_precision, operand_dtype, launch_params, by_reset)
 
 
 def _wy_kernel(*refs, chunk, sub, has_seg, block_v, inverse, prec, hi):
@@ -39,9 +39,8 @@ def _wy_kernel(*refs, chunk, sub, has_seg, block_v, inverse, prec, hi):
   amat = unit_lower_inverse(r["l"][b, h, rows, :], C, inverse, sub, hi)
   a_out[b, h, rows, :] = amat.astype(a_out.dtype)
   kbar = tile(r["k"], b, t0, C, h) * jnp.exp(tile(r["g"], b, t0, C, h))
-  reset = chunk_has_reset(r["cont"], b, t0 + C - 1) if has_seg else None
-  by_reset(has_seg, reset, lambda seg: _wk_u(r, wk_out, u_out, amat, kbar, b, h, t0, C, seg,
-                                             block_v, prec))
+  by_reset(r.get("cont"), b, t0 + C - 1, lambda seg: _wk_u(
+      r, wk_out, u_out, amat, kbar, b, h, t0, C, seg, block_v, prec))
 
 
 def _wk_u(r, wk_out, u_out, amat, kbar, b, h, t0, C, seg, block_v, prec):
