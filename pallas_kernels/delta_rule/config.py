@@ -45,6 +45,13 @@ class DeltaRuleConfig:
   # `blocked` sub-tiles and `inverse` options), the 3-dot serial chain (`wy=False`) and the
   # serial kernel that formed O itself (`split_output=False`) (docs/benchmark_mixers.md).
   num_warps_pairs: int = 4   # Triton warps, the pair kernel
+  # The diagonal S x S tile of L and P: 'columns' (an S-step column loop, stores per column),
+  # 'tiles' (one [S, S, pair_k_block] pair tensor per K slice, one tile store) or 'tokens' (a
+  # token-parallel kernel, one program per (row, pair_heads heads): [S, heads, K], one row
+  # store; chunks of several row blocks take 'tiles' for their diagonal tiles).
+  pair_diag: str = "columns"
+  pair_k_block: int = 32
+  pair_heads: int = 1
   # (I + L)^-1 in the WY kernel (wy.py): 'sub_rows', 'sub_dots', 'doubling'.
   wy_inverse: str = "sub_rows"
   # A call that is not differentiated (inference, evaluation) runs the forward at this chunk
@@ -90,6 +97,13 @@ class DeltaRuleConfig:
     if self.wy_inverse not in ("sub_rows", "sub_dots", "doubling"):
       raise ValueError("DeltaRuleConfig.wy_inverse must be 'sub_rows', 'sub_dots' or 'doubling', "
                        f"got {self.wy_inverse!r}")
+    if self.pair_diag not in ("columns", "tiles", "tokens"):
+      raise ValueError("DeltaRuleConfig.pair_diag must be 'columns', 'tiles' or 'tokens', got "
+                       f"{self.pair_diag!r}")
+    for name in ("pair_k_block", "pair_heads"):
+      if not pow2(getattr(self, name)):
+        raise ValueError(f"DeltaRuleConfig.{name} must be a power of two, got "
+                         f"{getattr(self, name)}")
     if self.fast_dots not in ("tf32", "bf16"):
       raise ValueError(f"DeltaRuleConfig.fast_dots must be 'tf32' or 'bf16', got {self.fast_dots!r}")
 

@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.delta_rule import wy as _wy
 from pallas_kernels.delta_rule.tiles import (
     dot_nt, tile, decay_to_last, kernel_precision, operand_dtype, launch_params, ref_point,
-    masked_store)
+    masked_store, iota)
 
 
 def _diag_columns(q, k, g, w_ref, g_ref, pid_ref, pid_i, l_out, p_out, b, h, r0, col0, scale, S):
@@ -51,7 +51,29 @@ def _diag_columns(q, k, g, w_ref, g_ref, pid_ref, pid_i, l_out, p_out, b, h, r0,
   lax.fori_loop(0, S, body, 0)
 
 
-def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec):
+def _diag_tile(q_ref, k_ref, w_ref, g_ref, pid_i, b, h, r0, S, k_block):
+  """The diagonal S x S tile of L (strict) and P (inclusive, unscaled) of the row block at
+  token r0 as [S, S, k_block] pair tensors over K slices: exact exp(min(g_r - g_j, 0)), no
+  column loop (its per-step loads, reductions and strided stores are what the column loop
+  costs: docs/benchmark_mixers.md, session 34)."""
+  kd = k_ref.shape[-1]
+  rows = pl.ds(r0, S)
+  lmat = jnp.zeros((S, S), jnp.float32)
+  pmat = jnp.zeros((S, S), jnp.float32)
+  for k0 in range(0, kd, k_block):
+    ks = pl.ds(k0, k_block)
+    q, k, w, g = (x[b, rows, h, ks].astype(jnp.float32) for x in (q_ref, k_ref, w_ref, g_ref))
+    e = jnp.exp(jnp.minimum(g[:, None, :] - g[None, :, :], 0.0)) * w[None, :, :]
+    lmat = lmat + jnp.sum(k[:, None, :] * e, axis=2)
+    pmat = pmat + jnp.sum(q[:, None, :] * e, axis=2)
+  keep_l, keep_p = iota(S, 0) > iota(S, 1), iota(S, 0) >= iota(S, 1)
+  if pid_i is not None:
+    same = pid_i[:, None] == pid_i[None, :]
+    keep_l, keep_p = keep_l & same, keep_p & same
+  return jnp.where(keep_l, lmat, 0.0), jnp.where(keep_p, pmat, 0.0)
+
+
+def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec, diag, k_block):
   """Rows [i S, (i + 1) S) of L (f32, strict, zero above the diagonal) and of P (scaled), and
   their Wt rows; i = program_id(3). Every column of the row block is stored (zeros right of the
   diagonal tile), so the outputs need no initialisation."""
@@ -85,10 +107,45 @@ def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec):
     idx = (b, h, rows, pl.ds(0, C))
     masked_store(l_out, idx, lmat, off_diag)
     masked_store(p_out, idx, (scale * pmat).astype(p_out.dtype), off_diag)
-  _diag_columns(q, k, g, w_ref, g_ref, pid_ref, pid_i, l_out, p_out, b, h, r0, i * S, scale, S)
+  if diag == "tiles":
+    ldiag, pdiag = _diag_tile(q_ref, k_ref, w_ref, g_ref, pid_i, b, h, r0, S, k_block)
+    l_out[b, h, rows, pl.ds(i * S, S)] = ldiag.astype(l_out.dtype)
+    p_out[b, h, rows, pl.ds(i * S, S)] = (scale * pdiag).astype(p_out.dtype)
+  else:
+    _diag_columns(q, k, g, w_ref, g_ref, pid_ref, pid_i, l_out, p_out, b, h, r0, i * S, scale, S)
   g_last = g_ref[b, t0 + C - 1, h, :]
   e_last = decay_to_last(g, g_last, pid_i, pid_ref[b, t0 + C - 1] if has_seg else None)
   wt_out[b, rows, h, :] = (tile(w_ref, b, r0, S, h) * e_last).astype(wt_out.dtype)
+
+
+def _pair_tokens_kernel(*refs, chunk, sub, scale, has_seg, heads):
+  """Row r = program_id(1) of L (strict) and P (scaled, inclusive) for `heads` heads, chunks of
+  one S-row block (C = S): the row's S columns as one [S, heads, K] pair tensor (exact
+  exp(min(g_r - g_j, 0))), stored as one row; and the row's Wt. Token-parallel: no loop."""
+  n_in = 4 + (1 if has_seg else 0)
+  q_ref, k_ref, w_ref, g_ref = refs[:4]
+  pid_ref = refs[4] if has_seg else None
+  l_out, p_out, wt_out = refs[n_in:n_in + 3]
+  b, r, hb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  S = sub
+  hs = pl.ds(hb * heads, heads)
+  r0 = pl.multiple_of((r // S) * S, S)
+  t_last = r0 + S - 1
+  q, k, w, g = (x[b, r, hs, :].astype(jnp.float32) for x in (q_ref, k_ref, w_ref, g_ref))
+  wj, gj = (x[b, pl.ds(r0, S), hs, :].astype(jnp.float32) for x in (w_ref, g_ref))
+  e = jnp.exp(jnp.minimum(g[None] - gj, 0.0)) * wj                   # [S, heads, K]
+  lrow, prow = jnp.sum(k[None] * e, axis=2).T, jnp.sum(q[None] * e, axis=2).T   # [heads, S]
+  col = lax.broadcasted_iota(jnp.int32, (heads, S), 1)
+  keep_l, keep_p = col < r - r0, col <= r - r0
+  e_last = jnp.exp(jnp.minimum(g_ref[b, t_last, hs, :].astype(jnp.float32) - g, 0.0))
+  if has_seg:
+    pid_r = pid_ref[b, r]
+    same = (pid_ref[b, pl.ds(r0, S)] == pid_r)[None, :]
+    keep_l, keep_p = keep_l & same, keep_p & same
+    e_last = jnp.where(pid_r == pid_ref[b, t_last], e_last, 0.0)
+  l_out[b, hs, r, :] = jnp.where(keep_l, lrow, 0.0).astype(l_out.dtype)
+  p_out[b, hs, r, :] = (scale * jnp.where(keep_p, prow, 0.0)).astype(p_out.dtype)
+  wt_out[b, r, hs, :] = (w * e_last).astype(wt_out.dtype)
 
 
 def sub_rows(cfg, chunk):
@@ -104,15 +161,28 @@ def pair_rows_forward(q, k, w, g, pid, *, chunk, scale, interpret, cfg, cfg_prec
   prec = kernel_precision(cfg, cfg_prec, interpret)
   dt = operand_dtype(prec)
   sub = sub_rows(cfg, chunk)
+  out_shape = (jax.ShapeDtypeStruct((bsz, nh, t, chunk), jnp.float32),
+               jax.ShapeDtypeStruct((bsz, nh, t, chunk), dt),
+               jax.ShapeDtypeStruct((bsz, t, nh, kd), dt))
+  args = [q, k, w, g] + ([pid] if has_seg else [])
+  diag = cfg.pair_diag
+  if diag == "tokens" and chunk == sub:
+    heads = min(cfg.pair_heads, nh)
+    if nh % heads:
+      raise ValueError(f"DeltaRuleConfig.pair_heads={cfg.pair_heads} must divide the {nh} heads")
+    return pl.pallas_call(
+        functools.partial(_pair_tokens_kernel, chunk=chunk, sub=sub, scale=scale,
+                          has_seg=has_seg, heads=heads),
+        out_shape=out_shape, grid=(bsz, t, nh // heads), name="delta_rule_pair_tokens",
+        **launch_params(interpret, cfg.num_warps_pairs, cfg))(*args)
+  # 'tokens' on chunks of several row blocks: their diagonal tiles by 'tiles'
+  diag = "tiles" if diag == "tokens" else diag
   return pl.pallas_call(
       functools.partial(_pair_rows_kernel, chunk=chunk, sub=sub, scale=scale, has_seg=has_seg,
-                        prec=prec),
-      out_shape=(jax.ShapeDtypeStruct((bsz, nh, t, chunk), jnp.float32),
-                 jax.ShapeDtypeStruct((bsz, nh, t, chunk), dt),
-                 jax.ShapeDtypeStruct((bsz, t, nh, kd), dt)),
-      grid=(bsz, nh, t // chunk, chunk // sub), name="delta_rule_pair_rows",
+                        prec=prec, diag=diag, k_block=min(cfg.pair_k_block, kd)),
+      out_shape=out_shape, grid=(bsz, nh, t // chunk, chunk // sub), name="delta_rule_pair_rows",
       **launch_params(interpret, cfg.num_warps_pairs, cfg),
-  )(*([q, k, w, g] + ([pid] if has_seg else [])))
+  )(*args)
 
 
 def intra_forward(q, k, v, w, g, h0, pid, cont, *, chunk, scale, interpret, cfg, cfg_prec):
