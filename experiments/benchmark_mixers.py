@@ -191,7 +191,13 @@ def _time_fn(fn, args, compile_times=None, name=None):
   return median_time(fn, *args, warmup=1 + FLAGS.warmup, repeats=FLAGS.reps)
 
 
-def _time_jax_row(row, t, fwd_bwd, compile_times=None):
+def time_jax_row(row, t, fwd_bwd, compile_times=None):
+  fn, args = jax_row_fn(row, t, fwd_bwd)
+  return _time_fn(fn, args, compile_times, row)
+
+
+def jax_row_fn(row, t, fwd_bwd):
+  """(jitted fn, args) of a JAX row: the forward, or the gradient of a loss on its output."""
   b, h, d = FLAGS.batch, FLAGS.heads, FLAGS.dim
   x = _inputs(jax.random.PRNGKey(0), b, t, h, d, jnp.bfloat16)
   f, names = _make_jax_fn(row, d)
@@ -204,7 +210,7 @@ def _time_jax_row(row, t, fwd_bwd, compile_times=None):
       o = f({**rest, **diff})
       return jnp.sum(o.astype(jnp.float32) * 1e-3)
     fn = jax.jit(jax.grad(loss))
-  return _time_fn(fn, (diff,), compile_times, row)
+  return fn, (diff,)
 
 
 # ------------------------------------------------------------------------------------- fla
@@ -219,7 +225,14 @@ def _fla():
   return torch, kda.chunk_kda, gdn.chunk_gated_delta_rule
 
 
-def _time_fla_row(row, t, fwd_bwd):
+def time_fla_row(row, t, fwd_bwd):
+  torch, run = fla_row_fn(row, t, fwd_bwd)
+  with torch.set_grad_enabled(fwd_bwd):
+    return torch_cuda_median_ms(run, warmup=1 + FLAGS.warmup, repeats=FLAGS.reps)
+
+
+def fla_row_fn(row, t, fwd_bwd):
+  """(torch, run): one call of fla's op on fresh inputs (run under torch.set_grad_enabled)."""
   torch, chunk_kda, chunk_gdn = _fla()
   b, h, d = FLAGS.batch, FLAGS.heads, FLAGS.dim
   g = torch.Generator(device="cuda").manual_seed(0)
@@ -248,8 +261,7 @@ def _time_fla_row(row, t, fwd_bwd):
       torch.autograd.grad(o, leaves, do)
     return o
 
-  with torch.set_grad_enabled(fwd_bwd):
-    return torch_cuda_median_ms(run, warmup=1 + FLAGS.warmup, repeats=FLAGS.reps)
+  return torch, run
 
 
 # ------------------------------------------------------------------------------------ check
@@ -481,7 +493,7 @@ def _sweep(results, specs, module, make_config, row, fwd_bwd, key, deadline, sta
     cfg = module.DEFAULT = make_config(spec)
     first = {}
     try:
-      ms = _time_jax_row(row, FLAGS.sweep_len, fwd_bwd, first)
+      ms = time_jax_row(row, FLAGS.sweep_len, fwd_bwd, first)
     except Exception as e:  # pylint: disable=broad-except
       ms = None
       logging.warning("sweep %s failed: %s", spec, e)
@@ -659,8 +671,8 @@ def main(argv):
         rec = {"row": row, "mode": mode, "T": t}
         try:
           fb = mode == "fwd+bwd"
-          rec["ms"] = (_time_fla_row(row, t, fb) if row.startswith("fla")
-                       else _time_jax_row(row, t, fb))
+          rec["ms"] = (time_fla_row(row, t, fb) if row.startswith("fla")
+                       else time_jax_row(row, t, fb))
         except Exception as e:  # pylint: disable=broad-except
           rec["ms"] = None
           rec["error"] = f"{type(e).__name__}: {e}"[:300]

@@ -94,7 +94,7 @@ def test_sweep_with_stages_at_tiny_shape():
 def test_sweep_restores_the_default_when_every_spec_fails(monkeypatch):
   def fail(*a, **k):
     raise RuntimeError("compile error")
-  monkeypatch.setattr(bm, "_time_jax_row", fail)
+  monkeypatch.setattr(bm, "time_jax_row", fail)
   bm.FLAGS(["bm", "--sweep_len=40"])
   old = dr_config.DEFAULT
   results = {}

@@ -37,6 +37,34 @@ def test_bfloat16_inputs(impl):
   assert rel_err(o16, o32) < 2e-2  # bf16 input rounding only
 
 
+@pytest.mark.parametrize("family", ["diag", "iso"])
+def test_bfloat16_inputs_pallas(family):
+  """The Pallas path takes 16-bit inputs as they are (no fp32 copies; the kernels compute in
+  fp32): outputs and every input's gradient (in the input's dtype) within bf16 rounding of the
+  same inputs given in fp32."""
+  x = make_inputs(family, B, T, H, K, 16, seed=23)   # (the kernels take V >= 16)
+  names = ("q", "k", "v", "log_alpha", "omega", "r")
+  fn = ops.diag_kdn if family == "diag" else ops.iso_kdn
+
+  def loss(args, ct):
+    o, st = fn(*args, info_scale=x["mu"], impl="pallas", chunk_size=16,
+               output_final_state=True)
+    return jnp.sum(o.astype(jnp.float32) * ct) + jnp.sum(st.variance)
+
+  ct = jnp.asarray(np.random.default_rng(0).normal(size=(B, T, H, 16)), jnp.float32)
+  grad = jax.jit(jax.value_and_grad(loss))
+  res = {}
+  for dt in (jnp.bfloat16, jnp.float32):
+    # both runs from the same bf16-rounded values: only the computation's dtypes differ
+    args = tuple(jnp.asarray(x[n], jnp.bfloat16).astype(dt) for n in names)
+    res[dt] = grad(args, ct)
+  (l16, g16), (l32, g32) = res[jnp.bfloat16], res[jnp.float32]
+  assert abs(float(l16) - float(l32)) <= 1e-2 * abs(float(l32))
+  for n, a, b in zip(names, g16, g32):
+    assert a.dtype == jnp.bfloat16, n
+    assert rel_err(a, b) < 2e-2, (n, rel_err(a, b))
+
+
 def test_float64_under_x64():
   with jax.enable_x64(True):
     x = _inputs(dtype=jnp.float64)

@@ -81,8 +81,12 @@ def _kdn(op, diag, q, k, v, log_alpha, omega, r, info_scale, scale,
     _check_kdn_values(op, log_alpha, omega, r, mu,
                       None if initial_state is None else state0.variance)
   scale = kd ** -0.5 if scale is None else scale
-  q, k, v, log_alpha, omega, r = (
-      x.astype(cd) for x in (q, k, v, log_alpha, omega, r))
+  if impl != "pallas":
+    # (The Pallas kernels read each input in its own dtype and compute in fp32 inside: fp32
+    # copies of 16-bit [B, T, H, K] inputs would be whole extra passes over HBM, three converts
+    # of 50 us each in an H200 profile of the T=4096 forward, docs/benchmark_mixers.md.)
+    q, k, v, log_alpha, omega, r = (
+        x.astype(cd) for x in (q, k, v, log_alpha, omega, r))
   if impl == "reference":
     starts = None if segment_ids is None else variance.segment_starts(
         segment_ids)

@@ -97,7 +97,7 @@ class DeltaRuleConfig:
     if self.wy_inverse not in ("sub_rows", "sub_dots", "doubling"):
       raise ValueError("DeltaRuleConfig.wy_inverse must be 'sub_rows', 'sub_dots' or 'doubling', "
                        f"got {self.wy_inverse!r}")
-    if self.pair_diag not in ("columns", "tiles", "tokens"):
+    if self.pair_diag not in ("columns", "tiles", "tokens", "token_loop"):
       raise ValueError("DeltaRuleConfig.pair_diag must be 'columns', 'tiles' or 'tokens', got "
                        f"{self.pair_diag!r}")
     for name in ("pair_k_block", "pair_heads"):

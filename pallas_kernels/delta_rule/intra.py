@@ -148,6 +148,47 @@ def _pair_tokens_kernel(*refs, chunk, sub, scale, has_seg, heads):
   wt_out[b, r, hs, :] = (w * e_last).astype(wt_out.dtype)
 
 
+def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads):
+  """Like _pair_tokens_kernel, the row's earlier columns j <= r one per step ([heads, K] each,
+  no exps above the diagonal; each step's `heads` values stored straight to L and P), then zeros
+  for the columns after r."""
+  n_in = 4 + (1 if has_seg else 0)
+  q_ref, k_ref, w_ref, g_ref = refs[:4]
+  pid_ref = refs[4] if has_seg else None
+  l_out, p_out, wt_out = refs[n_in:n_in + 3]
+  b, r, hb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  S = sub
+  hs = pl.ds(hb * heads, heads)
+  r0 = (r // S) * S
+  t_last = r0 + S - 1
+  q, k, w, g = (x[b, r, hs, :].astype(jnp.float32) for x in (q_ref, k_ref, w_ref, g_ref))
+  pid_r = pid_ref[b, r] if has_seg else None
+
+  def column(j, carry):
+    e = jnp.exp(jnp.minimum(g - g_ref[b, j, hs, :].astype(jnp.float32), 0.0)) * w_ref[
+        b, j, hs, :].astype(jnp.float32)
+    kw, qw = jnp.sum(k * e, axis=1), jnp.sum(q * e, axis=1)
+    keep_l, keep_p = j < r, True
+    if has_seg:
+      same = pid_ref[b, j] == pid_r
+      keep_l, keep_p = keep_l & same, same
+    l_out[b, hs, r, j - r0] = jnp.where(keep_l, kw, 0.0).astype(l_out.dtype)
+    p_out[b, hs, r, j - r0] = (scale * jnp.where(keep_p, qw, 0.0)).astype(p_out.dtype)
+    return carry
+
+  def zero(j, carry):
+    l_out[b, hs, r, j - r0] = jnp.zeros((heads,), l_out.dtype)
+    p_out[b, hs, r, j - r0] = jnp.zeros((heads,), p_out.dtype)
+    return carry
+
+  lax.fori_loop(r0, r + 1, column, 0)
+  lax.fori_loop(r + 1, r0 + S, zero, 0)
+  e_last = jnp.exp(jnp.minimum(g_ref[b, t_last, hs, :].astype(jnp.float32) - g, 0.0))
+  if has_seg:
+    e_last = jnp.where(pid_r == pid_ref[b, t_last], e_last, 0.0)
+  wt_out[b, r, hs, :] = (w * e_last).astype(wt_out.dtype)
+
+
 def sub_rows(cfg, chunk):
   """Row-block size of the pair and WY kernels: cfg.sub_block (16 when 0), at most C."""
   return min(cfg.sub_block or 16, chunk)
@@ -166,17 +207,18 @@ def pair_rows_forward(q, k, w, g, pid, *, chunk, scale, interpret, cfg, cfg_prec
                jax.ShapeDtypeStruct((bsz, t, nh, kd), dt))
   args = [q, k, w, g] + ([pid] if has_seg else [])
   diag = cfg.pair_diag
-  if diag == "tokens" and chunk == sub:
+  if diag in ("tokens", "token_loop") and chunk == sub:
     heads = min(cfg.pair_heads, nh)
     if nh % heads:
       raise ValueError(f"DeltaRuleConfig.pair_heads={cfg.pair_heads} must divide the {nh} heads")
+    kernel = _pair_tokens_kernel if diag == "tokens" else _pair_token_loop_kernel
     return pl.pallas_call(
-        functools.partial(_pair_tokens_kernel, chunk=chunk, sub=sub, scale=scale,
+        functools.partial(kernel, chunk=chunk, sub=sub, scale=scale,
                           has_seg=has_seg, heads=heads),
         out_shape=out_shape, grid=(bsz, t, nh // heads), name="delta_rule_pair_tokens",
         **launch_params(interpret, cfg.num_warps_pairs, cfg))(*args)
   # 'tokens' on chunks of several row blocks: their diagonal tiles by 'tiles'
-  diag = "tiles" if diag == "tokens" else diag
+  diag = "tiles" if diag in ("tokens", "token_loop") else diag
   return pl.pallas_call(
       functools.partial(_pair_rows_kernel, chunk=chunk, sub=sub, scale=scale, has_seg=has_seg,
                         prec=prec, diag=diag, k_block=min(cfg.pair_k_block, kd)),
