@@ -46,9 +46,10 @@ class DeltaRuleConfig:
   # serial kernel that formed O itself (`split_output=False`) (docs/benchmark_mixers.md).
   num_warps_pairs: int = 4   # Triton warps, the pair kernel
   # The diagonal S x S tile of L and P: 'columns' (an S-step column loop, stores per column),
-  # 'tiles' (one [S, S, pair_k_block] pair tensor per K slice, one tile store) or 'tokens' (a
-  # token-parallel kernel, one program per (row, pair_heads heads): [S, heads, K], one row
-  # store; chunks of several row blocks take 'tiles' for their diagonal tiles).
+  # 'tiles' (one [S, S, pair_k_block] pair tensor per K slice, one tile store) or 'token_loop'
+  # (token-parallel, one program per (row, pair_heads heads), a j <= r column loop; chunks of
+  # several row blocks take 'tiles' for their diagonal tiles). Session 35: a vectorised
+  # token-parallel 'tokens' lost (0.84-1.16 ms) and was removed.
   pair_diag: str = "columns"
   pair_k_block: int = 32
   pair_heads: int = 1
@@ -97,8 +98,8 @@ class DeltaRuleConfig:
     if self.wy_inverse not in ("sub_rows", "sub_dots", "doubling"):
       raise ValueError("DeltaRuleConfig.wy_inverse must be 'sub_rows', 'sub_dots' or 'doubling', "
                        f"got {self.wy_inverse!r}")
-    if self.pair_diag not in ("columns", "tiles", "tokens", "token_loop"):
-      raise ValueError("DeltaRuleConfig.pair_diag must be 'columns', 'tiles' or 'tokens', got "
+    if self.pair_diag not in ("columns", "tiles", "token_loop"):
+      raise ValueError("DeltaRuleConfig.pair_diag must be 'columns', 'tiles' or 'token_loop', got "
                        f"{self.pair_diag!r}")
     for name in ("pair_k_block", "pair_heads"):
       if not pow2(getattr(self, name)):

@@ -118,40 +118,11 @@ def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec, diag, k_block):
   wt_out[b, rows, h, :] = (tile(w_ref, b, r0, S, h) * e_last).astype(wt_out.dtype)
 
 
-def _pair_tokens_kernel(*refs, chunk, sub, scale, has_seg, heads):
-  """Row r = program_id(1) of L (strict) and P (scaled, inclusive) for `heads` heads, chunks of
-  one S-row block (C = S): the row's S columns as one [S, heads, K] pair tensor (exact
-  exp(min(g_r - g_j, 0))), stored as one row; and the row's Wt. Token-parallel: no loop."""
-  n_in = 4 + (1 if has_seg else 0)
-  q_ref, k_ref, w_ref, g_ref = refs[:4]
-  pid_ref = refs[4] if has_seg else None
-  l_out, p_out, wt_out = refs[n_in:n_in + 3]
-  b, r, hb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  S = sub
-  hs = pl.ds(hb * heads, heads)
-  r0 = pl.multiple_of((r // S) * S, S)
-  t_last = r0 + S - 1
-  q, k, w, g = (x[b, r, hs, :].astype(jnp.float32) for x in (q_ref, k_ref, w_ref, g_ref))
-  wj, gj = (x[b, pl.ds(r0, S), hs, :].astype(jnp.float32) for x in (w_ref, g_ref))
-  e = jnp.exp(jnp.minimum(g[None] - gj, 0.0)) * wj                   # [S, heads, K]
-  lrow, prow = jnp.sum(k[None] * e, axis=2).T, jnp.sum(q[None] * e, axis=2).T   # [heads, S]
-  col = lax.broadcasted_iota(jnp.int32, (heads, S), 1)
-  keep_l, keep_p = col < r - r0, col <= r - r0
-  e_last = jnp.exp(jnp.minimum(g_ref[b, t_last, hs, :].astype(jnp.float32) - g, 0.0))
-  if has_seg:
-    pid_r = pid_ref[b, r]
-    same = (pid_ref[b, pl.ds(r0, S)] == pid_r)[None, :]
-    keep_l, keep_p = keep_l & same, keep_p & same
-    e_last = jnp.where(pid_r == pid_ref[b, t_last], e_last, 0.0)
-  l_out[b, hs, r, :] = jnp.where(keep_l, lrow, 0.0).astype(l_out.dtype)
-  p_out[b, hs, r, :] = (scale * jnp.where(keep_p, prow, 0.0)).astype(p_out.dtype)
-  wt_out[b, r, hs, :] = (w * e_last).astype(wt_out.dtype)
-
-
 def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads):
-  """Like _pair_tokens_kernel, the row's earlier columns j <= r one per step ([heads, K] each,
-  no exps above the diagonal; each step's `heads` values stored straight to L and P), then zeros
-  for the columns after r."""
+  """Row r = program_id(1) of L (strict) and P (scaled, inclusive) for `heads` heads, chunks of
+  one S-row block (C = S), token-parallel: the row's columns j <= r one per step ([heads, K]
+  each, no exps above the diagonal; each step's values stored straight to L and P), zeros for
+  the columns after r; and the row's Wt."""
   n_in = 4 + (1 if has_seg else 0)
   q_ref, k_ref, w_ref, g_ref = refs[:4]
   pid_ref = refs[4] if has_seg else None
@@ -207,18 +178,17 @@ def pair_rows_forward(q, k, w, g, pid, *, chunk, scale, interpret, cfg, cfg_prec
                jax.ShapeDtypeStruct((bsz, t, nh, kd), dt))
   args = [q, k, w, g] + ([pid] if has_seg else [])
   diag = cfg.pair_diag
-  if diag in ("tokens", "token_loop") and chunk == sub:
+  if diag == "token_loop" and chunk == sub:
     heads = min(cfg.pair_heads, nh)
     if nh % heads:
       raise ValueError(f"DeltaRuleConfig.pair_heads={cfg.pair_heads} must divide the {nh} heads")
-    kernel = _pair_tokens_kernel if diag == "tokens" else _pair_token_loop_kernel
     return pl.pallas_call(
-        functools.partial(kernel, chunk=chunk, sub=sub, scale=scale,
+        functools.partial(_pair_token_loop_kernel, chunk=chunk, sub=sub, scale=scale,
                           has_seg=has_seg, heads=heads),
-        out_shape=out_shape, grid=(bsz, t, nh // heads), name="delta_rule_pair_tokens",
+        out_shape=out_shape, grid=(bsz, t, nh // heads), name="delta_rule_pair_token_loop",
         **launch_params(interpret, cfg.num_warps_pairs, cfg))(*args)
-  # 'tokens' on chunks of several row blocks: their diagonal tiles by 'tiles'
-  diag = "tiles" if diag in ("tokens", "token_loop") else diag
+  # 'token_loop' on chunks of several row blocks: their diagonal tiles by 'tiles'
+  diag = "tiles" if diag == "token_loop" else diag
   return pl.pallas_call(
       functools.partial(_pair_rows_kernel, chunk=chunk, sub=sub, scale=scale, has_seg=has_seg,
                         prec=prec, diag=diag, k_block=min(cfg.pair_k_block, kd)),
