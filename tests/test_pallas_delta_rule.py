@@ -120,9 +120,8 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
     dict(max_chunk=32, wy_inverse="doubling"),   # chunk 32: two row blocks, the 32-step backward
     dict(max_chunk=32, sub_block=16),
     dict(forward_only_chunk=32, wy_inverse="sub_dots"),   # primal at chunk 32, residuals at 16
-    dict(pair_diag="tiles"), dict(max_chunk=32, pair_diag="tiles", pair_k_block=16),
-    dict(max_chunk=32, pair_diag="token_loop"),   # (its diagonal tiles by 'tiles')
-    dict(pair_diag="token_loop"), dict(pair_diag="token_loop", pair_heads=4)])
+    dict(pair_diag="columns"), dict(pair_heads=1),
+    dict(pair_heads=4)])   # (6 heads: programs of gcd(4, 6) = 2 heads)
 def test_delta_rule_kernel_variants(variant):
   """Every kernel option (V blocks of the serial and parallel kernels, the WY kernel's inverses,
   chunk 32 with and without the 16-row intra backward, the forward-only chunk) is exact."""
@@ -130,7 +129,7 @@ def test_delta_rule_kernel_variants(variant):
   try:
     dr_config.set_default(**variant)
     t = 45
-    heads = 4 if "pair_heads" in variant else 1   # (several heads per program)
+    heads = 6 if variant.get("pair_heads") == 4 else 1
     args = _inputs(5, 2, t, heads, 64, 64, jnp.float32, False, "normal")
     seg = np.zeros((2, t), np.int32)
     seg[0, 20:] = 1
@@ -243,7 +242,7 @@ def test_delta_rule_precision_argument():
 @pytest.mark.parametrize("bad", [dict(fast_dots="bf-16"), dict(block_v=48),
                                  dict(block_v_parallel=96), dict(sub_block=8), dict(min_chunk=24),
                                  dict(max_chunk=0), dict(wy_inverse="rows"),
-                                 dict(pair_diag="rows"), dict(pair_k_block=24),
+                                 dict(pair_diag="rows"), dict(pair_heads=3),
                                  dict(forward_only_chunk=48)])
 def test_delta_rule_config_rejects_bad_values(bad):
   with pytest.raises(ValueError, match="DeltaRuleConfig." + next(iter(bad))):

@@ -45,14 +45,15 @@ class DeltaRuleConfig:
   # `blocked` sub-tiles and `inverse` options), the 3-dot serial chain (`wy=False`) and the
   # serial kernel that formed O itself (`split_output=False`) (docs/benchmark_mixers.md).
   num_warps_pairs: int = 4   # Triton warps, the pair kernel
-  # The diagonal S x S tile of L and P: 'columns' (an S-step column loop, stores per column),
-  # 'tiles' (one [S, S, pair_k_block] pair tensor per K slice, one tile store) or 'token_loop'
-  # (token-parallel, one program per (row, pair_heads heads), a j <= r column loop; chunks of
-  # several row blocks take 'tiles' for their diagonal tiles). Session 35: a vectorised
-  # token-parallel 'tokens' lost (0.84-1.16 ms) and was removed.
-  pair_diag: str = "columns"
-  pair_k_block: int = 32
-  pair_heads: int = 1
+  # The pair products' kernel (intra.py): 'token_loop' (token-parallel, fla's structure: one
+  # program per (token row, pair_heads heads), the row's columns j <= r one per step; chunks of
+  # one row block only, longer chunks take 'columns') or 'columns' (one program per (chunk, row
+  # block), the diagonal S x S tile by an S-step column loop). Session 35, H200 diag KDN T=4096:
+  # pair stage 0.61 ms with token_loop / pair_heads=4 against 0.77-0.96 for 'columns'; op
+  # forward 1.97 ms, fwd+bwd 5.28 (T=16384: 6.88 / 19.85). Lost and removed there: a vectorised
+  # token-parallel kernel (0.84-1.16 ms) and [S, S, K-slice] pair tensors (1.41-2.9 ms).
+  pair_diag: str = "token_loop"
+  pair_heads: int = 4        # heads per token_loop program (at most the op's heads)
   # (I + L)^-1 in the WY kernel (wy.py): 'sub_rows', 'sub_dots', 'doubling'.
   wy_inverse: str = "sub_rows"
   # A call that is not differentiated (inference, evaluation) runs the forward at this chunk
@@ -98,13 +99,11 @@ class DeltaRuleConfig:
     if self.wy_inverse not in ("sub_rows", "sub_dots", "doubling"):
       raise ValueError("DeltaRuleConfig.wy_inverse must be 'sub_rows', 'sub_dots' or 'doubling', "
                        f"got {self.wy_inverse!r}")
-    if self.pair_diag not in ("columns", "tiles", "token_loop"):
-      raise ValueError("DeltaRuleConfig.pair_diag must be 'columns', 'tiles' or 'token_loop', got "
+    if self.pair_diag not in ("columns", "token_loop"):
+      raise ValueError("DeltaRuleConfig.pair_diag must be 'columns' or 'token_loop', got "
                        f"{self.pair_diag!r}")
-    for name in ("pair_k_block", "pair_heads"):
-      if not pow2(getattr(self, name)):
-        raise ValueError(f"DeltaRuleConfig.{name} must be a power of two, got "
-                         f"{getattr(self, name)}")
+    if not pow2(self.pair_heads):
+      raise ValueError(f"DeltaRuleConfig.pair_heads must be a power of two, got {self.pair_heads}")
     if self.fast_dots not in ("tf32", "bf16"):
       raise ValueError(f"DeltaRuleConfig.fast_dots must be 'tf32' or 'bf16', got {self.fast_dots!r}")
 

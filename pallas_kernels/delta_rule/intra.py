@@ -1,7 +1,8 @@
 """Intra-chunk forward stage: per (batch, head, chunk), the decay-weighted pair products
 L (strict) and P (inclusive, scaled), Wt = w exp(g_last - g), then A = (I + L)^-1, W = A Kbar
-and U = A V' (the equations: __init__'s docstring). Two kernels:
-_pair_rows_kernel, one program per (chunk, S-row block i): L and P of the block's rows against
+and U = A V' (the equations: __init__'s docstring). The pair products by one of two kernels:
+_pair_token_loop_kernel (chunks of one 16-row block, the default: one program per token row and
+cfg.pair_heads heads, the row's columns j <= r one per step) or _pair_rows_kernel, one program per (chunk, S-row block i): L and P of the block's rows against
 the whole chunk (the diagonal S x S tile by an S-step column loop of exact exp(<= 0), the
 earlier blocks as one [S, K] x [K, C] dot around g0 = g of row block i's first token,
 
@@ -13,6 +14,7 @@ the inverse's kernel, and no inverse in the pair products' one).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +24,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.delta_rule import wy as _wy
 from pallas_kernels.delta_rule.tiles import (
     dot_nt, tile, decay_to_last, kernel_precision, operand_dtype, launch_params, ref_point,
-    masked_store, iota)
+    masked_store)
 
 
 def _diag_columns(q, k, g, w_ref, g_ref, pid_ref, pid_i, l_out, p_out, b, h, r0, col0, scale, S):
@@ -51,29 +53,7 @@ def _diag_columns(q, k, g, w_ref, g_ref, pid_ref, pid_i, l_out, p_out, b, h, r0,
   lax.fori_loop(0, S, body, 0)
 
 
-def _diag_tile(q_ref, k_ref, w_ref, g_ref, pid_i, b, h, r0, S, k_block):
-  """The diagonal S x S tile of L (strict) and P (inclusive, unscaled) of the row block at
-  token r0 as [S, S, k_block] pair tensors over K slices: exact exp(min(g_r - g_j, 0)), no
-  column loop (its per-step loads, reductions and strided stores are what the column loop
-  costs: docs/benchmark_mixers.md, session 34)."""
-  kd = k_ref.shape[-1]
-  rows = pl.ds(r0, S)
-  lmat = jnp.zeros((S, S), jnp.float32)
-  pmat = jnp.zeros((S, S), jnp.float32)
-  for k0 in range(0, kd, k_block):
-    ks = pl.ds(k0, k_block)
-    q, k, w, g = (x[b, rows, h, ks].astype(jnp.float32) for x in (q_ref, k_ref, w_ref, g_ref))
-    e = jnp.exp(jnp.minimum(g[:, None, :] - g[None, :, :], 0.0)) * w[None, :, :]
-    lmat = lmat + jnp.sum(k[:, None, :] * e, axis=2)
-    pmat = pmat + jnp.sum(q[:, None, :] * e, axis=2)
-  keep_l, keep_p = iota(S, 0) > iota(S, 1), iota(S, 0) >= iota(S, 1)
-  if pid_i is not None:
-    same = pid_i[:, None] == pid_i[None, :]
-    keep_l, keep_p = keep_l & same, keep_p & same
-  return jnp.where(keep_l, lmat, 0.0), jnp.where(keep_p, pmat, 0.0)
-
-
-def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec, diag, k_block):
+def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec):
   """Rows [i S, (i + 1) S) of L (f32, strict, zero above the diagonal) and of P (scaled), and
   their Wt rows; i = program_id(3). Every column of the row block is stored (zeros right of the
   diagonal tile), so the outputs need no initialisation."""
@@ -107,12 +87,7 @@ def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec, diag, k_block):
     idx = (b, h, rows, pl.ds(0, C))
     masked_store(l_out, idx, lmat, off_diag)
     masked_store(p_out, idx, (scale * pmat).astype(p_out.dtype), off_diag)
-  if diag == "tiles":
-    ldiag, pdiag = _diag_tile(q_ref, k_ref, w_ref, g_ref, pid_i, b, h, r0, S, k_block)
-    l_out[b, h, rows, pl.ds(i * S, S)] = ldiag.astype(l_out.dtype)
-    p_out[b, h, rows, pl.ds(i * S, S)] = (scale * pdiag).astype(p_out.dtype)
-  else:
-    _diag_columns(q, k, g, w_ref, g_ref, pid_ref, pid_i, l_out, p_out, b, h, r0, i * S, scale, S)
+  _diag_columns(q, k, g, w_ref, g_ref, pid_ref, pid_i, l_out, p_out, b, h, r0, i * S, scale, S)
   g_last = g_ref[b, t0 + C - 1, h, :]
   e_last = decay_to_last(g, g_last, pid_i, pid_ref[b, t0 + C - 1] if has_seg else None)
   wt_out[b, rows, h, :] = (tile(w_ref, b, r0, S, h) * e_last).astype(wt_out.dtype)
@@ -177,21 +152,18 @@ def pair_rows_forward(q, k, w, g, pid, *, chunk, scale, interpret, cfg, cfg_prec
                jax.ShapeDtypeStruct((bsz, nh, t, chunk), dt),
                jax.ShapeDtypeStruct((bsz, t, nh, kd), dt))
   args = [q, k, w, g] + ([pid] if has_seg else [])
-  diag = cfg.pair_diag
-  if diag == "token_loop" and chunk == sub:
-    heads = min(cfg.pair_heads, nh)
-    if nh % heads:
-      raise ValueError(f"DeltaRuleConfig.pair_heads={cfg.pair_heads} must divide the {nh} heads")
+  if cfg.pair_diag == "token_loop" and chunk == sub:
+    heads = math.gcd(cfg.pair_heads, nh)   # (the largest power of two <= pair_heads dividing H)
     return pl.pallas_call(
         functools.partial(_pair_token_loop_kernel, chunk=chunk, sub=sub, scale=scale,
                           has_seg=has_seg, heads=heads),
         out_shape=out_shape, grid=(bsz, t, nh // heads), name="delta_rule_pair_token_loop",
         **launch_params(interpret, cfg.num_warps_pairs, cfg))(*args)
-  # 'token_loop' on chunks of several row blocks: their diagonal tiles by 'tiles'
-  diag = "tiles" if diag == "token_loop" else diag
+  # 'columns', and chunks of several row blocks under either option (the token-parallel kernel
+  # covers one row block per chunk)
   return pl.pallas_call(
       functools.partial(_pair_rows_kernel, chunk=chunk, sub=sub, scale=scale, has_seg=has_seg,
-                        prec=prec, diag=diag, k_block=min(cfg.pair_k_block, kd)),
+                        prec=prec),
       out_shape=out_shape, grid=(bsz, nh, t // chunk, chunk // sub), name="delta_rule_pair_rows",
       **launch_params(interpret, cfg.num_warps_pairs, cfg),
   )(*args)
