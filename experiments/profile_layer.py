@@ -46,7 +46,9 @@ flags.DEFINE_integer("width", 0, "d_model; 0 = heads * head_dim", flag_values=FL
 flags.DEFINE_integer("chunk_size", 64, "memory chunk length", flag_values=FLAGS)
 flags.DEFINE_enum("dtype", "bf16", ("bf16", "fp32"), "compute dtype (params stay fp32)",
                   flag_values=FLAGS)
-flags.DEFINE_integer("iters", 3, "fwd+bwd calls inside the trace", flag_values=FLAGS)
+flags.DEFINE_enum("mode", "fwd_bwd", ("fwd_bwd", "fwd"),
+                  "what the trace records: fwd+bwd calls, or the forward alone", flag_values=FLAGS)
+flags.DEFINE_integer("iters", 3, "calls inside the trace", flag_values=FLAGS)
 flags.DEFINE_integer("warmup", 2, "untimed calls after the compiling one", flag_values=FLAGS)
 flags.DEFINE_integer("reps", 10, "timed calls for the wall time (median, no profiler)",
                      flag_values=FLAGS)
@@ -183,6 +185,7 @@ def parse_trace(path, iters):
 
 def report(res, top):
   p = res["profile"]
+  per = "fwd" if res["settings"].get("mode") == "fwd" else "fwd+bwd"
   rows = [[name, f"{b['ms']:.3f}", f"{100 * b['share']:.1f}%", b["kernels"]]
           for name, b in p["buckets"].items()]
   krows = [[k["name"][:90], k["bucket"], f"{k['ms']:.3f}", f"{k['calls_per_iter']:g}"]
@@ -190,11 +193,11 @@ def report(res, top):
   return "\n".join([
       f"{res['settings']['mixer']} impl={res['settings']['impl']} on {res['device']}, "
       f"jax {res['jax']}: summed {p['mode']}",
-      f"per fwd+bwd: kernels {p['total_device_ms']:.3f} ms, busy (union) {p['busy_ms']:.3f} ms, "
+      f"per {per}: kernels {p['total_device_ms']:.3f} ms, busy (union) {p['busy_ms']:.3f} ms, "
       f"wall without profiler {res['wall_ms_fwd_bwd']:.3f} ms (fwd alone {res['wall_ms_fwd']:.3f})",
-      "", markdown_table(["bucket", "ms / fwd+bwd", "share", "kernels"], rows), "",
+      "", markdown_table(["bucket", f"ms / {per}", "share", "kernels"], rows), "",
       f"top {top} kernels:",
-      markdown_table(["kernel", "bucket", "ms / fwd+bwd", "calls"], krows)])
+      markdown_table(["kernel", "bucket", f"ms / {per}", "calls"], krows)])
 
 
 def main(argv):
@@ -209,12 +212,13 @@ def main(argv):
   wall_fwd = median_time(fwd, *args, warmup=1 + FLAGS.warmup, repeats=FLAGS.reps)
   wall = median_time(fwd_bwd, *args, ct, warmup=1 + FLAGS.warmup, repeats=FLAGS.reps)
   logdir = FLAGS.logdir or tempfile.mkdtemp(prefix="profile_layer_")
+  traced = (lambda: fwd(*args)) if FLAGS.mode == "fwd" else (lambda: fwd_bwd(*args, ct))
   with jax.profiler.trace(logdir, create_perfetto_trace=True):
     for _ in range(FLAGS.iters):
-      jax.block_until_ready(fwd_bwd(*args, ct))
+      jax.block_until_ready(traced())
   res = {"device": str(jax.devices()[0]), "jax": jax.__version__,
          "settings": dict(s, mixer=FLAGS.mixer, impl=impl, fusion=FLAGS.fusion, T=FLAGS.seq_len,
-                          dtype=dtype, iters=FLAGS.iters, reps=FLAGS.reps),
+                          mode=FLAGS.mode, dtype=dtype, iters=FLAGS.iters, reps=FLAGS.reps),
          "wall_ms_fwd_bwd": wall, "wall_ms_fwd": wall_fwd,
          "profile": parse_trace(find_trace(logdir), FLAGS.iters)}
   os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
