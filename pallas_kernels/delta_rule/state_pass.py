@@ -32,12 +32,12 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, stride)
     t0 = c * C
     rows = pl.ds(t0, C)
     def save():
-      states_ref[b, h, c // stride, :, vs] = s.astype(states_ref.dtype)
+      states_ref[b, h, lax.div(c, stride), :, vs] = s.astype(states_ref.dtype)
 
     if stride == 1:
       save()
     else:
-      pl.when(c % stride == 0)(save)
+      pl.when(lax.rem(c, stride) == 0)(save)   # (lax.rem: jnp's % does not lower to Triton)
     delta = r["u"][b, rows, h, vs].astype(jnp.float32) - dot(r["wk"][b, rows, h, :], s, prec)
     delta_ref[b, rows, h, vs] = delta.astype(delta_ref.dtype)
     e_last = jnp.exp(r["g"][b, t0 + C - 1, h, :])[:, None]
