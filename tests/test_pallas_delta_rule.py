@@ -120,7 +120,6 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
     dict(max_chunk=32, wy_inverse="doubling"),   # chunk 32: two row blocks, the 32-step backward
     dict(max_chunk=32, sub_block=16),
     dict(forward_only_chunk=32, wy_inverse="sub_dots"),   # primal at chunk 32, residuals at 16
-    dict(forward_only_state_stride=2), dict(forward_only_state_stride=4),   # 3 chunks: 2+1, 3
     dict(pair_diag="columns"), dict(pair_heads=1),
     dict(pair_heads=4)])   # (6 heads: programs of gcd(4, 6) = 2 heads)
 def test_delta_rule_kernel_variants(variant):
@@ -244,7 +243,6 @@ def test_delta_rule_precision_argument():
                                  dict(block_v_parallel=96), dict(sub_block=8), dict(min_chunk=24),
                                  dict(max_chunk=0), dict(wy_inverse="rows"),
                                  dict(pair_diag="rows"), dict(pair_heads=3),
-                                 dict(forward_only_state_stride=3),
                                  dict(forward_only_chunk=48)])
 def test_delta_rule_config_rejects_bad_values(bad):
   with pytest.raises(ValueError, match="DeltaRuleConfig." + next(iter(bad))):

@@ -64,11 +64,8 @@ def forward(q, k, v, w, g, h0, cont, pid, *, chunk, scale, interpret, cfg, cfg_p
   cont: [B,T] f32 or None; pid: [B,T] int32 or None (both None without segments)."""
   kw = dict(chunk=chunk, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
   amat, pmat, wt, wk, u = _intra.intra_forward(q, k, v, w, g, h0, pid, cont, scale=scale, **kw)
-  # (the backward reads every chunk-start state; a call without one saves every stride-th)
-  stride = 1 if save_states else cfg.forward_only_state_stride
-  delta, sfin, states = _state_pass.state_forward(u, wk, wt, g, h0, cont, stride=stride, **kw)
-  o = _output.output_forward(q, g, pmat, delta, states, h0, cont, scale=scale, wt=wt,
-                             stride=stride, **kw)
+  delta, sfin, states = _state_pass.state_forward(u, wk, wt, g, h0, cont, **kw)
+  o = _output.output_forward(q, g, pmat, delta, states, h0, cont, scale=scale, **kw)
   return o, sfin, (amat, pmat, wt, wk, states if save_states else None)
 
 

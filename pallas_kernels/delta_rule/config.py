@@ -60,10 +60,6 @@ class DeltaRuleConfig:
   # (0: like a differentiated one); differentiated calls keep the config above, whose residuals
   # the backward reads (__init__.forward_only).
   forward_only_chunk: int = 0
-  # Such a call's serial pass saves every m-th chunk-start state only (m = this stride) and the
-  # output kernel steps S from it through its m chunks (output.py): at chunk 16 the [K, V]
-  # states are the forward's largest traffic (2.1 GB written and read at B=4 H=16 T=16384).
-  forward_only_state_stride: int = 1
   block_v: int = 64          # value-columns per program in the recurrent (state-passing) kernels
   # value-columns per program in the parallel output and backward-partials kernels (fewer V
   # blocks: fewer per-V-block partial-gradient bytes for the intra backward to read and sum)
@@ -97,9 +93,6 @@ class DeltaRuleConfig:
     if self.sub_block and (not pow2(self.sub_block) or self.sub_block < 16):
       raise ValueError("DeltaRuleConfig.sub_block must be 0 or a power of two >= 16, got "
                        f"{self.sub_block}")
-    if not pow2(self.forward_only_state_stride):
-      raise ValueError("DeltaRuleConfig.forward_only_state_stride must be a power of two, got "
-                       f"{self.forward_only_state_stride}")
     if self.forward_only_chunk and not pow2(self.forward_only_chunk):
       raise ValueError("DeltaRuleConfig.forward_only_chunk must be 0 or a power of two, got "
                        f"{self.forward_only_chunk}")

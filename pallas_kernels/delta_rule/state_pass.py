@@ -1,7 +1,6 @@
 """Serial state-pass stage (forward): per (batch, head, V block), over chunks in order,
 Delta = U - W S_0 (U = A V' and W = A Kbar from wy.py) and S_C = exp(g_last) S_0 + Wt^T Delta,
-the chain's only two dots. Saves the chunk-start states (every `stride`-th one in a call that is
-not differentiated: the output stage recomputes the others) and Delta for the output stage.
+the chain's only two dots. Saves the chunk-start states and Delta for the output stage.
 """
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from pallas_kernels.delta_rule.tiles import (
     dot, dot_tn, kernel_precision, operand_dtype, state_dtype, launch_params)
 
 
-def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, stride):
+def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec):
   """Serial over chunks with U = A V' precomputed (wy.py): Delta = U - W S_0 and
   S <- exp(g_last) S_base + Wt^T Delta, the chain's only two dots; Delta is stored for the
   output stage in the dots' operand dtype (it only enters P Delta there)."""
@@ -31,13 +30,7 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, stride)
   def body(c, s):
     t0 = c * C
     rows = pl.ds(t0, C)
-    def save():
-      states_ref[b, h, lax.div(c, stride), :, vs] = s.astype(states_ref.dtype)
-
-    if stride == 1:
-      save()
-    else:
-      pl.when(lax.rem(c, stride) == 0)(save)   # (lax.rem: jnp's % does not lower to Triton)
+    states_ref[b, h, c, :, vs] = s.astype(states_ref.dtype)
     delta = r["u"][b, rows, h, vs].astype(jnp.float32) - dot(r["wk"][b, rows, h, :], s, prec)
     delta_ref[b, rows, h, vs] = delta.astype(delta_ref.dtype)
     e_last = jnp.exp(r["g"][b, t0 + C - 1, h, :])[:, None]
@@ -49,9 +42,9 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, stride)
   sfin_ref[b, h, :, vs] = lax.fori_loop(0, num_chunks, body, s_init)
 
 
-def state_forward(u, wk, wt, g, h0, cont, *, chunk, interpret, cfg, cfg_prec, stride=1):
+def state_forward(u, wk, wt, g, h0, cont, *, chunk, interpret, cfg, cfg_prec):
   """The serial stage: (Delta [B, T, H, V] in the dots' operand dtype, S_final [B, H, K, V] f32,
-  the chunk-start states of chunks 0, stride, 2 stride, ... [B, H, ceil(NC / stride), K, V])."""
+  the chunk-start states [B, H, NC, K, V])."""
   bsz, t, nh, kd = wk.shape
   vd = u.shape[-1]
   nc = t // chunk
@@ -60,11 +53,10 @@ def state_forward(u, wk, wt, g, h0, cont, *, chunk, interpret, cfg, cfg_prec, st
   block_v = min(cfg.block_v, vd)
   return pl.pallas_call(
       functools.partial(_state_pass_kernel, chunk=chunk, num_chunks=nc, has_seg=has_seg,
-                        block_v=block_v, prec=prec, stride=stride),
+                        block_v=block_v, prec=prec),
       out_shape=(jax.ShapeDtypeStruct(u.shape, operand_dtype(prec)),
                  jax.ShapeDtypeStruct((bsz, nh, kd, vd), jnp.float32),
-                 jax.ShapeDtypeStruct((bsz, nh, -(-nc // stride), kd, vd),
-                                      state_dtype(cfg, prec))),
+                 jax.ShapeDtypeStruct((bsz, nh, nc, kd, vd), state_dtype(cfg, prec))),
       grid=(bsz, nh, vd // block_v), name="delta_rule_state_pass",
       **launch_params(interpret, cfg.num_warps_recur, cfg),
   )(*([u, wk, wt, g, h0] + ([cont] if has_seg else [])))

@@ -1,0 +1,97 @@
+"""The Pallas kernels lower to Triton for a CUDA GPU, checked on CPU with jax's cross-platform
+lowering (`.lower(lowering_platforms=("cuda",))`: the kernels' Triton IR is built, nothing is
+compiled or run). Interpret mode proves the kernels' values, not that Triton's lowering accepts
+them: session 36's `c % stride` in a loop body ran exactly in interpret mode and failed to lower
+on the H200 (jnp's remainder became an i32 % i1 Triton op). CI has no GPU; this catches that class
+of failure before a device call does.
+
+On CPU the kernels would pick interpret mode, no compiler params and HIGHEST dots; the fixture
+makes them choose what they choose on a GPU (compiled, Triton params, 3xTF32 for 'exact').
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax import lax
+
+from kdn_jax import ops
+from kdn_jax.layers.registry import MIXERS
+from kdn_jax.models.config import model_config
+from pallas_kernels import common
+from pallas_kernels.delta_rule import config as dr_config
+
+
+@pytest.fixture
+def as_on_gpu(monkeypatch):
+  from jax.experimental.pallas import triton as pltr  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(common, "resolve_interpret", lambda interpret: bool(interpret))
+  monkeypatch.setattr(common, "compiler_params", lambda num_warps=4, num_stages=1:
+                      pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages))
+  dot_precision = common.dot_precision
+
+  def gpu_dot_precision(mode, interpret=False):
+    dot_precision(mode, interpret)   # (validates the name)
+    return lax.Precision.DEFAULT if mode == "fast" else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+  monkeypatch.setattr(common, "dot_precision", gpu_dot_precision)
+
+
+def _lower_for_cuda(fn, *args):
+  """The MLIR text of fn(*args) lowered for CUDA; raises where a kernel does not lower."""
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _kernel_names(text):
+  return {name for name in ("delta_rule_pair_token_loop", "delta_rule_pair_rows", "delta_rule_wy",
+                            "delta_rule_state_pass", "delta_rule_output", "delta_rule_cumsum",
+                            "kdn_gain", "causal_conv1d", "gated_norm") if name in text}
+
+
+def _op_inputs(dtype, b=1, t=80, h=2, d=64):
+  ks = jax.random.split(jax.random.PRNGKey(0), 6)
+  q, k, v = (jax.random.normal(x, (b, t, h, d), jnp.float32).astype(dtype) for x in ks[:3])
+  la = -jax.nn.softplus(jax.random.normal(ks[3], (b, t, h, d)))
+  om = jax.nn.softplus(jax.random.normal(ks[4], (b, t, h, d)))
+  r = 1.0 + jax.nn.softplus(jax.random.normal(ks[5], (b, t, h)))
+  seg = (jnp.arange(t)[None, :] >= 37).astype(jnp.int32)
+  return q, k, v, la, om, r, seg
+
+
+@pytest.mark.parametrize("variant", [{}, dict(pair_diag="columns"), dict(max_chunk=32),
+                                     dict(max_chunk=32, sub_block=16), dict(fuse_bwd=False)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
+  """diag KDN forward and backward (gain kernels, cumsum, pair, WY, state pass, output, the
+  backward kernels), with a segment reset, under each delta-rule option."""
+  old = dr_config.DEFAULT
+  try:
+    dr_config.set_default(**variant)
+    q, k, v, la, om, r, seg = _op_inputs(dtype)
+
+    def loss(q, k, v, la, om, r):
+      o, _ = ops.diag_kdn(q, k, v, la, om, r, segment_ids=seg, impl="pallas", chunk_size=64)
+      return jnp.sum(o.astype(jnp.float32))
+
+    text = _lower_for_cuda(jax.grad(loss, argnums=tuple(range(6))), q, k, v, la, om, r)
+  finally:
+    dr_config.DEFAULT = old
+  assert "__gpu$xla.gpu.triton" in text or "triton" in text
+  assert {"delta_rule_state_pass", "delta_rule_output", "kdn_gain"} <= _kernel_names(text)
+
+
+@pytest.mark.parametrize("mixer", ["kdn_diag", "kdn_iso"])
+def test_kdn_layer_lowers_for_cuda(as_on_gpu, mixer):
+  """A whole KDN layer on the pallas path, fwd+bwd: the fused gate front-end, the short convs and
+  the gated norm kernels as well as the memory update."""
+  cfg = model_config("tiny", d_model=128, num_heads=2, head_dim=64, mixer=mixer, impl="pallas",
+                     chunk_size=16, dtype="bfloat16", param_dtype="float32", mlp_hidden=1)
+  layer = MIXERS[mixer](cfg, rngs=nnx.Rngs(0))
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 48, 128)), jnp.bfloat16)
+
+  def loss(params, x):
+    return jnp.sum(nnx.merge(graphdef, params, rest)(x)[0].astype(jnp.float32))
+
+  text = _lower_for_cuda(jax.grad(loss, argnums=(0, 1)), params, x)
+  assert {"causal_conv1d", "gated_norm", "kdn_gain", "delta_rule_output"} <= _kernel_names(text)
