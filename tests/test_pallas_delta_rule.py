@@ -121,7 +121,7 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
     dict(max_chunk=32, sub_block=16),
     dict(forward_only_chunk=32, wy_inverse="sub_dots"),   # primal at chunk 32, residuals at 16
     dict(pair_diag="columns"), dict(pair_heads=1),
-    dict(pair_heads=4)])   # (6 heads: programs of gcd(4, 6) = 2 heads)
+    dict(pair_heads=4), dict(pair_token_stores="masked_tail"), dict(pair_token_stores="row")])   # (6 heads: programs of gcd(4, 6) = 2 heads)
 def test_delta_rule_kernel_variants(variant):
   """Every kernel option (V blocks of the serial and parallel kernels, the WY kernel's inverses,
   chunk 32 with and without the 16-row intra backward, the forward-only chunk) is exact."""
@@ -129,7 +129,7 @@ def test_delta_rule_kernel_variants(variant):
   try:
     dr_config.set_default(**variant)
     t = 45
-    heads = 6 if variant.get("pair_heads") == 4 else 1
+    heads = 6 if variant.get("pair_heads") == 4 or "pair_token_stores" in variant else 1
     args = _inputs(5, 2, t, heads, 64, 64, jnp.float32, False, "normal")
     seg = np.zeros((2, t), np.int32)
     seg[0, 20:] = 1
@@ -243,6 +243,7 @@ def test_delta_rule_precision_argument():
                                  dict(block_v_parallel=96), dict(sub_block=8), dict(min_chunk=24),
                                  dict(max_chunk=0), dict(wy_inverse="rows"),
                                  dict(pair_diag="rows"), dict(pair_heads=3),
+                                 dict(pair_token_stores="rows"),
                                  dict(forward_only_chunk=48)])
 def test_delta_rule_config_rejects_bad_values(bad):
   with pytest.raises(ValueError, match="DeltaRuleConfig." + next(iter(bad))):

@@ -93,7 +93,7 @@ def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec):
   wt_out[b, rows, h, :] = (tile(w_ref, b, r0, S, h) * e_last).astype(wt_out.dtype)
 
 
-def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads):
+def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads, stores):
   """Row r = program_id(1) of L (strict) and P (scaled, inclusive) for `heads` heads, chunks of
   one S-row block (C = S), token-parallel: the row's columns j <= r one per step ([heads, K]
   each, no exps above the diagonal; each step's values stored straight to L and P), zeros for
@@ -110,7 +110,8 @@ def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads):
   q, k, w, g = (x[b, r, hs, :].astype(jnp.float32) for x in (q_ref, k_ref, w_ref, g_ref))
   pid_r = pid_ref[b, r] if has_seg else None
 
-  def column(j, carry):
+  def pair(j):
+    """Column j's kept L and scaled P values, [heads] each."""
     e = jnp.exp(jnp.minimum(g - g_ref[b, j, hs, :].astype(jnp.float32), 0.0)) * w_ref[
         b, j, hs, :].astype(jnp.float32)
     kw, qw = jnp.sum(k * e, axis=1), jnp.sum(q * e, axis=1)
@@ -118,17 +119,40 @@ def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads):
     if has_seg:
       same = pid_ref[b, j] == pid_r
       keep_l, keep_p = keep_l & same, same
-    l_out[b, hs, r, j - r0] = jnp.where(keep_l, kw, 0.0).astype(l_out.dtype)
-    p_out[b, hs, r, j - r0] = (scale * jnp.where(keep_p, qw, 0.0)).astype(p_out.dtype)
-    return carry
+    return jnp.where(keep_l, kw, 0.0), scale * jnp.where(keep_p, qw, 0.0)
 
-  def zero(j, carry):
-    l_out[b, hs, r, j - r0] = jnp.zeros((heads,), l_out.dtype)
-    p_out[b, hs, r, j - r0] = jnp.zeros((heads,), p_out.dtype)
-    return carry
+  row = (b, hs, r, pl.ds(0, S))
+  if stores == "row":   # the row's values gathered in registers, one [heads, S] store each
+    col = lax.broadcasted_iota(jnp.int32, (heads, S), 1)
 
-  lax.fori_loop(r0, r + 1, column, 0)
-  lax.fori_loop(r + 1, r0 + S, zero, 0)
+    def gather(j, acc):
+      lv, pv = pair(j)
+      hit = col == j - r0
+      return jnp.where(hit, lv[:, None], acc[0]), jnp.where(hit, pv[:, None], acc[1])
+
+    zeros = jnp.zeros((heads, S), jnp.float32)
+    lrow, prow = lax.fori_loop(r0, r + 1, gather, (zeros, zeros))
+    l_out[row] = lrow.astype(l_out.dtype)
+    p_out[row] = prow.astype(p_out.dtype)
+  else:   # each column's values stored in its step
+    def column(j, carry):
+      lv, pv = pair(j)
+      l_out[b, hs, r, j - r0] = lv.astype(l_out.dtype)
+      p_out[b, hs, r, j - r0] = pv.astype(p_out.dtype)
+      return carry
+
+    lax.fori_loop(r0, r + 1, column, 0)
+    if stores == "columns":   # the zeros after the diagonal one column per step
+      def zero(j, carry):
+        l_out[b, hs, r, j - r0] = jnp.zeros((heads,), l_out.dtype)
+        p_out[b, hs, r, j - r0] = jnp.zeros((heads,), p_out.dtype)
+        return carry
+
+      lax.fori_loop(r + 1, r0 + S, zero, 0)
+    else:   # 'masked_tail': one masked [heads, S] store per output
+      after = lax.broadcasted_iota(jnp.int32, (heads, S), 1) > r - r0
+      masked_store(l_out, row, jnp.zeros((heads, S), l_out.dtype), after)
+      masked_store(p_out, row, jnp.zeros((heads, S), p_out.dtype), after)
   e_last = jnp.exp(jnp.minimum(g_ref[b, t_last, hs, :].astype(jnp.float32) - g, 0.0))
   if has_seg:
     e_last = jnp.where(pid_r == pid_ref[b, t_last], e_last, 0.0)
@@ -156,7 +180,7 @@ def pair_rows_forward(q, k, w, g, pid, *, chunk, scale, interpret, cfg, cfg_prec
     heads = math.gcd(cfg.pair_heads, nh)   # (the largest power of two <= pair_heads dividing H)
     return pl.pallas_call(
         functools.partial(_pair_token_loop_kernel, chunk=chunk, sub=sub, scale=scale,
-                          has_seg=has_seg, heads=heads),
+                          has_seg=has_seg, heads=heads, stores=cfg.pair_token_stores),
         out_shape=out_shape, grid=(bsz, t, nh // heads), name="delta_rule_pair_token_loop",
         **launch_params(interpret, cfg.num_warps_pairs, cfg))(*args)
   # 'columns', and chunks of several row blocks under either option (the token-parallel kernel
