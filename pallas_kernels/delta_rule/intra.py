@@ -96,8 +96,8 @@ def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec):
 def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads, stores):
   """Row r = program_id(1) of L (strict) and P (scaled, inclusive) for `heads` heads, chunks of
   one S-row block (C = S), token-parallel: the row's columns j <= r one per step ([heads, K]
-  each, no exps above the diagonal; each step's values stored straight to L and P), zeros for
-  the columns after r; and the row's Wt."""
+  each, no exps above the diagonal), zeros for the columns after r (stores: cfg.pair_token_stores);
+  and the row's Wt."""
   n_in = 4 + (1 if has_seg else 0)
   q_ref, k_ref, w_ref, g_ref = refs[:4]
   pid_ref = refs[4] if has_seg else None
@@ -134,7 +134,7 @@ def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads, stores):
     lrow, prow = lax.fori_loop(r0, r + 1, gather, (zeros, zeros))
     l_out[row] = lrow.astype(l_out.dtype)
     p_out[row] = prow.astype(p_out.dtype)
-  else:   # each column's values stored in its step
+  else:   # 'columns': each column's values stored in its step
     def column(j, carry):
       lv, pv = pair(j)
       l_out[b, hs, r, j - r0] = lv.astype(l_out.dtype)
@@ -142,17 +142,13 @@ def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads, stores):
       return carry
 
     lax.fori_loop(r0, r + 1, column, 0)
-    if stores == "columns":   # the zeros after the diagonal one column per step
-      def zero(j, carry):
-        l_out[b, hs, r, j - r0] = jnp.zeros((heads,), l_out.dtype)
-        p_out[b, hs, r, j - r0] = jnp.zeros((heads,), p_out.dtype)
-        return carry
 
-      lax.fori_loop(r + 1, r0 + S, zero, 0)
-    else:   # 'masked_tail': one masked [heads, S] store per output
-      after = lax.broadcasted_iota(jnp.int32, (heads, S), 1) > r - r0
-      masked_store(l_out, row, jnp.zeros((heads, S), l_out.dtype), after)
-      masked_store(p_out, row, jnp.zeros((heads, S), p_out.dtype), after)
+    def zero(j, carry):   # the zeros after the diagonal, one column per step
+      l_out[b, hs, r, j - r0] = jnp.zeros((heads,), l_out.dtype)
+      p_out[b, hs, r, j - r0] = jnp.zeros((heads,), p_out.dtype)
+      return carry
+
+    lax.fori_loop(r + 1, r0 + S, zero, 0)
   e_last = jnp.exp(jnp.minimum(g_ref[b, t_last, hs, :].astype(jnp.float32) - g, 0.0))
   if has_seg:
     e_last = jnp.where(pid_r == pid_ref[b, t_last], e_last, 0.0)
