@@ -30,8 +30,9 @@ class DeltaRuleConfig:
   # too). H200 T=4096 diag KDN fwd+bwd 8.09 -> 7.26 ms; with packed documents the recurrent
   # backward 9.1 -> 5.1 ms; the GPU check (bf16 <= 4.1e-3) passes. fp32 data keeps fp32 states.
   bf16_states: bool = True
-  # The forward by stage (issue 18; __init__'s docstring): a pair kernel per (chunk, 16-row
-  # block) for L, P and Wt (intra._pair_rows_kernel: the diagonal 16 x 16 tile by a column loop
+  # The forward by stage (issue 18; __init__'s docstring): a pair kernel for L, P and Wt (by
+  # default token-parallel: pair_diag below; else per (chunk, 16-row block),
+  # intra._pair_rows_kernel: the diagonal 16 x 16 tile by a column loop
   # whose columns are stored straight to L and P, earlier blocks (chunks > 16) by one dot with a
   # masked row store), a WY kernel for
   # A = (I + L)^-1 (fp32 forward substitution on the 16 x 16 diagonal blocks, merged in closed
