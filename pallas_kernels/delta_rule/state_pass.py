@@ -15,10 +15,11 @@ from pallas_kernels.delta_rule.tiles import (
     dot, dot_tn, kernel_precision, operand_dtype, state_dtype, launch_params)
 
 
-def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec):
+def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, prefetch):
   """Serial over chunks with U = A V' precomputed (wy.py): Delta = U - W S_0 and
   S <- exp(g_last) S_base + Wt^T Delta, the chain's only two dots; Delta is stored for the
-  output stage in the dots' operand dtype (it only enters P Delta there)."""
+  output stage in the dots' operand dtype (it only enters P Delta there). With `prefetch`, chunk
+  c + 1's inputs are loaded before chunk c's dots and carried into the next step."""
   names = ["u", "wk", "wt", "g", "h0"] + (["cont"] if has_seg else [])
   r = dict(zip(names, refs[:len(names)]))
   delta_ref, sfin_ref, states_ref = refs[len(names):]
@@ -27,19 +28,36 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec):
   vs = pl.ds(vb * block_v, block_v)
   s_init = r["h0"][b, h, :, vs].astype(jnp.float32)
 
-  def body(c, s):
+  def inputs(c):
+    """Chunk c's loads: U, W, Wt, g_last (and cont_last with segments)."""
     t0 = c * C
     rows = pl.ds(t0, C)
-    states_ref[b, h, c, :, vs] = s.astype(states_ref.dtype)
-    delta = r["u"][b, rows, h, vs].astype(jnp.float32) - dot(r["wk"][b, rows, h, :], s, prec)
-    delta_ref[b, rows, h, vs] = delta.astype(delta_ref.dtype)
-    e_last = jnp.exp(r["g"][b, t0 + C - 1, h, :])[:, None]
-    if has_seg:   # the chunk's last token restarted from S_init inside the chunk
-      cont_last = r["cont"][b, t0 + C - 1]
-      s = cont_last * s + (1.0 - cont_last) * s_init
-    return e_last * s + dot_tn(r["wt"][b, rows, h, :], delta, prec)
+    x = (r["u"][b, rows, h, vs], r["wk"][b, rows, h, :], r["wt"][b, rows, h, :],
+         r["g"][b, t0 + C - 1, h, :])
+    return x + ((r["cont"][b, t0 + C - 1],) if has_seg else ())
 
-  sfin_ref[b, h, :, vs] = lax.fori_loop(0, num_chunks, body, s_init)
+  def step(c, s, x):
+    u, wk, wt, g_last = x[:4]
+    rows = pl.ds(c * C, C)
+    states_ref[b, h, c, :, vs] = s.astype(states_ref.dtype)
+    delta = u.astype(jnp.float32) - dot(wk, s, prec)
+    delta_ref[b, rows, h, vs] = delta.astype(delta_ref.dtype)
+    e_last = jnp.exp(g_last)[:, None]
+    if has_seg:   # the chunk's last token restarted from S_init inside the chunk
+      cont_last = x[4]
+      s = cont_last * s + (1.0 - cont_last) * s_init
+    return e_last * s + dot_tn(wt, delta, prec)
+
+  if prefetch:
+    def body(c, carry):
+      s, x = carry
+      nxt = inputs(jnp.minimum(c + 1, num_chunks - 1))
+      return step(c, s, x), nxt
+
+    sfin = lax.fori_loop(0, num_chunks, body, (s_init, inputs(0)))[0]
+  else:
+    sfin = lax.fori_loop(0, num_chunks, lambda c, s: step(c, s, inputs(c)), s_init)
+  sfin_ref[b, h, :, vs] = sfin
 
 
 def state_forward(u, wk, wt, g, h0, cont, *, chunk, interpret, cfg, cfg_prec):
@@ -53,7 +71,7 @@ def state_forward(u, wk, wt, g, h0, cont, *, chunk, interpret, cfg, cfg_prec):
   block_v = min(cfg.block_v, vd)
   return pl.pallas_call(
       functools.partial(_state_pass_kernel, chunk=chunk, num_chunks=nc, has_seg=has_seg,
-                        block_v=block_v, prec=prec),
+                        block_v=block_v, prec=prec, prefetch=cfg.prefetch_serial),
       out_shape=(jax.ShapeDtypeStruct(u.shape, operand_dtype(prec)),
                  jax.ShapeDtypeStruct((bsz, nh, kd, vd), jnp.float32),
                  jax.ShapeDtypeStruct((bsz, nh, nc, kd, vd), state_dtype(cfg, prec))),
