@@ -30,16 +30,27 @@ from pallas_kernels.delta_rule.tiles import (
     use_sub, launch_params, sub_blocks, ref_point, seg_masks, by_reset)
 
 
-def _chunk_common(refs, b, h, t0, C, scale, has_seg):
+def _chain_loads(r, b, h, t0, C, has_seg, vs):
+  """Chunk t0's inputs to the reverse chain and the partials, as loaded (none depends on dS)."""
+  rows = pl.ds(t0, C)
+  x = dict(g=r["g"][b, rows, h, :], q=r["q"][b, rows, h, :], g_last=r["g"][b, t0 + C - 1, h, :],
+           do=r["do"][b, rows, h, vs], a=r["a"][b, h, rows, :], p=r["p"][b, h, rows, :],
+           wt=r["wt"][b, rows, h, :], wk=r["wk"][b, rows, h, :])
+  if has_seg:
+    x.update(k=r["k"][b, rows, h, :], cont=r["cont"][b, rows], cont_last=r["cont"][b, t0 + C - 1])
+  return x
+
+
+def _chunk_common(x, scale, has_seg):
   """Per-chunk, V-independent quantities of the backward's chain and partials: Kbar (None
   without segments: only the segment terms use it), Qbar, e_last, and the segment masks."""
-  g = tile(refs["g"], b, t0, C, h)
-  kbar = tile(refs["k"], b, t0, C, h) * jnp.exp(g) if has_seg else None
-  qbar = (scale * tile(refs["q"], b, t0, C, h)) * jnp.exp(g)
-  e_last = jnp.exp(refs["g"][b, t0 + C - 1, h, :])[:, None]     # [K, 1]
+  g = x["g"].astype(jnp.float32)
+  kbar = x["k"].astype(jnp.float32) * jnp.exp(g) if has_seg else None
+  qbar = (scale * x["q"].astype(jnp.float32)) * jnp.exp(g)
+  e_last = jnp.exp(x["g_last"])[:, None]     # [K, 1]
   if has_seg:
-    cont = refs["cont"][b, pl.ds(t0, C)][:, None]               # [C, 1] float
-    cont_last = refs["cont"][b, t0 + C - 1]
+    cont = x["cont"][:, None]                 # [C, 1] float
+    cont_last = x["cont_last"]
   else:
     cont, cont_last = None, None
   return kbar, qbar, e_last, cont, cont_last
@@ -62,21 +73,20 @@ def _bwd_names(has_seg, extra):
   return _BWD_IN + extra + (["cont"] if has_seg else []) + ["wk"]
 
 
-def _bwd_chain(r, b, h, t0, C, scale, has_seg, vs, ds, prec):
-  """One chunk of the reverse state chain, given dS (the gradient of the state after the chunk):
-  dDelta = P^T dO + Wt dS, dU = A^T dDelta and dS_prev (S_init's share of segments that start
-  inside the chunk is seg_init_grad's, outside the kernels).
+def _bwd_chain(x, scale, has_seg, ds, prec):
+  """One chunk of the reverse state chain from its loads x (_chain_loads), given dS (the gradient
+  of the state after the chunk): dDelta = P^T dO + Wt dS, dU = A^T dDelta and dS_prev (S_init's
+  share of segments that start inside the chunk is seg_init_grad's, outside the kernels).
 
   Kbar_c^T dU = (A Kbar_c)^T dDelta = W^T dDelta: the chain dS -> dDelta -> dS_prev is 2 dots."""
-  kbar, qbar, e_last, cont, cont_last = _chunk_common(r, b, h, t0, C, scale, has_seg)
-  do = r["do"][b, pl.ds(t0, C), h, vs].astype(jnp.float32)
-  amat = r["a"][b, h, pl.ds(t0, C), :]
-  d_delta = dot_tn(r["p"][b, h, pl.ds(t0, C), :], do, prec) + dot(
-      r["wt"][b, pl.ds(t0, C), h, :], ds, prec)
+  kbar, qbar, e_last, cont, cont_last = _chunk_common(x, scale, has_seg)
+  do = x["do"].astype(jnp.float32)
+  amat = x["a"]
+  d_delta = dot_tn(x["p"], do, prec) + dot(x["wt"], ds, prec)
   du = dot_tn(amat, d_delta, prec)
   ds_decayed = e_last * ds
   cq = qbar * cont if has_seg else qbar
-  chain = dot_tn(r["wk"][b, pl.ds(t0, C), h, :], d_delta, prec)
+  chain = dot_tn(x["wk"], d_delta, prec)
   ds_prev = (cont_last * ds_decayed if has_seg else ds_decayed) + dot_tn(cq, do, prec) - chain
   return ds_prev, dict(kbar=kbar, cont=cont, cont_last=cont_last, do=do, amat=amat, du=du)
 
@@ -117,9 +127,10 @@ def _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs, s, ds, s_init, x, prec):
   dqbar_ref[b, h, vb, rows, :] = dqbar
 
 
-def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec):
+def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, prefetch):
   """Serial over chunks in reverse: the state-gradient chain alone, saving each chunk's dS for
-  _bwd_partials_kernel. One loop carry (see _SEG_NOTE)."""
+  _bwd_partials_kernel. One loop carry (see _SEG_NOTE); with `prefetch`, the previous chunk's
+  loads are issued before this chunk's dots and carried into the next step."""
   names = _bwd_names(has_seg, ["dsfin"])
   n_in = len(names)
   r = dict(zip(names, refs[:n_in]))
@@ -127,14 +138,28 @@ def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec):
   b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   C = chunk
   vs = pl.ds(vb * block_v, block_v)
+  loads = lambda c: _chain_loads(r, b, h, c * C, C, has_seg, vs)
+  ds_fin = r["dsfin"][b, h, :, vs].astype(jnp.float32)
 
-  def body(i, ds):
-    c = num_chunks - 1 - i
+  def step(c, ds, x):
     ds_ref[b, h, c, :, vs] = ds.astype(ds_ref.dtype)
-    return _bwd_chain(r, b, h, c * C, C, scale, has_seg, vs, ds, prec)[0]
+    return _bwd_chain(x, scale, has_seg, ds, prec)[0]
 
-  dh0_ref[b, h, :, vs] = lax.fori_loop(0, num_chunks, body,
-                                       r["dsfin"][b, h, :, vs].astype(jnp.float32))
+  if prefetch:
+    def body(i, carry):
+      ds, x = carry
+      c = num_chunks - 1 - i
+      nxt = loads(jnp.maximum(c - 1, 0))
+      return step(c, ds, x), nxt
+
+    dh0 = lax.fori_loop(0, num_chunks, body, (ds_fin, loads(num_chunks - 1)))[0]
+  else:
+    def body(i, ds):
+      c = num_chunks - 1 - i
+      return step(c, ds, loads(c))
+
+    dh0 = lax.fori_loop(0, num_chunks, body, ds_fin)
+  dh0_ref[b, h, :, vs] = dh0
 
 
 def _bwd_partials_kernel(*refs, chunk, scale, has_seg, block_v, prec):
@@ -153,7 +178,7 @@ def _chunk_states(r, b, h, c, C, scale, has_seg, vs, prec):
   """(S_0, dS, S_init, the chain's values) of chunk c's V block vs, for _partials_values."""
   s_init = r["h0"][b, h, :, vs].astype(jnp.float32)
   ds = r["dstates"][b, h, c, :, vs].astype(jnp.float32)
-  _, x = _bwd_chain(r, b, h, c * C, C, scale, has_seg, vs, ds, prec)
+  _, x = _bwd_chain(_chain_loads(r, b, h, c * C, C, has_seg, vs), scale, has_seg, ds, prec)
   return r["states"][b, h, c, :, vs].astype(jnp.float32), ds, s_init, x
 
 
@@ -385,7 +410,7 @@ def state_grads(q, k, v, g, h0, cont, res, do, dsfin, *, chunk, scale, interpret
                                    chunk, scale)
   return pl.pallas_call(
       functools.partial(_recur_bwd_kernel, num_chunks=k.shape[1] // chunk, block_v=block_v,
-                        **kw),
+                        prefetch=cfg.prefetch_serial, **kw),
       out_shape=(jax.ShapeDtypeStruct((bsz, nh, kd, vd), jnp.float32),
                  jax.ShapeDtypeStruct(states.shape, states.dtype)),
       grid=(bsz, nh, vd // block_v), name="delta_rule_recur_bwd",
