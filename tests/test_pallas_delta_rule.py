@@ -130,6 +130,7 @@ def test_delta_rule_kernel_variants(variant):
   try:
     dr_config.set_default(**variant)
     t = 45
+    # (6 heads where the option concerns the pair kernel's programs of several heads)
     heads = 6 if variant.get("pair_heads") == 4 or "pair_token_stores" in variant else 1
     args = _inputs(5, 2, t, heads, 64, 64, jnp.float32, False, "normal")
     seg = np.zeros((2, t), np.int32)

@@ -8,6 +8,8 @@ of failure before a device call does.
 On CPU the kernels would pick interpret mode, no compiler params and HIGHEST dots; the fixture
 makes them choose what they choose on a GPU (compiled, Triton params, 3xTF32 for 'exact').
 """
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,10 +44,10 @@ def _lower_for_cuda(fn, *args):
   return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def _kernel_names(text):
-  return {name for name in ("delta_rule_pair_token_loop", "delta_rule_pair_rows", "delta_rule_wy",
-                            "delta_rule_state_pass", "delta_rule_output", "delta_rule_cumsum",
-                            "kdn_gain", "causal_conv1d", "gated_norm") if name in text}
+def _triton_kernels(text):
+  """Names of the Triton kernels (pallas_call names) in a lowering's text."""
+  assert "@__gpu$xla.gpu.triton" in text, "no Triton custom call in the lowering"
+  return set(re.findall(r"(?:delta_rule|kdn_gain|causal_conv1d|gated_norm)_[a-z_]+", text))
 
 
 def _op_inputs(dtype, b=1, t=80, h=2, d=64):
@@ -77,8 +79,16 @@ def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
     text = _lower_for_cuda(jax.grad(loss, argnums=tuple(range(6))), q, k, v, la, om, r)
   finally:
     dr_config.DEFAULT = old
-  assert "__gpu$xla.gpu.triton" in text or "triton" in text
-  assert {"delta_rule_state_pass", "delta_rule_output", "kdn_gain"} <= _kernel_names(text)
+  token_parallel = (variant.get("pair_diag", "token_loop") == "token_loop"
+                    and "max_chunk" not in variant)   # (chunks of one row block only)
+  fused = variant.get("fuse_bwd", True) and "sub_block" not in variant
+  expected = {"kdn_gain_reduce", "kdn_gain_replay", "kdn_gain_bwd_reduce", "kdn_gain_bwd_replay",
+              "delta_rule_cumsum", "delta_rule_wy", "delta_rule_state_pass", "delta_rule_output",
+              "delta_rule_recur_bwd",
+              "delta_rule_pair_token_loop" if token_parallel else "delta_rule_pair_rows"}
+  expected |= ({"delta_rule_fused_bwd"} if fused else
+               {"delta_rule_bwd_partials", "delta_rule_intra_bwd"})
+  assert expected <= _triton_kernels(text), expected - _triton_kernels(text)
 
 
 @pytest.mark.parametrize("mixer", ["kdn_diag", "kdn_iso"])
@@ -95,4 +105,6 @@ def test_kdn_layer_lowers_for_cuda(as_on_gpu, mixer):
     return jnp.sum(nnx.merge(graphdef, params, rest)(x)[0].astype(jnp.float32))
 
   text = _lower_for_cuda(jax.grad(loss, argnums=(0, 1)), params, x)
-  assert {"causal_conv1d", "gated_norm", "kdn_gain", "delta_rule_output"} <= _kernel_names(text)
+  assert {"causal_conv1d_fwd", "causal_conv1d_bwd", "gated_norm_fwd", "gated_norm_bwd",
+          "kdn_gain_reduce", "kdn_gain_bwd_replay", "delta_rule_output",
+          "delta_rule_fused_bwd"} <= _triton_kernels(text)
