@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = [
+    "kernel_backend",
     "resolve_interpret",
     "compiler_params",
     "dot_precision",
@@ -25,17 +26,22 @@ SUPPORTED_WIDTHS = (16, 32, 64, 128)
 SUPPORTED_CHUNKS = (16, 32, 64, 128)
 
 
+def kernel_backend():
+  """The platform the kernels are built for: jax's default backend (tests/test_pallas_lowering.py
+  patches it to lower the GPU kernels on a CPU machine)."""
+  return jax.default_backend()
+
+
 def resolve_interpret(interpret):
   """`None` -> interpret on CPU, compiled elsewhere; otherwise pass through."""
   if interpret is None:
-    return jax.default_backend() == "cpu"
+    return kernel_backend() == "cpu"
   return interpret
 
 
 def compiler_params(num_warps: int = 4, num_stages: int = 1):
   """Backend-specific compiler params (Triton on GPU; None elsewhere)."""
-  backend = jax.default_backend()
-  if backend == "gpu":
+  if kernel_backend() == "gpu":
     from jax.experimental.pallas import triton as pltr  # pylint: disable=g-import-not-at-top
     return pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages)
   return None
@@ -62,7 +68,7 @@ def dot_precision(mode, interpret=False):
     raise ValueError(f"pallas_kernels: precision={mode!r}; expected one of {PRECISIONS}")
   if mode == "fast":
     return lax.Precision.DEFAULT
-  if jax.default_backend() == "gpu" and not interpret:
+  if kernel_backend() == "gpu" and not interpret:
     return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
   return lax.Precision.HIGHEST
 

@@ -6,7 +6,8 @@ on the H200 (jnp's remainder became an i32 % i1 Triton op). CI has no GPU; this 
 of failure before a device call does.
 
 On CPU the kernels would pick interpret mode, no compiler params and HIGHEST dots; the fixture
-makes them choose what they choose on a GPU (compiled, Triton params, 3xTF32 for 'exact').
+sets common.kernel_backend to "gpu", so they choose what they choose on a GPU (compiled, Triton
+params, 3xTF32 for 'exact').
 """
 import re
 
@@ -15,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax import lax
 
 from kdn_jax import ops
 from kdn_jax.layers.registry import MIXERS
@@ -26,17 +26,7 @@ from pallas_kernels.delta_rule import config as dr_config
 
 @pytest.fixture
 def as_on_gpu(monkeypatch):
-  from jax.experimental.pallas import triton as pltr  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(common, "resolve_interpret", lambda interpret: bool(interpret))
-  monkeypatch.setattr(common, "compiler_params", lambda num_warps=4, num_stages=1:
-                      pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages))
-  dot_precision = common.dot_precision
-
-  def gpu_dot_precision(mode, interpret=False):
-    dot_precision(mode, interpret)   # (validates the name)
-    return lax.Precision.DEFAULT if mode == "fast" else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-
-  monkeypatch.setattr(common, "dot_precision", gpu_dot_precision)
+  monkeypatch.setattr(common, "kernel_backend", lambda: "gpu")
 
 
 def _lower_for_cuda(fn, *args):
