@@ -122,7 +122,7 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
     dict(forward_only_chunk=32, wy_inverse="sub_dots"),   # primal at chunk 32, residuals at 16
     dict(pair_diag="columns"), dict(pair_heads=1),
     dict(pair_heads=4),   # (6 heads: programs of gcd(4, 6) = 2 heads)
-    dict(pair_token_stores="columns"), dict(prefetch_serial=True)])
+    dict(pair_token_stores="columns")])
 def test_delta_rule_kernel_variants(variant):
   """Every kernel option (V blocks of the serial and parallel kernels, the WY kernel's inverses,
   chunk 32 with and without the 16-row intra backward, the forward-only chunk) is exact."""

@@ -127,10 +127,10 @@ def _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs, s, ds, s_init, x, prec):
   dqbar_ref[b, h, vb, rows, :] = dqbar
 
 
-def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, prefetch):
+def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec):
   """Serial over chunks in reverse: the state-gradient chain alone, saving each chunk's dS for
-  _bwd_partials_kernel. One loop carry (see _SEG_NOTE); with `prefetch`, the previous chunk's
-  loads are issued before this chunk's dots and carried into the next step."""
+  _bwd_partials_kernel. One loop carry (see _SEG_NOTE). (Loading the previous chunk's inputs
+  ahead, as the forward's state pass does, lost here: H200 session 37, T=16384, 2.99 -> 3.36 ms.)"""
   names = _bwd_names(has_seg, ["dsfin"])
   n_in = len(names)
   r = dict(zip(names, refs[:n_in]))
@@ -145,20 +145,11 @@ def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, p
     ds_ref[b, h, c, :, vs] = ds.astype(ds_ref.dtype)
     return _bwd_chain(x, scale, has_seg, ds, prec)[0]
 
-  if prefetch:
-    def body(i, carry):
-      ds, x = carry
-      c = num_chunks - 1 - i
-      nxt = loads(jnp.maximum(c - 1, 0))
-      return step(c, ds, x), nxt
+  def body(i, ds):
+    c = num_chunks - 1 - i
+    return step(c, ds, loads(c))
 
-    dh0 = lax.fori_loop(0, num_chunks, body, (ds_fin, loads(num_chunks - 1)))[0]
-  else:
-    def body(i, ds):
-      c = num_chunks - 1 - i
-      return step(c, ds, loads(c))
-
-    dh0 = lax.fori_loop(0, num_chunks, body, ds_fin)
+  dh0 = lax.fori_loop(0, num_chunks, body, ds_fin)
   dh0_ref[b, h, :, vs] = dh0
 
 
@@ -409,8 +400,7 @@ def state_grads(q, k, v, g, h0, cont, res, do, dsfin, *, chunk, scale, interpret
   common_in, opt, kw = _bwd_inputs(q, k, v, g, h0, cont, res, do, cfg, cfg_prec, interpret,
                                    chunk, scale)
   return pl.pallas_call(
-      functools.partial(_recur_bwd_kernel, num_chunks=k.shape[1] // chunk, block_v=block_v,
-                        prefetch=cfg.prefetch_serial, **kw),
+      functools.partial(_recur_bwd_kernel, num_chunks=k.shape[1] // chunk, block_v=block_v, **kw),
       out_shape=(jax.ShapeDtypeStruct((bsz, nh, kd, vd), jnp.float32),
                  jax.ShapeDtypeStruct(states.shape, states.dtype)),
       grid=(bsz, nh, vd // block_v), name="delta_rule_recur_bwd",

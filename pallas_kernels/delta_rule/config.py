@@ -90,11 +90,6 @@ class DeltaRuleConfig:
   # beyond that and was dropped: docs/benchmark_mixers.md)
   num_warps_output: int = 4
   num_warps_recur: int = 4   # Triton warps, recurrent kernels (serial over chunks)
-  # The serial kernels (the forward's state pass, the backward's dS chain) load the next chunk's
-  # inputs before this chunk's dots and carry them: ncu (H200, T=4096, session 35) has half the
-  # state pass's stall cycles waiting on global loads (1 warp per scheduler, nothing else to
-  # issue). Exact in interpret mode; not yet timed on a GPU (session 36).
-  prefetch_serial: bool = False
   num_stages: int = 2         # Triton software-pipelining stages of the kernels' loops
 
   def __post_init__(self):

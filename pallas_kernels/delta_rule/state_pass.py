@@ -15,11 +15,16 @@ from pallas_kernels.delta_rule.tiles import (
     dot, dot_tn, kernel_precision, operand_dtype, state_dtype, launch_params)
 
 
-def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, prefetch):
+def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec):
   """Serial over chunks with U = A V' precomputed (wy.py): Delta = U - W S_0 and
   S <- exp(g_last) S_base + Wt^T Delta, the chain's only two dots; Delta is stored for the
-  output stage in the dots' operand dtype (it only enters P Delta there). With `prefetch`, chunk
-  c + 1's inputs are loaded before chunk c's dots and carried into the next step."""
+  output stage in the dots' operand dtype (it only enters P Delta there).
+
+  Chunk c + 1's inputs are loaded before chunk c's dots and carried into the next step: ncu
+  (H200, session 35) put half the loop's stall cycles on global-load waits, one warp per
+  scheduler with nothing else to issue. Session 37, H200, diag KDN T=16384: this stage 2.48 ->
+  1.77 ms, op fwd+bwd 20.27 -> 19.74 ms. (The same prefetch in the backward's dS chain lost,
+  2.99 -> 3.36 ms, and was removed.)"""
   names = ["u", "wk", "wt", "g", "h0"] + (["cont"] if has_seg else [])
   r = dict(zip(names, refs[:len(names)]))
   delta_ref, sfin_ref, states_ref = refs[len(names):]
@@ -48,15 +53,12 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, prefetc
       s = cont_last * s + (1.0 - cont_last) * s_init
     return e_last * s + dot_tn(wt, delta, prec)
 
-  if prefetch:
-    def body(c, carry):
-      s, x = carry
-      nxt = inputs(jnp.minimum(c + 1, num_chunks - 1))
-      return step(c, s, x), nxt
+  def body(c, carry):
+    s, x = carry
+    nxt = inputs(jnp.minimum(c + 1, num_chunks - 1))
+    return step(c, s, x), nxt
 
-    sfin = lax.fori_loop(0, num_chunks, body, (s_init, inputs(0)))[0]
-  else:
-    sfin = lax.fori_loop(0, num_chunks, lambda c, s: step(c, s, inputs(c)), s_init)
+  sfin = lax.fori_loop(0, num_chunks, body, (s_init, inputs(0)))[0]
   sfin_ref[b, h, :, vs] = sfin
 
 
@@ -71,7 +73,7 @@ def state_forward(u, wk, wt, g, h0, cont, *, chunk, interpret, cfg, cfg_prec):
   block_v = min(cfg.block_v, vd)
   return pl.pallas_call(
       functools.partial(_state_pass_kernel, chunk=chunk, num_chunks=nc, has_seg=has_seg,
-                        block_v=block_v, prec=prec, prefetch=cfg.prefetch_serial),
+                        block_v=block_v, prec=prec),
       out_shape=(jax.ShapeDtypeStruct(u.shape, operand_dtype(prec)),
                  jax.ShapeDtypeStruct((bsz, nh, kd, vd), jnp.float32),
                  jax.ShapeDtypeStruct((bsz, nh, nc, kd, vd), state_dtype(cfg, prec))),
