@@ -1,5 +1,4 @@
 """Accuracy of pallas_kernels.delta_rule (CPU interpret mode) against a float64 token loop."""
-import dataclasses
 
 import numpy as np
 import pytest
@@ -107,12 +106,8 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
     seg = np.zeros((1, t), np.int32)
     for s in segs:
       seg[:, s:] += 1
-  old = dr_config.DEFAULT
-  try:
-    dr_config.set_default(max_chunk=chunk)
+  with dr_config.overridden(max_chunk=chunk):
     _check(args, seg, chunk, 1e-5, 1e-4)
-  finally:
-    dr_config.DEFAULT = old
 
 
 @pytest.mark.parametrize("variant", [   # (the shipped default: through the ops, ops_cases)
@@ -126,19 +121,15 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
 def test_delta_rule_kernel_variants(variant):
   """Every kernel option (V blocks of the serial and parallel kernels, the WY kernel's inverses,
   chunk 32 with and without the 16-row intra backward, the forward-only chunk) is exact."""
-  old = dr_config.DEFAULT
-  try:
-    dr_config.set_default(**variant)
-    t = 45
-    # (6 heads where the option concerns the pair kernel's programs of several heads)
-    heads = 6 if variant.get("pair_heads") == 4 or "pair_token_stores" in variant else 1
-    args = _inputs(5, 2, t, heads, 64, 64, jnp.float32, False, "normal")
-    seg = np.zeros((2, t), np.int32)
-    seg[0, 20:] = 1
-    seg[1, 38:] = 3
+  t = 45
+  # (6 heads where the option concerns the pair kernel's programs of several heads)
+  heads = 6 if variant.get("pair_heads") == 4 or "pair_token_stores" in variant else 1
+  args = _inputs(5, 2, t, heads, 64, 64, jnp.float32, False, "normal")
+  seg = np.zeros((2, t), np.int32)
+  seg[0, 20:] = 1
+  seg[1, 38:] = 3
+  with dr_config.overridden(**variant):
     _check(args, seg, 32, 1e-5, 1e-4)
-  finally:
-    dr_config.DEFAULT = old
 
 
 @pytest.mark.parametrize("fuse_bwd", [True, False])
@@ -148,32 +139,24 @@ def test_delta_rule_fused_backward(segments, fuse_bwd):
   against the float64 loop, with and without resets; V != K. The resets fall on a chunk's last
   row, on the next chunk's first row and inside a chunk, next to a chunk without one
   (tiles.by_reset: the segment-free bodies)."""
-  old = dr_config.DEFAULT
-  try:
-    dr_config.set_default(fuse_bwd=fuse_bwd)
-    t = 45
-    seg = None
-    if segments:
-      seg = np.zeros((2, t), np.int32)
-      seg[0, 31:] = 1
-      seg[0, 32:] = 2
-      seg[1, 38:] = 3
+  t = 45
+  seg = None
+  if segments:
+    seg = np.zeros((2, t), np.int32)
+    seg[0, 31:] = 1
+    seg[0, 32:] = 2
+    seg[1, 38:] = 3
+  with dr_config.overridden(fuse_bwd=fuse_bwd):
     _check(_inputs(6, 2, t, 1, 64, 32, jnp.float32, False, "normal"), seg, 16, 1e-5, 1e-4)
-  finally:
-    dr_config.DEFAULT = old
 
 
 def test_delta_rule_bf16_operand_dots():
   """fast_dots='bf16' (bf16 dot operands for bf16 data; the shipped default) stays within the
   bf16 bounds over 10 chunks."""
-  old = dr_config.DEFAULT
-  try:
-    dr_config.set_default(fast_dots="bf16")
-    seg = np.zeros((1, 150), np.int32)
-    seg[:, 70:] = 1
+  seg = np.zeros((1, 150), np.int32)
+  seg[:, 70:] = 1
+  with dr_config.overridden(fast_dots="bf16"):
     _check(_inputs(11, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"), seg, 32, 5e-3, 1e-2)
-  finally:
-    dr_config.DEFAULT = old
 
 
 @pytest.mark.parametrize("variant,dtype,decay,tol", [
@@ -185,31 +168,23 @@ def test_delta_rule_sub_blocks(variant, dtype, decay, tol):
   """16- or 32-row blocks of a 64-token chunk against the float64 loop: the chunk-64 forward by
   stage (pair rows, WY, serial pass) with the row-block intra backward; resets inside and at the start of
   a row block, an initial state, T not a multiple of the chunk."""
-  old = dr_config.DEFAULT
   seg = np.zeros((1, 150), np.int32)
   seg[:, 40:] = 1     # inside a sub-block
   seg[:, 96:] = 2     # at a sub-block start
-  try:
-    dr_config.set_default(max_chunk=64, **variant)
+  with dr_config.overridden(max_chunk=64, **variant):
     _check(_inputs(17, 1, 150, 2, 64, 64, dtype, False, decay), seg, 64, *tol)
-  finally:
-    dr_config.DEFAULT = old
 
 
 def test_delta_rule_bf16_states():
   """bf16_states (saved states and state gradients in bf16 under bf16-operand dots; the default)
   stays within the bf16 bounds with segments at chunk 32; fp32 states (bf16_states=False) and
   TF32 dots on bf16 data (fast_dots='tf32') too."""
-  old = dr_config.DEFAULT
   seg = np.zeros((1, 150), np.int32)
   seg[:, 70:] = 1
-  try:
-    for extra in (dict(bf16_states=True, max_chunk=32), dict(bf16_states=False),
-                  dict(fast_dots="tf32")):   # (tf32: fp32 operands, so fp32 states too)
-      dr_config.DEFAULT = dataclasses.replace(old, **extra)
+  for extra in (dict(bf16_states=True, max_chunk=32), dict(bf16_states=False),
+                dict(fast_dots="tf32")):   # (tf32: fp32 operands, so fp32 states too)
+    with dr_config.overridden(**extra):
       _check(_inputs(13, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"), seg, 32, 5e-3, 1e-2)
-  finally:
-    dr_config.DEFAULT = old
 
 
 def test_delta_rule_unsupported_width():
@@ -250,6 +225,23 @@ def test_delta_rule_precision_argument():
 def test_delta_rule_config_rejects_bad_values(bad):
   with pytest.raises(ValueError, match="DeltaRuleConfig." + next(iter(bad))):
     dr_config.DeltaRuleConfig(**bad)
+
+
+def test_config_overridden_restores_default():
+  """overridden() swaps DEFAULT inside its block and puts the same object back after it, also
+  when the block raises; a bad value raises before anything is swapped."""
+  before = dr_config.DEFAULT
+  with dr_config.overridden(block_v=32) as cfg:
+    assert dr_config.DEFAULT is cfg and cfg.block_v == 32
+  assert dr_config.DEFAULT is before
+  with pytest.raises(RuntimeError, match="inside"):
+    with dr_config.overridden(fuse_bwd=not before.fuse_bwd):
+      raise RuntimeError("inside")
+  assert dr_config.DEFAULT is before
+  with pytest.raises(ValueError, match="DeltaRuleConfig.block_v"):
+    with dr_config.overridden(block_v=48):
+      pass
+  assert dr_config.DEFAULT is before
 
 
 def test_chunk_length_floor():

@@ -57,18 +57,14 @@ def _op_inputs(dtype, b=1, t=80, h=2, d=64):
 def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
   """diag KDN forward and backward (gain kernels, cumsum, pair, WY, state pass, output, the
   backward kernels), with a segment reset, under each delta-rule option."""
-  old = dr_config.DEFAULT
-  try:
-    dr_config.set_default(**variant)
-    q, k, v, la, om, r, seg = _op_inputs(dtype)
+  q, k, v, la, om, r, seg = _op_inputs(dtype)
 
-    def loss(q, k, v, la, om, r):
-      o, _ = ops.diag_kdn(q, k, v, la, om, r, segment_ids=seg, impl="pallas", chunk_size=64)
-      return jnp.sum(o.astype(jnp.float32))
+  def loss(q, k, v, la, om, r):
+    o, _ = ops.diag_kdn(q, k, v, la, om, r, segment_ids=seg, impl="pallas", chunk_size=64)
+    return jnp.sum(o.astype(jnp.float32))
 
+  with dr_config.overridden(**variant):
     text = _lower_for_cuda(jax.grad(loss, argnums=tuple(range(6))), q, k, v, la, om, r)
-  finally:
-    dr_config.DEFAULT = old
   token_parallel = (variant.get("pair_diag", "token_loop") == "token_loop"
                     and "max_chunk" not in variant)   # (chunks of one row block only)
   fused = variant.get("fuse_bwd", True) and "sub_block" not in variant

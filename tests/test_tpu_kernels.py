@@ -102,14 +102,10 @@ def test_delta_rule_tpu_matches_oracle(t, chunk, kd, vd, block_v, starts, scalar
   args = [jnp.asarray(x, jnp.float32).astype(dtype) for x in (q, k, v, la, w)] + [
       jnp.asarray(s0, jnp.float32)]
   seg = _segments(b, t, starts) if starts else None
-  old = dr_config.DEFAULT
-  try:
-    dr_config.set_default(max_chunk=chunk)
-    f = lambda q, k, v, la, w, s0: delta_rule(q, k, v, la, w, 0.7, s0, seg, chunk_size=chunk,
-                                              interpret=TPU)
+  f = lambda q, k, v, la, w, s0: delta_rule(q, k, v, la, w, 0.7, s0, seg, chunk_size=chunk,
+                                            interpret=TPU)
+  with dr_config.overridden(max_chunk=chunk):
     (o, sfin), grads, cts = _outputs_and_grads(f, args, (v.shape, s0.shape), 2)
-  finally:
-    dr_config.DEFAULT = old
 
   def oracle(q, k, v, la, w, s0):
     la = la if not scalar else jnp.broadcast_to(la[..., None], k.shape)

@@ -1,7 +1,9 @@
 """Block-size configuration for the chunked delta-rule kernels.
 
-`DEFAULT` is what `delta_rule` uses; `set_default(**overrides)` swaps it (benchmarks / tuning).
+`DEFAULT` is what `delta_rule` uses; `set_default(**overrides)` swaps it (benchmarks / tuning),
+`overridden(**overrides)` swaps it for one `with` block (tests, trials).
 """
+import contextlib
 import dataclasses
 
 
@@ -125,3 +127,16 @@ def set_default(**overrides):
   global DEFAULT
   DEFAULT = dataclasses.replace(DEFAULT, **overrides)
   return DEFAULT
+
+
+@contextlib.contextmanager
+def overridden(**overrides):
+  """DEFAULT with `overrides` inside the block, the previous DEFAULT again after it, also when the
+  block raises. Kernels read DEFAULT when traced: trace inside the block."""
+  global DEFAULT
+  old = DEFAULT
+  DEFAULT = dataclasses.replace(old, **overrides)
+  try:
+    yield DEFAULT
+  finally:
+    DEFAULT = old
