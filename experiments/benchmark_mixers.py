@@ -5,7 +5,8 @@ Usage:
   python -m experiments.benchmark_mixers --check_only   # GPU correctness check of the kernels
 
 Batch 4, 16 heads of K = V = 128, bf16 inputs; median of --reps timed runs after --warmup runs,
-forward and forward+backward. Writes results.md, results.json and results.png to --out.
+forward and forward+backward. Writes results.md, results.json and results.png to --out (the
+JSON and table after every sweep spec and cell, so a run cut off by its time limit keeps them).
 """
 from __future__ import annotations
 
@@ -477,7 +478,8 @@ def _time_stages(t, docs=False):
   return out
 
 
-def _sweep(results, specs, module, make_config, row, fwd_bwd, key, deadline, stages=False):
+def _sweep(results, specs, module, make_config, row, fwd_bwd, key, deadline, stages=False,
+           save=lambda: None):
   """Times `row` at --sweep_len under each config make_config(spec) (with the pallas stage split
   when `stages`) until time.time() passes `deadline`; with --sweep_combine, the specs that beat
   the first one are merged into one more spec and timed too. The fastest config becomes
@@ -508,6 +510,7 @@ def _sweep(results, specs, module, make_config, row, fwd_bwd, key, deadline, sta
     print(json.dumps(rec), flush=True)
     results.setdefault("sweeps", []).append(rec)
     timed.append((spec, ms, cfg))
+    save()
 
   for spec in specs:
     run(spec)
@@ -563,14 +566,18 @@ def _sweeps(results, deadline):
   from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
   from pallas_kernels.kdn_gain import config as gcfg  # pylint: disable=g-import-not-at-top
   base, gbase = dcfg.DEFAULT, gcfg.DEFAULT
+  save = lambda: _write(results, FLAGS.out, plot=False)
   _sweep(results, FLAGS.sweep, dcfg, lambda spec: config_from_spec(base, spec), FLAGS.sweep_row,
-         not FLAGS.sweep_fwd_only, "delta_rule_config", deadline, stages=FLAGS.sweep_stages)
+         not FLAGS.sweep_fwd_only, "delta_rule_config", deadline, stages=FLAGS.sweep_stages,
+         save=save)
   _sweep(results, FLAGS.gain_sweep, gcfg, lambda spec: config_from_spec(gbase, spec),
-         "diag_gain_pallas", False, "gain_config", deadline)
+         "diag_gain_pallas", False, "gain_config", deadline, save=save)
   print("configs:", results.get("delta_rule_config"), results.get("gain_config"), flush=True)
 
 
-def _write(results, out):
+def _write(results, out, plot=True):
+  """results.json, results.md (the table) and, with `plot`, results.png under `out`. main calls it
+  (without the plot) after every cell, so a run killed by its time limit keeps what it timed."""
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, "results.json"), "w") as fh:
     json.dump(results, fh, indent=1)
@@ -600,6 +607,8 @@ def _write(results, out):
     table = "(no rows timed)"
   with open(os.path.join(out, "results.md"), "w") as fh:
     fh.write(hdr + table + "\n")
+  if not plot:
+    return table
   try:
     import matplotlib  # pylint: disable=g-import-not-at-top
     matplotlib.use("Agg")
@@ -634,6 +643,7 @@ def main(argv):
   _sweeps(results, start + FLAGS.time_budget_s)
   from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
   results.setdefault("delta_rule_config", repr(dcfg.DEFAULT))
+  _write(results, FLAGS.out, plot=False)
   if FLAGS.check or FLAGS.check_only:
     try:
       results["check"] = run_check()
@@ -644,8 +654,8 @@ def main(argv):
     except Exception as e:  # pylint: disable=broad-except
       traceback.print_exc()
       results["check_error"] = repr(e)[:2000]
+    _write(results, FLAGS.out, plot=FLAGS.check_only)
     if FLAGS.check_only:
-      _write(results, FLAGS.out)
       return
   have_fla = _fla() is not None
   if FLAGS.stages:
@@ -657,6 +667,7 @@ def main(argv):
         rec = {"stages_error": f"{type(e).__name__}: {e}"[:500], "T": t, "docs": docs}
       print(json.dumps(rec), flush=True)
       results.setdefault("stage_times", []).append(rec)
+      _write(results, FLAGS.out, plot=False)
   for t in (int(s) for s in FLAGS.seq_lens):
     for row in FLAGS.rows:
       if row.startswith("fla") and not have_fla:
@@ -679,7 +690,7 @@ def main(argv):
           logging.warning("%s %s T=%d failed: %s", row, mode, t, traceback.format_exc()[-1500:])
         print(json.dumps(rec), flush=True)
         results["rows"].append(rec)
-    _write(results, FLAGS.out)
+        _write(results, FLAGS.out, plot=False)
   print(_write(results, FLAGS.out))
 
 

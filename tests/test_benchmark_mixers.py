@@ -151,3 +151,33 @@ def test_stage_split_with_documents(monkeypatch):
   for name in ("gain_fwd", "cumsum_glue", "delta_intra_fwd", "delta_recur_fwd",
                "delta_recur_bwd", "delta_state_bwd", "delta_partials_bwd", "delta_intra_bwd"):
     assert rec["stages"][name] > 0, (name, rec["stages"])
+
+
+def test_a_killed_run_keeps_the_cells_it_timed(tmp_path, monkeypatch):
+  """results.json is rewritten after every sweep spec and every cell: a run stopped by its time
+  limit (here: the second cell raises SystemExit, as a SIGTERM handler would) keeps the sweep and
+  the cell timed before it, though the first length was not finished."""
+  calls = []
+
+  def fake_time(row, t, fwd_bwd, first=None):
+    calls.append((row, t, fwd_bwd))
+    if len(calls) == 3:    # the sweep's spec, then one cell, then the kill
+      raise SystemExit(143)
+    return float(len(calls))
+
+  monkeypatch.setattr(bm, "time_jax_row", fake_time)
+  bm.FLAGS(["bm", f"--out={tmp_path}", "--check=false", "--seq_lens=40,80",
+            "--rows=diag_kdn_pallas", "--sweep=default", "--sweep_combine=false"])
+  old = dr_config.DEFAULT
+  try:
+    with pytest.raises(SystemExit):
+      bm.main([])
+  finally:
+    dr_config.DEFAULT = old
+    bm.FLAGS.unparse_flags()
+  import json  # pylint: disable=g-import-not-at-top
+  res = json.loads((tmp_path / "results.json").read_text())
+  assert [r["sweep"] for r in res["sweeps"]] == ["default"]
+  assert [(r["row"], r["mode"], r["T"], r["ms"]) for r in res["rows"]] == [
+      ("diag_kdn_pallas", "fwd", 40, 2.0)]
+  assert "| diag_kdn_pallas | fwd | 2.00 |" in (tmp_path / "results.md").read_text()
