@@ -3,6 +3,7 @@ statistics) + grain iterator state + a small JSON record; periodic and final sav
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import shutil
@@ -12,6 +13,38 @@ import time
 import grain
 import jax
 import orbax.checkpoint as ocp
+
+
+@contextlib.contextmanager
+def _abandoned_reads_dropped(settle_s: float = 0.3, max_wait_s: float = 3.0):
+  """orbax reads a checkpoint's arrays concurrently on an asyncio loop. When one read of a damaged
+  checkpoint fails, the restore raises and closes the loop while the other reads are in flight; each
+  of them then printed "Exception ignored ... Event loop is closed" with a traceback, from
+  tensorstore's threads as they finish or from the garbage collector (about a hundred for one damaged
+  checkpoint). On a failed restore this waits until none has arrived for `settle_s` (at most
+  `max_wait_s`) and counts them in one log line; the failure itself is raised as usual and reported by
+  _set_aside. A restore that succeeds is not delayed."""
+  dropped = []
+  previous = sys.unraisablehook
+  sys.unraisablehook = lambda unraisable: dropped.append(time.monotonic())
+  failed = False
+  try:
+    yield
+  except BaseException:
+    failed = True
+    raise
+  finally:
+    gc.collect()
+    if failed or dropped:
+      start = time.monotonic()
+      while time.monotonic() - start < max_wait_s:
+        time.sleep(settle_s / 3)
+        gc.collect()
+        if time.monotonic() - max(dropped, default=start) >= settle_s:
+          break
+    sys.unraisablehook = previous
+    if dropped:
+      logging.info('checkpoint: dropped %d abandoned reads of a failed restore', len(dropped))
 
 
 def _key_str(k) -> str:
@@ -174,7 +207,8 @@ class Checkpointer:
             f'{self.directory}/{step} was saved by another model or config ({problems}); resume with the '
             'config it was trained with, or start a new --workdir (--config.train.init_from copies parameters)')
       try:
-        state, record = self.restore(step, abstract_state, data_iter)
+        with _abandoned_reads_dropped():
+          state, record = self.restore(step, abstract_state, data_iter)
         return step, state, record
       except Exception as e:  # pylint: disable=broad-except
         self._set_aside(step, e)
