@@ -491,6 +491,7 @@ def _sweep(results, specs, module, make_config, row, fwd_bwd, key, deadline, sta
     if time.time() > deadline:
       logging.warning("time budget spent: sweep %s not timed", spec)
       results.setdefault("sweeps", []).append({"sweep": spec, "skipped": "time budget"})
+      save()
       return
     cfg = module.DEFAULT = make_config(spec)
     first = {}
@@ -575,12 +576,18 @@ def _sweeps(results, deadline):
   print("configs:", results.get("delta_rule_config"), results.get("gain_config"), flush=True)
 
 
+def _replace_file(path, text):
+  """Writes `path` whole or not at all (a kill mid-write leaves the previous version)."""
+  with open(path + ".tmp", "w") as fh:
+    fh.write(text)
+  os.replace(path + ".tmp", path)
+
+
 def _write(results, out, plot=True):
   """results.json, results.md (the table) and, with `plot`, results.png under `out`. main calls it
   (without the plot) after every cell, so a run killed by its time limit keeps what it timed."""
   os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, "results.json"), "w") as fh:
-    json.dump(results, fh, indent=1)
+  _replace_file(os.path.join(out, "results.json"), json.dumps(results, indent=1))
   lens = sorted({int(r["T"]) for r in results["rows"]})
   lines = ["| row | mode | " + " | ".join(f"T={t}" for t in lens) + " |",
            "|---|---|" + "---|" * len(lens)]
@@ -605,8 +612,7 @@ def _write(results, out, plot=True):
     hdr += f"**This config FAILED the GPU check:** {results['check_failed']}\n\n"
   if not lens:
     table = "(no rows timed)"
-  with open(os.path.join(out, "results.md"), "w") as fh:
-    fh.write(hdr + table + "\n")
+  _replace_file(os.path.join(out, "results.md"), hdr + table + "\n")
   if not plot:
     return table
   try:

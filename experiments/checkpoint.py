@@ -15,36 +15,57 @@ import jax
 import orbax.checkpoint as ocp
 
 
+def _is_abandoned_read(unraisable) -> bool:
+  """A read callback scheduled on orbax's closed loop, or one of orbax's read coroutines closed
+  unfinished by the garbage collector."""
+  if (isinstance(unraisable.exc_value, RuntimeError)
+      and 'Event loop is closed' in str(unraisable.exc_value)):
+    return True
+  code = getattr(unraisable.object, 'cr_code', None)
+  return code is not None and f'{os.sep}orbax{os.sep}' in code.co_filename
+
+
 @contextlib.contextmanager
 def _abandoned_reads_dropped(settle_s: float = 0.3, max_wait_s: float = 3.0):
-  """orbax reads a checkpoint's arrays concurrently on an asyncio loop. When one read of a damaged
-  checkpoint fails, the restore raises and closes the loop while the other reads are in flight; each
-  of them then printed "Exception ignored ... Event loop is closed" with a traceback, from
-  tensorstore's threads as they finish or from the garbage collector (about a hundred for one damaged
-  checkpoint). On a failed restore this waits until none has arrived for `settle_s` (at most
-  `max_wait_s`) and counts them in one log line; the failure itself is raised as usual and reported by
-  _set_aside. A restore that succeeds is not delayed."""
-  dropped = []
+  """Counts, instead of printing, the abandoned reads of a failed orbax restore.
+
+  orbax reads a checkpoint's arrays concurrently on an asyncio loop. When one read of a damaged
+  checkpoint fails, the restore raises and closes the loop while the other reads are in flight. Each
+  of those then printed "Exception ignored ... Event loop is closed" (from tensorstore's threads) or
+  an unfinished-coroutine traceback (from the garbage collector): about a hundred per damaged
+  checkpoint. Inside the block they are counted; every other unraisable exception goes to the
+  previous hook. The caller appends to the yielded list when its restore failed and handles the
+  error inside the block (the error's traceback keeps the coroutines alive until it is dropped).
+  After a failure the block's exit waits until no abandoned read has arrived for `settle_s` (at
+  most `max_wait_s`) and logs the count in one line; a restore that succeeds is not delayed. The
+  hook is process-wide: one restore at a time, as the runner does."""
+  dropped, failed = [], []
   previous = sys.unraisablehook
-  sys.unraisablehook = lambda unraisable: dropped.append(time.monotonic())
-  failed = False
+
+  def hook(unraisable):
+    if _is_abandoned_read(unraisable):
+      dropped.append(time.monotonic())
+    else:
+      previous(unraisable)
+
+  sys.unraisablehook = hook
   try:
-    yield
-  except BaseException:
-    failed = True
-    raise
+    yield failed
   finally:
-    gc.collect()
-    if failed or dropped:
-      start = time.monotonic()
-      while time.monotonic() - start < max_wait_s:
-        time.sleep(settle_s / 3)
+    try:
+      if failed:
+        start = time.monotonic()
         gc.collect()
-        if time.monotonic() - max(dropped, default=start) >= settle_s:
-          break
-    sys.unraisablehook = previous
-    if dropped:
-      logging.info('checkpoint: dropped %d abandoned reads of a failed restore', len(dropped))
+        while time.monotonic() - start < max_wait_s:
+          time.sleep(settle_s / 3)
+          gc.collect()
+          if time.monotonic() - max(dropped, default=start) >= settle_s:
+            break
+    finally:
+      sys.unraisablehook = previous
+      if dropped:
+        logging.info('checkpoint: dropped %d abandoned reads of a %s restore', len(dropped),
+                     'failed' if failed else 'successful')
 
 
 def _key_str(k) -> str:
@@ -206,12 +227,13 @@ class Checkpointer:
         raise CheckpointMismatchError(
             f'{self.directory}/{step} was saved by another model or config ({problems}); resume with the '
             'config it was trained with, or start a new --workdir (--config.train.init_from copies parameters)')
-      try:
-        with _abandoned_reads_dropped():
+      with _abandoned_reads_dropped() as failed:
+        try:
           state, record = self.restore(step, abstract_state, data_iter)
-        return step, state, record
-      except Exception as e:  # pylint: disable=broad-except
-        self._set_aside(step, e)
+          return step, state, record
+        except Exception as e:  # pylint: disable=broad-except
+          failed.append(step)
+          self._set_aside(step, e)
     self._none_readable(steps)
     return None
 

@@ -155,29 +155,34 @@ def test_stage_split_with_documents(monkeypatch):
 
 def test_a_killed_run_keeps_the_cells_it_timed(tmp_path, monkeypatch):
   """results.json is rewritten after every sweep spec and every cell: a run stopped by its time
-  limit (here: the second cell raises SystemExit, as a SIGTERM handler would) keeps the sweep and
-  the cell timed before it, though the first length was not finished."""
-  calls = []
+  limit (here SystemExit, as a SIGTERM handler would raise) keeps what it timed before."""
+  def run(kill_at, seq_lens):
+    calls = []
 
-  def fake_time(row, t, fwd_bwd, first=None):
-    calls.append((row, t, fwd_bwd))
-    if len(calls) == 3:    # the sweep's spec, then one cell, then the kill
-      raise SystemExit(143)
-    return float(len(calls))
+    def fake_time(row, t, fwd_bwd, first=None):
+      calls.append((row, t, fwd_bwd))
+      if len(calls) == kill_at:
+        raise SystemExit(143)
+      return float(len(calls))
 
-  monkeypatch.setattr(bm, "time_jax_row", fake_time)
-  bm.FLAGS(["bm", f"--out={tmp_path}", "--check=false", "--seq_lens=40,80",
-            "--rows=diag_kdn_pallas", "--sweep=default", "--sweep_combine=false"])
-  old = dr_config.DEFAULT
-  try:
-    with pytest.raises(SystemExit):
-      bm.main([])
-  finally:
-    dr_config.DEFAULT = old
-    bm.FLAGS.unparse_flags()
-  import json  # pylint: disable=g-import-not-at-top
-  res = json.loads((tmp_path / "results.json").read_text())
-  assert [r["sweep"] for r in res["sweeps"]] == ["default"]
+    monkeypatch.setattr(bm, "time_jax_row", fake_time)
+    out = tmp_path / f"kill{kill_at}"
+    bm.FLAGS(["bm", f"--out={out}", "--check=false", f"--seq_lens={seq_lens}",
+              "--rows=diag_kdn_pallas", "--sweep=default,block_v=32", "--sweep_combine=false"])
+    try:
+      with dr_config.overridden(), pytest.raises(SystemExit):
+        bm.main([])
+    finally:
+      bm.FLAGS.unparse_flags()
+    import json  # pylint: disable=g-import-not-at-top
+    return json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
+
+  # killed inside the sweep's second spec: the first spec is kept
+  res, _ = run(2, "40")
+  assert [r["sweep"] for r in res["sweeps"]] == ["default"] and res["rows"] == []
+  # killed at the second cell of the first length: the sweep and the first cell are kept
+  res, md = run(4, "40,80")
+  assert [r["sweep"] for r in res["sweeps"]] == ["default", "block_v=32"]
   assert [(r["row"], r["mode"], r["T"], r["ms"]) for r in res["rows"]] == [
-      ("diag_kdn_pallas", "fwd", 40, 2.0)]
-  assert "| diag_kdn_pallas | fwd | 2.00 |" in (tmp_path / "results.md").read_text()
+      ("diag_kdn_pallas", "fwd", 40, 3.0)]
+  assert "| diag_kdn_pallas | fwd | 3.00 |" in md

@@ -204,6 +204,27 @@ def test_carried_state_runs_resume_exactly_past_a_damaged_checkpoint(tmp_path, c
     assert sorted(os.listdir(wc / 'checkpoints.unreadable')) == ['3', '6']
 
 
+def test_failed_restore_counts_only_orbax_abandoned_reads(monkeypatch):
+  """Inside the window, orbax's abandoned reads are counted, any other unraisable exception reaches
+  the previous hook, and the previous hook is back afterwards, also after a failure."""
+  import types  # pylint: disable=g-import-not-at-top
+  from experiments import checkpoint  # pylint: disable=g-import-not-at-top
+  passed_on = []
+  monkeypatch.setattr(sys, 'unraisablehook', passed_on.append)
+  previous = sys.unraisablehook
+  closed = types.SimpleNamespace(exc_value=RuntimeError('Event loop is closed'), object=None)
+  other = types.SimpleNamespace(exc_value=ValueError('from elsewhere'), object=None)
+  with checkpoint._abandoned_reads_dropped(settle_s=0.01) as failed:
+    sys.unraisablehook(closed)
+    sys.unraisablehook(other)
+    failed.append(6)
+  assert passed_on == [other] and sys.unraisablehook is previous
+  with pytest.raises(KeyError):
+    with checkpoint._abandoned_reads_dropped(settle_s=0.01):
+      raise KeyError('inside')
+  assert sys.unraisablehook is previous
+
+
 def _array_record_docs(tmp_path):
   """Random documents (each ending in eos=1) as an .array_record file."""
   path = tmp_path / 'docs.array_record'

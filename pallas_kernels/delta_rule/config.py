@@ -132,7 +132,8 @@ def set_default(**overrides):
 @contextlib.contextmanager
 def overridden(**overrides):
   """DEFAULT with `overrides` inside the block, the previous DEFAULT again after it, also when the
-  block raises. Kernels read DEFAULT when traced: trace inside the block."""
+  block raises. Kernels read DEFAULT when traced: trace inside the block, and note that a jitted
+  function traced before (same shapes) reuses its cached trace, old config included."""
   global DEFAULT
   old = DEFAULT
   DEFAULT = dataclasses.replace(old, **overrides)

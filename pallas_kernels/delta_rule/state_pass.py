@@ -55,7 +55,7 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec):
 
   def body(c, carry):
     s, x = carry
-    nxt = inputs(jnp.minimum(c + 1, num_chunks - 1))
+    nxt = inputs(jnp.minimum(c + 1, num_chunks - 1))   # (the last step's reload goes unused)
     return step(c, s, x), nxt
 
   sfin = lax.fori_loop(0, num_chunks, body, (s_init, inputs(0)))[0]
