@@ -563,11 +563,10 @@ def config_from_spec(base, spec):
   return dataclasses.replace(base, **kw)
 
 
-def _sweeps(results, deadline):
+def _sweeps(results, deadline, save):
   from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
   from pallas_kernels.kdn_gain import config as gcfg  # pylint: disable=g-import-not-at-top
   base, gbase = dcfg.DEFAULT, gcfg.DEFAULT
-  save = lambda: _write(results, FLAGS.out, plot=False)
   _sweep(results, FLAGS.sweep, dcfg, lambda spec: config_from_spec(base, spec), FLAGS.sweep_row,
          not FLAGS.sweep_fwd_only, "delta_rule_config", deadline, stages=FLAGS.sweep_stages,
          save=save)
@@ -645,11 +644,12 @@ def main(argv):
   del argv
   results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": []}
   start = time.time()
+  save = lambda: _write(results, FLAGS.out, plot=False)   # after every step: a killed run keeps it
   # Sweeps first, so that the check covers the configuration the rows use.
-  _sweeps(results, start + FLAGS.time_budget_s)
+  _sweeps(results, start + FLAGS.time_budget_s, save)
   from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
   results.setdefault("delta_rule_config", repr(dcfg.DEFAULT))
-  _write(results, FLAGS.out, plot=False)
+  save()
   if FLAGS.check or FLAGS.check_only:
     try:
       results["check"] = run_check()
@@ -660,9 +660,10 @@ def main(argv):
     except Exception as e:  # pylint: disable=broad-except
       traceback.print_exc()
       results["check_error"] = repr(e)[:2000]
-    _write(results, FLAGS.out, plot=FLAGS.check_only)
     if FLAGS.check_only:
+      _write(results, FLAGS.out)
       return
+    save()
   have_fla = _fla() is not None
   if FLAGS.stages:
     for t, docs in [(int(z), False) for z in FLAGS.seq_lens[:2]] + (
@@ -673,7 +674,7 @@ def main(argv):
         rec = {"stages_error": f"{type(e).__name__}: {e}"[:500], "T": t, "docs": docs}
       print(json.dumps(rec), flush=True)
       results.setdefault("stage_times", []).append(rec)
-      _write(results, FLAGS.out, plot=False)
+      save()
   for t in (int(s) for s in FLAGS.seq_lens):
     for row in FLAGS.rows:
       if row.startswith("fla") and not have_fla:
@@ -696,7 +697,7 @@ def main(argv):
           logging.warning("%s %s T=%d failed: %s", row, mode, t, traceback.format_exc()[-1500:])
         print(json.dumps(rec), flush=True)
         results["rows"].append(rec)
-        _write(results, FLAGS.out, plot=False)
+        save()
   print(_write(results, FLAGS.out))
 
 

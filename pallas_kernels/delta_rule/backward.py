@@ -138,19 +138,14 @@ def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec):
   b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   C = chunk
   vs = pl.ds(vb * block_v, block_v)
-  loads = lambda c: _chain_loads(r, b, h, c * C, C, has_seg, vs)
-  ds_fin = r["dsfin"][b, h, :, vs].astype(jnp.float32)
-
-  def step(c, ds, x):
-    ds_ref[b, h, c, :, vs] = ds.astype(ds_ref.dtype)
-    return _bwd_chain(x, scale, has_seg, ds, prec)[0]
 
   def body(i, ds):
     c = num_chunks - 1 - i
-    return step(c, ds, loads(c))
+    ds_ref[b, h, c, :, vs] = ds.astype(ds_ref.dtype)
+    return _bwd_chain(_chain_loads(r, b, h, c * C, C, has_seg, vs), scale, has_seg, ds, prec)[0]
 
-  dh0 = lax.fori_loop(0, num_chunks, body, ds_fin)
-  dh0_ref[b, h, :, vs] = dh0
+  dh0_ref[b, h, :, vs] = lax.fori_loop(0, num_chunks, body,
+                                       r["dsfin"][b, h, :, vs].astype(jnp.float32))
 
 
 def _bwd_partials_kernel(*refs, chunk, scale, has_seg, block_v, prec):
