@@ -56,8 +56,10 @@ flags.DEFINE_list("sweep", [], "DeltaRuleConfig overrides to try on diag_kdn_pal
                   "--sweep_len, each 'field=value/field=value' ('default': none), e.g. "
                   "'max_chunk=64/sub_block=16'; the fastest is used for the rows",
                   flag_values=FLAGS)
-flags.DEFINE_list("gain_sweep", [], "GainConfig overrides to try on diag_gain_pallas fwd, same "
-                  "syntax, e.g. 'max_chunk=128'", flag_values=FLAGS)
+flags.DEFINE_list("gain_sweep", [], "GainConfig overrides to try on diag_gain_pallas, same "
+                  "syntax, e.g. 'max_chunk=128/heads=4'", flag_values=FLAGS)
+flags.DEFINE_boolean("gain_sweep_fwd_bwd", True, "rank the --gain_sweep specs by fwd+bwd (else "
+                     "by the forward alone)", flag_values=FLAGS)
 flags.DEFINE_integer("sweep_len", 4096, "sequence length for the sweeps", flag_values=FLAGS)
 flags.DEFINE_enum("sweep_row", "diag_kdn_pallas",
                   ["diag_kdn_pallas", "iso_kdn_pallas", "diag_kdn_seg_pallas",
@@ -474,6 +476,12 @@ def _time_stages(t, docs=False):
   ibwd = jax.jit(lambda q, k, w, g, pid, parts: dbwd.intra_backward(q, k, w, g, pid, parts, **kw))
   out["delta_intra_bwd"] = _time_fn(ibwd, (x["q"], x["k"], w, g, pid, partials), first,
                                     "delta_intra_bwd")
+  if cfg.intra_bwd == "tokens":   # the token-parallel intra backward (intra_bwd_tokens.py)
+    tbwd = jax.jit(lambda q, k, w, g, pid, parts: dbwd.intra_backward_tokens(
+        q, k, w, g, pid, parts, chunk=chunk, scale=kw["scale"], interpret=kw["interpret"],
+        cfg=cfg))
+    out["delta_intra_bwd_tokens"] = _time_fn(tbwd, (x["q"], x["k"], w, g, pid, partials), first,
+                                             "delta_intra_bwd_tokens")
   out["first_call_s"] = first
   return out
 
@@ -571,7 +579,7 @@ def _sweeps(results, deadline, save):
          not FLAGS.sweep_fwd_only, "delta_rule_config", deadline, stages=FLAGS.sweep_stages,
          save=save)
   _sweep(results, FLAGS.gain_sweep, gcfg, lambda spec: config_from_spec(gbase, spec),
-         "diag_gain_pallas", False, "gain_config", deadline, save=save)
+         "diag_gain_pallas", FLAGS.gain_sweep_fwd_bwd, "gain_config", deadline, save=save)
   print("configs:", results.get("delta_rule_config"), results.get("gain_config"), flush=True)
 
 

@@ -66,7 +66,7 @@ def test_sweep_with_stages_at_tiny_shape():
   results = {}
   make = lambda spec: bm.config_from_spec(old, spec)
   try:
-    spec = "max_chunk=32/bf16_states=0/fuse_bwd=0"
+    spec = "max_chunk=32/bf16_states=0/intra_bwd=columns"
     bm._sweep(results, ["default", spec], dr_config, make,
               "diag_kdn_pallas", True, "cfg", deadline=float("inf"), stages=True)
     recs = results["sweeps"]
@@ -76,8 +76,10 @@ def test_sweep_with_stages_at_tiny_shape():
       assert set(r["stages"]) >= {"gain_fwd", "delta_intra_fwd", "delta_recur_fwd",
                                   "delta_recur_bwd", "delta_state_bwd", "delta_partials_bwd",
                                   "delta_intra_bwd"}, r
-    # the fused backward is timed as a stage of its own where the spec runs it
-    assert ["delta_fused_bwd" in r["stages"] for r in recs] == [True, False]
+    # the fused backward (intra_bwd='columns') and the token-parallel intra backward are timed
+    # as stages of their own where the spec runs them
+    assert ["delta_fused_bwd" in r["stages"] for r in recs] == [False, True]
+    assert ["delta_intra_bwd_tokens" in r["stages"] for r in recs] == [True, False]
     assert results["cfg"] == repr(dr_config.DEFAULT)
     assert dr_config.DEFAULT in (old, make(spec))
     # Past the deadline nothing runs.

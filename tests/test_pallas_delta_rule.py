@@ -132,11 +132,14 @@ def test_delta_rule_kernel_variants(variant):
     _check(args, seg, 32, 1e-5, 1e-4)
 
 
-@pytest.mark.parametrize("fuse_bwd", [True, False])
+@pytest.mark.parametrize("variant", [dict(intra_bwd="columns"),
+                                     dict(intra_bwd="columns", fuse_bwd=False),
+                                     dict(intra_bwd="tokens")])
 @pytest.mark.parametrize("segments", [False, True])
-def test_delta_rule_fused_backward(segments, fuse_bwd):
-  """The backward with its partials and intra kernels as one (fuse_bwd, the default) and as two,
-  against the float64 loop, with and without resets; V != K. The resets fall on a chunk's last
+def test_delta_rule_fused_backward(segments, variant):
+  """The backward's intra stage three ways: per chunk with the partials kernel fused in
+  (intra_bwd='columns', fuse_bwd) or not, and token-parallel after the partials kernel
+  (intra_bwd='tokens', the default), against the float64 loop, with and without resets; V != K. The resets fall on a chunk's last
   row, on the next chunk's first row and inside a chunk, next to a chunk without one
   (tiles.by_reset: the segment-free bodies)."""
   t = 45
@@ -146,7 +149,7 @@ def test_delta_rule_fused_backward(segments, fuse_bwd):
     seg[0, 31:] = 1
     seg[0, 32:] = 2
     seg[1, 38:] = 3
-  with dr_config.overridden(fuse_bwd=fuse_bwd):
+  with dr_config.overridden(**variant):
     _check(_inputs(6, 2, t, 1, 64, 32, jnp.float32, False, "normal"), seg, 16, 1e-5, 1e-4)
 
 
@@ -221,7 +224,7 @@ def test_delta_rule_precision_argument():
                                  dict(max_chunk=0), dict(wy_inverse="rows"),
                                  dict(pair_diag="rows"), dict(pair_heads=3),
                                  dict(pair_token_stores="rows"),
-                                 dict(forward_only_chunk=48)])
+                                 dict(forward_only_chunk=48), dict(intra_bwd="rows")])
 def test_delta_rule_config_rejects_bad_values(bad):
   with pytest.raises(ValueError, match="DeltaRuleConfig." + next(iter(bad))):
     dr_config.DeltaRuleConfig(**bad)

@@ -14,7 +14,8 @@ One module per stage (options in config.DeltaRuleConfig), imported only from her
                 over chunks
   state_pass    the serial chunk loop: S_final, chunk-start states, Delta = U - W S_0
   output        O = Qbar S_0 + P Delta, parallel over chunks
-  backward      the reverse dS chain, dV and partials, the intra backward
+  backward      the reverse dS chain, dV and partials, the intra backward per chunk
+  intra_bwd_tokens  the intra backward token-parallel (the default, DeltaRuleConfig.intra_bwd)
   tiles         helpers the stage kernels share (no kernels)
   tpu_forward / tpu_backward   the Mosaic-TPU kernels (BlockSpec tiles; docs/tpu.md)
   output_mgpu   the output stage on Mosaic GPU (issue 18's trial port; not imported here, not

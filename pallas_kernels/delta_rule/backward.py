@@ -4,14 +4,15 @@
                        saving each chunk's dS (S_init's share of segments: seg_init_grad, XLA).
   _bwd_partials_kernel grid (B, H, NC, V/BV): dV and per-V-block partial gradients of P, L, Wt,
                        Kbar, Qbar, g_last.
-  _fused_bwd_kernel    grid (B, H, NC), with DeltaRuleConfig.fuse_bwd (the default, where V fits
-                       one block and without sub_block rows): _bwd_partials_kernel and
+  _fused_bwd_kernel    grid (B, H, NC), with DeltaRuleConfig.intra_bwd='columns' and fuse_bwd
+                       (where V fits one block and without sub_block rows): _bwd_partials_kernel and
                        _intra_bwd_kernel in one program per chunk (all of V), the partials
                        kept in registers.
   _intra_bwd_kernel    grid (B, H, NC): sums the partials, back-propagates through the
                        decay-weighted products; emits dq, dk, dw and dg (gradient w.r.t. the
                        chunk-local cumsum); _intra_bwd_sub_kernel does the same on sub_block-row
-                       blocks of a longer chunk.
+                       blocks of a longer chunk. With intra_bwd='tokens' (the default) the
+                       token-parallel kernel of intra_bwd_tokens.py takes its place.
 With segments, the partials and fused kernels run their segment-free body on chunks without a
 reset (tiles.by_reset).
 """
@@ -25,6 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
+from pallas_kernels.delta_rule.intra_bwd_tokens import intra_backward_tokens
 from pallas_kernels.delta_rule.tiles import (
     dot, dot_nt, dot_tn, iota, tile, same_seg, decay_to_last, kernel_precision,
     use_sub, launch_params, sub_blocks, ref_point, seg_masks, by_reset)
@@ -449,7 +451,8 @@ def _add_seg_init(dh0, q, k, g, cont, do, dv, dstates, chunk, scale, cfg_prec):
 def fuses_bwd(cfg, chunk, vd):
   """Whether the backward runs _fused_bwd_kernel: cfg.fuse_bwd, one V block of the parallel
   kernels (V <= block_v_parallel) and the whole-chunk intra backward (no sub_block rows)."""
-  return cfg.fuse_bwd and vd <= cfg.block_v_parallel and not use_sub(cfg, chunk)
+  return (cfg.fuse_bwd and cfg.intra_bwd == "columns" and vd <= cfg.block_v_parallel
+          and not use_sub(cfg, chunk))
 
 
 def fused_backward(q, k, v, w, g, h0, cont, pid, res, do, dstates, *, chunk, scale, interpret,
@@ -519,5 +522,9 @@ def backward(q, k, v, w, g, h0, cont, pid, res, do, dsfin, *, chunk, scale, inte
     dh0 = _add_seg_init(dh0, q, k, g, cont, do, dv, dstates, chunk, scale, cfg_prec)
     return dq, dk, dv, dw, dg, dla_x, dh0
   dv, dh0, *partials = recur_backward(q, k, v, g, h0, cont, res, do, dsfin, **kw)
-  dq, dk, dw, dg, dla_x = intra_backward(q, k, w, g, pid, partials, **kw)
+  if cfg.intra_bwd == "tokens" and not use_sub(cfg, chunk):
+    dq, dk, dw, dg, dla_x = intra_backward_tokens(q, k, w, g, pid, partials, chunk=chunk,
+                                                  scale=scale, interpret=interpret, cfg=cfg)
+  else:
+    dq, dk, dw, dg, dla_x = intra_backward(q, k, w, g, pid, partials, **kw)
   return dq, dk, dv, dw, dg, dla_x, dh0

@@ -86,6 +86,13 @@ class DeltaRuleConfig:
   # (6.31 at 8): the fused kernel 2.51 ms against partials + intra backward 1.48 + 2.00.
   fuse_bwd: bool = True
   num_warps_fused: int = 4       # Triton warps, the fused backward kernel
+  # The intra-chunk backward: 'tokens' (the partials kernel, then one program per token row and
+  # pair_heads heads: intra_bwd_tokens.py; the unfused backward) or 'columns' (per chunk:
+  # backward._pairs_bwd's column loop, in the fused kernel with fuse_bwd, else the intra
+  # kernel). Session 38, H200 diag KDN fwd+bwd, one process: T=16384 19.08 ms ('columns',
+  # fused kernel 8.85) -> 18.48 ('tokens': partials 5.15 + token kernel 3.53; the column intra
+  # kernel alone 7.0), T=4096 5.11 -> 5.02; pair_heads=8 (19.35) and 2 warps (19.40) lost.
+  intra_bwd: str = "tokens"
   # Triton warps, the output kernel: its program is one [C, K] x [K, BV] dot (H200, diag KDN
   # T=4096, session 30: output stage 0.83 ms with 8 warps, 0.53 with 4; op forward 2.57 -> 2.36
   # ms. Looping over 2-8 consecutive chunks per program, tried in the same sweep, gained nothing
@@ -108,6 +115,9 @@ class DeltaRuleConfig:
     if self.wy_inverse not in ("sub_rows", "sub_dots", "doubling"):
       raise ValueError("DeltaRuleConfig.wy_inverse must be 'sub_rows', 'sub_dots' or 'doubling', "
                        f"got {self.wy_inverse!r}")
+    if self.intra_bwd not in ("columns", "tokens"):
+      raise ValueError("DeltaRuleConfig.intra_bwd must be 'columns' or 'tokens', got "
+                       f"{self.intra_bwd!r}")
     if self.pair_diag not in ("columns", "token_loop"):
       raise ValueError("DeltaRuleConfig.pair_diag must be 'columns' or 'token_loop', got "
                        f"{self.pair_diag!r}")
