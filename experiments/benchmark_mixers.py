@@ -77,7 +77,8 @@ flags.DEFINE_boolean("stages_docs", False, "with --stages, also time the stages 
 flags.DEFINE_boolean("stages", False, "also time the pallas stages one by one (diag KDN): gain, "
                      "cumsum, the forward's pair/WY/serial/output kernels, the backward's serial "
                      "dS chain, partials and intra kernels (and the fused backward with "
-                     "fuse_bwd)",
+                     "intra_bwd=columns and fuse_bwd, the token-parallel intra backward with "
+                     "intra_bwd=tokens)",
                      flag_values=FLAGS)
 
 

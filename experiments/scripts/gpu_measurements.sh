@@ -47,11 +47,13 @@ stages)
     2>&1 | quiet | tail -60 | tee "$RES/stages.txt" ;;
 docs)
   # The packed-documents path (segment_ids): sweep on diag_kdn_seg_pallas with the stage split
-  # under documents, then the GPU check of the winner (segments included) and its rows.
+  # under documents, then the GPU check of the winner (segments included) and its rows. The
+  # default sweep: the token-parallel intra backward (the default) against the per-chunk one,
+  # fused and not (intra_bwd='columns' was kept for this path, untimed with documents).
   timeout ${DOCS_LIMIT:-400} python3 -m experiments.benchmark_mixers --out="$RES/docs" \
     --seq_lens=4096 --pallas_lens= --reps=${REPS:-10} --check=true --time_budget_s=${DOCS_BUDGET:-300} \
     --sweep_row=diag_kdn_seg_pallas --sweep_stages \
-    --sweep=${DOCS_SWEEP-default,fuse_bwd=0,num_warps_fused=8} \
+    --sweep=${DOCS_SWEEP-default,intra_bwd=columns,intra_bwd=columns/fuse_bwd=0} \
     --rows=diag_kdn_seg_pallas,iso_kdn_seg_pallas,diag_kdn_pallas \
     2>&1 | quiet | tail -40 | tee "$RES/docs.txt" ;;
 mixers)
