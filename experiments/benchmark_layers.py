@@ -48,7 +48,11 @@ ANCHORS = {  # name -> {T: (fwd ms, fwd+bwd ms)}
     "KDN authors' iso layer": {4096: (2.52, 11.2), 16384: (8.52, 37.0)},
 }
 PAPER_SHAPE = dict(batch=4, width=2048, num_heads=16, head_dim=128)  # the anchors' shape
-TARGETS = (("kdn_diag", 1.0), ("kdn_iso", 0.9))  # fwd+bwd time / fla KDA layer, at most
+# Issue 24's bars (time / fla KDA layer's, at most): (mixer, timing key, bound). Until session 38
+# the script checked an older issue's fwd+bwd bars (kdn_diag 1.0x, kdn_iso 0.9x), which the
+# verdict lines of earlier docs quote.
+TARGETS = tuple((mixer, key, bound) for mixer in ("kdn_diag", "kdn_iso")
+                for key, bound in (("fwd_bwd_ms", 0.9), ("fwd_ms", 1.1)))
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_string("out", "/tmp/benchmark_layers", "output prefix: <out>.json, <out>.md, <out>.png",
@@ -164,20 +168,20 @@ def _ratio(results, rec, key):
 
 
 def verdicts(results):
-  """One line per (target, impl) from the measured fwd+bwd ratios to fla_kda_layer."""
+  """One line per (target, impl) from the measured ratios to fla_kda_layer."""
   lines = []
-  for mixer, bound in TARGETS:
+  for mixer, key, bound in TARGETS:
+    mode = {"fwd_bwd_ms": "fwd+bwd", "fwd_ms": "fwd"}[key]
     rows = sorted({r["row"] for r in results["rows"] if r["row"].startswith(mixer + "_")})
     for row in rows or [mixer]:
-      cells = [(r["T"], _ratio(results, r, "fwd_bwd_ms")) for r in results["rows"]
-               if r["row"] == row]
+      cells = [(r["T"], _ratio(results, r, key)) for r in results["rows"] if r["row"] == row]
       cells = [(t, x) for t, x in cells if x is not None]
       if not cells:
-        verdict = f"not measured (no {row} and {FLA_ROW} fwd+bwd pair)"
+        verdict = f"not measured (no {row} and {FLA_ROW} {mode} pair)"
       else:
         met = all(x <= bound for _, x in cells)
         verdict = ", ".join(f"T={t} {x:.2f}x" for t, x in cells) + (" -> MET" if met else " -> MISSED")
-      lines.append(f"target {row} fwd+bwd <= {bound}x {FLA_ROW}: {verdict}")
+      lines.append(f"target {row} {mode} <= {bound}x {FLA_ROW}: {verdict}")
   return lines
 
 

@@ -56,12 +56,15 @@ def test_time_budget_stops_new_cells(tmp_path):
 
 
 def test_verdicts_from_ratios():
+  """Issue 24's bars: fwd+bwd <= 0.9x and forward <= 1.1x fla's layer, for both KDN layers."""
   rows = [dict(row=bl.FLA_ROW, T=4096, fwd_ms=1.0, fwd_bwd_ms=10.0),
-          dict(row='kdn_diag_chunked', T=4096, fwd_ms=1.0, fwd_bwd_ms=9.5),
-          dict(row='kdn_iso_chunked', T=4096, fwd_ms=1.0, fwd_bwd_ms=9.5)]
-  diag, iso = bl.verdicts({'rows': rows})
-  assert diag.startswith('target kdn_diag_chunked') and diag.endswith('T=4096 0.95x -> MET'), diag
-  assert iso.startswith('target kdn_iso_chunked') and iso.endswith('T=4096 0.95x -> MISSED'), iso
+          dict(row='kdn_diag_chunked', T=4096, fwd_ms=1.05, fwd_bwd_ms=9.5),
+          dict(row='kdn_iso_chunked', T=4096, fwd_ms=1.2, fwd_bwd_ms=8.5)]
+  assert bl.verdicts({'rows': rows}) == [
+      f'target kdn_diag_chunked fwd+bwd <= 0.9x {bl.FLA_ROW}: T=4096 0.95x -> MISSED',
+      f'target kdn_diag_chunked fwd <= 1.1x {bl.FLA_ROW}: T=4096 1.05x -> MET',
+      f'target kdn_iso_chunked fwd+bwd <= 0.9x {bl.FLA_ROW}: T=4096 0.85x -> MET',
+      f'target kdn_iso_chunked fwd <= 1.1x {bl.FLA_ROW}: T=4096 1.20x -> MISSED']
 
 
 def _check_timed_kdn_diag(timed):
