@@ -56,7 +56,7 @@ class DeltaRuleConfig:
   # forward 1.97 ms, fwd+bwd 5.28 (T=16384: 6.88 / 19.85). Lost and removed there: a vectorised
   # token-parallel kernel (0.84-1.16 ms) and [S, S, K-slice] pair tensors (1.41-2.9 ms).
   pair_diag: str = "token_loop"
-  pair_heads: int = 4        # heads per token_loop program (at most the op's heads)
+  pair_heads: int = 4        # heads per token-parallel program (token_loop, intra_bwd='tokens')
   # How token_loop writes its row of L and P: 'row' (the values gathered in registers by a
   # select per column, one [heads, S] store each) or 'columns' (each column's values stored in
   # its step, then the zeros after the diagonal one column per step, fla's way). Session 36, H200
