@@ -28,8 +28,9 @@ from jax.experimental import pallas as pl
 from pallas_kernels import common
 from pallas_kernels.delta_rule.intra_bwd_tokens import intra_backward_tokens
 from pallas_kernels.delta_rule.tiles import (
-    dot, dot_nt, dot_tn, iota, tile, same_seg, decay_to_last, kernel_precision,
-    use_sub, launch_params, sub_blocks, ref_point, seg_masks, by_reset)
+    dot, dot_nt, dot_tn, iota, same_seg, decay_to_last, kernel_precision,
+    use_sub, launch_params, sub_blocks, ref_point, seg_masks, by_reset, vblock_sum,
+    intra_token_grads)
 
 
 def _chain_loads(r, b, h, t0, C, has_seg, vs):
@@ -202,36 +203,20 @@ def _intra_bwd_epilogue(q, k, w, g, acc, p_diag, dwt, dkbar, dqbar, dgl, e_last,
 
   acc = (X_q, X_k, Y_w): X_r = sum_j G_rj y_j e_rj (G = dP or dL, y = w) and
   Y_j = sum_r (dP_rj q_r + dL_rj k_r) e_rj."""
-  dq_acc, dk_acc, dw_acc = acc
   C = q.shape[0]
   row, col = iota(C, 0), iota(C, 1)
   row_k = lax.broadcasted_iota(jnp.int32, q.shape, 0)
-  e0 = jnp.exp(g)
-  qbar = (scale * q) * e0
-  kbar = k * e0
-  wt = w * e_last
-  dq = dq_acc + p_diag * w + scale * dqbar * e0
-  dk = dk_acc + dkbar * e0
-  dw = dw_acc + p_diag * q + dwt * e_last
+  dq, dk, dw, dg = intra_token_grads(q, k, w, g, e_last, p_diag, dwt, dkbar, dqbar, acc, scale)
   # Wt_j = w_j exp(g_last - g_j): its log-decay gradient t_j reaches log_alpha_s exactly for
   # j < s <= last. Emitting that directly (dla_x = strict-lower-ones @ t) instead of +t at `last`
   # and -t at j avoids cancelling O(1) terms when exp(g_last - g_j) == 1 (e.g. padded tails).
-  twt = dwt * wt
+  twt = dwt * (w * e_last)
   dla_x = dot((row > col).astype(jnp.float32), twt, hi)
   if dla_prefix is not None:
     dla_x = dla_x + dla_prefix
-  dg = q * dq_acc + k * dk_acc - w * dw_acc + dqbar * qbar + dkbar * kbar
   if with_dgl:
     dg = dg + jnp.where(row_k == C - 1, dgl[None, :], 0.0)
   return dq, dk, dw, dg, dla_x
-
-
-def _vsum(ref, b, h, num_vb, *idx):
-  """Sum over the V blocks (axis 2) of a per-V-block partial: ref[b, h, :, *idx]."""
-  acc = ref[(b, h, 0) + idx]
-  for j in range(1, num_vb):
-    acc = acc + ref[(b, h, j) + idx]
-  return acc
 
 
 def _intra_bwd_refs(refs, has_seg):
@@ -272,12 +257,12 @@ def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, hi):
   rows = pl.ds(c * C, C)
 
   def vsum(name, cols):
-    return _vsum(r[name], b, h, num_vb, rows, cols)
+    return vblock_sum(r[name], b, h, num_vb, rows, cols)
 
   grads = _intra_grads(r, b, h, c, C, scale, has_seg, hi, vsum("dp", pl.ds(0, C)),
                        vsum("dl", pl.ds(0, C)), vsum("dwt", slice(None)),
                        vsum("dkbar", slice(None)), vsum("dqbar", slice(None)),
-                       _vsum(r["dgl"], b, h, num_vb, c, slice(None)))
+                       vblock_sum(r["dgl"], b, h, num_vb, c, slice(None)))
   for ref, val in zip(outs, grads):
     ref[b, rows, h, :] = val
 
@@ -322,7 +307,7 @@ def _intra_bwd_sub_kernel(*refs, chunk, sub, scale, has_seg, num_vb, prec, hi):
   row, col = iota(S, 0), iota(S, 1)
 
   def vsum(name, rows, cols):
-    return _vsum(r[name], b, h, num_vb, rows, cols)
+    return vblock_sum(r[name], b, h, num_vb, rows, cols)
 
   q, k, w, g = (sub_blocks(r[n], b, h, t0, S, nb) for n in ("q", "k", "w", "g"))
   pids, pid_last = [None] * nb, None
@@ -361,7 +346,7 @@ def _intra_bwd_sub_kernel(*refs, chunk, sub, scale, has_seg, num_vb, prec, hi):
       dk_acc[i] = dk_acc[i] + xs * dot(dlm[i, j], wy, prec)
       dw_acc[j] = dw_acc[j] + ys * (dot_tn(dpm[i, j], qx, prec)
                                     + dot_tn(dlm[i, j], kx, prec))
-  dgl = _vsum(r["dgl"], b, h, num_vb, c, slice(None))
+  dgl = vblock_sum(r["dgl"], b, h, num_vb, c, slice(None))
   g_last = r["g"][b, t0 + C - 1, h, :]
   prefix = jnp.zeros((1, q[0].shape[1]), jnp.float32)
   for i in range(nb):

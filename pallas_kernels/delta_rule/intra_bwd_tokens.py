@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.delta_rule.tiles import launch_params
+from pallas_kernels.delta_rule.tiles import intra_token_grads, launch_params, vblock_sum
 
 _NAMES = ("q", "k", "w", "g", "dp", "dl", "dwt", "dkbar", "dqbar", "dgl")
 
@@ -46,11 +46,7 @@ def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads):
     return r[name][b, j, hs, :].astype(f32)
 
   def vsum(name, *idx):
-    """A partial summed over its V blocks: ref[b, hs, vb, *idx]."""
-    acc = r[name][(b, hs, 0) + idx]
-    for vb in range(1, num_vb):
-      acc = acc + r[name][(b, hs, vb) + idx]
-    return acc
+    return vblock_sum(r[name], b, hs, num_vb, *idx)
 
   pid_t = r["pid"][b, t] if has_seg else None
   pid_last = r["pid"][b, t_last] if has_seg else None
@@ -86,17 +82,16 @@ def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads):
   zeros = jnp.zeros_like(q)
   dq_acc, dk_acc, dla_x = lax.fori_loop(r0, t, row_step, (zeros, zeros, zeros))
   dw_acc = lax.fori_loop(t + 1, r0 + C, col_step, zeros)
-  # backward._intra_bwd_epilogue for this row (P's diagonal split off: decay factor exactly 1)
+  # P's diagonal (decay factor exactly 1) enters apart, as in backward._intra_grads
   p_diag = scale * vsum("dp", t, i)[:, None]
   dwt, dkbar, dqbar = (vsum(n, t, slice(None)) for n in ("dwt", "dkbar", "dqbar"))
-  e0 = jnp.exp(g)
-  dg = q * dq_acc + k * dk_acc - w * dw_acc + dqbar * (scale * q * e0) + dkbar * (k * e0)
-  dg = dg + jnp.where(t == t_last, vsum("dgl", c, slice(None)), 0.0)
+  dq, dk, dw, dg = intra_token_grads(q, k, w, g, e_last(g, t), p_diag, dwt, dkbar, dqbar,
+                                     (dq_acc, dk_acc, dw_acc), scale)
   out = (b, t, hs, slice(None))
-  dq_ref[out] = dq_acc + p_diag * w + scale * dqbar * e0
-  dk_ref[out] = dk_acc + dkbar * e0
-  dw_ref[out] = dw_acc + p_diag * q + dwt * e_last(g, t)
-  dg_ref[out] = dg
+  dq_ref[out] = dq
+  dk_ref[out] = dk
+  dw_ref[out] = dw
+  dg_ref[out] = dg + jnp.where(t == t_last, vsum("dgl", c, slice(None)), 0.0)
   dla_ref[out] = dla_x
 
 

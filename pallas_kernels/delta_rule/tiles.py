@@ -121,6 +121,29 @@ def state_dtype(cfg, prec):
   return jnp.bfloat16 if cfg.bf16_states and prec == BF16_OPERANDS else jnp.float32
 
 
+def vblock_sum(ref, b, h, num_vb, *idx):
+  """Sum over the V blocks (axis 2) of a per-V-block partial: ref[b, h, :, *idx] (h an index or
+  a pl.ds of heads)."""
+  acc = ref[(b, h, 0) + idx]
+  for j in range(1, num_vb):
+    acc = acc + ref[(b, h, j) + idx]
+  return acc
+
+
+def intra_token_grads(q, k, w, g, e_last, p_diag, dwt, dkbar, dqbar, acc, scale):
+  """The intra backward's per-token terms, elementwise over any rows (a chunk's [C, K] tiles or
+  one token's [heads, K] rows): (dq, dk, dw, dg) from the pair accumulators acc = (X_q, X_k,
+  Y_w), P's diagonal p_diag and the summed partials; dg without dg_last's share (the chunk's
+  last row) and without the direct log-decay term dla_x (a prefix over the chunk's rows)."""
+  dq_acc, dk_acc, dw_acc = acc
+  e0 = jnp.exp(g)
+  dq = dq_acc + p_diag * w + scale * dqbar * e0
+  dk = dk_acc + dkbar * e0
+  dw = dw_acc + p_diag * q + dwt * e_last
+  dg = q * dq_acc + k * dk_acc - w * dw_acc + dqbar * ((scale * q) * e0) + dkbar * (k * e0)
+  return dq, dk, dw, dg
+
+
 def use_sub(cfg, chunk):
   """The intra backward works on cfg.sub_block-row blocks for longer chunks (backward.py's
   _intra_bwd_sub_kernel)."""
