@@ -30,7 +30,7 @@ from pallas_kernels.delta_rule.intra_bwd_tokens import intra_backward_tokens
 from pallas_kernels.delta_rule.tiles import (
     dot, dot_nt, dot_tn, iota, same_seg, decay_to_last, kernel_precision,
     use_sub, launch_params, sub_blocks, ref_point, seg_masks, by_reset, vblock_sum,
-    intra_token_grads)
+    intra_token_grads, INTRA_BWD_INPUTS)
 
 
 def _chain_loads(r, b, h, t0, C, has_seg, vs):
@@ -221,8 +221,7 @@ def _intra_bwd_epilogue(q, k, w, g, acc, p_diag, dwt, dkbar, dqbar, dgl, e_last,
 
 def _intra_bwd_refs(refs, has_seg):
   """The intra backward kernels' inputs by name, and their output refs (dq, dk, dw, dg, dla_x)."""
-  names = ["q", "k", "w", "g", "dp", "dl", "dwt", "dkbar", "dqbar", "dgl"] + (
-      ["pid"] if has_seg else [])
+  names = INTRA_BWD_INPUTS + (("pid",) if has_seg else ())
   return dict(zip(names, refs[:len(names)])), refs[len(names):]
 
 

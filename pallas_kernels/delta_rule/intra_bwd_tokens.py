@@ -8,7 +8,7 @@ dg and direct log-decay term, the same values as backward._intra_grads:
   column loop over the later tokens r (r > t):
     Y_w += (dP_rt q_r + dL_rt k_r) e_rt
   with e_rj = exp(min(g_r - g_j, 0)) (exact, as everywhere), dP scaled and both masked to the
-  token's segment; then backward._intra_bwd_epilogue's per-token terms.
+  token's segment; then the per-token terms (tiles.intra_token_grads).
 
 No step reduces over a tile's rows: each loop accumulates a [heads, K] row (the forward's
 token_loop pair kernel has the same structure; backward._pairs_bwd's column loop reduces over the
@@ -24,13 +24,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.delta_rule.tiles import intra_token_grads, launch_params, vblock_sum
-
-_NAMES = ("q", "k", "w", "g", "dp", "dl", "dwt", "dkbar", "dqbar", "dgl")
+from pallas_kernels.delta_rule.tiles import (
+    INTRA_BWD_INPUTS, intra_token_grads, launch_params, vblock_sum)
 
 
 def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads):
-  names = _NAMES + (("pid",) if has_seg else ())
+  names = INTRA_BWD_INPUTS + (("pid",) if has_seg else ())
   r = dict(zip(names, refs[:len(names)]))
   dq_ref, dk_ref, dw_ref, dg_ref, dla_ref = refs[len(names):]
   b, t, hb = pl.program_id(0), pl.program_id(1), pl.program_id(2)

@@ -121,6 +121,11 @@ def state_dtype(cfg, prec):
   return jnp.bfloat16 if cfg.bf16_states and prec == BF16_OPERANDS else jnp.float32
 
 
+# The intra backward kernels' inputs, in order (then pid with segments): per chunk
+# (backward._intra_bwd_refs) and token-parallel (intra_bwd_tokens.py).
+INTRA_BWD_INPUTS = ("q", "k", "w", "g", "dp", "dl", "dwt", "dkbar", "dqbar", "dgl")
+
+
 def vblock_sum(ref, b, h, num_vb, *idx):
   """Sum over the V blocks (axis 2) of a per-V-block partial: ref[b, h, :, *idx] (h an index or
   a pl.ds of heads)."""
