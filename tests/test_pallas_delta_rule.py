@@ -134,12 +134,15 @@ def test_delta_rule_kernel_variants(variant):
 
 @pytest.mark.parametrize("variant", [dict(intra_bwd="columns"),
                                      dict(intra_bwd="columns", fuse_bwd=False),
-                                     dict(intra_bwd="tokens")])
+                                     dict(intra_bwd="tokens"),
+                                     dict(intra_bwd="tokens", token_dla="row_loop")])
 @pytest.mark.parametrize("segments", [False, True])
 def test_delta_rule_fused_backward(segments, variant):
   """The backward's intra stage three ways: per chunk with the partials kernel fused in
   (intra_bwd='columns', fuse_bwd) or not, and token-parallel after the partials kernel
-  (intra_bwd='tokens', the default), against the float64 loop, with and without resets; V != K. The resets fall on a chunk's last
+  (intra_bwd='tokens', the default; its direct log-decay prefix summed in the reverse cumsum or
+  in the token kernel's row loop), against the float64 loop, with and without resets; V != K.
+  The resets fall on a chunk's last
   row, on the next chunk's first row and inside a chunk, next to a chunk without one
   (tiles.by_reset: the segment-free bodies)."""
   t = 45

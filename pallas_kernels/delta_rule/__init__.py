@@ -80,12 +80,13 @@ def _forward_body(q, k, v, w, la, h0, starts, cont, pid, *, chunk, scale, interp
 
 def _backward_body(q, k, v, w, g, h0, starts, cont, pid, amat, pmat, wt, wk, states, do, dsfin,
                    *, chunk, scale, interpret, cfg, prec):
-  dq, dk, dv, dw, dg, dla_x, dh0 = _backward.backward(
+  dq, dk, dv, dw, dg, (dla_x, prefix), dh0 = _backward.backward(
       q, k, v, w, g, h0, cont, pid, (amat, pmat, wt, wk, states), do, dsfin, chunk=chunk,
       scale=scale, interpret=interpret, cfg=cfg, cfg_prec=prec)
   # g = within-(chunk, segment) cumsum of log_alpha  =>  dla = reverse cumsum of dg, plus the
   # terms the kernel already expressed in log_alpha space.
-  dla = _cumsum_kernels.chunk_reverse_cumsum(dg, dla_x, starts, chunk=chunk, interpret=interpret)
+  dla = _cumsum_kernels.chunk_reverse_cumsum(dg, dla_x, starts, chunk=chunk, interpret=interpret,
+                                             prefix=prefix)
   return dq, dk, dv, dw, dla, dh0
 
 

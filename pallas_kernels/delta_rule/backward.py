@@ -498,17 +498,19 @@ def intra_backward(q, k, w, g, pid, partials, *, chunk, scale, interpret, cfg, c
 
 def backward(q, k, v, w, g, h0, cont, pid, res, do, dsfin, *, chunk, scale, interpret, cfg,
              cfg_prec):
+  """(dq, dk, dv, dw, dg, (dla, prefix), dh0): the direct log-decay term dla_x is dla, or with
+  `prefix` the exclusive prefix of dla within chunks (the reverse cumsum sums it)."""
   kw = dict(chunk=chunk, scale=scale, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
   if fuses_bwd(cfg, chunk, v.shape[-1]):
     dh0, dstates = state_grads(q, k, v, g, h0, cont, res, do, dsfin, **kw)
     dv, dq, dk, dw, dg, dla_x = fused_backward(q, k, v, w, g, h0, cont, pid, res, do, dstates,
                                                **kw)
     dh0 = _add_seg_init(dh0, q, k, g, cont, do, dv, dstates, chunk, scale, cfg_prec)
-    return dq, dk, dv, dw, dg, dla_x, dh0
+    return dq, dk, dv, dw, dg, (dla_x, False), dh0
   dv, dh0, *partials = recur_backward(q, k, v, g, h0, cont, res, do, dsfin, **kw)
   if cfg.intra_bwd == "tokens" and not use_sub(cfg, chunk):
-    dq, dk, dw, dg, dla_x = intra_backward_tokens(q, k, w, g, pid, partials, chunk=chunk,
-                                                  scale=scale, interpret=interpret, cfg=cfg)
-  else:
-    dq, dk, dw, dg, dla_x = intra_backward(q, k, w, g, pid, partials, **kw)
-  return dq, dk, dv, dw, dg, dla_x, dh0
+    dq, dk, dw, dg, dla = intra_backward_tokens(q, k, w, g, pid, partials, chunk=chunk,
+                                                scale=scale, interpret=interpret, cfg=cfg)
+    return dq, dk, dv, dw, dg, (dla, cfg.token_dla == "cumsum"), dh0
+  dq, dk, dw, dg, dla_x = intra_backward(q, k, w, g, pid, partials, **kw)
+  return dq, dk, dv, dw, dg, (dla_x, False), dh0

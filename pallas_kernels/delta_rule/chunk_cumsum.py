@@ -46,17 +46,30 @@ def _forward_kernel(x_ref, starts_ref, g_ref, *, rows):
   lax.fori_loop(0, rows, body, jnp.zeros((1, x_ref.shape[-1]), jnp.float32))
 
 
-def _reverse_kernel(dg_ref, add_ref, starts_ref, out_ref, *, rows):
+def _reverse_kernel(dg_ref, add_ref, starts_ref, out_ref, *, rows, prefix):
+  """out = reverse cumsum of dg within pieces + add; with `prefix`, add_ref holds per-token terms
+  whose exclusive forward prefix within pieces is added instead (written first, read back)."""
   b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   t0 = i * rows
+  zeros = jnp.zeros((1, dg_ref.shape[-1]), jnp.float32)
+
+  if prefix:
+    def forward(j, acc):
+      t = t0 + j
+      acc = jnp.where(_restart(starts_ref, b, t), 0.0, acc)
+      out_ref[b, pl.ds(t, 1), h, :] = acc
+      return acc + add_ref[b, pl.ds(t, 1), h, :]
+
+    lax.fori_loop(0, rows, forward, zeros)
 
   def body(j, acc):
     t = t0 + rows - 1 - j
     acc = acc + dg_ref[b, pl.ds(t, 1), h, :]
-    out_ref[b, pl.ds(t, 1), h, :] = acc + add_ref[b, pl.ds(t, 1), h, :]
+    addend = out_ref if prefix else add_ref   # the same program's own stores: no other reader
+    out_ref[b, pl.ds(t, 1), h, :] = acc + addend[b, pl.ds(t, 1), h, :]
     return jnp.where(_restart(starts_ref, b, t), 0.0, acc)   # t starts its piece
 
-  lax.fori_loop(0, rows, body, jnp.zeros((1, dg_ref.shape[-1]), jnp.float32))
+  lax.fori_loop(0, rows, body, zeros)
 
 
 def _call(kernel, name, args, starts, chunk, interpret, num_warps):
@@ -78,9 +91,11 @@ def chunk_cumsum(la, starts, *, chunk, interpret, num_warps=1):
   return _call(_forward_kernel, "delta_rule_cumsum", (la,), starts, chunk, interpret, num_warps)
 
 
-def chunk_reverse_cumsum(dg, add, starts, *, chunk, interpret, num_warps=1):
+def chunk_reverse_cumsum(dg, add, starts, *, chunk, interpret, num_warps=1, prefix=False):
   """The transpose of chunk_cumsum applied to dg, plus `add` (all [B,T,H,K] float32); starts as
-  for chunk_cumsum (True at every chunk start: the program blocks end on chunk boundaries)."""
-  return _call(_reverse_kernel, "delta_rule_reverse_cumsum",
+  for chunk_cumsum (True at every chunk start: the program blocks end on chunk boundaries). With
+  `prefix`, plus the exclusive prefix sum of `add` within pieces instead (sum over s < t), summed
+  in token order as a token loop would."""
+  return _call(functools.partial(_reverse_kernel, prefix=prefix), "delta_rule_reverse_cumsum",
                (dg.astype(jnp.float32), add.astype(jnp.float32)), starts, chunk, interpret,
                num_warps)

@@ -93,6 +93,10 @@ class DeltaRuleConfig:
   # fused kernel 8.85) -> 18.48 ('tokens': partials 5.15 + token kernel 3.53; the column intra
   # kernel alone 7.0), T=4096 5.11 -> 5.02; pair_heads=8 (19.35) and 2 warps (19.40) lost.
   intra_bwd: str = "tokens"
+  # With intra_bwd='tokens', where the direct log-decay term dla_x_t = sum_{j<t} dWt_j Wt_j is
+  # summed: 'row_loop' (the token kernel's row loop, O(C) loads per token) or 'cumsum' (the token
+  # kernel writes the term of t; the reverse cumsum adds its exclusive prefix in token order).
+  token_dla: str = "cumsum"
   # Triton warps, the output kernel: its program is one [C, K] x [K, BV] dot (H200, diag KDN
   # T=4096, session 30: output stage 0.83 ms with 8 warps, 0.53 with 4; op forward 2.57 -> 2.36
   # ms. Looping over 2-8 consecutive chunks per program, tried in the same sweep, gained nothing
@@ -118,6 +122,9 @@ class DeltaRuleConfig:
     if self.intra_bwd not in ("columns", "tokens"):
       raise ValueError("DeltaRuleConfig.intra_bwd must be 'columns' or 'tokens', got "
                        f"{self.intra_bwd!r}")
+    if self.token_dla not in ("cumsum", "row_loop"):
+      raise ValueError("DeltaRuleConfig.token_dla must be 'cumsum' or 'row_loop', got "
+                       f"{self.token_dla!r}")
     if self.pair_diag not in ("columns", "token_loop"):
       raise ValueError("DeltaRuleConfig.pair_diag must be 'columns' or 'token_loop', got "
                        f"{self.pair_diag!r}")

@@ -28,7 +28,7 @@ from pallas_kernels.delta_rule.tiles import (
     INTRA_BWD_INPUTS, intra_token_grads, launch_params, vblock_sum)
 
 
-def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads):
+def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads, dla_terms):
   names = INTRA_BWD_INPUTS + (("pid",) if has_seg else ())
   r = dict(zip(names, refs[:len(names)]))
   dq_ref, dk_ref, dw_ref, dg_ref, dla_ref = refs[len(names):]
@@ -69,8 +69,9 @@ def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads):
     we = wj * jnp.exp(jnp.minimum(g - gj, 0.0))
     dpj = same(j, scale * vsum("dp", t, j - r0))[:, None]
     dlj = same(j, vsum("dl", t, j - r0))[:, None]
-    return (dq_acc + dpj * we, dk_acc + dlj * we,
-            dla + vsum("dwt", j, slice(None)) * wj * e_last(gj, j))
+    if not dla_terms:
+      dla = dla + vsum("dwt", j, slice(None)) * wj * e_last(gj, j)
+    return dq_acc + dpj * we, dk_acc + dlj * we, dla
 
   def col_step(rr, dw_acc):
     e = jnp.exp(jnp.minimum(row("g", rr) - g, 0.0))
@@ -91,19 +92,23 @@ def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads):
   dk_ref[out] = dk
   dw_ref[out] = dw
   dg_ref[out] = dg + jnp.where(t == t_last, vsum("dgl", c, slice(None)), 0.0)
-  dla_ref[out] = dla_x
+  # dla_terms: the token's own term; its prefix over the chunk is summed by the reverse cumsum
+  dla_ref[out] = dwt * w * e_last(g, t) if dla_terms else dla_x
 
 
 def intra_backward_tokens(q, k, w, g, pid, partials, *, chunk, scale, interpret, cfg):
-  """(dq, dk, dw, dg, dla_x) [B, T, H, K] fp32 from the partials kernel's outputs (dp, dl
-  [B, H, NVB, T, C]; dwt, dkbar, dqbar [B, H, NVB, T, K]; dgl [B, H, NVB, NC, K])."""
+  """(dq, dk, dw, dg, dla) [B, T, H, K] fp32 from the partials kernel's outputs (dp, dl
+  [B, H, NVB, T, C]; dwt, dkbar, dqbar [B, H, NVB, T, K]; dgl [B, H, NVB, NC, K]). dla is the
+  direct log-decay term dla_x, or with cfg.token_dla == 'cumsum' its per-token terms
+  dWt_t Wt_t, whose exclusive prefix within the chunk is dla_x."""
   bsz, t, nh, kd = k.shape
   heads = math.gcd(cfg.pair_heads, nh)
   has_seg = pid is not None
   lane = jax.ShapeDtypeStruct((bsz, t, nh, kd), jnp.float32)
   return pl.pallas_call(
       functools.partial(_token_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
-                        num_vb=partials[0].shape[2], heads=heads),
+                        num_vb=partials[0].shape[2], heads=heads,
+                        dla_terms=cfg.token_dla == "cumsum"),
       out_shape=(lane,) * 5, grid=(bsz, t, nh // heads), name="delta_rule_intra_bwd_tokens",
       **launch_params(interpret, cfg.num_warps_intra_bwd, cfg),
   )(q, k, w, g, *partials, *([pid] if has_seg else []))
