@@ -76,9 +76,11 @@ class DeltaRuleConfig:
   # Triton warps, the WY kernel (H200 T=4096: 0.40 ms with 4, 0.45 with 8)
   num_warps_intra: int = 4
   num_warps_intra_bwd: int = 4   # Triton warps, intra-chunk backward kernel
-  # Triton warps, the backward-partials kernel (where the fused one does not apply; with
-  # segments, before tiles.by_reset, it ran 17.4 ms at 4 warps against 4.3 at 8, H200 T=4096)
-  num_warps_parallel: int = 8
+  # Triton warps, the backward-partials kernel. 8 won before tiles.by_reset (with segments
+  # 17.4 ms at 4 against 4.3 at 8, H200 T=4096); session 39, H200 diag KDN fwd+bwd, one process
+  # per length: T=16384 17.81 -> 16.83 ms at 4 (partials 5.00 -> 3.78), with documents 19.62 ->
+  # 18.34; T=4096 4.96 -> 4.59, with documents 5.31 -> 5.07.
+  num_warps_parallel: int = 4
   # The backward's partials kernel and its intra-chunk kernel as one (backward._fused_bwd_kernel:
   # the six fp32 partial-gradient arrays, about 440 MB at B=4 H=16 T=4096 K=V=128 chunk 16,
   # never reach memory); only with one V block (V <= block_v_parallel) and without sub_block
