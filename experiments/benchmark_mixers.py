@@ -76,9 +76,7 @@ flags.DEFINE_boolean("stages_docs", False, "with --stages, also time the stages 
                      "length with packed documents (segment_ids)", flag_values=FLAGS)
 flags.DEFINE_boolean("stages", False, "also time the pallas stages one by one (diag KDN): gain, "
                      "cumsum, the forward's pair/WY/serial/output kernels, the backward's serial "
-                     "dS chain, partials and intra kernels (and the fused backward with "
-                     "intra_bwd=columns and fuse_bwd, the token-parallel intra backward with "
-                     "intra_bwd=tokens)",
+                     "dS chain, partials and token-parallel intra kernels",
                      flag_values=FLAGS)
 
 
@@ -468,21 +466,14 @@ def _time_stages(t, docs=False):
   parts = jax.jit(lambda q, k, v, g, h0, cont, res, do, dstates: dbwd.bwd_partials(
       q, k, v, g, h0, cont, res, do, dstates, **kw))
   out["delta_partials_bwd"] = _time_fn(parts, args + (dstates,), first, "delta_partials_bwd")
-  if dbwd.fuses_bwd(cfg, chunk, d):   # the partials and intra backward as one kernel instead
-    fused = jax.jit(lambda q, k, v, w, g, h0, cont, pid, res, do, dstates: dbwd.fused_backward(
-        q, k, v, w, g, h0, cont, pid, res, do, dstates, **kw))
-    out["delta_fused_bwd"] = _time_fn(fused, (x["q"], x["k"], x["v"], w, g, h0, cont, pid,
-                                              args[6], args[7], dstates), first, "delta_fused_bwd")
   partials = tuple(rbwd(*args)[2:])
-  ibwd = jax.jit(lambda q, k, w, g, pid, parts: dbwd.intra_backward(q, k, w, g, pid, parts, **kw))
-  out["delta_intra_bwd"] = _time_fn(ibwd, (x["q"], x["k"], w, g, pid, partials), first,
-                                    "delta_intra_bwd")
-  if cfg.intra_bwd == "tokens":   # the token-parallel intra backward (intra_bwd_tokens.py)
-    tbwd = jax.jit(lambda q, k, w, g, pid, parts: dbwd.intra_backward_tokens(
-        q, k, w, g, pid, parts, chunk=chunk, scale=kw["scale"], interpret=kw["interpret"],
-        cfg=cfg))
-    out["delta_intra_bwd_tokens"] = _time_fn(tbwd, (x["q"], x["k"], w, g, pid, partials), first,
-                                             "delta_intra_bwd_tokens")
+  # the intra backward (intra_bwd_tokens.py); "delta_intra_bwd" in sessions <= 38's JSON is the
+  # per-chunk kernel removed in session 39
+  tbwd = jax.jit(lambda q, k, w, g, pid, parts: dbwd.intra_backward_tokens(
+      q, k, w, g, pid, parts, chunk=chunk, scale=kw["scale"], interpret=kw["interpret"],
+      cfg=cfg))
+  out["delta_intra_bwd_tokens"] = _time_fn(tbwd, (x["q"], x["k"], w, g, pid, partials), first,
+                                           "delta_intra_bwd_tokens")
   out["first_call_s"] = first
   return out
 

@@ -132,19 +132,13 @@ def test_delta_rule_kernel_variants(variant):
     _check(args, seg, 32, 1e-5, 1e-4)
 
 
-@pytest.mark.parametrize("variant", [dict(intra_bwd="columns"),
-                                     dict(intra_bwd="columns", fuse_bwd=False),
-                                     dict(intra_bwd="tokens"),
-                                     dict(intra_bwd="tokens", token_dla="row_loop")])
+@pytest.mark.parametrize("variant", [{}, dict(max_chunk=32), dict(pair_heads=1)])
 @pytest.mark.parametrize("segments", [False, True])
-def test_delta_rule_fused_backward(segments, variant):
-  """The backward's intra stage three ways: per chunk with the partials kernel fused in
-  (intra_bwd='columns', fuse_bwd) or not, and token-parallel after the partials kernel
-  (intra_bwd='tokens', the default; its direct log-decay prefix summed in the reverse cumsum or
-  in the token kernel's row loop), against the float64 loop, with and without resets; V != K.
-  The resets fall on a chunk's last
-  row, on the next chunk's first row and inside a chunk, next to a chunk without one
-  (tiles.by_reset: the segment-free bodies)."""
+def test_delta_rule_intra_backward(segments, variant):
+  """The token-parallel intra backward (programs of pair_heads heads; its direct log-decay terms
+  summed by the reverse cumsum) against the float64 loop, with and without resets, at chunk 16
+  and 32; V != K. The resets fall on a chunk's last row, on the next chunk's first row and
+  inside a chunk, next to a chunk without one (tiles.by_reset: the segment-free bodies)."""
   t = 45
   seg = None
   if segments:
@@ -152,8 +146,10 @@ def test_delta_rule_fused_backward(segments, variant):
     seg[0, 31:] = 1
     seg[0, 32:] = 2
     seg[1, 38:] = 3
+  heads = 6 if "pair_heads" not in variant else 1   # 6 heads: programs of gcd(4, 6) = 2 heads
   with dr_config.overridden(**variant):
-    _check(_inputs(6, 2, t, 1, 64, 32, jnp.float32, False, "normal"), seg, 16, 1e-5, 1e-4)
+    _check(_inputs(6, 2, t, heads, 64, 32, jnp.float32, False, "normal"), seg,
+           variant.get("max_chunk", 16), 1e-5, 1e-4)
 
 
 def test_delta_rule_bf16_operand_dots():
@@ -227,7 +223,7 @@ def test_delta_rule_precision_argument():
                                  dict(max_chunk=0), dict(wy_inverse="rows"),
                                  dict(pair_diag="rows"), dict(pair_heads=3),
                                  dict(pair_token_stores="rows"),
-                                 dict(forward_only_chunk=48), dict(intra_bwd="rows")])
+                                 dict(forward_only_chunk=48), dict(num_warps_intra_bwd=0)])
 def test_delta_rule_config_rejects_bad_values(bad):
   with pytest.raises(ValueError, match="DeltaRuleConfig." + next(iter(bad))):
     dr_config.DeltaRuleConfig(**bad)
@@ -241,7 +237,7 @@ def test_config_overridden_restores_default():
     assert dr_config.DEFAULT is cfg and cfg.block_v == 32
   assert dr_config.DEFAULT is before
   with pytest.raises(RuntimeError, match="inside"):
-    with dr_config.overridden(fuse_bwd=not before.fuse_bwd):
+    with dr_config.overridden(bf16_states=not before.bf16_states):
       raise RuntimeError("inside")
   assert dr_config.DEFAULT is before
   with pytest.raises(ValueError, match="DeltaRuleConfig.block_v"):

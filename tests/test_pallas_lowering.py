@@ -52,8 +52,7 @@ def _op_inputs(dtype, b=1, t=80, h=2, d=64):
 
 @pytest.mark.parametrize("variant", [
     {}, dict(pair_diag="columns"), dict(pair_token_stores="columns"),
-    dict(max_chunk=32), dict(max_chunk=32, sub_block=16), dict(intra_bwd="columns"),
-    dict(intra_bwd="columns", fuse_bwd=False)])
+    dict(max_chunk=32), dict(max_chunk=32, sub_block=16)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
   """diag KDN forward and backward (gain kernels, cumsum, pair, WY, state pass, output, the
@@ -68,15 +67,11 @@ def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
     text = _lower_for_cuda(jax.grad(loss, argnums=tuple(range(6))), q, k, v, la, om, r)
   token_parallel = (variant.get("pair_diag", "token_loop") == "token_loop"
                     and "max_chunk" not in variant)   # (chunks of one row block only)
-  tokens = variant.get("intra_bwd", "tokens") == "tokens" and "sub_block" not in variant
-  fused = variant.get("intra_bwd") == "columns" and variant.get("fuse_bwd", True)
   expected = {"kdn_gain_reduce", "kdn_gain_replay", "kdn_gain_bwd_reduce", "kdn_gain_bwd_replay",
               "delta_rule_cumsum", "delta_rule_wy", "delta_rule_state_pass", "delta_rule_output",
-              "delta_rule_recur_bwd",
+              "delta_rule_recur_bwd", "delta_rule_bwd_partials", "delta_rule_intra_bwd_tokens",
+              "delta_rule_reverse_cumsum",
               "delta_rule_pair_token_loop" if token_parallel else "delta_rule_pair_rows"}
-  expected |= ({"delta_rule_fused_bwd"} if fused else
-               {"delta_rule_bwd_partials",
-                "delta_rule_intra_bwd_tokens" if tokens else "delta_rule_intra_bwd"})
   assert expected <= _triton_kernels(text), expected - _triton_kernels(text)
 
 

@@ -48,12 +48,11 @@ stages)
 docs)
   # The packed-documents path (segment_ids): sweep on diag_kdn_seg_pallas with the stage split
   # under documents, then the GPU check of the winner (segments included) and its rows. The
-  # default sweep: the token-parallel intra backward (the default) against the per-chunk one,
-  # fused and not (intra_bwd='columns' was kept for this path, untimed with documents).
+  # default sweep: the partials kernel's warps (4, the default since session 39, against 8).
   timeout ${DOCS_LIMIT:-400} python3 -m experiments.benchmark_mixers --out="$RES/docs" \
     --seq_lens=4096 --pallas_lens= --reps=${REPS:-10} --check=true --time_budget_s=${DOCS_BUDGET:-300} \
     --sweep_row=diag_kdn_seg_pallas --sweep_stages \
-    --sweep=${DOCS_SWEEP-default,intra_bwd=columns,intra_bwd=columns/fuse_bwd=0} \
+    --sweep=${DOCS_SWEEP-default,num_warps_parallel=8} \
     --rows=diag_kdn_seg_pallas,iso_kdn_seg_pallas,diag_kdn_pallas \
     2>&1 | quiet | tail -40 | tee "$RES/docs.txt" ;;
 mixers)

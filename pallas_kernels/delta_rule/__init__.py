@@ -14,8 +14,8 @@ One module per stage (options in config.DeltaRuleConfig), imported only from her
                 over chunks
   state_pass    the serial chunk loop: S_final, chunk-start states, Delta = U - W S_0
   output        O = Qbar S_0 + P Delta, parallel over chunks
-  backward      the reverse dS chain, dV and partials, the intra backward per chunk
-  intra_bwd_tokens  the intra backward token-parallel (the default, DeltaRuleConfig.intra_bwd)
+  backward      the reverse dS chain, dV and the partial gradients, then intra_bwd_tokens
+  intra_bwd_tokens  the intra backward, token-parallel
   tiles         helpers the stage kernels share (no kernels)
   tpu_forward / tpu_backward   the Mosaic-TPU kernels (BlockSpec tiles; docs/tpu.md)
   output_mgpu   the output stage on Mosaic GPU (issue 18's trial port; not imported here, not
@@ -80,13 +80,15 @@ def _forward_body(q, k, v, w, la, h0, starts, cont, pid, *, chunk, scale, interp
 
 def _backward_body(q, k, v, w, g, h0, starts, cont, pid, amat, pmat, wt, wk, states, do, dsfin,
                    *, chunk, scale, interpret, cfg, prec):
-  dq, dk, dv, dw, dg, (dla_x, prefix), dh0 = _backward.backward(
+  dq, dk, dv, dw, dg, dla_terms, dh0 = _backward.backward(
       q, k, v, w, g, h0, cont, pid, (amat, pmat, wt, wk, states), do, dsfin, chunk=chunk,
       scale=scale, interpret=interpret, cfg=cfg, cfg_prec=prec)
   # g = within-(chunk, segment) cumsum of log_alpha  =>  dla = reverse cumsum of dg, plus the
-  # terms the kernel already expressed in log_alpha space.
-  dla = _cumsum_kernels.chunk_reverse_cumsum(dg, dla_x, starts, chunk=chunk, interpret=interpret,
-                                             prefix=prefix)
+  # direct term: the exclusive prefix of dla_terms. (Its pieces restart at resets too, which
+  # changes nothing: a term is zero outside its chunk's last segment, where every later token
+  # of the chunk lies.)
+  dla = _cumsum_kernels.chunk_reverse_cumsum(dg, dla_terms, starts, chunk=chunk,
+                                             interpret=interpret)
   return dq, dk, dv, dw, dla, dh0
 
 

@@ -4,17 +4,14 @@
                        saving each chunk's dS (S_init's share of segments: seg_init_grad, XLA).
   _bwd_partials_kernel grid (B, H, NC, V/BV): dV and per-V-block partial gradients of P, L, Wt,
                        Kbar, Qbar, g_last.
-  _fused_bwd_kernel    grid (B, H, NC), with DeltaRuleConfig.intra_bwd='columns' and fuse_bwd
-                       (where V fits one block and without sub_block rows): _bwd_partials_kernel and
-                       _intra_bwd_kernel in one program per chunk (all of V), the partials
-                       kept in registers.
-  _intra_bwd_kernel    grid (B, H, NC): sums the partials, back-propagates through the
-                       decay-weighted products; emits dq, dk, dw and dg (gradient w.r.t. the
-                       chunk-local cumsum); _intra_bwd_sub_kernel does the same on sub_block-row
-                       blocks of a longer chunk. With intra_bwd='tokens' (the default) the
-                       token-parallel kernel of intra_bwd_tokens.py takes its place.
-With segments, the partials and fused kernels run their segment-free body on chunks without a
-reset (tiles.by_reset).
+Then the intra-chunk backward (intra_bwd_tokens.py, token-parallel) turns the partials into dq,
+dk, dw, dg and the direct log-decay terms. With segments, the partials kernel runs its
+segment-free body on chunks without a reset (tiles.by_reset).
+
+(Session 39 removed the per-chunk intra backward, its 16-row-block variant for sub_block and its
+fusion with the partials kernel (fuse_bwd): the token-parallel kernel beat them in every cell
+timed, H200 diag KDN fwd+bwd T=16384 17.81 ms against 19.25 fused, with documents 19.50 against
+20.67 fused and 21.36 unfused; T=4096 5.02 against 5.11 in session 38.)
 """
 from __future__ import annotations
 
@@ -28,9 +25,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import common
 from pallas_kernels.delta_rule.intra_bwd_tokens import intra_backward_tokens
 from pallas_kernels.delta_rule.tiles import (
-    dot, dot_nt, dot_tn, iota, same_seg, decay_to_last, kernel_precision,
-    use_sub, launch_params, sub_blocks, ref_point, seg_masks, by_reset, vblock_sum,
-    intra_token_grads, INTRA_BWD_INPUTS)
+    dot, dot_nt, dot_tn, kernel_precision, launch_params, by_reset)
 
 
 def _chain_loads(r, b, h, t0, C, has_seg, vs):
@@ -171,194 +166,12 @@ def _chunk_states(r, b, h, c, C, scale, has_seg, vs, prec):
   return r["states"][b, h, c, :, vs].astype(jnp.float32), ds, s_init, x
 
 
-def _pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C):
-  """Pair accumulators (see _intra_bwd_epilogue) of the C rows from token t0 against themselves
-  (the whole chunk, or one diagonal S x S tile in _intra_bwd_sub_kernel), by a C-step column
-  loop: exact, exp(<= 0) only."""
-  col = iota(C, 1)
-  row_k = lax.broadcasted_iota(jnp.int32, q.shape, 0)
-
-  def col_body(jj, acc):
-    dq_acc, dk_acc, dw_acc = acc
-    wj = r["w"][b, pl.ds(t0 + jj, 1), h, :].astype(jnp.float32)
-    e = jnp.exp(jnp.minimum(g - r["g"][b, pl.ds(t0 + jj, 1), h, :].astype(jnp.float32), 0.0))
-    at = col == jj
-    pj = jnp.sum(jnp.where(at, dpm, 0.0), axis=1)[:, None]     # dP[r, j] (scaled)
-    lj = jnp.sum(jnp.where(at, dlm, 0.0), axis=1)[:, None]     # dL[r, j]
-    we = wj * e
-    dq_acc = dq_acc + pj * we
-    dk_acc = dk_acc + lj * we
-    dwj = jnp.sum((pj * q + lj * k) * e, axis=0)[None, :]
-    return dq_acc, dk_acc, dw_acc + jnp.where(row_k == jj, dwj, 0.0)
-
-  zeros = jnp.zeros_like(q)
-  return lax.fori_loop(0, C, col_body, (zeros, zeros, zeros))
-
-
-def _intra_bwd_epilogue(q, k, w, g, acc, p_diag, dwt, dkbar, dqbar, dgl, e_last, scale, hi,
-                        dla_prefix=None, with_dgl=True):
-  """Per-token gradients from the pair accumulators; works on the whole chunk, and on
-  a block of the chunk's rows (_intra_bwd_sub_kernel): dla_prefix [1, K] = sum of dWt * Wt over
-  the chunk's earlier rows, with_dgl = the block holds the chunk's last row.
-
-  acc = (X_q, X_k, Y_w): X_r = sum_j G_rj y_j e_rj (G = dP or dL, y = w) and
-  Y_j = sum_r (dP_rj q_r + dL_rj k_r) e_rj."""
-  C = q.shape[0]
-  row, col = iota(C, 0), iota(C, 1)
-  row_k = lax.broadcasted_iota(jnp.int32, q.shape, 0)
-  dq, dk, dw, dg = intra_token_grads(q, k, w, g, e_last, p_diag, dwt, dkbar, dqbar, acc, scale)
-  # Wt_j = w_j exp(g_last - g_j): its log-decay gradient t_j reaches log_alpha_s exactly for
-  # j < s <= last. Emitting that directly (dla_x = strict-lower-ones @ t) instead of +t at `last`
-  # and -t at j avoids cancelling O(1) terms when exp(g_last - g_j) == 1 (e.g. padded tails).
-  twt = dwt * (w * e_last)
-  dla_x = dot((row > col).astype(jnp.float32), twt, hi)
-  if dla_prefix is not None:
-    dla_x = dla_x + dla_prefix
-  if with_dgl:
-    dg = dg + jnp.where(row_k == C - 1, dgl[None, :], 0.0)
-  return dq, dk, dw, dg, dla_x
-
-
-def _intra_bwd_refs(refs, has_seg):
-  """The intra backward kernels' inputs by name, and their output refs (dq, dk, dw, dg, dla_x)."""
-  names = INTRA_BWD_INPUTS + (("pid",) if has_seg else ())
-  return dict(zip(names, refs[:len(names)])), refs[len(names):]
-
-
-def _intra_grads(r, b, h, c, C, scale, has_seg, hi, dp, dl, dwt, dkbar, dqbar, dgl):
-  """The chunk's (dq, dk, dw, dg, dla_x) from its summed partials (dp, dl [C, C]; dwt, dkbar,
-  dqbar [C, K]; dgl [K]); r: refs with q, k, w, g (and pid with segments)."""
-  t0 = c * C
-  row, col = iota(C, 0), iota(C, 1)
-  rows = pl.ds(t0, C)
-  dpm = jnp.where(row >= col, dp, 0.0) * scale
-  dlm = jnp.where(row > col, dl, 0.0)
-  pid = None
-  if has_seg:
-    same, pid = same_seg(r["pid"], b, t0, C)
-    dpm = dpm * same
-    dlm = dlm * same
-  # P's diagonal (r == j: decay factor exactly 1) is split off: its contributions to dg cancel
-  # exactly, and leaving them in would swamp tiny decay gradients with rounding noise.
-  p_diag = jnp.sum(jnp.where(row == col, dpm, 0.0), axis=1)[:, None]
-  dpm = jnp.where(row > col, dpm, 0.0)
-  q, k, w, g = (r[n][b, rows, h, :].astype(jnp.float32) for n in ("q", "k", "w", "g"))
-  e_last = decay_to_last(g, r["g"][b, t0 + C - 1, h, :], pid,
-                         r["pid"][b, t0 + C - 1] if has_seg else None)
-  acc = _pairs_bwd(q, k, g, dpm, dlm, r, b, h, t0, C)
-  return _intra_bwd_epilogue(q, k, w, g, acc, p_diag, dwt, dkbar, dqbar, dgl, e_last, scale, hi)
-
-
-def _intra_bwd_kernel(*refs, chunk, scale, has_seg, num_vb, hi):
-  r, outs = _intra_bwd_refs(refs, has_seg)
-  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  C = chunk
-  rows = pl.ds(c * C, C)
-
-  def vsum(name, cols):
-    return vblock_sum(r[name], b, h, num_vb, rows, cols)
-
-  grads = _intra_grads(r, b, h, c, C, scale, has_seg, hi, vsum("dp", pl.ds(0, C)),
-                       vsum("dl", pl.ds(0, C)), vsum("dwt", slice(None)),
-                       vsum("dkbar", slice(None)), vsum("dqbar", slice(None)),
-                       vblock_sum(r["dgl"], b, h, num_vb, c, slice(None)))
-  for ref, val in zip(outs, grads):
-    ref[b, rows, h, :] = val
-
-
-def _fused_bwd_kernel(*refs, chunk, scale, has_seg, prec, hi):
-  """_bwd_partials_kernel and _intra_bwd_kernel in one program per chunk (all of V in one
-  block): the partial gradients stay in registers instead of a round trip through memory
-  (DeltaRuleConfig.fuse_bwd). Outputs dV, dq, dk, dw, dg, dla_x."""
-  names = _bwd_names(has_seg, ["states", "dstates"]) + ["w"] + (["pid"] if has_seg else [])
-  r = dict(zip(names, refs[:len(names)]))
-  dv_ref, *outs = refs[len(names):]
-  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  by_reset(r.get("cont"), b, c * chunk + chunk - 1,
-           lambda seg: _fused_bwd(r, dv_ref, outs, b, h, c, chunk, scale, seg, prec, hi))
-
-
-def _fused_bwd(r, dv_ref, outs, b, h, c, C, scale, seg, prec, hi):
-  """_fused_bwd_kernel's body; seg: the chunk holds a reset."""
-  vs = slice(None)
-  dv, *parts = _partials_values(r, b, h, c, C, seg, vs,
-                                *_chunk_states(r, b, h, c, C, scale, seg, vs, prec), prec)
-  rows = pl.ds(c * C, C)
-  dv_ref[b, rows, h, :] = dv.astype(dv_ref.dtype)
-  for ref, val in zip(outs, _intra_grads(r, b, h, c, C, scale, seg, hi, *parts)):
-    ref[b, rows, h, :] = val
-
-
 # _SEG_NOTE: the reverse serial kernel once also carried S_init's gradient (a second [K, BV]
 # array) when there were segments. On the H200 (jax 0.11.2, Triton 3.6, num_stages=2, 4 warps,
 # chunk 16) every dS it saved was then wrong (relative 0.125) while interpret mode on the same GPU
 # was exact; num_stages=1 brought the error down to 4e-6 (dS_init 1.5e-4), not to zero. Likely a
 # Triton pipelining miscompile of the two-carry loop; the kernel now carries dS alone and
 # seg_init_grad forms S_init's share in XLA (docs/benchmark_mixers.md, fifth session).
-
-
-def _intra_bwd_sub_kernel(*refs, chunk, sub, scale, has_seg, num_vb, prec, hi):
-  r, outs = _intra_bwd_refs(refs, has_seg)
-  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  C, S = chunk, sub
-  nb = C // S
-  t0 = c * C
-  row, col = iota(S, 0), iota(S, 1)
-
-  def vsum(name, rows, cols):
-    return vblock_sum(r[name], b, h, num_vb, rows, cols)
-
-  q, k, w, g = (sub_blocks(r[n], b, h, t0, S, nb) for n in ("q", "k", "w", "g"))
-  pids, pid_last = [None] * nb, None
-  if has_seg:
-    pids, same = seg_masks(r["pid"], b, t0, S, nb)
-    pid_last = r["pid"][b, t0 + C - 1]
-  dpm, dlm, p_diag = {}, {}, []
-  for i in range(nb):
-    for j in range(i + 1):
-      rows, cols = pl.ds(t0 + i * S, S), pl.ds(j * S, S)
-      dp = vsum("dp", rows, cols) * scale
-      dl = vsum("dl", rows, cols)
-      if i == j:
-        dp = jnp.where(row >= col, dp, 0.0)
-        dl = jnp.where(row > col, dl, 0.0)
-      if has_seg:
-        dp, dl = dp * same[i, j], dl * same[i, j]
-      if i == j:
-        # P's diagonal is split off as in _intra_bwd_kernel (exact cancellation in dg).
-        p_diag.append(jnp.sum(jnp.where(row == col, dp, 0.0), axis=1)[:, None])
-        dp = jnp.where(row > col, dp, 0.0)
-      dpm[i, j], dlm[i, j] = dp, dl
-  dq_acc, dk_acc, dw_acc = [], [], []
-  for i in range(nb):
-    a_q, a_k, a_w = _pairs_bwd(q[i], k[i], g[i], dpm[i, i], dlm[i, i], r, b, h, t0 + i * S, S)
-    dq_acc.append(a_q)
-    dk_acc.append(a_k)
-    dw_acc.append(a_w)
-  for i in range(1, nb):
-    g0, xs = ref_point(r["g"], b, h, t0, S, i, g[i])
-    qx, kx = q[i] * xs, k[i] * xs
-    for j in range(i):
-      ys = jnp.exp(jnp.minimum(g0 - g[j], 0.0))
-      wy = w[j] * ys
-      dq_acc[i] = dq_acc[i] + xs * dot(dpm[i, j], wy, prec)
-      dk_acc[i] = dk_acc[i] + xs * dot(dlm[i, j], wy, prec)
-      dw_acc[j] = dw_acc[j] + ys * (dot_tn(dpm[i, j], qx, prec)
-                                    + dot_tn(dlm[i, j], kx, prec))
-  dgl = vblock_sum(r["dgl"], b, h, num_vb, c, slice(None))
-  g_last = r["g"][b, t0 + C - 1, h, :]
-  prefix = jnp.zeros((1, q[0].shape[1]), jnp.float32)
-  for i in range(nb):
-    rows = pl.ds(t0 + i * S, S)
-    e_last = decay_to_last(g[i], g_last, pids[i], pid_last)
-    dwt = vsum("dwt", rows, slice(None))
-    vals = _intra_bwd_epilogue(
-        q[i], k[i], w[i], g[i], (dq_acc[i], dk_acc[i], dw_acc[i]), p_diag[i], dwt,
-        vsum("dkbar", rows, slice(None)), vsum("dqbar", rows, slice(None)), dgl, e_last, scale,
-        hi, dla_prefix=prefix, with_dgl=i == nb - 1)
-    prefix = prefix + jnp.sum(dwt * w[i] * e_last, axis=0, keepdims=True)
-    for ref, val in zip(outs, vals):
-      ref[b, rows, h, :] = val
 
 
 def _bwd_inputs(q, k, v, g, h0, cont, res, do, cfg, cfg_prec, interpret, chunk, scale):
@@ -432,28 +245,6 @@ def _add_seg_init(dh0, q, k, g, cont, do, dv, dstates, chunk, scale, cfg_prec):
                              exact=cfg_prec == "exact")
 
 
-def fuses_bwd(cfg, chunk, vd):
-  """Whether the backward runs _fused_bwd_kernel: cfg.fuse_bwd, one V block of the parallel
-  kernels (V <= block_v_parallel) and the whole-chunk intra backward (no sub_block rows)."""
-  return (cfg.fuse_bwd and cfg.intra_bwd == "columns" and vd <= cfg.block_v_parallel
-          and not use_sub(cfg, chunk))
-
-
-def fused_backward(q, k, v, w, g, h0, cont, pid, res, do, dstates, *, chunk, scale, interpret,
-                   cfg, cfg_prec):
-  """bwd_partials and intra_backward as one kernel (fuses_bwd): (dV, dq, dk, dw, dg, dla_x)."""
-  bsz, t, nh, kd = k.shape
-  common_in, opt, kw = _bwd_inputs(q, k, v, g, h0, cont, res, do, cfg, cfg_prec, interpret,
-                                   chunk, scale)
-  lane = jax.ShapeDtypeStruct((bsz, t, nh, kd), jnp.float32)
-  return pl.pallas_call(
-      functools.partial(_fused_bwd_kernel, hi=common.dot_precision("exact", interpret), **kw),
-      out_shape=(jax.ShapeDtypeStruct(v.shape, jnp.float32),) + (lane,) * 5,
-      grid=(bsz, nh, t // chunk), name="delta_rule_fused_bwd",
-      **launch_params(interpret, cfg.num_warps_fused, cfg),
-  )(*common_in, res[4], dstates, *opt, w, *([pid] if pid is not None else []))
-
-
 def seg_init_grad(q, k, g, cont, do, dv, dstates, *, chunk, scale, exact):
   """S_init's gradient from the rows that restart from it after a reset inside a chunk
   (cont == 0): sum over chunks of (1 - cont_last) e_last dS + Qbar_new^T dO - Kbar_new^T dU,
@@ -473,44 +264,13 @@ def seg_init_grad(q, k, g, cont, do, dv, dstates, *, chunk, scale, exact):
   return d + jnp.einsum("bchk,bhckv->bhkv", w_last, dstates, precision=prec)
 
 
-def intra_backward(q, k, w, g, pid, partials, *, chunk, scale, interpret, cfg, cfg_prec):
-  """Backward stage 2 (parallel over chunks): dq, dk, dw, dg and the direct log-decay term."""
-  bsz, t, nh, kd = k.shape
-  nc = t // chunk
-  has_seg = pid is not None
-  nvb = partials[0].shape[2]
-  prec = kernel_precision(cfg, cfg_prec, interpret)
-  intra_in = [q, k, w, g, *partials] + ([pid] if has_seg else [])
-  lane = jax.ShapeDtypeStruct((bsz, t, nh, kd), jnp.float32)
-  hi = common.dot_precision("exact", interpret)
-  if use_sub(cfg, chunk):
-    body = functools.partial(_intra_bwd_sub_kernel, chunk=chunk, sub=cfg.sub_block,
-                             scale=scale, has_seg=has_seg, num_vb=nvb, prec=prec, hi=hi)
-  else:
-    body = functools.partial(_intra_bwd_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
-                             num_vb=nvb, hi=hi)
-  return pl.pallas_call(
-      body,
-      out_shape=(lane, lane, lane, lane, lane), grid=(bsz, nh, nc), name="delta_rule_intra_bwd",
-      **launch_params(interpret, cfg.num_warps_intra_bwd, cfg),
-  )(*intra_in)
-
-
 def backward(q, k, v, w, g, h0, cont, pid, res, do, dsfin, *, chunk, scale, interpret, cfg,
              cfg_prec):
-  """(dq, dk, dv, dw, dg, (dla, prefix), dh0): the direct log-decay term dla_x is dla, or with
-  `prefix` the exclusive prefix of dla within chunks (the reverse cumsum sums it)."""
-  kw = dict(chunk=chunk, scale=scale, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
-  if fuses_bwd(cfg, chunk, v.shape[-1]):
-    dh0, dstates = state_grads(q, k, v, g, h0, cont, res, do, dsfin, **kw)
-    dv, dq, dk, dw, dg, dla_x = fused_backward(q, k, v, w, g, h0, cont, pid, res, do, dstates,
-                                               **kw)
-    dh0 = _add_seg_init(dh0, q, k, g, cont, do, dv, dstates, chunk, scale, cfg_prec)
-    return dq, dk, dv, dw, dg, (dla_x, False), dh0
-  dv, dh0, *partials = recur_backward(q, k, v, g, h0, cont, res, do, dsfin, **kw)
-  if cfg.intra_bwd == "tokens" and not use_sub(cfg, chunk):
-    dq, dk, dw, dg, dla = intra_backward_tokens(q, k, w, g, pid, partials, chunk=chunk,
-                                                scale=scale, interpret=interpret, cfg=cfg)
-    return dq, dk, dv, dw, dg, (dla, cfg.token_dla == "cumsum"), dh0
-  dq, dk, dw, dg, dla_x = intra_backward(q, k, w, g, pid, partials, **kw)
-  return dq, dk, dv, dw, dg, (dla_x, False), dh0
+  """(dq, dk, dv, dw, dg, dla_terms, dh0): the direct log-decay term dla_x is the exclusive
+  prefix of dla_terms within chunks (the reverse cumsum sums it)."""
+  dv, dh0, *partials = recur_backward(q, k, v, g, h0, cont, res, do, dsfin, chunk=chunk,
+                                      scale=scale, interpret=interpret, cfg=cfg,
+                                      cfg_prec=cfg_prec)
+  dq, dk, dw, dg, dla_terms = intra_backward_tokens(q, k, w, g, pid, partials, chunk=chunk,
+                                                    scale=scale, interpret=interpret, cfg=cfg)
+  return dq, dk, dv, dw, dg, dla_terms, dh0

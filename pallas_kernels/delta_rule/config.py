@@ -20,8 +20,9 @@ class DeltaRuleConfig:
   # min_chunk keeps a floor for compiled runs should a GPU need one.
   max_chunk: int = 16        # caps the caller's chunk_size (C_m)
   min_chunk: int = 16        # floor of the chunk in compiled runs (interpret mode: 16)
-  # The intra backward on sub_block-row blocks of longer chunks (0: off; backward.py's
-  # _intra_bwd_sub_kernel), and the row block of the forward's pair and WY kernels (16 when 0).
+  # The row block of the forward's pair and WY kernels (16 when 0). (Until session 39 it also
+  # split the intra backward of longer chunks into row blocks; the token-parallel intra
+  # backward takes any chunk.)
   sub_block: int = 0
   # What precision='fast' (bf16/fp16 data) means for the dots: 'bf16' (operands rounded to bf16,
   # fp32 accumulation: twice the TF32 tensor-core rate; flash-linear-attention's choice; H200 diag
@@ -56,7 +57,7 @@ class DeltaRuleConfig:
   # forward 1.97 ms, fwd+bwd 5.28 (T=16384: 6.88 / 19.85). Lost and removed there: a vectorised
   # token-parallel kernel (0.84-1.16 ms) and [S, S, K-slice] pair tensors (1.41-2.9 ms).
   pair_diag: str = "token_loop"
-  pair_heads: int = 4        # heads per token-parallel program (token_loop, intra_bwd='tokens')
+  pair_heads: int = 4        # heads per token-parallel program (token_loop, the intra backward)
   # How token_loop writes its row of L and P: 'row' (the values gathered in registers by a
   # select per column, one [heads, S] store each) or 'columns' (each column's values stored in
   # its step, then the zeros after the diagonal one column per step, fla's way). Session 36, H200
@@ -75,30 +76,15 @@ class DeltaRuleConfig:
   block_v_parallel: int = 128
   # Triton warps, the WY kernel (H200 T=4096: 0.40 ms with 4, 0.45 with 8)
   num_warps_intra: int = 4
-  num_warps_intra_bwd: int = 4   # Triton warps, intra-chunk backward kernel
+  # Triton warps, the token-parallel intra backward (intra_bwd_tokens.py; session 38, H200 diag
+  # KDN fwd+bwd T=16384: 18.48 ms against 19.08 for the per-chunk kernel fused with the
+  # partials, removed in session 39 (backward.py); pair_heads=8: 19.35, 2 warps: 19.40)
+  num_warps_intra_bwd: int = 4
   # Triton warps, the backward-partials kernel. 8 won before tiles.by_reset (with segments
   # 17.4 ms at 4 against 4.3 at 8, H200 T=4096); session 39, H200 diag KDN fwd+bwd, one process
   # per length: T=16384 17.81 -> 16.83 ms at 4 (partials 5.00 -> 3.78), with documents 19.62 ->
   # 18.34; T=4096 4.96 -> 4.59, with documents 5.31 -> 5.07.
   num_warps_parallel: int = 4
-  # The backward's partials kernel and its intra-chunk kernel as one (backward._fused_bwd_kernel:
-  # the six fp32 partial-gradient arrays, about 440 MB at B=4 H=16 T=4096 K=V=128 chunk 16,
-  # never reach memory); only with one V block (V <= block_v_parallel) and without sub_block
-  # rows. H200 session 33, diag KDN T=4096: op fwd+bwd 6.45 ms unfused -> 5.88 fused at 4 warps
-  # (6.31 at 8): the fused kernel 2.51 ms against partials + intra backward 1.48 + 2.00.
-  fuse_bwd: bool = True
-  num_warps_fused: int = 4       # Triton warps, the fused backward kernel
-  # The intra-chunk backward: 'tokens' (the partials kernel, then one program per token row and
-  # pair_heads heads: intra_bwd_tokens.py; the unfused backward) or 'columns' (per chunk:
-  # backward._pairs_bwd's column loop, in the fused kernel with fuse_bwd, else the intra
-  # kernel). Session 38, H200 diag KDN fwd+bwd, one process: T=16384 19.08 ms ('columns',
-  # fused kernel 8.85) -> 18.48 ('tokens': partials 5.15 + token kernel 3.53; the column intra
-  # kernel alone 7.0), T=4096 5.11 -> 5.02; pair_heads=8 (19.35) and 2 warps (19.40) lost.
-  intra_bwd: str = "tokens"
-  # With intra_bwd='tokens', where the direct log-decay term dla_x_t = sum_{j<t} dWt_j Wt_j is
-  # summed: 'row_loop' (the token kernel's row loop, O(C) loads per token) or 'cumsum' (the token
-  # kernel writes the term of t; the reverse cumsum adds its exclusive prefix in token order).
-  token_dla: str = "cumsum"
   # Triton warps, the output kernel: its program is one [C, K] x [K, BV] dot (H200, diag KDN
   # T=4096, session 30: output stage 0.83 ms with 8 warps, 0.53 with 4; op forward 2.57 -> 2.36
   # ms. Looping over 2-8 consecutive chunks per program, tried in the same sweep, gained nothing
@@ -112,6 +98,11 @@ class DeltaRuleConfig:
     for name in ("max_chunk", "min_chunk", "block_v", "block_v_parallel"):
       if not pow2(getattr(self, name)):
         raise ValueError(f"DeltaRuleConfig.{name} must be a power of two, got {getattr(self, name)}")
+    for f in dataclasses.fields(self):
+      if f.name.startswith("num_warps") and not (pow2(getattr(self, f.name))
+                                                 and getattr(self, f.name) <= 32):
+        raise ValueError(f"DeltaRuleConfig.{f.name} must be a power of two in [1, 32] (Triton "
+                         f"warps), got {getattr(self, f.name)}")
     if self.sub_block and (not pow2(self.sub_block) or self.sub_block < 16):
       raise ValueError("DeltaRuleConfig.sub_block must be 0 or a power of two >= 16, got "
                        f"{self.sub_block}")
@@ -121,12 +112,6 @@ class DeltaRuleConfig:
     if self.wy_inverse not in ("sub_rows", "sub_dots", "doubling"):
       raise ValueError("DeltaRuleConfig.wy_inverse must be 'sub_rows', 'sub_dots' or 'doubling', "
                        f"got {self.wy_inverse!r}")
-    if self.intra_bwd not in ("columns", "tokens"):
-      raise ValueError("DeltaRuleConfig.intra_bwd must be 'columns' or 'tokens', got "
-                       f"{self.intra_bwd!r}")
-    if self.token_dla not in ("cumsum", "row_loop"):
-      raise ValueError("DeltaRuleConfig.token_dla must be 'cumsum' or 'row_loop', got "
-                       f"{self.token_dla!r}")
     if self.pair_diag not in ("columns", "token_loop"):
       raise ValueError("DeltaRuleConfig.pair_diag must be 'columns' or 'token_loop', got "
                        f"{self.pair_diag!r}")

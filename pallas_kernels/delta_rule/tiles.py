@@ -1,6 +1,6 @@
 """Helpers the delta-rule stage kernels share: dots at the kernels' precision, tile loads,
-segment masks, the decay to the chunk's last token, sub-block reference points, storage dtypes
-and launch parameters. No kernels here, and no imports of the stage modules."""
+the decay to the chunk's last token, sub-block reference points, storage dtypes and launch
+parameters. No kernels here, and no imports of the stage modules."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -45,11 +45,6 @@ def tile(ref, b, t0, c, h, f32=True):
   return x.astype(jnp.float32) if f32 else x
 
 
-def same_seg(pid_ref, b, t0, c):
-  pid = pid_ref[b, pl.ds(t0, c)]
-  return (pid[:, None] == pid[None, :]).astype(jnp.float32), pid
-
-
 def by_reset(cont_ref, b, t_last, body):
   """body(seg) for the chunk ending at token t_last: without segments (cont_ref None) the
   segment-free body; with them, the segment body (seg=True) only where the chunk holds a reset
@@ -80,10 +75,6 @@ def decay_to_last(g, g_last, pid=None, pid_last=None):
   return e_last
 
 
-def sub_blocks(ref, b, h, t0, S, nb):
-  return [tile(ref, b, t0 + i * S, S, h) for i in range(nb)]
-
-
 def ref_point(g_ref, b, h, t0, S, i, g_i):
   """(g0 [1, K], row factors exp(min(g_i - g0, 0))) of block i."""
   g0 = g_ref[b, pl.ds(t0 + i * S, 1), h, :].astype(jnp.float32)
@@ -93,13 +84,6 @@ def ref_point(g_ref, b, h, t0, S, i, g_i):
 def masked_store(ref, idx, val, mask):
   """ref[idx] = val where mask (Triton's masked store; the interpret mode runs it too)."""
   pltr.store(ref.at[idx], val, mask=mask)
-
-
-def seg_masks(pid_ref, b, t0, S, nb):
-  pids = [pid_ref[b, pl.ds(t0 + i * S, S)] for i in range(nb)]
-  same = {(i, j): (pids[i][:, None] == pids[j][None, :]).astype(jnp.float32)
-          for i in range(nb) for j in range(i + 1)}
-  return pids, same
 
 
 def kernel_precision(cfg, cfg_prec, interpret):
@@ -119,40 +103,6 @@ def state_dtype(cfg, prec):
   bf16-operand dots (their dots round to bf16 anyway; the elementwise uses see the rounding: the
   g_last decay gradient and, with segments, seg_init_grad's chunk-end term), else fp32."""
   return jnp.bfloat16 if cfg.bf16_states and prec == BF16_OPERANDS else jnp.float32
-
-
-# The intra backward kernels' inputs, in order (then pid with segments): per chunk
-# (backward._intra_bwd_refs) and token-parallel (intra_bwd_tokens.py).
-INTRA_BWD_INPUTS = ("q", "k", "w", "g", "dp", "dl", "dwt", "dkbar", "dqbar", "dgl")
-
-
-def vblock_sum(ref, b, h, num_vb, *idx):
-  """Sum over the V blocks (axis 2) of a per-V-block partial: ref[b, h, :, *idx] (h an index or
-  a pl.ds of heads)."""
-  acc = ref[(b, h, 0) + idx]
-  for j in range(1, num_vb):
-    acc = acc + ref[(b, h, j) + idx]
-  return acc
-
-
-def intra_token_grads(q, k, w, g, e_last, p_diag, dwt, dkbar, dqbar, acc, scale):
-  """The intra backward's per-token terms, elementwise over any rows (a chunk's [C, K] tiles or
-  one token's [heads, K] rows): (dq, dk, dw, dg) from the pair accumulators acc = (X_q, X_k,
-  Y_w), P's diagonal p_diag and the summed partials; dg without dg_last's share (the chunk's
-  last row) and without the direct log-decay term dla_x (a prefix over the chunk's rows)."""
-  dq_acc, dk_acc, dw_acc = acc
-  e0 = jnp.exp(g)
-  dq = dq_acc + p_diag * w + scale * dqbar * e0
-  dk = dk_acc + dkbar * e0
-  dw = dw_acc + p_diag * q + dwt * e_last
-  dg = q * dq_acc + k * dk_acc - w * dw_acc + dqbar * ((scale * q) * e0) + dkbar * (k * e0)
-  return dq, dk, dw, dg
-
-
-def use_sub(cfg, chunk):
-  """The intra backward works on cfg.sub_block-row blocks for longer chunks (backward.py's
-  _intra_bwd_sub_kernel)."""
-  return bool(cfg.sub_block) and chunk > cfg.sub_block
 
 
 def launch_params(interpret, num_warps, cfg):
