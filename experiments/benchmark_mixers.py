@@ -54,7 +54,7 @@ flags.DEFINE_float("time_budget_s", 420.0, "stop timing new cells (and sweep spe
                    "many seconds", flag_values=FLAGS)
 flags.DEFINE_list("sweep", [], "DeltaRuleConfig overrides to try on diag_kdn_pallas fwd+bwd at "
                   "--sweep_len, each 'field=value/field=value' ('default': none), e.g. "
-                  "'max_chunk=64/sub_block=16'; the fastest is used for the rows",
+                  "'max_chunk=64/sub_block=32'; the fastest is used for the rows",
                   flag_values=FLAGS)
 flags.DEFINE_list("gain_sweep", [], "GainConfig overrides to try on diag_gain_pallas, same "
                   "syntax, e.g. 'max_chunk=128/num_stages=2'", flag_values=FLAGS)
@@ -76,7 +76,7 @@ flags.DEFINE_boolean("stages_docs", False, "with --stages, also time the stages 
                      "length with packed documents (segment_ids)", flag_values=FLAGS)
 flags.DEFINE_boolean("stages", False, "also time the pallas stages one by one (diag KDN): gain, "
                      "cumsum, the forward's pair/WY/serial/output kernels, the backward's serial "
-                     "dS chain, partials and token-parallel intra kernels",
+                     "dS chain, partials, token-parallel intra and reverse-cumsum kernels",
                      flag_values=FLAGS)
 
 
@@ -397,11 +397,12 @@ def _time_stages(t, docs=False):
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
   from pallas_kernels import common  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import chunk_length  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.delta_rule.chunk_cumsum import chunk_cumsum  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.delta_rule.chunk_cumsum import chunk_cumsum, chunk_reverse_cumsum  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import segment_arrays  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import backward as dbwd  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import intra as dintra  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.delta_rule.intra_bwd_tokens import intra_backward_tokens  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import output as dout  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import state_pass as dstate  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import wy as dwy  # pylint: disable=g-import-not-at-top
@@ -469,11 +470,16 @@ def _time_stages(t, docs=False):
   partials = tuple(rbwd(*args)[2:])
   # the intra backward (intra_bwd_tokens.py); "delta_intra_bwd" in sessions <= 38's JSON is the
   # per-chunk kernel removed in session 39
-  tbwd = jax.jit(lambda q, k, w, g, pid, parts: dbwd.intra_backward_tokens(
+  tbwd = jax.jit(lambda q, k, w, g, pid, parts: intra_backward_tokens(
       q, k, w, g, pid, parts, chunk=chunk, scale=kw["scale"], interpret=kw["interpret"],
       cfg=cfg))
-  out["delta_intra_bwd_tokens"] = _time_fn(tbwd, (x["q"], x["k"], w, g, pid, partials), first,
-                                           "delta_intra_bwd_tokens")
+  targs = (x["q"], x["k"], w, g, pid, partials)
+  out["delta_intra_bwd_tokens"] = _time_fn(tbwd, targs, first, "delta_intra_bwd_tokens")
+  # dg -> dlog_alpha: the reverse cumsum plus the direct terms' exclusive prefix
+  _, _, _, dg, dla_terms = tbwd(*targs)
+  rcum = jax.jit(lambda dg, terms, starts: chunk_reverse_cumsum(dg, terms, starts, chunk=chunk,
+                                                                interpret=interpret))
+  out["reverse_cumsum_bwd"] = _time_fn(rcum, (dg, dla_terms, starts), first, "reverse_cumsum_bwd")
   out["first_call_s"] = first
   return out
 
@@ -546,7 +552,7 @@ _BOOLS = {"1": True, "true": True, "True": True, "0": False, "false": False, "Fa
 
 def config_from_spec(base, spec):
   """`base` (a config dataclass) with the overrides of `spec`: 'field=value' items joined by '/',
-  e.g. 'max_chunk=64/sub_block=16/bf16_states=0'; '' or 'default' gives `base`."""
+  e.g. 'max_chunk=64/sub_block=32/bf16_states=0'; '' or 'default' gives `base`."""
   if spec in ("", "default"):
     return base
   fields = {f.name: f.type for f in dataclasses.fields(base)}

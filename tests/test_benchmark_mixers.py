@@ -75,7 +75,7 @@ def test_sweep_with_stages_at_tiny_shape():
       assert r["ms"] > 0 and r["first_call_s"] > 0, r
       assert set(r["stages"]) >= {"gain_fwd", "delta_intra_fwd", "delta_recur_fwd",
                                   "delta_recur_bwd", "delta_state_bwd", "delta_partials_bwd",
-                                  "delta_intra_bwd_tokens"}, r
+                                  "delta_intra_bwd_tokens", "reverse_cumsum_bwd"}, r
     assert results["cfg"] == repr(dr_config.DEFAULT)
     assert dr_config.DEFAULT in (old, make(spec))
     # Past the deadline nothing runs.
@@ -148,7 +148,7 @@ def test_stage_split_with_documents(monkeypatch):
   assert seen and all(seen), seen   # the op and the stage split both ran with segments
   for name in ("gain_fwd", "cumsum_glue", "delta_intra_fwd", "delta_recur_fwd",
                "delta_recur_bwd", "delta_state_bwd", "delta_partials_bwd",
-               "delta_intra_bwd_tokens"):
+               "delta_intra_bwd_tokens", "reverse_cumsum_bwd"):
     assert rec["stages"][name] > 0, (name, rec["stages"])
 
 

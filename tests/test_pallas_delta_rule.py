@@ -113,14 +113,14 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
 @pytest.mark.parametrize("variant", [   # (the shipped default: through the ops, ops_cases)
     dict(block_v=32, block_v_parallel=64), dict(block_v=64, block_v_parallel=32),
     dict(max_chunk=32, wy_inverse="doubling"),   # chunk 32: two row blocks, the 32-step backward
-    dict(max_chunk=32, sub_block=16),
+    dict(max_chunk=32, sub_block=32),            # chunk 32 in one row block
     dict(forward_only_chunk=32, wy_inverse="sub_dots"),   # primal at chunk 32, residuals at 16
     dict(pair_diag="columns"), dict(pair_heads=1),
     dict(pair_heads=4),   # (6 heads: programs of gcd(4, 6) = 2 heads)
     dict(pair_token_stores="columns")])
 def test_delta_rule_kernel_variants(variant):
   """Every kernel option (V blocks of the serial and parallel kernels, the WY kernel's inverses,
-  chunk 32 with and without the 16-row intra backward, the forward-only chunk) is exact."""
+  chunk 32 in 16- and 32-row forward blocks, the forward-only chunk) is exact."""
   t = 45
   # (6 heads where the option concerns the pair kernel's programs of several heads)
   heads = 6 if variant.get("pair_heads") == 4 or "pair_token_stores" in variant else 1
@@ -168,8 +168,9 @@ def test_delta_rule_bf16_operand_dots():
     (dict(sub_block=16, wy_inverse="doubling"), jnp.bfloat16, "normal", (5e-3, 1e-2))])
 def test_delta_rule_sub_blocks(variant, dtype, decay, tol):
   """16- or 32-row blocks of a 64-token chunk against the float64 loop: the chunk-64 forward by
-  stage (pair rows, WY, serial pass) with the row-block intra backward; resets inside and at the start of
-  a row block, an initial state, T not a multiple of the chunk."""
+  stage (pair rows, WY, serial pass) and the token-parallel intra backward over 64-token chunks;
+  resets inside and at the start of a row block, an initial state, T not a multiple of the
+  chunk."""
   seg = np.zeros((1, 150), np.int32)
   seg[:, 40:] = 1     # inside a sub-block
   seg[:, 96:] = 2     # at a sub-block start

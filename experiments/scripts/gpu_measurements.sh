@@ -6,7 +6,7 @@
 # mixers (mixer table vs flash-linear-attention), layers (whole layers vs fla's KDA layer),
 # train (125M LM training throughput on 1 GPU, and on 2 when there are 2), mgpu (the Mosaic GPU
 # output stage: tests and timing). Default: all.
-# Kernel config sweep (stages): SWEEP='default,max_chunk=64/sub_block=16' (DeltaRuleConfig fields).
+# Kernel config sweep (stages): SWEEP='default,max_chunk=64/sub_block=32' (DeltaRuleConfig fields).
 # Extra train flags: TRAIN_EXTRA='--config.model.scan_layers=True --config.model.impl=pallas'.
 # Results land in $RES (default /tmp/kdn_gpu); with $OUT set (the device tool) they are also packed
 # into $OUT/results.tgz. Each section has its own time limit.

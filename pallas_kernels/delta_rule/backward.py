@@ -22,7 +22,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import common
 from pallas_kernels.delta_rule.intra_bwd_tokens import intra_backward_tokens
 from pallas_kernels.delta_rule.tiles import (
     dot, dot_nt, dot_tn, kernel_precision, launch_params, by_reset)

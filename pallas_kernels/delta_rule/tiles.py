@@ -55,8 +55,8 @@ def by_reset(cont_ref, b, t_last, body):
   S_init, may round or contract differently); the segment body's S_init tile and masks cost
   registers and dots, which most chunks then skip. Used where it paid (H200, packed 1000-token
   documents, T=4096, chunk 16, session 33): WY 0.91 -> 0.72 ms, output 0.77 -> 0.59, the
-  backward partials 4.30 -> 1.63 (1.45 without segments) and the fused backward 6.39 -> 2.75
-  (2.58); op fwd+bwd 9.56 -> 6.42. The pair kernel, whose segment masks are cheap (0.83 against
+  backward partials 4.30 -> 1.63 (1.45 without segments) and the fused backward (removed in
+  session 39) 6.39 -> 2.75 (2.58); op fwd+bwd 9.56 -> 6.42. The pair kernel, whose segment masks are cheap (0.83 against
   0.77 ms without segments), did not gain (0.87) and keeps one body."""
   if cont_ref is None:
     body(False)
