@@ -50,6 +50,8 @@ flags.DEFINE_list("pallas_lens", [], "if set, time *_pallas rows only at these l
                   "length compiles the kernels again)", flag_values=FLAGS)
 flags.DEFINE_boolean("check", True, "run the GPU correctness check first", flag_values=FLAGS)
 flags.DEFINE_boolean("check_only", False, "only run the correctness check", flag_values=FLAGS)
+flags.DEFINE_integer("check_dim", 128, "head width K = V of the correctness check (16-128)",
+                     flag_values=FLAGS)
 flags.DEFINE_float("time_budget_s", 420.0, "stop timing new cells (and sweep specs) after this "
                    "many seconds", flag_values=FLAGS)
 flags.DEFINE_list("sweep", [], "DeltaRuleConfig overrides to try on diag_kdn_pallas fwd+bwd at "
@@ -455,6 +457,13 @@ def _time_stages(t, docs=False):
   o = output(*oargs)
   # the serial pass and the output stage together (the earlier sessions' "recurrent fwd")
   out["delta_recur_fwd"] = out["delta_state_fwd"] + out["delta_output_fwd"]
+  # ... and as one kernel (cfg.fuse_output): without the states (a call not differentiated)
+  # and with them (training's forward)
+  for save in (False, True):
+    fused = jax.jit(lambda u, wk, wt, g, h0, cont, q, p, save=save: dstate.state_output_forward(
+        u, wk, wt, g, h0, cont, q, p, save_states=save, **kw))
+    name = "delta_state_output_fwd" + ("_save" if save else "")
+    out[name] = _time_fn(fused, (u, wk, wt, g, h0, cont, x["q"], pmat), first, name)
   rbwd = jax.jit(lambda q, k, v, g, h0, cont, res, do: dbwd.recur_backward(
       q, k, v, g, h0, cont, res, do, jnp.zeros_like(h0), **kw))
   args = (x["q"], x["k"], x["v"], g, h0, cont, (amat, pmat, wt, wk, states), jnp.ones_like(o))
@@ -658,7 +667,7 @@ def main(argv):
   save()
   if FLAGS.check or FLAGS.check_only:
     try:
-      results["check"] = run_check()
+      results["check"] = run_check(d=FLAGS.check_dim)
       bad = check_violations(results["check"])
       if bad:   # the rows still run (they time this config), but the report says it is wrong
         results["check_failed"] = bad

@@ -74,6 +74,7 @@ def test_sweep_with_stages_at_tiny_shape():
     for r in recs:
       assert r["ms"] > 0 and r["first_call_s"] > 0, r
       assert set(r["stages"]) >= {"gain_fwd", "delta_intra_fwd", "delta_recur_fwd",
+                                  "delta_state_output_fwd", "delta_state_output_fwd_save",
                                   "delta_recur_bwd", "delta_state_bwd", "delta_partials_bwd",
                                   "delta_intra_bwd_tokens", "reverse_cumsum_bwd"}, r
     assert results["cfg"] == repr(dr_config.DEFAULT)

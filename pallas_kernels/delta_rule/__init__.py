@@ -12,7 +12,8 @@ One module per stage (options in config.DeltaRuleConfig), imported only from her
   chunk_cumsum  g and its transpose
   intra         L, P and Wt (the pair kernel), then wy: A, W = A Kbar, U = A V', parallel
                 over chunks
-  state_pass    the serial chunk loop: S_final, chunk-start states, Delta = U - W S_0
+  state_pass    the serial chunk loop: S_final, chunk-start states, Delta = U - W S_0 (with
+                cfg.fuse_output also O, in the same loop)
   output        O = Qbar S_0 + P Delta, parallel over chunks
   backward      the reverse dS chain, dV and the partial gradients, then intra_bwd_tokens
   intra_bwd_tokens  the intra backward, token-parallel
@@ -65,6 +66,10 @@ def forward(q, k, v, w, g, h0, cont, pid, *, chunk, scale, interpret, cfg, cfg_p
   cont: [B,T] f32 or None; pid: [B,T] int32 or None (both None without segments)."""
   kw = dict(chunk=chunk, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
   amat, pmat, wt, wk, u = _intra.intra_forward(q, k, v, w, g, h0, pid, cont, scale=scale, **kw)
+  if cfg.fuse_output:
+    o, sfin, *states = _state_pass.state_output_forward(
+        u, wk, wt, g, h0, cont, q, pmat, scale=scale, save_states=save_states, **kw)
+    return o, sfin, (amat, pmat, wt, wk, states[0] if save_states else None)
   delta, sfin, states = _state_pass.state_forward(u, wk, wt, g, h0, cont, **kw)
   o = _output.output_forward(q, g, pmat, delta, states, h0, cont, scale=scale, **kw)
   return o, sfin, (amat, pmat, wt, wk, states if save_states else None)

@@ -91,6 +91,10 @@ class DeltaRuleConfig:
   # beyond that and was dropped: docs/benchmark_mixers.md)
   num_warps_output: int = 4
   num_warps_recur: int = 4   # Triton warps, recurrent kernels (serial over chunks)
+  # The output O = Qbar S_0 + P Delta formed inside the serial state pass (state_pass.py), off
+  # its chain, instead of by the parallel output kernel (output.py): Delta never goes through
+  # memory, and the chunk-start states only when the backward needs them.
+  fuse_output: bool = False
   # Triton software-pipelining stages of the kernels' loops. Session 39, H200 fwd+bwd, one
   # process per line, 2 -> 3: diag KDN T=16384 16.83 -> 16.18 ms (GPU check passed at 3), with
   # documents 18.17 -> 17.92, iso 15.48 -> 15.32; T=4096 4.57 -> 4.51.

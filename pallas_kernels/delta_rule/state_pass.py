@@ -1,6 +1,7 @@
 """Serial state-pass stage (forward): per (batch, head, V block), over chunks in order,
 Delta = U - W S_0 (U = A V' and W = A Kbar from wy.py) and S_C = exp(g_last) S_0 + Wt^T Delta,
-the chain's only two dots. Saves the chunk-start states and Delta for the output stage.
+the chain's only two dots. Saves the chunk-start states and Delta for the output stage
+(output.py), or with DeltaRuleConfig.fuse_output forms O itself (state_output_forward).
 """
 from __future__ import annotations
 
@@ -15,10 +16,16 @@ from pallas_kernels.delta_rule.tiles import (
     dot, dot_tn, kernel_precision, operand_dtype, state_dtype, launch_params)
 
 
-def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec):
+def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_output, scale,
+                       save_states):
   """Serial over chunks with U = A V' precomputed (wy.py): Delta = U - W S_0 and
-  S <- exp(g_last) S_base + Wt^T Delta, the chain's only two dots; Delta is stored for the
-  output stage in the dots' operand dtype (it only enters P Delta there).
+  S <- exp(g_last) S_base + Wt^T Delta, the chain's only two dots.
+
+  Unfused, Delta and the chunk-start states are stored for the output stage (output.py; Delta
+  in the dots' operand dtype: it only enters P Delta there). With fuse_output the step also
+  forms the chunk's O = Qbar S_0 (+ Qbar_new S_init after a reset) + P Delta, off the chain:
+  neither Delta nor the states go through memory for it, and the states are stored only when
+  the backward needs them (save_states).
 
   Chunk c + 1's inputs are loaded before chunk c's dots and carried into the next step: ncu
   (H200, session 35) put half the loop's stall cycles on global-load waits, one warp per
@@ -26,32 +33,54 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec):
   1.77 ms, op fwd+bwd 20.27 -> 19.74 ms. (The same prefetch in the backward's dS chain lost,
   2.99 -> 3.36 ms, and was removed.)"""
   names = ["u", "wk", "wt", "g", "h0"] + (["cont"] if has_seg else [])
+  if fuse_output:
+    names += ["q", "p"]
   r = dict(zip(names, refs[:len(names)]))
-  delta_ref, sfin_ref, states_ref = refs[len(names):]
+  outs = list(refs[len(names):])
+  o_ref = outs.pop(0) if fuse_output else None
+  delta_ref = None if fuse_output else outs.pop(0)
+  sfin_ref = outs.pop(0)
+  states_ref = outs.pop(0) if save_states else None
   b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   C = chunk
   vs = pl.ds(vb * block_v, block_v)
   s_init = r["h0"][b, h, :, vs].astype(jnp.float32)
 
   def inputs(c):
-    """Chunk c's loads: U, W, Wt, g_last (and cont_last with segments)."""
+    """Chunk c's loads: U, W, Wt, g_last (cont_last with segments; the chunk's q, g, P and
+    cont rows with fuse_output)."""
     t0 = c * C
     rows = pl.ds(t0, C)
-    x = (r["u"][b, rows, h, vs], r["wk"][b, rows, h, :], r["wt"][b, rows, h, :],
-         r["g"][b, t0 + C - 1, h, :])
-    return x + ((r["cont"][b, t0 + C - 1],) if has_seg else ())
+    x = dict(u=r["u"][b, rows, h, vs], wk=r["wk"][b, rows, h, :], wt=r["wt"][b, rows, h, :],
+             g_last=r["g"][b, t0 + C - 1, h, :])
+    if has_seg:
+      x["cont_last"] = r["cont"][b, t0 + C - 1]
+    if fuse_output:
+      x.update(q=r["q"][b, rows, h, :], g=r["g"][b, rows, h, :], p=r["p"][b, h, rows, :])
+      if has_seg:
+        x["cont"] = r["cont"][b, rows]
+    return x
 
   def step(c, s, x):
-    u, wk, wt, g_last = x[:4]
     rows = pl.ds(c * C, C)
-    states_ref[b, h, c, :, vs] = s.astype(states_ref.dtype)
-    delta = u.astype(jnp.float32) - dot(wk, s, prec)
-    delta_ref[b, rows, h, vs] = delta.astype(delta_ref.dtype)
-    e_last = jnp.exp(g_last)[:, None]
+    if states_ref is not None:
+      states_ref[b, h, c, :, vs] = s.astype(states_ref.dtype)
+    delta = x["u"].astype(jnp.float32) - dot(x["wk"], s, prec)
+    if fuse_output:
+      qbar = (scale * x["q"].astype(jnp.float32)) * jnp.exp(x["g"].astype(jnp.float32))
+      if has_seg:   # rows whose segment starts inside the chunk read S_init
+        cont = x["cont"][:, None]
+        o = dot(qbar * cont, s, prec) + dot(qbar * (1.0 - cont), s_init, prec)
+      else:
+        o = dot(qbar, s, prec)
+      o = o + dot(x["p"], delta, prec)
+      o_ref[b, rows, h, vs] = o.astype(o_ref.dtype)
+    else:
+      delta_ref[b, rows, h, vs] = delta.astype(delta_ref.dtype)
+    e_last = jnp.exp(x["g_last"])[:, None]
     if has_seg:   # the chunk's last token restarted from S_init inside the chunk
-      cont_last = x[4]
-      s = cont_last * s + (1.0 - cont_last) * s_init
-    return e_last * s + dot_tn(wt, delta, prec)
+      s = x["cont_last"] * s + (1.0 - x["cont_last"]) * s_init
+    return e_last * s + dot_tn(x["wt"], delta, prec)
 
   def body(c, carry):
     s, x = carry
@@ -65,18 +94,36 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec):
 def state_forward(u, wk, wt, g, h0, cont, *, chunk, interpret, cfg, cfg_prec):
   """The serial stage: (Delta [B, T, H, V] in the dots' operand dtype, S_final [B, H, K, V] f32,
   the chunk-start states [B, H, NC, K, V])."""
+  return _call(u, wk, wt, g, h0, cont, (), chunk=chunk, interpret=interpret, cfg=cfg,
+               cfg_prec=cfg_prec, scale=1.0, save_states=True)
+
+
+def state_output_forward(u, wk, wt, g, h0, cont, q, pmat, *, chunk, scale, interpret, cfg,
+                         cfg_prec, save_states):
+  """The serial stage with the output fused (cfg.fuse_output): (O [B, T, H, V] in q's dtype,
+  S_final [B, H, K, V] f32) and, with save_states, the chunk-start states [B, H, NC, K, V]."""
+  return _call(u, wk, wt, g, h0, cont, (q, pmat), chunk=chunk, interpret=interpret, cfg=cfg,
+               cfg_prec=cfg_prec, scale=scale, save_states=save_states)
+
+
+def _call(u, wk, wt, g, h0, cont, out_in, *, chunk, interpret, cfg, cfg_prec, scale,
+          save_states):
   bsz, t, nh, kd = wk.shape
   vd = u.shape[-1]
   nc = t // chunk
   has_seg = cont is not None
+  fuse_output = bool(out_in)
   prec = kernel_precision(cfg, cfg_prec, interpret)
   block_v = min(cfg.block_v, vd)
+  first = jax.ShapeDtypeStruct(u.shape, out_in[0].dtype if fuse_output else operand_dtype(prec))
+  out_shape = [first, jax.ShapeDtypeStruct((bsz, nh, kd, vd), jnp.float32)]
+  if save_states:
+    out_shape.append(jax.ShapeDtypeStruct((bsz, nh, nc, kd, vd), state_dtype(cfg, prec)))
   return pl.pallas_call(
       functools.partial(_state_pass_kernel, chunk=chunk, num_chunks=nc, has_seg=has_seg,
-                        block_v=block_v, prec=prec),
-      out_shape=(jax.ShapeDtypeStruct(u.shape, operand_dtype(prec)),
-                 jax.ShapeDtypeStruct((bsz, nh, kd, vd), jnp.float32),
-                 jax.ShapeDtypeStruct((bsz, nh, nc, kd, vd), state_dtype(cfg, prec))),
-      grid=(bsz, nh, vd // block_v), name="delta_rule_state_pass",
+                        block_v=block_v, prec=prec, fuse_output=fuse_output, scale=scale,
+                        save_states=save_states),
+      out_shape=tuple(out_shape), grid=(bsz, nh, vd // block_v),
+      name="delta_rule_state_output" if fuse_output else "delta_rule_state_pass",
       **launch_params(interpret, cfg.num_warps_recur, cfg),
-  )(*([u, wk, wt, g, h0] + ([cont] if has_seg else [])))
+  )(*([u, wk, wt, g, h0] + ([cont] if has_seg else []) + list(out_in)))
