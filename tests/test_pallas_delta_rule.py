@@ -118,7 +118,8 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
     dict(pair_diag="columns"), dict(pair_heads=1),
     dict(pair_heads=4),   # (6 heads: programs of gcd(4, 6) = 2 heads)
     dict(pair_token_stores="columns"),
-    dict(fuse_output=True), dict(fuse_output=True, block_v=32, max_chunk=32)])
+    dict(fuse_output="all"), dict(fuse_output="none"),
+    dict(fuse_output="primal", block_v=32, max_chunk=32)])
 def test_delta_rule_kernel_variants(variant):
   """Every kernel option (V blocks of the serial and parallel kernels, the WY kernel's inverses,
   chunk 32 in 16- and 32-row forward blocks, the forward-only chunk) is exact."""
@@ -186,7 +187,7 @@ def test_delta_rule_bf16_states():
   seg = np.zeros((1, 150), np.int32)
   seg[:, 70:] = 1
   for extra in (dict(bf16_states=True, max_chunk=32), dict(bf16_states=False),
-                dict(fast_dots="tf32"), dict(fuse_output=True)):   # (tf32: fp32 operands, so fp32 states too)
+                dict(fast_dots="tf32"), dict(fuse_output="all")):   # (tf32: fp32 operands, so fp32 states too)
     with dr_config.overridden(**extra):
       _check(_inputs(13, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"), seg, 32, 5e-3, 1e-2)
 

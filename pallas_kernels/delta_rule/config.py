@@ -92,9 +92,10 @@ class DeltaRuleConfig:
   num_warps_output: int = 4
   num_warps_recur: int = 4   # Triton warps, recurrent kernels (serial over chunks)
   # The output O = Qbar S_0 + P Delta formed inside the serial state pass (state_pass.py), off
-  # its chain, instead of by the parallel output kernel (output.py): Delta never goes through
-  # memory, and the chunk-start states only when the backward needs them.
-  fuse_output: bool = False
+  # its chain, instead of by the parallel output kernel (output.py), so Delta never goes
+  # through memory: 'primal' in calls that are not differentiated (no chunk-start states
+  # stored at all), 'all' in every call (the states stored for the backward), 'none'.
+  fuse_output: str = "primal"
   # Triton software-pipelining stages of the kernels' loops. Session 39, H200 fwd+bwd, one
   # process per line, 2 -> 3: diag KDN T=16384 16.83 -> 16.18 ms (GPU check passed at 3), with
   # documents 18.17 -> 17.92, iso 15.48 -> 15.32; T=4096 4.57 -> 4.51.
@@ -122,6 +123,9 @@ class DeltaRuleConfig:
     if self.pair_diag not in ("columns", "token_loop"):
       raise ValueError("DeltaRuleConfig.pair_diag must be 'columns' or 'token_loop', got "
                        f"{self.pair_diag!r}")
+    if self.fuse_output not in ("none", "primal", "all"):
+      raise ValueError("DeltaRuleConfig.fuse_output must be 'none', 'primal' or 'all', got "
+                       f"{self.fuse_output!r}")
     if self.pair_token_stores not in ("row", "columns"):
       raise ValueError("DeltaRuleConfig.pair_token_stores must be 'row' or 'columns', got "
                        f"{self.pair_token_stores!r}")

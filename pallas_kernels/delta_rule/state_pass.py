@@ -68,13 +68,16 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_ou
     delta = x["u"].astype(jnp.float32) - dot(x["wk"], s, prec)
     if fuse_output:
       qbar = (scale * x["q"].astype(jnp.float32)) * jnp.exp(x["g"].astype(jnp.float32))
-      if has_seg:   # rows whose segment starts inside the chunk read S_init
+      pd = dot(x["p"], delta, prec)
+      store = lambda o: o_ref.__setitem__((b, rows, h, vs), o.astype(o_ref.dtype))
+      if has_seg:   # rows whose segment starts inside the chunk read S_init (tiles.by_reset)
         cont = x["cont"][:, None]
-        o = dot(qbar * cont, s, prec) + dot(qbar * (1.0 - cont), s_init, prec)
+        reset = x["cont_last"] < 0.5
+        pl.when(reset)(lambda: store(
+            dot(qbar * cont, s, prec) + dot(qbar * (1.0 - cont), s_init, prec) + pd))
+        pl.when(jnp.logical_not(reset))(lambda: store(dot(qbar, s, prec) + pd))
       else:
-        o = dot(qbar, s, prec)
-      o = o + dot(x["p"], delta, prec)
-      o_ref[b, rows, h, vs] = o.astype(o_ref.dtype)
+        store(dot(qbar, s, prec) + pd)
     else:
       delta_ref[b, rows, h, vs] = delta.astype(delta_ref.dtype)
     e_last = jnp.exp(x["g_last"])[:, None]
