@@ -119,10 +119,11 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
     dict(pair_heads=4),   # (6 heads: programs of gcd(4, 6) = 2 heads)
     dict(pair_token_stores="columns"),
     dict(fuse_output="all"), dict(fuse_output="none"),
-    dict(fuse_output="primal", block_v=32, max_chunk=32)])
+    dict(fuse_output="all", block_v=32, max_chunk=32)])
 def test_delta_rule_kernel_variants(variant):
   """Every kernel option (V blocks of the serial and parallel kernels, the WY kernel's inverses,
-  chunk 32 in 16- and 32-row forward blocks, the forward-only chunk) is exact."""
+  chunk 32 in 16- and 32-row forward blocks, the forward-only chunk, the output fused into the
+  serial pass with resets and with the states saved) is exact."""
   t = 45
   # (6 heads where the option concerns the pair kernel's programs of several heads)
   heads = 6 if variant.get("pair_heads") == 4 or "pair_token_stores" in variant else 1

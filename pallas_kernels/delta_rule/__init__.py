@@ -66,7 +66,8 @@ def forward(q, k, v, w, g, h0, cont, pid, *, chunk, scale, interpret, cfg, cfg_p
   cont: [B,T] f32 or None; pid: [B,T] int32 or None (both None without segments)."""
   kw = dict(chunk=chunk, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
   amat, pmat, wt, wk, u = _intra.intra_forward(q, k, v, w, g, h0, pid, cont, scale=scale, **kw)
-  if cfg.fuse_output == "all" or (cfg.fuse_output == "primal" and not save_states):
+  if cfg.fuse_output == "all" or (cfg.fuse_output == "primal" and not save_states
+                                   and cont is None):
     o, sfin, *states = _state_pass.state_output_forward(
         u, wk, wt, g, h0, cont, q, pmat, scale=scale, save_states=save_states, **kw)
     return o, sfin, (amat, pmat, wt, wk, states[0] if save_states else None)
