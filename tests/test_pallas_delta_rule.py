@@ -188,7 +188,7 @@ def test_delta_rule_bf16_states():
   seg = np.zeros((1, 150), np.int32)
   seg[:, 70:] = 1
   for extra in (dict(bf16_states=True, max_chunk=32), dict(bf16_states=False),
-                dict(fast_dots="tf32"), dict(fuse_output="all")):   # (tf32: fp32 operands, so fp32 states too)
+                dict(fast_dots="tf32")):   # (tf32: fp32 operands, so fp32 states too)
     with dr_config.overridden(**extra):
       _check(_inputs(13, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"), seg, 32, 5e-3, 1e-2)
 
