@@ -5,7 +5,8 @@
 # (the same for the packed-documents path),
 # mixers (mixer table vs flash-linear-attention), layers (whole layers vs fla's KDA layer),
 # train (125M LM training throughput on 1 GPU, and on 2 when there are 2), mgpu (the Mosaic GPU
-# output stage: tests and timing). Default: all.
+# output stage: tests and timing), forward (fuse_output against the unfused kernels, and its GPU
+# check at K=128 and 16). Default: check ops stages docs mixers layers train.
 # Kernel config sweep (stages): SWEEP='default,max_chunk=64/sub_block=32' (DeltaRuleConfig fields).
 # Extra train flags: TRAIN_EXTRA='--config.model.scan_layers=True --config.model.impl=pallas'.
 # Results land in $RES (default /tmp/kdn_gpu); with $OUT set (the device tool) they are also packed
@@ -84,6 +85,29 @@ train)
       2>&1 | tee "$RES/train_${n}gpu.txt" | quiet | tail -12
     grep -c "Compiling" "$RES/train_${n}gpu.txt" | sed 's/^/compiles logged: /'
     cp "/tmp/kdn_train_${n}gpu/summary.json" "$RES/train_${n}gpu_summary.json" 2>/dev/null
+  done ;;
+forward)
+  # fuse_output (session 40): the default's forward (the output fused into the serial pass in
+  # calls not differentiated) against fuse_output=none at 16k and 4k with the stage split; 'all'
+  # (every call, training too) fwd+bwd without and with documents; the GPU check at K=128 and
+  # K=16. Only the ranking lines are printed (the stage splits are in the JSON).
+  fwd() { timeout ${FORWARD_LIMIT:-200} python3 -m experiments.benchmark_mixers --pallas_lens= \
+    --reps=${REPS:-20} --sweep_combine=false --rows= --check=false "$@" 2>&1 | quiet \
+    | grep '"sweep"' | sed 's/, "stages".*//' | tee -a "$RES/forward.txt"; }
+  for T in 16384 4096; do
+    fwd --out="$RES/forward_$T" --seq_lens=$T --sweep_len=$T --sweep_fwd_only --sweep_stages \
+      --sweep=default,fuse_output=none
+  done
+  fwd --out="$RES/forward_all" --seq_lens=16384 --sweep_len=16384 --sweep=default,fuse_output=all
+  fwd --out="$RES/forward_all_docs" --seq_lens=16384 --sweep_len=16384 \
+    --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
+  for D in 128 16; do
+    timeout ${CHECK_LIMIT:-150} python3 -m experiments.benchmark_mixers --out="$RES/check_k$D" \
+      --check_only --check_dim=$D 2>&1 | quiet | grep -E '^check |FAILED' > "$RES/check_k$D.txt"
+    for dt in float32 bfloat16; do   # each dtype's largest error, and any failure
+      grep -E "$dt|FAILED" "$RES/check_k$D.txt" | sort -g -k3 | tail -1 | sed "s/^/K=$D /" \
+        | tee -a "$RES/forward.txt"
+    done
   done ;;
 mgpu)
   # Issue 18's Mosaic GPU trial port of the output stage (docs/mosaic_gpu.md): its compiled tests,
