@@ -88,16 +88,20 @@ train)
   done ;;
 forward)
   # fuse_output (session 40): the default's forward (the output fused into the serial pass in
-  # calls not differentiated) against fuse_output=none at 16k and 4k with the stage split; 'all'
-  # (every call, training too) fwd+bwd without and with documents; the GPU check at K=128 and
-  # K=16. Only the ranking lines are printed (the stage splits are in the JSON).
-  fwd() { timeout ${FORWARD_LIMIT:-200} python3 -m experiments.benchmark_mixers --pallas_lens= \
+  # calls not differentiated) against fuse_output=none (and two launch variants) at 16k and 4k
+  # with the stage split; with documents; 'all' (every call, training too) fwd+bwd without and
+  # with documents; the GPU check at K=128 and K=16 (~560 s in all; FORWARD_LIMIT per line).
+  # Only the ranking lines are printed (the stage splits are in the JSON).
+  fwd() { timeout ${FORWARD_LIMIT:-240} python3 -m experiments.benchmark_mixers --pallas_lens= \
     --reps=${REPS:-20} --sweep_combine=false --rows= --check=false "$@" 2>&1 | quiet \
     | grep '"sweep"' | sed 's/, "stages".*//' | tee -a "$RES/forward.txt"; }
-  for T in 16384 4096; do
-    fwd --out="$RES/forward_$T" --seq_lens=$T --sweep_len=$T --sweep_fwd_only --sweep_stages \
-      --sweep=default,fuse_output=none
-  done
+  fwd --out="$RES/forward_16384" --seq_lens=16384 --sweep_len=16384 --sweep_fwd_only \
+    --sweep_stages --sweep=${FORWARD_SWEEP:-default,fuse_output=none,block_v=32,forward_only_chunk=32}
+  fwd --out="$RES/forward_4096" --seq_lens=4096 --sweep_len=4096 --sweep_fwd_only --sweep_stages \
+    --sweep=default,fuse_output=none
+  # with documents: 'all' also fuses the primal (its S_init dot only in chunks with a reset)
+  fwd --out="$RES/forward_docs" --seq_lens=16384 --sweep_len=16384 --sweep_fwd_only \
+    --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
   fwd --out="$RES/forward_all" --seq_lens=16384 --sweep_len=16384 --sweep=default,fuse_output=all
   fwd --out="$RES/forward_all_docs" --seq_lens=16384 --sweep_len=16384 \
     --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
