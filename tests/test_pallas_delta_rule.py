@@ -60,7 +60,9 @@ def _inputs(seed, b, t, h, kd, vd, dtype, scalar_decay, decay, write_scale=0.5):
   return arrs + [jnp.asarray(s0, jnp.float32)]
 
 
-def _check(args, seg, chunk, tol_fwd, tol_grad, scale=0.7):
+def _check(args, seg, chunk, tol_fwd, tol_grad, scale=0.7, vjp_primal=False):
+  """Outputs, final state and every gradient against the float64 loop; with vjp_primal also the
+  outputs of a differentiated call (the custom_vjp's forward, which saves residuals)."""
   segj = None if seg is None else jnp.asarray(seg, jnp.int32)
   f = jax.jit(lambda *a: delta_rule(*a[:5], scale, a[5], segj, chunk_size=chunk))
   o, s = f(*args)
@@ -80,6 +82,10 @@ def _check(args, seg, chunk, tol_fwd, tol_grad, scale=0.7):
     ro, rs, rg = np.asarray(ro), np.asarray(rs), [np.asarray(x) for x in rg]
   assert _rel(o, ro) <= tol_fwd, ("o", _rel(o, ro))
   assert _rel(s, rs) <= tol_fwd, ("S_final", _rel(s, rs))
+  if vjp_primal:
+    o_d, s_d = jax.jit(lambda *a: jax.vjp(f, *a)[0])(*args)
+    assert _rel(o_d, ro) <= tol_fwd, ("o (differentiated call)", _rel(o_d, ro))
+    assert _rel(s_d, rs) <= tol_fwd, ("S_final (differentiated call)", _rel(s_d, rs))
   def loss(*a):
     o, s = f(*a)
     return jnp.sum(o.astype(jnp.float32) * ct_o) + jnp.sum(s * ct_s)
@@ -129,10 +135,12 @@ def test_delta_rule_kernel_variants(variant):
   heads = 6 if variant.get("pair_heads") == 4 or "pair_token_stores" in variant else 1
   args = _inputs(5, 2, t, heads, 64, 64, jnp.float32, False, "normal")
   seg = np.zeros((2, t), np.int32)
-  seg[0, 20:] = 1
+  seg[0, 20:] = 1   # inside a chunk
+  seg[0, 31:] = 2   # on a chunk's last row
+  seg[0, 32:] = 3   # on the next chunk's first row
   seg[1, 38:] = 3
   with dr_config.overridden(**variant):
-    _check(args, seg, 32, 1e-5, 1e-4)
+    _check(args, seg, 32, 1e-5, 1e-4, vjp_primal=variant.get("fuse_output") == "all")
 
 
 @pytest.mark.parametrize("variant", [{}, dict(max_chunk=32), dict(pair_heads=1)])
@@ -155,13 +163,16 @@ def test_delta_rule_intra_backward(segments, variant):
            variant.get("max_chunk", 16), 1e-5, 1e-4)
 
 
-def test_delta_rule_bf16_operand_dots():
+@pytest.mark.parametrize("fuse_output", ["primal", "all"])
+def test_delta_rule_bf16_operand_dots(fuse_output):
   """fast_dots='bf16' (bf16 dot operands for bf16 data; the shipped default) stays within the
-  bf16 bounds over 10 chunks."""
+  bf16 bounds over 10 chunks, bf16 states included; also with the output fused into the serial
+  pass in every call (the outputs of a differentiated call checked too)."""
   seg = np.zeros((1, 150), np.int32)
   seg[:, 70:] = 1
-  with dr_config.overridden(fast_dots="bf16"):
-    _check(_inputs(11, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"), seg, 32, 5e-3, 1e-2)
+  with dr_config.overridden(fast_dots="bf16", fuse_output=fuse_output):
+    _check(_inputs(11, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"), seg, 32, 5e-3, 1e-2,
+           vjp_primal=fuse_output == "all")
 
 
 @pytest.mark.parametrize("variant,dtype,decay,tol", [

@@ -69,12 +69,43 @@ def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
                     and "max_chunk" not in variant)   # (chunks of one row block only)
   expected = {"kdn_gain_reduce", "kdn_gain_replay", "kdn_gain_bwd_reduce", "kdn_gain_bwd_replay",
               "delta_rule_cumsum", "delta_rule_wy",
-              *(("delta_rule_state_output",) if variant.get("fuse_output") else
+              *(("delta_rule_state_output",) if variant.get("fuse_output") == "all" else
                 ("delta_rule_state_pass", "delta_rule_output")),
               "delta_rule_recur_bwd", "delta_rule_bwd_partials", "delta_rule_intra_bwd_tokens",
               "delta_rule_reverse_cumsum",
               "delta_rule_pair_token_loop" if token_parallel else "delta_rule_pair_rows"}
   assert expected <= _triton_kernels(text), expected - _triton_kernels(text)
+
+
+@pytest.mark.parametrize("fuse_output", ["none", "primal", "all"])
+@pytest.mark.parametrize("segments", [False, True])
+@pytest.mark.parametrize("differentiated", [False, True])
+def test_fuse_output_picks_the_kernels_and_lowers(as_on_gpu, fuse_output, segments,
+                                                   differentiated):
+  """DeltaRuleConfig.fuse_output: the serial pass forms O itself (delta_rule_state_output, no
+  output kernel) in every call under 'all' and, under 'primal' (the default), in calls that are
+  not differentiated and have no segment_ids; the other calls run the state pass and the output
+  kernel. Each combination lowers for CUDA, bf16 data."""
+  from pallas_kernels import delta_rule   # pylint: disable=g-import-not-at-top
+  q, k, v, la, _, _, seg = _op_inputs(jnp.bfloat16)
+  seg = seg if segments else None
+  h0 = jnp.zeros((1, 2, 64, 64), jnp.float32)
+
+  def fwd(q, k, v):
+    return delta_rule(q, k, v, la, k, 0.125, h0, seg, chunk_size=16)[0]
+
+  fn = jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32)),
+                argnums=(0, 1, 2)) if differentiated else fwd
+  with dr_config.overridden(fuse_output=fuse_output):
+    kernels = _triton_kernels(_lower_for_cuda(fn, q, k, v))
+  fused = fuse_output == "all" or (fuse_output == "primal" and not differentiated
+                                   and not segments)
+  if fused:
+    assert "delta_rule_state_output" in kernels and not kernels & {
+        "delta_rule_state_pass", "delta_rule_output"}, kernels
+  else:
+    assert {"delta_rule_state_pass", "delta_rule_output"} <= kernels, kernels
+    assert "delta_rule_state_output" not in kernels, kernels
 
 
 @pytest.mark.parametrize("mixer", ["kdn_diag", "kdn_iso"])

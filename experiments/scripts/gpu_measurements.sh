@@ -88,30 +88,36 @@ train)
   done ;;
 forward)
   # fuse_output (session 40): the default's forward (the output fused into the serial pass in
-  # calls not differentiated) against fuse_output=none (and two launch variants) at 16k and 4k
-  # with the stage split; with documents; 'all' (every call, training too) fwd+bwd without and
-  # with documents; the GPU check at K=128 and K=16 (~560 s in all; FORWARD_LIMIT per line).
+  # calls not differentiated) against fuse_output=none (and block_v=32) at 16k and 4k with the
+  # stage split; with documents; 'all' (every call, training too) fwd+bwd without and with
+  # documents; the GPU check of the default at K=128 and K=16 and of 'all' (its reset branch).
+  # About 500 s; each line has its own limit, and results.tgz is packed after each.
   # Only the ranking lines are printed (the stage splits are in the JSON).
-  fwd() { timeout ${FORWARD_LIMIT:-240} python3 -m experiments.benchmark_mixers --pallas_lens= \
-    --reps=${REPS:-20} --sweep_combine=false --rows= --check=false "$@" 2>&1 | quiet \
-    | grep '"sweep"' | sed 's/, "stages".*//' | tee -a "$RES/forward.txt"; }
-  fwd --out="$RES/forward_16384" --seq_lens=16384 --sweep_len=16384 --sweep_fwd_only \
-    --sweep_stages --sweep=${FORWARD_SWEEP:-default,fuse_output=none,block_v=32,forward_only_chunk=32}
-  fwd --out="$RES/forward_4096" --seq_lens=4096 --sweep_len=4096 --sweep_fwd_only --sweep_stages \
-    --sweep=default,fuse_output=none
+  fwd() { timeout "$1" python3 -m experiments.benchmark_mixers --pallas_lens= --reps=${REPS:-20} \
+    --sweep_combine=false --rows= --check=false "${@:2}" 2>&1 | quiet | grep '"sweep"' \
+    | sed 's/, "stages".*//' | tee -a "$RES/forward.txt"; pack; }
+  fwd 150 --out="$RES/forward_16384" --seq_lens=16384 --sweep_len=16384 --sweep_fwd_only \
+    --sweep_stages --sweep=${FORWARD_SWEEP:-default,fuse_output=none,block_v=32}
+  fwd 60 --out="$RES/forward_4096" --seq_lens=4096 --sweep_len=4096 --sweep_fwd_only \
+    --sweep_stages --sweep=default,fuse_output=none
   # with documents: 'all' also fuses the primal (its S_init dot only in chunks with a reset)
-  fwd --out="$RES/forward_docs" --seq_lens=16384 --sweep_len=16384 --sweep_fwd_only \
+  fwd 50 --out="$RES/forward_docs" --seq_lens=16384 --sweep_len=16384 --sweep_fwd_only \
     --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
-  fwd --out="$RES/forward_all" --seq_lens=16384 --sweep_len=16384 --sweep=default,fuse_output=all
-  fwd --out="$RES/forward_all_docs" --seq_lens=16384 --sweep_len=16384 \
+  fwd 50 --out="$RES/forward_all" --seq_lens=16384 --sweep_len=16384 --sweep=default,fuse_output=all
+  fwd 50 --out="$RES/forward_all_docs" --seq_lens=16384 --sweep_len=16384 \
     --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
-  for D in 128 16; do
-    timeout ${CHECK_LIMIT:-150} python3 -m experiments.benchmark_mixers --out="$RES/check_k$D" \
-      --check_only --check_dim=$D 2>&1 | quiet | grep -E '^check |FAILED' > "$RES/check_k$D.txt"
-    for dt in float32 bfloat16; do   # each dtype's largest error, and any failure
-      grep -E "$dt|FAILED" "$RES/check_k$D.txt" | sort -g -k3 | tail -1 | sed "s/^/K=$D /" \
-        | tee -a "$RES/forward.txt"
+  # the check: a one-spec sweep makes that spec the config the check runs
+  for c in "128 default" "16 default" "128 fuse_output=all"; do
+    set -- $c
+    timeout ${CHECK_LIMIT:-60} python3 -m experiments.benchmark_mixers --out="$RES/check_k$1_$2" \
+      --check_only --check_dim=$1 --sweep_len=2048 --sweep_combine=false --sweep=$2 2>&1 | quiet \
+      | grep -E '^check |FAILED' > "$RES/check_k$1_$2.txt"
+    for dt in float32 bfloat16; do   # the delta rule's largest error per dtype
+      grep "^check delta_rule_$dt" "$RES/check_k$1_$2.txt" | grep -v nan | sort -g -k3 | tail -1 \
+        | sed "s/^/K=$1 $2: /" | tee -a "$RES/forward.txt"
     done
+    grep -E "nan|FAILED" "$RES/check_k$1_$2.txt" | sed "s/^/K=$1 $2: /" | tee -a "$RES/forward.txt"
+    pack
   done ;;
 mgpu)
   # Issue 18's Mosaic GPU trial port of the output stage (docs/mosaic_gpu.md): its compiled tests,

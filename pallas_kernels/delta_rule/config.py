@@ -96,10 +96,13 @@ class DeltaRuleConfig:
   # through memory: 'primal' in calls that are not differentiated and have no segment_ids (no
   # chunk-start states stored at all), 'all' in every call (the states stored for the backward;
   # with segments, the S_init dot only in chunks with a reset), 'none'. Session 40, H200, diag
-  # KDN, one process per line: forward T=4096 1.90 -> 1.46 ms with 'primal' (the GPU check of the
-  # fused kernel passed at K=16: delta rule fp32 <= 3.6e-7, bf16 <= 4.5e-3); 'all' lost fwd+bwd
+  # KDN, one process per line: forward T=4096 1.90 -> 1.46 ms with 'primal'; 'all' lost fwd+bwd
   # at T=16384, 16.47 -> 16.90, and with packed documents (the S_init dot then in every step)
-  # 17.95 -> 20.49.
+  # 17.95 -> 20.49. GPU check: the fused kernel as it then was (every call fused, the S_init dot
+  # in every step of a chunk run with segments) passed at K=16 (delta rule fp32 <= 3.6e-7, bf16
+  # <= 4.5e-3); the segment-free body, which 'primal' runs, is unchanged since; not yet checked
+  # at K=128, and the per-chunk reset branch ('all' with segments) has not run on a GPU
+  # (gpu_measurements.sh forward does both).
   fuse_output: str = "primal"
   # Triton software-pipelining stages of the kernels' loops. Session 39, H200 fwd+bwd, one
   # process per line, 2 -> 3: diag KDN T=16384 16.83 -> 16.18 ms (GPU check passed at 3), with

@@ -23,7 +23,8 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_ou
 
   Unfused, Delta and the chunk-start states are stored for the output stage (output.py; Delta
   in the dots' operand dtype: it only enters P Delta there). With fuse_output the step also
-  forms the chunk's O = Qbar S_0 (+ Qbar_new S_init after a reset) + P Delta, off the chain:
+  forms the chunk's O = Qbar_c S_0 + Qbar_new S_init + P Delta (Qbar_c = Qbar on the rows
+  before the chunk's first reset, Qbar_new on the rows after it; output.py), off the chain:
   neither Delta nor the states go through memory for it, and the states are stored only when
   the backward needs them (save_states).
 
