@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.delta_rule.tiles import (
-    dot, tile, kernel_precision, launch_params, by_reset)
+    chunk_output, kernel_precision, launch_params, by_reset)
 
 
 def _output_kernel(*refs, chunk, scale, has_seg, block_v, prec):
@@ -33,16 +33,13 @@ def _output_kernel(*refs, chunk, scale, has_seg, block_v, prec):
 
 def _output_rows(r, o_ref, b, h, c, t0, C, vs, scale, seg, prec):
   """One chunk's O rows for one V block; seg: the chunk holds a reset."""
-  qbar = (scale * tile(r["q"], b, t0, C, h)) * jnp.exp(tile(r["g"], b, t0, C, h))
+  rows = pl.ds(t0, C)
   s = r["states"][b, h, c, :, vs].astype(jnp.float32)
-  if seg:   # rows whose segment starts inside the chunk read S_init
-    cont = r["cont"][b, pl.ds(t0, C)][:, None]
-    o = dot(qbar * cont, s, prec) + dot(qbar * (1.0 - cont),
-                                        r["h0"][b, h, :, vs].astype(jnp.float32), prec)
-  else:
-    o = dot(qbar, s, prec)
-  o = o + dot(r["p"][b, h, pl.ds(t0, C), :], r["delta"][b, pl.ds(t0, C), h, vs], prec)
-  o_ref[b, pl.ds(t0, C), h, vs] = o.astype(o_ref.dtype)
+  seg_kw = dict(cont=r["cont"][b, rows][:, None],
+                s_init=r["h0"][b, h, :, vs].astype(jnp.float32)) if seg else {}
+  o = chunk_output(r["q"][b, rows, h, :], r["g"][b, rows, h, :], s, r["p"][b, h, rows, :],
+                   r["delta"][b, rows, h, vs], scale, prec, **seg_kw)
+  o_ref[b, rows, h, vs] = o.astype(o_ref.dtype)
 
 
 def output_forward(q, g, pmat, delta, states, h0, cont, *, chunk, scale, interpret, cfg, cfg_prec):

@@ -13,7 +13,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.delta_rule.tiles import (
-    dot, dot_tn, kernel_precision, operand_dtype, state_dtype, launch_params)
+    chunk_output, dot, dot_tn, kernel_precision, operand_dtype, state_dtype, launch_params)
 
 
 def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_output, scale,
@@ -68,17 +68,17 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_ou
       states_ref[b, h, c, :, vs] = s.astype(states_ref.dtype)
     delta = x["u"].astype(jnp.float32) - dot(x["wk"], s, prec)
     if fuse_output:
-      qbar = (scale * x["q"].astype(jnp.float32)) * jnp.exp(x["g"].astype(jnp.float32))
-      pd = dot(x["p"], delta, prec)
-      store = lambda o: o_ref.__setitem__((b, rows, h, vs), o.astype(o_ref.dtype))
-      if has_seg:   # rows whose segment starts inside the chunk read S_init (tiles.by_reset)
-        cont = x["cont"][:, None]
+      def store_output(seg):
+        seg_kw = dict(cont=x["cont"][:, None], s_init=s_init) if seg else {}
+        o = chunk_output(x["q"], x["g"], s, x["p"], delta, scale, prec, **seg_kw)
+        o_ref[b, rows, h, vs] = o.astype(o_ref.dtype)
+
+      if has_seg:   # the S_init dot only in chunks with a reset (as tiles.by_reset decides)
         reset = x["cont_last"] < 0.5
-        pl.when(reset)(lambda: store(
-            dot(qbar * cont, s, prec) + dot(qbar * (1.0 - cont), s_init, prec) + pd))
-        pl.when(jnp.logical_not(reset))(lambda: store(dot(qbar, s, prec) + pd))
+        pl.when(reset)(lambda: store_output(True))
+        pl.when(jnp.logical_not(reset))(lambda: store_output(False))
       else:
-        store(dot(qbar, s, prec) + pd)
+        store_output(False)
     else:
       delta_ref[b, rows, h, vs] = delta.astype(delta_ref.dtype)
     e_last = jnp.exp(x["g_last"])[:, None]

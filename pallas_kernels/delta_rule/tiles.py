@@ -66,6 +66,18 @@ def by_reset(cont_ref, b, t_last, body):
   pl.when(jnp.logical_not(reset))(lambda: body(False))
 
 
+def chunk_output(q, g, s, p, delta, scale, prec, cont=None, s_init=None):
+  """One chunk's output rows O = Qbar S_0 + P Delta (Qbar = scale q exp(g)); with cont (the
+  rows' [C, 1] continuation flags) the rows after the chunk's first reset read S_init instead of
+  S_0. Shared by the output kernel and the state pass with the output fused."""
+  qbar = (scale * q.astype(jnp.float32)) * jnp.exp(g.astype(jnp.float32))
+  if cont is None:
+    o = dot(qbar, s, prec)
+  else:
+    o = dot(qbar * cont, s, prec) + dot(qbar * (1.0 - cont), s_init, prec)
+  return o + dot(p, delta, prec)
+
+
 def decay_to_last(g, g_last, pid=None, pid_last=None):
   """exp(g_last - g) per row (the decay from each token to the chunk's last one), zero for rows
   outside the last token's segment (pid given)."""
