@@ -1,10 +1,23 @@
 """Shared helpers for the runner tests: tiny real-model run configs and token-file fixtures."""
 from __future__ import annotations
 
+import os
+import re
+
 import numpy as np
 
 from experiments import config_lib
 from kdn_jax.models.config import model_config
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def one_device_env():
+  """os.environ for a child process that runs jax on one CPU device: the suite's XLA flags
+  (tests/conftest.py) without the simulated devices, and the repository on PYTHONPATH."""
+  flags = re.sub(r'--xla_force_host_platform_device_count=\d+', '', os.environ.get('XLA_FLAGS', ''))
+  return dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=flags.strip())
 
 
 def tiny_config(initial_state='zero', layer_pattern='kdn_diag,attention', **data_overrides):

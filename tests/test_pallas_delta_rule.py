@@ -123,7 +123,6 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
     dict(forward_only_chunk=32, wy_inverse="sub_dots"),   # primal at chunk 32, residuals at 16
     dict(pair_diag="columns"), dict(pair_heads=1),
     dict(pair_heads=4),   # (6 heads: programs of gcd(4, 6) = 2 heads)
-    dict(pair_token_stores="columns"),
     dict(fuse_output="all"), dict(fuse_output="none"),
     dict(fuse_output="all", block_v=32, max_chunk=32)])
 def test_delta_rule_kernel_variants(variant):
@@ -132,7 +131,7 @@ def test_delta_rule_kernel_variants(variant):
   serial pass with resets and with the states saved) is exact."""
   t = 45
   # (6 heads where the option concerns the pair kernel's programs of several heads)
-  heads = 6 if variant.get("pair_heads") == 4 or "pair_token_stores" in variant else 1
+  heads = 6 if variant.get("pair_heads") == 4 else 1
   args = _inputs(5, 2, t, heads, 64, 64, jnp.float32, False, "normal")
   seg = np.zeros((2, t), np.int32)
   seg[0, 20:] = 1   # inside a chunk
@@ -237,7 +236,7 @@ def test_delta_rule_precision_argument():
                                  dict(block_v_parallel=96), dict(sub_block=8), dict(min_chunk=24),
                                  dict(max_chunk=0), dict(wy_inverse="rows"),
                                  dict(pair_diag="rows"), dict(pair_heads=3),
-                                 dict(pair_token_stores="rows"),
+                                 dict(fuse_output="fused"),
                                  dict(forward_only_chunk=48), dict(num_warps_intra_bwd=0)])
 def test_delta_rule_config_rejects_bad_values(bad):
   with pytest.raises(ValueError, match="DeltaRuleConfig." + next(iter(bad))):

@@ -16,9 +16,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import config_lib, sharding, trainer
-from runner_helpers import compilation_cache, host, tiny_config, write_array_record, write_doc_tokens
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from runner_helpers import (ROOT, compilation_cache, host, one_device_env, tiny_config, write_array_record,
+                            write_doc_tokens)
 
 
 def _one_step(config, devices, workdir):
@@ -296,7 +295,7 @@ def test_unknown_key_and_missing_data(tmp_path):
 def test_cli_config_mistakes_are_one_line_with_one_exit_code(tmp_path):
   """Config file, config-arg and key mistakes: exit code 2 and a single 'Config error:' line naming the bad
   token and the valid choices (no traceback), before jax is even imported."""
-  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS='')
+  env = one_device_env()
   flagfile = tmp_path / 'bad.flags'
   flagfile.write_text('--config=configs/nosuch.py:smoke\n')
   cases = [
@@ -326,7 +325,7 @@ def test_cli_config_mistakes_are_one_line_with_one_exit_code(tmp_path):
 
 def test_cli_end_to_end(tmp_path):
   """The absl app: config file + overrides, outputs in the workdir; an unknown key fails naming it."""
-  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS='')
+  env = one_device_env()
   wd = tmp_path / 'cli'
   # configs/mqar.flags (the committed flags file) then overrides: later flags win
   cmd = [sys.executable, '-m', 'experiments.train', '--flagfile=configs/mqar.flags', f'--workdir={wd}',
@@ -376,7 +375,7 @@ def _two_processes(*args, timeout=300):
   device) on a free coordinator port; returns [(returncode, stdout, stderr)] per process."""
   import portpicker  # pylint: disable=g-import-not-at-top
   port = str(portpicker.pick_unused_port())
-  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS='')
+  env = one_device_env()
   script = os.path.join(ROOT, 'tests', 'multihost_train_process.py')
   procs = [subprocess.Popen([sys.executable, script, str(i), port, *args], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]

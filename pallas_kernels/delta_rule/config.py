@@ -58,12 +58,6 @@ class DeltaRuleConfig:
   # token-parallel kernel (0.84-1.16 ms) and [S, S, K-slice] pair tensors (1.41-2.9 ms).
   pair_diag: str = "token_loop"
   pair_heads: int = 4        # heads per token-parallel program (token_loop, the intra backward)
-  # How token_loop writes its row of L and P: 'row' (the values gathered in registers by a
-  # select per column, one [heads, S] store each) or 'columns' (each column's values stored in
-  # its step, then the zeros after the diagonal one column per step, fla's way). Session 36, H200
-  # diag KDN forward T=16384, one process: 'row' 6.96 ms, 'columns' 7.28 / 7.31 (run twice);
-  # zeros by one masked row store after per-column values lost (7.43) and was removed.
-  pair_token_stores: str = "row"
   # (I + L)^-1 in the WY kernel (wy.py): 'sub_rows', 'sub_dots', 'doubling'.
   wy_inverse: str = "sub_rows"
   # A call that is not differentiated (inference, evaluation) runs the forward at this chunk
@@ -134,9 +128,6 @@ class DeltaRuleConfig:
     if self.fuse_output not in ("none", "primal", "all"):
       raise ValueError("DeltaRuleConfig.fuse_output must be 'none', 'primal' or 'all', got "
                        f"{self.fuse_output!r}")
-    if self.pair_token_stores not in ("row", "columns"):
-      raise ValueError("DeltaRuleConfig.pair_token_stores must be 'row' or 'columns', got "
-                       f"{self.pair_token_stores!r}")
     if not pow2(self.pair_heads):
       raise ValueError(f"DeltaRuleConfig.pair_heads must be a power of two, got {self.pair_heads}")
     if self.fast_dots not in ("tf32", "bf16"):
