@@ -88,27 +88,31 @@ train)
   done ;;
 forward)
   # fuse_output (session 40): the default's forward (the output fused into the serial pass in
-  # calls not differentiated) against fuse_output=none (and block_v=32) at 16k and 4k with the
-  # stage split; with documents; 'all' (every call, training too) fwd+bwd without and with
-  # documents; the GPU check of the default at K=128 and K=16 and of 'all' (its reset branch).
-  # About 500 s; each line has its own limit, and results.tgz is packed after each.
+  # calls not differentiated) against fuse_output=none at 16k and 4k with the stage split, and
+  # session 41's two trials of the fused step (prefetch_output_rows=0: its q/g/P rows loaded in
+  # their step; output_after_update=1: its dots after the S update); with documents; 'all'
+  # (every call, training too) fwd+bwd without and with documents, with the trials at 16k; the
+  # GPU check of the default and of 'all' (its reset branch) at K=128 (more: CHECK_CASES=dim:spec,...).
+  # About 530 s; each line has its own limit, and results.tgz is packed after each.
   # Only the ranking lines are printed (the stage splits are in the JSON).
   fwd() { timeout "$1" python3 -m experiments.benchmark_mixers --pallas_lens= --reps=${REPS:-20} \
     --sweep_combine=false --rows= --check=false "${@:2}" 2>&1 | quiet | grep '"sweep"' \
     | sed 's/, "stages".*//' | tee -a "$RES/forward.txt"; pack; }
-  fwd 150 --out="$RES/forward_16384" --seq_lens=16384 --sweep_len=16384 --sweep_fwd_only \
-    --sweep_stages --sweep=${FORWARD_SWEEP:-default,fuse_output=none,block_v=32}
+  TRIALS=prefetch_output_rows=0,output_after_update=1
+  fwd 180 --out="$RES/forward_16384" --seq_lens=16384 --sweep_len=16384 --sweep_fwd_only \
+    --sweep_stages --sweep=${FORWARD_SWEEP:-default,fuse_output=none,$TRIALS}
   fwd 60 --out="$RES/forward_4096" --seq_lens=4096 --sweep_len=4096 --sweep_fwd_only \
     --sweep_stages --sweep=default,fuse_output=none
   # with documents: 'all' also fuses the primal (its S_init dot only in chunks with a reset)
   fwd 50 --out="$RES/forward_docs" --seq_lens=16384 --sweep_len=16384 --sweep_fwd_only \
     --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
-  fwd 50 --out="$RES/forward_all" --seq_lens=16384 --sweep_len=16384 --sweep=default,fuse_output=all
+  fwd 70 --out="$RES/forward_all" --seq_lens=16384 --sweep_len=16384 \
+    --sweep=default,fuse_output=all,fuse_output=all/prefetch_output_rows=0,fuse_output=all/output_after_update=1
   fwd 50 --out="$RES/forward_all_docs" --seq_lens=16384 --sweep_len=16384 \
     --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
   # the check: a one-spec sweep makes that spec the config the check runs
-  for c in "128 default" "16 default" "128 fuse_output=all"; do
-    set -- $c
+  for c in $(echo "${CHECK_CASES:-128:default,128:fuse_output=all}" | tr , ' '); do
+    set -- ${c/:/ }   # dim:spec
     timeout ${CHECK_LIMIT:-60} python3 -m experiments.benchmark_mixers --out="$RES/check_k$1_$2" \
       --check_only --check_dim=$1 --sweep_len=2048 --sweep_combine=false --sweep=$2 2>&1 | quiet \
       | grep -E '^check |FAILED' > "$RES/check_k$1_$2.txt"

@@ -98,6 +98,13 @@ class DeltaRuleConfig:
   # at K=128, and the per-chunk reset branch ('all' with segments) has not run on a GPU
   # (gpu_measurements.sh forward does both).
   fuse_output: str = "primal"
+  # With fuse_output: the output's rows (q, g, P) of chunk c + 1 loaded before chunk c's dots and
+  # carried through the loop like the chain's inputs (True), or loaded in their own step (False:
+  # fewer values live across the loop). Session 41 trial, untimed: gpu_measurements.sh forward.
+  prefetch_output_rows: bool = True
+  # With fuse_output: the output's dots issued after the chain's S update (True) instead of
+  # between Delta = U - W S_0 and the update (False). Session 41 trial, untimed, likewise.
+  output_after_update: bool = False
   # Triton software-pipelining stages of the kernels' loops. Session 39, H200 fwd+bwd, one
   # process per line, 2 -> 3: diag KDN T=16384 16.83 -> 16.18 ms (GPU check passed at 3), with
   # documents 18.17 -> 17.92, iso 15.48 -> 15.32; T=4096 4.57 -> 4.51.
