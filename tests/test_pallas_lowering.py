@@ -9,6 +9,7 @@ On CPU the kernels would pick interpret mode, no compiler params and HIGHEST dot
 sets common.kernel_backend to "gpu", so they choose what they choose on a GPU (compiled, Triton
 params, 3xTF32 for 'exact').
 """
+import dataclasses
 import re
 
 import jax
@@ -126,3 +127,23 @@ def test_kdn_layer_lowers_for_cuda(as_on_gpu, mixer):
   assert {"causal_conv1d_fwd", "causal_conv1d_bwd", "gated_norm_fwd", "gated_norm_bwd",
           "kdn_gain_reduce", "kdn_gain_bwd_replay", "delta_rule_output",
           "delta_rule_intra_bwd_tokens"} <= _triton_kernels(text)
+
+
+def test_gain_stages_reach_their_kernels(as_on_gpu, monkeypatch):
+  """GainConfig.num_stages_fwd / num_stages_bwd: the Triton pipelining stages of the gain's
+  forward (reduce, replay) and backward kernels, each set apart."""
+  from pallas_kernels.kdn_gain import config as gain_config   # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(gain_config, "DEFAULT", dataclasses.replace(
+      gain_config.DEFAULT, num_stages_fwd=3, num_stages_bwd=2))
+  q, k, v, la, om, r, _ = _op_inputs(jnp.float32)
+
+  def loss(k, la):
+    return jnp.sum(ops.diag_kdn(q, k, v, la, om, r, impl="pallas", chunk_size=16)[0])
+
+  stages = {}
+  for line in _lower_for_cuda(jax.grad(loss, argnums=(0, 1)), k, la).splitlines():
+    name = re.search(r"kdn_gain_(?:bwd_)?(?:reduce|replay)", line)
+    if name and "xla.gpu.triton" in line:
+      stages[name.group(0)] = int(re.search(r"num_stages = (\d+)", line).group(1))
+  assert stages == {"kdn_gain_reduce": 3, "kdn_gain_replay": 3, "kdn_gain_bwd_reduce": 2,
+                    "kdn_gain_bwd_replay": 2}, stages

@@ -88,12 +88,13 @@ train)
   done ;;
 forward)
   # fuse_output (session 40): the default's forward (the output fused into the serial pass in
-  # calls not differentiated) against fuse_output=none at 16k and 4k with the stage split, and
+  # calls not differentiated) against fuse_output=none at 16k with the stage split, and
   # session 41's two trials of the fused step (prefetch_output_rows=0: its q/g/P rows loaded in
   # their step; output_after_update=1: its dots after the S update); with documents; 'all'
   # (every call, training too) fwd+bwd without and with documents, with the trials at 16k; the
-  # GPU check of the default and of 'all' (its reset branch) at K=128 (more: CHECK_CASES=dim:spec,...).
-  # About 530 s; each line has its own limit, and results.tgz is packed after each.
+  # gain's forward kernels at 2 and 3 pipelining stages (session 41's GainConfig.num_stages_fwd);
+  # the GPU check of the default with the gain's forward at 2 stages and of 'all' (its reset
+  # branch) at K=128 (more: CHECK_CASES=dim:spec[:gain spec],...). About 510 s; each line has its own limit, and results.tgz is packed after each.
   # Only the ranking lines are printed (the stage splits are in the JSON).
   fwd() { timeout "$1" python3 -m experiments.benchmark_mixers --pallas_lens= --reps=${REPS:-20} \
     --sweep_combine=false --rows= --check=false "${@:2}" 2>&1 | quiet | grep '"sweep"' \
@@ -101,8 +102,9 @@ forward)
   TRIALS=prefetch_output_rows=0,output_after_update=1
   fwd 180 --out="$RES/forward_16384" --seq_lens=16384 --sweep_len=16384 --sweep_fwd_only \
     --sweep_stages --sweep=${FORWARD_SWEEP:-default,fuse_output=none,$TRIALS}
-  fwd 60 --out="$RES/forward_4096" --seq_lens=4096 --sweep_len=4096 --sweep_fwd_only \
-    --sweep_stages --sweep=default,fuse_output=none
+  # the gain's forward kernels pipelined apart from its backward (GainConfig.num_stages_fwd)
+  fwd 40 --out="$RES/forward_gain" --seq_lens=16384 --sweep_len=16384 --gain_sweep_fwd_bwd=false \
+    --gain_sweep=default,num_stages_fwd=2,num_stages_fwd=3
   # with documents: 'all' also fuses the primal (its S_init dot only in chunks with a reset)
   fwd 50 --out="$RES/forward_docs" --seq_lens=16384 --sweep_len=16384 --sweep_fwd_only \
     --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
@@ -111,14 +113,14 @@ forward)
   fwd 50 --out="$RES/forward_all_docs" --seq_lens=16384 --sweep_len=16384 \
     --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
   # the check: a one-spec sweep makes that spec the config the check runs
-  for c in $(echo "${CHECK_CASES:-128:default,128:fuse_output=all}" | tr , ' '); do
-    set -- ${c/:/ }   # dim:spec
+  for c in $(echo "${CHECK_CASES:-128:default:num_stages_fwd=2,128:fuse_output=all}" | tr , ' '); do
+    set -- ${c//:/ }   # dim:delta-rule spec[:gain spec]
     timeout ${CHECK_LIMIT:-60} python3 -m experiments.benchmark_mixers --out="$RES/check_k$1_$2" \
-      --check_only --check_dim=$1 --sweep_len=2048 --sweep_combine=false --sweep=$2 2>&1 | quiet \
-      | grep -E '^check |FAILED' > "$RES/check_k$1_$2.txt"
-    for dt in float32 bfloat16; do   # the delta rule's largest error per dtype
-      grep "^check delta_rule_$dt" "$RES/check_k$1_$2.txt" | grep -v nan | sort -g -k3 | tail -1 \
-        | sed "s/^/K=$1 $2: /" | tee -a "$RES/forward.txt"
+      --check_only --check_dim=$1 --sweep_len=2048 --sweep_combine=false --sweep=$2 \
+      ${3:+--gain_sweep=$3} 2>&1 | quiet | grep -E '^check |FAILED' > "$RES/check_k$1_$2.txt"
+    for op in delta_rule_float32 delta_rule_bfloat16 gain_float32 gain_bfloat16; do   # largest
+      grep "^check .*$op" "$RES/check_k$1_$2.txt" | grep -v nan | sort -g -k3 | tail -1 \
+        | sed "s/^/K=$1 $2 $3: /" | tee -a "$RES/forward.txt"
     done
     grep -E "nan|FAILED" "$RES/check_k$1_$2.txt" | sed "s/^/K=$1 $2: /" | tee -a "$RES/forward.txt"
     pack

@@ -13,7 +13,13 @@ class GainConfig:
   # Triton warps per program; H200 diag gain fwd T=4096 (kernels reading the raw inputs): 0.46 ms
   # with 1 warp, 0.50 with 2 (rows are [1, K]: one warp covers them)
   num_warps: int = 1
-  num_stages: int = 1
+  # Triton software-pipelining stages of the token loops, forward (reduce, replay) and backward
+  # kernels apart. Session 38, H200 diag gain T=16384, one process: forward 1.29 ms at 1 stage,
+  # 1.16 at 2 or 3; fwd+bwd with every kernel at 2: 3.48 against 3.45 (the backward lost what the
+  # forward gained). Forward at 2 with the backward at 1: a trial, not yet timed or GPU-checked
+  # (gpu_measurements.sh forward).
+  num_stages_fwd: int = 1
+  num_stages_bwd: int = 1
 
 
 DEFAULT = GainConfig()

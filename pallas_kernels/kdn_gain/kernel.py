@@ -332,11 +332,11 @@ def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front):
 # Wrappers (all arrays already padded to a multiple of the chunk).
 
 
-def _launch(r, chunk, interpret, cfg):
+def _launch(r, chunk, interpret, cfg, backward):
   """Sizes, grid (batch, head, chunk) and pallas_call options of one gain pass."""
   bsz, t, nh = r.shape
-  params = dict(interpret=interpret,
-                compiler_params=common.compiler_params(cfg.num_warps, cfg.num_stages))
+  stages = cfg.num_stages_bwd if backward else cfg.num_stages_fwd
+  params = dict(interpret=interpret, compiler_params=common.compiler_params(cfg.num_warps, stages))
   return bsz, t, nh, t // chunk, (bsz, nh, t // chunk), params
 
 
@@ -350,7 +350,7 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
   r = raw[-2]
   k = raw[0]
   lanes = p0.shape[-1]
-  bsz, t, nh, nc, grid, params = _launch(r, chunk, interpret, cfg)
+  bsz, t, nh, nc, grid, params = _launch(r, chunk, interpret, cfg, backward=False)
   reset = reset.astype(jnp.int32)
   prod = pl.pallas_call(
       functools.partial(_reduce_kernel, chunk=chunk, diag=diag, front=front),
@@ -381,7 +381,7 @@ def gain_backward(raw, reset, pprev, dgain, dpfin, *, diag, chunk, interpret, cf
   r = raw[-2]
   k = raw[0]
   lanes = pprev.shape[-1]
-  bsz, t, nh, nc, grid, params = _launch(r, chunk, interpret, cfg)
+  bsz, t, nh, nc, grid, params = _launch(r, chunk, interpret, cfg, backward=True)
   reset = reset.astype(jnp.int32)
   maps = pl.pallas_call(
       functools.partial(_bwd_reduce_kernel, chunk=chunk, diag=diag, front=front),
