@@ -59,7 +59,7 @@ flags.DEFINE_list("sweep", [], "DeltaRuleConfig overrides to try on diag_kdn_pal
                   "'max_chunk=64/sub_block=32'; the fastest is used for the rows",
                   flag_values=FLAGS)
 flags.DEFINE_list("gain_sweep", [], "GainConfig overrides to try on diag_gain_pallas, same "
-                  "syntax, e.g. 'max_chunk=128/num_stages=2'", flag_values=FLAGS)
+                  "syntax, e.g. 'max_chunk=128/num_stages_fwd=2'", flag_values=FLAGS)
 flags.DEFINE_boolean("gain_sweep_fwd_bwd", True, "rank the --gain_sweep specs by fwd+bwd (else "
                      "by the forward alone)", flag_values=FLAGS)
 flags.DEFINE_integer("sweep_len", 4096, "sequence length for the sweeps", flag_values=FLAGS)

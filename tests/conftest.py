@@ -7,8 +7,9 @@ one_device_env drops only the simulated devices). The suite is compile-bound on 
 - --xla_cpu_use_fusion_emitters=false: XLA:CPU's loop emitters instead of its MLIR fusion
   emitters (session 41: a Pallas delta-rule fwd+bwd in interpret mode compiles in 0.96 s
   instead of 2.67; the suite 1972 -> 1180 worker-seconds, 16m51s -> 10m13s on 2 cores).
-Both leave the HLO passes, and so what the tests check, alone; only code generation (and with
-it the order of some fp32 reductions, ~1e-7 relative) changes."""
+Neither changes what a program computes: the first changes code generation only, the second
+also which elementwise ops XLA:CPU fuses; both can change the order of some fp32 reductions
+(~1e-7 relative)."""
 
 import os
 
@@ -23,7 +24,8 @@ import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 @pytest.fixture
 def optimized_xla():
   """XLA's full backend optimisation for one test: for the few whose time is spent running a
-  compiled program many times (a training loop) rather than compiling it."""
+  compiled program many times (a training loop) rather than compiling it. (XLA_FLAGS are read
+  once per process, so these still run with the loop emitters above.)"""
   import jax  # pylint: disable=g-import-not-at-top
   before = jax.config.values["jax_disable_most_optimizations"]
   jax.config.update("jax_disable_most_optimizations", False)

@@ -133,7 +133,7 @@ def test_delta_rule_kernel_variants(variant):
   after the state update) is exact."""
   t = 45
   # (6 heads where the option concerns the pair kernel's programs of several heads)
-  heads = 6 if variant.get("pair_heads") == 4 else 1
+  heads = 6 if "pair_heads" in variant else 1
   args = _inputs(5, 2, t, heads, 64, 64, jnp.float32, False, "normal")
   seg = np.zeros((2, t), np.int32)
   seg[0, 20:] = 1   # inside a chunk
@@ -142,6 +142,16 @@ def test_delta_rule_kernel_variants(variant):
   seg[1, 38:] = 3
   with dr_config.overridden(**variant):
     _check(args, seg, 32, 1e-5, 1e-4, vjp_primal=variant.get("fuse_output") == "all")
+
+
+@pytest.mark.parametrize("trial", [dict(prefetch_output_rows=False),
+                                   dict(output_after_update=True)])
+def test_fused_step_trials_without_segments(trial):
+  """The fused step's trial orders on the path the forward benchmark times (no segments): the
+  primal, which stores no states, and a differentiated call's forward, which does."""
+  args = _inputs(8, 2, 45, 1, 64, 64, jnp.float32, False, "normal")
+  with dr_config.overridden(fuse_output="all", **trial):
+    _check(args, None, 16, 1e-5, 1e-4, vjp_primal=True)
 
 
 @pytest.mark.parametrize("variant", [{}, dict(max_chunk=32), dict(pair_heads=1)])
@@ -158,7 +168,7 @@ def test_delta_rule_intra_backward(segments, variant):
     seg[0, 31:] = 1
     seg[0, 32:] = 2
     seg[1, 38:] = 3
-  heads = 6 if "pair_heads" not in variant else 1   # 6 heads: programs of gcd(4, 6) = 2 heads
+  heads = 6   # programs of gcd(pair_heads, 6) heads: 2 by default, 1 with pair_heads=1
   with dr_config.overridden(**variant):
     _check(_inputs(6, 2, t, heads, 64, 32, jnp.float32, False, "normal"), seg,
            variant.get("max_chunk", 16), 1e-5, 1e-4)

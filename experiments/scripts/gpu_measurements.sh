@@ -5,8 +5,9 @@
 # (the same for the packed-documents path),
 # mixers (mixer table vs flash-linear-attention), layers (whole layers vs fla's KDA layer),
 # train (125M LM training throughput on 1 GPU, and on 2 when there are 2), mgpu (the Mosaic GPU
-# output stage: tests and timing), forward (fuse_output against the unfused kernels, and its GPU
-# check at K=128 and 16). Default: check ops stages docs mixers layers train.
+# output stage: tests and timing), forward (fuse_output against the unfused kernels, the trials
+# of the fused step and of the gain's forward stages, GPU checks at K=128). Default: check ops
+# stages docs mixers layers train.
 # Kernel config sweep (stages): SWEEP='default,max_chunk=64/sub_block=32' (DeltaRuleConfig fields).
 # Extra train flags: TRAIN_EXTRA='--config.model.scan_layers=True --config.model.impl=pallas'.
 # Results land in $RES (default /tmp/kdn_gpu); with $OUT set (the device tool) they are also packed
@@ -115,14 +116,15 @@ forward)
   # the check: a one-spec sweep makes that spec the config the check runs
   for c in $(echo "${CHECK_CASES:-128:default:num_stages_fwd=2,128:fuse_output=all}" | tr , ' '); do
     set -- ${c//:/ }   # dim:delta-rule spec[:gain spec]
-    timeout ${CHECK_LIMIT:-60} python3 -m experiments.benchmark_mixers --out="$RES/check_k$1_$2" \
+    name=k$1_${2//\//_}${3:+_${3//\//_}}   # (specs join fields with '/')
+    timeout ${CHECK_LIMIT:-60} python3 -m experiments.benchmark_mixers --out="$RES/check_$name" \
       --check_only --check_dim=$1 --sweep_len=2048 --sweep_combine=false --sweep=$2 \
-      ${3:+--gain_sweep=$3} 2>&1 | quiet | grep -E '^check |FAILED' > "$RES/check_k$1_$2.txt"
+      ${3:+--gain_sweep=$3} 2>&1 | quiet | grep -E '^check |FAILED' > "$RES/check_$name.txt"
     for op in delta_rule_float32 delta_rule_bfloat16 gain_float32 gain_bfloat16; do   # largest
-      grep "^check .*$op" "$RES/check_k$1_$2.txt" | grep -v nan | sort -g -k3 | tail -1 \
-        | sed "s/^/K=$1 $2 $3: /" | tee -a "$RES/forward.txt"
+      grep "^check .*$op" "$RES/check_$name.txt" | grep -v nan | sort -g -k3 | tail -1 \
+        | sed "s|^|$name: |" | tee -a "$RES/forward.txt"
     done
-    grep -E "nan|FAILED" "$RES/check_k$1_$2.txt" | sed "s/^/K=$1 $2: /" | tee -a "$RES/forward.txt"
+    grep -E "nan|FAILED" "$RES/check_$name.txt" | sed "s|^|$name: |" | tee -a "$RES/forward.txt"
     pack
   done ;;
 mgpu)
