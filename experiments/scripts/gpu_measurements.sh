@@ -95,7 +95,8 @@ forward)
   # (every call, training too) fwd+bwd without and with documents, with the trials at 16k; the
   # gain's forward kernels at 2 and 3 pipelining stages (session 41's GainConfig.num_stages_fwd);
   # the GPU check of the default with the gain's forward at 2 stages and of 'all' (its reset
-  # branch) at K=128 (more: CHECK_CASES=dim:spec[:gain spec],...). About 510 s; each line has its own limit, and results.tgz is packed after each.
+  # branch) at K=128 (more: CHECK_CASES=dim:spec[:gain spec],...). About 510 s; each line has
+  # its own limit, and results.tgz is packed after each.
   # Only the ranking lines are printed (the stage splits are in the JSON).
   fwd() { timeout "$1" python3 -m experiments.benchmark_mixers --pallas_lens= --reps=${REPS:-20} \
     --sweep_combine=false --rows= --check=false "${@:2}" 2>&1 | quiet | grep '"sweep"' \
