@@ -55,7 +55,7 @@ def _op_inputs(dtype, b=1, t=80, h=2, d=64):
     {}, dict(pair_diag="columns"),
     dict(max_chunk=32), dict(max_chunk=64, sub_block=32), dict(fuse_output="all"),
     dict(fuse_output="all", prefetch_output_rows=False),
-    dict(fuse_output="all", output_after_update=True)])
+    dict(fuse_output="all", output_after_update=True), dict(cumsum_in_gain=True)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
   """diag KDN forward and backward (gain kernels, cumsum, pair, WY, state pass, output, the
@@ -70,14 +70,19 @@ def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
     text = _lower_for_cuda(jax.grad(loss, argnums=tuple(range(6))), q, k, v, la, om, r)
   token_parallel = (variant.get("pair_diag", "token_loop") == "token_loop"
                     and "max_chunk" not in variant)   # (chunks of one row block only)
+  cumsums = {"delta_rule_cumsum", "delta_rule_reverse_cumsum"}
   expected = {"kdn_gain_reduce", "kdn_gain_replay", "kdn_gain_bwd_reduce", "kdn_gain_bwd_replay",
-              "delta_rule_cumsum", "delta_rule_wy",
+              "delta_rule_wy",
               *(("delta_rule_state_output",) if variant.get("fuse_output") == "all" else
                 ("delta_rule_state_pass", "delta_rule_output")),
               "delta_rule_recur_bwd", "delta_rule_bwd_partials", "delta_rule_intra_bwd_tokens",
-              "delta_rule_reverse_cumsum",
               "delta_rule_pair_token_loop" if token_parallel else "delta_rule_pair_rows"}
-  assert expected <= _triton_kernels(text), expected - _triton_kernels(text)
+  kernels = _triton_kernels(text)
+  if variant.get("cumsum_in_gain"):   # the gain kernels form g and its transpose
+    assert not kernels & cumsums, kernels & cumsums
+  else:
+    expected |= cumsums
+  assert expected <= kernels, expected - kernels
 
 
 @pytest.mark.parametrize("fuse_output", ["none", "primal", "all"])
@@ -111,10 +116,12 @@ def test_fuse_output_picks_the_kernels_and_lowers(as_on_gpu, fuse_output, segmen
     assert "delta_rule_state_output" not in kernels, kernels
 
 
-@pytest.mark.parametrize("mixer", ["kdn_diag", "kdn_iso"])
-def test_kdn_layer_lowers_for_cuda(as_on_gpu, mixer):
+@pytest.mark.parametrize("mixer,cumsum_in_gain", [("kdn_diag", False), ("kdn_iso", False),
+                                                  ("kdn_iso", True)])
+def test_kdn_layer_lowers_for_cuda(as_on_gpu, mixer, cumsum_in_gain):
   """A whole KDN layer on the pallas path, fwd+bwd: the fused gate front-end, the short convs and
-  the gated norm kernels as well as the memory update."""
+  the gated norm kernels as well as the memory update (with cumsum_in_gain: pallas_kernels.kdn,
+  no cumsum kernels)."""
   cfg = model_config("tiny", d_model=128, num_heads=2, head_dim=64, mixer=mixer, impl="pallas",
                      chunk_size=16, dtype="bfloat16", param_dtype="float32", mlp_hidden=1)
   layer = MIXERS[mixer](cfg, rngs=nnx.Rngs(0))
@@ -124,10 +131,12 @@ def test_kdn_layer_lowers_for_cuda(as_on_gpu, mixer):
   def loss(params, x):
     return jnp.sum(nnx.merge(graphdef, params, rest)(x)[0].astype(jnp.float32))
 
-  text = _lower_for_cuda(jax.grad(loss, argnums=(0, 1)), params, x)
+  with dr_config.overridden(cumsum_in_gain=cumsum_in_gain):
+    kernels = _triton_kernels(_lower_for_cuda(jax.grad(loss, argnums=(0, 1)), params, x))
   assert {"causal_conv1d_fwd", "causal_conv1d_bwd", "gated_norm_fwd", "gated_norm_bwd",
           "kdn_gain_reduce", "kdn_gain_bwd_replay", "delta_rule_output",
-          "delta_rule_intra_bwd_tokens"} <= _triton_kernels(text)
+          "delta_rule_intra_bwd_tokens"} <= kernels
+  assert ("delta_rule_reverse_cumsum" in kernels) != cumsum_in_gain, kernels
 
 
 def test_gain_stages_reach_their_kernels(as_on_gpu, monkeypatch):

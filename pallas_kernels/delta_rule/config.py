@@ -105,6 +105,13 @@ class DeltaRuleConfig:
   # With fuse_output: the output's dots issued after the chain's S update (True) instead of
   # between Delta = U - W S_0 and the update (False). Session 41 trial, untimed, likewise.
   output_after_update: bool = False
+  # The KDN ops and layers (pallas_kernels.kdn): the chunk-local log-decay cumsum g formed in the
+  # gain kernels' token replay, and its transpose in the gain's reverse replay, instead of by this
+  # package's cumsum and reverse-cumsum kernels (one full pass over the fp32 [B, T, H, K]
+  # log-decay array fewer each way; session 34 timed the cumsum at 0.5 ms of the 16k op, moving
+  # its bytes at 2.1 TB/s). Session 42 trial, untimed (no device lent): gpu_measurements.sh
+  # forward times and GPU-checks it. The delta_rule op alone has no gain and ignores it.
+  cumsum_in_gain: bool = False
   # Triton software-pipelining stages of the kernels' loops. Session 39, H200 fwd+bwd, one
   # process per line, 2 -> 3: diag KDN T=16384 16.83 -> 16.18 ms (GPU check passed at 3), with
   # documents 18.17 -> 17.92, iso 15.48 -> 15.32; T=4096 4.57 -> 4.51.

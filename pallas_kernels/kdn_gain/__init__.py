@@ -138,30 +138,56 @@ def _gain_front_bwd(diag, chunk, interpret, cfg, r_min, res, cts):
 _gain_front.defvjp(_gain_front_fwd, _gain_front_bwd)
 
 
-def _run_fused(diag, k, f, dt_bias, a_log, omega_raw, r_raw, r_min, info_scale, p0, segment_ids,
-               chunk_size, interpret):
-  interpret = common.resolve_interpret(interpret)
+def check_gate(op, diag, front, k, gate, p0):
+  """The gate inputs' shapes against k [B, T, H, K] (a ValueError naming the argument): gate =
+  (log_alpha, omega, r), or with a front (f, dt_bias, a_log, omega_raw, r_raw); p0 the initial
+  variance (b0 for iso)."""
   bsz, t, nh, kd = k.shape
-  op = "diag_gain_fused" if diag else "iso_gain_fused"
-  for name, x, want in (("f", f, (bsz, t, nh, kd)), ("dt_bias", dt_bias, (nh, kd)),
-                        ("a_log", a_log, (nh,)),
-                        ("omega_raw", omega_raw, (bsz, t, nh, kd) if diag else (bsz, t, nh)),
-                        ("r_raw", r_raw, (bsz, t, nh)),
-                        ("p0" if diag else "b0", p0, (bsz, nh, kd) if diag else (bsz, nh))):
+  lane = (bsz, t, nh, kd) if diag else (bsz, t, nh)
+  if front:
+    names = ("f", "dt_bias", "a_log", "omega_raw", "r_raw")
+    wants = ((bsz, t, nh, kd), (nh, kd), (nh,), lane, (bsz, t, nh))
+  else:
+    names, wants = ("log_alpha", "omega", "r"), ((bsz, t, nh, kd), lane, (bsz, t, nh))
+  names += ("p0" if diag else "b0",)
+  wants += ((bsz, nh, kd) if diag else (bsz, nh),)
+  for name, x, want in zip(names, tuple(gate) + (p0,), wants):
     if tuple(x.shape) != want:
       raise ValueError(f"{op}: {name} has shape {tuple(x.shape)}; expected {want} "
                        f"(from k {tuple(k.shape)})")
+
+
+def kernel_inputs(k, gate, info_scale, p0, t_pad, diag, front):
+  """(k, gate, mu [H], p0 [B, H, lanes]) as the kernels take them: time padded to t_pad with
+  values that leave the variance unchanged (k = 0; alpha = 1 and omega = 0 through PAD_PREACT
+  or 0; any r > 0), mu and p0 in fp32."""
+  nh = k.shape[2]
+  k = common.pad_time(k, t_pad)
+  if front:
+    f, dtb, alog, om, rr = gate
+    gate = (common.pad_time(f, t_pad, PAD_PREACT), dtb, alog,
+            common.pad_time(om, t_pad, PAD_PREACT), common.pad_time(rr, t_pad))
+  else:
+    la, om, r = gate
+    gate = (common.pad_time(la, t_pad), common.pad_time(om, t_pad), common.pad_time(r, t_pad, 1.0))
+  mu = jnp.broadcast_to(jnp.asarray(info_scale, jnp.float32), (nh,))
+  p0 = p0.astype(jnp.float32)
+  return k, gate, mu, (p0 if diag else p0[..., None])
+
+
+def _run_fused(diag, k, f, dt_bias, a_log, omega_raw, r_raw, r_min, info_scale, p0, segment_ids,
+               chunk_size, interpret):
+  interpret = common.resolve_interpret(interpret)
+  bsz, t = k.shape[:2]
+  op = "diag_gain_fused" if diag else "iso_gain_fused"
+  gate = (f, dt_bias, a_log, omega_raw, r_raw)
+  check_gate(op, diag, True, k, gate, p0)
   if not r_min > 0:
     raise ValueError(f"{op}: r_min must be > 0, got {r_min}")
   chunk, t_pad, reset = _prep(t, chunk_size, bsz, segment_ids)
-  k = common.pad_time(k, t_pad)
-  f, om = (common.pad_time(x, t_pad, PAD_PREACT) for x in (f, omega_raw))
-  rr = common.pad_time(r_raw, t_pad)
-  mu = jnp.broadcast_to(jnp.asarray(info_scale, jnp.float32), (nh,))
-  p0 = p0.astype(jnp.float32)
-  p0 = p0 if diag else p0[..., None]
-  gain, la, pfin = _gain_front(k, f, dt_bias, a_log, om, rr, mu, reset, p0, diag, chunk,
-                               interpret, _config.DEFAULT, float(r_min))
+  k, gate, mu, p0 = kernel_inputs(k, gate, info_scale, p0, t_pad, diag, True)
+  gain, la, pfin = _gain_front(k, *gate, mu, reset, p0, diag, chunk, interpret, _config.DEFAULT,
+                               float(r_min))
   return gain[:, :t], la[:, :t], pfin
 
 
@@ -188,8 +214,13 @@ def iso_gain_fused(k, f, dt_bias, a_log, omega_raw, r_raw, r_min, info_scale, b0
   return beta[..., 0], la, bfin[..., 0]
 
 
+def gain_chunk(t, chunk_size):
+  """The kernels' chunk C_g for a caller's chunk_size and length t (a power of two >= 16)."""
+  return min(chunk_size, _config.DEFAULT.max_chunk, max(16, 1 << (t - 1).bit_length()))
+
+
 def _prep(t, chunk_size, batch, segment_ids):
-  chunk = min(chunk_size, _config.DEFAULT.max_chunk, max(16, 1 << (t - 1).bit_length()))
+  chunk = gain_chunk(t, chunk_size)
   t_pad = -(-t // chunk) * chunk
   reset = common.reset_flags(segment_ids, batch, t, t_pad)
   return chunk, t_pad, reset
@@ -197,23 +228,12 @@ def _prep(t, chunk_size, batch, segment_ids):
 
 def _run(diag, k, log_alpha, omega, r, info_scale, p0, segment_ids, chunk_size, interpret):
   interpret = common.resolve_interpret(interpret)
-  bsz, t, nh, kd = k.shape
-  op = "diag_gain" if diag else "iso_gain"
-  for name, x, want in (("log_alpha", log_alpha, (bsz, t, nh, kd)),
-                        ("omega", omega, (bsz, t, nh, kd) if diag else (bsz, t, nh)),
-                        ("r", r, (bsz, t, nh)),
-                        ("p0" if diag else "b0", p0, (bsz, nh, kd) if diag else (bsz, nh))):
-    if tuple(x.shape) != want:
-      raise ValueError(f"{op}: {name} has shape {tuple(x.shape)}; expected {want} "
-                       f"(from k {tuple(k.shape)})")
+  bsz, t = k.shape[:2]
+  gate = (log_alpha, omega, r)
+  check_gate("diag_gain" if diag else "iso_gain", diag, False, k, gate, p0)
   chunk, t_pad, reset = _prep(t, chunk_size, bsz, segment_ids)
-  k, la, om = (common.pad_time(x, t_pad) for x in (k, log_alpha, omega))
-  rr = common.pad_time(r, t_pad, 1.0)
-  mu = jnp.broadcast_to(jnp.asarray(info_scale, jnp.float32), (nh,))
-  p0 = p0.astype(jnp.float32)
-  p0 = p0 if diag else p0[..., None]   # [B, H, lanes]
-  return _gain(k, la, om, rr, mu, reset, p0, diag, chunk, interpret,
-               _config.DEFAULT)
+  k, gate, mu, p0 = kernel_inputs(k, gate, info_scale, p0, t_pad, diag, False)
+  return _gain(k, *gate, mu, reset, p0, diag, chunk, interpret, _config.DEFAULT)
 
 
 def diag_gain(k, log_alpha, omega, r, info_scale, p0, segment_ids=None, *, chunk_size=256,

@@ -20,6 +20,11 @@ so the fp32 log_alpha and omega arrays are never formed in XLA. The forward stil
 gain's own log_alpha gradient and emits the projections' gradients (in their dtype) plus
 per-chunk partial sums for dt_bias and A_log (summed outside, like dp0).
 
+With a `cumsum_chunk` (pallas_kernels.kdn, with or without a front), the replay writes the delta
+rule's chunk-local log-decay cumsum g in place of log_alpha (the delta rule's cumsum kernel is not
+run), and the backward replay takes g's cotangent and the delta rule's direct log-decay terms and
+forms log_alpha's cotangent itself (the delta rule's reverse-cumsum kernel is not run either).
+
 The variance update is the Moebius map M_t = [[a, om], [u a, 1 + u om]] (a reset token uses M_t R, R
 the constant map to p0). Forward = two kernels:
   1. `_reduce_kernel`: per chunk (grid (B, H, NC)), the renormalised product of the chunk's M_t.
@@ -104,11 +109,12 @@ def _lanes(raw, b, t, h, diag, front=None):
   mu = raw["mu"][pl.ds(h, 1)].astype(jnp.float32)[:, None]
   if diag:
     kk = k * k
-    return dict(a=e2, om=om, u=mu * kk / r, kx=k, kk=kk, r=r, k=k, e2=e2, mu=mu, front=chain)
+    return dict(a=e2, om=om, u=mu * kk / r, kx=k, kk=kk, r=r, k=k, e2=e2, mu=mu, la=la,
+                front=chain)
   kk = jnp.sum(k * k, axis=1, keepdims=True)
   return dict(a=jnp.mean(e2, axis=1, keepdims=True), om=om[:, None],
               u=mu * kk / (k.shape[1] * r), kx=jnp.ones_like(kk), kk=kk, r=r, k=k, e2=e2, mu=mu,
-              front=chain)
+              la=la, front=chain)
 
 
 def _raw_grads(x, g, diag):
@@ -199,33 +205,44 @@ def _carry_in(prod_ref, p0, b, h, c):
   return lax.fori_loop(0, c, body, p0)
 
 
-def _replay_kernel(*refs, chunk, num_chunks, diag, save_pprev, front):
+def _restarts(reset, i, cumsum_chunk):
+  """Where the delta rule's log-decay cumsum restarts: at its chunk starts (i, the token's index
+  in this gain chunk, a whole number of cumsum chunks) and at the resets."""
+  return reset | (lax.rem(i, cumsum_chunk) == 0)
+
+
+def _replay_kernel(*refs, chunk, num_chunks, diag, save_pprev, front, cumsum_chunk):
   raw, rest = _raw_refs(refs, front)
   reset_ref, p0_ref, prod_ref, gain_ref = rest[:4]
   rest = rest[4:]
-  la_ref, rest = (None, rest) if front is None else (rest[0], rest[1:])
+  decay_ref, rest = (rest[0], rest[1:]) if emits_decay(front, cumsum_chunk) else (None, rest)
   pprev_ref, pfin_ref = rest if save_pprev else (None, rest[0])
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   p0 = p0_ref[b, h, :].astype(jnp.float32)[None, :]
   p = _carry_in(prod_ref, p0, b, h, c)
   t0 = c * chunk
 
-  def body(i, p):
+  def body(i, carry):
+    p, g = carry
     t = t0 + i
     reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
     p = jnp.where(reset, p0, p)
     x = _lanes(raw, b, t, h, diag, front)
-    if front is not None:   # the delta rule's decay, from the same front-end evaluation
-      la_ref[b, pl.ds(t, 1), h, :] = x["front"]["la"].astype(la_ref.dtype)
+    if cumsum_chunk:   # the delta rule's g, summed in token order as its cumsum kernel sums
+      g = jnp.where(_restarts(reset, i, cumsum_chunk), x["la"], g + x["la"])
+      decay_ref[b, pl.ds(t, 1), h, :] = g
+    elif decay_ref is not None:   # log_alpha for the delta rule, from the same front-end
+      decay_ref[b, pl.ds(t, 1), h, :] = x["la"].astype(decay_ref.dtype)
     p_hat = x["a"] * p + x["om"]
     den = x["r"] + jnp.sum(p_hat * x["kk"], axis=1, keepdims=True)
     gain = p_hat * x["kx"] / den
     gain_ref[b, pl.ds(t, 1), h, :] = gain.astype(gain_ref.dtype)
     if save_pprev:
       pprev_ref[b, pl.ds(t, 1), h, :] = p
-    return p_hat / (1.0 + x["u"] * p_hat)
+    return p_hat / (1.0 + x["u"] * p_hat), g
 
-  p = lax.fori_loop(0, chunk, body, p)
+  g0 = jnp.zeros((1, raw["k"].shape[-1]), jnp.float32) if cumsum_chunk else None
+  p, _ = lax.fori_loop(0, chunk, body, (p, g0))
 
   @pl.when(c == num_chunks - 1)
   def _():
@@ -282,11 +299,26 @@ def _bwd_reduce_kernel(*refs, chunk, diag, front):
   map_ref[b, h, c, 1, :] = cc.reshape(-1)
 
 
-def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front):
+def _decay_prefix(terms_ref, reset_ref, out_ref, b, h, t0, chunk, cumsum_chunk):
+  """Writes to out_ref the exclusive prefix sum of `terms` within the delta rule's cumsum pieces,
+  in token order, as delta_rule.chunk_cumsum's reverse kernel does. The backward replay reads
+  each row back before it stores that token's own gradient over it: each lane reads back its own
+  stores, in the same [1, K] layout, as in that kernel."""
+  def body(i, acc):
+    t = t0 + i
+    reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
+    acc = jnp.where(_restarts(reset, i, cumsum_chunk), 0.0, acc)
+    out_ref[b, pl.ds(t, 1), h, :] = acc
+    return acc + terms_ref[b, pl.ds(t, 1), h, :]
+  lax.fori_loop(0, chunk, body, jnp.zeros((1, out_ref.shape[-1]), jnp.float32))
+
+
+def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front, cumsum_chunk):
   raw, rest = _raw_refs(refs, front)
   pprev_ref, dgain_ref, reset_ref, map_ref, dpfin_ref = rest[:5]
   rest = rest[5:]
-  dla_out_ref, rest = (None, rest) if front is None else (rest[0], rest[1:])
+  n_decay = decay_cotangents(front, cumsum_chunk)
+  decay_refs, rest = rest[:n_decay], rest[n_decay:]
   d_refs = dict(zip(GRADS if front is None else GRADS_FRONT, rest[:5]))
   dp0_ref = rest[5]
   dparam_refs = rest[6:]   # front: per-chunk dt_bias and A_log partials [B, H, NC, K]
@@ -299,30 +331,45 @@ def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front):
 
   dp = lax.fori_loop(0, num_chunks - 1 - c, carry_body, dp_fin)
   t_last = c * chunk + chunk - 1
+  if cumsum_chunk:
+    # The delta rule's d log_alpha = the reverse cumsum of dg within its pieces + the exclusive
+    # prefix of its direct terms; the prefix goes to dk's rows first (fp32, overwritten below).
+    dg_ref, terms_ref = decay_refs
+    _decay_prefix(terms_ref, reset_ref, d_refs["k"], b, h, c * chunk, chunk, cumsum_chunk)
 
   def body(i, state):
-    dp, dp0, dparams = state
+    dp, dp0, dparams, dg_sum = state
     t = t_last - i
+    reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
+    dla_ext = None   # the cotangent of the log_alpha the forward passed on, if any
+    if cumsum_chunk:
+      dg_sum = dg_sum + dg_ref[b, pl.ds(t, 1), h, :]
+      dla_ext = dg_sum + d_refs["k"][b, pl.ds(t, 1), h, :]
+      dg_sum = jnp.where(_restarts(reset, chunk - 1 - i, cumsum_chunk), 0.0, dg_sum)
+    elif decay_refs:
+      dla_ext = _row(decay_refs[0], b, t, h)
     g, x, dp_hat, _, _, a = _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, dp, diag, front)
     grads = _raw_grads(x, g, diag)
     if front is not None:
-      grads, d_dt, d_alog = _front_grads(x, grads, _row(dla_out_ref, b, t, h))
+      grads, d_dt, d_alog = _front_grads(x, grads, dla_ext)
       dparams = (dparams[0] + d_dt, dparams[1] + d_alog)
+    elif dla_ext is not None:
+      grads["la"] = grads["la"] + dla_ext
     for name, val in grads.items():
       ref = d_refs[name]
       if len(ref.shape) == 4:
         ref[b, pl.ds(t, 1), h, :] = val.astype(ref.dtype)
       else:
         ref[b, pl.ds(t, 1), h] = val.astype(ref.dtype)
-    reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
     dprev = a * dp_hat
     dp0 = dp0 + jnp.where(reset, dprev, 0.0)
     dp = jnp.where(reset, 0.0, dprev)
-    return dp, dp0, dparams
+    return dp, dp0, dparams, dg_sum
 
   kd = raw["k"].shape[-1]
   dparams = () if front is None else (jnp.zeros((1, kd), jnp.float32),) * 2
-  _, dp0, dparams = lax.fori_loop(0, chunk, body, (dp, jnp.zeros_like(dp), dparams))
+  dg_sum = jnp.zeros((1, kd), jnp.float32) if cumsum_chunk else None
+  _, dp0, dparams, _ = lax.fori_loop(0, chunk, body, (dp, jnp.zeros_like(dp), dparams, dg_sum))
   dp0_ref[b, h, c, :] = dp0.reshape(-1)
   for ref, val in zip(dparam_refs, dparams):
     ref[b, h, c, :] = val.reshape(-1)
@@ -330,6 +377,19 @@ def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front):
 
 # ----------------------------------------------------------------------------------------------
 # Wrappers (all arrays already padded to a multiple of the chunk).
+
+
+def emits_decay(front, cumsum_chunk):
+  """Whether the forward replay writes a decay array for the delta rule: with `cumsum_chunk`
+  (> 0) its chunk-local cumsum g (restarted every cumsum_chunk tokens and at resets), else with a
+  front-end log_alpha itself."""
+  return bool(cumsum_chunk) or front is not None
+
+
+def decay_cotangents(front, cumsum_chunk):
+  """How many cotangent arrays of that decay output the backward replay reads: dg and the delta
+  rule's direct log-decay terms (cumsum), the cotangent of log_alpha (front), or none."""
+  return 2 if cumsum_chunk else int(front is not None)
 
 
 def _launch(r, chunk, interpret, cfg, backward):
@@ -340,13 +400,16 @@ def _launch(r, chunk, interpret, cfg, backward):
   return bsz, t, nh, t // chunk, (bsz, nh, t // chunk), params
 
 
-def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True, front=None):
+def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True, front=None,
+                 cumsum_chunk=0):
   """raw: (k [B,T,H,K], log_alpha [B,T,H,K], omega [B,T,H,K] (diag) or [B,T,H] (iso),
   r [B,T,H], mu [H]) in any float dtype, or with `front` (r_min) the pre-activations
   (k, f [B,T,H,K], dt_bias [H,K], A_log [H], omega_raw, r_raw, mu); reset [B,T]; p0 [B,H,L]
   (L = K diag, 1 iso); diag picks the lane formation (_lanes).
   Returns (gain [B,T,H,L], p_prev [B,T,H,L] (the backward's residual; None unless save_pprev),
-  p_final [B,H,L], log_alpha [B,T,H,K] (front only, else None)), float32."""
+  p_final [B,H,L], decay [B,T,H,K] or None), float32. decay (emits_decay): with cumsum_chunk
+  the delta rule's chunk-local cumsum of log_alpha (chunk a multiple of cumsum_chunk), else with
+  a front log_alpha, else None."""
   r = raw[-2]
   k = raw[0]
   lanes = p0.shape[-1]
@@ -358,26 +421,32 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
       grid=grid, name="kdn_gain_reduce", **params,
   )(*raw, reset, p0)
   lane = jax.ShapeDtypeStruct((bsz, t, nh, lanes), jnp.float32)
-  la_out = () if front is None else (jax.ShapeDtypeStruct(k.shape, jnp.float32),)
+  if cumsum_chunk and chunk % cumsum_chunk:
+    raise ValueError(f"gain_forward: chunk={chunk} is not a multiple of "
+                     f"cumsum_chunk={cumsum_chunk}")
+  decay = jax.ShapeDtypeStruct(k.shape, jnp.float32)
+  la_out = (decay,) if emits_decay(front, cumsum_chunk) else ()
   outs = pl.pallas_call(
       functools.partial(_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag,
-                        save_pprev=save_pprev, front=front),
+                        save_pprev=save_pprev, front=front, cumsum_chunk=cumsum_chunk),
       out_shape=(lane,) + la_out + ((lane,) if save_pprev else ()) + (
           jax.ShapeDtypeStruct((bsz, nh, lanes), jnp.float32),),
       grid=grid, name="kdn_gain_replay", **params,
   )(*raw, reset, p0, prod)
   gain, outs = outs[0], outs[1:]
-  la, outs = (None, outs) if front is None else (outs[0], outs[1:])
+  la, outs = (outs[0], outs[1:]) if la_out else (None, outs)
   pprev, pfin = outs if save_pprev else (None, outs[0])
   return gain, pprev, pfin, la
 
 
 def gain_backward(raw, reset, pprev, dgain, dpfin, *, diag, chunk, interpret, cfg, front=None,
-                  dla_out=None):
-  """Returns the float32 gradients of the raw inputs (mu's per token, [B,T,H]) and of p0. With
-  `front`: `dla_out` is the cotangent of the emitted log_alpha; the per-token gradients are
-  (k (f32), f, omega_raw, r_raw (their dtypes), mu), followed by dp0, dt_bias [H,K] and
-  A_log [H] (summed over batch and chunks here)."""
+                  dla_out=None, cumsum_chunk=0, dg=None, dla_terms=None):
+  """Returns the float32 gradients of the raw inputs (mu's per token, [B,T,H]) and of p0. The
+  forward's decay output's cotangent: with cumsum_chunk, `dg` (of g) and the delta rule's direct
+  log-decay terms `dla_terms` (their exclusive prefix within pieces is added, as
+  delta_rule.chunk_cumsum's reverse kernel adds it); else with `front`, `dla_out` (of
+  log_alpha). With `front` the per-token gradients are (k (f32), f, omega_raw, r_raw (their
+  dtypes), mu), followed by dp0, dt_bias [H,K] and A_log [H] (summed over chunks here)."""
   r = raw[-2]
   k = raw[0]
   lanes = pprev.shape[-1]
@@ -392,15 +461,16 @@ def gain_backward(raw, reset, pprev, dgain, dpfin, *, diag, chunk, interpret, cf
   per_token = jax.ShapeDtypeStruct(r.shape, jnp.float32)
   if front is None:
     d_shapes = tuple(f32(x) for x in raw[:4]) + (per_token,)
-    extra_in, extra_out = (), ()
+    extra_out = ()
   else:
     # f, omega_raw, r_raw: the gradients go straight to the projections, in their dtype
     d_shapes = (f32(k),) + tuple(jax.ShapeDtypeStruct(raw[i].shape, raw[i].dtype)
                                  for i in (1, 4, 5)) + (per_token,)
-    extra_in = (dla_out,)
     extra_out = (jax.ShapeDtypeStruct((bsz, nh, nc, k.shape[-1]), jnp.float32),) * 2
+  extra_in = (dg, dla_terms) if cumsum_chunk else (dla_out,) if front is not None else ()
   outs = pl.pallas_call(
-      functools.partial(_bwd_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag, front=front),
+      functools.partial(_bwd_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag, front=front,
+                        cumsum_chunk=cumsum_chunk),
       out_shape=d_shapes + (jax.ShapeDtypeStruct((bsz, nh, nc, lanes), jnp.float32),) + extra_out,
       grid=grid, name="kdn_gain_bwd_replay", **params,
   )(*raw, pprev, dgain, reset, maps, dpfin, *extra_in)
