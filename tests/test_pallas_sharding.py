@@ -9,6 +9,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ops_cases import make_inputs
 from kdn_jax import ops
+from pallas_kernels.delta_rule import config as dr_config
 
 B, T, H, K, V = 4, 40, 4, 16, 16
 NAMES = ("q", "k", "v", "log_alpha", "omega", "r")
@@ -56,13 +57,20 @@ def partitioner(request):
   jax.config.update("jax_use_shardy_partitioner", before)
 
 
-# Each family, mesh and partitioner once (diag on data_tensor under shardy repeats the rest).
-@pytest.mark.parametrize("family,mesh_name,partitioner", [
-    ("iso", "data_tensor", "shardy"), ("diag", "data_fsdp_tensor", "shardy"),
-    ("diag", "data_tensor", "gspmd")],
+# Each family, mesh and partitioner once (diag on data_tensor under shardy repeats the rest);
+# the gain and delta rule under one VJP (DeltaRuleConfig.cumsum_in_gain) once per partitioner.
+@pytest.mark.parametrize("family,mesh_name,partitioner,cumsum_in_gain", [
+    ("iso", "data_tensor", "shardy", False), ("diag", "data_fsdp_tensor", "shardy", False),
+    ("diag", "data_tensor", "gspmd", False), ("iso", "data_fsdp_tensor", "shardy", True),
+    ("diag", "data_tensor", "gspmd", True)],
     indirect=["partitioner"])
-def test_sharded_jit_runs_per_shard(family, mesh_name, partitioner):
+def test_sharded_jit_runs_per_shard(family, mesh_name, partitioner, cumsum_in_gain):
   del partitioner
+  with dr_config.overridden(cumsum_in_gain=cumsum_in_gain):
+    _check_sharded(family, mesh_name)
+
+
+def _check_sharded(family, mesh_name):
   shape, names, batch = MESHES[mesh_name]
   mesh = _mesh(shape, names)
   args, mu, seg = _args(family)

@@ -6,8 +6,9 @@
 # mixers (mixer table vs flash-linear-attention), layers (whole layers vs fla's KDA layer),
 # train (125M LM training throughput on 1 GPU, and on 2 when there are 2), mgpu (the Mosaic GPU
 # output stage: tests and timing), forward (fuse_output against the unfused kernels, the trials
-# of the fused step and of the gain's forward stages, GPU checks at K=128). Default: check ops
-# stages docs mixers layers train.
+# of the fused step and of the gain's forward stages, GPU checks at K=128), cumsum (the decay
+# cumsum inside the gain kernels: ops, layers, GPU check). Default: check ops stages docs mixers
+# layers train.
 # Kernel config sweep (stages): SWEEP='default,max_chunk=64/sub_block=32' (DeltaRuleConfig fields).
 # Extra train flags: TRAIN_EXTRA='--config.model.scan_layers=True --config.model.impl=pallas'.
 # Results land in $RES (default /tmp/kdn_gpu); with $OUT set (the device tool) they are also packed
@@ -26,6 +27,29 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/kdn_jax_cache
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 MIXER_LENS=${MIXER_LENS:-4096,16384,2048,8192,32768}
 TRAIN_STEPS=${TRAIN_STEPS:-30}
+
+# One benchmark_mixers sweep line (limit, flags...), its ranking lines to $RES/$SWEEP_LOG (the
+# stage splits stay in the JSON), packed after.
+sweep_line() { timeout "$1" python3 -m experiments.benchmark_mixers --pallas_lens= --reps=${REPS:-20} \
+    --sweep_combine=false --rows= --check=false "${@:2}" 2>&1 | quiet | grep '"sweep"' \
+    | sed 's/, "stages".*//' | tee -a "$RES/$SWEEP_LOG"; pack; }
+# GPU checks, one process each: dim:delta-rule spec[:gain spec],... (a one-spec sweep makes that
+# spec the config the check runs); the largest error per op and any failure to $RES/$SWEEP_LOG.
+gpu_checks() {
+  for c in $(echo "$1" | tr , ' '); do
+    set -- ${c//:/ }   # dim:delta-rule spec[:gain spec]
+    name=k$1_${2//\//_}${3:+_${3//\//_}}   # (specs join fields with '/')
+    timeout ${CHECK_LIMIT:-60} python3 -m experiments.benchmark_mixers --out="$RES/check_$name" \
+      --check_only --check_dim=$1 --sweep_len=2048 --sweep_combine=false --sweep=$2 \
+      ${3:+--gain_sweep=$3} 2>&1 | quiet | grep -E '^check |FAILED' > "$RES/check_$name.txt"
+    for op in delta_rule_float32 delta_rule_bfloat16 gain_float32 gain_bfloat16 kdn_float32 \
+        kdn_bfloat16; do   # largest
+      grep "^check .*$op" "$RES/check_$name.txt" | grep -v nan | sort -g -k3 | tail -1 \
+        | sed "s|^|$name: |" | tee -a "$RES/$SWEEP_LOG"
+    done
+    grep -E "nan|FAILED" "$RES/check_$name.txt" | sed "s|^|$name: |" | tee -a "$RES/$SWEEP_LOG"
+    pack
+  done; }
 
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$RES/gpus.txt"
 ngpu=$(nvidia-smi -L | wc -l)
@@ -91,41 +115,47 @@ forward)
   # fuse_output (session 40): the default's forward (the output fused into the serial pass in
   # calls not differentiated) against fuse_output=none at 16k with the stage split, and
   # session 41's two trials of the fused step (prefetch_output_rows=0: its q/g/P rows loaded in
-  # their step; output_after_update=1: its dots after the S update); with documents; 'all'
-  # (every call, training too) fwd+bwd without and with documents, with the trials at 16k; the
-  # gain's forward kernels at 2 and 3 pipelining stages (session 41's GainConfig.num_stages_fwd);
-  # the GPU check of the default with the gain's forward at 2 stages and of 'all' (its reset
-  # branch) at K=128 (more: CHECK_CASES=dim:spec[:gain spec],...). About 510 s; each line has
-  # its own limit, and results.tgz is packed after each.
-  # Only the ranking lines are printed (the stage splits are in the JSON).
-  fwd() { timeout "$1" python3 -m experiments.benchmark_mixers --pallas_lens= --reps=${REPS:-20} \
-    --sweep_combine=false --rows= --check=false "${@:2}" 2>&1 | quiet | grep '"sweep"' \
-    | sed 's/, "stages".*//' | tee -a "$RES/forward.txt"; pack; }
+  # their step; output_after_update=1: its dots after the S update); 'all' (every call,
+  # training too) fwd+bwd without and with documents, with the trials at 16k; the gain's forward
+  # kernels at 2 and 3 pipelining stages (session 41's GainConfig.num_stages_fwd); the GPU check
+  # of the default with the gain's forward at 2 stages and of 'all' (its reset branch) at K=128
+  # (more: CHECK_CASES=dim:spec[:gain spec],...). About 470 s (FORWARD_DOCS=1: the forward
+  # with documents too, +50 s); each line has its own limit, and results.tgz is packed after each.
+  SWEEP_LOG=forward.txt
   TRIALS=prefetch_output_rows=0,output_after_update=1
-  fwd 180 --out="$RES/forward_16384" --seq_lens=16384 --sweep_len=16384 --sweep_fwd_only \
+  sweep_line 180 --out="$RES/forward_16384" --seq_lens=16384 --sweep_len=16384 --sweep_fwd_only \
     --sweep_stages --sweep=${FORWARD_SWEEP:-default,fuse_output=none,$TRIALS}
   # the gain's forward kernels pipelined apart from its backward (GainConfig.num_stages_fwd)
-  fwd 40 --out="$RES/forward_gain" --seq_lens=16384 --sweep_len=16384 --gain_sweep_fwd_bwd=false \
-    --gain_sweep=default,num_stages_fwd=2,num_stages_fwd=3
+  sweep_line 40 --out="$RES/forward_gain" --seq_lens=16384 --sweep_len=16384 \
+    --gain_sweep_fwd_bwd=false --gain_sweep=default,num_stages_fwd=2,num_stages_fwd=3
   # with documents: 'all' also fuses the primal (its S_init dot only in chunks with a reset)
-  fwd 50 --out="$RES/forward_docs" --seq_lens=16384 --sweep_len=16384 --sweep_fwd_only \
-    --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
-  fwd 70 --out="$RES/forward_all" --seq_lens=16384 --sweep_len=16384 \
+  [ -n "${FORWARD_DOCS:-}" ] && sweep_line 50 --out="$RES/forward_docs" --seq_lens=16384 \
+    --sweep_len=16384 --sweep_fwd_only --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
+  sweep_line 70 --out="$RES/forward_all" --seq_lens=16384 --sweep_len=16384 \
     --sweep=default,fuse_output=all,fuse_output=all/prefetch_output_rows=0,fuse_output=all/output_after_update=1
-  fwd 50 --out="$RES/forward_all_docs" --seq_lens=16384 --sweep_len=16384 \
+  sweep_line 50 --out="$RES/forward_all_docs" --seq_lens=16384 --sweep_len=16384 \
     --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
-  # the check: a one-spec sweep makes that spec the config the check runs
-  for c in $(echo "${CHECK_CASES:-128:default:num_stages_fwd=2,128:fuse_output=all}" | tr , ' '); do
-    set -- ${c//:/ }   # dim:delta-rule spec[:gain spec]
-    name=k$1_${2//\//_}${3:+_${3//\//_}}   # (specs join fields with '/')
-    timeout ${CHECK_LIMIT:-60} python3 -m experiments.benchmark_mixers --out="$RES/check_$name" \
-      --check_only --check_dim=$1 --sweep_len=2048 --sweep_combine=false --sweep=$2 \
-      ${3:+--gain_sweep=$3} 2>&1 | quiet | grep -E '^check |FAILED' > "$RES/check_$name.txt"
-    for op in delta_rule_float32 delta_rule_bfloat16 gain_float32 gain_bfloat16; do   # largest
-      grep "^check .*$op" "$RES/check_$name.txt" | grep -v nan | sort -g -k3 | tail -1 \
-        | sed "s|^|$name: |" | tee -a "$RES/forward.txt"
-    done
-    grep -E "nan|FAILED" "$RES/check_$name.txt" | sed "s|^|$name: |" | tee -a "$RES/forward.txt"
+  gpu_checks "${CHECK_CASES:-128:default:num_stages_fwd=2,128:fuse_output=all}" ;;
+cumsum)
+  # Session 42's DeltaRuleConfig.cumsum_in_gain (pallas_kernels.kdn: the gain and the delta rule
+  # under one VJP, the decay cumsum and its transpose in the gain's token replays): the diag KDN
+  # op at 16k fwd+bwd, forward, and fwd+bwd with documents, each against the default in one
+  # process; the GPU check at K=128 (the KDN ops through pallas_kernels.kdn); then the two KDN
+  # layers at 16k (the fused front-end path), default and with the option, one process each (no
+  # fla row: no autotune). About 380 s.
+  SWEEP_LOG=cumsum.txt
+  sweep_line 60 --out="$RES/cumsum_fb" --seq_lens=16384 --sweep_len=16384 \
+    --sweep=default,cumsum_in_gain=1
+  sweep_line 50 --out="$RES/cumsum_fwd" --seq_lens=16384 --sweep_len=16384 --sweep_fwd_only \
+    --sweep=default,cumsum_in_gain=1
+  sweep_line 60 --out="$RES/cumsum_docs" --seq_lens=16384 --sweep_len=16384 \
+    --sweep_row=diag_kdn_seg_pallas --sweep=default,cumsum_in_gain=1
+  gpu_checks "${CHECK_CASES:-128:cumsum_in_gain=1}"
+  for spec in "" cumsum_in_gain=1; do
+    timeout ${CUMSUM_LAYER_LIMIT:-80} python3 -m experiments.benchmark_layers \
+      --out="$RES/cumsum_layers${spec:+_on}" --seq_lens=16384 --impls=pallas --reps=20 \
+      --rows=kdn_diag,kdn_iso --delta_rule_config="$spec" 2>&1 | quiet \
+      | grep -E 'T=[0-9]+: fwd' | sed "s|^|layers ${spec:-default}: |" | tee -a "$RES/$SWEEP_LOG"
     pack
   done ;;
 mgpu)
