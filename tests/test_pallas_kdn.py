@@ -4,7 +4,9 @@ the gain kernels (DeltaRuleConfig.cumsum_in_gain), CPU interpret mode.
 Held to the float64 token loop (values, final states, every gradient, through ops.diag_kdn /
 iso_kdn with the option on) and to the separate ops it replaces (with and without the gate
 front-end), with packed segments, T not a multiple of any chunk, T = 1 and the forward-only
-chunk. Each test checks that the composite ran: the delta rule's own cumsum kernels raise here.
+chunk. The tests that reach it through the ops run with the delta rule's own cumsum kernels
+patched to raise (the `composite` fixture), so a silent fallback cannot pass; the others call
+pallas_kernels.kdn.kdn itself.
 """
 import jax
 import jax.numpy as jnp
@@ -18,7 +20,7 @@ from test_ops_grad import B, H, K, T, V, _arrays, _loss_fn, _oracle_loss
 import pallas_kernels
 from pallas_kernels import kdn as pallas_kdn
 from pallas_kernels import kdn_gain
-from pallas_kernels.delta_rule import chunk_cumsum
+from pallas_kernels.delta_rule import chunk_cumsum, chunk_length, forward_only
 from pallas_kernels.delta_rule import config as dr_config
 
 
@@ -61,8 +63,8 @@ def test_grads_match_token_loop(composite, family, segmented):
     assert rel_err(g, np.asarray(w)) <= 1e-4, (name, rel_err(g, np.asarray(w)))
 
 
-def _run(family, c, mu, state, segment_ids):   # its own jit: a trace of its own config
-  return ops_cases._run(family, c, mu, state, segment_ids, "pallas", 16)   # pylint: disable=protected-access
+def _run(family, c, mu, state, segment_ids, chunk_size=16):   # its own jit: its own traces
+  return ops_cases._run(family, c, mu, state, segment_ids, "pallas", chunk_size)   # pylint: disable=protected-access
 
 
 _run_jit = jax.jit(_run, static_argnums=0)
@@ -90,16 +92,17 @@ def test_forward_edge_cases_match_token_loop(composite, family, case, t):
 
 
 def test_forward_only_chunk(composite):
-  """A call that is not differentiated under DeltaRuleConfig.forward_only_chunk = 32: the gain
-  emits g in 32-token pieces for the chunk-32 forward (a gain chunk that holds both), with
-  segments, against the token loop."""
+  """A call that is not differentiated under DeltaRuleConfig.forward_only_chunk = 32 (chunk_size
+  64; differentiated calls keep chunk 16): the gain emits g in 32-token pieces for the chunk-32
+  forward (a gain chunk that holds both), with segments, against the token loop."""
   del composite
   family = "diag"
   x = round_f32(make_inputs(family, B, T, H, K, V, seed=3))
   c = {key: jnp.asarray(val, jnp.float32) for key, val in x.items() if key != "mu"}
   seg = _segments()
-  with dr_config.overridden(forward_only_chunk=32):
-    o, final = _run(family, c, x["mu"], None, seg)
+  with dr_config.overridden(forward_only_chunk=32) as cfg:
+    assert forward_only(cfg, 64, T, True)[1] == 32 != chunk_length(cfg, 64, T, True)
+    o, final = _run(family, c, x["mu"], None, seg, chunk_size=64)
   want_o, want_final = oracle(family, x, segment_ids=seg)
   assert rel_err(o, want_o) <= 2e-5
   for got, want in zip(final, want_final):
@@ -159,8 +162,7 @@ def _front_run(fn, diag, t, dtype):
     return sum(jnp.sum(o.astype(jnp.float32) * rng.normal(size=o.shape).astype(np.float32))
                for o in outs)
 
-  with dr_config.overridden(cumsum_in_gain=fn is _composite):
-    return fn(diag, *args, seg), jax.value_and_grad(loss, argnums=tuple(range(7)))(*args)
+  return fn(diag, *args, seg), jax.value_and_grad(loss, argnums=tuple(range(7)))(*args)
 
 
 def _errors(got, want):
@@ -223,3 +225,11 @@ def test_bad_arguments_raise():
                    scale=0.25, r_min=R_MIN)
   with pytest.raises(ValueError, match="p0 has shape"):
     pallas_kdn.kdn(q, k, v, gate, mu, p0[..., :3], h0, diag=True, scale=0.25, r_min=R_MIN)
+  from pallas_kernels.kdn_gain import config as gain_config   # pylint: disable=g-import-not-at-top
+  old = gain_config.DEFAULT
+  gain_config.set_default(num_warps=2)
+  try:
+    with pytest.raises(ValueError, match="GainConfig.num_warps must be 1"):
+      pallas_kdn.kdn(q, k, v, gate, mu, p0, h0, diag=True, scale=0.25, r_min=R_MIN)
+  finally:
+    gain_config.DEFAULT = old

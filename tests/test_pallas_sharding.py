@@ -9,6 +9,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ops_cases import make_inputs
 from kdn_jax import ops
+from pallas_kernels.delta_rule import chunk_cumsum
 from pallas_kernels.delta_rule import config as dr_config
 
 B, T, H, K, V = 4, 40, 4, 16, 16
@@ -64,8 +65,14 @@ def partitioner(request):
     ("diag", "data_tensor", "gspmd", False), ("iso", "data_fsdp_tensor", "shardy", True),
     ("diag", "data_tensor", "gspmd", True)],
     indirect=["partitioner"])
-def test_sharded_jit_runs_per_shard(family, mesh_name, partitioner, cumsum_in_gain):
+def test_sharded_jit_runs_per_shard(family, mesh_name, partitioner, cumsum_in_gain,
+                                    monkeypatch):
   del partitioner
+  if cumsum_in_gain:   # the composite or nothing: the delta rule's own cumsum kernels refuse
+    def refuse(*args, **kwargs):
+      raise AssertionError("the delta rule's cumsum kernel ran under cumsum_in_gain")
+    monkeypatch.setattr(chunk_cumsum, "chunk_cumsum", refuse)
+    monkeypatch.setattr(chunk_cumsum, "chunk_reverse_cumsum", refuse)
   with dr_config.overridden(cumsum_in_gain=cumsum_in_gain):
     _check_sharded(family, mesh_name)
 

@@ -34,20 +34,28 @@ sweep_line() { timeout "$1" python3 -m experiments.benchmark_mixers --pallas_len
     --sweep_combine=false --rows= --check=false "${@:2}" 2>&1 | quiet | grep '"sweep"' \
     | sed 's/, "stages".*//' | tee -a "$RES/$SWEEP_LOG"; pack; }
 # GPU checks, one process each: dim:delta-rule spec[:gain spec],... (a one-spec sweep makes that
-# spec the config the check runs); the largest error per op and any failure to $RES/$SWEEP_LOG.
+# spec the config the check runs; a spec whose timing fails leaves the default in place, which
+# the log line "sweep ... failed" says). To $RES/$SWEEP_LOG: the largest error per op, failures,
+# a non-zero exit (124: the limit), and a cumsum_in_gain check without its kdn lines.
 gpu_checks() {
   for c in $(echo "$1" | tr , ' '); do
     set -- ${c//:/ }   # dim:delta-rule spec[:gain spec]
     name=k$1_${2//\//_}${3:+_${3//\//_}}   # (specs join fields with '/')
-    timeout ${CHECK_LIMIT:-60} python3 -m experiments.benchmark_mixers --out="$RES/check_$name" \
+    timeout ${CHECK_LIMIT:-90} python3 -m experiments.benchmark_mixers --out="$RES/check_$name" \
       --check_only --check_dim=$1 --sweep_len=2048 --sweep_combine=false --sweep=$2 \
-      ${3:+--gain_sweep=$3} 2>&1 | quiet | grep -E '^check |FAILED' > "$RES/check_$name.txt"
-    for op in delta_rule_float32 delta_rule_bfloat16 gain_float32 gain_bfloat16 kdn_float32 \
-        kdn_bfloat16; do   # largest
-      grep "^check .*$op" "$RES/check_$name.txt" | grep -v nan | sort -g -k3 | tail -1 \
-        | sed "s|^|$name: |" | tee -a "$RES/$SWEEP_LOG"
-    done
-    grep -E "nan|FAILED" "$RES/check_$name.txt" | sed "s|^|$name: |" | tee -a "$RES/$SWEEP_LOG"
+      ${3:+--gain_sweep=$3} > "$RES/check_$name.log" 2>&1
+    rc=$?
+    quiet < "$RES/check_$name.log" | grep -E '^check |FAILED' > "$RES/check_$name.txt"
+    { [ $rc -ne 0 ] && echo "exit $rc"
+      grep -o 'sweep .* failed.*' "$RES/check_$name.log" | cut -c1-300
+      for op in delta_rule_float32 delta_rule_bfloat16 gain_float32 gain_bfloat16 kdn_float32 \
+          kdn_bfloat16; do   # largest
+        grep "^check .*$op" "$RES/check_$name.txt" | grep -v nan | sort -g -k3 | tail -1
+      done
+      case $2 in *cumsum_in_gain=1*)
+        grep -q kdn_float32 "$RES/check_$name.txt" || echo "no kdn check lines: not checked";; esac
+      grep -E "nan|FAILED" "$RES/check_$name.txt"
+    } | sed "s|^|$name: |" | tee -a "$RES/$SWEEP_LOG"
     pack
   done; }
 
@@ -119,8 +127,9 @@ forward)
   # training too) fwd+bwd without and with documents, with the trials at 16k; the gain's forward
   # kernels at 2 and 3 pipelining stages (session 41's GainConfig.num_stages_fwd); the GPU check
   # of the default with the gain's forward at 2 stages and of 'all' (its reset branch) at K=128
-  # (more: CHECK_CASES=dim:spec[:gain spec],...). About 470 s (FORWARD_DOCS=1: the forward
-  # with documents too, +50 s); each line has its own limit, and results.tgz is packed after each.
+  # (more: CHECK_CASES=dim:spec[:gain spec],...). About 520 s at most (FORWARD_DOCS=1: the
+  # forward with documents too, +50 s); each line has its own limit, and results.tgz is packed
+  # after each.
   SWEEP_LOG=forward.txt
   TRIALS=prefetch_output_rows=0,output_after_update=1
   sweep_line 180 --out="$RES/forward_16384" --seq_lens=16384 --sweep_len=16384 --sweep_fwd_only \
@@ -129,7 +138,7 @@ forward)
   sweep_line 40 --out="$RES/forward_gain" --seq_lens=16384 --sweep_len=16384 \
     --gain_sweep_fwd_bwd=false --gain_sweep=default,num_stages_fwd=2,num_stages_fwd=3
   # with documents: 'all' also fuses the primal (its S_init dot only in chunks with a reset)
-  [ -n "${FORWARD_DOCS:-}" ] && sweep_line 50 --out="$RES/forward_docs" --seq_lens=16384 \
+  [ "${FORWARD_DOCS:-0}" = 1 ] && sweep_line 50 --out="$RES/forward_docs" --seq_lens=16384 \
     --sweep_len=16384 --sweep_fwd_only --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
   sweep_line 70 --out="$RES/forward_all" --seq_lens=16384 --sweep_len=16384 \
     --sweep=default,fuse_output=all,fuse_output=all/prefetch_output_rows=0,fuse_output=all/output_after_update=1
@@ -140,9 +149,10 @@ cumsum)
   # Session 42's DeltaRuleConfig.cumsum_in_gain (pallas_kernels.kdn: the gain and the delta rule
   # under one VJP, the decay cumsum and its transpose in the gain's token replays): the diag KDN
   # op at 16k fwd+bwd, forward, and fwd+bwd with documents, each against the default in one
-  # process; the GPU check at K=128 (the KDN ops through pallas_kernels.kdn); then the two KDN
-  # layers at 16k (the fused front-end path), default and with the option, one process each (no
-  # fla row: no autotune). About 380 s.
+  # process; the GPU checks at K=128 and K=16 (the KDN ops through pallas_kernels.kdn; K=16:
+  # the gain's reverse replay reads back rows replicated across lanes); then the two KDN layers
+  # at 16k (the fused front-end path), default and with the option, one process each (no fla
+  # row: no autotune). About 510 s at most (CUMSUM_CHECK_CASES: other checks).
   SWEEP_LOG=cumsum.txt
   sweep_line 60 --out="$RES/cumsum_fb" --seq_lens=16384 --sweep_len=16384 \
     --sweep=default,cumsum_in_gain=1
@@ -150,7 +160,7 @@ cumsum)
     --sweep=default,cumsum_in_gain=1
   sweep_line 60 --out="$RES/cumsum_docs" --seq_lens=16384 --sweep_len=16384 \
     --sweep_row=diag_kdn_seg_pallas --sweep=default,cumsum_in_gain=1
-  gpu_checks "${CHECK_CASES:-128:cumsum_in_gain=1}"
+  gpu_checks "${CUMSUM_CHECK_CASES:-128:cumsum_in_gain=1,16:cumsum_in_gain=1}"
   for spec in "" cumsum_in_gain=1; do
     timeout ${CUMSUM_LAYER_LIMIT:-80} python3 -m experiments.benchmark_layers \
       --out="$RES/cumsum_layers${spec:+_on}" --seq_lens=16384 --impls=pallas --reps=20 \

@@ -27,10 +27,10 @@ from pallas_kernels import sharding as _sharding
 from pallas_kernels import tpu_common
 from pallas_kernels import kdn_gain as _gain
 # (by name: the package attribute `delta_rule` is the function pallas_kernels exports)
-from pallas_kernels.delta_rule import chunk_length, forward_only, segment_arrays
+from pallas_kernels.delta_rule import call_setup, segment_bookkeeping
 from pallas_kernels.delta_rule import forward as _delta_forward
 from pallas_kernels.delta_rule import backward as _delta_backward
-from pallas_kernels.delta_rule import config as _delta_config
+from pallas_kernels.delta_rule import config as _delta_config  # (enabled)
 from pallas_kernels.kdn_gain import config as _gain_config
 from pallas_kernels.kdn_gain import kernel as _gain_kernel
 
@@ -169,11 +169,7 @@ def kdn(q, k, v, gate, info_scale, p0, h0, segment_ids=None, *, diag, scale, r_m
   Returns (o [B,T,H,V] q.dtype, S_final [B,H,K,V] f32, p_final like p0, f32). Gradients flow to
   every array but segment_ids (info_scale's as that of an [H] array).
   """
-  interpret = common.resolve_interpret(interpret)
   op = "diag_kdn" if diag else "iso_kdn"
-  if tpu_common.use_tpu_kernels(interpret):
-    raise NotImplementedError(f"pallas_kernels.kdn ({op}): no Mosaic-TPU kernels; compose "
-                              "kdn_gain and delta_rule there (kdn.enabled() is False on TPU)")
   front = r_min is not None
   gate = tuple(gate)
   if len(gate) != (5 if front else 3):
@@ -183,31 +179,30 @@ def kdn(q, k, v, gate, info_scale, p0, h0, segment_ids=None, *, diag, scale, r_m
   _gain.check_gate(op, diag, front, k, gate, p0)
   if front and not r_min > 0:
     raise ValueError(f"{op}: r_min must be > 0, got {r_min}")
-  precision = common.precision_for(q.dtype) if precision is None else precision
-  common.dot_precision(precision)   # validates the name before any work
-  bsz, t, nh, kd = k.shape
-  common.check_width("K", kd)
-  common.check_width("V", v.shape[-1])
-  if chunk_size not in (16, 32, 64, 128):
-    raise NotImplementedError(f"{op}: chunk_size={chunk_size} not supported")
-  cfg = _delta_config.DEFAULT
-  chunk = chunk_length(cfg, chunk_size, t, interpret)
-  cfg_fo, chunk_fo = forward_only(cfg, chunk_size, t, interpret)
-  gain_chunk = max(_gain.gain_chunk(t, gain_chunk_size), chunk, chunk_fo)   # powers of two
-  t_pad = -(-t // gain_chunk) * gain_chunk
+  gain_cfg = _gain_config.DEFAULT
+  if gain_cfg.num_warps != 1:
+    # The reverse replay reads back rows it stored (kdn_gain.kernel._decay_prefix): with rows
+    # narrower than its warps' lanes, another warp's replica could be read with no barrier.
+    raise ValueError(f"{op}: GainConfig.num_warps must be 1 under DeltaRuleConfig.cumsum_in_gain, "
+                     f"got {gain_cfg.num_warps}")
   out_dtype = q.dtype
-  if isinstance(scale, jax.core.Tracer):   # a traced scale cannot be a kernel constant
-    q, scale = q.astype(jnp.float32) * scale, 1.0
+  q, scale, precision, interpret, cfg, chunk, cfg_fo, chunk_fo = call_setup(
+      op, q, k, v, scale, chunk_size, precision, interpret)
+  if tpu_common.use_tpu_kernels(interpret):
+    raise NotImplementedError(f"pallas_kernels.kdn ({op}): no Mosaic-TPU kernels; compose "
+                              "kdn_gain and delta_rule there (kdn.enabled() is False on TPU)")
+  bsz, t = k.shape[:2]
+  # a power of two (the gain kernels take any chunk; the cumsum pieces must tile it), so t_pad
+  # may hold a few more delta-rule chunks than the delta rule alone would pad to
+  gain_chunk = max(1 << (_gain.gain_chunk(t, gain_chunk_size) - 1).bit_length(), chunk, chunk_fo)
+  t_pad = -(-t // gain_chunk) * gain_chunk
   k_pad, gate, mu, p0 = _gain.kernel_inputs(k, gate, info_scale, p0, t_pad, diag, front)
   q, v = (common.pad_time(x, t_pad) for x in (q, v))
   reset = common.reset_flags(segment_ids, bsz, t, t_pad).astype(jnp.int32)
-  _, cont, pid = segment_arrays(segment_ids, bsz, t, t_pad, chunk)
-  cont_fo = cont
-  if chunk_fo != chunk:   # (the unused one is dead code in either jit)
-    _, cont_fo, _ = segment_arrays(segment_ids, bsz, t, t_pad, chunk_fo)
-  st = _Static(diag=diag, front=None if r_min is None else float(r_min), scale=float(scale),
+  _, cont, pid, _, cont_fo = segment_bookkeeping(segment_ids, bsz, t, t_pad, chunk, chunk_fo)
+  st = _Static(diag=diag, front=None if r_min is None else float(r_min), scale=scale,
                chunk=chunk, chunk_fo=chunk_fo, gain_chunk=gain_chunk, interpret=interpret,
-               cfg=cfg, cfg_fo=cfg_fo, gain_cfg=_gain_config.DEFAULT, prec=precision)
+               cfg=cfg, cfg_fo=cfg_fo, gain_cfg=gain_cfg, prec=precision)
   o, sfin, pfin = _core(q, k_pad, v, gate, mu, p0, h0.astype(jnp.float32), reset, cont, pid,
                         cont_fo, st)
   return o[:, :t].astype(out_dtype), sfin, (pfin if diag else pfin[..., 0])

@@ -35,7 +35,8 @@ the constant map to p0). Forward = two kernels:
 Backward = two kernels over the linear adjoint recurrence dp_{t-1} = m_t dp_t + c_t:
   3. `_bwd_reduce_kernel`: per chunk, the composed affine map (m, c) from chunk-end to chunk-start.
   4. `_bwd_replay_kernel`: per chunk, the carry from later chunks, then a reverse token replay that
-     emits every raw input's gradient, plus each chunk's dp0 contribution (from its resets).
+     emits every raw input's gradient, plus each chunk's dp0 contribution (from its resets);
+     with a cumsum_chunk, first a forward loop writing the direct terms' prefix (_decay_prefix).
 """
 from __future__ import annotations
 
@@ -208,7 +209,7 @@ def _carry_in(prod_ref, p0, b, h, c):
 def _restarts(reset, i, cumsum_chunk):
   """Where the delta rule's log-decay cumsum restarts: at its chunk starts (i, the token's index
   in this gain chunk, a whole number of cumsum chunks) and at the resets."""
-  return reset | (lax.rem(i, cumsum_chunk) == 0)
+  return reset | (lax.rem(i, cumsum_chunk) == 0)   # (i >= 0; cumsum_chunk a Python int)
 
 
 def _replay_kernel(*refs, chunk, num_chunks, diag, save_pprev, front, cumsum_chunk):
@@ -302,8 +303,11 @@ def _bwd_reduce_kernel(*refs, chunk, diag, front):
 def _decay_prefix(terms_ref, reset_ref, out_ref, b, h, t0, chunk, cumsum_chunk):
   """Writes to out_ref the exclusive prefix sum of `terms` within the delta rule's cumsum pieces,
   in token order, as delta_rule.chunk_cumsum's reverse kernel does. The backward replay reads
-  each row back before it stores that token's own gradient over it: each lane reads back its own
-  stores, in the same [1, K] layout, as in that kernel."""
+  each row back before it stores that token's own gradient over it, in the same [1, K] layout:
+  with K >= 32 and one warp (pallas_kernels.kdn requires GainConfig.num_warps == 1 here) every
+  lane reads back only what it stored; narrower rows are replicated across the warp's lanes, so
+  a lane may read another lane's store of the same warp, as in that kernel (which the GPU check
+  passed at K = 16 and 128)."""
   def body(i, acc):
     t = t0 + i
     reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
@@ -446,7 +450,8 @@ def gain_backward(raw, reset, pprev, dgain, dpfin, *, diag, chunk, interpret, cf
   log-decay terms `dla_terms` (their exclusive prefix within pieces is added, as
   delta_rule.chunk_cumsum's reverse kernel adds it); else with `front`, `dla_out` (of
   log_alpha). With `front` the per-token gradients are (k (f32), f, omega_raw, r_raw (their
-  dtypes), mu), followed by dp0, dt_bias [H,K] and A_log [H] (summed over chunks here)."""
+  dtypes), mu), followed by dp0, dt_bias [B,H,K] and A_log [B,H] (summed over chunks here, over
+  the batch by the caller)."""
   r = raw[-2]
   k = raw[0]
   lanes = pprev.shape[-1]
