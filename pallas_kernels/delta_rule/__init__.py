@@ -89,7 +89,8 @@ def _backward_body(q, k, v, w, g, h0, starts, cont, pid, amat, pmat, wt, wk, sta
                    *, chunk, scale, interpret, cfg, prec):
   dq, dk, dv, dw, dg, dla_terms, dh0 = _backward.backward(
       q, k, v, w, g, h0, cont, pid, (amat, pmat, wt, wk, states), do, dsfin, chunk=chunk,
-      scale=scale, interpret=interpret, cfg=cfg, cfg_prec=prec)
+      scale=scale, interpret=interpret, cfg=cfg, cfg_prec=prec,
+      grad_dtypes=(q.dtype, k.dtype, v.dtype))
   # g = within-(chunk, segment) cumsum of log_alpha  =>  dla = reverse cumsum of dg, plus the
   # direct term: the exclusive prefix of dla_terms. (Its pieces restart at resets too, which
   # changes nothing: a term is zero outside its chunk's last segment, where every later token

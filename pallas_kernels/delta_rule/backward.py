@@ -202,9 +202,9 @@ def state_grads(q, k, v, g, h0, cont, res, do, dsfin, *, chunk, scale, interpret
 
 
 def bwd_partials(q, k, v, g, h0, cont, res, do, dstates, *, chunk, scale, interpret, cfg,
-                 cfg_prec):
-  """Parallel over (chunk, V block): dV and the per-V-block partial gradients of P, L, Wt,
-  Kbar, Qbar and g_last, from the saved states and state gradients."""
+                 cfg_prec, dv_dtype=jnp.float32):
+  """Parallel over (chunk, V block): dV (in dv_dtype) and the per-V-block partial gradients of
+  P, L, Wt, Kbar, Qbar and g_last, from the saved states and state gradients."""
   states = res[4]
   bsz, t, nh, kd = k.shape
   vd = v.shape[-1]
@@ -216,7 +216,7 @@ def bwd_partials(q, k, v, g, h0, cont, res, do, dstates, *, chunk, scale, interp
                                    chunk, scale)
   cc = jax.ShapeDtypeStruct((bsz, nh, nvb, t, chunk), f32)
   ck = jax.ShapeDtypeStruct((bsz, nh, nvb, t, kd), f32)
-  partial_shapes = (jax.ShapeDtypeStruct(v.shape, f32), cc, cc, ck, ck, ck,
+  partial_shapes = (jax.ShapeDtypeStruct(v.shape, dv_dtype), cc, cc, ck, ck, ck,
                     jax.ShapeDtypeStruct((bsz, nh, nvb, nc, kd), f32))
   return pl.pallas_call(
       functools.partial(_bwd_partials_kernel, block_v=bv_part, **kw),
@@ -226,13 +226,15 @@ def bwd_partials(q, k, v, g, h0, cont, res, do, dstates, *, chunk, scale, interp
 
 
 def recur_backward(q, k, v, g, h0, cont, res, do, dsfin, *, chunk, scale, interpret, cfg,
-                   cfg_prec):
+                   cfg_prec, dv_dtype=jnp.float32):
   """Backward stage 1: the reverse dS chain (state_grads), then dV and the per-V-block partial
   gradients (bwd_partials); with segments, S_init's share of the segments that restart from it
-  (seg_init_grad, XLA). Returns (dV, dS_init, partials...)."""
+  (seg_init_grad, XLA, from the fp32 dV: dv_dtype applies only without segments). Returns
+  (dV, dS_init, partials...)."""
   kw = dict(chunk=chunk, scale=scale, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
   dh0, dstates = state_grads(q, k, v, g, h0, cont, res, do, dsfin, **kw)
-  dv, *partials = bwd_partials(q, k, v, g, h0, cont, res, do, dstates, **kw)
+  dv, *partials = bwd_partials(q, k, v, g, h0, cont, res, do, dstates,
+                               dv_dtype=jnp.float32 if cont is not None else dv_dtype, **kw)
   return (dv, _add_seg_init(dh0, q, k, g, cont, do, dv, dstates, chunk, scale, cfg_prec),
           *partials)
 
@@ -264,12 +266,16 @@ def seg_init_grad(q, k, g, cont, do, dv, dstates, *, chunk, scale, exact):
 
 
 def backward(q, k, v, w, g, h0, cont, pid, res, do, dsfin, *, chunk, scale, interpret, cfg,
-             cfg_prec):
+             cfg_prec, grad_dtypes=(jnp.float32,) * 3):
   """(dq, dk, dv, dw, dg, dla_terms, dh0): the direct log-decay term dla_x is the exclusive
-  prefix of dla_terms within chunks (the reverse cumsum sums it)."""
+  prefix of dla_terms within chunks (the reverse cumsum sums it). grad_dtypes: what the kernels
+  store dq, dk and dv in (the caller's dtypes: no fp32 copy and cast pass through memory; dv
+  stays fp32 with segments, where S_init's gradient reads it); the rest are fp32."""
+  dq_dtype, dk_dtype, dv_dtype = grad_dtypes
   dv, dh0, *partials = recur_backward(q, k, v, g, h0, cont, res, do, dsfin, chunk=chunk,
                                       scale=scale, interpret=interpret, cfg=cfg,
-                                      cfg_prec=cfg_prec)
+                                      cfg_prec=cfg_prec, dv_dtype=dv_dtype)
   dq, dk, dw, dg, dla_terms = intra_backward_tokens(q, k, w, g, pid, partials, chunk=chunk,
-                                                    scale=scale, interpret=interpret, cfg=cfg)
+                                                    scale=scale, interpret=interpret, cfg=cfg,
+                                                    dq_dtype=dq_dtype, dk_dtype=dk_dtype)
   return dq, dk, dv, dw, dg, dla_terms, dh0

@@ -96,26 +96,27 @@ def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads):
     e_last = jnp.where(r["pid"][b, t_last] == pid_t, e_last, 0.0)
   e0 = jnp.exp(g)
   out = (b, t, hs, slice(None))
-  dq_ref[out] = dq_acc + p_diag * w + scale * dqbar * e0
-  dk_ref[out] = dk_acc + dkbar * e0
+  dq_ref[out] = (dq_acc + p_diag * w + scale * dqbar * e0).astype(dq_ref.dtype)
+  dk_ref[out] = (dk_acc + dkbar * e0).astype(dk_ref.dtype)
   dw_ref[out] = dw_acc + p_diag * q + dwt * e_last
   dg = q * dq_acc + k * dk_acc - w * dw_acc + dqbar * ((scale * q) * e0) + dkbar * (k * e0)
   dg_ref[out] = dg + jnp.where(t == t_last, vsum("dgl", c, slice(None)), 0.0)
   dla_ref[out] = dwt * w * e_last
 
 
-def intra_backward_tokens(q, k, w, g, pid, partials, *, chunk, scale, interpret, cfg):
-  """(dq, dk, dw, dg, dla_terms) [B, T, H, K] fp32 from the partials kernel's outputs (dp, dl
-  [B, H, NVB, T, C]; dwt, dkbar, dqbar [B, H, NVB, T, K]; dgl [B, H, NVB, NC, K]); dg is the
-  gradient of the chunk-local cumsum g, and the direct log-decay term is the exclusive prefix of
-  dla_terms within each chunk."""
+def intra_backward_tokens(q, k, w, g, pid, partials, *, chunk, scale, interpret, cfg,
+                          dq_dtype=jnp.float32, dk_dtype=jnp.float32):
+  """(dq, dk, dw, dg, dla_terms) [B, T, H, K] (dq, dk in their dtypes, the rest fp32) from the
+  partials kernel's outputs (dp, dl [B, H, NVB, T, C]; dwt, dkbar, dqbar [B, H, NVB, T, K]; dgl
+  [B, H, NVB, NC, K]); dg is the gradient of the chunk-local cumsum g, and the direct log-decay
+  term is the exclusive prefix of dla_terms within each chunk."""
   bsz, t, nh, kd = k.shape
   heads = math.gcd(cfg.pair_heads, nh)
   has_seg = pid is not None
-  lane = jax.ShapeDtypeStruct((bsz, t, nh, kd), jnp.float32)
+  lane = lambda dtype=jnp.float32: jax.ShapeDtypeStruct((bsz, t, nh, kd), dtype)
   return pl.pallas_call(
       functools.partial(_token_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
                         num_vb=partials[0].shape[2], heads=heads),
-      out_shape=(lane,) * 5, grid=(bsz, t, nh // heads), name="delta_rule_intra_bwd_tokens",
+      out_shape=(lane(dq_dtype), lane(dk_dtype)) + (lane(),) * 3, grid=(bsz, t, nh // heads), name="delta_rule_intra_bwd_tokens",
       **launch_params(interpret, cfg.num_warps_intra_bwd, cfg),
   )(q, k, w, g, *partials, *([pid] if has_seg else []))

@@ -115,9 +115,11 @@ def _core_bwd(st, saved, cts):
     amat, pmat, wt, wk, states, do, dsfin, dpfin = rest[-8:]
     kf = k.astype(jnp.float32)
     w = gain if st.diag else gain * kf
+    # dq, dv in their dtypes; the delta rule's share of dk in fp32 for the gain kernel to add
     dq, dk, dv, dw, dg, dla_terms, dh0 = _delta_backward.backward(
         q, k, v, w, g, h0, cont, pid, (amat, pmat, wt, wk, states), do, dsfin, chunk=st.chunk,
-        scale=st.scale, interpret=st.interpret, cfg=st.cfg, cfg_prec=st.prec)
+        scale=st.scale, interpret=st.interpret, cfg=st.cfg, cfg_prec=st.prec,
+        grad_dtypes=(q.dtype, jnp.float32, v.dtype))
     if st.diag:
       dgain = dw
     else:   # w = beta k
@@ -126,8 +128,8 @@ def _core_bwd(st, saved, cts):
     d_raw, dp0, *dparams = _gain_kernel.gain_backward(
         (k, *gate, mu), reset, pprev, dgain, dpfin, diag=st.diag, chunk=st.gain_chunk,
         interpret=st.interpret, cfg=st.gain_cfg, front=st.front, cumsum_chunk=st.chunk, dg=dg,
-        dla_terms=dla_terms)
-    return (dq, dk + d_raw[0], dv, dh0, dp0) + tuple(d_raw[1:]) + tuple(dparams)
+        dla_terms=dla_terms, dk_in=dk, dk_dtype=k.dtype)
+    return (dq, d_raw[0], dv, dh0, dp0) + tuple(d_raw[1:]) + tuple(dparams)
 
   lanes = _BTH + (4,)
   gate_ndims = tuple(x.ndim for x in gate)

@@ -119,7 +119,7 @@ def _gain_front_bwd(diag, chunk, interpret, cfg, r_min, res, cts):
   def body(k, f, dtb, alog, om, r, mu, reset, pprev, dgain, dpfin, dla):
     d_raw, dp0, ddt, dalog = _kernel.gain_backward(
         (k, f, dtb, alog, om, r, mu), reset, pprev, dgain, dpfin, diag=diag, chunk=chunk,
-        interpret=interpret, cfg=cfg, front=r_min, dla_out=dla)
+        interpret=interpret, cfg=cfg, front=r_min, dla_out=dla, dk_dtype=k.dtype)
     return tuple(d_raw) + (dp0, ddt, dalog)
 
   om_dims = _BTH + (raw[4].ndim,)
@@ -131,7 +131,7 @@ def _gain_front_bwd(diag, chunk, interpret, cfg, r_min, res, cts):
           dla.astype(jnp.float32))
   # sums over batch (and heads' shares of mu) stay outside the shards
   k, f, dtb, alog = raw[:4]
-  return (dk.astype(k.dtype), df, ddt.sum(axis=0).astype(dtb.dtype),
+  return (dk, df, ddt.sum(axis=0).astype(dtb.dtype),
           dalog.sum(axis=0).astype(alog.dtype), dom, dr, dmu.sum(axis=(0, 1)), None, dp0)
 
 

@@ -300,32 +300,36 @@ def _bwd_reduce_kernel(*refs, chunk, diag, front):
   map_ref[b, h, c, 1, :] = cc.reshape(-1)
 
 
-def _decay_prefix(terms_ref, reset_ref, out_ref, b, h, t0, chunk, cumsum_chunk):
-  """Writes to out_ref the exclusive prefix sum of `terms` within the delta rule's cumsum pieces,
-  in token order, as delta_rule.chunk_cumsum's reverse kernel does. The backward replay reads
-  each row back before it stores that token's own gradient over it, in the same [1, K] layout:
-  with K >= 32 and one warp (pallas_kernels.kdn requires GainConfig.num_warps == 1 here) every
-  lane reads back only what it stored; narrower rows are replicated across the warp's lanes, so
-  a lane may read another lane's store of the same warp, as in that kernel (which the GPU check
-  passed at K = 16 and 128)."""
+def _decay_prefix(terms_ref, reset_ref, b, h, t0, chunk, cumsum_chunk):
+  """Turns `terms` (the delta rule's direct log-decay terms; its buffer, aliased) in place into
+  their exclusive prefix sums within the delta rule's cumsum pieces, in token order, as
+  delta_rule.chunk_cumsum's reverse kernel does. The backward replay reads the rows back, in the
+  same [1, K] layout: with K >= 32 and one warp (pallas_kernels.kdn requires
+  GainConfig.num_warps == 1 here) every lane reads back only what it stored; narrower rows are
+  replicated across the warp's lanes, so a lane may read another lane's store of the same warp,
+  as in that kernel (which the GPU check passed at K = 16 and 128)."""
   def body(i, acc):
     t = t0 + i
     reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
     acc = jnp.where(_restarts(reset, i, cumsum_chunk), 0.0, acc)
-    out_ref[b, pl.ds(t, 1), h, :] = acc
-    return acc + terms_ref[b, pl.ds(t, 1), h, :]
-  lax.fori_loop(0, chunk, body, jnp.zeros((1, out_ref.shape[-1]), jnp.float32))
+    term = terms_ref[b, pl.ds(t, 1), h, :]
+    terms_ref[b, pl.ds(t, 1), h, :] = acc
+    return acc + term
+  lax.fori_loop(0, chunk, body, jnp.zeros((1, terms_ref.shape[-1]), jnp.float32))
 
 
-def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front, cumsum_chunk):
+def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front, cumsum_chunk, has_dk_in):
   raw, rest = _raw_refs(refs, front)
   pprev_ref, dgain_ref, reset_ref, map_ref, dpfin_ref = rest[:5]
   rest = rest[5:]
   n_decay = decay_cotangents(front, cumsum_chunk)
   decay_refs, rest = rest[:n_decay], rest[n_decay:]
+  dk_in_ref, rest = (rest[0], rest[1:]) if has_dk_in else (None, rest)
   d_refs = dict(zip(GRADS if front is None else GRADS_FRONT, rest[:5]))
   dp0_ref = rest[5]
-  dparam_refs = rest[6:]   # front: per-chunk dt_bias and A_log partials [B, H, NC, K]
+  # front: per-chunk dt_bias and A_log partials [B, H, NC, K]; cumsum: the terms' buffer (aliased)
+  dparam_refs = rest[6:8] if front is not None else ()
+  prefix_ref = rest[-1] if cumsum_chunk else None
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   dp_fin = dpfin_ref[b, h, :].astype(jnp.float32)[None, :]
 
@@ -337,9 +341,9 @@ def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front, cumsum_chunk):
   t_last = c * chunk + chunk - 1
   if cumsum_chunk:
     # The delta rule's d log_alpha = the reverse cumsum of dg within its pieces + the exclusive
-    # prefix of its direct terms; the prefix goes to dk's rows first (fp32, overwritten below).
-    dg_ref, terms_ref = decay_refs
-    _decay_prefix(terms_ref, reset_ref, d_refs["k"], b, h, c * chunk, chunk, cumsum_chunk)
+    # prefix of its direct terms, formed first in the terms' own buffer.
+    dg_ref = decay_refs[0]
+    _decay_prefix(prefix_ref, reset_ref, b, h, c * chunk, chunk, cumsum_chunk)
 
   def body(i, state):
     dp, dp0, dparams, dg_sum = state
@@ -348,7 +352,7 @@ def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front, cumsum_chunk):
     dla_ext = None   # the cotangent of the log_alpha the forward passed on, if any
     if cumsum_chunk:
       dg_sum = dg_sum + dg_ref[b, pl.ds(t, 1), h, :]
-      dla_ext = dg_sum + d_refs["k"][b, pl.ds(t, 1), h, :]
+      dla_ext = dg_sum + prefix_ref[b, pl.ds(t, 1), h, :]
       dg_sum = jnp.where(_restarts(reset, chunk - 1 - i, cumsum_chunk), 0.0, dg_sum)
     elif decay_refs:
       dla_ext = _row(decay_refs[0], b, t, h)
@@ -359,6 +363,8 @@ def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front, cumsum_chunk):
       dparams = (dparams[0] + d_dt, dparams[1] + d_alog)
     elif dla_ext is not None:
       grads["la"] = grads["la"] + dla_ext
+    if dk_in_ref is not None:   # the delta rule's share of dk
+      grads["k"] = dk_in_ref[b, pl.ds(t, 1), h, :] + grads["k"]
     for name, val in grads.items():
       ref = d_refs[name]
       if len(ref.shape) == 4:
@@ -444,14 +450,16 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
 
 
 def gain_backward(raw, reset, pprev, dgain, dpfin, *, diag, chunk, interpret, cfg, front=None,
-                  dla_out=None, cumsum_chunk=0, dg=None, dla_terms=None):
+                  dla_out=None, cumsum_chunk=0, dg=None, dla_terms=None, dk_in=None,
+                  dk_dtype=jnp.float32):
   """Returns the float32 gradients of the raw inputs (mu's per token, [B,T,H]) and of p0. The
   forward's decay output's cotangent: with cumsum_chunk, `dg` (of g) and the delta rule's direct
   log-decay terms `dla_terms` (their exclusive prefix within pieces is added, as
   delta_rule.chunk_cumsum's reverse kernel adds it); else with `front`, `dla_out` (of
   log_alpha). With `front` the per-token gradients are (k (f32), f, omega_raw, r_raw (their
   dtypes), mu), followed by dp0, dt_bias [B,H,K] and A_log [B,H] (summed over chunks here, over
-  the batch by the caller)."""
+  the batch by the caller). dk_in (fp32 [B,T,H,K], e.g. the delta rule's share) is added to k's
+  gradient in the kernel, which stores it in dk_dtype."""
   r = raw[-2]
   k = raw[0]
   lanes = pprev.shape[-1]
@@ -464,21 +472,28 @@ def gain_backward(raw, reset, pprev, dgain, dpfin, *, diag, chunk, interpret, cf
   )(*raw, pprev, dgain, reset)
   f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
   per_token = jax.ShapeDtypeStruct(r.shape, jnp.float32)
+  dk_shape = jax.ShapeDtypeStruct(k.shape, dk_dtype)
   if front is None:
-    d_shapes = tuple(f32(x) for x in raw[:4]) + (per_token,)
+    d_shapes = (dk_shape,) + tuple(f32(x) for x in raw[1:4]) + (per_token,)
     extra_out = ()
   else:
     # f, omega_raw, r_raw: the gradients go straight to the projections, in their dtype
-    d_shapes = (f32(k),) + tuple(jax.ShapeDtypeStruct(raw[i].shape, raw[i].dtype)
-                                 for i in (1, 4, 5)) + (per_token,)
+    d_shapes = (dk_shape,) + tuple(jax.ShapeDtypeStruct(raw[i].shape, raw[i].dtype)
+                                   for i in (1, 4, 5)) + (per_token,)
     extra_out = (jax.ShapeDtypeStruct((bsz, nh, nc, k.shape[-1]), jnp.float32),) * 2
   extra_in = (dg, dla_terms) if cumsum_chunk else (dla_out,) if front is not None else ()
+  extra_in += () if dk_in is None else (dk_in,)
+  args = (*raw, pprev, dgain, reset, maps, dpfin, *extra_in)
+  aliases = {}
+  if cumsum_chunk:   # the terms' buffer becomes their prefix (scratch: its result is dropped)
+    aliases = {len(raw) + 6: len(d_shapes) + 1 + len(extra_out)}
+    extra_out += (f32(dla_terms),)
   outs = pl.pallas_call(
       functools.partial(_bwd_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag, front=front,
-                        cumsum_chunk=cumsum_chunk),
+                        cumsum_chunk=cumsum_chunk, has_dk_in=dk_in is not None),
       out_shape=d_shapes + (jax.ShapeDtypeStruct((bsz, nh, nc, lanes), jnp.float32),) + extra_out,
-      grid=grid, name="kdn_gain_bwd_replay", **params,
-  )(*raw, pprev, dgain, reset, maps, dpfin, *extra_in)
+      grid=grid, name="kdn_gain_bwd_replay", input_output_aliases=aliases, **params,
+  )(*args)
   d_raw, dp0 = outs[:5], outs[5].sum(axis=2)
   if front is None:
     return tuple(d_raw), dp0
