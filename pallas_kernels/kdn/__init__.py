@@ -8,10 +8,12 @@ Separately, the gain emits log_alpha (or reads it), the delta rule's cumsum kern
 g, and in the backward its reverse-cumsum kernel turns dg and the direct log-decay terms into
 d log_alpha for the gain's backward: two passes over fp32 [B, T, H, K] arrays that exist only to
 carry log_alpha between the two ops. Under one VJP the gain's replay writes g itself (the same
-token-order sums) and its reverse replay takes dg and the terms (kdn_gain/kernel.py). The
-numbers are those of the separate ops up to the order of additions outside the kernels (dk sums
-the two ops' parts in fp32 here); tests/test_pallas_kdn.py holds both to each other and to the
-float64 token loop.
+token-order sums) and its reverse replay takes dg and the terms (kdn_gain/kernel.py). Likewise
+the iso write w = beta k is formed in the gain's replay and its cotangent split there (write_k),
+and the gain's reverse replay adds the delta rule's share of dk before its one store in k's
+dtype. The numbers are those of the separate ops up to the order of additions (dk sums the two
+ops' parts in fp32 here); tests/test_pallas_kdn.py holds both to each other and to the float64
+token loop.
 """
 from __future__ import annotations
 
@@ -74,18 +76,19 @@ def _forward(save, q, k, v, gate, mu, p0, h0, reset, cont, pid, st):
 
   def body(q, k, v, *rest):
     *gate, mu, p0, h0, reset, cont, pid = rest
-    gain, pprev, pfin, g = _gain_kernel.gain_forward(
+    # w: kappa (diag) or beta k (iso, formed in the kernel: write_k)
+    w, pprev, pfin, g = _gain_kernel.gain_forward(
         (k, *gate, mu), reset, p0, diag=st.diag, chunk=st.gain_chunk, interpret=st.interpret,
-        cfg=st.gain_cfg, save_pprev=save, front=st.front, cumsum_chunk=chunk)
-    w = gain if st.diag else gain * k.astype(jnp.float32)
+        cfg=st.gain_cfg, save_pprev=save, front=st.front, cumsum_chunk=chunk,
+        write_k=not st.diag)
     o, sfin, res = _delta_forward(q, k, v, w, g, h0, cont, pid, chunk=chunk, scale=st.scale,
                                   interpret=st.interpret, cfg=cfg, cfg_prec=st.prec,
                                   save_states=save)
-    return (o, sfin, pfin) + ((gain, pprev, g) + tuple(res) if save else ())
+    return (o, sfin, pfin) + ((w, pprev, g) + tuple(res) if save else ())
 
   lanes = _BTH + (4,)
   outs = (lanes, _BH + (4,), _BH + (3,))
-  if save:   # gain, p_prev, g; A, P, Wt, W, chunk-start states
+  if save:   # w, p_prev, g; A, P, Wt, W, chunk-start states
     outs += (lanes, lanes, lanes, _BH + (4,), _BH + (4,), lanes, lanes, _BH + (5,))
   dims = (_BTH,) * 3 + _gate_dims(gate) + (_BH, _BH, _BT, _BT, _BT)
   return _sharding.per_shard(body, dims, outs, "kdn forward")(
@@ -111,24 +114,18 @@ def _core_bwd(st, saved, cts):
   front = st.front is not None
 
   def body(q, k, v, *rest):
-    *gate, mu, h0, reset, cont, pid, gain, pprev, g = rest[:-8]
+    *gate, mu, h0, reset, cont, pid, w, pprev, g = rest[:-8]
     amat, pmat, wt, wk, states, do, dsfin, dpfin = rest[-8:]
-    kf = k.astype(jnp.float32)
-    w = gain if st.diag else gain * kf
     # dq, dv in their dtypes; the delta rule's share of dk in fp32 for the gain kernel to add
     dq, dk, dv, dw, dg, dla_terms, dh0 = _delta_backward.backward(
         q, k, v, w, g, h0, cont, pid, (amat, pmat, wt, wk, states), do, dsfin, chunk=st.chunk,
         scale=st.scale, interpret=st.interpret, cfg=st.cfg, cfg_prec=st.prec,
         grad_dtypes=(q.dtype, jnp.float32, v.dtype))
-    if st.diag:
-      dgain = dw
-    else:   # w = beta k
-      dgain = jnp.sum(dw * kf, axis=-1, keepdims=True)
-      dk = dk + dw * gain
+    # (iso: the kernel splits dw into beta's share, sum_K dw k, and k's, dw beta)
     d_raw, dp0, *dparams = _gain_kernel.gain_backward(
-        (k, *gate, mu), reset, pprev, dgain, dpfin, diag=st.diag, chunk=st.gain_chunk,
+        (k, *gate, mu), reset, pprev, dw, dpfin, diag=st.diag, chunk=st.gain_chunk,
         interpret=st.interpret, cfg=st.gain_cfg, front=st.front, cumsum_chunk=st.chunk, dg=dg,
-        dla_terms=dla_terms, dk_in=dk, dk_dtype=k.dtype)
+        dla_terms=dla_terms, dk_in=dk, dk_dtype=k.dtype, write_k=not st.diag)
     return (dq, d_raw[0], dv, dh0, dp0) + tuple(d_raw[1:]) + tuple(dparams)
 
   lanes = _BTH + (4,)

@@ -212,7 +212,7 @@ def _restarts(reset, i, cumsum_chunk):
   return reset | (lax.rem(i, cumsum_chunk) == 0)   # (i >= 0; cumsum_chunk a Python int)
 
 
-def _replay_kernel(*refs, chunk, num_chunks, diag, save_pprev, front, cumsum_chunk):
+def _replay_kernel(*refs, chunk, num_chunks, diag, save_pprev, front, cumsum_chunk, write_k):
   raw, rest = _raw_refs(refs, front)
   reset_ref, p0_ref, prod_ref, gain_ref = rest[:4]
   rest = rest[4:]
@@ -237,6 +237,8 @@ def _replay_kernel(*refs, chunk, num_chunks, diag, save_pprev, front, cumsum_chu
     p_hat = x["a"] * p + x["om"]
     den = x["r"] + jnp.sum(p_hat * x["kk"], axis=1, keepdims=True)
     gain = p_hat * x["kx"] / den
+    if write_k:   # iso: the delta rule's write direction w = beta k itself
+      gain = gain * x["k"]
     gain_ref[b, pl.ds(t, 1), h, :] = gain.astype(gain_ref.dtype)
     if save_pprev:
       pprev_ref[b, pl.ds(t, 1), h, :] = p
@@ -250,13 +252,17 @@ def _replay_kernel(*refs, chunk, num_chunks, diag, save_pprev, front, cumsum_chu
     pfin_ref[b, h, :] = p.reshape(-1)
 
 
-def _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, dp, diag, front):
+def _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, dp, diag, front, write_k=False):
   """One reverse step. Returns (lane gradients, lanes, dp_hat, m, c, a) where
-  dp_prev = m * dp + c (before resets)."""
+  dp_prev = m * dp + c (before resets). With write_k (iso) dgain_ref holds the cotangent dw of
+  the write w = beta k the forward emitted: beta's share is sum_K dw k, and k's (dw beta) comes
+  back as the lane gradient "k_write"."""
   x = _lanes(raw, b, t, h, diag, front)
   a, om, u, kx, kk, r = (x[n] for n in ("a", "om", "u", "kx", "kk", "r"))
   p_prev = _row(pprev_ref, b, t, h)
   dgain = _row(dgain_ref, b, t, h)
+  if write_k:
+    dw, dgain = dgain, jnp.sum(dgain * x["k"], axis=1, keepdims=True)
   p_hat = a * p_prev + om
   den = r + jnp.sum(p_hat * kk, axis=1, keepdims=True)
   inv_den = 1.0 / den
@@ -275,10 +281,12 @@ def _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, dp, diag, front):
       a=dp_hat * p_prev,
       om=dp_hat,
   )
+  if write_k:
+    grads["k_write"] = dw * gain
   return grads, x, dp_hat, a * m, a * q, a
 
 
-def _bwd_reduce_kernel(*refs, chunk, diag, front):
+def _bwd_reduce_kernel(*refs, chunk, diag, front, write_k):
   raw, (pprev_ref, dgain_ref, reset_ref, map_ref) = _raw_refs(refs, front)
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   t_last = c * chunk + chunk - 1
@@ -288,7 +296,7 @@ def _bwd_reduce_kernel(*refs, chunk, diag, front):
     t = t_last - i
     # dp_t = mm * dp_out + cc  ->  dp_{t-1} = m_t dp_t + c_t.
     _, _, _, m_t, c_t, _ = _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, jnp.zeros_like(mm),
-                                      diag, front)
+                                      diag, front, write_k)
     reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
     m_t = jnp.where(reset, 0.0, m_t)
     c_t = jnp.where(reset, 0.0, c_t)
@@ -318,7 +326,8 @@ def _decay_prefix(terms_ref, reset_ref, b, h, t0, chunk, cumsum_chunk):
   lax.fori_loop(0, chunk, body, jnp.zeros((1, terms_ref.shape[-1]), jnp.float32))
 
 
-def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front, cumsum_chunk, has_dk_in):
+def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front, cumsum_chunk, has_dk_in,
+                       write_k):
   raw, rest = _raw_refs(refs, front)
   pprev_ref, dgain_ref, reset_ref, map_ref, dpfin_ref = rest[:5]
   rest = rest[5:]
@@ -356,8 +365,11 @@ def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front, cumsum_chunk, has_
       dg_sum = jnp.where(_restarts(reset, chunk - 1 - i, cumsum_chunk), 0.0, dg_sum)
     elif decay_refs:
       dla_ext = _row(decay_refs[0], b, t, h)
-    g, x, dp_hat, _, _, a = _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, dp, diag, front)
+    g, x, dp_hat, _, _, a = _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, dp, diag, front,
+                                       write_k)
     grads = _raw_grads(x, g, diag)
+    if write_k:
+      grads["k"] = grads["k"] + g["k_write"]
     if front is not None:
       grads, d_dt, d_alog = _front_grads(x, grads, dla_ext)
       dparams = (dparams[0] + d_dt, dparams[1] + d_alog)
@@ -411,7 +423,7 @@ def _launch(r, chunk, interpret, cfg, backward):
 
 
 def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True, front=None,
-                 cumsum_chunk=0):
+                 cumsum_chunk=0, write_k=False):
   """raw: (k [B,T,H,K], log_alpha [B,T,H,K], omega [B,T,H,K] (diag) or [B,T,H] (iso),
   r [B,T,H], mu [H]) in any float dtype, or with `front` (r_min) the pre-activations
   (k, f [B,T,H,K], dt_bias [H,K], A_log [H], omega_raw, r_raw, mu); reset [B,T]; p0 [B,H,L]
@@ -419,7 +431,8 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
   Returns (gain [B,T,H,L], p_prev [B,T,H,L] (the backward's residual; None unless save_pprev),
   p_final [B,H,L], decay [B,T,H,K] or None), float32. decay (emits_decay): with cumsum_chunk
   the delta rule's chunk-local cumsum of log_alpha (chunk a multiple of cumsum_chunk), else with
-  a front log_alpha, else None."""
+  a front log_alpha, else None. write_k (iso): the first result is the write w = beta k
+  [B,T,H,K] instead of beta."""
   r = raw[-2]
   k = raw[0]
   lanes = p0.shape[-1]
@@ -431,6 +444,8 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
       grid=grid, name="kdn_gain_reduce", **params,
   )(*raw, reset, p0)
   lane = jax.ShapeDtypeStruct((bsz, t, nh, lanes), jnp.float32)
+  if write_k and diag:
+    raise ValueError("gain_forward: write_k is the iso gain's option (diag's gain is the write)")
   if cumsum_chunk and chunk % cumsum_chunk:
     raise ValueError(f"gain_forward: chunk={chunk} is not a multiple of "
                      f"cumsum_chunk={cumsum_chunk}")
@@ -438,8 +453,9 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
   la_out = (decay,) if emits_decay(front, cumsum_chunk) else ()
   outs = pl.pallas_call(
       functools.partial(_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag,
-                        save_pprev=save_pprev, front=front, cumsum_chunk=cumsum_chunk),
-      out_shape=(lane,) + la_out + ((lane,) if save_pprev else ()) + (
+                        save_pprev=save_pprev, front=front, cumsum_chunk=cumsum_chunk,
+                        write_k=write_k),
+      out_shape=(jax.ShapeDtypeStruct(k.shape, jnp.float32) if write_k else lane,) + la_out + ((lane,) if save_pprev else ()) + (
           jax.ShapeDtypeStruct((bsz, nh, lanes), jnp.float32),),
       grid=grid, name="kdn_gain_replay", **params,
   )(*raw, reset, p0, prod)
@@ -451,7 +467,7 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
 
 def gain_backward(raw, reset, pprev, dgain, dpfin, *, diag, chunk, interpret, cfg, front=None,
                   dla_out=None, cumsum_chunk=0, dg=None, dla_terms=None, dk_in=None,
-                  dk_dtype=jnp.float32):
+                  dk_dtype=jnp.float32, write_k=False):
   """Returns the float32 gradients of the raw inputs (mu's per token, [B,T,H]) and of p0. The
   forward's decay output's cotangent: with cumsum_chunk, `dg` (of g) and the delta rule's direct
   log-decay terms `dla_terms` (their exclusive prefix within pieces is added, as
@@ -459,14 +475,15 @@ def gain_backward(raw, reset, pprev, dgain, dpfin, *, diag, chunk, interpret, cf
   log_alpha). With `front` the per-token gradients are (k (f32), f, omega_raw, r_raw (their
   dtypes), mu), followed by dp0, dt_bias [B,H,K] and A_log [B,H] (summed over chunks here, over
   the batch by the caller). dk_in (fp32 [B,T,H,K], e.g. the delta rule's share) is added to k's
-  gradient in the kernel, which stores it in dk_dtype."""
+  gradient in the kernel, which stores it in dk_dtype. write_k (iso, as gain_forward's): dgain
+  is the cotangent of w = beta k [B,T,H,K]."""
   r = raw[-2]
   k = raw[0]
   lanes = pprev.shape[-1]
   bsz, t, nh, nc, grid, params = _launch(r, chunk, interpret, cfg, backward=True)
   reset = reset.astype(jnp.int32)
   maps = pl.pallas_call(
-      functools.partial(_bwd_reduce_kernel, chunk=chunk, diag=diag, front=front),
+      functools.partial(_bwd_reduce_kernel, chunk=chunk, diag=diag, front=front, write_k=write_k),
       out_shape=jax.ShapeDtypeStruct((bsz, nh, nc, 2, lanes), jnp.float32),
       grid=grid, name="kdn_gain_bwd_reduce", **params,
   )(*raw, pprev, dgain, reset)
@@ -490,7 +507,8 @@ def gain_backward(raw, reset, pprev, dgain, dpfin, *, diag, chunk, interpret, cf
     extra_out += (f32(dla_terms),)
   outs = pl.pallas_call(
       functools.partial(_bwd_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag, front=front,
-                        cumsum_chunk=cumsum_chunk, has_dk_in=dk_in is not None),
+                        cumsum_chunk=cumsum_chunk, has_dk_in=dk_in is not None,
+                        write_k=write_k),
       out_shape=d_shapes + (jax.ShapeDtypeStruct((bsz, nh, nc, lanes), jnp.float32),) + extra_out,
       grid=grid, name="kdn_gain_bwd_replay", input_output_aliases=aliases, **params,
   )(*args)
