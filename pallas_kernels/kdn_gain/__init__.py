@@ -56,10 +56,13 @@ def _gain_bwd(diag, chunk, interpret, cfg, res, cts):
   raw, reset, pprev = res
   dgain, dpfin = cts
 
+  # (the Triton kernels store k's gradient in k's dtype, the TPU ones in fp32: cast below)
+  kw = {} if tpu_common.use_tpu_kernels(interpret) else dict(dk_dtype=raw[0].dtype)
+
   def body(k, la, om, r, mu, reset, pprev, dgain, dpfin):
     d_raw, dp0 = _kernels(interpret).gain_backward(
         (k, la, om, r, mu), reset, pprev, dgain, dpfin, diag=diag, chunk=chunk,
-        interpret=interpret, cfg=cfg)
+        interpret=interpret, cfg=cfg, **kw)
     return tuple(d_raw) + (dp0,)
 
   dk, dla, dom, dr, dmu, dp0 = tpu_common.per_shard(

@@ -468,15 +468,15 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
 def gain_backward(raw, reset, pprev, dgain, dpfin, *, diag, chunk, interpret, cfg, front=None,
                   dla_out=None, cumsum_chunk=0, dg=None, dla_terms=None, dk_in=None,
                   dk_dtype=jnp.float32, write_k=False):
-  """Returns the float32 gradients of the raw inputs (mu's per token, [B,T,H]) and of p0. The
-  forward's decay output's cotangent: with cumsum_chunk, `dg` (of g) and the delta rule's direct
-  log-decay terms `dla_terms` (their exclusive prefix within pieces is added, as
-  delta_rule.chunk_cumsum's reverse kernel adds it); else with `front`, `dla_out` (of
-  log_alpha). With `front` the per-token gradients are (k (f32), f, omega_raw, r_raw (their
-  dtypes), mu), followed by dp0, dt_bias [B,H,K] and A_log [B,H] (summed over chunks here, over
-  the batch by the caller). dk_in (fp32 [B,T,H,K], e.g. the delta rule's share) is added to k's
-  gradient in the kernel, which stores it in dk_dtype. write_k (iso, as gain_forward's): dgain
-  is the cotangent of w = beta k [B,T,H,K]."""
+  """Returns the gradients of the raw inputs (k's in dk_dtype, the others' in their dtypes; mu's
+  per token, [B,T,H], fp32) and of p0 (fp32). The forward's decay output's cotangent: with
+  cumsum_chunk, `dg` (of g) and the delta rule's direct log-decay terms `dla_terms` (their
+  exclusive prefix within pieces is added, as delta_rule.chunk_cumsum's reverse kernel adds it);
+  else with `front`, `dla_out` (of log_alpha). With `front` the per-token gradients are (k, f,
+  omega_raw, r_raw, mu), followed by dp0, dt_bias [B,H,K] and A_log [B,H] (summed over chunks
+  here, over the batch by the caller). dk_in (fp32 [B,T,H,K], e.g. the delta rule's share) is
+  added to k's gradient in the kernel, which stores it in dk_dtype. write_k (iso, as
+  gain_forward's): dgain is the cotangent of w = beta k [B,T,H,K]."""
   r = raw[-2]
   k = raw[0]
   lanes = pprev.shape[-1]
@@ -490,13 +490,13 @@ def gain_backward(raw, reset, pprev, dgain, dpfin, *, diag, chunk, interpret, cf
   f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
   per_token = jax.ShapeDtypeStruct(r.shape, jnp.float32)
   dk_shape = jax.ShapeDtypeStruct(k.shape, dk_dtype)
-  if front is None:
-    d_shapes = (dk_shape,) + tuple(f32(x) for x in raw[1:4]) + (per_token,)
+  same = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+  if front is None:   # log_alpha, omega, r: in their dtypes (stored once, no cast pass)
+    d_shapes = (dk_shape,) + tuple(same(x) for x in raw[1:4]) + (per_token,)
     extra_out = ()
   else:
     # f, omega_raw, r_raw: the gradients go straight to the projections, in their dtype
-    d_shapes = (dk_shape,) + tuple(jax.ShapeDtypeStruct(raw[i].shape, raw[i].dtype)
-                                   for i in (1, 4, 5)) + (per_token,)
+    d_shapes = (dk_shape,) + tuple(same(raw[i]) for i in (1, 4, 5)) + (per_token,)
     extra_out = (jax.ShapeDtypeStruct((bsz, nh, nc, k.shape[-1]), jnp.float32),) * 2
   extra_in = (dg, dla_terms) if cumsum_chunk else (dla_out,) if front is not None else ()
   extra_in += () if dk_in is None else (dk_in,)
