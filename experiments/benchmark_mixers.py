@@ -498,7 +498,7 @@ def _time_stages(t, docs=False):
     name = "delta_state_output_fwd" + ("_save" if save else "")
     out[name] = _time_fn(fused, (u, wk, wt, g, h0, cont, x["q"], pmat), first, name)
   rbwd = jax.jit(lambda q, k, v, g, h0, cont, res, do: dbwd.recur_backward(
-      q, k, v, g, h0, cont, res, do, jnp.zeros_like(h0), **kw))
+      q, k, v, g, h0, cont, res, do, jnp.zeros_like(h0), dv_dtype=v.dtype, **kw))
   args = (x["q"], x["k"], x["v"], g, h0, cont, (amat, pmat, wt, wk, states), jnp.ones_like(o))
   out["delta_recur_bwd"] = _time_fn(rbwd, args, first, "delta_recur_bwd")
   # its two kernels apart: the serial dS chain, then the parallel partials
@@ -506,15 +506,17 @@ def _time_stages(t, docs=False):
       q, k, v, g, h0, cont, res, do, jnp.zeros_like(h0), **kw))
   out["delta_state_bwd"] = _time_fn(sgr, args, first, "delta_state_bwd")
   dstates = sgr(*args)[1]
+  # (dq, dk and dv stored in the data's dtype, as the op stores them: dv fp32 with documents)
   parts = jax.jit(lambda q, k, v, g, h0, cont, res, do, dstates: dbwd.bwd_partials(
-      q, k, v, g, h0, cont, res, do, dstates, **kw))
+      q, k, v, g, h0, cont, res, do, dstates,
+      dv_dtype=v.dtype if cont is None else jnp.float32, **kw))
   out["delta_partials_bwd"] = _time_fn(parts, args + (dstates,), first, "delta_partials_bwd")
   partials = tuple(rbwd(*args)[2:])
   # the intra backward (intra_bwd_tokens.py); "delta_intra_bwd" in sessions <= 38's JSON is the
   # per-chunk kernel removed in session 39
   tbwd = jax.jit(lambda q, k, w, g, pid, parts: intra_backward_tokens(
       q, k, w, g, pid, parts, chunk=chunk, scale=kw["scale"], interpret=kw["interpret"],
-      cfg=cfg))
+      cfg=cfg, dq_dtype=q.dtype, dk_dtype=k.dtype))
   targs = (x["q"], x["k"], w, g, pid, partials)
   out["delta_intra_bwd_tokens"] = _time_fn(tbwd, targs, first, "delta_intra_bwd_tokens")
   # dg -> dlog_alpha: the reverse cumsum plus the direct terms' exclusive prefix
