@@ -59,8 +59,10 @@ def _op_inputs(dtype, b=1, t=80, h=2, d=64):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
   """diag KDN forward and backward (gain kernels, cumsum, pair, WY, state pass, output, the
-  backward kernels), with a segment reset, under each delta-rule option."""
+  backward kernels), with a segment reset, under each delta-rule option; in bf16 the gates too
+  (the kernels store every gradient in its input's dtype)."""
   q, k, v, la, om, r, seg = _op_inputs(dtype)
+  la, om, r = (x.astype(dtype) for x in (la, om, r))
 
   def loss(q, k, v, la, om, r):
     o, _ = ops.diag_kdn(q, k, v, la, om, r, segment_ids=seg, impl="pallas", chunk_size=64)
