@@ -312,9 +312,10 @@ def run(out, seq_lens=(4096, 16384), rows=JAX_MIXERS + (FLA_ROW,), impls=("chunk
 def main(argv):
   del argv
   if FLAGS.delta_rule_config:
-    from experiments.benchmark_mixers import config_from_spec  # pylint: disable=g-import-not-at-top
+    from experiments.kernel_config import config_from_spec  # pylint: disable=g-import-not-at-top
     from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
-    dcfg.DEFAULT = config_from_spec(dcfg.DEFAULT, FLAGS.delta_rule_config)
+    dcfg.DEFAULT = config_from_spec(dcfg.DEFAULT, FLAGS.delta_rule_config,
+                                    "--delta_rule_config item")
   run(FLAGS.out, seq_lens=[int(t) for t in FLAGS.seq_lens], rows=tuple(FLAGS.rows),
       impls=tuple(FLAGS.impls), batch=FLAGS.batch, width=FLAGS.width, num_heads=FLAGS.num_heads,
       head_dim=FLAGS.head_dim, chunk_size=FLAGS.chunk_size, reps=FLAGS.reps, warmup=FLAGS.warmup,

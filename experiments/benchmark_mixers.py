@@ -10,7 +10,6 @@ JSON and table after every sweep spec and cell, so a run cut off by its time lim
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -25,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import cli
+from experiments.kernel_config import config_from_spec
 from experiments.timing import import_for_cuda, median_time, torch_cuda_median_ms
 
 # This script's flags live in their own registry: benchmark_layers defines flags of the same names
@@ -589,28 +589,6 @@ def combine_winners(timed):
     if spec not in ("", "default"):
       fields.update(item.partition("=")[::2] for item in spec.split("/"))
   return "/".join(f"{k}={v}" for k, v in fields.items())
-
-
-_BOOLS = {"1": True, "true": True, "True": True, "0": False, "false": False, "False": False}
-
-
-def config_from_spec(base, spec):
-  """`base` (a config dataclass) with the overrides of `spec`: 'field=value' items joined by '/',
-  e.g. 'max_chunk=64/sub_block=32/bf16_states=0'; '' or 'default' gives `base`."""
-  if spec in ("", "default"):
-    return base
-  fields = {f.name: f.type for f in dataclasses.fields(base)}
-  kw = {}
-  for item in spec.split("/"):
-    name, sep, val = item.partition("=")
-    if not sep or name not in fields:
-      raise ValueError(f"--sweep item {item!r}: expected field=value with field in "
-                       f"{sorted(fields)}")
-    typ = fields[name] if isinstance(fields[name], str) else fields[name].__name__
-    if typ == "bool" and val not in _BOOLS:
-      raise ValueError(f"--sweep item {item!r}: expected one of {sorted(_BOOLS)}")
-    kw[name] = _BOOLS[val] if typ == "bool" else int(val) if typ == "int" else val
-  return dataclasses.replace(base, **kw)
 
 
 def _sweeps(results, deadline, save):

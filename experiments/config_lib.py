@@ -1,7 +1,7 @@
 """Run-config schema shared by every ``configs/*.py`` file, plus validation.
 
 A run config has the sections ``model`` (the model ConfigDict from ``kdn_jax.models.config.model_config``),
-``data``, ``train``, ``optim``, ``mesh``, ``checkpoint``, ``logging`` and a few top-level keys. Configs are
+``data``, ``train``, ``optim``, ``mesh``, ``checkpoint``, ``kernels``, ``logging`` and a few top-level keys. Configs are
 locked (``config_flags`` locks them; ``base_config`` returns a locked dict too), so an override of an unknown
 key fails at start naming the key; :func:`validate` checks values and names the offending key.
 """
@@ -13,6 +13,8 @@ import os
 from typing import Any
 
 import ml_collections
+
+from experiments import kernel_config
 
 MIXERS = ('kdn_diag', 'kdn_iso', 'kda', 'gated_deltanet', 'deltanet', 'gdn2', 'gla', 'mamba2', 'attention', 'swa')
 INITIAL_STATES = ('zero', 'random_noise', 'fitted_noise', 'state_passing', 'tbtt')
@@ -128,6 +130,10 @@ def base_config() -> ml_collections.ConfigDict:
   k.keep = 3
   k.async_save = True
 
+  # Pallas kernel options (experiments/kernel_config.py specs, e.g. delta_rule='cumsum_in_gain=1'):
+  # DeltaRuleConfig / GainConfig fields over their defaults; exact, speed only. '' = the defaults.
+  c.kernels = ml_collections.ConfigDict(dict(delta_rule='', gain=''))
+
   c.logging = g = ml_collections.ConfigDict()
   g.tensorboard = True
   g.plot = True
@@ -204,6 +210,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None,
       _one_of(config, f'model.{key}', DTYPES)
   if ':' not in config.model_factory:
     _fail('model_factory', f'expected "module:attr", got {config.model_factory!r}')
+
+  try:   # (parsed against the kernels' config classes; applied by the Trainer)
+    kernel_config.resolve(config.kernels.delta_rule, config.kernels.gain)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
 
   d = config.data
   _one_of(config, 'data.kind', DATA_KINDS)

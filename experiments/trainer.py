@@ -24,6 +24,7 @@ from flax import nnx
 from experiments import checkpoint as ckpt_lib
 from experiments import config_lib
 from experiments import initial_states as init_lib
+from experiments import kernel_config
 from experiments import logging_utils
 from experiments import optim
 from experiments import sharding
@@ -147,7 +148,8 @@ class Trainer:
     self.config, self.workdir = config, workdir
     self.is_main = self.process_index == 0
     os.makedirs(workdir, exist_ok=True)
-    dispatch.warm_kernel_imports()   # before any jit of the model
+    kernel_config.apply(config)      # config.kernels, before any jit of the model
+    dispatch.warm_kernel_imports()
     self.mesh = sharding.make_mesh(config, self.devices)
     self.strategy = config.train.initial_state
     self._stop_requested = False

@@ -10,7 +10,8 @@
 # cumsum inside the gain kernels: ops, layers, GPU check). Default: check ops stages docs mixers
 # layers train.
 # Kernel config sweep (stages): SWEEP='default,max_chunk=64/sub_block=32' (DeltaRuleConfig fields).
-# Extra train flags: TRAIN_EXTRA='--config.model.scan_layers=True --config.model.impl=pallas'.
+# Extra train flags: TRAIN_EXTRA='--config.model.scan_layers=True --config.model.impl=pallas';
+# kernel options: TRAIN_EXTRA='--config.kernels.delta_rule=cumsum_in_gain=1'.
 # Results land in $RES (default /tmp/kdn_gpu); with $OUT set (the device tool) they are also packed
 # into $OUT/results.tgz. Each section has its own time limit.
 set -u

@@ -1,0 +1,64 @@
+"""Pallas kernel configurations from specs: 'field=value' items joined by '/' over the fields of
+pallas_kernels' DeltaRuleConfig or GainConfig, e.g. 'cumsum_in_gain=1/num_stages=2'. The
+benchmarks' --sweep / --gain_sweep / --delta_rule_config take them, and a run config's
+config.kernels.delta_rule / config.kernels.gain (applied by the Trainer and by evaluate before
+anything is traced). Every option is exact; they change speed only."""
+from __future__ import annotations
+
+import dataclasses
+
+_BOOLS = {"1": True, "true": True, "True": True, "0": False, "false": False, "False": False}
+
+
+def config_from_spec(base, spec, what="--sweep item"):
+  """`base` (a config dataclass) with the overrides of `spec`; '' or 'default' gives `base`.
+  A ValueError names `what` and the item when a field or value is bad."""
+  if spec in ("", "default"):
+    return base
+  fields = {f.name: f.type for f in dataclasses.fields(base)}
+  kw = {}
+  for item in spec.split("/"):
+    name, sep, val = item.partition("=")
+    if not sep or name not in fields:
+      raise ValueError(f"{what} {item!r}: expected field=value with field in {sorted(fields)}")
+    typ = fields[name] if isinstance(fields[name], str) else fields[name].__name__
+    if typ == "bool" and val not in _BOOLS:
+      raise ValueError(f"{what} {item!r}: expected one of {sorted(_BOOLS)}")
+    try:
+      kw[name] = _BOOLS[val] if typ == "bool" else int(val) if typ == "int" else val
+    except ValueError:
+      raise ValueError(f"{what} {item!r}: expected an integer") from None
+  try:
+    return dataclasses.replace(base, **kw)   # (the dataclass checks the values)
+  except ValueError as e:
+    raise ValueError(f"{what} in {spec!r}: {e}") from None
+
+
+def _modules():
+  from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.kdn_gain import config as gcfg  # pylint: disable=g-import-not-at-top
+  return dcfg, gcfg
+
+
+def resolve(delta_rule="", gain="", what="config.kernels"):
+  """(DeltaRuleConfig, GainConfig): the current defaults with the specs' overrides, or None where
+  a spec is empty. Raises ValueError naming what.delta_rule / what.gain."""
+  if not delta_rule and not gain:
+    return None, None
+  dcfg, gcfg = _modules()
+  return ((config_from_spec(dcfg.DEFAULT, delta_rule, f"{what}.delta_rule item")
+           if delta_rule else None),
+          config_from_spec(gcfg.DEFAULT, gain, f"{what}.gain item") if gain else None)
+
+
+def apply(config):
+  """Makes a run config's config.kernels specs the kernels' defaults (absent in configs older
+  than the key: nothing changes). Returns the (DeltaRuleConfig, GainConfig) set, None where a
+  spec is empty."""
+  kernels = config.get("kernels") or {}
+  d, g = resolve(kernels.get("delta_rule", ""), kernels.get("gain", ""))
+  if d is not None or g is not None:
+    dcfg, gcfg = _modules()
+    dcfg.DEFAULT = d or dcfg.DEFAULT
+    gcfg.DEFAULT = g or gcfg.DEFAULT
+  return d, g
