@@ -5,6 +5,7 @@ config.kernels.delta_rule / config.kernels.gain (applied by the Trainer and by e
 anything is traced). Every option is exact; they change speed only."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 _BOOLS = {"1": True, "true": True, "True": True, "0": False, "false": False, "False": False}
@@ -41,24 +42,47 @@ def _modules():
 
 
 def resolve(delta_rule="", gain="", what="config.kernels"):
-  """(DeltaRuleConfig, GainConfig): the current defaults with the specs' overrides, or None where
-  a spec is empty. Raises ValueError naming what.delta_rule / what.gain."""
+  """(DeltaRuleConfig, GainConfig): the package defaults with the specs' overrides, or
+  (None, None) when both specs are empty. Raises ValueError naming what.delta_rule / what.gain,
+  also for combinations the kernels refuse (cumsum_in_gain needs GainConfig.num_warps == 1)."""
   if not delta_rule and not gain:
     return None, None
   dcfg, gcfg = _modules()
-  return ((config_from_spec(dcfg.DEFAULT, delta_rule, f"{what}.delta_rule item")
-           if delta_rule else None),
-          config_from_spec(gcfg.DEFAULT, gain, f"{what}.gain item") if gain else None)
+  d = config_from_spec(dcfg.DeltaRuleConfig(), delta_rule, f"{what}.delta_rule item")
+  g = config_from_spec(gcfg.GainConfig(), gain, f"{what}.gain item")
+  if d.cumsum_in_gain and g.num_warps != 1:
+    raise ValueError(f"{what}.gain: num_warps={g.num_warps} with {what}.delta_rule's "
+                     "cumsum_in_gain: pallas_kernels.kdn needs num_warps=1")
+  return d, g
 
 
 def apply(config):
-  """Makes a run config's config.kernels specs the kernels' defaults (absent in configs older
-  than the key: nothing changes). Returns the (DeltaRuleConfig, GainConfig) set, None where a
-  spec is empty."""
+  """A run config's config.kernels as the kernels' defaults: with any spec, both configs are set
+  to the package defaults with its overrides (the run config alone decides them); without any
+  (or in configs older than the key) nothing changes. Returns what restore() needs to put the
+  previous defaults back, or None when nothing changed."""
   kernels = config.get("kernels") or {}
   d, g = resolve(kernels.get("delta_rule", ""), kernels.get("gain", ""))
-  if d is not None or g is not None:
+  if d is None:
+    return None
+  dcfg, gcfg = _modules()
+  previous = (dcfg.DEFAULT, gcfg.DEFAULT)
+  dcfg.DEFAULT, gcfg.DEFAULT = d, g
+  return previous
+
+
+def restore(previous):
+  """Undoes apply() (previous: its result; None: nothing to undo)."""
+  if previous is not None:
     dcfg, gcfg = _modules()
-    dcfg.DEFAULT = d or dcfg.DEFAULT
-    gcfg.DEFAULT = g or gcfg.DEFAULT
-  return d, g
+    dcfg.DEFAULT, gcfg.DEFAULT = previous
+
+
+@contextlib.contextmanager
+def applied(config):
+  """apply(config) for the block, restore() after it (also when it raises)."""
+  previous = apply(config)
+  try:
+    yield
+  finally:
+    restore(previous)

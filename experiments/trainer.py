@@ -148,7 +148,8 @@ class Trainer:
     self.config, self.workdir = config, workdir
     self.is_main = self.process_index == 0
     os.makedirs(workdir, exist_ok=True)
-    kernel_config.apply(config)      # config.kernels, before any jit of the model
+    # config.kernels, before any jit of the model (close() puts the previous defaults back)
+    self._kernel_defaults = kernel_config.apply(config)
     dispatch.warm_kernel_imports()
     self.mesh = sharding.make_mesh(config, self.devices)
     self.strategy = config.train.initial_state
@@ -557,6 +558,8 @@ class Trainer:
             'warning': msg, 'initial_state': self.strategy}
 
   def close(self):
+    kernel_config.restore(getattr(self, '_kernel_defaults', None))
+    self._kernel_defaults = None
     if self.checkpointer is not None:
       self.checkpointer.close()
     close = getattr(self.data_iter, 'close', None)

@@ -22,21 +22,28 @@ def test_validate_names_the_bad_spec(key, spec, match):
     config_lib.validate(config)
 
 
-def test_apply_sets_the_kernel_defaults():
+def test_validate_refuses_cumsum_in_gain_with_gain_warps():
   config = mqar.get_config("smoke")
-  d_before, g_before = dr_config.DEFAULT, gain_config.DEFAULT
-  assert kernel_config.apply(config) == (None, None)   # '' leaves the defaults alone
-  assert dr_config.DEFAULT is d_before and gain_config.DEFAULT is g_before
-  config.kernels.delta_rule = "cumsum_in_gain=1/num_stages=2"
-  config.kernels.gain = "num_stages_fwd=2"
-  config_lib.validate(config)
-  try:
-    d, g = kernel_config.apply(config)
-    assert dr_config.DEFAULT is d and gain_config.DEFAULT is g
-    assert (d.cumsum_in_gain, d.num_stages, g.num_stages_fwd) == (True, 2, 2)
-    assert d.block_v == d_before.block_v   # the other fields: the defaults it started from
-  finally:
-    dr_config.DEFAULT, gain_config.DEFAULT = d_before, g_before
+  config.kernels.delta_rule, config.kernels.gain = "cumsum_in_gain=1", "num_warps=2"
+  with pytest.raises(config_lib.ConfigError, match="config.kernels.gain: num_warps=2"):
+    config_lib.validate(config)
+
+
+def test_applied_sets_the_package_defaults_with_the_specs_and_restores():
+  config = mqar.get_config("smoke")
+  with dr_config.overridden(block_v=32):   # a process's own setting (a test, a script)
+    before = dr_config.DEFAULT, gain_config.DEFAULT
+    assert kernel_config.apply(config) is None   # no spec: nothing changes
+    assert (dr_config.DEFAULT, gain_config.DEFAULT) == before
+    config.kernels.delta_rule = "cumsum_in_gain=1/num_stages=2"
+    config.kernels.gain = "num_stages_fwd=2"
+    config_lib.validate(config)
+    with kernel_config.applied(config):
+      d, g = dr_config.DEFAULT, gain_config.DEFAULT
+      assert (d.cumsum_in_gain, d.num_stages, g.num_stages_fwd) == (True, 2, 2)
+      # the run config alone decides: the package default, not the process's block_v=32
+      assert d.block_v == dr_config.DeltaRuleConfig().block_v != 32
+    assert (dr_config.DEFAULT, gain_config.DEFAULT) == before
 
 
 def test_configs_without_the_key_apply_nothing():
@@ -44,4 +51,11 @@ def test_configs_without_the_key_apply_nothing():
   config = mqar.get_config("smoke")
   plain = {k: v for k, v in config.to_dict().items() if k != "kernels"}
   import ml_collections   # pylint: disable=g-import-not-at-top
-  assert kernel_config.apply(ml_collections.ConfigDict(plain)) == (None, None)
+  assert kernel_config.apply(ml_collections.ConfigDict(plain)) is None
+
+
+def test_gain_config_checks_its_fields():
+  with pytest.raises(ValueError, match="GainConfig.num_warps must be a power of two"):
+    gain_config.GainConfig(num_warps=3)
+  with pytest.raises(ValueError, match="GainConfig.num_stages_fwd must be >= 1"):
+    gain_config.GainConfig(num_stages_fwd=0)

@@ -159,3 +159,40 @@ def test_gain_stages_reach_their_kernels(as_on_gpu, monkeypatch):
       stages[name.group(0)] = int(re.search(r"num_stages = (\d+)", line).group(1))
   assert stages == {"kdn_gain_reduce": 3, "kdn_gain_replay": 3, "kdn_gain_bwd_reduce": 2,
                     "kdn_gain_bwd_replay": 2}, stages
+
+
+@pytest.mark.parametrize("diag,cumsum_in_gain", [(True, False), (False, True), (True, True)])
+def test_backward_kernels_store_gradients_in_the_inputs_dtypes(as_on_gpu, monkeypatch, diag,
+                                                               cumsum_in_gain):
+  """bf16 data, KDN op fwd+bwd lowered for CUDA: the token kernel stores dq, dk, the partials
+  kernel dv, the gain's reverse replay dk and the gates' gradients in bf16 (no fp32 copy and
+  cast pass); under cumsum_in_gain the delta rule's dk stays fp32 for the gain kernel to add."""
+  from pallas_kernels.delta_rule import backward as dbackward   # pylint: disable=g-import-not-at-top
+  from pallas_kernels.kdn_gain import kernel as gain_kernel   # pylint: disable=g-import-not-at-top
+  seen = {}
+
+  def spy(module, name):
+    real = getattr(module, name)
+
+    def wrapped(*args, **kwargs):
+      out = real(*args, **kwargs)
+      seen[name] = [jnp.dtype(x.dtype).name for x in jax.tree.leaves(out)]
+      return out
+    monkeypatch.setattr(module, name, wrapped)
+
+  for module, name in ((dbackward, "intra_backward_tokens"), (dbackward, "bwd_partials"),
+                       (gain_kernel, "gain_backward")):
+    spy(module, name)
+  q, k, v, la, om, r, _ = _op_inputs(jnp.bfloat16)
+  la, om, r = (x.astype(jnp.bfloat16) for x in (la, om if diag else om[..., 0], r))
+  fn = ops.diag_kdn if diag else ops.iso_kdn
+
+  def loss(q, k, v, la, om, r):
+    return jnp.sum(fn(q, k, v, la, om, r, impl="pallas", chunk_size=16)[0].astype(jnp.float32))
+
+  with dr_config.overridden(cumsum_in_gain=cumsum_in_gain):
+    _lower_for_cuda(jax.grad(loss, argnums=tuple(range(6))), q, k, v, la, om, r)
+  bf16 = "bfloat16"
+  assert seen["intra_backward_tokens"][:2] == [bf16, "float32" if cumsum_in_gain else bf16]
+  assert seen["bwd_partials"][0] == bf16                 # dv (no segments)
+  assert seen["gain_backward"][:4] == [bf16] * 4, seen   # dk, d log_alpha, d omega, d r

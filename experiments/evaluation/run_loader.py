@@ -12,7 +12,6 @@ from flax import nnx
 
 from experiments import checkpoint as ckpt_lib
 from experiments import config_lib
-from experiments import kernel_config
 
 
 @dataclasses.dataclass
@@ -54,7 +53,6 @@ def load(workdir: str, step: int | None = None) -> EvalRun:
   root, step = find(workdir, step)
   record = ckpt_lib.Checkpointer(root, async_save=False).record(step)
   config = _config_from(record, workdir)
-  kernel_config.apply(config)   # the run's kernel options (speed only), before anything is traced
   cls = config_lib.import_object(config.model_factory)
   model = cls(config.model, rngs=nnx.Rngs(int(config.seed)))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)

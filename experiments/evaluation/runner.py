@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 
+from experiments import kernel_config
 from experiments import logging_utils
 from experiments.evaluation import long_context, plots, run_loader
 from experiments.evaluation import suites as S
@@ -16,6 +17,11 @@ def evaluate(workdir: str, suites=None, settings=None, step=None, out_dir: str =
   """Runs ``suites`` on ``workdir``'s checkpoint; writes <out_dir>/<suite>.json, PNGs and summary.json."""
   settings = settings or S.Settings()
   run = run_loader.load(workdir, step)
+  with kernel_config.applied(run.config):   # the run's kernel options (speed only)
+    return _evaluate(run, suites, settings, workdir, out_dir)
+
+
+def _evaluate(run, suites, settings, workdir, out_dir):
   ctx = S.Context(run, long_context.ChunkedScorer(run.model), settings)
   suites = list(suites or S.default_suites(ctx))
   S.check(ctx, suites)

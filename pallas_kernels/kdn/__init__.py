@@ -76,7 +76,8 @@ def _forward(save, q, k, v, gate, mu, p0, h0, reset, cont, pid, st):
 
   def body(q, k, v, *rest):
     *gate, mu, p0, h0, reset, cont, pid = rest
-    # w: kappa (diag) or beta k (iso, formed in the kernel: write_k)
+    # w: kappa (diag) or beta k (iso, formed in the kernel: write_k); the residual the delta
+    # rule's backward reads (the separate ops save it too, iso also beta for the product's VJP)
     w, pprev, pfin, g = _gain_kernel.gain_forward(
         (k, *gate, mu), reset, p0, diag=st.diag, chunk=st.gain_chunk, interpret=st.interpret,
         cfg=st.gain_cfg, save_pprev=save, front=st.front, cumsum_chunk=chunk,
@@ -182,8 +183,8 @@ def kdn(q, k, v, gate, info_scale, p0, h0, segment_ids=None, *, diag, scale, r_m
   if gain_cfg.num_warps != 1:
     # The reverse replay reads back rows it stored (kdn_gain.kernel._decay_prefix): with rows
     # narrower than its warps' lanes, another warp's replica could be read with no barrier.
-    raise ValueError(f"{op}: GainConfig.num_warps must be 1 under DeltaRuleConfig.cumsum_in_gain, "
-                     f"got {gain_cfg.num_warps}")
+    raise ValueError(f"pallas_kernels.kdn ({op}): GainConfig.num_warps must be 1, got "
+                     f"{gain_cfg.num_warps}")
   out_dtype = q.dtype
   q, scale, precision, interpret, cfg, chunk, cfg_fo, chunk_fo = call_setup(
       op, q, k, v, scale, chunk_size, precision, interpret)

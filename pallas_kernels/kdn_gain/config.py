@@ -21,6 +21,15 @@ class GainConfig:
   num_stages_fwd: int = 1
   num_stages_bwd: int = 1
 
+  def __post_init__(self):
+    if not (self.num_warps > 0 and self.num_warps & (self.num_warps - 1) == 0
+            and self.num_warps <= 32):
+      raise ValueError(f"GainConfig.num_warps must be a power of two in [1, 32] (Triton warps), "
+                       f"got {self.num_warps}")
+    for name in ("max_chunk", "num_stages_fwd", "num_stages_bwd"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"GainConfig.{name} must be >= 1, got {getattr(self, name)}")
+
 
 DEFAULT = GainConfig()
 

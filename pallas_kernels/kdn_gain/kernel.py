@@ -351,6 +351,8 @@ def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front, cumsum_chunk, has_
   if cumsum_chunk:
     # The delta rule's d log_alpha = the reverse cumsum of dg within its pieces + the exclusive
     # prefix of its direct terms, formed first in the terms' own buffer.
+    # (decay_refs[1], the terms' input ref, aliases prefix_ref: never read it, since in interpret
+    # mode it keeps the terms while on a GPU it holds the prefix)
     dg_ref = decay_refs[0]
     _decay_prefix(prefix_ref, reset_ref, b, h, c * chunk, chunk, cumsum_chunk)
 
@@ -455,8 +457,9 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
       functools.partial(_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag,
                         save_pprev=save_pprev, front=front, cumsum_chunk=cumsum_chunk,
                         write_k=write_k),
-      out_shape=(jax.ShapeDtypeStruct(k.shape, jnp.float32) if write_k else lane,) + la_out + ((lane,) if save_pprev else ()) + (
-          jax.ShapeDtypeStruct((bsz, nh, lanes), jnp.float32),),
+      out_shape=((jax.ShapeDtypeStruct(k.shape, jnp.float32) if write_k else lane,) + la_out
+                 + ((lane,) if save_pprev else ())
+                 + (jax.ShapeDtypeStruct((bsz, nh, lanes), jnp.float32),)),
       grid=grid, name="kdn_gain_replay", **params,
   )(*raw, reset, p0, prod)
   gain, outs = outs[0], outs[1:]
@@ -480,6 +483,10 @@ def gain_backward(raw, reset, pprev, dgain, dpfin, *, diag, chunk, interpret, cf
   r = raw[-2]
   k = raw[0]
   lanes = pprev.shape[-1]
+  if write_k and diag:
+    raise ValueError("gain_backward: write_k is the iso gain's option (diag's gain is the write)")
+  if dk_in is not None and dk_in.shape != k.shape:
+    raise ValueError(f"gain_backward: dk_in has shape {dk_in.shape}; expected k's {k.shape}")
   bsz, t, nh, nc, grid, params = _launch(r, chunk, interpret, cfg, backward=True)
   reset = reset.astype(jnp.int32)
   maps = pl.pallas_call(
