@@ -87,12 +87,15 @@ def check_conv(results, b, t, h, kd, dtype):
   cache = jnp.asarray(rng.normal(size=(b, 3, h, kd)), jnp.float32)
   seg = _segments(rng, b, t)
 
-  def ref(x, w, cache):
-    conv = ShortConv((h, kd), 4, dtype=dtype, rngs=nnx.Rngs(0))
-    conv.weight[...] = w
-    return conv(x, cache, seg)[0]
-  _compare("causal_conv1d", lambda x, w, c: causal_conv1d(x, w, c, seg), ref, (x, w, cache), dtype,
-           results)
+  for normalize in (False, True):   # True: the q/k rows L2-normalised inside the kernel
+    def ref(x, w, cache, normalize=normalize):
+      conv = ShortConv((h, kd), 4, dtype=dtype, rngs=nnx.Rngs(0))
+      conv.weight[...] = w
+      return conv(x, cache, seg, normalize=normalize)[0].astype(dtype)
+    # (named by dtype too: the fp32 and bf16 checks must not overwrite each other's verdict)
+    _compare("causal_conv1d" + ("_l2" if normalize else "") + "_" + jnp.dtype(dtype).name,
+             lambda x, w, c, normalize=normalize: causal_conv1d(x, w, c, seg, normalize=normalize),
+             ref, (x, w, cache), dtype, results)
 
 
 def check_norm(results, b, t, h, kd, dtype):

@@ -19,10 +19,11 @@ def _rel(a, b):
   return float(np.sqrt(np.mean((a - b) ** 2) / max(np.mean(b ** 2), 1e-30)))
 
 
-def _reference(x, w, cache, seg, activation):
+def _reference(x, w, cache, seg, activation, normalize=False):
   conv = ShortConv(w.shape[1:], w.shape[0], activation=activation, dtype=x.dtype, rngs=nnx.Rngs(0))
   conv.weight[...] = w
-  return conv(x, cache, seg)[0]
+  # (normalize: the plain path normalises the rounded conv output in fp32; the layer then rounds)
+  return conv(x, cache, seg, normalize=normalize)[0].astype(x.dtype)
 
 
 @pytest.fixture
@@ -35,17 +36,18 @@ def block_t(request):
   conv_config.DEFAULT = saved
 
 
-@pytest.mark.parametrize("t,segs,dtype,activation,block_t", [
-    (37, (1, 2, 20), jnp.float32, True, None),   # segments (one of length 1), T % block != 0
+@pytest.mark.parametrize("t,segs,dtype,activation,block_t,normalize", [
+    (37, (1, 2, 20), jnp.float32, True, None, False),   # segments (one of length 1), T % block != 0
     # 4 blocks of 16: segments ending at / starting at / crossing block boundaries, of length 1
-    # and 2, the last one (length 1) continued by the padding
-    (53, (1, 2, 14, 16, 31, 33, 48, 52), jnp.float32, True, 16),
-    (53, None, jnp.float32, False, 16),          # several blocks, no segments, no SiLU
-    (20, (9,), jnp.bfloat16, True, None),        # the layer's compute dtype
-    (1, None, jnp.bfloat16, True, None),         # T = 1: the cache alone
-    (5, None, jnp.float32, False, None),         # no SiLU
+    # and 2, the last one (length 1) continued by the padding; rows L2-normalised (q and k)
+    (53, (1, 2, 14, 16, 31, 33, 48, 52), jnp.float32, True, 16, True),
+    (53, None, jnp.float32, False, 16, False),          # several blocks, no segments, no SiLU
+    (20, (9,), jnp.bfloat16, True, None, False),        # the layer's compute dtype
+    (20, (9,), jnp.bfloat16, True, None, True),
+    (1, None, jnp.bfloat16, True, None, False),         # T = 1: the cache alone
+    (5, None, jnp.float32, False, None, True),          # no SiLU, normalised
 ], indirect=["block_t"])
-def test_causal_conv1d_matches_short_conv(t, segs, dtype, activation, block_t):  # pylint: disable=redefined-outer-name,unused-argument
+def test_causal_conv1d_matches_short_conv(t, segs, dtype, activation, block_t, normalize):  # pylint: disable=redefined-outer-name,unused-argument
   b, h, kd, width = 2, 2, 16, 4
   rng = np.random.default_rng(t)
   x = jnp.asarray(rng.normal(size=(b, t, h, kd)), jnp.float32).astype(dtype)
@@ -61,10 +63,10 @@ def test_causal_conv1d_matches_short_conv(t, segs, dtype, activation, block_t): 
 
   def run(fn):
     def f(x, w, cache):
-      y, vjp = jax.vjp(lambda *a: fn(*a, seg, activation), x, w, cache)
+      y, vjp = jax.vjp(lambda *a: fn(*a, seg, activation, normalize), x, w, cache)
       return y, vjp(ct.astype(y.dtype))
     return jax.jit(f)(x, w, cache)
-  kernel = lambda x, w, c, s, a: causal_conv1d(x, w, c, s, activation=a)
+  kernel = lambda x, w, c, s, a, n: causal_conv1d(x, w, c, s, activation=a, normalize=n)
   (y, grads), (y_ref, grads_ref) = run(kernel), run(_reference)
   tol = 1e-6 if dtype == jnp.float32 else 4e-3   # bf16: one rounding of the same fp32 sums
   assert y.dtype == y_ref.dtype and _rel(y, y_ref) <= tol, _rel(y, y_ref)

@@ -18,7 +18,7 @@ from kdn_jax.layers.dense import Dense, LowRank
 from kdn_jax.ops import context_parallel, dispatch
 from kdn_jax.layers.gated_norm import GatedRMSNorm
 from kdn_jax.layers.context_conv import short_conv
-from kdn_jax.layers.short_conv import ShortConv
+from kdn_jax.layers.short_conv import ShortConv, l2_normalize
 
 
 def get_dtype(name) -> jnp.dtype:
@@ -29,11 +29,6 @@ def get_dtype(name) -> jnp.dtype:
     if name not in table:
         raise ValueError(f'unknown dtype {name!r}; expected one of {sorted(table)}')
     return jnp.dtype(table[name])
-
-
-def l2_normalize(x, eps=1e-6):
-    xf = x.astype(jnp.float32)
-    return xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
 
 
 def lowrank_dim(cfg) -> int:
@@ -126,12 +121,15 @@ class RecurrentMixer(nnx.Module):
         # short_conv: the plain call (the Pallas conv when fused), or a halo exchange when T is split
         # (context parallelism)
         fused = self._fused_conv()
-        q, cq = short_conv(self.q_conv, self.q_proj(x), conv['q'], segment_ids, fused=fused)
-        k, ck = short_conv(self.k_conv, self.k_proj(x), conv['k'], segment_ids, fused=fused)
+        if fused:   # (no context split then) the L2 normalisation inside the conv kernels
+            q, cq = self.q_conv(self.q_proj(x), conv['q'], segment_ids, fused=True, normalize=True)
+            k, ck = self.k_conv(self.k_proj(x), conv['k'], segment_ids, fused=True, normalize=True)
+        else:
+            q, cq = short_conv(self.q_conv, self.q_proj(x), conv['q'], segment_ids)
+            k, ck = short_conv(self.k_conv, self.k_proj(x), conv['k'], segment_ids)
+            q, k = l2_normalize(q), l2_normalize(k)
         v, cv = short_conv(self.v_conv, self.v_proj(x), conv['v'], segment_ids, fused=fused)
-        q = l2_normalize(q).astype(self.dtype)
-        k = l2_normalize(k).astype(self.dtype)
-        return q, k, v, (cq, ck, cv)
+        return q.astype(self.dtype), k.astype(self.dtype), v, (cq, ck, cv)
 
     def __call__(self, x, *, initial_state=None, segment_ids=None):
         """x [B, T, d] -> (y [B, T, d], final_state)."""

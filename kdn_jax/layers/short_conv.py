@@ -6,7 +6,9 @@ segments were run as separate sequences.
 
 ``fused=True`` computes the convolution + SiLU with the Pallas kernel
 (pallas_kernels.causal_conv1d, for which the plain-JAX sums below are the reference); the new
-cache is formed here either way.
+cache is formed here either way. ``normalize=True`` L2-normalises each output row over its last
+axis (the recurrent mixers' q and k) in float32, after the rounding to the conv's dtype; the
+fused kernel does the same inside (no pass over the conv output through memory).
 """
 from __future__ import annotations
 
@@ -17,6 +19,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kdn_jax.layers.dense import make_param, normal_init
+
+
+def l2_normalize(x, eps=1e-6):
+    """x / sqrt(|x|^2 + eps) over the last axis, in float32."""
+    xf = x.astype(jnp.float32)
+    return xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
 
 
 def positions_in_segment(segment_ids: jax.Array) -> jax.Array:
@@ -48,8 +56,9 @@ class ShortConv(nnx.Module):
         """Whether the Pallas kernel covers this conv: channels (H, K) and width >= 2."""
         return len(self.channels) == 2 and self.width >= 2
 
-    def __call__(self, x, cache=None, segment_ids=None, *, fused=False):
-        """x [B, T, *C] -> (y [B, T, *C], new_cache [B, W-1, *C])."""
+    def __call__(self, x, cache=None, segment_ids=None, *, fused=False, normalize=False):
+        """x [B, T, *C] -> (y [B, T, *C], new_cache [B, W-1, *C]); normalize: y L2-normalised over
+        its last axis (float32 on the plain path, the conv's dtype from the kernel)."""
         B, T = x.shape[:2]
         if cache is None:
             cache = self.init_cache(B)
@@ -58,9 +67,11 @@ class ShortConv(nnx.Module):
         pos = None if segment_ids is None else positions_in_segment(segment_ids)
         if fused and self.fusable():
             from pallas_kernels.causal_conv1d import causal_conv1d  # pylint: disable=g-import-not-at-top
-            y = causal_conv1d(x, self.weight[...], cache, segment_ids, activation=self.activation)
+            y = causal_conv1d(x, self.weight[...], cache, segment_ids, activation=self.activation,
+                              normalize=normalize)
         else:
             y = self._act(self._conv(xp, T, pos)).astype(self.dtype)
+            y = l2_normalize(y) if normalize else y
         return y, self._new_cache(xp, T, pos)
 
     def _conv(self, xp, T, pos):

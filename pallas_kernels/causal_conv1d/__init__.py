@@ -28,23 +28,24 @@ def positions_in_segment(segment_ids):
   return t - start
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _conv(x, w, cache, pos, activation, interpret, cfg):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _conv(x, w, cache, pos, activation, normalize, interpret, cfg):
   body = lambda x, w, c, p: (_kernel.forward(x, w, c, p, activation=activation,
-                                             interpret=interpret, cfg=cfg),)
+                                             normalize=normalize, interpret=interpret, cfg=cfg),)
   return _sharding.per_shard(body, (_X, _W, _CACHE, _POS), (_X + (4,),),
                              "causal_conv1d forward")(x, w, cache, pos)[0]
 
 
-def _conv_fwd(x, w, cache, pos, activation, interpret, cfg):
-  return _conv(x, w, cache, pos, activation, interpret, cfg), (x, w, cache, pos)
+def _conv_fwd(x, w, cache, pos, activation, normalize, interpret, cfg):
+  return _conv(x, w, cache, pos, activation, normalize, interpret, cfg), (x, w, cache, pos)
 
 
-def _conv_bwd(activation, interpret, cfg, res, dy):
+def _conv_bwd(activation, normalize, interpret, cfg, res, dy):
   x, w, cache, pos = res
   width = w.shape[0]
   body = lambda x, w, c, p, dy: _kernel.backward(x, w, c, p, dy, activation=activation,
-                                                 interpret=interpret, cfg=cfg)
+                                                 normalize=normalize, interpret=interpret,
+                                                 cfg=cfg)
   dx, acc = _sharding.per_shard(body, (_X, _W, _CACHE, _POS, _X), (_X + (4,), _ACC + (5,)),
                                 "causal_conv1d backward")(x, w, cache, pos, dy)
   # row j of the accumulators is tap j, i.e. weight index W-1-j; sums over batch and blocks
@@ -59,9 +60,12 @@ def _conv_bwd(activation, interpret, cfg, res, dy):
 _conv.defvjp(_conv_fwd, _conv_bwd)
 
 
-def causal_conv1d(x, weight, cache, segment_ids=None, *, activation=True, interpret=None):
+def causal_conv1d(x, weight, cache, segment_ids=None, *, activation=True, normalize=False,
+                  interpret=None):
   """y_t = silu(sum_j weight[W-1-j] * x[t-j]) per channel (activation=False: no SiLU), the inputs
-  before the sequence (and before every packed segment's start) taken from `cache`.
+  before the sequence (and before every packed segment's start) taken from `cache`; normalize:
+  then y_t / sqrt(|y_t|^2 + 1e-6) over each head's K channels (of y_t rounded to x's dtype, in
+  fp32, as ShortConv(normalize=True) composes it).
 
   x: [B,T,H,K]; weight: [W,H,K] (weight[W-1] on the current token); cache: [B,W-1,H,K], the W-1
   inputs before the sequence, oldest first (rounded to x's dtype, as the layer does);
@@ -89,5 +93,6 @@ def causal_conv1d(x, weight, cache, segment_ids=None, *, activation=True, interp
     # padded tokens continue the last segment (their outputs are dropped)
     seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, t_pad - t)), mode="edge")
     pos = positions_in_segment(seg)
-  y = _conv(common.pad_time(x, t_pad), weight, cache, pos, bool(activation), interpret, cfg)
+  y = _conv(common.pad_time(x, t_pad), weight, cache, pos, bool(activation), bool(normalize),
+            interpret, cfg)
   return y[:, :t]

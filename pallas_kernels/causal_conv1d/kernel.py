@@ -1,4 +1,9 @@
-"""Pallas kernels of the causal depthwise convolution (width W) with optional SiLU.
+"""Pallas kernels of the causal depthwise convolution (width W) with optional SiLU and an optional
+L2 normalisation of each output row over its K channels (the recurrent layers' q and k:
+y_t <- y_t / sqrt(|y_t|^2 + L2_EPS) in fp32, of y_t rounded to x's dtype first, exactly as
+kdn_jax.layers.short_conv composes it; the bf16 layer check, experiments/check_fusion.py, found
+the unrounded variant 4x further from the fp32 layer in the q/k gradients (kdn_iso, T=40), the
+rounded one as close as the composition).
 
 Per (batch, head) and channel i, with tap weights w[0..W-1] (w[W-1] on the current token):
     pre_t = sum_j w[W-1-j] * src_j(t),   y_t = silu(pre_t) (or pre_t),
@@ -39,8 +44,15 @@ def acc_rows(width):
   return 2 * width - 1
 
 
+L2_EPS = 1e-6   # kdn_jax.layers.short_conv.l2_normalize's
+
+
 def _sigmoid(x):
   return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def _l2_inverse_norm(z):
+  return lax.rsqrt(jnp.sum(z * z, axis=1, keepdims=True) + L2_EPS)
 
 
 class _Rows:
@@ -87,7 +99,7 @@ class _Rows:
     return acc
 
 
-def _forward_kernel(*refs, width, block_t, activation, has_pos):
+def _forward_kernel(*refs, width, block_t, activation, has_pos, normalize):
   x_ref, w_ref, cache_ref = refs[:3]
   pos_ref = refs[3] if has_pos else None
   y_ref = refs[-1]
@@ -112,13 +124,16 @@ def _forward_kernel(*refs, width, block_t, activation, has_pos):
     for j in range(1, width):
       pre = pre + w[width - 1 - j] * src[j]
     y = pre * _sigmoid(pre) if activation else pre
+    if normalize:   # the conv output rounded to x's dtype, as the layer's composition has it
+      y = y.astype(y_ref.dtype).astype(jnp.float32)
+      y = y * _l2_inverse_norm(y)
     y_ref[b, pl.ds(t, 1), h, :] = y.astype(y_ref.dtype)
     return tuple(src[:width - 1])
 
   lax.fori_loop(0, block_t, body, prev)
 
 
-def _backward_kernel(*refs, width, block_t, activation, has_pos):
+def _backward_kernel(*refs, width, block_t, activation, has_pos, normalize):
   x_ref, w_ref, cache_ref = refs[:3]
   pos_ref, rest = (refs[3], refs[4:]) if has_pos else (None, refs[3:])
   dy_ref, dx_ref, acc_ref = rest
@@ -130,9 +145,15 @@ def _backward_kernel(*refs, width, block_t, activation, has_pos):
   zero = jnp.zeros_like(w[0])
 
   def dpre(dy, pre):
+    sg = _sigmoid(pre) if activation else None
+    if normalize:   # dy -> the cotangent of z = silu(pre) (or pre) through y = z / |z|
+      z = pre * sg if activation else pre
+      z = z.astype(dx_ref.dtype).astype(jnp.float32)
+      inv = _l2_inverse_norm(z)
+      n = z * inv
+      dy = inv * (dy - n * jnp.sum(dy * n, axis=1, keepdims=True))
     if not activation:
       return dy
-    sg = _sigmoid(pre)
     return dy * sg * (1.0 + pre * (1.0 - sg))
 
   # dpre of rows t_last+k (the next block's; 0 past the padded end), zeroed unless row t_last
@@ -186,27 +207,27 @@ def _params(interpret, cfg):
               compiler_params=common.compiler_params(cfg.num_warps, cfg.num_stages))
 
 
-def forward(x, w, cache, pos, *, activation, interpret, cfg):
+def forward(x, w, cache, pos, *, activation, interpret, cfg, normalize=False):
   """x [B,T,H,K] (T a multiple of cfg.block_t), w [W,H,K], cache [B,W-1,H,K], pos [B,T] int32
-  or None -> y [B,T,H,K] in x's dtype."""
+  or None -> y [B,T,H,K] in x's dtype (normalize: each row L2-normalised over K)."""
   bsz, t, nh, _ = x.shape
   width = w.shape[0]
   kern = functools.partial(_forward_kernel, width=width, block_t=cfg.block_t,
-                           activation=activation, has_pos=pos is not None)
+                           activation=activation, has_pos=pos is not None, normalize=normalize)
   args = (x, w, cache) + (() if pos is None else (pos,))
   return pl.pallas_call(kern, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
                         grid=(bsz, t // cfg.block_t, nh), name="causal_conv1d_fwd",
                         **_params(interpret, cfg))(*args)
 
 
-def backward(x, w, cache, pos, dy, *, activation, interpret, cfg):
+def backward(x, w, cache, pos, dy, *, activation, interpret, cfg, normalize=False):
   """-> (dx [B,T,H,K] x.dtype, per-program sums [B, T/block_t, H, 2W-1, K] f32: rows
   0..W-1 = dw by tap j (weight index W-1-j), rows W..2W-2 = dcache)."""
   bsz, t, nh, kd = x.shape
   width = w.shape[0]
   nb = t // cfg.block_t
   kern = functools.partial(_backward_kernel, width=width, block_t=cfg.block_t,
-                           activation=activation, has_pos=pos is not None)
+                           activation=activation, has_pos=pos is not None, normalize=normalize)
   args = (x, w, cache) + (() if pos is None else (pos,)) + (dy,)
   return pl.pallas_call(
       kern, out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype),
