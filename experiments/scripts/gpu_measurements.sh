@@ -7,8 +7,8 @@
 # train (125M LM training throughput on 1 GPU, and on 2 when there are 2), mgpu (the Mosaic GPU
 # output stage: tests and timing), forward (fuse_output against the unfused kernels, the trials
 # of the fused step and of the gain's forward stages, GPU checks at K=128), cumsum (the decay
-# cumsum inside the gain kernels: ops, layers, GPU check). Default: check ops stages docs mixers
-# layers train.
+# cumsum inside the gain kernels: ops, layers, GPU check), glue (the GPU check of the layers'
+# fused glue kernels). Default: check ops stages docs mixers layers train.
 # Kernel config sweep (stages): SWEEP='default,max_chunk=64/sub_block=32' (DeltaRuleConfig fields).
 # Extra train flags: TRAIN_EXTRA='--config.model.scan_layers=True --config.model.impl=pallas';
 # kernel options: TRAIN_EXTRA='--config.kernels.delta_rule=cumsum_in_gain=1'.
@@ -169,6 +169,12 @@ cumsum)
       | grep -E 'T=[0-9]+: fwd' | sed "s|^|layers ${spec:-default}: |" | tee -a "$RES/$SWEEP_LOG"
     pack
   done ;;
+glue)
+  # GPU check of the layers' fused glue kernels (experiments/check_fusion.py): the causal conv
+  # with and without the q/k L2 normalisation (fp32, bf16), the gated norm, the fused-front
+  # gains, and both bf16 KDN layers fused against unfused, each against the fp32 layer.
+  timeout ${GLUE_LIMIT:-240} python3 -m experiments.check_fusion --out="$RES/check_fusion.json" \
+    2>&1 | quiet | tail -15 | tee "$RES/check_fusion.txt"; pack ;;
 mgpu)
   # Issue 18's Mosaic GPU trial port of the output stage (docs/mosaic_gpu.md): its compiled tests,
   # then Triton (chunk 16 / 64) against Mosaic GPU (chunk 64) at 4k and 16k.
