@@ -150,25 +150,29 @@ class Trainer:
     os.makedirs(workdir, exist_ok=True)
     # config.kernels, before any jit of the model (close() puts the previous defaults back)
     self._kernel_defaults = kernel_config.apply(config)
-    dispatch.warm_kernel_imports()
-    self.mesh = sharding.make_mesh(config, self.devices)
-    self.strategy = config.train.initial_state
-    self._stop_requested = False
-    self._build_model()
-    self._build_state()
-    self._build_steps()
-    self.data_iter = pipeline.make_train_iterator(config, self.process_index, self.process_count)
-    self.eval_batches = pipeline.make_eval_batches(config, self.process_index, self.process_count)
-    self.checkpointer = None
-    if config.checkpoint.enabled:
-      self.checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), config.checkpoint.keep,
-                                                config.checkpoint.async_save)
-    self.config_json = json.loads(config.to_json_best_effort())
-    self.init_from_step = None
-    if self._check_resumable() is None and config.train.init_from:
-      self._init_from(config.train.init_from)
-    if self.is_main:
-      logging_utils.write_json(os.path.join(workdir, 'config.json'), self.config_json)
+    try:
+      dispatch.warm_kernel_imports()
+      self.mesh = sharding.make_mesh(config, self.devices)
+      self.strategy = config.train.initial_state
+      self._stop_requested = False
+      self._build_model()
+      self._build_state()
+      self._build_steps()
+      self.data_iter = pipeline.make_train_iterator(config, self.process_index, self.process_count)
+      self.eval_batches = pipeline.make_eval_batches(config, self.process_index, self.process_count)
+      self.checkpointer = None
+      if config.checkpoint.enabled:
+        self.checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), config.checkpoint.keep,
+                                                  config.checkpoint.async_save)
+      self.config_json = json.loads(config.to_json_best_effort())
+      self.init_from_step = None
+      if self._check_resumable() is None and config.train.init_from:
+        self._init_from(config.train.init_from)
+      if self.is_main:
+        logging_utils.write_json(os.path.join(workdir, 'config.json'), self.config_json)
+    except BaseException:   # a failed start leaves the process's kernel defaults as they were
+      kernel_config.restore(self._kernel_defaults)
+      raise
     self.last_metrics = {}
 
   # ---------------------------------------------------------------- model

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from kdn_jax.layers import MIXERS, Mamba2
-from kdn_jax.layers.recurrent import l2_normalize
+from kdn_jax.layers.short_conv import l2_normalize
 from kdn_jax.models import LanguageModel, model_config
 from kdn_jax.models.config import analytic_non_embedding
 

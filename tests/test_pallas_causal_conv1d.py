@@ -101,3 +101,44 @@ def test_conv_and_gated_norm_run_per_shard():
   for name, a, r in zip(("x", "gate", "weight", "cache", "norm weight"), got, want):
     np.testing.assert_allclose(a, r, rtol=2e-5, atol=2e-6, err_msg=name)
   assert "all-gather" not in grad.lower(*sharded).compile().as_text()
+
+
+@pytest.mark.parametrize("dtype,scale", [
+    (jnp.bfloat16, 1.0),     # the layer's dtype: the forward's rounding of the conv output
+    (jnp.float32, 1e-4),     # |y|^2 ~ 1e-7 K, next to the normalisation's eps = 1e-6
+    (jnp.bfloat16, 1e-4),
+])
+def test_normalized_conv_against_fp32_with_the_forward_rounding(dtype, scale):
+  """normalize=True against an fp32 composition that rounds the conv output to x's dtype in the
+  forward only (z + stop_gradient(round(z) - z)) and keeps every cotangent in fp32: what the
+  kernel computes, up to the one rounding of its outputs (and of the cache gradient) to x's
+  dtype. Tighter than the test above for bf16, where the composition also rounds the
+  normalisation's cotangent; and eps in play at scale 1e-4."""
+  b, t, h, kd, width = 2, 37, 2, 16, 4
+  rng = np.random.default_rng(5)
+  x = (jnp.asarray(rng.normal(size=(b, t, h, kd)) * scale, jnp.float32)).astype(dtype)
+  w = jnp.asarray(rng.normal(size=(width, h, kd)) / 2, jnp.float32)
+  cache = jnp.asarray(rng.normal(size=(b, width - 1, h, kd)) * scale, jnp.float32)
+  seg = jnp.asarray(np.repeat([[0] * 9 + [1] * 20 + [2] * 8], b, 0), jnp.int32)
+  # (the cotangent in x's dtype on both sides: the kernel's output is in it)
+  ct = jnp.asarray(rng.normal(size=x.shape), jnp.float32).astype(dtype).astype(jnp.float32)
+
+  def reference(x, w, cache):
+    conv = ShortConv((h, kd), width, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    conv.weight[...] = w
+    xp = jnp.concatenate([cache.astype(dtype).astype(jnp.float32), x.astype(jnp.float32)], axis=1)
+    from kdn_jax.layers.short_conv import l2_normalize, positions_in_segment   # pylint: disable=g-import-not-at-top
+    z = jax.nn.silu(conv._conv(xp, t, positions_in_segment(seg)))   # pylint: disable=protected-access
+    z = z + jax.lax.stop_gradient(z.astype(dtype).astype(jnp.float32) - z)
+    return l2_normalize(z)
+
+  def run(fn, cast):
+    y, vjp = jax.vjp(fn, x.astype(cast), w, cache)
+    return y, vjp(ct.astype(y.dtype))
+
+  y, grads = jax.jit(lambda: run(lambda *a: causal_conv1d(*a, seg, normalize=True), dtype))()
+  y_ref, grads_ref = jax.jit(lambda: run(reference, jnp.float32))()
+  tol = 1e-5 if dtype == jnp.float32 else 2.5e-3   # bf16: the outputs' one rounding
+  assert _rel(y, y_ref) <= tol, _rel(y, y_ref)
+  for name, g, r in zip(("x", "weight", "cache"), grads, grads_ref):
+    assert _rel(g, r) <= (1e-5 if name == "weight" else tol), (name, _rel(g, r))

@@ -1,8 +1,9 @@
 """Pallas kernels of the causal depthwise convolution (width W) with optional SiLU and an optional
 L2 normalisation of each output row over its K channels (the recurrent layers' q and k:
-y_t <- y_t / sqrt(|y_t|^2 + L2_EPS) in fp32, of y_t rounded to x's dtype first, exactly as
-kdn_jax.layers.short_conv composes it; the bf16 layer check, experiments/check_fusion.py, found
-the unrounded variant 4x further from the fp32 layer in the q/k gradients (kdn_iso, T=40), the
+y_t <- y_t / sqrt(|y_t|^2 + L2_EPS) in fp32, of y_t rounded to x's dtype first, as
+kdn_jax.layers.short_conv composes it (the backward keeps the normalisation's cotangent in fp32,
+where the composition rounds it); the bf16 layer check, experiments/check_fusion.py, found the
+unrounded variant 4x further from the fp32 layer in the q/k gradients (kdn_iso, T=40), the
 rounded one as close as the composition).
 
 Per (batch, head) and channel i, with tap weights w[0..W-1] (w[W-1] on the current token):
@@ -125,7 +126,7 @@ def _forward_kernel(*refs, width, block_t, activation, has_pos, normalize):
       pre = pre + w[width - 1 - j] * src[j]
     y = pre * _sigmoid(pre) if activation else pre
     if normalize:   # the conv output rounded to x's dtype, as the layer's composition has it
-      y = y.astype(y_ref.dtype).astype(jnp.float32)
+      y = y.astype(x_ref.dtype).astype(jnp.float32)
       y = y * _l2_inverse_norm(y)
     y_ref[b, pl.ds(t, 1), h, :] = y.astype(y_ref.dtype)
     return tuple(src[:width - 1])
@@ -148,7 +149,7 @@ def _backward_kernel(*refs, width, block_t, activation, has_pos, normalize):
     sg = _sigmoid(pre) if activation else None
     if normalize:   # dy -> the cotangent of z = silu(pre) (or pre) through y = z / |z|
       z = pre * sg if activation else pre
-      z = z.astype(dx_ref.dtype).astype(jnp.float32)
+      z = z.astype(x_ref.dtype).astype(jnp.float32)   # the forward's rounding
       inv = _l2_inverse_norm(z)
       n = z * inv
       dy = inv * (dy - n * jnp.sum(dy * n, axis=1, keepdims=True))
