@@ -329,35 +329,6 @@ def _gain_check(pk, x, seg, tag, b, h, d):
   return res
 
 
-def _kdn_check(pk, x, s0, seg, cut, tag, b, h, d):
-  """pallas_kernels.kdn (the gain and the delta rule under one VJP, the decay cumsum in the gain
-  kernels: DeltaRuleConfig.cumsum_in_gain), with the reset of `seg` at token `cut`, against the
-  fp32 token loops of the gain (_gain_scan) and of the delta rule: o, S_final, p_final and the
-  gradients of q, k, v, log_alpha, omega, r and h0."""
-  from kdn_jax.ops.delta_reference import delta_rule_reference  # pylint: disable=g-import-not-at-top
-  res = {}
-  ct = jax.random.normal(jax.random.PRNGKey(5), x["v"].shape)
-  for diag in (True, False):
-    om = x["om"] if diag else x["om_iso"]
-    p0 = jnp.full((b, h, d) if diag else (b, h), 0.5)
-    mu = jnp.full((h,), float(d))
-    def f_pk(q, k, v, la, om, r, s0, diag=diag, p0=p0, mu=mu):
-      return pk.kdn.kdn(q, k, v, (la, om, r), mu, p0, s0, seg, diag=diag, scale=d ** -0.5)
-    def f_ref(q, k, v, la, om, r, s0, diag=diag, p0=p0, mu=mu):
-      q, k, v, la, om, r = (z.astype(jnp.float32) for z in (q, k, v, la, om, r))
-      gain, pfin = _gain_scan(diag, k, la, om, r, mu, p0, seg)
-      w = gain if diag else gain[..., None] * k
-      with jax.default_matmul_precision("highest"):   # the reset at `cut`: two runs from s0
-        (o_a, _), (o_b, s_b) = (delta_rule_reference(d ** -0.5 * q[:, p], k[:, p], v[:, p],
-                                                     la[:, p], w[:, p], s0)
-                                for p in (slice(0, cut), slice(cut, None)))
-      return jnp.concatenate([o_a, o_b], axis=1), s_b, pfin
-    _compare(res, f"{'diag' if diag else 'iso'}_kdn_{tag}_", f_pk, f_ref,
-             (x["q"], x["k"], x["v"], x["la"], om, x["r"], s0), ct, ("o", "S", "pfin"),
-             ("dq", "dk", "dv", "dla", "dom", "dr", "dh0"))
-  return res
-
-
 def _compare(res, prefix, fa, fb, args, ct, out_names, grad_names):
   """res[prefix + name]: relative RMS error of fa against fb, for every output and for the
   gradients of sum(out_0 * ct) + the sums of the other outputs w.r.t. every argument."""
@@ -385,10 +356,8 @@ def _compare(res, prefix, fa, fb, args, ct, out_names, grad_names):
 def run_check(b=2, t=300, h=2, d=128, cut=100):
   """Relative RMS errors of the Pallas delta rule and the diag and iso gains (default configs)
   against plain fp32 scans, fp32 and bf16 inputs, without and with a segment reset at token
-  `cut` (the gains: with it); under DeltaRuleConfig.cumsum_in_gain also of the KDN ops that
-  take it (pallas_kernels.kdn, with the reset)."""
+  `cut` (the gains: with it)."""
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
   from kdn_jax.ops.delta_reference import delta_rule_reference  # pylint: disable=g-import-not-at-top
   res = {}
   for dtype in (jnp.float32, jnp.bfloat16):
@@ -415,8 +384,6 @@ def run_check(b=2, t=300, h=2, d=128, cut=100):
       _compare(res, f"delta_rule_{tag}_{name}", fa, fb, args, ct, ("o", "S"),
                ("dq", "dk", "dv", "dla", "dw", "dh0"))
     res.update(_gain_check(pk, x, seg, tag, b, h, d))
-    if dcfg.DEFAULT.cumsum_in_gain:
-      res.update(_kdn_check(pk, x, s0, seg, cut, tag, b, h, d))
   for kname, val in res.items():
     logging.info("check %s: %.3g", kname, val)
     print(f"check {kname}: {val:.3g}", flush=True)

@@ -130,7 +130,7 @@ def base_config() -> ml_collections.ConfigDict:
   k.keep = 3
   k.async_save = True
 
-  # Pallas kernel options (experiments/kernel_config.py specs, e.g. delta_rule='cumsum_in_gain=1'):
+  # Pallas kernel options (experiments/kernel_config.py specs, e.g. delta_rule='fuse_output=all'):
   # DeltaRuleConfig / GainConfig fields over their defaults; exact, speed only. '' = the defaults.
   c.kernels = ml_collections.ConfigDict(dict(delta_rule='', gain=''))
 

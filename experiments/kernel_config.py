@@ -1,5 +1,5 @@
 """Pallas kernel configurations from specs: 'field=value' items joined by '/' over the fields of
-pallas_kernels' DeltaRuleConfig or GainConfig, e.g. 'cumsum_in_gain=1/num_stages=2'. The
+pallas_kernels' DeltaRuleConfig or GainConfig, e.g. 'fuse_output=all/num_stages=2'. The
 benchmarks' --sweep / --gain_sweep / --delta_rule_config take them, and a run config's
 config.kernels.delta_rule / config.kernels.gain (applied by the Trainer and by evaluate before
 anything is traced). Every option is exact; they change speed only."""
@@ -43,16 +43,12 @@ def _modules():
 
 def resolve(delta_rule="", gain="", what="config.kernels"):
   """(DeltaRuleConfig, GainConfig): the package defaults with the specs' overrides, or
-  (None, None) when both specs are empty. Raises ValueError naming what.delta_rule / what.gain,
-  also for combinations the kernels refuse (cumsum_in_gain needs GainConfig.num_warps == 1)."""
+  (None, None) when both specs are empty. Raises ValueError naming what.delta_rule / what.gain."""
   if not delta_rule and not gain:
     return None, None
   dcfg, gcfg = _modules()
   d = config_from_spec(dcfg.DeltaRuleConfig(), delta_rule, f"{what}.delta_rule item")
   g = config_from_spec(gcfg.GainConfig(), gain, f"{what}.gain item")
-  if d.cumsum_in_gain and g.num_warps != 1:
-    raise ValueError(f"{what}.gain: num_warps={g.num_warps} with {what}.delta_rule's "
-                     "cumsum_in_gain: pallas_kernels.kdn needs num_warps=1")
   return d, g
 
 

@@ -7,15 +7,12 @@ Public API (all arrays in [B, T, H, *] layout):
              precision=None, interpret=None)
   precision_for(dtype) -> 'fast' | 'exact' (the dot precision delta_rule picks for that dtype)
   warm_imports(interpret=None): lower one tiny kernel before your first jit (warmup.py says why)
-  kdn.kdn(q, k, v, gate, info_scale, p0, h0, segment_ids=None, *, diag, scale, r_min=None, ...):
-             the gain and the delta rule under one VJP (DeltaRuleConfig.cumsum_in_gain; kdn.enabled())
 Layer glue (import from their folders): kdn_gain.diag_gain_fused / iso_gain_fused (the gain with
 the gate front-end), causal_conv1d.causal_conv1d, gated_norm.gated_rms_norm.
 """
 from pallas_kernels.common import precision_for
 from pallas_kernels.kdn_gain import diag_gain, iso_gain
 from pallas_kernels.delta_rule import delta_rule
-from pallas_kernels import kdn
 from pallas_kernels.warmup import warm_imports
 
-__all__ = ["diag_gain", "iso_gain", "delta_rule", "kdn", "precision_for", "warm_imports"]
+__all__ = ["diag_gain", "iso_gain", "delta_rule", "precision_for", "warm_imports"]

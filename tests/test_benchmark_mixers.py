@@ -23,32 +23,6 @@ def test_check_meets_bounds_in_interpret_mode():
   assert bm.check_violations(res) == {}, res
 
 
-def test_check_covers_the_kdn_ops_under_cumsum_in_gain(monkeypatch):
-  """With DeltaRuleConfig.cumsum_in_gain the check adds pallas_kernels.kdn (diag and iso, with
-  the reset) against the fp32 token loops (bf16 inputs here; the rest of the check is stubbed:
-  the test above runs it), and it meets the bounds."""
-  import pallas_kernels as pk   # pylint: disable=g-import-not-at-top
-  calls = []
-  real = bm._kdn_check   # pylint: disable=protected-access
-  monkeypatch.setattr(bm, "_kdn_check", lambda *a: calls.append(a[5]) or {})
-  monkeypatch.setattr(bm, "_gain_check", lambda *a: {})
-  monkeypatch.setattr(bm, "_compare", lambda *a: None)
-  bm.run_check(b=1, t=40, h=1, d=16, cut=13)
-  assert not calls   # off by default
-  with dr_config.overridden(cumsum_in_gain=True):
-    bm.run_check(b=1, t=40, h=1, d=16, cut=13)
-  assert calls == ["float32", "bfloat16"]
-  monkeypatch.undo()
-  b, t, h, d, cut = 1, 40, 1, 16, 13
-  x = bm._inputs(jax.random.PRNGKey(1), b, t, h, d, jnp.bfloat16)   # pylint: disable=protected-access
-  s0 = 0.1 * jax.random.normal(jax.random.PRNGKey(2), (b, h, d, d))
-  seg = (jnp.arange(t)[None, :] >= cut).astype(jnp.int32)
-  res = real(pk, x, s0, seg, cut, "bfloat16", b, h, d)
-  assert {"diag_kdn_bfloat16_o", "iso_kdn_bfloat16_pfin", "diag_kdn_bfloat16_dla",
-          "iso_kdn_bfloat16_dh0", "diag_kdn_bfloat16_dr"} <= set(res), sorted(res)
-  assert bm.check_violations(res) == {}, res
-
-
 def test_check_violations_use_the_issue_bounds():
   res = {"delta_rule_float32_o": 2e-5, "delta_rule_float32_seg_dk": 5e-5,
          "delta_rule_bfloat16_dv": 2e-2, "delta_rule_bfloat16_S": 4e-3,

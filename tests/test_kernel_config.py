@@ -10,7 +10,8 @@ from configs import mqar
 
 
 @pytest.mark.parametrize("key,spec,match", [
-    ("delta_rule", "cumsum_in_gain=maybe", "config.kernels.delta_rule item 'cumsum_in_gain=maybe'"),
+    ("delta_rule", "output_after_update=maybe",
+     "config.kernels.delta_rule item 'output_after_update=maybe'"),
     ("delta_rule", "no_such_field=1", "expected field=value with field in"),
     ("delta_rule", "block_v=48", "DeltaRuleConfig.block_v must be a power of two"),
     ("gain", "num_warps=two", "config.kernels.gain item 'num_warps=two': expected an integer"),
@@ -22,25 +23,18 @@ def test_validate_names_the_bad_spec(key, spec, match):
     config_lib.validate(config)
 
 
-def test_validate_refuses_cumsum_in_gain_with_gain_warps():
-  config = mqar.get_config("smoke")
-  config.kernels.delta_rule, config.kernels.gain = "cumsum_in_gain=1", "num_warps=2"
-  with pytest.raises(config_lib.ConfigError, match="config.kernels.gain: num_warps=2"):
-    config_lib.validate(config)
-
-
 def test_applied_sets_the_package_defaults_with_the_specs_and_restores():
   config = mqar.get_config("smoke")
   with dr_config.overridden(block_v=32):   # a process's own setting (a test, a script)
     before = dr_config.DEFAULT, gain_config.DEFAULT
     assert kernel_config.apply(config) is None   # no spec: nothing changes
     assert (dr_config.DEFAULT, gain_config.DEFAULT) == before
-    config.kernels.delta_rule = "cumsum_in_gain=1/num_stages=2"
+    config.kernels.delta_rule = "output_after_update=1/num_stages=2"
     config.kernels.gain = "num_stages_fwd=2"
     config_lib.validate(config)
     with kernel_config.applied(config):
       d, g = dr_config.DEFAULT, gain_config.DEFAULT
-      assert (d.cumsum_in_gain, d.num_stages, g.num_stages_fwd) == (True, 2, 2)
+      assert (d.output_after_update, d.num_stages, g.num_stages_fwd) == (True, 2, 2)
       # the run config alone decides: the package default, not the process's block_v=32
       assert d.block_v == dr_config.DeltaRuleConfig().block_v != 32
     assert (dr_config.DEFAULT, gain_config.DEFAULT) == before

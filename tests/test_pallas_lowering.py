@@ -55,7 +55,7 @@ def _op_inputs(dtype, b=1, t=80, h=2, d=64):
     {}, dict(pair_diag="columns"),
     dict(max_chunk=32), dict(max_chunk=64, sub_block=32), dict(fuse_output="all"),
     dict(fuse_output="all", prefetch_output_rows=False),
-    dict(fuse_output="all", output_after_update=True), dict(cumsum_in_gain=True)])
+    dict(fuse_output="all", output_after_update=True)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
   """diag KDN forward and backward (gain kernels, cumsum, pair, WY, state pass, output, the
@@ -72,18 +72,14 @@ def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
     text = _lower_for_cuda(jax.grad(loss, argnums=tuple(range(6))), q, k, v, la, om, r)
   token_parallel = (variant.get("pair_diag", "token_loop") == "token_loop"
                     and "max_chunk" not in variant)   # (chunks of one row block only)
-  cumsums = {"delta_rule_cumsum", "delta_rule_reverse_cumsum"}
   expected = {"kdn_gain_reduce", "kdn_gain_replay", "kdn_gain_bwd_reduce", "kdn_gain_bwd_replay",
-              "delta_rule_wy",
+              "delta_rule_cumsum", "delta_rule_wy",
               *(("delta_rule_state_output",) if variant.get("fuse_output") == "all" else
                 ("delta_rule_state_pass", "delta_rule_output")),
               "delta_rule_recur_bwd", "delta_rule_bwd_partials", "delta_rule_intra_bwd_tokens",
+              "delta_rule_reverse_cumsum",
               "delta_rule_pair_token_loop" if token_parallel else "delta_rule_pair_rows"}
   kernels = _triton_kernels(text)
-  if variant.get("cumsum_in_gain"):   # the gain kernels form g and its transpose
-    assert not kernels & cumsums, kernels & cumsums
-  else:
-    expected |= cumsums
   assert expected <= kernels, expected - kernels
 
 
@@ -118,12 +114,10 @@ def test_fuse_output_picks_the_kernels_and_lowers(as_on_gpu, fuse_output, segmen
     assert "delta_rule_state_output" not in kernels, kernels
 
 
-@pytest.mark.parametrize("mixer,cumsum_in_gain", [("kdn_diag", False), ("kdn_iso", False),
-                                                  ("kdn_iso", True)])
-def test_kdn_layer_lowers_for_cuda(as_on_gpu, mixer, cumsum_in_gain):
+@pytest.mark.parametrize("mixer", ["kdn_diag", "kdn_iso"])
+def test_kdn_layer_lowers_for_cuda(as_on_gpu, mixer):
   """A whole KDN layer on the pallas path, fwd+bwd: the fused gate front-end, the short convs and
-  the gated norm kernels as well as the memory update (with cumsum_in_gain: pallas_kernels.kdn,
-  no cumsum kernels)."""
+  the gated norm kernels as well as the memory update."""
   cfg = model_config("tiny", d_model=128, num_heads=2, head_dim=64, mixer=mixer, impl="pallas",
                      chunk_size=16, dtype="bfloat16", param_dtype="float32", mlp_hidden=1)
   layer = MIXERS[mixer](cfg, rngs=nnx.Rngs(0))
@@ -133,12 +127,10 @@ def test_kdn_layer_lowers_for_cuda(as_on_gpu, mixer, cumsum_in_gain):
   def loss(params, x):
     return jnp.sum(nnx.merge(graphdef, params, rest)(x)[0].astype(jnp.float32))
 
-  with dr_config.overridden(cumsum_in_gain=cumsum_in_gain):
-    kernels = _triton_kernels(_lower_for_cuda(jax.grad(loss, argnums=(0, 1)), params, x))
+  kernels = _triton_kernels(_lower_for_cuda(jax.grad(loss, argnums=(0, 1)), params, x))
   assert {"causal_conv1d_fwd", "causal_conv1d_bwd", "gated_norm_fwd", "gated_norm_bwd",
           "kdn_gain_reduce", "kdn_gain_bwd_replay", "delta_rule_output",
-          "delta_rule_intra_bwd_tokens"} <= kernels
-  assert ("delta_rule_reverse_cumsum" in kernels) != cumsum_in_gain, kernels
+          "delta_rule_intra_bwd_tokens", "delta_rule_reverse_cumsum"} <= kernels
 
 
 def test_gain_stages_reach_their_kernels(as_on_gpu, monkeypatch):
@@ -161,12 +153,11 @@ def test_gain_stages_reach_their_kernels(as_on_gpu, monkeypatch):
                     "kdn_gain_bwd_replay": 2}, stages
 
 
-@pytest.mark.parametrize("diag,cumsum_in_gain", [(True, False), (False, True), (True, True)])
-def test_backward_kernels_store_gradients_in_the_inputs_dtypes(as_on_gpu, monkeypatch, diag,
-                                                               cumsum_in_gain):
+@pytest.mark.parametrize("diag", [True, False])
+def test_backward_kernels_store_gradients_in_the_inputs_dtypes(as_on_gpu, monkeypatch, diag):
   """bf16 data, KDN op fwd+bwd lowered for CUDA: the token kernel stores dq, dk, the partials
   kernel dv, the gain's reverse replay dk and the gates' gradients in bf16 (no fp32 copy and
-  cast pass); under cumsum_in_gain the delta rule's dk stays fp32 for the gain kernel to add."""
+  cast pass)."""
   from pallas_kernels.delta_rule import backward as dbackward   # pylint: disable=g-import-not-at-top
   from pallas_kernels.kdn_gain import kernel as gain_kernel   # pylint: disable=g-import-not-at-top
   seen = {}
@@ -190,9 +181,8 @@ def test_backward_kernels_store_gradients_in_the_inputs_dtypes(as_on_gpu, monkey
   def loss(q, k, v, la, om, r):
     return jnp.sum(fn(q, k, v, la, om, r, impl="pallas", chunk_size=16)[0].astype(jnp.float32))
 
-  with dr_config.overridden(cumsum_in_gain=cumsum_in_gain):
-    _lower_for_cuda(jax.grad(loss, argnums=tuple(range(6))), q, k, v, la, om, r)
+  _lower_for_cuda(jax.grad(loss, argnums=tuple(range(6))), q, k, v, la, om, r)
   bf16 = "bfloat16"
-  assert seen["intra_backward_tokens"][:2] == [bf16, "float32" if cumsum_in_gain else bf16]
+  assert seen["intra_backward_tokens"][:2] == [bf16, bf16]
   assert seen["bwd_partials"][0] == bf16                 # dv (no segments)
   assert seen["gain_backward"][:4] == [bf16] * 4, seen   # dk, d log_alpha, d omega, d r

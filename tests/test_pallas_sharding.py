@@ -9,8 +9,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ops_cases import make_inputs
 from kdn_jax import ops
-from pallas_kernels.delta_rule import chunk_cumsum
-from pallas_kernels.delta_rule import config as dr_config
 
 B, T, H, K, V = 4, 40, 4, 16, 16
 NAMES = ("q", "k", "v", "log_alpha", "omega", "r")
@@ -58,26 +56,13 @@ def partitioner(request):
   jax.config.update("jax_use_shardy_partitioner", before)
 
 
-# Each family, mesh and partitioner once (diag on data_tensor under shardy repeats the rest);
-# the gain and delta rule under one VJP (DeltaRuleConfig.cumsum_in_gain) once per partitioner.
-@pytest.mark.parametrize("family,mesh_name,partitioner,cumsum_in_gain", [
-    ("iso", "data_tensor", "shardy", False), ("diag", "data_fsdp_tensor", "shardy", False),
-    ("diag", "data_tensor", "gspmd", False), ("iso", "data_fsdp_tensor", "shardy", True),
-    ("diag", "data_tensor", "gspmd", True)],
+# Each family, mesh and partitioner once (diag on data_tensor under shardy repeats the rest).
+@pytest.mark.parametrize("family,mesh_name,partitioner", [
+    ("iso", "data_tensor", "shardy"), ("diag", "data_fsdp_tensor", "shardy"),
+    ("diag", "data_tensor", "gspmd")],
     indirect=["partitioner"])
-def test_sharded_jit_runs_per_shard(family, mesh_name, partitioner, cumsum_in_gain,
-                                    monkeypatch):
+def test_sharded_jit_runs_per_shard(family, mesh_name, partitioner):
   del partitioner
-  if cumsum_in_gain:   # the composite or nothing: the delta rule's own cumsum kernels refuse
-    def refuse(*args, **kwargs):
-      raise AssertionError("the delta rule's cumsum kernel ran under cumsum_in_gain")
-    monkeypatch.setattr(chunk_cumsum, "chunk_cumsum", refuse)
-    monkeypatch.setattr(chunk_cumsum, "chunk_reverse_cumsum", refuse)
-  with dr_config.overridden(cumsum_in_gain=cumsum_in_gain):
-    _check_sharded(family, mesh_name)
-
-
-def _check_sharded(family, mesh_name):
   shape, names, batch = MESHES[mesh_name]
   mesh = _mesh(shape, names)
   args, mu, seg = _args(family)

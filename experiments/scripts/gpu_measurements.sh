@@ -6,12 +6,11 @@
 # mixers (mixer table vs flash-linear-attention), layers (whole layers vs fla's KDA layer),
 # train (125M LM training throughput on 1 GPU, and on 2 when there are 2), mgpu (the Mosaic GPU
 # output stage: tests and timing), forward (fuse_output against the unfused kernels, the trials
-# of the fused step and of the gain's forward stages, GPU checks at K=128), cumsum (the decay
-# cumsum inside the gain kernels: ops, layers, GPU check), glue (the GPU check of the layers'
-# fused glue kernels). Default: check ops stages docs mixers layers train.
+# of the fused step and of the gain's forward stages, GPU checks at K=128), glue (the GPU check
+# of the layers' fused glue kernels). Default: check ops stages docs mixers layers train.
 # Kernel config sweep (stages): SWEEP='default,max_chunk=64/sub_block=32' (DeltaRuleConfig fields).
 # Extra train flags: TRAIN_EXTRA='--config.model.scan_layers=True --config.model.impl=pallas';
-# kernel options: TRAIN_EXTRA='--config.kernels.delta_rule=cumsum_in_gain=1'.
+# kernel options: TRAIN_EXTRA='--config.kernels.delta_rule=fuse_output=all'.
 # Results land in $RES (default /tmp/kdn_gpu); with $OUT set (the device tool) they are also packed
 # into $OUT/results.tgz. Each section has its own time limit.
 set -u
@@ -36,8 +35,8 @@ sweep_line() { timeout "$1" python3 -m experiments.benchmark_mixers --pallas_len
     | sed 's/, "stages".*//' | tee -a "$RES/$SWEEP_LOG"; pack; }
 # GPU checks, one process each: dim:delta-rule spec[:gain spec],... (a one-spec sweep makes that
 # spec the config the check runs; a spec whose timing fails leaves the default in place, which
-# the log line "sweep ... failed" says). To $RES/$SWEEP_LOG: the largest error per op, failures,
-# a non-zero exit (124: the limit), and a cumsum_in_gain check without its kdn lines.
+# the log line "sweep ... failed" says). To $RES/$SWEEP_LOG: the largest error per op, failures
+# and a non-zero exit (124: the limit).
 gpu_checks() {
   for c in $(echo "$1" | tr , ' '); do
     set -- ${c//:/ }   # dim:delta-rule spec[:gain spec]
@@ -49,12 +48,9 @@ gpu_checks() {
     quiet < "$RES/check_$name.log" | grep -E '^check |FAILED' > "$RES/check_$name.txt"
     { [ $rc -ne 0 ] && echo "exit $rc"
       grep -o 'sweep .* failed.*' "$RES/check_$name.log" | cut -c1-300
-      for op in delta_rule_float32 delta_rule_bfloat16 gain_float32 gain_bfloat16 kdn_float32 \
-          kdn_bfloat16; do   # largest
+      for op in delta_rule_float32 delta_rule_bfloat16 gain_float32 gain_bfloat16; do   # largest
         grep "^check .*$op" "$RES/check_$name.txt" | grep -v nan | sort -g -k3 | tail -1
       done
-      case $2 in *cumsum_in_gain=1*)
-        grep -q kdn_float32 "$RES/check_$name.txt" || echo "no kdn check lines: not checked";; esac
       grep -E "nan|FAILED" "$RES/check_$name.txt"
     } | sed "s|^|$name: |" | tee -a "$RES/$SWEEP_LOG"
     pack
@@ -146,29 +142,6 @@ forward)
   sweep_line 50 --out="$RES/forward_all_docs" --seq_lens=16384 --sweep_len=16384 \
     --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
   gpu_checks "${CHECK_CASES:-128:default:num_stages_fwd=2,128:fuse_output=all}" ;;
-cumsum)
-  # Session 42's DeltaRuleConfig.cumsum_in_gain (pallas_kernels.kdn: the gain and the delta rule
-  # under one VJP, the decay cumsum and its transpose in the gain's token replays): the diag KDN
-  # op at 16k fwd+bwd, forward, and fwd+bwd with documents, each against the default in one
-  # process; the GPU checks at K=128 and K=16 (the KDN ops through pallas_kernels.kdn; K=16:
-  # the gain's reverse replay reads back rows replicated across lanes); then the two KDN layers
-  # at 16k (the fused front-end path), default and with the option, one process each (no fla
-  # row: no autotune). About 510 s at most (CUMSUM_CHECK_CASES: other checks).
-  SWEEP_LOG=cumsum.txt
-  sweep_line 60 --out="$RES/cumsum_fb" --seq_lens=16384 --sweep_len=16384 \
-    --sweep=default,cumsum_in_gain=1
-  sweep_line 50 --out="$RES/cumsum_fwd" --seq_lens=16384 --sweep_len=16384 --sweep_fwd_only \
-    --sweep=default,cumsum_in_gain=1
-  sweep_line 60 --out="$RES/cumsum_docs" --seq_lens=16384 --sweep_len=16384 \
-    --sweep_row=diag_kdn_seg_pallas --sweep=default,cumsum_in_gain=1
-  gpu_checks "${CUMSUM_CHECK_CASES:-128:cumsum_in_gain=1,16:cumsum_in_gain=1}"
-  for spec in "" cumsum_in_gain=1; do
-    timeout ${CUMSUM_LAYER_LIMIT:-80} python3 -m experiments.benchmark_layers \
-      --out="$RES/cumsum_layers${spec:+_on}" --seq_lens=16384 --impls=pallas --reps=20 \
-      --rows=kdn_diag,kdn_iso --delta_rule_config="$spec" 2>&1 | quiet \
-      | grep -E 'T=[0-9]+: fwd' | sed "s|^|layers ${spec:-default}: |" | tee -a "$RES/$SWEEP_LOG"
-    pack
-  done ;;
 glue)
   # GPU check of the layers' fused glue kernels (experiments/check_fusion.py): the causal conv
   # with and without the q/k L2 normalisation (fp32, bf16), the gated norm, the fused-front

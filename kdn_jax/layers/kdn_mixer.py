@@ -163,19 +163,10 @@ class KDNMixer(RecurrentMixer):
 
     def _core_fused(self, q, k, v, raw, state, segment_ids):
         """The pallas path with the fused front-end: gain kernels on the projections (they emit
-        log_alpha), then the delta rule with write kappa (iso: beta k), erase k; with
-        DeltaRuleConfig.cumsum_in_gain both under one VJP (pallas_kernels.kdn)."""
-        import pallas_kernels  # pylint: disable=g-import-not-at-top
+        log_alpha), then the delta rule with write kappa (iso: beta k), erase k."""
         from pallas_kernels import kdn_gain  # pylint: disable=g-import-not-at-top
-        decay = self.decay
-        if pallas_kernels.kdn.enabled():   # one VJP, the decay cumsum inside the gain kernels
-            gate = (raw['f'], decay.dt_bias[...], decay.A_log[...], raw['omega_raw'], raw['r_raw'])
-            o, memory, variance = pallas_kernels.kdn.kdn(
-                q, k, v, gate, self.info_scale(), state['variance'], state['memory'], segment_ids,
-                diag=self.diagonal, scale=self.key_dim ** -0.5, r_min=self.r_min, chunk_size=self.chunk_size,
-                precision=pallas_kernels.precision_for(jnp.result_type(q, k, v)))
-            return o, {'memory': memory, 'variance': variance}
         fn = kdn_gain.diag_gain_fused if self.diagonal else kdn_gain.iso_gain_fused
+        decay = self.decay
         gain, log_alpha, variance = fn(k, raw['f'], decay.dt_bias[...], decay.A_log[...], raw['omega_raw'],
                                        raw['r_raw'], self.r_min, self.info_scale(), state['variance'],
                                        segment_ids)

@@ -55,17 +55,6 @@ def check_args(op, q, k, v, log_alpha, write, initial_state, segment_ids):
   return (b, t, h, kd, vd), cd, memory0
 
 
-def pallas_operands(kernels, q, k, v, input_dtype):
-  """(q, k, v) as the Pallas kernels take them, and their dot precision.
-
-  q, k, v were all 16-bit when their result type (input_dtype) is: casting
-  back is exact, and the kernels read half the bytes (they compute in fp32
-  inside)."""
-  narrow = jnp.dtype(input_dtype).itemsize == 2
-  return (tuple((x.astype(input_dtype) if narrow else x) for x in (q, k, v)),
-          kernels.precision_for(input_dtype))
-
-
 def run_memory(op, impl, q, k, v, log_alpha, write, memory0, segment_ids,
                chunk_size, input_dtype, scale):
   """Runs the memory recurrence with impl; inputs already in compute dtype,
@@ -79,10 +68,13 @@ def run_memory(op, impl, q, k, v, log_alpha, write, memory0, segment_ids,
     # resolve_impl has checked that the kernels import and take these widths
     # and this chunk size: an explicit 'pallas' never falls back silently.
     kernels = dispatch.pallas_module()
-    (kq, kk, kv), precision = pallas_operands(kernels, q, k, v, input_dtype)
+    # q, k, v were all 16-bit when their result type is: casting back is exact,
+    # and the kernels read half the bytes (they compute in fp32 inside).
+    narrow = jnp.dtype(input_dtype).itemsize == 2
+    kq, kk, kv = ((x.astype(input_dtype) if narrow else x) for x in (q, k, v))
     return kernels.delta_rule(
         kq, kk, kv, log_alpha, write, scale, memory0, segment_ids,
-        chunk_size=chunk_size, precision=precision)
+        chunk_size=chunk_size, precision=kernels.precision_for(input_dtype))
   q = q * scale
   if impl == "chunked":
     return delta_rule_chunked(q, k, v, log_alpha, write, memory0, segment_ids,

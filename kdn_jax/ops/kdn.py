@@ -10,8 +10,7 @@ from kdn_jax.ops import dispatch
 from kdn_jax.ops import validation as val
 from kdn_jax.ops import variance
 from kdn_jax.ops.delta_reference import delta_step, scan_tokens
-from kdn_jax.ops.delta_rule import (DEFAULT_CHUNK, pallas_operands, resolve,
-                                    run_memory)
+from kdn_jax.ops.delta_rule import DEFAULT_CHUNK, resolve, run_memory
 from kdn_jax.ops.state import KDNState
 
 
@@ -93,14 +92,6 @@ def _kdn(op, diag, q, k, v, log_alpha, omega, r, info_scale, scale,
         segment_ids)
     o, (memory, var) = _kdn_reference(diag, q * scale, k, v, log_alpha, omega, r, mu,
                                       tuple(state0), starts)
-  elif impl == "pallas" and dispatch.pallas_module().kdn.enabled():
-    # gain and delta rule under one VJP, the decay cumsum in the gain kernels
-    kernels = dispatch.pallas_module()
-    (q, k, v), precision = pallas_operands(kernels, q, k, v, input_dtype)
-    o, memory, var = kernels.kdn.kdn(
-        q, k, v, (log_alpha, omega, r), mu, state0.variance, state0.memory,
-        segment_ids, diag=diag, scale=scale, chunk_size=chunk_size,
-        precision=precision)
   else:
     write, var = _gain(op, diag, impl, k, log_alpha, omega, r, mu,
                        state0.variance, segment_ids)

@@ -42,8 +42,7 @@ from pallas_kernels.delta_rule import state_pass as _state_pass
 from pallas_kernels.delta_rule import tpu_backward as _tpu_backward
 from pallas_kernels.delta_rule import tpu_forward as _tpu_forward
 
-__all__ = ["delta_rule", "chunk_length", "forward_only", "segment_arrays", "call_setup",
-           "segment_bookkeeping"]
+__all__ = ["delta_rule", "chunk_length", "forward_only", "segment_arrays"]
 
 
 # (batch, head) dims of the kernels' arrays for sharding.per_shard, and (batch, head, ndim) of
@@ -193,7 +192,7 @@ def segment_arrays(segment_ids, bsz, t, t_pad, chunk):
 
 
 def call_setup(op, q, k, v, scale, chunk_size, precision, interpret):
-  """What a call of these kernels resolves before any work (delta_rule, pallas_kernels.kdn):
+  """What a call of these kernels resolves before any work:
   (q, scale, precision, interpret, cfg, chunk, cfg_fo, chunk_fo). Validates the precision name,
   K and V and chunk_size; a traced scale cannot be a kernel constant, so it is folded into q
   (fp32) and scale becomes 1."""

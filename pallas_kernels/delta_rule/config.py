@@ -105,17 +105,6 @@ class DeltaRuleConfig:
   # With fuse_output: the output's dots issued after the chain's S update (True) instead of
   # between Delta = U - W S_0 and the update (False). Session 41 trial, untimed, likewise.
   output_after_update: bool = False
-  # The KDN ops and layers (pallas_kernels.kdn): the chunk-local log-decay cumsum g formed in the
-  # gain kernels' token replay, and its transpose in the gain's reverse replay, instead of by this
-  # package's cumsum and reverse-cumsum kernels (one full pass over the fp32 [B, T, H, K]
-  # log-decay array fewer each way; session 34 timed the cumsum at 0.5 ms of the 16k op, moving
-  # its bytes at 2.1 TB/s). Session 42, H200, one process per line: it LOSES fwd+bwd (diag KDN
-  # op T=16384 15.51 -> 16.84 ms, with documents 17.42 -> 18.85; layers kdn_diag 32.03 -> 33.81,
-  # kdn_iso 30.36 -> 30.70) and the op's forward (5.11 -> 5.27), and wins only the layers'
-  # forward by 1-3% (the gain's serial token loops are latency-bound: extra work per step costs
-  # more than the passes it saves). GPU check passed at K=16 (K=128: timed out). Off; remove it
-  # unless a forward-only use earns it. The delta_rule op alone has no gain and ignores it.
-  cumsum_in_gain: bool = False
   # Triton software-pipelining stages of the kernels' loops. Session 39, H200 fwd+bwd, one
   # process per line, 2 -> 3: diag KDN T=16384 16.83 -> 16.18 ms (GPU check passed at 3), with
   # documents 18.17 -> 17.92, iso 15.48 -> 15.32; T=4096 4.57 -> 4.51.

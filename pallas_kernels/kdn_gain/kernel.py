@@ -20,11 +20,6 @@ so the fp32 log_alpha and omega arrays are never formed in XLA. The forward stil
 gain's own log_alpha gradient and emits the projections' gradients (in their dtype) plus
 per-chunk partial sums for dt_bias and A_log (summed outside, like dp0).
 
-With a `cumsum_chunk` (pallas_kernels.kdn, with or without a front), the replay writes the delta
-rule's chunk-local log-decay cumsum g in place of log_alpha (the delta rule's cumsum kernel is not
-run), and the backward replay takes g's cotangent and the delta rule's direct log-decay terms and
-forms log_alpha's cotangent itself (the delta rule's reverse-cumsum kernel is not run either).
-
 The variance update is the Moebius map M_t = [[a, om], [u a, 1 + u om]] (a reset token uses M_t R, R
 the constant map to p0). Forward = two kernels:
   1. `_reduce_kernel`: per chunk (grid (B, H, NC)), the renormalised product of the chunk's M_t.
@@ -35,8 +30,7 @@ the constant map to p0). Forward = two kernels:
 Backward = two kernels over the linear adjoint recurrence dp_{t-1} = m_t dp_t + c_t:
   3. `_bwd_reduce_kernel`: per chunk, the composed affine map (m, c) from chunk-end to chunk-start.
   4. `_bwd_replay_kernel`: per chunk, the carry from later chunks, then a reverse token replay that
-     emits every raw input's gradient, plus each chunk's dp0 contribution (from its resets);
-     with a cumsum_chunk, first a forward loop writing the direct terms' prefix (_decay_prefix).
+     emits every raw input's gradient, plus each chunk's dp0 contribution (from its resets).
 """
 from __future__ import annotations
 
@@ -110,12 +104,11 @@ def _lanes(raw, b, t, h, diag, front=None):
   mu = raw["mu"][pl.ds(h, 1)].astype(jnp.float32)[:, None]
   if diag:
     kk = k * k
-    return dict(a=e2, om=om, u=mu * kk / r, kx=k, kk=kk, r=r, k=k, e2=e2, mu=mu, la=la,
-                front=chain)
+    return dict(a=e2, om=om, u=mu * kk / r, kx=k, kk=kk, r=r, k=k, e2=e2, mu=mu, front=chain)
   kk = jnp.sum(k * k, axis=1, keepdims=True)
   return dict(a=jnp.mean(e2, axis=1, keepdims=True), om=om[:, None],
               u=mu * kk / (k.shape[1] * r), kx=jnp.ones_like(kk), kk=kk, r=r, k=k, e2=e2, mu=mu,
-              la=la, front=chain)
+              front=chain)
 
 
 def _raw_grads(x, g, diag):
@@ -206,63 +199,46 @@ def _carry_in(prod_ref, p0, b, h, c):
   return lax.fori_loop(0, c, body, p0)
 
 
-def _restarts(reset, i, cumsum_chunk):
-  """Where the delta rule's log-decay cumsum restarts: at its chunk starts (i, the token's index
-  in this gain chunk, a whole number of cumsum chunks) and at the resets."""
-  return reset | (lax.rem(i, cumsum_chunk) == 0)   # (i >= 0; cumsum_chunk a Python int)
-
-
-def _replay_kernel(*refs, chunk, num_chunks, diag, save_pprev, front, cumsum_chunk, write_k):
+def _replay_kernel(*refs, chunk, num_chunks, diag, save_pprev, front):
   raw, rest = _raw_refs(refs, front)
   reset_ref, p0_ref, prod_ref, gain_ref = rest[:4]
   rest = rest[4:]
-  decay_ref, rest = (rest[0], rest[1:]) if emits_decay(front, cumsum_chunk) else (None, rest)
+  la_ref, rest = (None, rest) if front is None else (rest[0], rest[1:])
   pprev_ref, pfin_ref = rest if save_pprev else (None, rest[0])
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   p0 = p0_ref[b, h, :].astype(jnp.float32)[None, :]
   p = _carry_in(prod_ref, p0, b, h, c)
   t0 = c * chunk
 
-  def body(i, carry):
-    p, g = carry
+  def body(i, p):
     t = t0 + i
     reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
     p = jnp.where(reset, p0, p)
     x = _lanes(raw, b, t, h, diag, front)
-    if cumsum_chunk:   # the delta rule's g, summed in token order as its cumsum kernel sums
-      g = jnp.where(_restarts(reset, i, cumsum_chunk), x["la"], g + x["la"])
-      decay_ref[b, pl.ds(t, 1), h, :] = g
-    elif decay_ref is not None:   # log_alpha for the delta rule, from the same front-end
-      decay_ref[b, pl.ds(t, 1), h, :] = x["la"].astype(decay_ref.dtype)
+    if front is not None:   # the delta rule's decay, from the same front-end evaluation
+      la_ref[b, pl.ds(t, 1), h, :] = x["front"]["la"].astype(la_ref.dtype)
     p_hat = x["a"] * p + x["om"]
     den = x["r"] + jnp.sum(p_hat * x["kk"], axis=1, keepdims=True)
     gain = p_hat * x["kx"] / den
-    if write_k:   # iso: the delta rule's write direction w = beta k itself
-      gain = gain * x["k"]
     gain_ref[b, pl.ds(t, 1), h, :] = gain.astype(gain_ref.dtype)
     if save_pprev:
       pprev_ref[b, pl.ds(t, 1), h, :] = p
-    return p_hat / (1.0 + x["u"] * p_hat), g
+    return p_hat / (1.0 + x["u"] * p_hat)
 
-  g0 = jnp.zeros((1, raw["k"].shape[-1]), jnp.float32) if cumsum_chunk else None
-  p, _ = lax.fori_loop(0, chunk, body, (p, g0))
+  p = lax.fori_loop(0, chunk, body, p)
 
   @pl.when(c == num_chunks - 1)
   def _():
     pfin_ref[b, h, :] = p.reshape(-1)
 
 
-def _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, dp, diag, front, write_k=False):
+def _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, dp, diag, front):
   """One reverse step. Returns (lane gradients, lanes, dp_hat, m, c, a) where
-  dp_prev = m * dp + c (before resets). With write_k (iso) dgain_ref holds the cotangent dw of
-  the write w = beta k the forward emitted: beta's share is sum_K dw k, and k's (dw beta) comes
-  back as the lane gradient "k_write"."""
+  dp_prev = m * dp + c (before resets)."""
   x = _lanes(raw, b, t, h, diag, front)
   a, om, u, kx, kk, r = (x[n] for n in ("a", "om", "u", "kx", "kk", "r"))
   p_prev = _row(pprev_ref, b, t, h)
   dgain = _row(dgain_ref, b, t, h)
-  if write_k:
-    dw, dgain = dgain, jnp.sum(dgain * x["k"], axis=1, keepdims=True)
   p_hat = a * p_prev + om
   den = r + jnp.sum(p_hat * kk, axis=1, keepdims=True)
   inv_den = 1.0 / den
@@ -281,12 +257,10 @@ def _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, dp, diag, front, write_k=Fals
       a=dp_hat * p_prev,
       om=dp_hat,
   )
-  if write_k:
-    grads["k_write"] = dw * gain
   return grads, x, dp_hat, a * m, a * q, a
 
 
-def _bwd_reduce_kernel(*refs, chunk, diag, front, write_k):
+def _bwd_reduce_kernel(*refs, chunk, diag, front):
   raw, (pprev_ref, dgain_ref, reset_ref, map_ref) = _raw_refs(refs, front)
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   t_last = c * chunk + chunk - 1
@@ -296,7 +270,7 @@ def _bwd_reduce_kernel(*refs, chunk, diag, front, write_k):
     t = t_last - i
     # dp_t = mm * dp_out + cc  ->  dp_{t-1} = m_t dp_t + c_t.
     _, _, _, m_t, c_t, _ = _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, jnp.zeros_like(mm),
-                                      diag, front, write_k)
+                                      diag, front)
     reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
     m_t = jnp.where(reset, 0.0, m_t)
     c_t = jnp.where(reset, 0.0, c_t)
@@ -308,37 +282,14 @@ def _bwd_reduce_kernel(*refs, chunk, diag, front, write_k):
   map_ref[b, h, c, 1, :] = cc.reshape(-1)
 
 
-def _decay_prefix(terms_ref, reset_ref, b, h, t0, chunk, cumsum_chunk):
-  """Turns `terms` (the delta rule's direct log-decay terms; its buffer, aliased) in place into
-  their exclusive prefix sums within the delta rule's cumsum pieces, in token order, as
-  delta_rule.chunk_cumsum's reverse kernel does. The backward replay reads the rows back, in the
-  same [1, K] layout: with K >= 32 and one warp (pallas_kernels.kdn requires
-  GainConfig.num_warps == 1 here) every lane reads back only what it stored; narrower rows are
-  replicated across the warp's lanes, so a lane may read another lane's store of the same warp,
-  as in that kernel (which the GPU check passed at K = 16 and 128)."""
-  def body(i, acc):
-    t = t0 + i
-    reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
-    acc = jnp.where(_restarts(reset, i, cumsum_chunk), 0.0, acc)
-    term = terms_ref[b, pl.ds(t, 1), h, :]
-    terms_ref[b, pl.ds(t, 1), h, :] = acc
-    return acc + term
-  lax.fori_loop(0, chunk, body, jnp.zeros((1, terms_ref.shape[-1]), jnp.float32))
-
-
-def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front, cumsum_chunk, has_dk_in,
-                       write_k):
+def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front):
   raw, rest = _raw_refs(refs, front)
   pprev_ref, dgain_ref, reset_ref, map_ref, dpfin_ref = rest[:5]
   rest = rest[5:]
-  n_decay = decay_cotangents(front, cumsum_chunk)
-  decay_refs, rest = rest[:n_decay], rest[n_decay:]
-  dk_in_ref, rest = (rest[0], rest[1:]) if has_dk_in else (None, rest)
+  dla_out_ref, rest = (None, rest) if front is None else (rest[0], rest[1:])
   d_refs = dict(zip(GRADS if front is None else GRADS_FRONT, rest[:5]))
   dp0_ref = rest[5]
-  # front: per-chunk dt_bias and A_log partials [B, H, NC, K]; cumsum: the terms' buffer (aliased)
-  dparam_refs = rest[6:8] if front is not None else ()
-  prefix_ref = rest[-1] if cumsum_chunk else None
+  dparam_refs = rest[6:]   # front: per-chunk dt_bias and A_log partials [B, H, NC, K]
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   dp_fin = dpfin_ref[b, h, :].astype(jnp.float32)[None, :]
 
@@ -348,52 +299,30 @@ def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front, cumsum_chunk, has_
 
   dp = lax.fori_loop(0, num_chunks - 1 - c, carry_body, dp_fin)
   t_last = c * chunk + chunk - 1
-  if cumsum_chunk:
-    # The delta rule's d log_alpha = the reverse cumsum of dg within its pieces + the exclusive
-    # prefix of its direct terms, formed first in the terms' own buffer.
-    # (decay_refs[1], the terms' input ref, aliases prefix_ref: never read it, since in interpret
-    # mode it keeps the terms while on a GPU it holds the prefix)
-    dg_ref = decay_refs[0]
-    _decay_prefix(prefix_ref, reset_ref, b, h, c * chunk, chunk, cumsum_chunk)
 
   def body(i, state):
-    dp, dp0, dparams, dg_sum = state
+    dp, dp0, dparams = state
     t = t_last - i
-    reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
-    dla_ext = None   # the cotangent of the log_alpha the forward passed on, if any
-    if cumsum_chunk:
-      dg_sum = dg_sum + dg_ref[b, pl.ds(t, 1), h, :]
-      dla_ext = dg_sum + prefix_ref[b, pl.ds(t, 1), h, :]
-      dg_sum = jnp.where(_restarts(reset, chunk - 1 - i, cumsum_chunk), 0.0, dg_sum)
-    elif decay_refs:
-      dla_ext = _row(decay_refs[0], b, t, h)
-    g, x, dp_hat, _, _, a = _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, dp, diag, front,
-                                       write_k)
+    g, x, dp_hat, _, _, a = _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, dp, diag, front)
     grads = _raw_grads(x, g, diag)
-    if write_k:
-      grads["k"] = grads["k"] + g["k_write"]
     if front is not None:
-      grads, d_dt, d_alog = _front_grads(x, grads, dla_ext)
+      grads, d_dt, d_alog = _front_grads(x, grads, _row(dla_out_ref, b, t, h))
       dparams = (dparams[0] + d_dt, dparams[1] + d_alog)
-    elif dla_ext is not None:
-      grads["la"] = grads["la"] + dla_ext
-    if dk_in_ref is not None:   # the delta rule's share of dk
-      grads["k"] = dk_in_ref[b, pl.ds(t, 1), h, :] + grads["k"]
     for name, val in grads.items():
       ref = d_refs[name]
       if len(ref.shape) == 4:
         ref[b, pl.ds(t, 1), h, :] = val.astype(ref.dtype)
       else:
         ref[b, pl.ds(t, 1), h] = val.astype(ref.dtype)
+    reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
     dprev = a * dp_hat
     dp0 = dp0 + jnp.where(reset, dprev, 0.0)
     dp = jnp.where(reset, 0.0, dprev)
-    return dp, dp0, dparams, dg_sum
+    return dp, dp0, dparams
 
   kd = raw["k"].shape[-1]
   dparams = () if front is None else (jnp.zeros((1, kd), jnp.float32),) * 2
-  dg_sum = jnp.zeros((1, kd), jnp.float32) if cumsum_chunk else None
-  _, dp0, dparams, _ = lax.fori_loop(0, chunk, body, (dp, jnp.zeros_like(dp), dparams, dg_sum))
+  _, dp0, dparams = lax.fori_loop(0, chunk, body, (dp, jnp.zeros_like(dp), dparams))
   dp0_ref[b, h, c, :] = dp0.reshape(-1)
   for ref, val in zip(dparam_refs, dparams):
     ref[b, h, c, :] = val.reshape(-1)
@@ -401,19 +330,6 @@ def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front, cumsum_chunk, has_
 
 # ----------------------------------------------------------------------------------------------
 # Wrappers (all arrays already padded to a multiple of the chunk).
-
-
-def emits_decay(front, cumsum_chunk):
-  """Whether the forward replay writes a decay array for the delta rule: with `cumsum_chunk`
-  (> 0) its chunk-local cumsum g (restarted every cumsum_chunk tokens and at resets), else with a
-  front-end log_alpha itself."""
-  return bool(cumsum_chunk) or front is not None
-
-
-def decay_cotangents(front, cumsum_chunk):
-  """How many cotangent arrays of that decay output the backward replay reads: dg and the delta
-  rule's direct log-decay terms (cumsum), the cotangent of log_alpha (front), or none."""
-  return 2 if cumsum_chunk else int(front is not None)
 
 
 def _launch(r, chunk, interpret, cfg, backward):
@@ -424,17 +340,13 @@ def _launch(r, chunk, interpret, cfg, backward):
   return bsz, t, nh, t // chunk, (bsz, nh, t // chunk), params
 
 
-def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True, front=None,
-                 cumsum_chunk=0, write_k=False):
+def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True, front=None):
   """raw: (k [B,T,H,K], log_alpha [B,T,H,K], omega [B,T,H,K] (diag) or [B,T,H] (iso),
   r [B,T,H], mu [H]) in any float dtype, or with `front` (r_min) the pre-activations
   (k, f [B,T,H,K], dt_bias [H,K], A_log [H], omega_raw, r_raw, mu); reset [B,T]; p0 [B,H,L]
   (L = K diag, 1 iso); diag picks the lane formation (_lanes).
   Returns (gain [B,T,H,L], p_prev [B,T,H,L] (the backward's residual; None unless save_pprev),
-  p_final [B,H,L], decay [B,T,H,K] or None), float32. decay (emits_decay): with cumsum_chunk
-  the delta rule's chunk-local cumsum of log_alpha (chunk a multiple of cumsum_chunk), else with
-  a front log_alpha, else None. write_k (iso): the first result is the write w = beta k
-  [B,T,H,K] instead of beta."""
+  p_final [B,H,L], log_alpha [B,T,H,K] (front only, else None)), float32."""
   r = raw[-2]
   k = raw[0]
   lanes = p0.shape[-1]
@@ -446,55 +358,37 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
       grid=grid, name="kdn_gain_reduce", **params,
   )(*raw, reset, p0)
   lane = jax.ShapeDtypeStruct((bsz, t, nh, lanes), jnp.float32)
-  if write_k and diag:
-    raise ValueError("gain_forward: write_k is the iso gain's option (diag's gain is the write)")
-  if cumsum_chunk and chunk % cumsum_chunk:
-    raise ValueError(f"gain_forward: chunk={chunk} is not a multiple of "
-                     f"cumsum_chunk={cumsum_chunk}")
-  decay = jax.ShapeDtypeStruct(k.shape, jnp.float32)
-  la_out = (decay,) if emits_decay(front, cumsum_chunk) else ()
+  la_out = () if front is None else (jax.ShapeDtypeStruct(k.shape, jnp.float32),)
   outs = pl.pallas_call(
       functools.partial(_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag,
-                        save_pprev=save_pprev, front=front, cumsum_chunk=cumsum_chunk,
-                        write_k=write_k),
-      out_shape=((jax.ShapeDtypeStruct(k.shape, jnp.float32) if write_k else lane,) + la_out
-                 + ((lane,) if save_pprev else ())
-                 + (jax.ShapeDtypeStruct((bsz, nh, lanes), jnp.float32),)),
+                        save_pprev=save_pprev, front=front),
+      out_shape=(lane,) + la_out + ((lane,) if save_pprev else ()) + (
+          jax.ShapeDtypeStruct((bsz, nh, lanes), jnp.float32),),
       grid=grid, name="kdn_gain_replay", **params,
   )(*raw, reset, p0, prod)
   gain, outs = outs[0], outs[1:]
-  la, outs = (outs[0], outs[1:]) if la_out else (None, outs)
+  la, outs = (None, outs) if front is None else (outs[0], outs[1:])
   pprev, pfin = outs if save_pprev else (None, outs[0])
   return gain, pprev, pfin, la
 
 
 def gain_backward(raw, reset, pprev, dgain, dpfin, *, diag, chunk, interpret, cfg, front=None,
-                  dla_out=None, cumsum_chunk=0, dg=None, dla_terms=None, dk_in=None,
-                  dk_dtype=jnp.float32, write_k=False):
+                  dla_out=None, dk_dtype=jnp.float32):
   """Returns the gradients of the raw inputs (k's in dk_dtype, the others' in their dtypes; mu's
-  per token, [B,T,H], fp32) and of p0 (fp32). The forward's decay output's cotangent: with
-  cumsum_chunk, `dg` (of g) and the delta rule's direct log-decay terms `dla_terms` (their
-  exclusive prefix within pieces is added, as delta_rule.chunk_cumsum's reverse kernel adds it);
-  else with `front`, `dla_out` (of log_alpha). With `front` the per-token gradients are (k, f,
-  omega_raw, r_raw, mu), followed by dp0, dt_bias [B,H,K] and A_log [B,H] (summed over chunks
-  here, over the batch by the caller). dk_in (fp32 [B,T,H,K], e.g. the delta rule's share) is
-  added to k's gradient in the kernel, which stores it in dk_dtype. write_k (iso, as
-  gain_forward's): dgain is the cotangent of w = beta k [B,T,H,K]."""
+  per token, [B,T,H], fp32) and of p0 (fp32). With `front`, `dla_out` is the cotangent of the
+  log_alpha the forward emitted, and the per-token gradients are (k, f, omega_raw, r_raw, mu),
+  followed by dp0, dt_bias [B,H,K] and A_log [B,H] (summed over chunks here, over the batch by
+  the caller)."""
   r = raw[-2]
   k = raw[0]
   lanes = pprev.shape[-1]
-  if write_k and diag:
-    raise ValueError("gain_backward: write_k is the iso gain's option (diag's gain is the write)")
-  if dk_in is not None and dk_in.shape != k.shape:
-    raise ValueError(f"gain_backward: dk_in has shape {dk_in.shape}; expected k's {k.shape}")
   bsz, t, nh, nc, grid, params = _launch(r, chunk, interpret, cfg, backward=True)
   reset = reset.astype(jnp.int32)
   maps = pl.pallas_call(
-      functools.partial(_bwd_reduce_kernel, chunk=chunk, diag=diag, front=front, write_k=write_k),
+      functools.partial(_bwd_reduce_kernel, chunk=chunk, diag=diag, front=front),
       out_shape=jax.ShapeDtypeStruct((bsz, nh, nc, 2, lanes), jnp.float32),
       grid=grid, name="kdn_gain_bwd_reduce", **params,
   )(*raw, pprev, dgain, reset)
-  f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
   per_token = jax.ShapeDtypeStruct(r.shape, jnp.float32)
   dk_shape = jax.ShapeDtypeStruct(k.shape, dk_dtype)
   same = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
@@ -505,20 +399,12 @@ def gain_backward(raw, reset, pprev, dgain, dpfin, *, diag, chunk, interpret, cf
     # f, omega_raw, r_raw: the gradients go straight to the projections, in their dtype
     d_shapes = (dk_shape,) + tuple(same(raw[i]) for i in (1, 4, 5)) + (per_token,)
     extra_out = (jax.ShapeDtypeStruct((bsz, nh, nc, k.shape[-1]), jnp.float32),) * 2
-  extra_in = (dg, dla_terms) if cumsum_chunk else (dla_out,) if front is not None else ()
-  extra_in += () if dk_in is None else (dk_in,)
-  args = (*raw, pprev, dgain, reset, maps, dpfin, *extra_in)
-  aliases = {}
-  if cumsum_chunk:   # the terms' buffer becomes their prefix (scratch: its result is dropped)
-    aliases = {len(raw) + 6: len(d_shapes) + 1 + len(extra_out)}
-    extra_out += (f32(dla_terms),)
+  extra_in = () if front is None else (dla_out,)
   outs = pl.pallas_call(
-      functools.partial(_bwd_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag, front=front,
-                        cumsum_chunk=cumsum_chunk, has_dk_in=dk_in is not None,
-                        write_k=write_k),
+      functools.partial(_bwd_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag, front=front),
       out_shape=d_shapes + (jax.ShapeDtypeStruct((bsz, nh, nc, lanes), jnp.float32),) + extra_out,
-      grid=grid, name="kdn_gain_bwd_replay", input_output_aliases=aliases, **params,
-  )(*args)
+      grid=grid, name="kdn_gain_bwd_replay", **params,
+  )(*raw, pprev, dgain, reset, maps, dpfin, *extra_in)
   d_raw, dp0 = outs[:5], outs[5].sum(axis=2)
   if front is None:
     return tuple(d_raw), dp0
