@@ -69,6 +69,8 @@ flags.DEFINE_list("fusion", ["on"], "pallas rows with the layer's fused glue ker
 flags.DEFINE_string("delta_rule_config", "", "DeltaRuleConfig overrides for the pallas rows, "
                     "'field=value/field=value' (benchmark_mixers' --sweep syntax); '' = the default",
                     flag_values=FLAGS)
+flags.DEFINE_string("gain_config", "", "GainConfig overrides for the pallas rows, likewise",
+                    flag_values=FLAGS)
 flags.DEFINE_integer("batch", 4, "batch size", flag_values=FLAGS)
 flags.DEFINE_integer("width", 2048, "d_model / hidden_size", flag_values=FLAGS)
 flags.DEFINE_integer("num_heads", 16, "heads", flag_values=FLAGS)
@@ -263,8 +265,10 @@ def run(out, seq_lens=(4096, 16384), rows=JAX_MIXERS + (FLA_ROW,), impls=("chunk
   settings = dict(batch=batch, width=width, num_heads=num_heads, head_dim=head_dim,
                   chunk_size=chunk_size, reps=reps, warmup=warmup)
   from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.kdn_gain import config as gcfg  # pylint: disable=g-import-not-at-top
   results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "settings": settings,
-             "delta_rule_config": repr(dcfg.DEFAULT), "rows": [], "not_started": []}
+             "delta_rule_config": repr(dcfg.DEFAULT), "gain_config": repr(gcfg.DEFAULT),
+             "rows": [], "not_started": []}
   fla, reason = None, None
   if FLA_ROW in rows:
     fla, reason = import_for_cuda("fla.layers")
@@ -311,11 +315,13 @@ def run(out, seq_lens=(4096, 16384), rows=JAX_MIXERS + (FLA_ROW,), impls=("chunk
 
 def main(argv):
   del argv
-  if FLAGS.delta_rule_config:
-    from experiments.kernel_config import config_from_spec  # pylint: disable=g-import-not-at-top
-    from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
-    dcfg.DEFAULT = config_from_spec(dcfg.DEFAULT, FLAGS.delta_rule_config,
-                                    "--delta_rule_config item")
+  from experiments.kernel_config import config_from_spec  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.kdn_gain import config as gcfg  # pylint: disable=g-import-not-at-top
+  # (both checked before any row runs)
+  dcfg.DEFAULT, gcfg.DEFAULT = (
+      config_from_spec(dcfg.DEFAULT, FLAGS.delta_rule_config, "--delta_rule_config item"),
+      config_from_spec(gcfg.DEFAULT, FLAGS.gain_config, "--gain_config item"))
   run(FLAGS.out, seq_lens=[int(t) for t in FLAGS.seq_lens], rows=tuple(FLAGS.rows),
       impls=tuple(FLAGS.impls), batch=FLAGS.batch, width=FLAGS.width, num_heads=FLAGS.num_heads,
       head_dim=FLAGS.head_dim, chunk_size=FLAGS.chunk_size, reps=FLAGS.reps, warmup=FLAGS.warmup,
