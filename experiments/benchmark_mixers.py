@@ -424,7 +424,8 @@ def _time_stages(t, docs=False):
   gargs = (x["k"], x["la"], x["om"], x["r"], seg)
   out["gain_fwd"] = _time_fn(gain, gargs, first, "gain_fwd")
   w = gain(*gargs)
-  cums = jax.jit(lambda la, starts: chunk_cumsum(la, starts, chunk=chunk, interpret=interpret))
+  cums = jax.jit(lambda la, starts: chunk_cumsum(la, starts, chunk=chunk, interpret=interpret,
+                                                 block=cfg.cumsum_block))
   out["cumsum_glue"] = _time_fn(cums, (x["la"], starts), first, "cumsum_glue")
   g = cums(x["la"], starts)
   # The precision the op picks for bf16 data.
@@ -488,8 +489,8 @@ def _time_stages(t, docs=False):
   out["delta_intra_bwd_tokens"] = _time_fn(tbwd, targs, first, "delta_intra_bwd_tokens")
   # dg -> dlog_alpha: the reverse cumsum plus the direct terms' exclusive prefix
   _, _, _, dg, dla_terms = tbwd(*targs)
-  rcum = jax.jit(lambda dg, terms, starts: chunk_reverse_cumsum(dg, terms, starts, chunk=chunk,
-                                                                interpret=interpret))
+  rcum = jax.jit(lambda dg, terms, starts: chunk_reverse_cumsum(
+      dg, terms, starts, chunk=chunk, interpret=interpret, block=cfg.cumsum_block))
   out["reverse_cumsum_bwd"] = _time_fn(rcum, (dg, dla_terms, starts), first, "reverse_cumsum_bwd")
   out["first_call_s"] = first
   return out

@@ -78,7 +78,8 @@ def forward(q, k, v, w, g, h0, cont, pid, *, chunk, scale, interpret, cfg, cfg_p
 
 def _forward_body(q, k, v, w, la, h0, starts, cont, pid, *, chunk, scale, interpret, cfg, prec,
                   save):
-  g = _cumsum_kernels.chunk_cumsum(la, starts, chunk=chunk, interpret=interpret)
+  g = _cumsum_kernels.chunk_cumsum(la, starts, chunk=chunk, interpret=interpret,
+                                   block=cfg.cumsum_block)
   o, sfin, res = forward(q, k, v, w, g, h0, cont, pid, chunk=chunk, scale=scale,
                          interpret=interpret, cfg=cfg, cfg_prec=prec, save_states=save)
   return (o, sfin, g) + tuple(res) if save else (o, sfin)
@@ -95,7 +96,7 @@ def _backward_body(q, k, v, w, g, h0, starts, cont, pid, amat, pmat, wt, wk, sta
   # changes nothing: a term is zero outside its chunk's last segment, where every later token
   # of the chunk lies.)
   dla = _cumsum_kernels.chunk_reverse_cumsum(dg, dla_terms, starts, chunk=chunk,
-                                             interpret=interpret)
+                                             interpret=interpret, block=cfg.cumsum_block)
   return dq, dk, dv, dw, dla, dh0
 
 

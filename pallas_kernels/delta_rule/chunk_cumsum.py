@@ -14,10 +14,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
+from pallas_kernels.token_loop import blocked_loop
 
 _MAX_ROWS = 64   # rows per program: a whole number of chunks
 
@@ -33,21 +33,25 @@ def _restart(starts_ref, b, t):
   return starts_ref[b, pl.ds(t, 1)][:, None] > 0
 
 
-def _forward_kernel(x_ref, starts_ref, g_ref, *, rows):
+def _forward_kernel(x_ref, starts_ref, g_ref, *, rows, block):
   b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   t0 = i * rows
 
-  def body(j, acc):
+  def load(j):
     t = t0 + j
-    x = x_ref[b, pl.ds(t, 1), h, :].astype(jnp.float32)
-    acc = jnp.where(_restart(starts_ref, b, t), x, acc + x)   # row 0 of a block restarts
-    g_ref[b, pl.ds(t, 1), h, :] = acc
+    return x_ref[b, pl.ds(t, 1), h, :], _restart(starts_ref, b, t)
+
+  def step(j, xs, acc):
+    x, restart = xs
+    x = x.astype(jnp.float32)
+    acc = jnp.where(restart, x, acc + x)   # row 0 of a block restarts
+    g_ref[b, pl.ds(t0 + j, 1), h, :] = acc
     return acc
 
-  lax.fori_loop(0, rows, body, jnp.zeros((1, x_ref.shape[-1]), jnp.float32))
+  blocked_loop(rows, block, load, step, jnp.zeros((1, x_ref.shape[-1]), jnp.float32))
 
 
-def _reverse_kernel(dg_ref, terms_ref, starts_ref, out_ref, *, rows):
+def _reverse_kernel(dg_ref, terms_ref, starts_ref, out_ref, *, rows, block):
   """out = reverse cumsum of dg within pieces + exclusive forward prefix of terms within pieces.
   The prefix is written first and read back by the reverse loop: the same program's own stores,
   each [1, K] row in the same layout. With K >= 32 (one warp) every lane reads back only what it
@@ -57,46 +61,57 @@ def _reverse_kernel(dg_ref, terms_ref, starts_ref, out_ref, *, rows):
   t0 = i * rows
   zeros = jnp.zeros((1, dg_ref.shape[-1]), jnp.float32)
 
-  def forward(j, acc):
+  def forward_load(j):
     t = t0 + j
-    acc = jnp.where(_restart(starts_ref, b, t), 0.0, acc)
-    out_ref[b, pl.ds(t, 1), h, :] = acc
-    return acc + terms_ref[b, pl.ds(t, 1), h, :]
+    return terms_ref[b, pl.ds(t, 1), h, :], _restart(starts_ref, b, t)
 
-  def reverse(j, acc):
+  def forward(j, xs, acc):
+    term, restart = xs
+    acc = jnp.where(restart, 0.0, acc)
+    out_ref[b, pl.ds(t0 + j, 1), h, :] = acc
+    return acc + term
+
+  # (the reverse loop reads row t's prefix before it rewrites row t; blocks read ahead only
+  # rows it has not reached yet)
+  def reverse_load(j):
     t = t0 + rows - 1 - j
-    acc = acc + dg_ref[b, pl.ds(t, 1), h, :]
-    out_ref[b, pl.ds(t, 1), h, :] = acc + out_ref[b, pl.ds(t, 1), h, :]
-    return jnp.where(_restart(starts_ref, b, t), 0.0, acc)   # t starts its piece
+    return dg_ref[b, pl.ds(t, 1), h, :], out_ref[b, pl.ds(t, 1), h, :], _restart(starts_ref, b, t)
 
-  lax.fori_loop(0, rows, forward, zeros)
-  lax.fori_loop(0, rows, reverse, zeros)
+  def reverse(j, xs, acc):
+    dg, prefix, restart = xs
+    acc = acc + dg
+    out_ref[b, pl.ds(t0 + rows - 1 - j, 1), h, :] = acc + prefix
+    return jnp.where(restart, 0.0, acc)   # t starts its piece
+
+  blocked_loop(rows, block, forward_load, forward, zeros)
+  blocked_loop(rows, block, reverse_load, reverse, zeros)
 
 
-def _call(kernel, name, args, starts, chunk, interpret, num_warps):
+def _call(kernel, name, args, starts, chunk, interpret, num_warps, block):
   bsz, t, nh, kd = args[0].shape
   if t % chunk:
     raise ValueError(f"{name}: time length {t} is not a multiple of chunk={chunk}")
   rows = _rows_per_program(t, chunk)
   return pl.pallas_call(
-      functools.partial(kernel, rows=rows),
+      functools.partial(kernel, rows=rows, block=block),
       out_shape=jax.ShapeDtypeStruct((bsz, t, nh, kd), jnp.float32),
       grid=(bsz, nh, t // rows), name=name,
       interpret=interpret, compiler_params=common.compiler_params(num_warps, 1),
   )(*args, starts.astype(jnp.int32))
 
 
-def chunk_cumsum(la, starts, *, chunk, interpret, num_warps=1):
+def chunk_cumsum(la, starts, *, chunk, interpret, num_warps=1, block=1):
   """la [B,T,H,K] (T a multiple of chunk), starts [B,T] bool (True at every chunk start and
-  reset) -> g [B,T,H,K] float32."""
-  return _call(_forward_kernel, "delta_rule_cumsum", (la,), starts, chunk, interpret, num_warps)
+  reset) -> g [B,T,H,K] float32. block: rows whose loads are issued together (blocked_loop)."""
+  return _call(_forward_kernel, "delta_rule_cumsum", (la,), starts, chunk, interpret, num_warps,
+               block)
 
 
-def chunk_reverse_cumsum(dg, terms, starts, *, chunk, interpret, num_warps=1):
+def chunk_reverse_cumsum(dg, terms, starts, *, chunk, interpret, num_warps=1, block=1):
   """The transpose of chunk_cumsum applied to dg, plus the exclusive prefix sum of `terms` within
   pieces (at t: the sum over the piece's s < t, in token order as a token loop sums it); all
   [B,T,H,K] float32, starts as for chunk_cumsum (True at every chunk start: the program blocks
   end on chunk boundaries)."""
   return _call(_reverse_kernel, "delta_rule_reverse_cumsum",
                (dg.astype(jnp.float32), terms.astype(jnp.float32)), starts, chunk, interpret,
-               num_warps)
+               num_warps, block)

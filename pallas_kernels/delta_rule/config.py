@@ -109,6 +109,10 @@ class DeltaRuleConfig:
   # process per line, 2 -> 3: diag KDN T=16384 16.83 -> 16.18 ms (GPU check passed at 3), with
   # documents 18.17 -> 17.92, iso 15.48 -> 15.32; T=4096 4.57 -> 4.51.
   num_stages: int = 3
+  # The decay cumsum kernels' row loops (chunk_cumsum.py) with the loads of this many rows issued
+  # together, the next block's ahead (pallas_kernels/token_loop.py; 1: a plain loop, a memory
+  # round trip per row). Session 43 trial, as GainConfig.token_block; not yet timed.
+  cumsum_block: int = 1
 
   def __post_init__(self):
     pow2 = lambda n: n > 0 and n & (n - 1) == 0
@@ -120,6 +124,8 @@ class DeltaRuleConfig:
                                                  and getattr(self, f.name) <= 32):
         raise ValueError(f"DeltaRuleConfig.{f.name} must be a power of two in [1, 32] (Triton "
                          f"warps), got {getattr(self, f.name)}")
+    if self.cumsum_block < 1:
+      raise ValueError(f"DeltaRuleConfig.cumsum_block must be >= 1, got {self.cumsum_block}")
     if self.sub_block and (not pow2(self.sub_block) or self.sub_block < 16):
       raise ValueError("DeltaRuleConfig.sub_block must be 0 or a power of two >= 16, got "
                        f"{self.sub_block}")
