@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from experiments import cli
+from experiments import kernel_config
 from experiments.timing import import_for_cuda, markdown_table, median_time, torch_cuda_median_ms
 from kdn_jax.layers.registry import MIXERS
 from kdn_jax.models.config import model_config
@@ -66,11 +67,7 @@ flags.DEFINE_list("fusion", ["on"], "pallas rows with the layer's fused glue ker
                   "path), and/or 'off' (rows <mixer>_pallas_unfused: the plain-JAX glue), or single "
                   "pieces 'front', 'conv', 'norm' (rows <mixer>_pallas_<piece>: only that one on)",
                   flag_values=FLAGS)
-flags.DEFINE_string("delta_rule_config", "", "DeltaRuleConfig overrides for the pallas rows, "
-                    "'field=value/field=value' (benchmark_mixers' --sweep syntax); '' = the default",
-                    flag_values=FLAGS)
-flags.DEFINE_string("gain_config", "", "GainConfig overrides for the pallas rows, likewise",
-                    flag_values=FLAGS)
+kernel_config.define_flags(FLAGS)   # --delta_rule_config, --gain_config, --conv_config
 flags.DEFINE_integer("batch", 4, "batch size", flag_values=FLAGS)
 flags.DEFINE_integer("width", 2048, "d_model / hidden_size", flag_values=FLAGS)
 flags.DEFINE_integer("num_heads", 16, "heads", flag_values=FLAGS)
@@ -264,11 +261,12 @@ def run(out, seq_lens=(4096, 16384), rows=JAX_MIXERS + (FLA_ROW,), impls=("chunk
     raise ValueError(f"--rows: unknown {unknown}; expected {FLA_ROW} or one of {sorted(MIXERS)}")
   settings = dict(batch=batch, width=width, num_heads=num_heads, head_dim=head_dim,
                   chunk_size=chunk_size, reps=reps, warmup=warmup)
+  from pallas_kernels.causal_conv1d import config as ccfg  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
   from pallas_kernels.kdn_gain import config as gcfg  # pylint: disable=g-import-not-at-top
   results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "settings": settings,
              "delta_rule_config": repr(dcfg.DEFAULT), "gain_config": repr(gcfg.DEFAULT),
-             "rows": [], "not_started": []}
+             "conv_config": repr(ccfg.DEFAULT), "rows": [], "not_started": []}
   fla, reason = None, None
   if FLA_ROW in rows:
     fla, reason = import_for_cuda("fla.layers")
@@ -315,13 +313,7 @@ def run(out, seq_lens=(4096, 16384), rows=JAX_MIXERS + (FLA_ROW,), impls=("chunk
 
 def main(argv):
   del argv
-  from experiments.kernel_config import config_from_spec  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.kdn_gain import config as gcfg  # pylint: disable=g-import-not-at-top
-  # (both checked before any row runs)
-  dcfg.DEFAULT, gcfg.DEFAULT = (
-      config_from_spec(dcfg.DEFAULT, FLAGS.delta_rule_config, "--delta_rule_config item"),
-      config_from_spec(gcfg.DEFAULT, FLAGS.gain_config, "--gain_config item"))
+  kernel_config.apply_flags(FLAGS)
   run(FLAGS.out, seq_lens=[int(t) for t in FLAGS.seq_lens], rows=tuple(FLAGS.rows),
       impls=tuple(FLAGS.impls), batch=FLAGS.batch, width=FLAGS.width, num_heads=FLAGS.num_heads,
       head_dim=FLAGS.head_dim, chunk_size=FLAGS.chunk_size, reps=FLAGS.reps, warmup=FLAGS.warmup,

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from experiments import kernel_config
+
 FLAGS = flags.FlagValues()
 flags.DEFINE_string("out", "", "write the results as JSON here", flag_values=FLAGS)
 flags.DEFINE_integer("t", 1000, "sequence length (not a multiple of the blocks)", flag_values=FLAGS)
@@ -26,6 +28,7 @@ flags.DEFINE_integer("batch", 2, "batch", flag_values=FLAGS)
 flags.DEFINE_integer("heads", 4, "heads", flag_values=FLAGS)
 flags.DEFINE_integer("head_dim", 128, "K = V", flag_values=FLAGS)
 flags.DEFINE_integer("d_model", 512, "layer width", flag_values=FLAGS)
+kernel_config.define_flags(FLAGS)   # --delta_rule_config, --gain_config, --conv_config
 flags.DEFINE_integer("layer_seeds", 4, "draws (parameters, inputs, cotangents) pooled in the "
                      "whole-layer check", lower_bound=1, flag_values=FLAGS)
 
@@ -229,8 +232,10 @@ def main(argv):
   del argv
   b, t, h, kd, d = FLAGS.batch, FLAGS.t, FLAGS.heads, FLAGS.head_dim, FLAGS.d_model
   seeds = FLAGS.layer_seeds
+  configs = kernel_config.apply_flags(FLAGS)   # (the kernels' defaults unless given)
   print(f"device {jax.devices()[0]}; B={b} T={t} H={h} K={kd} d={d}", flush=True)
-  results = {"device": str(jax.devices()[0]), "shape": dict(B=b, T=t, H=h, K=kd, d=d)}
+  results = {"device": str(jax.devices()[0]), "shape": dict(B=b, T=t, H=h, K=kd, d=d),
+             "configs": configs}
   for name, fn in (("conv32", lambda: check_conv(results, b, t, h, kd, jnp.float32)),
                    ("conv16", lambda: check_conv(results, b, t, h, kd, jnp.bfloat16)),
                    ("norm", lambda: check_norm(results, b, t, h, kd, jnp.float32)),

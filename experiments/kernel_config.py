@@ -82,3 +82,31 @@ def applied(config):
     yield
   finally:
     restore(previous)
+
+
+# Benchmarks and GPU checks: the same specs as process-wide flags.
+_FLAG_MODULES = (("delta_rule_config", "DeltaRuleConfig", "pallas_kernels.delta_rule.config"),
+                 ("gain_config", "GainConfig", "pallas_kernels.kdn_gain.config"),
+                 ("conv_config", "ConvConfig", "pallas_kernels.causal_conv1d.config"))
+
+
+def define_flags(flag_values):
+  """--delta_rule_config, --gain_config, --conv_config on `flag_values`: overrides of the
+  kernels' package defaults for the whole process (apply_flags sets them)."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  for name, cls, _ in _FLAG_MODULES:
+    flags.DEFINE_string(name, "", f"{cls} overrides for the Pallas kernels, 'field=value/"
+                        "field=value' (benchmark_mixers' --sweep syntax); '' = the default",
+                        flag_values=flag_values)
+
+
+def apply_flags(flag_values):
+  """Sets the package defaults from define_flags' flags; every spec is parsed (a ValueError
+  naming the flag and item) before any default changes. Returns {flag: the config's repr}."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  mods = {name: importlib.import_module(path) for name, _, path in _FLAG_MODULES}
+  new = {name: config_from_spec(mod.DEFAULT, getattr(flag_values, name), f"--{name} item")
+         for name, mod in mods.items()}
+  for name, mod in mods.items():
+    mod.DEFAULT = new[name]
+  return {name: repr(cfg) for name, cfg in new.items()}

@@ -114,10 +114,19 @@ def test_fuse_output_picks_the_kernels_and_lowers(as_on_gpu, fuse_output, segmen
     assert "delta_rule_state_output" not in kernels, kernels
 
 
-@pytest.mark.parametrize("mixer", ["kdn_diag", "kdn_iso"])
-def test_kdn_layer_lowers_for_cuda(as_on_gpu, mixer):
+@pytest.mark.parametrize("mixer,load_blocks", [("kdn_diag", False), ("kdn_iso", False),
+                                               ("kdn_diag", True)])
+def test_kdn_layer_lowers_for_cuda(as_on_gpu, monkeypatch, mixer, load_blocks):
   """A whole KDN layer on the pallas path, fwd+bwd: the fused gate front-end, the short convs and
-  the gated norm kernels as well as the memory update."""
+  the gated norm kernels as well as the memory update (load_blocks: the conv, gain and cumsum
+  loops with their loads in blocks of 8, session 43's trials)."""
+  if load_blocks:
+    from pallas_kernels.causal_conv1d import config as conv_config   # pylint: disable=g-import-not-at-top
+    from pallas_kernels.kdn_gain import config as gain_config   # pylint: disable=g-import-not-at-top
+    monkeypatch.setattr(conv_config, "DEFAULT", conv_config.ConvConfig(load_block=8))
+    monkeypatch.setattr(gain_config, "DEFAULT", gain_config.GainConfig(token_block=8))
+    monkeypatch.setattr(dr_config, "DEFAULT", dataclasses.replace(dr_config.DEFAULT,
+                                                                  cumsum_block=8))
   cfg = model_config("tiny", d_model=128, num_heads=2, head_dim=64, mixer=mixer, impl="pallas",
                      chunk_size=16, dtype="bfloat16", param_dtype="float32", mlp_hidden=1)
   layer = MIXERS[mixer](cfg, rngs=nnx.Rngs(0))

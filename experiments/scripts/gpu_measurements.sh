@@ -161,10 +161,11 @@ gainblock)
   gpu_checks "128:$CB:$GB,16:$CB:$GB" ;;
 blockrows)
   # The diag and iso KDN ops (fwd, fwd+bwd) and the two layers at 16k, default and with the load
-  # blocks (GAIN_BLOCK, CUMSUM_BLOCK as in gainblock; BLOCK_LENS: other lengths), one process
-  # per line. About 330 s at most.
+  # blocks (GAIN_BLOCK, CUMSUM_BLOCK as in gainblock, CONV_BLOCK: ConvConfig.load_block, layers
+  # only; BLOCK_LENS: other lengths), one process per line; then check_fusion with all three.
+  # About 480 s at most.
   SWEEP_LOG=blockrows.txt
-  CB=cumsum_block=${CUMSUM_BLOCK:-8} GB=token_block=${GAIN_BLOCK:-8}
+  CB=cumsum_block=${CUMSUM_BLOCK:-8} GB=token_block=${GAIN_BLOCK:-8} VB=load_block=${CONV_BLOCK:-8}
   for on in 0 1; do   # (one-spec sweeps make their specs the rows' configs)
     [ $on = 1 ] && specs="--sweep=$CB --gain_sweep=$GB" || specs=""
     timeout 80 python3 -m experiments.benchmark_mixers --out="$RES/blockrows_ops_$on" \
@@ -174,13 +175,16 @@ blockrows)
     pack
   done
   for on in 0 1; do
-    [ $on = 1 ] && specs="--delta_rule_config=$CB --gain_config=$GB" || specs=""
+    [ $on = 1 ] && specs="--delta_rule_config=$CB --gain_config=$GB --conv_config=$VB" || specs=""
     timeout ${BLOCK_LAYER_LIMIT:-80} python3 -m experiments.benchmark_layers \
       --out="$RES/blockrows_layers_$on" --seq_lens=${BLOCK_LENS:-16384} --impls=pallas --reps=20 \
       --rows=kdn_diag,kdn_iso $specs 2>&1 | quiet \
       | grep -E 'T=[0-9]+: fwd' | sed "s|^|layers blocks=$on: |" | tee -a "$RES/$SWEEP_LOG"
     pack
-  done ;;
+  done
+  timeout ${GLUE_LIMIT:-150} python3 -m experiments.check_fusion --out="$RES/check_fusion_blocks.json" \
+    --delta_rule_config=$CB --gain_config=$GB --conv_config=$VB 2>&1 | quiet | tail -12 \
+    | sed "s|^|check_fusion blocks: |" | tee -a "$RES/$SWEEP_LOG"; pack ;;
 glue)
   # GPU check of the layers' fused glue kernels (experiments/check_fusion.py): the causal conv
   # with and without the q/k L2 normalisation (fp32, bf16), the gated norm, the fused-front

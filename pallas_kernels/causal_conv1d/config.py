@@ -11,6 +11,13 @@ class ConvConfig:
   block_t: int = 64
   num_warps: int = 1
   num_stages: int = 1
+  # rows whose loads (x, dy, positions) are issued together in the row loops, the next block's
+  # ahead (pallas_kernels/token_loop.py; 1: a plain loop). Session 43 trial, not yet timed.
+  load_block: int = 1
+
+  def __post_init__(self):
+    if self.load_block < 1:
+      raise ValueError(f"ConvConfig.load_block must be >= 1, got {self.load_block}")
 
 
 DEFAULT = ConvConfig()

@@ -38,6 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
+from pallas_kernels.token_loop import blocked_loop
 
 
 def acc_rows(width):
@@ -74,7 +75,11 @@ class _Rows:
 
   def x(self, t):
     """x row max(t, 0) as f32 (a row before the sequence: row 0, then replaced by the cache)."""
-    return self.x_ref[self.b, pl.ds(jnp.maximum(t, 0), 1), self.h, :].astype(jnp.float32)
+    return self.x_raw(t).astype(jnp.float32)
+
+  def x_raw(self, t):
+    """x row max(t, 0) as loaded (the row loops convert it where they use it)."""
+    return self.x_ref[self.b, pl.ds(jnp.maximum(t, 0), 1), self.h, :]
 
   def cache_row(self, c, lo=0):
     """Cache row c ([1, 1] int, in [lo, W-2] where used) as a [1, K] value: a select chain over
@@ -100,7 +105,7 @@ class _Rows:
     return acc
 
 
-def _forward_kernel(*refs, width, block_t, activation, has_pos, normalize):
+def _forward_kernel(*refs, width, block_t, activation, has_pos, normalize, load_block):
   x_ref, w_ref, cache_ref = refs[:3]
   pos_ref = refs[3] if has_pos else None
   y_ref = refs[-1]
@@ -113,12 +118,17 @@ def _forward_kernel(*refs, width, block_t, activation, has_pos, normalize):
   pos_prev = jnp.minimum(rows.pos(jnp.maximum(t0 - 1, 0)), t0 - 1)
   prev = tuple(rows.src(rows.x(t0 - 1 - j), pos_prev, j, min_pos=-1) for j in range(width - 1))
 
-  def body(r, prev):
+  def load(r):
     t = t0 + r
-    src = [rows.x(t)] + list(prev)
+    return rows.x_raw(t), (rows.pos(t) if has_pos else None)
+
+  def step(r, loaded, prev):
+    t = t0 + r
+    x_t, pos_t = loaded
+    src = [x_t.astype(jnp.float32)] + list(prev)
     if has_pos:
       # a segment start reads the cache: src_j = cache[W-1-j]; elsewhere src_j(t) = src_{j-1}(t-1)
-      start = rows.pos(t) == 0
+      start = pos_t == 0
       src[1:] = [jnp.where(start, rows.cache[width - 1 - j], src[j]) for j in range(1, width)]
     # (without segments only t = 0 starts one: t0 - 1's virtual window above)
     pre = w[width - 1] * src[0]
@@ -131,10 +141,10 @@ def _forward_kernel(*refs, width, block_t, activation, has_pos, normalize):
     y_ref[b, pl.ds(t, 1), h, :] = y.astype(y_ref.dtype)
     return tuple(src[:width - 1])
 
-  lax.fori_loop(0, block_t, body, prev)
+  blocked_loop(block_t, load_block, load, step, prev)
 
 
-def _backward_kernel(*refs, width, block_t, activation, has_pos, normalize):
+def _backward_kernel(*refs, width, block_t, activation, has_pos, normalize, load_block):
   x_ref, w_ref, cache_ref = refs[:3]
   pos_ref, rest = (refs[3], refs[4:]) if has_pos else (None, refs[3:])
   dy_ref, dx_ref, acc_ref = rest
@@ -167,16 +177,20 @@ def _backward_kernel(*refs, width, block_t, activation, has_pos, normalize):
     after.append(jnp.where(t_last + k < t_pad, jnp.where(pos_s >= k, g, 0.0), 0.0))
   xs = tuple(rows.x(t_last - j) for j in range(width - 1))   # x_t .. x_{t-W+2}
 
-  def body(r, carry):
+  def load(r):
+    t = t_last - r
+    return rows.pos(t), rows.x_raw(t - width + 1), dy_ref[b, pl.ds(t, 1), h, :]
+
+  def step(r, loaded, carry):
     xs, after, dw, dc = carry
     t = t_last - r
-    pos = rows.pos(t)
-    xw = xs + (rows.x(t - width + 1),)
+    pos, x_new, dy = loaded
+    xw = xs + (x_new.astype(jnp.float32),)
     src = [xw[0]] + [rows.src(xw[j], pos, j) for j in range(1, width)]
     pre = w[width - 1] * src[0]
     for j in range(1, width):
       pre = pre + w[width - 1 - j] * src[j]
-    g = dpre(dy_ref[b, pl.ds(t, 1), h, :].astype(jnp.float32), pre)
+    g = dpre(dy.astype(jnp.float32), pre)
     dx = w[width - 1] * g
     for k in range(1, width):
       dx = dx + w[width - 1 - k] * after[k - 1]
@@ -198,7 +212,7 @@ def _backward_kernel(*refs, width, block_t, activation, has_pos, normalize):
     return xw[1:], after, dw, tuple(dc_new)
 
   init = (xs, tuple(after), (zero,) * width, (zero,) * (width - 1))
-  _, _, dw, dc = lax.fori_loop(0, block_t, body, init)
+  _, _, dw, dc = blocked_loop(block_t, load_block, load, step, init)
   for j, row in enumerate(dw + dc):
     acc_ref[b, i, h, pl.ds(j, 1), :] = row
 
@@ -214,7 +228,8 @@ def forward(x, w, cache, pos, *, activation, interpret, cfg, normalize=False):
   bsz, t, nh, _ = x.shape
   width = w.shape[0]
   kern = functools.partial(_forward_kernel, width=width, block_t=cfg.block_t,
-                           activation=activation, has_pos=pos is not None, normalize=normalize)
+                           activation=activation, has_pos=pos is not None, normalize=normalize,
+                           load_block=cfg.load_block)
   args = (x, w, cache) + (() if pos is None else (pos,))
   return pl.pallas_call(kern, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
                         grid=(bsz, t // cfg.block_t, nh), name="causal_conv1d_fwd",
@@ -228,7 +243,8 @@ def backward(x, w, cache, pos, dy, *, activation, interpret, cfg, normalize=Fals
   width = w.shape[0]
   nb = t // cfg.block_t
   kern = functools.partial(_backward_kernel, width=width, block_t=cfg.block_t,
-                           activation=activation, has_pos=pos is not None, normalize=normalize)
+                           activation=activation, has_pos=pos is not None, normalize=normalize,
+                           load_block=cfg.load_block)
   args = (x, w, cache) + (() if pos is None else (pos,)) + (dy,)
   return pl.pallas_call(
       kern, out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype),

@@ -29,22 +29,18 @@ def _rows_per_program(t, chunk, max_rows=_MAX_ROWS):
   return rows
 
 
-def _restart(starts_ref, b, t):
-  return starts_ref[b, pl.ds(t, 1)][:, None] > 0
-
-
 def _forward_kernel(x_ref, starts_ref, g_ref, *, rows, block):
   b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   t0 = i * rows
 
   def load(j):
     t = t0 + j
-    return x_ref[b, pl.ds(t, 1), h, :], _restart(starts_ref, b, t)
+    return x_ref[b, pl.ds(t, 1), h, :], starts_ref[b, pl.ds(t, 1)]
 
   def step(j, xs, acc):
-    x, restart = xs
+    x, start = xs
     x = x.astype(jnp.float32)
-    acc = jnp.where(restart, x, acc + x)   # row 0 of a block restarts
+    acc = jnp.where(start[:, None] > 0, x, acc + x)   # row 0 of a block restarts
     g_ref[b, pl.ds(t0 + j, 1), h, :] = acc
     return acc
 
@@ -63,11 +59,11 @@ def _reverse_kernel(dg_ref, terms_ref, starts_ref, out_ref, *, rows, block):
 
   def forward_load(j):
     t = t0 + j
-    return terms_ref[b, pl.ds(t, 1), h, :], _restart(starts_ref, b, t)
+    return terms_ref[b, pl.ds(t, 1), h, :], starts_ref[b, pl.ds(t, 1)]
 
   def forward(j, xs, acc):
-    term, restart = xs
-    acc = jnp.where(restart, 0.0, acc)
+    term, start = xs
+    acc = jnp.where(start[:, None] > 0, 0.0, acc)
     out_ref[b, pl.ds(t0 + j, 1), h, :] = acc
     return acc + term
 
@@ -75,13 +71,13 @@ def _reverse_kernel(dg_ref, terms_ref, starts_ref, out_ref, *, rows, block):
   # rows it has not reached yet)
   def reverse_load(j):
     t = t0 + rows - 1 - j
-    return dg_ref[b, pl.ds(t, 1), h, :], out_ref[b, pl.ds(t, 1), h, :], _restart(starts_ref, b, t)
+    return dg_ref[b, pl.ds(t, 1), h, :], out_ref[b, pl.ds(t, 1), h, :], starts_ref[b, pl.ds(t, 1)]
 
   def reverse(j, xs, acc):
-    dg, prefix, restart = xs
+    dg, prefix, start = xs
     acc = acc + dg
     out_ref[b, pl.ds(t0 + rows - 1 - j, 1), h, :] = acc + prefix
-    return jnp.where(restart, 0.0, acc)   # t starts its piece
+    return jnp.where(start[:, None] > 0, 0.0, acc)   # t starts its piece
 
   blocked_loop(rows, block, forward_load, forward, zeros)
   blocked_loop(rows, block, reverse_load, reverse, zeros)
