@@ -1,9 +1,14 @@
 """A serial loop inside a kernel with its loads issued ahead of the steps that use them.
 
-The gain kernels walk tokens one after another (their carry is the variance), and each step
-reads a few rows of its own. A GPU warp issues in order, so in a plain loop the next step's
-loads wait behind this step's first use of its own: one memory round trip per step, which
-(not bandwidth or arithmetic) bounds such a loop when a program walks 128-256 tokens.
+The decay cumsum kernels walk rows one after another (their carry is the running sum), and each
+step reads a row or two of its own. A GPU warp issues in order, so in a plain loop the next
+step's loads wait behind this step's first use of its own: one memory round trip per step, which
+bounds such a loop when its steps do little arithmetic (H200, T=16384: the cumsum 0.41 -> 0.35
+ms with blocks of 8, the reverse cumsum 1.02 -> 0.82). It does not pay where the steps' own
+arithmetic is the bound: session 43 tried it on the gain kernels' token loops, which got slower
+(forward 1.24 -> 1.46 ms at blocks of 4, 1.68 at 8; fwd+bwd 2.88 -> 3.50 / 4.01): one warp per
+program, 32 programs per SM, and a token step of a few hundred instructions per thread keep the
+schedulers busy, so there was no wait to hide, and the unrolled blocks cost registers.
 
 `blocked_loop` issues the loads of `block` consecutive steps together and, with `ahead`, those
 of the next block before this block's steps run (carried through the loop), so a round trip is

@@ -83,18 +83,6 @@ def test_gain_bf16(diag):
   _run(diag, 40, 16, 1.0, None, False, (17,), jnp.bfloat16, 5e-3, 1e-2)
 
 
-# GainConfig.token_block (pallas_kernels/token_loop.py): the token loops and both carry loops
-# with their loads issued in blocks, ahead or not; 3 leaves a remainder of every chunk's 16
-# tokens and of the carries over 0..4 chunks (T = 70, chunk 16: five chunks, a reset at 40).
-@pytest.mark.parametrize("diag,token_block,load_ahead", [(True, 4, True), (False, 3, True),
-                                                         (True, 3, False)])
-def test_gain_token_blocks(monkeypatch, diag, token_block, load_ahead):
-  from pallas_kernels.kdn_gain import config as gain_config  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(gain_config, "DEFAULT", gain_config.GainConfig(
-      token_block=token_block, load_ahead=load_ahead))
-  _run(diag, *CASES[1], jnp.float32, 1e-5, 1e-4)
-
-
 def _run(diag, t, chunk, mu_f, r_val, strong, segs, dtype, tol_fwd, tol_grad):
   b, h, kd = 2, 2, 64
   args = _inputs(t, b, t, h, kd, diag, dtype, r_val, strong)

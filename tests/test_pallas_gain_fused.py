@@ -51,15 +51,12 @@ def _inputs(seed, b, t, h, kd, diag, dtype):
           cast(om_raw, dtype), cast(r_raw, dtype), cast(mu, jnp.float32), cast(p0, jnp.float32)]
 
 
-@pytest.mark.parametrize("diag,t,segs,dtype,token_block", [
-    (True, 37, (5, 21), jnp.float32, 1),    # T not a multiple of the chunk, segments
-    (False, 20, (7,), jnp.bfloat16, 1),     # bf16 projections (the layer's compute dtype)
-    (True, 1, None, jnp.bfloat16, 1),       # T = 1
-    (True, 37, (5, 21), jnp.float32, 4),    # loads in blocks of 4 (GainConfig.token_block)
+@pytest.mark.parametrize("diag,t,segs,dtype", [
+    (True, 37, (5, 21), jnp.float32),    # T not a multiple of the chunk, segments
+    (False, 20, (7,), jnp.bfloat16),     # bf16 projections (the layer's compute dtype)
+    (True, 1, None, jnp.bfloat16),       # T = 1
 ])
-def test_fused_front_matches_composition(monkeypatch, diag, t, segs, dtype, token_block):
-  from pallas_kernels.kdn_gain import config as gain_config  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(gain_config, "DEFAULT", gain_config.GainConfig(token_block=token_block))
+def test_fused_front_matches_composition(diag, t, segs, dtype):
   b, h, kd, chunk = 2, 2, 16, 16
   args = _inputs(t, b, t, h, kd, diag, dtype)
   seg = None

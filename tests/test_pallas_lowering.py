@@ -55,7 +55,7 @@ def _op_inputs(dtype, b=1, t=80, h=2, d=64):
     {}, dict(pair_diag="columns"),
     dict(max_chunk=32), dict(max_chunk=64, sub_block=32), dict(fuse_output="all"),
     dict(fuse_output="all", prefetch_output_rows=False),
-    dict(fuse_output="all", output_after_update=True, cumsum_block=8)])
+    dict(fuse_output="all", output_after_update=True, cumsum_block=1)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
   """diag KDN forward and backward (gain kernels, cumsum, pair, WY, state pass, output, the
@@ -118,13 +118,11 @@ def test_fuse_output_picks_the_kernels_and_lowers(as_on_gpu, fuse_output, segmen
                                                ("kdn_diag", True)])
 def test_kdn_layer_lowers_for_cuda(as_on_gpu, monkeypatch, mixer, load_blocks):
   """A whole KDN layer on the pallas path, fwd+bwd: the fused gate front-end, the short convs and
-  the gated norm kernels as well as the memory update (load_blocks: the conv, gain and cumsum
-  loops with their loads in blocks of 8, session 43's trials)."""
+  the gated norm kernels as well as the memory update (load_blocks: the conv and cumsum loops
+  with their loads in blocks of 8, session 43's trials)."""
   if load_blocks:
     from pallas_kernels.causal_conv1d import config as conv_config   # pylint: disable=g-import-not-at-top
-    from pallas_kernels.kdn_gain import config as gain_config   # pylint: disable=g-import-not-at-top
     monkeypatch.setattr(conv_config, "DEFAULT", conv_config.ConvConfig(load_block=8))
-    monkeypatch.setattr(gain_config, "DEFAULT", gain_config.GainConfig(token_block=8))
     monkeypatch.setattr(dr_config, "DEFAULT", dataclasses.replace(dr_config.DEFAULT,
                                                                   cumsum_block=8))
   cfg = model_config("tiny", d_model=128, num_heads=2, head_dim=64, mixer=mixer, impl="pallas",
@@ -195,30 +193,3 @@ def test_backward_kernels_store_gradients_in_the_inputs_dtypes(as_on_gpu, monkey
   assert seen["intra_backward_tokens"][:2] == [bf16, bf16]
   assert seen["bwd_partials"][0] == bf16                 # dv (no segments)
   assert seen["gain_backward"][:4] == [bf16] * 4, seen   # dk, d log_alpha, d omega, d r
-
-
-@pytest.mark.parametrize("front,load_ahead", [(False, True), (True, False)])
-def test_gain_token_blocks_lower_for_cuda(as_on_gpu, monkeypatch, front, load_ahead):
-  """GainConfig.token_block: the four gain kernels with their loads in blocks of 8 (carried ahead
-  or not; the carry loops' traced trip counts with their remainder loops), fwd+bwd, with and
-  without the gate front-end, lower for CUDA."""
-  from pallas_kernels import kdn_gain   # pylint: disable=g-import-not-at-top
-  from pallas_kernels.kdn_gain import config as gain_config   # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(gain_config, "DEFAULT", dataclasses.replace(
-      gain_config.DEFAULT, token_block=8, load_ahead=load_ahead))
-  q, k, v, la, om, r, seg = _op_inputs(jnp.bfloat16)
-  b, t, h, d = k.shape
-  p0 = jnp.full((b, h, d), 0.5)
-  if front:
-    dtb, alog = jnp.zeros((h, d)), jnp.zeros((h,))
-
-    def loss(k, f, om, r):
-      gain, la_out, _ = kdn_gain.diag_gain_fused(k, f, dtb, alog, om, r, 0.1, 16.0, p0, seg)
-      return jnp.sum(gain) + jnp.sum(la_out)
-  else:
-    def loss(k, f, om, r):
-      return jnp.sum(kdn_gain.diag_gain(k, f, om, r, jnp.full((h,), 16.0), p0, seg)[0])
-  kernels = _triton_kernels(_lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2, 3)), k,
-                                            la.astype(jnp.bfloat16), om, r))
-  assert {"kdn_gain_reduce", "kdn_gain_replay", "kdn_gain_bwd_reduce",
-          "kdn_gain_bwd_replay"} <= kernels, kernels

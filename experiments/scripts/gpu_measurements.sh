@@ -7,8 +7,8 @@
 # train (125M LM training throughput on 1 GPU, and on 2 when there are 2), mgpu (the Mosaic GPU
 # output stage: tests and timing), forward (fuse_output against the unfused kernels, the trials
 # of the fused step and of the gain's forward stages, GPU checks at K=128), glue (the GPU check
-# of the layers' fused glue kernels), gainblock (the gain's and the cumsums' serial loops with
-# their loads issued in blocks: sweeps, GPU checks), blockrows (the same: ops and layers). Default: check ops stages docs mixers layers train.
+# of the layers' fused glue kernels), loadblocks (serial loops with their loads issued in blocks:
+# GPU checks of the cumsum's, the conv's in the layers and check_fusion). Default: check ops stages docs mixers layers train.
 # Kernel config sweep (stages): SWEEP='default,max_chunk=64/sub_block=32' (DeltaRuleConfig fields).
 # Extra train flags: TRAIN_EXTRA='--config.model.scan_layers=True --config.model.impl=pallas';
 # kernel options: TRAIN_EXTRA='--config.kernels.delta_rule=fuse_output=all'.
@@ -143,48 +143,25 @@ forward)
   sweep_line 50 --out="$RES/forward_all_docs" --seq_lens=16384 --sweep_len=16384 \
     --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
   gpu_checks "${CHECK_CASES:-128:default:num_stages_fwd=2,128:fuse_output=all}" ;;
-gainblock)
+loadblocks)
   # Session 43's load blocks (pallas_kernels/token_loop.py: a serial loop's loads of a block of
-  # steps issued together, the next block's ahead unless load_ahead=0): GainConfig.token_block
-  # (the gain kernels' token and carry loops) on the gain alone at 16k, forward then fwd+bwd,
-  # every spec in one process; DeltaRuleConfig.cumsum_block (the decay cumsum kernels) on the
-  # diag KDN op at 16k with the stage split; then the GPU checks of both at once (GAIN_BLOCK,
-  # CUMSUM_BLOCK: default 8) at K=128 and K=16. About 400 s at most. Then `blockrows`.
-  SWEEP_LOG=gainblock.txt
-  G=default,token_block=4,token_block=8,token_block=16,token_block=8/load_ahead=0
-  sweep_line 60 --out="$RES/gainblock_fwd" --seq_lens=16384 --sweep_len=16384 \
-    --gain_sweep_fwd_bwd=false --gain_sweep=${GAIN_SWEEP:-$G}
-  sweep_line 80 --out="$RES/gainblock_fb" --seq_lens=16384 --sweep_len=16384 --gain_sweep=${GAIN_SWEEP:-$G}
-  sweep_line 70 --out="$RES/cumsumblock" --seq_lens=16384 --sweep_len=16384 --sweep_stages \
-    --sweep=${CUMSUM_SWEEP:-default,cumsum_block=8,cumsum_block=16}
-  CB=cumsum_block=${CUMSUM_BLOCK:-8} GB=token_block=${GAIN_BLOCK:-8}
-  gpu_checks "128:$CB:$GB,16:$CB:$GB" ;;
-blockrows)
-  # The diag and iso KDN ops (fwd, fwd+bwd) and the two layers at 16k, default and with the load
-  # blocks (GAIN_BLOCK, CUMSUM_BLOCK as in gainblock, CONV_BLOCK: ConvConfig.load_block, layers
-  # only; BLOCK_LENS: other lengths), one process per line; then check_fusion with all three.
-  # About 480 s at most.
-  SWEEP_LOG=blockrows.txt
-  CB=cumsum_block=${CUMSUM_BLOCK:-8} GB=token_block=${GAIN_BLOCK:-8} VB=load_block=${CONV_BLOCK:-8}
-  for on in 0 1; do   # (one-spec sweeps make their specs the rows' configs)
-    [ $on = 1 ] && specs="--sweep=$CB --gain_sweep=$GB" || specs=""
-    timeout 80 python3 -m experiments.benchmark_mixers --out="$RES/blockrows_ops_$on" \
-      --seq_lens=${BLOCK_LENS:-16384} --pallas_lens= --reps=${REPS:-20} --check=false \
-      --sweep_len=16384 $specs --rows=diag_kdn_pallas,iso_kdn_pallas 2>&1 | quiet \
-      | grep '"row"' | sed "s|^|ops blocks=$on: |" | tee -a "$RES/$SWEEP_LOG"
+  # rows issued together, the next block's ahead): the GPU checks of the default (cumsum_block=8
+  # since session 43) at K=128 and K=16; the two layers at 16k, default and with
+  # ConvConfig.load_block=CONV_BLOCK (8), one process each; check_fusion with it. About 560 s
+  # at most.
+  SWEEP_LOG=loadblocks.txt
+  CHECK_LIMIT=${CHECK_LIMIT:-120} gpu_checks "${CHECK_CASES:-128:default,16:default}"
+  VB=load_block=${CONV_BLOCK:-8}
+  for spec in "" "$VB"; do
+    timeout ${BLOCK_LAYER_LIMIT:-85} python3 -m experiments.benchmark_layers \
+      --out="$RES/loadblocks_layers${spec:+_conv}" --seq_lens=${BLOCK_LENS:-16384} --impls=pallas \
+      --reps=20 --rows=kdn_diag,kdn_iso --conv_config="$spec" 2>&1 | quiet \
+      | grep -E 'T=[0-9]+: fwd' | sed "s|^|layers conv ${spec:-default}: |" | tee -a "$RES/$SWEEP_LOG"
     pack
   done
-  for on in 0 1; do
-    [ $on = 1 ] && specs="--delta_rule_config=$CB --gain_config=$GB --conv_config=$VB" || specs=""
-    timeout ${BLOCK_LAYER_LIMIT:-80} python3 -m experiments.benchmark_layers \
-      --out="$RES/blockrows_layers_$on" --seq_lens=${BLOCK_LENS:-16384} --impls=pallas --reps=20 \
-      --rows=kdn_diag,kdn_iso $specs 2>&1 | quiet \
-      | grep -E 'T=[0-9]+: fwd' | sed "s|^|layers blocks=$on: |" | tee -a "$RES/$SWEEP_LOG"
-    pack
-  done
-  timeout ${GLUE_LIMIT:-150} python3 -m experiments.check_fusion --out="$RES/check_fusion_blocks.json" \
-    --delta_rule_config=$CB --gain_config=$GB --conv_config=$VB 2>&1 | quiet | tail -12 \
-    | sed "s|^|check_fusion blocks: |" | tee -a "$RES/$SWEEP_LOG"; pack ;;
+  timeout ${GLUE_LIMIT:-150} python3 -m experiments.check_fusion --out="$RES/check_fusion_conv.json" \
+    --conv_config=$VB 2>&1 | quiet | tail -12 | sed "s|^|check_fusion $VB: |" \
+    | tee -a "$RES/$SWEEP_LOG"; pack ;;
 glue)
   # GPU check of the layers' fused glue kernels (experiments/check_fusion.py): the causal conv
   # with and without the q/k L2 normalisation (fp32, bf16), the gated norm, the fused-front

@@ -20,19 +20,13 @@ class GainConfig:
   # (gpu_measurements.sh forward).
   num_stages_fwd: int = 1
   num_stages_bwd: int = 1
-  # Tokens whose loads are issued together in every token loop (pallas_kernels/token_loop.py;
-  # 1: a plain loop, each step waiting on its own loads: one memory round trip per token), and
-  # with load_ahead the next block's loads issued before this block's steps. Session 43 trial
-  # (the gain's loops looked latency-bound: at 16k ~2 us per token step), not yet timed.
-  token_block: int = 1
-  load_ahead: bool = True
 
   def __post_init__(self):
     if not (self.num_warps > 0 and self.num_warps & (self.num_warps - 1) == 0
             and self.num_warps <= 32):
       raise ValueError(f"GainConfig.num_warps must be a power of two in [1, 32] (Triton warps), "
                        f"got {self.num_warps}")
-    for name in ("max_chunk", "num_stages_fwd", "num_stages_bwd", "token_block"):
+    for name in ("max_chunk", "num_stages_fwd", "num_stages_bwd"):
       if getattr(self, name) < 1:
         raise ValueError(f"GainConfig.{name} must be >= 1, got {getattr(self, name)}")
 

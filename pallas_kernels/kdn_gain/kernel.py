@@ -38,21 +38,17 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
-from pallas_kernels.token_loop import blocked_loop
 
 
-def _load(ref, b, t, h):
-  """Lane row [1, L] (4-D ref) or scalar row [1] (3-D ref) at (b, t, h), in the ref's dtype."""
+def _row(ref, b, t, h):
+  """Loads lane row [1, L] (4-D ref) or scalar row [1] (3-D ref) at (b, t, h)."""
   if len(ref.shape) == 4:
-    return ref[b, pl.ds(t, 1), h, :]
-  return ref[b, pl.ds(t, 1), h]
-
-
-def _f32(x):
-  return x.astype(jnp.float32)
+    return ref[b, pl.ds(t, 1), h, :].astype(jnp.float32)
+  return ref[b, pl.ds(t, 1), h].astype(jnp.float32)
 
 
 RAW = ("k", "la", "om", "r", "mu")   # the kernels' raw inputs, in this order
@@ -77,58 +73,35 @@ def _sigmoid(x):
   return 1.0 / (1.0 + jnp.exp(-x))
 
 
-def _program_params(raw, h, front):
-  """What every token of this head reads: mu [1, 1]; with a front also dt_bias [1, K] and
-  exp(A_log) [1, 1] (loaded once per program, not per token)."""
-  prm = dict(mu=_f32(raw["mu"][pl.ds(h, 1)])[:, None])
-  if front is not None:
-    prm.update(dtb=_f32(raw["dt_bias"][pl.ds(h, 1), :]),
-               a_scale=jnp.exp(_f32(raw["a_log"][pl.ds(h, 1)]))[:, None])
-  return prm
-
-
-def _token_rows(raw, reset_ref, b, t, h, front):
-  """Token t's per-token reads, as loaded: the raw rows _lanes forms the lanes from, and its
-  reset flag."""
-  names = ("k", "la", "om", "r") if front is None else ("k", "f", "om", "r")
-  rows = {n: _load(raw[n], b, t, h) for n in names}
-  rows["reset"] = reset_ref[b, pl.ds(t, 1)]
-  return rows
-
-
-def _is_reset(rows):
-  return rows["reset"][:, None] > 0
-
-
-def _front(rows, prm, front):
-  """The gate front-end of one token: (log_alpha [1, K], omega row, r row, what its chain rule
+def _front(raw, b, t, h, front):
+  """The gate front-end at token t: (log_alpha [1, K], omega row, r row, what its chain rule
   needs). `front` is r_min (r's floor)."""
-  z = _f32(rows["f"]) + prm["dtb"]
-  a_scale = prm["a_scale"]
+  z = _row(raw["f"], b, t, h) + raw["dt_bias"][pl.ds(h, 1), :].astype(jnp.float32)
+  a_scale = jnp.exp(raw["a_log"][pl.ds(h, 1)].astype(jnp.float32))[:, None]   # [1, 1]
   la = -a_scale * _softplus(z)
-  om_raw = _f32(rows["om"])
-  r_raw = _f32(rows["r"])
+  om_raw = _row(raw["om"], b, t, h)
+  r_raw = _row(raw["r"], b, t, h)
   chain = dict(la=la, a_scale=a_scale, sig_z=_sigmoid(z), sig_om=_sigmoid(om_raw),
                sig_r=_sigmoid(r_raw))
   return la, _softplus(om_raw), front + _softplus(r_raw), chain
 
 
-def _lanes(rows, prm, diag, front=None):
-  """A token's lane inputs, formed in the kernel from its raw rows (`_token_rows`: the raw
-  inputs are read once, in their own dtype, instead of five fp32 lane arrays made in XLA):
+def _lanes(raw, b, t, h, diag, front=None):
+  """Token t's lane inputs, formed in the kernel from the raw rows (the raw inputs are read once,
+  in their own dtype, instead of five fp32 lane arrays made in XLA):
     diag: kx = k, kk = k^2, a = exp(2 la), om, u = mu k^2 / r            (lanes: K channels)
     iso:  kx = 1, kk = |k|^2, a = mean exp(2 la), om, u = mu |k|^2 / (K r)  (one lane)
   r is a [1, 1] column; `k` and `e2` = exp(2 la) are kept for the raw gradients (with a front,
   also log_alpha itself and the front-end's derivatives, under "front")."""
-  k = _f32(rows["k"])
+  k = _row(raw["k"], b, t, h)
   if front is None:
-    la, om, r = _f32(rows["la"]), _f32(rows["om"]), _f32(rows["r"])
+    la, om, r = _row(raw["la"], b, t, h), _row(raw["om"], b, t, h), _row(raw["r"], b, t, h)
     chain = None
   else:
-    la, om, r, chain = _front(rows, prm, front)
+    la, om, r, chain = _front(raw, b, t, h, front)
   e2 = jnp.exp(2.0 * la)
   r = r[:, None]
-  mu = prm["mu"]
+  mu = raw["mu"][pl.ds(h, 1)].astype(jnp.float32)[:, None]
   if diag:
     kk = k * k
     return dict(a=e2, om=om, u=mu * kk / r, kx=k, kk=kk, r=r, k=k, e2=e2, mu=mu, front=chain)
@@ -196,37 +169,37 @@ def _raw_refs(refs, front):
   return dict(zip(names, refs[:len(names)])), refs[len(names):]
 
 
-def _reduce_kernel(*refs, chunk, diag, front, cfg):
+def _reduce_kernel(*refs, chunk, diag, front):
   raw, (reset_ref, p0_ref, prod_ref) = _raw_refs(refs, front)
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   p0 = p0_ref[b, h, :].astype(jnp.float32)[None, :]
-  prm = _program_params(raw, h, front)
   t0 = c * chunk
 
-  def step(i, rows, m):
-    x = _lanes(rows, prm, diag, front)
-    return _matmul2(_token_matrix(x["a"], x["om"], x["u"], _is_reset(rows), p0), m)
+  def body(i, m):
+    t = t0 + i
+    x = _lanes(raw, b, t, h, diag, front)
+    reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
+    return _matmul2(_token_matrix(x["a"], x["om"], x["u"], reset, p0), m)
 
   one = jnp.ones_like(p0)
   zero = jnp.zeros_like(p0)
-  m = blocked_loop(chunk, cfg.token_block,
-                   lambda i: _token_rows(raw, reset_ref, b, t0 + i, h, front), step,
-                   (one, zero, zero, one), cfg.load_ahead)
+  m = lax.fori_loop(0, chunk, body, (one, zero, zero, one))
   for j in range(4):
     prod_ref[b, h, c, j, :] = m[j].reshape(-1)
 
 
-def _carry_in(prod_ref, p0, b, h, c, cfg):
+def _carry_in(prod_ref, p0, b, h, c):
   """Variance at the start of chunk c: chunk maps 0..c-1 applied to p0."""
-  def step(j, m, p):
-    m11, m12, m21, m22 = m
+  def body(j, p):
+    m11 = prod_ref[b, h, j, 0, :][None, :]
+    m12 = prod_ref[b, h, j, 1, :][None, :]
+    m21 = prod_ref[b, h, j, 2, :][None, :]
+    m22 = prod_ref[b, h, j, 3, :][None, :]
     return (m11 * p + m12) / (m21 * p + m22)
-  return blocked_loop(c, cfg.token_block,
-                      lambda j: tuple(prod_ref[b, h, j, e, :][None, :] for e in range(4)),
-                      step, p0, cfg.load_ahead)
+  return lax.fori_loop(0, c, body, p0)
 
 
-def _replay_kernel(*refs, chunk, num_chunks, diag, save_pprev, front, cfg):
+def _replay_kernel(*refs, chunk, num_chunks, diag, save_pprev, front):
   raw, rest = _raw_refs(refs, front)
   reset_ref, p0_ref, prod_ref, gain_ref = rest[:4]
   rest = rest[4:]
@@ -234,14 +207,14 @@ def _replay_kernel(*refs, chunk, num_chunks, diag, save_pprev, front, cfg):
   pprev_ref, pfin_ref = rest if save_pprev else (None, rest[0])
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   p0 = p0_ref[b, h, :].astype(jnp.float32)[None, :]
-  p = _carry_in(prod_ref, p0, b, h, c, cfg)
-  prm = _program_params(raw, h, front)
+  p = _carry_in(prod_ref, p0, b, h, c)
   t0 = c * chunk
 
-  def step(i, rows, p):
+  def body(i, p):
     t = t0 + i
-    p = jnp.where(_is_reset(rows), p0, p)
-    x = _lanes(rows, prm, diag, front)
+    reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
+    p = jnp.where(reset, p0, p)
+    x = _lanes(raw, b, t, h, diag, front)
     if front is not None:   # the delta rule's decay, from the same front-end evaluation
       la_ref[b, pl.ds(t, 1), h, :] = x["front"]["la"].astype(la_ref.dtype)
     p_hat = x["a"] * p + x["om"]
@@ -252,30 +225,20 @@ def _replay_kernel(*refs, chunk, num_chunks, diag, save_pprev, front, cfg):
       pprev_ref[b, pl.ds(t, 1), h, :] = p
     return p_hat / (1.0 + x["u"] * p_hat)
 
-  p = blocked_loop(chunk, cfg.token_block,
-                   lambda i: _token_rows(raw, reset_ref, b, t0 + i, h, front), step, p,
-                   cfg.load_ahead)
+  p = lax.fori_loop(0, chunk, body, p)
 
   @pl.when(c == num_chunks - 1)
   def _():
     pfin_ref[b, h, :] = p.reshape(-1)
 
 
-def _bwd_rows(raw, reset_ref, pprev_ref, dgain_ref, b, t, h, front, extra=()):
-  """A reverse step's reads: _token_rows, p_prev, dgain, and each (name, ref) of `extra`."""
-  rows = _token_rows(raw, reset_ref, b, t, h, front)
-  rows.update(p_prev=_load(pprev_ref, b, t, h), dgain=_load(dgain_ref, b, t, h))
-  rows.update({n: _load(ref, b, t, h) for n, ref in extra})
-  return rows
-
-
-def _bwd_token(rows, prm, dp, diag, front):
+def _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, dp, diag, front):
   """One reverse step. Returns (lane gradients, lanes, dp_hat, m, c, a) where
   dp_prev = m * dp + c (before resets)."""
-  x = _lanes(rows, prm, diag, front)
+  x = _lanes(raw, b, t, h, diag, front)
   a, om, u, kx, kk, r = (x[n] for n in ("a", "om", "u", "kx", "kk", "r"))
-  p_prev = _f32(rows["p_prev"])
-  dgain = _f32(rows["dgain"])
+  p_prev = _row(pprev_ref, b, t, h)
+  dgain = _row(dgain_ref, b, t, h)
   p_hat = a * p_prev + om
   den = r + jnp.sum(p_hat * kk, axis=1, keepdims=True)
   inv_den = 1.0 / den
@@ -297,31 +260,29 @@ def _bwd_token(rows, prm, dp, diag, front):
   return grads, x, dp_hat, a * m, a * q, a
 
 
-def _bwd_reduce_kernel(*refs, chunk, diag, front, cfg):
+def _bwd_reduce_kernel(*refs, chunk, diag, front):
   raw, (pprev_ref, dgain_ref, reset_ref, map_ref) = _raw_refs(refs, front)
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  prm = _program_params(raw, h, front)
   t_last = c * chunk + chunk - 1
 
-  def step(i, rows, mc):
+  def body(i, mc):
     mm, cc = mc
+    t = t_last - i
     # dp_t = mm * dp_out + cc  ->  dp_{t-1} = m_t dp_t + c_t.
-    _, _, _, m_t, c_t, _ = _bwd_token(rows, prm, jnp.zeros_like(mm), diag, front)
-    reset = _is_reset(rows)
+    _, _, _, m_t, c_t, _ = _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, jnp.zeros_like(mm),
+                                      diag, front)
+    reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
     m_t = jnp.where(reset, 0.0, m_t)
     c_t = jnp.where(reset, 0.0, c_t)
     return m_t * mm, m_t * cc + c_t
 
   one = jnp.ones((1, pprev_ref.shape[-1]), jnp.float32)
-  mm, cc = blocked_loop(
-      chunk, cfg.token_block,
-      lambda i: _bwd_rows(raw, reset_ref, pprev_ref, dgain_ref, b, t_last - i, h, front),
-      step, (one, jnp.zeros_like(one)), cfg.load_ahead)
+  mm, cc = lax.fori_loop(0, chunk, body, (one, jnp.zeros_like(one)))
   map_ref[b, h, c, 0, :] = mm.reshape(-1)
   map_ref[b, h, c, 1, :] = cc.reshape(-1)
 
 
-def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front, cfg):
+def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front):
   raw, rest = _raw_refs(refs, front)
   pprev_ref, dgain_ref, reset_ref, map_ref, dpfin_ref = rest[:5]
   rest = rest[5:]
@@ -332,23 +293,20 @@ def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front, cfg):
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   dp_fin = dpfin_ref[b, h, :].astype(jnp.float32)[None, :]
 
-  def carry_load(j):
+  def carry_body(j, dp):
     jj = num_chunks - 1 - j
-    return map_ref[b, h, jj, 0, :][None, :], map_ref[b, h, jj, 1, :][None, :]
+    return map_ref[b, h, jj, 0, :][None, :] * dp + map_ref[b, h, jj, 1, :][None, :]
 
-  dp = blocked_loop(num_chunks - 1 - c, cfg.token_block, carry_load,
-                    lambda j, mc, dp: mc[0] * dp + mc[1], dp_fin, cfg.load_ahead)
-  prm = _program_params(raw, h, front)
+  dp = lax.fori_loop(0, num_chunks - 1 - c, carry_body, dp_fin)
   t_last = c * chunk + chunk - 1
-  extra = () if front is None else (("dla_out", dla_out_ref),)
 
-  def step(i, rows, state):
+  def body(i, state):
     dp, dp0, dparams = state
     t = t_last - i
-    g, x, dp_hat, _, _, a = _bwd_token(rows, prm, dp, diag, front)
+    g, x, dp_hat, _, _, a = _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, dp, diag, front)
     grads = _raw_grads(x, g, diag)
     if front is not None:
-      grads, d_dt, d_alog = _front_grads(x, grads, _f32(rows["dla_out"]))
+      grads, d_dt, d_alog = _front_grads(x, grads, _row(dla_out_ref, b, t, h))
       dparams = (dparams[0] + d_dt, dparams[1] + d_alog)
     for name, val in grads.items():
       ref = d_refs[name]
@@ -356,7 +314,7 @@ def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front, cfg):
         ref[b, pl.ds(t, 1), h, :] = val.astype(ref.dtype)
       else:
         ref[b, pl.ds(t, 1), h] = val.astype(ref.dtype)
-    reset = _is_reset(rows)
+    reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
     dprev = a * dp_hat
     dp0 = dp0 + jnp.where(reset, dprev, 0.0)
     dp = jnp.where(reset, 0.0, dprev)
@@ -364,10 +322,7 @@ def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front, cfg):
 
   kd = raw["k"].shape[-1]
   dparams = () if front is None else (jnp.zeros((1, kd), jnp.float32),) * 2
-  _, dp0, dparams = blocked_loop(
-      chunk, cfg.token_block,
-      lambda i: _bwd_rows(raw, reset_ref, pprev_ref, dgain_ref, b, t_last - i, h, front, extra),
-      step, (dp, jnp.zeros_like(dp), dparams), cfg.load_ahead)
+  _, dp0, dparams = lax.fori_loop(0, chunk, body, (dp, jnp.zeros_like(dp), dparams))
   dp0_ref[b, h, c, :] = dp0.reshape(-1)
   for ref, val in zip(dparam_refs, dparams):
     ref[b, h, c, :] = val.reshape(-1)
@@ -398,7 +353,7 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
   bsz, t, nh, nc, grid, params = _launch(r, chunk, interpret, cfg, backward=False)
   reset = reset.astype(jnp.int32)
   prod = pl.pallas_call(
-      functools.partial(_reduce_kernel, chunk=chunk, diag=diag, front=front, cfg=cfg),
+      functools.partial(_reduce_kernel, chunk=chunk, diag=diag, front=front),
       out_shape=jax.ShapeDtypeStruct((bsz, nh, nc, 4, lanes), jnp.float32),
       grid=grid, name="kdn_gain_reduce", **params,
   )(*raw, reset, p0)
@@ -406,7 +361,7 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
   la_out = () if front is None else (jax.ShapeDtypeStruct(k.shape, jnp.float32),)
   outs = pl.pallas_call(
       functools.partial(_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag,
-                        save_pprev=save_pprev, front=front, cfg=cfg),
+                        save_pprev=save_pprev, front=front),
       out_shape=(lane,) + la_out + ((lane,) if save_pprev else ()) + (
           jax.ShapeDtypeStruct((bsz, nh, lanes), jnp.float32),),
       grid=grid, name="kdn_gain_replay", **params,
@@ -430,7 +385,7 @@ def gain_backward(raw, reset, pprev, dgain, dpfin, *, diag, chunk, interpret, cf
   bsz, t, nh, nc, grid, params = _launch(r, chunk, interpret, cfg, backward=True)
   reset = reset.astype(jnp.int32)
   maps = pl.pallas_call(
-      functools.partial(_bwd_reduce_kernel, chunk=chunk, diag=diag, front=front, cfg=cfg),
+      functools.partial(_bwd_reduce_kernel, chunk=chunk, diag=diag, front=front),
       out_shape=jax.ShapeDtypeStruct((bsz, nh, nc, 2, lanes), jnp.float32),
       grid=grid, name="kdn_gain_bwd_reduce", **params,
   )(*raw, pprev, dgain, reset)
@@ -446,8 +401,7 @@ def gain_backward(raw, reset, pprev, dgain, dpfin, *, diag, chunk, interpret, cf
     extra_out = (jax.ShapeDtypeStruct((bsz, nh, nc, k.shape[-1]), jnp.float32),) * 2
   extra_in = () if front is None else (dla_out,)
   outs = pl.pallas_call(
-      functools.partial(_bwd_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag, front=front,
-                        cfg=cfg),
+      functools.partial(_bwd_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag, front=front),
       out_shape=d_shapes + (jax.ShapeDtypeStruct((bsz, nh, nc, lanes), jnp.float32),) + extra_out,
       grid=grid, name="kdn_gain_bwd_replay", **params,
   )(*raw, pprev, dgain, reset, maps, dpfin, *extra_in)
