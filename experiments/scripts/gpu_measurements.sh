@@ -7,8 +7,8 @@
 # train (125M LM training throughput on 1 GPU, and on 2 when there are 2), mgpu (the Mosaic GPU
 # output stage: tests and timing), forward (fuse_output against the unfused kernels, the trials
 # of the fused step and of the gain's forward stages, GPU checks at K=128), glue (the GPU check
-# of the layers' fused glue kernels), loadblocks (serial loops with their loads issued in blocks:
-# GPU checks of the cumsum's, the conv's in the layers and check_fusion). Default: check ops stages docs mixers layers train.
+# of the layers' fused glue kernels), loadchecks (GPU checks of the default since the cumsums'
+# load blocks), convblocks (the conv's load blocks: layers, check_fusion). Default: check ops stages docs mixers layers train.
 # Kernel config sweep (stages): SWEEP='default,max_chunk=64/sub_block=32' (DeltaRuleConfig fields).
 # Extra train flags: TRAIN_EXTRA='--config.model.scan_layers=True --config.model.impl=pallas';
 # kernel options: TRAIN_EXTRA='--config.kernels.delta_rule=fuse_output=all'.
@@ -143,25 +143,27 @@ forward)
   sweep_line 50 --out="$RES/forward_all_docs" --seq_lens=16384 --sweep_len=16384 \
     --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
   gpu_checks "${CHECK_CASES:-128:default:num_stages_fwd=2,128:fuse_output=all}" ;;
-loadblocks)
-  # Session 43's load blocks (pallas_kernels/token_loop.py: a serial loop's loads of a block of
-  # rows issued together, the next block's ahead): the GPU checks of the default (cumsum_block=8
-  # since session 43) at K=128 and K=16; the two layers at 16k, default and with
-  # ConvConfig.load_block=CONV_BLOCK (8), one process each; check_fusion with it. About 560 s
-  # at most.
-  SWEEP_LOG=loadblocks.txt
-  CHECK_LIMIT=${CHECK_LIMIT:-120} gpu_checks "${CHECK_CASES:-128:default,16:default}"
+loadchecks)
+  # The GPU checks of the default (DeltaRuleConfig.cumsum_block=8 since session 43, the decay
+  # cumsums' loads in blocks: pallas_kernels/token_loop.py) at K=128 and K=16. About 200 s at most.
+  SWEEP_LOG=loadchecks.txt
+  CHECK_LIMIT=${CHECK_LIMIT:-100} gpu_checks "${CHECK_CASES:-128:default,16:default}" ;;
+convblocks)
+  # ConvConfig.load_block (the causal conv's row loops with their loads in blocks, a session 43
+  # trial): the two layers at 16k, default and with load_block=CONV_BLOCK (8), one process each,
+  # then (CONV_FUSION_CHECK=1, the default) check_fusion with it. About 310 s at most.
+  SWEEP_LOG=convblocks.txt
   VB=load_block=${CONV_BLOCK:-8}
   for spec in "" "$VB"; do
     timeout ${BLOCK_LAYER_LIMIT:-85} python3 -m experiments.benchmark_layers \
-      --out="$RES/loadblocks_layers${spec:+_conv}" --seq_lens=${BLOCK_LENS:-16384} --impls=pallas \
+      --out="$RES/convblocks_layers${spec:+_on}" --seq_lens=${BLOCK_LENS:-16384} --impls=pallas \
       --reps=20 --rows=kdn_diag,kdn_iso --conv_config="$spec" 2>&1 | quiet \
       | grep -E 'T=[0-9]+: fwd' | sed "s|^|layers conv ${spec:-default}: |" | tee -a "$RES/$SWEEP_LOG"
     pack
   done
-  timeout ${GLUE_LIMIT:-150} python3 -m experiments.check_fusion --out="$RES/check_fusion_conv.json" \
-    --conv_config=$VB 2>&1 | quiet | tail -12 | sed "s|^|check_fusion $VB: |" \
-    | tee -a "$RES/$SWEEP_LOG"; pack ;;
+  [ "${CONV_FUSION_CHECK:-1}" = 1 ] && timeout ${GLUE_LIMIT:-140} python3 -m experiments.check_fusion \
+    --out="$RES/check_fusion_conv.json" --conv_config=$VB 2>&1 | quiet | tail -12 \
+    | sed "s|^|check_fusion $VB: |" | tee -a "$RES/$SWEEP_LOG"; pack ;;
 glue)
   # GPU check of the layers' fused glue kernels (experiments/check_fusion.py): the causal conv
   # with and without the q/k L2 normalisation (fp32, bf16), the gated norm, the fused-front
