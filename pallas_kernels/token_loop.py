@@ -1,10 +1,11 @@
 """A serial loop inside a kernel with its loads issued ahead of the steps that use them.
 
-The decay cumsum kernels walk rows one after another (their carry is the running sum), and each
-step reads a row or two of its own. A GPU warp issues in order, so in a plain loop the next
-step's loads wait behind this step's first use of its own: one memory round trip per step, which
-bounds such a loop when its steps do little arithmetic (H200, T=16384: the cumsum 0.41 -> 0.35
-ms with blocks of 8, the reverse cumsum 1.02 -> 0.82). It does not pay where the steps' own
+The decay cumsum and causal conv kernels walk rows one after another (their carries: the running
+sum, the previous inputs), and each step reads a row or two of its own. A GPU warp issues in
+order, so in a plain loop the next step's loads wait behind this step's first use of its own: one
+memory round trip per step, which bounds such a loop when its steps do little arithmetic (H200,
+T=16384, blocks of 8: the cumsum 0.41 -> 0.35 ms, the reverse cumsum 1.02 -> 0.82; the KDN
+layers 0.5-2.5% faster with the conv's). It does not pay where the steps' own
 arithmetic is the bound: session 43 tried it on the gain kernels' token loops, which got slower
 (forward 1.24 -> 1.46 ms at blocks of 4, 1.68 at 8; fwd+bwd 2.88 -> 3.50 / 4.01): one warp per
 program, 32 programs per SM, and a token step of a few hundred instructions per thread keep the

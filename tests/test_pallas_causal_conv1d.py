@@ -44,9 +44,10 @@ def block_t(request):
     # and 2, the last one (length 1) continued by the padding; rows L2-normalised (q and k)
     (53, (1, 2, 14, 16, 31, 33, 48, 52), jnp.float32, True, 16, True),
     (53, None, jnp.float32, False, 16, False),          # several blocks, no segments, no SiLU
-    # the row loops' loads in blocks of 3 (ConvConfig.load_block: a remainder in every block)
+    # the row loops' loads in blocks of 3 (ConvConfig.load_block: a remainder in every block),
+    # and as plain loops (default: blocks of 8)
     (53, (1, 2, 14, 16, 31, 33, 48, 52), jnp.float32, True, dict(block_t=16, load_block=3), True),
-    (53, None, jnp.float32, False, dict(block_t=16, load_block=4), False),
+    (53, None, jnp.float32, False, dict(block_t=16, load_block=1), False),
     (20, (9,), jnp.bfloat16, True, None, False),        # the layer's compute dtype
     (20, (9,), jnp.bfloat16, True, None, True),
     (1, None, jnp.bfloat16, True, None, False),         # T = 1: the cache alone

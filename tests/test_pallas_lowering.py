@@ -114,17 +114,17 @@ def test_fuse_output_picks_the_kernels_and_lowers(as_on_gpu, fuse_output, segmen
     assert "delta_rule_state_output" not in kernels, kernels
 
 
-@pytest.mark.parametrize("mixer,load_blocks", [("kdn_diag", False), ("kdn_iso", False),
-                                               ("kdn_diag", True)])
+@pytest.mark.parametrize("mixer,load_blocks", [("kdn_diag", True), ("kdn_iso", True),
+                                               ("kdn_diag", False)])
 def test_kdn_layer_lowers_for_cuda(as_on_gpu, monkeypatch, mixer, load_blocks):
   """A whole KDN layer on the pallas path, fwd+bwd: the fused gate front-end, the short convs and
-  the gated norm kernels as well as the memory update (load_blocks: the conv and cumsum loops
-  with their loads in blocks of 8, session 43's trials)."""
-  if load_blocks:
+  the gated norm kernels as well as the memory update (load_blocks=False: the conv and cumsum
+  row loops as plain loops, not their default blocks of 8)."""
+  if not load_blocks:
     from pallas_kernels.causal_conv1d import config as conv_config   # pylint: disable=g-import-not-at-top
-    monkeypatch.setattr(conv_config, "DEFAULT", conv_config.ConvConfig(load_block=8))
+    monkeypatch.setattr(conv_config, "DEFAULT", conv_config.ConvConfig(load_block=1))
     monkeypatch.setattr(dr_config, "DEFAULT", dataclasses.replace(dr_config.DEFAULT,
-                                                                  cumsum_block=8))
+                                                                  cumsum_block=1))
   cfg = model_config("tiny", d_model=128, num_heads=2, head_dim=64, mixer=mixer, impl="pallas",
                      chunk_size=16, dtype="bfloat16", param_dtype="float32", mlp_hidden=1)
   layer = MIXERS[mixer](cfg, rngs=nnx.Rngs(0))

@@ -12,8 +12,10 @@ class ConvConfig:
   num_warps: int = 1
   num_stages: int = 1
   # rows whose loads (x, dy, positions) are issued together in the row loops, the next block's
-  # ahead (pallas_kernels/token_loop.py; 1: a plain loop). Session 43 trial, not yet timed.
-  load_block: int = 1
+  # ahead (pallas_kernels/token_loop.py; 1: a plain loop). Session 43, H200 layers at T=16384,
+  # one process each, 1 -> 8: kdn_diag fwd 11.30 -> 11.24 ms, fwd+bwd 31.91 -> 31.72; kdn_iso
+  # 10.70 -> 10.43, 30.13 -> 30.11 (check_fusion's conv rows pass with it). Same arithmetic.
+  load_block: int = 8
 
   def __post_init__(self):
     if self.load_block < 1:
