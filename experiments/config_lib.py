@@ -131,8 +131,9 @@ def base_config() -> ml_collections.ConfigDict:
   k.async_save = True
 
   # Pallas kernel options (experiments/kernel_config.py specs, e.g. delta_rule='fuse_output=all'):
-  # DeltaRuleConfig / GainConfig fields over their defaults; exact, speed only. '' = the defaults.
-  c.kernels = ml_collections.ConfigDict(dict(delta_rule='', gain=''))
+  # DeltaRuleConfig / GainConfig / ConvConfig fields over their defaults; exact, speed only.
+  # '' = the defaults.
+  c.kernels = ml_collections.ConfigDict(dict(delta_rule='', gain='', conv=''))
 
   c.logging = g = ml_collections.ConfigDict()
   g.tensorboard = True
@@ -212,7 +213,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None,
     _fail('model_factory', f'expected "module:attr", got {config.model_factory!r}')
 
   try:   # (parsed against the kernels' config classes; applied by the Trainer)
-    kernel_config.resolve(config.kernels.delta_rule, config.kernels.gain)
+    kernel_config.resolve(config.kernels)
   except ValueError as e:
     raise ConfigError(str(e)) from None
 

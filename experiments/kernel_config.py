@@ -1,12 +1,13 @@
 """Pallas kernel configurations from specs: 'field=value' items joined by '/' over the fields of
-pallas_kernels' DeltaRuleConfig or GainConfig, e.g. 'fuse_output=all/num_stages=2'. The
-benchmarks' --sweep / --gain_sweep / --delta_rule_config take them, and a run config's
-config.kernels.delta_rule / config.kernels.gain (applied by the Trainer and by evaluate before
-anything is traced). Every option is exact; they change speed only."""
+pallas_kernels' DeltaRuleConfig, GainConfig or ConvConfig, e.g. 'fuse_output=all/num_stages=2'.
+The benchmarks' --sweep / --gain_sweep / --delta_rule_config / --gain_config / --conv_config
+take them, and a run config's config.kernels.delta_rule / .gain / .conv (applied by the Trainer
+and by evaluate before anything is traced). Every option is exact; they change speed only."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 
 _BOOLS = {"1": True, "true": True, "True": True, "0": False, "false": False, "False": False}
 
@@ -35,43 +36,48 @@ def config_from_spec(base, spec, what="--sweep item"):
     raise ValueError(f"{what} in {spec!r}: {e}") from None
 
 
+# The kernel families: config.kernels key, config class, its module (DEFAULT lives there).
+FAMILIES = (("delta_rule", "DeltaRuleConfig", "pallas_kernels.delta_rule.config"),
+            ("gain", "GainConfig", "pallas_kernels.kdn_gain.config"),
+            ("conv", "ConvConfig", "pallas_kernels.causal_conv1d.config"))
+
+
 def _modules():
-  from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.kdn_gain import config as gcfg  # pylint: disable=g-import-not-at-top
-  return dcfg, gcfg
+  return {key: importlib.import_module(path) for key, _, path in FAMILIES}
 
 
-def resolve(delta_rule="", gain="", what="config.kernels"):
-  """(DeltaRuleConfig, GainConfig): the package defaults with the specs' overrides, or
-  (None, None) when both specs are empty. Raises ValueError naming what.delta_rule / what.gain."""
-  if not delta_rule and not gain:
-    return None, None
-  dcfg, gcfg = _modules()
-  d = config_from_spec(dcfg.DeltaRuleConfig(), delta_rule, f"{what}.delta_rule item")
-  g = config_from_spec(gcfg.GainConfig(), gain, f"{what}.gain item")
-  return d, g
+def resolve(specs, what="config.kernels"):
+  """{family: config}: each family's package default (its class's defaults) with the overrides
+  of specs[family] (a mapping; a missing key is ''), or None when every spec is empty. Raises a
+  ValueError naming what.<family> and the item."""
+  specs = {key: specs.get(key, "") or "" for key, _, _ in FAMILIES}
+  if not any(specs.values()):
+    return None
+  mods = _modules()
+  return {key: config_from_spec(getattr(mods[key], cls)(), specs[key], f"{what}.{key} item")
+          for key, cls, _ in FAMILIES}
 
 
 def apply(config):
-  """A run config's config.kernels as the kernels' defaults: with any spec, both configs are set
-  to the package defaults with its overrides (the run config alone decides them); without any
+  """A run config's config.kernels as the kernels' defaults: with any spec, every family is set
+  to its package default with its overrides (the run config alone decides them); without any
   (or in configs older than the key) nothing changes. Returns what restore() needs to put the
   previous defaults back, or None when nothing changed."""
-  kernels = config.get("kernels") or {}
-  d, g = resolve(kernels.get("delta_rule", ""), kernels.get("gain", ""))
-  if d is None:
+  new = resolve(config.get("kernels") or {})
+  if new is None:
     return None
-  dcfg, gcfg = _modules()
-  previous = (dcfg.DEFAULT, gcfg.DEFAULT)
-  dcfg.DEFAULT, gcfg.DEFAULT = d, g
+  mods = _modules()
+  previous = {key: mod.DEFAULT for key, mod in mods.items()}
+  for key, mod in mods.items():
+    mod.DEFAULT = new[key]
   return previous
 
 
 def restore(previous):
   """Undoes apply() (previous: its result; None: nothing to undo)."""
   if previous is not None:
-    dcfg, gcfg = _modules()
-    dcfg.DEFAULT, gcfg.DEFAULT = previous
+    for key, mod in _modules().items():
+      mod.DEFAULT = previous[key]
 
 
 @contextlib.contextmanager
@@ -84,29 +90,26 @@ def applied(config):
     restore(previous)
 
 
-# Benchmarks and GPU checks: the same specs as process-wide flags.
-_FLAG_MODULES = (("delta_rule_config", "DeltaRuleConfig", "pallas_kernels.delta_rule.config"),
-                 ("gain_config", "GainConfig", "pallas_kernels.kdn_gain.config"),
-                 ("conv_config", "ConvConfig", "pallas_kernels.causal_conv1d.config"))
+# Benchmarks and GPU checks: the same specs as process-wide flags (--delta_rule_config, ...).
 
 
 def define_flags(flag_values):
   """--delta_rule_config, --gain_config, --conv_config on `flag_values`: overrides of the
   kernels' package defaults for the whole process (apply_flags sets them)."""
   from absl import flags  # pylint: disable=g-import-not-at-top
-  for name, cls, _ in _FLAG_MODULES:
-    flags.DEFINE_string(name, "", f"{cls} overrides for the Pallas kernels, 'field=value/"
-                        "field=value' (benchmark_mixers' --sweep syntax); '' = the default",
-                        flag_values=flag_values)
+  for key, cls, _ in FAMILIES:
+    flags.DEFINE_string(f"{key}_config", "", f"{cls} overrides for the Pallas kernels, "
+                        "'field=value/field=value' (benchmark_mixers' --sweep syntax); '' = the "
+                        "default", flag_values=flag_values)
 
 
 def apply_flags(flag_values):
-  """Sets the package defaults from define_flags' flags; every spec is parsed (a ValueError
-  naming the flag and item) before any default changes. Returns {flag: the config's repr}."""
-  import importlib  # pylint: disable=g-import-not-at-top
-  mods = {name: importlib.import_module(path) for name, _, path in _FLAG_MODULES}
-  new = {name: config_from_spec(mod.DEFAULT, getattr(flag_values, name), f"--{name} item")
-         for name, mod in mods.items()}
-  for name, mod in mods.items():
-    mod.DEFAULT = new[name]
-  return {name: repr(cfg) for name, cfg in new.items()}
+  """Sets the package defaults from define_flags' flags (over the current defaults); every spec
+  is parsed (a ValueError naming the flag and item) before any default changes. Returns
+  {flag: the config's repr}."""
+  mods = _modules()
+  new = {key: config_from_spec(mod.DEFAULT, getattr(flag_values, f"{key}_config"),
+                               f"--{key}_config item") for key, mod in mods.items()}
+  for key, mod in mods.items():
+    mod.DEFAULT = new[key]
+  return {f"{key}_config": repr(cfg) for key, cfg in new.items()}

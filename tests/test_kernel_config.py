@@ -4,6 +4,7 @@ import pytest
 
 from experiments import config_lib
 from experiments import kernel_config
+from pallas_kernels.causal_conv1d import config as conv_config
 from pallas_kernels.delta_rule import config as dr_config
 from pallas_kernels.kdn_gain import config as gain_config
 from configs import mqar
@@ -15,6 +16,7 @@ from configs import mqar
     ("delta_rule", "no_such_field=1", "expected field=value with field in"),
     ("delta_rule", "block_v=48", "DeltaRuleConfig.block_v must be a power of two"),
     ("gain", "num_warps=two", "config.kernels.gain item 'num_warps=two': expected an integer"),
+    ("conv", "load_block=0", "config.kernels.conv item in 'load_block=0': ConvConfig.load_block"),
 ])
 def test_validate_names_the_bad_spec(key, spec, match):
   config = mqar.get_config("smoke")
@@ -26,18 +28,20 @@ def test_validate_names_the_bad_spec(key, spec, match):
 def test_applied_sets_the_package_defaults_with_the_specs_and_restores():
   config = mqar.get_config("smoke")
   with dr_config.overridden(block_v=32):   # a process's own setting (a test, a script)
-    before = dr_config.DEFAULT, gain_config.DEFAULT
+    before = dr_config.DEFAULT, gain_config.DEFAULT, conv_config.DEFAULT
     assert kernel_config.apply(config) is None   # no spec: nothing changes
-    assert (dr_config.DEFAULT, gain_config.DEFAULT) == before
+    assert (dr_config.DEFAULT, gain_config.DEFAULT, conv_config.DEFAULT) == before
     config.kernels.delta_rule = "output_after_update=1/num_stages=2"
     config.kernels.gain = "num_stages_fwd=2"
+    config.kernels.conv = "load_block=2"
     config_lib.validate(config)
     with kernel_config.applied(config):
-      d, g = dr_config.DEFAULT, gain_config.DEFAULT
-      assert (d.output_after_update, d.num_stages, g.num_stages_fwd) == (True, 2, 2)
+      d, g, c = dr_config.DEFAULT, gain_config.DEFAULT, conv_config.DEFAULT
+      assert (d.output_after_update, d.num_stages, g.num_stages_fwd, c.load_block) == (
+          True, 2, 2, 2)
       # the run config alone decides: the package default, not the process's block_v=32
       assert d.block_v == dr_config.DeltaRuleConfig().block_v != 32
-    assert (dr_config.DEFAULT, gain_config.DEFAULT) == before
+    assert (dr_config.DEFAULT, gain_config.DEFAULT, conv_config.DEFAULT) == before
 
 
 def test_configs_without_the_key_apply_nothing():
@@ -46,6 +50,39 @@ def test_configs_without_the_key_apply_nothing():
   plain = {k: v for k, v in config.to_dict().items() if k != "kernels"}
   import ml_collections   # pylint: disable=g-import-not-at-top
   assert kernel_config.apply(ml_collections.ConfigDict(plain)) is None
+
+
+def test_configs_before_the_conv_key_apply_their_specs():
+  """A session-42 run config: config.kernels without 'conv' (the conv keeps its package default)."""
+  import ml_collections   # pylint: disable=g-import-not-at-top
+  config = ml_collections.ConfigDict(dict(kernels=dict(delta_rule="num_stages=2", gain="")))
+  saved = conv_config.DEFAULT
+  try:
+    conv_config.DEFAULT = conv_config.ConvConfig(load_block=3)
+    with kernel_config.applied(config):
+      assert dr_config.DEFAULT.num_stages == 2
+      assert conv_config.DEFAULT == conv_config.ConvConfig()
+    assert conv_config.DEFAULT.load_block == 3
+  finally:
+    conv_config.DEFAULT = saved
+
+
+def test_flags_set_the_defaults_and_name_the_bad_item(monkeypatch):
+  from absl import flags   # pylint: disable=g-import-not-at-top
+  for mod in (dr_config, gain_config, conv_config):
+    monkeypatch.setattr(mod, "DEFAULT", mod.DEFAULT)   # restored after the test
+  fv = flags.FlagValues()
+  kernel_config.define_flags(fv)
+  fv(["prog", "--conv_config=load_block=4", "--gain_config=num_stages_bwd=2"])
+  got = kernel_config.apply_flags(fv)
+  assert conv_config.DEFAULT.load_block == 4 and gain_config.DEFAULT.num_stages_bwd == 2
+  assert "load_block=4" in got["conv_config"]
+  fv.delta_rule_config = "block_v=48"
+  before = conv_config.DEFAULT
+  fv.conv_config = "load_block=8"
+  with pytest.raises(ValueError, match="--delta_rule_config item"):
+    kernel_config.apply_flags(fv)
+  assert conv_config.DEFAULT is before   # nothing set when one spec is bad
 
 
 def test_gain_config_checks_its_fields():
