@@ -213,7 +213,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None,
     _fail('model_factory', f'expected "module:attr", got {config.model_factory!r}')
 
   try:   # (parsed against the kernels' config classes; applied by the Trainer)
-    kernel_config.resolve(config.kernels)
+    kernel_config.resolve(config.get('kernels') or {})
   except ValueError as e:
     raise ConfigError(str(e)) from None
 

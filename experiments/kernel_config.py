@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import logging
 
 _BOOLS = {"1": True, "true": True, "True": True, "0": False, "false": False, "False": False}
 
@@ -42,15 +43,32 @@ FAMILIES = (("delta_rule", "DeltaRuleConfig", "pallas_kernels.delta_rule.config"
             ("conv", "ConvConfig", "pallas_kernels.causal_conv1d.config"))
 
 
+# Fields that run configs of earlier versions may name and that no longer exist (speed-only
+# options removed after they lost on the GPU): dropped from config.kernels specs with a warning,
+# so those runs still resume and evaluate. (Benchmark flags refuse them like any unknown field.)
+REMOVED = {"delta_rule": ("cumsum_in_gain",)}
+
+
 def _modules():
   return {key: importlib.import_module(path) for key, _, path in FAMILIES}
 
 
+def _without_removed(key, spec, what):
+  if spec in ("", "default"):
+    return spec
+  items = spec.split("/")
+  kept = [item for item in items if item.partition("=")[0] not in REMOVED.get(key, ())]
+  if len(kept) < len(items):
+    logging.warning("%s.%s: %s no longer exist (removed speed-only options); ignored", what, key,
+                    sorted(set(items) - set(kept)))
+  return "/".join(kept)
+
+
 def resolve(specs, what="config.kernels"):
   """{family: config}: each family's package default (its class's defaults) with the overrides
-  of specs[family] (a mapping; a missing key is ''), or None when every spec is empty. Raises a
-  ValueError naming what.<family> and the item."""
-  specs = {key: specs.get(key, "") or "" for key, _, _ in FAMILIES}
+  of specs[family] (a mapping; a missing key is ''; REMOVED fields are dropped), or None when
+  every spec is empty. Raises a ValueError naming what.<family> and the item."""
+  specs = {key: _without_removed(key, specs.get(key, "") or "", what) for key, _, _ in FAMILIES}
   if not any(specs.values()):
     return None
   mods = _modules()

@@ -90,3 +90,16 @@ def test_gain_config_checks_its_fields():
     gain_config.GainConfig(num_warps=3)
   with pytest.raises(ValueError, match="GainConfig.num_stages_fwd must be >= 1"):
     gain_config.GainConfig(num_stages_fwd=0)
+
+
+def test_removed_fields_of_earlier_runs_are_dropped(caplog):
+  """A session-42 run's config.kernels.delta_rule='cumsum_in_gain=1/...' (the option is gone):
+  validated and applied without it, with a warning, so that run still resumes and evaluates."""
+  config = mqar.get_config("smoke")
+  config.kernels.delta_rule = "cumsum_in_gain=1/num_stages=2"
+  config_lib.validate(config)
+  with kernel_config.applied(config):
+    assert dr_config.DEFAULT.num_stages == 2
+  assert "cumsum_in_gain=1" in caplog.text
+  config.kernels.delta_rule = "cumsum_in_gain=0"   # only a removed field: nothing to apply
+  assert kernel_config.apply(config) is None

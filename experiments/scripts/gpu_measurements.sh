@@ -149,19 +149,20 @@ loadchecks)
   SWEEP_LOG=loadchecks.txt
   CHECK_LIMIT=${CHECK_LIMIT:-100} gpu_checks "${CHECK_CASES:-128:default,16:default}" ;;
 convblocks)
-  # ConvConfig.load_block (the causal conv's row loops with their loads in blocks, a session 43
-  # trial): the two layers at 16k, default and with load_block=CONV_BLOCK (8), one process each,
-  # then (CONV_FUSION_CHECK=1, the default) check_fusion with it. About 310 s at most.
+  # ConvConfig.load_block (the causal conv's row loops with their loads in blocks; 8, the default
+  # since session 43): the two layers at 16k with plain loops (load_block=1) and with
+  # load_block=CONV_BLOCK (8), one process each, then (CONV_FUSION_CHECK=1, the default)
+  # check_fusion with it. About 410 s at most.
   SWEEP_LOG=convblocks.txt
   VB=load_block=${CONV_BLOCK:-8}
-  for spec in "" "$VB"; do
+  for spec in load_block=1 "$VB"; do
     timeout ${BLOCK_LAYER_LIMIT:-85} python3 -m experiments.benchmark_layers \
-      --out="$RES/convblocks_layers${spec:+_on}" --seq_lens=${BLOCK_LENS:-16384} --impls=pallas \
+      --out="$RES/convblocks_layers_${spec//=/_}" --seq_lens=${BLOCK_LENS:-16384} --impls=pallas \
       --reps=20 --rows=kdn_diag,kdn_iso --conv_config="$spec" 2>&1 | quiet \
-      | grep -E 'T=[0-9]+: fwd' | sed "s|^|layers conv ${spec:-default}: |" | tee -a "$RES/$SWEEP_LOG"
+      | grep -E 'T=[0-9]+: fwd' | sed "s|^|layers conv $spec: |" | tee -a "$RES/$SWEEP_LOG"
     pack
   done
-  [ "${CONV_FUSION_CHECK:-1}" = 1 ] && timeout ${GLUE_LIMIT:-140} python3 -m experiments.check_fusion \
+  [ "${CONV_FUSION_CHECK:-1}" = 1 ] && timeout ${GLUE_LIMIT:-240} python3 -m experiments.check_fusion \
     --out="$RES/check_fusion_conv.json" --conv_config=$VB 2>&1 | quiet | tail -12 \
     | sed "s|^|check_fusion $VB: |" | tee -a "$RES/$SWEEP_LOG"; pack ;;
 glue)

@@ -16,9 +16,10 @@ convolution; the cache holds the W-1 inputs before the sequence, oldest first, r
 dtype as the layer does.
 
 Grid (B, T / block_t, H); every program runs over its block's rows ([1, K] each, K = one head's
-channels) with a `lax.fori_loop`. Triton cannot slice or shift register tiles, so the rows a
-step shares with its neighbours travel in the loop carry as separate [1, K] values (renaming
-them is free) and every step loads one new x row at a dynamic offset:
+channels) with token_loop.blocked_loop (the loads of ConvConfig.load_block rows issued together,
+the next block's ahead). Triton cannot slice or shift register tiles, so the rows a step shares
+with its neighbours travel in the loop carry as separate [1, K] values (renaming them is free)
+and every step reads one new x row at a dynamic offset:
   forward (ascending t): carries src_0..src_{W-2} of row t-1; row t's window is that shifted by
             one (or the cache rows at a segment start) plus x_t.
   backward (descending t): carries x_t..x_{t-W+2} (loads x_{t-W+1}), dpre of the W-1 rows after

@@ -52,7 +52,9 @@ def _reverse_kernel(dg_ref, terms_ref, starts_ref, out_ref, *, rows, block):
   The prefix is written first and read back by the reverse loop: the same program's own stores,
   each [1, K] row in the same layout. With K >= 32 (one warp) every lane reads back only what it
   stored; narrower rows are replicated across lanes, so a lane may read another lane's store of
-  the same warp, long after it in program order (GPU-checked at K = 128 only)."""
+  the same warp (the same value it stored itself), after it in program order: the reverse loop's
+  first block of loads follows the forward loop's last stores directly (GPU-checked at K = 128
+  and K = 16, session 43)."""
   b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   t0 = i * rows
   zeros = jnp.zeros((1, dg_ref.shape[-1]), jnp.float32)
