@@ -192,38 +192,6 @@ def segment_arrays(segment_ids, bsz, t, t_pad, chunk):
   return chunk_start | reset, (in_chunk == 0).astype(jnp.float32), pid
 
 
-def call_setup(op, q, k, v, scale, chunk_size, precision, interpret):
-  """What a call of these kernels resolves before any work:
-  (q, scale, precision, interpret, cfg, chunk, cfg_fo, chunk_fo). Validates the precision name,
-  K and V and chunk_size; a traced scale cannot be a kernel constant, so it is folded into q
-  (fp32) and scale becomes 1."""
-  interpret = common.resolve_interpret(interpret)
-  precision = common.precision_for(q.dtype) if precision is None else precision
-  common.dot_precision(precision)  # validates the name before any work
-  t = k.shape[1]
-  common.check_width("K", k.shape[-1])
-  common.check_width("V", v.shape[-1])
-  if chunk_size not in (16, 32, 64, 128):
-    raise NotImplementedError(f"{op}: chunk_size={chunk_size} not supported")
-  cfg = _config.DEFAULT
-  chunk = chunk_length(cfg, chunk_size, t, interpret)
-  cfg_fo, chunk_fo = forward_only(cfg, chunk_size, t, interpret)
-  if isinstance(scale, jax.core.Tracer):
-    q, scale = q.astype(jnp.float32) * scale, 1.0
-  return q, float(scale), precision, interpret, cfg, chunk, cfg_fo, chunk_fo
-
-
-def segment_bookkeeping(segment_ids, bsz, t, t_pad, chunk, chunk_fo):
-  """segment_arrays at the differentiated calls' chunk, and (starts_fo, cont_fo) at the
-  forward-only chunk (the same arrays when the chunks agree; else the unused set is dead code
-  in either jit)."""
-  starts, cont, pid = segment_arrays(segment_ids, bsz, t, t_pad, chunk)
-  starts_fo, cont_fo = starts, cont
-  if chunk_fo != chunk:
-    starts_fo, cont_fo, _ = segment_arrays(segment_ids, bsz, t, t_pad, chunk_fo)
-  return starts, cont, pid, starts_fo, cont_fo
-
-
 def delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None, *,
                chunk_size=64, precision=None, interpret=None):
   """S_t = (I - w_t k_t^T) D_t S_{t-1} + w_t v_t^T,  o_t = scale * S_t^T q_t.
@@ -233,17 +201,32 @@ def delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None
   'exact' (fp32-accurate dots); None picks from q.dtype. Returns (o [B,T,H,V] q.dtype,
   S_final [B,H,K,V] f32).
   """
-  out_dtype = q.dtype
-  q, scale, precision, interpret, cfg, chunk, cfg_fo, chunk_fo = call_setup(
-      "delta_rule", q, k, v, scale, chunk_size, precision, interpret)
-  bsz, t, _, kd = k.shape
+  interpret = common.resolve_interpret(interpret)
+  precision = common.precision_for(q.dtype) if precision is None else precision
+  common.dot_precision(precision)  # validates the name before any work
+  bsz, t, nh, kd = k.shape
+  vd = v.shape[-1]
+  common.check_width("K", kd)
+  common.check_width("V", vd)
+  if chunk_size not in (16, 32, 64, 128):
+    raise NotImplementedError(f"delta_rule: chunk_size={chunk_size} not supported")
+  cfg = _config.DEFAULT
+  chunk = chunk_length(cfg, chunk_size, t, interpret)
+  cfg_fo, chunk_fo = forward_only(cfg, chunk_size, t, interpret)
   t_pad = -(-t // max(chunk, chunk_fo)) * max(chunk, chunk_fo)   # powers of two: a multiple of both
   la = log_alpha   # the cumsum kernel reads it in its own dtype and sums in fp32
   if la.ndim == 3:
     la = jnp.broadcast_to(la[..., None], la.shape + (kd,))
+  out_dtype = q.dtype
+  if isinstance(scale, jax.core.Tracer):
+    # A traced scale cannot be a kernel constant: fold it into q (fp32) instead.
+    q, scale = q.astype(jnp.float32) * scale, 1.0
   q, k, v, w, la = (common.pad_time(x, t_pad) for x in (q, k, v, write, la))
-  starts, cont, pid, starts_fo, cont_fo = segment_bookkeeping(segment_ids, bsz, t, t_pad, chunk,
-                                                              chunk_fo)
+  starts, cont, pid = segment_arrays(segment_ids, bsz, t, t_pad, chunk)
+  starts_fo, cont_fo = starts, cont
+  if chunk_fo != chunk:   # (the unused set is dead code in either jit)
+    starts_fo, cont_fo, _ = segment_arrays(segment_ids, bsz, t, t_pad, chunk_fo)
   o, sfin = _core(q, k, v, w, la, initial_state.astype(jnp.float32), starts, cont, pid,
-                  starts_fo, cont_fo, chunk, chunk_fo, scale, interpret, cfg, cfg_fo, precision)
+                  starts_fo, cont_fo, chunk, chunk_fo, float(scale), interpret, cfg, cfg_fo,
+                  precision)
   return o[:, :t].astype(out_dtype), sfin

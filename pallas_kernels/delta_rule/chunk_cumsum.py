@@ -98,14 +98,15 @@ def _call(kernel, name, args, starts, chunk, interpret, num_warps, block):
   )(*args, starts.astype(jnp.int32))
 
 
-def chunk_cumsum(la, starts, *, chunk, interpret, num_warps=1, block=1):
+def chunk_cumsum(la, starts, *, chunk, interpret, block, num_warps=1):
   """la [B,T,H,K] (T a multiple of chunk), starts [B,T] bool (True at every chunk start and
-  reset) -> g [B,T,H,K] float32. block: rows whose loads are issued together (blocked_loop)."""
+  reset) -> g [B,T,H,K] float32. block: rows whose loads are issued together (blocked_loop;
+  the callers pass DeltaRuleConfig.cumsum_block)."""
   return _call(_forward_kernel, "delta_rule_cumsum", (la,), starts, chunk, interpret, num_warps,
                block)
 
 
-def chunk_reverse_cumsum(dg, terms, starts, *, chunk, interpret, num_warps=1, block=1):
+def chunk_reverse_cumsum(dg, terms, starts, *, chunk, interpret, block, num_warps=1):
   """The transpose of chunk_cumsum applied to dg, plus the exclusive prefix sum of `terms` within
   pieces (at t: the sum over the piece's s < t, in token order as a token loop sums it); all
   [B,T,H,K] float32, starts as for chunk_cumsum (True at every chunk start: the program blocks

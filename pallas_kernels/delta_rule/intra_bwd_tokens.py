@@ -117,6 +117,7 @@ def intra_backward_tokens(q, k, w, g, pid, partials, *, chunk, scale, interpret,
   return pl.pallas_call(
       functools.partial(_token_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
                         num_vb=partials[0].shape[2], heads=heads),
-      out_shape=(lane(dq_dtype), lane(dk_dtype)) + (lane(),) * 3, grid=(bsz, t, nh // heads), name="delta_rule_intra_bwd_tokens",
+      out_shape=(lane(dq_dtype), lane(dk_dtype)) + (lane(),) * 3, grid=(bsz, t, nh // heads),
+      name="delta_rule_intra_bwd_tokens",
       **launch_params(interpret, cfg.num_warps_intra_bwd, cfg),
   )(q, k, w, g, *partials, *([pid] if has_seg else []))

@@ -217,13 +217,8 @@ def iso_gain_fused(k, f, dt_bias, a_log, omega_raw, r_raw, r_min, info_scale, b0
   return beta[..., 0], la, bfin[..., 0]
 
 
-def gain_chunk(t, chunk_size):
-  """The kernels' chunk C_g for a caller's chunk_size and length t (a power of two >= 16)."""
-  return min(chunk_size, _config.DEFAULT.max_chunk, max(16, 1 << (t - 1).bit_length()))
-
-
 def _prep(t, chunk_size, batch, segment_ids):
-  chunk = gain_chunk(t, chunk_size)
+  chunk = min(chunk_size, _config.DEFAULT.max_chunk, max(16, 1 << (t - 1).bit_length()))
   t_pad = -(-t // chunk) * chunk
   reset = common.reset_flags(segment_ids, batch, t, t_pad)
   return chunk, t_pad, reset
