@@ -11,8 +11,8 @@ from configs import mqar
 
 
 @pytest.mark.parametrize("key,spec,match", [
-    ("delta_rule", "output_after_update=maybe",
-     "config.kernels.delta_rule item 'output_after_update=maybe'"),
+    ("delta_rule", "bf16_states=maybe",
+     "config.kernels.delta_rule item 'bf16_states=maybe'"),
     ("delta_rule", "no_such_field=1", "expected field=value with field in"),
     ("delta_rule", "block_v=48", "DeltaRuleConfig.block_v must be a power of two"),
     ("gain", "num_warps=two", "config.kernels.gain item 'num_warps=two': expected an integer"),
@@ -31,14 +31,14 @@ def test_applied_sets_the_package_defaults_with_the_specs_and_restores():
     before = dr_config.DEFAULT, gain_config.DEFAULT, conv_config.DEFAULT
     assert kernel_config.apply(config) is None   # no spec: nothing changes
     assert (dr_config.DEFAULT, gain_config.DEFAULT, conv_config.DEFAULT) == before
-    config.kernels.delta_rule = "output_after_update=1/num_stages=2"
+    config.kernels.delta_rule = "bf16_states=0/num_stages=2"
     config.kernels.gain = "num_stages_fwd=2"
     config.kernels.conv = "load_block=2"
     config_lib.validate(config)
     with kernel_config.applied(config):
       d, g, c = dr_config.DEFAULT, gain_config.DEFAULT, conv_config.DEFAULT
-      assert (d.output_after_update, d.num_stages, g.num_stages_fwd, c.load_block) == (
-          True, 2, 2, 2)
+      assert (d.bf16_states, d.num_stages, g.num_stages_fwd, c.load_block) == (
+          False, 2, 2, 2)
       # the run config alone decides: the package default, not the process's block_v=32
       assert d.block_v == dr_config.DeltaRuleConfig().block_v != 32
     assert (dr_config.DEFAULT, gain_config.DEFAULT, conv_config.DEFAULT) == before
@@ -103,3 +103,9 @@ def test_removed_fields_of_earlier_runs_are_dropped(caplog):
   assert "cumsum_in_gain=1" in caplog.text
   config.kernels.delta_rule = "cumsum_in_gain=0"   # only a removed field: nothing to apply
   assert kernel_config.apply(config) is None
+  # session 41's fused-step trials, removed in session 44
+  config.kernels.delta_rule = "prefetch_output_rows=0/output_after_update=1/block_v=32"
+  config_lib.validate(config)
+  with kernel_config.applied(config):
+    assert dr_config.DEFAULT.block_v == 32
+  assert "output_after_update=1" in caplog.text

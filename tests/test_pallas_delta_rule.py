@@ -127,13 +127,12 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
     dict(forward_only_chunk=32, wy_inverse="sub_dots"),   # primal at chunk 32, residuals at 16
     # (6 heads: programs of gcd(4, 6) = 2 heads); the cumsums as plain row loops (default: 8)
     dict(pair_heads=4, fuse_output="all", cumsum_block=1),
-    dict(fuse_output="all", block_v=32, max_chunk=32, prefetch_output_rows=False),
-    dict(fuse_output="all", output_after_update=True)])
+    dict(fuse_output="all", block_v=32, max_chunk=32)])
 def test_delta_rule_kernel_variants(variant):
   """Every kernel option (V blocks of the serial and parallel kernels, the WY kernel's inverses,
   chunk 32 in 16- and 32-row forward blocks, the forward-only chunk, the output fused into the
-  serial pass with resets and with the states saved, its rows loaded in their step or its dots
-  after the state update, the decay cumsums' loads in other blocks) is exact."""
+  serial pass with resets and with the states saved, the decay cumsums' loads in other blocks)
+  is exact."""
   t = 45
   # (6 heads where the option concerns the pair kernel's programs of several heads)
   heads = 6 if "pair_heads" in variant else 1
@@ -147,13 +146,11 @@ def test_delta_rule_kernel_variants(variant):
     _check(args, seg, 32, 1e-5, 1e-4, vjp_primal=variant.get("fuse_output") == "all")
 
 
-@pytest.mark.parametrize("trial", [dict(prefetch_output_rows=False),
-                                   dict(output_after_update=True)])
-def test_fused_step_trials_without_segments(trial):
-  """The fused step's trial orders on the path the forward benchmark times (no segments): the
-  primal, which stores no states, and a differentiated call's forward, which does."""
+def test_fused_step_without_segments():
+  """The fused step on the path the forward benchmark times (no segments): the primal, which
+  stores no states, and a differentiated call's forward, which does."""
   args = _inputs(8, 2, 45, 1, 64, 64, jnp.float32, False, "normal")
-  with dr_config.overridden(fuse_output="all", **trial):
+  with dr_config.overridden(fuse_output="all"):
     _check(args, None, 16, 1e-5, 1e-4, vjp_primal=True)
 
 

@@ -54,8 +54,7 @@ def _op_inputs(dtype, b=1, t=80, h=2, d=64):
 @pytest.mark.parametrize("variant", [
     {}, dict(pair_diag="columns"),
     dict(max_chunk=32), dict(max_chunk=64, sub_block=32), dict(fuse_output="all"),
-    dict(fuse_output="all", prefetch_output_rows=False),
-    dict(fuse_output="all", output_after_update=True, cumsum_block=1)])
+    dict(fuse_output="all", cumsum_block=1)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
   """diag KDN forward and backward (gain kernels, cumsum, pair, WY, state pass, output, the

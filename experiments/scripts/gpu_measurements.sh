@@ -5,8 +5,8 @@
 # (the same for the packed-documents path),
 # mixers (mixer table vs flash-linear-attention), layers (whole layers vs fla's KDA layer),
 # train (125M LM training throughput on 1 GPU, and on 2 when there are 2), mgpu (the Mosaic GPU
-# output stage: tests and timing), forward (fuse_output against the unfused kernels, the trials
-# of the fused step and of the gain's forward stages, GPU checks at K=128), glue (the GPU check
+# output stage: tests and timing), forward (forward configs at 16k with the stage split, the
+# gain's forward stages, fuse_output=all, GPU checks at K=128), glue (the GPU check
 # of the layers' fused glue kernels), loadchecks (GPU checks of the default since the cumsums'
 # load blocks), convblocks (the conv's load blocks: layers, check_fusion). Default: check ops stages docs mixers layers train.
 # Kernel config sweep (stages): SWEEP='default,max_chunk=64/sub_block=32' (DeltaRuleConfig fields).
@@ -118,31 +118,27 @@ train)
     cp "/tmp/kdn_train_${n}gpu/summary.json" "$RES/train_${n}gpu_summary.json" 2>/dev/null
   done ;;
 forward)
-  # fuse_output (session 40): the default's forward (the output fused into the serial pass in
-  # calls not differentiated) against fuse_output=none at 16k with the stage split, and
-  # session 41's two trials of the fused step (prefetch_output_rows=0: its q/g/P rows loaded in
-  # their step; output_after_update=1: its dots after the S update); 'all' (every call,
-  # training too) fwd+bwd without and with documents, with the trials at 16k; the gain's forward
-  # kernels at 2 and 3 pipelining stages (session 41's GainConfig.num_stages_fwd); the GPU check
-  # of the default with the gain's forward at 2 stages and of 'all' (its reset branch) at K=128
-  # (more: CHECK_CASES=dim:spec[:gain spec],...). About 520 s at most (FORWARD_DOCS=1: the
-  # forward with documents too, +50 s); each line has its own limit, and results.tgz is packed
-  # after each.
+  # The forward at 16k with its stage split: FORWARD_SWEEP (default: the shipped config against
+  # fuse_output=none, the output kernel apart, and the WY kernel's wy_inverse=doubling);
+  # the gain's forward kernels at 1-3 pipelining stages (GainConfig.num_stages_fwd; session 44:
+  # a tie); 'all' (the output fused in every call, training too) fwd+bwd without and with
+  # documents (FORWARD_ALL=0 skips those); the GPU checks CHECK_CASES=dim:spec[:gain spec],...
+  # (default: fuse_output=all, its reset branch, at K=128). FORWARD_LIMIT: the first line's
+  # limit. About 420 s at most (FORWARD_DOCS=1: the forward with documents too, +50 s); each
+  # line has its own limit, and results.tgz is packed after each.
   SWEEP_LOG=forward.txt
-  TRIALS=prefetch_output_rows=0,output_after_update=1
-  sweep_line 180 --out="$RES/forward_16384" --seq_lens=16384 --sweep_len=16384 --sweep_fwd_only \
-    --sweep_stages --sweep=${FORWARD_SWEEP:-default,fuse_output=none,$TRIALS}
-  # the gain's forward kernels pipelined apart from its backward (GainConfig.num_stages_fwd)
+  sweep_line ${FORWARD_LIMIT:-180} --out="$RES/forward_16384" --seq_lens=16384 --sweep_len=16384 --sweep_fwd_only \
+    --sweep_stages --sweep=${FORWARD_SWEEP:-default,fuse_output=none,wy_inverse=doubling}
   sweep_line 40 --out="$RES/forward_gain" --seq_lens=16384 --sweep_len=16384 \
     --gain_sweep_fwd_bwd=false --gain_sweep=default,num_stages_fwd=2,num_stages_fwd=3
   # with documents: 'all' also fuses the primal (its S_init dot only in chunks with a reset)
   [ "${FORWARD_DOCS:-0}" = 1 ] && sweep_line 50 --out="$RES/forward_docs" --seq_lens=16384 \
     --sweep_len=16384 --sweep_fwd_only --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
-  sweep_line 70 --out="$RES/forward_all" --seq_lens=16384 --sweep_len=16384 \
-    --sweep=default,fuse_output=all,fuse_output=all/prefetch_output_rows=0,fuse_output=all/output_after_update=1
-  sweep_line 50 --out="$RES/forward_all_docs" --seq_lens=16384 --sweep_len=16384 \
+  [ "${FORWARD_ALL:-1}" = 1 ] && sweep_line 70 --out="$RES/forward_all" --seq_lens=16384 --sweep_len=16384 \
+    --sweep=default,fuse_output=all
+  [ "${FORWARD_ALL:-1}" = 1 ] && sweep_line 50 --out="$RES/forward_all_docs" --seq_lens=16384 --sweep_len=16384 \
     --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
-  gpu_checks "${CHECK_CASES:-128:default:num_stages_fwd=2,128:fuse_output=all}" ;;
+  gpu_checks "${CHECK_CASES:-128:fuse_output=all}" ;;
 loadchecks)
   # The GPU checks of the default (DeltaRuleConfig.cumsum_block=8 since session 43, the decay
   # cumsums' loads in blocks: pallas_kernels/token_loop.py) at K=128 and K=16. About 200 s at most.

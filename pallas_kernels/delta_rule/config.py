@@ -68,8 +68,10 @@ class DeltaRuleConfig:
   # value-columns per program in the parallel output and backward-partials kernels (fewer V
   # blocks: fewer per-V-block partial-gradient bytes for the intra backward to read and sum)
   block_v_parallel: int = 128
-  # Triton warps, the WY kernel (H200 T=4096: 0.40 ms with 4, 0.45 with 8)
-  num_warps_intra: int = 4
+  # Triton warps, the WY kernel (H200 T=4096: 0.40 ms with 4, 0.45 with 8). Session 44, H200
+  # diag KDN forward T=16384, one process: 5.12 ms with 4, 4.81-4.94 with 2, 4.65 with 1 (its
+  # 16 x 16 substitution's row reductions stay inside one warp); fwd+bwd 15.48 -> 15.18.
+  num_warps_intra: int = 1
   # Triton warps, the token-parallel intra backward (intra_bwd_tokens.py; session 38, H200 diag
   # KDN fwd+bwd T=16384: 18.48 ms against 19.08 for the per-chunk kernel fused with the
   # partials, removed in session 39 (backward.py); pair_heads=8: 19.35, 2 warps: 19.40)
@@ -82,8 +84,9 @@ class DeltaRuleConfig:
   # Triton warps, the output kernel: its program is one [C, K] x [K, BV] dot (H200, diag KDN
   # T=4096, session 30: output stage 0.83 ms with 8 warps, 0.53 with 4; op forward 2.57 -> 2.36
   # ms. Looping over 2-8 consecutive chunks per program, tried in the same sweep, gained nothing
-  # beyond that and was dropped: docs/benchmark_mixers.md)
-  num_warps_output: int = 4
+  # beyond that and was dropped: docs/benchmark_mixers.md). Session 44, diag KDN fwd+bwd
+  # T=16384 (with num_warps_intra=1): 15.18 ms with 4, 14.92-14.94 with 2, 14.90 with 1.
+  num_warps_output: int = 2
   num_warps_recur: int = 4   # Triton warps, recurrent kernels (serial over chunks)
   # The output O = Qbar S_0 + P Delta formed inside the serial state pass (state_pass.py), off
   # its chain, instead of by the parallel output kernel (output.py), so Delta never goes
@@ -97,14 +100,10 @@ class DeltaRuleConfig:
   # <= 4.5e-3); the segment-free body, which 'primal' runs, is unchanged since; not yet checked
   # at K=128, and the per-chunk reset branch ('all' with segments) has not run on a GPU
   # (gpu_measurements.sh forward does both).
+  # Session 41's two trials of the fused step, timed in session 44 (H200, diag KDN forward
+  # T=16384, one process: default 5.12 ms) and removed: the output's rows loaded in their own
+  # step instead of with the chain's, 5.53 (lost); its dots after the S update, 5.11 (a tie).
   fuse_output: str = "primal"
-  # With fuse_output: the output's rows (q, g, P) of chunk c + 1 loaded before chunk c's dots and
-  # carried through the loop like the chain's inputs (True), or loaded in their own step (False:
-  # fewer values live across the loop). Session 41 trial, untimed: gpu_measurements.sh forward.
-  prefetch_output_rows: bool = True
-  # With fuse_output: the output's dots issued after the chain's S update (True) instead of
-  # between Delta = U - W S_0 and the update (False). Session 41 trial, untimed, likewise.
-  output_after_update: bool = False
   # Triton software-pipelining stages of the kernels' loops. Session 39, H200 fwd+bwd, one
   # process per line, 2 -> 3: diag KDN T=16384 16.83 -> 16.18 ms (GPU check passed at 3), with
   # documents 18.17 -> 17.92, iso 15.48 -> 15.32; T=4096 4.57 -> 4.51.

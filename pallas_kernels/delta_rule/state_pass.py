@@ -17,7 +17,7 @@ from pallas_kernels.delta_rule.tiles import (
 
 
 def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_output, scale,
-                       save_states, prefetch_output_rows, output_after_update):
+                       save_states):
   """Serial over chunks with U = A V' precomputed (wy.py): Delta = U - W S_0 and
   S <- exp(g_last) S_base + Wt^T Delta, the chain's only two dots.
 
@@ -33,10 +33,8 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_ou
   scheduler with nothing else to issue. Session 37, H200, diag KDN T=16384: this stage 2.48 ->
   1.77 ms, op fwd+bwd 20.27 -> 19.74 ms. (The same prefetch in the backward's dS chain lost,
   2.99 -> 3.36 ms, and was removed.) The fused output's own rows (q, g, P) are prefetched
-  likewise, or with prefetch_output_rows=False loaded in their step: fewer values live across
-  the loop (session 40's candidate cause of the fused step's cost; a trial to time); and
-  with output_after_update=True the output's dots are issued after the chain's second dot
-  instead of between its two (off the chain either way; in-order issue decides which waits)."""
+  likewise (loading them in their step lost, and issuing the output's dots after the S update
+  tied: session 44, config.py)."""
   names = ["u", "wk", "wt", "g", "h0"] + (["cont"] if has_seg else [])
   if fuse_output:
     names += ["q", "p"]
@@ -51,25 +49,19 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_ou
   vs = pl.ds(vb * block_v, block_v)
   s_init = r["h0"][b, h, :, vs].astype(jnp.float32)
 
-  def output_rows(c):
-    """Chunk c's rows that only the fused output reads: q, g, P (and cont with segments)."""
-    rows = pl.ds(c * C, C)
-    y = dict(q=r["q"][b, rows, h, :], g=r["g"][b, rows, h, :], p=r["p"][b, h, rows, :])
-    if has_seg:
-      y["cont"] = r["cont"][b, rows]
-    return y
-
   def inputs(c):
-    """Chunk c's loads: U, W, Wt, g_last (cont_last with segments; with fuse_output and
-    prefetch_output_rows also output_rows(c))."""
+    """Chunk c's loads: U, W, Wt, g_last (cont_last with segments; with fuse_output also the
+    rows only the output reads: q, g, P, and cont with segments)."""
     t0 = c * C
     rows = pl.ds(t0, C)
     x = dict(u=r["u"][b, rows, h, vs], wk=r["wk"][b, rows, h, :], wt=r["wt"][b, rows, h, :],
              g_last=r["g"][b, t0 + C - 1, h, :])
     if has_seg:
       x["cont_last"] = r["cont"][b, t0 + C - 1]
-    if fuse_output and prefetch_output_rows:
-      x.update(output_rows(c))
+    if fuse_output:
+      x.update(q=r["q"][b, rows, h, :], g=r["g"][b, rows, h, :], p=r["p"][b, h, rows, :])
+      if has_seg:
+        x["cont"] = r["cont"][b, rows]
     return x
 
   def step(c, s, x):
@@ -79,11 +71,9 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_ou
     delta = x["u"].astype(jnp.float32) - dot(x["wk"], s, prec)
 
     def fused_output():
-      y = x if prefetch_output_rows else dict(x, **output_rows(c))   # (else loaded here)
-
       def store_output(seg):
-        seg_kw = dict(cont=y["cont"][:, None], s_init=s_init) if seg else {}
-        o = chunk_output(y["q"], y["g"], s, y["p"], delta, scale, prec, **seg_kw)
+        seg_kw = dict(cont=x["cont"][:, None], s_init=s_init) if seg else {}
+        o = chunk_output(x["q"], x["g"], s, x["p"], delta, scale, prec, **seg_kw)
         o_ref[b, rows, h, vs] = o.astype(o_ref.dtype)
 
       if has_seg:   # the S_init dot only in chunks with a reset (as tiles.by_reset decides)
@@ -93,18 +83,15 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_ou
       else:
         store_output(False)
 
-    if not fuse_output:
-      delta_ref[b, rows, h, vs] = delta.astype(delta_ref.dtype)
-    elif not output_after_update:
+    if fuse_output:
       fused_output()
+    else:
+      delta_ref[b, rows, h, vs] = delta.astype(delta_ref.dtype)
     e_last = jnp.exp(x["g_last"])[:, None]
     s_base = s
     if has_seg:   # the chunk's last token restarted from S_init inside the chunk
       s_base = x["cont_last"] * s + (1.0 - x["cont_last"]) * s_init
-    s_next = e_last * s_base + dot_tn(x["wt"], delta, prec)
-    if fuse_output and output_after_update:
-      fused_output()
-    return s_next
+    return e_last * s_base + dot_tn(x["wt"], delta, prec)
 
   def body(c, carry):
     s, x = carry
@@ -146,9 +133,7 @@ def _call(u, wk, wt, g, h0, cont, out_in, *, chunk, interpret, cfg, cfg_prec, sc
   return pl.pallas_call(
       functools.partial(_state_pass_kernel, chunk=chunk, num_chunks=nc, has_seg=has_seg,
                         block_v=block_v, prec=prec, fuse_output=fuse_output, scale=scale,
-                        save_states=save_states,
-                        prefetch_output_rows=cfg.prefetch_output_rows,
-                        output_after_update=cfg.output_after_update),
+                        save_states=save_states),
       out_shape=tuple(out_shape), grid=(bsz, nh, vd // block_v),
       name="delta_rule_state_output" if fuse_output else "delta_rule_state_pass",
       **launch_params(interpret, cfg.num_warps_recur, cfg),
