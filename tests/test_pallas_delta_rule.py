@@ -146,6 +146,33 @@ def test_delta_rule_kernel_variants(variant):
     _check(args, seg, 32, 1e-5, 1e-4, vjp_primal=variant.get("fuse_output") == "all")
 
 
+@pytest.mark.parametrize("n,t,decay,scalar", [
+    (2, 45, "normal", False),     # one group of 2 chunks, then one chunk alone
+    (4, 150, "normal", False),    # two groups of 4, then 2 chunks alone (last one partial)
+    (4, 40, "strong", False),     # fewer chunks than a group: the single-chunk steps only
+    (3, 96, "strong", True),      # two groups of 3, log-decay -20: the decays underflow to 0
+    (2, 1, "normal", False)])     # T = 1
+def test_state_step_chunks(n, t, decay, scalar):
+  """Several chunks per serial step (state_groups.py) in the forward-only fused pass: outputs,
+  final state and gradients (the backward's residuals come from a differentiated call's
+  forward, which keeps one chunk per step) against the float64 loop."""
+  args = _inputs(11, 2, t, 2, 64, 32, jnp.float32, scalar, decay)
+  with dr_config.overridden(state_step_chunks=n):
+    _check(args, None, 16, 1e-5, 1e-4, vjp_primal=True)
+
+
+def test_state_step_chunks_bf16_matches_one_chunk_per_step():
+  """In bf16 (bf16-operand dots) the grouped steps round the merged operands to bf16: the
+  outputs stay within bf16's bound of the one-chunk-per-step pass."""
+  args = _inputs(12, 2, 128, 2, 64, 64, jnp.bfloat16, False, "normal")
+  f = jax.jit(lambda *a: delta_rule(*a[:5], 0.7, a[5], None, chunk_size=16))
+  o1, s1 = f(*args)
+  with dr_config.overridden(state_step_chunks=4):
+    o4, s4 = jax.jit(lambda *a: delta_rule(*a[:5], 0.7, a[5], None, chunk_size=16))(*args)
+  assert _rel(o4, o1) <= 2e-2 and _rel(s4, s1) <= 2e-2, (_rel(o4, o1), _rel(s4, s1))
+  assert _rel(o4, o1) > 0   # (the grouped path ran: its roundings differ)
+
+
 def test_fused_step_without_segments():
   """The fused step on the path the forward benchmark times (no segments): the primal, which
   stores no states, and a differentiated call's forward, which does."""

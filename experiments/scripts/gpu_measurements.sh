@@ -119,16 +119,17 @@ train)
   done ;;
 forward)
   # The forward at 16k with its stage split: FORWARD_SWEEP (default: the shipped config against
-  # fuse_output=none, the output kernel apart, and the WY kernel's wy_inverse=doubling);
+  # session 44's untimed trial state_step_chunks=2/4 (several chunks per serial step of the fused
+  # pass), fuse_output=none (the output kernel apart) and wy_inverse=doubling);
   # the gain's forward kernels at 1-3 pipelining stages (GainConfig.num_stages_fwd; session 44:
   # a tie); 'all' (the output fused in every call, training too) fwd+bwd without and with
   # documents (FORWARD_ALL=0 skips those); the GPU checks CHECK_CASES=dim:spec[:gain spec],...
-  # (default: fuse_output=all, its reset branch, at K=128). FORWARD_LIMIT: the first line's
+  # (default: state_step_chunks=4, and fuse_output=all's reset branch, at K=128). FORWARD_LIMIT: the first line's
   # limit. About 420 s at most (FORWARD_DOCS=1: the forward with documents too, +50 s); each
   # line has its own limit, and results.tgz is packed after each.
   SWEEP_LOG=forward.txt
   sweep_line ${FORWARD_LIMIT:-180} --out="$RES/forward_16384" --seq_lens=16384 --sweep_len=16384 --sweep_fwd_only \
-    --sweep_stages --sweep=${FORWARD_SWEEP:-default,fuse_output=none,wy_inverse=doubling}
+    --sweep_stages --sweep=${FORWARD_SWEEP:-default,state_step_chunks=2,state_step_chunks=4,fuse_output=none,wy_inverse=doubling}
   sweep_line 40 --out="$RES/forward_gain" --seq_lens=16384 --sweep_len=16384 \
     --gain_sweep_fwd_bwd=false --gain_sweep=default,num_stages_fwd=2,num_stages_fwd=3
   # with documents: 'all' also fuses the primal (its S_init dot only in chunks with a reset)
@@ -138,7 +139,7 @@ forward)
     --sweep=default,fuse_output=all
   [ "${FORWARD_ALL:-1}" = 1 ] && sweep_line 50 --out="$RES/forward_all_docs" --seq_lens=16384 --sweep_len=16384 \
     --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
-  gpu_checks "${CHECK_CASES:-128:fuse_output=all}" ;;
+  gpu_checks "${CHECK_CASES:-128:state_step_chunks=4,128:fuse_output=all}" ;;
 loadchecks)
   # The GPU checks of the default (DeltaRuleConfig.cumsum_block=8 since session 43, the decay
   # cumsums' loads in blocks: pallas_kernels/token_loop.py) at K=128 and K=16. About 200 s at most.

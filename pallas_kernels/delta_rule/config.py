@@ -104,6 +104,14 @@ class DeltaRuleConfig:
   # T=16384, one process: default 5.12 ms) and removed: the output's rows loaded in their own
   # step instead of with the chain's, 5.53 (lost); its dots after the S update, 5.11 (a tie).
   fuse_output: str = "primal"
+  # With the output fused, in calls that store no states and have no segments (the 'primal'
+  # path): the serial pass takes this many chunks per step, their W, U, Wt, Qbar and P merged
+  # into the group's by dots off the chain when the group is loaded (state_groups.py), so the
+  # chain runs num_chunks / n steps of n independent dots per level instead of num_chunks steps.
+  # The stages before it keep their 16-row chunks. Session 44 trial, not yet timed (the device
+  # time was spent): gpu_measurements.sh forward with FORWARD_SWEEP=default,state_step_chunks=2,
+  # state_step_chunks=4.
+  state_step_chunks: int = 1
   # Triton software-pipelining stages of the kernels' loops. Session 39, H200 fwd+bwd, one
   # process per line, 2 -> 3: diag KDN T=16384 16.83 -> 16.18 ms (GPU check passed at 3), with
   # documents 18.17 -> 17.92, iso 15.48 -> 15.32; T=4096 4.57 -> 4.51.
@@ -125,6 +133,9 @@ class DeltaRuleConfig:
                                                  and getattr(self, f.name) <= 32):
         raise ValueError(f"DeltaRuleConfig.{f.name} must be a power of two in [1, 32] (Triton "
                          f"warps), got {getattr(self, f.name)}")
+    if self.state_step_chunks < 1:
+      raise ValueError("DeltaRuleConfig.state_step_chunks must be >= 1, got "
+                       f"{self.state_step_chunks}")
     if self.cumsum_block < 1:
       raise ValueError(f"DeltaRuleConfig.cumsum_block must be >= 1, got {self.cumsum_block}")
     if self.sub_block and (not pow2(self.sub_block) or self.sub_block < 16):
