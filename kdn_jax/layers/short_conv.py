@@ -19,22 +19,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kdn_jax.layers.dense import make_param, normal_init
+# (defined with the conv kernel, the lowest package that needs them; re-exported here)
+from pallas_kernels.causal_conv1d import L2_EPS, causal_conv1d, positions_in_segment
 
 
-def l2_normalize(x, eps=1e-6):
-    """x / sqrt(|x|^2 + eps) over the last axis, in float32."""
+def l2_normalize(x, eps=L2_EPS):
+    """x / sqrt(|x|^2 + eps) over the last axis, in float32 (the fused conv kernel's eps)."""
     xf = x.astype(jnp.float32)
     return xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
-
-
-def positions_in_segment(segment_ids: jax.Array) -> jax.Array:
-    """[B, T] int -> position of every token inside its (contiguous) segment."""
-    B, T = segment_ids.shape
-    t = jnp.arange(T, dtype=jnp.int32)[None, :]
-    prev = jnp.concatenate([segment_ids[:, :1], segment_ids[:, :-1]], axis=1)
-    is_start = (segment_ids != prev) | (t == 0)
-    start = jax.lax.cummax(jnp.where(is_start, t, 0), axis=1)
-    return t - start
 
 
 class ShortConv(nnx.Module):
@@ -66,7 +58,6 @@ class ShortConv(nnx.Module):
         xp = jnp.concatenate([cache.astype(self.dtype), x], axis=1)  # [B, W-1+T, C]
         pos = None if segment_ids is None else positions_in_segment(segment_ids)
         if fused and self.fusable():
-            from pallas_kernels.causal_conv1d import causal_conv1d  # pylint: disable=g-import-not-at-top
             y = causal_conv1d(x, self.weight[...], cache, segment_ids, activation=self.activation,
                               normalize=normalize)
         else:

@@ -13,7 +13,9 @@ from pallas_kernels import sharding as _sharding
 from pallas_kernels.causal_conv1d import config as _config
 from pallas_kernels.causal_conv1d import kernel as _kernel
 
-__all__ = ["causal_conv1d", "positions_in_segment"]
+__all__ = ["causal_conv1d", "positions_in_segment", "L2_EPS"]
+
+L2_EPS = _kernel.L2_EPS   # normalize=True: y / sqrt(|y|^2 + L2_EPS)
 
 # (batch, head) dims for sharding.per_shard: x / dy / dx [B,T,H,K]; w [W,H,K];
 # cache [B,W-1,H,K]; pos [B,T]; accumulators [B,NB,H,R,K].
@@ -64,7 +66,7 @@ def causal_conv1d(x, weight, cache, segment_ids=None, *, activation=True, normal
                   interpret=None):
   """y_t = silu(sum_j weight[W-1-j] * x[t-j]) per channel (activation=False: no SiLU), the inputs
   before the sequence (and before every packed segment's start) taken from `cache`; normalize:
-  then y_t / sqrt(|y_t|^2 + 1e-6) over each head's K channels (of y_t rounded to x's dtype, in
+  then y_t / sqrt(|y_t|^2 + L2_EPS) over each head's K channels (of y_t rounded to x's dtype, in
   fp32, as ShortConv(normalize=True) composes it).
 
   x: [B,T,H,K]; weight: [W,H,K] (weight[W-1] on the current token); cache: [B,W-1,H,K], the W-1

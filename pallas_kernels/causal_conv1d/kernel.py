@@ -47,7 +47,7 @@ def acc_rows(width):
   return 2 * width - 1
 
 
-L2_EPS = 1e-6   # kdn_jax.layers.short_conv.l2_normalize's
+L2_EPS = 1e-6   # (kdn_jax.layers.short_conv.l2_normalize, the reference, uses this one)
 
 
 def _sigmoid(x):
