@@ -120,7 +120,8 @@ train)
 forward)
   # The forward at 16k with its stage split: FORWARD_SWEEP (default: the shipped config against
   # session 44's untimed trial state_step_chunks=2/4 (several chunks per serial step of the fused
-  # pass), fuse_output=none (the output kernel apart) and wy_inverse=doubling);
+  # pass; also at 8 warps, for the registers its merged group takes) and fuse_output=none (the
+  # output kernel apart));
   # the gain's forward kernels at 1-3 pipelining stages (GainConfig.num_stages_fwd; session 44:
   # a tie); 'all' (the output fused in every call, training too) fwd+bwd without and with
   # documents (FORWARD_ALL=0 skips those); the GPU checks CHECK_CASES=dim:spec[:gain spec],...
@@ -129,7 +130,7 @@ forward)
   # line has its own limit, and results.tgz is packed after each.
   SWEEP_LOG=forward.txt
   sweep_line ${FORWARD_LIMIT:-180} --out="$RES/forward_16384" --seq_lens=16384 --sweep_len=16384 --sweep_fwd_only \
-    --sweep_stages --sweep=${FORWARD_SWEEP:-default,state_step_chunks=2,state_step_chunks=4,fuse_output=none,wy_inverse=doubling}
+    --sweep_stages --sweep=${FORWARD_SWEEP:-default,state_step_chunks=2,state_step_chunks=4,state_step_chunks=2/num_warps_recur=8,state_step_chunks=4/num_warps_recur=8,fuse_output=none}
   sweep_line 40 --out="$RES/forward_gain" --seq_lens=16384 --sweep_len=16384 \
     --gain_sweep_fwd_bwd=false --gain_sweep=default,num_stages_fwd=2,num_stages_fwd=3
   # with documents: 'all' also fuses the primal (its S_init dot only in chunks with a reset)
