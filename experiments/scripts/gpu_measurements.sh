@@ -118,19 +118,23 @@ train)
     cp "/tmp/kdn_train_${n}gpu/summary.json" "$RES/train_${n}gpu_summary.json" 2>/dev/null
   done ;;
 forward)
-  # The forward at 16k with its stage split: FORWARD_SWEEP (default: the shipped config against
-  # session 44's untimed trial state_step_chunks=2/4 (several chunks per serial step of the fused
-  # pass; also at 8 warps, for the registers its merged group takes) and fuse_output=none (the
-  # output kernel apart));
-  # the gain's forward kernels at 1-3 pipelining stages (GainConfig.num_stages_fwd; session 44:
-  # a tie); 'all' (the output fused in every call, training too) fwd+bwd without and with
-  # documents (FORWARD_ALL=0 skips those); the GPU checks CHECK_CASES=dim:spec[:gain spec],...
-  # (default: state_step_chunks=4, and fuse_output=all's reset branch, at K=128). FORWARD_LIMIT: the first line's
-  # limit. About 420 s at most (FORWARD_DOCS=1: the forward with documents too, +50 s); each
-  # line has its own limit, and results.tgz is packed after each.
+  # The forward at 16k with its stage split, then at 4k: FORWARD_SWEEP (default: the shipped
+  # config against session 44's untimed trial state_step_chunks=2/4, several chunks per serial
+  # step of the fused pass, also at 8 warps for the registers its merged group takes, and
+  # fuse_output=none, the output kernel apart); the gain's forward kernels at 1-3 pipelining
+  # stages (GainConfig.num_stages_fwd; session 44: a tie); 'all' (the output fused in every
+  # call, training too) fwd+bwd without and with documents (FORWARD_ALL=0 skips those); the GPU
+  # checks CHECK_CASES=dim:spec[:gain spec],... (default: state_step_chunks=4, and
+  # fuse_output=all's reset branch, at K=128). FORWARD_LIMIT / FORWARD_4K_LIMIT: the first two
+  # lines' limits. About 510 s at most (FORWARD_DOCS=1: the forward with documents too, +50 s);
+  # each line has its own limit, and results.tgz is packed after each.
   SWEEP_LOG=forward.txt
-  sweep_line ${FORWARD_LIMIT:-180} --out="$RES/forward_16384" --seq_lens=16384 --sweep_len=16384 --sweep_fwd_only \
-    --sweep_stages --sweep=${FORWARD_SWEEP:-default,state_step_chunks=2,state_step_chunks=4,state_step_chunks=2/num_warps_recur=8,state_step_chunks=4/num_warps_recur=8,fuse_output=none}
+  G=state_step_chunks
+  SPECS=${FORWARD_SWEEP:-default,$G=2,$G=4,$G=2/num_warps_recur=8,$G=4/num_warps_recur=8,fuse_output=none}
+  sweep_line ${FORWARD_LIMIT:-180} --out="$RES/forward_16384" --seq_lens=16384 --sweep_len=16384 \
+    --sweep_fwd_only --sweep_stages --sweep=$SPECS
+  sweep_line ${FORWARD_4K_LIMIT:-90} --out="$RES/forward_4096" --seq_lens=4096 --sweep_len=4096 \
+    --sweep_fwd_only --sweep=$SPECS
   sweep_line 40 --out="$RES/forward_gain" --seq_lens=16384 --sweep_len=16384 \
     --gain_sweep_fwd_bwd=false --gain_sweep=default,num_stages_fwd=2,num_stages_fwd=3
   # with documents: 'all' also fuses the primal (its S_init dot only in chunks with a reset)
