@@ -261,12 +261,8 @@ def run(out, seq_lens=(4096, 16384), rows=JAX_MIXERS + (FLA_ROW,), impls=("chunk
     raise ValueError(f"--rows: unknown {unknown}; expected {FLA_ROW} or one of {sorted(MIXERS)}")
   settings = dict(batch=batch, width=width, num_heads=num_heads, head_dim=head_dim,
                   chunk_size=chunk_size, reps=reps, warmup=warmup)
-  from pallas_kernels.causal_conv1d import config as ccfg  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.kdn_gain import config as gcfg  # pylint: disable=g-import-not-at-top
   results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "settings": settings,
-             "delta_rule_config": repr(dcfg.DEFAULT), "gain_config": repr(gcfg.DEFAULT),
-             "conv_config": repr(ccfg.DEFAULT), "rows": [], "not_started": []}
+             **kernel_config.current(), "rows": [], "not_started": []}
   fla, reason = None, None
   if FLA_ROW in rows:
     fla, reason = import_for_cuda("fla.layers")

@@ -121,13 +121,18 @@ def define_flags(flag_values):
                         "default", flag_values=flag_values)
 
 
+def current():
+  """{'<family>_config': repr of the family's current DEFAULT} (for results JSON)."""
+  return {f"{key}_config": repr(mod.DEFAULT) for key, mod in _modules().items()}
+
+
 def apply_flags(flag_values):
   """Sets the package defaults from define_flags' flags (over the current defaults); every spec
   is parsed (a ValueError naming the flag and item) before any default changes. Returns
-  {flag: the config's repr}."""
+  current()."""
   mods = _modules()
   new = {key: config_from_spec(mod.DEFAULT, getattr(flag_values, f"{key}_config"),
                                f"--{key}_config item") for key, mod in mods.items()}
   for key, mod in mods.items():
     mod.DEFAULT = new[key]
-  return {f"{key}_config": repr(cfg) for key, cfg in new.items()}
+  return current()

@@ -161,16 +161,21 @@ def test_state_step_chunks(n, t, decay, scalar):
     _check(args, None, 16, 1e-5, 1e-4, vjp_primal=True)
 
 
-def test_state_step_chunks_bf16_matches_one_chunk_per_step():
-  """In bf16 (bf16-operand dots) the grouped steps round the merged operands to bf16: the
-  outputs stay within bf16's bound of the one-chunk-per-step pass."""
+def test_state_step_chunks_bf16_as_accurate_as_one_chunk_per_step():
+  """In bf16 (bf16-operand dots) the grouped steps round the merged operands to bf16: their
+  outputs and final state are as close to the float64 loop as the one-chunk-per-step pass's
+  (measured: 3.34e-3 against 3.32e-3 for o), and within bf16 rounding of that pass."""
   args = _inputs(12, 2, 128, 2, 64, 64, jnp.bfloat16, False, "normal")
-  f = jax.jit(lambda *a: delta_rule(*a[:5], 0.7, a[5], None, chunk_size=16))
-  o1, s1 = f(*args)
+  with jax.enable_x64(True):
+    ro, rs = (np.asarray(x) for x in _oracle(
+        *[jnp.asarray(np.asarray(x, np.float32), jnp.float64) for x in args], 0.7, None))
+  run = lambda: jax.jit(lambda *a: delta_rule(*a[:5], 0.7, a[5], None, chunk_size=16))(*args)
+  o1, s1 = run()
   with dr_config.overridden(state_step_chunks=4):
-    o4, s4 = jax.jit(lambda *a: delta_rule(*a[:5], 0.7, a[5], None, chunk_size=16))(*args)
-  assert _rel(o4, o1) <= 2e-2 and _rel(s4, s1) <= 2e-2, (_rel(o4, o1), _rel(s4, s1))
-  assert _rel(o4, o1) > 0   # (the grouped path ran: its roundings differ)
+    o4, s4 = run()
+  assert 0 < _rel(o4, o1) <= 4e-3, _rel(o4, o1)   # (> 0: the grouped path ran)
+  assert _rel(o4, ro) <= 1.05 * _rel(o1, ro), (_rel(o4, ro), _rel(o1, ro))
+  assert _rel(s4, rs) <= 1.05 * _rel(s1, rs), (_rel(s4, rs), _rel(s1, rs))
 
 
 def test_fused_step_without_segments():
