@@ -140,6 +140,9 @@ BAD_INPUTS = [
      ValueError, "initial_state.variance must have shape"),
     (lambda x: ops.delta_rule(x["q"], x["k"], x["v"], x["log_alpha"][..., :3],
                               x["k"]), ValueError, "log_alpha must have shape"),
+    (lambda x: ops.delta_rule(x["q"], x["k"], x["v"], x["log_alpha"], x["k"][..., :1]),
+     ValueError, "write must have shape [B, T, H, K] = (2, 40, 4, 16) (a direction) or "
+     "[B, T, H] = (2, 40, 4) (a scalar beta: write = beta k), got (2, 40, 4, 1)"),
     (lambda x: ops.iso_kdn(x["q"], x["k"], x["v"], x["log_alpha"], x["omega"],
                            x["r"]), ValueError, "omega must have shape [B, T, H]"),
     # An explicit impl='pallas' never falls back to chunked: it names the value.

@@ -22,6 +22,8 @@ def _oracle(q, k, v, la, w, s0, scale, seg):
   """Float64 token loop (lax.scan), resets at segment starts. Call under enable_x64."""
   if la.ndim == 3:
     la = la[..., None]
+  if w.ndim == 3:   # a per-token scalar write: write = beta k
+    w = w[..., None] * k
   b, t = q.shape[:2]
   if seg is None:
     reset = jnp.zeros((b, t), bool)
@@ -42,13 +44,16 @@ def _oracle(q, k, v, la, w, s0, scale, seg):
   return jnp.moveaxis(o, 0, 1), s
 
 
-def _inputs(seed, b, t, h, kd, vd, dtype, scalar_decay, decay, write_scale=0.5):
+def _inputs(seed, b, t, h, kd, vd, dtype, scalar_decay, decay, write_scale=0.5,
+            scalar_write=False):
   rng = np.random.default_rng(seed)
   nrm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
   q = nrm(rng.normal(size=(b, t, h, kd)))
   k = nrm(rng.normal(size=(b, t, h, kd)))
   v = rng.normal(size=(b, t, h, vd))
   w = write_scale * rng.uniform(0, 1, size=(b, t, h, 1)) * k + 0.05 * rng.normal(size=k.shape)
+  if scalar_write:   # beta [B, T, H]: write = beta k
+    w = rng.uniform(0.05, 1.0, size=(b, t, h))
   shape = (b, t, h) if scalar_decay else (b, t, h, kd)
   if decay == "strong":
     la = np.full(shape, -20.0)
@@ -176,6 +181,28 @@ def test_state_step_chunks_bf16_as_accurate_as_one_chunk_per_step():
   assert 0 < _rel(o4, o1) <= 4e-3, _rel(o4, o1)   # (> 0: the grouped path ran)
   assert _rel(o4, ro) <= 1.05 * _rel(o1, ro), (_rel(o4, ro), _rel(o1, ro))
   assert _rel(s4, rs) <= 1.05 * _rel(s1, rs), (_rel(s4, rs), _rel(s1, rs))
+
+
+@pytest.mark.parametrize("variant,dtype", [
+    ({}, jnp.float32),                                        # token-parallel pair kernel
+    (dict(pair_diag="columns", max_chunk=32), jnp.float32),   # the row-block pair kernel
+    ({}, jnp.bfloat16),
+    (dict(scalar_write=False), jnp.float32)])                 # beta k made in XLA instead
+def test_delta_rule_scalar_write(variant, dtype):
+  """write given as a per-token scalar beta [B, T, H] (write = beta k, formed in the pair kernel
+  and the intra backward; beta's gradient <dw, k> and k's share beta dw summed there) against
+  the float64 loop on beta k: outputs, final state and every gradient (beta's, k's), with
+  resets inside and at the start of a chunk, T not a multiple of the chunk."""
+  t = 45
+  seg = np.zeros((2, t), np.int32)
+  seg[0, 16:] = 1
+  seg[1, 21:] = 1
+  chunk = variant.get("max_chunk", 16)
+  tol = (1e-5, 1e-4) if dtype == jnp.float32 else (5e-3, 1e-2)
+  args = _inputs(9, 2, t, 2, 64, 32, dtype, False, "normal", scalar_write=True)
+  assert args[4].shape == (2, t, 2)
+  with dr_config.overridden(**variant):
+    _check(args, seg, chunk, *tol, vjp_primal=True)
 
 
 def test_fused_step_without_segments():

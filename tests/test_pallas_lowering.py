@@ -82,6 +82,29 @@ def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
   assert expected <= kernels, expected - kernels
 
 
+@pytest.mark.parametrize("variant", [{}, dict(pair_diag="columns", max_chunk=32)])
+def test_scalar_write_lowers_for_cuda(as_on_gpu, variant):
+  """KDA with beta [B, T, H] (the write beta k formed in the pair kernel and the intra backward,
+  which also sums beta's gradient), bf16, a reset: forward and backward lower, through both
+  pair kernels, and beta reaches them as [B, T, H] (no [B, T, H, K] write made in XLA)."""
+  q, k, v, la, _, r, seg = _op_inputs(jnp.bfloat16)
+  beta = jax.nn.sigmoid(r).astype(jnp.bfloat16)
+
+  def loss(q, k, v, la, beta):
+    o, _ = ops.kda(q, k, v, la, beta, segment_ids=seg, impl="pallas", chunk_size=64)
+    return jnp.sum(o.astype(jnp.float32))
+
+  with dr_config.overridden(**variant):
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(5))))(q, k, v, la, beta)
+    text = _lower_for_cuda(jax.grad(loss, argnums=tuple(range(5))), q, k, v, la, beta)
+  pair = "delta_rule_pair_rows" if variant else "delta_rule_pair_token_loop"
+  kernels = _triton_kernels(text)
+  assert {pair, "delta_rule_intra_bwd_tokens"} <= kernels, kernels
+  # no multiply of beta into a [B, T, H, K] array anywhere in the program
+  assert not re.search(r"mul [a-z]+:bf16\[1,80,2\] [a-z]+:bf16\[1,80,2,64\]", str(jaxpr))
+  assert not re.search(r"bf16\[1,80,2,1\]", str(jaxpr)), "beta broadcast to [B, T, H, 1]"
+
+
 @pytest.mark.parametrize("fuse_output", ["none", "primal", "all"])
 @pytest.mark.parametrize("segments", [False, True])
 @pytest.mark.parametrize("differentiated", [False, True])

@@ -170,8 +170,8 @@ class KDNMixer(RecurrentMixer):
         gain, log_alpha, variance = fn(k, raw['f'], decay.dt_bias[...], decay.A_log[...], raw['omega_raw'],
                                        raw['r_raw'], self.r_min, self.info_scale(), state['variance'],
                                        segment_ids)
-        write = gain if self.diagonal else gain[..., None] * k.astype(jnp.float32)
-        o, memory = ops.delta_rule(q, k, v, log_alpha, write, initial_state=state['memory'],
+        # (iso: the write is beta k; the kernels form it from beta [B, T, H])
+        o, memory = ops.delta_rule(q, k, v, log_alpha, gain, initial_state=state['memory'],
                                    output_final_state=True, segment_ids=segment_ids, impl='pallas',
                                    chunk_size=self.chunk_size)
         return o, {'memory': memory, 'variance': variance}

@@ -53,7 +53,8 @@ from kdn_jax.ops import kdn as kdn_ops
 from kdn_jax.ops import mobius
 from kdn_jax.ops import validation as val
 from kdn_jax.ops import variance
-from kdn_jax.ops.delta_rule import check_args, default_chunk_size, run_memory
+from kdn_jax.ops.delta_rule import (beta_times, beta_write, check_args, default_chunk_size,
+                                    run_memory)
 # kdn.py's own checks, state defaults and gain dispatch, so both forms of the
 # op accept and refuse the same inputs.
 from kdn_jax.ops.kdn import _check_kdn, _gain, _initial_state
@@ -178,7 +179,9 @@ def _gain_cp(axis_name, op, diag, impl, k, log_alpha, omega, r, mu, p0,
     # from a second run from p0.
     write_p0, p_end_p0 = _gain(op, diag, impl, k, log_alpha, omega, r, mu, p0,
                                segment_ids)
-    write = jnp.where(bounds.head[..., None, None], write, write_p0)
+    # (write: [B, T, H, K], or the iso gain's beta [B, T, H])
+    head = bounds.head.reshape(bounds.head.shape + (1,) * (write.ndim - 2))
+    write = jnp.where(head, write, write_p0)
     has = bounds.has_start.reshape((-1,) + (1,) * (p_end.ndim - 1))
     p_end = jnp.where(has, p_end_p0, p_end)
   return write, _last_slice(axis_name, p_end)
@@ -343,29 +346,25 @@ def delta_rule(q, k, v, log_alpha, write, *, axis_name, scale=None,
   return o.astype(q.dtype), (memory if output_final_state else None)
 
 
-def _beta_times(beta, x):
-  return beta[..., None] * x if beta.ndim == x.ndim - 1 else beta * x
-
-
 def kda(q, k, v, g, beta, **kwargs):
   """`ops.kda` inside shard_map (per-channel decay g, write beta * k)."""
-  return delta_rule(q, k, v, g, _beta_times(beta, k), **kwargs)
+  return delta_rule(q, k, v, g, beta_write(beta, k), **kwargs)
 
 
 def gated_delta_rule(q, k, v, g, beta, **kwargs):
   """`ops.gated_delta_rule` inside shard_map (scalar decay g [B, T, H])."""
-  return delta_rule(q, k, v, g, _beta_times(beta, k), **kwargs)
+  return delta_rule(q, k, v, g, beta_write(beta, k), **kwargs)
 
 
 def delta_net(q, k, v, beta, **kwargs):
   """`ops.delta_net` inside shard_map (no decay)."""
   return delta_rule(q, k, v, jnp.zeros(q.shape[:3], q.dtype),
-                    _beta_times(beta, k), **kwargs)
+                    beta_write(beta, k), **kwargs)
 
 
 def gdn2(q, k, v, g, b, w, **kwargs):
   """`ops.gdn2` inside shard_map (read/erase key b*k, write k, value w*v)."""
-  return delta_rule(q, _beta_times(b, k), _beta_times(w, v), g, k, **kwargs)
+  return delta_rule(q, beta_times(b, k), beta_times(w, v), g, k, **kwargs)
 
 
 def gla(q, k, v, g, **kwargs):

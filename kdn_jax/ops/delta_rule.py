@@ -43,7 +43,10 @@ def check_args(op, q, k, v, log_alpha, write, initial_state, segment_ids):
   b, t, h, kd, vd = val.check_qkv(op, q, k, v)
   val.check_decay(op, "log_alpha", log_alpha, b, t, h, kd)
   val.check_float(op, "write", write)
-  val.check_shape(op, "write", write, (b, t, h, kd), "[B, T, H, K]")
+  if write.shape not in ((b, t, h, kd), (b, t, h)):
+    raise ValueError(f"{op}: write must have shape [B, T, H, K] = {(b, t, h, kd)} (a "
+                     f"direction) or [B, T, H] = {(b, t, h)} (a scalar beta: write = beta k), "
+                     f"got {tuple(write.shape)}")
   val.check_segment_ids(op, segment_ids, b, t)
   if initial_state is not None:
     val.check_float(op, "initial_state", initial_state)
@@ -62,7 +65,8 @@ def run_memory(op, impl, q, k, v, log_alpha, write, memory0, segment_ids,
 
   input_dtype (the caller's q/k/v dtype) sets the Pallas dot precision: 'fast'
   (bf16 operands, fp32 accumulation) for bf16/fp16 data, fp32-accurate for
-  fp32/fp64 data.
+  fp32/fp64 data. write: [B, T, H, K], or [B, T, H] for write = write * k (the
+  Pallas kernels form it themselves).
   """
   if impl == "pallas":
     # resolve_impl has checked that the kernels import and take these widths
@@ -76,6 +80,8 @@ def run_memory(op, impl, q, k, v, log_alpha, write, memory0, segment_ids,
         kq, kk, kv, log_alpha, write, scale, memory0, segment_ids,
         chunk_size=chunk_size, precision=kernels.precision_for(input_dtype))
   q = q * scale
+  if write.ndim == 3:
+    write = write[..., None] * k
   if impl == "chunked":
     return delta_rule_chunked(q, k, v, log_alpha, write, memory0, segment_ids,
                               chunk_size=chunk_size)
@@ -89,7 +95,10 @@ def delta_rule(q, k, v, log_alpha, write, *, scale=None, initial_state=None,
   """General delta rule with write direction `write` and erase direction `k`.
 
   Args:
-    q, k, write: [B, T, H, K]; v: [B, T, H, V].
+    q, k: [B, T, H, K]; v: [B, T, H, V].
+    write: [B, T, H, K], or [B, T, H]: a per-token scalar beta, write = beta * k
+      (the Pallas kernels then form beta * k themselves: no [B, T, H, K] write
+      array in memory).
     log_alpha: [B, T, H, K] per-channel or [B, T, H] scalar log decay (<= 0).
     scale: query scale, default K ** -0.5.
     initial_state: memory [B, H, K, V] or None (zeros).
@@ -144,8 +153,14 @@ def delta_rule_step(q, k, v, log_alpha, write, memory, *, scale=None,
   return o.astype(q.dtype), memory
 
 
-def _beta_times(beta, x):
+def beta_times(beta, x):
   return beta[..., None] * x if beta.ndim == x.ndim - 1 else beta * x
+
+
+def beta_write(beta, k):
+  """delta_rule's write for write = beta * k: beta itself when it is one scalar per token
+  ([B, T, H]), else the product."""
+  return beta if beta.ndim == k.ndim - 1 else beta * k
 
 
 def _check_gate(op, g, kwargs):
@@ -159,20 +174,20 @@ def _check_gate(op, g, kwargs):
 def kda(q, k, v, g, beta, **kwargs):
   """Kimi Delta Attention: per-channel decay g [B,T,H,K], write beta * k."""
   kwargs = _check_gate("kda", g, kwargs)
-  return delta_rule(q, k, v, g, _beta_times(beta, k), **kwargs)
+  return delta_rule(q, k, v, g, beta_write(beta, k), **kwargs)
 
 
 def gated_delta_rule(q, k, v, g, beta, **kwargs):
   """Gated DeltaNet: scalar decay g [B,T,H], write beta * k."""
   kwargs = _check_gate("gated_delta_rule", g, kwargs)
-  return delta_rule(q, k, v, g, _beta_times(beta, k), **kwargs)
+  return delta_rule(q, k, v, g, beta_write(beta, k), **kwargs)
 
 
 def delta_net(q, k, v, beta, **kwargs):
   """DeltaNet: no decay, write beta * k."""
   kwargs.pop("checked", None)  # no decay: nothing to check
   return delta_rule(q, k, v, jnp.zeros(q.shape[:3], q.dtype),
-                    _beta_times(beta, k), **kwargs)
+                    beta_write(beta, k), **kwargs)
 
 
 def gdn2(q, k, v, g, b, w, **kwargs):
@@ -182,7 +197,7 @@ def gdn2(q, k, v, g, b, w, **kwargs):
   b is [B,T,H,K] or [B,T,H], w is [B,T,H,V] or [B,T,H].
   """
   kwargs = _check_gate("gdn2", g, kwargs)
-  return delta_rule(q, _beta_times(b, k), _beta_times(w, v), g, k, **kwargs)
+  return delta_rule(q, beta_times(b, k), beta_times(w, v), g, k, **kwargs)
 
 
 def gla(q, k, v, g, **kwargs):
@@ -202,26 +217,26 @@ def gla(q, k, v, g, **kwargs):
 def kda_step(q, k, v, g, beta, memory, *, scale=None, checked=False):
   """One token of `kda`: q, k, g [B,H,K]; v [B,H,V]; beta [B,H]."""
   _check_gate("kda_step", g, dict(checked=checked))
-  return delta_rule_step(q, k, v, g, _beta_times(beta, k), memory, scale=scale)
+  return delta_rule_step(q, k, v, g, beta_times(beta, k), memory, scale=scale)
 
 
 def gated_delta_rule_step(q, k, v, g, beta, memory, *, scale=None,
                           checked=False):
   """One token of `gated_delta_rule`: g, beta [B,H]."""
   _check_gate("gated_delta_rule_step", g, dict(checked=checked))
-  return delta_rule_step(q, k, v, g, _beta_times(beta, k), memory, scale=scale)
+  return delta_rule_step(q, k, v, g, beta_times(beta, k), memory, scale=scale)
 
 
 def delta_net_step(q, k, v, beta, memory, *, scale=None):
   """One token of `delta_net` (no decay): beta [B,H]."""
   return delta_rule_step(q, k, v, jnp.zeros(q.shape[:2], q.dtype),
-                         _beta_times(beta, k), memory, scale=scale)
+                         beta_times(beta, k), memory, scale=scale)
 
 
 def gdn2_step(q, k, v, g, b, w, memory, *, scale=None, checked=False):
   """One token of `gdn2`: b [B,H,K] or [B,H]; w [B,H,V] or [B,H]."""
   _check_gate("gdn2_step", g, dict(checked=checked))
-  return delta_rule_step(q, _beta_times(b, k), _beta_times(w, v), g, k, memory,
+  return delta_rule_step(q, beta_times(b, k), beta_times(w, v), g, k, memory,
                          scale=scale)
 
 

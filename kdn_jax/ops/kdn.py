@@ -124,8 +124,7 @@ def _gain(op, diag, impl, k, log_alpha, omega, r, mu, var0, segment_ids):
     fn = kernels.diag_gain if kernels else variance.diag_gain
     return fn(k, log_alpha, omega, r, mu, var0, segment_ids)
   fn = kernels.iso_gain if kernels else variance.iso_gain
-  beta, var = fn(k, log_alpha, omega, r, mu, var0, segment_ids)
-  return beta[..., None] * k, var
+  return fn(k, log_alpha, omega, r, mu, var0, segment_ids)   # beta: write = beta k
 
 
 def diag_kdn(q, k, v, log_alpha, omega, r, *, info_scale=None, scale=None,

@@ -152,8 +152,8 @@ def _core_bwd(chunk, chunk_fo, scale, interpret, cfg, cfg_fo, prec, saved, cts):
   body = functools.partial(_backward_body, chunk=chunk, scale=scale, interpret=interpret,
                            cfg=cfg, prec=prec)
   dims = _IN[:4] + (_BTHK,) + _IN[5:] + _RES[1:] + (_BTHK, _BH)
-  dq, dk, dv, dw, dla, dh0 = _sharding.per_shard(body, dims, (_OUT4,) * 5 + (_STATE4,),
-                                                  "delta_rule backward")(
+  outs = (_OUT4,) * 3 + (_BTHK + (w.ndim,), _OUT4, _STATE4)
+  dq, dk, dv, dw, dla, dh0 = _sharding.per_shard(body, dims, outs, "delta_rule backward")(
       q, k, v, w, *res[:1], h0, starts, cont, pid, *res[1:], do, dsfin.astype(jnp.float32))
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dw.astype(w.dtype),
           dla.astype(la_like.dtype), dh0, None, None, None, None, None)
@@ -197,8 +197,10 @@ def delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None
                chunk_size=64, precision=None, interpret=None):
   """S_t = (I - w_t k_t^T) D_t S_{t-1} + w_t v_t^T,  o_t = scale * S_t^T q_t.
 
-  q, k, write: [B,T,H,K]; v: [B,T,H,V]; log_alpha: [B,T,H,K] or [B,T,H]; initial_state: [B,H,K,V]
-  float32; segment_ids: [B,T] int or None. precision: 'fast' (bf16-operand or TF32 dots, for bf16/fp16 data) or
+  q, k: [B,T,H,K]; write: [B,T,H,K], or [B,T,H] for a per-token scalar beta with write = beta k
+  (DeltaNet's, KDA's and the isotropic KDN's: formed inside the kernels, its gradient is beta's);
+  v: [B,T,H,V]; log_alpha: [B,T,H,K] or [B,T,H]; initial_state: [B,H,K,V] float32; segment_ids:
+  [B,T] int or None. precision: 'fast' (bf16-operand or TF32 dots, for bf16/fp16 data) or
   'exact' (fp32-accurate dots); None picks from q.dtype. Returns (o [B,T,H,V] q.dtype,
   S_final [B,H,K,V] f32).
   """
@@ -222,6 +224,8 @@ def delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None
   if isinstance(scale, jax.core.Tracer):
     # A traced scale cannot be a kernel constant: fold it into q (fp32) instead.
     q, scale = q.astype(jnp.float32) * scale, 1.0
+  if write.ndim == 3 and (not cfg.scalar_write or tpu_common.use_tpu_kernels(interpret)):
+    write = write[..., None] * k   # (the TPU kernels read a [B, T, H, K] write)
   q, k, v, w, la = (common.pad_time(x, t_pad) for x in (q, k, v, write, la))
   starts, cont, pid = segment_arrays(segment_ids, bsz, t, t_pad, chunk)
   starts_fo, cont_fo = starts, cont

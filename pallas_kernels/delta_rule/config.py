@@ -112,6 +112,13 @@ class DeltaRuleConfig:
   # time was spent): gpu_measurements.sh forward with FORWARD_SWEEP=default,state_step_chunks=2,
   # state_step_chunks=4.
   state_step_chunks: int = 1
+  # A write given as a per-token scalar beta ([B, T, H], write = beta k: DeltaNet's, KDA's and
+  # the isotropic KDN's) formed inside the pair kernels and the intra backward, beta applied
+  # after their reductions over K (and beta's gradient <dw, k> summed there), instead of an XLA
+  # multiply writing a [B, T, H, K] fp32 write (0.54 GB at B=4 T=16384 H=16 K=128, read back
+  # by the pair kernel; its gradient another pass). Session 45, exact in interpret mode (tests);
+  # not yet timed (no device that session): gpu_measurements.sh forward times both at 16k.
+  scalar_write: bool = True
   # Triton software-pipelining stages of the kernels' loops. Session 39, H200 fwd+bwd, one
   # process per line, 2 -> 3: diag KDN T=16384 16.83 -> 16.18 ms (GPU check passed at 3), with
   # documents 18.17 -> 17.92, iso 15.48 -> 15.32; T=4096 4.57 -> 4.51.

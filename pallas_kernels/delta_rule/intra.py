@@ -24,10 +24,11 @@ from jax.experimental import pallas as pl
 from pallas_kernels.delta_rule import wy as _wy
 from pallas_kernels.delta_rule.tiles import (
     dot_nt, tile, decay_to_last, kernel_precision, operand_dtype, launch_params, ref_point,
-    masked_store)
+    masked_store, write_parts, write_rows, times_beta)
 
 
-def _diag_columns(q, k, g, w_ref, g_ref, pid_ref, pid_i, l_out, p_out, b, h, r0, col0, scale, S):
+def _diag_columns(q, k, g, w_ref, k_ref, g_ref, pid_ref, pid_i, l_out, p_out, b, h, r0, col0,
+                  scale, S):
   """The diagonal S x S tile of L (strict) and P (scaled, inclusive) of the row block starting at
   token r0, one column per step stored straight to l_out / p_out (columns col0 + jj): exact
   exp(min(g_r - g_j, 0)). No [S, S] tile is carried through the loop: merging each step's
@@ -36,11 +37,11 @@ def _diag_columns(q, k, g, w_ref, g_ref, pid_ref, pid_i, l_out, p_out, b, h, r0,
   row = lax.broadcasted_iota(jnp.int32, (S,), 0)
 
   def body(jj, carry):
-    wj = w_ref[b, r0 + jj, h, :].astype(jnp.float32)
+    wj, beta = write_parts(w_ref, k_ref, b, r0 + jj, h)
     gj = g_ref[b, r0 + jj, h, :].astype(jnp.float32)
     e = jnp.exp(jnp.minimum(g - gj[None, :], 0.0)) * wj[None, :]
-    kw = jnp.sum(k * e, axis=1)
-    qw = jnp.sum(q * e, axis=1)
+    kw = times_beta(jnp.sum(k * e, axis=1), beta)
+    qw = times_beta(jnp.sum(q * e, axis=1), beta)
     keep_l, keep_p = row > jj, row >= jj
     if pid_i is not None:   # (pid_i: the row block's segment ids)
       same = pid_i == pid_ref[b, r0 + jj]
@@ -77,7 +78,7 @@ def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec):
     # T=4096, 1.46 ms against 1.93 (docs/benchmark_mixers.md, session 32).
     g0, xs = ref_point(g_ref, b, h, r0, S, 0, g)
     col_t = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
-    y = jnp.where(col_t < i * S, tile(w_ref, b, t0, C, h) * jnp.exp(
+    y = jnp.where(col_t < i * S, write_rows(w_ref, k_ref, b, pl.ds(t0, C), h) * jnp.exp(
         jnp.minimum(g0 - tile(g_ref, b, t0, C, h), 0.0)), 0.0)
     lmat, pmat = dot_nt(k * xs, y, prec), dot_nt(q * xs, y, prec)
     if has_seg:
@@ -87,10 +88,11 @@ def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec):
     idx = (b, h, rows, pl.ds(0, C))
     masked_store(l_out, idx, lmat, off_diag)
     masked_store(p_out, idx, (scale * pmat).astype(p_out.dtype), off_diag)
-  _diag_columns(q, k, g, w_ref, g_ref, pid_ref, pid_i, l_out, p_out, b, h, r0, i * S, scale, S)
+  _diag_columns(q, k, g, w_ref, k_ref, g_ref, pid_ref, pid_i, l_out, p_out, b, h, r0, i * S,
+                scale, S)
   g_last = g_ref[b, t0 + C - 1, h, :]
   e_last = decay_to_last(g, g_last, pid_i, pid_ref[b, t0 + C - 1] if has_seg else None)
-  wt_out[b, rows, h, :] = (tile(w_ref, b, r0, S, h) * e_last).astype(wt_out.dtype)
+  wt_out[b, rows, h, :] = (write_rows(w_ref, k_ref, b, rows, h) * e_last).astype(wt_out.dtype)
 
 
 def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads):
@@ -107,14 +109,15 @@ def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads):
   hs = pl.ds(hb * heads, heads)
   r0 = (r // S) * S
   t_last = r0 + S - 1
-  q, k, w, g = (x[b, r, hs, :].astype(jnp.float32) for x in (q_ref, k_ref, w_ref, g_ref))
+  q, k, g = (x[b, r, hs, :].astype(jnp.float32) for x in (q_ref, k_ref, g_ref))
+  w = write_rows(w_ref, k_ref, b, r, hs)
   pid_r = pid_ref[b, r] if has_seg else None
 
   def pair(j):
     """Column j's kept L and scaled P values, [heads] each."""
-    e = jnp.exp(jnp.minimum(g - g_ref[b, j, hs, :].astype(jnp.float32), 0.0)) * w_ref[
-        b, j, hs, :].astype(jnp.float32)
-    kw, qw = jnp.sum(k * e, axis=1), jnp.sum(q * e, axis=1)
+    wj, beta = write_parts(w_ref, k_ref, b, j, hs)   # (beta: applied after the sums)
+    e = jnp.exp(jnp.minimum(g - g_ref[b, j, hs, :].astype(jnp.float32), 0.0)) * wj
+    kw, qw = (times_beta(jnp.sum(x * e, axis=1), beta) for x in (k, q))
     keep_l, keep_p = j < r, True
     if has_seg:
       same = pid_ref[b, j] == pid_r

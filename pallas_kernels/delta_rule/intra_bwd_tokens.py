@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.delta_rule.tiles import launch_params
+from pallas_kernels.delta_rule.tiles import launch_params, times_beta, write_parts, write_rows
 
 # The kernel's inputs, in order (then pid with segments): q, k, w, g and the partials.
 _INPUTS = ("q", "k", "w", "g", "dp", "dl", "dwt", "dkbar", "dqbar", "dgl")
@@ -68,13 +68,16 @@ def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads):
     """x ([heads]) where token j shares token t's segment, else 0."""
     return jnp.where(r["pid"][b, j] == pid_t, x, 0.0) if has_seg else x
 
-  q, k, w, g = row("q", t), row("k", t), row("w", t), row("g", t)
+  q, k, g = row("q", t), row("k", t), row("g", t)
+  scalar_write = len(r["w"].shape) == 3   # write = beta k (beta [B, T, H])
+  w = write_rows(r["w"], r["k"], b, t, hs)
 
   def row_step(j, acc):
     dq_acc, dk_acc = acc
-    we = row("w", j) * jnp.exp(jnp.minimum(g - row("g", j), 0.0))
-    dpj = same(j, scale * vsum("dp", t, j - r0))[:, None]
-    dlj = same(j, vsum("dl", t, j - r0))[:, None]
+    wj, beta = write_parts(r["w"], r["k"], b, j, hs)   # (beta: folded into dP and dL)
+    we = wj * jnp.exp(jnp.minimum(g - row("g", j), 0.0))
+    dpj = times_beta(same(j, scale * vsum("dp", t, j - r0)), beta)[:, None]
+    dlj = times_beta(same(j, vsum("dl", t, j - r0)), beta)[:, None]
     return dq_acc + dpj * we, dk_acc + dlj * we
 
   def col_step(rr, dw_acc):
@@ -97,8 +100,15 @@ def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads):
   e0 = jnp.exp(g)
   out = (b, t, hs, slice(None))
   dq_ref[out] = (dq_acc + p_diag * w + scale * dqbar * e0).astype(dq_ref.dtype)
-  dk_ref[out] = (dk_acc + dkbar * e0).astype(dk_ref.dtype)
-  dw_ref[out] = dw_acc + p_diag * q + dwt * e_last
+  dw = dw_acc + p_diag * q + dwt * e_last
+  dk = dk_acc + dkbar * e0
+  if scalar_write:   # through write = beta k: d beta = <dw, k>, and k's share beta dw
+    beta = r["w"][b, t, hs].astype(f32)[:, None]
+    dk = dk + beta * dw
+    dw_ref[b, t, hs] = jnp.sum(dw * k, axis=1)
+  else:
+    dw_ref[out] = dw
+  dk_ref[out] = dk.astype(dk_ref.dtype)
   dg = q * dq_acc + k * dk_acc - w * dw_acc + dqbar * ((scale * q) * e0) + dkbar * (k * e0)
   dg_ref[out] = dg + jnp.where(t == t_last, vsum("dgl", c, slice(None)), 0.0)
   dla_ref[out] = dwt * w * e_last
@@ -106,7 +116,9 @@ def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads):
 
 def intra_backward_tokens(q, k, w, g, pid, partials, *, chunk, scale, interpret, cfg,
                           dq_dtype=jnp.float32, dk_dtype=jnp.float32):
-  """(dq, dk, dw, dg, dla_terms) [B, T, H, K] (dq, dk in their dtypes, the rest fp32) from the
+  """(dq, dk, dw, dg, dla_terms) [B, T, H, K] (dq, dk in their dtypes, the rest fp32; with a
+  per-token scalar write w [B, T, H] (write = w k) dw is that scalar's gradient, [B, T, H], and
+  dk includes the write's share) from the
   partials kernel's outputs (dp, dl [B, H, NVB, T, C]; dwt, dkbar, dqbar [B, H, NVB, T, K]; dgl
   [B, H, NVB, NC, K]); dg is the gradient of the chunk-local cumsum g, and the direct log-decay
   term is the exclusive prefix of dla_terms within each chunk."""
@@ -117,7 +129,9 @@ def intra_backward_tokens(q, k, w, g, pid, partials, *, chunk, scale, interpret,
   return pl.pallas_call(
       functools.partial(_token_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
                         num_vb=partials[0].shape[2], heads=heads),
-      out_shape=(lane(dq_dtype), lane(dk_dtype)) + (lane(),) * 3, grid=(bsz, t, nh // heads),
+      out_shape=(lane(dq_dtype), lane(dk_dtype),
+                 jax.ShapeDtypeStruct(w.shape, jnp.float32)) + (lane(),) * 2,
+      grid=(bsz, t, nh // heads),
       name="delta_rule_intra_bwd_tokens",
       **launch_params(interpret, cfg.num_warps_intra_bwd, cfg),
   )(q, k, w, g, *partials, *([pid] if has_seg else []))

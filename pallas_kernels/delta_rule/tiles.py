@@ -45,6 +45,28 @@ def tile(ref, b, t0, c, h, f32=True):
   return x.astype(jnp.float32) if f32 else x
 
 
+def write_parts(w_ref, k_ref, b, t, h):
+  """The write direction at (b, t, h) (t and h an index or a pl.ds) as (rows, beta), fp32:
+  (w_ref's rows, None) for a [B, T, H, K] write; for a per-token scalar write ([B, T, H]:
+  write = beta k), (k's rows, beta), so that no [B, T, H, K] write array goes through memory
+  and a kernel can apply beta after reducing over K (one multiply per row, not per element:
+  the pair kernels are issue-bound)."""
+  if len(w_ref.shape) == 4:
+    return w_ref[b, t, h, :].astype(jnp.float32), None
+  return k_ref[b, t, h, :].astype(jnp.float32), w_ref[b, t, h].astype(jnp.float32)
+
+
+def write_rows(w_ref, k_ref, b, t, h):
+  """The write direction's rows at (b, t, h), fp32 (write_parts with beta applied)."""
+  rows, beta = write_parts(w_ref, k_ref, b, t, h)
+  return rows if beta is None else beta[..., None] * rows
+
+
+def times_beta(x, beta):
+  """x (values reduced over K) times beta (write_parts' second value); x when there is none."""
+  return x if beta is None else x * beta
+
+
 def by_reset(cont_ref, b, t_last, body):
   """body(seg) for the chunk ending at token t_last: without segments (cont_ref None) the
   segment-free body; with them, the segment body (seg=True) only where the chunk holds a reset
