@@ -65,7 +65,7 @@ flags.DEFINE_boolean("gain_sweep_fwd_bwd", True, "rank the --gain_sweep specs by
 flags.DEFINE_integer("sweep_len", 4096, "sequence length for the sweeps", flag_values=FLAGS)
 flags.DEFINE_enum("sweep_row", "diag_kdn_pallas",
                   ["diag_kdn_pallas", "iso_kdn_pallas", "diag_kdn_seg_pallas",
-                   "iso_kdn_seg_pallas"],
+                   "iso_kdn_seg_pallas", "kda_pallas", "gdn_pallas"],
                   "the row --sweep times (fwd+bwd); the *_seg rows sweep the packed-documents "
                   "path", flag_values=FLAGS)
 flags.DEFINE_boolean("sweep_stages", False, "time the pallas stages (see --stages) under every "
@@ -383,6 +383,12 @@ def run_check(b=2, t=300, h=2, d=128, cut=100):
     for name, fa, fb in (("", f_pk, f_ref), ("seg_", f_pk_seg, f_ref_seg)):
       _compare(res, f"delta_rule_{tag}_{name}", fa, fb, args, ct, ("o", "S"),
                ("dq", "dk", "dv", "dla", "dw", "dh0"))
+    # the write as a per-token scalar (write = beta k, formed in the kernels; KDA's, the iso
+    # KDN's), with the reset: beta's gradient is "dbeta"
+    beta_args = args[:4] + (0.5 * x["beta"].astype(jnp.float32),) + args[5:]
+    f_ref_beta = lambda *a: f_ref_seg(*a[:4], a[4][..., None] * a[1].astype(jnp.float32), a[5])
+    _compare(res, f"delta_rule_{tag}_seg_beta_", f_pk_seg, f_ref_beta, beta_args, ct, ("o", "S"),
+             ("dq", "dk", "dv", "dla", "dbeta", "dh0"))
     res.update(_gain_check(pk, x, seg, tag, b, h, d))
   for kname, val in res.items():
     logging.info("check %s: %.3g", kname, val)

@@ -19,6 +19,7 @@ def test_check_meets_bounds_in_interpret_mode():
   res = bm.run_check(b=1, t=40, h=1, d=16, cut=13)
   assert any("seg_" in k for k in res)
   assert "delta_rule_float32_seg_dh0" in res
+  assert {"delta_rule_bfloat16_seg_beta_dbeta", "delta_rule_float32_seg_beta_o"} <= set(res)
   assert {"diag_gain_float32_dp0", "iso_gain_bfloat16_dmu", "iso_gain_float32_kappa"} <= set(res)
   assert bm.check_violations(res) == {}, res
 

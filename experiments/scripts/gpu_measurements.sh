@@ -5,8 +5,8 @@
 # (the same for the packed-documents path),
 # mixers (mixer table vs flash-linear-attention), layers (whole layers vs fla's KDA layer),
 # train (125M LM training throughput on 1 GPU, and on 2 when there are 2), mgpu (the Mosaic GPU
-# output stage: tests and timing), forward (forward configs at 16k with the stage split, the
-# gain's forward stages, fuse_output=all, GPU checks at K=128), glue (the GPU check
+# output stage: tests and timing), forward (forward configs at 16k with the stage split and at
+# 4k, the scalar write's A/B, fuse_output=all, GPU checks), glue (the GPU check
 # of the layers' fused glue kernels), loadchecks (GPU checks of the default since the cumsums'
 # load blocks), convblocks (the conv's load blocks: layers, check_fusion). Default: check ops stages docs mixers layers train.
 # Kernel config sweep (stages): SWEEP='default,max_chunk=64/sub_block=32' (DeltaRuleConfig fields).
@@ -121,13 +121,14 @@ forward)
   # The forward at 16k with its stage split, then at 4k: FORWARD_SWEEP (default: the shipped
   # config against session 44's untimed trial state_step_chunks=2/4, several chunks per serial
   # step of the fused pass, also at 8 warps for the registers its merged group takes, and
-  # fuse_output=none, the output kernel apart); the gain's forward kernels at 1-3 pipelining
-  # stages (GainConfig.num_stages_fwd; session 44: a tie); 'all' (the output fused in every
-  # call, training too) fwd+bwd without and with documents (FORWARD_ALL=0 skips those); the GPU
-  # checks CHECK_CASES=dim:spec[:gain spec],... (default: state_step_chunks=4, and
-  # fuse_output=all's reset branch, at K=128). FORWARD_LIMIT / FORWARD_4K_LIMIT: the first two
-  # lines' limits. About 510 s at most (FORWARD_DOCS=1: the forward with documents too, +50 s);
-  # each line has its own limit, and results.tgz is packed after each.
+  # fuse_output=none, the output kernel apart); FORWARD_LIMIT / FORWARD_4K_LIMIT: their limits.
+  # Then the scalar write's A/B (SCALAR_WRITE_ROWS; 4 lines of 60 s at most); 'all' (the output
+  # fused in every call, training too) fwd+bwd without and with documents (FORWARD_ALL=0 skips
+  # those); the GPU checks CHECK_CASES=dim:spec[:gain spec],... (default: state_step_chunks=4
+  # and fuse_output=all's reset branch at K=128, the default at K=16; each up to CHECK_LIMIT,
+  # 90 s). About 800 s at most: to fit one call, run FORWARD_ALL=0 (-120 s) with one or two
+  # CHECK_CASES (FORWARD_DOCS=1: the forward with documents, +50 s). Each line has its own
+  # limit, and results.tgz is packed after each.
   SWEEP_LOG=forward.txt
   G=state_step_chunks
   SPECS=${FORWARD_SWEEP:-default,$G=2,$G=4,$G=2/num_warps_recur=8,$G=4/num_warps_recur=8,fuse_output=none}
@@ -135,8 +136,14 @@ forward)
     --sweep_fwd_only --sweep_stages --sweep=$SPECS
   sweep_line ${FORWARD_4K_LIMIT:-90} --out="$RES/forward_4096" --seq_lens=4096 --sweep_len=4096 \
     --sweep_fwd_only --sweep=$SPECS
-  sweep_line 40 --out="$RES/forward_gain" --seq_lens=16384 --sweep_len=16384 \
-    --gain_sweep_fwd_bwd=false --gain_sweep=default,num_stages_fwd=2,num_stages_fwd=3
+  # session 45's scalar write (beta [B, T, H] formed in the kernels) against beta k made in XLA
+  # (scalar_write=0), forward then fwd+bwd, on the rows whose write is beta k (iso KDN, KDA)
+  for row in ${SCALAR_WRITE_ROWS:-iso_kdn_pallas kda_pallas}; do
+    for rank in --sweep_fwd_only --nosweep_fwd_only; do
+      sweep_line 60 --out="$RES/scalar_write_${row}${rank#--}" --seq_lens=16384 --sweep_len=16384 \
+        --sweep_row=$row $rank --sweep=default,scalar_write=0
+    done
+  done
   # with documents: 'all' also fuses the primal (its S_init dot only in chunks with a reset)
   [ "${FORWARD_DOCS:-0}" = 1 ] && sweep_line 50 --out="$RES/forward_docs" --seq_lens=16384 \
     --sweep_len=16384 --sweep_fwd_only --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
@@ -144,7 +151,7 @@ forward)
     --sweep=default,fuse_output=all
   [ "${FORWARD_ALL:-1}" = 1 ] && sweep_line 50 --out="$RES/forward_all_docs" --seq_lens=16384 --sweep_len=16384 \
     --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
-  gpu_checks "${CHECK_CASES:-128:state_step_chunks=4,128:fuse_output=all}" ;;
+  gpu_checks "${CHECK_CASES:-128:state_step_chunks=4,128:fuse_output=all,16:default}" ;;
 loadchecks)
   # The GPU checks of the default (DeltaRuleConfig.cumsum_block=8 since session 43, the decay
   # cumsums' loads in blocks: pallas_kernels/token_loop.py) at K=128 and K=16. About 200 s at most.
