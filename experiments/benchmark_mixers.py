@@ -443,11 +443,17 @@ def _time_stages(t, docs=False):
       q, k, v, w, g, h0, pid, cont, **kw))
   iargs = (x["q"], x["k"], x["v"], w, g, h0, pid, cont)
   out["delta_intra_fwd"] = _time_fn(intra, iargs, first, "delta_intra_fwd")
-  amat, pmat, wt, wk, u = intra(*iargs)
+  amat, pmat, wt, wk, u, _ = intra(*iargs)
   # its two kernels apart: the pair rows, then the WY kernel
   pairs = jax.jit(lambda q, k, w, g, pid: dintra.pair_rows_forward(q, k, w, g, pid, **kw))
   out["delta_pairs_fwd"] = _time_fn(pairs, (x["q"], x["k"], w, g, pid), first, "delta_pairs_fwd")
   lmat = pairs(x["q"], x["k"], w, g, pid)[0]
+  if cfg.cumsum_in_pairs and dintra.token_parallel(cfg, chunk):
+    # the pair kernel forming g from log_alpha (the op then runs no cumsum kernel)
+    pairs_la = jax.jit(lambda q, k, w, la, pid: dintra.pair_rows_forward(
+        q, k, w, None, pid, la=la, **kw))
+    out["delta_pairs_cumsum_fwd"] = _time_fn(pairs_la, (x["q"], x["k"], w, x["la"], pid), first,
+                                             "delta_pairs_cumsum_fwd")
   nosc = {n: val for n, val in kw.items() if n != "scale"}
   wyf = jax.jit(lambda lmat, k, v, g, h0, cont: dwy.wy_forward(
       lmat, k, v, g, h0, cont, sub=dintra.sub_rows(cfg, chunk), **nosc))

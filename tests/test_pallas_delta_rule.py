@@ -205,6 +205,54 @@ def test_delta_rule_scalar_write(variant, dtype):
     _check(args, seg, chunk, *tol, vjp_primal=True)
 
 
+@pytest.mark.parametrize("t,decay,scalar_decay,segs,scalar_write", [
+    (45, "normal", False, True, False),   # resets inside a chunk, on its last row, on the next's first
+    (40, "strong", True, False, False),   # log-decay -20 per token, [B, T, H] decay
+    (37, "normal", False, True, True),    # with the scalar write
+    (1, "normal", False, False, False)])  # T = 1
+def test_cumsum_in_pairs(t, decay, scalar_decay, segs, scalar_write):
+  """cumsum_in_pairs: the token-parallel pair kernel forms g from log_alpha (no cumsum kernel);
+  outputs of the primal and of a differentiated call, final state and gradients against the
+  float64 loop."""
+  args = _inputs(13, 2, t, 2, 64, 32, jnp.float32, scalar_decay, decay,
+                 scalar_write=scalar_write)
+  seg = None
+  if segs:
+    seg = np.zeros((2, t), np.int32)
+    seg[0, 20:] = 1
+    seg[0, 31:] = 2
+    seg[0, 32:] = 3
+    seg[1, 9:] = 1
+  with dr_config.overridden(cumsum_in_pairs=True):
+    _check(args, seg, 16, 1e-5, 1e-4, vjp_primal=True)
+
+
+def test_cumsum_in_pairs_matches_the_cumsum_kernel():
+  """The pair kernel's g, L, P and Wt from log_alpha against the cumsum kernel's g and the pair
+  kernel on it, with resets (g restarts at them): the same up to fp32 summation order."""
+  from pallas_kernels.delta_rule import intra, segment_arrays   # pylint: disable=g-import-not-at-top
+  from pallas_kernels.delta_rule.chunk_cumsum import chunk_cumsum   # pylint: disable=g-import-not-at-top
+  t = 48
+  q, k, _, la, w, _ = _inputs(14, 2, t, 4, 64, 32, jnp.float32, False, "normal")
+  seg = np.zeros((2, t), np.int32)
+  seg[0, 5:] = 1
+  seg[0, 16:] = 2
+  seg[1, 30:] = 1
+  starts, _, pid = segment_arrays(jnp.asarray(seg), 2, t, t, 16)
+  cfg = dr_config.DeltaRuleConfig(cumsum_in_pairs=True)
+  kw = dict(chunk=16, scale=0.3, interpret=True, cfg=cfg, cfg_prec="exact")
+  g = chunk_cumsum(la, starts, chunk=16, interpret=True, block=8)
+  want = intra.pair_rows_forward(q, k, w, g, pid, **kw)
+  got = intra.pair_rows_forward(q, k, w, None, pid, la=la, **kw)
+  assert len(got) == 4
+  np.testing.assert_allclose(got[3], g, rtol=1e-6, atol=1e-6)
+  for name, a, b in zip(("L", "P", "Wt"), got[:3], want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
+  with pytest.raises(ValueError, match="token-parallel"):
+    intra.pair_rows_forward(q, k, w, None, pid, la=la,
+                            **dict(kw, cfg=dr_config.DeltaRuleConfig(pair_diag="columns")))
+
+
 def test_fused_step_without_segments():
   """The fused step on the path the forward benchmark times (no segments): the primal, which
   stores no states, and a differentiated call's forward, which does."""

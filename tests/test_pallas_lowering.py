@@ -54,7 +54,7 @@ def _op_inputs(dtype, b=1, t=80, h=2, d=64):
 @pytest.mark.parametrize("variant", [
     {}, dict(pair_diag="columns"),
     dict(max_chunk=32), dict(max_chunk=64, sub_block=32), dict(fuse_output="all"),
-    dict(fuse_output="all", cumsum_block=1)])
+    dict(fuse_output="all", cumsum_block=1), dict(cumsum_in_pairs=True)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
   """diag KDN forward and backward (gain kernels, cumsum, pair, WY, state pass, output, the
@@ -72,7 +72,8 @@ def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
   token_parallel = (variant.get("pair_diag", "token_loop") == "token_loop"
                     and "max_chunk" not in variant)   # (chunks of one row block only)
   expected = {"kdn_gain_reduce", "kdn_gain_replay", "kdn_gain_bwd_reduce", "kdn_gain_bwd_replay",
-              "delta_rule_cumsum", "delta_rule_wy",
+              *(() if variant.get("cumsum_in_pairs") else ("delta_rule_cumsum",)),
+              "delta_rule_wy",
               *(("delta_rule_state_output",) if variant.get("fuse_output") == "all" else
                 ("delta_rule_state_pass", "delta_rule_output")),
               "delta_rule_recur_bwd", "delta_rule_bwd_partials", "delta_rule_intra_bwd_tokens",
@@ -80,6 +81,8 @@ def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
               "delta_rule_pair_token_loop" if token_parallel else "delta_rule_pair_rows"}
   kernels = _triton_kernels(text)
   assert expected <= kernels, expected - kernels
+  if variant.get("cumsum_in_pairs"):   # the pair kernel forms g: no cumsum kernel runs
+    assert "delta_rule_cumsum" not in kernels, kernels
 
 
 @pytest.mark.parametrize("variant", [{}, dict(pair_diag="columns", max_chunk=32)])

@@ -120,22 +120,29 @@ train)
 forward)
   # The forward at 16k with its stage split, then at 4k: FORWARD_SWEEP (default: the shipped
   # config against session 44's untimed trial state_step_chunks=2/4, several chunks per serial
-  # step of the fused pass, also at 8 warps for the registers its merged group takes, and
-  # fuse_output=none, the output kernel apart); FORWARD_LIMIT / FORWARD_4K_LIMIT: their limits.
-  # Then the scalar write's A/B (SCALAR_WRITE_ROWS; 4 lines of 60 s at most); 'all' (the output
+  # step of the fused pass, also at 8 warps for the registers its merged group takes, session
+  # 45's cumsum_in_pairs (g formed by the pair kernel, no cumsum kernel), alone and with 4
+  # chunks per step, and fuse_output=none, the output kernel apart); FORWARD_LIMIT /
+  # FORWARD_4K_LIMIT: their limits.
+  # Then cumsum_in_pairs' fwd+bwd (70 s), the scalar write's A/B (SCALAR_WRITE_ROWS; 4 lines of
+  # 60 s at most); 'all' (the output
   # fused in every call, training too) fwd+bwd without and with documents (FORWARD_ALL=0 skips
   # those); the GPU checks CHECK_CASES=dim:spec[:gain spec],... (default: state_step_chunks=4
-  # and fuse_output=all's reset branch at K=128, the default at K=16; each up to CHECK_LIMIT,
-  # 90 s). About 800 s at most: to fit one call, run FORWARD_ALL=0 (-120 s) with one or two
+  # with cumsum_in_pairs and fuse_output=all's reset branch at K=128, the default at K=16
+  # (the scalar write is in every check); each up to CHECK_LIMIT,
+  # 90 s). About 900 s at most: to fit one call, run FORWARD_ALL=0 (-120 s) with one or two
   # CHECK_CASES (FORWARD_DOCS=1: the forward with documents, +50 s). Each line has its own
   # limit, and results.tgz is packed after each.
   SWEEP_LOG=forward.txt
   G=state_step_chunks
-  SPECS=${FORWARD_SWEEP:-default,$G=2,$G=4,$G=2/num_warps_recur=8,$G=4/num_warps_recur=8,fuse_output=none}
-  sweep_line ${FORWARD_LIMIT:-180} --out="$RES/forward_16384" --seq_lens=16384 --sweep_len=16384 \
+  SPECS=${FORWARD_SWEEP:-default,$G=2,$G=4,$G=2/num_warps_recur=8,$G=4/num_warps_recur=8,cumsum_in_pairs=1,$G=4/cumsum_in_pairs=1,fuse_output=none}
+  sweep_line ${FORWARD_LIMIT:-220} --out="$RES/forward_16384" --seq_lens=16384 --sweep_len=16384 \
     --sweep_fwd_only --sweep_stages --sweep=$SPECS
-  sweep_line ${FORWARD_4K_LIMIT:-90} --out="$RES/forward_4096" --seq_lens=4096 --sweep_len=4096 \
+  sweep_line ${FORWARD_4K_LIMIT:-110} --out="$RES/forward_4096" --seq_lens=4096 --sweep_len=4096 \
     --sweep_fwd_only --sweep=$SPECS
+  # cumsum_in_pairs in training's fwd+bwd (its forward stores the states; no cumsum kernel either)
+  sweep_line 70 --out="$RES/cumsum_in_pairs_fwd_bwd" --seq_lens=16384 --sweep_len=16384 \
+    --sweep=default,cumsum_in_pairs=1
   # session 45's scalar write (beta [B, T, H] formed in the kernels) against beta k made in XLA
   # (scalar_write=0), forward then fwd+bwd, on the rows whose write is beta k (iso KDN, KDA)
   for row in ${SCALAR_WRITE_ROWS:-iso_kdn_pallas kda_pallas}; do
@@ -151,7 +158,7 @@ forward)
     --sweep=default,fuse_output=all
   [ "${FORWARD_ALL:-1}" = 1 ] && sweep_line 50 --out="$RES/forward_all_docs" --seq_lens=16384 --sweep_len=16384 \
     --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
-  gpu_checks "${CHECK_CASES:-128:state_step_chunks=4,128:fuse_output=all,16:default}" ;;
+  gpu_checks "${CHECK_CASES:-128:state_step_chunks=4/cumsum_in_pairs=1,128:fuse_output=all,16:default}" ;;
 loadchecks)
   # The GPU checks of the default (DeltaRuleConfig.cumsum_block=8 since session 43, the decay
   # cumsums' loads in blocks: pallas_kernels/token_loop.py) at K=128 and K=16. About 200 s at most.

@@ -60,29 +60,34 @@ _RES_OUT = (_OUT4, _STATE4, _STATE4, _OUT4, _OUT4, _STATES5)   # results: g, A, 
 
 
 def forward(q, k, v, w, g, h0, cont, pid, *, chunk, scale, interpret, cfg, cfg_prec,
-            save_states):
-  """The forward stages after the cumsum: (o, S_final, residuals (A, P, Wt, W, states)).
+            save_states, la=None):
+  """The forward stages after the cumsum: (o, S_final, residuals (A, P, Wt, W, states), g).
 
-  q, k, w: [B,T,H,K]; v: [B,T,H,V]; g: [B,T,H,K] f32 chunk-local cumsum; h0 [B,H,K,V] f32;
-  cont: [B,T] f32 or None; pid: [B,T] int32 or None (both None without segments)."""
+  q, k: [B,T,H,K]; w: [B,T,H,K] or [B,T,H] (write = w k); v: [B,T,H,V]; g: [B,T,H,K] f32
+  chunk-local cumsum, or None with `la` (log_alpha; the pair kernel forms g:
+  cfg.cumsum_in_pairs); h0 [B,H,K,V] f32; cont: [B,T] f32 or None; pid: [B,T] int32 or None
+  (both None without segments)."""
   kw = dict(chunk=chunk, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
-  amat, pmat, wt, wk, u = _intra.intra_forward(q, k, v, w, g, h0, pid, cont, scale=scale, **kw)
+  amat, pmat, wt, wk, u, g = _intra.intra_forward(q, k, v, w, g, h0, pid, cont, scale=scale,
+                                                  la=la, **kw)
   if cfg.fuse_output == "all" or (cfg.fuse_output == "primal" and not save_states
                                    and cont is None):
     o, sfin, *states = _state_pass.state_output_forward(
         u, wk, wt, g, h0, cont, q, pmat, scale=scale, save_states=save_states, **kw)
-    return o, sfin, (amat, pmat, wt, wk, states[0] if save_states else None)
+    return o, sfin, (amat, pmat, wt, wk, states[0] if save_states else None), g
   delta, sfin, states = _state_pass.state_forward(u, wk, wt, g, h0, cont, **kw)
   o = _output.output_forward(q, g, pmat, delta, states, h0, cont, scale=scale, **kw)
-  return o, sfin, (amat, pmat, wt, wk, states if save_states else None)
+  return o, sfin, (amat, pmat, wt, wk, states if save_states else None), g
 
 
 def _forward_body(q, k, v, w, la, h0, starts, cont, pid, *, chunk, scale, interpret, cfg, prec,
                   save):
-  g = _cumsum_kernels.chunk_cumsum(la, starts, chunk=chunk, interpret=interpret,
-                                   block=cfg.cumsum_block)
-  o, sfin, res = forward(q, k, v, w, g, h0, cont, pid, chunk=chunk, scale=scale,
-                         interpret=interpret, cfg=cfg, cfg_prec=prec, save_states=save)
+  in_pairs = cfg.cumsum_in_pairs and _intra.token_parallel(cfg, chunk)
+  g = None if in_pairs else _cumsum_kernels.chunk_cumsum(
+      la, starts, chunk=chunk, interpret=interpret, block=cfg.cumsum_block)
+  o, sfin, res, g = forward(q, k, v, w, g, h0, cont, pid, chunk=chunk, scale=scale,
+                            interpret=interpret, cfg=cfg, cfg_prec=prec, save_states=save,
+                            la=la if in_pairs else None)
   return (o, sfin, g) + tuple(res) if save else (o, sfin)
 
 

@@ -112,6 +112,14 @@ class DeltaRuleConfig:
   # time was spent): gpu_measurements.sh forward with FORWARD_SWEEP=default,state_step_chunks=2,
   # state_step_chunks=4.
   state_step_chunks: int = 1
+  # The decay cumsum g formed by the token-parallel pair kernel (which then reads log_alpha and
+  # writes g) instead of by its own kernel before it (chunk_cumsum.py): one pass over
+  # [B, T, H, K] fp32 less (the cumsum's read of log_alpha and its launch; H200 T=16384 stage
+  # split: cumsum 0.36 ms) for a loop of loads and adds per row in the pair kernel (Wt's decay
+  # to the chunk's last token). Applies where the pair kernel is token-parallel (pair_diag
+  # 'token_loop', chunk 16), to every forward (differentiated or not). Session 45 trial, exact
+  # in interpret mode, not yet timed (no device): gpu_measurements.sh forward.
+  cumsum_in_pairs: bool = False
   # A write given as a per-token scalar beta ([B, T, H], write = beta k: DeltaNet's, KDA's and
   # the isotropic KDN's) formed inside the pair kernels and the intra backward, beta applied
   # after their reductions over K (and beta's gradient <dw, k> summed there), instead of an XLA

@@ -95,13 +95,19 @@ def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec):
   wt_out[b, rows, h, :] = (write_rows(w_ref, k_ref, b, rows, h) * e_last).astype(wt_out.dtype)
 
 
-def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads):
+def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads, from_la):
   """Row r = program_id(1) of L (strict) and P (scaled, inclusive) for `heads` heads, chunks of
   one S-row block (C = S), token-parallel: the row's columns j <= r one per step ([heads, K]
   each, no exps above the diagonal), zeros for the columns after r;
-  and the row's Wt."""
+  and the row's Wt.
+
+  from_la (DeltaRuleConfig.cumsum_in_pairs): the fourth input is log_alpha instead of its
+  chunk-local cumsum g, and the kernel also writes g's row, so that no cumsum kernel runs before
+  it. The columns go from r down to the chunk start with s = the sum of log_alpha over (j, r] in
+  r's segment, which is g_r - g_j (summed directly, no difference of two cumsums); after the
+  last column s is g_r. Wt's decay is the sum over (r, t_last], in a loop of loads and adds."""
   n_in = 4 + (1 if has_seg else 0)
-  q_ref, k_ref, w_ref, g_ref = refs[:4]
+  q_ref, k_ref, w_ref, d_ref = refs[:4]   # d_ref: g, or log_alpha with from_la
   pid_ref = refs[4] if has_seg else None
   l_out, p_out, wt_out = refs[n_in:n_in + 3]
   b, r, hb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -109,14 +115,15 @@ def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads):
   hs = pl.ds(hb * heads, heads)
   r0 = (r // S) * S
   t_last = r0 + S - 1
-  q, k, g = (x[b, r, hs, :].astype(jnp.float32) for x in (q_ref, k_ref, g_ref))
+  q, k = (x[b, r, hs, :].astype(jnp.float32) for x in (q_ref, k_ref))
   w = write_rows(w_ref, k_ref, b, r, hs)
   pid_r = pid_ref[b, r] if has_seg else None
+  d_row = lambda j: d_ref[b, j, hs, :].astype(jnp.float32)
 
-  def pair(j):
-    """Column j's kept L and scaled P values, [heads] each."""
+  def pair(j, decay):
+    """Column j's kept L and scaled P values, [heads] each; decay = g_r - g_j ([heads, K])."""
     wj, beta = write_parts(w_ref, k_ref, b, j, hs)   # (beta: applied after the sums)
-    e = jnp.exp(jnp.minimum(g - g_ref[b, j, hs, :].astype(jnp.float32), 0.0)) * wj
+    e = jnp.exp(jnp.minimum(decay, 0.0)) * wj
     kw, qw = (times_beta(jnp.sum(x * e, axis=1), beta) for x in (k, q))
     keep_l, keep_p = j < r, True
     if has_seg:
@@ -130,17 +137,35 @@ def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads):
   # pair_token_stores='columns', was removed in session 41).
   col = lax.broadcasted_iota(jnp.int32, (heads, S), 1)
 
-  def gather(j, acc):
-    lv, pv = pair(j)
+  def gather(j, decay, acc):
+    lv, pv = pair(j, decay)
     hit = col == j - r0
     return jnp.where(hit, lv[:, None], acc[0]), jnp.where(hit, pv[:, None], acc[1])
 
   zeros = jnp.zeros((heads, S), jnp.float32)
-  lrow, prow = lax.fori_loop(r0, r + 1, gather, (zeros, zeros))
+  if from_la:
+    g_out = refs[n_in + 3]
+
+    def down(i, carry):
+      s, acc = carry
+      j = r - i
+      acc = gather(j, s, acc)
+      la_j = d_row(j)
+      s = jnp.where(pid_ref[b, j] == pid_r, s + la_j, s) if has_seg else s + la_j
+      return s, acc
+
+    g, (lrow, prow) = lax.fori_loop(0, r - r0 + 1, down, (jnp.zeros_like(q), (zeros, zeros)))
+    g_out[b, r, hs, :] = g
+    to_last = lax.fori_loop(r + 1, t_last + 1, lambda j, s: s + d_row(j), jnp.zeros_like(q))
+  else:
+    g = d_row(r)
+    lrow, prow = lax.fori_loop(r0, r + 1, lambda j, acc: gather(j, g - d_row(j), acc),
+                               (zeros, zeros))
+    to_last = d_row(t_last) - g
   row = (b, hs, r, pl.ds(0, S))
   l_out[row] = lrow.astype(l_out.dtype)
   p_out[row] = prow.astype(p_out.dtype)
-  e_last = jnp.exp(jnp.minimum(g_ref[b, t_last, hs, :].astype(jnp.float32) - g, 0.0))
+  e_last = jnp.exp(jnp.minimum(to_last, 0.0))
   if has_seg:
     e_last = jnp.where(pid_r == pid_ref[b, t_last], e_last, 0.0)
   wt_out[b, r, hs, :] = (w * e_last).astype(wt_out.dtype)
@@ -151,9 +176,17 @@ def sub_rows(cfg, chunk):
   return min(cfg.sub_block or 16, chunk)
 
 
-def pair_rows_forward(q, k, w, g, pid, *, chunk, scale, interpret, cfg, cfg_prec):
+def token_parallel(cfg, chunk):
+  """Whether the pair products run token-parallel (_pair_token_loop_kernel): pair_diag
+  'token_loop' and chunks of one row block."""
+  return cfg.pair_diag == "token_loop" and chunk == sub_rows(cfg, chunk)
+
+
+def pair_rows_forward(q, k, w, g, pid, *, chunk, scale, interpret, cfg, cfg_prec, la=None):
   """The pair kernel: (L [B, H, T, C] fp32 (the inverse is formed from it
-  in fp32, wy.py), P [B, H, T, C] scaled, Wt [B, T, H, K]), P and Wt in the operand dtype."""
+  in fp32, wy.py), P [B, H, T, C] scaled, Wt [B, T, H, K]), P and Wt in the operand dtype.
+  With `la` (log_alpha, g None; token-parallel only) the kernel forms g itself, and g
+  [B, T, H, K] fp32 follows as a fourth result."""
   bsz, t, nh, kd = k.shape
   has_seg = pid is not None
   prec = kernel_precision(cfg, cfg_prec, interpret)
@@ -162,12 +195,19 @@ def pair_rows_forward(q, k, w, g, pid, *, chunk, scale, interpret, cfg, cfg_prec
   out_shape = (jax.ShapeDtypeStruct((bsz, nh, t, chunk), jnp.float32),
                jax.ShapeDtypeStruct((bsz, nh, t, chunk), dt),
                jax.ShapeDtypeStruct((bsz, t, nh, kd), dt))
-  args = [q, k, w, g] + ([pid] if has_seg else [])
-  if cfg.pair_diag == "token_loop" and chunk == sub:
+  from_la = la is not None
+  if from_la and not token_parallel(cfg, chunk):
+    raise ValueError("pair_rows_forward: log_alpha in place of g needs the token-parallel "
+                     f"kernel (pair_diag='token_loop', chunks of one row block); chunk={chunk}, "
+                     f"pair_diag={cfg.pair_diag!r}")
+  args = [q, k, w, la if from_la else g] + ([pid] if has_seg else [])
+  if token_parallel(cfg, chunk):
     heads = math.gcd(cfg.pair_heads, nh)   # (the largest power of two <= pair_heads dividing H)
+    if from_la:
+      out_shape += (jax.ShapeDtypeStruct((bsz, t, nh, kd), jnp.float32),)
     return pl.pallas_call(
         functools.partial(_pair_token_loop_kernel, chunk=chunk, sub=sub, scale=scale,
-                          has_seg=has_seg, heads=heads),
+                          has_seg=has_seg, heads=heads, from_la=from_la),
         out_shape=out_shape, grid=(bsz, t, nh // heads), name="delta_rule_pair_token_loop",
         **launch_params(interpret, cfg.num_warps_pairs, cfg))(*args)
   # 'columns', and chunks of several row blocks under either option (the token-parallel kernel
@@ -180,12 +220,16 @@ def pair_rows_forward(q, k, w, g, pid, *, chunk, scale, interpret, cfg, cfg_prec
   )(*args)
 
 
-def intra_forward(q, k, v, w, g, h0, pid, cont, *, chunk, scale, interpret, cfg, cfg_prec):
+def intra_forward(q, k, v, w, g, h0, pid, cont, *, chunk, scale, interpret, cfg, cfg_prec,
+                  la=None):
   """The intra stage (parallel over chunks): (A = (I + L)^-1, P (scaled), Wt, W = A Kbar,
-  U = A V'): the pair kernel, then the WY kernel (wy.py). A, P, Wt, W and U only ever enter
-  dots; with bf16-operand dots they are rounded to bf16 there, so they are stored in bf16."""
-  lmat, pmat, wt = pair_rows_forward(q, k, w, g, pid, chunk=chunk, scale=scale,
-                                     interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
+  U = A V', g): the pair kernel, then the WY kernel (wy.py). A, P, Wt, W and U only ever enter
+  dots; with bf16-operand dots they are rounded to bf16 there, so they are stored in bf16.
+  g is the one given, or with `la` (g None) the one the pair kernel formed from it."""
+  pairs = pair_rows_forward(q, k, w, g, pid, chunk=chunk, scale=scale, interpret=interpret,
+                            cfg=cfg, cfg_prec=cfg_prec, la=la)
+  lmat, pmat, wt = pairs[:3]
+  g = pairs[3] if la is not None else g
   amat, wk, u = _wy.wy_forward(lmat, k, v, g, h0, cont, chunk=chunk, sub=sub_rows(cfg, chunk),
                                interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
-  return amat, pmat, wt, wk, u
+  return amat, pmat, wt, wk, u, g
