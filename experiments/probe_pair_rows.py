@@ -32,7 +32,8 @@ def kern_cols(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, off, scale, C
   t0 = c * C
   r0 = t0 + i * S
   q, k, g = (tile(x, b, r0, S, h) for x in (q_ref, k_ref, g_ref))
-  I._diag_columns(q, k, g, w_ref, g_ref, None, None, l_out, p_out, b, h, r0, i * S, scale, S)
+  I._diag_columns(q, k, g, w_ref, k_ref, g_ref, None, None, l_out, p_out, b, h, r0, i * S,
+                  scale, S)
   g0, xs = ref_point(g_ref, b, h, r0, S, 0, g)
   kx, qx = k * xs, q * xs
   rows = pl.ds(r0, S)
@@ -65,7 +66,8 @@ def kern_cols_chunk(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, scale, 
     r0 = t0 + i * S
     rows = pl.ds(r0, S)
     q, k, g = (tile(x, b, r0, S, h) for x in (q_ref, k_ref, g_ref))
-    I._diag_columns(q, k, g, w_ref, g_ref, None, None, l_out, p_out, b, h, r0, i * S, scale, S)
+    I._diag_columns(q, k, g, w_ref, k_ref, g_ref, None, None, l_out, p_out, b, h, r0, i * S,
+                  scale, S)
     if i:
       g0, xs = ref_point(g_ref, b, h, r0, S, 0, g)
       kx, qx = k * xs, q * xs
@@ -107,7 +109,7 @@ def kern_diag_cols(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, scale, S
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   r0 = c * S
   q, k, g = (tile(x, b, r0, S, h) for x in (q_ref, k_ref, g_ref))
-  I._diag_columns(q, k, g, w_ref, g_ref, None, None, l_out, p_out, b, h, r0, 0, scale, S)
+  I._diag_columns(q, k, g, w_ref, k_ref, g_ref, None, None, l_out, p_out, b, h, r0, 0, scale, S)
   wt_out[b, pl.ds(r0, S), h, :] = (tile(w_ref, b, r0, S, h) * jnp.exp(g)).astype(wt_out.dtype)
 
 

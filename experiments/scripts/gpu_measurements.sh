@@ -6,7 +6,8 @@
 # mixers (mixer table vs flash-linear-attention), layers (whole layers vs fla's KDA layer),
 # train (125M LM training throughput on 1 GPU, and on 2 when there are 2), mgpu (the Mosaic GPU
 # output stage: tests and timing), forward (forward configs at 16k with the stage split and at
-# 4k, the scalar write's A/B, fuse_output=all, GPU checks), glue (the GPU check
+# 4k, fuse_output=all, GPU checks), passes (cumsum_in_pairs fwd+bwd, the scalar write's A/B,
+# the K=16 check), glue (the GPU check
 # of the layers' fused glue kernels), loadchecks (GPU checks of the default since the cumsums'
 # load blocks), convblocks (the conv's load blocks: layers, check_fusion). Default: check ops stages docs mixers layers train.
 # Kernel config sweep (stages): SWEEP='default,max_chunk=64/sub_block=32' (DeltaRuleConfig fields).
@@ -123,16 +124,12 @@ forward)
   # step of the fused pass, also at 8 warps for the registers its merged group takes, session
   # 45's cumsum_in_pairs (g formed by the pair kernel, no cumsum kernel), alone and with 4
   # chunks per step, and fuse_output=none, the output kernel apart); FORWARD_LIMIT /
-  # FORWARD_4K_LIMIT: their limits.
-  # Then cumsum_in_pairs' fwd+bwd (70 s), the scalar write's A/B (SCALAR_WRITE_ROWS; 4 lines of
-  # 60 s at most); 'all' (the output
-  # fused in every call, training too) fwd+bwd without and with documents (FORWARD_ALL=0 skips
-  # those); the GPU checks CHECK_CASES=dim:spec[:gain spec],... (default: state_step_chunks=4
-  # with cumsum_in_pairs and fuse_output=all's reset branch at K=128, the default at K=16
-  # (the scalar write is in every check); each up to CHECK_LIMIT,
-  # 90 s). About 900 s at most: to fit one call, run FORWARD_ALL=0 (-120 s) with one or two
-  # CHECK_CASES (FORWARD_DOCS=1: the forward with documents, +50 s). Each line has its own
-  # limit, and results.tgz is packed after each.
+  # FORWARD_4K_LIMIT: their limits. Then 'all' (the output fused in every call, training too)
+  # fwd+bwd without and with documents (FORWARD_ALL=0 skips those); the GPU checks
+  # CHECK_CASES=dim:spec[:gain spec],... (default: state_step_chunks=4 with cumsum_in_pairs, and
+  # fuse_output=all's reset branch, at K=128; each up to CHECK_LIMIT, 90 s). About 630 s at
+  # most, 510 with FORWARD_ALL=0 (FORWARD_DOCS=1: the forward with documents, +50 s). Each line
+  # has its own limit, and results.tgz is packed after each.
   SWEEP_LOG=forward.txt
   G=state_step_chunks
   SPECS=${FORWARD_SWEEP:-default,$G=2,$G=4,$G=2/num_warps_recur=8,$G=4/num_warps_recur=8,cumsum_in_pairs=1,$G=4/cumsum_in_pairs=1,fuse_output=none}
@@ -140,6 +137,21 @@ forward)
     --sweep_fwd_only --sweep_stages --sweep=$SPECS
   sweep_line ${FORWARD_4K_LIMIT:-110} --out="$RES/forward_4096" --seq_lens=4096 --sweep_len=4096 \
     --sweep_fwd_only --sweep=$SPECS
+  # with documents: 'all' also fuses the primal (its S_init dot only in chunks with a reset)
+  [ "${FORWARD_DOCS:-0}" = 1 ] && sweep_line 50 --out="$RES/forward_docs" --seq_lens=16384 \
+    --sweep_len=16384 --sweep_fwd_only --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
+  [ "${FORWARD_ALL:-1}" = 1 ] && sweep_line 70 --out="$RES/forward_all" --seq_lens=16384 --sweep_len=16384 \
+    --sweep=default,fuse_output=all
+  [ "${FORWARD_ALL:-1}" = 1 ] && sweep_line 50 --out="$RES/forward_all_docs" --seq_lens=16384 --sweep_len=16384 \
+    --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
+  gpu_checks "${CHECK_CASES:-128:state_step_chunks=4/cumsum_in_pairs=1,128:fuse_output=all}" ;;
+passes)
+  # Session 45's passes taken out of the op (untimed then): cumsum_in_pairs (the pair kernel
+  # forms g; no cumsum kernel) in training's fwd+bwd, and the scalar write (beta [B, T, H]
+  # formed in the kernels) against beta k made in XLA (scalar_write=0), forward then fwd+bwd,
+  # on the rows whose write is beta k (SCALAR_WRITE_ROWS: iso KDN, KDA); then the GPU check of
+  # the default at K=16 (every check has a scalar-write case). About 400 s at most.
+  SWEEP_LOG=passes.txt
   # cumsum_in_pairs in training's fwd+bwd (its forward stores the states; no cumsum kernel either)
   sweep_line 70 --out="$RES/cumsum_in_pairs_fwd_bwd" --seq_lens=16384 --sweep_len=16384 \
     --sweep=default,cumsum_in_pairs=1
@@ -151,14 +163,7 @@ forward)
         --sweep_row=$row $rank --sweep=default,scalar_write=0
     done
   done
-  # with documents: 'all' also fuses the primal (its S_init dot only in chunks with a reset)
-  [ "${FORWARD_DOCS:-0}" = 1 ] && sweep_line 50 --out="$RES/forward_docs" --seq_lens=16384 \
-    --sweep_len=16384 --sweep_fwd_only --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
-  [ "${FORWARD_ALL:-1}" = 1 ] && sweep_line 70 --out="$RES/forward_all" --seq_lens=16384 --sweep_len=16384 \
-    --sweep=default,fuse_output=all
-  [ "${FORWARD_ALL:-1}" = 1 ] && sweep_line 50 --out="$RES/forward_all_docs" --seq_lens=16384 --sweep_len=16384 \
-    --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
-  gpu_checks "${CHECK_CASES:-128:state_step_chunks=4/cumsum_in_pairs=1,128:fuse_output=all,16:default}" ;;
+  gpu_checks "${CHECK_CASES:-16:default}" ;;
 loadchecks)
   # The GPU checks of the default (DeltaRuleConfig.cumsum_block=8 since session 43, the decay
   # cumsums' loads in blocks: pallas_kernels/token_loop.py) at K=128 and K=16. About 200 s at most.
