@@ -329,6 +329,28 @@ def _gain_check(pk, x, seg, tag, b, h, d):
   return res
 
 
+def _kdn_op_check(x, seg, tag, d, ct):
+  """The diag and iso KDN ops (impl='pallas', with the reset of `seg`) against their fp32 token
+  loops (impl='reference'): what the op adds to the kernels (the gain's kappa stored for the
+  delta rule, DeltaRuleConfig.bf16_write; the iso write beta k formed in the kernels)."""
+  from kdn_jax import ops  # pylint: disable=g-import-not-at-top
+  res = {}
+  for diag in (True, False):
+    fn = ops.diag_kdn if diag else ops.iso_kdn
+    args = (x["q"], x["k"], x["v"], x["la"], x["om"] if diag else x["om_iso"], x["r"])
+
+    def f_op(*a, fn=fn, impl="pallas"):
+      o, st = fn(*a, info_scale=float(d), segment_ids=seg, impl=impl, output_final_state=True)
+      return o, st.memory
+
+    def f_ref(*a, f_op=f_op):
+      with jax.default_matmul_precision("highest"):
+        return f_op(*(z.astype(jnp.float32) for z in a), impl="reference")
+    _compare(res, f"{'diag' if diag else 'iso'}_kdn_{tag}_seg_", f_op, f_ref, args, ct,
+             ("o", "S"), ("dq", "dk", "dv", "dla", "dom", "dr"))
+  return res
+
+
 def _compare(res, prefix, fa, fb, args, ct, out_names, grad_names):
   """res[prefix + name]: relative RMS error of fa against fb, for every output and for the
   gradients of sum(out_0 * ct) + the sums of the other outputs w.r.t. every argument."""
@@ -390,6 +412,7 @@ def run_check(b=2, t=300, h=2, d=128, cut=100):
     _compare(res, f"delta_rule_{tag}_seg_beta_", f_pk_seg, f_ref_beta, beta_args, ct, ("o", "S"),
              ("dq", "dk", "dv", "dla", "dbeta", "dh0"))
     res.update(_gain_check(pk, x, seg, tag, b, h, d))
+    res.update(_kdn_op_check(x, seg, tag, d, ct))
   for kname, val in res.items():
     logging.info("check %s: %.3g", kname, val)
     print(f"check {kname}: {val:.3g}", flush=True)

@@ -6,13 +6,15 @@ Public API (all arrays in [B, T, H, *] layout):
   delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None, *, chunk_size=64,
              precision=None, interpret=None)
   precision_for(dtype) -> 'fast' | 'exact' (the dot precision delta_rule picks for that dtype)
+  write_dtype(dtype) -> the dtype to store a computed write in for delta_rule on that data
+             (diag_gain's gain_dtype: bfloat16 under DeltaRuleConfig.bf16_write and bf16 dots)
   warm_imports(interpret=None): lower one tiny kernel before your first jit (warmup.py says why)
 Layer glue (import from their folders): kdn_gain.diag_gain_fused / iso_gain_fused (the gain with
 the gate front-end), causal_conv1d.causal_conv1d, gated_norm.gated_rms_norm.
 """
 from pallas_kernels.common import precision_for
 from pallas_kernels.kdn_gain import diag_gain, iso_gain
-from pallas_kernels.delta_rule import delta_rule
+from pallas_kernels.delta_rule import delta_rule, write_dtype
 from pallas_kernels.warmup import warm_imports
 
-__all__ = ["diag_gain", "iso_gain", "delta_rule", "precision_for", "warm_imports"]
+__all__ = ["diag_gain", "iso_gain", "delta_rule", "precision_for", "warm_imports", "write_dtype"]

@@ -20,6 +20,7 @@ def test_check_meets_bounds_in_interpret_mode():
   assert any("seg_" in k for k in res)
   assert "delta_rule_float32_seg_dh0" in res
   assert {"delta_rule_bfloat16_seg_beta_dbeta", "delta_rule_float32_seg_beta_o"} <= set(res)
+  assert {"diag_kdn_bfloat16_seg_dla", "iso_kdn_float32_seg_o"} <= set(res)
   assert {"diag_gain_float32_dp0", "iso_gain_bfloat16_dmu", "iso_gain_float32_kappa"} <= set(res)
   assert bm.check_violations(res) == {}, res
 

@@ -128,3 +128,36 @@ def test_check_grads_numerically(family, impl):
     seg = jnp.asarray([[0, 0, 1, 1, 1]])
     check_grads(_loss_fn(family, impl, seg), [jnp.asarray(a) for a in arrays],
                 order=1, modes=["rev"], eps=1e-6, atol=1e-6, rtol=1e-6)
+
+
+def test_bf16_write_as_accurate_as_fp32_kappa():
+  """DeltaRuleConfig.bf16_write (the diag gain stores kappa in bf16 for bf16 data; trial):
+  the diag KDN op on bf16 q, k, v with packed segments, values and every gradient against the
+  float64 loop: within bf16 bounds, and within 1.5x (plus 5e-4) of the errors with an fp32
+  kappa."""
+  from pallas_kernels.delta_rule import config as dr_config   # pylint: disable=g-import-not-at-top
+  x = round_f32(make_inputs("diag", B, T, H, K, V, seed=12))
+  for n in ("q", "k", "v"):   # the oracle sees the bf16-rounded data
+    x[n] = np.asarray(jnp.asarray(x[n], jnp.bfloat16).astype(jnp.float32), np.float64)
+  state = make_state("diag", B, H, K, V)
+  names, arrays = _arrays("diag", x, [round_f32({0: s})[0] for s in state], H, K)
+  s = np.zeros((B, T), np.int32)
+  s[0, 20:] = 1
+  seg = jnp.asarray(s)
+  argnums = tuple(range(len(arrays)))
+  with jax.enable_x64(True):
+    want_l, want = jax.value_and_grad(_oracle_loss("diag", seg, K), argnums)(
+        *(jnp.asarray(a, jnp.float64) for a in arrays))
+    want = [np.asarray(w) for w in want]
+  errs = {}
+  for flag in (False, True):
+    with dr_config.overridden(bf16_write=flag):
+      args = [jnp.asarray(a, jnp.bfloat16 if n in ("q", "k", "v") else jnp.float32)
+              for n, a in zip(names, arrays)]
+      loss, got = jax.value_and_grad(_loss_fn("diag", "pallas", seg), argnums)(*args)
+    errs[flag] = {n: rel_err(np.asarray(g, np.float32), w)
+                  for n, g, w in zip(names, got, want)}
+    errs[flag]["loss"] = abs(float(loss) - float(want_l)) / abs(float(want_l))
+  for n, e in errs[True].items():
+    assert e <= 1e-2, (n, errs)
+    assert e <= 1.5 * errs[False][n] + 5e-4, (n, errs)

@@ -141,3 +141,29 @@ def test_gain_shape_errors_name_the_argument():
     diag_gain(args[0], args[1], args[2][..., 0], args[3], mu, args[4])
   with pytest.raises(ValueError, match="b0"):
     iso_gain(args[0], args[1], args[2][..., 0], args[3], mu, args[4])
+
+
+def test_gain_dtype_bf16_is_the_fp32_gain_rounded():
+  """diag_gain(gain_dtype=bfloat16) (DeltaRuleConfig.bf16_write's storage): kappa in bf16, the
+  fp32 kernel's kappa rounded; gradients through it as through the fp32 gain given the same
+  (bf16) cotangent; another dtype is refused, naming the argument."""
+  k, la, om, r, p0 = _inputs(6, 1, 40, 2, 16, True, jnp.float32, None, False)
+  mu = jnp.full((2,), 16.0)
+  seg = jnp.asarray((np.arange(40) >= 17)[None].astype(np.int32))
+  f32, pf32 = diag_gain(k, la, om, r, mu, p0, seg)
+  b16, pb16 = diag_gain(k, la, om, r, mu, p0, seg, gain_dtype=jnp.bfloat16)
+  assert b16.dtype == jnp.bfloat16 and pb16.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(b16, np.float32),
+                                np.asarray(f32.astype(jnp.bfloat16), np.float32))
+  np.testing.assert_array_equal(pb16, pf32)
+  ct = jnp.asarray(np.random.default_rng(1).normal(size=k.shape), jnp.bfloat16)
+
+  def grads(dtype):
+    loss = lambda *a: jnp.sum(diag_gain(*a, mu, p0, seg, gain_dtype=dtype)[0].astype(
+        jnp.float32) * ct.astype(jnp.float32))
+    return jax.grad(loss, argnums=(0, 1, 2, 3))(k, la, om, r)
+
+  for a, b in zip(grads(jnp.bfloat16), grads(jnp.float32)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  with pytest.raises(ValueError, match="gain_dtype must be float32 or bfloat16"):
+    diag_gain(k, la, om, r, mu, p0, gain_dtype=jnp.float16)

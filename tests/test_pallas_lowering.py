@@ -54,7 +54,7 @@ def _op_inputs(dtype, b=1, t=80, h=2, d=64):
 @pytest.mark.parametrize("variant", [
     {}, dict(pair_diag="columns"),
     dict(max_chunk=32), dict(max_chunk=64, sub_block=32), dict(fuse_output="all"),
-    dict(fuse_output="all", cumsum_block=1), dict(cumsum_in_pairs=True)])
+    dict(fuse_output="all", cumsum_block=1), dict(cumsum_in_pairs=True, bf16_write=True)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
   """diag KDN forward and backward (gain kernels, cumsum, pair, WY, state pass, output, the
@@ -152,17 +152,18 @@ def test_state_step_chunks_lowers(as_on_gpu, dtype):
   assert "delta_rule_state_output" in kernels, kernels
 
 
-@pytest.mark.parametrize("mixer,load_blocks", [("kdn_diag", True), ("kdn_iso", True),
-                                               ("kdn_diag", False)])
-def test_kdn_layer_lowers_for_cuda(as_on_gpu, monkeypatch, mixer, load_blocks):
+@pytest.mark.parametrize("mixer,options", [("kdn_diag", "default"), ("kdn_iso", "default"),
+                                            ("kdn_diag", "plain_loops_and_trials")])
+def test_kdn_layer_lowers_for_cuda(as_on_gpu, monkeypatch, mixer, options):
   """A whole KDN layer on the pallas path, fwd+bwd: the fused gate front-end, the short convs and
-  the gated norm kernels as well as the memory update (load_blocks=False: the conv and cumsum
-  row loops as plain loops, not their default blocks of 8)."""
-  if not load_blocks:
+  the gated norm kernels as well as the memory update. 'plain_loops_and_trials': the conv and
+  cumsum row loops as plain loops (not their default blocks of 8), with the trials bf16_write
+  (kappa stored in bf16) and cumsum_in_pairs (g formed by the pair kernel) on."""
+  if options == "plain_loops_and_trials":
     from pallas_kernels.causal_conv1d import config as conv_config   # pylint: disable=g-import-not-at-top
     monkeypatch.setattr(conv_config, "DEFAULT", conv_config.ConvConfig(load_block=1))
-    monkeypatch.setattr(dr_config, "DEFAULT", dataclasses.replace(dr_config.DEFAULT,
-                                                                  cumsum_block=1))
+    monkeypatch.setattr(dr_config, "DEFAULT", dataclasses.replace(
+        dr_config.DEFAULT, cumsum_block=1, bf16_write=True, cumsum_in_pairs=True))
   cfg = model_config("tiny", d_model=128, num_heads=2, head_dim=64, mixer=mixer, impl="pallas",
                      chunk_size=16, dtype="bfloat16", param_dtype="float32", mlp_hidden=1)
   layer = MIXERS[mixer](cfg, rngs=nnx.Rngs(0))

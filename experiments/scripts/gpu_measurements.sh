@@ -43,7 +43,7 @@ gpu_checks() {
   for c in $(echo "$1" | tr , ' '); do
     set -- ${c//:/ }   # dim:delta-rule spec[:gain spec]
     name=k$1_${2//\//_}${3:+_${3//\//_}}   # (specs join fields with '/')
-    timeout ${CHECK_LIMIT:-90} python3 -m experiments.benchmark_mixers --out="$RES/check_$name" \
+    timeout ${CHECK_LIMIT:-120} python3 -m experiments.benchmark_mixers --out="$RES/check_$name" \
       --check_only --check_dim=$1 --sweep_len=2048 --sweep_combine=false --sweep=$2 \
       ${3:+--gain_sweep=$3} > "$RES/check_$name.log" 2>&1
     rc=$?
@@ -121,18 +121,19 @@ train)
 forward)
   # The forward at 16k with its stage split, then at 4k: FORWARD_SWEEP (default: the shipped
   # config against session 44's untimed trial state_step_chunks=2/4, several chunks per serial
-  # step of the fused pass, also at 8 warps for the registers its merged group takes, session
-  # 45's cumsum_in_pairs (g formed by the pair kernel, no cumsum kernel), alone and with 4
-  # chunks per step, and fuse_output=none, the output kernel apart); FORWARD_LIMIT /
+  # step of the fused pass, n=4 also at 8 warps for the registers its merged group takes,
+  # session 45's cumsum_in_pairs (g formed by the pair kernel, no cumsum kernel) and bf16_write
+  # (kappa stored in bf16), each alone and all three together, and fuse_output=none, the output
+  # kernel apart); FORWARD_LIMIT /
   # FORWARD_4K_LIMIT: their limits. Then 'all' (the output fused in every call, training too)
   # fwd+bwd without and with documents (FORWARD_ALL=0 skips those); the GPU checks
-  # CHECK_CASES=dim:spec[:gain spec],... (default: state_step_chunks=4 with cumsum_in_pairs, and
-  # fuse_output=all's reset branch, at K=128; each up to CHECK_LIMIT, 90 s). About 630 s at
-  # most, 510 with FORWARD_ALL=0 (FORWARD_DOCS=1: the forward with documents, +50 s). Each line
+  # CHECK_CASES=dim:spec[:gain spec],... (default: the three trials together, and
+  # fuse_output=all's reset branch, at K=128; each up to CHECK_LIMIT, 120 s). About 690 s at
+  # most, 570 with FORWARD_ALL=0 (FORWARD_DOCS=1: the forward with documents, +50 s). Each line
   # has its own limit, and results.tgz is packed after each.
   SWEEP_LOG=forward.txt
   G=state_step_chunks
-  SPECS=${FORWARD_SWEEP:-default,$G=2,$G=4,$G=2/num_warps_recur=8,$G=4/num_warps_recur=8,cumsum_in_pairs=1,$G=4/cumsum_in_pairs=1,fuse_output=none}
+  SPECS=${FORWARD_SWEEP:-default,$G=2,$G=4,$G=4/num_warps_recur=8,cumsum_in_pairs=1,bf16_write=1,$G=4/cumsum_in_pairs=1/bf16_write=1,fuse_output=none}
   sweep_line ${FORWARD_LIMIT:-220} --out="$RES/forward_16384" --seq_lens=16384 --sweep_len=16384 \
     --sweep_fwd_only --sweep_stages --sweep=$SPECS
   sweep_line ${FORWARD_4K_LIMIT:-110} --out="$RES/forward_4096" --seq_lens=4096 --sweep_len=4096 \
@@ -144,17 +145,19 @@ forward)
     --sweep=default,fuse_output=all
   [ "${FORWARD_ALL:-1}" = 1 ] && sweep_line 50 --out="$RES/forward_all_docs" --seq_lens=16384 --sweep_len=16384 \
     --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
-  gpu_checks "${CHECK_CASES:-128:state_step_chunks=4/cumsum_in_pairs=1,128:fuse_output=all}" ;;
+  gpu_checks "${CHECK_CASES:-128:state_step_chunks=4/cumsum_in_pairs=1/bf16_write=1,128:fuse_output=all}" ;;
 passes)
   # Session 45's passes taken out of the op (untimed then): cumsum_in_pairs (the pair kernel
-  # forms g; no cumsum kernel) in training's fwd+bwd, and the scalar write (beta [B, T, H]
-  # formed in the kernels) against beta k made in XLA (scalar_write=0), forward then fwd+bwd,
-  # on the rows whose write is beta k (SCALAR_WRITE_ROWS: iso KDN, KDA); then the GPU check of
-  # the default at K=16 (every check has a scalar-write case). About 400 s at most.
+  # forms g; no cumsum kernel) and bf16_write (kappa in bf16) in training's fwd+bwd, and the
+  # scalar write (beta [B, T, H] formed in the kernels) against beta k made in XLA
+  # (scalar_write=0), forward then fwd+bwd, on the rows whose write is beta k
+  # (SCALAR_WRITE_ROWS: iso KDN, KDA); then the GPU check of the default at K=16 (every check
+  # has a scalar-write case and the KDN ops' own). About 450 s at most.
   SWEEP_LOG=passes.txt
-  # cumsum_in_pairs in training's fwd+bwd (its forward stores the states; no cumsum kernel either)
-  sweep_line 70 --out="$RES/cumsum_in_pairs_fwd_bwd" --seq_lens=16384 --sweep_len=16384 \
-    --sweep=default,cumsum_in_pairs=1
+  # cumsum_in_pairs and bf16_write in training's fwd+bwd (the forward stores the states; no
+  # cumsum kernel either; kappa and its gradient in bf16)
+  sweep_line 90 --out="$RES/passes_fwd_bwd" --seq_lens=16384 --sweep_len=16384 \
+    --sweep=default,cumsum_in_pairs=1,bf16_write=1
   # session 45's scalar write (beta [B, T, H] formed in the kernels) against beta k made in XLA
   # (scalar_write=0), forward then fwd+bwd, on the rows whose write is beta k (iso KDN, KDA)
   for row in ${SCALAR_WRITE_ROWS:-iso_kdn_pallas kda_pallas}; do

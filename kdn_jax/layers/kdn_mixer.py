@@ -164,12 +164,15 @@ class KDNMixer(RecurrentMixer):
     def _core_fused(self, q, k, v, raw, state, segment_ids):
         """The pallas path with the fused front-end: gain kernels on the projections (they emit
         log_alpha), then the delta rule with write kappa (iso: beta k), erase k."""
+        import pallas_kernels  # pylint: disable=g-import-not-at-top
         from pallas_kernels import kdn_gain  # pylint: disable=g-import-not-at-top
         fn = kdn_gain.diag_gain_fused if self.diagonal else kdn_gain.iso_gain_fused
+        # (diag: kappa stored as the delta rule wants it for this data; DeltaRuleConfig.bf16_write)
+        kw = dict(gain_dtype=pallas_kernels.write_dtype(q.dtype)) if self.diagonal else {}
         decay = self.decay
         gain, log_alpha, variance = fn(k, raw['f'], decay.dt_bias[...], decay.A_log[...], raw['omega_raw'],
                                        raw['r_raw'], self.r_min, self.info_scale(), state['variance'],
-                                       segment_ids)
+                                       segment_ids, **kw)
         # (iso: the write is beta k; the kernels form it from beta [B, T, H])
         o, memory = ops.delta_rule(q, k, v, log_alpha, gain, initial_state=state['memory'],
                                    output_final_state=True, segment_ids=segment_ids, impl='pallas',

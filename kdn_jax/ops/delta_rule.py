@@ -119,8 +119,12 @@ def delta_rule(q, k, v, log_alpha, write, *, scale=None, initial_state=None,
     val.check_values(op, (("log_alpha", log_alpha, "<= 0"),))
   impl, chunk_size = resolve(op, impl, kd, vd, chunk_size)
   scale = kd ** -0.5 if scale is None else scale
+  if impl != "pallas":
+    # (the Pallas kernels read log_alpha and write in their own dtypes, fp32 inside: a cast
+    # here would be a pass over memory, e.g. of a bf16 kappa, DeltaRuleConfig.bf16_write)
+    log_alpha, write = log_alpha.astype(cd), write.astype(cd)
   o, memory = run_memory(op, impl, q.astype(cd), k.astype(cd),
-                         v.astype(cd), log_alpha.astype(cd), write.astype(cd),
+                         v.astype(cd), log_alpha, write,
                          memory0, segment_ids, chunk_size,
                          jnp.result_type(q, k, v), scale)
   return o.astype(q.dtype), (memory if output_final_state else None)

@@ -94,7 +94,7 @@ def _kdn(op, diag, q, k, v, log_alpha, omega, r, info_scale, scale,
                                       tuple(state0), starts)
   else:
     write, var = _gain(op, diag, impl, k, log_alpha, omega, r, mu,
-                       state0.variance, segment_ids)
+                       state0.variance, segment_ids, input_dtype)
     o, memory = run_memory(op, impl, q, k, v, log_alpha, write, state0.memory,
                            segment_ids, chunk_size, input_dtype, scale)
   final = KDNState(memory, var) if output_final_state else None
@@ -117,12 +117,18 @@ def _kdn_reference(diag, q, k, v, log_alpha, omega, r, mu, state0, starts):
   return o, carry
 
 
-def _gain(op, diag, impl, k, log_alpha, omega, r, mu, var0, segment_ids):
-  """Write directions for all tokens and the final variance."""
+def _gain(op, diag, impl, k, log_alpha, omega, r, mu, var0, segment_ids,
+          input_dtype=None):
+  """Write directions for all tokens and the final variance. input_dtype (the
+  caller's q/k/v dtype): the Pallas diag gain stores kappa as the delta rule
+  wants it for that data (pallas_kernels.write_dtype)."""
   kernels = dispatch.pallas_module() if impl == "pallas" else None
+  if diag and kernels:
+    return kernels.diag_gain(
+        k, log_alpha, omega, r, mu, var0, segment_ids,
+        gain_dtype=kernels.write_dtype(input_dtype or jnp.float32))
   if diag:
-    fn = kernels.diag_gain if kernels else variance.diag_gain
-    return fn(k, log_alpha, omega, r, mu, var0, segment_ids)
+    return variance.diag_gain(k, log_alpha, omega, r, mu, var0, segment_ids)
   fn = kernels.iso_gain if kernels else variance.iso_gain
   return fn(k, log_alpha, omega, r, mu, var0, segment_ids)   # beta: write = beta k
 

@@ -43,7 +43,7 @@ from pallas_kernels.delta_rule import state_pass as _state_pass
 from pallas_kernels.delta_rule import tpu_backward as _tpu_backward
 from pallas_kernels.delta_rule import tpu_forward as _tpu_forward
 
-__all__ = ["delta_rule", "chunk_length", "forward_only", "segment_arrays"]
+__all__ = ["delta_rule", "chunk_length", "forward_only", "segment_arrays", "write_dtype"]
 
 
 # (batch, head) dims of the kernels' arrays for sharding.per_shard, and (batch, head, ndim) of
@@ -196,6 +196,15 @@ def segment_arrays(segment_ids, bsz, t, t_pad, chunk):
   pid = jnp.cumsum(reset.astype(jnp.int32), axis=1)
   in_chunk = common.segmented_cumsum(reset.astype(jnp.int32), chunk_start, axis=1)
   return chunk_start | reset, (in_chunk == 0).astype(jnp.float32), pid
+
+
+def write_dtype(dtype):
+  """The dtype a caller that computes the write direction (the KDN gain) should store it in for
+  delta_rule on q/k/v data of `dtype`: bfloat16 where the dots round it so anyway and
+  DeltaRuleConfig.bf16_write is set, else float32."""
+  cfg = _config.DEFAULT
+  fast = common.precision_for(dtype) == "fast" and cfg.fast_dots == "bf16"
+  return jnp.bfloat16 if cfg.bf16_write and fast else jnp.float32
 
 
 def delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None, *,

@@ -120,6 +120,15 @@ class DeltaRuleConfig:
   # 'token_loop', chunk 16), to every forward (differentiated or not). Session 45 trial, exact
   # in interpret mode, not yet timed (no device): gpu_measurements.sh forward.
   cumsum_in_pairs: bool = False
+  # A computed write direction (the diagonal KDN gain kappa, op and layer) stored in bf16 when
+  # the delta rule's dots take bf16 operands (16-bit q, k, v and fast_dots='bf16'; write_dtype):
+  # the gain kernel writes half the bytes, and the token-parallel pair kernel, whose column
+  # loads bound it (fla's equivalent kernel, which reads bf16 k and fp32 g per column, ran at
+  # 82% of L1 throughput in session 35's profile; ours reads fp32 kappa and fp32 g), reads 6
+  # bytes per column element instead of 8. kappa then also enters L (and so A's fp32 inverse)
+  # rounded to bf16, where P, Wt and W round it anyway, and its gradient comes back in bf16
+  # like dq, dk and dv. Session 45 trial, off: not yet timed or GPU-checked.
+  bf16_write: bool = False
   # A write given as a per-token scalar beta ([B, T, H], write = beta k: DeltaNet's, KDA's and
   # the isotropic KDN's) formed inside the pair kernels and the intra backward, beta applied
   # after their reductions over K (and beta's gradient <dw, k> summed there), instead of an XLA

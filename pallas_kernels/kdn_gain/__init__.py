@@ -28,31 +28,37 @@ _RAW = (_BTH, _BTH, _BTH, _BTH, _MU)
 _LANES, _PER_TOKEN, _P = _BTH + (4,), _BTH + (3,), _BH + (3,)
 
 
-def _forward(raw, reset, p0, diag, chunk, interpret, cfg, save_pprev):
+def _forward(raw, reset, p0, diag, chunk, interpret, cfg, save_pprev, gain_dtype):
+  tpu = tpu_common.use_tpu_kernels(interpret)
+
   def body(k, la, om, r, mu, reset, p0):
+    kw = {} if tpu else dict(gain_dtype=gain_dtype)
     return _kernels(interpret).gain_forward(
         (k, la, om, r, mu), reset, p0, diag=diag, chunk=chunk, interpret=interpret, cfg=cfg,
-        save_pprev=save_pprev)[:3]
+        save_pprev=save_pprev, **kw)[:3]
   outs = (_LANES, _LANES if save_pprev else None, _P)
   shard = tpu_common.per_shard(interpret, body, _RAW + (_BT, _BH), outs, "kdn_gain forward")
-  return shard(*raw, reset, p0)
+  gain, pprev, pfin = shard(*raw, reset, p0)
+  return gain.astype(gain_dtype), pprev, pfin   # (the TPU kernels write fp32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _gain(k, la, om, r, mu, reset, p0, diag, chunk, interpret, cfg):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def _gain(k, la, om, r, mu, reset, p0, diag, chunk, interpret, cfg, gain_dtype):
   """The gain recurrence from the raw inputs (kernel.py), time already padded to the chunk."""
   # Not differentiated: p_prev (the backward's residual) is not written.
-  gain, _, pfin = _forward((k, la, om, r, mu), reset, p0, diag, chunk, interpret, cfg, False)
+  gain, _, pfin = _forward((k, la, om, r, mu), reset, p0, diag, chunk, interpret, cfg, False,
+                           gain_dtype)
   return gain, pfin
 
 
-def _gain_fwd(k, la, om, r, mu, reset, p0, diag, chunk, interpret, cfg):
+def _gain_fwd(k, la, om, r, mu, reset, p0, diag, chunk, interpret, cfg, gain_dtype):
   raw = (k, la, om, r, mu)
-  gain, pprev, pfin = _forward(raw, reset, p0, diag, chunk, interpret, cfg, True)
+  gain, pprev, pfin = _forward(raw, reset, p0, diag, chunk, interpret, cfg, True, gain_dtype)
   return (gain, pfin), (raw, reset, pprev)
 
 
-def _gain_bwd(diag, chunk, interpret, cfg, res, cts):
+def _gain_bwd(diag, chunk, interpret, cfg, gain_dtype, res, cts):
+  del gain_dtype
   raw, reset, pprev = res
   dgain, dpfin = cts
 
@@ -89,33 +95,36 @@ PAD_PREACT = -1e4
 _RAW_FRONT = (_BTH, _BTH, _MU, _MU, _BTH, _BTH, _MU)
 
 
-def _front_forward(raw, reset, p0, diag, chunk, interpret, cfg, save_pprev, r_min):
+def _front_forward(raw, reset, p0, diag, chunk, interpret, cfg, save_pprev, r_min, gain_dtype):
   def body(k, f, dtb, alog, om, r, mu, reset, p0):
     gain, pprev, pfin, la = _kernel.gain_forward(
         (k, f, dtb, alog, om, r, mu), reset, p0, diag=diag, chunk=chunk, interpret=interpret,
-        cfg=cfg, save_pprev=save_pprev, front=r_min)
+        cfg=cfg, save_pprev=save_pprev, front=r_min, gain_dtype=gain_dtype)
     return gain, la, pprev, pfin
   outs = (_LANES, _LANES, _LANES if save_pprev else None, _P)
   return _sharding.per_shard(body, _RAW_FRONT + (_BT, _BH), outs,
                              "kdn_gain_fused forward")(*raw, reset, p0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
-def _gain_front(k, f, dtb, alog, om, r, mu, reset, p0, diag, chunk, interpret, cfg, r_min):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13, 14))
+def _gain_front(k, f, dtb, alog, om, r, mu, reset, p0, diag, chunk, interpret, cfg, r_min,
+                gain_dtype):
   """(gain, log_alpha, p_final) from the pre-activations, time already padded to the chunk."""
   gain, la, _, pfin = _front_forward((k, f, dtb, alog, om, r, mu), reset, p0, diag, chunk,
-                                     interpret, cfg, False, r_min)
+                                     interpret, cfg, False, r_min, gain_dtype)
   return gain, la, pfin
 
 
-def _gain_front_fwd(k, f, dtb, alog, om, r, mu, reset, p0, diag, chunk, interpret, cfg, r_min):
+def _gain_front_fwd(k, f, dtb, alog, om, r, mu, reset, p0, diag, chunk, interpret, cfg, r_min,
+                    gain_dtype):
   raw = (k, f, dtb, alog, om, r, mu)
   gain, la, pprev, pfin = _front_forward(raw, reset, p0, diag, chunk, interpret, cfg, True,
-                                         r_min)
+                                         r_min, gain_dtype)
   return (gain, la, pfin), (raw, reset, pprev)
 
 
-def _gain_front_bwd(diag, chunk, interpret, cfg, r_min, res, cts):
+def _gain_front_bwd(diag, chunk, interpret, cfg, r_min, gain_dtype, res, cts):
+  del gain_dtype
   raw, reset, pprev = res
   dgain, dla, dpfin = cts
 
@@ -179,7 +188,7 @@ def kernel_inputs(k, gate, info_scale, p0, t_pad, diag, front):
 
 
 def _run_fused(diag, k, f, dt_bias, a_log, omega_raw, r_raw, r_min, info_scale, p0, segment_ids,
-               chunk_size, interpret):
+               chunk_size, interpret, gain_dtype=jnp.float32):
   interpret = common.resolve_interpret(interpret)
   bsz, t = k.shape[:2]
   op = "diag_gain_fused" if diag else "iso_gain_fused"
@@ -190,22 +199,24 @@ def _run_fused(diag, k, f, dt_bias, a_log, omega_raw, r_raw, r_min, info_scale, 
   chunk, t_pad, reset = _prep(t, chunk_size, bsz, segment_ids)
   k, gate, mu, p0 = kernel_inputs(k, gate, info_scale, p0, t_pad, diag, True)
   gain, la, pfin = _gain_front(k, *gate, mu, reset, p0, diag, chunk, interpret, _config.DEFAULT,
-                               float(r_min))
+                               float(r_min), _gain_dtype(gain_dtype))
   return gain[:, :t], la[:, :t], pfin
 
 
 def diag_gain_fused(k, f, dt_bias, a_log, omega_raw, r_raw, r_min, info_scale, p0,
-                    segment_ids=None, *, chunk_size=256, interpret=None):
+                    segment_ids=None, *, chunk_size=256, interpret=None,
+                    gain_dtype=jnp.float32):
   """Diagonal KDN gain from the gate projections before their activations:
   log_alpha = -exp(a_log) softplus(f + dt_bias), omega = softplus(omega_raw),
   r = r_min + softplus(r_raw), applied inside the kernels.
 
   k, f, omega_raw: [B,T,H,K]; dt_bias [H,K]; a_log [H]; r_raw [B,T,H]; r_min a float > 0;
   info_scale [H] or a float; p0 [B,H,K]. Gradients flow to all but r_min.
-  Returns (kappa [B,T,H,K] f32, log_alpha [B,T,H,K] f32, p_final [B,H,K] f32).
+  Returns (kappa [B,T,H,K] in gain_dtype (float32 or bfloat16), log_alpha [B,T,H,K] f32,
+  p_final [B,H,K] f32).
   """
   return _run_fused(True, k, f, dt_bias, a_log, omega_raw, r_raw, r_min, info_scale, p0,
-                    segment_ids, chunk_size, interpret)
+                    segment_ids, chunk_size, interpret, gain_dtype)
 
 
 def iso_gain_fused(k, f, dt_bias, a_log, omega_raw, r_raw, r_min, info_scale, b0,
@@ -224,25 +235,36 @@ def _prep(t, chunk_size, batch, segment_ids):
   return chunk, t_pad, reset
 
 
-def _run(diag, k, log_alpha, omega, r, info_scale, p0, segment_ids, chunk_size, interpret):
+def _gain_dtype(dtype):
+  """The gain's storage dtype: float32 or bfloat16 (a ValueError otherwise)."""
+  dtype = jnp.dtype(dtype)
+  if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+    raise ValueError(f"gain_dtype must be float32 or bfloat16, got {dtype}")
+  return dtype
+
+
+def _run(diag, k, log_alpha, omega, r, info_scale, p0, segment_ids, chunk_size, interpret,
+         gain_dtype=jnp.float32):
   interpret = common.resolve_interpret(interpret)
   bsz, t = k.shape[:2]
   gate = (log_alpha, omega, r)
   check_gate("diag_gain" if diag else "iso_gain", diag, False, k, gate, p0)
+  gain_dtype = _gain_dtype(gain_dtype)
   chunk, t_pad, reset = _prep(t, chunk_size, bsz, segment_ids)
   k, gate, mu, p0 = kernel_inputs(k, gate, info_scale, p0, t_pad, diag, False)
-  return _gain(k, *gate, mu, reset, p0, diag, chunk, interpret, _config.DEFAULT)
+  return _gain(k, *gate, mu, reset, p0, diag, chunk, interpret, _config.DEFAULT, gain_dtype)
 
 
 def diag_gain(k, log_alpha, omega, r, info_scale, p0, segment_ids=None, *, chunk_size=256,
-              interpret=None):
+              interpret=None, gain_dtype=jnp.float32):
   """Diagonal KDN gain. k, log_alpha, omega: [B,T,H,K]; r: [B,T,H]; info_scale: [H]; p0: [B,H,K].
 
-  Returns (kappa [B,T,H,K] float32, p_final [B,H,K] float32).
+  Returns (kappa [B,T,H,K] in gain_dtype (float32, or bfloat16: the kernel stores it rounded,
+  for a delta rule whose dots round it so: pallas_kernels.write_dtype), p_final [B,H,K] float32).
   """
   t = k.shape[1]
   kappa, pfin = _run(True, k, log_alpha, omega, r, info_scale, p0, segment_ids, chunk_size,
-                     interpret)
+                     interpret, gain_dtype)
   return kappa[:, :t], pfin
 
 

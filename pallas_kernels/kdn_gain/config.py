@@ -16,8 +16,8 @@ class GainConfig:
   # Triton software-pipelining stages of the token loops, forward (reduce, replay) and backward
   # kernels apart. Session 38, H200 diag gain T=16384, one process: forward 1.29 ms at 1 stage,
   # 1.16 at 2 or 3; fwd+bwd with every kernel at 2: 3.48 against 3.45 (the backward lost what the
-  # forward gained). Forward at 2 with the backward at 1: a trial, not yet timed or GPU-checked
-  # (gpu_measurements.sh forward).
+  # forward gained). Session 44, the forward at 1 / 2 / 3 stages in two processes: 1.21 / 1.21
+  # / 1.15 and 1.32 / 1.34 / 1.33 ms, a tie; 1 stays.
   num_stages_fwd: int = 1
   num_stages_bwd: int = 1
 

@@ -340,13 +340,14 @@ def _launch(r, chunk, interpret, cfg, backward):
   return bsz, t, nh, t // chunk, (bsz, nh, t // chunk), params
 
 
-def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True, front=None):
+def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True, front=None,
+                 gain_dtype=jnp.float32):
   """raw: (k [B,T,H,K], log_alpha [B,T,H,K], omega [B,T,H,K] (diag) or [B,T,H] (iso),
   r [B,T,H], mu [H]) in any float dtype, or with `front` (r_min) the pre-activations
   (k, f [B,T,H,K], dt_bias [H,K], A_log [H], omega_raw, r_raw, mu); reset [B,T]; p0 [B,H,L]
   (L = K diag, 1 iso); diag picks the lane formation (_lanes).
-  Returns (gain [B,T,H,L], p_prev [B,T,H,L] (the backward's residual; None unless save_pprev),
-  p_final [B,H,L], log_alpha [B,T,H,K] (front only, else None)), float32."""
+  Returns (gain [B,T,H,L] in gain_dtype, p_prev [B,T,H,L] (the backward's residual; None unless
+  save_pprev), p_final [B,H,L], log_alpha [B,T,H,K] (front only, else None)), the rest float32."""
   r = raw[-2]
   k = raw[0]
   lanes = p0.shape[-1]
@@ -362,7 +363,8 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
   outs = pl.pallas_call(
       functools.partial(_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag,
                         save_pprev=save_pprev, front=front),
-      out_shape=(lane,) + la_out + ((lane,) if save_pprev else ()) + (
+      out_shape=(jax.ShapeDtypeStruct(lane.shape, gain_dtype),) + la_out + (
+          (lane,) if save_pprev else ()) + (
           jax.ShapeDtypeStruct((bsz, nh, lanes), jnp.float32),),
       grid=grid, name="kdn_gain_replay", **params,
   )(*raw, reset, p0, prod)
