@@ -65,6 +65,15 @@ def _inputs(seed, b, t, h, kd, vd, dtype, scalar_decay, decay, write_scale=0.5,
   return arrs + [jnp.asarray(s0, jnp.float32)]
 
 
+def _segments(t, *rows):
+  """segment_ids [len(rows), t]: row i's segment number goes up by one at each start in rows[i]."""
+  seg = np.zeros((len(rows), t), np.int32)
+  for i, starts in enumerate(rows):
+    for start in starts:
+      seg[i, start:] += 1
+  return seg
+
+
 def _check(args, seg, chunk, tol_fwd, tol_grad, scale=0.7, vjp_primal=False):
   """Outputs, final state and every gradient against the float64 loop; with vjp_primal also the
   outputs of a differentiated call (the custom_vjp's forward, which saves residuals)."""
@@ -112,11 +121,7 @@ def _check(args, seg, chunk, tol_fwd, tol_grad, scale=0.7, vjp_primal=False):
 def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
   """The default config at the chunk given (max_chunk raised to it: the shipped cap is 16)."""
   args = _inputs(t, 1, t, 2, 64, 64, jnp.float32, scalar_decay, decay)
-  seg = None
-  if segs is not None:
-    seg = np.zeros((1, t), np.int32)
-    for s in segs:
-      seg[:, s:] += 1
+  seg = None if segs is None else _segments(t, segs)
   with dr_config.overridden(max_chunk=chunk):
     _check(args, seg, chunk, 1e-5, 1e-4)
 
@@ -142,11 +147,8 @@ def test_delta_rule_kernel_variants(variant):
   # (6 heads where the option concerns the pair kernel's programs of several heads)
   heads = 6 if "pair_heads" in variant else 1
   args = _inputs(5, 2, t, heads, 64, 64, jnp.float32, False, "normal")
-  seg = np.zeros((2, t), np.int32)
-  seg[0, 20:] = 1   # inside a chunk
-  seg[0, 31:] = 2   # on a chunk's last row
-  seg[0, 32:] = 3   # on the next chunk's first row
-  seg[1, 38:] = 3
+  # resets inside a chunk, on a chunk's last row, on the next chunk's first row
+  seg = _segments(t, (20, 31, 32), (38,))
   with dr_config.overridden(**variant):
     _check(args, seg, 32, 1e-5, 1e-4, vjp_primal=variant.get("fuse_output") == "all")
 
@@ -194,9 +196,7 @@ def test_delta_rule_scalar_write(variant, dtype):
   the float64 loop on beta k: outputs, final state and every gradient (beta's, k's), with
   resets inside and at the start of a chunk, T not a multiple of the chunk."""
   t = 45
-  seg = np.zeros((2, t), np.int32)
-  seg[0, 16:] = 1
-  seg[1, 21:] = 1
+  seg = _segments(t, (16,), (21,))
   chunk = variant.get("max_chunk", 16)
   tol = (1e-5, 1e-4) if dtype == jnp.float32 else (5e-3, 1e-2)
   args = _inputs(9, 2, t, 2, 64, 32, dtype, False, "normal", scalar_write=True)
@@ -216,13 +216,7 @@ def test_cumsum_in_pairs(t, decay, scalar_decay, segs, scalar_write):
   float64 loop."""
   args = _inputs(13, 2, t, 2, 64, 32, jnp.float32, scalar_decay, decay,
                  scalar_write=scalar_write)
-  seg = None
-  if segs:
-    seg = np.zeros((2, t), np.int32)
-    seg[0, 20:] = 1
-    seg[0, 31:] = 2
-    seg[0, 32:] = 3
-    seg[1, 9:] = 1
+  seg = _segments(t, (20, 31, 32), (9,)) if segs else None
   with dr_config.overridden(cumsum_in_pairs=True):
     _check(args, seg, 16, 1e-5, 1e-4, vjp_primal=True)
 
@@ -234,11 +228,7 @@ def test_cumsum_in_pairs_matches_the_cumsum_kernel():
   from pallas_kernels.delta_rule.chunk_cumsum import chunk_cumsum   # pylint: disable=g-import-not-at-top
   t = 48
   q, k, _, la, w, _ = _inputs(14, 2, t, 4, 64, 32, jnp.float32, False, "normal")
-  seg = np.zeros((2, t), np.int32)
-  seg[0, 5:] = 1
-  seg[0, 16:] = 2
-  seg[1, 30:] = 1
-  starts, _, pid = segment_arrays(jnp.asarray(seg), 2, t, t, 16)
+  starts, _, pid = segment_arrays(jnp.asarray(_segments(t, (5, 16), (30,))), 2, t, t, 16)
   cfg = dr_config.DeltaRuleConfig(cumsum_in_pairs=True)
   kw = dict(chunk=16, scale=0.3, interpret=True, cfg=cfg, cfg_prec="exact")
   g = chunk_cumsum(la, starts, chunk=16, interpret=True, block=8)
@@ -269,12 +259,7 @@ def test_delta_rule_intra_backward(segments, variant):
   and 32; V != K. The resets fall on a chunk's last row, on the next chunk's first row and
   inside a chunk, next to a chunk without one (tiles.by_reset: the segment-free bodies)."""
   t = 45
-  seg = None
-  if segments:
-    seg = np.zeros((2, t), np.int32)
-    seg[0, 31:] = 1
-    seg[0, 32:] = 2
-    seg[1, 38:] = 3
+  seg = _segments(t, (31, 32), (38,)) if segments else None
   heads = 6   # programs of gcd(pair_heads, 6) heads: 2 by default, 1 with pair_heads=1
   with dr_config.overridden(**variant):
     _check(_inputs(6, 2, t, heads, 64, 32, jnp.float32, False, "normal"), seg,
