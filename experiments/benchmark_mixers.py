@@ -117,8 +117,8 @@ def _direct_kdn(diag, x, d):
   if diag:
     w, _ = pk.diag_gain(x["k"], x["la"], x["om"], x["r"], mu, jnp.ones((b, h, d), jnp.float32))
   else:
-    beta, _ = pk.iso_gain(x["k"], x["la"], x["om_iso"], x["r"], mu, jnp.ones((b, h), jnp.float32))
-    w = beta[..., None] * x["k"].astype(jnp.float32)
+    # (beta itself: the delta rule forms the write beta k in its kernels)
+    w, _ = pk.iso_gain(x["k"], x["la"], x["om_iso"], x["r"], mu, jnp.ones((b, h), jnp.float32))
   o, _ = pk.delta_rule(x["q"], x["k"], x["v"], x["la"], w, d ** -0.5, s0)
   return o
 

@@ -2,7 +2,8 @@
 pallas_kernels' DeltaRuleConfig, GainConfig or ConvConfig, e.g. 'fuse_output=all/num_stages=2'.
 The benchmarks' --sweep / --gain_sweep / --delta_rule_config / --gain_config / --conv_config
 take them, and a run config's config.kernels.delta_rule / .gain / .conv (applied by the Trainer
-and by evaluate before anything is traced). Every option is exact; they change speed only."""
+and by evaluate before anything is traced). Every option is exact and changes speed only, but
+DeltaRuleConfig.bf16_write, which also rounds the KDN gain kappa to bf16 for bf16 data."""
 from __future__ import annotations
 
 import contextlib

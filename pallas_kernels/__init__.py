@@ -1,7 +1,8 @@
 """Pallas kernels for kdn_jax (Triton lowering on GPU, interpret mode on CPU).
 
 Public API (all arrays in [B, T, H, *] layout):
-  diag_gain(k, log_alpha, omega, r, info_scale, p0, segment_ids=None, *, chunk_size=256, interpret=None)
+  diag_gain(k, log_alpha, omega, r, info_scale, p0, segment_ids=None, *, chunk_size=256, interpret=None,
+            gain_dtype=float32)
   iso_gain(k, log_alpha, omega, r, info_scale, b0, segment_ids=None, *, chunk_size=256, interpret=None)
   delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None, *, chunk_size=64,
              precision=None, interpret=None)

@@ -185,12 +185,13 @@ def test_state_step_chunks_bf16_as_accurate_as_one_chunk_per_step():
   assert _rel(s4, rs) <= 1.05 * _rel(s1, rs), (_rel(s4, rs), _rel(s1, rs))
 
 
-@pytest.mark.parametrize("variant,dtype", [
-    ({}, jnp.float32),                                        # token-parallel pair kernel
-    (dict(pair_diag="columns", max_chunk=32), jnp.float32),   # the row-block pair kernel
-    ({}, jnp.bfloat16),
-    (dict(scalar_write=False), jnp.float32)])                 # beta k made in XLA instead
-def test_delta_rule_scalar_write(variant, dtype):
+@pytest.mark.parametrize("variant,dtype,scalar_decay", [
+    ({}, jnp.float32, False),                                        # token-parallel pair kernel
+    (dict(pair_diag="columns", max_chunk=32), jnp.float32, False),   # the row-block pair kernel
+    ({}, jnp.bfloat16, False),
+    ({}, jnp.float32, True),                                         # GDN's: [B, T, H] decay too
+    (dict(scalar_write=False), jnp.float32, False)])                 # beta k made in XLA instead
+def test_delta_rule_scalar_write(variant, dtype, scalar_decay):
   """write given as a per-token scalar beta [B, T, H] (write = beta k, formed in the pair kernel
   and the intra backward; beta's gradient <dw, k> and k's share beta dw summed there) against
   the float64 loop on beta k: outputs, final state and every gradient (beta's, k's), with
@@ -199,7 +200,7 @@ def test_delta_rule_scalar_write(variant, dtype):
   seg = _segments(t, (16,), (21,))
   chunk = variant.get("max_chunk", 16)
   tol = (1e-5, 1e-4) if dtype == jnp.float32 else (5e-3, 1e-2)
-  args = _inputs(9, 2, t, 2, 64, 32, dtype, False, "normal", scalar_write=True)
+  args = _inputs(9, 2, t, 2, 64, 32, dtype, scalar_decay, "normal", scalar_write=True)
   assert args[4].shape == (2, t, 2)
   with dr_config.overridden(**variant):
     _check(args, seg, chunk, *tol, vjp_primal=True)

@@ -126,11 +126,11 @@ forward)
   # (kappa stored in bf16), each alone and all three together, and fuse_output=none, the output
   # kernel apart); FORWARD_LIMIT /
   # FORWARD_4K_LIMIT: their limits. Then 'all' (the output fused in every call, training too)
-  # fwd+bwd without and with documents (FORWARD_ALL=0 skips those); the GPU checks
+  # fwd+bwd without and with documents (FORWARD_ALL=1 adds those, +120 s); the GPU checks
   # CHECK_CASES=dim:spec[:gain spec],... (default: the three trials together, and
-  # fuse_output=all's reset branch, at K=128; each up to CHECK_LIMIT, 120 s). About 690 s at
-  # most, 570 with FORWARD_ALL=0 (FORWARD_DOCS=1: the forward with documents, +50 s). Each line
-  # has its own limit, and results.tgz is packed after each.
+  # fuse_output=all's reset branch, at K=128; each up to CHECK_LIMIT, 120 s). About 570 s at
+  # most (FORWARD_ALL=1: 690; FORWARD_DOCS=1: the forward with documents, +50 s). Each line has
+  # its own limit, and results.tgz is packed after each.
   SWEEP_LOG=forward.txt
   G=state_step_chunks
   SPECS=${FORWARD_SWEEP:-default,$G=2,$G=4,$G=4/num_warps_recur=8,cumsum_in_pairs=1,bf16_write=1,$G=4/cumsum_in_pairs=1/bf16_write=1,fuse_output=none}
@@ -141,9 +141,9 @@ forward)
   # with documents: 'all' also fuses the primal (its S_init dot only in chunks with a reset)
   [ "${FORWARD_DOCS:-0}" = 1 ] && sweep_line 50 --out="$RES/forward_docs" --seq_lens=16384 \
     --sweep_len=16384 --sweep_fwd_only --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
-  [ "${FORWARD_ALL:-1}" = 1 ] && sweep_line 70 --out="$RES/forward_all" --seq_lens=16384 --sweep_len=16384 \
+  [ "${FORWARD_ALL:-0}" = 1 ] && sweep_line 70 --out="$RES/forward_all" --seq_lens=16384 --sweep_len=16384 \
     --sweep=default,fuse_output=all
-  [ "${FORWARD_ALL:-1}" = 1 ] && sweep_line 50 --out="$RES/forward_all_docs" --seq_lens=16384 --sweep_len=16384 \
+  [ "${FORWARD_ALL:-0}" = 1 ] && sweep_line 50 --out="$RES/forward_all_docs" --seq_lens=16384 --sweep_len=16384 \
     --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
   gpu_checks "${CHECK_CASES:-128:state_step_chunks=4/cumsum_in_pairs=1/bf16_write=1,128:fuse_output=all}" ;;
 passes)
@@ -161,8 +161,9 @@ passes)
   # session 45's scalar write (beta [B, T, H] formed in the kernels) against beta k made in XLA
   # (scalar_write=0), forward then fwd+bwd, on the rows whose write is beta k (iso KDN, KDA)
   for row in ${SCALAR_WRITE_ROWS:-iso_kdn_pallas kda_pallas}; do
-    for rank in --sweep_fwd_only --nosweep_fwd_only; do
-      sweep_line 60 --out="$RES/scalar_write_${row}${rank#--}" --seq_lens=16384 --sweep_len=16384 \
+    for mode in fwd fwd_bwd; do
+      rank=--sweep_fwd_only; [ $mode = fwd_bwd ] && rank=--nosweep_fwd_only
+      sweep_line 60 --out="$RES/scalar_write_${row}_$mode" --seq_lens=16384 --sweep_len=16384 \
         --sweep_row=$row $rank --sweep=default,scalar_write=0
     done
   done

@@ -28,6 +28,7 @@ from flax import nnx
 
 from kdn_jax import ops
 from kdn_jax.ops import context_parallel
+from kdn_jax.ops import dispatch
 from kdn_jax.layers.decay import Decay
 from kdn_jax.layers.dense import Dense, LowRank, constant_init, inv_softplus, make_param, zeros_init
 from kdn_jax.layers.recurrent import RecurrentMixer
@@ -164,11 +165,11 @@ class KDNMixer(RecurrentMixer):
     def _core_fused(self, q, k, v, raw, state, segment_ids):
         """The pallas path with the fused front-end: gain kernels on the projections (they emit
         log_alpha), then the delta rule with write kappa (iso: beta k), erase k."""
-        import pallas_kernels  # pylint: disable=g-import-not-at-top
         from pallas_kernels import kdn_gain  # pylint: disable=g-import-not-at-top
         fn = kdn_gain.diag_gain_fused if self.diagonal else kdn_gain.iso_gain_fused
         # (diag: kappa stored as the delta rule wants it for this data; DeltaRuleConfig.bf16_write)
-        kw = dict(gain_dtype=pallas_kernels.write_dtype(q.dtype)) if self.diagonal else {}
+        write_dtype = dispatch.pallas_module().write_dtype(jnp.result_type(q, k, v))
+        kw = dict(gain_dtype=write_dtype) if self.diagonal else {}
         decay = self.decay
         gain, log_alpha, variance = fn(k, raw['f'], decay.dt_bias[...], decay.A_log[...], raw['omega_raw'],
                                        raw['r_raw'], self.r_min, self.info_scale(), state['variance'],

@@ -162,8 +162,9 @@ def _xla_gain_from(diag, m, k, log_alpha, omega, r, p_in, p0, start):
 
 
 def _gain_cp(axis_name, op, diag, impl, k, log_alpha, omega, r, mu, p0,
-             segment_ids, bounds):
-  """Write directions of this slice and the global final variance."""
+             segment_ids, bounds, input_dtype):
+  """The writes of this slice (diag: kappa [B, T, H, K]; iso: beta k, or on
+  the pallas path beta [B, T, H] itself) and the global final variance."""
   start = None if bounds is None else bounds.start
   m = _token_mobius(diag, k, log_alpha, omega, r, mu, p0, start)
   p_in = _exclusive_chain(axis_name, _reduce_mobius(m), mobius.apply, p0)
@@ -172,13 +173,13 @@ def _gain_cp(axis_name, op, diag, impl, k, log_alpha, omega, r, mu, p0,
                                   start)
     return write, _last_slice(axis_name, p_end)
   write, p_end = _gain(op, diag, impl, k, log_alpha, omega, r, mu, p_in,
-                       segment_ids)
+                       segment_ids, input_dtype)
   if bounds is not None:
     # The kernels reset segments to the variance they start from: after the
     # slice's first start that must be p0, not p_in, so those tokens come
     # from a second run from p0.
     write_p0, p_end_p0 = _gain(op, diag, impl, k, log_alpha, omega, r, mu, p0,
-                               segment_ids)
+                               segment_ids, input_dtype)
     # (write: [B, T, H, K], or the iso gain's beta [B, T, H])
     head = bounds.head.reshape(bounds.head.shape + (1,) * (write.ndim - 2))
     write = jnp.where(head, write, write_p0)
@@ -289,7 +290,7 @@ def _kdn_cp(op, diag, q, k, v, log_alpha, omega, r, axis_name, info_scale,
       x.astype(cd) for x in (q, k, v, log_alpha, omega, r))
   bounds = None if segment_ids is None else _Boundaries(axis_name, segment_ids)
   write, var = _gain_cp(axis_name, op, diag, impl, k, log_alpha, omega, r, mu,
-                        state0.variance, segment_ids, bounds)
+                        state0.variance, segment_ids, bounds, input_dtype)
   o, memory = _memory_cp(axis_name, op, impl, q, k, v, log_alpha, write,
                          state0.memory, segment_ids, bounds, chunk_size,
                          input_dtype, scale)
@@ -339,8 +340,10 @@ def delta_rule(q, k, v, log_alpha, write, *, axis_name, scale=None,
   impl, chunk_size = _local_impl(op, impl, chunk_size)
   scale = kd ** -0.5 if scale is None else scale
   bounds = None if segment_ids is None else _Boundaries(axis_name, segment_ids)
+  if impl != "pallas":   # (the Pallas kernels read them in their own dtypes)
+    log_alpha, write = log_alpha.astype(cd), write.astype(cd)
   o, memory = _memory_cp(axis_name, op, impl, q.astype(cd), k.astype(cd),
-                         v.astype(cd), log_alpha.astype(cd), write.astype(cd),
+                         v.astype(cd), log_alpha, write,
                          memory0, segment_ids, bounds, chunk_size,
                          jnp.result_type(q, k, v), scale)
   return o.astype(q.dtype), (memory if output_final_state else None)

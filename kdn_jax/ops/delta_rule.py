@@ -60,13 +60,14 @@ def check_args(op, q, k, v, log_alpha, write, initial_state, segment_ids):
 
 def run_memory(op, impl, q, k, v, log_alpha, write, memory0, segment_ids,
                chunk_size, input_dtype, scale):
-  """Runs the memory recurrence with impl; inputs already in compute dtype,
-  q not yet multiplied by `scale`.
+  """Runs the memory recurrence with impl; q, k, v already in compute dtype (the
+  Pallas path takes log_alpha and write in their own dtypes), q not yet
+  multiplied by `scale`.
 
   input_dtype (the caller's q/k/v dtype) sets the Pallas dot precision: 'fast'
   (bf16 operands, fp32 accumulation) for bf16/fp16 data, fp32-accurate for
-  fp32/fp64 data. write: [B, T, H, K], or [B, T, H] for write = write * k (the
-  Pallas kernels form it themselves).
+  fp32/fp64 data. write: [B, T, H, K], or [B, T, H]: beta with write = beta k
+  (the Pallas kernels form it themselves).
   """
   if impl == "pallas":
     # resolve_impl has checked that the kernels import and take these widths
@@ -97,8 +98,8 @@ def delta_rule(q, k, v, log_alpha, write, *, scale=None, initial_state=None,
   Args:
     q, k: [B, T, H, K]; v: [B, T, H, V].
     write: [B, T, H, K], or [B, T, H]: a per-token scalar beta, write = beta * k
-      (the Pallas kernels then form beta * k themselves: no [B, T, H, K] write
-      array in memory).
+      (the Pallas GPU kernels then form beta * k themselves: no [B, T, H, K]
+      write array in memory; the other impls and TPU form it in XLA).
     log_alpha: [B, T, H, K] per-channel or [B, T, H] scalar log decay (<= 0).
     scale: query scale, default K ** -0.5.
     initial_state: memory [B, H, K, V] or None (zeros).

@@ -119,7 +119,8 @@ def _kdn_reference(diag, q, k, v, log_alpha, omega, r, mu, state0, starts):
 
 def _gain(op, diag, impl, k, log_alpha, omega, r, mu, var0, segment_ids,
           input_dtype=None):
-  """Write directions for all tokens and the final variance. input_dtype (the
+  """The delta rule's write for all tokens (diag: kappa [B, T, H, K]; iso:
+  beta [B, T, H], write = beta k) and the final variance. input_dtype (the
   caller's q/k/v dtype): the Pallas diag gain stores kappa as the delta rule
   wants it for that data (pallas_kernels.write_dtype)."""
   kernels = dispatch.pallas_module() if impl == "pallas" else None

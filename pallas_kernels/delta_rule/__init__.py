@@ -9,7 +9,7 @@ starts), state S_0 at the chunk start (S_init for rows whose segment starts insi
 Decay ratios are only ever formed as exp(min(g_r - g_j, 0)) of log DIFFERENCES, never exp(-g).
 
 One module per stage (options in config.DeltaRuleConfig), imported only from here:
-  chunk_cumsum  g and its transpose
+  chunk_cumsum  g and its transpose (with cfg.cumsum_in_pairs the pair kernel forms g instead)
   intra         L, P and Wt (the pair kernel), then wy: A, W = A Kbar, U = A V', parallel
                 over chunks
   state_pass    the serial chunk loop: S_final, chunk-start states, Delta = U - W S_0 (with
@@ -40,6 +40,7 @@ from pallas_kernels.delta_rule import config as _config
 from pallas_kernels.delta_rule import intra as _intra
 from pallas_kernels.delta_rule import output as _output
 from pallas_kernels.delta_rule import state_pass as _state_pass
+from pallas_kernels.delta_rule import tiles as _tiles
 from pallas_kernels.delta_rule import tpu_backward as _tpu_backward
 from pallas_kernels.delta_rule import tpu_forward as _tpu_forward
 
@@ -61,7 +62,7 @@ _RES_OUT = (_OUT4, _STATE4, _STATE4, _OUT4, _OUT4, _STATES5)   # results: g, A, 
 
 def forward(q, k, v, w, g, h0, cont, pid, *, chunk, scale, interpret, cfg, cfg_prec,
             save_states, la=None):
-  """The forward stages after the cumsum: (o, S_final, residuals (A, P, Wt, W, states), g).
+  """The forward stages from the pair kernel on: (o, S_final, residuals (A, P, Wt, W, states), g).
 
   q, k: [B,T,H,K]; w: [B,T,H,K] or [B,T,H] (write = w k); v: [B,T,H,V]; g: [B,T,H,K] f32
   chunk-local cumsum, or None with `la` (log_alpha; the pair kernel forms g:
@@ -198,13 +199,17 @@ def segment_arrays(segment_ids, bsz, t, t_pad, chunk):
   return chunk_start | reset, (in_chunk == 0).astype(jnp.float32), pid
 
 
-def write_dtype(dtype):
+def write_dtype(dtype, interpret=None):
   """The dtype a caller that computes the write direction (the KDN gain) should store it in for
-  delta_rule on q/k/v data of `dtype`: bfloat16 where the dots round it so anyway and
-  DeltaRuleConfig.bf16_write is set, else float32."""
+  delta_rule on q/k/v data of `dtype`: with DeltaRuleConfig.bf16_write, the storage of the
+  kernels' dot operands (bfloat16 under bf16-operand dots, tiles.operand_dtype), except on the
+  TPU kernels (whose gain writes fp32); else float32."""
   cfg = _config.DEFAULT
-  fast = common.precision_for(dtype) == "fast" and cfg.fast_dots == "bf16"
-  return jnp.bfloat16 if cfg.bf16_write and fast else jnp.float32
+  interpret = common.resolve_interpret(interpret)
+  if not cfg.bf16_write or tpu_common.use_tpu_kernels(interpret):
+    return jnp.float32
+  return _tiles.operand_dtype(_tiles.kernel_precision(cfg, common.precision_for(dtype),
+                                                      interpret))
 
 
 def delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None, *,
@@ -231,7 +236,7 @@ def delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None
   chunk = chunk_length(cfg, chunk_size, t, interpret)
   cfg_fo, chunk_fo = forward_only(cfg, chunk_size, t, interpret)
   t_pad = -(-t // max(chunk, chunk_fo)) * max(chunk, chunk_fo)   # powers of two: a multiple of both
-  la = log_alpha   # the cumsum kernel reads it in its own dtype and sums in fp32
+  la = log_alpha   # the cumsum (or pair) kernel reads it in its own dtype and sums in fp32
   if la.ndim == 3:
     la = jnp.broadcast_to(la[..., None], la.shape + (kd,))
   out_dtype = q.dtype

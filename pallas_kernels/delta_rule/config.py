@@ -116,9 +116,12 @@ class DeltaRuleConfig:
   # writes g) instead of by its own kernel before it (chunk_cumsum.py): one pass over
   # [B, T, H, K] fp32 less (the cumsum's read of log_alpha and its launch; H200 T=16384 stage
   # split: cumsum 0.36 ms) for a loop of loads and adds per row in the pair kernel (Wt's decay
-  # to the chunk's last token). Applies where the pair kernel is token-parallel (pair_diag
-  # 'token_loop', chunk 16), to every forward (differentiated or not). Session 45 trial, exact
-  # in interpret mode, not yet timed (no device): gpu_measurements.sh forward.
+  # to the chunk's last token): its row loads per program go from about 19 (w_j and g_j for the
+  # 8.5 columns j <= r on average, g_r, g_last) to about 24.5 (w_j and log_alpha_j for those
+  # columns, log_alpha_j for the 7.5 after r), so it loses if that kernel is bound by its
+  # loads. Applies where the pair kernel is token-parallel (pair_diag 'token_loop', chunk 16),
+  # to every forward (differentiated or not). Session 45 trial, exact in interpret mode, not yet
+  # timed (no device): gpu_measurements.sh forward.
   cumsum_in_pairs: bool = False
   # A computed write direction (the diagonal KDN gain kappa, op and layer) stored in bf16 when
   # the delta rule's dots take bf16 operands (16-bit q, k, v and fast_dots='bf16'; write_dtype):

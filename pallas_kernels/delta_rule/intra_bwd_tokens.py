@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.delta_rule.tiles import launch_params, times_beta, write_parts, write_rows
+from pallas_kernels.delta_rule.tiles import launch_params, times_beta, write_parts
 
 # The kernel's inputs, in order (then pid with segments): q, k, w, g and the partials.
 _INPUTS = ("q", "k", "w", "g", "dp", "dl", "dwt", "dkbar", "dqbar", "dgl")
@@ -69,8 +69,8 @@ def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads):
     return jnp.where(r["pid"][b, j] == pid_t, x, 0.0) if has_seg else x
 
   q, k, g = row("q", t), row("k", t), row("g", t)
-  scalar_write = len(r["w"].shape) == 3   # write = beta k (beta [B, T, H])
-  w = write_rows(r["w"], r["k"], b, t, hs)
+  w, beta_t = write_parts(r["w"], r["k"], b, t, hs)   # beta_t: a scalar write, write = beta k
+  w = w if beta_t is None else beta_t[:, None] * w
 
   def row_step(j, acc):
     dq_acc, dk_acc = acc
@@ -102,9 +102,8 @@ def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads):
   dq_ref[out] = (dq_acc + p_diag * w + scale * dqbar * e0).astype(dq_ref.dtype)
   dw = dw_acc + p_diag * q + dwt * e_last
   dk = dk_acc + dkbar * e0
-  if scalar_write:   # through write = beta k: d beta = <dw, k>, and k's share beta dw
-    beta = r["w"][b, t, hs].astype(f32)[:, None]
-    dk = dk + beta * dw
+  if beta_t is not None:   # through write = beta k: d beta = <dw, k>, and k's share beta dw
+    dk = dk + beta_t[:, None] * dw
     dw_ref[b, t, hs] = jnp.sum(dw * k, axis=1)
   else:
     dw_ref[out] = dw
