@@ -4,8 +4,8 @@
   ncu --clock-control none --profile-from-start off --section SpeedOfLight ... \\
       python3 -m experiments.profile_kernels --row=diag_kdn_pallas --seq_len=4096 --mode=fwd
 
-reports the kernels of those runs and nothing else (GPU; gpu_measurements.sh's `ncu` section;
-docs/benchmark_mixers.md)."""
+reports the kernels of those runs and nothing else (GPU; gpu_measurements.sh's `ncu` section
+runs it on the pair kernels; docs/benchmark_mixers.md)."""
 import time
 
 from absl import app

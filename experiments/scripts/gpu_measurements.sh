@@ -7,7 +7,7 @@
 # train (125M LM training throughput on 1 GPU, and on 2 when there are 2), mgpu (the Mosaic GPU
 # output stage: tests and timing), forward (forward configs at 16k with the stage split and at
 # 4k, fuse_output=all, GPU checks), passes (cumsum_in_pairs fwd+bwd, the scalar write's A/B,
-# the K=16 check), glue (the GPU check
+# the K=16 check), ncu (Nsight Compute on the pair kernels, ours and fla's), glue (the GPU check
 # of the layers' fused glue kernels), loadchecks (GPU checks of the default since the cumsums'
 # load blocks), convblocks (the conv's load blocks: layers, check_fusion). Default: check ops stages docs mixers layers train.
 # Kernel config sweep (stages): SWEEP='default,max_chunk=64/sub_block=32' (DeltaRuleConfig fields).
@@ -168,6 +168,24 @@ passes)
     done
   done
   gpu_checks "${CHECK_CASES:-16:default}" ;;
+ncu)
+  # Nsight Compute on one forward per row (experiments/profile_kernels.py): the kernels matching
+  # NCU_KERNELS (default: our token-parallel pair kernel and fla's token-parallel intra kernel,
+  # the same structure, ours about 2x the time per token: L1-bound, issue-bound?) in NCU_ROWS
+  # (default diag_kdn_pallas iso_kdn_pallas fla_chunk_kda) at T=NCU_LEN (4096); full reports in
+  # $RES/ncu_<row>.txt, their headline lines in ncu.txt. About 400 s at most (fla autotunes).
+  SWEEP_LOG=ncu.txt
+  for row in ${NCU_ROWS:-diag_kdn_pallas iso_kdn_pallas fla_chunk_kda}; do
+    timeout ${NCU_LIMIT:-150} ncu --clock-control none --profile-from-start off \
+      --kernel-name "regex:${NCU_KERNELS:-pair_token_loop|intra_token_parallel}" \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats \
+      --section WarpStateStats --section LaunchStats --section Occupancy \
+      python3 -m experiments.profile_kernels --row=$row --seq_len=${NCU_LEN:-4096} --mode=fwd \
+      > "$RES/ncu_$row.txt" 2>&1
+    grep -E "^  [a-z_]+ \(|Duration|L1/TEX Cache Throughput|Compute \(SM\)|Registers Per|Achieved Occ|Issued Warp" \
+      "$RES/ncu_$row.txt" | sed "s|^|ncu $row: |" | tee -a "$RES/$SWEEP_LOG"
+    pack
+  done ;;
 loadchecks)
   # The GPU checks of the default (DeltaRuleConfig.cumsum_block=8 since session 43, the decay
   # cumsums' loads in blocks: pallas_kernels/token_loop.py) at K=128 and K=16. About 200 s at most.
