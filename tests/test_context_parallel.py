@@ -39,10 +39,8 @@ CASES = [
     ("kda", "delta_channel", "chunked", False, 4, 2),
     ("gated_delta_rule", "delta_scalar", "chunked", True, 2, 1),
     ("diag_kdn", "diag", "pallas", True, 4, 1),
-    # the write as beta [B, T, H] (formed in the kernels): iso KDN's gain, and GDN's with a
-    # [B, T, H] decay
+    # the write as beta [B, T, H] (formed in the kernels): iso KDN's gain
     ("iso_kdn", "iso", "pallas", True, 2, 1),
-    ("gated_delta_rule", "delta_scalar", "pallas", True, 2, 1),
 ]
 
 

@@ -188,8 +188,7 @@ def test_state_step_chunks_bf16_as_accurate_as_one_chunk_per_step():
 @pytest.mark.parametrize("variant,dtype,scalar_decay", [
     ({}, jnp.float32, False),                                        # token-parallel pair kernel
     (dict(pair_diag="columns", max_chunk=32), jnp.float32, False),   # the row-block pair kernel
-    ({}, jnp.bfloat16, False),
-    ({}, jnp.float32, True),                                         # GDN's: [B, T, H] decay too
+    ({}, jnp.bfloat16, True),                                 # GDN's: with a [B, T, H] decay
     (dict(scalar_write=False), jnp.float32, False)])                 # beta k made in XLA instead
 def test_delta_rule_scalar_write(variant, dtype, scalar_decay):
   """write given as a per-token scalar beta [B, T, H] (write = beta k, formed in the pair kernel
@@ -207,9 +206,9 @@ def test_delta_rule_scalar_write(variant, dtype, scalar_decay):
 
 
 @pytest.mark.parametrize("t,decay,scalar_decay,segs,scalar_write", [
-    (45, "normal", False, True, False),   # resets inside a chunk, on its last row, on the next's first
+    # resets inside a chunk, on its last row, on the next's first; the scalar write
+    (45, "normal", False, True, True),
     (40, "strong", True, False, False),   # log-decay -20 per token, [B, T, H] decay
-    (37, "normal", False, True, True),    # with the scalar write
     (1, "normal", False, False, False)])  # T = 1
 def test_cumsum_in_pairs(t, decay, scalar_decay, segs, scalar_write):
   """cumsum_in_pairs: the token-parallel pair kernel forms g from log_alpha (no cumsum kernel);
