@@ -26,7 +26,7 @@ def _is_abandoned_read(unraisable) -> bool:
 
 
 @contextlib.contextmanager
-def _abandoned_reads_dropped(settle_s: float = 0.3, max_wait_s: float = 3.0):
+def _abandoned_reads_dropped(settle_s: float = 0.3, max_wait_s: float = 3.0, keep=None):
   """Counts, instead of printing, the abandoned reads of a failed orbax restore.
 
   orbax reads a checkpoint's arrays concurrently on an asyncio loop. When one read of a damaged
@@ -37,8 +37,11 @@ def _abandoned_reads_dropped(settle_s: float = 0.3, max_wait_s: float = 3.0):
   previous hook. The caller appends to the yielded list when its restore failed and handles the
   error inside the block (the error's traceback keeps the coroutines alive until it is dropped).
   After a failure the block's exit waits until no abandoned read has arrived for `settle_s` (at
-  most `max_wait_s`) and logs the count in one line; a restore that succeeds is not delayed. The
-  hook is process-wide: one restore at a time, as the runner does."""
+  most `max_wait_s`) and logs the count in one line; a restore that succeeds is not delayed. With
+  `keep` (a list) a failed block leaves its hook installed and appends (hook, previous hook,
+  counts) to it, for _release_hooks to take out later (Checkpointer.close): stragglers can come
+  after any quiet window on a loaded machine (a CI run got 21 past the 0.3 s one). The hook is
+  process-wide: one restore at a time, as the runner does."""
   dropped, failed = [], []
   previous = sys.unraisablehook
 
@@ -62,10 +65,37 @@ def _abandoned_reads_dropped(settle_s: float = 0.3, max_wait_s: float = 3.0):
           if time.monotonic() - max(dropped, default=start) >= settle_s:
             break
     finally:
+      if failed and keep is not None:
+        keep.append((hook, previous, dropped))
+      else:
+        sys.unraisablehook = previous
+        _log_dropped(dropped, failed)
+
+
+def _log_dropped(dropped, failed):
+  if dropped:
+    logging.info('checkpoint: dropped %d abandoned reads of a %s restore', len(dropped),
+                 'failed' if failed else 'successful')
+
+
+def _release_hooks(kept, settle_s: float = 1.0, max_wait_s: float = 5.0):
+  """Takes out the hooks that failed restores left installed (newest first), once no abandoned
+  read has arrived for `settle_s` (at most `max_wait_s`; a close right after a failed restore,
+  e.g. when no checkpoint was readable, waits for the stragglers), the garbage collector's share
+  collected."""
+  if not kept:
+    return
+  start = time.monotonic()
+  last = lambda: max((max(d, default=start) for _, _, d in kept), default=start)
+  gc.collect()
+  while time.monotonic() - start < max_wait_s and time.monotonic() - last() < settle_s:
+    time.sleep(settle_s / 5)
+    gc.collect()
+  while kept:
+    hook, previous, dropped = kept.pop()
+    if sys.unraisablehook is hook:
       sys.unraisablehook = previous
-      if dropped:
-        logging.info('checkpoint: dropped %d abandoned reads of a %s restore', len(dropped),
-                     'failed' if failed else 'successful')
+    _log_dropped(dropped, True)
 
 
 def _key_str(k) -> str:
@@ -170,6 +200,7 @@ class Checkpointer:
                                         create=True)
     self.manager = ocp.CheckpointManager(self.directory, options=opts,
                                          item_names=('state', 'data', 'record'))
+    self._read_hooks = []   # hooks of failed restores, in place until close (_abandoned_reads_dropped)
 
   def latest_step(self):
     return self.manager.latest_step()
@@ -227,7 +258,7 @@ class Checkpointer:
         raise CheckpointMismatchError(
             f'{self.directory}/{step} was saved by another model or config ({problems}); resume with the '
             'config it was trained with, or start a new --workdir (--config.train.init_from copies parameters)')
-      with _abandoned_reads_dropped() as failed:
+      with _abandoned_reads_dropped(keep=self._read_hooks) as failed:
         try:
           state, record = self.restore(step, abstract_state, data_iter)
           return step, state, record
@@ -274,3 +305,4 @@ class Checkpointer:
   def close(self):
     self.manager.wait_until_finished()
     self.manager.close()
+    _release_hooks(self._read_hooks)

@@ -222,6 +222,20 @@ def test_failed_restore_counts_only_orbax_abandoned_reads(monkeypatch):
     with checkpoint._abandoned_reads_dropped(settle_s=0.01):
       raise KeyError('inside')
   assert sys.unraisablehook is previous
+  # With `keep` (the Checkpointer's), a failed restore's hook stays in place for stragglers that
+  # come after the quiet window, until the checkpointer closes; a restore that succeeds leaves none.
+  kept = []
+  with checkpoint._abandoned_reads_dropped(settle_s=0.01, keep=kept):
+    pass
+  assert not kept and sys.unraisablehook is previous
+  with checkpoint._abandoned_reads_dropped(settle_s=0.01, keep=kept) as failed:
+    failed.append(3)
+  assert len(kept) == 1 and sys.unraisablehook is not previous
+  sys.unraisablehook(closed)   # a straggler, after the window
+  sys.unraisablehook(other)
+  assert passed_on == [other, other] and kept[0][2]
+  checkpoint._release_hooks(kept, settle_s=0.01)
+  assert not kept and sys.unraisablehook is previous
 
 
 def _array_record_docs(tmp_path):
