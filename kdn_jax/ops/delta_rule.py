@@ -165,7 +165,7 @@ def beta_times(beta, x):
 def beta_write(beta, k):
   """delta_rule's write for write = beta * k: beta itself when it is one scalar per token
   ([B, T, H]), else the product."""
-  return beta if beta.ndim == k.ndim - 1 else beta * k
+  return beta if beta.ndim == k.ndim - 1 else beta_times(beta, k)
 
 
 def _check_gate(op, g, kwargs):

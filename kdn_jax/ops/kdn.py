@@ -118,7 +118,7 @@ def _kdn_reference(diag, q, k, v, log_alpha, omega, r, mu, state0, starts):
 
 
 def _gain(op, diag, impl, k, log_alpha, omega, r, mu, var0, segment_ids,
-          input_dtype=None):
+          input_dtype):
   """The delta rule's write for all tokens (diag: kappa [B, T, H, K]; iso:
   beta [B, T, H], write = beta k) and the final variance. input_dtype (the
   caller's q/k/v dtype): the Pallas diag gain stores kappa as the delta rule
@@ -127,7 +127,7 @@ def _gain(op, diag, impl, k, log_alpha, omega, r, mu, var0, segment_ids,
   if diag and kernels:
     return kernels.diag_gain(
         k, log_alpha, omega, r, mu, var0, segment_ids,
-        gain_dtype=kernels.write_dtype(input_dtype or jnp.float32))
+        gain_dtype=kernels.write_dtype(input_dtype))
   if diag:
     return variance.diag_gain(k, log_alpha, omega, r, mu, var0, segment_ids)
   fn = kernels.iso_gain if kernels else variance.iso_gain

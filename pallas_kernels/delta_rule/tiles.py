@@ -49,8 +49,8 @@ def write_parts(w_ref, k_ref, b, t, h):
   """The write direction at (b, t, h) (t and h an index or a pl.ds) as (rows, beta), fp32:
   (w_ref's rows, None) for a [B, T, H, K] write; for a per-token scalar write ([B, T, H]:
   write = beta k), (k's rows, beta), so that no [B, T, H, K] write array goes through memory
-  and a kernel can apply beta after reducing over K (one multiply per row, not per element:
-  the pair kernels are issue-bound)."""
+  and a kernel can apply beta after reducing over K (one multiply per row, not per
+  element)."""
   if len(w_ref.shape) == 4:
     return w_ref[b, t, h, :].astype(jnp.float32), None
   return k_ref[b, t, h, :].astype(jnp.float32), w_ref[b, t, h].astype(jnp.float32)
