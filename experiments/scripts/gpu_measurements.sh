@@ -9,7 +9,8 @@
 # 4k, fuse_output=all, GPU checks), passes (cumsum_in_pairs fwd+bwd, the scalar write's A/B,
 # the K=16 check), ncu (Nsight Compute on the pair kernels, ours and fla's), glue (the GPU check
 # of the layers' fused glue kernels), loadchecks (GPU checks of the default since the cumsums'
-# load blocks), convblocks (the conv's load blocks: layers, check_fusion). Default: check ops stages docs mixers layers train.
+# load blocks), convblocks (the conv's load blocks: layers, check_fusion), abexp (session 46's
+# exp for 16-bit data against the tree before it). Default: check ops stages docs mixers layers train.
 # Kernel config sweep (stages): SWEEP='default,max_chunk=64/sub_block=32' (DeltaRuleConfig fields).
 # Extra train flags: TRAIN_EXTRA='--config.model.scan_layers=True --config.model.impl=pallas';
 # kernel options: TRAIN_EXTRA='--config.kernels.delta_rule=fuse_output=all'.
@@ -184,6 +185,29 @@ ncu)
       > "$RES/ncu_$row.txt" 2>&1
     grep -E "^  [a-z_]+ \(|Duration|L1/TEX Cache Throughput|Compute \(SM\)|Registers Per|Achieved Occ|Issued Warp" \
       "$RES/ncu_$row.txt" | sed "s|^|ncu $row: |" | tee -a "$RES/$SWEEP_LOG"
+    pack
+  done ;;
+abexp)
+  # Session 46's exp for 16-bit data (pallas_kernels/kernel_math.py: 2^(x log2 e), one MUFU.EX2,
+  # in every GPU kernel; static SASS: docs/kernel_sass.md) against the tree before it, one
+  # process per tree and command: BASE_TREE (default build/base, made by
+  #   mkdir -p build/base && git archive cda6eda kdn_jax pallas_kernels experiments configs \
+  #     | tar -x -C build/base
+  # and carried) then this one. The op rows at 16k and 4k with the 16k stage split, and the two
+  # KDN layers at 16k. Then run `loadchecks glue` (the GPU checks of the new default: delta rule
+  # and gains at K=128 and 16, the fused glue kernels). About 540 s at most.
+  SWEEP_LOG=abexp.txt
+  for tree in "${BASE_TREE:-build/base}" .; do
+    tag=new; [ "$tree" = . ] || tag=base
+    (cd "$tree" && timeout ${ABEXP_MIXERS_LIMIT:-160} python3 -m experiments.benchmark_mixers \
+      --out="$RES/abexp_mixers_$tag" --seq_lens=16384,4096 --reps=20 --check=false --stages \
+      --rows=diag_kdn_pallas,iso_kdn_pallas 2>&1 | quiet | tail -24 | sed "s|^|$tag: |" \
+      | tee -a "$RES/$SWEEP_LOG")
+    pack
+    (cd "$tree" && timeout ${ABEXP_LAYERS_LIMIT:-100} python3 -m experiments.benchmark_layers \
+      --out="$RES/abexp_layers_$tag" --seq_lens=16384 --impls=pallas --reps=20 \
+      --rows=kdn_diag,kdn_iso 2>&1 | quiet | grep -E 'T=[0-9]+: fwd' | sed "s|^|$tag layers: |" \
+      | tee -a "$RES/$SWEEP_LOG")
     pack
   done ;;
 loadchecks)

@@ -39,6 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
+from pallas_kernels.kernel_math import exp_for, sigmoid
 from pallas_kernels.token_loop import blocked_loop
 
 
@@ -48,10 +49,6 @@ def acc_rows(width):
 
 
 L2_EPS = 1e-6   # (kdn_jax.layers.short_conv.l2_normalize, the reference, uses this one)
-
-
-def _sigmoid(x):
-  return 1.0 / (1.0 + jnp.exp(-x))
 
 
 def _l2_inverse_norm(z):
@@ -135,7 +132,7 @@ def _forward_kernel(*refs, width, block_t, activation, has_pos, normalize, load_
     pre = w[width - 1] * src[0]
     for j in range(1, width):
       pre = pre + w[width - 1 - j] * src[j]
-    y = pre * _sigmoid(pre) if activation else pre
+    y = pre * sigmoid(pre, exp_for(x_ref.dtype)) if activation else pre
     if normalize:   # the conv output rounded to x's dtype, as the layer's composition has it
       y = y.astype(x_ref.dtype).astype(jnp.float32)
       y = y * _l2_inverse_norm(y)
@@ -157,7 +154,7 @@ def _backward_kernel(*refs, width, block_t, activation, has_pos, normalize, load
   zero = jnp.zeros_like(w[0])
 
   def dpre(dy, pre):
-    sg = _sigmoid(pre) if activation else None
+    sg = sigmoid(pre, exp_for(x_ref.dtype)) if activation else None
     if normalize:   # dy -> the cotangent of z = silu(pre) (or pre) through y = z / |z|
       z = pre * sg if activation else pre
       z = z.astype(x_ref.dtype).astype(jnp.float32)   # the forward's rounding

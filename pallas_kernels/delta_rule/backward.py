@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.delta_rule.intra_bwd_tokens import intra_backward_tokens
 from pallas_kernels.delta_rule.tiles import (
     dot, dot_nt, dot_tn, kernel_precision, launch_params, by_reset)
+from pallas_kernels.kernel_math import exp_for
 
 
 def _chain_loads(r, b, h, t0, C, has_seg, vs):
@@ -42,9 +43,10 @@ def _chunk_common(x, scale, has_seg):
   """Per-chunk, V-independent quantities of the backward's chain and partials: Kbar (None
   without segments: only the segment terms use it), Qbar, e_last, and the segment masks."""
   g = x["g"].astype(jnp.float32)
-  kbar = x["k"].astype(jnp.float32) * jnp.exp(g) if has_seg else None
-  qbar = (scale * x["q"].astype(jnp.float32)) * jnp.exp(g)
-  e_last = jnp.exp(x["g_last"])[:, None]     # [K, 1]
+  exp = exp_for(x["q"].dtype)
+  kbar = x["k"].astype(jnp.float32) * exp(g) if has_seg else None
+  qbar = (scale * x["q"].astype(jnp.float32)) * exp(g)
+  e_last = exp(x["g_last"])[:, None]     # [K, 1]
   if has_seg:
     cont = x["cont"][:, None]                 # [C, 1] float
     cont_last = x["cont_last"]
@@ -97,7 +99,7 @@ def _partials_values(r, b, h, c, C, has_seg, vs, s, ds, s_init, x, prec):
   s_base, delta = _delta_rows(x["kbar"], v, x["amat"], wk, s, s_init, x["cont"], x["cont_last"],
                              has_seg, prec)
   do, du, cont = x["do"], x["du"], x["cont"]
-  e_last_row = jnp.exp(r["g"][b, t0 + C - 1, h, :])
+  e_last_row = exp_for(r["q"].dtype)(r["g"][b, t0 + C - 1, h, :])
   dgl = e_last_row * jnp.sum(ds * s_base, axis=1)
   if has_seg:
     dkbar = -(dot_nt(du * cont, s, prec) + dot_nt(du * (1.0 - cont), s_init, prec))

@@ -22,13 +22,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.delta_rule import wy as _wy
+from pallas_kernels.kernel_math import exp_for
 from pallas_kernels.delta_rule.tiles import (
     dot_nt, tile, decay_to_last, kernel_precision, operand_dtype, launch_params, ref_point,
     masked_store, write_parts, write_rows, times_beta)
 
 
 def _diag_columns(q, k, g, w_ref, k_ref, g_ref, pid_ref, pid_i, l_out, p_out, b, h, r0, col0,
-                  scale, S):
+                  scale, S, exp):
   """The diagonal S x S tile of L (strict) and P (scaled, inclusive) of the row block starting at
   token r0, one column per step stored straight to l_out / p_out (columns col0 + jj): exact
   exp(min(g_r - g_j, 0)). No [S, S] tile is carried through the loop: merging each step's
@@ -39,7 +40,7 @@ def _diag_columns(q, k, g, w_ref, k_ref, g_ref, pid_ref, pid_i, l_out, p_out, b,
   def body(jj, carry):
     wj, beta = write_parts(w_ref, k_ref, b, r0 + jj, h)
     gj = g_ref[b, r0 + jj, h, :].astype(jnp.float32)
-    e = jnp.exp(jnp.minimum(g - gj[None, :], 0.0)) * wj[None, :]
+    e = exp(jnp.minimum(g - gj[None, :], 0.0)) * wj[None, :]
     kw = times_beta(jnp.sum(k * e, axis=1), beta)
     qw = times_beta(jnp.sum(q * e, axis=1), beta)
     keep_l, keep_p = row > jj, row >= jj
@@ -67,6 +68,7 @@ def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec):
   t0 = c * C
   r0 = t0 + i * S
   rows = pl.ds(r0, S)
+  exp = exp_for(q_ref.dtype)
   q, k, g = (tile(x, b, r0, S, h) for x in (q_ref, k_ref, g_ref))
   pid_i = pid_ref[b, rows] if has_seg else None
   if C > S:
@@ -76,9 +78,9 @@ def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec):
     # r >= g0's row > c; stored as one [S, C] row store that skips the diagonal tile (written
     # below). One dot instead of up to C/S - 1 small ones under pl.when: H200, chunk 64,
     # T=4096, 1.46 ms against 1.93 (docs/benchmark_mixers.md, session 32).
-    g0, xs = ref_point(g_ref, b, h, r0, S, 0, g)
+    g0, xs = ref_point(g_ref, b, h, r0, S, 0, g, exp)
     col_t = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
-    y = jnp.where(col_t < i * S, write_rows(w_ref, k_ref, b, pl.ds(t0, C), h) * jnp.exp(
+    y = jnp.where(col_t < i * S, write_rows(w_ref, k_ref, b, pl.ds(t0, C), h) * exp(
         jnp.minimum(g0 - tile(g_ref, b, t0, C, h), 0.0)), 0.0)
     lmat, pmat = dot_nt(k * xs, y, prec), dot_nt(q * xs, y, prec)
     if has_seg:
@@ -89,9 +91,9 @@ def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec):
     masked_store(l_out, idx, lmat, off_diag)
     masked_store(p_out, idx, (scale * pmat).astype(p_out.dtype), off_diag)
   _diag_columns(q, k, g, w_ref, k_ref, g_ref, pid_ref, pid_i, l_out, p_out, b, h, r0, i * S,
-                scale, S)
+                scale, S, exp)
   g_last = g_ref[b, t0 + C - 1, h, :]
-  e_last = decay_to_last(g, g_last, pid_i, pid_ref[b, t0 + C - 1] if has_seg else None)
+  e_last = decay_to_last(g, g_last, exp, pid_i, pid_ref[b, t0 + C - 1] if has_seg else None)
   wt_out[b, rows, h, :] = (write_rows(w_ref, k_ref, b, rows, h) * e_last).astype(wt_out.dtype)
 
 
@@ -115,6 +117,7 @@ def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads, from_la):
   hs = pl.ds(hb * heads, heads)
   r0 = (r // S) * S
   t_last = r0 + S - 1
+  exp = exp_for(q_ref.dtype)
   q, k = (x[b, r, hs, :].astype(jnp.float32) for x in (q_ref, k_ref))
   w = write_rows(w_ref, k_ref, b, r, hs)
   pid_r = pid_ref[b, r] if has_seg else None
@@ -123,7 +126,7 @@ def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads, from_la):
   def pair(j, decay):
     """Column j's kept L and scaled P values, [heads] each; decay = g_r - g_j ([heads, K])."""
     wj, beta = write_parts(w_ref, k_ref, b, j, hs)   # (beta: applied after the sums)
-    e = jnp.exp(jnp.minimum(decay, 0.0)) * wj
+    e = exp(jnp.minimum(decay, 0.0)) * wj
     kw, qw = (times_beta(jnp.sum(x * e, axis=1), beta) for x in (k, q))
     keep_l, keep_p = j < r, True
     if has_seg:
@@ -165,7 +168,7 @@ def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads, from_la):
   row = (b, hs, r, pl.ds(0, S))
   l_out[row] = lrow.astype(l_out.dtype)
   p_out[row] = prow.astype(p_out.dtype)
-  e_last = jnp.exp(jnp.minimum(to_last, 0.0))
+  e_last = exp(jnp.minimum(to_last, 0.0))
   if has_seg:
     e_last = jnp.where(pid_r == pid_ref[b, t_last], e_last, 0.0)
   wt_out[b, r, hs, :] = (w * e_last).astype(wt_out.dtype)

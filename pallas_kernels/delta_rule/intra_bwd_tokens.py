@@ -30,6 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.delta_rule.tiles import launch_params, times_beta, write_parts
+from pallas_kernels.kernel_math import exp_for
 
 # The kernel's inputs, in order (then pid with segments): q, k, w, g and the partials.
 _INPUTS = ("q", "k", "w", "g", "dp", "dl", "dwt", "dkbar", "dqbar", "dgl")
@@ -55,6 +56,7 @@ def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads):
   t_last = r0 + C - 1
   i = t - r0
   f32 = jnp.float32
+  exp = exp_for(r["q"].dtype)
 
   def row(name, j):
     return r[name][b, j, hs, :].astype(f32)
@@ -75,13 +77,13 @@ def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads):
   def row_step(j, acc):
     dq_acc, dk_acc = acc
     wj, beta = write_parts(r["w"], r["k"], b, j, hs)   # (beta: folded into dP and dL)
-    we = wj * jnp.exp(jnp.minimum(g - row("g", j), 0.0))
+    we = wj * exp(jnp.minimum(g - row("g", j), 0.0))
     dpj = times_beta(same(j, scale * vsum("dp", t, j - r0)), beta)[:, None]
     dlj = times_beta(same(j, vsum("dl", t, j - r0)), beta)[:, None]
     return dq_acc + dpj * we, dk_acc + dlj * we
 
   def col_step(rr, dw_acc):
-    e = jnp.exp(jnp.minimum(row("g", rr) - g, 0.0))
+    e = exp(jnp.minimum(row("g", rr) - g, 0.0))
     dpv = same(rr, scale * vsum("dp", rr, i))[:, None]
     dlv = same(rr, vsum("dl", rr, i))[:, None]
     return dw_acc + (dpv * row("q", rr) + dlv * row("k", rr)) * e
@@ -94,10 +96,10 @@ def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads):
   p_diag = scale * vsum("dp", t, i)[:, None]
   dwt, dkbar, dqbar = (vsum(n, t, slice(None)) for n in ("dwt", "dkbar", "dqbar"))
   # exp(g_last - g_t), zero outside the chunk's last segment
-  e_last = jnp.exp(jnp.minimum(row("g", t_last) - g, 0.0))
+  e_last = exp(jnp.minimum(row("g", t_last) - g, 0.0))
   if has_seg:
     e_last = jnp.where(r["pid"][b, t_last] == pid_t, e_last, 0.0)
-  e0 = jnp.exp(g)
+  e0 = exp(g)
   out = (b, t, hs, slice(None))
   dq_ref[out] = (dq_acc + p_diag * w + scale * dqbar * e0).astype(dq_ref.dtype)
   dw = dw_acc + p_diag * q + dwt * e_last

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.delta_rule.tiles import dot, dot_nt, dot_tn
+from pallas_kernels.kernel_math import exp_for
 
 
 def _decay(e, i, j):
@@ -43,16 +44,17 @@ def group_inputs(r, b, h, vs, c0, n, C, scale, prec, dt):
   in the dots' operand dtype dt, Wt~, Wt D(b+1, n), Qbar D(0, b) and the row of P blocks; and
   the group's decay D(0, n) as a [K] vector."""
   f32 = jnp.float32
+  exp = exp_for(r["q"].dtype)
   e, u, wk, wt, qbar, p = [], [], [], [], [], []
   for i in range(n):
     t0 = (c0 + i) * C
     rows = pl.ds(t0, C)
-    e.append(jnp.exp(r["g"][b, pl.ds(t0 + C - 1, 1), h, :].astype(f32)))   # [1, K]
+    e.append(exp(r["g"][b, pl.ds(t0 + C - 1, 1), h, :].astype(f32)))   # [1, K]
     u.append(r["u"][b, rows, h, vs].astype(f32))
     wk.append(r["wk"][b, rows, h, :].astype(f32))
     wt.append(r["wt"][b, rows, h, :].astype(f32))
     qbar.append((scale * r["q"][b, rows, h, :].astype(f32))
-                * jnp.exp(r["g"][b, rows, h, :].astype(f32)))
+                * exp(r["g"][b, rows, h, :].astype(f32)))
     p.append(r["p"][b, h, rows, :])
   ut, wtil, p_rows = [], [], []
   for i in range(n):

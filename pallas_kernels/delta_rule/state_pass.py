@@ -15,10 +15,11 @@ from jax.experimental import pallas as pl
 from pallas_kernels.delta_rule import state_groups as _groups
 from pallas_kernels.delta_rule.tiles import (
     chunk_output, dot, dot_tn, kernel_precision, operand_dtype, state_dtype, launch_params)
+from pallas_kernels.kernel_math import exp_for_mode
 
 
 def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_output, scale,
-                       save_states, step_chunks):
+                       save_states, step_chunks, exp):
   """Serial over chunks with U = A V' precomputed (wy.py): Delta = U - W S_0 and
   S <- exp(g_last) S_base + Wt^T Delta, the chain's only two dots.
 
@@ -38,7 +39,8 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_ou
   tied: session 44, config.py).
 
   With step_chunks = n > 1 (fused, segment-free, no states stored) the loop takes n chunks per
-  step (state_groups.py), then the remaining num_chunks % n chunks one per step."""
+  step (state_groups.py), then the remaining num_chunks % n chunks one per step. `exp`:
+  kernel_math.exp_for_mode of the data's precision (the refs here are the dots' operands)."""
   names = ["u", "wk", "wt", "g", "h0"] + (["cont"] if has_seg else [])
   if fuse_output:
     names += ["q", "p"]
@@ -91,7 +93,7 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_ou
       fused_output()
     else:
       delta_ref[b, rows, h, vs] = delta.astype(delta_ref.dtype)
-    e_last = jnp.exp(x["g_last"])[:, None]
+    e_last = exp(x["g_last"])[:, None]
     s_base = s
     if has_seg:   # the chunk's last token restarted from S_init inside the chunk
       s_base = x["cont_last"] * s + (1.0 - x["cont_last"]) * s_init
@@ -151,7 +153,8 @@ def _call(u, wk, wt, g, h0, cont, out_in, *, chunk, interpret, cfg, cfg_prec, sc
   return pl.pallas_call(
       functools.partial(_state_pass_kernel, chunk=chunk, num_chunks=nc, has_seg=has_seg,
                         block_v=block_v, prec=prec, fuse_output=fuse_output, scale=scale,
-                        save_states=save_states, step_chunks=cfg.state_step_chunks),
+                        save_states=save_states, step_chunks=cfg.state_step_chunks,
+                        exp=exp_for_mode(cfg_prec)),
       out_shape=tuple(out_shape), grid=(bsz, nh, vd // block_v),
       name="delta_rule_state_output" if fuse_output else "delta_rule_state_pass",
       **launch_params(interpret, cfg.num_warps_recur, cfg),

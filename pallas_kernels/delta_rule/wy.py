@@ -26,6 +26,7 @@ from pallas_kernels import common
 from pallas_kernels.delta_rule.inverse import unit_lower_inverse
 from pallas_kernels.delta_rule.tiles import (
     dot, tile, kernel_precision, operand_dtype, launch_params, by_reset)
+from pallas_kernels.kernel_math import exp_for
 
 
 def _wy_kernel(*refs, chunk, sub, has_seg, block_v, inverse, prec, hi):
@@ -38,7 +39,7 @@ def _wy_kernel(*refs, chunk, sub, has_seg, block_v, inverse, prec, hi):
   rows = pl.ds(t0, C)
   amat = unit_lower_inverse(r["l"][b, h, rows, :], C, inverse, sub, hi)
   a_out[b, h, rows, :] = amat.astype(a_out.dtype)
-  kbar = tile(r["k"], b, t0, C, h) * jnp.exp(tile(r["g"], b, t0, C, h))
+  kbar = tile(r["k"], b, t0, C, h) * exp_for(r["k"].dtype)(tile(r["g"], b, t0, C, h))
   by_reset(r.get("cont"), b, t0 + C - 1, lambda seg: _wk_u(
       r, wk_out, u_out, amat, kbar, b, h, t0, C, seg, block_v, prec))
 

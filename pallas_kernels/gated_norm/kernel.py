@@ -15,6 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
+from pallas_kernels.kernel_math import exp_for, sigmoid
 
 
 def _tile(ref, b, i, h, block_t):
@@ -26,15 +27,11 @@ def _normed(o, eps):
   return o * inv, inv
 
 
-def _sigmoid(x):
-  return 1.0 / (1.0 + jnp.exp(-x))
-
-
 def _forward_kernel(o_ref, g_ref, w_ref, y_ref, *, eps, block_t):
   b, i, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   n, _ = _normed(_tile(o_ref, b, i, h, block_t), eps)
   w = w_ref[...].astype(jnp.float32)[None, :]
-  y = n * w * _sigmoid(_tile(g_ref, b, i, h, block_t))
+  y = n * w * sigmoid(_tile(g_ref, b, i, h, block_t), exp_for(o_ref.dtype))
   y_ref[b, pl.ds(i * block_t, block_t), h, :] = y.astype(y_ref.dtype)
 
 
@@ -42,7 +39,7 @@ def _backward_kernel(o_ref, g_ref, w_ref, dy_ref, do_ref, dg_ref, dw_ref, *, eps
   b, i, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   n, inv = _normed(_tile(o_ref, b, i, h, block_t), eps)
   w = w_ref[...].astype(jnp.float32)[None, :]
-  s = _sigmoid(_tile(g_ref, b, i, h, block_t))
+  s = sigmoid(_tile(g_ref, b, i, h, block_t), exp_for(o_ref.dtype))
   dy = _tile(dy_ref, b, i, h, block_t)
   dys = dy * s
   dn = dys * w

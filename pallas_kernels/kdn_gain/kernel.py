@@ -42,6 +42,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
+from pallas_kernels import kernel_math
+from pallas_kernels.kernel_math import exp_for
 
 
 def _row(ref, b, t, h):
@@ -63,27 +65,20 @@ def raw_names(front):
   return RAW if front is None else RAW_FRONT
 
 
-def _softplus(x):
-  # jax.nn.softplus's form (logaddexp(x, 0)) in primitives every Pallas backend lowers
-  return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
-
-
-def _sigmoid(x):
-  # softplus' derivative; exp overflow at very negative x gives 1 / inf = 0, the right limit
-  return 1.0 / (1.0 + jnp.exp(-x))
-
-
 def _front(raw, b, t, h, front):
   """The gate front-end at token t: (log_alpha [1, K], omega row, r row, what its chain rule
   needs). `front` is r_min (r's floor)."""
+  exp = exp_for(raw["k"].dtype)
+  softplus = lambda x: kernel_math.softplus(x, exp)
+  sigmoid = lambda x: kernel_math.sigmoid(x, exp)
   z = _row(raw["f"], b, t, h) + raw["dt_bias"][pl.ds(h, 1), :].astype(jnp.float32)
-  a_scale = jnp.exp(raw["a_log"][pl.ds(h, 1)].astype(jnp.float32))[:, None]   # [1, 1]
-  la = -a_scale * _softplus(z)
+  a_scale = exp(raw["a_log"][pl.ds(h, 1)].astype(jnp.float32))[:, None]   # [1, 1]
+  la = -a_scale * softplus(z)
   om_raw = _row(raw["om"], b, t, h)
   r_raw = _row(raw["r"], b, t, h)
-  chain = dict(la=la, a_scale=a_scale, sig_z=_sigmoid(z), sig_om=_sigmoid(om_raw),
-               sig_r=_sigmoid(r_raw))
-  return la, _softplus(om_raw), front + _softplus(r_raw), chain
+  chain = dict(la=la, a_scale=a_scale, sig_z=sigmoid(z), sig_om=sigmoid(om_raw),
+               sig_r=sigmoid(r_raw))
+  return la, softplus(om_raw), front + softplus(r_raw), chain
 
 
 def _lanes(raw, b, t, h, diag, front=None):
@@ -99,7 +94,7 @@ def _lanes(raw, b, t, h, diag, front=None):
     chain = None
   else:
     la, om, r, chain = _front(raw, b, t, h, front)
-  e2 = jnp.exp(2.0 * la)
+  e2 = exp_for(raw["k"].dtype)(2.0 * la)
   r = r[:, None]
   mu = raw["mu"][pl.ds(h, 1)].astype(jnp.float32)[:, None]
   if diag:

@@ -1,0 +1,46 @@
+"""Elementwise math inside the kernel bodies (GPU and interpret mode; the TPU kernels keep jnp's).
+
+Pallas lowers jnp.exp on fp32 to libdevice's expf for Triton: about 1 ulp, in ~10 instructions
+(range reduction, then one MUFU.EX2). 16-bit data do not need that: exp_for(bf16) is
+2^(x log2 e), which Triton lowers to libdevice's exp2f = one MUFU.EX2 after a multiply, with a
+relative error of about 2^-22 + |x| 2^-24 (the rounding of x log2 e), far under bf16's 2^-8.
+flash-linear-attention's kernels compute every exp that way (tl.exp, exp2 of log2-scaled gates).
+fp32 (and wider) data keep jnp.exp, as their dots stay fp32-accurate (common.precision_for).
+Session 46, static SASS for sm_90 (experiments/kernel_sass.py, docs/kernel_sass.md): the
+token-parallel pair kernel's column step 116 -> 84 instructions per warp.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels import common
+
+LOG2E = 1.4426950408889634
+
+
+def _exp2_scaled(x):
+  return jnp.exp2(x * LOG2E)
+
+
+def exp_for_mode(mode):
+  """e^x for kernels of precision mode `mode` (common.PRECISIONS: 'fast' is 16-bit data):
+  2^(x log2 e) for 'fast', jnp.exp for 'exact'."""
+  if mode not in common.PRECISIONS:
+    raise ValueError(f"exp_for_mode: mode={mode!r}; expected one of {common.PRECISIONS}")
+  return _exp2_scaled if mode == "fast" else jnp.exp
+
+
+def exp_for(dtype):
+  """e^x for a kernel whose data arrive in `dtype` (exp_for_mode of common.precision_for)."""
+  return exp_for_mode(common.precision_for(dtype))
+
+
+def sigmoid(x, exp=jnp.exp):
+  """1 / (1 + e^-x); e^-x overflowing at very negative x gives 1 / inf = 0, the right limit."""
+  return 1.0 / (1.0 + exp(-x))
+
+
+def softplus(x, exp=jnp.exp):
+  """log(1 + e^x) in jax.nn.softplus' form (logaddexp(x, 0)), from primitives every Pallas
+  backend lowers."""
+  return jnp.maximum(x, 0.0) + jnp.log1p(exp(-jnp.abs(x)))
