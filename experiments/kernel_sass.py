@@ -33,8 +33,9 @@ from experiments import cli
 from experiments import kernel_config
 
 FLAGS = flags.FlagValues()
-flags.DEFINE_string("row", "diag_kdn_pallas", "a benchmark_mixers JAX row (*_pallas)",
-                    flag_values=FLAGS)
+flags.DEFINE_string("row", "diag_kdn_pallas", "a benchmark_mixers JAX row (*_pallas), or "
+                    "layer:<mixer> for a benchmark_layers layer on the pallas path (width = "
+                    "heads x dim)", flag_values=FLAGS)
 flags.DEFINE_integer("seq_len", 4096, "T", flag_values=FLAGS)
 flags.DEFINE_enum("mode", "fwd", ["fwd", "fwd_bwd"], "forward, or the gradient of a loss on it",
                   flag_values=FLAGS)
@@ -228,20 +229,32 @@ def format_comparison(rows, base_rows):
   return "\n".join(lines)
 
 
+def _row_fn(row, t, fwd_bwd):
+  """(jitted fn, args) of a benchmark_mixers row or of a layer ('layer:<mixer>', pallas path)."""
+  if row.startswith("layer:"):
+    from experiments import benchmark_layers as bl  # pylint: disable=g-import-not-at-top
+    shape = dict(batch=FLAGS.batch, width=FLAGS.heads * FLAGS.dim, num_heads=FLAGS.heads,
+                 head_dim=FLAGS.dim, chunk_size=64)
+    fwd, fwd_and_bwd, args, ct = bl.layer_fns(row.split(":", 1)[1], "pallas", t, shape)
+    return (fwd_and_bwd, args + (ct,)) if fwd_bwd else (fwd, args)
+  from experiments import benchmark_mixers as bm  # pylint: disable=g-import-not-at-top
+  bm.FLAGS(["benchmark_mixers", f"--batch={FLAGS.batch}", f"--heads={FLAGS.heads}",
+            f"--dim={FLAGS.dim}"])
+  return bm.jax_row_fn(row, t, fwd_bwd)
+
+
 def main(argv):
   del argv
-  from experiments import benchmark_mixers as bm  # pylint: disable=g-import-not-at-top
-  if not FLAGS.row.endswith("_pallas"):
-    raise app.UsageError(f"--row must be a *_pallas benchmark_mixers row, got {FLAGS.row!r}")
+  if not (FLAGS.row.endswith("_pallas") or FLAGS.row.startswith("layer:")):
+    raise app.UsageError("--row must be a *_pallas benchmark_mixers row or layer:<mixer>, got "
+                         f"{FLAGS.row!r}")
   try:
     import triton  # pylint: disable=g-import-not-at-top,unused-import
   except ImportError as e:
     raise app.UsageError("kernel_sass needs the triton package (pip install triton)") from e
   configs = kernel_config.apply_flags(FLAGS)
-  bm.FLAGS(["benchmark_mixers", f"--batch={FLAGS.batch}", f"--heads={FLAGS.heads}",
-            f"--dim={FLAGS.dim}"])
   with captured_triton_modules() as found:
-    fn, args = bm.jax_row_fn(FLAGS.row, FLAGS.seq_len, FLAGS.mode == "fwd_bwd")   # (jitted)
+    fn, args = _row_fn(FLAGS.row, FLAGS.seq_len, FLAGS.mode == "fwd_bwd")   # (jitted)
     fn.trace(*args).lower(lowering_platforms=("cuda",))
   rows = kernel_report(found, FLAGS.compute_capability, FLAGS.sass_dir)
   print(f"{FLAGS.row} {FLAGS.mode} B={FLAGS.batch} T={FLAGS.seq_len} H={FLAGS.heads} "

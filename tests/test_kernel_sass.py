@@ -3,12 +3,10 @@ parsing), and the kernels' exp choice (pallas_kernels/kernel_math.py) as it reac
 triton package that compiles the IR to SASS is not a dependency, so CI checks the IR."""
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from experiments import kernel_sass
 from kdn_jax import ops
-from pallas_kernels import kernel_math
 from pallas_kernels.delta_rule import config as dr_config
 
 
@@ -44,15 +42,6 @@ def test_kernels_exp_is_one_exp2_for_16_bit_data(dtype, fast):
     ir = mods[name]["ttir"]
     assert ("__nv_exp2f" in ir) == fast, name
     assert ("__nv_expf" in ir) == (not fast), name
-
-
-def test_exp_for_modes():
-  x = jnp.linspace(-30.0, 0.0, 1001)
-  fast = kernel_math.exp_for(jnp.bfloat16)(x)
-  np.testing.assert_allclose(np.asarray(fast), np.exp(np.asarray(x, np.float64)), rtol=5e-6)
-  assert kernel_math.exp_for(jnp.float32) is jnp.exp
-  with pytest.raises(ValueError, match="mode='tf32'"):
-    kernel_math.exp_for_mode("tf32")
 
 
 _SASS = """

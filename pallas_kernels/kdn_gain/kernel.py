@@ -69,7 +69,7 @@ def _front(raw, b, t, h, front):
   """The gate front-end at token t: (log_alpha [1, K], omega row, r row, what its chain rule
   needs). `front` is r_min (r's floor)."""
   exp = exp_for(raw["k"].dtype)
-  softplus = lambda x: kernel_math.softplus(x, exp)
+  softplus = kernel_math.softplus_for(raw["k"].dtype)
   sigmoid = lambda x: kernel_math.sigmoid(x, exp)
   z = _row(raw["f"], b, t, h) + raw["dt_bias"][pl.ds(h, 1), :].astype(jnp.float32)
   a_scale = exp(raw["a_log"][pl.ds(h, 1)].astype(jnp.float32))[:, None]   # [1, 1]
