@@ -215,13 +215,18 @@ def format_table(rows):
 
 def format_comparison(rows, base_rows):
   """Registers, SASS instructions and innermost loops' instructions, `base_rows` -> `rows`, per
-  kernel name (in the order of `rows`; a kernel of one side only shows '-' on the other)."""
-  base = {}
-  for r in base_rows:
-    base.setdefault(r["name"], r)
+  kernel (matched by name and rank among the kernels of that name, in lowering order; a kernel
+  of one side only shows '-' on the other)."""
+  def keyed(rs):
+    seen, out = {}, {}
+    for r in rs:
+      n = seen[r["name"]] = seen.get(r["name"], -1) + 1
+      out[r["name"], n] = r
+    return out
+  base = keyed(base_rows)
   lines = ["| kernel | regs | SASS | innermost loops: instr/iter |", "|---|---|---|---|"]
-  for r in rows:
-    b = base.get(r["name"])
+  for key, r in keyed(rows).items():
+    b = base.get(key)
     loops = lambda x: ", ".join(str(l["instructions"]) for l in x["loops"]) or "-"
     arrow = lambda key: f"{b[key]} -> {r[key]}" if b else f"- -> {r[key]}"
     lines.append(f"| {r['name']} | {arrow('registers')} | {arrow('instructions')} | "
