@@ -25,16 +25,18 @@ from experiments import timing
 from pallas_kernels.delta_rule import intra as I
 from pallas_kernels.delta_rule import config as dcfg
 from pallas_kernels.delta_rule.tiles import (dot_nt, tile, ref_point, launch_params, BF16_OPERANDS)
+from pallas_kernels.kernel_math import exp_for
 
 def kern_cols(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, off, scale, C=64, S=16):
+  exp = exp_for(q_ref.dtype)   # (the shipped kernels' exp: kernel_math)
   # grid (b, h, c, i) like the shipped kernel; diagonal by column stores; dots only below it.
   b, h, c, i = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
   t0 = c * C
   r0 = t0 + i * S
   q, k, g = (tile(x, b, r0, S, h) for x in (q_ref, k_ref, g_ref))
   I._diag_columns(q, k, g, w_ref, k_ref, g_ref, None, None, l_out, p_out, b, h, r0, i * S,
-                  scale, S)
-  g0, xs = ref_point(g_ref, b, h, r0, S, 0, g)
+                  scale, S, exp)
+  g0, xs = ref_point(g_ref, b, h, r0, S, 0, g, exp)
   kx, qx = k * xs, q * xs
   rows = pl.ds(r0, S)
   for j in range(C // S):
@@ -43,7 +45,7 @@ def kern_cols(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, off, scale, C
     @pl.when(j < i)
     def _():
       if off:
-        y = tile(w_ref, b, t0 + j * S, S, h) * jnp.exp(
+        y = tile(w_ref, b, t0 + j * S, S, h) * exp(
             jnp.minimum(g0 - tile(g_ref, b, t0 + j * S, S, h), 0.0))
         lo, po = dot_nt(kx, y, BF16_OPERANDS), dot_nt(qx, y, BF16_OPERANDS)
       else:
@@ -55,10 +57,11 @@ def kern_cols(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, off, scale, C
     def _():
       l_out[b, h, rows, cols] = jnp.zeros((S, S), jnp.float32)
       p_out[b, h, rows, cols] = jnp.zeros((S, S), p_out.dtype)
-  wt_out[b, rows, h, :] = (tile(w_ref, b, r0, S, h) * jnp.exp(g)).astype(wt_out.dtype)
+  wt_out[b, rows, h, :] = (tile(w_ref, b, r0, S, h) * exp(g)).astype(wt_out.dtype)
 
 
 def kern_cols_chunk(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, scale, C=64, S=16):
+  exp = exp_for(q_ref.dtype)   # (the shipped kernels' exp: kernel_math)
   # grid (b, h, c): the chunk's row blocks in a static loop; diagonal by column stores.
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   t0 = c * C
@@ -67,24 +70,25 @@ def kern_cols_chunk(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, scale, 
     rows = pl.ds(r0, S)
     q, k, g = (tile(x, b, r0, S, h) for x in (q_ref, k_ref, g_ref))
     I._diag_columns(q, k, g, w_ref, k_ref, g_ref, None, None, l_out, p_out, b, h, r0, i * S,
-                  scale, S)
+                  scale, S, exp)
     if i:
-      g0, xs = ref_point(g_ref, b, h, r0, S, 0, g)
+      g0, xs = ref_point(g_ref, b, h, r0, S, 0, g, exp)
       kx, qx = k * xs, q * xs
     for j in range(C // S):
       cols = pl.ds(j * S, S)
       if j < i:
-        y = tile(w_ref, b, t0 + j * S, S, h) * jnp.exp(
+        y = tile(w_ref, b, t0 + j * S, S, h) * exp(
             jnp.minimum(g0 - tile(g_ref, b, t0 + j * S, S, h), 0.0))
         l_out[b, h, rows, cols] = dot_nt(kx, y, BF16_OPERANDS)
         p_out[b, h, rows, cols] = (scale * dot_nt(qx, y, BF16_OPERANDS)).astype(p_out.dtype)
       elif j > i:
         l_out[b, h, rows, cols] = jnp.zeros((S, S), jnp.float32)
         p_out[b, h, rows, cols] = jnp.zeros((S, S), p_out.dtype)
-    wt_out[b, rows, h, :] = (tile(w_ref, b, r0, S, h) * jnp.exp(g)).astype(wt_out.dtype)
+    wt_out[b, rows, h, :] = (tile(w_ref, b, r0, S, h) * exp(g)).astype(wt_out.dtype)
 
 
 def kern_diag_rows(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, scale, S=16):
+  exp = exp_for(q_ref.dtype)   # (the shipped kernels' exp: kernel_math)
   # grid (b, h, c) at chunk S: the diagonal tile row by row, each row of L and P one contiguous
   # [S] store (the shipped column loop stores strided columns).
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -94,23 +98,25 @@ def kern_diag_rows(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, scale, S
 
   def body(ii, carry):
     qi, ki, gi = (x[b, r0 + ii, h, :].astype(jnp.float32) for x in (q_ref, k_ref, g_ref))
-    e = jnp.exp(jnp.minimum(gi[None, :] - g, 0.0)) * w
+    e = exp(jnp.minimum(gi[None, :] - g, 0.0)) * w
     l_out[b, h, r0 + ii, pl.ds(0, S)] = jnp.where(col < ii, jnp.sum(ki[None, :] * e, axis=1), 0.0)
     p_out[b, h, r0 + ii, pl.ds(0, S)] = (scale * jnp.where(
         col <= ii, jnp.sum(qi[None, :] * e, axis=1), 0.0)).astype(p_out.dtype)
     return carry
 
   lax.fori_loop(0, S, body, 0)
-  wt_out[b, pl.ds(r0, S), h, :] = (w * jnp.exp(g)).astype(wt_out.dtype)
+  wt_out[b, pl.ds(r0, S), h, :] = (w * exp(g)).astype(wt_out.dtype)
 
 
 def kern_diag_cols(q_ref, k_ref, w_ref, g_ref, l_out, p_out, wt_out, *, scale, S=16):
+  exp = exp_for(q_ref.dtype)   # (the shipped kernels' exp: kernel_math)
   # the same at chunk S by the shipped column loop (intra._diag_columns)
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   r0 = c * S
   q, k, g = (tile(x, b, r0, S, h) for x in (q_ref, k_ref, g_ref))
-  I._diag_columns(q, k, g, w_ref, k_ref, g_ref, None, None, l_out, p_out, b, h, r0, 0, scale, S)
-  wt_out[b, pl.ds(r0, S), h, :] = (tile(w_ref, b, r0, S, h) * jnp.exp(g)).astype(wt_out.dtype)
+  I._diag_columns(q, k, g, w_ref, k_ref, g_ref, None, None, l_out, p_out, b, h, r0, 0, scale, S,
+                  exp)
+  wt_out[b, pl.ds(r0, S), h, :] = (tile(w_ref, b, r0, S, h) * exp(g)).astype(wt_out.dtype)
 
 
 INTERPRET = jax.default_backend() == "cpu"

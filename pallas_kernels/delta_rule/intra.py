@@ -22,10 +22,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.delta_rule import wy as _wy
-from pallas_kernels.kernel_math import exp_for
 from pallas_kernels.delta_rule.tiles import (
     dot_nt, tile, decay_to_last, kernel_precision, operand_dtype, launch_params, ref_point,
     masked_store, write_parts, write_rows, times_beta)
+from pallas_kernels.kernel_math import exp_for
 
 
 def _diag_columns(q, k, g, w_ref, k_ref, g_ref, pid_ref, pid_i, l_out, p_out, b, h, r0, col0,

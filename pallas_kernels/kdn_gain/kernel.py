@@ -43,7 +43,6 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 from pallas_kernels import kernel_math
-from pallas_kernels.kernel_math import exp_for
 
 
 def _row(ref, b, t, h):
@@ -68,7 +67,7 @@ def raw_names(front):
 def _front(raw, b, t, h, front):
   """The gate front-end at token t: (log_alpha [1, K], omega row, r row, what its chain rule
   needs). `front` is r_min (r's floor)."""
-  exp = exp_for(raw["k"].dtype)
+  exp = kernel_math.exp_for(raw["k"].dtype)
   softplus = kernel_math.softplus_for(raw["k"].dtype)
   sigmoid = lambda x: kernel_math.sigmoid(x, exp)
   z = _row(raw["f"], b, t, h) + raw["dt_bias"][pl.ds(h, 1), :].astype(jnp.float32)
@@ -94,7 +93,7 @@ def _lanes(raw, b, t, h, diag, front=None):
     chain = None
   else:
     la, om, r, chain = _front(raw, b, t, h, front)
-  e2 = exp_for(raw["k"].dtype)(2.0 * la)
+  e2 = kernel_math.exp_for(raw["k"].dtype)(2.0 * la)
   r = r[:, None]
   mu = raw["mu"][pl.ds(h, 1)].astype(jnp.float32)[:, None]
   if diag:
