@@ -519,7 +519,7 @@ def _time_stages(t, docs=False):
   # per-chunk kernel removed in session 39
   tbwd = jax.jit(lambda q, k, w, g, pid, parts: intra_backward_tokens(
       q, k, w, g, pid, parts, chunk=chunk, scale=kw["scale"], interpret=kw["interpret"],
-      cfg=cfg, dq_dtype=q.dtype, dk_dtype=k.dtype))
+      cfg=cfg, cfg_prec=kw["cfg_prec"], dq_dtype=q.dtype, dk_dtype=k.dtype))
   targs = (x["q"], x["k"], w, g, pid, partials)
   out["delta_intra_bwd_tokens"] = _time_fn(tbwd, targs, first, "delta_intra_bwd_tokens")
   # dg -> dlog_alpha: the reverse cumsum plus the direct terms' exclusive prefix

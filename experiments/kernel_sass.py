@@ -3,7 +3,7 @@ is lowered for CUDA (jax's cross-platform lowering, as tests/test_pallas_lowerin
 pallas_call's Triton IR is taken from the lowering and compiled for sm_90 by the `triton` package
 (its bundled ptxas), and the SASS is read back (nvdisasm, cuobjdump):
 
-  pip install triton   # (any 3.x wheel; not a kdn_jax dependency)
+  pip install 'triton>=3.4'   # (or kdn_jax's [sass] extra; not a core dependency)
   python -m experiments.kernel_sass --row=diag_kdn_pallas --mode=fwd --seq_len=4096 \\
       [--delta_rule_config=field=value/...] [--json=/tmp/sass.json] [--sass_dir=/tmp/sass]
 
@@ -223,14 +223,15 @@ def format_comparison(rows, base_rows):
       n = seen[r["name"]] = seen.get(r["name"], -1) + 1
       out[r["name"], n] = r
     return out
-  base = keyed(base_rows)
+  base, new = keyed(base_rows), keyed(rows)
+  loops = lambda x: (", ".join(str(l["instructions"]) for l in x["loops"]) or "-") if x else "-"
+  field = lambda x, key: x[key] if x else "-"
   lines = ["| kernel | regs | SASS | innermost loops: instr/iter |", "|---|---|---|---|"]
-  for key, r in keyed(rows).items():
-    b = base.get(key)
-    loops = lambda x: ", ".join(str(l["instructions"]) for l in x["loops"]) or "-"
-    arrow = lambda key: f"{b[key]} -> {r[key]}" if b else f"- -> {r[key]}"
-    lines.append(f"| {r['name']} | {arrow('registers')} | {arrow('instructions')} | "
-                 f"{loops(b) if b else '-'} -> {loops(r)} |")
+  for key in list(new) + [k for k in base if k not in new]:
+    b, r = base.get(key), new.get(key)
+    arrow = lambda f: f"{field(b, f)} -> {field(r, f)}"
+    lines.append(f"| {key[0]} | {arrow('registers')} | {arrow('instructions')} | "
+                 f"{loops(b)} -> {loops(r)} |")
   return "\n".join(lines)
 
 

@@ -7,9 +7,12 @@ relative error of about 2^-22 + |x| 2^-24 (the rounding of x log2 e), far under 
 flash-linear-attention's kernels compute every exp that way (tl.exp, exp2 of log2-scaled gates).
 jnp.log1p lowers to libdevice's log1pf (~30 instructions, with branches); softplus_for(bf16)
 replaces it by a short series. fp32 (and wider) data keep jnp's functions, as their dots stay
-fp32-accurate (common.precision_for). Session 46, static SASS for sm_90
+fp32-accurate (common.precision_for). The delta-rule kernels all take exp_for_mode(the call's
+precision mode): one choice for all of them, also where a traced scale folds q into fp32; the
+gains, the conv and the norm take exp_for(their data's dtype). Session 46, static SASS for sm_90
 (experiments/kernel_sass.py, docs/kernel_sass.md): the token-parallel pair kernel's column step
-116 -> 88 instructions per warp, the fused-front gain's token loops 626 -> 389 and 606 -> 357.
+116 -> 84 instructions per warp (with intra.py's unclamped decay), the fused-front gain's token
+loops 626 -> 389 and 606 -> 357.
 """
 from __future__ import annotations
 
@@ -52,7 +55,7 @@ def _log1p_unit_fast(e):
   """log(1 + e) for e in [0, 1] in a few multiply-adds (libdevice's log1pf, which jnp.log1p
   lowers to, and its log2f both run a ~30-instruction polynomial with branches): with
   s = e / (2 + e) in [0, 1/3], log(1 + e) = 2 atanh(s) = 2 s (1 + s^2/3 + s^4/5 + ... + s^10/11),
-  truncated there: relative error < s^12 / 13 < 1.5e-7, plus the roundings."""
+  truncated there: relative error about s^12 / 13, at most 1.6e-7 (e = 1), plus the roundings."""
   s = e / (2.0 + e)
   t = s * s
   p = 1.0 / 11.0

@@ -4,9 +4,12 @@ triton package that compiles the IR to SASS is not a dependency, so CI checks th
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 from experiments import kernel_sass
 from kdn_jax import ops
+from kdn_jax.layers.registry import MIXERS
+from kdn_jax.models.config import model_config
 from pallas_kernels.delta_rule import config as dr_config
 
 
@@ -32,16 +35,85 @@ def test_triton_modules_of_the_kdn_forward_with_their_launch_parameters():
   assert all("tt.func" in m["ttir"] for m in mods.values())
 
 
-@pytest.mark.parametrize("dtype,fast", [(jnp.bfloat16, True), (jnp.float32, False)])
-def test_kernels_exp_is_one_exp2_for_16_bit_data(dtype, fast):
-  """bf16 data: every exp of the forward's kernels is libdevice's exp2f (one MUFU.EX2); fp32
-  data keep expf (about 1 ulp)."""
-  mods = _kdn_forward_modules(dtype)
-  for name in ("kdn_gain_reduce", "delta_rule_pair_token_loop", "delta_rule_wy",
-               "delta_rule_state_output"):
-    ir = mods[name]["ttir"]
-    assert ("__nv_exp2f" in ir) == fast, name
-    assert ("__nv_expf" in ir) == (not fast), name
+def _math_calls(mods):
+  """{kernel name: the libdevice exp / log1p functions its Triton IR calls}."""
+  names = ("__nv_expf", "__nv_exp2f", "__nv_log1pf")
+  return {m["name"]: {n for n in names if n in m["ttir"]} for m in mods}
+
+
+def _kdn_grad_modules(dtype, seg):
+  ks = jax.random.split(jax.random.PRNGKey(1), 6)
+  b, t, h, d = 1, 48, 2, 16
+  q, k, v = (jax.random.normal(x, (b, t, h, d)).astype(dtype) for x in ks[:3])
+  la = -jax.nn.softplus(jax.random.normal(ks[3], (b, t, h, d))).astype(dtype)
+  om = jax.nn.softplus(jax.random.normal(ks[4], (b, t, h, d))).astype(dtype)
+  r = (1.0 + jax.nn.softplus(jax.random.normal(ks[5], (b, t, h)))).astype(dtype)
+  ids = (jnp.arange(t)[None, :] >= 21).astype(jnp.int32) if seg else None
+
+  def loss(*a):
+    return jnp.sum(ops.diag_kdn(*a, segment_ids=ids, impl="pallas", chunk_size=64)[0]
+                   .astype(jnp.float32))
+  return kernel_sass.triton_modules(jax.grad(loss, argnums=tuple(range(6))),
+                                    q, k, v, la, om, r)
+
+
+@pytest.mark.parametrize("dtype,seg", [(jnp.bfloat16, True), (jnp.float32, False)])
+def test_kernels_exp_follows_the_data_dtype(dtype, seg):
+  """diag KDN fwd+bwd, every kernel (gains, cumsums, the delta rule's forward and backward):
+  16-bit data call libdevice's exp2f (one MUFU.EX2) and never expf; fp32 data the reverse."""
+  calls = _math_calls(_kdn_grad_modules(dtype, seg))
+  assert len(calls) >= 10
+  wanted, banned = ("__nv_exp2f", "__nv_expf") if dtype == jnp.bfloat16 else (
+      "__nv_expf", "__nv_exp2f")
+  assert all(banned not in used for used in calls.values()), calls
+  assert sum(wanted in used for used in calls.values()) >= 8, calls
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_delta_rule_exp_follows_its_precision_even_with_a_traced_scale(dtype):
+  """The delta-rule kernels take their exp from the call's precision: 'fast' (explicit, or bf16
+  data), also where a traced scale folds q into fp32 before the kernels (one choice for all)."""
+  import pallas_kernels as pk   # pylint: disable=g-import-not-at-top
+  ks = jax.random.split(jax.random.PRNGKey(2), 5)
+  b, t, h, d = 1, 32, 2, 16
+  q, k, v, w = (jax.random.normal(x, (b, t, h, d)).astype(dtype) for x in ks[:4])
+  la = -jax.nn.softplus(jax.random.normal(ks[4], (b, t, h, d)))
+  s0 = jnp.zeros((b, h, d, d), jnp.float32)
+
+  def loss(q, k, v, w, la, scale):
+    o, _ = pk.delta_rule(q, k, v, la, w, scale, s0, precision="fast")
+    return jnp.sum(o.astype(jnp.float32))
+  calls = _math_calls(kernel_sass.triton_modules(jax.grad(loss, argnums=(0, 1, 2, 3, 4)),
+                                                 q, k, v, w, la, jnp.float32(0.25)))
+  used = set().union(*calls.values())
+  assert "__nv_exp2f" in used and "__nv_expf" not in used, calls
+
+
+def test_fused_layer_glue_uses_the_16_bit_math():
+  """The kdn_diag layer in bf16 on the pallas path, fwd+bwd: the fused gate front-end's softplus
+  has no libdevice log1pf, and no kernel (conv, norm, gains, delta rule) calls expf."""
+  cfg = model_config("tiny", d_model=64, num_heads=2, head_dim=32, mixer="kdn_diag",
+                     impl="pallas", chunk_size=16, dtype="bfloat16", param_dtype="float32",
+                     mlp_hidden=1)
+  layer = MIXERS["kdn_diag"](cfg, rngs=nnx.Rngs(0))
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+  x = jax.random.normal(jax.random.PRNGKey(3), (1, 32, 64)).astype(jnp.bfloat16)
+
+  def loss(params, x):
+    return jnp.sum(nnx.merge(graphdef, params, rest)(x)[0].astype(jnp.float32))
+  calls = _math_calls(kernel_sass.triton_modules(jax.grad(loss, argnums=(0, 1)), params, x))
+  assert {"causal_conv1d_fwd", "gated_norm_bwd", "kdn_gain_reduce"} <= set(calls)
+  assert all(not used & {"__nv_expf", "__nv_log1pf"} for used in calls.values()), calls
+  assert "__nv_exp2f" in calls["kdn_gain_reduce"] and "__nv_exp2f" in calls["gated_norm_fwd"]
+
+
+def test_comparison_lists_kernels_of_either_side():
+  row = lambda name, regs: dict(name=name, registers=regs, instructions=100,
+                                loops=[dict(instructions=10, ops={})])
+  table = kernel_sass.format_comparison([row("a", 40), row("new_only", 8)],
+                                        [row("a", 48), row("gone", 16)])
+  assert "| a | 48 -> 40 | 100 -> 100 | 10 -> 10 |" in table
+  assert "| new_only | - -> 8 |" in table and "| gone | 16 -> - |" in table
 
 
 _SASS = """

@@ -172,13 +172,15 @@ passes)
 ncu)
   # Nsight Compute on one forward per row (experiments/profile_kernels.py): the kernels matching
   # NCU_KERNELS (default: our token-parallel pair kernel and fla's token-parallel intra kernel,
-  # the same structure, ours about 2x the time per token: L1-bound, issue-bound?) in NCU_ROWS
+  # the same structure, ours about 2x the time per token: L1-bound, issue-bound?; and our gain
+  # kernels, ~1.2 ms at 16k against ~0.4 ms of instruction issue by docs/kernel_sass.md's model:
+  # latency or memory?) in NCU_ROWS
   # (default diag_kdn_pallas iso_kdn_pallas fla_chunk_kda) at T=NCU_LEN (4096); full reports in
   # $RES/ncu_<row>.txt, their headline lines in ncu.txt. About 400 s at most (fla autotunes).
   SWEEP_LOG=ncu.txt
   for row in ${NCU_ROWS:-diag_kdn_pallas iso_kdn_pallas fla_chunk_kda}; do
     timeout ${NCU_LIMIT:-150} ncu --clock-control none --profile-from-start off \
-      --kernel-name "regex:${NCU_KERNELS:-pair_token_loop|intra_token_parallel}" \
+      --kernel-name "regex:${NCU_KERNELS:-pair_token_loop|intra_token_parallel|kdn_gain}" \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats \
       --section WarpStateStats --section LaunchStats --section Occupancy \
       python3 -m experiments.profile_kernels --row=$row --seq_len=${NCU_LEN:-4096} --mode=fwd \
@@ -193,18 +195,18 @@ abexp)
   # process per tree and command: BASE_TREE (default build/base, made by
   #   mkdir -p build/base && git archive cda6eda kdn_jax pallas_kernels experiments configs \
   #     | tar -x -C build/base
-  # and carried) then this one. The op rows at 16k and 4k with the 16k stage split, and the two
-  # KDN layers at 16k. Then run `loadchecks glue` (the GPU checks of the new default: delta rule
-  # and gains at K=128 and 16, the fused glue kernels). About 540 s at most.
+  # and carried) then this one. The op rows at 16k and 4k (median of 10) with their stage splits,
+  # and the two KDN layers at 16k. Then run `loadchecks glue` (the GPU checks of the new default:
+  # delta rule and gains at K=128 and 16, the fused glue kernels). About 560 s at most.
   SWEEP_LOG=abexp.txt
   for tree in "${BASE_TREE:-build/base}" .; do
     tag=new; [ "$tree" = . ] || tag=base
-    (cd "$tree" && timeout ${ABEXP_MIXERS_LIMIT:-160} python3 -m experiments.benchmark_mixers \
-      --out="$RES/abexp_mixers_$tag" --seq_lens=16384,4096 --reps=20 --check=false --stages \
+    (cd "$tree" && timeout ${ABEXP_MIXERS_LIMIT:-195} python3 -m experiments.benchmark_mixers \
+      --out="$RES/abexp_mixers_$tag" --seq_lens=16384,4096 --reps=10 --check=false --stages \
       --rows=diag_kdn_pallas,iso_kdn_pallas 2>&1 | quiet | tail -24 | sed "s|^|$tag: |" \
       | tee -a "$RES/$SWEEP_LOG")
     pack
-    (cd "$tree" && timeout ${ABEXP_LAYERS_LIMIT:-100} python3 -m experiments.benchmark_layers \
+    (cd "$tree" && timeout ${ABEXP_LAYERS_LIMIT:-85} python3 -m experiments.benchmark_layers \
       --out="$RES/abexp_layers_$tag" --seq_lens=16384 --impls=pallas --reps=20 \
       --rows=kdn_diag,kdn_iso 2>&1 | quiet | grep -E 'T=[0-9]+: fwd' | sed "s|^|$tag layers: |" \
       | tee -a "$RES/$SWEEP_LOG")

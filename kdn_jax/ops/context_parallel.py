@@ -172,6 +172,9 @@ def _gain_cp(axis_name, op, diag, impl, k, log_alpha, omega, r, mu, p0,
     write, p_end = _xla_gain_from(diag, m, k, log_alpha, omega, r, p_in, p0,
                                   start)
     return write, _last_slice(axis_name, p_end)
+  # k in the caller's dtype, as the unsplit op passes it: the Pallas gain picks
+  # its math from it (pallas_kernels/kernel_math.py; the cast back is exact)
+  k = k.astype(input_dtype)
   write, p_end = _gain(op, diag, impl, k, log_alpha, omega, r, mu, p_in,
                        segment_ids, input_dtype)
   if bounds is not None:

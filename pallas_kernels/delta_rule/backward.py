@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.delta_rule.intra_bwd_tokens import intra_backward_tokens
 from pallas_kernels.delta_rule.tiles import (
     dot, dot_nt, dot_tn, kernel_precision, launch_params, by_reset)
-from pallas_kernels.kernel_math import exp_for
+from pallas_kernels.kernel_math import exp_for_mode
 
 
 def _chain_loads(r, b, h, t0, C, has_seg, vs):
@@ -39,11 +39,10 @@ def _chain_loads(r, b, h, t0, C, has_seg, vs):
   return x
 
 
-def _chunk_common(x, scale, has_seg):
+def _chunk_common(x, scale, has_seg, exp):
   """Per-chunk, V-independent quantities of the backward's chain and partials: Kbar (None
   without segments: only the segment terms use it), Qbar, e_last, and the segment masks."""
   g = x["g"].astype(jnp.float32)
-  exp = exp_for(x["q"].dtype)
   kbar = x["k"].astype(jnp.float32) * exp(g) if has_seg else None
   qbar = (scale * x["q"].astype(jnp.float32)) * exp(g)
   e_last = exp(x["g_last"])[:, None]     # [K, 1]
@@ -72,13 +71,13 @@ def _bwd_names(has_seg, extra):
   return _BWD_IN + extra + (["cont"] if has_seg else []) + ["wk"]
 
 
-def _bwd_chain(x, scale, has_seg, ds, prec):
+def _bwd_chain(x, scale, has_seg, ds, prec, exp):
   """One chunk of the reverse state chain from its loads x (_chain_loads), given dS (the gradient
   of the state after the chunk): dDelta = P^T dO + Wt dS, dU = A^T dDelta and dS_prev (S_init's
   share of segments that start inside the chunk is seg_init_grad's, outside the kernels).
 
   Kbar_c^T dU = (A Kbar_c)^T dDelta = W^T dDelta: the chain dS -> dDelta -> dS_prev is 2 dots."""
-  kbar, qbar, e_last, cont, cont_last = _chunk_common(x, scale, has_seg)
+  kbar, qbar, e_last, cont, cont_last = _chunk_common(x, scale, has_seg, exp)
   do = x["do"].astype(jnp.float32)
   amat = x["a"]
   d_delta = dot_tn(x["p"], do, prec) + dot(x["wt"], ds, prec)
@@ -90,7 +89,7 @@ def _bwd_chain(x, scale, has_seg, ds, prec):
   return ds_prev, dict(kbar=kbar, cont=cont, cont_last=cont_last, do=do, amat=amat, du=du)
 
 
-def _partials_values(r, b, h, c, C, has_seg, vs, s, ds, s_init, x, prec):
+def _partials_values(r, b, h, c, C, has_seg, vs, s, ds, s_init, x, prec, exp):
   """The chunk's dV and (this V block's share of) the partial gradients of P, L, Wt, Kbar, Qbar
   and g_last, as values: (dv, dp, dl, dwt, dkbar, dqbar, dgl [K])."""
   t0 = c * C
@@ -99,7 +98,7 @@ def _partials_values(r, b, h, c, C, has_seg, vs, s, ds, s_init, x, prec):
   s_base, delta = _delta_rows(x["kbar"], v, x["amat"], wk, s, s_init, x["cont"], x["cont_last"],
                              has_seg, prec)
   do, du, cont = x["do"], x["du"], x["cont"]
-  e_last_row = exp_for(r["q"].dtype)(r["g"][b, t0 + C - 1, h, :])
+  e_last_row = exp(r["g"][b, t0 + C - 1, h, :])
   dgl = e_last_row * jnp.sum(ds * s_base, axis=1)
   if has_seg:
     dkbar = -(dot_nt(du * cont, s, prec) + dot_nt(du * (1.0 - cont), s_init, prec))
@@ -111,11 +110,11 @@ def _partials_values(r, b, h, c, C, has_seg, vs, s, ds, s_init, x, prec):
           dqbar, dgl)
 
 
-def _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs, s, ds, s_init, x, prec):
+def _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs, s, ds, s_init, x, prec, exp):
   """Writes _partials_values to the per-V-block partial outputs."""
   dv_ref, dp_ref, dl_ref, dwt_ref, dkbar_ref, dqbar_ref, dgl_ref = outs
   dv, dp, dl, dwt, dkbar, dqbar, dgl = _partials_values(r, b, h, c, C, has_seg, vs, s, ds, s_init,
-                                                        x, prec)
+                                                        x, prec, exp)
   rows = pl.ds(c * C, C)
   dv_ref[b, rows, h, vs] = dv.astype(dv_ref.dtype)
   dp_ref[b, h, vb, rows, :] = dp
@@ -126,7 +125,7 @@ def _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs, s, ds, s_init, x, prec):
   dqbar_ref[b, h, vb, rows, :] = dqbar
 
 
-def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec):
+def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, exp):
   """Serial over chunks in reverse: the state-gradient chain alone, saving each chunk's dS for
   _bwd_partials_kernel. One loop carry (see _SEG_NOTE). (Loading the previous chunk's inputs
   ahead, as the forward's state pass does, lost here: H200 session 37, T=16384, 2.99 -> 3.36 ms.)"""
@@ -141,13 +140,14 @@ def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec):
   def body(i, ds):
     c = num_chunks - 1 - i
     ds_ref[b, h, c, :, vs] = ds.astype(ds_ref.dtype)
-    return _bwd_chain(_chain_loads(r, b, h, c * C, C, has_seg, vs), scale, has_seg, ds, prec)[0]
+    return _bwd_chain(_chain_loads(r, b, h, c * C, C, has_seg, vs), scale, has_seg, ds, prec,
+                      exp)[0]
 
   dh0_ref[b, h, :, vs] = lax.fori_loop(0, num_chunks, body,
                                        r["dsfin"][b, h, :, vs].astype(jnp.float32))
 
 
-def _bwd_partials_kernel(*refs, chunk, scale, has_seg, block_v, prec):
+def _bwd_partials_kernel(*refs, chunk, scale, has_seg, block_v, prec, exp):
   """Parallel over (chunk, V block): _bwd_partials from the saved states and state gradients."""
   names = _bwd_names(has_seg, ["states", "dstates"])
   r = dict(zip(names, refs[:len(names)]))
@@ -156,14 +156,14 @@ def _bwd_partials_kernel(*refs, chunk, scale, has_seg, block_v, prec):
   vs = pl.ds(vb * block_v, block_v)
   by_reset(r.get("cont"), b, c * chunk + chunk - 1, lambda seg: _bwd_partials(
       r, outs, b, h, c, vb, chunk, seg, vs, *_chunk_states(r, b, h, c, chunk, scale, seg, vs,
-                                                            prec), prec))
+                                                            prec, exp), prec, exp))
 
 
-def _chunk_states(r, b, h, c, C, scale, has_seg, vs, prec):
+def _chunk_states(r, b, h, c, C, scale, has_seg, vs, prec, exp):
   """(S_0, dS, S_init, the chain's values) of chunk c's V block vs, for _partials_values."""
   s_init = r["h0"][b, h, :, vs].astype(jnp.float32)
   ds = r["dstates"][b, h, c, :, vs].astype(jnp.float32)
-  _, x = _bwd_chain(_chain_loads(r, b, h, c * C, C, has_seg, vs), scale, has_seg, ds, prec)
+  _, x = _bwd_chain(_chain_loads(r, b, h, c * C, C, has_seg, vs), scale, has_seg, ds, prec, exp)
   return r["states"][b, h, c, :, vs].astype(jnp.float32), ds, s_init, x
 
 
@@ -177,10 +177,11 @@ def _chunk_states(r, b, h, c, C, scale, has_seg, vs, prec):
 
 def _bwd_inputs(q, k, v, g, h0, cont, res, do, cfg, cfg_prec, interpret, chunk, scale):
   """The serial and partials kernels' shared inputs (in _bwd_names order), their optional tail
-  (cont, W) and their static arguments."""
+  (cont, W) and their static arguments (exp: kernel_math.exp_for_mode of the data's precision)."""
   amat, pmat, wt, wk, _ = res
   prec = kernel_precision(cfg, cfg_prec, interpret)
-  kw = dict(chunk=chunk, scale=scale, has_seg=cont is not None, prec=prec)
+  kw = dict(chunk=chunk, scale=scale, has_seg=cont is not None, prec=prec,
+            exp=exp_for_mode(cfg_prec))
   return [q, k, v, g, amat, pmat, wt, h0, do], ([cont] if cont is not None else []) + [wk], kw
 
 
@@ -279,5 +280,6 @@ def backward(q, k, v, w, g, h0, cont, pid, res, do, dsfin, *, chunk, scale, inte
                                       cfg_prec=cfg_prec, dv_dtype=dv_dtype)
   dq, dk, dw, dg, dla_terms = intra_backward_tokens(q, k, w, g, pid, partials, chunk=chunk,
                                                     scale=scale, interpret=interpret, cfg=cfg,
-                                                    dq_dtype=dq_dtype, dk_dtype=dk_dtype)
+                                                    cfg_prec=cfg_prec, dq_dtype=dq_dtype,
+                                                    dk_dtype=dk_dtype)
   return dq, dk, dv, dw, dg, dla_terms, dh0

@@ -25,7 +25,7 @@ from pallas_kernels.delta_rule import wy as _wy
 from pallas_kernels.delta_rule.tiles import (
     dot_nt, tile, decay_to_last, kernel_precision, operand_dtype, launch_params, ref_point,
     masked_store, write_parts, write_rows, times_beta)
-from pallas_kernels.kernel_math import exp_for
+from pallas_kernels.kernel_math import exp_for_mode
 
 
 def _diag_columns(q, k, g, w_ref, k_ref, g_ref, pid_ref, pid_i, l_out, p_out, b, h, r0, col0,
@@ -55,7 +55,7 @@ def _diag_columns(q, k, g, w_ref, k_ref, g_ref, pid_ref, pid_i, l_out, p_out, b,
   lax.fori_loop(0, S, body, 0)
 
 
-def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec):
+def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec, exp):
   """Rows [i S, (i + 1) S) of L (f32, strict, zero above the diagonal) and of P (scaled), and
   their Wt rows; i = program_id(3). Every column of the row block is stored (zeros right of the
   diagonal tile), so the outputs need no initialisation."""
@@ -68,7 +68,6 @@ def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec):
   t0 = c * C
   r0 = t0 + i * S
   rows = pl.ds(r0, S)
-  exp = exp_for(q_ref.dtype)
   q, k, g = (tile(x, b, r0, S, h) for x in (q_ref, k_ref, g_ref))
   pid_i = pid_ref[b, rows] if has_seg else None
   if C > S:
@@ -97,7 +96,7 @@ def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec):
   wt_out[b, rows, h, :] = (write_rows(w_ref, k_ref, b, rows, h) * e_last).astype(wt_out.dtype)
 
 
-def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads, from_la):
+def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads, from_la, exp):
   """Row r = program_id(1) of L (strict) and P (scaled, inclusive) for `heads` heads, chunks of
   one S-row block (C = S), token-parallel: the row's columns j <= r one per step ([heads, K]
   each, no exps above the diagonal), zeros for the columns after r;
@@ -117,16 +116,19 @@ def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads, from_la):
   hs = pl.ds(hb * heads, heads)
   r0 = (r // S) * S
   t_last = r0 + S - 1
-  exp = exp_for(q_ref.dtype)
   q, k = (x[b, r, hs, :].astype(jnp.float32) for x in (q_ref, k_ref))
   w = write_rows(w_ref, k_ref, b, r, hs)
   pid_r = pid_ref[b, r] if has_seg else None
   d_row = lambda j: d_ref[b, j, hs, :].astype(jnp.float32)
 
   def pair(j, decay):
-    """Column j's kept L and scaled P values, [heads] each; decay = g_r - g_j ([heads, K])."""
+    """Column j's kept L and scaled P values, [heads] each; decay = g_r - g_j ([heads, K]).
+    Without segments decay <= 0 as computed: g is a running sum of log_alpha <= 0 within the
+    chunk, and fl(g + la) <= g for la <= 0, so no clamp (4 of the column step's 88 instructions;
+    docs/kernel_sass.md). With segments g restarts at a reset, and a masked pair across one could
+    overflow exp: clamped."""
     wj, beta = write_parts(w_ref, k_ref, b, j, hs)   # (beta: applied after the sums)
-    e = exp(jnp.minimum(decay, 0.0)) * wj
+    e = exp(jnp.minimum(decay, 0.0) if has_seg else decay) * wj
     kw, qw = (times_beta(jnp.sum(x * e, axis=1), beta) for x in (k, q))
     keep_l, keep_p = j < r, True
     if has_seg:
@@ -193,6 +195,7 @@ def pair_rows_forward(q, k, w, g, pid, *, chunk, scale, interpret, cfg, cfg_prec
   bsz, t, nh, kd = k.shape
   has_seg = pid is not None
   prec = kernel_precision(cfg, cfg_prec, interpret)
+  exp = exp_for_mode(cfg_prec)   # (the kernels' exp: kernel_math)
   dt = operand_dtype(prec)
   sub = sub_rows(cfg, chunk)
   out_shape = (jax.ShapeDtypeStruct((bsz, nh, t, chunk), jnp.float32),
@@ -210,14 +213,14 @@ def pair_rows_forward(q, k, w, g, pid, *, chunk, scale, interpret, cfg, cfg_prec
       out_shape += (jax.ShapeDtypeStruct((bsz, t, nh, kd), jnp.float32),)
     return pl.pallas_call(
         functools.partial(_pair_token_loop_kernel, chunk=chunk, sub=sub, scale=scale,
-                          has_seg=has_seg, heads=heads, from_la=from_la),
+                          has_seg=has_seg, heads=heads, from_la=from_la, exp=exp),
         out_shape=out_shape, grid=(bsz, t, nh // heads), name="delta_rule_pair_token_loop",
         **launch_params(interpret, cfg.num_warps_pairs, cfg))(*args)
   # 'columns', and chunks of several row blocks under either option (the token-parallel kernel
   # covers one row block per chunk)
   return pl.pallas_call(
       functools.partial(_pair_rows_kernel, chunk=chunk, sub=sub, scale=scale, has_seg=has_seg,
-                        prec=prec),
+                        prec=prec, exp=exp),
       out_shape=out_shape, grid=(bsz, nh, t // chunk, chunk // sub), name="delta_rule_pair_rows",
       **launch_params(interpret, cfg.num_warps_pairs, cfg),
   )(*args)

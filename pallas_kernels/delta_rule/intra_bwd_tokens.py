@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.delta_rule.tiles import launch_params, times_beta, write_parts
-from pallas_kernels.kernel_math import exp_for
+from pallas_kernels.kernel_math import exp_for_mode
 
 # The kernel's inputs, in order (then pid with segments): q, k, w, g and the partials.
 _INPUTS = ("q", "k", "w", "g", "dp", "dl", "dwt", "dkbar", "dqbar", "dgl")
@@ -44,7 +44,7 @@ def _vblock_sum(ref, b, h, num_vb, *idx):
   return acc
 
 
-def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads):
+def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads, exp):
   names = _INPUTS + (("pid",) if has_seg else ())
   r = dict(zip(names, refs[:len(names)]))
   dq_ref, dk_ref, dw_ref, dg_ref, dla_ref = refs[len(names):]
@@ -56,7 +56,6 @@ def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads):
   t_last = r0 + C - 1
   i = t - r0
   f32 = jnp.float32
-  exp = exp_for(r["q"].dtype)
 
   def row(name, j):
     return r[name][b, j, hs, :].astype(f32)
@@ -115,7 +114,7 @@ def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads):
   dla_ref[out] = dwt * w * e_last
 
 
-def intra_backward_tokens(q, k, w, g, pid, partials, *, chunk, scale, interpret, cfg,
+def intra_backward_tokens(q, k, w, g, pid, partials, *, chunk, scale, interpret, cfg, cfg_prec,
                           dq_dtype=jnp.float32, dk_dtype=jnp.float32):
   """(dq, dk, dw, dg, dla_terms) [B, T, H, K] (dq, dk in their dtypes, the rest fp32; with a
   per-token scalar write w [B, T, H] (write = w k) dw is that scalar's gradient, [B, T, H], and
@@ -129,7 +128,8 @@ def intra_backward_tokens(q, k, w, g, pid, partials, *, chunk, scale, interpret,
   lane = lambda dtype=jnp.float32: jax.ShapeDtypeStruct((bsz, t, nh, kd), dtype)
   return pl.pallas_call(
       functools.partial(_token_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
-                        num_vb=partials[0].shape[2], heads=heads),
+                        num_vb=partials[0].shape[2], heads=heads,
+                        exp=exp_for_mode(cfg_prec)),
       out_shape=(lane(dq_dtype), lane(dk_dtype),
                  jax.ShapeDtypeStruct(w.shape, jnp.float32)) + (lane(),) * 2,
       grid=(bsz, t, nh // heads),

@@ -12,9 +12,10 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.delta_rule.tiles import (
     chunk_output, kernel_precision, launch_params, by_reset)
+from pallas_kernels.kernel_math import exp_for_mode
 
 
-def _output_kernel(*refs, chunk, scale, has_seg, block_v, prec):
+def _output_kernel(*refs, chunk, scale, has_seg, block_v, prec, exp):
   """Parallel over (chunk, V block): O from the saved chunk-start state and Delta. Grid
   (V/BV, NC, B H): the V blocks of one chunk, then the chunks of one (batch, head), run next to
   each other and share its q, g and P tiles in L2."""
@@ -28,17 +29,17 @@ def _output_kernel(*refs, chunk, scale, has_seg, block_v, prec):
   t0 = c * C
   vs = pl.ds(vb * block_v, block_v)
   by_reset(r.get("cont"), b, t0 + C - 1, lambda seg: _output_rows(
-      r, o_ref, b, h, c, t0, C, vs, scale, seg, prec))
+      r, o_ref, b, h, c, t0, C, vs, scale, seg, prec, exp))
 
 
-def _output_rows(r, o_ref, b, h, c, t0, C, vs, scale, seg, prec):
+def _output_rows(r, o_ref, b, h, c, t0, C, vs, scale, seg, prec, exp):
   """One chunk's O rows for one V block; seg: the chunk holds a reset."""
   rows = pl.ds(t0, C)
   s = r["states"][b, h, c, :, vs].astype(jnp.float32)
   seg_kw = dict(cont=r["cont"][b, rows][:, None],
                 s_init=r["h0"][b, h, :, vs].astype(jnp.float32)) if seg else {}
   o = chunk_output(r["q"][b, rows, h, :], r["g"][b, rows, h, :], s, r["p"][b, h, rows, :],
-                   r["delta"][b, rows, h, vs], scale, prec, **seg_kw)
+                   r["delta"][b, rows, h, vs], scale, prec, exp, **seg_kw)
   o_ref[b, rows, h, vs] = o.astype(o_ref.dtype)
 
 
@@ -53,7 +54,7 @@ def output_forward(q, g, pmat, delta, states, h0, cont, *, chunk, scale, interpr
   grid = (vd // bv_par, t // chunk, bsz * nh)
   return pl.pallas_call(
       functools.partial(_output_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
-                        block_v=bv_par, prec=prec),
+                        block_v=bv_par, prec=prec, exp=exp_for_mode(cfg_prec)),
       out_shape=jax.ShapeDtypeStruct((bsz, t, nh, vd), q.dtype),
       grid=grid, name="delta_rule_output",
       **launch_params(interpret, cfg.num_warps_output, cfg),

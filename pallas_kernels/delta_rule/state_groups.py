@@ -24,7 +24,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.delta_rule.tiles import dot, dot_nt, dot_tn
-from pallas_kernels.kernel_math import exp_for
 
 
 def _decay(e, i, j):
@@ -39,12 +38,11 @@ def _scaled(x, d):
   return x if d is None else x * d
 
 
-def group_inputs(r, b, h, vs, c0, n, C, scale, prec, dt):
+def group_inputs(r, b, h, vs, c0, n, C, scale, prec, dt, exp):
   """Chunks c0 .. c0 + n - 1 loaded and merged (the module docstring): per chunk Ut (f32) and,
   in the dots' operand dtype dt, Wt~, Wt D(b+1, n), Qbar D(0, b) and the row of P blocks; and
-  the group's decay D(0, n) as a [K] vector."""
+  the group's decay D(0, n) as a [K] vector. `exp`: kernel_math.exp_for_mode's."""
   f32 = jnp.float32
-  exp = exp_for(r["q"].dtype)
   e, u, wk, wt, qbar, p = [], [], [], [], [], []
   for i in range(n):
     t0 = (c0 + i) * C

@@ -40,7 +40,7 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_ou
 
   With step_chunks = n > 1 (fused, segment-free, no states stored) the loop takes n chunks per
   step (state_groups.py), then the remaining num_chunks % n chunks one per step. `exp`:
-  kernel_math.exp_for_mode of the data's precision (the refs here are the dots' operands)."""
+  kernel_math.exp_for_mode of the caller's precision, as in every delta-rule kernel."""
   names = ["u", "wk", "wt", "g", "h0"] + (["cont"] if has_seg else [])
   if fuse_output:
     names += ["q", "p"]
@@ -79,7 +79,7 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_ou
     def fused_output():
       def store_output(seg):
         seg_kw = dict(cont=x["cont"][:, None], s_init=s_init) if seg else {}
-        o = chunk_output(x["q"], x["g"], s, x["p"], delta, scale, prec, **seg_kw)
+        o = chunk_output(x["q"], x["g"], s, x["p"], delta, scale, prec, exp, **seg_kw)
         o_ref[b, rows, h, vs] = o.astype(o_ref.dtype)
 
       if has_seg:   # the S_init dot only in chunks with a reset (as tiles.by_reset decides)
@@ -109,7 +109,7 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_ou
   s = s_init
   if groups:
     load = lambda grp: _groups.group_inputs(r, b, h, vs, grp * n, n, C, scale, prec,
-                                            operand_dtype(prec))
+                                            operand_dtype(prec), exp)
 
     def group_body(grp, carry):
       s, x = carry

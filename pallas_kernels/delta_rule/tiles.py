@@ -9,7 +9,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels import common
-from pallas_kernels.kernel_math import exp_for
 
 
 _NT = (((1,), (1,)), ((), ()))   # x @ y^T
@@ -89,11 +88,12 @@ def by_reset(cont_ref, b, t_last, body):
   pl.when(jnp.logical_not(reset))(lambda: body(False))
 
 
-def chunk_output(q, g, s, p, delta, scale, prec, cont=None, s_init=None):
+def chunk_output(q, g, s, p, delta, scale, prec, exp, cont=None, s_init=None):
   """One chunk's output rows O = Qbar S_0 + P Delta (Qbar = scale q exp(g)); with cont (the
   rows' [C, 1] continuation flags) the rows after the chunk's first reset read S_init instead of
-  S_0. Shared by the output kernel and the state pass with the output fused."""
-  qbar = (scale * q.astype(jnp.float32)) * exp_for(q.dtype)(g.astype(jnp.float32))
+  S_0. Shared by the output kernel and the state pass with the output fused. `exp`:
+  kernel_math.exp_for_mode's."""
+  qbar = (scale * q.astype(jnp.float32)) * exp(g.astype(jnp.float32))
   if cont is None:
     o = dot(qbar, s, prec)
   else:
@@ -103,7 +103,7 @@ def chunk_output(q, g, s, p, delta, scale, prec, cont=None, s_init=None):
 
 def decay_to_last(g, g_last, exp, pid=None, pid_last=None):
   """exp(g_last - g) per row (the decay from each token to the chunk's last one), zero for rows
-  outside the last token's segment (pid given); `exp`: kernel_math.exp_for's."""
+  outside the last token's segment (pid given); `exp`: kernel_math.exp_for_mode's."""
   e_last = exp(jnp.minimum(g_last[None, :] - g, 0.0))
   if pid is not None:
     e_last = jnp.where((pid == pid_last)[:, None], e_last, 0.0)
@@ -111,7 +111,7 @@ def decay_to_last(g, g_last, exp, pid=None, pid_last=None):
 
 
 def ref_point(g_ref, b, h, t0, S, i, g_i, exp):
-  """(g0 [1, K], row factors exp(min(g_i - g0, 0))) of block i; `exp`: kernel_math.exp_for's."""
+  """(g0 [1, K], row factors exp(min(g_i - g0, 0))) of block i; `exp`: as decay_to_last's."""
   g0 = g_ref[b, pl.ds(t0 + i * S, 1), h, :].astype(jnp.float32)
   return g0, exp(jnp.minimum(g_i - g0, 0.0))
 

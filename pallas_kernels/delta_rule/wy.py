@@ -26,10 +26,10 @@ from pallas_kernels import common
 from pallas_kernels.delta_rule.inverse import unit_lower_inverse
 from pallas_kernels.delta_rule.tiles import (
     dot, tile, kernel_precision, operand_dtype, launch_params, by_reset)
-from pallas_kernels.kernel_math import exp_for
+from pallas_kernels.kernel_math import exp_for_mode
 
 
-def _wy_kernel(*refs, chunk, sub, has_seg, block_v, inverse, prec, hi):
+def _wy_kernel(*refs, chunk, sub, has_seg, block_v, inverse, prec, hi, exp):
   names = ["l", "k", "g", "v", "h0"] + (["cont"] if has_seg else [])
   r = dict(zip(names, refs[:len(names)]))
   a_out, wk_out, u_out = refs[len(names):]
@@ -39,7 +39,7 @@ def _wy_kernel(*refs, chunk, sub, has_seg, block_v, inverse, prec, hi):
   rows = pl.ds(t0, C)
   amat = unit_lower_inverse(r["l"][b, h, rows, :], C, inverse, sub, hi)
   a_out[b, h, rows, :] = amat.astype(a_out.dtype)
-  kbar = tile(r["k"], b, t0, C, h) * exp_for(r["k"].dtype)(tile(r["g"], b, t0, C, h))
+  kbar = tile(r["k"], b, t0, C, h) * exp(tile(r["g"], b, t0, C, h))
   by_reset(r.get("cont"), b, t0 + C - 1, lambda seg: _wk_u(
       r, wk_out, u_out, amat, kbar, b, h, t0, C, seg, block_v, prec))
 
@@ -76,7 +76,7 @@ def wy_forward(lmat, k, v, g, h0, cont, *, chunk, sub, interpret, cfg, cfg_prec)
   return pl.pallas_call(
       functools.partial(_wy_kernel, chunk=chunk, sub=sub, has_seg=has_seg,
                         block_v=min(cfg.block_v_parallel, vd), inverse=cfg.wy_inverse,
-                        prec=prec, hi=hi),
+                        prec=prec, hi=hi, exp=exp_for_mode(cfg_prec)),
       out_shape=out_shape, grid=(bsz, nh, t // chunk), name="delta_rule_wy",
       **launch_params(interpret, cfg.num_warps_intra, cfg),
   )(*([lmat, k, g, v, h0] + ([cont] if has_seg else [])))
