@@ -47,7 +47,8 @@ FAMILIES = (("delta_rule", "DeltaRuleConfig", "pallas_kernels.delta_rule.config"
 # Fields that run configs of earlier versions may name and that no longer exist (speed-only
 # options removed after they lost on the GPU): dropped from config.kernels specs with a warning,
 # so those runs still resume and evaluate. (Benchmark flags refuse them like any unknown field.)
-REMOVED = {"delta_rule": ("cumsum_in_gain", "prefetch_output_rows", "output_after_update")}
+REMOVED = {"delta_rule": ("cumsum_in_gain", "prefetch_output_rows", "output_after_update",
+                          "state_step_chunks")}
 
 
 def _modules():

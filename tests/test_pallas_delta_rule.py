@@ -153,38 +153,6 @@ def test_delta_rule_kernel_variants(variant):
     _check(args, seg, 32, 1e-5, 1e-4, vjp_primal=variant.get("fuse_output") == "all")
 
 
-@pytest.mark.parametrize("n,t,decay,scalar", [
-    (2, 45, "normal", False),     # one group of 2 chunks, then one chunk alone
-    (4, 150, "normal", False),    # two groups of 4, then 2 chunks alone (last one partial)
-    (4, 40, "strong", False),     # fewer chunks than a group: the single-chunk steps only
-    (3, 96, "strong", True),      # two groups of 3, log-decay -20: the decays underflow to 0
-    (2, 1, "normal", False)])     # T = 1
-def test_state_step_chunks(n, t, decay, scalar):
-  """Several chunks per serial step (state_groups.py) in the forward-only fused pass: outputs,
-  final state and gradients (the backward's residuals come from a differentiated call's
-  forward, which keeps one chunk per step) against the float64 loop."""
-  args = _inputs(11, 2, t, 2, 64, 32, jnp.float32, scalar, decay)
-  with dr_config.overridden(state_step_chunks=n):
-    _check(args, None, 16, 1e-5, 1e-4, vjp_primal=True)
-
-
-def test_state_step_chunks_bf16_as_accurate_as_one_chunk_per_step():
-  """In bf16 (bf16-operand dots) the grouped steps round the merged operands to bf16: their
-  outputs and final state are as close to the float64 loop as the one-chunk-per-step pass's
-  (measured: 3.34e-3 against 3.32e-3 for o), and within bf16 rounding of that pass."""
-  args = _inputs(12, 2, 128, 2, 64, 64, jnp.bfloat16, False, "normal")
-  with jax.enable_x64(True):
-    ro, rs = (np.asarray(x) for x in _oracle(
-        *[jnp.asarray(np.asarray(x, np.float32), jnp.float64) for x in args], 0.7, None))
-  run = lambda: jax.jit(lambda *a: delta_rule(*a[:5], 0.7, a[5], None, chunk_size=16))(*args)
-  o1, s1 = run()
-  with dr_config.overridden(state_step_chunks=4):
-    o4, s4 = run()
-  assert 0 < _rel(o4, o1) <= 4e-3, _rel(o4, o1)   # (> 0: the grouped path ran)
-  assert _rel(o4, ro) <= 1.05 * _rel(o1, ro), (_rel(o4, ro), _rel(o1, ro))
-  assert _rel(s4, rs) <= 1.05 * _rel(s1, rs), (_rel(s4, rs), _rel(s1, rs))
-
-
 @pytest.mark.parametrize("variant,dtype,scalar_decay", [
     ({}, jnp.float32, False),                                        # token-parallel pair kernel
     (dict(pair_diag="columns", max_chunk=32), jnp.float32, False),   # the row-block pair kernel

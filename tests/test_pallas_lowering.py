@@ -138,19 +138,6 @@ def test_fuse_output_picks_the_kernels_and_lowers(as_on_gpu, fuse_output, segmen
     assert "delta_rule_state_output" not in kernels, kernels
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_state_step_chunks_lowers(as_on_gpu, dtype):
-  """The forward-only fused pass with 4 chunks per step (state_groups.py): T=80 is one group of
-  4 chunks and one chunk alone, both loops in the kernel."""
-  from pallas_kernels import delta_rule   # pylint: disable=g-import-not-at-top
-  q, k, v, la, _, _, _ = _op_inputs(dtype)
-  h0 = jnp.zeros((1, 2, 64, 64), jnp.float32)
-  with dr_config.overridden(state_step_chunks=4):
-    kernels = _triton_kernels(_lower_for_cuda(
-        lambda q, k, v: delta_rule(q, k, v, la, k, 0.125, h0, None, chunk_size=16)[0], q, k, v))
-  assert "delta_rule_state_output" in kernels, kernels
-
-
 @pytest.mark.parametrize("mixer,options", [("kdn_diag", "default"), ("kdn_iso", "default"),
                                             ("kdn_diag", "plain_loops_and_trials")])
 def test_kdn_layer_lowers_for_cuda(as_on_gpu, monkeypatch, mixer, options):

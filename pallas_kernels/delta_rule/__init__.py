@@ -14,7 +14,6 @@ One module per stage (options in config.DeltaRuleConfig), imported only from her
                 over chunks
   state_pass    the serial chunk loop: S_final, chunk-start states, Delta = U - W S_0 (with
                 cfg.fuse_output also O, in the same loop)
-  state_groups  several chunks per step of that loop (cfg.state_step_chunks, forward-only)
   output        O = Qbar S_0 + P Delta, parallel over chunks
   backward      the reverse dS chain, dV and the partial gradients, then intra_bwd_tokens
   intra_bwd_tokens  the intra backward, token-parallel

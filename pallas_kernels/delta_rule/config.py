@@ -104,14 +104,6 @@ class DeltaRuleConfig:
   # T=16384, one process: default 5.12 ms) and removed: the output's rows loaded in their own
   # step instead of with the chain's, 5.53 (lost); its dots after the S update, 5.11 (a tie).
   fuse_output: str = "primal"
-  # With the output fused, in calls that store no states and have no segments (the 'primal'
-  # path): the serial pass takes this many chunks per step, their W, U, Wt, Qbar and P merged
-  # into the group's by dots off the chain when the group is loaded (state_groups.py), so the
-  # chain runs num_chunks / n steps of n independent dots per level instead of num_chunks steps.
-  # The stages before it keep their 16-row chunks. Session 44 trial, not yet timed (the device
-  # time was spent): gpu_measurements.sh forward with FORWARD_SWEEP=default,state_step_chunks=2,
-  # state_step_chunks=4.
-  state_step_chunks: int = 1
   # The decay cumsum g formed by the token-parallel pair kernel (which then reads log_alpha and
   # writes g) instead of by its own kernel before it (chunk_cumsum.py): one pass over
   # [B, T, H, K] fp32 less (the cumsum's read of log_alpha and its launch; H200 T=16384 stage
@@ -120,8 +112,11 @@ class DeltaRuleConfig:
   # 8.5 columns j <= r on average, g_r, g_last) to about 24.5 (w_j and log_alpha_j for those
   # columns, log_alpha_j for the 7.5 after r), so it loses if that kernel is bound by its
   # loads. Applies where the pair kernel is token-parallel (pair_diag 'token_loop', chunk 16),
-  # to every forward (differentiated or not). Session 45 trial, exact in interpret mode, not yet
-  # timed (no device): gpu_measurements.sh forward.
+  # to every forward (differentiated or not). Session 45 trial, exact in interpret mode. Session
+  # 46, H100, diag KDN forward, one process per length: T=16384 4.94 -> 4.61 ms (pair kernel with
+  # the cumsum 1.56 ms against 1.48 + 0.42 for the two kernels), T=4096 ~1.40 -> 1.35. Not yet
+  # GPU-checked nor timed fwd+bwd: gpu_measurements.sh passes and forward's checks, then the
+  # default.
   cumsum_in_pairs: bool = False
   # A computed write direction (the diagonal KDN gain kappa, op and layer) stored in bf16 when
   # the delta rule's dots take bf16 operands (16-bit q, k, v and fast_dots='bf16'; write_dtype):
@@ -130,7 +125,9 @@ class DeltaRuleConfig:
   # 82% of L1 throughput in session 35's profile; ours reads fp32 kappa and fp32 g), reads 6
   # bytes per column element instead of 8. kappa then also enters L (and so A's fp32 inverse)
   # rounded to bf16, where P, Wt and W round it anyway, and its gradient comes back in bf16
-  # like dq, dk and dv. Session 45 trial, off: not yet timed or GPU-checked.
+  # like dq, dk and dv. Session 45 trial, off. Session 46, H100, diag KDN forward, one process
+  # per length: T=16384 4.94 -> 4.78 ms, T=4096 ~1.40 -> 1.32 (the pair stage itself did not
+  # move: 1.48 -> 1.53, within the split's spread). Not yet GPU-checked nor timed fwd+bwd.
   bf16_write: bool = False
   # A write given as a per-token scalar beta ([B, T, H], write = beta k: DeltaNet's, KDA's and
   # the isotropic KDN's) formed inside the pair kernels and the intra backward, beta applied
@@ -160,9 +157,6 @@ class DeltaRuleConfig:
                                                  and getattr(self, f.name) <= 32):
         raise ValueError(f"DeltaRuleConfig.{f.name} must be a power of two in [1, 32] (Triton "
                          f"warps), got {getattr(self, f.name)}")
-    if self.state_step_chunks < 1:
-      raise ValueError("DeltaRuleConfig.state_step_chunks must be >= 1, got "
-                       f"{self.state_step_chunks}")
     if self.cumsum_block < 1:
       raise ValueError(f"DeltaRuleConfig.cumsum_block must be >= 1, got {self.cumsum_block}")
     if self.sub_block and (not pow2(self.sub_block) or self.sub_block < 16):

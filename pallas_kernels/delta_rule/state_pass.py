@@ -12,14 +12,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.delta_rule import state_groups as _groups
 from pallas_kernels.delta_rule.tiles import (
     chunk_output, dot, dot_tn, kernel_precision, operand_dtype, state_dtype, launch_params)
 from pallas_kernels.kernel_math import exp_for_mode
 
 
 def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_output, scale,
-                       save_states, step_chunks, exp):
+                       save_states, exp):
   """Serial over chunks with U = A V' precomputed (wy.py): Delta = U - W S_0 and
   S <- exp(g_last) S_base + Wt^T Delta, the chain's only two dots.
 
@@ -38,9 +37,10 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_ou
   likewise (loading them in their step lost, and issuing the output's dots after the S update
   tied: session 44, config.py).
 
-  With step_chunks = n > 1 (fused, segment-free, no states stored) the loop takes n chunks per
-  step (state_groups.py), then the remaining num_chunks % n chunks one per step. `exp`:
-  kernel_math.exp_for_mode of the caller's precision, as in every delta-rule kernel."""
+  Several chunks per step (their operands merged off the chain; session 44's
+  state_step_chunks) lost: H100 session 46, diag KDN forward T=16384, 4.94 ms against 10.82 at 2
+  chunks and 27.97 at 4. `exp`: kernel_math.exp_for_mode of the caller's precision, as in every
+  delta-rule kernel."""
   names = ["u", "wk", "wt", "g", "h0"] + (["cont"] if has_seg else [])
   if fuse_output:
     names += ["q", "p"]
@@ -104,22 +104,7 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_ou
     nxt = inputs(jnp.minimum(c + 1, num_chunks - 1))   # (the last step's reload goes unused)
     return step(c, s, x), nxt
 
-  n = step_chunks if fuse_output and not (has_seg or save_states) else 1
-  groups = num_chunks // n if n > 1 else 0
-  s = s_init
-  if groups:
-    load = lambda grp: _groups.group_inputs(r, b, h, vs, grp * n, n, C, scale, prec,
-                                            operand_dtype(prec), exp)
-
-    def group_body(grp, carry):
-      s, x = carry
-      nxt = load(jnp.minimum(grp + 1, groups - 1))
-      return _groups.group_step(x, s, o_ref, b, h, vs, grp * n, n, C, prec), nxt
-
-    s = lax.fori_loop(0, groups, group_body, (s, load(0)))[0]
-  if groups * n < num_chunks:
-    s = lax.fori_loop(groups * n, num_chunks, body, (s, inputs(groups * n)))[0]
-  sfin_ref[b, h, :, vs] = s
+  sfin_ref[b, h, :, vs] = lax.fori_loop(0, num_chunks, body, (s_init, inputs(0)))[0]
 
 
 def state_forward(u, wk, wt, g, h0, cont, *, chunk, interpret, cfg, cfg_prec):
@@ -153,8 +138,7 @@ def _call(u, wk, wt, g, h0, cont, out_in, *, chunk, interpret, cfg, cfg_prec, sc
   return pl.pallas_call(
       functools.partial(_state_pass_kernel, chunk=chunk, num_chunks=nc, has_seg=has_seg,
                         block_v=block_v, prec=prec, fuse_output=fuse_output, scale=scale,
-                        save_states=save_states, step_chunks=cfg.state_step_chunks,
-                        exp=exp_for_mode(cfg_prec)),
+                        save_states=save_states, exp=exp_for_mode(cfg_prec)),
       out_shape=tuple(out_shape), grid=(bsz, nh, vd // block_v),
       name="delta_rule_state_output" if fuse_output else "delta_rule_state_pass",
       **launch_params(interpret, cfg.num_warps_recur, cfg),
