@@ -13,15 +13,20 @@ from kdn_jax.models.config import model_config
 from pallas_kernels.delta_rule import config as dr_config
 
 
-def _kdn_forward_modules(dtype):
-  ks = jax.random.split(jax.random.PRNGKey(0), 6)
-  b, t, h, d = 1, 48, 2, 16
+def _kdn_inputs(dtype, seed, t=48):
+  """diag KDN op inputs (q, k, v, log_alpha, omega, r), B=1 H=2 K=V=16."""
+  ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+  b, h, d = 1, 2, 16
   q, k, v = (jax.random.normal(x, (b, t, h, d)).astype(dtype) for x in ks[:3])
   la = -jax.nn.softplus(jax.random.normal(ks[3], (b, t, h, d))).astype(dtype)
   om = jax.nn.softplus(jax.random.normal(ks[4], (b, t, h, d))).astype(dtype)
   r = (1.0 + jax.nn.softplus(jax.random.normal(ks[5], (b, t, h)))).astype(dtype)
+  return q, k, v, la, om, r
+
+
+def _kdn_forward_modules(dtype):
   fwd = lambda *a: ops.diag_kdn(*a, impl="pallas", chunk_size=64)[0]
-  return {m["name"]: m for m in kernel_sass.triton_modules(fwd, q, k, v, la, om, r)}
+  return {m["name"]: m for m in kernel_sass.triton_modules(fwd, *_kdn_inputs(dtype, 0))}
 
 
 def test_triton_modules_of_the_kdn_forward_with_their_launch_parameters():
@@ -42,19 +47,13 @@ def _math_calls(mods):
 
 
 def _kdn_grad_modules(dtype, seg):
-  ks = jax.random.split(jax.random.PRNGKey(1), 6)
-  b, t, h, d = 1, 48, 2, 16
-  q, k, v = (jax.random.normal(x, (b, t, h, d)).astype(dtype) for x in ks[:3])
-  la = -jax.nn.softplus(jax.random.normal(ks[3], (b, t, h, d))).astype(dtype)
-  om = jax.nn.softplus(jax.random.normal(ks[4], (b, t, h, d))).astype(dtype)
-  r = (1.0 + jax.nn.softplus(jax.random.normal(ks[5], (b, t, h)))).astype(dtype)
-  ids = (jnp.arange(t)[None, :] >= 21).astype(jnp.int32) if seg else None
+  args = _kdn_inputs(dtype, 1)
+  ids = (jnp.arange(args[0].shape[1])[None, :] >= 21).astype(jnp.int32) if seg else None
 
   def loss(*a):
     return jnp.sum(ops.diag_kdn(*a, segment_ids=ids, impl="pallas", chunk_size=64)[0]
                    .astype(jnp.float32))
-  return kernel_sass.triton_modules(jax.grad(loss, argnums=tuple(range(6))),
-                                    q, k, v, la, om, r)
+  return kernel_sass.triton_modules(jax.grad(loss, argnums=tuple(range(6))), *args)
 
 
 @pytest.mark.parametrize("dtype,seg", [(jnp.bfloat16, True), (jnp.float32, False)])
