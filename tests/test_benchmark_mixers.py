@@ -72,8 +72,10 @@ def test_sweep_with_stages_at_tiny_shape():
     bm._sweep(results, ["default", spec], dr_config, make,
               "diag_kdn_pallas", True, "cfg", deadline=float("inf"), stages=True)
     recs = results["sweeps"]
-    assert [r["sweep"] for r in recs] == ["default", spec]
-    for r in recs:
+    # (the baseline timed again after the others, without its stage split: --sweep_repeat_first)
+    assert [r["sweep"] for r in recs] == ["default", spec, "default"]
+    assert recs[2]["repeat"] and "stages" not in recs[2] and recs[2]["ms"] > 0
+    for r in recs[:2]:
       assert r["ms"] > 0 and r["first_call_s"] > 0, r
       assert set(r["stages"]) >= {"gain_fwd", "delta_intra_fwd", "delta_recur_fwd",
                                   "delta_state_output_fwd", "delta_state_output_fwd_save",
@@ -170,7 +172,8 @@ def test_a_killed_run_keeps_the_cells_it_timed(tmp_path, monkeypatch):
     monkeypatch.setattr(bm, "time_jax_row", fake_time)
     out = tmp_path / f"kill{kill_at}"
     bm.FLAGS(["bm", f"--out={out}", "--check=false", f"--seq_lens={seq_lens}",
-              "--rows=diag_kdn_pallas", "--sweep=default,block_v=32", "--sweep_combine=false"])
+              "--rows=diag_kdn_pallas", "--sweep=default,block_v=32", "--sweep_combine=false",
+              "--nosweep_repeat_first"])
     try:
       with dr_config.overridden(), pytest.raises(SystemExit):
         bm.main([])
