@@ -453,7 +453,9 @@ def _time_stages(t, docs=False):
   mu = jnp.full((h,), float(d))
   p0 = jnp.ones((b, h, d), jnp.float32)
   out, first = {}, {}
-  gain = jax.jit(lambda k, la, om, r, seg: pk.diag_gain(k, la, om, r, mu, p0, seg)[0])
+  # (kappa stored as the op stores it: bf16 under DeltaRuleConfig.bf16_write)
+  gain = jax.jit(lambda k, la, om, r, seg: pk.diag_gain(
+      k, la, om, r, mu, p0, seg, gain_dtype=pk.write_dtype(k.dtype))[0])
   gargs = (x["k"], x["la"], x["om"], x["r"], seg)
   out["gain_fwd"] = _time_fn(gain, gargs, first, "gain_fwd")
   w = gain(*gargs)

@@ -259,9 +259,8 @@ def main(argv):
   except ImportError as e:
     raise app.UsageError("kernel_sass needs the triton package (pip install triton)") from e
   configs = kernel_config.apply_flags(FLAGS)
-  with captured_triton_modules() as found:
-    fn, args = _row_fn(FLAGS.row, FLAGS.seq_len, FLAGS.mode == "fwd_bwd")   # (jitted)
-    fn.trace(*args).lower(lowering_platforms=("cuda",))
+  fn, args = _row_fn(FLAGS.row, FLAGS.seq_len, FLAGS.mode == "fwd_bwd")
+  found = triton_modules(fn, *args)
   rows = kernel_report(found, FLAGS.compute_capability, FLAGS.sass_dir)
   print(f"{FLAGS.row} {FLAGS.mode} B={FLAGS.batch} T={FLAGS.seq_len} H={FLAGS.heads} "
         f"K=V={FLAGS.dim} bf16, sm_{FLAGS.compute_capability}")

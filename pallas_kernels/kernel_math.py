@@ -40,8 +40,9 @@ def exp_for(dtype):
   return exp_for_mode(common.precision_for(dtype))
 
 
-def sigmoid(x, exp=jnp.exp):
-  """1 / (1 + e^-x); e^-x overflowing at very negative x gives 1 / inf = 0, the right limit."""
+def sigmoid(x, exp):
+  """1 / (1 + e^-x) with `exp` (exp_for's: no default, so a kernel cannot fall back to the slow
+  one unasked); e^-x overflowing at very negative x gives 1 / inf = 0, the right limit."""
   return 1.0 / (1.0 + exp(-x))
 
 

@@ -162,9 +162,11 @@ def _xla_gain_from(diag, m, k, log_alpha, omega, r, p_in, p0, start):
 
 
 def _gain_cp(axis_name, op, diag, impl, k, log_alpha, omega, r, mu, p0,
-             segment_ids, bounds, input_dtype):
+             segment_ids, bounds, input_dtype, k_caller):
   """The writes of this slice (diag: kappa [B, T, H, K]; iso: beta k, or on
-  the pallas path beta [B, T, H] itself) and the global final variance."""
+  the pallas path beta [B, T, H] itself) and the global final variance.
+  k_caller: k as the caller gave it, which the Pallas gain reads (as in the
+  unsplit op: it picks its math from k's dtype, pallas_kernels/kernel_math.py)."""
   start = None if bounds is None else bounds.start
   m = _token_mobius(diag, k, log_alpha, omega, r, mu, p0, start)
   p_in = _exclusive_chain(axis_name, _reduce_mobius(m), mobius.apply, p0)
@@ -172,9 +174,7 @@ def _gain_cp(axis_name, op, diag, impl, k, log_alpha, omega, r, mu, p0,
     write, p_end = _xla_gain_from(diag, m, k, log_alpha, omega, r, p_in, p0,
                                   start)
     return write, _last_slice(axis_name, p_end)
-  # k in the caller's dtype, as the unsplit op passes it: the Pallas gain picks
-  # its math from it (pallas_kernels/kernel_math.py; the cast back is exact)
-  k = k.astype(input_dtype)
+  k = k_caller
   write, p_end = _gain(op, diag, impl, k, log_alpha, omega, r, mu, p_in,
                        segment_ids, input_dtype)
   if bounds is not None:
@@ -289,11 +289,12 @@ def _kdn_cp(op, diag, q, k, v, log_alpha, omega, r, axis_name, info_scale,
   mu = val.info_scale_array(op, info_scale, h, kd, cd)
   state0 = _initial_state(op, diag, initial_state, b, h, kd, vd, cd)
   scale = kd ** -0.5 if scale is None else scale
+  k_caller = k
   q, k, v, log_alpha, omega, r = (
       x.astype(cd) for x in (q, k, v, log_alpha, omega, r))
   bounds = None if segment_ids is None else _Boundaries(axis_name, segment_ids)
   write, var = _gain_cp(axis_name, op, diag, impl, k, log_alpha, omega, r, mu,
-                        state0.variance, segment_ids, bounds, input_dtype)
+                        state0.variance, segment_ids, bounds, input_dtype, k_caller)
   o, memory = _memory_cp(axis_name, op, impl, q, k, v, log_alpha, write,
                          state0.memory, segment_ids, bounds, chunk_size,
                          input_dtype, scale)

@@ -126,8 +126,9 @@ class DeltaRuleConfig:
   # bytes per column element instead of 8. kappa then also enters L (and so A's fp32 inverse)
   # rounded to bf16, where P, Wt and W round it anyway, and its gradient comes back in bf16
   # like dq, dk and dv. Session 45 trial, off. Session 46, H100, diag KDN forward, one process
-  # per length: T=16384 4.94 -> 4.78 ms, T=4096 ~1.40 -> 1.32 (the pair stage itself did not
-  # move: 1.48 -> 1.53, within the split's spread). Not yet GPU-checked nor timed fwd+bwd.
+  # per length: T=16384 4.94 -> 4.78 ms, T=4096 ~1.40 -> 1.32. (Its stage split then timed the
+  # pair kernel on an fp32 kappa; benchmark_mixers' stages now store kappa as the op does.) Not
+  # yet GPU-checked nor timed fwd+bwd.
   bf16_write: bool = False
   # A write given as a per-token scalar beta ([B, T, H], write = beta k: DeltaNet's, KDA's and
   # the isotropic KDN's) formed inside the pair kernels and the intra backward, beta applied
