@@ -38,8 +38,8 @@ def _abandoned_reads_dropped(settle_s: float = 0.3, max_wait_s: float = 3.0, kee
   error inside the block (the error's traceback keeps the coroutines alive until it is dropped).
   After a failure the block's exit waits until no abandoned read has arrived for `settle_s` (at
   most `max_wait_s`) and logs the count in one line; a restore that succeeds is not delayed. With
-  `keep` (a list) a failed block leaves its hook installed and appends (hook, previous hook,
-  counts) to it, for _release_hooks to take out later (Checkpointer.close): stragglers can come
+  `keep` (a list) a failed block does not wait: it leaves its hook installed and appends (hook,
+  previous hook, counts) to it, for _release_hooks to take out later (Checkpointer.close): stragglers can come
   after any quiet window on a loaded machine (a CI run got 21 past the 0.3 s one). The hook is
   process-wide: one restore at a time, as the runner does."""
   dropped, failed = [], []
@@ -56,7 +56,7 @@ def _abandoned_reads_dropped(settle_s: float = 0.3, max_wait_s: float = 3.0, kee
     yield failed
   finally:
     try:
-      if failed:
+      if failed and keep is None:   # (a kept hook keeps counting; close waits for stragglers)
         start = time.monotonic()
         gc.collect()
         while time.monotonic() - start < max_wait_s:

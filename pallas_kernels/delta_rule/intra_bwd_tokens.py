@@ -70,8 +70,9 @@ def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads, exp):
     return jnp.where(r["pid"][b, j] == pid_t, x, 0.0) if has_seg else x
 
   q, k, g = row("q", t), row("k", t), row("g", t)
-  w, beta_t = write_parts(r["w"], r["k"], b, t, hs)   # beta_t: a scalar write, write = beta k
-  w = w if beta_t is None else beta_t[:, None] * w
+  # a scalar write (write = beta_t k): k's row, already loaded, times beta_t
+  beta_t = None if len(r["w"].shape) == 4 else r["w"][b, t, hs].astype(f32)
+  w = row("w", t) if beta_t is None else beta_t[:, None] * k
 
   def row_step(j, acc):
     dq_acc, dk_acc = acc
