@@ -167,3 +167,24 @@ def test_gain_dtype_bf16_is_the_fp32_gain_rounded():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
   with pytest.raises(ValueError, match="gain_dtype must be float32 or bfloat16"):
     diag_gain(k, la, om, r, mu, p0, gain_dtype=jnp.float16)
+
+
+def test_min_programs_halves_the_chunk():
+  """GainConfig.min_programs: the chunk halves (to 16 at least) until batch x heads x chunks
+  reaches it; the gain at the chunk it picks still matches the float64 loop."""
+  from pallas_kernels import kdn_gain
+  from pallas_kernels.kdn_gain import config as gain_config
+  cfg = gain_config.GainConfig(max_chunk=128, min_programs=12)
+  assert kdn_gain.gain_chunk(70, 64, 4, cfg) == 32          # 4 x 2 chunks < 12 <= 4 x 3
+  assert kdn_gain.gain_chunk(70, 64, 4, gain_config.GainConfig()) == 64   # off by default
+  assert kdn_gain.gain_chunk(4096, 256, 64, gain_config.GainConfig(min_programs=4224)) == 32
+  assert kdn_gain.gain_chunk(16384, 256, 64, gain_config.GainConfig(min_programs=4224)) == 128
+  assert kdn_gain.gain_chunk(40, 256, 1, gain_config.GainConfig(min_programs=10**6)) == 16
+  with pytest.raises(ValueError, match="min_programs"):
+    gain_config.GainConfig(min_programs=-1)
+  before = gain_config.DEFAULT
+  gain_config.set_default(min_programs=12)
+  try:   # b=2, h=2: the requested chunk 64 runs as 32 (3 chunks at T=70)
+    _run(True, 70, 64, 1.0, None, True, (40,), jnp.float32, 1e-5, 1e-4)
+  finally:
+    gain_config.DEFAULT = before
