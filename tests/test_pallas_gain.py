@@ -69,6 +69,7 @@ CASES = [
     # (t, chunk, mu factor (x K), r value or None, strong decay, segment starts)
     (33, 32, 4.0, 1e-3, True, (5, 6, 31)),     # T = chunk + 1, r = 1e-3, mu = 4K, segments
     (70, 16, 1.0, None, True, (40,)),
+    (70, 16, 1.0, None, True, None),          # no segments: no reset flags read (UNSEGMENTED)
 ]
 
 

@@ -55,6 +55,7 @@ def _inputs(seed, b, t, h, kd, diag, dtype):
     (True, 37, (5, 21), jnp.float32),    # T not a multiple of the chunk, segments
     (False, 20, (7,), jnp.bfloat16),     # bf16 projections (the layer's compute dtype)
     (True, 1, None, jnp.bfloat16),       # T = 1
+    (False, 40, None, jnp.float32),      # several chunks without segments (no reset flags)
 ])
 def test_fused_front_matches_composition(diag, t, segs, dtype):
   b, h, kd, chunk = 2, 2, 16, 16

@@ -28,11 +28,12 @@ _RAW = (_BTH, _BTH, _BTH, _BTH, _MU)
 _LANES, _PER_TOKEN, _P = _BTH + (4,), _BTH + (3,), _BH + (3,)
 
 
-def _forward(raw, reset, p0, diag, chunk, interpret, cfg, save_pprev, gain_dtype):
+def _forward(raw, reset, p0, diag, chunk, interpret, cfg, save_pprev, gain_dtype, segmented):
   tpu = tpu_common.use_tpu_kernels(interpret)
 
   def body(k, la, om, r, mu, reset, p0):
-    kw = {} if tpu else dict(gain_dtype=gain_dtype)
+    # (the TPU kernels always read the reset flags)
+    kw = {} if tpu else dict(gain_dtype=gain_dtype, segmented=segmented)
     return _kernels(interpret).gain_forward(
         (k, la, om, r, mu), reset, p0, diag=diag, chunk=chunk, interpret=interpret, cfg=cfg,
         save_pprev=save_pprev, **kw)[:3]
@@ -42,28 +43,31 @@ def _forward(raw, reset, p0, diag, chunk, interpret, cfg, save_pprev, gain_dtype
   return gain.astype(gain_dtype), pprev, pfin   # (the TPU kernels write fp32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
-def _gain(k, la, om, r, mu, reset, p0, diag, chunk, interpret, cfg, gain_dtype):
-  """The gain recurrence from the raw inputs (kernel.py), time already padded to the chunk."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
+def _gain(k, la, om, r, mu, reset, p0, diag, chunk, interpret, cfg, gain_dtype, segmented):
+  """The gain recurrence from the raw inputs (kernel.py), time already padded to the chunk;
+  segmented: whether any token but the first resets (kernel.py, UNSEGMENTED)."""
   # Not differentiated: p_prev (the backward's residual) is not written.
   gain, _, pfin = _forward((k, la, om, r, mu), reset, p0, diag, chunk, interpret, cfg, False,
-                           gain_dtype)
+                           gain_dtype, segmented)
   return gain, pfin
 
 
-def _gain_fwd(k, la, om, r, mu, reset, p0, diag, chunk, interpret, cfg, gain_dtype):
+def _gain_fwd(k, la, om, r, mu, reset, p0, diag, chunk, interpret, cfg, gain_dtype, segmented):
   raw = (k, la, om, r, mu)
-  gain, pprev, pfin = _forward(raw, reset, p0, diag, chunk, interpret, cfg, True, gain_dtype)
+  gain, pprev, pfin = _forward(raw, reset, p0, diag, chunk, interpret, cfg, True, gain_dtype,
+                               segmented)
   return (gain, pfin), (raw, reset, pprev)
 
 
-def _gain_bwd(diag, chunk, interpret, cfg, gain_dtype, res, cts):
+def _gain_bwd(diag, chunk, interpret, cfg, gain_dtype, segmented, res, cts):
   del gain_dtype
   raw, reset, pprev = res
   dgain, dpfin = cts
 
   # (the Triton kernels store k's gradient in k's dtype, the TPU ones in fp32: cast below)
-  kw = {} if tpu_common.use_tpu_kernels(interpret) else dict(dk_dtype=raw[0].dtype)
+  kw = ({} if tpu_common.use_tpu_kernels(interpret)
+        else dict(dk_dtype=raw[0].dtype, segmented=segmented))
 
   def body(k, la, om, r, mu, reset, pprev, dgain, dpfin):
     d_raw, dp0 = _kernels(interpret).gain_backward(
@@ -95,35 +99,36 @@ PAD_PREACT = -1e4
 _RAW_FRONT = (_BTH, _BTH, _MU, _MU, _BTH, _BTH, _MU)
 
 
-def _front_forward(raw, reset, p0, diag, chunk, interpret, cfg, save_pprev, r_min, gain_dtype):
+def _front_forward(raw, reset, p0, diag, chunk, interpret, cfg, save_pprev, r_min, gain_dtype,
+                   segmented):
   def body(k, f, dtb, alog, om, r, mu, reset, p0):
     gain, pprev, pfin, la = _kernel.gain_forward(
         (k, f, dtb, alog, om, r, mu), reset, p0, diag=diag, chunk=chunk, interpret=interpret,
-        cfg=cfg, save_pprev=save_pprev, front=r_min, gain_dtype=gain_dtype)
+        cfg=cfg, save_pprev=save_pprev, front=r_min, gain_dtype=gain_dtype, segmented=segmented)
     return gain, la, pprev, pfin
   outs = (_LANES, _LANES, _LANES if save_pprev else None, _P)
   return _sharding.per_shard(body, _RAW_FRONT + (_BT, _BH), outs,
                              "kdn_gain_fused forward")(*raw, reset, p0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13, 14))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13, 14, 15))
 def _gain_front(k, f, dtb, alog, om, r, mu, reset, p0, diag, chunk, interpret, cfg, r_min,
-                gain_dtype):
+                gain_dtype, segmented):
   """(gain, log_alpha, p_final) from the pre-activations, time already padded to the chunk."""
   gain, la, _, pfin = _front_forward((k, f, dtb, alog, om, r, mu), reset, p0, diag, chunk,
-                                     interpret, cfg, False, r_min, gain_dtype)
+                                     interpret, cfg, False, r_min, gain_dtype, segmented)
   return gain, la, pfin
 
 
 def _gain_front_fwd(k, f, dtb, alog, om, r, mu, reset, p0, diag, chunk, interpret, cfg, r_min,
-                    gain_dtype):
+                    gain_dtype, segmented):
   raw = (k, f, dtb, alog, om, r, mu)
   gain, la, pprev, pfin = _front_forward(raw, reset, p0, diag, chunk, interpret, cfg, True,
-                                         r_min, gain_dtype)
+                                         r_min, gain_dtype, segmented)
   return (gain, la, pfin), (raw, reset, pprev)
 
 
-def _gain_front_bwd(diag, chunk, interpret, cfg, r_min, gain_dtype, res, cts):
+def _gain_front_bwd(diag, chunk, interpret, cfg, r_min, gain_dtype, segmented, res, cts):
   del gain_dtype
   raw, reset, pprev = res
   dgain, dla, dpfin = cts
@@ -131,7 +136,8 @@ def _gain_front_bwd(diag, chunk, interpret, cfg, r_min, gain_dtype, res, cts):
   def body(k, f, dtb, alog, om, r, mu, reset, pprev, dgain, dpfin, dla):
     d_raw, dp0, ddt, dalog = _kernel.gain_backward(
         (k, f, dtb, alog, om, r, mu), reset, pprev, dgain, dpfin, diag=diag, chunk=chunk,
-        interpret=interpret, cfg=cfg, front=r_min, dla_out=dla, dk_dtype=k.dtype)
+        interpret=interpret, cfg=cfg, front=r_min, dla_out=dla, dk_dtype=k.dtype,
+        segmented=segmented)
     return tuple(d_raw) + (dp0, ddt, dalog)
 
   om_dims = _BTH + (raw[4].ndim,)
@@ -199,7 +205,7 @@ def _run_fused(diag, k, f, dt_bias, a_log, omega_raw, r_raw, r_min, info_scale, 
   chunk, t_pad, reset = _prep(t, chunk_size, bsz, k.shape[2], segment_ids)
   k, gate, mu, p0 = kernel_inputs(k, gate, info_scale, p0, t_pad, diag, True)
   gain, la, pfin = _gain_front(k, *gate, mu, reset, p0, diag, chunk, interpret, _config.DEFAULT,
-                               float(r_min), _gain_dtype(gain_dtype))
+                               float(r_min), _gain_dtype(gain_dtype), segment_ids is not None)
   return gain[:, :t], la[:, :t], pfin
 
 
@@ -263,7 +269,8 @@ def _run(diag, k, log_alpha, omega, r, info_scale, p0, segment_ids, chunk_size, 
   gain_dtype = _gain_dtype(gain_dtype)
   chunk, t_pad, reset = _prep(t, chunk_size, bsz, k.shape[2], segment_ids)
   k, gate, mu, p0 = kernel_inputs(k, gate, info_scale, p0, t_pad, diag, False)
-  return _gain(k, *gate, mu, reset, p0, diag, chunk, interpret, _config.DEFAULT, gain_dtype)
+  return _gain(k, *gate, mu, reset, p0, diag, chunk, interpret, _config.DEFAULT, gain_dtype,
+               segment_ids is not None)
 
 
 def diag_gain(k, log_alpha, omega, r, info_scale, p0, segment_ids=None, *, chunk_size=256,

@@ -31,6 +31,11 @@ Backward = two kernels over the linear adjoint recurrence dp_{t-1} = m_t dp_t + 
   3. `_bwd_reduce_kernel`: per chunk, the composed affine map (m, c) from chunk-end to chunk-start.
   4. `_bwd_replay_kernel`: per chunk, the carry from later chunks, then a reverse token replay that
      emits every raw input's gradient, plus each chunk's dp0 contribution (from its resets).
+
+UNSEGMENTED (`segmented=False`, a call without segment_ids): only token 0 resets, to p0, where
+chunk 0's replay starts anyway (its carry-in is p0), so the kernels read no reset flags and
+select nothing per token. Chunk 0's product then leaves R out, which the carry-in, applying it
+to p0, does not see; the backward's dp0 is chunk 0's final adjoint (token 0's dp_{t-1}).
 """
 from __future__ import annotations
 
@@ -133,8 +138,11 @@ def _front_grads(x, d, dla_out):
 
 
 def _token_matrix(a, om, u, reset, p0):
+  """M_t, or M_t R where `reset` is set (None: no resets, UNSEGMENTED above)."""
   m11, m12 = a, om
   m21, m22 = u * a, 1.0 + u * om
+  if reset is None:
+    return m11, m12, m21, m22
   # Reset: M R with R = [[0, p0], [0, 1]].
   r12 = m11 * p0 + m12
   r22 = m21 * p0 + m22
@@ -163,7 +171,7 @@ def _raw_refs(refs, front):
   return dict(zip(names, refs[:len(names)])), refs[len(names):]
 
 
-def _reduce_kernel(*refs, chunk, diag, front):
+def _reduce_kernel(*refs, chunk, diag, front, segmented):
   raw, (reset_ref, p0_ref, prod_ref) = _raw_refs(refs, front)
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   p0 = p0_ref[b, h, :].astype(jnp.float32)[None, :]
@@ -172,7 +180,7 @@ def _reduce_kernel(*refs, chunk, diag, front):
   def body(i, m):
     t = t0 + i
     x = _lanes(raw, b, t, h, diag, front)
-    reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
+    reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0 if segmented else None
     return _matmul2(_token_matrix(x["a"], x["om"], x["u"], reset, p0), m)
 
   one = jnp.ones_like(p0)
@@ -193,7 +201,7 @@ def _carry_in(prod_ref, p0, b, h, c):
   return lax.fori_loop(0, c, body, p0)
 
 
-def _replay_kernel(*refs, chunk, num_chunks, diag, save_pprev, front):
+def _replay_kernel(*refs, chunk, num_chunks, diag, save_pprev, front, segmented):
   raw, rest = _raw_refs(refs, front)
   reset_ref, p0_ref, prod_ref, gain_ref = rest[:4]
   rest = rest[4:]
@@ -206,8 +214,8 @@ def _replay_kernel(*refs, chunk, num_chunks, diag, save_pprev, front):
 
   def body(i, p):
     t = t0 + i
-    reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
-    p = jnp.where(reset, p0, p)
+    if segmented:
+      p = jnp.where(reset_ref[b, pl.ds(t, 1)][:, None] > 0, p0, p)
     x = _lanes(raw, b, t, h, diag, front)
     if front is not None:   # the delta rule's decay, from the same front-end evaluation
       la_ref[b, pl.ds(t, 1), h, :] = x["front"]["la"].astype(la_ref.dtype)
@@ -254,7 +262,7 @@ def _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, dp, diag, front):
   return grads, x, dp_hat, a * m, a * q, a
 
 
-def _bwd_reduce_kernel(*refs, chunk, diag, front):
+def _bwd_reduce_kernel(*refs, chunk, diag, front, segmented):
   raw, (pprev_ref, dgain_ref, reset_ref, map_ref) = _raw_refs(refs, front)
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   t_last = c * chunk + chunk - 1
@@ -265,9 +273,10 @@ def _bwd_reduce_kernel(*refs, chunk, diag, front):
     # dp_t = mm * dp_out + cc  ->  dp_{t-1} = m_t dp_t + c_t.
     _, _, _, m_t, c_t, _ = _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, jnp.zeros_like(mm),
                                       diag, front)
-    reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
-    m_t = jnp.where(reset, 0.0, m_t)
-    c_t = jnp.where(reset, 0.0, c_t)
+    if segmented:
+      reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
+      m_t = jnp.where(reset, 0.0, m_t)
+      c_t = jnp.where(reset, 0.0, c_t)
     return m_t * mm, m_t * cc + c_t
 
   one = jnp.ones((1, pprev_ref.shape[-1]), jnp.float32)
@@ -276,7 +285,7 @@ def _bwd_reduce_kernel(*refs, chunk, diag, front):
   map_ref[b, h, c, 1, :] = cc.reshape(-1)
 
 
-def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front):
+def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front, segmented):
   raw, rest = _raw_refs(refs, front)
   pprev_ref, dgain_ref, reset_ref, map_ref, dpfin_ref = rest[:5]
   rest = rest[5:]
@@ -308,15 +317,19 @@ def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front):
         ref[b, pl.ds(t, 1), h, :] = val.astype(ref.dtype)
       else:
         ref[b, pl.ds(t, 1), h] = val.astype(ref.dtype)
-    reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
     dprev = a * dp_hat
+    if not segmented:   # (token 0's reset: dp0 is chunk 0's final dp, below)
+      return dprev, dp0, dparams
+    reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
     dp0 = dp0 + jnp.where(reset, dprev, 0.0)
     dp = jnp.where(reset, 0.0, dprev)
     return dp, dp0, dparams
 
   kd = raw["k"].shape[-1]
   dparams = () if front is None else (jnp.zeros((1, kd), jnp.float32),) * 2
-  _, dp0, dparams = lax.fori_loop(0, chunk, body, (dp, jnp.zeros_like(dp), dparams))
+  dp, dp0, dparams = lax.fori_loop(0, chunk, body, (dp, jnp.zeros_like(dp), dparams))
+  if not segmented:
+    dp0 = jnp.where(c == 0, dp, 0.0)
   dp0_ref[b, h, c, :] = dp0.reshape(-1)
   for ref, val in zip(dparam_refs, dparams):
     ref[b, h, c, :] = val.reshape(-1)
@@ -335,7 +348,7 @@ def _launch(r, chunk, interpret, cfg, backward):
 
 
 def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True, front=None,
-                 gain_dtype=jnp.float32):
+                 gain_dtype=jnp.float32, segmented=True):
   """raw: (k [B,T,H,K], log_alpha [B,T,H,K], omega [B,T,H,K] (diag) or [B,T,H] (iso),
   r [B,T,H], mu [H]) in any float dtype, or with `front` (r_min) the pre-activations
   (k, f [B,T,H,K], dt_bias [H,K], A_log [H], omega_raw, r_raw, mu); reset [B,T]; p0 [B,H,L]
@@ -348,7 +361,8 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
   bsz, t, nh, nc, grid, params = _launch(r, chunk, interpret, cfg, backward=False)
   reset = reset.astype(jnp.int32)
   prod = pl.pallas_call(
-      functools.partial(_reduce_kernel, chunk=chunk, diag=diag, front=front),
+      functools.partial(_reduce_kernel, chunk=chunk, diag=diag, front=front,
+                        segmented=segmented),
       out_shape=jax.ShapeDtypeStruct((bsz, nh, nc, 4, lanes), jnp.float32),
       grid=grid, name="kdn_gain_reduce", **params,
   )(*raw, reset, p0)
@@ -356,7 +370,7 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
   la_out = () if front is None else (jax.ShapeDtypeStruct(k.shape, jnp.float32),)
   outs = pl.pallas_call(
       functools.partial(_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag,
-                        save_pprev=save_pprev, front=front),
+                        save_pprev=save_pprev, front=front, segmented=segmented),
       out_shape=(jax.ShapeDtypeStruct(lane.shape, gain_dtype),) + la_out + (
           (lane,) if save_pprev else ()) + (
           jax.ShapeDtypeStruct((bsz, nh, lanes), jnp.float32),),
@@ -369,7 +383,7 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
 
 
 def gain_backward(raw, reset, pprev, dgain, dpfin, *, diag, chunk, interpret, cfg, front=None,
-                  dla_out=None, dk_dtype=jnp.float32):
+                  dla_out=None, dk_dtype=jnp.float32, segmented=True):
   """Returns the gradients of the raw inputs (k's in dk_dtype, the others' in their dtypes; mu's
   per token, [B,T,H], fp32) and of p0 (fp32). With `front`, `dla_out` is the cotangent of the
   log_alpha the forward emitted, and the per-token gradients are (k, f, omega_raw, r_raw, mu),
@@ -381,7 +395,8 @@ def gain_backward(raw, reset, pprev, dgain, dpfin, *, diag, chunk, interpret, cf
   bsz, t, nh, nc, grid, params = _launch(r, chunk, interpret, cfg, backward=True)
   reset = reset.astype(jnp.int32)
   maps = pl.pallas_call(
-      functools.partial(_bwd_reduce_kernel, chunk=chunk, diag=diag, front=front),
+      functools.partial(_bwd_reduce_kernel, chunk=chunk, diag=diag, front=front,
+                        segmented=segmented),
       out_shape=jax.ShapeDtypeStruct((bsz, nh, nc, 2, lanes), jnp.float32),
       grid=grid, name="kdn_gain_bwd_reduce", **params,
   )(*raw, pprev, dgain, reset)
@@ -397,7 +412,8 @@ def gain_backward(raw, reset, pprev, dgain, dpfin, *, diag, chunk, interpret, cf
     extra_out = (jax.ShapeDtypeStruct((bsz, nh, nc, k.shape[-1]), jnp.float32),) * 2
   extra_in = () if front is None else (dla_out,)
   outs = pl.pallas_call(
-      functools.partial(_bwd_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag, front=front),
+      functools.partial(_bwd_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag, front=front,
+                        segmented=segmented),
       out_shape=d_shapes + (jax.ShapeDtypeStruct((bsz, nh, nc, lanes), jnp.float32),) + extra_out,
       grid=grid, name="kdn_gain_bwd_replay", **params,
   )(*raw, pprev, dgain, reset, maps, dpfin, *extra_in)
