@@ -103,7 +103,8 @@ def _lanes(raw, b, t, h, diag, front=None):
   mu = raw["mu"][pl.ds(h, 1)].astype(jnp.float32)[:, None]
   if diag:
     kk = k * k
-    return dict(a=e2, om=om, u=mu * kk / r, kx=k, kk=kk, r=r, k=k, e2=e2, mu=mu, front=chain)
+    # (one division per token, not one per lane: mu / r is shared by the lanes)
+    return dict(a=e2, om=om, u=kk * (mu / r), kx=k, kk=kk, r=r, k=k, e2=e2, mu=mu, front=chain)
   kk = jnp.sum(k * k, axis=1, keepdims=True)
   return dict(a=jnp.mean(e2, axis=1, keepdims=True), om=om[:, None],
               u=mu * kk / (k.shape[1] * r), kx=jnp.ones_like(kk), kk=kk, r=r, k=k, e2=e2, mu=mu,
@@ -151,8 +152,17 @@ def _token_matrix(a, om, u, reset, p0):
           jnp.where(reset, zero, m21), jnp.where(reset, r22, m22))
 
 
+def _pow2_inverse(s):
+  """2^-e for s = m 2^e (1 <= m < 2, s > 0 finite): the exponent field negated by integer ops,
+  no division. Scaling by it is exact, and it puts s in [1, 2)."""
+  bits = lax.bitcast_convert_type(s, jnp.int32) & 0x7F800000
+  return lax.bitcast_convert_type(0x7F000000 - bits, jnp.float32)
+
+
 def _matmul2(x, y):
-  """x @ y for 2x2 matrices stored as 4-tuples of lane vectors; renormalised by max |entry|."""
+  """x @ y for 2x2 matrices stored as 4-tuples of lane vectors, renormalised so that the largest
+  |entry| is in [1, 2). A Moebius map is the same map at any scale of its matrix, so any
+  positive factor would do: a power of two (_pow2_inverse) is exact and needs no division."""
   x11, x12, x21, x22 = x
   y11, y12, y21, y22 = y
   n11 = x11 * y11 + x12 * y21
@@ -161,8 +171,7 @@ def _matmul2(x, y):
   n22 = x21 * y12 + x22 * y22
   s = jnp.maximum(jnp.maximum(jnp.abs(n11), jnp.abs(n12)),
                   jnp.maximum(jnp.abs(n21), jnp.abs(n22)))
-  s = jnp.where(s > 0, s, 1.0)
-  inv = 1.0 / s
+  inv = _pow2_inverse(jnp.where(s > 0, s, 1.0))
   return n11 * inv, n12 * inv, n21 * inv, n22 * inv
 
 
@@ -221,7 +230,7 @@ def _replay_kernel(*refs, chunk, num_chunks, diag, save_pprev, front, segmented)
       la_ref[b, pl.ds(t, 1), h, :] = x["front"]["la"].astype(la_ref.dtype)
     p_hat = x["a"] * p + x["om"]
     den = x["r"] + jnp.sum(p_hat * x["kk"], axis=1, keepdims=True)
-    gain = p_hat * x["kx"] / den
+    gain = p_hat * x["kx"] * (1.0 / den)   # (one division per token, not per lane)
     gain_ref[b, pl.ds(t, 1), h, :] = gain.astype(gain_ref.dtype)
     if save_pprev:
       pprev_ref[b, pl.ds(t, 1), h, :] = p
