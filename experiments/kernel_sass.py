@@ -56,7 +56,8 @@ kernel_config.define_flags(FLAGS)   # --delta_rule_config, --gain_config, --conv
 @contextlib.contextmanager
 def captured_triton_modules():
   """Inside the block, every pallas_call lowered for CUDA appends {'name', 'num_warps',
-  'num_stages', 'ttir'} to the yielded list, and the kernels choose what they choose on a GPU
+  'num_stages', 'ttir', 'hbm_bytes'} to the yielded list (hbm_bytes: its operands' and results'
+  bytes, _hbm_bytes), and the kernels choose what they choose on a GPU
   (pallas_kernels.common.kernel_backend reads 'gpu'). Lower with
   `jax.jit(f).trace(*args).lower(lowering_platforms=('cuda',))`."""
   from jax._src.pallas import core as pallas_core  # pylint: disable=g-import-not-at-top
@@ -75,13 +76,14 @@ def captured_triton_modules():
     pending["warps"] = getattr(compiler_params, "num_warps", None) or 4
     pending["stages"] = getattr(compiler_params, "num_stages", None) or 3
     pending["name"] = params.get("name")
+    pending["hbm_bytes"] = _hbm_bytes(ctx.avals_in) + _hbm_bytes(ctx.avals_out)
     return saved[0](ctx, *nodes, compiler_params=compiler_params, **params)
 
   def to_triton(jaxpr, *args, **kwargs):
     result = saved[1](jaxpr, *args, **kwargs)
     found.append(dict(name=pending.get("name") or jaxpr.debug_info.func_name,
                       num_warps=pending.get("warps", 4), num_stages=pending.get("stages", 3),
-                      ttir=result.module.operation.get_asm(enable_debug_info=False)))
+                      hbm_bytes=pending.get("hbm_bytes", 0), ttir=result.module.operation.get_asm(enable_debug_info=False)))
     return result
 
   registration.pallas_call_lowering = lowering_rule
@@ -96,6 +98,19 @@ def captured_triton_modules():
      common.kernel_backend) = saved[:3]
     if saved[3] is not None:
       rules[triton_core.CompilerParams] = saved[3]
+
+
+def _hbm_bytes(avals):
+  """Bytes of a pallas_call's operands or results: what the kernel moves through HBM if it
+  touches each array once (a kernel reading part of an operand moves less, one re-reading rows
+  from HBM rather than cache more), so that bytes / bandwidth is its time if memory-bound."""
+  total = 0
+  for a in avals:
+    size = 1
+    for d in getattr(a, "shape", ()):
+      size *= d
+    total += size * a.dtype.itemsize if hasattr(a, "dtype") else 0
+  return total
 
 
 def triton_modules(fn, *args):
@@ -178,12 +193,13 @@ def compile_sass(ttir, num_warps, num_stages, capability=90):
 
 def kernel_report(modules, capability=90, sass_dir=""):
   """One entry per distinct kernel (name + IR): compile_sass's numbers and sass_loops'."""
-  rows, seen = [], set()
+  rows, seen, hbm = [], {}, {}
   for m in modules:
     key = (m["name"], m["ttir"])
+    hbm[key] = hbm.get(key, 0) + m.get("hbm_bytes", 0)   # (every call of the kernel)
     if key in seen:
       continue
-    seen.add(key)
+    seen[key] = len(rows)
     c = compile_sass(m["ttir"], m["num_warps"], m["num_stages"], capability)
     n, loops = sass_loops(c.pop("sass") if not sass_dir else c["sass"])
     if sass_dir:
@@ -193,7 +209,12 @@ def kernel_report(modules, capability=90, sass_dir=""):
         f.write(c.pop("sass"))
     rows.append(dict(name=m["name"], num_warps=m["num_warps"], num_stages=m["num_stages"], **c,
                      instructions=n, loops=loops))
+  for key, i in seen.items():
+    rows[i]["hbm_mb"] = round(hbm[key] / 1e6, 1)
   return rows
+
+
+HBM_TBS = 3.0   # a bandwidth H100 SXM (3.35 TB/s peak) and H200 (4.8) kernels reach or beat
 
 
 def _loop_summary(loop):
@@ -204,12 +225,18 @@ def _loop_summary(loop):
 
 
 def format_table(rows):
-  head = "| kernel | warps | stages | regs | local B | smem B | SASS | innermost loops: instr/iter |"
-  lines = [head, "|" + "---|" * 8]
+  """The report as a markdown table; HBM MB: the kernel's operands and results (_hbm_bytes), and
+  the time they take at HBM_TBS (the floor of a memory-bound kernel)."""
+  head = (f"| kernel | warps | stages | regs | local B | smem B | SASS | innermost loops: "
+          f"instr/iter | HBM MB | ms at {HBM_TBS} TB/s |")
+  lines = [head, "|" + "---|" * 10]
   for r in rows:
     loops = "; ".join(_loop_summary(l) for l in r["loops"]) or "-"
+    mb = r.get("hbm_mb")
+    floor = "-" if mb is None else f"{mb / (HBM_TBS * 1e6) * 1e3:.3f}"
     lines.append(f"| {r['name']} | {r['num_warps']} | {r['num_stages']} | {r['registers']} | "
-                 f"{r['local_bytes']} | {r['shared_bytes']} | {r['instructions']} | {loops} |")
+                 f"{r['local_bytes']} | {r['shared_bytes']} | {r['instructions']} | {loops} | "
+                 f"{'-' if mb is None else mb} | {floor} |")
   return "\n".join(lines)
 
 

@@ -38,6 +38,12 @@ def test_triton_modules_of_the_kdn_forward_with_their_launch_parameters():
   assert mods["delta_rule_wy"]["num_warps"] == cfg.num_warps_intra
   assert mods["delta_rule_pair_token_loop"]["num_stages"] == cfg.num_stages
   assert all("tt.func" in m["ttir"] for m in mods.values())
+  # HBM bytes: the gain reduce's operands (k, log_alpha, omega [1, 64, 2, 16] bf16 and r
+  # [1, 64, 2], T padded to its chunk 64; mu [2], reset [1, 64] int32, p0 [1, 2, 16] fp32)
+  # and its result (the chunk's 2 x 2 maps [1, 2, 1, 4, 16] fp32)
+  lanes = 64 * 2 * 16
+  assert mods["kdn_gain_reduce"]["hbm_bytes"] == (
+      3 * lanes * 2 + 64 * 2 * 2 + 2 * 4 + 64 * 4 + 2 * 16 * 4 + 2 * 4 * 16 * 4)
 
 
 def _math_calls(mods):
@@ -113,6 +119,10 @@ def test_comparison_lists_kernels_of_either_side():
                                         [row("a", 48), row("gone", 16)])
   assert "| a | 48 -> 40 | 100 -> 100 | 10 -> 10 |" in table
   assert "| new_only | - -> 8 |" in table and "| gone | 16 -> - |" in table
+  # the report's table: 6 GB at 3 TB/s is 2 ms
+  full = dict(row("a", 40), num_warps=1, num_stages=1, local_bytes=0, shared_bytes=0,
+              hbm_mb=6000.0)
+  assert kernel_sass.format_table([full]).endswith("| 10 | 6000.0 | 2.000 |")
 
 
 _SASS = """
