@@ -10,7 +10,9 @@
 # the K=16 check), ncu (Nsight Compute on the pair kernels, ours and fla's), glue (the GPU check
 # of the layers' fused glue kernels), loadchecks (GPU checks of the default since the cumsums'
 # load blocks), convblocks (the conv's load blocks: layers, check_fusion), abexp (session 46's
-# exp for 16-bit data against the tree before it). Default: check ops stages docs mixers layers train.
+# exp for 16-bit data against the tree before it), gains (session 47's gain kernels against a base
+# tree; the gain chunk at 4k), statebv (the state pass's value block at 4k and 16k).
+# Default: check ops stages docs mixers layers train.
 # Kernel config sweep (stages): SWEEP='default,max_chunk=64/sub_block=32' (DeltaRuleConfig fields).
 # Extra train flags: TRAIN_EXTRA='--config.model.scan_layers=True --config.model.impl=pallas';
 # kernel options: TRAIN_EXTRA='--config.kernels.delta_rule=fuse_output=all'.
@@ -209,6 +211,33 @@ abexp)
       | tee -a "$RES/$SWEEP_LOG")
     pack
   done ;;
+gains)
+  # Session 47's gain kernels (no reset flags without segments, one division per token, the
+  # reduce renormalised by a power of two; docs/kernel_sass.md) against BASE_TREE (default
+  # build/base, made as for abexp from a709cb0, and carried): the diag and iso gain rows at 16k
+  # and 4k, fwd and fwd+bwd, one process per tree. Then the gain chunk at 4k, where 2048 one-warp
+  # programs half-fill the GPU (GainConfig.min_programs): forward, then fwd+bwd. About 300 s.
+  SWEEP_LOG=gains.txt
+  for tree in "${BASE_TREE:-build/base}" .; do
+    tag=new; [ "$tree" = . ] || tag=base
+    (cd "$tree" && timeout 70 python3 -m experiments.benchmark_mixers --out="$RES/gains_$tag" \
+      --seq_lens=16384,4096 --reps=20 --check=false --rows=diag_gain_pallas,iso_gain_pallas 2>&1 \
+      | quiet | grep -E '^\| (diag|iso)_gain' | sed "s|^|$tag: |" | tee -a "$RES/$SWEEP_LOG")
+    pack
+  done
+  CHUNKS=default,max_chunk=64,max_chunk=32,min_programs=4224
+  sweep_line 70 --out="$RES/gain_chunk_4k_fwd" --seq_lens=4096 --sweep_len=4096 \
+    --gain_sweep_fwd_bwd=false --gain_sweep=$CHUNKS
+  sweep_line 70 --out="$RES/gain_chunk_4k" --seq_lens=4096 --sweep_len=4096 --gain_sweep=$CHUNKS ;;
+statebv)
+  # DeltaRuleConfig.block_v (the serial state pass's value columns per program: 64 gives 128
+  # programs at B=4, H=16, one per SM, each a chain of 1024 dependent chunk steps at 16k) at 32
+  # and 16, forward at 4k and 16k, then fwd+bwd at 16k. About 300 s.
+  SWEEP_LOG=statebv.txt
+  BV=default,block_v=32,block_v=16,block_v=32/num_warps_recur=2
+  sweep_line 90 --out="$RES/statebv_4k" --seq_lens=4096 --sweep_len=4096 --sweep_fwd_only --sweep=$BV
+  sweep_line 110 --out="$RES/statebv_16k" --seq_lens=16384 --sweep_len=16384 --sweep_fwd_only --sweep=$BV
+  sweep_line 100 --out="$RES/statebv_16k_fb" --seq_lens=16384 --sweep_len=16384 --sweep=default,block_v=32,block_v=16 ;;
 loadchecks)
   # The GPU checks of the default (DeltaRuleConfig.cumsum_block=8 since session 43, the decay
   # cumsums' loads in blocks: pallas_kernels/token_loop.py) at K=128 and K=16. About 200 s at most.
