@@ -157,6 +157,7 @@ def test_delta_rule_kernel_variants(variant):
     ({}, jnp.float32, False),                                        # token-parallel pair kernel
     (dict(pair_diag="columns", max_chunk=32), jnp.float32, False),   # the row-block pair kernel
     ({}, jnp.bfloat16, True),                                 # GDN's: with a [B, T, H] decay
+    (dict(cumsum_in_pairs=True), jnp.bfloat16, False),   # KDA's: per-channel decay, g in pairs
     (dict(scalar_write=False), jnp.float32, False)])                 # beta k made in XLA instead
 def test_delta_rule_scalar_write(variant, dtype, scalar_decay):
   """write given as a per-token scalar beta [B, T, H] (write = beta k, formed in the pair kernel
@@ -176,6 +177,7 @@ def test_delta_rule_scalar_write(variant, dtype, scalar_decay):
 @pytest.mark.parametrize("t,decay,scalar_decay,segs,scalar_write", [
     # resets inside a chunk, on its last row, on the next's first; the scalar write
     (45, "normal", False, True, True),
+    (45, "normal", False, True, False),   # the same with a [B, T, H, K] write (the diag KDN's)
     (40, "strong", True, False, False),   # log-decay -20 per token, [B, T, H] decay
     (1, "normal", False, False, False)])  # T = 1
 def test_cumsum_in_pairs(t, decay, scalar_decay, segs, scalar_write):
