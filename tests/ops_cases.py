@@ -108,3 +108,14 @@ def round_f32(x):
 def rel_err(a, b):
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def random_kdn_inputs(dtype, seed=0, *, b=1, t=80, h=2, d=64, gate_dtype=jnp.float32):
+  """Random diag KDN op inputs (q, k, v in dtype; log_alpha, omega, r in gate_dtype) for tests
+  that lower or compile the kernels rather than check values."""
+  ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+  q, k, v = (jax.random.normal(x, (b, t, h, d), jnp.float32).astype(dtype) for x in ks[:3])
+  la = -jax.nn.softplus(jax.random.normal(ks[3], (b, t, h, d)))
+  om = jax.nn.softplus(jax.random.normal(ks[4], (b, t, h, d)))
+  r = 1.0 + jax.nn.softplus(jax.random.normal(ks[5], (b, t, h)))
+  return (q, k, v) + tuple(x.astype(gate_dtype) for x in (la, om, r))

@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from experiments import kernel_sass
+import ops_cases
 from kdn_jax import ops
 from kdn_jax.layers.registry import MIXERS
 from kdn_jax.models.config import model_config
@@ -14,14 +15,8 @@ from pallas_kernels.delta_rule import config as dr_config
 
 
 def _kdn_inputs(dtype, seed, t=48):
-  """diag KDN op inputs (q, k, v, log_alpha, omega, r), B=1 H=2 K=V=16."""
-  ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-  b, h, d = 1, 2, 16
-  q, k, v = (jax.random.normal(x, (b, t, h, d)).astype(dtype) for x in ks[:3])
-  la = -jax.nn.softplus(jax.random.normal(ks[3], (b, t, h, d))).astype(dtype)
-  om = jax.nn.softplus(jax.random.normal(ks[4], (b, t, h, d))).astype(dtype)
-  r = (1.0 + jax.nn.softplus(jax.random.normal(ks[5], (b, t, h)))).astype(dtype)
-  return q, k, v, la, om, r
+  """diag KDN op inputs (q, k, v, log_alpha, omega, r), all in dtype, B=1 H=2 K=V=16."""
+  return ops_cases.random_kdn_inputs(dtype, seed, t=t, d=16, gate_dtype=dtype)
 
 
 def _kdn_forward_modules(dtype):

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import ops_cases
 from kdn_jax import ops
 from kdn_jax.layers.registry import MIXERS
 from kdn_jax.models.config import model_config
@@ -41,14 +42,9 @@ def _triton_kernels(text):
   return set(re.findall(r"(?:delta_rule|kdn_gain|causal_conv1d|gated_norm)_[a-z_]+", text))
 
 
-def _op_inputs(dtype, b=1, t=80, h=2, d=64):
-  ks = jax.random.split(jax.random.PRNGKey(0), 6)
-  q, k, v = (jax.random.normal(x, (b, t, h, d), jnp.float32).astype(dtype) for x in ks[:3])
-  la = -jax.nn.softplus(jax.random.normal(ks[3], (b, t, h, d)))
-  om = jax.nn.softplus(jax.random.normal(ks[4], (b, t, h, d)))
-  r = 1.0 + jax.nn.softplus(jax.random.normal(ks[5], (b, t, h)))
+def _op_inputs(dtype, t=80):
   seg = (jnp.arange(t)[None, :] >= 37).astype(jnp.int32)
-  return q, k, v, la, om, r, seg
+  return ops_cases.random_kdn_inputs(dtype, t=t) + (seg,)
 
 
 @pytest.mark.parametrize("variant", [
