@@ -11,7 +11,7 @@
 # of the layers' fused glue kernels), loadchecks (GPU checks of the default since the cumsums'
 # load blocks), convblocks (the conv's load blocks: layers, check_fusion), abexp (session 46's
 # exp for 16-bit data against the tree before it), gains (session 47's gain kernels against a base
-# tree; the gain chunk at 4k), statebv (the state pass's value block at 4k and 16k).
+# tree; the gain chunk at 4k).
 # Default: check ops stages docs mixers layers train.
 # Kernel config sweep (stages): SWEEP='default,max_chunk=64/sub_block=32' (DeltaRuleConfig fields).
 # Extra train flags: TRAIN_EXTRA='--config.model.scan_layers=True --config.model.impl=pallas';
@@ -229,15 +229,6 @@ gains)
   sweep_line 70 --out="$RES/gain_chunk_4k_fwd" --seq_lens=4096 --sweep_len=4096 \
     --gain_sweep_fwd_bwd=false --gain_sweep=$CHUNKS
   sweep_line 70 --out="$RES/gain_chunk_4k" --seq_lens=4096 --sweep_len=4096 --gain_sweep=$CHUNKS ;;
-statebv)
-  # DeltaRuleConfig.block_v (the serial state pass's value columns per program: 64 gives 128
-  # programs at B=4, H=16, one per SM, each a chain of 1024 dependent chunk steps at 16k) at 32
-  # and 16, forward at 4k and 16k, then fwd+bwd at 16k. About 300 s.
-  SWEEP_LOG=statebv.txt
-  BV=default,block_v=32,block_v=16,block_v=32/num_warps_recur=2
-  sweep_line 90 --out="$RES/statebv_4k" --seq_lens=4096 --sweep_len=4096 --sweep_fwd_only --sweep=$BV
-  sweep_line 110 --out="$RES/statebv_16k" --seq_lens=16384 --sweep_len=16384 --sweep_fwd_only --sweep=$BV
-  sweep_line 100 --out="$RES/statebv_16k_fb" --seq_lens=16384 --sweep_len=16384 --sweep=default,block_v=32,block_v=16 ;;
 loadchecks)
   # The GPU checks of the default (DeltaRuleConfig.cumsum_block=8 since session 43, the decay
   # cumsums' loads in blocks: pallas_kernels/token_loop.py) at K=128 and K=16. About 200 s at most.
