@@ -335,3 +335,35 @@ def test_bf16_dense_backward_runs_bf16_matmuls_close_to_float32():
   assert all(d == ('float32', 'float32') for d in dots[jnp.float32]), dots
   for a, b in zip(jax.tree.leaves(grads[jnp.bfloat16]), jax.tree.leaves(grads[jnp.float32])):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), atol=3e-2 * float(np.abs(b).max()))
+
+
+def test_bf16_dense_without_bias_returns_the_gemms_bf16_output():
+  """A bf16 Dense without bias asks its matmul for bf16 (float32 accumulation, one rounding), not
+  a float32 result cast in a second pass over the output; its values are the float32 result
+  rounded, up to the summation order (one bf16 ulp on a few elements)."""
+  from kdn_jax.layers.dense import Dense
+  x = jax.random.normal(jax.random.PRNGKey(0), (4, 16, 256))
+  layer = Dense(256, (2, 64), ('embed', 'heads', 'kv'), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  jaxpr = jax.make_jaxpr(layer)(x).jaxpr
+  outs = []
+
+  def walk(j):
+    for e in j.eqns:
+      if e.primitive.name == 'dot_general':
+        outs.append(str(e.outvars[0].aval.dtype))
+      for p in e.params.values():
+        inner = getattr(p, 'jaxpr', None)
+        if inner is not None:
+          walk(getattr(inner, 'jaxpr', inner))
+  walk(jaxpr)
+  assert outs == ['bfloat16'], outs
+  y = layer(x)
+  w = layer.kernel[...].astype(jnp.bfloat16).astype(jnp.float32)
+  ref = jnp.einsum('btd,dhk->bthk', x.astype(jnp.bfloat16).astype(jnp.float32), w)
+  assert y.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ref.astype(jnp.bfloat16), np.float32),
+                             rtol=1e-2, atol=1e-2)
+  with pytest.raises(ValueError, match='out_dtype'):
+    from kdn_jax.layers.dense import project
+    project(x.astype(jnp.bfloat16), layer.kernel[...].astype(jnp.bfloat16),
+            ((2,), (0,)), out_dtype=jnp.float16)

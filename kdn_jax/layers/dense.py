@@ -69,16 +69,17 @@ def inv_softplus(x: float) -> float:
     return float(x + math.log(-math.expm1(-x)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _dot_low_precision(x, w, dims):
-    return jax.lax.dot_general(x, w, (dims, ((), ())), preferred_element_type=jnp.float32)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _dot_low_precision(x, w, dims, out_dtype):
+    return jax.lax.dot_general(x, w, (dims, ((), ())), preferred_element_type=out_dtype)
 
 
-def _dot_low_precision_fwd(x, w, dims):
-    return _dot_low_precision(x, w, dims), (x, w)
+def _dot_low_precision_fwd(x, w, dims, out_dtype):
+    return _dot_low_precision(x, w, dims, out_dtype), (x, w)
 
 
-def _dot_low_precision_bwd(dims, res, ct):
+def _dot_low_precision_bwd(dims, out_dtype, res, ct):
+    del out_dtype
     x, w = res
     # The float32 output's cotangent is rounded to the operands' dtype: left float32, it would turn both
     # backward matmuls into float32 x bf16 products, which XLA runs as float32 (TF32) GEMMs: measured on
@@ -90,14 +91,19 @@ def _dot_low_precision_bwd(dims, res, ct):
 _dot_low_precision.defvjp(_dot_low_precision_fwd, _dot_low_precision_bwd)
 
 
-def project(x: jax.Array, w: jax.Array, dims) -> jax.Array:
-    """float32 ``dot_general(x, w)`` contracting ``dims`` (no batch dims). With bf16/fp16 operands the
-    backward's matmuls take bf16/fp16 operands too (mixed-precision training); float32 is a plain dot."""
+def project(x: jax.Array, w: jax.Array, dims, out_dtype=jnp.float32) -> jax.Array:
+    """``dot_general(x, w)`` contracting ``dims`` (no batch dims), accumulated in float32 and returned
+    in ``out_dtype`` (float32, or the operands' dtype: the GEMM rounds its float32 accumulator once
+    on output, the same values as casting a float32 result, without writing that result and reading
+    it back). With bf16/fp16 operands the backward's matmuls take bf16/fp16 operands too
+    (mixed-precision training); float32 is a plain dot."""
     if x.dtype == jnp.float32 and w.dtype == jnp.float32:
         return jax.lax.dot_general(x, w, (dims, ((), ())), preferred_element_type=jnp.float32)
     if x.dtype != w.dtype:
         raise ValueError(f'project: x and w need one dtype, got {x.dtype} and {w.dtype}')
-    return _dot_low_precision(x, w, tuple(tuple(d) for d in dims))
+    if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.float32), x.dtype):
+        raise ValueError(f'project: out_dtype must be float32 or the operands\' {x.dtype}, got {out_dtype}')
+    return _dot_low_precision(x, w, tuple(tuple(d) for d in dims), jnp.dtype(out_dtype))
 
 
 class Dense(nnx.Module):
@@ -126,9 +132,9 @@ class Dense(nnx.Module):
         w = self.kernel[...].astype(self.dtype)
         x = x.astype(self.dtype)
         dims = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-        y = project(x, w, dims)
-        if self.bias is not None:
-            y = y + self.bias[...].astype(jnp.float32)
+        if self.bias is None:   # (rounded once, by the GEMM)
+            return project(x, w, dims, out_dtype=self.dtype).astype(self.dtype)
+        y = project(x, w, dims) + self.bias[...].astype(jnp.float32)
         return y.astype(self.dtype)
 
 
