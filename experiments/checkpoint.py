@@ -74,7 +74,8 @@ def _abandoned_reads_dropped(settle_s: float = 0.3, max_wait_s: float = 3.0, kee
 
 def _log_dropped(dropped, failed):
   if dropped:
-    logging.info('checkpoint: dropped %d abandoned reads of a %s restore', len(dropped),
+    # (a restore's hook also counts stragglers of an earlier failed one whose hook is kept)
+    logging.info('checkpoint: dropped %d abandoned reads during a %s restore', len(dropped),
                  'failed' if failed else 'successful')
 
 

@@ -83,7 +83,8 @@ def captured_triton_modules():
     result = saved[1](jaxpr, *args, **kwargs)
     found.append(dict(name=pending.get("name") or jaxpr.debug_info.func_name,
                       num_warps=pending.get("warps", 4), num_stages=pending.get("stages", 3),
-                      hbm_bytes=pending.get("hbm_bytes", 0), ttir=result.module.operation.get_asm(enable_debug_info=False)))
+                      hbm_bytes=pending.get("hbm_bytes", 0),
+                      ttir=result.module.operation.get_asm(enable_debug_info=False)))
     return result
 
   registration.pallas_call_lowering = lowering_rule
@@ -102,8 +103,10 @@ def captured_triton_modules():
 
 def _hbm_bytes(avals):
   """Bytes of a pallas_call's operands or results: what the kernel moves through HBM if it
-  touches each array once (a kernel reading part of an operand moves less, one re-reading rows
-  from HBM rather than cache more), so that bytes / bandwidth is its time if memory-bound."""
+  touches each array once, so that bytes / bandwidth is its time if memory-bound. Approximate:
+  a kernel reading part of an operand (or none of it: the gain's reset flags without segments)
+  moves less, one re-reading rows from HBM rather than cache more; aliased operands count twice,
+  and a kernel inside a scan counts once per lowering, not per iteration."""
   total = 0
   for a in avals:
     size = 1

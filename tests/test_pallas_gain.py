@@ -189,3 +189,39 @@ def test_min_programs_halves_the_chunk():
     _run(True, 70, 64, 1.0, None, True, (40,), jnp.float32, 1e-5, 1e-4)
   finally:
     gain_config.DEFAULT = before
+
+
+def test_pow2_inverse_keeps_the_products_in_range():
+  """The reduce's renormalisation factor: an exact power of two that puts a normal s in [1, 2),
+  never 0 (s near the fp32 maximum: 2^-126) and finite for a subnormal s."""
+  from pallas_kernels.kdn_gain.kernel import _pow2_inverse
+  tiny = np.float32(np.finfo(np.float32).tiny) / 8    # subnormal
+  s = jnp.asarray([1.0, 3.0, 0.3, 2.0 ** 126, 1.5 * 2.0 ** 127, tiny, np.inf], jnp.float32)
+  inv = np.asarray(_pow2_inverse(s))
+  assert np.all(inv > 0) and np.all(np.isfinite(inv))
+  assert np.all(np.log2(inv) == np.round(np.log2(inv)))          # powers of two
+  scaled = np.asarray(s, np.float64) * inv
+  np.testing.assert_array_equal(scaled[:4], [1.0, 1.5, np.float32(0.3) * 4.0, 1.0])
+  assert 1.0 <= scaled[4] < 4.0 and scaled[5] < 2.0 and np.isinf(scaled[6])
+
+
+def test_unsegmented_kernels_match_the_segmented_ones():
+  """Without segments the kernels skip the reset flags (kernel.py, UNSEGMENTED); with the flags
+  read (only token 0 set) they give the same gain, final variance and gradients, to fp32
+  rounding."""
+  from pallas_kernels.kdn_gain import kernel as gk
+  from pallas_kernels.kdn_gain import config as gain_config
+  b, t, h, kd, chunk = 2, 64, 2, 32, 16
+  k, la, om, r, p0 = _inputs(3, b, t, h, kd, True, jnp.float32, None, True)
+  mu = jnp.full((h,), 1.0 * kd, jnp.float32)
+  reset = jnp.zeros((b, t), jnp.int32).at[:, 0].set(1)
+  kw = dict(diag=True, chunk=chunk, interpret=True, cfg=gain_config.GainConfig())
+  outs = {}
+  for seg in (True, False):
+    gain, pprev, pfin, _ = gk.gain_forward((k, la, om, r, mu), reset, p0, segmented=seg, **kw)
+    dgain = jnp.cos(jnp.arange(gain.size, dtype=jnp.float32)).reshape(gain.shape)
+    grads = gk.gain_backward((k, la, om, r, mu), reset, pprev, dgain, jnp.ones_like(pfin),
+                             segmented=seg, **kw)
+    outs[seg] = [gain, pprev, pfin] + list(grads[0]) + [grads[1]]
+  for a, c in zip(outs[True], outs[False]):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=2e-6, atol=1e-7)

@@ -225,7 +225,7 @@ gains)
       | quiet | grep -E '^\| (diag|iso)_gain' | sed "s|^|$tag: |" | tee -a "$RES/$SWEEP_LOG")
     pack
   done
-  CHUNKS=default,max_chunk=64,max_chunk=32,min_programs=4224
+  CHUNKS=default,max_chunk=64,max_chunk=32   # (min_programs=4224 picks 32 at this shape)
   sweep_line 70 --out="$RES/gain_chunk_4k_fwd" --seq_lens=4096 --sweep_len=4096 \
     --gain_sweep_fwd_bwd=false --gain_sweep=$CHUNKS
   sweep_line 70 --out="$RES/gain_chunk_4k" --seq_lens=4096 --sweep_len=4096 --gain_sweep=$CHUNKS ;;

@@ -81,7 +81,7 @@ def _dot_low_precision_fwd(x, w, dims, out_dtype):
 def _dot_low_precision_bwd(dims, out_dtype, res, ct):
     del out_dtype
     x, w = res
-    # The float32 output's cotangent is rounded to the operands' dtype: left float32, it would turn both
+    # A float32 output's cotangent is rounded to the operands' dtype: left float32, it would turn both
     # backward matmuls into float32 x bf16 products, which XLA runs as float32 (TF32) GEMMs: measured on
     # the H200, 13.9 of a KDN layer's 56 ms fwd+bwd at T=16k. Accumulation stays float32 in the GEMMs.
     _, vjp = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=x.dtype), x, w)
@@ -98,6 +98,8 @@ def project(x: jax.Array, w: jax.Array, dims, out_dtype=jnp.float32) -> jax.Arra
     it back). With bf16/fp16 operands the backward's matmuls take bf16/fp16 operands too
     (mixed-precision training); float32 is a plain dot."""
     if x.dtype == jnp.float32 and w.dtype == jnp.float32:
+        if jnp.dtype(out_dtype) != jnp.float32:
+            raise ValueError(f'project: float32 operands give a float32 output, got out_dtype={out_dtype}')
         return jax.lax.dot_general(x, w, (dims, ((), ())), preferred_element_type=jnp.float32)
     if x.dtype != w.dtype:
         raise ValueError(f'project: x and w need one dtype, got {x.dtype} and {w.dtype}')

@@ -25,7 +25,8 @@ class GainConfig:
   # the GPU part empty and every program's serial loop is the time: at B=4, H=16, T=4096 the
   # 2048 programs of chunk 128 fill about half of an H100's or H200's 132 SMs x 32 resident
   # one-warp blocks (4224). Longer sequences keep max_chunk (more chunks: a longer carry-in walk
-  # in every replay program).
+  # in every replay program). Counted per call, before any sharding over batch or heads splits
+  # it across devices.
   min_programs: int = 0
 
   def __post_init__(self):

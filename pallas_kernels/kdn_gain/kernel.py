@@ -153,9 +153,10 @@ def _token_matrix(a, om, u, reset, p0):
 
 
 def _pow2_inverse(s):
-  """2^-e for s = m 2^e (1 <= m < 2, s > 0 finite): the exponent field negated by integer ops,
-  no division. Scaling by it is exact, and it puts s in [1, 2)."""
-  bits = lax.bitcast_convert_type(s, jnp.int32) & 0x7F800000
+  """2^-e for s = m 2^e > 0 (1 <= m < 2): the exponent field negated by integer ops, no
+  division. Scaling by it is exact and puts s in [1, 2) for normal s below 2^126; larger s
+  (and inf, NaN) get 2^-126 (s in [1, 4) or left non-finite, never 0), a subnormal s 2^127."""
+  bits = jnp.minimum(lax.bitcast_convert_type(s, jnp.int32) & 0x7F800000, 0x7E800000)
   return lax.bitcast_convert_type(0x7F000000 - bits, jnp.float32)
 
 
