@@ -181,15 +181,9 @@ def _raw_refs(refs, front):
   return dict(zip(names, refs[:len(names)])), refs[len(names):]
 
 
-def _reduce_kernel(*refs, chunk, num_chunks, diag, front, segmented):
+def _reduce_kernel(*refs, chunk, diag, front, segmented):
   raw, (reset_ref, p0_ref, prod_ref) = _raw_refs(refs, front)
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  # (the last chunk's product carries into no chunk: never read, not formed)
-  pl.when(c < num_chunks - 1)(lambda: _reduce_chunk(
-      raw, reset_ref, p0_ref, prod_ref, b, h, c, chunk, diag, front, segmented))
-
-
-def _reduce_chunk(raw, reset_ref, p0_ref, prod_ref, b, h, c, chunk, diag, front, segmented):
   p0 = p0_ref[b, h, :].astype(jnp.float32)[None, :]
   t0 = c * chunk
 
@@ -281,13 +275,6 @@ def _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, dp, diag, front):
 def _bwd_reduce_kernel(*refs, chunk, diag, front, segmented):
   raw, (pprev_ref, dgain_ref, reset_ref, map_ref) = _raw_refs(refs, front)
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  # (chunk 0's map carries into no earlier chunk: never read, not formed)
-  pl.when(c > 0)(lambda: _bwd_reduce_chunk(
-      raw, pprev_ref, dgain_ref, reset_ref, map_ref, b, h, c, chunk, diag, front, segmented))
-
-
-def _bwd_reduce_chunk(raw, pprev_ref, dgain_ref, reset_ref, map_ref, b, h, c, chunk, diag, front,
-                      segmented):
   t_last = c * chunk + chunk - 1
 
   def body(i, mc):
@@ -384,7 +371,7 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
   bsz, t, nh, nc, grid, params = _launch(r, chunk, interpret, cfg, backward=False)
   reset = reset.astype(jnp.int32)
   prod = pl.pallas_call(
-      functools.partial(_reduce_kernel, chunk=chunk, num_chunks=nc, diag=diag, front=front,
+      functools.partial(_reduce_kernel, chunk=chunk, diag=diag, front=front,
                         segmented=segmented),
       out_shape=jax.ShapeDtypeStruct((bsz, nh, nc, 4, lanes), jnp.float32),
       grid=grid, name="kdn_gain_reduce", **params,
