@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import subprocess
@@ -107,13 +108,7 @@ def _hbm_bytes(avals):
   a kernel reading part of an operand (or none of it: the gain's reset flags without segments)
   moves less, one re-reading rows from HBM rather than cache more; aliased operands count twice,
   and a kernel inside a scan counts once per lowering, not per iteration."""
-  total = 0
-  for a in avals:
-    size = 1
-    for d in getattr(a, "shape", ()):
-      size *= d
-    total += size * a.dtype.itemsize if hasattr(a, "dtype") else 0
-  return total
+  return sum(math.prod(a.shape) * a.dtype.itemsize for a in avals if hasattr(a, "dtype"))
 
 
 def triton_modules(fn, *args):

@@ -135,7 +135,7 @@ class Dense(nnx.Module):
         x = x.astype(self.dtype)
         dims = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
         if self.bias is None:   # (rounded once, by the GEMM)
-            return project(x, w, dims, out_dtype=self.dtype).astype(self.dtype)
+            return project(x, w, dims, out_dtype=self.dtype)
         y = project(x, w, dims) + self.bias[...].astype(jnp.float32)
         return y.astype(self.dtype)
 

@@ -174,15 +174,14 @@ def _gain_cp(axis_name, op, diag, impl, k, log_alpha, omega, r, mu, p0,
     write, p_end = _xla_gain_from(diag, m, k, log_alpha, omega, r, p_in, p0,
                                   start)
     return write, _last_slice(axis_name, p_end)
-  k = k_caller
-  write, p_end = _gain(op, diag, impl, k, log_alpha, omega, r, mu, p_in,
-                       segment_ids, input_dtype)
+  write, p_end = _gain(op, diag, impl, k_caller, log_alpha, omega, r, mu,
+                       p_in, segment_ids, input_dtype)
   if bounds is not None:
     # The kernels reset segments to the variance they start from: after the
     # slice's first start that must be p0, not p_in, so those tokens come
     # from a second run from p0.
-    write_p0, p_end_p0 = _gain(op, diag, impl, k, log_alpha, omega, r, mu, p0,
-                               segment_ids, input_dtype)
+    write_p0, p_end_p0 = _gain(op, diag, impl, k_caller, log_alpha, omega, r,
+                               mu, p0, segment_ids, input_dtype)
     # (write: [B, T, H, K], or the iso gain's beta [B, T, H])
     head = bounds.head.reshape(bounds.head.shape + (1,) * (write.ndim - 2))
     write = jnp.where(head, write, write_p0)
