@@ -472,7 +472,7 @@ def _time_stages(t, docs=False):
       q, k, v, w, g, h0, pid, cont, **kw))
   iargs = (x["q"], x["k"], x["v"], w, g, h0, pid, cont)
   out["delta_intra_fwd"] = _time_fn(intra, iargs, first, "delta_intra_fwd")
-  amat, pmat, wt, wk, u, _ = intra(*iargs)
+  amat, pmat, wt, wk, u = intra(*iargs)[:5]
   # its two kernels apart: the pair rows, then the WY kernel
   pairs = jax.jit(lambda q, k, w, g, pid: dintra.pair_rows_forward(q, k, w, g, pid, **kw))
   out["delta_pairs_fwd"] = _time_fn(pairs, (x["q"], x["k"], w, g, pid), first, "delta_pairs_fwd")

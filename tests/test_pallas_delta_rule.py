@@ -204,13 +204,83 @@ def test_cumsum_in_pairs_matches_the_cumsum_kernel():
   g = chunk_cumsum(la, starts, chunk=16, interpret=True, block=8)
   want = intra.pair_rows_forward(q, k, w, g, pid, **kw)
   got = intra.pair_rows_forward(q, k, w, None, pid, la=la, **kw)
-  assert len(got) == 4
-  np.testing.assert_allclose(got[3], g, rtol=1e-6, atol=1e-6)
-  for name, a, b in zip(("L", "P", "Wt"), got[:3], want):
+  assert want.g is None and got.g_last is None and got.kbar is None
+  np.testing.assert_allclose(got.g, g, rtol=1e-6, atol=1e-6)
+  for name, a, b in zip(("L", "P", "Wt"), got[:3], want[:3]):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
   with pytest.raises(ValueError, match="token-parallel"):
     intra.pair_rows_forward(q, k, w, None, pid, la=la,
                             **dict(kw, cfg=dr_config.DeltaRuleConfig(pair_diag="columns")))
+
+
+@pytest.mark.parametrize("from_la", [False, True])
+def test_decayed_operands_pair_outputs(from_la):
+  """decayed_operands: the pair kernel's Kbar and Qbar are k exp(g) and scale q exp(g) in the
+  operand dtype (bf16 for 'fast' dots), and without write_g (from log_alpha) its g_last is g at
+  each chunk's last row; L, P and Wt are those of the plain kernel."""
+  from pallas_kernels.delta_rule import intra, segment_arrays   # pylint: disable=g-import-not-at-top
+  from pallas_kernels.delta_rule.chunk_cumsum import chunk_cumsum   # pylint: disable=g-import-not-at-top
+  t, scale = 48, 0.3
+  q, k, _, la, w, _ = _inputs(15, 2, t, 4, 64, 32, jnp.bfloat16, False, "normal")
+  starts, _, pid = segment_arrays(jnp.asarray(_segments(t, (5, 16), (30,))), 2, t, t, 16)
+  kw = dict(chunk=16, scale=scale, interpret=True, cfg=dr_config.DeltaRuleConfig(),
+            cfg_prec="fast")
+  g = chunk_cumsum(la, starts, chunk=16, interpret=True, block=8)
+  want = intra.pair_rows_forward(q, k, w, g, pid, **kw)
+  extra = dict(la=la, write_g=False) if from_la else {}
+  got = intra.pair_rows_forward(q, k, w, None if from_la else g, pid, decayed=True, **kw, **extra)
+  assert got.kbar.dtype == got.qbar.dtype == jnp.bfloat16
+  assert got.g is None and (got.g_last is not None) == from_la
+  e = np.exp(np.asarray(g, np.float64))
+  f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)
+  np.testing.assert_allclose(f64(got.kbar), f64(k) * e, rtol=8e-3, atol=1e-6)
+  np.testing.assert_allclose(f64(got.qbar), scale * f64(q) * e, rtol=8e-3, atol=1e-6)
+  if from_la:
+    np.testing.assert_allclose(got.g_last, g[:, 15::16], rtol=1e-6, atol=1e-6)
+  for name, a, b in zip(("L", "P", "Wt"), got[:3], want[:3]):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2,
+                               atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("t,variant,scalar_decay,segs,scalar_write,decay", [
+    # g by the pair kernel: a forward-only call keeps g_last alone; the scalar write; resets
+    (45, dict(cumsum_in_pairs=True), False, True, True, "normal"),
+    # g by the cumsum kernel; the output kernel apart (reads Qbar), a [B, T, H, K] write
+    (45, dict(fuse_output="none"), False, True, False, "normal"),
+    # the output fused in training's forward too, with resets (the per-chunk reset branch)
+    (40, dict(cumsum_in_pairs=True, fuse_output="all"), True, True, False, "strong"),
+    (1, dict(cumsum_in_pairs=True), False, False, False, "normal"),   # T = 1
+])
+def test_decayed_operands(t, variant, scalar_decay, segs, scalar_write, decay):
+  """decayed_operands (Kbar and Qbar written by the pair kernel, read by the WY and output
+  kernels in place of k, q and g): outputs of the primal and of a differentiated call, final
+  state and every gradient against the float64 loop."""
+  args = _inputs(16, 2, t, 2, 64, 32, jnp.float32, scalar_decay, decay,
+                 scalar_write=scalar_write)
+  seg = _segments(t, (20, 31, 32), (9,)) if segs else None
+  with dr_config.overridden(decayed_operands=True, **variant):
+    _check(args, seg, 16, 1e-5, 1e-4, vjp_primal=True)
+
+
+@pytest.mark.parametrize("variant", [dict(cumsum_in_pairs=True), dict(fuse_output="none")])
+def test_decayed_operands_match_the_plain_kernels_in_bf16(variant):
+  """For bf16 data the decayed operands are the values the WY and output kernels formed and
+  rounded for their dots anyway (same fp32 expressions, one rounding), so the outputs are the
+  plain kernels' bit for bit (interpret mode); and with cumsum_in_pairs a forward-only call
+  holds no fp32 [B, T, H, K] array (no g: the state pass reads g_last)."""
+  b, t, h, kd = 2, 45, 2, 64
+  args = _inputs(17, b, t, h, kd, 32, jnp.bfloat16, False, "normal")
+  seg = jnp.asarray(_segments(t, (20,), (9, 33)))
+  outs, fp32_g = {}, f"f32[{b},48,{h},{kd}]"   # (T padded to 48)
+  for on in (False, True):
+    with dr_config.overridden(decayed_operands=on, **variant):
+      f = jax.jit(lambda *a: delta_rule(*a[:5], 0.7, a[5], seg, chunk_size=16))
+      holds_g = fp32_g in str(jax.make_jaxpr(f)(*args))
+      outs[on] = f(*args)
+    assert holds_g == (not on or not variant.get("cumsum_in_pairs")), (on, holds_g)
+  for a, b_, name in zip(outs[True], outs[False], ("o", "S_final")):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b_, np.float32),
+                                  err_msg=name)
 
 
 def test_fused_step_without_segments():

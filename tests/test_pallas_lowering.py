@@ -50,7 +50,8 @@ def _op_inputs(dtype, t=80):
 @pytest.mark.parametrize("variant", [
     {}, dict(pair_diag="columns"),
     dict(max_chunk=32), dict(max_chunk=64, sub_block=32), dict(fuse_output="all"),
-    dict(fuse_output="all", cumsum_block=1), dict(cumsum_in_pairs=True, bf16_write=True)])
+    dict(fuse_output="all", cumsum_block=1),
+    dict(cumsum_in_pairs=True, bf16_write=True, decayed_operands=True)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
   """diag KDN forward and backward (gain kernels, cumsum, pair, WY, state pass, output, the
@@ -103,6 +104,24 @@ def test_scalar_write_lowers_for_cuda(as_on_gpu, variant):
   assert not re.search(r"bf16\[1,80,2,1\]", str(jaxpr)), "beta broadcast to [B, T, H, 1]"
 
 
+@pytest.mark.parametrize("segments", [False, True])
+def test_decayed_operands_forward_lowers(as_on_gpu, segments):
+  """decayed_operands with cumsum_in_pairs, a call not differentiated: the pair kernel writes
+  Kbar, Qbar and g_last alone (its masked last-row store), read by the WY kernel and the state
+  pass with the output fused (no segments) or the state pass and the output kernel; lowers for
+  CUDA, bf16."""
+  from pallas_kernels import delta_rule   # pylint: disable=g-import-not-at-top
+  q, k, v, la, _, _, seg = _op_inputs(jnp.bfloat16)
+  h0 = jnp.zeros((1, 2, 64, 64), jnp.float32)
+  fwd = lambda q, k, v: delta_rule(q, k, v, la, k, 0.125, h0, seg if segments else None,
+                                   chunk_size=16)[0]
+  with dr_config.overridden(decayed_operands=True, cumsum_in_pairs=True):
+    kernels = _triton_kernels(_lower_for_cuda(fwd, q, k, v))
+  want = {"delta_rule_pair_token_loop", "delta_rule_wy"} | (
+      {"delta_rule_state_pass", "delta_rule_output"} if segments else {"delta_rule_state_output"})
+  assert kernels == want, kernels
+
+
 @pytest.mark.parametrize("fuse_output", ["none", "primal", "all"])
 @pytest.mark.parametrize("segments", [False, True])
 @pytest.mark.parametrize("differentiated", [False, True])
@@ -140,12 +159,14 @@ def test_kdn_layer_lowers_for_cuda(as_on_gpu, monkeypatch, mixer, options):
   """A whole KDN layer on the pallas path, fwd+bwd: the fused gate front-end, the short convs and
   the gated norm kernels as well as the memory update. 'plain_loops_and_trials': the conv and
   cumsum row loops as plain loops (not their default blocks of 8), with the trials bf16_write
-  (kappa stored in bf16) and cumsum_in_pairs (g formed by the pair kernel) on."""
+  (kappa stored in bf16), cumsum_in_pairs (g formed by the pair kernel) and decayed_operands
+  (Kbar and Qbar written by it) on."""
   if options == "plain_loops_and_trials":
     from pallas_kernels.causal_conv1d import config as conv_config   # pylint: disable=g-import-not-at-top
     monkeypatch.setattr(conv_config, "DEFAULT", conv_config.ConvConfig(load_block=1))
     monkeypatch.setattr(dr_config, "DEFAULT", dataclasses.replace(
-        dr_config.DEFAULT, cumsum_block=1, bf16_write=True, cumsum_in_pairs=True))
+        dr_config.DEFAULT, cumsum_block=1, bf16_write=True, cumsum_in_pairs=True,
+        decayed_operands=True))
   cfg = model_config("tiny", d_model=128, num_heads=2, head_dim=64, mixer=mixer, impl="pallas",
                      chunk_size=16, dtype="bfloat16", param_dtype="float32", mlp_hidden=1)
   layer = MIXERS[mixer](cfg, rngs=nnx.Rngs(0))

@@ -66,18 +66,25 @@ def forward(q, k, v, w, g, h0, cont, pid, *, chunk, scale, interpret, cfg, cfg_p
   q, k: [B,T,H,K]; w: [B,T,H,K] or [B,T,H] (write = w k); v: [B,T,H,V]; g: [B,T,H,K] f32
   chunk-local cumsum, or None with `la` (log_alpha; the pair kernel forms g:
   cfg.cumsum_in_pairs); h0 [B,H,K,V] f32; cont: [B,T] f32 or None; pid: [B,T] int32 or None
-  (both None without segments)."""
+  (both None without segments). The g returned is None when the pair kernel formed it and
+  nothing read it whole (a call without save_states under cfg.decayed_operands)."""
   kw = dict(chunk=chunk, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
-  amat, pmat, wt, wk, u, g = _intra.intra_forward(q, k, v, w, g, h0, pid, cont, scale=scale,
-                                                  la=la, **kw)
+  x = _intra.intra_forward(q, k, v, w, g, h0, pid, cont, scale=scale, la=la,
+                           keep_g=save_states, **kw)
+  decayed = x.qbar is not None
+  q_out = x.qbar if decayed else q      # the output's q operand, and its g (none: Qbar)
+  g_out = None if decayed else x.g
+  g_chain = x.g if x.g is not None else x.g_last   # the state pass reads g's last rows
   if cfg.fuse_output == "all" or (cfg.fuse_output == "primal" and not save_states
                                    and cont is None):
     o, sfin, *states = _state_pass.state_output_forward(
-        u, wk, wt, g, h0, cont, q, pmat, scale=scale, save_states=save_states, **kw)
-    return o, sfin, (amat, pmat, wt, wk, states[0] if save_states else None), g
-  delta, sfin, states = _state_pass.state_forward(u, wk, wt, g, h0, cont, **kw)
-  o = _output.output_forward(q, g, pmat, delta, states, h0, cont, scale=scale, **kw)
-  return o, sfin, (amat, pmat, wt, wk, states if save_states else None), g
+        x.u, x.wk, x.wt, g_chain, h0, cont, q_out, x.pmat, scale=scale, save_states=save_states,
+        decayed=decayed, out_dtype=q.dtype, **kw)
+    return o, sfin, (x.amat, x.pmat, x.wt, x.wk, states[0] if save_states else None), x.g
+  delta, sfin, states = _state_pass.state_forward(x.u, x.wk, x.wt, g_chain, h0, cont, **kw)
+  o = _output.output_forward(q_out, g_out, x.pmat, delta, states, h0, cont, scale=scale,
+                             out_dtype=q.dtype, **kw)
+  return o, sfin, (x.amat, x.pmat, x.wt, x.wk, states if save_states else None), x.g
 
 
 def _forward_body(q, k, v, w, la, h0, starts, cont, pid, *, chunk, scale, interpret, cfg, prec,

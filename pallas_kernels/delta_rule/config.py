@@ -118,6 +118,19 @@ class DeltaRuleConfig:
   # GPU-checked nor timed fwd+bwd: gpu_measurements.sh passes and forward's checks, then the
   # default.
   cumsum_in_pairs: bool = False
+  # The token-parallel pair kernel, which holds q, k and g for its row, also writes the decayed
+  # dot operands Kbar = k exp(g) and Qbar = scale q exp(g) in the dots' operand dtype (bf16 for
+  # 16-bit data), which the WY kernel reads in place of k and g and the output (fused into the
+  # state pass, or its own kernel) in place of q and g: the same values those kernels formed and
+  # rounded for their dots. With cumsum_in_pairs, a call that is not differentiated then writes
+  # no fp32 g at all, only g at each chunk's last row for the state pass. Bytes (diag KDN
+  # forward, B=4 H=16 K=128 T=16384, bf16, both trials above on): the pair kernel writes Kbar and
+  # Qbar (2 + 2 bytes per element) in place of g (4), and the WY and state/output kernels each
+  # read 2 bytes per element in place of 6 (docs/kernel_sass.md, session 48: 1.07 GB less, 0.36
+  # ms at 3 TB/s; the WY kernel is near its memory floor). In training the pair kernel writes g
+  # as well (the backward reads it). Chunks of one row block (the token-parallel pair kernel)
+  # only; elsewhere ignored. Session 48 trial, exact in interpret mode; not yet timed.
+  decayed_operands: bool = False
   # A computed write direction (the diagonal KDN gain kappa, op and layer) stored in bf16 when
   # the delta rule's dots take bf16 operands (16-bit q, k, v and fast_dots='bf16'; write_dtype):
   # the gain kernel writes half the bytes, and the token-parallel pair kernel, whose column

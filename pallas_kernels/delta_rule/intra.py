@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.delta_rule import wy as _wy
 from pallas_kernels.delta_rule.tiles import (
     dot_nt, tile, decay_to_last, kernel_precision, operand_dtype, launch_params, ref_point,
-    masked_store, write_parts, write_rows, times_beta)
+    masked_store, write_parts, write_rows, times_beta, decay_q)
 from pallas_kernels.kernel_math import exp_for_mode
 
 
@@ -96,7 +97,8 @@ def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec, exp):
   wt_out[b, rows, h, :] = (write_rows(w_ref, k_ref, b, rows, h) * e_last).astype(wt_out.dtype)
 
 
-def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads, from_la, exp):
+def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads, from_la, write_g, decayed,
+                            exp):
   """Row r = program_id(1) of L (strict) and P (scaled, inclusive) for `heads` heads, chunks of
   one S-row block (C = S), token-parallel: the row's columns j <= r one per step ([heads, K]
   each, no exps above the diagonal), zeros for the columns after r;
@@ -106,11 +108,20 @@ def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads, from_la, e
   chunk-local cumsum g, and the kernel also writes g's row, so that no cumsum kernel runs before
   it. The columns go from r down to the chunk start with s = the sum of log_alpha over (j, r] in
   r's segment, which is g_r - g_j (summed directly, no difference of two cumsums); after the
-  last column s is g_r. Wt's decay is the sum over (r, t_last], in a loop of loads and adds."""
+  last column s is g_r. Wt's decay is the sum over (r, t_last], in a loop of loads and adds.
+  write_g (from_la only): g's row is written; else only the chunk's last row, to g_last
+  [B, T / C, H, K] (a forward-only call's state pass reads no other row).
+
+  decayed (DeltaRuleConfig.decayed_operands): the kernel also writes the row's Kbar = k exp(g)
+  and Qbar = scale q exp(g) in the dots' operand dtype (the type of those outputs), the same
+  values the WY and output kernels would form from k, q and g and round for their dots."""
   n_in = 4 + (1 if has_seg else 0)
   q_ref, k_ref, w_ref, d_ref = refs[:4]   # d_ref: g, or log_alpha with from_la
   pid_ref = refs[4] if has_seg else None
   l_out, p_out, wt_out = refs[n_in:n_in + 3]
+  extra_outs = list(refs[n_in + 3:])
+  g_out = extra_outs.pop(0) if from_la else None
+  kbar_out, qbar_out = (extra_outs.pop(0), extra_outs.pop(0)) if decayed else (None, None)
   b, r, hb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   S = sub
   hs = pl.ds(hb * heads, heads)
@@ -149,8 +160,6 @@ def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads, from_la, e
 
   zeros = jnp.zeros((heads, S), jnp.float32)
   if from_la:
-    g_out = refs[n_in + 3]
-
     def down(i, carry):
       s, acc = carry
       j = r - i
@@ -160,7 +169,12 @@ def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads, from_la, e
       return s, acc
 
     g, (lrow, prow) = lax.fori_loop(0, r - r0 + 1, down, (jnp.zeros_like(q), (zeros, zeros)))
-    g_out[b, r, hs, :] = g
+    if write_g:
+      g_out[b, r, hs, :] = g
+    else:
+      @pl.when(r == t_last)
+      def _():
+        g_out[b, r // S, hs, :] = g
     to_last = lax.fori_loop(r + 1, t_last + 1, lambda j, s: s + d_row(j), jnp.zeros_like(q))
   else:
     g = d_row(r)
@@ -174,6 +188,10 @@ def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads, from_la, e
   if has_seg:
     e_last = jnp.where(pid_r == pid_ref[b, t_last], e_last, 0.0)
   wt_out[b, r, hs, :] = (w * e_last).astype(wt_out.dtype)
+  if decayed:
+    e = exp(g)
+    kbar_out[b, r, hs, :] = (k * e).astype(kbar_out.dtype)
+    qbar_out[b, r, hs, :] = decay_q(q, g, scale, exp).astype(qbar_out.dtype)
 
 
 def sub_rows(cfg, chunk):
@@ -187,11 +205,27 @@ def token_parallel(cfg, chunk):
   return cfg.pair_diag == "token_loop" and chunk == sub_rows(cfg, chunk)
 
 
-def pair_rows_forward(q, k, w, g, pid, *, chunk, scale, interpret, cfg, cfg_prec, la=None):
-  """The pair kernel: (L [B, H, T, C] fp32 (the inverse is formed from it
-  in fp32, wy.py), P [B, H, T, C] scaled, Wt [B, T, H, K]), P and Wt in the operand dtype.
-  With `la` (log_alpha, g None; token-parallel only) the kernel forms g itself, and g
-  [B, T, H, K] fp32 follows as a fourth result."""
+class Pairs(NamedTuple):
+  """The pair kernel's results. l: L [B, H, T, C] fp32 (the inverse is formed from it in fp32,
+  wy.py); p: P [B, H, T, C] scaled; wt: Wt [B, T, H, K] (both in the operand dtype); g: the
+  chunk-local decay cumsum [B, T, H, K] fp32 when the kernel formed it (from log_alpha) and
+  wrote it; g_last: [B, T / C, H, K] fp32, g at each chunk's last row, when it formed g but did
+  not write it; kbar, qbar: k exp(g), scale q exp(g) [B, T, H, K] in the operand dtype
+  (decayed operands)."""
+  l: jax.Array
+  p: jax.Array
+  wt: jax.Array
+  g: jax.Array | None = None
+  g_last: jax.Array | None = None
+  kbar: jax.Array | None = None
+  qbar: jax.Array | None = None
+
+
+def pair_rows_forward(q, k, w, g, pid, *, chunk, scale, interpret, cfg, cfg_prec, la=None,
+                      write_g=True, decayed=False):
+  """The pair kernel (Pairs). With `la` (log_alpha, g None; token-parallel only) the kernel
+  forms g itself and writes it (or, write_g=False, only its chunks' last rows: g_last); with
+  `decayed` (token-parallel only) it also writes Kbar and Qbar."""
   bsz, t, nh, kd = k.shape
   has_seg = pid is not None
   prec = kernel_precision(cfg, cfg_prec, interpret)
@@ -202,40 +236,76 @@ def pair_rows_forward(q, k, w, g, pid, *, chunk, scale, interpret, cfg, cfg_prec
                jax.ShapeDtypeStruct((bsz, nh, t, chunk), dt),
                jax.ShapeDtypeStruct((bsz, t, nh, kd), dt))
   from_la = la is not None
-  if from_la and not token_parallel(cfg, chunk):
-    raise ValueError("pair_rows_forward: log_alpha in place of g needs the token-parallel "
-                     f"kernel (pair_diag='token_loop', chunks of one row block); chunk={chunk}, "
-                     f"pair_diag={cfg.pair_diag!r}")
+  for name, on in (("log_alpha in place of g", from_la), ("decayed operands", decayed)):
+    if on and not token_parallel(cfg, chunk):
+      raise ValueError(f"pair_rows_forward: {name} needs the token-parallel kernel "
+                       f"(pair_diag='token_loop', chunks of one row block); chunk={chunk}, "
+                       f"pair_diag={cfg.pair_diag!r}")
   args = [q, k, w, la if from_la else g] + ([pid] if has_seg else [])
   if token_parallel(cfg, chunk):
     heads = math.gcd(cfg.pair_heads, nh)   # (the largest power of two <= pair_heads dividing H)
+    write_g = write_g or not from_la
     if from_la:
-      out_shape += (jax.ShapeDtypeStruct((bsz, t, nh, kd), jnp.float32),)
-    return pl.pallas_call(
+      g_rows = t if write_g else t // chunk
+      out_shape += (jax.ShapeDtypeStruct((bsz, g_rows, nh, kd), jnp.float32),)
+    if decayed:
+      out_shape += (jax.ShapeDtypeStruct((bsz, t, nh, kd), dt),) * 2
+    outs = list(pl.pallas_call(
         functools.partial(_pair_token_loop_kernel, chunk=chunk, sub=sub, scale=scale,
-                          has_seg=has_seg, heads=heads, from_la=from_la, exp=exp),
+                          has_seg=has_seg, heads=heads, from_la=from_la, write_g=write_g,
+                          decayed=decayed, exp=exp),
         out_shape=out_shape, grid=(bsz, t, nh // heads), name="delta_rule_pair_token_loop",
-        **launch_params(interpret, cfg.num_warps_pairs, cfg))(*args)
+        **launch_params(interpret, cfg.num_warps_pairs, cfg))(*args))
+    res = Pairs(*outs[:3])
+    if from_la:
+      res = res._replace(**{"g" if write_g else "g_last": outs[3]})
+    if decayed:
+      res = res._replace(kbar=outs[-2], qbar=outs[-1])
+    return res
   # 'columns', and chunks of several row blocks under either option (the token-parallel kernel
   # covers one row block per chunk)
-  return pl.pallas_call(
+  return Pairs(*pl.pallas_call(
       functools.partial(_pair_rows_kernel, chunk=chunk, sub=sub, scale=scale, has_seg=has_seg,
                         prec=prec, exp=exp),
       out_shape=out_shape, grid=(bsz, nh, t // chunk, chunk // sub), name="delta_rule_pair_rows",
       **launch_params(interpret, cfg.num_warps_pairs, cfg),
-  )(*args)
+  )(*args))
+
+
+class Intra(NamedTuple):
+  """The intra stage's results: A [B, H, T, C], P (scaled), Wt, W = A Kbar, U = A V' (all in the
+  operand dtype); g [B, T, H, K] fp32 (None when the pair kernel formed it and kept only g_last
+  [B, T / C, H, K], a forward-only call's); qbar = scale q exp(g) in the operand dtype with
+  decayed operands (the output's, in place of q and g), else None."""
+  amat: jax.Array
+  pmat: jax.Array
+  wt: jax.Array
+  wk: jax.Array
+  u: jax.Array
+  g: jax.Array | None
+  g_last: jax.Array | None = None
+  qbar: jax.Array | None = None
+
+
+def decayed_operands(cfg, chunk):
+  """Whether the pair kernel writes Kbar and Qbar (cfg.decayed_operands, token-parallel only)."""
+  return cfg.decayed_operands and token_parallel(cfg, chunk)
 
 
 def intra_forward(q, k, v, w, g, h0, pid, cont, *, chunk, scale, interpret, cfg, cfg_prec,
-                  la=None):
-  """The intra stage (parallel over chunks): (A = (I + L)^-1, P (scaled), Wt, W = A Kbar,
-  U = A V', g): the pair kernel, then the WY kernel (wy.py). A, P, Wt, W and U only ever enter
-  dots; with bf16-operand dots they are rounded to bf16 there, so they are stored in bf16.
-  g is the one given, or with `la` (g None) the one the pair kernel formed from it."""
+                  la=None, keep_g=True):
+  """The intra stage (parallel over chunks, Intra): the pair kernel, then the WY kernel (wy.py).
+  A, P, Wt, W and U only ever enter dots; with bf16-operand dots they are rounded to bf16 there,
+  so they are stored in bf16. g is the one given, or with `la` (g None) the one the pair kernel
+  formed from it; keep_g=False (a forward-only call) lets a pair kernel that forms g with
+  decayed operands keep only g_last (nothing else reads g then)."""
+  decayed = decayed_operands(cfg, chunk)
   pairs = pair_rows_forward(q, k, w, g, pid, chunk=chunk, scale=scale, interpret=interpret,
-                            cfg=cfg, cfg_prec=cfg_prec, la=la)
-  lmat, pmat, wt = pairs[:3]
-  g = pairs[3] if la is not None else g
-  amat, wk, u = _wy.wy_forward(lmat, k, v, g, h0, cont, chunk=chunk, sub=sub_rows(cfg, chunk),
-                               interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
-  return amat, pmat, wt, wk, u, g
+                            cfg=cfg, cfg_prec=cfg_prec, la=la, decayed=decayed,
+                            write_g=keep_g or not decayed)
+  g = pairs.g if la is not None else g
+  amat, wk, u = _wy.wy_forward(lmat=pairs.l, k=pairs.kbar if decayed else k, v=v,
+                               g=None if decayed else g, h0=h0, cont=cont, chunk=chunk,
+                               sub=sub_rows(cfg, chunk), interpret=interpret, cfg=cfg,
+                               cfg_prec=cfg_prec)
+  return Intra(amat, pairs.p, pairs.wt, wk, u, g, pairs.g_last, pairs.qbar)

@@ -13,12 +13,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.delta_rule.tiles import (
-    chunk_output, dot, dot_tn, kernel_precision, operand_dtype, state_dtype, launch_params)
+    chunk_output, decay_q, dot, dot_tn, kernel_precision, operand_dtype, state_dtype,
+    launch_params)
 from pallas_kernels.kernel_math import exp_for_mode
 
 
 def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_output, scale,
-                       save_states, exp):
+                       save_states, exp, g_per_chunk, decayed):
   """Serial over chunks with U = A V' precomputed (wy.py): Delta = U - W S_0 and
   S <- exp(g_last) S_base + Wt^T Delta, the chain's only two dots.
 
@@ -40,7 +41,11 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_ou
   Several chunks per step (their operands merged off the chain; session 44's
   state_step_chunks) lost: H100 session 46, diag KDN forward T=16384, 4.94 ms against 10.82 at 2
   chunks and 27.97 at 4. `exp`: kernel_math.exp_for_mode of the caller's precision, as in every
-  delta-rule kernel."""
+  delta-rule kernel.
+
+  g_per_chunk: the "g" input is g_last [B, NC, H, K] (the only row of g the pass reads without
+  the fused output's); decayed: the fused output's "q" input is Qbar already (no g rows read).
+  Both are DeltaRuleConfig.decayed_operands'."""
   names = ["u", "wk", "wt", "g", "h0"] + (["cont"] if has_seg else [])
   if fuse_output:
     names += ["q", "p"]
@@ -61,11 +66,13 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_ou
     t0 = c * C
     rows = pl.ds(t0, C)
     x = dict(u=r["u"][b, rows, h, vs], wk=r["wk"][b, rows, h, :], wt=r["wt"][b, rows, h, :],
-             g_last=r["g"][b, t0 + C - 1, h, :])
+             g_last=r["g"][b, c if g_per_chunk else t0 + C - 1, h, :])
     if has_seg:
       x["cont_last"] = r["cont"][b, t0 + C - 1]
     if fuse_output:
-      x.update(q=r["q"][b, rows, h, :], g=r["g"][b, rows, h, :], p=r["p"][b, h, rows, :])
+      x.update(q=r["q"][b, rows, h, :], p=r["p"][b, h, rows, :])
+      if not decayed:
+        x["g"] = r["g"][b, rows, h, :]
       if has_seg:
         x["cont"] = r["cont"][b, rows]
     return x
@@ -79,7 +86,8 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_ou
     def fused_output():
       def store_output(seg):
         seg_kw = dict(cont=x["cont"][:, None], s_init=s_init) if seg else {}
-        o = chunk_output(x["q"], x["g"], s, x["p"], delta, scale, prec, exp, **seg_kw)
+        qbar = x["q"] if decayed else decay_q(x["q"], x["g"], scale, exp)
+        o = chunk_output(qbar, s, x["p"], delta, prec, **seg_kw)
         o_ref[b, rows, h, vs] = o.astype(o_ref.dtype)
 
       if has_seg:   # the S_init dot only in chunks with a reset (as tiles.by_reset decides)
@@ -109,36 +117,44 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_ou
 
 def state_forward(u, wk, wt, g, h0, cont, *, chunk, interpret, cfg, cfg_prec):
   """The serial stage: (Delta [B, T, H, V] in the dots' operand dtype, S_final [B, H, K, V] f32,
-  the chunk-start states [B, H, NC, K, V])."""
+  the chunk-start states [B, H, NC, K, V]). g: [B, T, H, K], or g_last [B, NC, H, K]."""
   return _call(u, wk, wt, g, h0, cont, (), chunk=chunk, interpret=interpret, cfg=cfg,
-               cfg_prec=cfg_prec, scale=1.0, save_states=True)
+               cfg_prec=cfg_prec, scale=1.0, save_states=True, out_dtype=None, decayed=False)
 
 
 def state_output_forward(u, wk, wt, g, h0, cont, q, pmat, *, chunk, scale, interpret, cfg,
-                         cfg_prec, save_states):
-  """The serial stage with the output fused (cfg.fuse_output): (O [B, T, H, V] in q's dtype,
-  S_final [B, H, K, V] f32) and, with save_states, the chunk-start states [B, H, NC, K, V]."""
+                         cfg_prec, save_states, decayed=False, out_dtype=None):
+  """The serial stage with the output fused (cfg.fuse_output): (O [B, T, H, V] in out_dtype
+  (default q's), S_final [B, H, K, V] f32) and, with save_states, the chunk-start states
+  [B, H, NC, K, V]. decayed: q is Qbar = scale q exp(g) already, and g may be g_last
+  [B, NC, H, K]."""
   return _call(u, wk, wt, g, h0, cont, (q, pmat), chunk=chunk, interpret=interpret, cfg=cfg,
-               cfg_prec=cfg_prec, scale=scale, save_states=save_states)
+               cfg_prec=cfg_prec, scale=scale, save_states=save_states,
+               out_dtype=out_dtype or q.dtype, decayed=decayed)
 
 
 def _call(u, wk, wt, g, h0, cont, out_in, *, chunk, interpret, cfg, cfg_prec, scale,
-          save_states):
+          save_states, out_dtype, decayed):
   bsz, t, nh, kd = wk.shape
   vd = u.shape[-1]
   nc = t // chunk
   has_seg = cont is not None
   fuse_output = bool(out_in)
+  g_per_chunk = g.shape[1] != t
+  if g_per_chunk and (g.shape[1] != nc or (fuse_output and not decayed)):
+    raise ValueError(f"state pass: g has {g.shape[1]} rows; expected T = {t}, or the chunks' "
+                     f"{nc} last rows (g_last) where no output rows of g are read")
   prec = kernel_precision(cfg, cfg_prec, interpret)
   block_v = min(cfg.block_v, vd)
-  first = jax.ShapeDtypeStruct(u.shape, out_in[0].dtype if fuse_output else operand_dtype(prec))
+  first = jax.ShapeDtypeStruct(u.shape, out_dtype if fuse_output else operand_dtype(prec))
   out_shape = [first, jax.ShapeDtypeStruct((bsz, nh, kd, vd), jnp.float32)]
   if save_states:
     out_shape.append(jax.ShapeDtypeStruct((bsz, nh, nc, kd, vd), state_dtype(cfg, prec)))
   return pl.pallas_call(
       functools.partial(_state_pass_kernel, chunk=chunk, num_chunks=nc, has_seg=has_seg,
                         block_v=block_v, prec=prec, fuse_output=fuse_output, scale=scale,
-                        save_states=save_states, exp=exp_for_mode(cfg_prec)),
+                        save_states=save_states, exp=exp_for_mode(cfg_prec),
+                        g_per_chunk=g_per_chunk, decayed=decayed),
       out_shape=tuple(out_shape), grid=(bsz, nh, vd // block_v),
       name="delta_rule_state_output" if fuse_output else "delta_rule_state_pass",
       **launch_params(interpret, cfg.num_warps_recur, cfg),

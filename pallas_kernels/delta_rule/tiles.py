@@ -88,12 +88,17 @@ def by_reset(cont_ref, b, t_last, body):
   pl.when(jnp.logical_not(reset))(lambda: body(False))
 
 
-def chunk_output(q, g, s, p, delta, scale, prec, exp, cont=None, s_init=None):
-  """One chunk's output rows O = Qbar S_0 + P Delta (Qbar = scale q exp(g)); with cont (the
-  rows' [C, 1] continuation flags) the rows after the chunk's first reset read S_init instead of
-  S_0. Shared by the output kernel and the state pass with the output fused. `exp`:
-  kernel_math.exp_for_mode's."""
-  qbar = (scale * q.astype(jnp.float32)) * exp(g.astype(jnp.float32))
+def decay_q(q, g, scale, exp):
+  """Qbar = scale q exp(g), fp32. `exp`: kernel_math.exp_for_mode's."""
+  return (scale * q.astype(jnp.float32)) * exp(g.astype(jnp.float32))
+
+
+def chunk_output(qbar, s, p, delta, prec, cont=None, s_init=None):
+  """One chunk's output rows O = Qbar S_0 + P Delta (Qbar = scale q exp(g): decay_q, or the pair
+  kernel's with decayed operands); with cont (the rows' [C, 1] continuation flags) the rows
+  after the chunk's first reset read S_init instead of S_0. Shared by the output kernel and the
+  state pass with the output fused."""
+  qbar = qbar.astype(jnp.float32)
   if cont is None:
     o = dot(qbar, s, prec)
   else:

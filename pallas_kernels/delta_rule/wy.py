@@ -29,8 +29,10 @@ from pallas_kernels.delta_rule.tiles import (
 from pallas_kernels.kernel_math import exp_for_mode
 
 
-def _wy_kernel(*refs, chunk, sub, has_seg, block_v, inverse, prec, hi, exp):
-  names = ["l", "k", "g", "v", "h0"] + (["cont"] if has_seg else [])
+def _wy_kernel(*refs, chunk, sub, has_seg, block_v, inverse, prec, hi, exp, decayed):
+  """decayed: the "k" input is Kbar already (the pair kernel's, DeltaRuleConfig.decayed_operands)
+  and no g is read."""
+  names = ["l", "k"] + ([] if decayed else ["g"]) + ["v", "h0"] + (["cont"] if has_seg else [])
   r = dict(zip(names, refs[:len(names)]))
   a_out, wk_out, u_out = refs[len(names):]
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -39,7 +41,9 @@ def _wy_kernel(*refs, chunk, sub, has_seg, block_v, inverse, prec, hi, exp):
   rows = pl.ds(t0, C)
   amat = unit_lower_inverse(r["l"][b, h, rows, :], C, inverse, sub, hi)
   a_out[b, h, rows, :] = amat.astype(a_out.dtype)
-  kbar = tile(r["k"], b, t0, C, h) * exp(tile(r["g"], b, t0, C, h))
+  kbar = tile(r["k"], b, t0, C, h)
+  if not decayed:
+    kbar = kbar * exp(tile(r["g"], b, t0, C, h))
   by_reset(r.get("cont"), b, t0 + C - 1, lambda seg: _wk_u(
       r, wk_out, u_out, amat, kbar, b, h, t0, C, seg, block_v, prec))
 
@@ -60,7 +64,8 @@ def _wk_u(r, wk_out, u_out, amat, kbar, b, h, t0, C, seg, block_v, prec):
 
 
 def wy_forward(lmat, k, v, g, h0, cont, *, chunk, sub, interpret, cfg, cfg_prec):
-  """(A [B, H, T, C], W [B, T, H, K], U [B, T, H, V]), all in the dots' operand dtype. A and W
+  """(A [B, H, T, C], W [B, T, H, K], U [B, T, H, V]), all in the dots' operand dtype; g None:
+  k is Kbar = k exp(g) already (the pair kernel's, decayed operands). A and W
   only ever enter dots, which round them so anyway; U is the first term of Delta = U - W S_0, so
   storing it in bf16 (the design of issue 18, and fla's) is one more bf16 rounding of Delta, for
   bf16 data only (tests: within the bf16 bounds)."""
@@ -76,7 +81,7 @@ def wy_forward(lmat, k, v, g, h0, cont, *, chunk, sub, interpret, cfg, cfg_prec)
   return pl.pallas_call(
       functools.partial(_wy_kernel, chunk=chunk, sub=sub, has_seg=has_seg,
                         block_v=min(cfg.block_v_parallel, vd), inverse=cfg.wy_inverse,
-                        prec=prec, hi=hi, exp=exp_for_mode(cfg_prec)),
+                        prec=prec, hi=hi, exp=exp_for_mode(cfg_prec), decayed=g is None),
       out_shape=out_shape, grid=(bsz, nh, t // chunk), name="delta_rule_wy",
       **launch_params(interpret, cfg.num_warps_intra, cfg),
-  )(*([lmat, k, g, v, h0] + ([cont] if has_seg else [])))
+  )(*([lmat, k] + ([] if g is None else [g]) + [v, h0] + ([cont] if has_seg else [])))
