@@ -262,6 +262,25 @@ def test_decayed_operands(t, variant, scalar_decay, segs, scalar_write, decay):
     _check(args, seg, 16, 1e-5, 1e-4, vjp_primal=True)
 
 
+@pytest.mark.parametrize("t,variant,scalar_decay,scalar_write,decay", [
+    # 4 pair chunks per serial step, g by the pair kernel, the scalar write; T padded to 64
+    (45, dict(serial_chunk=64, cumsum_in_pairs=True), False, True, "normal"),
+    # 2 per step, g by the cumsum kernel, the output kernel apart; several serial steps
+    (130, dict(serial_chunk=32, fuse_output="none"), True, False, "normal"),
+    (70, dict(serial_chunk=64, cumsum_in_pairs=True), False, False, "strong"),   # log-decay -20
+    (1, dict(serial_chunk=32), False, False, "normal"),   # T = 1
+])
+def test_serial_chunk(t, variant, scalar_decay, scalar_write, decay):
+  """serial_chunk: a call that is not differentiated and has no segment_ids runs the serial pass
+  over merged chunks (merge.py) built from the token-parallel pair kernel's 16-row chunks:
+  its outputs and final state against the float64 loop; a differentiated call (the plain
+  chunk-16 path) and every gradient too."""
+  args = _inputs(18, 2, t, 2, 64, 32, jnp.float32, scalar_decay, decay,
+                 scalar_write=scalar_write)
+  with dr_config.overridden(**variant):
+    _check(args, None, 16, 1e-5, 1e-4, vjp_primal=True)
+
+
 @pytest.mark.parametrize("variant", [dict(cumsum_in_pairs=True), dict(fuse_output="none")])
 def test_decayed_operands_match_the_plain_kernels_in_bf16(variant):
   """For bf16 data the decayed operands are the values the WY and output kernels formed and
@@ -381,7 +400,9 @@ def test_delta_rule_precision_argument():
                                  dict(max_chunk=0), dict(wy_inverse="rows"),
                                  dict(pair_diag="rows"), dict(pair_heads=3),
                                  dict(fuse_output="fused"),
-                                 dict(forward_only_chunk=48), dict(num_warps_intra_bwd=0)])
+                                 dict(forward_only_chunk=48), dict(num_warps_intra_bwd=0),
+                                 dict(serial_chunk=16), dict(serial_chunk=48),
+                                 dict(num_warps_merge=3)])
 def test_delta_rule_config_rejects_bad_values(bad):
   with pytest.raises(ValueError, match="DeltaRuleConfig." + next(iter(bad))):
     dr_config.DeltaRuleConfig(**bad)

@@ -122,6 +122,26 @@ def test_decayed_operands_forward_lowers(as_on_gpu, segments):
   assert kernels == want, kernels
 
 
+@pytest.mark.parametrize("fuse_output", ["primal", "none"])
+def test_serial_chunk_forward_lowers(as_on_gpu, fuse_output):
+  """serial_chunk=64, a call not differentiated, without segments: the pair kernel (decayed
+  operands, g_last), the merge kernel and the serial pass at chunk 64 (the output fused, or its
+  own kernel) lower for CUDA, bf16; and a differentiated call keeps the chunk-16 kernels."""
+  from pallas_kernels import delta_rule   # pylint: disable=g-import-not-at-top
+  q, k, v, la, _, _, _ = _op_inputs(jnp.bfloat16)
+  h0 = jnp.zeros((1, 2, 64, 64), jnp.float32)
+  fwd = lambda q, k, v: delta_rule(q, k, v, la, k, 0.125, h0, None, chunk_size=16)[0]
+  grad = jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  with dr_config.overridden(serial_chunk=64, cumsum_in_pairs=True, fuse_output=fuse_output):
+    kernels = _triton_kernels(_lower_for_cuda(fwd, q, k, v))
+    train = _triton_kernels(_lower_for_cuda(grad, q, k, v))
+  want = {"delta_rule_pair_token_loop", "delta_rule_merge"} | (
+      {"delta_rule_state_output"} if fuse_output == "primal" else
+      {"delta_rule_state_pass", "delta_rule_output"})
+  assert kernels == want, kernels
+  assert "delta_rule_merge" not in train and {"delta_rule_wy", "delta_rule_recur_bwd"} <= train
+
+
 @pytest.mark.parametrize("fuse_output", ["none", "primal", "all"])
 @pytest.mark.parametrize("segments", [False, True])
 @pytest.mark.parametrize("differentiated", [False, True])

@@ -131,6 +131,15 @@ class DeltaRuleConfig:
   # as well (the backward reads it). Chunks of one row block (the token-parallel pair kernel)
   # only; elsewhere ignored. Session 48 trial, exact in interpret mode; not yet timed.
   decayed_operands: bool = False
+  # The serial pass's chunk in calls that are not differentiated and have no segment_ids (0: the
+  # chunk's own): the token-parallel pair kernel still forms the pair products of 16-row chunks
+  # (with decayed operands), and a merge kernel (merge.py) builds the WY operands of
+  # serial_chunk-token chunks from them, so the serial pass, bound by its chain of dependent
+  # steps (1024 at T=16384: ~1.6 us each, docs/kernel_sass.md), takes 16 / serial_chunk of them
+  # (fla's runs at chunk 64). A multiple of the chunk; T is padded to it. Session 48 trial, exact
+  # in interpret mode; not yet timed.
+  serial_chunk: int = 0
+  num_warps_merge: int = 4   # Triton warps, the merge kernel (serial_chunk)
   # A computed write direction (the diagonal KDN gain kappa, op and layer) stored in bf16 when
   # the delta rule's dots take bf16 operands (16-bit q, k, v and fast_dots='bf16'; write_dtype):
   # the gain kernel writes half the bytes, and the token-parallel pair kernel, whose column
@@ -176,6 +185,9 @@ class DeltaRuleConfig:
     if self.sub_block and (not pow2(self.sub_block) or self.sub_block < 16):
       raise ValueError("DeltaRuleConfig.sub_block must be 0 or a power of two >= 16, got "
                        f"{self.sub_block}")
+    if self.serial_chunk and (not pow2(self.serial_chunk) or not 32 <= self.serial_chunk <= 128):
+      raise ValueError("DeltaRuleConfig.serial_chunk must be 0 or a power of two in [32, 128], "
+                       f"got {self.serial_chunk}")
     if self.forward_only_chunk and not pow2(self.forward_only_chunk):
       raise ValueError("DeltaRuleConfig.forward_only_chunk must be 0 or a power of two, got "
                        f"{self.forward_only_chunk}")
