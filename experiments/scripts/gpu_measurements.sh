@@ -124,16 +124,19 @@ train)
 forward)
   # The forward at 16k with its stage split, then at 4k: FORWARD_SWEEP (default: the shipped
   # config against session 45's cumsum_in_pairs (g formed by the pair kernel, no cumsum kernel)
-  # and bf16_write (kappa stored in bf16), each alone and both (session 46, H100: forward 16k
-  # 4.94 -> 4.61 / 4.78 ms), and fuse_output=none, the output kernel apart); FORWARD_LIMIT /
+  # and bf16_write (kappa stored in bf16) together (T2; session 46, H100: forward 16k 4.94 ->
+  # 4.61 / 4.78 ms alone), T2 with session 48's decayed_operands (T3: Kbar, Qbar written by the
+  # pair kernel), and T3 with session 48's serial_chunk=64 / 32 (the serial pass over merged
+  # chunks), at 64 also with the output kernel apart); FORWARD_LIMIT /
   # FORWARD_4K_LIMIT: their limits. Then 'all' (the output fused in every call, training too)
   # fwd+bwd without and with documents (FORWARD_ALL=1 adds those, +120 s); the GPU checks
-  # CHECK_CASES=dim:spec[:gain spec],... (default: the two trials together at K=128 and 16, and
-  # fuse_output=all's reset branch at K=128; each up to CHECK_LIMIT, 120 s). About 570 s at
+  # CHECK_CASES=dim:spec[:gain spec],... (default: T3 with serial_chunk=64 at K=128 and 16,
+  # and fuse_output=all's reset branch at K=128; each up to CHECK_LIMIT, 120 s). About 570 s at
   # most (FORWARD_ALL=1: 690; FORWARD_DOCS=1: the forward with documents, +50 s). Each line has
   # its own limit, and results.tgz is packed after each.
   SWEEP_LOG=forward.txt
-  SPECS=${FORWARD_SWEEP:-default,cumsum_in_pairs=1,bf16_write=1,cumsum_in_pairs=1/bf16_write=1,fuse_output=none}
+  T2=cumsum_in_pairs=1/bf16_write=1; T3=$T2/decayed_operands=1
+  SPECS=${FORWARD_SWEEP:-default,$T2,$T3,$T3/serial_chunk=64,$T3/serial_chunk=32,$T3/serial_chunk=64/fuse_output=none}
   sweep_line ${FORWARD_LIMIT:-220} --out="$RES/forward_16384" --seq_lens=16384 --sweep_len=16384 \
     --sweep_fwd_only --sweep_stages --sweep=$SPECS
   sweep_line ${FORWARD_4K_LIMIT:-110} --out="$RES/forward_4096" --seq_lens=4096 --sweep_len=4096 \
@@ -145,8 +148,9 @@ forward)
     --sweep=default,fuse_output=all
   [ "${FORWARD_ALL:-0}" = 1 ] && sweep_line 50 --out="$RES/forward_all_docs" --seq_lens=16384 --sweep_len=16384 \
     --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
-  gpu_checks "${CHECK_CASES:-128:cumsum_in_pairs=1/bf16_write=1,16:cumsum_in_pairs=1/bf16_write=1,128:fuse_output=all}" ;;
+  gpu_checks "${CHECK_CASES:-128:$T3/serial_chunk=64,16:$T3/serial_chunk=64,128:fuse_output=all}" ;;
 passes)
+  # (Session 48's decayed_operands and serial_chunk: in `forward`'s sweep and checks.)
   # Session 45's passes taken out of the op (untimed then): cumsum_in_pairs (the pair kernel
   # forms g; no cumsum kernel) and bf16_write (kappa in bf16) in training's fwd+bwd, and the
   # scalar write (beta [B, T, H] formed in the kernels) against beta k made in XLA

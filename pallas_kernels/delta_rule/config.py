@@ -139,7 +139,11 @@ class DeltaRuleConfig:
   # (fla's runs at chunk 64). A multiple of the chunk; T is padded to it. Session 48 trial, exact
   # in interpret mode; not yet timed.
   serial_chunk: int = 0
-  num_warps_merge: int = 4   # Triton warps, the merge kernel (serial_chunk)
+  # Triton warps, the merge kernel (serial_chunk). Static SASS at serial_chunk=64 (T=16384,
+  # docs/kernel_sass.md): ~22k instructions per program at 1 warp (its inverse loops run), 17k
+  # per warp at 2, 14k per warp at 4 (unrolled): 0.4 / 0.6 / 1.0 ms of issue on an H100 for its
+  # 16384 programs. Not yet timed.
+  num_warps_merge: int = 1
   # A computed write direction (the diagonal KDN gain kappa, op and layer) stored in bf16 when
   # the delta rule's dots take bf16 operands (16-bit q, k, v and fast_dots='bf16'; write_dtype):
   # the gain kernel writes half the bytes, and the token-parallel pair kernel, whose column
