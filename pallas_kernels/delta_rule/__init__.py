@@ -111,7 +111,7 @@ def _merged_forward(q, k, v, w, g, h0, pid, la, *, chunk, scale, interpret, cfg,
                                    write_g=False, decayed=True, **kw)
   g_last = pairs.g_last if la is not None else g[:, chunk - 1::chunk]
   wk, u, wt, qbar, pmat, g_last = _merge.merge_forward(
-      pairs.l, pairs.kbar, pairs.wt, pairs.qbar, pairs.p, v, g_last, chunk=chunk,
+      pairs.lmat, pairs.kbar, pairs.wt, pairs.qbar, pairs.pmat, v, g_last, chunk=chunk,
       serial_chunk=cfg.serial_chunk, **kw)
   kw["chunk"] = cfg.serial_chunk
   if cfg.fuse_output in ("primal", "all"):

@@ -206,14 +206,14 @@ def token_parallel(cfg, chunk):
 
 
 class Pairs(NamedTuple):
-  """The pair kernel's results. l: L [B, H, T, C] fp32 (the inverse is formed from it in fp32,
-  wy.py); p: P [B, H, T, C] scaled; wt: Wt [B, T, H, K] (both in the operand dtype); g: the
-  chunk-local decay cumsum [B, T, H, K] fp32 when the kernel formed it (from log_alpha) and
-  wrote it; g_last: [B, T / C, H, K] fp32, g at each chunk's last row, when it formed g but did
+  """The pair kernel's results. lmat: L [B, H, T, C] fp32 (the inverse is formed from it in
+  fp32, wy.py); pmat: P [B, H, T, C] scaled; wt: Wt [B, T, H, K] (both in the operand dtype);
+  g: the chunk-local decay cumsum [B, T, H, K] fp32 when the kernel formed it (from log_alpha)
+  and wrote it; g_last: [B, T / C, H, K] fp32, g at each chunk's last row, when it formed g but did
   not write it; kbar, qbar: k exp(g), scale q exp(g) [B, T, H, K] in the operand dtype
   (decayed operands)."""
-  l: jax.Array
-  p: jax.Array
+  lmat: jax.Array
+  pmat: jax.Array
   wt: jax.Array
   g: jax.Array | None = None
   g_last: jax.Array | None = None
@@ -304,8 +304,8 @@ def intra_forward(q, k, v, w, g, h0, pid, cont, *, chunk, scale, interpret, cfg,
                             cfg=cfg, cfg_prec=cfg_prec, la=la, decayed=decayed,
                             write_g=keep_g or not decayed)
   g = pairs.g if la is not None else g
-  amat, wk, u = _wy.wy_forward(lmat=pairs.l, k=pairs.kbar if decayed else k, v=v,
+  amat, wk, u = _wy.wy_forward(lmat=pairs.lmat, k=pairs.kbar if decayed else k, v=v,
                                g=None if decayed else g, h0=h0, cont=cont, chunk=chunk,
                                sub=sub_rows(cfg, chunk), interpret=interpret, cfg=cfg,
                                cfg_prec=cfg_prec)
-  return Intra(amat, pairs.p, pairs.wt, wk, u, g, pairs.g_last, pairs.qbar)
+  return Intra(amat, pairs.pmat, pairs.wt, wk, u, g, pairs.g_last, pairs.qbar)
