@@ -437,8 +437,6 @@ def _time_stages(t, docs=False):
   from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import backward as dbwd  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import intra as dintra  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.delta_rule import merge as dmerge  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.delta_rule import merges  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule.intra_bwd_tokens import intra_backward_tokens  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import output as dout  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import state_pass as dstate  # pylint: disable=g-import-not-at-top
@@ -448,10 +446,7 @@ def _time_stages(t, docs=False):
   cfg = dcfg.DEFAULT
   interpret = common.resolve_interpret(None)
   chunk = chunk_length(cfg, 64, t, interpret)  # what the op runs
-  merged = not docs and merges(cfg, chunk, False, False)   # (cfg.serial_chunk: the primal's)
   t_pad = -(-t // chunk) * chunk
-  if merged:
-    t_pad = -(-t_pad // cfg.serial_chunk) * cfg.serial_chunk
   x = {n: common.pad_time(v, t_pad, 1.0 if n == "r" else 0.0) for n, v in x.items()}
   seg = _doc_ids(b, t_pad) if docs else None
   starts, cont, pid = segment_arrays(seg, b, t_pad, t_pad, chunk)
@@ -511,25 +506,6 @@ def _time_stages(t, docs=False):
         u, wk, wt, g, h0, cont, q, p, save_states=save, **kw))
     name = "delta_state_output_fwd" + ("_save" if save else "")
     out[name] = _time_fn(fused, (u, wk, wt, g, h0, cont, x["q"], pmat), first, name)
-  if merged:
-    # the merged serial pass of a call not differentiated (cfg.serial_chunk): the pair kernel
-    # with decayed operands, the merge kernel, the serial pass at the merged chunk
-    pairs_dec = jax.jit(lambda q, k, w, g: dintra.pair_rows_forward(q, k, w, g, None,
-                                                                    decayed=True, **kw))
-    pargs = (x["q"], x["k"], w, g)
-    out["delta_pairs_decayed_fwd"] = _time_fn(pairs_dec, pargs, first, "delta_pairs_decayed_fwd")
-    pd = pairs_dec(*pargs)
-    merge = jax.jit(lambda lm, kb, wt, qb, pm, v, gl: dmerge.merge_forward(
-        lm, kb, wt, qb, pm, v, gl, serial_chunk=cfg.serial_chunk, **nosc))
-    margs = (pd.lmat, pd.kbar, pd.wt, pd.qbar, pd.pmat, x["v"], g[:, chunk - 1::chunk])
-    out["delta_merge_fwd"] = _time_fn(merge, margs, first, "delta_merge_fwd")
-    mw, mu, mwt, mqb, mpm, mgl = merge(*margs)
-    serial_kw = dict(kw, chunk=cfg.serial_chunk)
-    serial = jax.jit(lambda u, wk, wt, gl, h0, qb, pm: dstate.state_output_forward(
-        u, wk, wt, gl, h0, None, qb, pm, save_states=False, decayed=True,
-        out_dtype=jnp.bfloat16, **serial_kw))
-    out["delta_state_output_serial_fwd"] = _time_fn(
-        serial, (mu, mw, mwt, mgl, h0, mqb, mpm), first, "delta_state_output_serial_fwd")
   rbwd = jax.jit(lambda q, k, v, g, h0, cont, res, do: dbwd.recur_backward(
       q, k, v, g, h0, cont, res, do, jnp.zeros_like(h0), dv_dtype=v.dtype, **kw))
   args = (x["q"], x["k"], x["v"], g, h0, cont, (amat, pmat, wt, wk, states), jnp.ones_like(o))

@@ -94,20 +94,6 @@ def test_sweep_with_stages_at_tiny_shape():
     bm.FLAGS.unparse_flags()
 
 
-def test_stage_split_with_a_serial_chunk():
-  """Under serial_chunk the forward's stage split also times the merged serial pass's kernels:
-  the pair kernel with decayed operands, the merge kernel, the serial pass at the merged
-  chunk."""
-  bm.FLAGS(["bm", "--batch=1", "--heads=1", "--dim=16", "--reps=1", "--warmup=0"])
-  try:
-    with dr_config.overridden(serial_chunk=32, cumsum_in_pairs=True):
-      stages = bm._time_stages(40)
-    for key in ("delta_pairs_decayed_fwd", "delta_merge_fwd", "delta_state_output_serial_fwd"):
-      assert stages[key] > 0, (key, stages)
-  finally:
-    bm.FLAGS.unparse_flags()
-
-
 def test_sweep_restores_the_default_when_every_spec_fails(monkeypatch):
   def fail(*a, **k):
     raise RuntimeError("compile error")

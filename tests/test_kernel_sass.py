@@ -27,8 +27,10 @@ def _kdn_forward_modules(dtype):
 def test_triton_modules_of_the_kdn_forward_with_their_launch_parameters():
   mods = _kdn_forward_modules(jnp.bfloat16)
   cfg = dr_config.DEFAULT
-  assert {"kdn_gain_reduce", "kdn_gain_replay", "delta_rule_cumsum", "delta_rule_pair_token_loop",
+  # (the pair kernel forms g: DeltaRuleConfig.cumsum_in_pairs, no cumsum kernel)
+  assert {"kdn_gain_reduce", "kdn_gain_replay", "delta_rule_pair_token_loop",
           "delta_rule_wy", "delta_rule_state_output"} <= set(mods)
+  assert ("delta_rule_cumsum" in mods) == (not cfg.cumsum_in_pairs)
   assert mods["delta_rule_pair_token_loop"]["num_warps"] == cfg.num_warps_pairs
   assert mods["delta_rule_wy"]["num_warps"] == cfg.num_warps_intra
   assert mods["delta_rule_pair_token_loop"]["num_stages"] == cfg.num_stages

@@ -131,8 +131,9 @@ def test_check_grads_numerically(family, impl):
 
 
 def test_bf16_write_as_accurate_as_fp32_kappa():
-  """DeltaRuleConfig.bf16_write (the diag gain stores kappa in bf16 for bf16 data; trial):
-  the diag KDN op on bf16 q, k, v with packed segments, values and every gradient against the
+  """DeltaRuleConfig.bf16_write (the diag gain stores kappa in bf16 for bf16 data; the default
+  since session 48): the diag KDN op on bf16 q, k, v with packed segments, values and every
+  gradient against the
   float64 loop: within bf16 bounds, and within 1.5x (plus 5e-4) of the errors with an fp32
   kappa."""
   from pallas_kernels.delta_rule import config as dr_config   # pylint: disable=g-import-not-at-top
@@ -158,7 +159,7 @@ def test_bf16_write_as_accurate_as_fp32_kappa():
     errs[flag] = {n: rel_err(np.asarray(g, np.float32), w)
                   for n, g, w in zip(names, got, want)}
     errs[flag]["loss"] = abs(float(loss) - float(want_l)) / abs(float(want_l))
-  # (the trial is on: kappa's rounding moves the errors)
+  # (bf16_write on: kappa's rounding moves the errors)
   assert max(abs(errs[True][n] - errs[False][n]) for n in errs[True]) > 1e-5, errs
   for n, e in errs[True].items():
     assert e <= 1e-2, (n, errs)

@@ -128,7 +128,9 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
 
 @pytest.mark.parametrize("variant", [   # (the shipped default: through the ops, ops_cases)
     # (orthogonal options share a case: each case is one interpret-mode compile of fwd + bwd)
-    dict(block_v=32, block_v_parallel=64, pair_heads=1),
+    # ... with the cumsum kernel and q/k/g read by the WY and output kernels (before session 48)
+    dict(block_v=32, block_v_parallel=64, pair_heads=1, cumsum_in_pairs=False,
+         decayed_operands=False),
     dict(block_v=64, block_v_parallel=32, pair_diag="columns", fuse_output="none"),
     # chunk 32: two row blocks, the 32-step backward; the cumsums' loads in blocks of 3 (a
     # remainder in every program)
@@ -157,7 +159,9 @@ def test_delta_rule_kernel_variants(variant):
     ({}, jnp.float32, False),                                        # token-parallel pair kernel
     (dict(pair_diag="columns", max_chunk=32), jnp.float32, False),   # the row-block pair kernel
     ({}, jnp.bfloat16, True),                                 # GDN's: with a [B, T, H] decay
-    (dict(cumsum_in_pairs=True), jnp.bfloat16, False),   # KDA's: per-channel decay, g in pairs
+    ({}, jnp.bfloat16, False),   # KDA's: per-channel decay, g in pairs (the default)
+    # the forward's passes before session 48: the cumsum kernel, q/k/g read by WY and output
+    (dict(cumsum_in_pairs=False, decayed_operands=False), jnp.float32, False),
     (dict(scalar_write=False), jnp.float32, False)])                 # beta k made in XLA instead
 def test_delta_rule_scalar_write(variant, dtype, scalar_decay):
   """write given as a per-token scalar beta [B, T, H] (write = beta k, formed in the pair kernel
@@ -181,13 +185,14 @@ def test_delta_rule_scalar_write(variant, dtype, scalar_decay):
     (40, "strong", True, False, False),   # log-decay -20 per token, [B, T, H] decay
     (1, "normal", False, False, False)])  # T = 1
 def test_cumsum_in_pairs(t, decay, scalar_decay, segs, scalar_write):
-  """cumsum_in_pairs: the token-parallel pair kernel forms g from log_alpha (no cumsum kernel);
-  outputs of the primal and of a differentiated call, final state and gradients against the
-  float64 loop."""
+  """cumsum_in_pairs (the default) without decayed operands: the token-parallel pair kernel forms
+  g from log_alpha (no cumsum kernel) and writes it whole for the WY and output kernels; outputs
+  of the primal and of a differentiated call, final state and gradients against the float64
+  loop."""
   args = _inputs(13, 2, t, 2, 64, 32, jnp.float32, scalar_decay, decay,
                  scalar_write=scalar_write)
   seg = _segments(t, (20, 31, 32), (9,)) if segs else None
-  with dr_config.overridden(cumsum_in_pairs=True):
+  with dr_config.overridden(cumsum_in_pairs=True, decayed_operands=False):
     _check(args, seg, 16, 1e-5, 1e-4, vjp_primal=True)
 
 
@@ -246,7 +251,7 @@ def test_decayed_operands_pair_outputs(from_la):
     # g by the pair kernel: a forward-only call keeps g_last alone; the scalar write; resets
     (45, dict(cumsum_in_pairs=True), False, True, True, "normal"),
     # g by the cumsum kernel; the output kernel apart (reads Qbar), a [B, T, H, K] write
-    (45, dict(fuse_output="none"), False, True, False, "normal"),
+    (45, dict(cumsum_in_pairs=False, fuse_output="none"), False, True, False, "normal"),
     # the output fused in training's forward too, with resets (the per-chunk reset branch)
     (40, dict(cumsum_in_pairs=True, fuse_output="all"), True, True, False, "strong"),
     (1, dict(cumsum_in_pairs=True), False, False, False, "normal"),   # T = 1
@@ -262,26 +267,8 @@ def test_decayed_operands(t, variant, scalar_decay, segs, scalar_write, decay):
     _check(args, seg, 16, 1e-5, 1e-4, vjp_primal=True)
 
 
-@pytest.mark.parametrize("t,variant,scalar_decay,scalar_write,decay", [
-    # 4 pair chunks per serial step, g by the pair kernel, the scalar write; T padded to 64
-    (45, dict(serial_chunk=64, cumsum_in_pairs=True), False, True, "normal"),
-    # 2 per step, g by the cumsum kernel, the output kernel apart; several serial steps
-    (130, dict(serial_chunk=32, fuse_output="none"), True, False, "normal"),
-    (70, dict(serial_chunk=64, cumsum_in_pairs=True), False, False, "strong"),   # log-decay -20
-    (1, dict(serial_chunk=32), False, False, "normal"),   # T = 1
-])
-def test_serial_chunk(t, variant, scalar_decay, scalar_write, decay):
-  """serial_chunk: a call that is not differentiated and has no segment_ids runs the serial pass
-  over merged chunks (merge.py) built from the token-parallel pair kernel's 16-row chunks:
-  its outputs and final state against the float64 loop; a differentiated call (the plain
-  chunk-16 path) and every gradient too."""
-  args = _inputs(18, 2, t, 2, 64, 32, jnp.float32, scalar_decay, decay,
-                 scalar_write=scalar_write)
-  with dr_config.overridden(**variant):
-    _check(args, None, 16, 1e-5, 1e-4, vjp_primal=True)
-
-
-@pytest.mark.parametrize("variant", [dict(cumsum_in_pairs=True), dict(fuse_output="none")])
+@pytest.mark.parametrize("variant", [dict(cumsum_in_pairs=True),
+                                     dict(cumsum_in_pairs=False, fuse_output="none")])
 def test_decayed_operands_match_the_plain_kernels_in_bf16(variant):
   """For bf16 data the decayed operands are the values the WY and output kernels formed and
   rounded for their dots anyway (same fp32 expressions, one rounding), so the outputs are the
@@ -296,7 +283,7 @@ def test_decayed_operands_match_the_plain_kernels_in_bf16(variant):
       f = jax.jit(lambda *a: delta_rule(*a[:5], 0.7, a[5], seg, chunk_size=16))
       holds_g = fp32_g in str(jax.make_jaxpr(f)(*args))
       outs[on] = f(*args)
-    assert holds_g == (not on or not variant.get("cumsum_in_pairs")), (on, holds_g)
+    assert holds_g == (not on or not variant["cumsum_in_pairs"]), (on, holds_g)
   for a, b_, name in zip(outs[True], outs[False], ("o", "S_final")):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b_, np.float32),
                                   err_msg=name)
@@ -400,9 +387,7 @@ def test_delta_rule_precision_argument():
                                  dict(max_chunk=0), dict(wy_inverse="rows"),
                                  dict(pair_diag="rows"), dict(pair_heads=3),
                                  dict(fuse_output="fused"),
-                                 dict(forward_only_chunk=48), dict(num_warps_intra_bwd=0),
-                                 dict(serial_chunk=16), dict(serial_chunk=48),
-                                 dict(num_warps_merge=3)])
+                                 dict(forward_only_chunk=48), dict(num_warps_intra_bwd=0)])
 def test_delta_rule_config_rejects_bad_values(bad):
   with pytest.raises(ValueError, match="DeltaRuleConfig." + next(iter(bad))):
     dr_config.DeltaRuleConfig(**bad)

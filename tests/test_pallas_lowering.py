@@ -51,7 +51,8 @@ def _op_inputs(dtype, t=80):
     {}, dict(pair_diag="columns"),
     dict(max_chunk=32), dict(max_chunk=64, sub_block=32), dict(fuse_output="all"),
     dict(fuse_output="all", cumsum_block=1),
-    dict(cumsum_in_pairs=True, bf16_write=True, decayed_operands=True)])
+    # the forward's passes before session 48 (a cumsum kernel, fp32 kappa, q/k/g re-read)
+    dict(cumsum_in_pairs=False, bf16_write=False, decayed_operands=False)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
   """diag KDN forward and backward (gain kernels, cumsum, pair, WY, state pass, output, the
@@ -68,8 +69,9 @@ def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
     text = _lower_for_cuda(jax.grad(loss, argnums=tuple(range(6))), q, k, v, la, om, r)
   token_parallel = (variant.get("pair_diag", "token_loop") == "token_loop"
                     and "max_chunk" not in variant)   # (chunks of one row block only)
+  in_pairs = token_parallel and variant.get("cumsum_in_pairs", dr_config.DEFAULT.cumsum_in_pairs)
   expected = {"kdn_gain_reduce", "kdn_gain_replay", "kdn_gain_bwd_reduce", "kdn_gain_bwd_replay",
-              *(() if variant.get("cumsum_in_pairs") else ("delta_rule_cumsum",)),
+              *(() if in_pairs else ("delta_rule_cumsum",)),
               "delta_rule_wy",
               *(("delta_rule_state_output",) if variant.get("fuse_output") == "all" else
                 ("delta_rule_state_pass", "delta_rule_output")),
@@ -78,7 +80,7 @@ def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
               "delta_rule_pair_token_loop" if token_parallel else "delta_rule_pair_rows"}
   kernels = _triton_kernels(text)
   assert expected <= kernels, expected - kernels
-  if variant.get("cumsum_in_pairs"):   # the pair kernel forms g: no cumsum kernel runs
+  if in_pairs:   # the pair kernel forms g: no cumsum kernel runs
     assert "delta_rule_cumsum" not in kernels, kernels
 
 
@@ -122,26 +124,6 @@ def test_decayed_operands_forward_lowers(as_on_gpu, segments):
   assert kernels == want, kernels
 
 
-@pytest.mark.parametrize("fuse_output", ["primal", "none"])
-def test_serial_chunk_forward_lowers(as_on_gpu, fuse_output):
-  """serial_chunk=64, a call not differentiated, without segments: the pair kernel (decayed
-  operands, g_last), the merge kernel and the serial pass at chunk 64 (the output fused, or its
-  own kernel) lower for CUDA, bf16; and a differentiated call keeps the chunk-16 kernels."""
-  from pallas_kernels import delta_rule   # pylint: disable=g-import-not-at-top
-  q, k, v, la, _, _, _ = _op_inputs(jnp.bfloat16)
-  h0 = jnp.zeros((1, 2, 64, 64), jnp.float32)
-  fwd = lambda q, k, v: delta_rule(q, k, v, la, k, 0.125, h0, None, chunk_size=16)[0]
-  grad = jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32)), argnums=(0, 1, 2))
-  with dr_config.overridden(serial_chunk=64, cumsum_in_pairs=True, fuse_output=fuse_output):
-    kernels = _triton_kernels(_lower_for_cuda(fwd, q, k, v))
-    train = _triton_kernels(_lower_for_cuda(grad, q, k, v))
-  want = {"delta_rule_pair_token_loop", "delta_rule_merge"} | (
-      {"delta_rule_state_output"} if fuse_output == "primal" else
-      {"delta_rule_state_pass", "delta_rule_output"})
-  assert kernels == want, kernels
-  assert "delta_rule_merge" not in train and {"delta_rule_wy", "delta_rule_recur_bwd"} <= train
-
-
 @pytest.mark.parametrize("fuse_output", ["none", "primal", "all"])
 @pytest.mark.parametrize("segments", [False, True])
 @pytest.mark.parametrize("differentiated", [False, True])
@@ -174,19 +156,19 @@ def test_fuse_output_picks_the_kernels_and_lowers(as_on_gpu, fuse_output, segmen
 
 
 @pytest.mark.parametrize("mixer,options", [("kdn_diag", "default"), ("kdn_iso", "default"),
-                                            ("kdn_diag", "plain_loops_and_trials")])
+                                            ("kdn_diag", "plain_loops_old_passes")])
 def test_kdn_layer_lowers_for_cuda(as_on_gpu, monkeypatch, mixer, options):
   """A whole KDN layer on the pallas path, fwd+bwd: the fused gate front-end, the short convs and
   the gated norm kernels as well as the memory update. 'plain_loops_and_trials': the conv and
-  cumsum row loops as plain loops (not their default blocks of 8), with the trials bf16_write
-  (kappa stored in bf16), cumsum_in_pairs (g formed by the pair kernel) and decayed_operands
-  (Kbar and Qbar written by it) on."""
-  if options == "plain_loops_and_trials":
+  cumsum row loops as plain loops (not their default blocks of 8), with the forward's passes
+  as they were before session 48 (bf16_write, cumsum_in_pairs and decayed_operands off: fp32
+  kappa, the cumsum kernel, q/k/g read by the WY and output kernels)."""
+  if options == "plain_loops_old_passes":
     from pallas_kernels.causal_conv1d import config as conv_config   # pylint: disable=g-import-not-at-top
     monkeypatch.setattr(conv_config, "DEFAULT", conv_config.ConvConfig(load_block=1))
     monkeypatch.setattr(dr_config, "DEFAULT", dataclasses.replace(
-        dr_config.DEFAULT, cumsum_block=1, bf16_write=True, cumsum_in_pairs=True,
-        decayed_operands=True))
+        dr_config.DEFAULT, cumsum_block=1, bf16_write=False, cumsum_in_pairs=False,
+        decayed_operands=False))
   cfg = model_config("tiny", d_model=128, num_heads=2, head_dim=64, mixer=mixer, impl="pallas",
                      chunk_size=16, dtype="bfloat16", param_dtype="float32", mlp_hidden=1)
   layer = MIXERS[mixer](cfg, rngs=nnx.Rngs(0))

@@ -6,7 +6,7 @@
 # mixers (mixer table vs flash-linear-attention), layers (whole layers vs fla's KDA layer),
 # train (125M LM training throughput on 1 GPU, and on 2 when there are 2), mgpu (the Mosaic GPU
 # output stage: tests and timing), forward (forward configs at 16k with the stage split and at
-# 4k, fuse_output=all, GPU checks), passes (cumsum_in_pairs fwd+bwd, the scalar write's A/B,
+# 4k, fuse_output=all, GPU checks), passes (the forward's passes fwd+bwd, the scalar write's A/B,
 # the K=16 check), ncu (Nsight Compute on the pair kernels, ours and fla's), glue (the GPU check
 # of the layers' fused glue kernels), loadchecks (GPU checks of the default since the cumsums'
 # load blocks), convblocks (the conv's load blocks: layers, check_fusion), abexp (session 46's
@@ -123,20 +123,20 @@ train)
   done ;;
 forward)
   # The forward at 16k with its stage split, then at 4k: FORWARD_SWEEP (default: the shipped
-  # config against session 45's cumsum_in_pairs (g formed by the pair kernel, no cumsum kernel)
-  # and bf16_write (kappa stored in bf16) together (T2; session 46, H100: forward 16k 4.94 ->
-  # 4.61 / 4.78 ms alone), T2 with session 48's decayed_operands (T3: Kbar, Qbar written by the
-  # pair kernel), and T3 with session 48's serial_chunk=64 / 32 (the serial pass over merged
-  # chunks), at 64 also with the output kernel apart); FORWARD_LIMIT /
-  # FORWARD_4K_LIMIT: their limits. Then 'all' (the output fused in every call, training too)
-  # fwd+bwd without and with documents (FORWARD_ALL=1 adds those, +120 s); the GPU checks
-  # CHECK_CASES=dim:spec[:gain spec],... (default: T3 with serial_chunk=64 at K=128 and 16,
-  # and fuse_output=all's reset branch at K=128; each up to CHECK_LIMIT, 120 s). About 570 s at
+  # config against session 48's decayed_operands off, and all three of the forward's passes off
+  # (cumsum_in_pairs: g formed by the pair kernel, no cumsum kernel; bf16_write: kappa in bf16;
+  # decayed_operands: Kbar, Qbar written by the pair kernel; the default since session 48:
+  # forward 16k 4.70 -> 3.94 ms on the H200), and fuse_output=none, the output kernel apart);
+  # FORWARD_LIMIT / FORWARD_4K_LIMIT: their limits. Then 'all' (the output fused in every call,
+  # training too) fwd+bwd without and with documents (FORWARD_ALL=1 adds those, +120 s); the GPU
+  # checks CHECK_CASES=dim:spec[:gain spec],... (default: the default at K=128 and 16, and
+  # fuse_output=all's reset branch at K=128; each up to CHECK_LIMIT, 120 s: a cold compile
+  # cache needs more than 110 s at K=128, session 48). About 570 s at
   # most (FORWARD_ALL=1: 690; FORWARD_DOCS=1: the forward with documents, +50 s). Each line has
   # its own limit, and results.tgz is packed after each.
   SWEEP_LOG=forward.txt
-  T2=cumsum_in_pairs=1/bf16_write=1; T3=$T2/decayed_operands=1
-  SPECS=${FORWARD_SWEEP:-default,$T2,$T3,$T3/serial_chunk=64,$T3/serial_chunk=32,$T3/serial_chunk=64/fuse_output=none}
+  OFF=cumsum_in_pairs=0/bf16_write=0/decayed_operands=0
+  SPECS=${FORWARD_SWEEP:-default,decayed_operands=0,$OFF,fuse_output=none}
   sweep_line ${FORWARD_LIMIT:-220} --out="$RES/forward_16384" --seq_lens=16384 --sweep_len=16384 \
     --sweep_fwd_only --sweep_stages --sweep=$SPECS
   sweep_line ${FORWARD_4K_LIMIT:-110} --out="$RES/forward_4096" --seq_lens=4096 --sweep_len=4096 \
@@ -148,20 +148,18 @@ forward)
     --sweep=default,fuse_output=all
   [ "${FORWARD_ALL:-0}" = 1 ] && sweep_line 50 --out="$RES/forward_all_docs" --seq_lens=16384 --sweep_len=16384 \
     --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
-  gpu_checks "${CHECK_CASES:-128:$T3/serial_chunk=64,16:$T3/serial_chunk=64,128:fuse_output=all}" ;;
+  gpu_checks "${CHECK_CASES:-128:default,16:default,128:fuse_output=all}" ;;
 passes)
-  # (Session 48's decayed_operands and serial_chunk: in `forward`'s sweep and checks.)
-  # Session 45's passes taken out of the op (untimed then): cumsum_in_pairs (the pair kernel
-  # forms g; no cumsum kernel) and bf16_write (kappa in bf16) in training's fwd+bwd, and the
+  # The forward's passes in training's fwd+bwd: the default against cumsum_in_pairs (the pair
+  # kernel forms g; no cumsum kernel) and bf16_write (kappa in bf16) off, and against all three
+  # off (with decayed_operands; session 48, H200: 14.04 ms against 14.35-14.40 at 16k); and the
   # scalar write (beta [B, T, H] formed in the kernels) against beta k made in XLA
   # (scalar_write=0), forward then fwd+bwd, on the rows whose write is beta k
   # (SCALAR_WRITE_ROWS: iso KDN, KDA); then the GPU check of the default at K=16 (every check
   # has a scalar-write case and the KDN ops' own). About 450 s at most.
   SWEEP_LOG=passes.txt
-  # cumsum_in_pairs and bf16_write in training's fwd+bwd (the forward stores the states; no
-  # cumsum kernel either; kappa and its gradient in bf16)
   sweep_line 90 --out="$RES/passes_fwd_bwd" --seq_lens=16384 --sweep_len=16384 \
-    --sweep=default,cumsum_in_pairs=1,bf16_write=1
+    --sweep=default,cumsum_in_pairs=0/bf16_write=0,cumsum_in_pairs=0/bf16_write=0/decayed_operands=0
   # session 45's scalar write (beta [B, T, H] formed in the kernels) against beta k made in XLA
   # (scalar_write=0), forward then fwd+bwd, on the rows whose write is beta k (iso KDN, KDA)
   for row in ${SCALAR_WRITE_ROWS:-iso_kdn_pallas kda_pallas}; do

@@ -15,9 +15,6 @@ One module per stage (options in config.DeltaRuleConfig), imported only from her
   state_pass    the serial chunk loop: S_final, chunk-start states, Delta = U - W S_0 (with
                 cfg.fuse_output also O, in the same loop)
   output        O = Qbar S_0 + P Delta, parallel over chunks
-  merge         a call not differentiated, without segments, with cfg.serial_chunk: the WY
-                operands of serial_chunk-token chunks from the pair kernel's 16-row ones, so
-                that the serial pass steps over fewer, longer chunks
   backward      the reverse dS chain, dV and the partial gradients, then intra_bwd_tokens
   intra_bwd_tokens  the intra backward, token-parallel
   tiles         helpers the stage kernels share (no kernels)
@@ -40,7 +37,6 @@ from pallas_kernels.delta_rule import backward as _backward
 from pallas_kernels.delta_rule import chunk_cumsum as _cumsum_kernels
 from pallas_kernels.delta_rule import config as _config
 from pallas_kernels.delta_rule import intra as _intra
-from pallas_kernels.delta_rule import merge as _merge
 from pallas_kernels.delta_rule import output as _output
 from pallas_kernels.delta_rule import state_pass as _state_pass
 from pallas_kernels.delta_rule import tiles as _tiles
@@ -73,8 +69,6 @@ def forward(q, k, v, w, g, h0, cont, pid, *, chunk, scale, interpret, cfg, cfg_p
   (both None without segments). The g returned is None when the pair kernel formed it and
   nothing read it whole (a call without save_states under cfg.decayed_operands)."""
   kw = dict(chunk=chunk, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
-  if merges(cfg, chunk, save_states, cont is not None):
-    return _merged_forward(q, k, v, w, g, h0, pid, la, scale=scale, **kw)
   x = _intra.intra_forward(q, k, v, w, g, h0, pid, cont, scale=scale, la=la,
                            keep_g=save_states, **kw)
   decayed = x.qbar is not None
@@ -91,38 +85,6 @@ def forward(q, k, v, w, g, h0, cont, pid, *, chunk, scale, interpret, cfg, cfg_p
   o = _output.output_forward(q_out, g_out, x.pmat, delta, states, h0, cont, scale=scale,
                              out_dtype=q.dtype, **kw)
   return o, sfin, (x.amat, x.pmat, x.wt, x.wk, states if save_states else None), x.g
-
-
-def merges(cfg, chunk, save_states, has_seg):
-  """Whether the forward runs the serial pass at cfg.serial_chunk over merged chunks (merge.py):
-  a call that saves no states (not differentiated), without segments, on the token-parallel
-  pair kernel's chunks."""
-  return (cfg.serial_chunk > chunk and not save_states and not has_seg
-          and _intra.token_parallel(cfg, chunk))
-
-
-def _merged_forward(q, k, v, w, g, h0, pid, la, *, chunk, scale, interpret, cfg, cfg_prec):
-  """forward() with the serial pass at cfg.serial_chunk: the pair kernel (decayed operands, g
-  kept at each chunk's last row only), the merge kernel, then the serial pass (the output
-  fused or apart, as cfg.fuse_output says for a call of this kind). T: a multiple of
-  cfg.serial_chunk."""
-  kw = dict(interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
-  pairs = _intra.pair_rows_forward(q, k, w, g, pid, chunk=chunk, scale=scale, la=la,
-                                   write_g=False, decayed=True, **kw)
-  g_last = pairs.g_last if la is not None else g[:, chunk - 1::chunk]
-  wk, u, wt, qbar, pmat, g_last = _merge.merge_forward(
-      pairs.lmat, pairs.kbar, pairs.wt, pairs.qbar, pairs.pmat, v, g_last, chunk=chunk,
-      serial_chunk=cfg.serial_chunk, **kw)
-  kw["chunk"] = cfg.serial_chunk
-  if cfg.fuse_output in ("primal", "all"):
-    o, sfin = _state_pass.state_output_forward(u, wk, wt, g_last, h0, None, qbar, pmat,
-                                               scale=scale, save_states=False, decayed=True,
-                                               out_dtype=q.dtype, **kw)
-  else:
-    delta, sfin, states = _state_pass.state_forward(u, wk, wt, g_last, h0, None, **kw)
-    o = _output.output_forward(qbar, None, pmat, delta, states, h0, None, scale=scale,
-                               out_dtype=q.dtype, **kw)
-  return o, sfin, (None,) * 5, None
 
 
 def _forward_body(q, k, v, w, la, h0, starts, cont, pid, *, chunk, scale, interpret, cfg, prec,
@@ -279,10 +241,7 @@ def delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None
   cfg = _config.DEFAULT
   chunk = chunk_length(cfg, chunk_size, t, interpret)
   cfg_fo, chunk_fo = forward_only(cfg, chunk_size, t, interpret)
-  # (powers of two: a multiple of each; the primal's merged serial chunk where it may run)
-  t_pad = -(-t // max(chunk, chunk_fo)) * max(chunk, chunk_fo)
-  if segment_ids is None and merges(cfg_fo, chunk_fo, False, False):
-    t_pad = -(-t_pad // cfg_fo.serial_chunk) * cfg_fo.serial_chunk
+  t_pad = -(-t // max(chunk, chunk_fo)) * max(chunk, chunk_fo)   # powers of two: a multiple of both
   la = log_alpha   # the cumsum (or pair) kernel reads it in its own dtype and sums in fp32
   if la.ndim == 3:
     la = jnp.broadcast_to(la[..., None], la.shape + (kd,))

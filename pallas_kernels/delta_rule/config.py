@@ -104,58 +104,46 @@ class DeltaRuleConfig:
   # T=16384, one process: default 5.12 ms) and removed: the output's rows loaded in their own
   # step instead of with the chain's, 5.53 (lost); its dots after the S update, 5.11 (a tie).
   fuse_output: str = "primal"
+  # Three passes cut from the forward's memory traffic, the default since session 48 (H200, one
+  # process, diag KDN forward T=16384, the three against none: 3.94 ms against 4.70 / 4.82 (the
+  # default timed before and after the others); the first two alone 4.30; T=4096 1.31 against
+  # 1.27 / 1.36, a tie; fwd+bwd T=16384 14.04 against 14.35 / 14.40; GPU check at K=128 and 16,
+  # segments included, within the bounds (fp32 <= 5.5e-7, bf16 <= 4.5e-3);
+  # docs/benchmark_mixers.md, session 48):
   # The decay cumsum g formed by the token-parallel pair kernel (which then reads log_alpha and
   # writes g) instead of by its own kernel before it (chunk_cumsum.py): one pass over
   # [B, T, H, K] fp32 less (the cumsum's read of log_alpha and its launch; H200 T=16384 stage
   # split: cumsum 0.36 ms) for a loop of loads and adds per row in the pair kernel (Wt's decay
   # to the chunk's last token): its row loads per program go from about 19 (w_j and g_j for the
   # 8.5 columns j <= r on average, g_r, g_last) to about 24.5 (w_j and log_alpha_j for those
-  # columns, log_alpha_j for the 7.5 after r), so it loses if that kernel is bound by its
-  # loads. Applies where the pair kernel is token-parallel (pair_diag 'token_loop', chunk 16),
-  # to every forward (differentiated or not). Session 45 trial, exact in interpret mode. Session
-  # 46, H100, diag KDN forward, one process per length: T=16384 4.94 -> 4.61 ms (pair kernel with
-  # the cumsum 1.56 ms against 1.48 + 0.42 for the two kernels), T=4096 ~1.40 -> 1.35. Not yet
-  # GPU-checked nor timed fwd+bwd: gpu_measurements.sh passes and forward's checks, then the
-  # default.
-  cumsum_in_pairs: bool = False
+  # columns, log_alpha_j for the 7.5 after r). Applies where the pair kernel is token-parallel
+  # (pair_diag 'token_loop', chunk 16), to every forward (differentiated or not). Session 45
+  # trial; session 46, H100, diag KDN forward: T=16384 4.94 -> 4.61 ms (pair kernel with the
+  # cumsum 1.56 ms against 1.48 + 0.42 for the two kernels), T=4096 ~1.40 -> 1.35.
+  cumsum_in_pairs: bool = True
   # The token-parallel pair kernel, which holds q, k and g for its row, also writes the decayed
   # dot operands Kbar = k exp(g) and Qbar = scale q exp(g) in the dots' operand dtype (bf16 for
   # 16-bit data), which the WY kernel reads in place of k and g and the output (fused into the
   # state pass, or its own kernel) in place of q and g: the same values those kernels formed and
-  # rounded for their dots. With cumsum_in_pairs, a call that is not differentiated then writes
-  # no fp32 g at all, only g at each chunk's last row for the state pass. Bytes (diag KDN
-  # forward, B=4 H=16 K=128 T=16384, bf16, both trials above on): the pair kernel writes Kbar and
-  # Qbar (2 + 2 bytes per element) in place of g (4), and the WY and state/output kernels each
-  # read 2 bytes per element in place of 6 (docs/kernel_sass.md, session 48: 1.07 GB less, 0.36
-  # ms at 3 TB/s; the WY kernel is near its memory floor). In training the pair kernel writes g
-  # as well (the backward reads it). Chunks of one row block (the token-parallel pair kernel)
-  # only; elsewhere ignored. Session 48 trial, exact in interpret mode; not yet timed.
-  decayed_operands: bool = False
-  # The serial pass's chunk in calls that are not differentiated and have no segment_ids (0: the
-  # chunk's own): the token-parallel pair kernel still forms the pair products of 16-row chunks
-  # (with decayed operands), and a merge kernel (merge.py) builds the WY operands of
-  # serial_chunk-token chunks from them, so the serial pass, bound by its chain of dependent
-  # steps (1024 at T=16384: ~1.6 us each, docs/kernel_sass.md), takes 16 / serial_chunk of them
-  # (fla's runs at chunk 64). A multiple of the chunk; T is padded to it. Session 48 trial, exact
-  # in interpret mode; not yet timed.
-  serial_chunk: int = 0
-  # Triton warps, the merge kernel (serial_chunk). Static SASS at serial_chunk=64 (T=16384,
-  # docs/kernel_sass.md): ~22k instructions per program at 1 warp (its inverse loops run), 17k
-  # per warp at 2, 14k per warp at 4 (unrolled): 0.4 / 0.6 / 1.0 ms of issue on an H100 for its
-  # 16384 programs. Not yet timed.
-  num_warps_merge: int = 1
+  # rounded for their dots (bit-identical outputs in interpret mode). With cumsum_in_pairs, a
+  # call that is not differentiated then writes no fp32 g at all, only g at each chunk's last
+  # row for the state pass. Bytes (diag KDN forward, B=4 H=16 K=128 T=16384, bf16): the pair
+  # kernel writes Kbar and Qbar (2 + 2 bytes per element) in place of g (4), and the WY and
+  # state/output kernels each read 2 bytes per element in place of 6 (1.0 GB less; the fused
+  # step 459 -> 345 instructions, its 16 exps gone: docs/kernel_sass.md, session 48). In
+  # training the pair kernel writes g as well (the backward reads it). Chunks of one row block
+  # (the token-parallel pair kernel) only; elsewhere ignored. Session 48: forward T=16384
+  # 4.30 -> 3.94 ms on top of the other two.
+  decayed_operands: bool = True
   # A computed write direction (the diagonal KDN gain kappa, op and layer) stored in bf16 when
   # the delta rule's dots take bf16 operands (16-bit q, k, v and fast_dots='bf16'; write_dtype):
   # the gain kernel writes half the bytes, and the token-parallel pair kernel, whose column
   # loads bound it (fla's equivalent kernel, which reads bf16 k and fp32 g per column, ran at
-  # 82% of L1 throughput in session 35's profile; ours reads fp32 kappa and fp32 g), reads 6
-  # bytes per column element instead of 8. kappa then also enters L (and so A's fp32 inverse)
-  # rounded to bf16, where P, Wt and W round it anyway, and its gradient comes back in bf16
-  # like dq, dk and dv. Session 45 trial, off. Session 46, H100, diag KDN forward, one process
-  # per length: T=16384 4.94 -> 4.78 ms, T=4096 ~1.40 -> 1.32. (Its stage split then timed the
-  # pair kernel on an fp32 kappa; benchmark_mixers' stages now store kappa as the op does.) Not
-  # yet GPU-checked nor timed fwd+bwd.
-  bf16_write: bool = False
+  # 82% of L1 throughput in session 35's profile), reads 6 bytes per column element instead of
+  # 8. kappa then also enters L (and so A's fp32 inverse) rounded to bf16, where P, Wt and W
+  # round it anyway, and its gradient comes back in bf16 like dq, dk and dv. Session 45 trial;
+  # session 46, H100, diag KDN forward: T=16384 4.94 -> 4.78 ms, T=4096 ~1.40 -> 1.32.
+  bf16_write: bool = True
   # A write given as a per-token scalar beta ([B, T, H], write = beta k: DeltaNet's, KDA's and
   # the isotropic KDN's) formed inside the pair kernels and the intra backward, beta applied
   # after their reductions over K (and beta's gradient <dw, k> summed there), instead of an XLA
@@ -189,9 +177,6 @@ class DeltaRuleConfig:
     if self.sub_block and (not pow2(self.sub_block) or self.sub_block < 16):
       raise ValueError("DeltaRuleConfig.sub_block must be 0 or a power of two >= 16, got "
                        f"{self.sub_block}")
-    if self.serial_chunk and (not pow2(self.serial_chunk) or not 32 <= self.serial_chunk <= 128):
-      raise ValueError("DeltaRuleConfig.serial_chunk must be 0 or a power of two in [32, 128], "
-                       f"got {self.serial_chunk}")
     if self.forward_only_chunk and not pow2(self.forward_only_chunk):
       raise ValueError("DeltaRuleConfig.forward_only_chunk must be 0 or a power of two, got "
                        f"{self.forward_only_chunk}")
