@@ -473,28 +473,35 @@ def _time_stages(t, docs=False):
   iargs = (x["q"], x["k"], x["v"], w, g, h0, pid, cont)
   out["delta_intra_fwd"] = _time_fn(intra, iargs, first, "delta_intra_fwd")
   amat, pmat, wt, wk, u = intra(*iargs)[:5]
-  # its two kernels apart: the pair rows, then the WY kernel
-  pairs = jax.jit(lambda q, k, w, g, pid: dintra.pair_rows_forward(q, k, w, g, pid, **kw))
+  # its two kernels apart: the pair rows, then the WY kernel; with decayed operands (the pair
+  # kernel also writes Kbar and Qbar) the later stages read those, as the op's do
+  dec = dintra.decayed_operands(cfg, chunk)
+  pairs = jax.jit(lambda q, k, w, g, pid: dintra.pair_rows_forward(q, k, w, g, pid, decayed=dec,
+                                                                   **kw))
   out["delta_pairs_fwd"] = _time_fn(pairs, (x["q"], x["k"], w, g, pid), first, "delta_pairs_fwd")
-  lmat = pairs(x["q"], x["k"], w, g, pid)[0]
+  pd = pairs(x["q"], x["k"], w, g, pid)
+  lmat = pd.lmat
+  q_out, k_wy, g_dec = (pd.qbar, pd.kbar, None) if dec else (x["q"], x["k"], g)
   if cfg.cumsum_in_pairs and dintra.token_parallel(cfg, chunk):
-    # the pair kernel forming g from log_alpha (the op then runs no cumsum kernel)
+    # the pair kernel forming g from log_alpha (the op then runs no cumsum kernel; with decayed
+    # operands a call not differentiated writes only g's chunk-last rows)
     pairs_la = jax.jit(lambda q, k, w, la, pid: dintra.pair_rows_forward(
-        q, k, w, None, pid, la=la, **kw))
+        q, k, w, None, pid, la=la, decayed=dec, write_g=not dec, **kw))
     out["delta_pairs_cumsum_fwd"] = _time_fn(pairs_la, (x["q"], x["k"], w, x["la"], pid), first,
                                              "delta_pairs_cumsum_fwd")
   nosc = {n: val for n, val in kw.items() if n != "scale"}
   wyf = jax.jit(lambda lmat, k, v, g, h0, cont: dwy.wy_forward(
       lmat, k, v, g, h0, cont, sub=dintra.sub_rows(cfg, chunk), **nosc))
-  out["delta_wy_fwd"] = _time_fn(wyf, (lmat, x["k"], x["v"], g, h0, cont), first, "delta_wy_fwd")
+  out["delta_wy_fwd"] = _time_fn(wyf, (lmat, k_wy, x["v"], g_dec, h0, cont), first,
+                                 "delta_wy_fwd")
   state = jax.jit(lambda u, wk, wt, g, h0, cont: dstate.state_forward(u, wk, wt, g, h0, cont,
                                                                       **nosc))
   args = (u, wk, wt, g, h0, cont)
   out["delta_state_fwd"] = _time_fn(state, args, first, "delta_state_fwd")
   delta, _, states = state(*args)
   output = jax.jit(lambda q, g, p, delta, states, h0, cont: dout.output_forward(
-      q, g, p, delta, states, h0, cont, **kw))
-  oargs = (x["q"], g, pmat, delta, states, h0, cont)
+      q, g, p, delta, states, h0, cont, out_dtype=jnp.bfloat16, **kw))
+  oargs = (q_out, g_dec, pmat, delta, states, h0, cont)
   out["delta_output_fwd"] = _time_fn(output, oargs, first, "delta_output_fwd")
   o = output(*oargs)
   # the serial pass and the output stage together (the earlier sessions' "recurrent fwd")
@@ -503,9 +510,10 @@ def _time_stages(t, docs=False):
   # and with them (training's forward)
   for save in (False, True):
     fused = jax.jit(lambda u, wk, wt, g, h0, cont, q, p, save=save: dstate.state_output_forward(
-        u, wk, wt, g, h0, cont, q, p, save_states=save, **kw))
+        u, wk, wt, g, h0, cont, q, p, save_states=save, decayed=dec, out_dtype=jnp.bfloat16,
+        **kw))
     name = "delta_state_output_fwd" + ("_save" if save else "")
-    out[name] = _time_fn(fused, (u, wk, wt, g, h0, cont, x["q"], pmat), first, name)
+    out[name] = _time_fn(fused, (u, wk, wt, g, h0, cont, q_out, pmat), first, name)
   rbwd = jax.jit(lambda q, k, v, g, h0, cont, res, do: dbwd.recur_backward(
       q, k, v, g, h0, cont, res, do, jnp.zeros_like(h0), dv_dtype=v.dtype, **kw))
   args = (x["q"], x["k"], x["v"], g, h0, cont, (amat, pmat, wt, wk, states), jnp.ones_like(o))

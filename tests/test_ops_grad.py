@@ -133,9 +133,8 @@ def test_check_grads_numerically(family, impl):
 def test_bf16_write_as_accurate_as_fp32_kappa():
   """DeltaRuleConfig.bf16_write (the diag gain stores kappa in bf16 for bf16 data; the default
   since session 48): the diag KDN op on bf16 q, k, v with packed segments, values and every
-  gradient against the
-  float64 loop: within bf16 bounds, and within 1.5x (plus 5e-4) of the errors with an fp32
-  kappa."""
+  gradient against the float64 loop: within bf16 bounds, and within 1.5x (plus 5e-4) of the
+  errors with an fp32 kappa."""
   from pallas_kernels.delta_rule import config as dr_config   # pylint: disable=g-import-not-at-top
   x = round_f32(make_inputs("diag", B, T, H, K, V, seed=12))
   for n in ("q", "k", "v"):   # the oracle sees the bf16-rounded data
