@@ -474,7 +474,8 @@ def _time_stages(t, docs=False):
   out["delta_intra_fwd"] = _time_fn(intra, iargs, first, "delta_intra_fwd")
   amat, pmat, wt, wk, u = intra(*iargs)[:5]
   # its two kernels apart: the pair rows, then the WY kernel; with decayed operands (the pair
-  # kernel also writes Kbar and Qbar) the later stages read those, as the op's do
+  # kernel also writes Kbar and Qbar) the later stages read those, as the op's do (the state
+  # pass gets the whole g here, where a forward-only op call passes g_last: the same rows read)
   dec = dintra.decayed_operands(cfg, chunk)
   pairs = jax.jit(lambda q, k, w, g, pid: dintra.pair_rows_forward(q, k, w, g, pid, decayed=dec,
                                                                    **kw))

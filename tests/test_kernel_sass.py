@@ -61,8 +61,9 @@ def _kdn_grad_modules(dtype, seg):
 
 @pytest.mark.parametrize("dtype,seg", [(jnp.bfloat16, True), (jnp.float32, False)])
 def test_kernels_exp_follows_the_data_dtype(dtype, seg):
-  """diag KDN fwd+bwd, every kernel (gains, cumsums, the delta rule's forward and backward):
-  16-bit data call libdevice's exp2f (one MUFU.EX2) and never expf; fp32 data the reverse."""
+  """diag KDN fwd+bwd, every kernel that takes an exp (gains, cumsums, the delta rule's forward
+  and backward; with decayed operands the WY and output kernels take none): 16-bit data call
+  libdevice's exp2f (one MUFU.EX2) and never expf; fp32 data the reverse."""
   calls = _math_calls(_kdn_grad_modules(dtype, seg))
   assert len(calls) >= 10
   wanted, banned = ("__nv_exp2f", "__nv_expf") if dtype == jnp.bfloat16 else (

@@ -138,7 +138,9 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
     dict(max_chunk=32, sub_block=32),            # chunk 32 in one row block
     dict(forward_only_chunk=32, wy_inverse="sub_dots"),   # primal at chunk 32, residuals at 16
     # (6 heads: programs of gcd(4, 6) = 2 heads); the cumsums as plain row loops (default: 8)
-    dict(pair_heads=4, fuse_output="all", cumsum_block=1),
+    dict(pair_heads=4, fuse_output="all", cumsum_block=1, cumsum_in_pairs=False),
+    # the decayed operands (default) read by state pass and output kernel in two V blocks each
+    dict(block_v=32, block_v_parallel=32, fuse_output="none"),
     dict(fuse_output="all", block_v=32, max_chunk=32)])
 def test_delta_rule_kernel_variants(variant):
   """Every kernel option (V blocks of the serial and parallel kernels, the WY kernel's inverses,

@@ -50,13 +50,13 @@ def _op_inputs(dtype, t=80):
 @pytest.mark.parametrize("variant", [
     {}, dict(pair_diag="columns"),
     dict(max_chunk=32), dict(max_chunk=64, sub_block=32), dict(fuse_output="all"),
-    dict(fuse_output="all", cumsum_block=1),
+    dict(fuse_output="all", cumsum_block=1, cumsum_in_pairs=False),
     # the forward's passes before session 48 (a cumsum kernel, fp32 kappa, q/k/g re-read)
     dict(cumsum_in_pairs=False, bf16_write=False, decayed_operands=False)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
-  """diag KDN forward and backward (gain kernels, cumsum, pair, WY, state pass, output, the
-  backward kernels), with a segment reset, under each delta-rule option; in bf16 the gates too
+  """diag KDN forward and backward (gain kernels, the cumsum unless the pair kernel forms g,
+  pair, WY, state pass, output, the backward kernels), with a segment reset, under each delta-rule option; in bf16 the gates too
   (the kernels store every gradient in its input's dtype)."""
   q, k, v, la, om, r, seg = _op_inputs(dtype)
   la, om, r = (x.astype(dtype) for x in (la, om, r))
@@ -159,7 +159,7 @@ def test_fuse_output_picks_the_kernels_and_lowers(as_on_gpu, fuse_output, segmen
                                             ("kdn_diag", "plain_loops_old_passes")])
 def test_kdn_layer_lowers_for_cuda(as_on_gpu, monkeypatch, mixer, options):
   """A whole KDN layer on the pallas path, fwd+bwd: the fused gate front-end, the short convs and
-  the gated norm kernels as well as the memory update. 'plain_loops_and_trials': the conv and
+  the gated norm kernels as well as the memory update. 'plain_loops_old_passes': the conv and
   cumsum row loops as plain loops (not their default blocks of 8), with the forward's passes
   as they were before session 48 (bf16_write, cumsum_in_pairs and decayed_operands off: fp32
   kappa, the cumsum kernel, q/k/g read by the WY and output kernels)."""
@@ -182,6 +182,8 @@ def test_kdn_layer_lowers_for_cuda(as_on_gpu, monkeypatch, mixer, options):
   assert {"causal_conv1d_fwd", "causal_conv1d_bwd", "gated_norm_fwd", "gated_norm_bwd",
           "kdn_gain_reduce", "kdn_gain_bwd_replay", "delta_rule_output",
           "delta_rule_intra_bwd_tokens", "delta_rule_reverse_cumsum"} <= kernels
+  # (the forward's cumsum kernel runs only with the old passes: cumsum_in_pairs off)
+  assert ("delta_rule_cumsum" in kernels) == (options == "plain_loops_old_passes"), kernels
 
 
 def test_gain_stages_reach_their_kernels(as_on_gpu, monkeypatch):

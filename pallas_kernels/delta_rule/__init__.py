@@ -10,8 +10,9 @@ Decay ratios are only ever formed as exp(min(g_r - g_j, 0)) of log DIFFERENCES, 
 
 One module per stage (options in config.DeltaRuleConfig), imported only from here:
   chunk_cumsum  g and its transpose (with cfg.cumsum_in_pairs the pair kernel forms g instead)
-  intra         L, P and Wt (the pair kernel), then wy: A, W = A Kbar, U = A V', parallel
-                over chunks
+  intra         L, P and Wt (the pair kernel; with cfg.decayed_operands also Kbar and Qbar,
+                which the later stages read in place of k, q and g), then wy: A, W = A Kbar,
+                U = A V', parallel over chunks
   state_pass    the serial chunk loop: S_final, chunk-start states, Delta = U - W S_0 (with
                 cfg.fuse_output also O, in the same loop)
   output        O = Qbar S_0 + P Delta, parallel over chunks

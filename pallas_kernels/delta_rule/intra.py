@@ -9,7 +9,9 @@ earlier blocks as one [S, K] x [K, C] dot around g0 = g of row block i's first t
     exp(g_r - g_c) = exp(g_r - g0) exp(g0 - g_c)   (both factors <= 1 for a same-segment pair)
 
 stored by one masked row store) and Wt; then wy.wy_forward: A, W and U from L (no [C, K] tile of the pair products is live in
-the inverse's kernel, and no inverse in the pair products' one).
+the inverse's kernel, and no inverse in the pair products' one). The token-parallel kernel can
+also form g from log_alpha (cumsum_in_pairs; a forward-only call then keeps only g_last) and
+write the decayed operands Kbar and Qbar (decayed_operands), both the default.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Output stage on the Mosaic GPU backend (issue 18): O = Qbar S_0 + P Delta with Hopper wgmma.
 
 Why: jax 0.11 deprecates Pallas's Triton backend in favour of Mosaic GPU. This is the same stage
-as output.output_forward (same arguments, same result), written for Mosaic GPU as a trial port:
+as output.output_forward (same arguments with g given and no out_dtype, same result), written
+for Mosaic GPU as a trial port:
 one CTA (one warpgroup, 128 threads) per (V block, chunk, batch head), output.py's grid. The
 tiles come in by TMA (copy_gmem_to_smem, one barrier each), the two dots are bf16 wgmma with an
 fp32 register accumulator:
@@ -199,7 +200,8 @@ def kernel_call(q, g, pmat, delta, states, *, scale, block_v, interpret=None):
 
 
 def output_forward(q, g, pmat, delta, states, h0, cont, *, chunk, scale, interpret, cfg, cfg_prec):
-  """O [B, T, H, V] in q's dtype, as output.output_forward (h0 is unused without segments).
+  """O [B, T, H, V] in q's dtype, as output.output_forward with g given (q, not Qbar; h0 is
+  unused without segments).
   interpret=True runs jax's GPU interpret mode (CPU is fine); else a Hopper GPU is needed."""
   del h0
   check_args(q, g, pmat, delta, states, cont, chunk=chunk, cfg=cfg, cfg_prec=cfg_prec,

@@ -34,9 +34,9 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_ou
   (H200, session 35) put half the loop's stall cycles on global-load waits, one warp per
   scheduler with nothing else to issue. Session 37, H200, diag KDN T=16384: this stage 2.48 ->
   1.77 ms, op fwd+bwd 20.27 -> 19.74 ms. (The same prefetch in the backward's dS chain lost,
-  2.99 -> 3.36 ms, and was removed.) The fused output's own rows (q, g, P) are prefetched
-  likewise (loading them in their step lost, and issuing the output's dots after the S update
-  tied: session 44, config.py).
+  2.99 -> 3.36 ms, and was removed.) The fused output's own rows (q, g, P; Qbar, P with decayed
+  operands) are prefetched likewise (loading them in their step lost, and issuing the output's
+  dots after the S update tied: session 44, config.py).
 
   Several chunks per step (their operands merged off the chain; session 44's
   state_step_chunks) lost: H100 session 46, diag KDN forward T=16384, 4.94 ms against 10.82 at 2
@@ -62,7 +62,7 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_ou
 
   def inputs(c):
     """Chunk c's loads: U, W, Wt, g_last (cont_last with segments; with fuse_output also the
-    rows only the output reads: q, g, P, and cont with segments)."""
+    rows only the output reads: q, g, P (Qbar, P when decayed), and cont with segments)."""
     t0 = c * C
     rows = pl.ds(t0, C)
     x = dict(u=r["u"][b, rows, h, vs], wk=r["wk"][b, rows, h, :], wt=r["wt"][b, rows, h, :],
