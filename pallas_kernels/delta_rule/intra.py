@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.delta_rule import wy as _wy
 from pallas_kernels.delta_rule.tiles import (
     dot_nt, tile, decay_to_last, kernel_precision, operand_dtype, launch_params, ref_point,
-    masked_store, write_parts, write_rows, times_beta, decay_q)
+    masked_store, write_parts, write_rows, times_beta)
 from pallas_kernels.kernel_math import exp_for_mode
 
 
@@ -190,10 +190,10 @@ def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads, from_la, w
   if has_seg:
     e_last = jnp.where(pid_r == pid_ref[b, t_last], e_last, 0.0)
   wt_out[b, r, hs, :] = (w * e_last).astype(wt_out.dtype)
-  if decayed:
+  if decayed:   # (Qbar as tiles.decay_q forms it: (scale q) exp(g), one exp for both)
     e = exp(g)
     kbar_out[b, r, hs, :] = (k * e).astype(kbar_out.dtype)
-    qbar_out[b, r, hs, :] = decay_q(q, g, scale, exp).astype(qbar_out.dtype)
+    qbar_out[b, r, hs, :] = ((scale * q) * e).astype(qbar_out.dtype)
 
 
 def sub_rows(cfg, chunk):
