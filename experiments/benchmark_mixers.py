@@ -58,8 +58,13 @@ flags.DEFINE_list("sweep", [], "DeltaRuleConfig overrides to try on diag_kdn_pal
                   "--sweep_len, each 'field=value/field=value' ('default': none), e.g. "
                   "'max_chunk=64/sub_block=32'; the fastest is used for the rows",
                   flag_values=FLAGS)
-flags.DEFINE_list("gain_sweep", [], "GainConfig overrides to try on diag_gain_pallas, same "
+flags.DEFINE_list("gain_sweep", [], "GainConfig overrides to try on --gain_sweep_row, same "
                   "syntax, e.g. 'max_chunk=128/num_stages_fwd=2'", flag_values=FLAGS)
+flags.DEFINE_enum("gain_sweep_row", "diag_gain_pallas",
+                  ["diag_gain_pallas", "iso_gain_pallas", "diag_kdn_pallas", "iso_kdn_pallas",
+                   "diag_kdn_seg_pallas", "iso_kdn_seg_pallas"],
+                  "the row --gain_sweep times: a gain alone, or a KDN op (the gain inside it)",
+                  flag_values=FLAGS)
 flags.DEFINE_boolean("gain_sweep_fwd_bwd", True, "rank the --gain_sweep specs by fwd+bwd (else "
                      "by the forward alone)", flag_values=FLAGS)
 flags.DEFINE_integer("sweep_len", 4096, "sequence length for the sweeps", flag_values=FLAGS)
@@ -627,7 +632,7 @@ def _sweeps(results, deadline, save):
          not FLAGS.sweep_fwd_only, "delta_rule_config", deadline, stages=FLAGS.sweep_stages,
          save=save)
   _sweep(results, FLAGS.gain_sweep, gcfg, lambda spec: config_from_spec(gbase, spec),
-         "diag_gain_pallas", FLAGS.gain_sweep_fwd_bwd, "gain_config", deadline, save=save)
+         FLAGS.gain_sweep_row, FLAGS.gain_sweep_fwd_bwd, "gain_config", deadline, save=save)
   print("configs:", results.get("delta_rule_config"), results.get("gain_config"), flush=True)
 
 

@@ -170,25 +170,17 @@ def test_gain_dtype_bf16_is_the_fp32_gain_rounded():
     diag_gain(k, la, om, r, mu, p0, gain_dtype=jnp.float16)
 
 
-def test_min_programs_halves_the_chunk():
-  """GainConfig.min_programs: the chunk halves (to 16 at least) until batch x heads x chunks
-  reaches it; the gain at the chunk it picks still matches the float64 loop."""
+def test_gain_chunk_caps():
+  """The gain's chunk: the caller's chunk_size capped by GainConfig.max_chunk and by T's next
+  power of two (16 at least)."""
   from pallas_kernels import kdn_gain
   from pallas_kernels.kdn_gain import config as gain_config
-  cfg = gain_config.GainConfig(max_chunk=128, min_programs=12)
-  assert kdn_gain.gain_chunk(70, 64, 4, cfg) == 32          # 4 x 2 chunks < 12 <= 4 x 3
-  assert kdn_gain.gain_chunk(70, 64, 4, gain_config.GainConfig()) == 64   # off by default
-  assert kdn_gain.gain_chunk(4096, 256, 64, gain_config.GainConfig(min_programs=4224)) == 32
-  assert kdn_gain.gain_chunk(16384, 256, 64, gain_config.GainConfig(min_programs=4224)) == 128
-  assert kdn_gain.gain_chunk(40, 256, 1, gain_config.GainConfig(min_programs=10**6)) == 16
-  with pytest.raises(ValueError, match="min_programs"):
-    gain_config.GainConfig(min_programs=-1)
-  before = gain_config.DEFAULT
-  gain_config.set_default(min_programs=12)
-  try:   # b=2, h=2: the requested chunk 64 runs as 32 (3 chunks at T=70)
-    _run(True, 70, 64, 1.0, None, True, (40,), jnp.float32, 1e-5, 1e-4)
-  finally:
-    gain_config.DEFAULT = before
+  cfg = gain_config.GainConfig(max_chunk=128)
+  assert kdn_gain.gain_chunk(16384, 256, cfg) == 128
+  assert kdn_gain.gain_chunk(70, 256, cfg) == 128
+  assert kdn_gain.gain_chunk(70, 64, cfg) == 64
+  assert kdn_gain.gain_chunk(40, 256, cfg) == 64
+  assert kdn_gain.gain_chunk(1, 256, cfg) == 16
 
 
 def test_pow2_inverse_keeps_the_products_in_range():

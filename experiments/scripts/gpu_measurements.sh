@@ -218,7 +218,8 @@ gains)
   # reduce renormalised by a power of two; docs/kernel_sass.md) against BASE_TREE (default
   # build/base, made as for abexp from a709cb0, and carried): the diag and iso gain rows at 16k
   # and 4k, fwd and fwd+bwd, one process per tree. Then the gain chunk at 4k, where 2048 one-warp
-  # programs half-fill the GPU (GainConfig.min_programs): forward, then fwd+bwd. About 300 s.
+  # programs half-fill the GPU: forward, then fwd+bwd (session 49, H100: chunk 32 lost, 0.72
+  # against 0.41-0.51 ms forward). About 300 s.
   SWEEP_LOG=gains.txt
   for tree in "${BASE_TREE:-build/base}" .; do
     tag=new; [ "$tree" = . ] || tag=base
@@ -227,7 +228,7 @@ gains)
       | quiet | grep -E '^\| (diag|iso)_gain' | sed "s|^|$tag: |" | tee -a "$RES/$SWEEP_LOG")
     pack
   done
-  CHUNKS=default,max_chunk=64,max_chunk=32   # (min_programs=4224 picks 32 at this shape)
+  CHUNKS=default,max_chunk=64,max_chunk=32
   sweep_line 70 --out="$RES/gain_chunk_4k_fwd" --seq_lens=4096 --sweep_len=4096 \
     --gain_sweep_fwd_bwd=false --gain_sweep=$CHUNKS
   sweep_line 70 --out="$RES/gain_chunk_4k" --seq_lens=4096 --sweep_len=4096 --gain_sweep=$CHUNKS ;;

@@ -202,7 +202,7 @@ def _run_fused(diag, k, f, dt_bias, a_log, omega_raw, r_raw, r_min, info_scale, 
   check_gate(op, diag, True, k, gate, p0)
   if not r_min > 0:
     raise ValueError(f"{op}: r_min must be > 0, got {r_min}")
-  chunk, t_pad, reset = _prep(t, chunk_size, bsz, k.shape[2], segment_ids)
+  chunk, t_pad, reset = _prep(t, chunk_size, bsz, segment_ids)
   k, gate, mu, p0 = kernel_inputs(k, gate, info_scale, p0, t_pad, diag, True)
   gain, la, pfin = _gain_front(k, *gate, mu, reset, p0, diag, chunk, interpret, _config.DEFAULT,
                                float(r_min), _gain_dtype(gain_dtype), segment_ids is not None)
@@ -234,19 +234,16 @@ def iso_gain_fused(k, f, dt_bias, a_log, omega_raw, r_raw, r_min, info_scale, b0
   return beta[..., 0], la, bfin[..., 0]
 
 
-def gain_chunk(t, chunk_size, programs_per_chunk, cfg=None):
+def gain_chunk(t, chunk_size, cfg=None):
   """The gain kernels' chunk for T=t: chunk_size capped by cfg.max_chunk and by T's next power
-  of two (16 at least), then halved (down to 16) while programs_per_chunk (batch x heads) x
-  the chunk count is below cfg.min_programs."""
+  of two (16 at least). (Halving it to fill the GPU at short T, session 47's min_programs,
+  lost: 0.72 ms against 0.41-0.51 for the 4k forward on the H100, docs/benchmark_mixers.md.)"""
   cfg = cfg or _config.DEFAULT
-  chunk = min(chunk_size, cfg.max_chunk, max(16, 1 << (t - 1).bit_length()))
-  while chunk > 16 and programs_per_chunk * -(-t // chunk) < cfg.min_programs:
-    chunk //= 2
-  return chunk
+  return min(chunk_size, cfg.max_chunk, max(16, 1 << (t - 1).bit_length()))
 
 
-def _prep(t, chunk_size, batch, heads, segment_ids):
-  chunk = gain_chunk(t, chunk_size, batch * heads)
+def _prep(t, chunk_size, batch, segment_ids):
+  chunk = gain_chunk(t, chunk_size)
   t_pad = -(-t // chunk) * chunk
   reset = common.reset_flags(segment_ids, batch, t, t_pad)
   return chunk, t_pad, reset
@@ -267,7 +264,7 @@ def _run(diag, k, log_alpha, omega, r, info_scale, p0, segment_ids, chunk_size, 
   gate = (log_alpha, omega, r)
   check_gate("diag_gain" if diag else "iso_gain", diag, False, k, gate, p0)
   gain_dtype = _gain_dtype(gain_dtype)
-  chunk, t_pad, reset = _prep(t, chunk_size, bsz, k.shape[2], segment_ids)
+  chunk, t_pad, reset = _prep(t, chunk_size, bsz, segment_ids)
   k, gate, mu, p0 = kernel_inputs(k, gate, info_scale, p0, t_pad, diag, False)
   return _gain(k, *gate, mu, reset, p0, diag, chunk, interpret, _config.DEFAULT, gain_dtype,
                segment_ids is not None)

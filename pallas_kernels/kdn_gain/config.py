@@ -20,22 +20,12 @@ class GainConfig:
   # / 1.15 and 1.32 / 1.34 / 1.33 ms, a tie; 1 stays.
   num_stages_fwd: int = 1
   num_stages_bwd: int = 1
-  # Programs to fill: the chunk halves (down to 16) while batch x heads x chunks is below this
-  # (0: off). Each program walks its chunk token by token, one warp, so a short sequence leaves
-  # the GPU part empty and every program's serial loop is the time: at B=4, H=16, T=4096 the
-  # 2048 programs of chunk 128 fill about half of an H100's or H200's 132 SMs x 32 resident
-  # one-warp blocks (4224). Longer sequences keep max_chunk (more chunks: a longer carry-in walk
-  # in every replay program). Counted per call, before any sharding over batch or heads splits
-  # it across devices.
-  min_programs: int = 0
 
   def __post_init__(self):
     if not (self.num_warps > 0 and self.num_warps & (self.num_warps - 1) == 0
             and self.num_warps <= 32):
       raise ValueError(f"GainConfig.num_warps must be a power of two in [1, 32] (Triton warps), "
                        f"got {self.num_warps}")
-    if self.min_programs < 0:
-      raise ValueError(f"GainConfig.min_programs must be >= 0, got {self.min_programs}")
     for name in ("max_chunk", "num_stages_fwd", "num_stages_bwd"):
       if getattr(self, name) < 1:
         raise ValueError(f"GainConfig.{name} must be >= 1, got {getattr(self, name)}")
