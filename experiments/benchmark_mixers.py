@@ -487,7 +487,8 @@ def _time_stages(t, docs=False):
   out["delta_pairs_fwd"] = _time_fn(pairs, (x["q"], x["k"], w, g, pid), first, "delta_pairs_fwd")
   pd = pairs(x["q"], x["k"], w, g, pid)
   lmat = pd.lmat
-  q_out, k_wy, g_dec = (pd.qbar, pd.kbar, None) if dec else (x["q"], x["k"], g)
+  q_out, g_dec = dintra.operands(pd.qbar, x["q"], g)   # (the op's choice: intra.operands)
+  k_wy, _ = dintra.operands(pd.kbar, x["k"], g)
   if cfg.cumsum_in_pairs and dintra.token_parallel(cfg, chunk):
     # the pair kernel forming g from log_alpha (the op then runs no cumsum kernel; with decayed
     # operands a call not differentiated writes only g's chunk-last rows)

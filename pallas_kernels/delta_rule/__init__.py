@@ -73,8 +73,7 @@ def forward(q, k, v, w, g, h0, cont, pid, *, chunk, scale, interpret, cfg, cfg_p
   x = _intra.intra_forward(q, k, v, w, g, h0, pid, cont, scale=scale, la=la,
                            keep_g=save_states, **kw)
   decayed = x.qbar is not None
-  q_out = x.qbar if decayed else q      # the output's q operand, and its g (none: Qbar)
-  g_out = None if decayed else x.g
+  q_out, g_out = _intra.operands(x.qbar, q, x.g)
   g_chain = x.g if x.g is not None else x.g_last   # the state pass reads g's last rows
   if cfg.fuse_output == "all" or (cfg.fuse_output == "primal" and not save_states
                                    and cont is None):

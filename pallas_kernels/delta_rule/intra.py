@@ -223,6 +223,13 @@ class Pairs(NamedTuple):
   qbar: jax.Array | None = None
 
 
+def operands(xbar, x, g):
+  """A later stage's (x, g) operands: (xbar, None) when the pair kernel wrote the decayed
+  operand xbar (Kbar for the WY kernel, Qbar for the output: DeltaRuleConfig.decayed_operands),
+  else (x, g). The one place that choice is made (the op's stages, the mixer stage split)."""
+  return (xbar, None) if xbar is not None else (x, g)
+
+
 def pair_rows_forward(q, k, w, g, pid, *, chunk, scale, interpret, cfg, cfg_prec, la=None,
                       write_g=True, decayed=False):
   """The pair kernel (Pairs). With `la` (log_alpha, g None; token-parallel only) the kernel
@@ -306,8 +313,8 @@ def intra_forward(q, k, v, w, g, h0, pid, cont, *, chunk, scale, interpret, cfg,
                             cfg=cfg, cfg_prec=cfg_prec, la=la, decayed=decayed,
                             write_g=keep_g or not decayed)
   g = pairs.g if la is not None else g
-  amat, wk, u = _wy.wy_forward(lmat=pairs.lmat, k=pairs.kbar if decayed else k, v=v,
-                               g=None if decayed else g, h0=h0, cont=cont, chunk=chunk,
-                               sub=sub_rows(cfg, chunk), interpret=interpret, cfg=cfg,
-                               cfg_prec=cfg_prec)
+  k_wy, g_wy = operands(pairs.kbar, k, g)
+  amat, wk, u = _wy.wy_forward(lmat=pairs.lmat, k=k_wy, v=v, g=g_wy, h0=h0, cont=cont,
+                               chunk=chunk, sub=sub_rows(cfg, chunk), interpret=interpret,
+                               cfg=cfg, cfg_prec=cfg_prec)
   return Intra(amat, pairs.pmat, pairs.wt, wk, u, g, pairs.g_last, pairs.qbar)
