@@ -1,4 +1,6 @@
 """Accuracy of pallas_kernels.diag_gain / iso_gain (CPU interpret mode) vs a float64 token loop."""
+import functools
+
 import numpy as np
 import pytest
 
@@ -217,3 +219,54 @@ def test_unsegmented_kernels_match_the_segmented_ones():
     outs[seg] = [gain, pprev, pfin] + list(grads[0]) + [grads[1]]
   for a, c in zip(outs[True], outs[False]):
     np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("segmented,front,nh", [
+    (True, False, 2), (False, False, 4), (False, True, 2), (True, True, 4), (True, False, 3)])
+def test_iso_scalar_replay_matches_the_lane_replay(segmented, front, nh):
+  """GainConfig.iso_scalar_replay: the isotropic replay over the reduce's per-token scalars
+  (iso_replay.py) gives the lane replay's gain, p_prev, final variance and log_alpha (front),
+  over several chunks, with resets, plain and fused-front inputs. Same arithmetic; in interpret
+  mode the two kernels compile apart, so to fp32 rounding. nh=3 (not a power of two) runs the
+  lane replay (the fallback) and must match exactly."""
+  from pallas_kernels.kdn_gain import kernel as gk
+  from pallas_kernels.kdn_gain import config as gain_config
+  b, t, kd, chunk = 2, 48, 32, 16
+  k, la, om, r, b0 = _inputs(7, b, t, nh, kd, False, jnp.float32, None, True)
+  mu = jnp.full((nh,), 0.5 * kd, jnp.float32)
+  reset = jnp.zeros((b, t), jnp.int32).at[:, 0].set(1).at[1, 21].set(1).at[0, 32].set(1)
+  if front:   # the gate front-end's pre-activations, in bf16 as in the layer
+    raw = (k.astype(jnp.bfloat16), (la * 5).astype(jnp.bfloat16), jnp.full((nh, kd), -3.0),
+           jnp.linspace(-1.0, 1.0, nh), om.astype(jnp.bfloat16) - 1.0, r.astype(jnp.bfloat16), mu)
+  else:
+    raw = (k, la, om, r, mu)
+  outs = {}
+  for scalar in (False, True):
+    cfg = gain_config.GainConfig(iso_scalar_replay=scalar)
+    run = functools.partial(gk.gain_forward, diag=False, chunk=chunk, interpret=True, cfg=cfg,
+                            segmented=segmented, front=0.01 if front else None, save_pprev=True)
+    outs[scalar] = run(raw, reset, b0[..., None])
+    jaxpr = str(jax.make_jaxpr(run)(raw, reset, b0[..., None]))
+    assert ("kdn_gain_iso_replay" in jaxpr) == (scalar and nh != 3)
+  for name, x, y in zip(("gain", "p_prev", "p_final", "log_alpha"), outs[True], outs[False]):
+    if y is None:
+      assert x is None and name == "log_alpha"
+      continue
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    assert x.shape == y.shape, name
+    bound = 0.0 if nh == 3 else 1e-6 * np.max(np.abs(y))
+    assert np.max(np.abs(x - y)) <= bound, (name, np.max(np.abs(x - y)))
+
+
+def test_iso_scalar_replay_against_the_float64_loop():
+  """iso_gain with GainConfig.iso_scalar_replay on: the float64 token loop's gain, final
+  variance and gradients (the backward is the lane kernels', from the scalar replay's p_prev),
+  T = chunk + 1 with segments, and several chunks without."""
+  from pallas_kernels.kdn_gain import config as gain_config
+  before = gain_config.DEFAULT
+  gain_config.set_default(iso_scalar_replay=True)
+  try:
+    _run(False, 33, 32, 4.0, 1e-3, True, (5, 6, 31), jnp.float32, 1e-5, 1e-4)
+    _run(False, 70, 16, 1.0, None, True, None, jnp.float32, 1e-5, 1e-4)
+  finally:
+    gain_config.DEFAULT = before

@@ -11,7 +11,7 @@
 # of the layers' fused glue kernels), loadchecks (GPU checks of the default since the cumsums'
 # load blocks), convblocks (the conv's load blocks: layers, check_fusion), abexp (session 46's
 # exp for 16-bit data against the tree before it), gains (session 47's gain kernels against a base
-# tree; the gain chunk at 4k).
+# tree; the gain chunk at 4k), isoscalar (the iso gain's replay over per-token scalars).
 # Default: check ops stages docs mixers layers train.
 # Kernel config sweep (stages): SWEEP='default,max_chunk=64/sub_block=32' (DeltaRuleConfig fields).
 # Extra train flags: TRAIN_EXTRA='--config.model.scan_layers=True --config.model.impl=pallas';
@@ -232,6 +232,30 @@ gains)
   sweep_line 70 --out="$RES/gain_chunk_4k_fwd" --seq_lens=4096 --sweep_len=4096 \
     --gain_sweep_fwd_bwd=false --gain_sweep=$CHUNKS
   sweep_line 70 --out="$RES/gain_chunk_4k" --seq_lens=4096 --sweep_len=4096 --gain_sweep=$CHUNKS ;;
+isoscalar)
+  # GainConfig.iso_scalar_replay (session 49; not timed when it was built): the iso gain's
+  # replay reads the reduce's per-token scalars (a, |k|^2) instead of the K-wide k and
+  # log_alpha rows, one program per (batch, chunk) over the heads (pallas_kernels/kdn_gain/
+  # iso_replay.py). The iso gain's and the iso op's forward at 16k and 4k, the op's fwd+bwd at
+  # 16k (each sweep: default first and again last), the kdn_iso layer at 16k under each, then
+  # the GPU checks with it at K=16 and K=128. About 520 s on a cold cache.
+  SWEEP_LOG=isoscalar.txt
+  S=default,iso_scalar_replay=1
+  for T in 16384 4096; do
+    for row in iso_gain_pallas iso_kdn_pallas; do
+      sweep_line 70 --out="$RES/isoscalar_${row}_${T}_fwd" --seq_lens=$T --sweep_len=$T \
+        --gain_sweep_row=$row --gain_sweep_fwd_bwd=false --gain_sweep=$S
+    done
+  done
+  sweep_line 80 --out="$RES/isoscalar_iso_kdn_16384" --seq_lens=16384 --sweep_len=16384 \
+    --gain_sweep_row=iso_kdn_pallas --gain_sweep=$S
+  for g in "" iso_scalar_replay=1; do
+    timeout 80 python3 -m experiments.benchmark_layers --out="$RES/isoscalar_layer${g:+_scalar}" \
+      --seq_lens=16384 --impls=pallas --reps=20 --rows=kdn_iso --gain_config=$g 2>&1 | quiet \
+      | grep -E 'T=[0-9]+: fwd|Error' | sed "s|^|layer ${g:-default}: |" | tee -a "$RES/$SWEEP_LOG"
+    pack
+  done
+  CHECK_LIMIT=${CHECK_LIMIT:-200} gpu_checks "${CHECK_CASES:-16:default:iso_scalar_replay=1,128:default:iso_scalar_replay=1}" ;;
 loadchecks)
   # The GPU checks of the default (DeltaRuleConfig.cumsum_block=8 since session 43, the decay
   # cumsums' loads in blocks: pallas_kernels/token_loop.py) at K=128 and K=16. About 200 s at most.

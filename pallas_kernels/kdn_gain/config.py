@@ -20,6 +20,12 @@ class GainConfig:
   # / 1.15 and 1.32 / 1.34 / 1.33 ms, a tie; 1 stays.
   num_stages_fwd: int = 1
   num_stages_bwd: int = 1
+  # The isotropic gain's forward replay over per-token scalars (iso_replay.py): the reduce also
+  # writes a = mean exp(2 log_alpha) and |k|^2 ([B, T, H] fp32), and the replay reads those
+  # instead of the K-wide k and log_alpha rows (at B=4, T=16k, H=16, K=128, bf16: 537 MB of
+  # reads out of the gain's 1.09 GB), one program per (batch, chunk) over the heads. Needs a
+  # power-of-two head count per shard (else the lane replay runs).
+  iso_scalar_replay: bool = False
 
   def __post_init__(self):
     if not (self.num_warps > 0 and self.num_warps & (self.num_warps - 1) == 0

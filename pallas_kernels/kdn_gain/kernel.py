@@ -48,6 +48,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 from pallas_kernels import kernel_math
+from pallas_kernels.kdn_gain import iso_replay
 
 
 def _row(ref, b, t, h):
@@ -181,8 +182,11 @@ def _raw_refs(refs, front):
   return dict(zip(names, refs[:len(names)])), refs[len(names):]
 
 
-def _reduce_kernel(*refs, chunk, diag, front, segmented):
-  raw, (reset_ref, p0_ref, prod_ref) = _raw_refs(refs, front)
+def _reduce_kernel(*refs, chunk, diag, front, segmented, scalars):
+  """Chunk c's renormalised map product. With `scalars` (iso_replay.py) it also writes each
+  token's a and kk ([B, T, H] fp32) and, with a front, log_alpha: what the scalar replay would
+  otherwise re-read the K-wide rows for."""
+  raw, (reset_ref, p0_ref, prod_ref, *scalar_refs) = _raw_refs(refs, front)
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   p0 = p0_ref[b, h, :].astype(jnp.float32)[None, :]
   t0 = c * chunk
@@ -190,6 +194,11 @@ def _reduce_kernel(*refs, chunk, diag, front, segmented):
   def body(i, m):
     t = t0 + i
     x = _lanes(raw, b, t, h, diag, front)
+    if scalars:
+      scalar_refs[0][b, pl.ds(t, 1), h] = x["a"].reshape(1)
+      scalar_refs[1][b, pl.ds(t, 1), h] = x["kk"].reshape(1)
+      if front is not None:
+        scalar_refs[2][b, pl.ds(t, 1), h, :] = x["front"]["la"].astype(scalar_refs[2].dtype)
     reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0 if segmented else None
     return _matmul2(_token_matrix(x["a"], x["om"], x["u"], reset, p0), m)
 
@@ -370,14 +379,24 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
   lanes = p0.shape[-1]
   bsz, t, nh, nc, grid, params = _launch(r, chunk, interpret, cfg, backward=False)
   reset = reset.astype(jnp.int32)
-  prod = pl.pallas_call(
+  scalars = not diag and cfg.iso_scalar_replay and iso_replay.usable(nh)
+  la_out = () if front is None else (jax.ShapeDtypeStruct(k.shape, jnp.float32),)
+  per_token = jax.ShapeDtypeStruct((bsz, t, nh), jnp.float32)
+  prod, *extra = pl.pallas_call(
       functools.partial(_reduce_kernel, chunk=chunk, diag=diag, front=front,
-                        segmented=segmented),
-      out_shape=jax.ShapeDtypeStruct((bsz, nh, nc, 4, lanes), jnp.float32),
+                        segmented=segmented, scalars=scalars),
+      out_shape=(jax.ShapeDtypeStruct((bsz, nh, nc, 4, lanes), jnp.float32),) + (
+          (per_token, per_token) + la_out if scalars else ()),
       grid=grid, name="kdn_gain_reduce", **params,
   )(*raw, reset, p0)
+  if scalars:   # the replay over per-token scalars (iso_replay.py)
+    a, kk, *la = extra
+    gain, pprev, pfin = iso_replay.replay(
+        a, kk, raw[-3], r, raw[-1], reset, p0, prod, chunk=chunk, kd=k.shape[-1],
+        save_pprev=save_pprev, front=front, data_dtype=k.dtype, gain_dtype=gain_dtype,
+        segmented=segmented, params=params)
+    return gain, pprev, pfin, (la[0] if la else None)
   lane = jax.ShapeDtypeStruct((bsz, t, nh, lanes), jnp.float32)
-  la_out = () if front is None else (jax.ShapeDtypeStruct(k.shape, jnp.float32),)
   outs = pl.pallas_call(
       functools.partial(_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag,
                         save_pprev=save_pprev, front=front, segmented=segmented),
