@@ -241,16 +241,17 @@ def test_backward_kernels_store_gradients_in_the_inputs_dtypes(as_on_gpu, monkey
   assert seen["gain_backward"][:4] == [bf16] * 4, seen   # dk, d log_alpha, d omega, d r
 
 
-@pytest.mark.parametrize("layer", [False, True])
-def test_iso_scalar_replay_lowers_for_cuda(as_on_gpu, monkeypatch, layer):
-  """GainConfig.iso_scalar_replay: the iso KDN op (segments) and the kdn_iso layer (the fused
-  gate front-end), fwd+bwd, lower for CUDA with the scalar replay in place of the lane replay,
-  and the backward's kernels unchanged."""
+@pytest.mark.parametrize("layer,heads,grad", [
+    (False, 2, True), (False, 3, False), (True, 2, True), (True, 2, False)])
+def test_iso_scalar_replay_lowers_for_cuda(as_on_gpu, monkeypatch, layer, heads, grad):
+  """GainConfig.iso_scalar_replay: the iso KDN op (segments; 3 heads: the row padded to 4) and
+  the kdn_iso layer (the fused gate front-end), forward-only and fwd+bwd, lower for CUDA with
+  the scalar replay in place of the lane replay, and the backward's kernels unchanged."""
   from pallas_kernels.kdn_gain import config as gain_config   # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(gain_config, "DEFAULT", dataclasses.replace(
       gain_config.DEFAULT, iso_scalar_replay=True))
   if layer:
-    cfg = model_config("tiny", d_model=64, num_heads=2, head_dim=32, mixer="kdn_iso",
+    cfg = model_config("tiny", d_model=64, num_heads=heads, head_dim=32, mixer="kdn_iso",
                        impl="pallas", chunk_size=16, dtype="bfloat16", param_dtype="float32",
                        mlp_hidden=1)
     graphdef, params, rest = nnx.split(MIXERS["kdn_iso"](cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
@@ -258,15 +259,17 @@ def test_iso_scalar_replay_lowers_for_cuda(as_on_gpu, monkeypatch, layer):
 
     def loss(params, x):
       return jnp.sum(nnx.merge(graphdef, params, rest)(x)[0].astype(jnp.float32))
-    text = _lower_for_cuda(jax.grad(loss, argnums=(0, 1)), params, x)
+    args = (params, x)
   else:
-    q, k, v, la, om, r, seg = _op_inputs(jnp.bfloat16)
+    q, k, v, la, om, r = ops_cases.random_kdn_inputs(jnp.bfloat16, h=heads)
+    seg = (jnp.arange(q.shape[1])[None, :] >= 37).astype(jnp.int32)
 
     def loss(k, la, om, r):
       return jnp.sum(ops.iso_kdn(q, k, v, la, om[..., 0], r, impl="pallas", chunk_size=16,
                                  segment_ids=seg)[0].astype(jnp.float32))
-    text = _lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2, 3)), k, la, om, r)
-  kernels = _triton_kernels(text)
+    args = (k, la, om, r)
+  fn = jax.grad(loss, argnums=tuple(range(len(args)))) if grad else loss
+  kernels = _triton_kernels(_lower_for_cuda(fn, *args))
   assert {"kdn_gain_reduce", "kdn_gain_iso_replay"} <= kernels, kernels
   assert "kdn_gain_replay" not in kernels, kernels
-  assert {"kdn_gain_bwd_reduce", "kdn_gain_bwd_replay"} <= kernels, kernels
+  assert ({"kdn_gain_bwd_reduce", "kdn_gain_bwd_replay"} <= kernels) == grad, kernels

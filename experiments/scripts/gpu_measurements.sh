@@ -237,8 +237,10 @@ isoscalar)
   # replay reads the reduce's per-token scalars (a, |k|^2) instead of the K-wide k and
   # log_alpha rows, one program per (batch, chunk) over the heads (pallas_kernels/kdn_gain/
   # iso_replay.py). The iso gain's and the iso op's forward at 16k and 4k, the op's fwd+bwd at
-  # 16k (each sweep: default first and again last), the kdn_iso layer at 16k under each, then
-  # the GPU checks with it at K=16 and K=128. About 520 s on a cold cache.
+  # 16k (each sweep: default first and again last), then the kdn_iso layer at 16k under each.
+  # At most 520 s (about 400 on a warm machine). Its GPU checks, in the next call:
+  #   CHECK_CASES=16:default:iso_scalar_replay=1,128:default:iso_scalar_replay=1 \
+  #     CHECK_LIMIT=200 bash experiments/scripts/gpu_measurements.sh loadchecks
   SWEEP_LOG=isoscalar.txt
   S=default,iso_scalar_replay=1
   for T in 16384 4096; do
@@ -250,12 +252,16 @@ isoscalar)
   sweep_line 80 --out="$RES/isoscalar_iso_kdn_16384" --seq_lens=16384 --sweep_len=16384 \
     --gain_sweep_row=iso_kdn_pallas --gain_sweep=$S
   for g in "" iso_scalar_replay=1; do
+    tag="layer ${g:-default}"
     timeout 80 python3 -m experiments.benchmark_layers --out="$RES/isoscalar_layer${g:+_scalar}" \
-      --seq_lens=16384 --impls=pallas --reps=20 --rows=kdn_iso --gain_config=$g 2>&1 | quiet \
-      | grep -E 'T=[0-9]+: fwd|Error' | sed "s|^|layer ${g:-default}: |" | tee -a "$RES/$SWEEP_LOG"
+      --seq_lens=16384 --impls=pallas --reps=20 --rows=kdn_iso --gain_config=$g \
+      > "$RES/isoscalar_layer${g:+_scalar}.log" 2>&1
+    rc=$?
+    { [ $rc -ne 0 ] && echo "exit $rc"
+      quiet < "$RES/isoscalar_layer${g:+_scalar}.log" | grep -E 'T=[0-9]+: fwd|Error'
+    } | sed "s|^|$tag: |" | tee -a "$RES/$SWEEP_LOG"
     pack
-  done
-  CHECK_LIMIT=${CHECK_LIMIT:-200} gpu_checks "${CHECK_CASES:-16:default:iso_scalar_replay=1,128:default:iso_scalar_replay=1}" ;;
+  done ;;
 loadchecks)
   # The GPU checks of the default (DeltaRuleConfig.cumsum_block=8 since session 43, the decay
   # cumsums' loads in blocks: pallas_kernels/token_loop.py) at K=128 and K=16. About 200 s at most.

@@ -23,8 +23,9 @@ class GainConfig:
   # The isotropic gain's forward replay over per-token scalars (iso_replay.py): the reduce also
   # writes a = mean exp(2 log_alpha) and |k|^2 ([B, T, H] fp32), and the replay reads those
   # instead of the K-wide k and log_alpha rows (at B=4, T=16k, H=16, K=128, bf16: 537 MB of
-  # reads out of the gain's 1.09 GB), one program per (batch, chunk) over the heads. Needs a
-  # power-of-two head count per shard (else the lane replay runs).
+  # reads out of the gain's 1.09 GB), one program per (batch, chunk) over the heads (padded to
+  # a power of two). Session 49: exact in interpret mode; not yet timed (gpu_measurements.sh
+  # isoscalar), so off.
   iso_scalar_replay: bool = False
 
   def __post_init__(self):

@@ -12,8 +12,10 @@ Same recurrence and arithmetic as the lane replay, per head:
     p_hat = a p + omega;  den = r + p_hat kk;  beta = p_hat (1 / den);
     p = p_hat / (1 + u p_hat),  u = mu kk / (K r)
 with p reset to p0 before every token whose reset flag is set. The carry-in applies the reduce's
-chunk maps (kernel._carry_in, all heads at once). Heads must be a power of two (a Triton block);
-the caller falls back to the lane replay otherwise (`usable`).
+chunk maps (kernel._carry_in, all heads at once). The [1, H] row is a Triton block, so a head
+count that is not a power of two (the 125m preset's 6) is padded to the next one: the reduce
+writes a and kk that wide, the small per-head and [B, T, H] inputs are padded in XLA and the
+outputs sliced back; the padded lanes compute values nothing reads.
 """
 from __future__ import annotations
 
@@ -27,9 +29,9 @@ from jax.experimental import pallas as pl
 from pallas_kernels import kernel_math
 
 
-def usable(nh):
-  """Whether this replay can run on nh heads per shard (a power of two: the [1, H] row)."""
-  return nh > 0 and nh & (nh - 1) == 0
+def padded_heads(nh):
+  """The [1, H] row's width for nh heads: the next power of two."""
+  return 1 << (nh - 1).bit_length()
 
 
 def _kernel(a_ref, kk_ref, om_ref, r_ref, mu_ref, reset_ref, p0_ref, prod_ref, *outs, chunk,
@@ -73,10 +75,27 @@ def _kernel(a_ref, kk_ref, om_ref, r_ref, mu_ref, reset_ref, p0_ref, prod_ref, *
 def replay(a, kk, om, r, mu, reset, p0, prod, *, chunk, kd, save_pprev, front, data_dtype,
            gain_dtype, segmented, params):
   """(gain [B, T, H, 1] in gain_dtype, p_prev [B, T, H, 1] f32 or None, p_final [B, H, 1] f32)
-  from the reduce's a, kk [B, T, H] fp32 and chunk maps prod [B, H, NC, 4, 1]; om, r: [B, T, H]
-  raw (with `front`, r_min: the pre-activations); mu [H]; reset [B, T]; p0 [B, H, 1]; kd: K;
-  data_dtype: the projections' dtype (picks softplus as the lane kernels do); params: the gain
-  kernels' pallas_call options (interpret, compiler_params)."""
+  from the reduce's a, kk [B, T, Hp] fp32 (Hp = padded_heads(H); the columns past H unread)
+  and chunk maps prod [B, H, NC, 4, 1]; om, r: [B, T, H] raw (with `front`, r_min: the
+  pre-activations); mu [H]; reset [B, T]; p0 [B, H, 1]; kd: K; data_dtype: the projections'
+  dtype (picks softplus as the lane kernels do); params: the gain kernels' pallas_call options
+  (interpret, compiler_params)."""
+  nh, hp = om.shape[2], a.shape[2]
+  if hp != nh:   # pad the heads to the row's width (any finite value: those lanes are dropped)
+    pad = lambda x, axis: jnp.pad(x, [(0, hp - nh if i == axis else 0) for i in range(x.ndim)],
+                                  constant_values=1)
+    om, r, mu, p0, prod = pad(om, 2), pad(r, 2), pad(mu, 0), pad(p0, 1), pad(prod, 1)
+  outs = _call(a, kk, om, r, mu, reset, p0, prod, chunk=chunk, kd=kd, save_pprev=save_pprev,
+               front=front, data_dtype=data_dtype, gain_dtype=gain_dtype,
+               segmented=segmented, params=params)
+  if hp != nh:
+    outs = tuple(None if x is None else x[:, :nh] if x.ndim == 3 else x[:, :, :nh]
+                 for x in outs)
+  return outs
+
+
+def _call(a, kk, om, r, mu, reset, p0, prod, *, chunk, kd, save_pprev, front, data_dtype,
+          gain_dtype, segmented, params):
   bsz, t, nh = a.shape
   nc = t // chunk
   lane = jax.ShapeDtypeStruct((bsz, t, nh, 1), jnp.float32)

@@ -21,7 +21,8 @@ gain's own log_alpha gradient and emits the projections' gradients (in their dty
 per-chunk partial sums for dt_bias and A_log (summed outside, like dp0).
 
 The variance update is the Moebius map M_t = [[a, om], [u a, 1 + u om]] (a reset token uses M_t R, R
-the constant map to p0). Forward = two kernels:
+the constant map to p0). Forward = two kernels (the isotropic gain's replay can instead run over
+per-token scalars the reduce writes: iso_replay.py, GainConfig.iso_scalar_replay):
   1. `_reduce_kernel`: per chunk (grid (B, H, NC)), the renormalised product of the chunk's M_t.
   2. `_replay_kernel`: per chunk, the exclusive carry (the products of all earlier chunks applied to
      p0, serial over chunks but only a 2x2 map per step), then a token replay emitting the gain, the
@@ -379,9 +380,9 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
   lanes = p0.shape[-1]
   bsz, t, nh, nc, grid, params = _launch(r, chunk, interpret, cfg, backward=False)
   reset = reset.astype(jnp.int32)
-  scalars = not diag and cfg.iso_scalar_replay and iso_replay.usable(nh)
+  scalars = not diag and cfg.iso_scalar_replay
   la_out = () if front is None else (jax.ShapeDtypeStruct(k.shape, jnp.float32),)
-  per_token = jax.ShapeDtypeStruct((bsz, t, nh), jnp.float32)
+  per_token = jax.ShapeDtypeStruct((bsz, t, iso_replay.padded_heads(nh)), jnp.float32)
   prod, *extra = pl.pallas_call(
       functools.partial(_reduce_kernel, chunk=chunk, diag=diag, front=front,
                         segmented=segmented, scalars=scalars),
