@@ -277,3 +277,51 @@ def test_iso_scalar_replay_against_the_float64_loop():
     _run(False, 70, 16, 1.0, None, True, None, jnp.float32, 1e-5, 1e-4)
   finally:
     gain_config.DEFAULT = before
+
+
+@pytest.mark.parametrize("diag,segmented,front", [
+    (True, True, False), (False, False, True), (True, False, True)])
+def test_renorm_every_keeps_the_chunk_maps(diag, segmented, front):
+  """GainConfig.renorm_every (kernel.py, RENORM): renormalising the reduce's product every 2nd
+  or 4th token gives chunk maps that differ by powers of two only, so the gain, final variance
+  and log_alpha match the every-token reduce (to fp32 rounding on CPU, where XLA compiles the
+  unrolled loop apart), over several chunks, with resets and the fused front-end; strong decay
+  (la = -20 every third token) drives entries toward underflow."""
+  from pallas_kernels.kdn_gain import kernel as gk
+  from pallas_kernels.kdn_gain import config as gain_config
+  b, t, h, kd, chunk = 2, 64, 2, 32, 16
+  k, la, om, r, p0 = _inputs(11, b, t, h, kd, diag, jnp.float32, 1e-3, True)
+  p0 = p0 if diag else p0[..., None]
+  mu = jnp.full((h,), 4.0 * kd, jnp.float32)
+  reset = jnp.zeros((b, t), jnp.int32).at[:, 0].set(1).at[0, 37].set(1)
+  if front:
+    raw = (k.astype(jnp.bfloat16), la.astype(jnp.bfloat16), jnp.full((h, kd), -3.0),
+           jnp.zeros((h,)), om.astype(jnp.bfloat16), r.astype(jnp.bfloat16), mu)
+  else:
+    raw = (k, la, om, r, mu)
+  outs = {}
+  for n in (1, 2, 4):
+    cfg = gain_config.GainConfig(renorm_every=n)
+    outs[n] = gk.gain_forward(raw, reset, p0, diag=diag, chunk=chunk, interpret=True, cfg=cfg,
+                              segmented=segmented, front=0.01 if front else None,
+                              save_pprev=True)
+  for n in (2, 4):
+    for name, x, y in zip(("gain", "p_prev", "p_final", "log_alpha"), outs[n], outs[1]):
+      if y is None:
+        continue
+      x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+      assert np.max(np.abs(x - y)) <= 1e-6 * np.max(np.abs(y)), (n, name)
+  with pytest.raises(ValueError, match="GainConfig.renorm_every must be"):
+    gain_config.GainConfig(renorm_every=3)
+
+
+def test_renorm_every_against_the_float64_loop():
+  """diag_gain with GainConfig.renorm_every=4: the float64 token loop's gain, final variance
+  and every gradient (r = 1e-3, mu = 4K: large token entries), with segments."""
+  from pallas_kernels.kdn_gain import config as gain_config
+  before = gain_config.DEFAULT
+  gain_config.set_default(renorm_every=4)
+  try:
+    _run(True, 33, 32, 4.0, 1e-3, True, (5, 6, 31), jnp.float32, 1e-5, 1e-4)
+  finally:
+    gain_config.DEFAULT = before

@@ -273,3 +273,15 @@ def test_iso_scalar_replay_lowers_for_cuda(as_on_gpu, monkeypatch, layer, heads,
   assert {"kdn_gain_reduce", "kdn_gain_iso_replay"} <= kernels, kernels
   assert "kdn_gain_replay" not in kernels, kernels
   assert ({"kdn_gain_bwd_reduce", "kdn_gain_bwd_replay"} <= kernels) == grad, kernels
+
+
+def test_renorm_every_lowers_for_cuda(as_on_gpu, monkeypatch):
+  """GainConfig.renorm_every=4: the diag KDN op's forward reduce (its token loop unrolled by
+  4, the product renormalised after the 4th) lowers for CUDA."""
+  from pallas_kernels.kdn_gain import config as gain_config   # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(gain_config, "DEFAULT", dataclasses.replace(
+      gain_config.DEFAULT, renorm_every=4))
+  q, k, v, la, om, r, seg = _op_inputs(jnp.bfloat16)
+  fn = lambda k: ops.diag_kdn(q, k, v, la, om, r, impl="pallas", chunk_size=16,
+                              segment_ids=seg)[0]
+  assert {"kdn_gain_reduce", "kdn_gain_replay"} <= _triton_kernels(_lower_for_cuda(fn, k))

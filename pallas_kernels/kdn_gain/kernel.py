@@ -33,6 +33,16 @@ Backward = two kernels over the linear adjoint recurrence dp_{t-1} = m_t dp_t + 
   4. `_bwd_replay_kernel`: per chunk, the carry from later chunks, then a reverse token replay that
      emits every raw input's gradient, plus each chunk's dp0 contribution (from its resets).
 
+RENORM (GainConfig.renorm_every = n): the reduce renormalises its running product (by a power of
+two, _matmul2) after every n-th token only. Every token matrix has non-negative entries and
+m22 = 1 + u om >= 1, so every product's largest entry is >= 1 (nothing underflows) and grows by
+at most a factor 2E per token (E: the token's largest entry): with the product in [1, 2) after a
+renormalisation, n more tokens stay finite while (2E)^n < 2^127, i.e. E < 6e18 at n = 2, 1.8e9
+at n = 4. Scaling by a power of two is exact, so the chunk map differs from the every-token one
+by a power-of-two factor only (the same Moebius map, whose application is scale-free; entries
+below 2^-126 of the largest, flushed or subnormal in one and not the other, aside), for fewer
+instructions per token.
+
 UNSEGMENTED (`segmented=False`, a call without segment_ids): only token 0 resets, to p0, where
 chunk 0's replay starts anyway (its carry-in is p0), so the kernels read no reset flags and
 select nothing per token. Chunk 0's product then leaves R out, which the carry-in, applying it
@@ -162,16 +172,19 @@ def _pow2_inverse(s):
   return lax.bitcast_convert_type(0x7F000000 - bits, jnp.float32)
 
 
+def _product2(x, y):
+  """x @ y for 2x2 matrices stored as 4-tuples of lane vectors."""
+  x11, x12, x21, x22 = x
+  y11, y12, y21, y22 = y
+  return (x11 * y11 + x12 * y21, x11 * y12 + x12 * y22,
+          x21 * y11 + x22 * y21, x21 * y12 + x22 * y22)
+
+
 def _matmul2(x, y):
   """x @ y for 2x2 matrices stored as 4-tuples of lane vectors, renormalised so that the largest
   |entry| is in [1, 2). A Moebius map is the same map at any scale of its matrix, so any
   positive factor would do: a power of two (_pow2_inverse) is exact and needs no division."""
-  x11, x12, x21, x22 = x
-  y11, y12, y21, y22 = y
-  n11 = x11 * y11 + x12 * y21
-  n12 = x11 * y12 + x12 * y22
-  n21 = x21 * y11 + x22 * y21
-  n22 = x21 * y12 + x22 * y22
+  n11, n12, n21, n22 = _product2(x, y)
   s = jnp.maximum(jnp.maximum(jnp.abs(n11), jnp.abs(n12)),
                   jnp.maximum(jnp.abs(n21), jnp.abs(n22)))
   inv = _pow2_inverse(jnp.where(s > 0, s, 1.0))
@@ -183,7 +196,7 @@ def _raw_refs(refs, front):
   return dict(zip(names, refs[:len(names)])), refs[len(names):]
 
 
-def _reduce_kernel(*refs, chunk, diag, front, segmented, scalars):
+def _reduce_kernel(*refs, chunk, diag, front, segmented, scalars, renorm_every):
   """Chunk c's renormalised map product. With `scalars` (iso_replay.py) it also writes each
   token's a and kk ([B, T, H] fp32) and, with a front, log_alpha: what the scalar replay would
   otherwise re-read the K-wide rows for."""
@@ -192,8 +205,7 @@ def _reduce_kernel(*refs, chunk, diag, front, segmented, scalars):
   p0 = p0_ref[b, h, :].astype(jnp.float32)[None, :]
   t0 = c * chunk
 
-  def body(i, m):
-    t = t0 + i
+  def token(t, m, renormalise):
     x = _lanes(raw, b, t, h, diag, front)
     if scalars:
       scalar_refs[0][b, pl.ds(t, 1), h] = x["a"].reshape(1)
@@ -201,11 +213,17 @@ def _reduce_kernel(*refs, chunk, diag, front, segmented, scalars):
       if front is not None:
         scalar_refs[2][b, pl.ds(t, 1), h, :] = x["front"]["la"].astype(scalar_refs[2].dtype)
     reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0 if segmented else None
-    return _matmul2(_token_matrix(x["a"], x["om"], x["u"], reset, p0), m)
+    mt = _token_matrix(x["a"], x["om"], x["u"], reset, p0)
+    return _matmul2(mt, m) if renormalise else _product2(mt, m)
+
+  def body(i, m):   # renorm_every tokens, the product renormalised after the last (RENORM)
+    for j in range(renorm_every):
+      m = token(t0 + i * renorm_every + j, m, j == renorm_every - 1)
+    return m
 
   one = jnp.ones_like(p0)
   zero = jnp.zeros_like(p0)
-  m = lax.fori_loop(0, chunk, body, (one, zero, zero, one))
+  m = lax.fori_loop(0, chunk // renorm_every, body, (one, zero, zero, one))
   for j in range(4):
     prod_ref[b, h, c, j, :] = m[j].reshape(-1)
 
@@ -385,7 +403,8 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
   per_token = jax.ShapeDtypeStruct((bsz, t, iso_replay.padded_heads(nh)), jnp.float32)
   prod, *extra = pl.pallas_call(
       functools.partial(_reduce_kernel, chunk=chunk, diag=diag, front=front,
-                        segmented=segmented, scalars=scalars),
+                        segmented=segmented, scalars=scalars,
+                        renorm_every=min(cfg.renorm_every, chunk)),
       out_shape=(jax.ShapeDtypeStruct((bsz, nh, nc, 4, lanes), jnp.float32),) + (
           (per_token, per_token) + la_out if scalars else ()),
       grid=grid, name="kdn_gain_reduce", **params,
