@@ -279,14 +279,15 @@ def test_iso_scalar_replay_against_the_float64_loop():
     gain_config.DEFAULT = before
 
 
-@pytest.mark.parametrize("diag,segmented,front", [
-    (True, True, False), (False, False, True), (True, False, True)])
-def test_renorm_every_keeps_the_chunk_maps(diag, segmented, front):
-  """GainConfig.renorm_every (kernel.py, RENORM): renormalising the reduce's product every 2nd
-  or 4th token gives chunk maps that differ by powers of two only, so the gain, final variance
-  and log_alpha match the every-token reduce (to fp32 rounding on CPU, where XLA compiles the
-  unrolled loop apart), over several chunks, with resets and the fused front-end; strong decay
-  (la = -20 every third token) drives entries toward underflow."""
+@pytest.mark.parametrize("diag,segmented,front,scalars", [
+    (True, True, False, False), (False, False, True, False), (True, False, True, False),
+    (False, True, False, True)])
+def test_renorm_every_keeps_the_chunk_maps(diag, segmented, front, scalars):
+  """GainConfig.renorm_every=2 (kernel.py, RENORM): the reduce's chunk maps equal the
+  every-token reduce's (the same up to a power of two, and both renormalised at the chunk's
+  last token), and the gain, p_prev, final variance and log_alpha match, over several chunks, with resets, the fused
+  front-end and the iso scalar replay (whose per-token scalars the unrolled loop writes);
+  r = 1e-3, mu = 4K and strong decay (la = -20 every third token) spread the entries."""
   from pallas_kernels.kdn_gain import kernel as gk
   from pallas_kernels.kdn_gain import config as gain_config
   b, t, h, kd, chunk = 2, 64, 2, 32, 16
@@ -299,29 +300,39 @@ def test_renorm_every_keeps_the_chunk_maps(diag, segmented, front):
            jnp.zeros((h,)), om.astype(jnp.bfloat16), r.astype(jnp.bfloat16), mu)
   else:
     raw = (k, la, om, r, mu)
-  outs = {}
-  for n in (1, 2, 4):
-    cfg = gain_config.GainConfig(renorm_every=n)
-    outs[n] = gk.gain_forward(raw, reset, p0, diag=diag, chunk=chunk, interpret=True, cfg=cfg,
-                              segmented=segmented, front=0.01 if front else None,
-                              save_pprev=True)
-  for n in (2, 4):
-    for name, x, y in zip(("gain", "p_prev", "p_final", "log_alpha"), outs[n], outs[1]):
-      if y is None:
-        continue
-      x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-      assert np.max(np.abs(x - y)) <= 1e-6 * np.max(np.abs(y)), (n, name)
+  outs, maps = {}, {}
+  for n in (1, 2):
+    cfg = gain_config.GainConfig(renorm_every=n, iso_scalar_replay=scalars)
+    kw = dict(diag=diag, chunk=chunk, interpret=True, cfg=cfg, segmented=segmented,
+              front=0.01 if front else None)
+    maps[n] = np.asarray(gk.reduce_maps(raw, reset, p0, scalars=scalars, **kw)[0], np.float64)
+    outs[n] = gk.gain_forward(raw, reset, p0, save_pprev=True, **kw)
+  # Both end renormalised (n divides the chunk), largest entry in [1, 2): the same power of two,
+  # so the maps are equal outright; without the renormalisations they would be far larger.
+  for n in (1, 2):
+    largest = np.max(np.abs(maps[n]), axis=3)
+    assert np.all((largest >= 1) & (largest < 2)), n
+  np.testing.assert_array_equal(maps[2], maps[1])
+  for name, x, y in zip(("gain", "p_prev", "p_final", "log_alpha"), outs[2], outs[1]):
+    if y is None:
+      continue
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    assert np.max(np.abs(x - y)) <= 1e-6 * np.max(np.abs(y)), name
   with pytest.raises(ValueError, match="GainConfig.renorm_every must be"):
-    gain_config.GainConfig(renorm_every=3)
+    gain_config.GainConfig(renorm_every=4)
+  with pytest.raises(ValueError, match="GainConfig.renorm_every must be"):
+    gain_config.GainConfig(renorm_every=2.0)
 
 
-def test_renorm_every_against_the_float64_loop():
-  """diag_gain with GainConfig.renorm_every=4: the float64 token loop's gain, final variance
-  and every gradient (r = 1e-3, mu = 4K: large token entries), with segments."""
+@pytest.mark.parametrize("chunk", [16, 24, 25])
+def test_renorm_every_against_the_float64_loop(chunk):
+  """diag_gain with GainConfig.renorm_every=2: the float64 token loop's gain, final variance
+  and every gradient (r = 1e-3, mu = 4K: large token entries), with segments; chunks 24 and 25
+  (not powers of two: the reduce renormalises every gcd(2, chunk) tokens, 25 every token)."""
   from pallas_kernels.kdn_gain import config as gain_config
   before = gain_config.DEFAULT
-  gain_config.set_default(renorm_every=4)
+  gain_config.set_default(renorm_every=2)
   try:
-    _run(True, 33, 32, 4.0, 1e-3, True, (5, 6, 31), jnp.float32, 1e-5, 1e-4)
+    _run(True, 53, chunk, 4.0, 1e-3, True, (5, 6, 31), jnp.float32, 1e-5, 1e-4)
   finally:
     gain_config.DEFAULT = before

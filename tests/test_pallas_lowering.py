@@ -276,12 +276,19 @@ def test_iso_scalar_replay_lowers_for_cuda(as_on_gpu, monkeypatch, layer, heads,
 
 
 def test_renorm_every_lowers_for_cuda(as_on_gpu, monkeypatch):
-  """GainConfig.renorm_every=4: the diag KDN op's forward reduce (its token loop unrolled by
-  4, the product renormalised after the 4th) lowers for CUDA."""
+  """GainConfig.renorm_every=2: the diag KDN op's forward reduce (its token loop unrolled by 2,
+  the product renormalised after the 2nd) lowers for CUDA, to another reduce kernel than at 1."""
   from pallas_kernels.kdn_gain import config as gain_config   # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(gain_config, "DEFAULT", dataclasses.replace(
-      gain_config.DEFAULT, renorm_every=4))
   q, k, v, la, om, r, seg = _op_inputs(jnp.bfloat16)
-  fn = lambda k: ops.diag_kdn(q, k, v, la, om, r, impl="pallas", chunk_size=16,
-                              segment_ids=seg)[0]
-  assert {"kdn_gain_reduce", "kdn_gain_replay"} <= _triton_kernels(_lower_for_cuda(fn, k))
+  texts = {}
+  for n in (1, 2):
+    monkeypatch.setattr(gain_config, "DEFAULT", dataclasses.replace(
+        gain_config.DEFAULT, renorm_every=n))
+    # (a new function per config: jit reuses a function's trace, which holds the config)
+    fn = lambda k: ops.diag_kdn(q, k, v, la, om, r, impl="pallas", chunk_size=16,
+                                segment_ids=seg)[0]
+    texts[n] = _lower_for_cuda(fn, k)
+    assert {"kdn_gain_reduce", "kdn_gain_replay"} <= _triton_kernels(texts[n])
+  # the unrolled body: twice the reduce's token matrices, one renormalisation (_pow2_inverse)
+  calls = {n: (t.count("_product2"), t.count("_pow2_inverse")) for n, t in texts.items()}
+  assert texts[1] != texts[2], calls

@@ -12,7 +12,7 @@
 # load blocks), convblocks (the conv's load blocks: layers, check_fusion), abexp (session 46's
 # exp for 16-bit data against the tree before it), gains (session 47's gain kernels against a base
 # tree; the gain chunk at 4k), isoscalar (the iso gain's replay over per-token scalars), renorm
-# (the gain reduce renormalising every 2nd / 4th token).
+# (the gain reduce renormalising every 2nd token).
 # Default: check ops stages docs mixers layers train.
 # Kernel config sweep (stages): SWEEP='default,max_chunk=64/sub_block=32' (DeltaRuleConfig fields).
 # Extra train flags: TRAIN_EXTRA='--config.model.scan_layers=True --config.model.impl=pallas';
@@ -264,14 +264,15 @@ isoscalar)
     pack
   done ;;
 renorm)
-  # GainConfig.renorm_every (session 49; not timed when it was built): the gain's forward
-  # reduce renormalises its 2x2 product every 2nd / 4th token (kernel.py, RENORM; the same
-  # chunk maps up to a power of two; statically 154 -> 125 / 110 instructions per token). The
-  # diag gain's forward at 16k and 4k, the diag op's forward and fwd+bwd at 16k (each sweep:
-  # default first and again last). At most 290 s. Its GPU check, in the next call:
-  #   CHECK_CASES=16:default:renorm_every=4 bash experiments/scripts/gpu_measurements.sh loadchecks
+  # GainConfig.renorm_every=2 (session 49; not timed when it was built): the gain's forward
+  # reduce renormalises its 2x2 product every 2nd token (kernel.py, RENORM; the same chunk maps
+  # up to a power of two; statically 154 -> 125 instructions per token). The diag gain's forward
+  # at 16k and 4k, the diag op's forward and fwd+bwd at 16k (each sweep: default first and
+  # again last). At most 290 s. Its GPU checks, in the next call:
+  #   CHECK_CASES=16:default:renorm_every=2,128:default:renorm_every=2 CHECK_LIMIT=200 \
+  #     bash experiments/scripts/gpu_measurements.sh loadchecks
   SWEEP_LOG=renorm.txt
-  S=default,renorm_every=2,renorm_every=4
+  S=default,renorm_every=2
   sweep_line 70 --out="$RES/renorm_diag_gain_16384_fwd" --seq_lens=16384 --sweep_len=16384 \
     --gain_sweep_fwd_bwd=false --gain_sweep=$S
   sweep_line 60 --out="$RES/renorm_diag_gain_4096_fwd" --seq_lens=4096 --sweep_len=4096 \

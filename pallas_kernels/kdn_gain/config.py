@@ -27,11 +27,12 @@ class GainConfig:
   # a power of two). Session 49: exact in interpret mode; not yet timed (gpu_measurements.sh
   # isoscalar), so off.
   iso_scalar_replay: bool = False
-  # The forward reduce renormalises its running 2x2 product after every n-th token instead of
+  # The forward reduce renormalises its running 2x2 product after every 2nd token instead of
   # every token (kernel.py, RENORM: exact, the same chunk maps up to a power of two; safe while
-  # a token matrix's largest entry stays below 6e18 at 2, 1.8e9 at 4). Fewer instructions per
-  # token (the max, the exponent trick and 4 multiplies per lane skipped n-1 times in n).
-  # Session 49: exact in interpret mode; not yet timed (gpu_measurements.sh isoscalar), so 1.
+  # a token matrix's largest entry stays below 4.6e18; 4 would overflow within the ops' input
+  # range). Fewer instructions per token (the max, the exponent trick and 4 multiplies per lane
+  # skipped every other token; 154 -> 125 per token, diag, sm_90). Session 49: exact in
+  # interpret mode; not yet timed (gpu_measurements.sh renorm), so 1.
   renorm_every: int = 1
 
   def __post_init__(self):
@@ -39,9 +40,9 @@ class GainConfig:
             and self.num_warps <= 32):
       raise ValueError(f"GainConfig.num_warps must be a power of two in [1, 32] (Triton warps), "
                        f"got {self.num_warps}")
-    if self.renorm_every not in (1, 2, 4, 8, 16):
-      raise ValueError(f"GainConfig.renorm_every must be 1, 2, 4, 8 or 16 (a divisor of every "
-                       f"gain chunk), got {self.renorm_every}")
+    if type(self.renorm_every) is not int or self.renorm_every not in (1, 2):
+      raise ValueError(f"GainConfig.renorm_every must be the int 1 or 2 (tokens per "
+                       f"renormalisation of the reduce's product), got {self.renorm_every!r}")
     for name in ("max_chunk", "num_stages_fwd", "num_stages_bwd"):
       if getattr(self, name) < 1:
         raise ValueError(f"GainConfig.{name} must be >= 1, got {getattr(self, name)}")

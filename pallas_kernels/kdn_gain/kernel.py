@@ -33,15 +33,16 @@ Backward = two kernels over the linear adjoint recurrence dp_{t-1} = m_t dp_t + 
   4. `_bwd_replay_kernel`: per chunk, the carry from later chunks, then a reverse token replay that
      emits every raw input's gradient, plus each chunk's dp0 contribution (from its resets).
 
-RENORM (GainConfig.renorm_every = n): the reduce renormalises its running product (by a power of
-two, _matmul2) after every n-th token only. Every token matrix has non-negative entries and
-m22 = 1 + u om >= 1, so every product's largest entry is >= 1 (nothing underflows) and grows by
-at most a factor 2E per token (E: the token's largest entry): with the product in [1, 2) after a
-renormalisation, n more tokens stay finite while (2E)^n < 2^127, i.e. E < 6e18 at n = 2, 1.8e9
-at n = 4. Scaling by a power of two is exact, so the chunk map differs from the every-token one
-by a power-of-two factor only (the same Moebius map, whose application is scale-free; entries
-below 2^-126 of the largest, flushed or subnormal in one and not the other, aside), for fewer
-instructions per token.
+RENORM (GainConfig.renorm_every = n, 1 or 2; the gcd with the chunk): the reduce renormalises its
+running product (by a power of two, _matmul2) after every n-th token only. Every token matrix has
+non-negative entries (largest E >= 1, as m22 = 1 + u om >= 1; E ~ 1 + mu om k^2 / r, e.g. 5e9 at
+mu = 512, r = 1e-4, om = 1e3, |k| = 1), and a renormalised product's largest entry is in [1, 4)
+(_pow2_inverse), so n tokens later it is below 4 (2E)^n: finite while (2E)^n < 2^126, i.e.
+E < 4.6e18 at n = 2 (n = 4 would overflow at E ~ 1.5e9, within the ops' input range: not
+offered). Scaling by a power of two is exact (products, sums and FMAs alike, barring subnormals),
+so the chunk maps equal the every-token ones up to a power of two, and the carry-in's Moebius
+application, which is scale-free, gives the same values up to how a compiler contracts the
+products into FMAs (identical in interpret mode; tests). Fewer instructions per token.
 
 UNSEGMENTED (`segmented=False`, a call without segment_ids): only token 0 resets, to p0, where
 chunk 0's replay starts anyway (its carry-in is p0), so the kernels read no reset flags and
@@ -51,6 +52,7 @@ to p0, does not see; the backward's dp0 is chunk 0's final adjoint (token 0's dp
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -385,6 +387,25 @@ def _launch(r, chunk, interpret, cfg, backward):
   return bsz, t, nh, t // chunk, (bsz, nh, t // chunk), params
 
 
+def reduce_maps(raw, reset, p0, *, diag, chunk, interpret, cfg, front=None, segmented=True,
+                scalars=False):
+  """The forward reduce: (the chunk maps [B, H, NC, 4, L] fp32, renormalised (RENORM), and
+  with `scalars` (iso_replay.py) a, kk [B, T, Hp] fp32 and, with a front, log_alpha). reset:
+  [B, T] int32."""
+  r, k = raw[-2], raw[0]
+  bsz, t, nh, nc, grid, params = _launch(r, chunk, interpret, cfg, backward=False)
+  la_out = () if front is None else (jax.ShapeDtypeStruct(k.shape, jnp.float32),)
+  per_token = jax.ShapeDtypeStruct((bsz, t, iso_replay.padded_heads(nh)), jnp.float32)
+  return pl.pallas_call(
+      functools.partial(_reduce_kernel, chunk=chunk, diag=diag, front=front,
+                        segmented=segmented, scalars=scalars,
+                        renorm_every=math.gcd(cfg.renorm_every, chunk)),
+      out_shape=(jax.ShapeDtypeStruct((bsz, nh, nc, 4, p0.shape[-1]), jnp.float32),) + (
+          (per_token, per_token) + la_out if scalars else ()),
+      grid=grid, name="kdn_gain_reduce", **params,
+  )(*raw, reset, p0)
+
+
 def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True, front=None,
                  gain_dtype=jnp.float32, segmented=True):
   """raw: (k [B,T,H,K], log_alpha [B,T,H,K], omega [B,T,H,K] (diag) or [B,T,H] (iso),
@@ -395,20 +416,11 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
   save_pprev), p_final [B,H,L], log_alpha [B,T,H,K] (front only, else None)), the rest float32."""
   r = raw[-2]
   k = raw[0]
-  lanes = p0.shape[-1]
   bsz, t, nh, nc, grid, params = _launch(r, chunk, interpret, cfg, backward=False)
   reset = reset.astype(jnp.int32)
   scalars = not diag and cfg.iso_scalar_replay
-  la_out = () if front is None else (jax.ShapeDtypeStruct(k.shape, jnp.float32),)
-  per_token = jax.ShapeDtypeStruct((bsz, t, iso_replay.padded_heads(nh)), jnp.float32)
-  prod, *extra = pl.pallas_call(
-      functools.partial(_reduce_kernel, chunk=chunk, diag=diag, front=front,
-                        segmented=segmented, scalars=scalars,
-                        renorm_every=min(cfg.renorm_every, chunk)),
-      out_shape=(jax.ShapeDtypeStruct((bsz, nh, nc, 4, lanes), jnp.float32),) + (
-          (per_token, per_token) + la_out if scalars else ()),
-      grid=grid, name="kdn_gain_reduce", **params,
-  )(*raw, reset, p0)
+  prod, *extra = reduce_maps(raw, reset, p0, diag=diag, chunk=chunk, interpret=interpret,
+                             cfg=cfg, front=front, segmented=segmented, scalars=scalars)
   if scalars:   # the replay over per-token scalars (iso_replay.py)
     a, kk, *la = extra
     gain, pprev, pfin = iso_replay.replay(
@@ -416,13 +428,14 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
         save_pprev=save_pprev, front=front, data_dtype=k.dtype, gain_dtype=gain_dtype,
         segmented=segmented, params=params)
     return gain, pprev, pfin, (la[0] if la else None)
-  lane = jax.ShapeDtypeStruct((bsz, t, nh, lanes), jnp.float32)
+  lane = jax.ShapeDtypeStruct((bsz, t, nh, p0.shape[-1]), jnp.float32)
+  la_out = () if front is None else (jax.ShapeDtypeStruct(k.shape, jnp.float32),)
   outs = pl.pallas_call(
       functools.partial(_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag,
                         save_pprev=save_pprev, front=front, segmented=segmented),
       out_shape=(jax.ShapeDtypeStruct(lane.shape, gain_dtype),) + la_out + (
           (lane,) if save_pprev else ()) + (
-          jax.ShapeDtypeStruct((bsz, nh, lanes), jnp.float32),),
+          jax.ShapeDtypeStruct((bsz, nh, p0.shape[-1]), jnp.float32),),
       grid=grid, name="kdn_gain_replay", **params,
   )(*raw, reset, p0, prod)
   gain, outs = outs[0], outs[1:]
