@@ -80,6 +80,11 @@ def check_width(name, n):
         "use the chunked XLA implementation instead.")
 
 
+def next_pow2(n):
+  """The smallest power of two >= n (n >= 1): block and chunk sizes, Triton's row widths."""
+  return 1 << (n - 1).bit_length()
+
+
 def pad_time(x, t_pad, value=0):
   """Pads axis 1 (time) of `x` to length t_pad."""
   t = x.shape[1]

@@ -87,7 +87,7 @@ def causal_conv1d(x, weight, cache, segment_ids=None, *, activation=True, normal
     raise NotImplementedError("causal_conv1d: width 1 is a pointwise scale; use the layer's "
                               "plain-JAX path")
   cfg = _config.DEFAULT
-  block_t = min(cfg.block_t, max(16, 1 << (t - 1).bit_length()))
+  block_t = min(cfg.block_t, max(16, common.next_pow2(t)))
   cfg = dataclasses.replace(cfg, block_t=block_t)   # short sequences: one smaller block
   t_pad = -(-t // block_t) * block_t
   pos = None

@@ -178,7 +178,7 @@ def chunk_length(cfg, chunk_size, t, interpret):
   """The kernels' chunk C for a caller's chunk_size and length t: capped by cfg.max_chunk and by
   t (rounded up to a power of two), at least 16, and at least cfg.min_chunk when compiled."""
   lo = 16 if interpret else max(16, cfg.min_chunk)
-  return max(lo, min(chunk_size, cfg.max_chunk, 1 << (t - 1).bit_length()))
+  return max(lo, min(chunk_size, cfg.max_chunk, common.next_pow2(t)))
 
 
 def forward_only(cfg, chunk_size, t, interpret):

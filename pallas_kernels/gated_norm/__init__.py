@@ -53,7 +53,7 @@ def gated_rms_norm(o, gate, weight, eps, *, interpret=None):
   if weight.shape != (vd,):
     raise ValueError(f"gated_rms_norm: weight has shape {tuple(weight.shape)}; expected ({vd},)")
   cfg = _config.DEFAULT
-  cfg = dataclasses.replace(cfg, block_t=min(cfg.block_t, max(16, 1 << (t - 1).bit_length())))
+  cfg = dataclasses.replace(cfg, block_t=min(cfg.block_t, max(16, common.next_pow2(t))))
   t_pad = -(-t // cfg.block_t) * cfg.block_t
   y = _norm(common.pad_time(o, t_pad), common.pad_time(gate, t_pad), weight, float(eps),
             interpret, cfg)

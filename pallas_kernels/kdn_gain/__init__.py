@@ -239,7 +239,7 @@ def gain_chunk(t, chunk_size, cfg=None):
   of two (16 at least). (Halving it to fill the GPU at short T, session 47's min_programs,
   lost: 0.72 ms against 0.41-0.51 for the 4k forward on the H100, docs/benchmark_mixers.md.)"""
   cfg = cfg or _config.DEFAULT
-  return min(chunk_size, cfg.max_chunk, max(16, 1 << (t - 1).bit_length()))
+  return min(chunk_size, cfg.max_chunk, max(16, common.next_pow2(t)))
 
 
 def _prep(t, chunk_size, batch, segment_ids):

@@ -27,11 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import kernel_math
-
-
-def padded_heads(nh):
-  """The [1, H] row's width for nh heads: the next power of two."""
-  return 1 << (nh - 1).bit_length()
+from pallas_kernels.kdn_gain import moebius
 
 
 def _kernel(a_ref, kk_ref, om_ref, r_ref, mu_ref, reset_ref, p0_ref, prod_ref, *outs, chunk,
@@ -43,11 +39,9 @@ def _kernel(a_ref, kk_ref, om_ref, r_ref, mu_ref, reset_ref, p0_ref, prod_ref, *
   mu = mu_ref[:].astype(jnp.float32)[None, :]
   softplus = kernel_math.softplus_for(data_dtype)
 
-  def carry(j, p):   # chunk j's map, every head (kernel._carry_in)
-    m11, m12, m21, m22 = (prod_ref[b, :, j, i, 0][None, :] for i in range(4))
-    return (m11 * p + m12) / (m21 * p + m22)
-
-  p = lax.fori_loop(0, c, carry, p0)
+  # the carry-in: chunks 0..c-1's maps, every head at once (kernel._carry_in per head)
+  p = moebius.apply_maps(lambda j: tuple(prod_ref[b, :, j, i, 0][None, :] for i in range(4)),
+                         p0, c)
 
   def body(i, p):
     t = c * chunk + i
@@ -75,7 +69,7 @@ def _kernel(a_ref, kk_ref, om_ref, r_ref, mu_ref, reset_ref, p0_ref, prod_ref, *
 def replay(a, kk, om, r, mu, reset, p0, prod, *, chunk, kd, save_pprev, front, data_dtype,
            gain_dtype, segmented, params):
   """(gain [B, T, H, 1] in gain_dtype, p_prev [B, T, H, 1] f32 or None, p_final [B, H, 1] f32)
-  from the reduce's a, kk [B, T, Hp] fp32 (Hp = padded_heads(H); the columns past H unread)
+  from the reduce's a, kk [B, T, Hp] fp32 (Hp = common.next_pow2(H); the columns past H unread)
   and chunk maps prod [B, H, NC, 4, 1]; om, r: [B, T, H] raw (with `front`, r_min: the
   pre-activations); mu [H]; reset [B, T]; p0 [B, H, 1]; kd: K; data_dtype: the projections'
   dtype (picks softplus as the lane kernels do); params: the gain kernels' pallas_call options

@@ -62,6 +62,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import common
 from pallas_kernels import kernel_math
 from pallas_kernels.kdn_gain import iso_replay
+from pallas_kernels.kdn_gain import moebius
 
 
 def _row(ref, b, t, h):
@@ -232,13 +233,8 @@ def _reduce_kernel(*refs, chunk, diag, front, segmented, scalars, renorm_every):
 
 def _carry_in(prod_ref, p0, b, h, c):
   """Variance at the start of chunk c: chunk maps 0..c-1 applied to p0."""
-  def body(j, p):
-    m11 = prod_ref[b, h, j, 0, :][None, :]
-    m12 = prod_ref[b, h, j, 1, :][None, :]
-    m21 = prod_ref[b, h, j, 2, :][None, :]
-    m22 = prod_ref[b, h, j, 3, :][None, :]
-    return (m11 * p + m12) / (m21 * p + m22)
-  return lax.fori_loop(0, c, body, p0)
+  return moebius.apply_maps(lambda j: tuple(prod_ref[b, h, j, i, :][None, :] for i in range(4)),
+                            p0, c)
 
 
 def _replay_kernel(*refs, chunk, num_chunks, diag, save_pprev, front, segmented):
@@ -387,6 +383,12 @@ def _launch(r, chunk, interpret, cfg, backward):
   return bsz, t, nh, t // chunk, (bsz, nh, t // chunk), params
 
 
+def _log_alpha_out(k, front):
+  """The forward's log_alpha output (with a front only; written by the replay, or by the reduce
+  for the scalar replay)."""
+  return () if front is None else (jax.ShapeDtypeStruct(k.shape, jnp.float32),)
+
+
 def reduce_maps(raw, reset, p0, *, diag, chunk, interpret, cfg, front=None, segmented=True,
                 scalars=False):
   """The forward reduce: (the chunk maps [B, H, NC, 4, L] fp32, renormalised (RENORM), and
@@ -394,14 +396,16 @@ def reduce_maps(raw, reset, p0, *, diag, chunk, interpret, cfg, front=None, segm
   [B, T] int32."""
   r, k = raw[-2], raw[0]
   bsz, t, nh, nc, grid, params = _launch(r, chunk, interpret, cfg, backward=False)
-  la_out = () if front is None else (jax.ShapeDtypeStruct(k.shape, jnp.float32),)
-  per_token = jax.ShapeDtypeStruct((bsz, t, iso_replay.padded_heads(nh)), jnp.float32)
+  scalar_out = ()
+  if scalars:   # a and kk, as wide as the scalar replay's head row
+    per_token = jax.ShapeDtypeStruct((bsz, t, common.next_pow2(nh)), jnp.float32)
+    scalar_out = (per_token, per_token) + _log_alpha_out(k, front)
   return pl.pallas_call(
       functools.partial(_reduce_kernel, chunk=chunk, diag=diag, front=front,
                         segmented=segmented, scalars=scalars,
                         renorm_every=math.gcd(cfg.renorm_every, chunk)),
-      out_shape=(jax.ShapeDtypeStruct((bsz, nh, nc, 4, p0.shape[-1]), jnp.float32),) + (
-          (per_token, per_token) + la_out if scalars else ()),
+      out_shape=(jax.ShapeDtypeStruct((bsz, nh, nc, 4, p0.shape[-1]), jnp.float32),)
+      + scalar_out,
       grid=grid, name="kdn_gain_reduce", **params,
   )(*raw, reset, p0)
 
@@ -416,6 +420,7 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
   save_pprev), p_final [B,H,L], log_alpha [B,T,H,K] (front only, else None)), the rest float32."""
   r = raw[-2]
   k = raw[0]
+  lanes = p0.shape[-1]
   bsz, t, nh, nc, grid, params = _launch(r, chunk, interpret, cfg, backward=False)
   reset = reset.astype(jnp.int32)
   scalars = not diag and cfg.iso_scalar_replay
@@ -428,14 +433,14 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
         save_pprev=save_pprev, front=front, data_dtype=k.dtype, gain_dtype=gain_dtype,
         segmented=segmented, params=params)
     return gain, pprev, pfin, (la[0] if la else None)
-  lane = jax.ShapeDtypeStruct((bsz, t, nh, p0.shape[-1]), jnp.float32)
-  la_out = () if front is None else (jax.ShapeDtypeStruct(k.shape, jnp.float32),)
+  lane = jax.ShapeDtypeStruct((bsz, t, nh, lanes), jnp.float32)
+  la_out = _log_alpha_out(k, front)
   outs = pl.pallas_call(
       functools.partial(_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag,
                         save_pprev=save_pprev, front=front, segmented=segmented),
       out_shape=(jax.ShapeDtypeStruct(lane.shape, gain_dtype),) + la_out + (
           (lane,) if save_pprev else ()) + (
-          jax.ShapeDtypeStruct((bsz, nh, p0.shape[-1]), jnp.float32),),
+          jax.ShapeDtypeStruct((bsz, nh, lanes), jnp.float32),),
       grid=grid, name="kdn_gain_replay", **params,
   )(*raw, reset, p0, prod)
   gain, outs = outs[0], outs[1:]
