@@ -669,6 +669,8 @@ def _write(results, out, plot=True):
          f"{FLAGS.heads} heads x {FLAGS.dim}, bf16, device: {results.get('device')}\n\n")
   if results.get("delta_rule_config"):
     hdr += f"Pallas delta-rule config: `{results['delta_rule_config']}`\n\n"
+  if results.get("gain_config"):
+    hdr += f"Pallas gain config: `{results['gain_config']}`\n\n"
   if results.get("check_failed"):
     hdr += f"**This config FAILED the GPU check:** {results['check_failed']}\n\n"
   if not lens:
@@ -710,7 +712,9 @@ def main(argv):
   # Sweeps first, so that the check covers the configuration the rows use.
   _sweeps(results, start + FLAGS.time_budget_s, save)
   from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.kdn_gain import config as gcfg  # pylint: disable=g-import-not-at-top
   results.setdefault("delta_rule_config", repr(dcfg.DEFAULT))
+  results.setdefault("gain_config", repr(gcfg.DEFAULT))   # (both: the rows run with them)
   save()
   if FLAGS.check or FLAGS.check_only:
     try:

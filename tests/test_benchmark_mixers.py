@@ -191,3 +191,6 @@ def test_a_killed_run_keeps_the_cells_it_timed(tmp_path, monkeypatch):
   assert [(r["row"], r["mode"], r["T"], r["ms"]) for r in res["rows"]] == [
       ("diag_kdn_pallas", "fwd", 40, 3.0)]
   assert "| diag_kdn_pallas | fwd | 3.00 |" in md
+  # the kernel configs the rows ran with are recorded beside them
+  from pallas_kernels.kdn_gain import config as gain_config  # pylint: disable=g-import-not-at-top
+  assert res["gain_config"] == repr(gain_config.DEFAULT) and "Pallas gain config:" in md

@@ -241,15 +241,17 @@ def test_backward_kernels_store_gradients_in_the_inputs_dtypes(as_on_gpu, monkey
   assert seen["gain_backward"][:4] == [bf16] * 4, seen   # dk, d log_alpha, d omega, d r
 
 
-@pytest.mark.parametrize("layer,heads,grad", [
-    (False, 2, True), (False, 3, False), (True, 2, True), (True, 2, False)])
-def test_iso_scalar_replay_lowers_for_cuda(as_on_gpu, monkeypatch, layer, heads, grad):
-  """GainConfig.iso_scalar_replay: the iso KDN op (segments; 3 heads: the row padded to 4) and
-  the kdn_iso layer (the fused gate front-end), forward-only and fwd+bwd, lower for CUDA with
-  the scalar replay in place of the lane replay, and the backward's kernels unchanged."""
+@pytest.mark.parametrize("layer,heads,grad,scalar", [
+    (False, 2, True, True), (False, 3, False, True), (True, 2, True, True),
+    (True, 2, False, True), (False, 2, True, False), (True, 2, False, False)])
+def test_iso_scalar_replay_lowers_for_cuda(as_on_gpu, monkeypatch, layer, heads, grad, scalar):
+  """GainConfig.iso_scalar_replay (on by default): the iso KDN op (segments; 3 heads: the row
+  padded to 4) and the kdn_iso layer (the fused gate front-end), forward-only and fwd+bwd, lower
+  for CUDA with the scalar replay in place of the lane replay, and the backward's kernels
+  unchanged; with the option off, the lane replay instead."""
   from pallas_kernels.kdn_gain import config as gain_config   # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(gain_config, "DEFAULT", dataclasses.replace(
-      gain_config.DEFAULT, iso_scalar_replay=True))
+      gain_config.DEFAULT, iso_scalar_replay=scalar))
   if layer:
     cfg = model_config("tiny", d_model=64, num_heads=heads, head_dim=32, mixer="kdn_iso",
                        impl="pallas", chunk_size=16, dtype="bfloat16", param_dtype="float32",
@@ -270,8 +272,9 @@ def test_iso_scalar_replay_lowers_for_cuda(as_on_gpu, monkeypatch, layer, heads,
     args = (k, la, om, r)
   fn = jax.grad(loss, argnums=tuple(range(len(args)))) if grad else loss
   kernels = _triton_kernels(_lower_for_cuda(fn, *args))
-  assert {"kdn_gain_reduce", "kdn_gain_iso_replay"} <= kernels, kernels
-  assert "kdn_gain_replay" not in kernels, kernels
+  replays = {"kdn_gain_iso_replay", "kdn_gain_replay"}
+  used = "kdn_gain_iso_replay" if scalar else "kdn_gain_replay"
+  assert {"kdn_gain_reduce", used} <= kernels and not (replays - {used}) & kernels, kernels
   assert ({"kdn_gain_bwd_reduce", "kdn_gain_bwd_replay"} <= kernels) == grad, kernels
 
 

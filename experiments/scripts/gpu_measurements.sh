@@ -11,7 +11,8 @@
 # of the layers' fused glue kernels), loadchecks (GPU checks of the default since the cumsums'
 # load blocks), convblocks (the conv's load blocks: layers, check_fusion), abexp (session 46's
 # exp for 16-bit data against the tree before it), gains (session 47's gain kernels against a base
-# tree; the gain chunk at 4k), isoscalar (the iso gain's replay over per-token scalars), renorm
+# tree; the gain chunk at 4k), isoscalar (the iso gain's replay over per-token scalars, the default,
+# against the lane replay), renorm
 # (the gain reduce renormalising every 2nd token).
 # Default: check ops stages docs mixers layers train.
 # Kernel config sweep (stages): SWEEP='default,max_chunk=64/sub_block=32' (DeltaRuleConfig fields).
@@ -234,16 +235,15 @@ gains)
     --gain_sweep_fwd_bwd=false --gain_sweep=$CHUNKS
   sweep_line 70 --out="$RES/gain_chunk_4k" --seq_lens=4096 --sweep_len=4096 --gain_sweep=$CHUNKS ;;
 isoscalar)
-  # GainConfig.iso_scalar_replay (session 49; not timed when it was built): the iso gain's
-  # replay reads the reduce's per-token scalars (a, |k|^2) instead of the K-wide k and
-  # log_alpha rows, one program per (batch, chunk) over the heads (pallas_kernels/kdn_gain/
-  # iso_replay.py). The iso gain's and the iso op's forward at 16k and 4k, the op's fwd+bwd at
-  # 16k (each sweep: default first and again last), then the kdn_iso layer at 16k under each.
-  # At most 520 s (about 400 on a warm machine). Its GPU checks, in the next call:
-  #   CHECK_CASES=16:default:iso_scalar_replay=1,128:default:iso_scalar_replay=1 \
-  #     CHECK_LIMIT=200 bash experiments/scripts/gpu_measurements.sh loadchecks
+  # GainConfig.iso_scalar_replay (built in session 49, the default since session 50's timing on
+  # an H100: iso op forward 16k 3.73 ms against 3.91): the iso gain's replay reads the reduce's
+  # per-token scalars (a, |k|^2) instead of the K-wide k and log_alpha rows, one program per
+  # (batch, chunk) over the heads (pallas_kernels/kdn_gain/iso_replay.py). The default against
+  # the lane replay (iso_scalar_replay=0): the iso gain's and the iso op's forward at 16k and 4k,
+  # the op's fwd+bwd at 16k (each sweep: default first and again last), then the kdn_iso layer
+  # at 16k under each. At most 520 s (about 400 on a warm machine).
   SWEEP_LOG=isoscalar.txt
-  S=default,iso_scalar_replay=1
+  S=default,iso_scalar_replay=0
   for T in 16384 4096; do
     for row in iso_gain_pallas iso_kdn_pallas; do
       sweep_line 70 --out="$RES/isoscalar_${row}_${T}_fwd" --seq_lens=$T --sweep_len=$T \
@@ -252,24 +252,25 @@ isoscalar)
   done
   sweep_line 80 --out="$RES/isoscalar_iso_kdn_16384" --seq_lens=16384 --sweep_len=16384 \
     --gain_sweep_row=iso_kdn_pallas --gain_sweep=$S
-  for g in "" iso_scalar_replay=1; do
+  for g in "" iso_scalar_replay=0; do
     tag="layer ${g:-default}"
-    timeout 80 python3 -m experiments.benchmark_layers --out="$RES/isoscalar_layer${g:+_scalar}" \
+    timeout 80 python3 -m experiments.benchmark_layers --out="$RES/isoscalar_layer${g:+_lane}" \
       --seq_lens=16384 --impls=pallas --reps=20 --rows=kdn_iso --gain_config=$g \
-      > "$RES/isoscalar_layer${g:+_scalar}.log" 2>&1
+      > "$RES/isoscalar_layer${g:+_lane}.log" 2>&1
     rc=$?
     { [ $rc -ne 0 ] && echo "exit $rc"
-      quiet < "$RES/isoscalar_layer${g:+_scalar}.log" | grep -E 'T=[0-9]+: fwd|Error'
+      quiet < "$RES/isoscalar_layer${g:+_lane}.log" | grep -E 'T=[0-9]+: fwd|Error'
     } | sed "s|^|$tag: |" | tee -a "$RES/$SWEEP_LOG"
     pack
   done ;;
 renorm)
-  # GainConfig.renorm_every=2 (session 49; not timed when it was built): the gain's forward
-  # reduce renormalises its 2x2 product every 2nd token (kernel.py, RENORM; the same chunk maps
-  # up to a power of two; statically 154 -> 125 instructions per token). The diag gain's forward
-  # at 16k and 4k, the diag op's forward and fwd+bwd at 16k (each sweep: default first and
-  # again last). At most 290 s. Its GPU checks, in the next call:
-  #   CHECK_CASES=16:default:renorm_every=2,128:default:renorm_every=2 CHECK_LIMIT=200 \
+  # GainConfig.renorm_every=2 (session 49; timed in session 50 on an H100: the gain's forward
+  # gained 3%, the op's did not, so 1 stays): the gain's forward reduce renormalises its 2x2
+  # product every 2nd token (kernel.py, RENORM; the same chunk maps up to a power of two;
+  # statically 154 -> 125 instructions per token). The diag gain's forward at 16k and 4k, the
+  # diag op's forward and fwd+bwd at 16k (each sweep: default first and again last). At most
+  # 290 s. GPU checks of an option (a cold compilation cache needs about 300 s at K=128):
+  #   CHECK_CASES=16:default:renorm_every=2,128:default:renorm_every=2 CHECK_LIMIT=300 \
   #     bash experiments/scripts/gpu_measurements.sh loadchecks
   SWEEP_LOG=renorm.txt
   S=default,renorm_every=2
