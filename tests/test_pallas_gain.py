@@ -262,17 +262,20 @@ def test_iso_scalar_replay_matches_the_lane_replay(segmented, front, nh, save_pp
   assert (outs[True][1] is None) == (not save_pprev)
 
 
-def test_iso_scalar_replay_against_the_float64_loop():
-  """iso_gain with GainConfig.iso_scalar_replay on (its kernel in the trace): the float64 token
-  loop's gain, final variance and gradients (the backward is the lane kernels', from the scalar
-  replay's p_prev), T = chunk + 1 with segments, and several chunks without."""
+@pytest.mark.parametrize("scalar", [True, False])
+def test_iso_replays_against_the_float64_loop(scalar):
+  """iso_gain with GainConfig.iso_scalar_replay on (the default) and off (the lane replay), its
+  kernel in the trace: the float64 token loop's gain, final variance and gradients (the
+  backward is the lane kernels', from either replay's p_prev), T = chunk + 1 with segments, and
+  several chunks without."""
   from pallas_kernels.kdn_gain import config as gain_config
   before = gain_config.DEFAULT
-  gain_config.set_default(iso_scalar_replay=True)
+  gain_config.set_default(iso_scalar_replay=scalar)
   try:
     k, la, om, r, b0 = _inputs(1, 1, 20, 2, 16, False, jnp.float32, None, False)
     jaxpr = str(jax.make_jaxpr(lambda *a: iso_gain(*a))(k, la, om, r, jnp.ones((2,)), b0))
-    assert "kdn_gain_iso_replay" in jaxpr and "kdn_gain_replay" not in jaxpr
+    assert ("kdn_gain_iso_replay" in jaxpr) == scalar
+    assert ("kdn_gain_replay" in jaxpr) == (not scalar)
     _run(False, 33, 32, 4.0, 1e-3, True, (5, 6, 31), jnp.float32, 1e-5, 1e-4)
     _run(False, 70, 16, 1.0, None, True, None, jnp.float32, 1e-5, 1e-4)
   finally:

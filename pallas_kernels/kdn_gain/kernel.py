@@ -21,8 +21,8 @@ gain's own log_alpha gradient and emits the projections' gradients (in their dty
 per-chunk partial sums for dt_bias and A_log (summed outside, like dp0).
 
 The variance update is the Moebius map M_t = [[a, om], [u a, 1 + u om]] (a reset token uses M_t R, R
-the constant map to p0). Forward = two kernels (the isotropic gain's replay can instead run over
-per-token scalars the reduce writes: iso_replay.py, GainConfig.iso_scalar_replay):
+the constant map to p0). Forward = two kernels (the isotropic gain's replay runs by default over
+per-token scalars the reduce writes instead: iso_replay.py, GainConfig.iso_scalar_replay):
   1. `_reduce_kernel`: per chunk (grid (B, H, NC)), the renormalised product of the chunk's M_t.
   2. `_replay_kernel`: per chunk, the exclusive carry (the products of all earlier chunks applied to
      p0, serial over chunks but only a 2x2 map per step), then a token replay emitting the gain, the
