@@ -25,7 +25,7 @@ Arg ``<preset>[,<mixer>][,<initial_state>]``:
                  strategy (give ``--config.train.init_from``).
   ``default``    a larger accelerator run on 50-100 from scratch; ``post`` its post-training.
 """
-from experiments import config_lib
+from experiments.runner import config_lib
 from kdn_jax.models.config import model_config
 
 MIN_COPY, MAX_COPY = 50, 100

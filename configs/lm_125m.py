@@ -9,7 +9,7 @@ context) or ``smoke`` (tiny CPU variant; make a token file with
 ``configs/lm_125m.py:default,gla``, ``configs/lm_125m.py:default,kdn_diag,state_passing``; for tbtt also set
 ``--config.data.eos_id``.
 """
-from experiments import config_lib
+from experiments.runner import config_lib
 from kdn_jax.models.config import model_config
 
 

@@ -13,7 +13,7 @@ with a fresh optimizer; give ``--config.train.init_from``). ``--config.data.corp
 corpus (default /tmp/kdn_corpus); its manifest gives the token files and the EOS id, documents are
 packed with segment_ids.
 """
-from experiments import config_lib
+from experiments.runner import config_lib
 from kdn_jax.models.config import model_config
 
 VOCAB = 16384  # experiments/data/prepare.py --vocab_size

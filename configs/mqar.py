@@ -6,7 +6,7 @@ Args (``configs/mqar.py:<arg>``): ``smoke`` (tiny CPU run, ~2 min on 2 cores), `
 accelerator run). Further comma-separated tokens pick the mixer / initial-state strategy, e.g.
 ``configs/mqar.py:smoke,gla`` or ``configs/mqar.py:default,kdn_iso,state_passing``.
 """
-from experiments import config_lib
+from experiments.runner import config_lib
 from kdn_jax.models.config import model_config
 
 

@@ -2,7 +2,7 @@
 
 One cell of the grid per run: 2-layer models, d_model in {64, 128}, (sequence length, key-value pairs) in
 {(256, 16), (256, 64), (512, 64)}, mixers parameter-matched to diagonal KDN. The learning rate is the
-grid's third axis, set with ``--config.optim.learning_rate``; ``python -m experiments.mqar_grid`` runs the
+grid's third axis, set with ``--config.optim.learning_rate``; ``python -m experiments.studies.mqar_grid`` runs the
 whole grid (3 learning rates per cell) and keeps the best rate per cell.
 
     python -m experiments.train --config=configs/mqar_grid.py:d64_t256_kv16,kda \\
@@ -13,7 +13,7 @@ variant (small vocabulary, 60 steps) that checks a cell runs.
 """
 import re
 
-from experiments import config_lib
+from experiments.runner import config_lib
 from kdn_jax.models.config import matched_mlp_hidden, model_config
 
 D_MODELS = (64, 128)

@@ -17,7 +17,7 @@ minutes; exact match 1.0 in range), ``cpu_post`` (the ``cpu`` model post-trained
 optimizer and the arg's strategy; give ``--config.train.init_from``), ``default`` (a larger accelerator run
 at T=256).
 """
-from experiments import config_lib
+from experiments.runner import config_lib
 from kdn_jax.models.config import model_config
 
 

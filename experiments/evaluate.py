@@ -66,7 +66,7 @@ def context_parallel(num_devices: int):
     return contextlib.nullcontext()
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from experiments import sharding  # pylint: disable=g-import-not-at-top
+  from experiments.runner import sharding  # pylint: disable=g-import-not-at-top
   if not 1 <= num_devices <= len(jax.devices()):
     raise ValueError(f'--context: must be in [1, {len(jax.devices())}] (the devices), got {num_devices}')
   devices = np.array(jax.devices()[:num_devices]).reshape(1, 1, 1, num_devices)

@@ -5,7 +5,7 @@
     python -m experiments.train --config=configs/mqar.py:smoke --config.model.num_layers=4 --workdir=...
 
 The config is locked: overriding a key that does not exist fails at start naming the key; invalid values fail
-validation (experiments/config_lib.py) before anything is built. Re-running with the same --workdir resumes
+validation (experiments/runner/config_lib.py) before anything is built. Re-running with the same --workdir resumes
 from the latest checkpoint.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from experiments import config_lib
+from experiments.runner import config_lib
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file (configs/<name>.py[:arg]).',
                                           lock_config=True)
@@ -46,8 +46,8 @@ def main(argv):
     config_lib.check_keys(config)
   except (OSError, config_lib.ConfigError) as e:  # OSError: get_config's deferred load failure
     _config_error(_root_message(e))
-  from experiments import lr_sweep  # pylint: disable=g-import-not-at-top  (imports jax)
-  from experiments import checkpoint  # pylint: disable=g-import-not-at-top
+  from experiments.runner import lr_sweep  # pylint: disable=g-import-not-at-top(imports jax)
+  from experiments.runner import checkpoint  # pylint: disable=g-import-not-at-top
   try:
     tr = lr_sweep.make_trainer(config, _WORKDIR.value)
   except (config_lib.ConfigError, FileNotFoundError) as e:
@@ -116,7 +116,7 @@ def _parse_flags(argv):
     named = [o for o in overrides if any(re.search(rf'\b{re.escape(o.split(".")[-1])}\b', str(c)) for c in lookup)]
     if named:
       _config_error(f'unknown config key {named[0]!r} (configs are locked; see '
-                    'experiments/config_lib.py for the schema)')
+                    'experiments/runner/config_lib.py for the schema)')
     bad_flag = re.match(r'flag --([\w.]+)=(.*?): ', str(e))  # absl's prefix names the flag and its value
     _config_error(f'--{bad_flag[1]}={bad_flag[2]}: {msg}' if bad_flag else msg)
 

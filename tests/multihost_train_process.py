@@ -25,7 +25,7 @@ import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from experiments import trainer  # pylint: disable=g-import-not-at-top
+from experiments.runner import trainer  # pylint: disable=g-import-not-at-top
 from runner_helpers import tiny_config  # pylint: disable=g-import-not-at-top
 
 assert jax.process_count() == 2 and len(jax.devices()) == 2 and len(jax.local_devices()) == 1

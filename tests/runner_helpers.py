@@ -6,7 +6,7 @@ import re
 
 import numpy as np
 
-from experiments import config_lib
+from experiments.runner import config_lib
 from kdn_jax.models.config import model_config
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-from experiments import config_lib
+from experiments.runner import config_lib
 
 MANIFEST = 'manifest.json'
 SPLIT_FILES = {'train_path': 'train.npy', 'eval_path': 'val.npy', 'long_eval_path': 'long_eval.npy'}

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments import logging_utils
+from experiments.runner import logging_utils
 
 
 def _token_scores(logits, targets):

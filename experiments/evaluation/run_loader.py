@@ -10,8 +10,8 @@ import jax
 import ml_collections
 from flax import nnx
 
-from experiments import checkpoint as ckpt_lib
-from experiments import config_lib
+from experiments.runner import checkpoint as ckpt_lib
+from experiments.runner import config_lib
 
 
 @dataclasses.dataclass

@@ -7,8 +7,8 @@ import time
 
 import numpy as np
 
-from experiments import kernel_config
-from experiments import logging_utils
+from experiments.runner import kernel_config
+from experiments.runner import logging_utils
 from experiments.evaluation import long_context, plots, run_loader
 from experiments.evaluation import suites as S
 

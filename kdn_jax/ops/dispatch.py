@@ -32,7 +32,7 @@ def warm_kernel_imports():
 # 26.7 ms; docs/benchmark_mixers.md). Not TPU: its BlockSpec kernels
 # (pallas_kernels/*/tpu*.py, selected by impl='pallas' there) are checked in
 # TPU interpret mode on CPU only; 'auto' stays chunked until a TPU run
-# (experiments/scripts/tpu_first_run.sh) shows them exact and faster.
+# (experiments/benchmarks/tpu_first_run.sh) shows them exact and faster.
 PALLAS_AUTO_PLATFORMS = ("gpu",)
 
 # Pallas chunk length when the caller passes chunk_size=None.

@@ -2,7 +2,7 @@
 L2 normalisation of each output row over its K channels (the recurrent layers' q and k:
 y_t <- y_t / sqrt(|y_t|^2 + L2_EPS) in fp32, of y_t rounded to x's dtype first, as
 kdn_jax.layers.short_conv composes it (the backward keeps the normalisation's cotangent in fp32,
-where the composition rounds it); the bf16 layer check, experiments/check_fusion.py, found the
+where the composition rounds it); the bf16 layer check, experiments/benchmarks/check_fusion.py, found the
 unrounded variant 4x further from the fp32 layer in the q/k gradients (kdn_iso, T=40), the
 rounded one as close as the composition).
 

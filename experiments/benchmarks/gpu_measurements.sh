@@ -1,0 +1,321 @@
+#!/usr/bin/env bash
+# The GPU measurements reported in docs/. Run from the repo root on a GPU host:
+#   bash experiments/benchmarks/gpu_measurements.sh [section ...]
+# sections: ops (reference vs chunked), stages (pallas stage split + kernel config sweep), docs
+# (the same for the packed-documents path),
+# mixers (mixer table vs flash-linear-attention), layers (whole layers vs fla's KDA layer),
+# train (125M LM training throughput on 1 GPU, and on 2 when there are 2), mgpu (the Mosaic GPU
+# output stage: tests and timing), forward (forward configs at 16k with the stage split and at
+# 4k, fuse_output=all, GPU checks), passes (the forward's passes fwd+bwd, the scalar write's A/B,
+# the K=16 check), ncu (Nsight Compute on the pair kernels, ours and fla's), glue (the GPU check
+# of the layers' fused glue kernels), loadchecks (GPU checks of the default since the cumsums'
+# load blocks), convblocks (the conv's load blocks: layers, check_fusion), abexp (session 46's
+# exp for 16-bit data against the tree before it), gains (session 47's gain kernels against a base
+# tree; the gain chunk at 4k), isoscalar (the iso gain's replay over per-token scalars, the default,
+# against the lane replay), renorm
+# (the gain reduce renormalising every 2nd token).
+# Default: check ops stages docs mixers layers train.
+# Kernel config sweep (stages): SWEEP='default,max_chunk=64/sub_block=32' (DeltaRuleConfig fields).
+# Extra train flags: TRAIN_EXTRA='--config.model.scan_layers=True --config.model.impl=pallas';
+# kernel options: TRAIN_EXTRA='--config.kernels.delta_rule=fuse_output=all'.
+# Results land in $RES (default /tmp/kdn_gpu); with $OUT set (the device tool) they are also packed
+# into $OUT/results.tgz. Each section has its own time limit.
+set -u
+RES=${RES:-/tmp/kdn_gpu}
+mkdir -p "$RES"
+pack() { [ -n "${OUT:-}" ] && tar czf "$OUT/results.tgz" -C "$RES" . ; }
+trap pack EXIT
+trap 'exit 143' TERM
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+quiet() { grep -v -E '^[WI][0-9]{4} |libtpu|tpu backend'; }
+sections=${*:-check ops stages docs mixers layers train}
+# Identical programs (a sweep's winner and the same row later) compile once per run.
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/kdn_jax_cache}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+MIXER_LENS=${MIXER_LENS:-4096,16384,2048,8192,32768}
+TRAIN_STEPS=${TRAIN_STEPS:-30}
+
+# One benchmark_mixers sweep line (limit, flags...), its ranking lines to $RES/$SWEEP_LOG (the
+# stage splits stay in the JSON), packed after.
+sweep_line() { timeout "$1" python3 -m experiments.benchmarks.mixers --pallas_lens= --reps=${REPS:-20} \
+    --sweep_combine=false --rows= --check=false "${@:2}" 2>&1 | quiet | grep '"sweep"' \
+    | sed 's/, "stages".*//' | tee -a "$RES/$SWEEP_LOG"; pack; }
+# GPU checks, one process each: dim:delta-rule spec[:gain spec],... (a one-spec sweep makes that
+# spec the config the check runs; a spec whose timing fails leaves the default in place, which
+# the log line "sweep ... failed" says). To $RES/$SWEEP_LOG: the largest error per op, failures
+# and a non-zero exit (124: the limit).
+gpu_checks() {
+  for c in $(echo "$1" | tr , ' '); do
+    set -- ${c//:/ }   # dim:delta-rule spec[:gain spec]
+    name=k$1_${2//\//_}${3:+_${3//\//_}}   # (specs join fields with '/')
+    timeout ${CHECK_LIMIT:-120} python3 -m experiments.benchmarks.mixers --out="$RES/check_$name" \
+      --check_only --check_dim=$1 --sweep_len=2048 --sweep_combine=false --sweep=$2 \
+      ${3:+--gain_sweep=$3} > "$RES/check_$name.log" 2>&1
+    rc=$?
+    quiet < "$RES/check_$name.log" | grep -E '^check |FAILED' > "$RES/check_$name.txt"
+    { [ $rc -ne 0 ] && echo "exit $rc"
+      grep -o 'sweep .* failed.*' "$RES/check_$name.log" | cut -c1-300
+      for op in delta_rule_float32 delta_rule_bfloat16 gain_float32 gain_bfloat16; do   # largest
+        grep "^check .*$op" "$RES/check_$name.txt" | grep -v nan | sort -g -k3 | tail -1
+      done
+      grep -E "nan|FAILED" "$RES/check_$name.txt"
+    } | sed "s|^|$name: |" | tee -a "$RES/$SWEEP_LOG"
+    pack
+  done; }
+
+nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$RES/gpus.txt"
+ngpu=$(nvidia-smi -L | wc -l)
+
+for s in $sections; do case $s in
+check)
+  timeout ${CHECK_LIMIT:-150} python3 -m experiments.benchmarks.mixers --out="$RES/check" --check_only \
+    2>&1 | quiet | tail -30 | tee "$RES/check.txt" ;;
+ops)
+  timeout 170 python3 -m experiments.benchmarks.ops --seq_lens=1024,4096,16384 \
+    --impls=reference,chunked --ops=diag_kdn,iso_kdn --repeats=5 \
+    --out="$RES/bench_ops_gpu.json" 2>&1 | quiet | tee "$RES/bench_ops_gpu.txt" ;;
+stages)
+  # Sweep (each spec timed fwd+bwd at 4096, with its stage split), keep the fastest, check it on
+  # the GPU, then time STAGE_ROWS at STAGE_LENS with it (one process: the winner carries over).
+  timeout ${STAGES_LIMIT:-540} python3 -m experiments.benchmarks.mixers --out="$RES/stages" \
+    --seq_lens=${STAGE_LENS:-4096} --pallas_lens= --reps=${REPS:-10} --check=${STAGES_CHECK:-true} \
+    --time_budget_s=${STAGES_BUDGET:-420} --stages --stages_docs --sweep_stages \
+    --sweep=${SWEEP-default,bf16_states=0,max_chunk=32,num_warps_intra=4} \
+    --rows=${STAGE_ROWS:-diag_kdn_pallas,iso_kdn_pallas,fla_chunk_kda} \
+    2>&1 | quiet | tail -60 | tee "$RES/stages.txt" ;;
+docs)
+  # The packed-documents path (segment_ids): sweep on diag_kdn_seg_pallas with the stage split
+  # under documents, then the GPU check of the winner (segments included) and its rows. The
+  # default sweep: the partials kernel's warps (4, the default since session 39, against 8).
+  timeout ${DOCS_LIMIT:-400} python3 -m experiments.benchmarks.mixers --out="$RES/docs" \
+    --seq_lens=4096 --pallas_lens= --reps=${REPS:-10} --check=true --time_budget_s=${DOCS_BUDGET:-300} \
+    --sweep_row=diag_kdn_seg_pallas --sweep_stages \
+    --sweep=${DOCS_SWEEP-default,num_warps_parallel=8} \
+    --rows=diag_kdn_seg_pallas,iso_kdn_seg_pallas,diag_kdn_pallas \
+    2>&1 | quiet | tail -40 | tee "$RES/docs.txt" ;;
+mixers)
+  # The docs/mixers_h200 table: ~500 s on one H200.
+  timeout ${MIXERS_LIMIT:-570} python3 -m experiments.benchmarks.mixers --out="$RES/mixers" \
+    --seq_lens=$MIXER_LENS --reps=${REPS:-30} --check=false --time_budget_s=${MIXERS_BUDGET:-490} \
+    --pallas_lens=${PALLAS_LENS:-} --sweep=${SWEEP-} \
+    --chunked_max_len=${CHUNKED_MAX_LEN:-8192} \
+    --rows=${MIXER_ROWS:-diag_kdn_pallas,iso_kdn_pallas,fla_chunk_kda,fla_chunk_gdn,kda_pallas,gdn_pallas,diag_kdn_chunked,iso_kdn_chunked} \
+    2>&1 | quiet | tail -40 | tee "$RES/bench_mixers_gpu.txt" ;;
+layers)
+  # fla's KDA layer autotunes on its first call (> 190 s): T=16384 first, and a limit that lets
+  # it finish (session 33's 235 s cut it off; session 30's 370 s budget did not).
+  timeout ${LAYERS_LIMIT:-430} python3 -m experiments.benchmarks.layers --out="$RES/layers" \
+    --seq_lens=${LAYER_LENS:-16384,4096} \
+    --time_budget_s=${LAYERS_BUDGET:-370} --impls=${LAYER_IMPLS:-pallas,chunked} \
+    --rows=${LAYER_ROWS:-kdn_diag,kdn_iso,kda,gated_deltanet,fla_kda_layer} 2>&1 | quiet | tail -30 | tee "$RES/bench_layers_gpu.txt" ;;
+train)
+  python3 -m experiments.data.make_token_file /tmp/kdn_tokens.npy --num_docs=20000 >/dev/null
+  for n in $(seq 1 "$ngpu"); do
+    [ "$n" -gt 2 ] && break
+    JAX_LOG_COMPILES=1 CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout ${TRAIN_LIMIT:-200} python3 -m experiments.train \
+      --config=configs/lm_125m.py:default --workdir="/tmp/kdn_train_${n}gpu" \
+      --config.data.train_path=/tmp/kdn_tokens.npy --config.data.eval_path=/tmp/kdn_tokens.npy \
+      --config.data.global_batch_size=$((8 * n)) --config.mesh.data=-1 --config.mesh.fsdp=1 \
+      --config.train.num_steps=$TRAIN_STEPS --config.train.log_every=5 --config.train.eval_every=0 \
+      --config.train.eval_batches=1 --config.data.eval_batch_size=$((8 * n)) \
+      --config.data.num_eval_examples=$((8 * n)) --config.checkpoint.enabled=false ${TRAIN_EXTRA:-} \
+      2>&1 | tee "$RES/train_${n}gpu.txt" | quiet | tail -12
+    grep -c "Compiling" "$RES/train_${n}gpu.txt" | sed 's/^/compiles logged: /'
+    cp "/tmp/kdn_train_${n}gpu/summary.json" "$RES/train_${n}gpu_summary.json" 2>/dev/null
+  done ;;
+forward)
+  # The forward at 16k with its stage split, then at 4k: FORWARD_SWEEP (default: the shipped
+  # config against session 48's decayed_operands off, and all three of the forward's passes off
+  # (cumsum_in_pairs: g formed by the pair kernel, no cumsum kernel; bf16_write: kappa in bf16;
+  # decayed_operands: Kbar, Qbar written by the pair kernel; the default since session 48:
+  # forward 16k 4.70 -> 3.94 ms on the H200), and fuse_output=none, the output kernel apart);
+  # FORWARD_LIMIT / FORWARD_4K_LIMIT: their limits. Then 'all' (the output fused in every call,
+  # training too) fwd+bwd without and with documents (FORWARD_ALL=1 adds those, +120 s); the GPU
+  # checks CHECK_CASES=dim:spec[:gain spec],... (default: the default at K=128 and 16, and
+  # fuse_output=all's reset branch at K=128; each up to CHECK_LIMIT, 120 s: a cold compile
+  # cache needs more than 110 s at K=128, session 48). About 570 s at
+  # most (FORWARD_ALL=1: 690; FORWARD_DOCS=1: the forward with documents, +50 s). Each line has
+  # its own limit, and results.tgz is packed after each.
+  SWEEP_LOG=forward.txt
+  OFF=cumsum_in_pairs=0/bf16_write=0/decayed_operands=0
+  SPECS=${FORWARD_SWEEP:-default,decayed_operands=0,$OFF,fuse_output=none}
+  sweep_line ${FORWARD_LIMIT:-220} --out="$RES/forward_16384" --seq_lens=16384 --sweep_len=16384 \
+    --sweep_fwd_only --sweep_stages --sweep=$SPECS
+  sweep_line ${FORWARD_4K_LIMIT:-110} --out="$RES/forward_4096" --seq_lens=4096 --sweep_len=4096 \
+    --sweep_fwd_only --sweep=$SPECS
+  # with documents: 'all' also fuses the primal (its S_init dot only in chunks with a reset)
+  [ "${FORWARD_DOCS:-0}" = 1 ] && sweep_line 50 --out="$RES/forward_docs" --seq_lens=16384 \
+    --sweep_len=16384 --sweep_fwd_only --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
+  [ "${FORWARD_ALL:-0}" = 1 ] && sweep_line 70 --out="$RES/forward_all" --seq_lens=16384 --sweep_len=16384 \
+    --sweep=default,fuse_output=all
+  [ "${FORWARD_ALL:-0}" = 1 ] && sweep_line 50 --out="$RES/forward_all_docs" --seq_lens=16384 --sweep_len=16384 \
+    --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
+  gpu_checks "${CHECK_CASES:-128:default,16:default,128:fuse_output=all}" ;;
+passes)
+  # The forward's passes in training's fwd+bwd: the default against cumsum_in_pairs (the pair
+  # kernel forms g; no cumsum kernel) and bf16_write (kappa in bf16) off, and against all three
+  # off (with decayed_operands; session 48, H200: 14.04 ms against 14.35-14.40 at 16k); and the
+  # scalar write (beta [B, T, H] formed in the kernels) against beta k made in XLA
+  # (scalar_write=0), forward then fwd+bwd, on the rows whose write is beta k
+  # (SCALAR_WRITE_ROWS: iso KDN, KDA); then the GPU check of the default at K=16 (every check
+  # has a scalar-write case and the KDN ops' own). About 450 s at most.
+  SWEEP_LOG=passes.txt
+  sweep_line 90 --out="$RES/passes_fwd_bwd" --seq_lens=16384 --sweep_len=16384 \
+    --sweep=default,cumsum_in_pairs=0/bf16_write=0,cumsum_in_pairs=0/bf16_write=0/decayed_operands=0
+  # session 45's scalar write (beta [B, T, H] formed in the kernels) against beta k made in XLA
+  # (scalar_write=0), forward then fwd+bwd, on the rows whose write is beta k (iso KDN, KDA)
+  for row in ${SCALAR_WRITE_ROWS:-iso_kdn_pallas kda_pallas}; do
+    for mode in fwd fwd_bwd; do
+      rank=--sweep_fwd_only; [ $mode = fwd_bwd ] && rank=--nosweep_fwd_only
+      sweep_line 60 --out="$RES/scalar_write_${row}_$mode" --seq_lens=16384 --sweep_len=16384 \
+        --sweep_row=$row $rank --sweep=default,scalar_write=0
+    done
+  done
+  gpu_checks "${CHECK_CASES:-16:default}" ;;
+ncu)
+  # Nsight Compute on one forward per row (experiments/benchmarks/kernel_dev/profile_kernels.py): the kernels matching
+  # NCU_KERNELS (default: our token-parallel pair kernel and fla's token-parallel intra kernel,
+  # the same structure, ours about 2x the time per token: L1-bound, issue-bound?; and our gain
+  # kernels, ~1.2 ms at 16k against ~0.4 ms of instruction issue by docs/kernel_sass.md's model:
+  # latency or memory?) in NCU_ROWS
+  # (default diag_kdn_pallas iso_kdn_pallas fla_chunk_kda) at T=NCU_LEN (4096); full reports in
+  # $RES/ncu_<row>.txt, their headline lines in ncu.txt. About 400 s at most (fla autotunes).
+  SWEEP_LOG=ncu.txt
+  for row in ${NCU_ROWS:-diag_kdn_pallas iso_kdn_pallas fla_chunk_kda}; do
+    timeout ${NCU_LIMIT:-150} ncu --clock-control none --profile-from-start off \
+      --kernel-name "regex:${NCU_KERNELS:-pair_token_loop|intra_token_parallel|kdn_gain}" \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats \
+      --section WarpStateStats --section LaunchStats --section Occupancy \
+      python3 -m experiments.benchmarks.kernel_dev.profile_kernels --row=$row --seq_len=${NCU_LEN:-4096} --mode=fwd \
+      > "$RES/ncu_$row.txt" 2>&1
+    grep -E "^  [a-z_]+ \(|Duration|L1/TEX Cache Throughput|Compute \(SM\)|Registers Per|Achieved Occ|Issued Warp" \
+      "$RES/ncu_$row.txt" | sed "s|^|ncu $row: |" | tee -a "$RES/$SWEEP_LOG"
+    pack
+  done ;;
+abexp)
+  # Session 46's exp for 16-bit data (pallas_kernels/kernel_math.py: 2^(x log2 e), one MUFU.EX2,
+  # in every GPU kernel; static SASS: docs/kernel_sass.md) against the tree before it, one
+  # process per tree and command: BASE_TREE (default build/base, made by
+  #   mkdir -p build/base && git archive cda6eda kdn_jax pallas_kernels experiments configs \
+  #     | tar -x -C build/base
+  # and carried) then this one. The op rows at 16k and 4k (median of 10) with their stage splits,
+  # and the two KDN layers at 16k. Then run `loadchecks glue` (the GPU checks of the new default:
+  # delta rule and gains at K=128 and 16, the fused glue kernels). About 560 s at most.
+  SWEEP_LOG=abexp.txt
+  for tree in "${BASE_TREE:-build/base}" .; do
+    tag=new; [ "$tree" = . ] || tag=base
+    (cd "$tree" && timeout ${ABEXP_MIXERS_LIMIT:-195} python3 -m experiments.benchmarks.mixers \
+      --out="$RES/abexp_mixers_$tag" --seq_lens=16384,4096 --reps=10 --check=false --stages \
+      --rows=diag_kdn_pallas,iso_kdn_pallas 2>&1 | quiet | tail -24 | sed "s|^|$tag: |" \
+      | tee -a "$RES/$SWEEP_LOG")
+    pack
+    (cd "$tree" && timeout ${ABEXP_LAYERS_LIMIT:-85} python3 -m experiments.benchmarks.layers \
+      --out="$RES/abexp_layers_$tag" --seq_lens=16384 --impls=pallas --reps=20 \
+      --rows=kdn_diag,kdn_iso 2>&1 | quiet | grep -E 'T=[0-9]+: fwd' | sed "s|^|$tag layers: |" \
+      | tee -a "$RES/$SWEEP_LOG")
+    pack
+  done ;;
+gains)
+  # Session 47's gain kernels (no reset flags without segments, one division per token, the
+  # reduce renormalised by a power of two; docs/kernel_sass.md) against BASE_TREE (default
+  # build/base, made as for abexp from a709cb0, and carried): the diag and iso gain rows at 16k
+  # and 4k, fwd and fwd+bwd, one process per tree. Then the gain chunk at 4k, where 2048 one-warp
+  # programs half-fill the GPU: forward, then fwd+bwd (session 49, H100: chunk 32 lost, 0.72
+  # against 0.41-0.51 ms forward). About 300 s.
+  SWEEP_LOG=gains.txt
+  for tree in "${BASE_TREE:-build/base}" .; do
+    tag=new; [ "$tree" = . ] || tag=base
+    (cd "$tree" && timeout 70 python3 -m experiments.benchmarks.mixers --out="$RES/gains_$tag" \
+      --seq_lens=16384,4096 --reps=20 --check=false --rows=diag_gain_pallas,iso_gain_pallas 2>&1 \
+      | quiet | grep -E '^\| (diag|iso)_gain' | sed "s|^|$tag: |" | tee -a "$RES/$SWEEP_LOG")
+    pack
+  done
+  CHUNKS=default,max_chunk=64,max_chunk=32
+  sweep_line 70 --out="$RES/gain_chunk_4k_fwd" --seq_lens=4096 --sweep_len=4096 \
+    --gain_sweep_fwd_bwd=false --gain_sweep=$CHUNKS
+  sweep_line 70 --out="$RES/gain_chunk_4k" --seq_lens=4096 --sweep_len=4096 --gain_sweep=$CHUNKS ;;
+isoscalar)
+  # GainConfig.iso_scalar_replay (built in session 49, the default since session 50's timing on
+  # an H100: iso op forward 16k 3.73 ms against 3.91): the iso gain's replay reads the reduce's
+  # per-token scalars (a, |k|^2) instead of the K-wide k and log_alpha rows, one program per
+  # (batch, chunk) over the heads (pallas_kernels/kdn_gain/iso_replay.py). The default against
+  # the lane replay (iso_scalar_replay=0): the iso gain's and the iso op's forward at 16k and 4k,
+  # the op's fwd+bwd at 16k (each sweep: default first and again last), then the kdn_iso layer
+  # at 16k under each. At most 520 s (about 400 on a warm machine).
+  SWEEP_LOG=isoscalar.txt
+  S=default,iso_scalar_replay=0
+  for T in 16384 4096; do
+    for row in iso_gain_pallas iso_kdn_pallas; do
+      sweep_line 70 --out="$RES/isoscalar_${row}_${T}_fwd" --seq_lens=$T --sweep_len=$T \
+        --gain_sweep_row=$row --gain_sweep_fwd_bwd=false --gain_sweep=$S
+    done
+  done
+  sweep_line 80 --out="$RES/isoscalar_iso_kdn_16384" --seq_lens=16384 --sweep_len=16384 \
+    --gain_sweep_row=iso_kdn_pallas --gain_sweep=$S
+  for g in "" iso_scalar_replay=0; do
+    tag="layer ${g:-default}"
+    timeout 80 python3 -m experiments.benchmarks.layers --out="$RES/isoscalar_layer${g:+_lane}" \
+      --seq_lens=16384 --impls=pallas --reps=20 --rows=kdn_iso --gain_config=$g \
+      > "$RES/isoscalar_layer${g:+_lane}.log" 2>&1
+    rc=$?
+    { [ $rc -ne 0 ] && echo "exit $rc"
+      quiet < "$RES/isoscalar_layer${g:+_lane}.log" | grep -E 'T=[0-9]+: fwd|Error'
+    } | sed "s|^|$tag: |" | tee -a "$RES/$SWEEP_LOG"
+    pack
+  done ;;
+renorm)
+  # GainConfig.renorm_every=2 (session 49; timed in session 50 on an H100: the gain's forward
+  # gained 3%, the op's did not, so 1 stays): the gain's forward reduce renormalises its 2x2
+  # product every 2nd token (kernel.py, RENORM; the same chunk maps up to a power of two;
+  # statically 154 -> 125 instructions per token). The diag gain's forward at 16k and 4k, the
+  # diag op's forward and fwd+bwd at 16k (each sweep: default first and again last). At most
+  # 290 s. GPU checks of an option (a cold compilation cache needs about 300 s at K=128):
+  #   CHECK_CASES=16:default:renorm_every=2,128:default:renorm_every=2 CHECK_LIMIT=300 \
+  #     bash experiments/benchmarks/gpu_measurements.sh loadchecks
+  SWEEP_LOG=renorm.txt
+  S=default,renorm_every=2
+  sweep_line 70 --out="$RES/renorm_diag_gain_16384_fwd" --seq_lens=16384 --sweep_len=16384 \
+    --gain_sweep_fwd_bwd=false --gain_sweep=$S
+  sweep_line 60 --out="$RES/renorm_diag_gain_4096_fwd" --seq_lens=4096 --sweep_len=4096 \
+    --gain_sweep_fwd_bwd=false --gain_sweep=$S
+  sweep_line 80 --out="$RES/renorm_diag_kdn_16384_fwd" --seq_lens=16384 --sweep_len=16384 \
+    --gain_sweep_row=diag_kdn_pallas --gain_sweep_fwd_bwd=false --gain_sweep=$S
+  sweep_line 80 --out="$RES/renorm_diag_kdn_16384" --seq_lens=16384 --sweep_len=16384 \
+    --gain_sweep_row=diag_kdn_pallas --gain_sweep=$S ;;
+loadchecks)
+  # The GPU checks of the default (DeltaRuleConfig.cumsum_block=8 since session 43, the decay
+  # cumsums' loads in blocks: pallas_kernels/token_loop.py) at K=128 and K=16. About 200 s at most.
+  SWEEP_LOG=loadchecks.txt
+  CHECK_LIMIT=${CHECK_LIMIT:-100} gpu_checks "${CHECK_CASES:-128:default,16:default}" ;;
+convblocks)
+  # ConvConfig.load_block (the causal conv's row loops with their loads in blocks; 8, the default
+  # since session 43): the two layers at 16k with plain loops (load_block=1) and with
+  # load_block=CONV_BLOCK (8), one process each, then (CONV_FUSION_CHECK=1, the default)
+  # check_fusion with it. About 410 s at most.
+  SWEEP_LOG=convblocks.txt
+  VB=load_block=${CONV_BLOCK:-8}
+  for spec in load_block=1 "$VB"; do
+    timeout ${BLOCK_LAYER_LIMIT:-85} python3 -m experiments.benchmarks.layers \
+      --out="$RES/convblocks_layers_${spec//=/_}" --seq_lens=${BLOCK_LENS:-16384} --impls=pallas \
+      --reps=20 --rows=kdn_diag,kdn_iso --conv_config="$spec" 2>&1 | quiet \
+      | grep -E 'T=[0-9]+: fwd' | sed "s|^|layers conv $spec: |" | tee -a "$RES/$SWEEP_LOG"
+    pack
+  done
+  [ "${CONV_FUSION_CHECK:-1}" = 1 ] && timeout ${GLUE_LIMIT:-240} python3 -m experiments.benchmarks.check_fusion \
+    --out="$RES/check_fusion_conv.json" --conv_config=$VB 2>&1 | quiet | tail -12 \
+    | sed "s|^|check_fusion $VB: |" | tee -a "$RES/$SWEEP_LOG"; pack ;;
+glue)
+  # GPU check of the layers' fused glue kernels (experiments/benchmarks/check_fusion.py): the causal conv
+  # with and without the q/k L2 normalisation (fp32, bf16), the gated norm, the fused-front
+  # gains, and both bf16 KDN layers fused against unfused, each against the fp32 layer.
+  timeout ${GLUE_LIMIT:-240} python3 -m experiments.benchmarks.check_fusion --out="$RES/check_fusion.json" \
+    2>&1 | quiet | tail -15 | tee "$RES/check_fusion.txt"; pack ;;
+mgpu)
+  # Issue 18's Mosaic GPU trial port of the output stage (docs/mosaic_gpu.md): its compiled tests,
+  # then Triton (chunk 16 / 64) against Mosaic GPU (chunk 64) at 4k and 16k.
+  timeout ${MGPU_TEST_LIMIT:-150} python3 -m pytest -q tests/test_output_mgpu.py 2>&1 | tail -15 \
+    | tee "$RES/mgpu_tests.txt"
+  timeout ${MGPU_LIMIT:-150} python3 -m experiments.benchmark_output_stage --out="$RES/output_stage.json" \
+    2>&1 | quiet | tail -20 | tee "$RES/output_stage.txt" ;;
+*) echo "unknown section $s" ;;
+esac; done

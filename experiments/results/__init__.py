@@ -1,2 +1,0 @@
-"""Renderers of docs/RESULTS.md sections: each module's ``render(results_dir, fig_dir) -> markdown`` reads only
-the JSON the runs wrote under docs/results/ (``python -m experiments.render_results`` calls them)."""

@@ -1,0 +1,333 @@
+"""Run-config schema shared by every ``configs/*.py`` file, plus validation.
+
+A run config has the sections ``model`` (the model ConfigDict from ``kdn_jax.models.config.model_config``),
+``data``, ``train``, ``optim``, ``mesh``, ``checkpoint``, ``kernels``, ``logging`` and a few top-level keys. Configs are
+locked (``config_flags`` locks them; ``base_config`` returns a locked dict too), so an override of an unknown
+key fails at start naming the key; :func:`validate` checks values and names the offending key.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import os
+from typing import Any
+
+import ml_collections
+
+from experiments.runner import kernel_config
+
+MIXERS = ('kdn_diag', 'kdn_iso', 'kda', 'gated_deltanet', 'deltanet', 'gdn2', 'gla', 'mamba2', 'attention', 'swa')
+INITIAL_STATES = ('zero', 'random_noise', 'fitted_noise', 'state_passing', 'tbtt')
+DATA_KINDS = ('mqar', 'copying', 'passkey', 'token_file')
+DTYPES = ('float32', 'bfloat16', 'float16')
+NAN_POLICIES = ('halt', 'skip')
+
+
+def parse_arg(arg: str, presets: tuple[str, ...], config_name: str):
+  """'<preset>[,<mixer>][,<initial_state>]' -> (preset, mixer, initial_state).
+
+  Raises ConfigError naming the first bad token and the valid choices for its position."""
+  parts = [p for p in (arg or presets[0]).split(',') if p]
+  preset = parts[0]
+  if preset not in presets:
+    raise ConfigError(f'{config_name}:{arg}: unknown preset {preset!r}; valid presets: {", ".join(presets)}')
+  mixers = [p for p in parts[1:] if p in MIXERS]
+  strategies = [p for p in parts[1:] if p in INITIAL_STATES]
+  for p in parts[1:]:
+    if p not in MIXERS and p not in INITIAL_STATES:
+      raise ConfigError(f'{config_name}:{arg}: unknown token {p!r}; after the preset give at most one mixer '
+                        f'({", ".join(MIXERS)}) and one initial state ({", ".join(INITIAL_STATES)})')
+  for kind, found in (('mixer', mixers), ('initial state', strategies)):
+    if len(found) > 1:
+      raise ConfigError(f'{config_name}:{arg}: more than one {kind} ({", ".join(found)}); give at most one')
+  return preset, (mixers or ['kdn_diag'])[0], (strategies or ['zero'])[0]
+
+
+class ConfigError(ValueError):
+  """A run config has an invalid value; the message names the key."""
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Every key a run config may have, with defaults. ``model`` is filled by the experiment config."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  # 'module:attr' of the model class; the class takes (model_cfg, rngs=nnx.Rngs(seed)).
+  c.model_factory = 'kdn_jax.models.lm:LanguageModel'
+  c.model = ml_collections.ConfigDict()
+
+  c.data = d = ml_collections.ConfigDict()
+  d.kind = 'mqar'               # one of DATA_KINDS
+  d.seq_len = 128               # training sequence (chunk) length
+  d.eval_seq_len = 0            # 0: same as seq_len (longer to test length generalisation)
+  d.global_batch_size = 32
+  d.eval_batch_size = 32
+  d.shuffle_seed = 0
+  d.prefetch = 2                # batches prefetched by a grain thread (0: off)
+  d.read_threads = 4            # grain threads reading/generating examples
+  d.train_path = ''             # token_file: .npy (1-D token memmap) or .array_record
+  d.eval_path = ''
+  d.long_eval_path = ''         # token_file: long documents for length evaluation (experiments/evaluate.py)
+  d.corpus_dir = ''             # a prepared corpus (experiments/data/prepare.py): fills the empty paths
+  d.eos_id = -1                 # token_file: document separator (>=0 needed for tbtt)
+  d.pack_documents = True       # token_file: windows carry segment_ids where documents begin (when the
+                                # boundaries are known: <name>.docs.npy, array_record records, or eos_id)
+  d.num_train_examples = 1_000_000  # synthetic tasks: size of the (index-addressed) train set
+  d.num_eval_examples = 512
+  d.mqar = ml_collections.ConfigDict(dict(vocab_size=8192, num_kv_pairs=8, eval_num_kv_pairs=0,
+                                          power_a=0.01))
+  # copying: copy_len symbols per example; min_copy_len > 0 draws each example's length uniformly from
+  # [min_copy_len, copy_len] (0: always copy_len); eval_copy_len > 0 fixes the validation length.
+  d.copying = ml_collections.ConfigDict(dict(vocab_size=32, copy_len=16, eval_copy_len=0, min_copy_len=0))
+  d.passkey = ml_collections.ConfigDict(dict(vocab_size=64, digits=5))
+
+  c.train = t = ml_collections.ConfigDict()
+  t.num_steps = 1000
+  t.initial_state = 'zero'      # one of INITIAL_STATES
+  # Post-training: start a new run from the parameters of another run (its workdir, or one checkpoint
+  # directory <workdir>/checkpoints/<step>); fresh optimizer, step 0, this run's initial_state. Ignored
+  # once this workdir has a checkpoint of its own (resume).
+  t.init_from = ''
+  t.noise_std = 0.1             # random_noise sigma
+  t.state_reset_prob = 0.1      # state_passing per-sequence reset probability
+  t.fitted_noise_beta = 0.1     # weight of the previous estimate (0.9 current / 0.1 previous)
+  t.nan_policy = 'halt'         # 'halt' or 'skip' the step on a non-finite loss
+  # Learning rates trained at once in one process (experiments/runner/lr_sweep.py; () = one run at
+  # optim.learning_rate): members share the initial parameters and batches, each gets workdir/lr<rate>/.
+  t.lr_sweep = ()
+  # > 0: the loss and accuracy read the model's logits only at the first loss_positions scored positions of
+  # each row (identical values; no [B, T, vocab] logits): MQAR scores num_kv_pairs positions. 0: everywhere.
+  t.loss_positions = 0
+  t.log_every = 10
+  t.eval_every = 0              # 0: only at the end
+  t.eval_batches = 4
+  t.z_loss = 0.0
+
+  c.optim = o = ml_collections.ConfigDict()
+  o.learning_rate = 3e-4
+  o.warmup_steps = 100
+  o.min_lr_ratio = 0.1          # cosine decays to min_lr_ratio * learning_rate
+  o.b1 = 0.9
+  o.b2 = 0.95
+  o.eps = 1e-8
+  o.weight_decay = 0.1
+  o.clip_norm = 1.0             # <= 0: no clipping
+  # Parameters whose path contains one of these (comma-separated, case-sensitive) get no weight decay.
+  o.no_decay = 'A_log,dt_bias,norm,variance_raw,init_var,initial_variance,bias,/D'  # /D: Mamba-2's skip
+
+  c.mesh = m = ml_collections.ConfigDict()
+  m.data = -1                   # -1 fills the remaining devices
+  m.fsdp = 1
+  m.tensor = 1
+  m.context = 1                 # devices one sequence's T is split over (context parallelism)
+  m.distributed = False         # call jax.distributed.initialize() (env-configured cluster)
+  # logical axis -> mesh axis ('' = replicated); a dim that does not divide is replicated.
+  m.rules = ml_collections.ConfigDict(dict(vocab='tensor', embed='fsdp', mlp='tensor', heads='tensor',
+                                           kv='', lowrank='', conv=''))
+
+  c.checkpoint = k = ml_collections.ConfigDict()
+  k.enabled = True
+  k.every_steps = 500
+  k.keep = 3
+  k.async_save = True
+
+  # Pallas kernel options (experiments/runner/kernel_config.py specs, e.g. delta_rule='fuse_output=all'):
+  # DeltaRuleConfig / GainConfig / ConvConfig fields over their defaults; exact, speed only.
+  # '' = the defaults.
+  c.kernels = ml_collections.ConfigDict(dict(delta_rule='', gain='', conv=''))
+
+  c.logging = g = ml_collections.ConfigDict()
+  g.tensorboard = True
+  g.plot = True
+  c.lock()
+  return c
+
+
+def _fail(key: str, msg: str):
+  raise ConfigError(f'config.{key}: {msg}')
+
+
+def _one_of(c, key, options):
+  val = _get(c, key)
+  if val not in options:
+    _fail(key, f'invalid value {val!r}; expected one of {list(options)}')
+
+
+def _get(c, key):
+  node = c
+  for part in key.split('.'):
+    node = node[part]
+  return node
+
+
+def check_keys(config: ml_collections.ConfigDict, schema: ml_collections.ConfigDict | None = None,
+               prefix: str = ''):
+  """Fails on keys the schema does not know (``model`` is checked against the model's own schema)."""
+  schema = base_config() if schema is None else schema
+  for key in config.keys():
+    full = f'{prefix}{key}'
+    if key not in schema:
+      _fail(full, 'unknown key')
+    if key == 'model' and not prefix:
+      continue
+    if isinstance(config[key], ml_collections.ConfigDict) and isinstance(schema[key],
+                                                                         ml_collections.ConfigDict):
+      check_keys(config[key], schema[key], prefix=f'{full}.')
+
+
+def mesh_shape(config, num_devices: int) -> tuple[int, int, int, int]:
+  """Resolves the (data, fsdp, tensor, context) mesh shape; -1 fills the rest."""
+  names = ('data', 'fsdp', 'tensor', 'context')
+  dims = [int(config.mesh[n]) for n in names]
+  for n, v in zip(names, dims):
+    if v == 0 or v < -1:
+      _fail(f'mesh.{n}', f'invalid value {v}; use a positive size or -1')
+  if sum(v == -1 for v in dims) > 1:
+    _fail('mesh', 'at most one of data/fsdp/tensor/context may be -1')
+  known = math.prod(v for v in dims if v != -1)
+  if -1 in dims:
+    if num_devices % known:
+      _fail('mesh', f'fixed axes {dict(zip(names, dims))} (product {known}) do not divide the '
+            f'{num_devices} devices')
+    dims[dims.index(-1)] = num_devices // known
+  elif known != num_devices:
+    _fail('mesh', f'mesh {dict(zip(names, dims))} has {known} devices but {num_devices} are available')
+  return tuple(dims)
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int | None = None,
+             process_count: int = 1):
+  """Checks a run config; raises ConfigError naming the first bad key."""
+  check_keys(config)
+  m = config.model
+  for key in ('vocab_size', 'num_layers', 'd_model', 'mixer'):
+    if key not in m:
+      _fail(f'model.{key}', 'missing (config.model must come from model_config(size, ...))')
+  _one_of(config, 'model.mixer', MIXERS)
+  for key in ('vocab_size', 'num_layers', 'd_model'):
+    if int(m[key]) <= 0:
+      _fail(f'model.{key}', f'must be positive, got {m[key]}')
+  for key in ('dtype', 'param_dtype'):
+    if key in m:
+      _one_of(config, f'model.{key}', DTYPES)
+  if ':' not in config.model_factory:
+    _fail('model_factory', f'expected "module:attr", got {config.model_factory!r}')
+
+  try:   # (parsed against the kernels' config classes; applied by the Trainer)
+    kernel_config.resolve(config.get('kernels') or {})
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+  d = config.data
+  _one_of(config, 'data.kind', DATA_KINDS)
+  for key in ('seq_len', 'global_batch_size', 'eval_batch_size', 'num_eval_examples'):
+    if int(d[key]) <= 0:
+      _fail(f'data.{key}', f'must be positive, got {d[key]}')
+  if d.eval_seq_len < 0:
+    _fail('data.eval_seq_len', 'must be >= 0')
+  if d.read_threads <= 0:
+    _fail('data.read_threads', 'must be positive')
+  if d.prefetch < 0:
+    _fail('data.prefetch', 'must be >= 0')
+  if d.kind == 'token_file' and not d.train_path and not d.corpus_dir:
+    _fail('data.train_path', 'required for data.kind="token_file" (or set data.corpus_dir)')
+  if d.kind == 'mqar':
+    q = d.mqar
+    if q.vocab_size > m.vocab_size:
+      _fail('data.mqar.vocab_size', f'{q.vocab_size} exceeds model.vocab_size={m.vocab_size}')
+    n = max(q.num_kv_pairs, q.eval_num_kv_pairs)
+    if 4 * n > max(d.seq_len, d.eval_seq_len or d.seq_len):
+      _fail('data.mqar.num_kv_pairs', f'{n} pairs need seq_len >= {4 * n}')
+    if q.vocab_size < 2 * n + 2:
+      _fail('data.mqar.vocab_size', f'too small for {n} key/value pairs')
+  if d.kind == 'copying':
+    if d.copying.copy_len <= 0:
+      _fail('data.copying.copy_len', f'must be positive, got {d.copying.copy_len}')
+    if d.copying.eval_copy_len < 0:
+      _fail('data.copying.eval_copy_len', 'must be >= 0 (0: as training)')
+    if not 0 <= d.copying.min_copy_len <= d.copying.copy_len:
+      _fail('data.copying.min_copy_len', f'must be in [0, copy_len={d.copying.copy_len}] (0: fixed), got '
+            f'{d.copying.min_copy_len}')
+    if d.copying.vocab_size < 4:
+      _fail('data.copying.vocab_size', 'needs at least one symbol besides pad/BOS/SEP (>= 4)')
+    cl = d.copying.copy_len
+    if 2 * cl + 1 > d.seq_len:
+      _fail('data.copying.copy_len', f'{cl} needs data.seq_len >= {2 * cl + 1}, got {d.seq_len}')
+    ecl, elen = d.copying.eval_copy_len or cl, d.eval_seq_len or d.seq_len
+    if 2 * ecl + 1 > elen:
+      _fail('data.copying.eval_copy_len' if d.copying.eval_copy_len else 'data.eval_seq_len',
+            f'validation copy length {ecl} needs an evaluation length >= {2 * ecl + 1}, got {elen}')
+    if d.copying.vocab_size > m.vocab_size:
+      _fail('data.copying.vocab_size', 'exceeds model.vocab_size')
+  if d.kind == 'passkey' and d.passkey.vocab_size > m.vocab_size:
+    _fail('data.passkey.vocab_size', 'exceeds model.vocab_size')
+
+  t = config.train
+  _one_of(config, 'train.initial_state', INITIAL_STATES)
+  _one_of(config, 'train.nan_policy', NAN_POLICIES)
+  if t.num_steps <= 0:
+    _fail('train.num_steps', f'must be positive, got {t.num_steps}')
+  if t.noise_std < 0:
+    _fail('train.noise_std', 'must be >= 0')
+  if not 0.0 <= t.state_reset_prob <= 1.0:
+    _fail('train.state_reset_prob', f'must be in [0, 1], got {t.state_reset_prob}')
+  if not 0.0 <= t.fitted_noise_beta <= 1.0:
+    _fail('train.fitted_noise_beta', 'must be in [0, 1]')
+  if t.log_every <= 0:
+    _fail('train.log_every', 'must be positive')
+  if t.initial_state == 'tbtt' and d.kind == 'token_file' and d.eos_id < 0:
+    _fail('data.eos_id', 'tbtt over token files needs a document separator id (>= 0)')
+
+  if t.loss_positions < 0:
+    _fail('train.loss_positions', f'must be >= 0, got {t.loss_positions}')
+  if t.loss_positions and d.kind == 'mqar' and t.loss_positions < d.mqar.num_kv_pairs:
+    _fail('train.loss_positions', f'{t.loss_positions} is below the {d.mqar.num_kv_pairs} scored positions '
+          'of an MQAR row (data.mqar.num_kv_pairs)')
+  sweep = tuple(t.lr_sweep)
+  if any(not isinstance(lr, (int, float)) or not lr > 0 for lr in sweep) or len(set(sweep)) != len(sweep):
+    _fail('train.lr_sweep', f'must be distinct positive learning rates, got {sweep}')
+
+  o = config.optim
+  if not o.learning_rate > 0:
+    _fail('optim.learning_rate', f'must be positive, got {o.learning_rate}')
+  if o.warmup_steps < 0:
+    _fail('optim.warmup_steps', 'must be >= 0')
+  if not 0 <= o.min_lr_ratio <= 1:
+    _fail('optim.min_lr_ratio', 'must be in [0, 1]')
+  if o.weight_decay < 0:
+    _fail('optim.weight_decay', 'must be >= 0')
+  for key in ('b1', 'b2'):
+    if not 0 <= o[key] < 1:
+      _fail(f'optim.{key}', 'must be in [0, 1)')
+
+  if config.mesh.context != 1 and str(config.model.get('impl', 'auto')) == 'reference':
+    _fail('model.impl', "'reference' has no context-parallel form; use 'auto', 'chunked' or 'pallas' "
+          'with mesh.context > 1')
+  for logical, axis in config.mesh.rules.items():
+    if axis not in ('', 'data', 'fsdp', 'tensor'):
+      _fail(f'mesh.rules.{logical}', f'unknown mesh axis {axis!r}')
+  if config.checkpoint.every_steps < 0 or config.checkpoint.keep <= 0:
+    _fail('checkpoint', 'every_steps must be >= 0 and keep > 0')
+
+  if num_devices is not None:
+    data, fsdp, _, context = mesh_shape(config, num_devices)
+    batch_par = data * fsdp
+    for key in ('global_batch_size', 'eval_batch_size'):
+      if d[key] % batch_par:
+        _fail(f'data.{key}', f'{d[key]} is not divisible by data*fsdp = {batch_par}')
+      if d[key] % process_count:
+        _fail(f'data.{key}', f'not divisible by the {process_count} processes')
+    for key in ('seq_len', 'eval_seq_len'):
+      if d[key] % context:  # eval_seq_len 0 (= seq_len) passes
+        _fail(f'data.{key}', f'{d[key]} is not divisible by mesh.context = {context} (each device '
+              'holds an equal slice of T)')
+  return config
+
+
+def sweep_member_dir(workdir: str, lr: float) -> str:
+  """The folder of one learning rate of a sweep (experiments/runner/lr_sweep.py), a plain run's layout."""
+  return os.path.join(workdir, f'lr{lr:g}')
+
+
+def import_object(path: str) -> Any:
+  module, _, attr = path.partition(':')
+  return getattr(importlib.import_module(module), attr)

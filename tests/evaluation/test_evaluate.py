@@ -1,0 +1,187 @@
+"""experiments/evaluate.py and experiments/evaluation: chunked carry == one forward, position-wise PPL
+averages to perplexity, EffRem bounds, the beta_eff probe == the op's gain, every suite on a checkpoint of
+a tiny corpus LM (files written, settings recorded), and clear errors before any work."""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from experiments.runner import trainer
+from experiments.data import corpus, token_files
+from experiments.data.tokenizer import BPETokenizer
+from experiments.evaluation import long_context, probes, run_loader, suites
+from experiments.evaluation.runner import evaluate
+from kdn_jax import ops
+from kdn_jax.models.config import model_config
+from kdn_jax.models.lm import LanguageModel
+from runner_helpers import tiny_config
+
+WORDS = ('the river ran past an old mill where children played and the miller sang of grain wind and '
+         'stone while boats drifted slowly toward a distant harbor under grey clouds').split()
+
+
+def _texts(n, rng, lo, hi):
+  return [' '.join(rng.choice(WORDS, size=int(rng.integers(lo, hi)))).capitalize() + '.' for _ in range(n)]
+
+
+def write_tiny_corpus(out, seed=0):
+  """A corpus directory in prepare's format: tokenizer.json, {train,val,long_eval}.npy + .docs.npy, manifest."""
+  rng = np.random.default_rng(seed)
+  splits = {'train': _texts(60, rng, 20, 80), 'val': _texts(20, rng, 20, 80),
+            'long_eval': _texts(3, rng, 500, 600)}
+  tok = BPETokenizer.train(splits['train'], vocab_size=300)
+  tok.save(out)
+  for name, texts in splits.items():
+    docs = [np.append(tok.encode(t), tok.eos_id) for t in texts]
+    np.save(os.path.join(out, f'{name}.npy'), np.concatenate(docs).astype(np.int32))
+    np.save(os.path.join(out, f'{name}.docs.npy'), np.concatenate([[0], np.cumsum([len(d) for d in docs])]))
+  with open(os.path.join(out, corpus.MANIFEST), 'w', encoding='utf-8') as f:
+    json.dump({'vocab_size': tok.vocab_size, 'eos_id': tok.eos_id}, f)
+  return tok
+
+
+def _model(layer_pattern='kdn_diag,swa,kdn_iso,attention', num_layers=4):
+  cfg = model_config('tiny', mixer='kdn_diag', layer_pattern=layer_pattern, vocab_size=32,
+                     num_layers=num_layers, d_model=32, num_heads=2, head_dim=8, mlp_hidden=32, chunk_size=8,
+                     swa_window=8, impl='chunked')
+  return LanguageModel(cfg, rngs=nnx.Rngs(0))
+
+
+def test_chunked_carry_equals_one_forward():
+  scorer = long_context.ChunkedScorer(_model())
+  rng = np.random.default_rng(0)
+  x = rng.integers(0, 32, size=(2, 45)).astype(np.int32)
+  y = rng.integers(0, 32, size=(2, 45)).astype(np.int32)
+  nll1, c1 = scorer.one_shot(x, y)
+  seen = []
+  nll2, c2 = scorer.score(x, y, chunk=16, on_chunk=lambda t, cache: seen.append(t))
+  np.testing.assert_allclose(nll2, nll1, rtol=2e-5, atol=2e-5)
+  np.testing.assert_array_equal(c2, c1)
+  assert seen == [16, 32, 45]
+
+
+def test_effrem_is_zero_at_t0_and_bounded():
+  scorer = long_context.ChunkedScorer(_model('kdn_diag,attention', num_layers=2))
+  seqs = np.random.default_rng(1).integers(0, 32, size=(3, 24)).astype(np.int32)
+  ts = long_context.effrem_grid(24, 7)
+  er = long_context.effective_remembrance(scorer, seqs, ts, batch=4)
+  assert er.shape == (3, len(ts)) and ts[0] == 0
+  np.testing.assert_allclose(er[:, 0], 0.0, atol=1e-6)
+  assert np.all(er >= 0) and np.all(er <= 1) and er[:, -1].min() > 1e-4
+  # the cut really drops the prefix: one row, suffix from the initial state
+  t = int(ts[3])
+  alone = jax.nn.softmax(scorer.logits(seqs[:1, t:])[0, -1])
+  full = jax.nn.softmax(scorer.logits(seqs[:1])[0, -1])
+  np.testing.assert_allclose(er[0, 3], 0.5 * float(jnp.abs(full - alone).sum()), atol=1e-5)
+
+
+@pytest.mark.parametrize('mixer', ['kdn_diag', 'kdn_iso'])
+def test_beta_eff_probe_equals_the_gain_of_the_op(mixer):
+  model = _model(mixer, num_layers=1)
+  tokens = np.random.default_rng(2).integers(0, 32, size=(2, 19)).astype(np.int32)
+  seg = np.repeat(np.array([[0] * 7 + [1] * 12]), 2, axis=0)
+  beta = probes.write_strengths(model, tokens, seg)[0]
+  mix = model.blocks[0].mixer
+  x = model.mixer_inputs(jnp.asarray(tokens), segment_ids=jnp.asarray(seg))[0]
+  st = mix.init_state(2)
+  _, k, _, _ = mix.project(x, st['conv'], jnp.asarray(seg))
+  g = mix._gates(x)  # pylint: disable=protected-access
+  kf = k.astype(jnp.float32)
+  if mixer == 'kdn_diag':
+    kappa, _ = ops.variance.diag_gain(kf, g['log_alpha'], g['omega'], g['r'], mix.info_scale(), st['variance'],
+                                      jnp.asarray(seg))
+    want = jnp.sum(kf * kappa, -1)  # k^T kappa = z / (r + z)
+  else:
+    b, _ = ops.variance.iso_gain(kf, g['log_alpha'], g['omega'], g['r'], mix.info_scale(), st['variance'],
+                                 jnp.asarray(seg))
+    want = b * jnp.sum(kf * kf, -1)
+  np.testing.assert_allclose(beta, np.asarray(want), rtol=1e-5, atol=1e-6)
+  assert beta.shape == (2, 19, 2) and np.all((beta > 0) & (beta < 1))
+
+
+@pytest.fixture(scope='module')
+def lm_run(tmp_path_factory):
+  base = tmp_path_factory.mktemp('eval')
+  cdir = str(base / 'corpus')
+  os.makedirs(cdir)
+  write_tiny_corpus(cdir)
+  c = tiny_config(kind='token_file', layer_pattern='kdn_diag,attention')
+  c.model.vocab_size = 320
+  c.data.corpus_dir = cdir
+  c.data.seq_len = 32
+  c.train.num_steps = 3
+  c.checkpoint.enabled = True
+  tr = trainer.Trainer(c, str(base / 'run'))
+  try:
+    tr.run()
+  finally:
+    tr.close()
+  return str(base / 'run'), cdir
+
+
+def test_evaluate_every_suite_on_a_checkpoint(lm_run):
+  workdir, _ = lm_run
+  before = {f: os.path.getmtime(os.path.join(workdir, f)) for f in ('metrics.jsonl', 'summary.json')}
+  s = suites.Settings(max_len=256, chunk=64, num_sequences=3, effrem_points=5, effrem_sequences=2, batch=4,
+                      retrieval_lengths=(256,), retrieval_examples=2)
+  res = evaluate(workdir, list(suites.SUITES), s)
+  out = os.path.join(workdir, 'eval')
+  for name in suites.SUITES:
+    with open(os.path.join(out, f'{name}.json'), encoding='utf-8') as f:
+      rec = json.load(f)
+    assert rec['meta']['step'] == 3 and rec['meta']['settings']['max_len'] == 256, name
+  for png in ('position_ppl', 'effrem', 'state_stats', 'beta_eff', 'retrieval_snih1', 'retrieval_snih2',
+              'retrieval_snih3'):
+    assert os.path.getsize(os.path.join(out, f'{png}.png')) > 1000, png
+  # position-wise perplexity averaged over positions is the perplexity of those sequences
+  pp = res['position_ppl']
+  per_pos = np.load(os.path.join(out, 'position_nll.npy'))
+  assert per_pos.shape == (256,)
+  tokens = token_files.load_tokens(os.path.join(lm_run[1], 'long_eval.npy'))
+  off = token_files.load_offsets(os.path.join(lm_run[1], 'long_eval.npy'), tokens)
+  seqs, _ = long_context.document_windows(tokens, off, 256, 0, max_windows=3)
+  scorer = long_context.ChunkedScorer(run_loader.load(workdir).model)
+  nll, _ = scorer.one_shot(seqs[:, :-1], seqs[:, 1:])
+  np.testing.assert_allclose(pp['perplexity'], np.exp(nll.mean()), rtol=1e-4)
+  np.testing.assert_allclose(np.exp(per_pos.mean()), pp['perplexity'], rtol=1e-5)
+  assert res['state_stats']['series'][0]['t'] == 0 and res['state_stats']['series'][-1]['t'] == 256
+  assert res['state_stats']['series'][0]['layers'][1] is None  # attention has no recurrent state
+  assert 'variance_mean' in res['state_stats']['series'][-1]['layers'][0]
+  assert set(res['beta_eff']['layers']) == {'0'} and 0 < res['beta_eff']['all']['mean'] < 1
+  assert res['effrem']['mean'][0] == pytest.approx(0.0, abs=1e-6)
+  cells = res['retrieval']['tasks']
+  assert set(cells) == {'snih1', 'snih2', 'snih3'} and all(len(v) == 5 for v in cells.values())
+  assert np.isfinite(res['ppl']['perplexity']) and res['ppl']['tokens'] > 0
+  after = {f: os.path.getmtime(os.path.join(workdir, f)) for f in before}
+  assert after == before  # the run's own records are untouched
+
+
+def test_evaluate_errors_before_work(lm_run, tmp_path):
+  workdir, _ = lm_run
+  os.makedirs(tmp_path / 'empty')
+  with pytest.raises(FileNotFoundError, match='--workdir: no checkpoint'):
+    evaluate(str(tmp_path / 'empty'), ['ppl'])
+  with pytest.raises(FileNotFoundError, match='--step: no checkpoint for step 7'):
+    evaluate(workdir, ['ppl'], step=7)
+  with pytest.raises(ValueError, match=r"--suite: unknown suite\(s\) \['nope'\]"):
+    evaluate(workdir, ['nope'])
+  with pytest.raises(ValueError, match=r'--max_len: the longest long-eval document has \d+ tokens'):
+    evaluate(workdir, ['position_ppl'], suites.Settings(max_len=100_000), out_dir=str(tmp_path / 'o'))
+  with pytest.raises(ValueError, match='--max_len: 8 is shorter than the training length 32'):
+    evaluate(workdir, ['position_ppl'], suites.Settings(max_len=8), out_dir=str(tmp_path / 'o'))
+  assert not os.path.exists(tmp_path / 'o')  # nothing written on a refused evaluation
+
+
+def test_cli_reports_bad_input_with_exit_code_2(lm_run):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  out = subprocess.run([sys.executable, '-m', 'experiments.evaluate', f'--workdir={lm_run[0]}', '--suite=nope'],
+                       cwd=root, capture_output=True, text=True, timeout=300, check=False)
+  assert out.returncode == 2 and "--suite: unknown suite(s) ['nope']" in out.stderr, out.stderr[-2000:]
