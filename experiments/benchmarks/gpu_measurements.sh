@@ -317,5 +317,36 @@ mgpu)
     | tee "$RES/mgpu_tests.txt"
   timeout ${MGPU_LIMIT:-150} python3 -m experiments.benchmark_output_stage --out="$RES/output_stage.json" \
     2>&1 | quiet | tail -20 | tee "$RES/output_stage.txt" ;;
+performance)
+  # The numbers behind docs/performance.md, at the defaults: the KDN ops against fla's chunk_kda
+  # and the KDN layers against fla's KimiDeltaAttention (each benchmark one process, fla in it),
+  # and 125M training. PERF_PARTS picks the parts (default "mixers layers"; mixers ~250 s, layers
+  # ~430 s with fla's first-call autotune, train ~200 s: one call each within a 600 s limit).
+  # Each part writes $OUT/performance/<part>.json ({"meta", "result"}); copy them to
+  # docs/performance/<h100|h200>/ and run python -m experiments.benchmarks.render_performance.
+  PERF=${OUT:-$RES}/performance; mkdir -p "$PERF"
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+  record() { python3 -m experiments.benchmarks.render_performance --wrap="$1" --command="$2" \
+    --device="$gpu" --out="$PERF/$3.json"; }
+  for part in ${PERF_PARTS:-mixers layers}; do case $part in
+  mixers)
+    cmd="python3 -m experiments.benchmarks.mixers --seq_lens=16384,4096 --reps=20 --check=false
+      --time_budget_s=${PERF_MIXERS_BUDGET:-400} --rows=diag_kdn_pallas,iso_kdn_pallas,fla_chunk_kda"
+    rm -rf "$RES/perf_mixers"
+    timeout ${PERF_MIXERS_LIMIT:-480} $cmd --out="$RES/perf_mixers" 2>&1 | quiet | tail -20
+    record "$RES/perf_mixers/results.json" "$(echo $cmd)" mixers ;;
+  layers)
+    cmd="python3 -m experiments.benchmarks.layers --seq_lens=16384,4096 --impls=pallas
+      --time_budget_s=${PERF_LAYERS_BUDGET:-430} --rows=kdn_diag,kdn_iso,fla_kda_layer"
+    rm -f "$RES/perf_layers.json"
+    timeout ${PERF_LAYERS_LIMIT:-500} $cmd --out="$RES/perf_layers" 2>&1 | quiet | tail -20
+    record "$RES/perf_layers.json" "$(echo $cmd)" layers ;;
+  train)
+    rm -f "$RES/train_1gpu_summary.json"
+    TRAIN_LIMIT=${TRAIN_LIMIT:-230} bash "$0" train
+    record "$RES/train_1gpu_summary.json" \
+      "TRAIN_LIMIT=${TRAIN_LIMIT:-230} bash experiments/benchmarks/gpu_measurements.sh train" train_125m ;;
+  *) echo "unknown performance part $part" ;;
+  esac; done ;;
 *) echo "unknown section $s" ;;
 esac; done
