@@ -10,7 +10,7 @@ replaces it by a short series. fp32 (and wider) data keep jnp's functions, as th
 fp32-accurate (common.precision_for). The delta-rule kernels all take exp_for_mode(the call's
 precision mode): one choice for all of them, also where a traced scale folds q into fp32; the
 gains, the conv and the norm take exp_for(their data's dtype). Session 46, static SASS for sm_90
-(experiments/benchmarks/kernel_dev/kernel_sass.py, docs/kernel_sass.md): the token-parallel pair kernel's column step
+(experiments/benchmarks/kernel_dev/kernel_sass.py, docs/decisions.md): the token-parallel pair kernel's column step
 116 -> 84 instructions per warp (with intra.py's unclamped decay), the fused-front gain's token
 loops 626 -> 389 and 606 -> 357.
 """

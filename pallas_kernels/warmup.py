@@ -4,7 +4,7 @@ Lowering the first pallas_call imports parts of jax's Pallas package (lowering, 
 fuser) on demand. On jax 0.11.2 with CUDA one of them registers a jit tracing-context value
 (`pallas_fuser_disable_nested_fuse`); registered while a train step is being traced, it changes
 the key of the jit cache entry made for that step, so the step is traced and compiled a second
-time at step 2 (H200, 125M LM: +28 s per run; docs/training_throughput.md). The modules it
+time at step 2 (H200, 125M LM: +28 s per run; docs/decisions.md). The modules it
 imported meanwhile came from `jax.experimental.pallas.tpu` (which our kernels import when they
 decide between the Mosaic-TPU and the generic kernels) and from lowering a pallas_call; this does
 both before the step is traced. (Importing them in pallas_kernels at module level was not enough:

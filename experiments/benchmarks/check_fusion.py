@@ -35,8 +35,8 @@ flags.DEFINE_integer("layer_seeds", 4, "draws (parameters, inputs, cotangents) p
 # fp32 kernels against fp32 references: rounding-level; bf16 layers: one bf16 rounding apart
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
 # the fused bf16 layer against fp32: within LAYER_SLACK x the unfused bf16 layer's own error,
-# pooled over draws (check_layer; session 30's single draw failed on the r_proj bias gradient,
-# whose error moves 4x between draws: docs/benchmark_layers.md, session 31)
+# pooled over draws (check_layer; a single draw failed on the r_proj bias gradient, whose error
+# moves 4x between draws: docs/decisions.md)
 LAYER_SLACK, LAYER_FLOOR = 1.5, 1e-3
 
 
@@ -153,7 +153,7 @@ def check_layer(results, mixer, b, t, h, kd, d, seeds):
   unfused layer in float32 (the truth): fused passes where its error is within the unfused
   path's own bf16 error (x LAYER_SLACK, floor LAYER_FLOOR) for every output and gradient.
 
-  Two things make that comparison fair (docs/benchmark_layers.md, sessions 30-31):
+  Two things make that comparison fair (docs/decisions.md):
   - Errors are pooled over `seeds` draws of parameters, inputs and cotangents. Small cancelling
     reductions (the r_proj bias gradient sums ~2000 tokens into H elements) have an error that
     moves 4x between draws for the same path, so one draw cannot rank two paths. (A direct

@@ -94,7 +94,7 @@ docs)
     --rows=diag_kdn_seg_pallas,iso_kdn_seg_pallas,diag_kdn_pallas \
     2>&1 | quiet | tail -40 | tee "$RES/docs.txt" ;;
 mixers)
-  # The docs/mixers_h200 table: ~500 s on one H200.
+  # The full mixer table (all rows, 2k-32k): ~500 s on one H200.
   timeout ${MIXERS_LIMIT:-570} python3 -m experiments.benchmarks.mixers --out="$RES/mixers" \
     --seq_lens=$MIXER_LENS --reps=${REPS:-30} --check=false --time_budget_s=${MIXERS_BUDGET:-490} \
     --pallas_lens=${PALLAS_LENS:-} --sweep=${SWEEP-} \
@@ -176,7 +176,7 @@ ncu)
   # Nsight Compute on one forward per row (experiments/benchmarks/kernel_dev/profile_kernels.py): the kernels matching
   # NCU_KERNELS (default: our token-parallel pair kernel and fla's token-parallel intra kernel,
   # the same structure, ours about 2x the time per token: L1-bound, issue-bound?; and our gain
-  # kernels, ~1.2 ms at 16k against ~0.4 ms of instruction issue by docs/kernel_sass.md's model:
+  # kernels, ~1.2 ms at 16k against ~0.4 ms of instruction issue (docs/decisions.md):
   # latency or memory?) in NCU_ROWS
   # (default diag_kdn_pallas iso_kdn_pallas fla_chunk_kda) at T=NCU_LEN (4096); full reports in
   # $RES/ncu_<row>.txt, their headline lines in ncu.txt. About 400 s at most (fla autotunes).
@@ -194,7 +194,7 @@ ncu)
   done ;;
 abexp)
   # Session 46's exp for 16-bit data (pallas_kernels/kernel_math.py: 2^(x log2 e), one MUFU.EX2,
-  # in every GPU kernel; static SASS: docs/kernel_sass.md) against the tree before it, one
+  # in every GPU kernel; static SASS: docs/decisions.md) against the tree before it, one
   # process per tree and command: BASE_TREE (default build/base, made by
   #   mkdir -p build/base && git archive cda6eda kdn_jax pallas_kernels experiments configs \
   #     | tar -x -C build/base
@@ -217,7 +217,7 @@ abexp)
   done ;;
 gains)
   # Session 47's gain kernels (no reset flags without segments, one division per token, the
-  # reduce renormalised by a power of two; docs/kernel_sass.md) against BASE_TREE (default
+  # reduce renormalised by a power of two; docs/decisions.md) against BASE_TREE (default
   # build/base, made as for abexp from a709cb0, and carried): the diag and iso gain rows at 16k
   # and 4k, fwd and fwd+bwd, one process per tree. Then the gain chunk at 4k, where 2048 one-warp
   # programs half-fill the GPU: forward, then fwd+bwd (session 49, H100: chunk 32 lost, 0.72
@@ -311,7 +311,7 @@ glue)
   timeout ${GLUE_LIMIT:-240} python3 -m experiments.benchmarks.check_fusion --out="$RES/check_fusion.json" \
     2>&1 | quiet | tail -15 | tee "$RES/check_fusion.txt"; pack ;;
 mgpu)
-  # Issue 18's Mosaic GPU trial port of the output stage (docs/mosaic_gpu.md): its compiled tests,
+  # Issue 18's Mosaic GPU trial port of the output stage (docs/decisions.md): its compiled tests,
   # then Triton (chunk 16 / 64) against Mosaic GPU (chunk 64) at 4k and 16k.
   timeout ${MGPU_TEST_LIMIT:-150} python3 -m pytest -q tests/test_output_mgpu.py 2>&1 | tail -15 \
     | tee "$RES/mgpu_tests.txt"

@@ -1,7 +1,7 @@
 r"""Which [B,T,H,K]-sized arrays a recurrent layer's forward+backward puts at kernel boundaries:
 every pallas_call of the layer's gradient program with the dtypes of its [B,T,H,K] operands and
 results (tiny shapes, CPU; read off `jax.make_jaxpr`, so XLA's fusions in between are not seen).
-The source of docs/benchmark_layers.md's before/after table of the glue's HBM arrays.
+Shows which fp32 arrays the fused glue kernels keep out of HBM (docs/decisions.md).
 
   python -m experiments.benchmarks.layer_boundaries --mixer=kdn_diag --fusion=off    # plain-JAX glue
   python -m experiments.benchmarks.layer_boundaries --mixer=kdn_diag --fusion=on     # fused glue

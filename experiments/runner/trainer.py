@@ -114,7 +114,7 @@ def context_growth(before, after):
   """A warning when jit's tracing context grew between two `tracing_context()` snapshots (else
   None). A value registered while the first step was traced or compiled (seen on jax 0.11.2 with
   CUDA; not on CPU) changes the key of every jit cache entry made before it, so the train step is
-  traced and compiled again at the next step (docs/training_throughput.md, session 29)."""
+  traced and compiled again at the next step (docs/decisions.md)."""
   if after[0] == before[0]:
     return None
   names = None if before[1] is None or after[1] is None else sorted(set(after[1]) - set(before[1]))
@@ -519,7 +519,7 @@ class Trainer:
                # the median over the logged intervals after the first (compiling) step: an
                # interval that held an eval, a checkpoint or a recompile counts as one slow
                # interval instead of dragging a mean down (a step-2 recompile on GPUs:
-               # docs/training_throughput.md)
+               # docs/decisions.md)
                'steady_tokens_per_s': (float(np.median(interval_tps)) if interval_tps else None),
                'num_params': self.num_params, 'train': self.last_metrics,
                'eval': eval_metrics, 'initial_state': self.strategy, 'mesh': dict(self.mesh.shape),

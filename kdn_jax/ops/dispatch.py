@@ -29,7 +29,7 @@ def warm_kernel_imports():
 
 # Platforms on which 'auto' picks the Pallas kernels. GPU: on the H200 the
 # kernels beat the XLA chunked form (diag KDN fwd+bwd T=4096: 9.8 ms against
-# 26.7 ms; docs/benchmark_mixers.md). Not TPU: its BlockSpec kernels
+# 26.7 ms; docs/decisions.md). Not TPU: its BlockSpec kernels
 # (pallas_kernels/*/tpu*.py, selected by impl='pallas' there) are checked in
 # TPU interpret mode on CPU only; 'auto' stays chunked until a TPU run
 # (experiments/benchmarks/tpu_first_run.sh) shows them exact and faster.

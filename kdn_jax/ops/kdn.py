@@ -84,7 +84,7 @@ def _kdn(op, diag, q, k, v, log_alpha, omega, r, info_scale, scale,
   if impl != "pallas":
     # (The Pallas kernels read each input in its own dtype and compute in fp32 inside: fp32
     # copies of 16-bit [B, T, H, K] inputs would be whole extra passes over HBM, three converts
-    # of 50 us each in an H200 profile of the T=4096 forward, docs/benchmark_mixers.md.)
+    # of 50 us each in an H200 profile of the T=4096 forward, docs/decisions.md.)
     q, k, v, log_alpha, omega, r = (
         x.astype(cd) for x in (q, k, v, log_alpha, omega, r))
   if impl == "reference":

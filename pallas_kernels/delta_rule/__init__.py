@@ -20,8 +20,8 @@ One module per stage (options in config.DeltaRuleConfig), imported only from her
   intra_bwd_tokens  the intra backward, token-parallel
   tiles         helpers the stage kernels share (no kernels)
   tpu_forward / tpu_backward   the Mosaic-TPU kernels (BlockSpec tiles; docs/tpu.md)
-  output_mgpu   the output stage on Mosaic GPU (issue 18's trial port; not imported here, not
-                wired in: docs/mosaic_gpu.md)
+  output_mgpu   the output stage on Mosaic GPU (a trial port; not imported here, not wired in:
+                docs/decisions.md)
 """
 from __future__ import annotations
 

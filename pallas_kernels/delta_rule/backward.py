@@ -172,7 +172,7 @@ def _chunk_states(r, b, h, c, C, scale, has_seg, vs, prec, exp):
 # chunk 16) every dS it saved was then wrong (relative 0.125) while interpret mode on the same GPU
 # was exact; num_stages=1 brought the error down to 4e-6 (dS_init 1.5e-4), not to zero. Likely a
 # Triton pipelining miscompile of the two-carry loop; the kernel now carries dS alone and
-# seg_init_grad forms S_init's share in XLA (docs/benchmark_mixers.md, fifth session).
+# seg_init_grad forms S_init's share in XLA (docs/decisions.md).
 
 
 def _bwd_inputs(q, k, v, g, h0, cont, res, do, cfg, cfg_prec, interpret, chunk, scale):

@@ -10,7 +10,7 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class DeltaRuleConfig:
   # Defaults: the fastest configuration that passed the H200 correctness check with segments in
-  # fp32 and bf16 (sweeps, stage splits and checks in docs/benchmark_mixers.md). Sessions 4-5,
+  # fp32 and bf16 (measurements in docs/decisions.md). Sessions 4-5,
   # diag KDN fwd+bwd, B=4 H=16 K=V=128 bf16 T=4096: 17.2 ms (old defaults) -> 12.8 (wy, split
   # kernels, block_v=64, num_warps_recur=4, num_stages=2, each faster on its own) -> 8.0 (chunk 16,
   # bf16 storage of A/P/Wt/W, block_v_parallel=128, 4-warp intra backward) -> 7.3 (bf16 states,
@@ -47,7 +47,7 @@ class DeltaRuleConfig:
   # kernel it replaced (intra stage 1.53 -> 1.10); the chunk-64 forward (3.40 ms) still loses.
   # Removed in session 31 as slower in every measured cell: that single intra kernel (with its
   # `blocked` sub-tiles and `inverse` options), the 3-dot serial chain (`wy=False`) and the
-  # serial kernel that formed O itself (`split_output=False`) (docs/benchmark_mixers.md).
+  # serial kernel that formed O itself (`split_output=False`) (docs/decisions.md).
   num_warps_pairs: int = 4   # Triton warps, the pair kernel
   # The pair products' kernel (intra.py): 'token_loop' (token-parallel, fla's structure: one
   # program per (token row, pair_heads heads), the row's columns j <= r one per step; chunks of
@@ -84,7 +84,7 @@ class DeltaRuleConfig:
   # Triton warps, the output kernel: its program is one [C, K] x [K, BV] dot (H200, diag KDN
   # T=4096, session 30: output stage 0.83 ms with 8 warps, 0.53 with 4; op forward 2.57 -> 2.36
   # ms. Looping over 2-8 consecutive chunks per program, tried in the same sweep, gained nothing
-  # beyond that and was dropped: docs/benchmark_mixers.md). Session 44, diag KDN fwd+bwd
+  # beyond that and was dropped: docs/decisions.md). Session 44, diag KDN fwd+bwd
   # T=16384 (with num_warps_intra=1): 15.18 ms with 4, 14.92-14.94 with 2, 14.90 with 1.
   num_warps_output: int = 2
   num_warps_recur: int = 4   # Triton warps, recurrent kernels (serial over chunks)
@@ -109,7 +109,7 @@ class DeltaRuleConfig:
   # default timed before and after the others); the first two alone 4.30; T=4096 1.31 against
   # 1.27 / 1.36, a tie; fwd+bwd T=16384 14.04 against 14.35 / 14.40; GPU check at K=128 and 16,
   # segments included, within the bounds (fp32 <= 5.5e-7, bf16 <= 4.5e-3);
-  # docs/benchmark_mixers.md, session 48):
+  # docs/decisions.md):
   # The decay cumsum g formed by the token-parallel pair kernel (which then reads log_alpha and
   # writes g) instead of by its own kernel before it (chunk_cumsum.py): one pass over
   # [B, T, H, K] fp32 less (the cumsum's read of log_alpha and its launch; H200 T=16384 stage
@@ -130,7 +130,7 @@ class DeltaRuleConfig:
   # row for the state pass. Bytes (diag KDN forward, B=4 H=16 K=128 T=16384, bf16): the pair
   # kernel writes Kbar and Qbar (2 + 2 bytes per element) in place of g (4), and the WY and
   # state/output kernels each read 2 bytes per element in place of 6 (1.0 GB less; the fused
-  # step 459 -> 345 instructions, its 16 exps gone: docs/kernel_sass.md, session 48). In
+  # step 459 -> 345 instructions, its 16 exps gone: docs/decisions.md). In
   # training the pair kernel writes g as well (the backward reads it). Chunks of one row block
   # (the token-parallel pair kernel) only; elsewhere ignored. Session 48: forward T=16384
   # 4.30 -> 3.94 ms on top of the other two.

@@ -37,7 +37,7 @@ def _diag_columns(q, k, g, w_ref, k_ref, g_ref, pid_ref, pid_i, l_out, p_out, b,
   token r0, one column per step stored straight to l_out / p_out (columns col0 + jj): exact
   exp(min(g_r - g_j, 0)). No [S, S] tile is carried through the loop: merging each step's
   column into one with selects cost a layout conversion per step (H200, T=4096: 1.8 ms for this
-  loop that way; docs/benchmark_mixers.md, session 29)."""
+  loop that way; docs/decisions.md)."""
   row = lax.broadcasted_iota(jnp.int32, (S,), 0)
 
   def body(jj, carry):
@@ -79,7 +79,7 @@ def _pair_rows_kernel(*refs, chunk, sub, scale, has_seg, prec, exp):
     #   exp(g_r - g_c) = exp(g_r - g0) exp(g0 - g_c), both factors <= 1 for the kept pairs
     # r >= g0's row > c; stored as one [S, C] row store that skips the diagonal tile (written
     # below). One dot instead of up to C/S - 1 small ones under pl.when: H200, chunk 64,
-    # T=4096, 1.46 ms against 1.93 (docs/benchmark_mixers.md, session 32).
+    # T=4096, 1.46 ms against 1.93 (docs/decisions.md).
     g0, xs = ref_point(g_ref, b, h, r0, S, 0, g, exp)
     col_t = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
     y = jnp.where(col_t < i * S, write_rows(w_ref, k_ref, b, pl.ds(t0, C), h) * exp(
@@ -138,7 +138,7 @@ def _pair_token_loop_kernel(*refs, chunk, sub, scale, has_seg, heads, from_la, w
     """Column j's kept L and scaled P values, [heads] each; decay = g_r - g_j ([heads, K]).
     Without segments decay <= 0 as computed: g is a running sum of log_alpha <= 0 within the
     chunk, and fl(g + la) <= g for la <= 0, so no clamp (4 of the column step's 88 instructions;
-    docs/kernel_sass.md). With segments g restarts at a reset, and a masked pair across one could
+    docs/decisions.md). With segments g restarts at a reset, and a masked pair across one could
     overflow exp: clamped."""
     wj, beta = write_parts(w_ref, k_ref, b, j, hs)   # (beta: applied after the sums)
     e = exp(jnp.minimum(decay, 0.0) if has_seg else decay) * wj

@@ -16,7 +16,7 @@ Entry point: plgpu.kernel (a mesh kernel: grid, grid_names, scratch_types) with 
 lowering semantics, the way jax's hopper_matmul_mgpu.py enters the backend. A plain
 pl.pallas_call of output.py's kernel with plgpu.CompilerParams does not lower: without
 BlockSpecs every operand is staged whole into SMEM ("Mosaic GPU kernel exceeds available shared
-memory", docs/mosaic_gpu.md).
+memory").
 
 Scope (each limit raises NotImplementedError naming the argument): no segments (`cont` must be
 None; output.py's Qbar (1 - cont) S_init term needs a [C] row vector broadcast over [C, K], which
@@ -173,7 +173,7 @@ def kernel_call(q, g, pmat, delta, states, *, scale, block_v, interpret=None):
   vd = delta.shape[-1]
   out_dtype = q.dtype
   # No SMEM transforms: Warpgroup layout inference picks each tile's tiling and swizzle (explicit
-  # (8, find_swizzle) transforms failed it for widths < 64: docs/mosaic_gpu.md).
+  # (8, find_swizzle) transforms failed it for widths < 64).
   scratch = [
       plgpu.SMEM((CHUNK, kd), q.dtype),           # q (and Qbar, wgmma A, when q is bf16)
       plgpu.SMEM((CHUNK, kd), jnp.float32),       # g

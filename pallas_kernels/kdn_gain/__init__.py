@@ -237,7 +237,7 @@ def iso_gain_fused(k, f, dt_bias, a_log, omega_raw, r_raw, r_min, info_scale, b0
 def gain_chunk(t, chunk_size, cfg=None):
   """The gain kernels' chunk for T=t: chunk_size capped by cfg.max_chunk and by T's next power
   of two (16 at least). (Halving it to fill the GPU at short T, session 47's min_programs,
-  lost: 0.72 ms against 0.41-0.51 for the 4k forward on the H100, docs/benchmark_mixers.md.)"""
+  lost: 0.72 ms against 0.41-0.51 for the 4k forward on the H100, docs/decisions.md.)"""
   cfg = cfg or _config.DEFAULT
   return min(chunk_size, cfg.max_chunk, max(16, common.next_pow2(t)))
 

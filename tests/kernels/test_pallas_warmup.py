@@ -1,6 +1,6 @@
 """pallas_kernels.warm_imports: after it, tracing a kernel imports no more of jax (jax 0.11.2 + CUDA
 registered a jit tracing-context value from such a lazy import inside the first train step, and
-the step compiled again at step 2; docs/training_throughput.md)."""
+the step compiled again at step 2; docs/decisions.md)."""
 import subprocess
 import sys
 

@@ -11,11 +11,11 @@ Per kernel: warps, pipeline stages, registers, local (spill) bytes, shared memor
 instructions, and each innermost loop's instructions by kind (MUFU = special-function unit:
 exp2, rcp, ...; LDG/STG = global loads/stores; SHFL = warp shuffles of reductions; CALL = libdevice
 slow paths). A loop's instruction count per iteration is what a kernel bound by issue pays per
-step; it is a proxy, not a timing (the device's numbers are in docs/benchmark_mixers.md).
+step; it is a proxy, not a timing (the device's numbers are in docs/performance.md).
 
 The device compiles the same Triton IR with the Triton that XLA bundles (jaxlib), not the pip
 package, so its SASS can differ in scheduling and registers; what the IR fixes (which math
-functions, how many loads, the reductions' shuffles) is the same. Session 46: docs/kernel_sass.md.
+functions, how many loads, the reductions' shuffles) is the same. How to use it: docs/kernel_dev.md.
 """
 from __future__ import annotations
 

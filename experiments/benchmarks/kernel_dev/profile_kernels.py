@@ -5,7 +5,7 @@
       python3 -m experiments.benchmarks.kernel_dev.profile_kernels --row=diag_kdn_pallas --seq_len=4096 --mode=fwd
 
 reports the kernels of those runs and nothing else (GPU; gpu_measurements.sh's `ncu` section
-runs it on the pair kernels; docs/benchmark_mixers.md)."""
+runs it on the pair kernels; docs/kernel_dev.md)."""
 import time
 
 from absl import app
