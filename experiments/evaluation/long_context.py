@@ -108,7 +108,7 @@ def effrem_grid(length: int, points: int) -> np.ndarray:
 
 def effective_remembrance(scorer: ChunkedScorer, sequences: np.ndarray, ts: np.ndarray,
                           batch: int = 16, progress: str | None = None) -> np.ndarray:
-  """EffRem_T(t) = TV(q(. | x_{0:T}), q(. | x_{t:T})) for each sequence and each t (MATH.md section 7).
+  """EffRem_T(t) = TV(q(. | x_{0:T}), q(. | x_{t:T})) for each sequence and each t (docs/math.md section 7).
 
   ``sequences`` [N, T] are the inputs x_0..x_{T-1}; the prediction compared is the next-token
   distribution after x_{T-1}. The suffix x_{t:T} runs from the normal initial state, written as a second

@@ -4,7 +4,7 @@ and returns a JSON-ready dict that records its own settings beside its numbers.
   ppl           perplexity on the run's validation split (packed documents, normal initial state)
   position_ppl  PPL(t) up to ``max_len`` on long documents, chunked with the state carried; also the
                 state statistics over time (``state_stats``) from the same pass
-  effrem        EffRem_T(t) at T = 4x the training length (MATH.md section 7)
+  effrem        EffRem_T(t) at T = 4x the training length (docs/math.md section 7)
   state_stats   memory / variance statistics per layer at chunk ends over a long input
   beta_eff      KDN write-strength distribution per layer (KDN layers only)
   retrieval     the run's retrieval task grids (MQAR / copy / passkey runs: their task over longer

@@ -1,4 +1,4 @@
-"""Carry-forward initial states for length generalisation (MATH.md §7).
+"""Carry-forward initial states for length generalisation (docs/math.md §7).
 
 States are the model's per-layer list: ``None`` for attention layers, a dict with 'memory' [B,H,K,V],
 'variance' ([B,H,K] or [B,H], positive) and 'conv' caches for recurrent layers. Every function here is pure

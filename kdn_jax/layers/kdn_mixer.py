@@ -1,4 +1,4 @@
-"""Kalman Delta Network mixers (MATH.md §2, §3, §6): diagonal (`kdn_diag`) and isotropic (`kdn_iso`).
+"""Kalman Delta Network mixers (docs/math.md §2, §3, §6): diagonal (`kdn_diag`) and isotropic (`kdn_iso`).
 
 Per token: L2-normalised q, k (after short conv + SiLU), v; KDA-style decay
 log_alpha = -exp(A_log) * softplus(f(x) + dt_bias) (f low rank d -> rank -> H*K);
@@ -181,7 +181,7 @@ class KDNMixer(RecurrentMixer):
         return o, {'memory': memory, 'variance': variance}
 
     def write_strength(self, x, *, initial_state=None, segment_ids=None):
-        """Effective same-key write strength beta_eff = z / (r + z), z = k^T P_hat k (MATH.md section 2; iso:
+        """Effective same-key write strength beta_eff = z / (r + z), z = k^T P_hat k (docs/math.md section 2; iso:
         z = b_hat ||k||^2), per token and head: the KDN paper's probe. x [B, T, d] -> float32 [B, T, H]."""
         B = x.shape[0]
         state = self.init_state(B) if initial_state is None else initial_state

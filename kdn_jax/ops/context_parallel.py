@@ -1,7 +1,7 @@
 """Context parallelism: one sequence's T split over a mesh axis.
 
 Each device holds a contiguous slice of T. Both recurrences are chained
-across slices by small per-slice maps (MATH.md section 4 and section 1):
+across slices by small per-slice maps (docs/math.md section 4 and section 1):
 
 - Variance (KDN gain): the slice's per-channel 2x2 Moebius product (a segment
   start inside the slice folds in the reset, making it a constant map). The

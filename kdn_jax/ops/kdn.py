@@ -1,5 +1,5 @@
 """Kalman Delta Networks: the diagonal and isotropic gains feeding the
-asymmetric delta rule (write kappa_t, erase k_t). MATH.md sections 2-5."""
+asymmetric delta rule (write kappa_t, erase k_t). docs/math.md sections 2-5."""
 
 import functools
 
@@ -59,7 +59,7 @@ def _gain_step(diag, mu):
 
 
 def _check_kdn_values(op, log_alpha, omega, r, mu, variance):
-  """Checked mode: the domain of the KDN inputs (MATH.md section 2)."""
+  """Checked mode: the domain of the KDN inputs (docs/math.md section 2)."""
   val.check_values(op, (("log_alpha", log_alpha, "<= 0"),
                         ("omega", omega, ">= 0"), ("r", r, "> 0"),
                         ("info_scale", mu, "> 0"),

@@ -1,4 +1,4 @@
-"""The KDN variance recurrences (MATH.md sections 2-4): token steps and scans.
+"""The KDN variance recurrences (docs/math.md sections 2-4): token steps and scans.
 
 Diagonal (per channel i):  p_hat = alpha^2 p + omega,  p = p_hat / (1 + u p_hat),
                            u = mu k^2 / r.
