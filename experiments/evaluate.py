@@ -3,10 +3,12 @@
     python -m experiments.evaluate --workdir=/tmp/kdn_mqar_smoke
     python -m experiments.evaluate --workdir=/ckpt/lm --suite=position_ppl,effrem --max_len=32768
     python -m experiments.evaluate --workdir=/ckpt/lm --step=2000 --suite=retrieval
+    python -m experiments.evaluate --workdir=/tmp/ls/gla --suite=topic_floor --documents=64 --chunk=512
 
 Suites (``--suite``, comma-separated; default by the run's data: language-model runs
 ``ppl,position_ppl,effrem,beta_eff,retrieval`` (position_ppl also writes state_stats), synthetic-task runs
-``retrieval,state_stats,beta_eff``): see experiments/evaluation/suites.py. Evaluation always starts from the
+``retrieval,state_stats,beta_eff``, topic-source runs ``ppl,topic_floor,beta_eff``): see
+experiments/evaluation/suites.py. Evaluation always starts from the
 model's normal initial state (never the training intervention), carries state chunk by chunk over long
 inputs, and never touches the run's own records (metrics.jsonl, summary.json, checkpoints). Every input
 problem (no checkpoint, unknown suite, a length the data cannot serve) is reported before any long work.
@@ -33,6 +35,8 @@ _REXAMPLES = flags.DEFINE_integer('retrieval_examples', 32, 'Examples per retrie
 _LONG_EVAL = flags.DEFINE_string('long_eval_path', '', 'Long documents (default: the run\'s long_eval_path).')
 _TOKENIZER = flags.DEFINE_string('tokenizer', '', 'tokenizer.json for S-NIAH (default: the run\'s corpus).')
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed of the generated evaluation tasks.')
+_DOCUMENTS = flags.DEFINE_integer('documents', 64, 'topic_floor: evaluation documents (bootstrap units).')
+_RESAMPLES = flags.DEFINE_integer('resamples', 2000, 'topic_floor: bootstrap resamples.')
 _CONTEXT = flags.DEFINE_integer('context', 1, 'Devices one sequence is split over: the recurrent ops split T '
                                 'over them (context parallelism; lengths they do not divide run unsplit).')
 flags.mark_flags_as_required(['workdir'])
@@ -45,7 +49,8 @@ def settings_from_flags():
       raise ValueError(f'{name}: must be >= 0, got {flag.value}')
   for name, flag in (('--num_sequences', _NUM_SEQ), ('--effrem_points', _EFFREM_POINTS),
                      ('--effrem_sequences', _EFFREM_SEQ), ('--batch', _BATCH),
-                     ('--retrieval_examples', _REXAMPLES)):
+                     ('--retrieval_examples', _REXAMPLES), ('--documents', _DOCUMENTS),
+                     ('--resamples', _RESAMPLES)):
     if flag.value <= 0:
       raise ValueError(f'{name}: must be positive, got {flag.value}')
   try:
@@ -56,7 +61,8 @@ def settings_from_flags():
                   effrem_len=_EFFREM_LEN.value, effrem_points=_EFFREM_POINTS.value,
                   effrem_sequences=_EFFREM_SEQ.value, batch=_BATCH.value, retrieval_lengths=lengths,
                   retrieval_examples=_REXAMPLES.value, long_eval_path=_LONG_EVAL.value,
-                  tokenizer=_TOKENIZER.value, seed=_SEED.value)
+                  tokenizer=_TOKENIZER.value, seed=_SEED.value, documents=_DOCUMENTS.value,
+                  resamples=_RESAMPLES.value)
 
 
 def context_parallel(num_devices: int):

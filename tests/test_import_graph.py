@@ -8,7 +8,8 @@ PACKAGES = ("configs", "experiments", "kdn_jax", "pallas_kernels")
 # a package may import only packages listed after it (and itself)
 BELOW = {p: set(PACKAGES[i:]) for i, p in enumerate(PACKAGES)}
 # runners of one experiment's config file (they read its grid definition)
-ALLOWED_UP = {("experiments.studies.mqar_grid", "configs.mqar_grid")}
+ALLOWED_UP = {("experiments.studies.mqar_grid", "configs.mqar_grid"),
+              ("experiments.studies.lengen_synthetic", "configs.lengen_synthetic")}
 
 
 def _modules():

@@ -7,7 +7,7 @@ import os
 import grain
 import numpy as np
 
-from experiments.data import corpus, synthetic, token_files
+from experiments.data import corpus, synthetic, token_files, topic_source, topic_windows
 
 
 def check_data_files(config):
@@ -59,6 +59,14 @@ def _map_dataset(config, split: str) -> grain.MapDataset:
     tokens = token_files.load_tokens(path)
     offsets = token_files.load_offsets(path, tokens, d.eos_id) if d.pack_documents else None
     return grain.MapDataset.source(token_files.WindowSource(tokens, seq_len, offsets))
+  if d.kind == 'topic':
+    seq_len = d.seq_len if split == 'train' or not d.eval_seq_len else d.eval_seq_len
+    src = topic_source.TopicSource(topic_source.params_from_config(d.topic))
+    if split == 'train':
+      return grain.MapDataset.source(topic_windows.TopicWindows(src, topic_source.TRAIN, seq_len,
+                                                                d.topic.num_train_docs))
+    return grain.MapDataset.source(topic_windows.TopicWindows(src, topic_source.VALID, seq_len,
+                                                              d.num_eval_examples, spread=True))
   n = d.num_train_examples if split == 'train' else d.num_eval_examples
   return grain.MapDataset.range(n).map(_example_fn(config, split))
 
@@ -68,10 +76,16 @@ def make_train_iterator(config, process_index: int = 0, process_count: int = 1):
   d = config.data
   local_batch = d.global_batch_size // process_count
   if config.train.initial_state == 'tbtt':
-    if d.kind != 'token_file':
-      raise ValueError('config.train.initial_state="tbtt" needs data.kind="token_file" (long documents)')
-    src = token_files.TBTTSource(token_files.load_tokens(d.train_path), d.eos_id, d.seq_len,
-                                 d.global_batch_size, d.shuffle_seed, process_index, process_count)
+    if d.kind == 'topic':
+      src = topic_windows.TopicTBTTSource(
+          topic_source.TopicSource(topic_source.params_from_config(d.topic)), d.seq_len,
+          d.global_batch_size, d.topic.num_train_docs, process_index, process_count)
+    elif d.kind == 'token_file':
+      src = token_files.TBTTSource(token_files.load_tokens(d.train_path), d.eos_id, d.seq_len,
+                                   d.global_batch_size, d.shuffle_seed, process_index, process_count)
+    else:
+      raise ValueError('config.train.initial_state="tbtt" needs long documents: data.kind="token_file" '
+                       'or "topic"')
     epochs = -(-config.train.num_steps // len(src)) + 1
     ds = grain.MapDataset.source(src).repeat(epochs)  # order matters: no shuffle
   else:

@@ -50,6 +50,11 @@ def _evaluate(run, suites, settings, workdir, out_dir):
       done(name, res, t0)
       if 'state_stats' not in results:
         done('state_stats', stats, t0)
+    elif name == 'topic_floor':
+      res, stats = S.topic_floor(ctx)
+      done(name, res, t0)
+      if 'state_stats' not in results:
+        done('state_stats', stats, t0)
     elif name == 'state_stats':
       if 'state_stats' not in results:
         done(name, S.state_stats(ctx), t0)
@@ -75,6 +80,11 @@ def _headline(results) -> list[str]:
     r = results['position_ppl']
     lines.append(f'position-wise: PPL {r["perplexity"]:.3f} over {r["max_len"]} tokens; p* {r["p_star"]} at '
                  f't* {r["t_star"]}; within p* up to t = {r["generalises_to"]}')
+  if 'topic_floor' in results:
+    r = results['topic_floor']
+    lines.append(f'excess NLL over the floor: [{r["early_window"][0]}, {r["early_window"][1]}) '
+                 f'{_fmt_iv(r["early"])}, [{r["late_window"][0]}, {r["late_window"][1]}) {_fmt_iv(r["late"])}, '
+                 f'ratio {_fmt_iv(r["ratio"])}: {r["verdict"]} (intervals: {r["verdict_ci"]})')
   if 'effrem' in results:
     r = results['effrem']
     lines.append(f'EffRem_T (T={r["T"]}): t=0 {r["mean"][0]:.3f}, middle {r["mean"][len(r["mean"]) // 2]:.3f}, '
@@ -89,3 +99,7 @@ def _headline(results) -> list[str]:
     lines.append(f'{task} {metric.replace("_", " ")} by length: ' + ', '.join(f'{n}: {np.mean(v):.2f}' for n, v in
                                                                  sorted(by_len.items())))
   return lines
+
+
+def _fmt_iv(iv: dict) -> str:
+  return f'{iv["estimate"]:.4f} [{iv["lo"]:.4f}, {iv["hi"]:.4f}]'

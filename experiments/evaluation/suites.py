@@ -9,6 +9,9 @@ and returns a JSON-ready dict that records its own settings beside its numbers.
   beta_eff      KDN write-strength distribution per layer (KDN layers only)
   retrieval     the run's retrieval task grids (MQAR / copy / passkey runs: their task over longer
                 lengths; corpus LMs: S-NIAH-1/2/3)
+  topic_floor   topic-source runs: excess NLL over the exact Bayes floor by position up to ``max_len``
+                (chunked, state carried), bootstrap intervals over documents and the length verdict
+                (experiments/evaluation/topic_floor.py); also the state statistics of the same pass
 """
 from __future__ import annotations
 
@@ -17,20 +20,22 @@ import os
 
 import numpy as np
 
-from experiments.data import corpus, pipeline, retrieval, token_files
+from experiments.data import corpus, pipeline, retrieval, token_files, topic_source
 from experiments.data.tokenizer import BPETokenizer
-from experiments.evaluation import long_context, probes
+from experiments.evaluation import bootstrap, long_context, probes, topic_floor as floor_lib
 from experiments.evaluation.run_loader import EvalRun
 
-SUITES = ('ppl', 'position_ppl', 'effrem', 'state_stats', 'beta_eff', 'retrieval')
+SUITES = ('ppl', 'position_ppl', 'effrem', 'state_stats', 'beta_eff', 'retrieval', 'topic_floor')
 LM_DEFAULT = ('ppl', 'position_ppl', 'effrem', 'beta_eff', 'retrieval')
 SYNTHETIC_DEFAULT = ('retrieval', 'state_stats', 'beta_eff')
+TOPIC_DEFAULT = ('ppl', 'topic_floor', 'beta_eff')
 SYNTHETIC_TASK = {'mqar': 'mqar', 'copying': 'copy', 'passkey': 'passkey'}
 
 
 @dataclasses.dataclass
 class Settings:
-  max_len: int = 0               # position_ppl / state_stats length; 0: max(32768, 8 x training length)
+  max_len: int = 0               # position_ppl / state_stats / topic_floor length; 0: max(32768, 8 x
+                                 # training length), topic runs max(8192, 128 x training length)
   chunk: int = 0                 # tokens per carried chunk; 0: the training length
   num_sequences: int = 16        # long sequences for position_ppl / state_stats
   effrem_len: int = 0            # 0: 4 x training length
@@ -43,6 +48,8 @@ class Settings:
   long_eval_path: str = ''       # overrides the run's data.long_eval_path
   tokenizer: str = ''            # overrides the run's corpus tokenizer
   seed: int = 0
+  documents: int = floor_lib.DEFAULT_DOCS   # topic_floor: evaluation documents (the bootstrap's units)
+  resamples: int = bootstrap.RESAMPLES      # topic_floor: bootstrap resamples
 
 
 @dataclasses.dataclass
@@ -64,8 +71,17 @@ class Context:
     return self.data.kind == 'token_file'
 
   @property
+  def is_topic(self) -> bool:
+    return self.data.kind == 'topic'
+
+  @property
   def max_len(self) -> int:
+    if self.is_topic:
+      return self.settings.max_len or max(floor_lib.LATE[1], 128 * self.train_len)
     return self.settings.max_len or max(32768, 8 * self.train_len)
+
+  def topic_source(self) -> topic_source.TopicSource:
+    return topic_source.TopicSource(topic_source.params_from_config(self.data.topic))
 
   @property
   def chunk(self) -> int:
@@ -99,6 +115,11 @@ class Context:
     if self.is_lm:
       tokens, off = self.long_eval()
       return long_context.document_windows(tokens, off, length, self.bos(), max_windows=n)[0]
+    if self.is_topic:   # [BOS, x_0 .. x_{length-1}] of evaluation documents
+      src = self.topic_source()
+      docs = floor_lib.evaluation_documents(src, n, length, self.settings.seed)
+      inputs, targets = floor_lib.model_view(src, docs)
+      return np.concatenate([inputs, targets[:, -1:]], axis=1)
     fn = retrieval.example_fn(*self._task_cell(length), seed=self.settings.seed + 7, **self.task_kw())
     exs = [fn(i) for i in range(n)]
     return np.stack([np.concatenate([e['inputs'], e['targets'][-1:]]) for e in exs])
@@ -120,6 +141,8 @@ class Context:
 
 def default_suites(ctx: 'Context') -> tuple[str, ...]:
   """By the run's data; S-NIAH retrieval only where a tokenizer is at hand."""
+  if ctx.is_topic:
+    return TOPIC_DEFAULT
   if not ctx.is_lm:
     return SYNTHETIC_DEFAULT
   tok = ctx.settings.tokenizer or corpus.tokenizer_path(ctx.run.config)
@@ -142,9 +165,24 @@ def check(ctx: Context, suites) -> None:
     if longest < need:
       raise ValueError(f'--max_len: the longest long-eval document has {longest} tokens, fewer than the '
                        f'{need} this evaluation needs; lower --max_len / --effrem_len or use longer documents')
-  if not ctx.is_lm and {'ppl', 'position_ppl', 'effrem'} & set(suites):
+  if not (ctx.is_lm or ctx.is_topic) and {'ppl', 'position_ppl', 'effrem'} & set(suites):
     raise ValueError(f'--suite: ppl, position_ppl and effrem need a language-model run (data.kind='
-                     f'"token_file"); this run trained on {ctx.data.kind!r}')
+                     f'"token_file" or "topic"); this run trained on {ctx.data.kind!r}')
+  if 'topic_floor' in suites:
+    if not ctx.is_topic:
+      raise ValueError(f'--suite: topic_floor needs a run trained on the topic source (data.kind="topic"); '
+                       f'this run trained on {ctx.data.kind!r}')
+    if ctx.max_len < floor_lib.LATE[1]:
+      raise ValueError(f'--max_len: topic_floor reads positions up to {floor_lib.LATE[1]}; got {ctx.max_len}')
+    if s.documents < 2:
+      raise ValueError(f'--documents: topic_floor needs >= 2 documents for its intervals, got {s.documents}')
+  if ctx.is_topic and {'position_ppl', 'state_stats', 'effrem', 'topic_floor'} & set(suites):
+    need = max(ctx.max_len, s.effrem_len or 4 * ctx.train_len)
+    if need > int(ctx.data.topic.doc_len):
+      raise ValueError(f'--max_len: {need} positions exceed the topic documents (data.topic.doc_len='
+                       f'{ctx.data.topic.doc_len})')
+  if ctx.is_topic and 'retrieval' in suites:
+    raise ValueError('--suite: retrieval has no task for topic-source runs; use topic_floor')
   if 'retrieval' in suites:
     retrieval_cells(ctx, dry_run=True)
 
@@ -209,7 +247,7 @@ def position_ppl(ctx: Context) -> tuple[dict, dict, np.ndarray]:
 
 
 def state_stats(ctx: Context) -> dict:
-  L = ctx.max_len if ctx.is_lm else 8 * ctx.train_len
+  L = ctx.max_len if ctx.is_lm or ctx.is_topic else 8 * ctx.train_len
   _, series, n = _long_pass(ctx, L, False)
   return _state_result(ctx, series, n, L)
 
@@ -226,7 +264,8 @@ def effrem(ctx: Context) -> dict:
 
 
 def beta_eff(ctx: Context) -> dict:
-  batches = (pipeline.make_eval_batches(ctx.run.config)[:ctx.settings.probe_batches] if ctx.is_lm else
+  batches = (pipeline.make_eval_batches(ctx.run.config)[:ctx.settings.probe_batches]
+             if ctx.is_lm or ctx.is_topic else
              [{'inputs': w[:, :-1]} for w in [ctx.long_sequences(ctx.train_len, ctx.settings.batch)]])
   acc: dict[int, list] = {}
   for b in batches:
@@ -237,6 +276,25 @@ def beta_eff(ctx: Context) -> dict:
   res = probes.beta_summary({i: np.concatenate(v) for i, v in acc.items()})
   res.update(seq_len=ctx.train_len, sequences=int(sum(len(b['inputs']) for b in batches)))
   return res
+
+
+def topic_floor(ctx: Context) -> tuple[dict, dict]:
+  """Returns (topic_floor result, state_stats result of the same pass)."""
+  s, length = ctx.settings, ctx.max_len
+  src = ctx.topic_source()
+  docs = floor_lib.evaluation_documents(src, s.documents, length, s.seed)
+  inputs, targets = floor_lib.model_view(src, docs)
+  series = []
+
+  def on_chunk(t_end, cache):
+    series.append({'t': int(t_end), 'layers': probes.state_stats(cache)})
+
+  on_chunk(0, ctx.run.model.init_cache(len(docs), length))  # the normal initial state
+  nll, _ = ctx.scorer.score(inputs, targets, ctx.chunk, on_chunk=on_chunk,
+                            progress=f'topic_floor ({len(docs)} x {length})')
+  res = floor_lib.analyse(nll, src.bayes_nll(docs), ctx.train_len, seed=s.seed, resamples=s.resamples)
+  res.update(chunk=ctx.chunk, seed=s.seed, source=ctx.data.topic.to_dict())
+  return res, _state_result(ctx, series, len(docs), length)
 
 
 def retrieval_cells(ctx: Context, dry_run: bool = False) -> dict:

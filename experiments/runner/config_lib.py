@@ -18,7 +18,7 @@ from experiments.runner import kernel_config
 
 MIXERS = ('kdn_diag', 'kdn_iso', 'kda', 'gated_deltanet', 'deltanet', 'gdn2', 'gla', 'mamba2', 'attention', 'swa')
 INITIAL_STATES = ('zero', 'random_noise', 'fitted_noise', 'state_passing', 'tbtt')
-DATA_KINDS = ('mqar', 'copying', 'passkey', 'token_file')
+DATA_KINDS = ('mqar', 'copying', 'passkey', 'token_file', 'topic')
 DTYPES = ('float32', 'bfloat16', 'float16')
 NAN_POLICIES = ('halt', 'skip')
 
@@ -79,6 +79,12 @@ def base_config() -> ml_collections.ConfigDict:
   # [min_copy_len, copy_len] (0: always copy_len); eval_copy_len > 0 fixes the validation length.
   d.copying = ml_collections.ConfigDict(dict(vocab_size=32, copy_len=16, eval_copy_len=0, min_copy_len=0))
   d.passkey = ml_collections.ConfigDict(dict(vocab_size=64, digits=5))
+  # topic: the slow-switching topic source (experiments/data/topic_source.py), generated on the fly.
+  # The model needs vocab_size + 1 ids (BOS = vocab_size). Training windows come from num_train_docs
+  # documents of doc_len tokens; validation from num_eval_examples other documents.
+  d.topic = ml_collections.ConfigDict(dict(vocab_size=512, num_topics=16, zipf_exponent=1.1,
+                                           switch_prob=1.0 / 2048, doc_len=65536, seed=0,
+                                           num_train_docs=16384))
 
   c.train = t = ml_collections.ConfigDict()
   t.num_steps = 1000
@@ -260,6 +266,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None,
       _fail('data.copying.vocab_size', 'exceeds model.vocab_size')
   if d.kind == 'passkey' and d.passkey.vocab_size > m.vocab_size:
     _fail('data.passkey.vocab_size', 'exceeds model.vocab_size')
+  if d.kind == 'topic':
+    _check_topic(config)
 
   t = config.train
   _one_of(config, 'train.initial_state', INITIAL_STATES)
@@ -321,6 +329,27 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None,
         _fail(f'data.{key}', f'{d[key]} is not divisible by mesh.context = {context} (each device '
               'holds an equal slice of T)')
   return config
+
+
+def _check_topic(config):
+  from experiments.data import topic_source  # pylint: disable=g-import-not-at-top
+  d, tp = config.data, config.data.topic
+  try:
+    params = topic_source.params_from_config(tp)
+    params.check('config.data.topic')
+  except (TypeError, ValueError) as e:
+    raise ConfigError(str(e)) from None
+  if params.model_vocab > config.model.vocab_size:
+    _fail('model.vocab_size', f'{config.model.vocab_size} does not cover the topic vocabulary and BOS '
+          f'(data.topic.vocab_size + 1 = {params.model_vocab})')
+  longest = max(d.seq_len, d.eval_seq_len)
+  if longest > params.doc_len:
+    _fail('data.topic.doc_len', f'{params.doc_len} is shorter than a window ({longest} tokens)')
+  if tp.num_train_docs <= 0:
+    _fail('data.topic.num_train_docs', f'must be positive, got {tp.num_train_docs}')
+  if config.train.initial_state == 'tbtt' and tp.num_train_docs < d.global_batch_size:
+    _fail('data.topic.num_train_docs', f'tbtt reads one document per batch row: needs >= '
+          f'global_batch_size={d.global_batch_size}, got {tp.num_train_docs}')
 
 
 def sweep_member_dir(workdir: str, lr: float) -> str:
