@@ -7,7 +7,8 @@ import pytest
 
 from configs import lengen_synthetic
 from experiments import config_lib
-from experiments.data import pipeline, topic_source as ts
+from experiments.data import pipeline
+from experiments.data import topic_source as ts
 from experiments.evaluation import topic_floor
 
 

@@ -118,8 +118,7 @@ def test_sampling_statistics_match_the_parameters():
 
 
 def test_bad_parameters_name_the_argument():
-  for kw, word in ((dict(num_topics=1), 'num_topics'), (dict(switch_prob=1.5), 'switch_prob'),
-                   (dict(doc_len=0), 'doc_len'), (dict(vocab_size=1), 'vocab_size'),
-                   (dict(zipf_exponent=-1.0), 'zipf_exponent')):
-    with pytest.raises(ValueError, match=word):
-      ts.TopicSource(ts.TopicParams(**kw))
+  for word, value in (('num_topics', 1), ('switch_prob', 1.5), ('doc_len', 0), ('vocab_size', 1),
+                      ('zipf_exponent', -1.0)):
+    with pytest.raises(ValueError, match=f'topic source.{word}: must'):
+      ts.TopicSource(ts.TopicParams(**{word: value}))

@@ -88,6 +88,13 @@ def make_train_iterator(config, process_index: int = 0, process_count: int = 1):
                        'or "topic"')
     epochs = -(-config.train.num_steps // len(src)) + 1
     ds = grain.MapDataset.source(src).repeat(epochs)  # order matters: no shuffle
+  elif d.kind == 'topic':  # shuffled window indices, each batch generated in one vectorised pass
+    src = topic_source.TopicSource(topic_source.params_from_config(d.topic))
+    n = d.topic.num_train_docs * src.windows_per_doc(d.seq_len)
+    epochs = -(-config.train.num_steps * d.global_batch_size // n) + 1
+    ds = grain.MapDataset.range(n).shuffle(seed=d.shuffle_seed).repeat(epochs)
+    ds = ds[process_index::process_count].batch(local_batch, drop_remainder=True)
+    ds = ds.map(topic_windows.WindowBatch(src, topic_source.TRAIN, d.seq_len))
   else:
     ds = _map_dataset(config, 'train')
     epochs = -(-config.train.num_steps * d.global_batch_size // len(ds)) + 1

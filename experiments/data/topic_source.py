@@ -10,11 +10,12 @@ The optimal predictor needs the posterior over the current topic given the whole
 memory), and its loss is the floor every model's NLL is compared with: :func:`bayes_nll`, the HMM
 forward algorithm in float64, normalised at every step.
 
-Everything is deterministic from ``seed``: the world (topic permutations) from ``seed`` alone, document
-``d`` of split ``s`` from ``(seed, s, d)``. A document is laid out lazily so that any window of it costs
-O(window + switches): its topic path (switch positions from geometric gaps, new topics) is one small draw,
-and its tokens come in blocks of :data:`BLOCK` positions, block ``b`` drawn from ``(seed, s, d, b)``; a
-document's content therefore does not depend on how it is cut into windows.
+Everything is deterministic from ``seed``: the world (topic permutations) from ``seed`` alone, and every
+random draw of document ``d`` of split ``s`` is a counter-based hash of ``(seed, stream, s, d, index)``
+(:func:`uniform`), so any window of any document is computed directly, in O(window + switches), and a
+batch of windows from many documents in one vectorised pass. A document's topic path is its switch
+positions (geometric gaps by inverse CDF) and new topics; its token at position t uses the uniform of
+index t. A document's content therefore does not depend on how it is cut into windows.
 
 Model view: the token id ``vocab_size`` is BOS; a document is read as ``[BOS, x_0, ..., x_{L-1}]``, so the
 target at position ``t`` (0-based) is ``x_t`` predicted from ``x_{<t}``, and its floor is
@@ -23,13 +24,11 @@ target at position ``t`` (0-based) is ``x_t`` predicted from ``x_{<t}``, and its
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import numpy as np
 
-BLOCK = 256            # tokens drawn per RNG stream (a document's content is independent of windowing)
 TRAIN, VALID, EVAL = 0, 1, 2   # document splits: training windows, validation windows, floor evaluation
-_WORLD, _PATH, _TOKENS = 0, 1, 2   # RNG stream tags
+_WORLD, _GAPS, _FIRST, _MOVES, _TOKENS = 0, 1, 2, 3, 4   # random stream tags
 _FILTER_BLOCK = 2048
 
 
@@ -76,6 +75,33 @@ def zipf_weights(vocab_size: int, exponent: float) -> np.ndarray:
   return w / w.sum()
 
 
+_M1, _M2, _GOLDEN = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+  """SplitMix64's finaliser: a bijective avalanche of uint64 (wrapping arithmetic)."""
+  z = x + _GOLDEN
+  z = (z ^ (z >> np.uint64(30))) * _M1
+  z = (z ^ (z >> np.uint64(27))) * _M2
+  return z ^ (z >> np.uint64(31))
+
+
+def _key(*parts) -> np.ndarray:
+  """A uint64 key (array-valued where a part is an array) from integer parts, chained through _mix."""
+  h = np.uint64(0)
+  with np.errstate(over='ignore'):
+    for p in parts:
+      h = _mix(np.asarray(h, np.uint64) ^ np.asarray(p).astype(np.uint64))
+  return h
+
+
+def uniform(key: np.ndarray, index: np.ndarray) -> np.ndarray:
+  """Uniforms in [0, 1) (float64, 53 random bits) of ``(key, index)``, broadcast."""
+  with np.errstate(over='ignore'):
+    h = _mix(np.asarray(key, np.uint64) ^ _mix(np.asarray(index).astype(np.uint64)))
+  return (h >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+
+
 class TopicSource:
   """The world (topic permutations, emission table) and lazily generated documents."""
 
@@ -90,47 +116,104 @@ class TopicSource:
     emit = np.zeros((p.num_topics, p.vocab_size), np.float64)
     np.put_along_axis(emit, self.perms, np.broadcast_to(self.rank_probs, emit.shape), axis=1)
     self.emissions = emit   # [Z, V]: p(token | topic)
-    self._path = functools.lru_cache(maxsize=4096)(self._topic_path)
 
   # ---------------------------------------------------------------------------------- documents
-  def _topic_path(self, split: int, doc: int) -> tuple[np.ndarray, np.ndarray]:
-    """(starts [K], topics [K]): segment k has topic ``topics[k]`` from position ``starts[k]`` (starts[0]=0)."""
-    p = self.params
-    rng = np.random.default_rng([p.seed, _PATH, split, doc])
-    first = int(rng.integers(p.num_topics))
-    starts = np.zeros((1,), np.int64)
-    if p.switch_prob > 0:   # gaps ~ Geometric(p) on {1, 2, ...}: a topic lasts g tokens w.p. (1-p)^(g-1) p
-      draw = int(p.doc_len * p.switch_prob * 1.5) + 16
-      while starts[-1] < p.doc_len:
-        starts = np.concatenate([starts, starts[-1] + np.cumsum(rng.geometric(p.switch_prob, size=draw))])
-      starts = starts[starts < p.doc_len]
-    moves = rng.integers(1, p.num_topics, size=len(starts) - 1)   # an offset in 1..Z-1: another topic
-    topics = np.concatenate([[first], (first + np.cumsum(moves)) % p.num_topics]).astype(np.int64)
-    return np.asarray(starts, np.int64), topics
+  def _doc_keys(self, split, docs, stream):
+    return _key(self.params.seed, stream, split, np.asarray(docs, np.int64))
+
+  def topic_paths(self, split: int, docs) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, topics) [len(docs), K]: segment k of a document has topic ``topics[:, k]`` from position
+    ``starts[:, k]`` (``starts[:, 0] = 0``; columns past the document's end start at or after doc_len)."""
+    p, docs = self.params, np.atleast_1d(np.asarray(docs, np.int64))
+    n = len(docs)
+    first = np.floor(uniform(self._doc_keys(split, docs, _FIRST), 0) * p.num_topics).astype(np.int64)
+    if p.switch_prob == 0:
+      return np.zeros((n, 1), np.int64), first[:, None]
+    gkey = self._doc_keys(split, docs, _GAPS)[:, None]
+    per = int(p.doc_len * p.switch_prob * 1.5) + 16
+    log_stay = np.log1p(-p.switch_prob) if p.switch_prob < 1 else -np.inf
+    starts = np.zeros((n, 1), np.int64)
+    while starts[:, -1].min() < p.doc_len:   # gap ~ Geometric(p) on {1, 2, ...} by inverse CDF
+      j = np.arange(starts.shape[1] - 1, starts.shape[1] - 1 + per)
+      u = 1.0 - uniform(gkey, j[None, :])      # in (0, 1]
+      with np.errstate(divide='ignore', invalid='ignore'):
+        gaps = np.floor(np.log(u) / log_stay) + 1 if np.isfinite(log_stay) else np.ones_like(u)
+      gaps = np.minimum(np.nan_to_num(gaps, nan=1.0), p.doc_len).astype(np.int64)
+      starts = np.concatenate([starts, starts[:, -1:] + np.cumsum(gaps, axis=1)], axis=1)
+    k = starts.shape[1]
+    moves = 1 + np.floor(uniform(self._doc_keys(split, docs, _MOVES)[:, None], np.arange(k - 1)[None, :])
+                         * (p.num_topics - 1)).astype(np.int64)   # an offset in 1..Z-1: another topic
+    topics = (first[:, None] + np.concatenate([np.zeros((n, 1), np.int64), np.cumsum(moves, axis=1)],
+                                              axis=1)) % p.num_topics
+    return starts, topics
 
   def topic_path(self, split: int, doc: int) -> tuple[np.ndarray, np.ndarray]:
-    return self._path(int(split), int(doc))
+    """(starts, topics) of one document's segments inside it."""
+    starts, topics = self.topic_paths(split, [doc])
+    keep = starts[0] < self.params.doc_len
+    return starts[0][keep], topics[0][keep]
+
+  def _check_range(self, start, stop):
+    p = self.params
+    if np.any(start < 0) or np.any(stop > p.doc_len) or np.any(start > stop):
+      raise ValueError(f'topic source: token range [{start}, {stop}) outside the document [0, {p.doc_len})')
+
+  def _topics_at(self, split: int, docs: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """[B, L]: the topic of document ``docs[b]`` at positions ``pos[b]`` (inside the document)."""
+    seg_starts, seg_topics = self.topic_paths(split, docs)
+    n = seg_starts.shape[0]
+    # one searchsorted over all rows: row b's segment starts shifted by b * OFF (rows never interleave)
+    off = np.arange(n, dtype=np.int64)[:, None] * np.int64(2 ** 40)
+    col = np.searchsorted((seg_starts + off).ravel(), (pos + off).ravel(), side='right') - 1
+    return seg_topics.ravel()[col].reshape(pos.shape)
+
+  def _tokens_at(self, split: int, docs: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """[B, L] int32: the tokens of document ``docs[b]`` at positions ``pos[b]`` (inside the document)."""
+    u = uniform(self._doc_keys(split, docs, _TOKENS)[:, None], pos)
+    ranks = np.minimum(np.searchsorted(self._cdf, u, side='right'), self.params.vocab_size - 1)
+    return self.perms[self._topics_at(split, docs, pos), ranks].astype(np.int32)
+
+  def _positions(self, starts, length):
+    starts = np.atleast_1d(starts).astype(np.int64)
+    self._check_range(starts, starts + length)
+    return starts[:, None] + np.arange(length)[None, :]
+
+  def batch_topics(self, split: int, docs, starts, length: int) -> np.ndarray:
+    """[B, length]: the topic at positions ``starts[b] .. starts[b] + length - 1`` of document ``docs[b]``."""
+    return self._topics_at(split, np.atleast_1d(docs).astype(np.int64), self._positions(starts, length))
+
+  def batch_tokens(self, split: int, docs, starts, length: int) -> np.ndarray:
+    """[B, length] int32: tokens ``x[starts[b] : starts[b] + length]`` of document ``docs[b]``."""
+    return self._tokens_at(split, np.atleast_1d(docs).astype(np.int64), self._positions(starts, length))
 
   def topics(self, split: int, doc: int, start: int = 0, stop: int | None = None) -> np.ndarray:
     """The topic at each position ``start .. stop - 1`` of a document."""
     stop = self.params.doc_len if stop is None else stop
-    starts, topics = self.topic_path(split, doc)
-    pos = np.arange(start, stop)
-    return topics[np.searchsorted(starts, pos, side='right') - 1]
+    self._check_range(start, stop)
+    return self.batch_topics(split, [doc], [start], stop - start)[0]
 
   def tokens(self, split: int, doc: int, start: int = 0, stop: int | None = None) -> np.ndarray:
     """Tokens ``x[start:stop]`` of a document (int32)."""
-    p = self.params
-    stop = p.doc_len if stop is None else stop
-    if not 0 <= start <= stop <= p.doc_len:
-      raise ValueError(f'topic source: token range [{start}, {stop}) outside the document [0, {p.doc_len})')
-    if start == stop:
-      return np.zeros((0,), np.int32)
-    b0, b1 = start // BLOCK, (stop - 1) // BLOCK + 1
-    u = np.concatenate([np.random.default_rng([p.seed, _TOKENS, split, doc, b]).random(BLOCK)
-                        for b in range(b0, b1)])[start - b0 * BLOCK: stop - b0 * BLOCK]
-    ranks = np.minimum(np.searchsorted(self._cdf, u, side='right'), p.vocab_size - 1)
-    return self.perms[self.topics(split, doc, start, stop), ranks].astype(np.int32)
+    stop = self.params.doc_len if stop is None else stop
+    self._check_range(start, stop)
+    return self.batch_tokens(split, [doc], [start], stop - start)[0]
+
+  def windows(self, split: int, docs, ks, seq_len: int) -> dict:
+    """Training windows [B, seq_len]: row b is window ``ks[b]`` of document ``docs[b]`` in the model view
+    ``[BOS, x_0, ..., x_{L-1}]`` (its targets are positions ``k * seq_len .. (k + 1) * seq_len - 1``)."""
+    docs, ks = np.atleast_1d(docs).astype(np.int64), np.atleast_1d(ks).astype(np.int64)
+    if np.any(ks < 0) or np.any((ks + 1) * seq_len > self.params.doc_len):
+      raise ValueError(f'topic source: window index outside [0, {self.windows_per_doc(seq_len)}) for '
+                       f'seq_len={seq_len}')
+    # view entry e holds x_{e-1} (entry 0 is BOS): window k is entries k*T .. k*T + T
+    pos = ks[:, None] * seq_len - 1 + np.arange(seq_len + 1)[None, :]
+    w = self._tokens_at(split, docs, np.maximum(pos, 0))
+    w[pos < 0] = self.params.bos_id
+    return {'inputs': w[:, :-1], 'targets': w[:, 1:], 'mask': np.ones(w[:, 1:].shape, np.float32)}
+
+  def window(self, split: int, doc: int, k: int, seq_len: int) -> dict:
+    """The k-th training window of a document (one row of :meth:`windows`)."""
+    return {key: v[0] for key, v in self.windows(split, [doc], [k], seq_len).items()}
 
   def sequence(self, split: int, doc: int, start: int, length: int) -> np.ndarray:
     """Entries ``start .. start + length - 1`` of the model view ``[BOS, x_0, ..., x_{L-1}]`` (int32)."""
@@ -141,12 +224,6 @@ class TopicSource:
     if start == 0:
       return np.concatenate([[p.bos_id], self.tokens(split, doc, 0, length - 1)]).astype(np.int32)
     return self.tokens(split, doc, start - 1, start - 1 + length)
-
-  def window(self, split: int, doc: int, k: int, seq_len: int) -> dict:
-    """The k-th training window of a document: inputs/targets of ``seq_len`` positions (targets are
-    positions ``k * seq_len .. (k + 1) * seq_len - 1`` of the document)."""
-    w = self.sequence(split, doc, k * seq_len, seq_len + 1)
-    return {'inputs': w[:-1], 'targets': w[1:], 'mask': np.ones(seq_len, np.float32)}
 
   def windows_per_doc(self, seq_len: int) -> int:
     return self.params.doc_len // seq_len

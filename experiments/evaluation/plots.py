@@ -51,7 +51,7 @@ def topic_floor(res: dict, path: str, label: str = '') -> str:
   x = np.asarray(res['bucket_center'])
   ex = res['excess']
   est, lo, hi = (np.asarray(ex[k]) for k in ('estimate', 'lo', 'hi'))
-  level = int(round(100 * ex['level']))
+  level = round(100 * ex['level'])
   ax.plot(x, est, '-', lw=1.5, label=label or 'excess NLL (model - floor)')
   ax.fill_between(x, lo, hi, alpha=0.25, label=f'{level}% bootstrap band ({res["documents"]} documents)')
   for (a, b), name in ((res['early_window'], 'early'), (res['late_window'], 'late')):

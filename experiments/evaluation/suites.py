@@ -22,7 +22,8 @@ import numpy as np
 
 from experiments.data import corpus, pipeline, retrieval, token_files, topic_source
 from experiments.data.tokenizer import BPETokenizer
-from experiments.evaluation import bootstrap, long_context, probes, topic_floor as floor_lib
+from experiments.evaluation import bootstrap, long_context, probes
+from experiments.evaluation import topic_floor as floor_lib
 from experiments.evaluation.run_loader import EvalRun
 
 SUITES = ('ppl', 'position_ppl', 'effrem', 'state_stats', 'beta_eff', 'retrieval', 'topic_floor')

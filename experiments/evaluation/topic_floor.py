@@ -14,6 +14,8 @@ late / early is reported with its interval too.
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from experiments.data import topic_source as ts
@@ -53,7 +55,7 @@ def buckets(train_len: int, length: int) -> list[tuple[int, int]]:
   edges |= set(np.unique(np.geomspace(8, length, int(8 * np.log2(max(length / 8, 2))) + 1).round().astype(int)))
   edges |= {train_len // 2, train_len, LATE[0], LATE[1], length}
   edges = sorted(e for e in edges if 0 <= e <= length)
-  return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
+  return [(int(a), int(b)) for a, b in itertools.pairwise(edges)]
 
 
 def analyse(model_nll: np.ndarray, floor_nll: np.ndarray, train_len: int, *, seed: int = 0,
@@ -64,7 +66,7 @@ def analyse(model_nll: np.ndarray, floor_nll: np.ndarray, train_len: int, *, see
   if length < LATE[1]:
     raise ValueError(f'--max_len: the verdict reads positions [{LATE[0]}, {LATE[1]}); got {length}')
   excess = model_nll - floor_nll
-  kw = dict(seed=seed, resamples=resamples, level=level)
+  kw = {'seed': seed, 'resamples': resamples, 'level': level}
   bks = buckets(train_len, length)
   per_doc = window_means(excess, bks)
   curve = bootstrap.mean(per_doc, **kw)

@@ -24,6 +24,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -33,15 +34,14 @@ from absl import app, flags, logging
 from absl import flags as absl_flags
 
 from configs import lengen_synthetic as study_config
-from experiments import cli
-from experiments import config_lib
+from experiments import cli, config_lib
 from experiments.logging_utils import fmt_time, write_json
 
 PRESETS = ('tiny', 'default')
 POST_PRESET = {'tiny': 'tiny_post', 'default': 'post'}
 STRATEGIES = ('zero', 'state_passing', 'tbtt', 'fitted_noise', 'random_noise')
 DEFAULT_MIXERS = {'tiny': ('gla',), 'default': ('mamba2', 'gla', 'kda', 'kdn_diag')}
-EVAL = {'tiny': dict(documents=16, chunk=2048), 'default': dict(documents=64, chunk=512)}
+EVAL = {'tiny': {'documents': 16, 'chunk': 2048}, 'default': {'documents': 64, 'chunk': 512}}
 MAX_LEN = 8192
 EVAL_COST = 1 / 3     # an evaluated token costs about a third of a trained one (forward only), for the ETA
 
@@ -70,10 +70,12 @@ flags.DEFINE_integer('max_len', MAX_LEN, 'evaluated positions per document', fla
 flags.DEFINE_integer('resamples', 2000, 'bootstrap resamples', flag_values=FLAGS)
 flags.DEFINE_bool('all_checkpoints', None, 'evaluate every kept pretraining checkpoint (default: on for the '
                   'default preset, off for tiny)', flag_values=FLAGS)
-flags.DEFINE_bool('fast_compile', None, "XLA:CPU's cheapest compile (the test suite's settings: lowest "
-                  'backend optimisation, loop emitters; same results up to fp32 summation order). Default: on '
-                  'for tiny, where compiling dominates; set before jax starts', flag_values=FLAGS)
+flags.DEFINE_bool('fast_compile', None, "post-training runs compile at XLA's lowest backend optimisation "
+                  '(the test suite\'s setting; same results up to fp32 summation order): their few dozen '
+                  'steps cost less than the compile. Default: on for tiny', flag_values=FLAGS)
 flags.DEFINE_string('machine', '', 'where the study ran, recorded in commands.json', flag_values=FLAGS)
+flags.DEFINE_bool('plots', False, "copy each evaluation's PNG (excess NLL by position with its band) beside "
+                  'its JSON', flag_values=FLAGS)
 flags.DEFINE_list('override', [], 'run-config overrides applied to every run, key=value (e.g. '
                   'model.num_layers=1,data.topic.switch_prob=0.001)', flag_values=FLAGS)
 flags.DEFINE_bool('child', False, 'internal: one mixer of a --parallel study', flag_values=FLAGS)
@@ -85,7 +87,7 @@ class Plan:
 
   def __init__(self, preset, mixers=(), strategies=STRATEGIES, workdir='', results='', pretrain_steps=0,
                post_steps=0, documents=0, chunk=0, max_len=MAX_LEN, resamples=2000, all_checkpoints=None,
-               deadline_s=0, overrides=()):
+               deadline_s=0, overrides=(), fast_compile=None, plots=False):
     if preset not in PRESETS:
       raise ValueError(f'--preset: expected one of {list(PRESETS)}, got {preset!r}')
     self.preset = preset
@@ -117,6 +119,8 @@ class Plan:
     self.max_len, self.resamples = max_len, resamples
     self.all_checkpoints = preset == 'default' if all_checkpoints is None else all_checkpoints
     self.deadline = time.time() + deadline_s if deadline_s else None
+    self.fast_compile = preset == 'tiny' if fast_compile is None else fast_compile
+    self.plots = plots
     self.overrides = parse_overrides(overrides)
     for key, value in self.overrides.items():   # fails here, naming the key, rather than mid-study
       _set(base, key, value)
@@ -232,7 +236,11 @@ def _train(plan, mixer, stage) -> dict | None:
   """Trains one run (resuming); returns its summary, None when the deadline stopped it."""
   from experiments import lr_sweep  # pylint: disable=g-import-not-at-top  (imports jax)
   wd = plan.run_dir(mixer, stage)
-  tr = lr_sweep.make_trainer(plan.config(mixer, stage), wd)
+  with _lowest_optimisation(plan.fast_compile and stage != 'pretrain'):
+    return _run_trainer(plan, lr_sweep.make_trainer(plan.config(mixer, stage), wd))
+
+
+def _run_trainer(plan, tr):
   left = plan.time_left()
   timer = None
   if left is not None:   # the trainer checks the flag every step, saves a checkpoint and returns
@@ -270,7 +278,9 @@ def _evaluate(plan, mixer, stage, step) -> dict:
          'train_loss': (record.get('metrics') or {}).get('loss'),
          'val_loss': (summary.get('eval') or {}).get('loss') if summary.get('step') == step else None,
          'train_wall_s': summary.get('wall_time_s'), 'eval_wall_s': time.time() - t0, 'topic_floor': tf}
-  write_json(result_path(plan, mixer, stage, step), out)
+  path = write_json(result_path(plan, mixer, stage, step), out)
+  if plan.plots:
+    shutil.copyfile(os.path.join(wd, 'eval', f'step{step}', 'topic_floor.png'), path[:-len('.json')] + '.png')
   return out
 
 
@@ -335,9 +345,11 @@ def run_mixer(plan, mixer, meter=None) -> str:
 @contextlib.contextmanager
 def _compilation_cache(workdir):
   """Runs of one mixer share compiled programs (the evaluation's prefill is the same program for every
-  checkpoint of a mixer): a persistent cache in the workdir, the previous settings restored after."""
+  checkpoint of a mixer): a persistent cache (JAX_COMPILATION_CACHE_DIR, else one in the workdir), the
+  previous settings restored after."""
   import jax  # pylint: disable=g-import-not-at-top
-  keys = {'jax_compilation_cache_dir': os.path.join(workdir, 'xla_cache'),
+  keys = {'jax_compilation_cache_dir': (jax.config.values['jax_compilation_cache_dir']
+                                        or os.path.join(workdir, 'xla_cache')),
           'jax_persistent_cache_min_compile_time_secs': 0.5}
   before = {k: jax.config.values[k] for k in keys}
   for k, v in keys.items():
@@ -349,13 +361,16 @@ def _compilation_cache(workdir):
       jax.config.update(k, v)
 
 
-def fast_compile():
-  """The test suite's XLA:CPU settings (tests/conftest.py): compile time dominates tiny runs."""
+@contextlib.contextmanager
+def _lowest_optimisation(on: bool):
+  """XLA's backend at its lowest optimisation level inside the block (a jit cache key: no stale programs)."""
   import jax  # pylint: disable=g-import-not-at-top
-  flag = '--xla_cpu_use_fusion_emitters=false'
-  if flag not in os.environ.get('XLA_FLAGS', ''):   # read when the backend starts (nothing has run yet)
-    os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} {flag}'.strip()
-  jax.config.update('jax_disable_most_optimizations', True)
+  before = jax.config.values['jax_disable_most_optimizations']
+  jax.config.update('jax_disable_most_optimizations', on or before)
+  try:
+    yield
+  finally:
+    jax.config.update('jax_disable_most_optimizations', before)
 
 
 def run_in_process(plan) -> str:
@@ -438,12 +453,11 @@ def main(argv):
   if not absl_flags.FLAGS['verbosity'].present:   # orbax logs every checkpoint read at INFO
     logging.set_verbosity(logging.WARNING)
   t0 = time.time()
-  if FLAGS.preset == 'tiny' if FLAGS.fast_compile is None else FLAGS.fast_compile:
-    fast_compile()
   try:
     plan = Plan(FLAGS.preset, FLAGS.mixers, FLAGS.strategies, FLAGS.workdir, FLAGS.results, FLAGS.pretrain_steps,
                 FLAGS.post_steps, FLAGS.documents, FLAGS.chunk, FLAGS.max_len, FLAGS.resamples,
-                FLAGS.all_checkpoints, FLAGS.deadline_s, FLAGS.override)
+                FLAGS.all_checkpoints, FLAGS.deadline_s, FLAGS.override,
+                FLAGS.fast_compile, FLAGS.plots)
   except (ValueError, config_lib.ConfigError) as e:
     print(f'Study error: {e}', file=sys.stderr)
     return 2

@@ -62,7 +62,7 @@ def render_table(runs: list[dict]) -> str:
     return 'No evaluated runs yet.'
   tf0 = runs[0]['topic_floor']
   (ea, eb), (la, lb) = tf0['early_window'], tf0['late_window']
-  level = int(round(100 * tf0['excess']['level']))
+  level = round(100 * tf0['excess']['level'])
   header = ['mixer', 'run', 'tokens', f'excess [{ea}, {eb})', f'excess [{la}, {lb})', 'ratio late / early',
             'late - zero control (paired)', f'verdict ({tf0["threshold"]:g}x)', 'by the interval']
   rows = []
@@ -126,15 +126,15 @@ def render(results_dir: str, fig_dir: str) -> str:
   root = os.path.join(results_dir, 'lengen_synthetic')
   if not exists(root):
     return ''
-  out = ['## 3b. Length generalisation on a synthetic source with an exact floor', '',
-         'A stationary slow-switching topic source (experiments/data/topic_source.py): each document starts '
-         'in a uniformly drawn topic, switches to another topic with a fixed probability per token, and '
-         'draws tokens from its topic\'s Zipf law over its own permutation of the vocabulary. The exact '
-         'Bayes filter (the HMM forward algorithm) gives the lowest achievable NLL at every position; a '
-         'model\'s excess over it is measured by position with the state carried over long documents. '
-         'Verdict: **failure** when the mean excess at [4096, 8192) is at least 3x the excess at '
-         '[T/2, T); "by the interval" decides it on the bootstrap interval of late - 3 x early '
-         '(undecided when that interval contains 0).', '']
+  intro = ('A stationary slow-switching topic source (experiments/data/topic_source.py): each document '
+           'starts in a uniformly drawn topic, switches to another topic with a fixed probability per '
+           "token, and draws tokens from its topic's Zipf law over its own permutation of the vocabulary. "
+           'The exact Bayes filter (the HMM forward algorithm) gives the lowest achievable NLL at every '
+           "position; a model's excess over it is measured by position with the state carried over long "
+           'documents. Verdict: **failure** when the mean excess at [4096, 8192) is at least 3x the excess '
+           'at [T/2, T); "by the interval" decides it on the bootstrap interval of late - 3 x early '
+           '(undecided when that interval contains 0).')
+  out = ['## 3b. Length generalisation on a synthetic source with an exact floor', '', intro, '']
   for preset in sorted(os.listdir(root)):
     pdir = os.path.join(root, preset)
     runs = load_runs(pdir) if os.path.isdir(pdir) else []
