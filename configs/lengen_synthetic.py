@@ -22,7 +22,7 @@ The source: vocabulary 512 (+ BOS; the model's table is padded to a multiple of 
 Zipf(1.1) law over its own permutation, topic switch probability 1/2048 per token, documents of 65536
 tokens. ``--config.data.topic.*`` changes it (the evaluation reads the run's own settings).
 """
-from experiments import config_lib
+from experiments.runner import config_lib
 from kdn_jax.models.config import model_config
 
 PRESETS = ('tiny', 'tiny_post', 'default', 'post')

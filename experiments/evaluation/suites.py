@@ -27,6 +27,7 @@ from experiments.evaluation import topic_floor as floor_lib
 from experiments.evaluation.run_loader import EvalRun
 
 SUITES = ('ppl', 'position_ppl', 'effrem', 'state_stats', 'beta_eff', 'retrieval', 'topic_floor')
+TOPIC_ONLY = ('topic_floor',)   # suites of runs trained on the topic source only
 LM_DEFAULT = ('ppl', 'position_ppl', 'effrem', 'beta_eff', 'retrieval')
 SYNTHETIC_DEFAULT = ('retrieval', 'state_stats', 'beta_eff')
 TOPIC_DEFAULT = ('ppl', 'topic_floor', 'beta_eff')

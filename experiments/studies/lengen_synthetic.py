@@ -24,6 +24,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -34,8 +35,8 @@ from absl import app, flags, logging
 from absl import flags as absl_flags
 
 from configs import lengen_synthetic as study_config
-from experiments import cli, config_lib
-from experiments.logging_utils import fmt_time, write_json
+from experiments.runner import cli, config_lib
+from experiments.runner.logging_utils import fmt_time, write_json
 
 PRESETS = ('tiny', 'default')
 POST_PRESET = {'tiny': 'tiny_post', 'default': 'post'}
@@ -234,7 +235,7 @@ class Meter:
 
 def _train(plan, mixer, stage) -> dict | None:
   """Trains one run (resuming); returns its summary, None when the deadline stopped it."""
-  from experiments import lr_sweep  # pylint: disable=g-import-not-at-top  (imports jax)
+  from experiments.runner import lr_sweep  # pylint: disable=g-import-not-at-top  (imports jax)
   wd = plan.run_dir(mixer, stage)
   with _lowest_optimisation(plan.fast_compile and stage != 'pretrain'):
     return _run_trainer(plan, lr_sweep.make_trainer(plan.config(mixer, stage), wd))
@@ -434,7 +435,7 @@ def write_commands(plan, argv_flags, status, wall_s, machine):
   path = os.path.join(plan.results, 'commands.json')
   kept = read_json(path) or {}
   calls = kept.get('calls', [])
-  calls.append({'command': 'python -m experiments.studies.lengen_synthetic ' + ' '.join(argv_flags),
+  calls.append({'command': 'python -m experiments.studies.lengen_synthetic ' + shlex.join(argv_flags),
                 'status': status, 'wall_s': round(wall_s, 1), 'machine': machine})
   c = plan.config(plan.mixers[0], 'pretrain')
   write_json(path, dict(kept, calls=calls, protocol=(

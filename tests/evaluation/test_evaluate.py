@@ -130,9 +130,10 @@ def test_evaluate_every_suite_on_a_checkpoint(lm_run):
   before = {f: os.path.getmtime(os.path.join(workdir, f)) for f in ('metrics.jsonl', 'summary.json')}
   s = suites.Settings(max_len=256, chunk=64, num_sequences=3, effrem_points=5, effrem_sequences=2, batch=4,
                       retrieval_lengths=(256,), retrieval_examples=2)
-  res = evaluate(workdir, list(suites.SUITES), s)
+  names = [n for n in suites.SUITES if n not in suites.TOPIC_ONLY]
+  res = evaluate(workdir, names, s)
   out = os.path.join(workdir, 'eval')
-  for name in suites.SUITES:
+  for name in names:
     with open(os.path.join(out, f'{name}.json'), encoding='utf-8') as f:
       rec = json.load(f)
     assert rec['meta']['step'] == 3 and rec['meta']['settings']['max_len'] == 256, name

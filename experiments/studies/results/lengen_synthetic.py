@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from experiments.evaluation import bootstrap
-from experiments.results.common import exists, load, plt, save, table
+from experiments.studies.results.common import exists, load, plt, save, table
 
 STAGES = ('pretrain', 'zero', 'state_passing', 'tbtt', 'fitted_noise', 'random_noise')
 PRESET_TITLE = {'tiny': 'tiny preset (CPU: 2 layers, d=64)', 'default': 'default preset (GPU: 4 layers, d=256)'}

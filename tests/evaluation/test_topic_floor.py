@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from configs import lengen_synthetic
-from experiments import config_lib
+from experiments.runner import config_lib
 from experiments.data import pipeline
 from experiments.data import topic_source as ts
 from experiments.evaluation import topic_floor
