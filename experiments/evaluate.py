@@ -3,7 +3,7 @@
     python -m experiments.evaluate --workdir=/tmp/kdn_mqar_smoke
     python -m experiments.evaluate --workdir=/ckpt/lm --suite=position_ppl,effrem --max_len=32768
     python -m experiments.evaluate --workdir=/ckpt/lm --step=2000 --suite=retrieval
-    python -m experiments.evaluate --workdir=/tmp/ls/gla --suite=topic_floor --documents=64 --chunk=512
+    python -m experiments.evaluate --workdir=/tmp/ls/gla --suite=topic_floor --chunk=512
 
 Suites (``--suite``, comma-separated; default by the run's data: language-model runs
 ``ppl,position_ppl,effrem,beta_eff,retrieval`` (position_ppl also writes state_stats), synthetic-task runs
@@ -35,7 +35,8 @@ _REXAMPLES = flags.DEFINE_integer('retrieval_examples', 32, 'Examples per retrie
 _LONG_EVAL = flags.DEFINE_string('long_eval_path', '', 'Long documents (default: the run\'s long_eval_path).')
 _TOKENIZER = flags.DEFINE_string('tokenizer', '', 'tokenizer.json for S-NIAH (default: the run\'s corpus).')
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed of the generated evaluation tasks.')
-_DOCUMENTS = flags.DEFINE_integer('documents', 64, 'topic_floor: evaluation documents (bootstrap units).')
+_DOCUMENTS = flags.DEFINE_integer('documents', 64,
+                                  'topic_floor: evaluation documents (the bootstrap units).')
 _RESAMPLES = flags.DEFINE_integer('resamples', 2000, 'topic_floor: bootstrap resamples.')
 _CONTEXT = flags.DEFINE_integer('context', 1, 'Devices one sequence is split over: the recurrent ops split T '
                                 'over them (context parallelism; lengths they do not divide run unsplit).')

@@ -82,10 +82,11 @@ def make_train_iterator(config, process_index: int = 0, process_count: int = 1):
           d.global_batch_size, d.topic.num_train_docs, process_index, process_count)
     elif d.kind == 'token_file':
       src = token_files.TBTTSource(token_files.load_tokens(d.train_path), d.eos_id, d.seq_len,
-                                   d.global_batch_size, d.shuffle_seed, process_index, process_count)
+                                   d.global_batch_size, d.shuffle_seed, process_index,
+                                   process_count)
     else:
-      raise ValueError('config.train.initial_state="tbtt" needs long documents: data.kind="token_file" '
-                       'or "topic"')
+      raise ValueError('config.train.initial_state="tbtt" needs long documents: '
+                       'data.kind="token_file" or "topic"')
     epochs = -(-config.train.num_steps // len(src)) + 1
     ds = grain.MapDataset.source(src).repeat(epochs)  # order matters: no shuffle
   elif d.kind == 'topic':  # shuffled window indices, each batch generated in one vectorised pass

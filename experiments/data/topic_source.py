@@ -1,34 +1,40 @@
 """A stationary slow-switching topic source with an exact Bayes floor (a hidden Markov model).
 
-The world: ``num_topics`` topics, each a Zipf distribution (rank r has weight ``(r + 1) ** -zipf_exponent``)
-over its own random permutation of the vocabulary ``0 .. vocab_size - 1``. A document of ``doc_len`` tokens
-starts in a topic drawn uniformly; after every token the topic switches with probability ``switch_prob`` to
-one of the OTHER topics, uniformly (so ``switch_prob`` is exactly the per-token switch rate). Tokens are
-drawn from the current topic's distribution.
+The world: ``num_topics`` topics, each a Zipf distribution (rank r has weight
+``(r + 1) ** -zipf_exponent``) over its own random permutation of the vocabulary. A document of
+``doc_len`` tokens starts in a topic drawn uniformly; after every token the topic switches with
+probability ``switch_prob`` to one of the OTHER topics, uniformly (so ``switch_prob`` is exactly the
+per-token switch rate). Tokens are drawn from the current topic's distribution.
 
 The optimal predictor needs the posterior over the current topic given the whole history (unbounded
 memory), and its loss is the floor every model's NLL is compared with: :func:`bayes_nll`, the HMM
 forward algorithm in float64, normalised at every step.
 
-Everything is deterministic from ``seed``: the world (topic permutations) from ``seed`` alone, and every
-random draw of document ``d`` of split ``s`` is a counter-based hash of ``(seed, stream, s, d, index)``
-(:func:`uniform`), so any window of any document is computed directly, in O(window + switches), and a
-batch of windows from many documents in one vectorised pass. A document's topic path is its switch
-positions (geometric gaps by inverse CDF) and new topics; its token at position t uses the uniform of
-index t. A document's content therefore does not depend on how it is cut into windows.
+Everything is deterministic from ``seed``: the world (topic permutations) from ``seed`` alone, and
+every random draw of document ``d`` of split ``s`` is a counter-based hash of
+``(seed, stream, s, d, index)`` (:func:`uniform`), so any window of any document is computed
+directly, in O(window + switches), and a batch of windows from many documents in one vectorised
+pass. A document's topic path is its switch positions (geometric gaps by inverse CDF) and new
+topics; its token at position t uses the uniform of index t. A document's content therefore does
+not depend on how it is cut into windows.
 
-Model view: the token id ``vocab_size`` is BOS; a document is read as ``[BOS, x_0, ..., x_{L-1}]``, so the
-target at position ``t`` (0-based) is ``x_t`` predicted from ``x_{<t}``, and its floor is
+Model view: the token id ``vocab_size`` is BOS; a document is read as ``[BOS, x_0, ..., x_{L-1}]``,
+so the target at position ``t`` (0-based) is ``x_t`` predicted from ``x_{<t}``, and its floor is
 ``-log p(x_t | x_{<t})``.
 """
+
 from __future__ import annotations
 
 import dataclasses
 
 import numpy as np
 
-TRAIN, VALID, EVAL = 0, 1, 2   # document splits: training windows, validation windows, floor evaluation
-_WORLD, _GAPS, _FIRST, _MOVES, _TOKENS = 0, 1, 2, 3, 4   # random stream tags
+TRAIN, VALID, EVAL = (
+  0,
+  1,
+  2,
+)  # document splits: training windows, validation windows, floor evaluation
+_WORLD, _GAPS, _FIRST, _MOVES, _TOKENS = 0, 1, 2, 3, 4  # random stream tags
 _FILTER_BLOCK = 2048
 
 
@@ -41,16 +47,18 @@ class TopicParams:
   doc_len: int = 65536
   seed: int = 0
 
-  def check(self, where: str = 'topic source') -> None:
+  def check(self, where: str = "topic source") -> None:
     """Raises ValueError naming the first bad parameter as ``<where>.<name>``."""
-    rules = (('vocab_size', self.vocab_size >= 2, 'must be >= 2'),
-             ('num_topics', self.num_topics >= 2, 'must be >= 2 (a switch moves to another topic)'),
-             ('zipf_exponent', self.zipf_exponent >= 0, 'must be >= 0'),
-             ('switch_prob', 0.0 <= self.switch_prob <= 1.0, 'must be in [0, 1]'),
-             ('doc_len', self.doc_len >= 1, 'must be positive'))
+    rules = (
+      ("vocab_size", self.vocab_size >= 2, "must be >= 2"),
+      ("num_topics", self.num_topics >= 2, "must be >= 2 (a switch moves to another topic)"),
+      ("zipf_exponent", self.zipf_exponent >= 0, "must be >= 0"),
+      ("switch_prob", 0.0 <= self.switch_prob <= 1.0, "must be in [0, 1]"),
+      ("doc_len", self.doc_len >= 1, "must be positive"),
+    )
     for name, ok, expected in rules:
       if not ok:
-        raise ValueError(f'{where}.{name}: {expected}, got {getattr(self, name)!r}')
+        raise ValueError(f"{where}.{name}: {expected}, got {getattr(self, name)!r}")
 
   @property
   def bos_id(self) -> int:
@@ -64,9 +72,14 @@ class TopicParams:
 
 def params_from_config(cfg) -> TopicParams:
   """TopicParams from a run config's ``data.topic`` section."""
-  return TopicParams(vocab_size=int(cfg.vocab_size), num_topics=int(cfg.num_topics),
-                     zipf_exponent=float(cfg.zipf_exponent), switch_prob=float(cfg.switch_prob),
-                     doc_len=int(cfg.doc_len), seed=int(cfg.seed))
+  return TopicParams(
+    vocab_size=int(cfg.vocab_size),
+    num_topics=int(cfg.num_topics),
+    zipf_exponent=float(cfg.zipf_exponent),
+    switch_prob=float(cfg.switch_prob),
+    doc_len=int(cfg.doc_len),
+    seed=int(cfg.seed),
+  )
 
 
 def zipf_weights(vocab_size: int, exponent: float) -> np.ndarray:
@@ -75,7 +88,11 @@ def zipf_weights(vocab_size: int, exponent: float) -> np.ndarray:
   return w / w.sum()
 
 
-_M1, _M2, _GOLDEN = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
+_M1, _M2, _GOLDEN = (
+  np.uint64(0xBF58476D1CE4E5B9),
+  np.uint64(0x94D049BB133111EB),
+  np.uint64(0x9E3779B97F4A7C15),
+)
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -87,9 +104,10 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 def _key(*parts) -> np.ndarray:
-  """A uint64 key (array-valued where a part is an array) from integer parts, chained through _mix."""
+  """A uint64 key (array-valued where a part is an array) from integer parts, chained through
+  _mix."""
   h = np.uint64(0)
-  with np.errstate(over='ignore'):
+  with np.errstate(over="ignore"):
     for p in parts:
       h = _mix(np.asarray(h, np.uint64) ^ np.asarray(p).astype(np.uint64))
   return h
@@ -97,9 +115,9 @@ def _key(*parts) -> np.ndarray:
 
 def uniform(key: np.ndarray, index: np.ndarray) -> np.ndarray:
   """Uniforms in [0, 1) (float64, 53 random bits) of ``(key, index)``, broadcast."""
-  with np.errstate(over='ignore'):
+  with np.errstate(over="ignore"):
     h = _mix(np.asarray(key, np.uint64) ^ _mix(np.asarray(index).astype(np.uint64)))
-  return (h >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+  return (h >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
 class TopicSource:
@@ -109,42 +127,51 @@ class TopicSource:
     params.check()
     self.params = p = params
     rng = np.random.default_rng([p.seed, _WORLD])
-    self.perms = np.stack([rng.permutation(p.vocab_size) for _ in range(p.num_topics)])  # [Z, V] rank->token
+    self.perms = np.stack(
+      [rng.permutation(p.vocab_size) for _ in range(p.num_topics)]
+    )  # [Z, V] rank->token
     self.rank_probs = zipf_weights(p.vocab_size, p.zipf_exponent)
     self._cdf = np.cumsum(self.rank_probs)
     self._cdf[-1] = 1.0
     emit = np.zeros((p.num_topics, p.vocab_size), np.float64)
     np.put_along_axis(emit, self.perms, np.broadcast_to(self.rank_probs, emit.shape), axis=1)
-    self.emissions = emit   # [Z, V]: p(token | topic)
+    self.emissions = emit  # [Z, V]: p(token | topic)
 
   # ---------------------------------------------------------------------------------- documents
   def _doc_keys(self, split, docs, stream):
     return _key(self.params.seed, stream, split, np.asarray(docs, np.int64))
 
   def topic_paths(self, split: int, docs) -> tuple[np.ndarray, np.ndarray]:
-    """(starts, topics) [len(docs), K]: segment k of a document has topic ``topics[:, k]`` from position
-    ``starts[:, k]`` (``starts[:, 0] = 0``; columns past the document's end start at or after doc_len)."""
+    """(starts, topics) [len(docs), K]: segment k of a document has topic ``topics[:, k]`` from
+    position ``starts[:, k]`` (``starts[:, 0] = 0``; columns past the document's end start at or
+    after doc_len)."""
     p, docs = self.params, np.atleast_1d(np.asarray(docs, np.int64))
     n = len(docs)
-    first = np.floor(uniform(self._doc_keys(split, docs, _FIRST), 0) * p.num_topics).astype(np.int64)
+    first = np.floor(uniform(self._doc_keys(split, docs, _FIRST), 0) * p.num_topics).astype(
+      np.int64
+    )
     if p.switch_prob == 0:
       return np.zeros((n, 1), np.int64), first[:, None]
     gkey = self._doc_keys(split, docs, _GAPS)[:, None]
     per = int(p.doc_len * p.switch_prob * 1.5) + 16
     log_stay = np.log1p(-p.switch_prob) if p.switch_prob < 1 else -np.inf
     starts = np.zeros((n, 1), np.int64)
-    while starts[:, -1].min() < p.doc_len:   # gap ~ Geometric(p) on {1, 2, ...} by inverse CDF
+    while starts[:, -1].min() < p.doc_len:  # gap ~ Geometric(p) on {1, 2, ...} by inverse CDF
       j = np.arange(starts.shape[1] - 1, starts.shape[1] - 1 + per)
-      u = 1.0 - uniform(gkey, j[None, :])      # in (0, 1]
-      with np.errstate(divide='ignore', invalid='ignore'):
+      u = 1.0 - uniform(gkey, j[None, :])  # in (0, 1]
+      with np.errstate(divide="ignore", invalid="ignore"):
         gaps = np.floor(np.log(u) / log_stay) + 1 if np.isfinite(log_stay) else np.ones_like(u)
       gaps = np.minimum(np.nan_to_num(gaps, nan=1.0), p.doc_len).astype(np.int64)
       starts = np.concatenate([starts, starts[:, -1:] + np.cumsum(gaps, axis=1)], axis=1)
     k = starts.shape[1]
-    moves = 1 + np.floor(uniform(self._doc_keys(split, docs, _MOVES)[:, None], np.arange(k - 1)[None, :])
-                         * (p.num_topics - 1)).astype(np.int64)   # an offset in 1..Z-1: another topic
-    topics = (first[:, None] + np.concatenate([np.zeros((n, 1), np.int64), np.cumsum(moves, axis=1)],
-                                              axis=1)) % p.num_topics
+    moves = 1 + np.floor(
+      uniform(self._doc_keys(split, docs, _MOVES)[:, None], np.arange(k - 1)[None, :])
+      * (p.num_topics - 1)
+    ).astype(np.int64)  # an offset in 1..Z-1: another topic
+    topics = (
+      first[:, None]
+      + np.concatenate([np.zeros((n, 1), np.int64), np.cumsum(moves, axis=1)], axis=1)
+    ) % p.num_topics
     return starts, topics
 
   def topic_path(self, split: int, doc: int) -> tuple[np.ndarray, np.ndarray]:
@@ -156,21 +183,25 @@ class TopicSource:
   def _check_range(self, start, stop):
     p = self.params
     if np.any(start < 0) or np.any(stop > p.doc_len) or np.any(start > stop):
-      raise ValueError(f'topic source: token range [{start}, {stop}) outside the document [0, {p.doc_len})')
+      raise ValueError(
+        f"topic source: token range [{start}, {stop}) outside the document [0, {p.doc_len})"
+      )
 
   def _topics_at(self, split: int, docs: np.ndarray, pos: np.ndarray) -> np.ndarray:
     """[B, L]: the topic of document ``docs[b]`` at positions ``pos[b]`` (inside the document)."""
     seg_starts, seg_topics = self.topic_paths(split, docs)
     n = seg_starts.shape[0]
-    # one searchsorted over all rows: row b's segment starts shifted by b * OFF (rows never interleave)
-    off = np.arange(n, dtype=np.int64)[:, None] * np.int64(2 ** 40)
-    col = np.searchsorted((seg_starts + off).ravel(), (pos + off).ravel(), side='right') - 1
+    # one searchsorted over all rows: row b's segment starts shifted by b * 2^40 (rows never
+    # interleave)
+    off = np.arange(n, dtype=np.int64)[:, None] * np.int64(2**40)
+    col = np.searchsorted((seg_starts + off).ravel(), (pos + off).ravel(), side="right") - 1
     return seg_topics.ravel()[col].reshape(pos.shape)
 
   def _tokens_at(self, split: int, docs: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    """[B, L] int32: the tokens of document ``docs[b]`` at positions ``pos[b]`` (inside the document)."""
+    """[B, L] int32: the tokens of document ``docs[b]`` at positions ``pos[b]`` (inside the
+    document)."""
     u = uniform(self._doc_keys(split, docs, _TOKENS)[:, None], pos)
-    ranks = np.minimum(np.searchsorted(self._cdf, u, side='right'), self.params.vocab_size - 1)
+    ranks = np.minimum(np.searchsorted(self._cdf, u, side="right"), self.params.vocab_size - 1)
     return self.perms[self._topics_at(split, docs, pos), ranks].astype(np.int32)
 
   def _positions(self, starts, length):
@@ -179,12 +210,17 @@ class TopicSource:
     return starts[:, None] + np.arange(length)[None, :]
 
   def batch_topics(self, split: int, docs, starts, length: int) -> np.ndarray:
-    """[B, length]: the topic at positions ``starts[b] .. starts[b] + length - 1`` of document ``docs[b]``."""
-    return self._topics_at(split, np.atleast_1d(docs).astype(np.int64), self._positions(starts, length))
+    """[B, length]: the topic at positions ``starts[b] .. starts[b] + length - 1`` of document
+    ``docs[b]``."""
+    return self._topics_at(
+      split, np.atleast_1d(docs).astype(np.int64), self._positions(starts, length)
+    )
 
   def batch_tokens(self, split: int, docs, starts, length: int) -> np.ndarray:
     """[B, length] int32: tokens ``x[starts[b] : starts[b] + length]`` of document ``docs[b]``."""
-    return self._tokens_at(split, np.atleast_1d(docs).astype(np.int64), self._positions(starts, length))
+    return self._tokens_at(
+      split, np.atleast_1d(docs).astype(np.int64), self._positions(starts, length)
+    )
 
   def topics(self, split: int, doc: int, start: int = 0, stop: int | None = None) -> np.ndarray:
     """The topic at each position ``start .. stop - 1`` of a document."""
@@ -199,28 +235,34 @@ class TopicSource:
     return self.batch_tokens(split, [doc], [start], stop - start)[0]
 
   def windows(self, split: int, docs, ks, seq_len: int) -> dict:
-    """Training windows [B, seq_len]: row b is window ``ks[b]`` of document ``docs[b]`` in the model view
-    ``[BOS, x_0, ..., x_{L-1}]`` (its targets are positions ``k * seq_len .. (k + 1) * seq_len - 1``)."""
+    """Training windows [B, seq_len]: row b is window ``ks[b]`` of document ``docs[b]`` in the model
+    view ``[BOS, x_0, ..., x_{L-1}]`` (its targets are positions ``k * seq_len .. (k + 1) * seq_len
+    - 1``)."""
     docs, ks = np.atleast_1d(docs).astype(np.int64), np.atleast_1d(ks).astype(np.int64)
     if np.any(ks < 0) or np.any((ks + 1) * seq_len > self.params.doc_len):
-      raise ValueError(f'topic source: window index outside [0, {self.windows_per_doc(seq_len)}) for '
-                       f'seq_len={seq_len}')
+      raise ValueError(
+        f"topic source: window index outside [0, {self.windows_per_doc(seq_len)}) for "
+        f"seq_len={seq_len}"
+      )
     # view entry e holds x_{e-1} (entry 0 is BOS): window k is entries k*T .. k*T + T
     pos = ks[:, None] * seq_len - 1 + np.arange(seq_len + 1)[None, :]
     w = self._tokens_at(split, docs, np.maximum(pos, 0))
     w[pos < 0] = self.params.bos_id
-    return {'inputs': w[:, :-1], 'targets': w[:, 1:], 'mask': np.ones(w[:, 1:].shape, np.float32)}
+    return {"inputs": w[:, :-1], "targets": w[:, 1:], "mask": np.ones(w[:, 1:].shape, np.float32)}
 
   def window(self, split: int, doc: int, k: int, seq_len: int) -> dict:
     """The k-th training window of a document (one row of :meth:`windows`)."""
     return {key: v[0] for key, v in self.windows(split, [doc], [k], seq_len).items()}
 
   def sequence(self, split: int, doc: int, start: int, length: int) -> np.ndarray:
-    """Entries ``start .. start + length - 1`` of the model view ``[BOS, x_0, ..., x_{L-1}]`` (int32)."""
+    """Entries ``start .. start + length - 1`` of the model view ``[BOS, x_0, ..., x_{L-1}]``
+    (int32)."""
     p = self.params
     if start < 0 or start + length > p.doc_len + 1:
-      raise ValueError(f'topic source: window [{start}, {start + length}) outside the document view '
-                       f'[0, {p.doc_len + 1})')
+      raise ValueError(
+        f"topic source: window [{start}, {start + length}) outside the document view "
+        f"[0, {p.doc_len + 1})"
+      )
     if start == 0:
       return np.concatenate([[p.bos_id], self.tokens(split, doc, 0, length - 1)]).astype(np.int32)
     return self.tokens(split, doc, start - 1, start - 1 + length)
@@ -230,7 +272,8 @@ class TopicSource:
 
   # ---------------------------------------------------------------------------------- the floor
   def bayes_nll(self, tokens: np.ndarray) -> np.ndarray:
-    """Exact ``-log p(x_t | x_{<t})`` [N, L] (float64) of documents ``tokens`` [N, L] read from their start."""
+    """Exact ``-log p(x_t | x_{<t})`` [N, L] (float64) of documents ``tokens`` [N, L] read from
+    their start."""
     return bayes_nll(tokens, self.emissions, self.params.switch_prob)
 
 
@@ -245,11 +288,11 @@ def bayes_nll(tokens: np.ndarray, emissions: np.ndarray, switch_prob: float) -> 
   z = emissions.shape[0]
   n, length = tokens.shape
   q = switch_prob / (z - 1)
-  stay = 1.0 - switch_prob - q       # pred' = post * (1 - p) + (1 - post) * q = post * stay + q
+  stay = 1.0 - switch_prob - q  # pred' = post * (1 - p) + (1 - post) * q = post * stay + q
   pred = np.full((n, z), 1.0 / z)
   out = np.empty((n, length), np.float64)
-  for a in range(0, length, _FILTER_BLOCK):   # bounds the [N, block, Z] likelihood table
-    lik = np.moveaxis(emissions[:, tokens[:, a:a + _FILTER_BLOCK]], 0, -1)    # p(x_t | topic)
+  for a in range(0, length, _FILTER_BLOCK):  # bounds the [N, block, Z] likelihood table
+    lik = np.moveaxis(emissions[:, tokens[:, a : a + _FILTER_BLOCK]], 0, -1)  # p(x_t | topic)
     for i in range(lik.shape[1]):
       joint = pred * lik[:, i]
       c = joint.sum(axis=1)

@@ -1,12 +1,14 @@
 """Percentile bootstrap intervals over independent units (evaluation documents, windows, seeds).
 
-Every statistic here is a function of per-unit values: a mean, a ratio of two means, a paired difference
-of means. A resample draws the units with replacement (the same draw for every column and for both
-halves of a ratio or difference, so their dependence is kept); the interval is the ``(1 - level) / 2``
-and ``(1 + level) / 2`` percentiles of the statistic over the resamples. Deterministic from ``seed``.
+Every statistic here is a function of per-unit values: a mean, a ratio of two means, a paired
+difference of means. A resample draws the units with replacement (the same draw for every column and
+for both halves of a ratio or difference, so their dependence is kept); the interval is the ``(1 -
+level) / 2`` and ``(1 + level) / 2`` percentiles of the statistic over the resamples. Deterministic
+from ``seed``.
 
 Units are rows: ``x`` is [N] or [N, K] (K statistics at once, e.g. one per position bucket).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,7 +21,7 @@ RESAMPLES = 2000
 
 @dataclasses.dataclass(frozen=True)
 class Interval:
-  estimate: np.ndarray | float   # the statistic on the units as they are
+  estimate: np.ndarray | float  # the statistic on the units as they are
   lo: np.ndarray | float
   hi: np.ndarray | float
   level: float
@@ -29,16 +31,23 @@ class Interval:
   def to_json(self) -> dict:
     def conv(v):
       return v.tolist() if isinstance(v, np.ndarray) else float(v)
-    return {'estimate': conv(self.estimate), 'lo': conv(self.lo), 'hi': conv(self.hi),
-            'level': self.level, 'resamples': self.resamples, 'units': self.units}
+
+    return {
+      "estimate": conv(self.estimate),
+      "lo": conv(self.lo),
+      "hi": conv(self.hi),
+      "level": self.level,
+      "resamples": self.resamples,
+      "units": self.units,
+    }
 
 
 def resample_counts(units: int, resamples: int = RESAMPLES, seed: int = 0) -> np.ndarray:
   """[resamples, units] how often each unit is drawn (each row sums to ``units``)."""
   if units < 1:
-    raise ValueError(f'bootstrap: needs at least one unit, got {units}')
+    raise ValueError(f"bootstrap: needs at least one unit, got {units}")
   if resamples < 1:
-    raise ValueError(f'bootstrap: resamples must be positive, got {resamples}')
+    raise ValueError(f"bootstrap: resamples must be positive, got {resamples}")
   draws = np.random.default_rng(seed).integers(0, units, size=(resamples, units))
   flat = (draws + units * np.arange(resamples)[:, None]).ravel()
   return np.bincount(flat, minlength=resamples * units).reshape(resamples, units).astype(np.float64)
@@ -47,16 +56,16 @@ def resample_counts(units: int, resamples: int = RESAMPLES, seed: int = 0) -> np
 def _rows(x, name: str) -> np.ndarray:
   x = np.asarray(x, np.float64)
   if x.ndim not in (1, 2):
-    raise ValueError(f'bootstrap: {name} must be [units] or [units, K], got shape {x.shape}')
+    raise ValueError(f"bootstrap: {name} must be [units] or [units, K], got shape {x.shape}")
   return x
 
 
 def _interval(estimate, draws, level, units) -> Interval:
   if not 0 < level < 1:
-    raise ValueError(f'bootstrap: level must be in (0, 1), got {level}')
+    raise ValueError(f"bootstrap: level must be in (0, 1), got {level}")
   # no interpolation between order statistics: keeps infinite draws (a ratio over a non-positive
   # denominator) from turning into nan
-  lo, hi = np.quantile(draws, [(1 - level) / 2, (1 + level) / 2], axis=0, method='inverted_cdf')
+  lo, hi = np.quantile(draws, [(1 - level) / 2, (1 + level) / 2], axis=0, method="inverted_cdf")
   if np.ndim(estimate) == 0:
     estimate, lo, hi = float(estimate), float(lo), float(hi)
   return Interval(estimate, lo, hi, level, len(draws), units)
@@ -69,19 +78,24 @@ def _means(x, counts):
 
 def mean(x, *, level: float = LEVEL, resamples: int = RESAMPLES, seed: int = 0) -> Interval:
   """The mean over units (per column)."""
-  x = _rows(x, 'x')
+  x = _rows(x, "x")
   counts = resample_counts(x.shape[0], resamples, seed)
   return _interval(x.mean(axis=0), _means(x, counts), level, x.shape[0])
 
 
-def ratio_of_means(num, den, *, level: float = LEVEL, resamples: int = RESAMPLES, seed: int = 0) -> Interval:
-  """``mean(num) / mean(den)`` with the units drawn jointly (paired). A resample whose denominator mean is
-  not positive gives +inf (or nan for 0/0), so a denominator near zero shows as an unbounded interval."""
-  num, den = _rows(num, 'num'), _rows(den, 'den')
+def ratio_of_means(
+  num, den, *, level: float = LEVEL, resamples: int = RESAMPLES, seed: int = 0
+) -> Interval:
+  """``mean(num) / mean(den)`` with the units drawn jointly (paired). A resample whose denominator
+  mean is not positive gives +inf (or nan for 0/0), so a denominator near zero shows as an unbounded
+  interval."""
+  num, den = _rows(num, "num"), _rows(den, "den")
   if num.shape[0] != den.shape[0]:
-    raise ValueError(f'bootstrap: num and den need the same units, got {num.shape[0]} and {den.shape[0]}')
+    raise ValueError(
+      f"bootstrap: num and den need the same units, got {num.shape[0]} and {den.shape[0]}"
+    )
   counts = resample_counts(num.shape[0], resamples, seed)
-  with np.errstate(divide='ignore', invalid='ignore'):
+  with np.errstate(divide="ignore", invalid="ignore"):
     est = _safe_ratio(num.mean(axis=0), den.mean(axis=0))
     draws = _safe_ratio(_means(num, counts), _means(den, counts))
   return _interval(est, draws, level, num.shape[0])
@@ -92,9 +106,11 @@ def _safe_ratio(a, b):
   return np.where(b > 0, a / np.where(b > 0, b, 1.0), np.where(a == 0, np.nan, np.inf * np.sign(a)))
 
 
-def paired_difference(a, b, *, level: float = LEVEL, resamples: int = RESAMPLES, seed: int = 0) -> Interval:
+def paired_difference(
+  a, b, *, level: float = LEVEL, resamples: int = RESAMPLES, seed: int = 0
+) -> Interval:
   """``mean(a - b)`` over units measured under both conditions."""
-  a, b = _rows(a, 'a'), _rows(b, 'b')
+  a, b = _rows(a, "a"), _rows(b, "b")
   if a.shape != b.shape:
-    raise ValueError(f'bootstrap: paired values need the same shape, got {a.shape} and {b.shape}')
+    raise ValueError(f"bootstrap: paired values need the same shape, got {a.shape} and {b.shape}")
   return mean(a - b, level=level, resamples=resamples, seed=seed)

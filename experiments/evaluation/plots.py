@@ -43,8 +43,8 @@ def position_ppl(res: dict, path: str) -> str:
 
 
 def topic_floor(res: dict, path: str, label: str = '') -> str:
-  """Excess NLL over the Bayes floor by position (log x) with its bootstrap band, the two verdict windows
-  shaded, the paper's claim in the title and the verdict in the caption."""
+  """Excess NLL over the Bayes floor by position (log x) with its bootstrap band, the two verdict
+  windows shaded, the paper's claim in the title and the verdict in the caption."""
   import textwrap  # pylint: disable=g-import-not-at-top
   plt = _plt()
   fig, ax = plt.subplots(figsize=(7.5, 4.6))
@@ -53,10 +53,12 @@ def topic_floor(res: dict, path: str, label: str = '') -> str:
   est, lo, hi = (np.asarray(ex[k]) for k in ('estimate', 'lo', 'hi'))
   level = round(100 * ex['level'])
   ax.plot(x, est, '-', lw=1.5, label=label or 'excess NLL (model - floor)')
-  ax.fill_between(x, lo, hi, alpha=0.25, label=f'{level}% bootstrap band ({res["documents"]} documents)')
+  ax.fill_between(x, lo, hi, alpha=0.25,
+                  label=f'{level}% bootstrap band ({res["documents"]} documents)')
   for (a, b), name in ((res['early_window'], 'early'), (res['late_window'], 'late')):
     ax.axvspan(a + 1, b, color='tab:gray' if name == 'early' else 'tab:orange', alpha=0.12)
-  ax.axvline(res['train_len'], color='k', ls='--', lw=1, label=f'training length T = {res["train_len"]}')
+  ax.axvline(res['train_len'], color='k', ls='--', lw=1,
+             label=f'training length T = {res["train_len"]}')
   ax.axhline(0, color='k', lw=0.6)
   ax.set_xscale('log')
   ax.set_xlabel('position t (tokens)')
@@ -64,7 +66,8 @@ def topic_floor(res: dict, path: str, label: str = '') -> str:
   ax.set_title('\n'.join(textwrap.wrap(res.get('claim', ''), 90)), fontsize=8)
   r = res['ratio']
   fig.text(0.01, 0.01, f'late/early excess = {r["estimate"]:.2f} [{r["lo"]:.2f}, {r["hi"]:.2f}] '
-           f'({level}% CI); verdict: {res["verdict"]} (threshold {res["threshold"]:g}x; by the interval: '
+           f'({level}% CI); verdict: {res["verdict"]} (threshold {res["threshold"]:g}x; '
+           f'by the interval: '
            f'{res["verdict_ci"]})', fontsize=7.5)
   ax.grid(alpha=0.3, which='both')
   ax.legend(fontsize=7.5)

@@ -82,9 +82,10 @@ def _headline(results) -> list[str]:
                  f't* {r["t_star"]}; within p* up to t = {r["generalises_to"]}')
   if 'topic_floor' in results:
     r = results['topic_floor']
-    lines.append(f'excess NLL over the floor: [{r["early_window"][0]}, {r["early_window"][1]}) '
-                 f'{_fmt_iv(r["early"])}, [{r["late_window"][0]}, {r["late_window"][1]}) {_fmt_iv(r["late"])}, '
-                 f'ratio {_fmt_iv(r["ratio"])}: {r["verdict"]} (intervals: {r["verdict_ci"]})')
+    (ea, eb), (la, lb) = r['early_window'], r['late_window']
+    lines.append(f'excess NLL over the floor: [{ea}, {eb}) {_fmt_iv(r["early"])}, '
+                 f'[{la}, {lb}) {_fmt_iv(r["late"])}, ratio {_fmt_iv(r["ratio"])}: '
+                 f'{r["verdict"]} (intervals: {r["verdict_ci"]})')
   if 'effrem' in results:
     r = results['effrem']
     lines.append(f'EffRem_T (T={r["T"]}): t=0 {r["mean"][0]:.3f}, middle {r["mean"][len(r["mean"]) // 2]:.3f}, '

@@ -9,9 +9,10 @@ and returns a JSON-ready dict that records its own settings beside its numbers.
   beta_eff      KDN write-strength distribution per layer (KDN layers only)
   retrieval     the run's retrieval task grids (MQAR / copy / passkey runs: their task over longer
                 lengths; corpus LMs: S-NIAH-1/2/3)
-  topic_floor   topic-source runs: excess NLL over the exact Bayes floor by position up to ``max_len``
-                (chunked, state carried), bootstrap intervals over documents and the length verdict
-                (experiments/evaluation/topic_floor.py); also the state statistics of the same pass
+  topic_floor   topic-source runs: excess NLL over the exact Bayes floor by position up to
+                ``max_len`` (chunked, state carried), bootstrap intervals over documents and the
+                length verdict (experiments/evaluation/topic_floor.py); also the state
+                statistics of the same pass
 """
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ SYNTHETIC_TASK = {'mqar': 'mqar', 'copying': 'copy', 'passkey': 'passkey'}
 
 @dataclasses.dataclass
 class Settings:
-  max_len: int = 0               # position_ppl / state_stats / topic_floor length; 0: max(32768, 8 x
-                                 # training length), topic runs max(8192, 128 x training length)
+  # position_ppl / state_stats / topic_floor length; 0: max(32768, 8 x training length), topic
+  # runs max(8192, 128 x training length)
+  max_len: int = 0
   chunk: int = 0                 # tokens per carried chunk; 0: the training length
   num_sequences: int = 16        # long sequences for position_ppl / state_stats
   effrem_len: int = 0            # 0: 4 x training length
@@ -50,7 +52,7 @@ class Settings:
   long_eval_path: str = ''       # overrides the run's data.long_eval_path
   tokenizer: str = ''            # overrides the run's corpus tokenizer
   seed: int = 0
-  documents: int = floor_lib.DEFAULT_DOCS   # topic_floor: evaluation documents (the bootstrap's units)
+  documents: int = floor_lib.DEFAULT_DOCS   # topic_floor: evaluation documents (bootstrap units)
   resamples: int = bootstrap.RESAMPLES      # topic_floor: bootstrap resamples
 
 
@@ -172,17 +174,19 @@ def check(ctx: Context, suites) -> None:
                      f'"token_file" or "topic"); this run trained on {ctx.data.kind!r}')
   if 'topic_floor' in suites:
     if not ctx.is_topic:
-      raise ValueError(f'--suite: topic_floor needs a run trained on the topic source (data.kind="topic"); '
-                       f'this run trained on {ctx.data.kind!r}')
+      raise ValueError(f'--suite: topic_floor needs a run trained on the topic source '
+                       f'(data.kind="topic"); this run trained on {ctx.data.kind!r}')
     if ctx.max_len < floor_lib.LATE[1]:
-      raise ValueError(f'--max_len: topic_floor reads positions up to {floor_lib.LATE[1]}; got {ctx.max_len}')
+      raise ValueError(f'--max_len: topic_floor reads positions up to {floor_lib.LATE[1]}; '
+                       f'got {ctx.max_len}')
     if s.documents < 2:
-      raise ValueError(f'--documents: topic_floor needs >= 2 documents for its intervals, got {s.documents}')
+      raise ValueError(f'--documents: topic_floor needs >= 2 documents for its intervals, '
+                       f'got {s.documents}')
   if ctx.is_topic and {'position_ppl', 'state_stats', 'effrem', 'topic_floor'} & set(suites):
     need = max(ctx.max_len, s.effrem_len or 4 * ctx.train_len)
     if need > int(ctx.data.topic.doc_len):
-      raise ValueError(f'--max_len: {need} positions exceed the topic documents (data.topic.doc_len='
-                       f'{ctx.data.topic.doc_len})')
+      raise ValueError(f'--max_len: {need} positions exceed the topic documents '
+                       f'(data.topic.doc_len={ctx.data.topic.doc_len})')
   if ctx.is_topic and 'retrieval' in suites:
     raise ValueError('--suite: retrieval has no task for topic-source runs; use topic_floor')
   if 'retrieval' in suites:
@@ -294,7 +298,8 @@ def topic_floor(ctx: Context) -> tuple[dict, dict]:
   on_chunk(0, ctx.run.model.init_cache(len(docs), length))  # the normal initial state
   nll, _ = ctx.scorer.score(inputs, targets, ctx.chunk, on_chunk=on_chunk,
                             progress=f'topic_floor ({len(docs)} x {length})')
-  res = floor_lib.analyse(nll, src.bayes_nll(docs), ctx.train_len, seed=s.seed, resamples=s.resamples)
+  res = floor_lib.analyse(nll, src.bayes_nll(docs), ctx.train_len, seed=s.seed,
+                          resamples=s.resamples)
   res.update(chunk=ctx.chunk, seed=s.seed, source=ctx.data.topic.to_dict())
   return res, _state_result(ctx, series, len(docs), length)
 

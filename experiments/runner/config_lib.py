@@ -340,8 +340,8 @@ def _check_topic(config):
   except (TypeError, ValueError) as e:
     raise ConfigError(str(e)) from None
   if params.model_vocab > config.model.vocab_size:
-    _fail('model.vocab_size', f'{config.model.vocab_size} does not cover the topic vocabulary and BOS '
-          f'(data.topic.vocab_size + 1 = {params.model_vocab})')
+    _fail('model.vocab_size', f'{config.model.vocab_size} does not cover the topic vocabulary '
+          f'and BOS (data.topic.vocab_size + 1 = {params.model_vocab})')
   longest = max(d.seq_len, d.eval_seq_len)
   if longest > params.doc_len:
     _fail('data.topic.doc_len', f'{params.doc_len} is shorter than a window ({longest} tokens)')

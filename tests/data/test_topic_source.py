@@ -1,5 +1,6 @@
 """The synthetic topic source: its Bayes floor against brute-force enumeration, document layout,
 determinism and sampling statistics."""
+
 from __future__ import annotations
 
 import itertools
@@ -11,7 +12,8 @@ from experiments.data import topic_source as ts
 
 
 def _brute_force_nll(tokens, emissions, switch_prob):
-  """-log p(x_t | x_<t) from p(x_0..x_t) = the sum over every topic path of length t + 1 of its joint
+  """-log p(x_t | x_<t) from p(x_0..x_t) = the sum over every topic path of length t + 1 of its
+  joint
   probability (no recursion shared with the filter)."""
   z = emissions.shape[0]
   trans = np.full((z, z), switch_prob / (z - 1))
@@ -31,7 +33,9 @@ def _brute_force_nll(tokens, emissions, switch_prob):
 
 def test_filter_equals_brute_force_enumeration():
   rng = np.random.default_rng(3)
-  emissions = rng.dirichlet(np.ones(4) * 0.7, size=3)     # Z=3 topics over V=4 tokens, not Zipf on purpose
+  emissions = rng.dirichlet(
+    np.ones(4) * 0.7, size=3
+  )  # Z=3 topics over V=4 tokens, not Zipf on purpose
   for switch_prob in (0.0, 0.15, 0.9):
     tokens = rng.integers(0, 4, size=(5, 6))
     got = ts.bayes_nll(tokens, emissions, switch_prob)
@@ -40,13 +44,18 @@ def test_filter_equals_brute_force_enumeration():
 
 
 def test_source_floor_matches_brute_force_on_its_own_documents():
-  src = ts.TopicSource(ts.TopicParams(vocab_size=4, num_topics=3, zipf_exponent=1.3, switch_prob=0.2,
-                                      doc_len=6, seed=5))
+  src = ts.TopicSource(
+    ts.TopicParams(
+      vocab_size=4, num_topics=3, zipf_exponent=1.3, switch_prob=0.2, doc_len=6, seed=5
+    )
+  )
   docs = np.stack([src.tokens(ts.EVAL, d) for d in range(4)])
   want = np.stack([_brute_force_nll(row, src.emissions, 0.2) for row in docs])
   np.testing.assert_allclose(src.bayes_nll(docs), want, rtol=1e-12)
   # every topic is a Zipf law over a permutation of the vocabulary
-  np.testing.assert_allclose(np.sort(src.emissions, axis=1)[:, ::-1], np.tile(src.rank_probs, (3, 1)))
+  np.testing.assert_allclose(
+    np.sort(src.emissions, axis=1)[:, ::-1], np.tile(src.rank_probs, (3, 1))
+  )
 
 
 def test_documents_carry_boundaries_and_windows_tile_them():
@@ -62,16 +71,16 @@ def test_documents_carry_boundaries_and_windows_tile_them():
   for seq_len in (64, 100, 333):
     k = 2
     w = src.window(ts.TRAIN, 7, k, seq_len)
-    np.testing.assert_array_equal(w['targets'], doc[k * seq_len:(k + 1) * seq_len])
-    np.testing.assert_array_equal(w['inputs'][1:], doc[k * seq_len:(k + 1) * seq_len - 1])
-    np.testing.assert_array_equal(w['inputs'][0], doc[k * seq_len - 1])
+    np.testing.assert_array_equal(w["targets"], doc[k * seq_len : (k + 1) * seq_len])
+    np.testing.assert_array_equal(w["inputs"][1:], doc[k * seq_len : (k + 1) * seq_len - 1])
+    np.testing.assert_array_equal(w["inputs"][0], doc[k * seq_len - 1])
   first = src.window(ts.TRAIN, 7, 0, 64)
-  assert first['inputs'][0] == p.bos_id
+  assert first["inputs"][0] == p.bos_id
   np.testing.assert_array_equal(src.tokens(ts.TRAIN, 7, 250, 270), doc[250:270])
   # splits and documents differ
   assert not np.array_equal(doc, src.tokens(ts.EVAL, 7))
   assert not np.array_equal(doc, src.tokens(ts.TRAIN, 8))
-  with pytest.raises(ValueError, match='outside the document'):
+  with pytest.raises(ValueError, match="outside the document"):
     src.tokens(ts.TRAIN, 7, 990, 1001)
 
 
@@ -82,15 +91,20 @@ def test_deterministic_from_seed():
   np.testing.assert_array_equal(a.tokens(ts.TRAIN, 3), b.tokens(ts.TRAIN, 3))
   for x, y in zip(a.topic_path(ts.TRAIN, 3), b.topic_path(ts.TRAIN, 3)):
     np.testing.assert_array_equal(x, y)
-  c = ts.TopicSource(ts.TopicParams(vocab_size=64, num_topics=5, switch_prob=0.01, doc_len=3000, seed=12))
+  c = ts.TopicSource(
+    ts.TopicParams(vocab_size=64, num_topics=5, switch_prob=0.01, doc_len=3000, seed=12)
+  )
   assert not np.array_equal(a.perms, c.perms)
   assert not np.array_equal(a.tokens(ts.TRAIN, 3), c.tokens(ts.TRAIN, 3))
 
 
 def test_sampling_statistics_match_the_parameters():
   z, p_switch, n_docs, length = 6, 0.02, 300, 2000
-  src = ts.TopicSource(ts.TopicParams(vocab_size=50, num_topics=z, zipf_exponent=1.1, switch_prob=p_switch,
-                                      doc_len=length, seed=2))
+  src = ts.TopicSource(
+    ts.TopicParams(
+      vocab_size=50, num_topics=z, zipf_exponent=1.1, switch_prob=p_switch, doc_len=length, seed=2
+    )
+  )
   topics = np.stack([src.topics(ts.TRAIN, d) for d in range(n_docs)])
   switched = topics[:, 1:] != topics[:, :-1]
   n = switched.size
@@ -106,19 +120,24 @@ def test_sampling_statistics_match_the_parameters():
   assert ((oc - len(offsets) / (z - 1)) ** 2 / (len(offsets) / (z - 1))).sum() < 18.5
   # tokens given topic follow the topic's Zipf law over its permutation
   toks = np.stack([src.tokens(ts.TRAIN, d) for d in range(n_docs)])
-  rank_of = np.argsort(src.perms, axis=1)    # [Z, V] token -> rank
+  rank_of = np.argsort(src.perms, axis=1)  # [Z, V] token -> rank
   ranks = rank_of[topics, toks]
   freq = np.bincount(ranks.ravel(), minlength=50) / ranks.size
-  assert 0.5 * np.abs(freq - src.rank_probs).sum() < 0.01    # total variation
+  assert 0.5 * np.abs(freq - src.rank_probs).sum() < 0.01  # total variation
   # the empirical NLL of the true topic's law is the Zipf entropy; the floor is above it, by little
   entropy = -(src.rank_probs * np.log(src.rank_probs)).sum()
   floor = src.bayes_nll(toks[:50])
   assert entropy < floor[:, 200:].mean() < entropy + 0.2
-  assert floor[:, 0].mean() > floor[:, 200:].mean()   # nothing known at the start
+  assert floor[:, 0].mean() > floor[:, 200:].mean()  # nothing known at the start
 
 
 def test_bad_parameters_name_the_argument():
-  for word, value in (('num_topics', 1), ('switch_prob', 1.5), ('doc_len', 0), ('vocab_size', 1),
-                      ('zipf_exponent', -1.0)):
-    with pytest.raises(ValueError, match=f'topic source.{word}: must'):
+  for word, value in (
+    ("num_topics", 1),
+    ("switch_prob", 1.5),
+    ("doc_len", 0),
+    ("vocab_size", 1),
+    ("zipf_exponent", -1.0),
+  ):
+    with pytest.raises(ValueError, match=f"topic source.{word}: must"):
       ts.TopicSource(ts.TopicParams(**{word: value}))

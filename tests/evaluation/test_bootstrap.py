@@ -1,5 +1,6 @@
 """Percentile bootstrap intervals: coverage of a known mean / ratio at about the nominal rate,
 determinism, paired resampling and argument errors."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -29,16 +30,17 @@ def test_mean_interval_covers_the_known_mean_at_the_nominal_rate():
 def test_ratio_interval_covers_the_known_ratio():
   # per-unit pairs (num, den) with E[num] / E[den] = 3 and strongly correlated halves
   def draw(rng):
-    den = rng.gamma(4.0, 0.5, UNITS)            # mean 2
+    den = rng.gamma(4.0, 0.5, UNITS)  # mean 2
     num = 3.0 * den + rng.normal(0.0, 1.0, UNITS)
     return num, den
+
   cov = _coverage(draw, bootstrap.ratio_of_means, 3.0)
   assert 0.92 <= cov <= 0.98, cov
 
 
 def test_paired_resampling_keeps_the_pairing():
   rng = np.random.default_rng(0)
-  base = rng.normal(0, 10, 60)                  # large between-unit spread, shared by both conditions
+  base = rng.normal(0, 10, 60)  # large between-unit spread, shared by both conditions
   a, b = base + 1.0 + rng.normal(0, 0.1, 60), base
   paired = bootstrap.paired_difference(a, b, seed=1)
   assert paired.lo > 0.9 and paired.hi < 1.1
@@ -57,7 +59,7 @@ def test_columns_deterministic_and_estimates():
   assert not np.array_equal(iv.lo, bootstrap.mean(x, seed=8).lo)
   r = bootstrap.ratio_of_means(x[:, 0], x[:, 1], seed=3)
   assert r.estimate == pytest.approx(x[:, 0].mean() / x[:, 1].mean())
-  assert r.to_json()['units'] == 40 and isinstance(r.to_json()['lo'], float)
+  assert r.to_json()["units"] == 40 and isinstance(r.to_json()["lo"], float)
 
 
 def test_ratio_with_a_vanishing_denominator_is_unbounded():
@@ -67,11 +69,11 @@ def test_ratio_with_a_vanishing_denominator_is_unbounded():
 
 
 def test_bad_arguments_name_them():
-  with pytest.raises(ValueError, match='at least one unit'):
+  with pytest.raises(ValueError, match="at least one unit"):
     bootstrap.mean(np.zeros(0))
-  with pytest.raises(ValueError, match='level'):
+  with pytest.raises(ValueError, match="level"):
     bootstrap.mean(np.ones(5), level=1.5)
-  with pytest.raises(ValueError, match='same units'):
+  with pytest.raises(ValueError, match="same units"):
     bootstrap.ratio_of_means(np.ones(5), np.ones(4))
-  with pytest.raises(ValueError, match='shape'):
+  with pytest.raises(ValueError, match="shape"):
     bootstrap.mean(np.ones((2, 2, 2)))
