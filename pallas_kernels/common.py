@@ -21,7 +21,11 @@ __all__ = [
     "check_width",
 ]
 
-SUPPORTED_WIDTHS = (16, 32, 64, 128)
+# Head widths K and V the kernels take (kdn_jax.ops pads and tiles other widths onto them).
+# At 256 the same programs hold wider [K, block_v] state tiles and [C, K] rows: whether their
+# registers and shared memory fit a GPU only a GPU run shows (experiments/benchmarks/mixers.py
+# --check_only --check_dim=256); interpret mode and the CUDA lowering pass on CPU.
+SUPPORTED_WIDTHS = (16, 32, 64, 128, 256)
 # chunk_size values delta_rule accepts (kdn_jax.ops.dispatch reads both before any kernel runs).
 SUPPORTED_CHUNKS = (16, 32, 64, 128)
 

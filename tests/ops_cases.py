@@ -11,15 +11,20 @@ FAMILIES = ("diag", "iso", "delta_channel", "delta_scalar")
 
 
 def make_inputs(family, b, t, h, kd, vd, seed=0, *, la_scale=1.0, r=None,
-                mu=None, omega_zero=False, la_value=None):
-  """float64 numpy inputs for one family (unit-norm keys, as layers use)."""
+                mu=None, omega_zero=False, la_value=None, hk=None):
+  """float64 numpy inputs for one family (unit-norm keys, as layers use).
+
+  hk: q/k heads (default h); fewer than h is grouped value heads (h a multiple
+  of hk): q and k get hk heads, everything else h."""
   rng = np.random.default_rng(seed)
   n = lambda *s: rng.standard_normal(s)
-  k = n(b, t, h, kd)
+  hk = h if hk is None else hk
+  k = n(b, t, hk, kd)
   k /= np.linalg.norm(k, axis=-1, keepdims=True)
-  q = n(b, t, h, kd)
+  q = n(b, t, hk, kd)
   q /= np.linalg.norm(q, axis=-1, keepdims=True)
   x = dict(q=q, k=k, v=n(b, t, h, vd))
+  k = to_value_heads(k, h)
   la_shape = (b, t, h) if family == "delta_scalar" else (b, t, h, kd)
   la = -la_scale * np.log1p(np.exp(n(*la_shape) - 1.0))
   x["log_alpha"] = la if la_value is None else np.full(la_shape, la_value)
@@ -34,6 +39,12 @@ def make_inputs(family, b, t, h, kd, vd, seed=0, *, la_scale=1.0, r=None,
     x["write"] = 0.5 * k * (1 / (1 + np.exp(-n(b, t, h))))[..., None] + \
         0.1 * n(b, t, h, kd) / np.sqrt(kd)
   return x
+
+
+def to_value_heads(x, h):
+  """x [B, T, H_k, ...] with each q/k head repeated for its group of h // H_k
+  value heads (heads.py's convention: value head j reads head j // G)."""
+  return np.repeat(x, h // x.shape[2], axis=2)
 
 
 def make_state(family, b, h, kd, vd, seed=1):
@@ -80,9 +91,10 @@ _run_jit = jax.jit(_run, static_argnums=(0, 5, 6))
 def oracle(family, x, *, state=None, segment_ids=None):
   """float64 token loop; inputs are rounded through float32 by the caller."""
   with jax.enable_x64(True):
-    c = {key: jnp.asarray(val, jnp.float64) for key, val in x.items()
-         if key != "mu"}
-    b, _, h, kd = c["q"].shape
+    h = x["v"].shape[2]
+    c = {key: jnp.asarray(to_value_heads(val, h) if key in ("q", "k") else val,
+                          jnp.float64) for key, val in x.items() if key != "mu"}
+    b, _, _, kd = c["q"].shape
     vd = c["v"].shape[-1]
     s0 = jnp.zeros((b, h, kd, vd)) if state is None else jnp.asarray(
         state[0], jnp.float64)

@@ -40,7 +40,6 @@ them in `shard_map` for use under `jit` with arrays sharded along T.
 
 import contextlib
 import contextvars
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +47,7 @@ from absl import logging
 from jax.sharding import PartitionSpec as P
 
 from kdn_jax.ops import delta_rule as delta_rule_ops
-from kdn_jax.ops import dispatch
+from kdn_jax.ops import dispatch, heads
 from kdn_jax.ops import kdn as kdn_ops
 from kdn_jax.ops import mobius
 from kdn_jax.ops import validation as val
@@ -200,20 +199,11 @@ def _run_augmented(op, impl, q, k, v, log_alpha, write, memory_v0, segment_ids,
   vd = v.shape[-1]
   eye = jnp.broadcast_to(jnp.eye(kd, dtype=memory_v0.dtype), (b, h, kd, kd))
   zeros = jnp.zeros(v.shape[:3] + (kd,), v.dtype)
-  run = functools.partial(run_memory, op, impl, q, k, log_alpha=log_alpha,
-                          write=write, segment_ids=segment_ids,
-                          chunk_size=chunk_size, input_dtype=input_dtype,
-                          scale=scale)
-  # An augmented state wider than the Pallas kernels take runs as two kernel
-  # calls (values, then the transition).
-  if (impl == "pallas" and
-      vd + kd not in dispatch.pallas_module().common.SUPPORTED_WIDTHS):
-    o_v, s_v = run(v=v, memory0=memory_v0)
-    o_k, phi = run(v=zeros, memory0=eye)
-    return o_v, o_k, s_v, phi
-  o, s = run(v=jnp.concatenate([v, zeros], axis=-1),
-             memory0=jnp.concatenate([memory_v0, eye.astype(memory_v0.dtype)],
-                                     axis=-1))
+  # (on the Pallas path, V + K columns wider than the kernels take run as column tiles:
+  # widths.py)
+  o, s = run_memory(op, impl, q, k, jnp.concatenate([v, zeros], axis=-1), log_alpha, write,
+                    jnp.concatenate([memory_v0, eye.astype(memory_v0.dtype)], axis=-1),
+                    segment_ids, chunk_size, input_dtype, scale)
   return o[..., :vd], o[..., vd:], s[..., :vd], s[..., vd:]
 
 
@@ -278,6 +268,7 @@ def _kdn_cp(op, diag, q, k, v, log_alpha, omega, r, axis_name, info_scale,
             scale, initial_state, output_final_state, segment_ids, impl,
             chunk_size):
   _check_axis(op, axis_name)
+  q, k = heads.to_value_heads(op, q, k, v)
   b, _, h, kd, vd = _check_kdn(op, diag, q, k, v, log_alpha, omega, r)
   t_local = q.shape[1]
   val.check_segment_ids(op, segment_ids, b, t_local)
@@ -338,6 +329,7 @@ def delta_rule(q, k, v, log_alpha, write, *, axis_name, scale=None,
   """
   op = "context_parallel.delta_rule"
   _check_axis(op, axis_name)
+  q, k = heads.to_value_heads(op, q, k, v)
   (_, _, _, kd, _), cd, memory0 = check_args(op, q, k, v, log_alpha, write,
                                              initial_state, segment_ids)
   impl, chunk_size = _local_impl(op, impl, chunk_size)
@@ -354,27 +346,32 @@ def delta_rule(q, k, v, log_alpha, write, *, axis_name, scale=None,
 
 def kda(q, k, v, g, beta, **kwargs):
   """`ops.kda` inside shard_map (per-channel decay g, write beta * k)."""
+  q, k = heads.to_value_heads("context_parallel.kda", q, k, v)
   return delta_rule(q, k, v, g, beta_write(beta, k), **kwargs)
 
 
 def gated_delta_rule(q, k, v, g, beta, **kwargs):
   """`ops.gated_delta_rule` inside shard_map (scalar decay g [B, T, H])."""
+  q, k = heads.to_value_heads("context_parallel.gated_delta_rule", q, k, v)
   return delta_rule(q, k, v, g, beta_write(beta, k), **kwargs)
 
 
 def delta_net(q, k, v, beta, **kwargs):
   """`ops.delta_net` inside shard_map (no decay)."""
+  q, k = heads.to_value_heads("context_parallel.delta_net", q, k, v)
   return delta_rule(q, k, v, jnp.zeros(q.shape[:3], q.dtype),
                     beta_write(beta, k), **kwargs)
 
 
 def gdn2(q, k, v, g, b, w, **kwargs):
   """`ops.gdn2` inside shard_map (read/erase key b*k, write k, value w*v)."""
+  q, k = heads.to_value_heads("context_parallel.gdn2", q, k, v)
   return delta_rule(q, beta_times(b, k), beta_times(w, v), g, k, **kwargs)
 
 
 def gla(q, k, v, g, **kwargs):
   """`ops.gla` inside shard_map (no erase)."""
+  q, k = heads.to_value_heads("context_parallel.gla", q, k, v)
   return delta_rule(q, jnp.zeros_like(k), v, g, k, **kwargs)
 
 

@@ -7,7 +7,7 @@ Wrappers keep flash-linear-attention's argument meaning.
 import jax
 import jax.numpy as jnp
 
-from kdn_jax.ops import dispatch
+from kdn_jax.ops import dispatch, heads, widths
 from kdn_jax.ops import validation as val
 from kdn_jax.ops.delta_chunked import delta_rule_chunked
 from kdn_jax.ops.delta_reference import delta_rule_reference, delta_step
@@ -77,8 +77,9 @@ def run_memory(op, impl, q, k, v, log_alpha, write, memory0, segment_ids,
     # and the kernels read half the bytes (they compute in fp32 inside).
     narrow = jnp.dtype(input_dtype).itemsize == 2
     kq, kk, kv = ((x.astype(input_dtype) if narrow else x) for x in (q, k, v))
-    return kernels.delta_rule(
-        kq, kk, kv, log_alpha, write, scale, memory0, segment_ids,
+    # (widths the kernels do not take are padded and tiled onto theirs: widths.py)
+    return widths.delta_rule(
+        kernels, kq, kk, kv, log_alpha, write, scale, memory0, segment_ids,
         chunk_size=chunk_size, precision=kernels.precision_for(input_dtype))
   q = q * scale
   if write.ndim == 3:
@@ -96,7 +97,9 @@ def delta_rule(q, k, v, log_alpha, write, *, scale=None, initial_state=None,
   """General delta rule with write direction `write` and erase direction `k`.
 
   Args:
-    q, k: [B, T, H, K]; v: [B, T, H, V].
+    q, k: [B, T, H_k, K]; v: [B, T, H, V], H a multiple of H_k (grouped value
+      heads: value head j reads q/k head j // (H / H_k); heads.py). Everything
+      else, the output and the state have the H value heads.
     write: [B, T, H, K], or [B, T, H]: a per-token scalar beta, write = beta * k
       (the Pallas GPU kernels then form beta * k themselves: no [B, T, H, K]
       write array in memory; the other impls and TPU form it in XLA).
@@ -114,6 +117,7 @@ def delta_rule(q, k, v, log_alpha, write, *, scale=None, initial_state=None,
     (o [B, T, H, V] in q's dtype, final memory [B, H, K, V] or None).
   """
   op = "delta_rule"
+  q, k = heads.to_value_heads(op, q, k, v)
   (_, _, _, kd, vd), cd, memory0 = check_args(op, q, k, v, log_alpha, write,
                                               initial_state, segment_ids)
   if checked:
@@ -133,9 +137,11 @@ def delta_rule(q, k, v, log_alpha, write, *, scale=None, initial_state=None,
 
 def delta_rule_step(q, k, v, log_alpha, write, memory, *, scale=None,
                     checked=False):
-  """One decode step. q, k, write [B, H, K]; v [B, H, V]; log_alpha [B, H, K]
-  or [B, H]; memory [B, H, K, V]. Returns (o_t [B, H, V], new memory)."""
+  """One decode step. q, k [B, H_k, K]; write [B, H, K]; v [B, H, V]; log_alpha
+  [B, H, K] or [B, H]; memory [B, H, K, V]; H a multiple of H_k (grouped value
+  heads, as in `delta_rule`). Returns (o_t [B, H, V], new memory)."""
   op = "delta_rule_step"
+  q, k = heads.to_value_heads(op, q, k, v, axis=1)
   for name, x in (("q", q), ("k", k), ("v", v), ("log_alpha", log_alpha),
                   ("write", write), ("memory", memory)):
     val.check_float(op, name, x)
@@ -178,18 +184,21 @@ def _check_gate(op, g, kwargs):
 
 def kda(q, k, v, g, beta, **kwargs):
   """Kimi Delta Attention: per-channel decay g [B,T,H,K], write beta * k."""
+  q, k = heads.to_value_heads("kda", q, k, v)
   kwargs = _check_gate("kda", g, kwargs)
   return delta_rule(q, k, v, g, beta_write(beta, k), **kwargs)
 
 
 def gated_delta_rule(q, k, v, g, beta, **kwargs):
   """Gated DeltaNet: scalar decay g [B,T,H], write beta * k."""
+  q, k = heads.to_value_heads("gated_delta_rule", q, k, v)
   kwargs = _check_gate("gated_delta_rule", g, kwargs)
   return delta_rule(q, k, v, g, beta_write(beta, k), **kwargs)
 
 
 def delta_net(q, k, v, beta, **kwargs):
   """DeltaNet: no decay, write beta * k."""
+  q, k = heads.to_value_heads("delta_net", q, k, v)
   kwargs.pop("checked", None)  # no decay: nothing to check
   return delta_rule(q, k, v, jnp.zeros(q.shape[:3], q.dtype),
                     beta_write(beta, k), **kwargs)
@@ -201,6 +210,7 @@ def gdn2(q, k, v, g, b, w, **kwargs):
   The read/erase key is b * k, the write direction k, the value w * v;
   b is [B,T,H,K] or [B,T,H], w is [B,T,H,V] or [B,T,H].
   """
+  q, k = heads.to_value_heads("gdn2", q, k, v)
   kwargs = _check_gate("gdn2", g, kwargs)
   return delta_rule(q, beta_times(b, k), beta_times(w, v), g, k, **kwargs)
 
@@ -210,6 +220,7 @@ def gla(q, k, v, g, **kwargs):
 
   g: [B,T,H,K] or [B,T,H]. No erase: the erase key is zero.
   """
+  q, k = heads.to_value_heads("gla", q, k, v)
   kwargs = _check_gate("gla", g, kwargs)
   return delta_rule(q, jnp.zeros_like(k), v, g, k, **kwargs)
 
@@ -217,10 +228,13 @@ def gla(q, k, v, g, **kwargs):
 # Decode steps of the named members: one token, the same arguments as the
 # parallel op without T, and the memory [B, H, K, V] the parallel op returns as
 # its final state (so a prefill's final state continues token by token).
+# Every member takes grouped value heads like `delta_rule`: q, k with H_k heads,
+# the rest with H, a multiple of H_k.
 
 
 def kda_step(q, k, v, g, beta, memory, *, scale=None, checked=False):
   """One token of `kda`: q, k, g [B,H,K]; v [B,H,V]; beta [B,H]."""
+  q, k = heads.to_value_heads("kda_step", q, k, v, axis=1)
   _check_gate("kda_step", g, dict(checked=checked))
   return delta_rule_step(q, k, v, g, beta_times(beta, k), memory, scale=scale)
 
@@ -228,18 +242,21 @@ def kda_step(q, k, v, g, beta, memory, *, scale=None, checked=False):
 def gated_delta_rule_step(q, k, v, g, beta, memory, *, scale=None,
                           checked=False):
   """One token of `gated_delta_rule`: g, beta [B,H]."""
+  q, k = heads.to_value_heads("gated_delta_rule_step", q, k, v, axis=1)
   _check_gate("gated_delta_rule_step", g, dict(checked=checked))
   return delta_rule_step(q, k, v, g, beta_times(beta, k), memory, scale=scale)
 
 
 def delta_net_step(q, k, v, beta, memory, *, scale=None):
   """One token of `delta_net` (no decay): beta [B,H]."""
+  q, k = heads.to_value_heads("delta_net_step", q, k, v, axis=1)
   return delta_rule_step(q, k, v, jnp.zeros(q.shape[:2], q.dtype),
                          beta_times(beta, k), memory, scale=scale)
 
 
 def gdn2_step(q, k, v, g, b, w, memory, *, scale=None, checked=False):
   """One token of `gdn2`: b [B,H,K] or [B,H]; w [B,H,V] or [B,H]."""
+  q, k = heads.to_value_heads("gdn2_step", q, k, v, axis=1)
   _check_gate("gdn2_step", g, dict(checked=checked))
   return delta_rule_step(q, beta_times(b, k), beta_times(w, v), g, k, memory,
                          scale=scale)
@@ -247,5 +264,6 @@ def gdn2_step(q, k, v, g, b, w, memory, *, scale=None, checked=False):
 
 def gla_step(q, k, v, g, memory, *, scale=None, checked=False):
   """One token of `gla` (no erase): g [B,H,K] or [B,H]."""
+  q, k = heads.to_value_heads("gla_step", q, k, v, axis=1)
   _check_gate("gla_step", g, dict(checked=checked))
   return delta_rule_step(q, jnp.zeros_like(k), v, g, k, memory, scale=scale)

@@ -44,18 +44,26 @@ def pallas_unsupported(kernels, kd, vd, chunk_size):
 
   chunk_size None means the Pallas default. The limits are the kernels' own
   (pallas_kernels.common), read here so that the choice is made before any
-  kernel is traced instead of by catching the kernels' errors.
+  kernel is traced instead of by catching the kernels' errors. Any K up to the
+  widest kernel width and any V run (kdn_jax.ops.widths pads and tiles them).
   """
-  widths = kernels.common.SUPPORTED_WIDTHS
+  del vd  # (any V: column tiles)
+  widest = max(kernels.common.SUPPORTED_WIDTHS)
   chunks = kernels.common.SUPPORTED_CHUNKS
-  for name, n in (("K (key width)", kd), ("V (value width)", vd)):
-    if n not in widths:
-      return (f"{name} = {n} is not supported by the Pallas kernels "
-              f"(supported: {', '.join(map(str, widths))})")
+  if kd > widest:
+    return (f"K (key width) = {kd} is not supported by the Pallas kernels "
+            f"(at most {widest})")
   if chunk_size is not None and chunk_size not in chunks:
     return (f"chunk_size = {chunk_size} is not supported by the Pallas kernels "
             f"(supported: {', '.join(map(str, chunks))} or None)")
   return None
+
+
+def native_width(n):
+  """Whether the kernels take width n as it is (no padding): the layers' glue kernels (short
+  conv, gated norm, fused gain front-end) run only at such widths."""
+  kernels = pallas_module()
+  return kernels is not None and n in kernels.common.SUPPORTED_WIDTHS
 
 
 _FALLBACKS_LOGGED = set()

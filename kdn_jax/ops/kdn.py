@@ -6,9 +6,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kdn_jax.ops import dispatch
+from kdn_jax.ops import dispatch, heads, variance, widths
 from kdn_jax.ops import validation as val
-from kdn_jax.ops import variance
 from kdn_jax.ops.delta_reference import delta_step, scan_tokens
 from kdn_jax.ops.delta_rule import DEFAULT_CHUNK, resolve, run_memory
 from kdn_jax.ops.state import KDNState
@@ -69,6 +68,7 @@ def _check_kdn_values(op, log_alpha, omega, r, mu, variance):
 def _kdn(op, diag, q, k, v, log_alpha, omega, r, info_scale, scale,
          initial_state, output_final_state, segment_ids, impl, chunk_size,
          checked):
+  q, k = heads.to_value_heads(op, q, k, v)
   b, t, h, kd, vd = _check_kdn(op, diag, q, k, v, log_alpha, omega, r)
   val.check_segment_ids(op, segment_ids, b, t)
   impl, chunk_size = resolve(op, impl, kd, vd, chunk_size)
@@ -124,14 +124,13 @@ def _gain(op, diag, impl, k, log_alpha, omega, r, mu, var0, segment_ids,
   caller's q/k/v dtype): the Pallas diag gain stores kappa as the delta rule
   wants it for that data (pallas_kernels.write_dtype)."""
   kernels = dispatch.pallas_module() if impl == "pallas" else None
-  if diag and kernels:
-    return kernels.diag_gain(
-        k, log_alpha, omega, r, mu, var0, segment_ids,
-        gain_dtype=kernels.write_dtype(input_dtype))
-  if diag:
-    return variance.diag_gain(k, log_alpha, omega, r, mu, var0, segment_ids)
-  fn = kernels.iso_gain if kernels else variance.iso_gain
-  return fn(k, log_alpha, omega, r, mu, var0, segment_ids)   # beta: write = beta k
+  if kernels:   # (widths the kernels do not take are padded onto theirs: widths.py)
+    if diag:
+      return widths.diag_gain(kernels, k, log_alpha, omega, r, mu, var0, segment_ids,
+                              gain_dtype=kernels.write_dtype(input_dtype))
+    return widths.iso_gain(kernels, k, log_alpha, omega, r, mu, var0, segment_ids)
+  fn = variance.diag_gain if diag else variance.iso_gain
+  return fn(k, log_alpha, omega, r, mu, var0, segment_ids)   # iso: beta, write = beta k
 
 
 def diag_kdn(q, k, v, log_alpha, omega, r, *, info_scale=None, scale=None,
@@ -140,8 +139,11 @@ def diag_kdn(q, k, v, log_alpha, omega, r, *, info_scale=None, scale=None,
   """Diagonal Kalman Delta Network.
 
   Args:
-    q, k, log_alpha, omega: [B, T, H, K] (omega >= 0, log_alpha <= 0);
-    v: [B, T, H, V]; r: [B, T, H] observation noise (> 0).
+    q, k: [B, T, H_k, K]; v: [B, T, H, V]; log_alpha, omega: [B, T, H, K]
+      (omega >= 0, log_alpha <= 0); r: [B, T, H] observation noise (> 0).
+      H is a multiple of H_k (grouped value heads: value head j reads q/k head
+      j // (H / H_k); heads.py): the gain inputs, the output and the state
+      have the H value heads.
     info_scale: mu > 0, a float or an [H] array; default K.
     scale: query scale, default K ** -0.5.
     initial_state: KDNState(memory [B,H,K,V], variance [B,H,K]) or None
@@ -179,6 +181,7 @@ def _kdn_step(op, diag, q, k, v, log_alpha, omega, r, state, info_scale,
   if not isinstance(state, KDNState):
     raise TypeError(f"{op}: state must be a KDNState, got "
                     f"{type(state).__name__}")
+  q, k = heads.to_value_heads(op, q, k, v, axis=1)
   # Reuse the sequence checks with T = 1.
   add_t = lambda x: jnp.expand_dims(x, 1)
   b, _, h, kd, vd = _check_kdn(op, diag, *map(add_t, (q, k, v, log_alpha,
@@ -201,7 +204,8 @@ def diag_kdn_step(q, k, v, log_alpha, omega, r, state, *, info_scale=None,
                   scale=None, checked=False):
   """One decode token of diag_kdn.
 
-  q, k, log_alpha, omega: [B, H, K]; v: [B, H, V]; r: [B, H]; state: KDNState.
+  q, k: [B, H_k, K]; log_alpha, omega: [B, H, K]; v: [B, H, V]; r: [B, H];
+  state: KDNState (grouped value heads as in `diag_kdn`).
   Returns (o_t [B, H, V], new KDNState).
   """
   return _kdn_step("diag_kdn_step", True, q, k, v, log_alpha, omega, r, state,

@@ -31,8 +31,8 @@ SEGMENT_IDS = np.array([[0] * 5 + [1] * 15 + [2] * 12 + [3] + [4] * 7,
 
 # (op, family of ops_cases.make_inputs, impl, segments, slices, batch split):
 # the batch split puts B over a 'data' axis too (batch_axes). Pallas runs
-# with V = 32 (the kernels take V >= 16; V + K = 48 is no kernel width, so the
-# memory runs as two kernel calls, as at K = V = 128 on a GPU).
+# with V = 32: the augmented memory's V + K = 48 columns run padded to the
+# kernel width 64 (ops/widths.py).
 CASES = [
     ("diag_kdn", "diag", "chunked", True, 8, 1),
     ("iso_kdn", "iso", "chunked", True, 4, 1),

@@ -146,12 +146,19 @@ BAD_INPUTS = [
     (lambda x: ops.iso_kdn(x["q"], x["k"], x["v"], x["log_alpha"], x["omega"],
                            x["r"]), ValueError, "omega must have shape [B, T, H]"),
     # An explicit impl='pallas' never falls back to chunked: it names the value.
-    (lambda x: _diag(x, impl="pallas"), ValueError,
-     "diag_kdn: impl='pallas': V (value width) = 8 is not supported by the "
-     "Pallas kernels (supported: 16, 32, 64, 128)"),
-    (lambda x: ops.kda(x["q"][..., :8], x["k"][..., :8], x["q"],
-                       x["log_alpha"][..., :8], x["r"], impl="pallas"),
-     ValueError, "K (key width) = 8 is not supported"),
+    (lambda x: ops.delta_rule(*(jnp.zeros((1, 4, 1, 300)),) * 5, impl="pallas"), ValueError,
+     "delta_rule: impl='pallas': K (key width) = 300 is not supported by the Pallas kernels "
+     "(at most 256)"),
+    # Grouped value heads: v's heads a multiple of q's and k's.
+    (lambda x: ops.kda(x["q"][:, :, :3], x["k"][:, :, :3], x["v"], x["log_alpha"], x["r"]),
+     ValueError, "kda: v has 4 heads and q, k have 3: grouped value heads need the value heads "
+     "to be a multiple of the query/key heads"),
+    (lambda x: _diag(dict(x, v=x["v"][:, :, :2])), ValueError, "diag_kdn: v has 2 heads and q, "
+     "k have 4"),
+    (lambda x: ops.iso_kdn_step(*(x[n][:, 0, :3] for n in ("q", "k")), *(
+        x[n][:, 0] for n in ("v", "log_alpha", "r", "r")), ops.KDNState(
+            jnp.zeros((B, H, K, V)), jnp.ones((B, H)))),
+     ValueError, "iso_kdn_step: v has 4 heads and q, k have 3"),
     (lambda x: ops.delta_rule(x["q"], x["k"], x["q"], x["log_alpha"], x["k"],
                               impl="pallas", chunk_size=8), ValueError,
      "chunk_size = 8 is not supported by the Pallas kernels (supported: 16, "
@@ -198,19 +205,22 @@ def test_auto_falls_back_with_the_reason_logged_once(monkeypatch, caplog):
   monkeypatch.setattr(dispatch, "PALLAS_AUTO_PLATFORMS", (jax.default_backend(),))
   monkeypatch.setattr(dispatch, "_FALLBACKS_LOGGED", set())
   caplog.set_level(logging.WARNING)
-  assert dispatch.resolve_impl("diag_kdn", "auto", 16, 16, None) == "pallas"
+  # (any K up to the widest kernel width and any V: ops/widths.py pads and tiles them)
+  for kd, vd in ((16, 16), (8, 8), (48, 96), (256, 512)):
+    assert dispatch.resolve_impl("diag_kdn", "auto", kd, vd, None) == "pallas"
   for _ in range(2):
-    assert dispatch.resolve_impl("diag_kdn", "auto", 16, 8, None) == "chunked"
+    assert dispatch.resolve_impl("diag_kdn", "auto", 257, 16, None) == "chunked"
   assert dispatch.resolve_impl("diag_kdn", "auto", 16, 16, 8) == "chunked"
   msgs = [r.getMessage() for r in caplog.records if "impl='auto'" in r.getMessage()]
   assert msgs == [
-      "diag_kdn: impl='auto' uses 'chunked': V (value width) = 8 is not "
-      "supported by the Pallas kernels (supported: 16, 32, 64, 128)",
+      "diag_kdn: impl='auto' uses 'chunked': K (key width) = 257 is not "
+      "supported by the Pallas kernels (at most 256)",
       "diag_kdn: impl='auto' uses 'chunked': chunk_size = 8 is not supported "
       "by the Pallas kernels (supported: 16, 32, 64, 128 or None)"], msgs
-  # Through an op: V = 8 under 'auto' gives the chunked result.
+  # Through an op: chunk_size = 8 under 'auto' gives the chunked result.
   x = _inputs()
-  np.testing.assert_array_equal(_diag(x, impl="auto")[0], _diag(x, impl="chunked")[0])
+  np.testing.assert_array_equal(_diag(x, impl="auto", chunk_size=8)[0],
+                                _diag(x, impl="chunked", chunk_size=8)[0])
 
 
 def test_pallas_limits_match_the_kernels():

@@ -51,6 +51,54 @@ def test_packed_segments_match_token_loop(family, impl):
         segment_ids=jnp.asarray(seg))
 
 
+# Head widths the Pallas kernels do not take as they are (ops/widths.py pads them; 256 is
+# theirs): every impl meets each of K, V in {8, 48, 96, 256} once, each family another pair, across
+# a chunk edge. Pallas (interpret mode): the diag gain padded, the iso gain padded (its mean over
+# K), per-channel and scalar decays, K and V native at 256.
+WIDTHS = ((8, 96), (48, 256), (96, 8), (256, 48))
+WIDTH_CASES = [(f, impl, WIDTHS[(i + shift) % 4]) for shift, impl in enumerate(IMPLS[::-1])
+               for i, f in enumerate(FAMILIES)]
+
+
+@pytest.mark.parametrize("family,impl,widths", WIDTH_CASES)
+def test_any_width_matches_token_loop(family, impl, widths):
+  kd, vd = widths
+  x = make_inputs(family, 1, 20, H, kd, vd, seed=kd + vd)
+  check(family, x, impl, state=make_state(family, 1, H, kd, vd), chunk_size=16,
+        jit=impl == "pallas")
+
+
+def test_value_tiles_match_token_loop(monkeypatch):
+  """V wider than the widest kernel width runs as column tiles (ops/widths.py): with the
+  kernels' widths cut to (16, 32), V = 40 runs as two kernel calls, on 32 columns and on 8
+  padded to 16, K = 24 padded to 32; outputs and final states as the loop's."""
+  import pallas_kernels  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(pallas_kernels.common, "SUPPORTED_WIDTHS", (16, 32))
+  real, widths_seen = pallas_kernels.delta_rule, []
+
+  def spy(q, k, v, *args, **kwargs):
+    widths_seen.append((k.shape[-1], v.shape[-1]))
+    return real(q, k, v, *args, **kwargs)
+
+  monkeypatch.setattr(pallas_kernels, "delta_rule", spy)
+  x = make_inputs("diag", 1, 20, H, 24, 40, seed=9)
+  check("diag", x, "pallas", state=make_state("diag", 1, H, 24, 40), chunk_size=16)
+  assert widths_seen == [(32, 32), (32, 16)], widths_seen
+
+
+# Grouped value heads (ops/heads.py): q, k with 2 heads, each serving 2 of the 4 value heads
+# (the loop reads q, k repeated so).
+GROUPED_CASES = [(f, i) for f in FAMILIES for i in ("reference", "chunked")] + [
+    ("diag", "pallas"), ("delta_scalar", "pallas")]
+
+
+@pytest.mark.parametrize("family,impl", GROUPED_CASES)
+def test_grouped_value_heads_match_token_loop(family, impl):
+  x = make_inputs(family, 1, 20, 4, K, V, seed=13, hk=2)
+  assert x["q"].shape[2] == x["k"].shape[2] == 2 and x["v"].shape[2] == 4
+  check(family, x, impl, state=make_state(family, 1, 4, K, V), chunk_size=16)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_segments_equal_separate_runs(family):
   t1 = t2 = 37  # equal halves share one compiled shape
@@ -91,10 +139,12 @@ def test_continuation(family, impl):
     np.testing.assert_allclose(f, f2, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_decode_steps_equal_parallel(family):
+# (hk 1: grouped value heads, for one family of each gain and decay form)
+@pytest.mark.parametrize("family,hk", [(f, H) for f in FAMILIES] + [("iso", 1),
+                                                                  ("delta_channel", 1)])
+def test_decode_steps_equal_parallel(family, hk):
   t = 19
-  x = make_inputs(family, B, t, H, K, V, seed=6)
+  x = make_inputs(family, B, t, H, K, V, seed=6, hk=hk)
   state = make_state(family, B, H, K, V)
   o, final = run(family, x, "chunked", state=state)
   c = {k: (jnp.asarray(v, jnp.float32) if isinstance(v, np.ndarray) else v)
@@ -227,3 +277,21 @@ def test_baseline_decode_steps_equal_parallel(name):
   assert mem.shape == final.shape == (b, h, kd, vd)
   np.testing.assert_allclose(np.stack(outs, 1), o, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(mem, final, rtol=1e-5, atol=1e-5)
+
+
+def test_baselines_take_grouped_value_heads():
+  """Every named member and its decode step with q, k of one head serving both value heads
+  (ops/heads.py; the gates, like v, per value head) equal themselves with q, k repeated to two
+  heads (the float64 loop holds the repeated form: test_grouped_value_heads_match_token_loop)."""
+  b, t, h, kd, vd = 1, 12, 2, 16, 8
+  x = _baseline_inputs(b, t, h, kd, vd, seed=5)
+  s0 = jnp.zeros((b, h, kd, vd))
+  for name, (parallel, step, gates) in sorted(BASELINES.items()):
+    grouped = [x["q"][:, :, :1], x["k"][:, :, :1], x["v"]] + [x[g] for g in gates]
+    repeated = [jnp.repeat(a, h, axis=2) for a in grouped[:2]] + grouped[2:]
+    got, want = (parallel(*a, initial_state=s0, output_final_state=True, impl="chunked")
+                 for a in (grouped, repeated))
+    got_step, want_step = (step(*(z[:, 0] for z in a), s0) for a in (grouped, repeated))
+    for g, w in zip(got + got_step, want + want_step):
+      assert g.shape == w.shape, name
+      np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6, err_msg=name)

@@ -115,6 +115,37 @@ def test_grads_match_token_loop(family, impl, segmented):
     assert rel_err(g, w) <= 1e-4, (name, rel_err(g, w))
 
 
+# Widths the Pallas kernels pad (ops/widths.py) and grouped value heads (ops/heads.py): q and k
+# with 1 head for 2 value heads, so their gradients sum over the group. Pallas: the iso gain's
+# padding (its mean over K moved into log_alpha and mu) and the diag gain's, K and V padded.
+GROUPED_GRAD_CASES = [("delta_channel", "chunked", 8, 40), ("iso", "pallas", 48, 8),
+                      ("diag", "pallas", 8, 40)]
+
+
+@pytest.mark.parametrize("family,impl,kd,vd", GROUPED_GRAD_CASES)
+def test_grads_at_any_width_with_grouped_heads(family, impl, kd, vd):
+  b, t, h = 1, 20, 2
+  x = round_f32(make_inputs(family, b, t, h, kd, vd, seed=17, hk=1))
+  state = round_f32(dict(enumerate(make_state(family, b, h, kd, vd))))
+  names, arrays = _arrays(family, x, [state[i] for i in sorted(state)], h, kd)
+  seg = jnp.asarray([[0] * 7 + [1] * (t - 7)])
+  argnums = tuple(range(len(arrays)))
+  got = jax.grad(_loss_fn(family, impl, seg), argnums)(
+      *(jnp.asarray(a, jnp.float32) for a in arrays))
+  oracle_loss = _oracle_loss(family, seg, kd)
+
+  def grouped_oracle_loss(q, k, *rest):   # q, k read by both value heads
+    return oracle_loss(jnp.repeat(q, h, axis=2), jnp.repeat(k, h, axis=2), *rest)
+
+  with jax.enable_x64(True):
+    want = jax.grad(grouped_oracle_loss, argnums)(
+        *(jnp.asarray(a, jnp.float64) for a in arrays))
+  assert got[0].shape == x["q"].shape and got[1].shape == x["k"].shape
+  for name, g, w in zip(names, got, want):
+    assert np.all(np.isfinite(g)), name
+    assert rel_err(g, np.asarray(w)) <= 1e-4, (name, rel_err(g, np.asarray(w)))
+
+
 @pytest.mark.parametrize("impl", ["reference", "chunked"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_check_grads_numerically(family, impl):
