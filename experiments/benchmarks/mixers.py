@@ -50,7 +50,8 @@ flags.DEFINE_list("pallas_lens", [], "if set, time *_pallas rows only at these l
                   "length compiles the kernels again)", flag_values=FLAGS)
 flags.DEFINE_boolean("check", True, "run the GPU correctness check first", flag_values=FLAGS)
 flags.DEFINE_boolean("check_only", False, "only run the correctness check", flag_values=FLAGS)
-flags.DEFINE_integer("check_dim", 128, "head width K = V of the correctness check (16-128)",
+flags.DEFINE_integer("check_dim", 128, "head width K = V of the correctness check: a width the "
+                     "kernels take as it is (16, 32, 64, 128, 256; the ops pad others onto them)",
                      flag_values=FLAGS)
 flags.DEFINE_float("time_budget_s", 420.0, "stop timing new cells (and sweep specs) after this "
                    "many seconds", flag_values=FLAGS)

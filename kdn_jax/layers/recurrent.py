@@ -1,12 +1,18 @@
 """Shared scaffolding of the recurrent (delta-rule family) mixers.
 
-x -> q, k, v projections [B,T,H,K|V] -> causal depthwise short conv + SiLU (own decode cache each)
--> L2-normalised q, k -> recurrence (subclass) -> sigmoid-gated RMSNorm (low-rank gate) -> o_proj.
+x -> q, k, v projections [B,T,H_k|H,K|V] -> causal depthwise short conv + SiLU (own decode cache
+each) -> L2-normalised q, k -> recurrence (subclass) -> sigmoid-gated RMSNorm (low-rank gate) ->
+o_proj.
+
+Heads: H = cfg.num_v_heads value heads (0: cfg.num_heads) carry v, the gates, the state and the
+output; q and k have H_k = cfg.num_heads heads, each serving H / H_k consecutive value heads
+(grouped value heads, flash-linear-attention's GVA; Mamba-2's B/C groups). q and k are repeated
+to H heads after their convs, so the subclasses see H heads throughout.
 
 State contract (a dict pytree, all float32):
   'memory'   [B, H, K, V]
   'variance' [B, H, K] (diag KDN) or [B, H] (iso KDN)   -- KDN only
-  'conv'     {'q': [B, W-1, H, K], 'k': [B, W-1, H, K], 'v': [B, W-1, H, V]}
+  'conv'     {'q': [B, W-1, H_k, K], 'k': [B, W-1, H_k, K], 'v': [B, W-1, H, V]}
 """
 from __future__ import annotations
 
@@ -31,6 +37,11 @@ def get_dtype(name) -> jnp.dtype:
     return jnp.dtype(table[name])
 
 
+def value_heads(cfg) -> int:
+    """The value heads H of a recurrent mixer: cfg.num_v_heads, 0 (or absent) meaning num_heads."""
+    return int(cfg.get('num_v_heads', 0) or 0) or int(cfg.num_heads)
+
+
 def lowrank_dim(cfg) -> int:
     r = int(cfg.get('lowrank_dim', 0) or 0)
     return r if r > 0 else int(cfg.head_dim)
@@ -46,21 +57,25 @@ class RecurrentMixer(nnx.Module):
     fuse_norm = False  # likewise the sigmoid-gated output RMSNorm (pallas_kernels.gated_norm)
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        d, H, K = int(cfg.d_model), int(cfg.num_heads), int(cfg.head_dim)
-        V = K
+        d, Hk, K = int(cfg.d_model), int(cfg.num_heads), int(cfg.head_dim)
+        H, V = value_heads(cfg), K
+        if H % Hk:
+            raise ValueError(f'num_v_heads = {H} must be a multiple of num_heads = {Hk}')
+        # num_heads: the recurrence's (value) heads, which the subclasses' gates and state use
         self.d_model, self.num_heads, self.key_dim, self.value_dim = d, H, K, V
+        self.num_key_heads = Hk
         self.dtype = get_dtype(cfg.dtype)
         self.param_dtype = get_dtype(cfg.param_dtype)
         self.chunk_size = int(cfg.chunk_size)
         self.impl = str(cfg.impl)
         self.rank = lowrank_dim(cfg)
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype, rngs=rngs)
-        self.q_proj = Dense(d, (H, K), ('embed', 'heads', 'kv'), **kw)
-        self.k_proj = Dense(d, (H, K), ('embed', 'heads', 'kv'), **kw)
+        self.q_proj = Dense(d, (Hk, K), ('embed', 'heads', 'kv'), **kw)
+        self.k_proj = Dense(d, (Hk, K), ('embed', 'heads', 'kv'), **kw)
         self.v_proj = Dense(d, (H, V), ('embed', 'heads', 'kv'), **kw)
         W = int(cfg.conv_size)
-        self.q_conv = ShortConv((H, K), W, **kw)
-        self.k_conv = ShortConv((H, K), W, **kw)
+        self.q_conv = ShortConv((Hk, K), W, **kw)
+        self.k_conv = ShortConv((Hk, K), W, **kw)
         self.v_conv = ShortConv((H, V), W, **kw)
         self._init_gates(cfg, rngs)
         self.g_proj = LowRank(d, self.rank, (H, V), ('heads', 'kv'), use_bias=True, **kw)
@@ -105,10 +120,13 @@ class RecurrentMixer(nnx.Module):
 
     def _glue_kernels(self) -> bool:
         """Whether the fused glue kernels (conv, norm, gate front-end) may run: the pallas impl, not
-        on a TPU (they are written for the Triton lowering; the TPU kernels cover the ops only), and
-        T not split over devices (they are not wrapped for it: per_shard would gather the sequence)."""
+        on a TPU (they are written for the Triton lowering; the TPU kernels cover the ops only), T
+        not split over devices (they are not wrapped for it: per_shard would gather the sequence),
+        and K, V widths the kernels take as they are (their rows are not padded, as the ops pad
+        the recurrence's: Triton's arrays are powers of two)."""
         return (dispatch.resolve_impl('recurrent_mixer', self.impl) == 'pallas'
-                and jax.default_backend() != 'tpu' and context_parallel.active_setting() is None)
+                and jax.default_backend() != 'tpu' and context_parallel.active_setting() is None
+                and dispatch.native_width(self.key_dim) and dispatch.native_width(self.value_dim))
 
     def _fused_conv(self) -> bool:
         return self.fuse_conv and self._glue_kernels()
@@ -129,7 +147,16 @@ class RecurrentMixer(nnx.Module):
             k, ck = short_conv(self.k_conv, self.k_proj(x), conv['k'], segment_ids)
             q, k = l2_normalize(q), l2_normalize(k)
         v, cv = short_conv(self.v_conv, self.v_proj(x), conv['v'], segment_ids, fused=fused)
+        q, k = self._to_value_heads(q, k)
         return q.astype(self.dtype), k.astype(self.dtype), v, (cq, ck, cv)
+
+    def _to_value_heads(self, q, k):
+        """q, k [..., H_k, K] -> [..., H, K]: key head i serves value heads i * G .. i * G + G - 1
+        (G = H / H_k; kdn_jax/ops/heads.py's order, autodiff sums the gradients back)."""
+        group = self.num_heads // self.num_key_heads
+        if group == 1:
+            return q, k
+        return jnp.repeat(q, group, axis=-2), jnp.repeat(k, group, axis=-2)
 
     def __call__(self, x, *, initial_state=None, segment_ids=None):
         """x [B, T, d] -> (y [B, T, d], final_state)."""
@@ -150,8 +177,8 @@ class RecurrentMixer(nnx.Module):
         q, cq = self.q_conv.step(self.q_proj(x_t), conv['q'])
         k, ck = self.k_conv.step(self.k_proj(x_t), conv['k'])
         v, cv = self.v_conv.step(self.v_proj(x_t), conv['v'])
-        q = l2_normalize(q).astype(self.dtype)
-        k = l2_normalize(k).astype(self.dtype)
+        q, k = self._to_value_heads(l2_normalize(q), l2_normalize(k))
+        q, k = q.astype(self.dtype), k.astype(self.dtype)
         gates = self._gates(x_t)
         core_in = {kk: vv for kk, vv in state.items() if kk != 'conv'}
         o, core = self._core_step(q, k, v, gates, core_in)

@@ -5,7 +5,9 @@
   else comma-separated mixer names cycled over layers, e.g. 'kdn_diag,swa'), mlp_hidden,
   tie_embeddings, swa_window, conv_size, info_scale, noise, chunk_size, impl, dtype ('float32' |
   'bfloat16' compute), param_dtype ('float32'), r_min, norm_eps, plus lowrank_dim (0 = head_dim),
-  rope_theta, remat, match_params, scan_layers (run repeated layers as one lax.scan: compiles once).
+  rope_theta, remat, match_params, scan_layers (run repeated layers as one lax.scan: compiles once),
+  num_v_heads (the recurrent mixers' value heads, a multiple of num_heads, which then counts their
+  query/key heads: grouped value heads, layers/recurrent.py; 0 = num_heads; attention ignores it).
 
 Parameter matching: unless ``mlp_hidden`` is overridden (or match_params=False), the SwiGLU width is
 re-solved so that the model's non-embedding parameter count equals that of the reference
@@ -47,7 +49,7 @@ DEFAULTS = dict(
     swa_window=512, conv_size=4, info_scale='k', noise='learned', chunk_size=64, impl='auto',
     dtype='float32', param_dtype='float32', r_min=0.01, norm_eps=1e-6,
     lowrank_dim=0, rope_theta=10000.0, remat=False, match_params=True, mlp_multiple=64,
-    scan_layers=False,
+    scan_layers=False, num_v_heads=0,
     mlp_reference=0, mlp_matched=0,  # set by model_config; see effective_mlp_hidden
 )
 
@@ -98,6 +100,11 @@ def validate_config(cfg) -> None:
         raise _err('r_min', f'must be > 0, got {cfg.r_min}')
     if not cfg.norm_eps > 0:
         raise _err('norm_eps', f'must be > 0, got {cfg.norm_eps}')
+    num_v_heads = cfg.get('num_v_heads', 0)
+    if (not isinstance(num_v_heads, (int, np.integer)) or isinstance(num_v_heads, bool)
+            or num_v_heads < 0 or num_v_heads % cfg.num_heads):
+        raise _err('num_v_heads', f'must be 0 (= num_heads) or a positive multiple of num_heads = '
+                   f'{cfg.num_heads}, got {num_v_heads!r}')
     if cfg.lowrank_dim < 0:
         raise _err('lowrank_dim', f'must be >= 0 (0 = head_dim), got {cfg.lowrank_dim}')
     if not isinstance(cfg.get('scan_layers', False), bool):
@@ -112,8 +119,9 @@ def _tree_size(tree) -> int:
 
 
 def _mixer_key(name, cfg):
-    keys = ('d_model', 'num_heads', 'head_dim', 'conv_size', 'info_scale', 'noise', 'lowrank_dim', 'swa_window')
-    return (name,) + tuple((k, str(cfg[k])) for k in keys)
+    keys = ('d_model', 'num_heads', 'head_dim', 'conv_size', 'info_scale', 'noise', 'lowrank_dim', 'swa_window',
+            'num_v_heads')
+    return (name,) + tuple((k, str(cfg.get(k, DEFAULTS[k]))) for k in keys)
 
 
 @functools.lru_cache(maxsize=512)

@@ -295,3 +295,31 @@ def test_renorm_every_lowers_for_cuda(as_on_gpu, monkeypatch):
   # the unrolled body: twice the reduce's token matrices, one renormalisation (_pow2_inverse)
   calls = {n: (t.count("_product2"), t.count("_pow2_inverse")) for n, t in texts.items()}
   assert texts[1] != texts[2], calls
+
+
+@pytest.mark.parametrize("kd,vd", [(256, 256), (48, 320)])
+def test_any_width_lowers_for_cuda(as_on_gpu, kd, vd):
+  """The diag (and at 256 the iso) KDN op fwd+bwd, bf16 with a reset, at K = V = 256 (the
+  kernels' widest) and at K = 48, V = 320 (ops/widths.py: K padded to 64, V in two column tiles,
+  256 and 64): every kernel lowers (Triton takes power-of-two arrays only), the delta rule once
+  per V tile."""
+  b, t, h = 1, 40, 2
+  ks = jax.random.split(jax.random.PRNGKey(0), 6)
+  q, k = (jax.random.normal(x, (b, t, h, kd)).astype(jnp.bfloat16) for x in ks[:2])
+  v = jax.random.normal(ks[2], (b, t, h, vd)).astype(jnp.bfloat16)
+  la = -jax.nn.softplus(jax.random.normal(ks[3], (b, t, h, kd)))
+  om = jax.nn.softplus(jax.random.normal(ks[4], (b, t, h, kd)))
+  r = 1.0 + jax.nn.softplus(jax.random.normal(ks[5], (b, t, h)))
+  seg = (jnp.arange(t)[None, :] >= 23).astype(jnp.int32)
+  for fn, omega in ((ops.diag_kdn, om), (ops.iso_kdn, om[..., 0]))[:2 if kd == 256 else 1]:
+    def loss(q, k, v, la, om, r, fn=fn):
+      o, _ = fn(q, k, v, la, om, r, segment_ids=seg, impl="pallas", chunk_size=16)
+      return jnp.sum(o.astype(jnp.float32))
+
+    text = _lower_for_cuda(jax.grad(loss, argnums=tuple(range(6))), q, k, v, la, omega, r)
+    kernels = _triton_kernels(text)
+    assert {"kdn_gain_reduce", "kdn_gain_bwd_replay", "delta_rule_wy", "delta_rule_state_pass",
+            "delta_rule_output", "delta_rule_recur_bwd", "delta_rule_intra_bwd_tokens"} <= kernels
+    tiles = 1 if vd <= 256 else 2
+    # (one forward state pass and one reverse chain per tile)
+    assert len(re.findall(r'name = "delta_rule_state_pass', text)) == tiles, fn.__name__

@@ -367,3 +367,37 @@ def test_bf16_dense_without_bias_returns_the_gemms_bf16_output():
     from kdn_jax.layers.dense import project
     project(x.astype(jnp.bfloat16), layer.kernel[...].astype(jnp.bfloat16),
             ((2,), (0,)), out_dtype=jnp.float16)
+
+
+def test_grouped_value_heads_equal_tied_query_key_heads():
+    """num_heads=1, num_v_heads=2 (grouped value heads, layers/recurrent.py) is the two-head layer
+    whose q and k projections and convs are the one head's, repeated: the same outputs and final
+    memory and variance, in the parallel forward and in step decode; q/k parameters and conv
+    caches once."""
+    name = 'kdn_diag'
+    grouped = MIXERS[name](_cfg(name, num_heads=1, num_v_heads=2), rngs=nnx.Rngs(0))
+    tied = MIXERS[name](_cfg(name, num_heads=2), rngs=nnx.Rngs(1))
+    g_params, t_params = nnx.state(grouped, nnx.Param), nnx.state(tied, nnx.Param)
+    repeated = []
+
+    def tie(g, t):
+        if g.shape == t.shape:
+            return g
+        repeated.append(g.shape)
+        axis = next(i for i, (a, b) in enumerate(zip(g.shape, t.shape)) if a != b)
+        assert t.shape[axis] == 2 * g.shape[axis], (g.shape, t.shape)
+        return jnp.repeat(g, 2, axis=axis)
+
+    nnx.update(tied, jax.tree.map(tie, g_params, t_params))
+    assert len(repeated) == 4, repeated   # q_proj, k_proj, q_conv, k_conv (no biases)
+    x = _x(2, T)
+    st_g, st_t = grouped.init_state(2), tied.init_state(2)
+    assert st_g['conv']['k'].shape[2] == 1 and st_g['memory'].shape == st_t['memory'].shape
+    (y_g, s_g), (y_t, s_t) = (_fwd(m, x, st) for m, st in ((grouped, st_g), (tied, st_t)))
+    (d_g, e_g), (d_t, e_t) = (nnx.jit(_decode)(m, x, st) for m, st in ((grouped, st_g), (tied, st_t)))
+    assert float(jnp.std(y_g)) > 1e-3
+    for got, want, what in ((y_g, y_t, 'output'), (d_g, d_t, 'decoded output'), (d_g, y_g, 'decode')):
+        _close(got, want, what=what)
+    for s_a, s_b in ((s_g, s_t), (e_g, e_t)):
+        _close({n: s_a[n] for n in ('memory', 'variance')}, {n: s_b[n] for n in ('memory', 'variance')},
+               what='final state')

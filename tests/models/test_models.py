@@ -116,6 +116,8 @@ def test_config_validation_names_the_key():
         (dict(r_min=0.0), 'r_min'),
         (dict(num_layers=0), 'num_layers'),
         (dict(chunk_size=24), 'chunk_size'),
+        (dict(num_v_heads=3), 'num_v_heads'),   # (tiny: num_heads 2)
+        (dict(num_v_heads=-2), 'num_v_heads'),
         (dict(not_a_key=1), 'not_a_key'),
     ]
     for overrides, key in cases:
