@@ -21,11 +21,11 @@ __all__ = [
     "check_width",
 ]
 
-# Head widths K and V the kernels take (kdn_jax.ops pads and tiles other widths onto them).
-# At 256 the same programs hold wider [K, block_v] state tiles and [C, K] rows: whether their
-# registers and shared memory fit a GPU only a GPU run shows (experiments/benchmarks/mixers.py
-# --check_only --check_dim=256); interpret mode and the CUDA lowering pass on CPU.
-SUPPORTED_WIDTHS = (16, 32, 64, 128, 256)
+# Head widths K and V the kernels take (kdn_jax.ops pads narrower widths onto them and splits a
+# wider V into column tiles). 256 is not one: at K = V = 256 the fp32 delta-rule backward asks an
+# H100 for 293 KB of shared memory (227 KB available; docs/decisions.md), so K in (128, 256]
+# runs on the XLA chunked path.
+SUPPORTED_WIDTHS = (16, 32, 64, 128)
 # chunk_size values delta_rule accepts (kdn_jax.ops.dispatch reads both before any kernel runs).
 SUPPORTED_CHUNKS = (16, 32, 64, 128)
 

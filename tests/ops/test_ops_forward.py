@@ -51,10 +51,11 @@ def test_packed_segments_match_token_loop(family, impl):
         segment_ids=jnp.asarray(seg))
 
 
-# Head widths the Pallas kernels do not take as they are (ops/widths.py pads them; 256 is
-# theirs): every impl meets each of K, V in {8, 48, 96, 256} once, each family another pair, across
-# a chunk edge. Pallas (interpret mode): the diag gain padded, the iso gain padded (its mean over
-# K), per-channel and scalar decays, K and V native at 256.
+# Head widths the Pallas kernels do not take as they are (ops/widths.py pads K and V and splits V
+# into tiles of 128): every impl meets each of K, V in {8, 48, 96, 256} once, each family another
+# pair, across a chunk edge. Pallas (interpret mode): the diag gain padded, the iso gain padded
+# (its mean over K), per-channel and scalar decays, V = 256 as two tiles; its K stops at 128
+# (K = 256 runs on chunked: the backward does not fit an H100's shared memory).
 WIDTHS = ((8, 96), (48, 256), (96, 8), (256, 48))
 WIDTH_CASES = [(f, impl, WIDTHS[(i + shift) % 4]) for shift, impl in enumerate(IMPLS[::-1])
                for i, f in enumerate(FAMILIES)]
@@ -63,6 +64,8 @@ WIDTH_CASES = [(f, impl, WIDTHS[(i + shift) % 4]) for shift, impl in enumerate(I
 @pytest.mark.parametrize("family,impl,widths", WIDTH_CASES)
 def test_any_width_matches_token_loop(family, impl, widths):
   kd, vd = widths
+  if impl == "pallas":
+    kd = min(kd, 128)
   x = make_inputs(family, 1, 20, H, kd, vd, seed=kd + vd)
   check(family, x, impl, state=make_state(family, 1, H, kd, vd), chunk_size=16,
         jit=impl == "pallas")
