@@ -649,7 +649,12 @@ def main(argv):
   except (ValueError, config_lib.ConfigError) as e:
     print(f"Study error: {e}", file=sys.stderr)
     return 2
-  argv_flags = [a for a in sys.argv[1:] if a.startswith("--")]
+  loose = [a for a in sys.argv[1:] if not a.startswith("--")]
+  if loose:  # the children get the flags as written: a value after a space would be lost
+    print(f"Study error: write flags as --name=value (got a separate value {loose[0]!r})",
+          file=sys.stderr)
+    return 2
+  argv_flags = list(sys.argv[1:])
   os.makedirs(plan.results, exist_ok=True)
   pending = sum(len(mixer_work(plan, m)) for m in plan.mixers)
   if FLAGS.parallel > 1 and len(plan.mixers) > 1:
