@@ -4,6 +4,7 @@
     python -m experiments.evaluate --workdir=/ckpt/lm --suite=position_ppl,effrem --max_len=32768
     python -m experiments.evaluate --workdir=/ckpt/lm --step=2000 --suite=retrieval
     python -m experiments.evaluate --workdir=/tmp/ls/gla --suite=topic_floor --chunk=512
+    python -m experiments.evaluate --workdir=/ckpt/lm --suite=beta_eff --override_info_scale=4k  # mu probe
 
 Suites (``--suite``, comma-separated; default by the run's data: language-model runs
 ``ppl,position_ppl,effrem,beta_eff,retrieval`` (position_ppl also writes state_stats), synthetic-task runs
@@ -40,6 +41,10 @@ _DOCUMENTS = flags.DEFINE_integer('documents', 64,
 _RESAMPLES = flags.DEFINE_integer('resamples', 2000, 'topic_floor: bootstrap resamples.')
 _CONTEXT = flags.DEFINE_integer('context', 1, 'Devices one sequence is split over: the recurrent ops split T '
                                 'over them (context parallelism; lengths they do not divide run unsplit).')
+_OVERRIDE_MU = flags.DEFINE_string('override_info_scale', '', 'Evaluate the trained parameters with KDN\'s '
+                                   'information scale mu replaced (1, sqrt_k, k, 4k or a number; the run must '
+                                   'have trained a fixed mu): the fixed-weight beta_eff probe. Output defaults '
+                                   'to <workdir>/eval/info_scale_<mu>.')
 flags.mark_flags_as_required(['workdir'])
 
 
@@ -97,7 +102,8 @@ def main(argv):
   dispatch.warm_kernel_imports()   # before anything is traced (see the function)
   try:
     with context_parallel(_CONTEXT.value):
-      runner.evaluate(_WORKDIR.value, suites, settings_from_flags(), _STEP.value, _OUT.value)
+      overrides = {'info_scale': _OVERRIDE_MU.value} if _OVERRIDE_MU.value else None
+      runner.evaluate(_WORKDIR.value, suites, settings_from_flags(), _STEP.value, _OUT.value, overrides)
   except (ValueError, FileNotFoundError) as e:
     print(f'Evaluation error: {e}', file=sys.stderr)
     return 2

@@ -9,7 +9,10 @@ PACKAGES = ("configs", "experiments", "kdn_jax", "pallas_kernels")
 BELOW = {p: set(PACKAGES[i:]) for i, p in enumerate(PACKAGES)}
 # runners of one experiment's config file (they read its grid definition)
 ALLOWED_UP = {("experiments.studies.mqar_grid", "configs.mqar_grid"),
-              ("experiments.studies.lengen_synthetic", "configs.lengen_synthetic")}
+              ("experiments.studies.lengen_synthetic", "configs.lengen_synthetic"),
+              ("experiments.studies.mqar_zoology", "configs.mqar_zoology"),
+              ("experiments.studies.mqar_zoology_sweep", "configs.mqar_zoology"),
+              ("experiments.studies.init_write_strength", "configs.mqar_zoology")}
 
 
 def _modules():

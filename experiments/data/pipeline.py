@@ -7,7 +7,8 @@ import os
 import grain
 import numpy as np
 
-from experiments.data import corpus, synthetic, token_files, topic_source, topic_windows
+from experiments.data import corpus, mqar_mixture, synthetic, token_files, topic_source, topic_windows
+from experiments.runner import config_lib
 
 
 def check_data_files(config):
@@ -71,11 +72,26 @@ def _map_dataset(config, split: str) -> grain.MapDataset:
   return grain.MapDataset.range(n).map(_example_fn(config, split))
 
 
+def _mixture_batch(config, split: str, index: int, rows: int, process_index: int, process_count: int):
+  """This process's rows of global batch ``index`` of the MQAR mixture stream of ``split``."""
+  d = config.data
+  seed = d.shuffle_seed * 1000 + (1 if split == 'train' else 2)
+  b = mqar_mixture.batch(seed, index, config_lib.mqar_mixture_cells(config), rows, d.seq_len,
+                         d.mqar.vocab_size, d.mqar.power_a)
+  local = rows // process_count
+  return {k: v[process_index * local:(process_index + 1) * local] for k, v in b.items() if k != 'cell'}
+
+
 def make_train_iterator(config, process_index: int = 0, process_count: int = 1):
   """A checkpointable grain iterator of per-process numpy batches."""
   d = config.data
   local_batch = d.global_batch_size // process_count
-  if config.train.initial_state == 'tbtt':
+  if d.kind == 'mqar' and config_lib.mqar_mixture_cells(config):
+    # whole batches, each generated at once (one example at a time is too slow for this stream)
+    ds = grain.MapDataset.range(config.train.num_steps + 1).map(functools.partial(
+        _mixture_batch, config, 'train', rows=d.global_batch_size, process_index=process_index,
+        process_count=process_count))
+  elif config.train.initial_state == 'tbtt':
     if d.kind == 'topic':
       src = topic_windows.TopicTBTTSource(
           topic_source.TopicSource(topic_source.params_from_config(d.topic)), d.seq_len,
@@ -112,6 +128,11 @@ def make_train_iterator(config, process_index: int = 0, process_count: int = 1):
 def make_eval_batches(config, process_index: int = 0, process_count: int = 1) -> list[dict]:
   """Fixed evaluation batches (per process), the same for every evaluation."""
   d = config.data
+  if d.kind == 'mqar' and config_lib.mqar_mixture_cells(config):
+    num_batches = max(1, min(config.train.eval_batches or d.num_eval_examples, d.num_eval_examples //
+                             d.eval_batch_size))
+    return [_mixture_batch(config, 'eval', b, d.eval_batch_size, process_index, process_count)
+            for b in range(num_batches)]
   ds = _map_dataset(config, 'eval')
   n = min(len(ds), d.num_eval_examples)
   local = d.eval_batch_size // process_count

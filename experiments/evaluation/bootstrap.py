@@ -7,6 +7,12 @@ level) / 2`` and ``(1 + level) / 2`` percentiles of the statistic over the resam
 from ``seed``.
 
 Units are rows: ``x`` is [N] or [N, K] (K statistics at once, e.g. one per position bucket).
+
+The ``*_crossed`` forms take a two-way table instead, ``x`` [S, N] of seeds x test examples where
+every seed was measured on the same examples: a resample draws S seeds and N examples independently,
+each with replacement, and averages the table over both draws. Both sources of variation (which models
+training produced, which examples were drawn) then widen the interval; with few seeds the seed draw is
+coarse (3 seeds give 10 distinct multisets), which the interval shows as it is.
 """
 
 from __future__ import annotations
@@ -114,3 +120,29 @@ def paired_difference(
   if a.shape != b.shape:
     raise ValueError(f"bootstrap: paired values need the same shape, got {a.shape} and {b.shape}")
   return mean(a - b, level=level, resamples=resamples, seed=seed)
+
+
+def mean_crossed(
+  x, *, level: float = LEVEL, resamples: int = RESAMPLES, seed: int = 0
+) -> Interval:
+  """The mean of a seeds x examples table ``x`` [S, N], seeds and examples resampled independently."""
+  x = np.asarray(x, np.float64)
+  if x.ndim != 2:
+    raise ValueError(f"bootstrap: x must be [seeds, examples], got shape {x.shape}")
+  s, n = x.shape
+  seed_draws, example_draws = np.random.default_rng(seed).integers(0, 2**32, size=2)
+  cs = resample_counts(s, resamples, int(seed_draws))
+  ce = resample_counts(n, resamples, int(example_draws))
+  draws = np.sum((cs @ x) * ce, axis=1) / (s * n)
+  return _interval(x.mean(), draws, level, (s, n))
+
+
+def paired_difference_crossed(
+  a, b, *, level: float = LEVEL, resamples: int = RESAMPLES, seed: int = 0
+) -> Interval:
+  """``mean(a - b)`` of two seeds x examples tables: seed i of ``a`` paired with seed i of ``b`` and
+  example j with example j, seeds and examples resampled independently (:func:`mean_crossed`)."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  if a.shape != b.shape:
+    raise ValueError(f"bootstrap: paired values need the same shape, got {a.shape} and {b.shape}")
+  return mean_crossed(a - b, level=level, resamples=resamples, seed=seed)

@@ -13,15 +13,21 @@ from experiments.evaluation import long_context, plots, run_loader
 from experiments.evaluation import suites as S
 
 
-def evaluate(workdir: str, suites=None, settings=None, step=None, out_dir: str = '') -> dict:
-  """Runs ``suites`` on ``workdir``'s checkpoint; writes <out_dir>/<suite>.json, PNGs and summary.json."""
+def evaluate(workdir: str, suites=None, settings=None, step=None, out_dir: str = '',
+             model_overrides: dict | None = None) -> dict:
+  """Runs ``suites`` on ``workdir``'s checkpoint; writes <out_dir>/<suite>.json, PNGs and summary.json.
+
+  ``model_overrides`` (``{'info_scale': mu}``): the same parameters in a model built with that mu (the
+  fixed-weight beta_eff probe); the default ``out_dir`` is then ``<workdir>/eval/info_scale_<mu>``."""
   settings = settings or S.Settings()
-  run = run_loader.load(workdir, step)
+  run = run_loader.load(workdir, step, model_overrides)
+  if model_overrides and not out_dir:
+    out_dir = os.path.join(workdir, 'eval', f'info_scale_{run.config.model.info_scale}')
   with kernel_config.applied(run.config):   # the run's kernel options (speed only)
-    return _evaluate(run, suites, settings, workdir, out_dir)
+    return _evaluate(run, suites, settings, workdir, out_dir, model_overrides)
 
 
-def _evaluate(run, suites, settings, workdir, out_dir):
+def _evaluate(run, suites, settings, workdir, out_dir, model_overrides=None):
   ctx = S.Context(run, long_context.ChunkedScorer(run.model), settings)
   suites = list(suites or S.default_suites(ctx))
   S.check(ctx, suites)
@@ -32,6 +38,8 @@ def _evaluate(run, suites, settings, workdir, out_dir):
   meta = {'workdir': os.path.abspath(workdir), 'checkpoint': run.checkpoint, 'step': run.step,
           'mixer': run.config.model.get('mixer'), 'layer_pattern': run.config.model.get('layer_pattern'),
           'initial_state': run.config.train.initial_state, 'train_len': ctx.train_len,
+          'info_scale': str(run.config.model.get('info_scale', 'k')),
+          'model_overrides': dict(model_overrides or {}),
           'settings': {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(settings).items()}}
   results, times = {}, {}
 

@@ -73,8 +73,11 @@ def base_config() -> ml_collections.ConfigDict:
                                 # boundaries are known: <name>.docs.npy, array_record records, or eos_id)
   d.num_train_examples = 1_000_000  # synthetic tasks: size of the (index-addressed) train set
   d.num_eval_examples = 512
+  # mqar.mixture: '' = every row has num_kv_pairs pairs at seq_len; else comma-separated cells
+  # '<seq_len>:<pairs>[:<weight>]' drawn per row with those relative weights, each row right-padded to
+  # data.seq_len (experiments/data/mqar_mixture.py), e.g. '64:4:5,128:8,256:16,256:32,256:64'.
   d.mqar = ml_collections.ConfigDict(dict(vocab_size=8192, num_kv_pairs=8, eval_num_kv_pairs=0,
-                                          power_a=0.01))
+                                          power_a=0.01, mixture=''))
   # copying: copy_len symbols per example; min_copy_len > 0 draws each example's length uniformly from
   # [min_copy_len, copy_len] (0: always copy_len); eval_copy_len > 0 fixes the validation length.
   d.copying = ml_collections.ConfigDict(dict(vocab_size=32, copy_len=16, eval_copy_len=0, min_copy_len=0))
@@ -100,6 +103,10 @@ def base_config() -> ml_collections.ConfigDict:
   # Learning rates trained at once in one process (experiments/runner/lr_sweep.py; () = one run at
   # optim.learning_rate): members share the initial parameters and batches, each gets workdir/lr<rate>/.
   t.lr_sweep = ()
+  # Seeds trained at once with every rate (experiments/runner/lr_sweep.py), e.g. '0,1,2': the member of
+  # seed s trains as the run with seed=s and data.shuffle_seed=s would (its own initial parameters and
+  # data order). '' = one member per rate at config.seed.
+  t.seeds = ''
   # > 0: the loss and accuracy read the model's logits only at the first loss_positions scored positions of
   # each row (identical values; no [B, T, vocab] logits): MQAR scores num_kv_pairs positions. 0: everywhere.
   t.loss_positions = 0
@@ -243,6 +250,13 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None,
     n = max(q.num_kv_pairs, q.eval_num_kv_pairs)
     if 4 * n > max(d.seq_len, d.eval_seq_len or d.seq_len):
       _fail('data.mqar.num_kv_pairs', f'{n} pairs need seq_len >= {4 * n}')
+    cells = mqar_mixture_cells(config)
+    if cells:
+      longest = max(c[0] for c in cells)
+      if longest > d.seq_len:
+        _fail('data.mqar.mixture', f'a cell of length {longest} is longer than data.seq_len={d.seq_len} '
+              '(rows are padded to seq_len)')
+      n = max(n, max(c[1] for c in cells))
     if q.vocab_size < 2 * n + 2:
       _fail('data.mqar.vocab_size', f'too small for {n} key/value pairs')
   if d.kind == 'copying':
@@ -287,12 +301,15 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None,
 
   if t.loss_positions < 0:
     _fail('train.loss_positions', f'must be >= 0, got {t.loss_positions}')
-  if t.loss_positions and d.kind == 'mqar' and t.loss_positions < d.mqar.num_kv_pairs:
-    _fail('train.loss_positions', f'{t.loss_positions} is below the {d.mqar.num_kv_pairs} scored positions '
-          'of an MQAR row (data.mqar.num_kv_pairs)')
+  if t.loss_positions and d.kind == 'mqar':
+    most = max([d.mqar.num_kv_pairs] + [c[1] for c in mqar_mixture_cells(config)])
+    if t.loss_positions < most:
+      _fail('train.loss_positions', f'{t.loss_positions} is below the {most} scored positions of an MQAR '
+            'row (data.mqar.num_kv_pairs, or the largest of data.mqar.mixture)')
   sweep = tuple(t.lr_sweep)
   if any(not isinstance(lr, (int, float)) or not lr > 0 for lr in sweep) or len(set(sweep)) != len(sweep):
     _fail('train.lr_sweep', f'must be distinct positive learning rates, got {sweep}')
+  parse_seeds(t.get('seeds', ''))
 
   o = config.optim
   if not o.learning_rate > 0:
@@ -352,9 +369,45 @@ def _check_topic(config):
           f'global_batch_size={d.global_batch_size}, got {tp.num_train_docs}')
 
 
-def sweep_member_dir(workdir: str, lr: float) -> str:
-  """The folder of one learning rate of a sweep (experiments/runner/lr_sweep.py), a plain run's layout."""
-  return os.path.join(workdir, f'lr{lr:g}')
+def sweep_member_dir(workdir: str, lr: float, seed: int | None = None) -> str:
+  """The folder of one member of a sweep (experiments/runner/lr_sweep.py), a plain run's layout:
+  ``lr<rate>``, or ``lr<rate>_seed<seed>`` in a sweep over seeds."""
+  return os.path.join(workdir, f'lr{lr:g}' if seed is None else f'lr{lr:g}_seed{seed}')
+
+
+def parse_seeds(text) -> tuple[int, ...]:
+  """``train.seeds`` '0,1,2' -> (0, 1, 2); '' -> ()."""
+  if isinstance(text, (tuple, list)):
+    text = ','.join(str(x) for x in text)
+  parts = [p.strip() for p in str(text).split(',') if p.strip()]
+  try:
+    seeds = tuple(int(p) for p in parts)
+  except ValueError:
+    seeds = None
+  if seeds is None or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+    _fail('train.seeds', f"expected distinct non-negative integers separated by commas, like '0,1,2', "
+          f'got {text!r}')
+  return seeds
+
+
+def mqar_mixture_cells(config) -> tuple[tuple[int, int, float], ...]:
+  """``data.mqar.mixture`` '64:4:5,128:8' -> ((64, 4, 5.0), (128, 8, 1.0)); '' -> ()."""
+  text = str(config.data.mqar.get('mixture', '') or '')
+  cells = []
+  for part in (p.strip() for p in text.split(',') if p.strip()):
+    bits = part.split(':')
+    try:
+      t, n, w = int(bits[0]), int(bits[1]), float(bits[2]) if len(bits) == 3 else 1.0
+      ok = len(bits) in (2, 3) and t > 0 and n > 0 and w > 0
+    except (ValueError, IndexError):
+      ok = False
+    if not ok:
+      _fail('data.mqar.mixture', f"cell {part!r}: expected '<seq_len>:<pairs>[:<weight>]' with positive "
+            f"values, e.g. '64:4:5,256:64'")
+    if 4 * n > t:
+      _fail('data.mqar.mixture', f'cell {part!r}: {n} pairs need a length >= {4 * n}')
+    cells.append((t, n, w))
+  return tuple(cells)
 
 
 def import_object(path: str) -> Any:

@@ -158,8 +158,8 @@ class Trainer:
       self._build_model()
       self._build_state()
       self._build_steps()
-      self.data_iter = pipeline.make_train_iterator(config, self.process_index, self.process_count)
-      self.eval_batches = pipeline.make_eval_batches(config, self.process_index, self.process_count)
+      self.data_iter = self._train_iterator()
+      self.eval_batches = self._eval_batches()
       self.checkpointer = None
       if config.checkpoint.enabled:
         self.checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), config.checkpoint.keep,
@@ -179,10 +179,10 @@ class Trainer:
   def _build_model(self):
     cfg = self.config
     cls = config_lib.import_object(cfg.model_factory)
-    model_cfg, seed = cfg.model, cfg.seed
+    model_cfg = cfg.model
     self._model_cls = cls
 
-    def make():
+    def make(seed=cfg.seed):
       with nnx.use_eager_sharding(False):
         return cls(model_cfg, rngs=nnx.Rngs(seed))
 
@@ -194,13 +194,15 @@ class Trainer:
             self.mesh, sharding.spec_for(v.get_value().shape, sharding.logical_names(v), rules, self.mesh)))
     rest_sh = jax.tree.map(lambda _: sharding.replicated(self.mesh), nnx.to_pure_dict(self.abs_rest))
 
-    def init():
-      m = make()
+    def init(seed):
+      m = make(seed)
       _, p, r = nnx.split(m, nnx.Param, ...)
       return nnx.to_pure_dict(p), nnx.to_pure_dict(r)
 
     out_sh = (self.param_shardings, rest_sh)
-    self._init_fn = functools.partial(_host_init, init, out_sh)
+    # (params, rest) initialised from a seed (a sweep over seeds initialises one set per seed)
+    self._init_for_seed = lambda seed: _host_init(functools.partial(init, seed), out_sh)
+    self._init_fn = functools.partial(self._init_for_seed, cfg.seed)
     self.num_params = sum(int(np.prod(v.get_value().shape)) for v in
                           jax.tree.leaves(self.abs_params, is_leaf=_is_var))
 
@@ -212,6 +214,13 @@ class Trainer:
     if rest:
       nnx.replace_by_pure_dict(r, rest)
     return nnx.merge(self.graphdef, p, r)
+
+  # ---------------------------------------------------------------- data (a sweep over seeds overrides)
+  def _train_iterator(self):
+    return pipeline.make_train_iterator(self.config, self.process_index, self.process_count)
+
+  def _eval_batches(self) -> list[dict]:
+    return pipeline.make_eval_batches(self.config, self.process_index, self.process_count)
 
   # ---------------------------------------------------------------- state
   def _build_state(self):
@@ -348,9 +357,12 @@ class Trainer:
     self._eval_step_jit = sharding.traced_context_parallel(self.mesh, jax.jit(
         self._eval_step, in_shardings=(self.param_shardings, rest_sh, None), out_shardings=rep))
 
+  def _global_batch(self, local_batch: dict) -> dict:
+    return sharding.global_batch(local_batch, self.mesh)
+
   def train_step(self, local_batch: dict):
     """One step on a per-process numpy batch; returns host metrics."""
-    batch = sharding.global_batch(local_batch, self.mesh)
+    batch = self._global_batch(local_batch)
     with _null():
       self.state, metrics, reset = self._train_step_jit(self.state, self.rest, batch)
     self.last_reset = reset
@@ -359,7 +371,7 @@ class Trainer:
   def evaluate(self) -> dict:
     """Validation loss, accuracy and perplexity over the fixed batches (a sweep: arrays over its members)."""
     tot = sum(np.asarray(jax.device_get(self._eval_step_jit(
-        self.state['params'], self.rest, sharding.global_batch(b, self.mesh))), np.float64)
+        self.state['params'], self.rest, self._global_batch(b))), np.float64)
               for b in self.eval_batches)  # (nll, correct, count, dropped)[, members]
     check_dropped(self.config, tot[3], 'validation')
     loss = tot[0] / np.maximum(tot[2], 1.0)

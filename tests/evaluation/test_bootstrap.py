@@ -77,3 +77,39 @@ def test_bad_arguments_name_them():
     bootstrap.ratio_of_means(np.ones(5), np.ones(4))
   with pytest.raises(ValueError, match="shape"):
     bootstrap.mean(np.ones((2, 2, 2)))
+
+
+def test_crossed_paired_difference_matches_the_exact_seed_distribution():
+  # Three seeds whose difference is -1, 0 and +1 on every example: a resample is the mean of three
+  # seeds drawn with replacement; P(all three = -1) = 1/27 = 3.7% > 2.5%, so the 95% interval is
+  # exactly [-1, 1], and an 80% one leaves out the 1/27 tails of each side: [-2/3, 2/3].
+  a = np.repeat(np.array([[0.0], [1.0], [2.0]]), 50, axis=1)
+  b = np.ones_like(a)
+  iv = bootstrap.paired_difference_crossed(a, b, seed=3)
+  assert (iv.estimate, iv.lo, iv.hi, iv.units) == (0.0, -1.0, 1.0, (3, 50))
+  iv80 = bootstrap.paired_difference_crossed(a, b, level=0.8, seed=3)
+  np.testing.assert_allclose([iv80.lo, iv80.hi], [-2 / 3, 2 / 3])
+  # Seeds that agree leave only the examples' variation: the crossed interval is the one over examples.
+  x = np.tile(np.random.default_rng(0).normal(0.3, 1.0, 400), (3, 1))
+  crossed = bootstrap.mean_crossed(x, seed=1, resamples=4000)
+  flat = bootstrap.mean(x[0], seed=1, resamples=4000)
+  assert abs((crossed.hi - crossed.lo) - (flat.hi - flat.lo)) < 0.1 * (flat.hi - flat.lo)
+  # ... and a large per-example effect shared by both tables cancels in the pairing
+  base = np.random.default_rng(1).normal(0.0, 10.0, (3, 300))
+  d = bootstrap.paired_difference_crossed(base + 0.2, base, seed=2)
+  assert d.lo == pytest.approx(0.2) and d.hi == pytest.approx(0.2)
+  with pytest.raises(ValueError, match="same shape"):
+    bootstrap.paired_difference_crossed(np.ones((3, 4)), np.ones((3, 5)))
+  with pytest.raises(ValueError, match=r"\[seeds, examples\]"):
+    bootstrap.mean_crossed(np.ones(5))
+
+
+def test_paired_difference_is_the_normal_interval_of_the_mean_difference():
+  rng = np.random.default_rng(0)
+  n = 4000
+  d = np.where(rng.random(n) < 0.5, -1.0, 1.0) + 0.2
+  iv = bootstrap.paired_difference(d + 5.0, np.full(n, 5.0), seed=5)
+  half = 1.96 * d.std() / np.sqrt(n)
+  assert iv.estimate == pytest.approx(d.mean())
+  assert iv.lo == pytest.approx(d.mean() - half, abs=0.15 * half)
+  assert iv.hi == pytest.approx(d.mean() + half, abs=0.15 * half)

@@ -186,3 +186,28 @@ def test_cli_reports_bad_input_with_exit_code_2(lm_run):
   out = subprocess.run([sys.executable, '-m', 'experiments.evaluate', f'--workdir={lm_run[0]}', '--suite=nope'],
                        cwd=root, capture_output=True, text=True, timeout=300, check=False)
   assert out.returncode == 2 and "--suite: unknown suite(s) ['nope']" in out.stderr, out.stderr[-2000:]
+
+
+def test_info_scale_override_changes_only_mu(lm_run, tmp_path):
+  """The fixed-weight beta_eff probe: the trained parameters, mu replaced; beta_eff falls as mu grows."""
+  workdir, _ = lm_run
+  base = run_loader.load(workdir)
+  params = nnx.to_pure_dict(nnx.state(base.model, nnx.Param))
+  means = {}
+  for mu in ('1', 'k', '4k'):
+    run = run_loader.load(workdir, model_overrides={'info_scale': mu})
+    got = nnx.to_pure_dict(nnx.state(run.model, nnx.Param))
+    jax.tree.map(np.testing.assert_array_equal, got, params)  # the same parameters, bit for bit
+    changed = {k for k in base.config.model if base.config.model[k] != run.config.model[k]}
+    assert changed <= {'info_scale'} and run.model.blocks[0].mixer.info_scale() == {'1': 1.0, 'k': 8.0, '4k': 32.0}[mu]
+    means[mu] = evaluate(workdir, ['beta_eff'], suites.Settings(batch=4),
+                         model_overrides={'info_scale': mu})['beta_eff']['all']['mean']
+    with open(os.path.join(workdir, 'eval', f'info_scale_{mu}', 'beta_eff.json'), encoding='utf-8') as f:
+      assert json.load(f)['meta']['model_overrides'] == {'info_scale': mu}
+  assert means['1'] > means['k'] > means['4k']
+  default = evaluate(workdir, ['beta_eff'], suites.Settings(batch=4), out_dir=str(tmp_path / 'plain'))
+  assert default['beta_eff']['all']['mean'] == pytest.approx(means['k'], rel=1e-6)  # the run's own mu = K
+  with pytest.raises(ValueError, match='--override_info_scale: expected one of'):
+    run_loader.load(workdir, model_overrides={'info_scale': 'big'})
+  with pytest.raises(ValueError, match='--override_info_scale: expected one of'):
+    run_loader.load(workdir, model_overrides={'info_scale': 'learned'})

@@ -119,3 +119,52 @@ def test_bad_rates_and_a_changed_sweep_are_config_errors(tmp_path):
   c.train.lr_sweep = (1e-3,)
   with pytest.raises(config_lib.ConfigError, match=r'holds a sweep over \(0\.003, 0\.01\)'):
     lr_sweep.SweepTrainer(c, str(tmp_path / 'sweep'))
+
+
+def test_seeded_members_train_as_separate_runs_per_seed_and_resume(tmp_path):
+  """train.seeds: the member (lr, s) is the single run with seed = data.shuffle_seed = s at rate lr (its
+  own initial parameters and data order), through a stop and a resume."""
+  members = ((1e-2, 1), (3e-3, 2))
+  with compilation_cache(tmp_path / 'cache'):
+    single = {}
+    for lr, seed in members:
+      c = _tiny()
+      c.optim.learning_rate = lr
+      c.seed = c.data.shuffle_seed = seed
+      tr = trainer.Trainer(c, str(tmp_path / f'single{lr}_{seed}'))
+      tr.run()
+      tr.close()
+      single[(lr, seed)] = _losses(tmp_path / f'single{lr}_{seed}')
+    assert single[members[0]][0][2] != single[members[1]][0][2]  # the seeds start apart
+
+    c = _sweep_config()
+    c.train.seeds = '1,2'
+    wd = str(tmp_path / 'sweep')
+    tr = lr_sweep.make_trainer(c, wd)
+    assert [m for m in tr.members] == [(3e-3, 1), (3e-3, 2), (1e-2, 1), (1e-2, 2)]
+    assert tr.run(stop_at=3)['status'] == 'preempted'
+    tr.close()
+    tr = lr_sweep.make_trainer(c, wd)  # resumes params, optimizer and both seeds' data streams
+    assert tr.run()['status'] == 'completed'
+    tr.close()
+
+  for lr, seed in members:
+    member = config_lib.sweep_member_dir(wd, lr, seed)
+    got = _losses(member)
+    assert [g[:2] for g in got] == [(s, 'train') for s in range(1, 7)] + [(6, 'eval')]
+    np.testing.assert_allclose([g[2] for g in got], [w[2] for w in single[(lr, seed)]], rtol=2e-5)
+    with open(os.path.join(member, 'config.json')) as f:
+      cfg = json.load(f)
+    assert (cfg['seed'], cfg['data']['shuffle_seed'], cfg['optim']['learning_rate']) == (seed, seed, lr)
+    assert cfg['train']['seeds'] == '' and cfg['train']['lr_sweep'] == []
+
+  c = _sweep_config()
+  c.train.seeds = '1,2'
+  c.train.lr_sweep = RATES
+  c.train.seeds = '1,3'
+  with pytest.raises(config_lib.ConfigError, match=r'holds a sweep over seeds \(1, 2\)'):
+    lr_sweep.SweepTrainer(c, wd)
+  for bad in ('0,0', '1,x', '-1'):
+    c.train.seeds = bad
+    with pytest.raises(config_lib.ConfigError, match=r'config\.train\.seeds: expected distinct non-negative'):
+      config_lib.validate(c)

@@ -1,0 +1,135 @@
+"""Runs a study's training processes several at a time under a deadline, with progress and ETA.
+
+Each job is one subprocess (its output appended to ``<log>``); a job whose ``done()`` is already true is
+skipped, so calling again resumes a study (the processes themselves resume from their checkpoints). With
+``deadline_s``: every job is told to stop at ``end - save_s`` (``stop_flag=<unix time>``; a trainer then
+saves a checkpoint and exits), gets SIGTERM at ``end - kill_s`` and SIGKILL at ``end``; no job starts with
+less than ``min_start_s`` left. Progress lines read the last ``step <a>/<b>`` a job printed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+from experiments.runner.logging_utils import fmt_time
+
+_STEP = re.compile(rb'step (\d+)/(\d+)')
+
+
+@dataclasses.dataclass
+class Job:
+  name: str
+  command: list[str]
+  log: str
+  done: Callable[[], bool] = lambda: False
+  stop_flag: str | None = '--stop_at_time'
+
+
+@dataclasses.dataclass
+class _Running:
+  job: Job
+  proc: subprocess.Popen
+  started: float
+  seen: list = dataclasses.field(default_factory=list)  # (time, step) observations
+  signalled: str = ''
+
+
+def last_step(log: str) -> tuple[int, int] | None:
+  """(step, total) of the last progress line in ``log`` (reads only its tail)."""
+  try:
+    with open(log, 'rb') as f:
+      f.seek(0, os.SEEK_END)
+      f.seek(max(0, f.tell() - 16384))
+      found = _STEP.findall(f.read())
+  except OSError:
+    return None
+  return (int(found[-1][0]), int(found[-1][1])) if found else None
+
+
+def _rate(r: _Running) -> float | None:
+  """Steps per second between the first and the last observation after the first progress line."""
+  if len(r.seen) < 2 or r.seen[-1][1] <= r.seen[0][1]:
+    return None
+  return (r.seen[-1][1] - r.seen[0][1]) / max(r.seen[-1][0] - r.seen[0][0], 1e-9)
+
+
+def run_jobs(jobs: list[Job], parallel: int, deadline_s: float = 0, *, save_s: float = 40, kill_s: float = 15,
+             min_start_s: float = 120, progress_every_s: float = 30, env: dict | None = None,
+             out=sys.stdout) -> dict[str, str]:
+  """Runs ``jobs``; returns {name: 'done' | 'already done' | 'exit <rc>' | 'stopped' | 'not started'}."""
+  if parallel < 1:
+    raise ValueError(f'--parallel: must be >= 1, got {parallel}')
+  t0 = time.time()
+  end = t0 + deadline_s if deadline_s else None
+  status = {j.name: 'already done' for j in jobs if j.done()}
+  pending = [j for j in jobs if j.name not in status]
+  print(f'{len(jobs)} jobs: {len(status)} already done, {len(pending)} to run, {parallel} at a time'
+        + (f', deadline {fmt_time(deadline_s)}' if end else ''), file=out, flush=True)
+  env = dict(os.environ if env is None else env, PYTHONUNBUFFERED='1')
+  running: list[_Running] = []
+  last_report = t0
+  while pending or running:
+    now = time.time()
+    while pending and len(running) < parallel and (end is None or end - now >= min_start_s):
+      job = pending.pop(0)
+      cmd = list(job.command) + ([f'{job.stop_flag}={end - save_s:.0f}'] if end and job.stop_flag else [])
+      os.makedirs(os.path.dirname(os.path.abspath(job.log)), exist_ok=True)
+      with open(job.log, 'ab') as log:
+        log.write(f'\n$ {" ".join(cmd)}\n'.encode())
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+      running.append(_Running(job, proc, now))
+      print(f'started {job.name} (pid {proc.pid})', file=out, flush=True)
+    for r in list(running):
+      rc = r.proc.poll()
+      if rc is None:
+        continue
+      running.remove(r)
+      status[r.job.name] = ('done' if r.job.done() else 'stopped' if r.signalled or end and time.time() > end - save_s
+                            else f'exit {rc}')
+      print(f'{r.job.name}: {status[r.job.name]} after {fmt_time(time.time() - r.started)}', file=out, flush=True)
+    if end:
+      for r in running:
+        left = end - time.time()
+        if left <= 0 and r.signalled != 'kill':
+          r.proc.kill()
+          r.signalled = 'kill'
+        elif left <= kill_s and not r.signalled:
+          r.proc.send_signal(signal.SIGTERM)  # a trainer saves a checkpoint and exits
+          r.signalled = 'term'
+      if not running and pending and end - time.time() < min_start_s:
+        for j in pending:
+          status[j.name] = 'not started'
+        pending = []
+    for r in running:
+      got = last_step(r.job.log)
+      if got and (not r.seen or got[0] != r.seen[-1][1]):
+        r.seen.append((time.time(), got[0], got[1]))
+    if running and time.time() - last_report >= progress_every_s:
+      last_report = time.time()
+      print(progress_report(running, pending, t0, end), file=out, flush=True)
+    time.sleep(0.5)
+  return status
+
+
+def progress_report(running, pending, t0, end) -> str:
+  lines = [f'[{fmt_time(time.time() - t0)}] {len(running)} running, {len(pending)} waiting'
+           + (f', {fmt_time(max(end - time.time(), 0))} to the deadline' if end else '')]
+  for r in running:
+    if not r.seen:
+      lines.append(f'  {r.job.name}: starting ({fmt_time(time.time() - r.started)})')
+      continue
+    _, step, total = r.seen[-1]
+    rate = _rate(r)
+    eta = None if rate is None else (total - step) / rate
+    lines.append(f'  {r.job.name}: step {step}/{total}'
+                 + ('' if rate is None else f', {rate:.2f} steps/s, ETA {fmt_time(eta)}')
+                 + ('' if eta is None or end is None or time.time() + eta < end else ' (past the deadline: '
+                    'it will stop with a checkpoint and resume on the next call)'))
+  return '\n'.join(lines)
