@@ -241,7 +241,8 @@ def _zoology(results_dir: str, fig_dir: str) -> str:
          f'{device_s / 60:.1f} device-minutes.', '', '```', *[c['command'] for c in cmds.get('calls', [])],
          cmds.get('sweep', ''), '```', '', z['protocol'], '',
          f'Sweeps completed: {len(status) - len(unfinished)} of {len(status)}'
-         + (' (' + '; '.join(f'{k}: {v}' for k, v in unfinished.items()) + ')' if unfinished else '') + '.', '']
+         + (' (' + '; '.join(f'{k}: {v}' for k, v in unfinished.items()) + ')' if unfinished else '') + '.'
+         + ''.join(f' {c["note"]}' for c in cmds.get('calls', []) if c.get('note')), '']
   cells = z['test_cells']
   widths = sorted({int(k.split('/')[0][1:]) for k in z.get('cells', {})})
   for w in widths:
