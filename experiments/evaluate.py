@@ -92,9 +92,17 @@ def main(argv):
     with context_parallel(_CONTEXT.value):
       runner.evaluate(_WORKDIR.value, suites, settings_from_flags(), _STEP.value, _OUT.value)
   except (ValueError, FileNotFoundError) as e:
-    print(f'Evaluation error: {e}', file=sys.stderr)
+    print(f'Evaluation error: {as_flag(str(e))}', file=sys.stderr)
     return 2
   return 0
+
+
+def as_flag(message: str) -> str:
+  """experiments.load names its arguments (``workdir: ...``); on this command line they are flags."""
+  for name in ('workdir', 'step', 'tokenizer'):
+    if message.startswith(f'{name}: '):
+      return f'--{message}'
+  return message
 
 
 if __name__ == '__main__':

@@ -12,39 +12,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments.runner import trainer
-from experiments.data import corpus, token_files
-from experiments.data.tokenizer import BPETokenizer
-from experiments.evaluation import long_context, probes, run_loader, suites
+from experiments.data import token_files
+from experiments import loading
+from experiments.evaluation import long_context, probes, suites
 from experiments.evaluation.runner import evaluate
 from kdn_jax import ops
 from kdn_jax.models.config import model_config
 from kdn_jax.models.lm import LanguageModel
-from runner_helpers import tiny_config
-
-WORDS = ('the river ran past an old mill where children played and the miller sang of grain wind and '
-         'stone while boats drifted slowly toward a distant harbor under grey clouds').split()
-
-
-def _texts(n, rng, lo, hi):
-  return [' '.join(rng.choice(WORDS, size=int(rng.integers(lo, hi)))).capitalize() + '.' for _ in range(n)]
-
-
-def write_tiny_corpus(out, seed=0):
-  """A corpus directory in prepare's format: tokenizer.json, {train,val,long_eval}.npy + .docs.npy, manifest."""
-  rng = np.random.default_rng(seed)
-  splits = {'train': _texts(60, rng, 20, 80), 'val': _texts(20, rng, 20, 80),
-            'long_eval': _texts(3, rng, 500, 600)}
-  tok = BPETokenizer.train(splits['train'], vocab_size=300)
-  tok.save(out)
-  for name, texts in splits.items():
-    docs = [np.append(tok.encode(t), tok.eos_id) for t in texts]
-    np.save(os.path.join(out, f'{name}.npy'), np.concatenate(docs).astype(np.int32))
-    np.save(os.path.join(out, f'{name}.docs.npy'), np.concatenate([[0], np.cumsum([len(d) for d in docs])]))
-  with open(os.path.join(out, corpus.MANIFEST), 'w', encoding='utf-8') as f:
-    json.dump({'vocab_size': tok.vocab_size, 'eos_id': tok.eos_id}, f)
-  return tok
-
+from runner_helpers import train_tiny_lm
 
 def _model(layer_pattern='kdn_diag,swa,kdn_iso,attention', num_layers=4):
   cfg = model_config('tiny', mixer='kdn_diag', layer_pattern=layer_pattern, vocab_size=32,
@@ -107,22 +82,7 @@ def test_beta_eff_probe_equals_the_gain_of_the_op(mixer):
 
 @pytest.fixture(scope='module')
 def lm_run(tmp_path_factory):
-  base = tmp_path_factory.mktemp('eval')
-  cdir = str(base / 'corpus')
-  os.makedirs(cdir)
-  write_tiny_corpus(cdir)
-  c = tiny_config(kind='token_file', layer_pattern='kdn_diag,attention')
-  c.model.vocab_size = 320
-  c.data.corpus_dir = cdir
-  c.data.seq_len = 32
-  c.train.num_steps = 3
-  c.checkpoint.enabled = True
-  tr = trainer.Trainer(c, str(base / 'run'))
-  try:
-    tr.run()
-  finally:
-    tr.close()
-  return str(base / 'run'), cdir
+  return train_tiny_lm(tmp_path_factory.mktemp('eval'))
 
 
 def test_evaluate_every_suite_on_a_checkpoint(lm_run):
@@ -146,7 +106,7 @@ def test_evaluate_every_suite_on_a_checkpoint(lm_run):
   tokens = token_files.load_tokens(os.path.join(lm_run[1], 'long_eval.npy'))
   off = token_files.load_offsets(os.path.join(lm_run[1], 'long_eval.npy'), tokens)
   seqs, _ = long_context.document_windows(tokens, off, 256, 0, max_windows=3)
-  scorer = long_context.ChunkedScorer(run_loader.load(workdir).model)
+  scorer = long_context.ChunkedScorer(loading.load(workdir).model)
   nll, _ = scorer.one_shot(seqs[:, :-1], seqs[:, 1:])
   np.testing.assert_allclose(pp['perplexity'], np.exp(nll.mean()), rtol=1e-4)
   np.testing.assert_allclose(np.exp(per_pos.mean()), pp['perplexity'], rtol=1e-5)
@@ -165,9 +125,9 @@ def test_evaluate_every_suite_on_a_checkpoint(lm_run):
 def test_evaluate_errors_before_work(lm_run, tmp_path):
   workdir, _ = lm_run
   os.makedirs(tmp_path / 'empty')
-  with pytest.raises(FileNotFoundError, match='--workdir: no checkpoint'):
+  with pytest.raises(FileNotFoundError, match='workdir: no checkpoint'):
     evaluate(str(tmp_path / 'empty'), ['ppl'])
-  with pytest.raises(FileNotFoundError, match='--step: no checkpoint for step 7'):
+  with pytest.raises(FileNotFoundError, match='step: no checkpoint for step 7'):
     evaluate(workdir, ['ppl'], step=7)
   with pytest.raises(ValueError, match=r"--suite: unknown suite\(s\) \['nope'\]"):
     evaluate(workdir, ['nope'])
