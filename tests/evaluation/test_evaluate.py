@@ -145,3 +145,45 @@ def test_cli_reports_bad_input_with_exit_code_2(lm_run):
   out = subprocess.run([sys.executable, '-m', 'experiments.evaluate', f'--workdir={lm_run[0]}', '--suite=nope'],
                        cwd=root, capture_output=True, text=True, timeout=300, check=False)
   assert out.returncode == 2 and "--suite: unknown suite(s) ['nope']" in out.stderr, out.stderr[-2000:]
+
+
+def test_default_lm_suites_gate_sniah_on_its_shortest_length(lm_run):
+  """Default suites: an S-NIAH task that retrieves nothing at its shortest length is not scored longer,
+  and the result says why; a run without a tokenizer leaves retrieval out with a reason."""
+  workdir, _ = lm_run
+  run = loading.load(workdir)
+  # (S-NIAH-3 needs >= 267 tokens with this tokenizer; the validation haystack has 2695)
+  s = suites.Settings(retrieval_lengths=(320, 640), retrieval_examples=2, batch=4)
+  ctx = suites.Context(run, long_context.ChunkedScorer(run.model), s)
+  assert 'retrieval' in suites.default_suites(ctx) and suites.default_skips(ctx) == {}
+  res = suites.run_retrieval(ctx, gate=True)
+  for task, rows in res['tasks'].items():
+    shortest = [r for r in rows if r['length'] == 320]
+    if any(r['exact_match'] > 0 for r in shortest):
+      assert task not in res.get('skipped', {}) and {r['length'] for r in rows} == {320, 640}
+    else:
+      assert rows == shortest and 'lengths [640] not scored' in res['skipped'][task]
+  assert res.get('skipped'), 'a 3-step model retrieves nothing: at least one task is gated'
+  # (explicit --suite=retrieval scores every cell: test_evaluate_every_suite_on_a_checkpoint)
+  bare = loading.LoadedRun(run.workdir, run.config, run.model, run.step, run.checkpoint, None)
+  ctx = suites.Context(bare, ctx.scorer, s)
+  assert 'retrieval' not in suites.default_suites(ctx)
+  assert 'S-NIAH needs the corpus tokenizer' in suites.default_skips(ctx)['retrieval']
+
+
+def test_headline_keeps_mqar_kv_counts_apart_and_formats_p_star(tmp_path):
+  from experiments.evaluation import plots, runner  # pylint: disable=g-import-not-at-top
+  rows = [{'axis': 'num_kv_pairs', 'num_kv_pairs': kv, 'length': n, 'token_accuracy': acc}
+          for kv, n, acc in ((8, 64, 0.74), (16, 64, 0.33), (8, 128, 0.70), (16, 128, 0.30))]
+  assert runner.retrieval_headline('mqar', rows) == [
+      'mqar token accuracy (num_kv_pairs 8) by length: 64: 0.74, 128: 0.70',
+      'mqar token accuracy (num_kv_pairs 16) by length: 64: 0.33, 128: 0.30']
+  pp = {'perplexity': 230.1, 'max_len': 4096, 'p_star': 225.69646979944798, 't_star': 700.5, 'p_star_log_se': 0.05,
+        'sequences': 16, 'p_star_buckets': 9, 'generalises_to': 2048.0}
+  line = runner._headline({'position_ppl': pp})[0]  # pylint: disable=protected-access
+  assert 'p* 225.70 at t* 700 (x/ 1.051 one standard error over 16 sequences; the best of 9 noisy buckets' in line
+  # state_stats: one panel row per layer with a state (attention's None skipped), markers only
+  series = [{'t': t, 'layers': [{'memory_norm': 1.0 + t, 'memory_std': 0.1}, None]} for t in (0, 64, 128)]
+  path = plots.state_stats({'series': series, 'train_len': 64, 'chunk': 64, 'sequences': 2},
+                           str(tmp_path / 's.png'))
+  assert os.path.getsize(path) > 1000
