@@ -6,7 +6,9 @@
 
 Suites (``--suite``, comma-separated; default by the run's data: language-model runs
 ``ppl,position_ppl,effrem,beta_eff,retrieval`` (position_ppl also writes state_stats), synthetic-task runs
-``retrieval,state_stats,beta_eff``): see experiments/evaluation/suites.py. Evaluation always starts from the
+``retrieval,state_stats,beta_eff``), each left-out default named with its reason; in the default LM
+suites an S-NIAH task that scores 0 at its shortest length is not scored at longer ones (``--suite=retrieval``
+scores the whole grid): see experiments/evaluation/suites.py. Evaluation always starts from the
 model's normal initial state (never the training intervention), carries state chunk by chunk over long
 inputs, and never touches the run's own records (metrics.jsonl, summary.json, checkpoints). Every input
 problem (no checkpoint, unknown suite, a length the data cannot serve) is reported before any long work.
