@@ -8,8 +8,10 @@
 
 Suites (``--suite``, comma-separated; default by the run's data: language-model runs
 ``ppl,position_ppl,effrem,beta_eff,retrieval`` (position_ppl also writes state_stats), synthetic-task runs
-``retrieval,state_stats,beta_eff``, topic-source runs ``ppl,topic_floor,beta_eff``): see
-experiments/evaluation/suites.py. Evaluation always starts from the
+``retrieval,state_stats,beta_eff``, topic-source runs ``ppl,topic_floor,beta_eff``), each left-out default
+named with its reason; in the default LM suites an S-NIAH task that scores 0 at its shortest length is not
+scored at longer ones (``--suite=retrieval`` scores the whole grid): see experiments/evaluation/suites.py.
+Evaluation always starts from the
 model's normal initial state (never the training intervention), carries state chunk by chunk over long
 inputs, and never touches the run's own records (metrics.jsonl, summary.json, checkpoints). Every input
 problem (no checkpoint, unknown suite, a length the data cannot serve) is reported before any long work.
@@ -105,9 +107,17 @@ def main(argv):
       overrides = {'info_scale': _OVERRIDE_MU.value} if _OVERRIDE_MU.value else None
       runner.evaluate(_WORKDIR.value, suites, settings_from_flags(), _STEP.value, _OUT.value, overrides)
   except (ValueError, FileNotFoundError) as e:
-    print(f'Evaluation error: {e}', file=sys.stderr)
+    print(f'Evaluation error: {as_flag(str(e))}', file=sys.stderr)
     return 2
   return 0
+
+
+def as_flag(message: str) -> str:
+  """experiments.load names its arguments (``workdir: ...``); on this command line they are flags."""
+  for name in ('workdir', 'step', 'tokenizer'):
+    if message.startswith(f'{name}: '):
+      return f'--{message}'
+  return message
 
 
 if __name__ == '__main__':

@@ -1,11 +1,15 @@
-"""Shared helpers for the runner tests: tiny real-model run configs and token-file fixtures."""
+"""Shared helpers for the runner and evaluation tests: tiny real-model run configs, token-file and corpus
+fixtures."""
 from __future__ import annotations
 
+import json
 import os
 import re
 
 import numpy as np
 
+from experiments.data import corpus
+from experiments.data.tokenizer import BPETokenizer
 from experiments.runner import config_lib
 from kdn_jax.models.config import model_config
 
@@ -93,3 +97,48 @@ def compilation_cache(tmp_dir):
 def host(tree):
   import jax  # pylint: disable=g-import-not-at-top
   return jax.tree.map(np.asarray, tree)
+
+
+WORDS = ('the river ran past an old mill where children played and the miller sang of grain wind and '
+         'stone while boats drifted slowly toward a distant harbor under grey clouds').split()
+
+
+def _texts(n, rng, lo, hi):
+  return [' '.join(rng.choice(WORDS, size=int(rng.integers(lo, hi)))).capitalize() + '.' for _ in range(n)]
+
+
+def write_tiny_corpus(out, seed=0):
+  """A corpus directory in prepare's format: tokenizer.json, {train,val,long_eval}.npy + .docs.npy, manifest."""
+  rng = np.random.default_rng(seed)
+  splits = {'train': _texts(60, rng, 20, 80), 'val': _texts(20, rng, 20, 80),
+            'long_eval': _texts(3, rng, 500, 600)}
+  tok = BPETokenizer.train(splits['train'], vocab_size=300)
+  tok.save(out)
+  for name, texts in splits.items():
+    docs = [np.append(tok.encode(t), tok.eos_id) for t in texts]
+    np.save(os.path.join(out, f'{name}.npy'), np.concatenate(docs).astype(np.int32))
+    np.save(os.path.join(out, f'{name}.docs.npy'), np.concatenate([[0], np.cumsum([len(d) for d in docs])]))
+  with open(os.path.join(out, corpus.MANIFEST), 'w', encoding='utf-8') as f:
+    json.dump({'vocab_size': tok.vocab_size, 'eos_id': tok.eos_id}, f)
+  return tok
+
+
+def train_tiny_lm(base, num_steps=3):
+  """A checkpointed run of a tiny KDN + attention LM on a tiny corpus under ``base``: (workdir, corpus dir)."""
+  from experiments.runner import trainer  # pylint: disable=g-import-not-at-top
+  cdir = os.path.join(str(base), 'corpus')
+  os.makedirs(cdir)
+  write_tiny_corpus(cdir)
+  c = tiny_config(kind='token_file', layer_pattern='kdn_diag,attention')
+  c.model.vocab_size = 320
+  c.data.corpus_dir = cdir
+  c.data.seq_len = 32
+  c.train.num_steps = num_steps
+  c.checkpoint.enabled = True
+  workdir = os.path.join(str(base), 'run')
+  tr = trainer.Trainer(c, workdir)
+  try:
+    tr.run()
+  finally:
+    tr.close()
+  return workdir, cdir

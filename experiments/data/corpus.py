@@ -18,8 +18,9 @@ SPLIT_FILES = {'train_path': 'train.npy', 'eval_path': 'val.npy', 'long_eval_pat
 def read_manifest(corpus_dir: str) -> dict:
   path = os.path.join(corpus_dir, MANIFEST)
   if not os.path.exists(path):
-    raise FileNotFoundError(f'config.data.corpus_dir: no {MANIFEST} in {corpus_dir!r}; build the corpus with '
-                            f'python -m experiments.data.prepare --out={corpus_dir}')
+    raise FileNotFoundError(f'config.data.corpus_dir: no {MANIFEST} in {corpus_dir!r}; a corpus prepared with '
+                            'another --out=<dir> needs --config.data.corpus_dir=<dir> on this command, else build '
+                            f'it with python -m experiments.data.prepare --out={corpus_dir}')
   with open(path, encoding='utf-8') as f:
     return json.load(f)
 

@@ -728,7 +728,7 @@ def _rdata():
   try:
     import rdata  # pylint: disable=g-import-not-at-top
   except ImportError as e:
-    raise SourceUnavailable('the rdata package is not installed (pip install rdata)') from e
+    raise SourceUnavailable("the rdata package is not installed (pip install -e '.[corpus]')") from e
   return rdata
 
 

@@ -7,7 +7,9 @@ documents per source ``<out>/docs/<source>.jsonl`` (``--refresh_docs`` redoes th
 split (seeded) -> byte-level BPE tokenizer trained on train (``<out>/tokenizer.json``) -> token files
 ``<out>/{train,val,long_eval}.npy`` (uint16 or int32 ids, every document followed by EOS) and ``.docs.npy`` (int64
 document offsets, n_docs + 1) -> ``<out>/manifest.json`` (``--force`` redoes the tokenizer and tokens).
-A source that cannot be had prints one line and the corpus is built from the rest.
+A source that cannot be had prints one line and the corpus is built from the rest; the build's last lines
+then say which sources are missing and what that changes (a long-eval source: every long-context result).
+The download cache grows to ~540 MB on a full build; prepare prints its size at the start and the end.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from experiments.data.tokenizer import EOS, BPETokenizer
 
 SPLITS = ('train', 'val', 'long_eval')
 FORMAT_VERSION = 1
+FULL_CACHE_MB = 540  # <out>/cache after a full build: 79 MB of downloads plus the unpacked package trees
 
 
 def _atomic_write(path: str, write: Callable) -> None:
@@ -82,6 +85,7 @@ def extract_source(src: Source, out: str, cache_dir: str, refresh: bool = False,
   if os.path.exists(path) and not refresh:
     return {'status': 'ok', 'documents': _read_jsonl(path), 'cached': True, 'seconds': 0.0}
   t = time.time()
+  log(f"prepare: source '{src.name}': downloading into the cache and extracting ...")
   try:
     docs, names = [], {}
     for d in src.fn(cache_dir):
@@ -185,6 +189,8 @@ def build(out: str, sources: Sequence[Source] | None = None, cache_dir: str | No
   os.makedirs(out, exist_ok=True)
   os.makedirs(cache_dir, exist_ok=True)
   command = command or 'python -m experiments.data.prepare ' + ' '.join(sys.argv[1:])
+  log(f'prepare: building {out} from {len(sources)} sources; download cache {cache_dir} '
+      f'({dir_mb(cache_dir):.0f} MB now; a full build leaves ~{FULL_CACHE_MB} MB there, deletable afterwards)')
 
   # ---- documents per source
   per_source, docs = {}, []  # docs: (source, long, name, text)
@@ -214,6 +220,7 @@ def build(out: str, sources: Sequence[Source] | None = None, cache_dir: str | No
       old = json.load(f)
     if old.get('fingerprint') == fingerprint:
       log(f'prepare: {out} is up to date (use --force to rebuild the tokenizer and token files)')
+      report_lost(per_source, sources, old.get('splits', {}), log)
       return old
 
   # ---- split
@@ -311,8 +318,50 @@ def build(out: str, sources: Sequence[Source] | None = None, cache_dir: str | No
   _atomic_json(os.path.join(out, 'splits.json'),
                {s: [f'{docs[i][0]}/{docs[i][2]}' for i in order[s]] for s in SPLITS})
   _atomic_json(manifest_path, manifest)
-  log(f'prepare: wrote {out} in {time.time() - t0:.1f} s')
+  log(f'prepare: wrote {out} in {time.time() - t0:.1f} s; cache {cache_dir}: {dir_mb(cache_dir):.0f} MB '
+      '(delete it to reclaim the space; keep its apt/ and pip/ folders to rebuild this exact corpus)')
+  report_lost(per_source, sources, splits_info, log)
   return manifest
+
+
+def dir_mb(path: str) -> float:
+  total = 0
+  for root, _, files in os.walk(path):
+    for f in files:
+      try:
+        total += os.lstat(os.path.join(root, f)).st_size
+      except OSError:  # (a file removed while counting)
+        pass
+  return total / 1e6
+
+
+def report_lost(per_source: dict, sources: Sequence[Source], splits: dict, log) -> list[str]:
+  """Warns, as the build's last lines, of every source that could not be had and what its absence changes;
+  returns the lost sources' names."""
+  lost = [s for s in sources if per_source.get(s.name, {}).get('status') == 'unavailable']
+  if not lost:
+    return []
+  bar = '!' * 100
+  log(bar)
+  log(f'prepare: WARNING: {len(lost)} of {len(sources)} sources could not be had; this corpus differs from a '
+      'full build:')
+  for s in lost:
+    log(f"  - '{s.name}': {per_source[s.name]['reason']}")
+  long_lost = [s.name for s in lost if s.long]
+  if long_lost:
+    le = splits.get('long_eval', {})
+    log(f'  long_eval lacks {", ".join(long_lost)}: {le.get("documents", "?")} documents, {le.get("tokens", "?")} '
+        'tokens here; every long-context result (position_ppl, effrem, state_stats) is measured on other text than '
+        "a full build's and is not comparable with one")
+  if len(long_lost) < len(lost):
+    log('  train / val lack ' + ', '.join(s.name for s in lost if not s.long) + ': the tokenizer and every '
+        "model trained on this corpus differ from a full build's")
+  if any('rdata' in per_source[s.name]['reason'] for s in lost):
+    log("  fix: pip install -e '.[corpus]' (installs rdata), then rerun this command")
+  else:
+    log('  fix the cause above and rerun this command (cached downloads are reused)')
+  log(bar)
+  return [s.name for s in lost]
 
 
 def main(argv=None):

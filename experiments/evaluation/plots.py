@@ -31,7 +31,10 @@ def position_ppl(res: dict, path: str) -> str:
   ax.plot(res['bucket_center'], res['bucket_ppl'], '-', lw=1.5, label='position-wise PPL')
   ax.axvline(res['train_len'], color='k', ls='--', lw=1, label=f'training length {res["train_len"]}')
   if res.get('p_star') is not None:
-    ax.axhline(res['p_star'], color='tab:red', ls=':', lw=1, label=f'p* = {res["p_star"]:.2f}')
+    se = res.get('p_star_log_se')
+    noise = f', x/ {np.exp(se):.3f} s.e.' if se is not None and np.isfinite(se) else ''
+    ax.axhline(res['p_star'], color='tab:red', ls=':', lw=1,
+               label=f'p* = {res["p_star"]:.2f} (best bucket{noise}; biased low)')
   ax.set_xscale('log')
   ax.set_yscale('log')
   ax.set_xlabel('position t (tokens)')
@@ -95,22 +98,39 @@ def effrem(res: dict, path: str) -> str:
 
 
 def state_stats(res: dict, path: str) -> str:
+  """One panel per (layer with a recurrent state, statistic), each with its own y-scale (layers differ by
+  orders of magnitude); markers at the chunk ends where the state was read, no lines between them (nothing
+  was sampled there). The x-axis is linear: the chunk ends are evenly spaced and t = 0 is the initial state."""
   plt = _plt()
-  keys = [k for k in ('memory_norm', 'memory_std', 'variance_mean') if any(
-      k in (lay or {}) for lay in res['series'][0]['layers'])]
-  fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.6), squeeze=False)
-  t = [p['t'] for p in res['series']]
-  for ax, key in zip(axes[0], keys):
-    for i in range(len(res['series'][0]['layers'])):
-      vals = [p['layers'][i][key] if p['layers'][i] and key in p['layers'][i] else np.nan for p in res['series']]
-      if not np.all(np.isnan(vals)):
-        ax.plot(t, vals, label=f'layer {i}')
-    ax.axvline(res['train_len'], color='k', ls='--', lw=1)
-    ax.set_xscale('symlog', linthresh=max(res['train_len'] // 4, 1))
-    ax.set_xlabel('position t')
-    ax.set_title(key)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+  series = res['series']
+  layers = [i for i in range(len(series[0]['layers'])) if any(p['layers'][i] for p in series)]
+  keys = [k for k in ('memory_norm', 'memory_std', 'variance_mean')
+          if any(k in (p['layers'][i] or {}) for p in series for i in layers)]
+  if not layers or not keys:
+    return ''
+  fig, axes = plt.subplots(len(layers), len(keys), figsize=(3.8 * len(keys), 1.9 * len(layers) + 0.6),
+                           squeeze=False, sharex=True)
+  t = np.asarray([p['t'] for p in series], float)
+  for r, i in enumerate(layers):
+    for c, key in enumerate(keys):
+      ax = axes[r, c]
+      vals = np.asarray([(p['layers'][i] or {}).get(key, np.nan) for p in series], float)
+      ok = ~np.isnan(vals)
+      if ok.any():
+        ax.plot(t[ok], vals[ok], 'o', ms=3, color=f'C{r % 10}')
+      else:
+        ax.text(0.5, 0.5, 'none in this layer', ha='center', va='center', transform=ax.transAxes, fontsize=8)
+      ax.axvline(res['train_len'], color='k', ls='--', lw=0.8)
+      ax.grid(alpha=0.3)
+      ax.tick_params(labelsize=7)
+      if r == 0:
+        ax.set_title(key, fontsize=9)
+      if c == 0:
+        ax.set_ylabel(f'layer {i}', fontsize=8)
+      if r == len(layers) - 1:
+        ax.set_xlabel('position t (state read at chunk ends)', fontsize=8)
+  fig.suptitle(f'{res["sequences"]} sequences, chunk {res["chunk"]}; dashed: training length {res["train_len"]}',
+               fontsize=9)
   return _save(fig, path)
 
 
@@ -179,7 +199,9 @@ def save_all(out_dir: str, results: dict) -> list[str]:
   if 'effrem' in results:
     paths.append(effrem(results['effrem'], os.path.join(out_dir, 'effrem.png')))
   if results.get('state_stats', {}).get('series'):
-    paths.append(state_stats(results['state_stats'], os.path.join(out_dir, 'state_stats.png')))
+    p = state_stats(results['state_stats'], os.path.join(out_dir, 'state_stats.png'))
+    if p:  # (no layer with a recurrent state: nothing to plot)
+      paths.append(p)
   if results.get('beta_eff', {}).get('layers'):
     paths.append(beta_hist(results['beta_eff'], os.path.join(out_dir, 'beta_eff.png')))
   for task, cells in results.get('retrieval', {}).get('tasks', {}).items():

@@ -9,7 +9,8 @@ import numpy as np
 
 from experiments.runner import kernel_config
 from experiments.runner import logging_utils
-from experiments.evaluation import long_context, plots, run_loader
+from experiments import loading
+from experiments.evaluation import long_context, plots
 from experiments.evaluation import suites as S
 
 
@@ -20,21 +21,26 @@ def evaluate(workdir: str, suites=None, settings=None, step=None, out_dir: str =
   ``model_overrides`` (``{'info_scale': mu}``): the same parameters in a model built with that mu (the
   fixed-weight beta_eff probe); the default ``out_dir`` is then ``<workdir>/eval/info_scale_<mu>``."""
   settings = settings or S.Settings()
-  run = run_loader.load(workdir, step, model_overrides)
+  run = loading.load(workdir, step, settings.tokenizer or None, model_overrides=model_overrides)
   if model_overrides and not out_dir:
-    out_dir = os.path.join(workdir, 'eval', f'info_scale_{run.config.model.info_scale}')
+    out_dir = os.path.join(run.workdir, 'eval', f'info_scale_{run.config.model.info_scale}')
   with kernel_config.applied(run.config):   # the run's kernel options (speed only)
-    return _evaluate(run, suites, settings, workdir, out_dir, model_overrides)
+    return _evaluate(run, suites, settings, out_dir, model_overrides)
 
 
-def _evaluate(run, suites, settings, workdir, out_dir, model_overrides=None):
+def _evaluate(run, suites, settings, out_dir, model_overrides=None):
+  workdir = run.workdir  # (the run directory also when a checkpoint directory was given)
   ctx = S.Context(run, long_context.ChunkedScorer(run.model), settings)
+  gate = not suites and ctx.is_lm  # S-NIAH past its shortest length only where it scores there
+  skips = {} if suites else S.default_skips(ctx)
   suites = list(suites or S.default_suites(ctx))
   S.check(ctx, suites)
   out_dir = out_dir or os.path.join(workdir, 'eval')
   os.makedirs(out_dir, exist_ok=True)
   print(f'Evaluating {run.checkpoint} ({run.config.model.get("mixer")}, trained on {run.config.data.kind}, '
         f'length {ctx.train_len}): {", ".join(suites)} -> {out_dir}', flush=True)
+  for name, why in skips.items():
+    print(f'{name}: not run: {why}', flush=True)
   meta = {'workdir': os.path.abspath(workdir), 'checkpoint': run.checkpoint, 'step': run.step,
           'mixer': run.config.model.get('mixer'), 'layer_pattern': run.config.model.get('layer_pattern'),
           'initial_state': run.config.train.initial_state, 'train_len': ctx.train_len,
@@ -67,7 +73,7 @@ def _evaluate(run, suites, settings, workdir, out_dir, model_overrides=None):
       if 'state_stats' not in results:
         done(name, S.state_stats(ctx), t0)
     elif name == 'retrieval':
-      done(name, S.run_retrieval(ctx), t0)
+      done(name, S.run_retrieval(ctx, gate), t0)
     else:
       done(name, getattr(S, name)(ctx), t0)
   pngs = plots.save_all(out_dir, results)
@@ -86,8 +92,12 @@ def _headline(results) -> list[str]:
     lines.append(f'validation perplexity {results["ppl"]["perplexity"]:.3f}')
   if 'position_ppl' in results:
     r = results['position_ppl']
-    lines.append(f'position-wise: PPL {r["perplexity"]:.3f} over {r["max_len"]} tokens; p* {r["p_star"]} at '
-                 f't* {r["t_star"]}; within p* up to t = {r["generalises_to"]}')
+    line = f'position-wise: PPL {r["perplexity"]:.3f} over {r["max_len"]} tokens'
+    if r['p_star'] is not None:
+      line += (f'; p* {r["p_star"]:.2f} at t* {r["t_star"]:.0f} (x/ {np.exp(r["p_star_log_se"]):.3f} one standard '
+               f'error over {r["sequences"]} sequences; the best of {r["p_star_buckets"]} noisy buckets, so '
+               f'biased low); within p* up to t = {r["generalises_to"]:.0f}')
+    lines.append(line)
   if 'topic_floor' in results:
     r = results['topic_floor']
     (ea, eb), (la, lb) = r['early_window'], r['late_window']
@@ -101,14 +111,30 @@ def _headline(results) -> list[str]:
   if 'beta_eff' in results and 'all' in results['beta_eff']:
     lines.append(f'beta_eff mean {results["beta_eff"]["all"]["mean"]:.3f}')
   for task, rows in results.get('retrieval', {}).get('tasks', {}).items():
-    metric = plots.METRIC[task]
-    by_len = {}
-    for r in rows:
-      by_len.setdefault(r['length'], []).append(r[metric])
-    lines.append(f'{task} {metric.replace("_", " ")} by length: ' + ', '.join(f'{n}: {np.mean(v):.2f}' for n, v in
-                                                                 sorted(by_len.items())))
+    lines += retrieval_headline(task, rows)
   return lines
 
 
 def _fmt_iv(iv: dict) -> str:
   return f'{iv["estimate"]:.4f} [{iv["lo"]:.4f}, {iv["hi"]:.4f}]'
+
+
+def retrieval_headline(task: str, rows: list[dict]) -> list[str]:
+  """One line per value of a difficulty axis (MQAR's key-value pairs: the heatmap's rows, never averaged
+  together); S-NIAH / passkey depths are averaged (where the needle sits, not how hard the task is)."""
+  metric = plots.METRIC[task]
+  what = metric.replace('_', ' ')
+  if not rows:
+    return []
+  axis = rows[0]['axis']
+  split = task == 'mqar'
+  groups = {}
+  for r in rows:
+    groups.setdefault(r[axis] if split else None, {}).setdefault(r['length'], []).append(r[metric])
+  out = []
+  for point, by_len in sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0])):
+    head = f'{task} {what}' + (f' ({axis} {point})' if split else
+                                (f' (mean over {len(next(iter(by_len.values())))} {axis} values)'
+                                 if len(next(iter(by_len.values()))) > 1 else ''))
+    out.append(f'{head} by length: ' + ', '.join(f'{n}: {np.mean(v):.2f}' for n, v in sorted(by_len.items())))
+  return out

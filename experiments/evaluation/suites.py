@@ -23,9 +23,9 @@ import numpy as np
 
 from experiments.data import corpus, pipeline, retrieval, token_files, topic_source
 from experiments.data.tokenizer import BPETokenizer
-from experiments.evaluation import bootstrap, long_context, probes
+from experiments.evaluation import bootstrap, long_context, plots, probes
 from experiments.evaluation import topic_floor as floor_lib
-from experiments.evaluation.run_loader import EvalRun
+from experiments.loading import LoadedRun
 
 SUITES = ('ppl', 'position_ppl', 'effrem', 'state_stats', 'beta_eff', 'retrieval', 'topic_floor')
 TOPIC_ONLY = ('topic_floor',)   # suites of runs trained on the topic source only
@@ -58,7 +58,7 @@ class Settings:
 
 @dataclasses.dataclass
 class Context:
-  run: EvalRun
+  run: LoadedRun
   scorer: long_context.ChunkedScorer
   settings: Settings
 
@@ -108,11 +108,10 @@ class Context:
     return int(self.data.eos_id) if int(self.data.eos_id) >= 0 else None
 
   def tokenizer(self) -> BPETokenizer:
-    path = self.settings.tokenizer or corpus.tokenizer_path(self.run.config)
-    if not path:
-      raise ValueError('--tokenizer: S-NIAH needs the corpus tokenizer (tokenizer.json); the run has no '
-                       'data.corpus_dir')
-    return BPETokenizer.load(path)
+    try:
+      return self.run.tokenizer
+    except (ValueError, FileNotFoundError) as e:
+      raise ValueError(f'--{e} (S-NIAH needs the text tokenizer)') from e
 
   def long_sequences(self, length: int, n: int) -> np.ndarray:
     """[n', length + 1] token windows: long-eval documents (LM runs) or the run's task at ``length``."""
@@ -144,13 +143,19 @@ class Context:
 
 
 def default_suites(ctx: 'Context') -> tuple[str, ...]:
-  """By the run's data; S-NIAH retrieval only where a tokenizer is at hand."""
+  """By the run's data, less :func:`default_skips`."""
   if ctx.is_topic:
     return TOPIC_DEFAULT
-  if not ctx.is_lm:
-    return SYNTHETIC_DEFAULT
-  tok = ctx.settings.tokenizer or corpus.tokenizer_path(ctx.run.config)
-  return LM_DEFAULT if tok and os.path.exists(tok) else tuple(s for s in LM_DEFAULT if s != 'retrieval')
+  skips = default_skips(ctx)
+  return tuple(s for s in (LM_DEFAULT if ctx.is_lm else SYNTHETIC_DEFAULT) if s not in skips)
+
+
+def default_skips(ctx: 'Context') -> dict[str, str]:
+  """{suite: why} for the default suites that cannot run on this run (named with --suite, they raise)."""
+  if ctx.is_lm and not ctx.is_topic and not ctx.run.has_tokenizer:
+    return {'retrieval': f'S-NIAH needs the corpus tokenizer, and the run has none '
+                         f'({ctx.run.tokenizer_path or "no data.corpus_dir"}; --tokenizer= names one)'}
+  return {}
 
 
 def check(ctx: Context, suites) -> None:
@@ -237,16 +242,20 @@ def position_ppl(ctx: Context) -> tuple[dict, dict, np.ndarray]:
   # p*: the best bucket inside the training range, skipping its first eighth (little context, few
   # positions per bucket: noise, not length behaviour)
   inside = (centers <= ctx.train_len) & (centers >= ctx.train_len / 8)
-  p_star = t_star = generalises_to = None
+  p_star = t_star = generalises_to = log_se = None
   if inside.any():
     i_star = int(np.argmin(np.where(inside, bppl, np.inf)))
     p_star, t_star = float(bppl[i_star]), float(centers[i_star])
+    # the spread of that bucket's mean log-PPL over the sequences: p* is the minimum of such noisy
+    # means, so it sits below the true bucket perplexity by about this much
+    per_seq = nll[:, edges[i_star]:edges[i_star + 1]].mean(axis=1).astype(np.float64)
+    log_se = float(per_seq.std(ddof=1) / np.sqrt(len(per_seq))) if len(per_seq) > 1 else float('nan')
     above = np.flatnonzero((centers >= t_star) & (bppl > p_star * (1 + 1e-9)))
     generalises_to = float(centers[above[0] - 1]) if len(above) else float(L)
   res = {'max_len': L, 'sequences': n, 'chunk': ctx.chunk, 'train_len': ctx.train_len,
          'perplexity': float(np.exp(per_pos.mean())), 'bucket_edges': edges.tolist(),
          'bucket_center': centers.tolist(), 'bucket_ppl': bppl.tolist(), 'p_star': p_star, 't_star': t_star,
-         'generalises_to': generalises_to,
+         'p_star_log_se': log_se, 'p_star_buckets': int(inside.sum()), 'generalises_to': generalises_to,
          'ppl_at': {str(t): float(np.exp(per_pos[max(0, t // 2):t].mean())) for t in
                     (ctx.train_len, 2 * ctx.train_len, 4 * ctx.train_len, 8 * ctx.train_len, L) if t <= L}}
   return res, _state_result(ctx, series, n, L), per_pos
@@ -334,12 +343,22 @@ def retrieval_cells(ctx: Context, dry_run: bool = False) -> dict:
   return out
 
 
-def run_retrieval(ctx: Context) -> dict:
+def run_retrieval(ctx: Context, gate: bool = False) -> dict:
+  """Scores the retrieval grids. ``gate`` (the default LM suites): a task whose every cell at its shortest
+  length scores 0 is not scored at the longer lengths, and the result says so (``skipped``)."""
   tasks = retrieval_cells(ctx)
-  res = {}
+  res, skipped = {}, {}
   for task, cells in tasks.items():
-    rows = []
+    rows, metric = [], plots.METRIC[task]
+    shortest = min(c['length'] for c in cells)
     for c in cells:
+      if gate and c['length'] > shortest and not any(r[metric] > 0 for r in rows if r['length'] == shortest):
+        skipped[task] = (f'{metric.replace("_", " ")} 0 at every cell of the shortest length {shortest}: '
+                         f'lengths {sorted({x["length"] for x in cells if x["length"] > shortest})} not scored '
+                         '(a model that retrieves nothing there scores 0 beyond it); --suite=retrieval scores '
+                         'the whole grid')
+        print(f'  retrieval {task}: skipped the longer lengths: {skipped[task]}', flush=True)
+        break
       ex = c['examples']
       correct = _correct(ctx, ex)
       sc = retrieval.score(correct, ex['mask'])
@@ -349,8 +368,11 @@ def run_retrieval(ctx: Context) -> dict:
       print(f'  retrieval {task} length {c["length"]} {c["axis"]} {c[c["axis"]]}: exact match '
             f'{sc["exact_match"]:.3f}, token accuracy {sc["token_accuracy"]:.3f}', flush=True)
     res[task] = rows
-  return {'tasks': res, 'examples_per_cell': ctx.settings.retrieval_examples, 'seed': ctx.settings.seed,
-          'train_len': ctx.train_len}
+  out = {'tasks': res, 'examples_per_cell': ctx.settings.retrieval_examples, 'seed': ctx.settings.seed,
+         'train_len': ctx.train_len}
+  if skipped:
+    out['skipped'] = skipped
+  return out
 
 
 def _correct(ctx: Context, ex: dict) -> np.ndarray:

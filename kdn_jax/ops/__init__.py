@@ -3,7 +3,9 @@
 Layout [B, T, H, K] (flash-linear-attention's). Every op takes
 `impl` in {'auto', 'reference', 'chunked', 'pallas'}; 'reference' is the
 token-by-token ground truth, 'chunked' the chunkwise XLA form, 'pallas' the
-kernels in `pallas_kernels`; 'auto' picks Pallas on GPU, else chunked.
+kernels in `pallas_kernels`; 'auto' picks Pallas on GPU, chunked on TPU, and on
+CPU the token loop while its per-token states are small, else chunked
+(dispatch.CPU_REFERENCE_MAX_STATE_BYTES).
 `context_parallel` holds the same ops with T split over a mesh axis.
 `checked=True` checks the values' domains (r > 0, log_alpha <= 0, ...) and
 raises InvalidValueError; `checked(fn)` makes that work under jit.

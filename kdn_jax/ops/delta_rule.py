@@ -28,12 +28,14 @@ def default_chunk_size(impl):
   return dispatch.PALLAS_DEFAULT_CHUNK
 
 
-def resolve(op, impl, kd, vd, chunk_size):
+def resolve(op, impl, kd, vd, chunk_size, tokens=None):
   """(impl, chunk_size) that run: chunk_size checked, then impl resolved for
-  these widths (dispatch.resolve_impl), then the chunk default filled in."""
+  these widths and ``tokens`` = B*T*H (dispatch.resolve_impl), then the chunk
+  default filled in."""
   if chunk_size is not None:
     val.check_chunk_size(op, chunk_size)
-  impl = dispatch.resolve_impl(op, impl, kd, vd, chunk_size)
+  state_bytes = None if tokens is None else 4 * tokens * kd * vd
+  impl = dispatch.resolve_impl(op, impl, kd, vd, chunk_size, state_bytes)
   return impl, default_chunk_size(impl) if chunk_size is None else chunk_size
 
 
@@ -118,11 +120,11 @@ def delta_rule(q, k, v, log_alpha, write, *, scale=None, initial_state=None,
   """
   op = "delta_rule"
   q, k = heads.to_value_heads(op, q, k, v)
-  (_, _, _, kd, vd), cd, memory0 = check_args(op, q, k, v, log_alpha, write,
+  (b, t, h, kd, vd), cd, memory0 = check_args(op, q, k, v, log_alpha, write,
                                               initial_state, segment_ids)
   if checked:
     val.check_values(op, (("log_alpha", log_alpha, "<= 0"),))
-  impl, chunk_size = resolve(op, impl, kd, vd, chunk_size)
+  impl, chunk_size = resolve(op, impl, kd, vd, chunk_size, b * t * h)
   scale = kd ** -0.5 if scale is None else scale
   if impl != "pallas":
     # (the Pallas kernels read log_alpha and write in their own dtypes, fp32 inside: a cast

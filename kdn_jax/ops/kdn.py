@@ -71,7 +71,7 @@ def _kdn(op, diag, q, k, v, log_alpha, omega, r, info_scale, scale,
   q, k = heads.to_value_heads(op, q, k, v)
   b, t, h, kd, vd = _check_kdn(op, diag, q, k, v, log_alpha, omega, r)
   val.check_segment_ids(op, segment_ids, b, t)
-  impl, chunk_size = resolve(op, impl, kd, vd, chunk_size)
+  impl, chunk_size = resolve(op, impl, kd, vd, chunk_size, b * t * h)
   out_dtype = q.dtype
   cd = val.compute_dtype(q, k, v, log_alpha, omega, r)
   input_dtype = jnp.result_type(q, k, v)

@@ -453,11 +453,35 @@ def test_splits_disjoint_long_docs_to_long_eval(built):
 def test_missing_source_is_one_line_and_the_rest_builds(built):
   _, _, _, m, logs = built
   for name, why in (('missing-pkg', 'Unable to locate package'), ('broken-pkg', 'download interrupted')):
-    lines = [l for l in logs if f"'{name}'" in l]
+    lines = [l for l in logs if f"'{name}' unavailable" in l]
     assert len(lines) == 1 and lines[0].startswith(f"prepare: source '{name}' unavailable: ")
     assert why in lines[0] and lines[0].endswith('continuing without it')
     assert m['sources'][name]['status'] == 'unavailable' and why in m['sources'][name]['reason']
   assert any('tokenize train' in l and 'MB' in l for l in logs)
+  # progress from the first line on, and the cache's size
+  assert logs[0].startswith('prepare: building ') and ' from 9 sources; ' in logs[0]
+  assert 'download cache' in logs[0] and 'MB now' in logs[0] and '540 MB' in logs[0]
+  assert logs[1] == "prepare: source 'fake-linux-doc': downloading into the cache and extracting ..."
+  # the build ends with the lost sources, loudly, and what their absence changes
+  end = logs[logs.index(next(l for l in logs if l.startswith('prepare: wrote'))):]
+  assert 'cache' in end[0] and ' MB (delete it' in end[0]
+  assert end[1] == end[-1] == '!' * 100
+  assert end[2] == 'prepare: WARNING: 2 of 9 sources could not be had; this corpus differs from a full build:'
+  assert end[3].startswith("  - 'missing-pkg': apt-get download") and end[4].startswith("  - 'broken-pkg': OSError")
+  assert end[5].startswith('  train / val lack missing-pkg, broken-pkg: the tokenizer')
+
+
+def test_lost_long_source_names_what_changes():
+  lost = {'austen': {'status': 'unavailable', 'reason': "the rdata package is not installed (pip install -e '.[corpus]')"},
+          'kjv': {'status': 'ok'}}
+  logs = []
+  names = prepare.report_lost(lost, [cs.Source('kjv', None), cs.Source('austen', None, long=True)],
+                              {'long_eval': {'documents': 41, 'tokens': 1_770_000}}, logs.append)
+  assert names == ['austen']
+  text = '\n'.join(logs)
+  assert "long_eval lacks austen: 41 documents, 1770000 tokens here; every long-context result" in text
+  assert "fix: pip install -e '.[corpus]' (installs rdata)" in text
+  assert prepare.report_lost({'kjv': {'status': 'ok'}}, [cs.Source('kjv', None)], {}, logs.append) == []
 
 
 def test_rerun_skips_and_force_rebuilds(built):
@@ -496,3 +520,10 @@ def test_split_deterministic_per_seed(built, tmp_path):
 def test_main_rejects_unknown_sources(tmp_path):
   with pytest.raises(SystemExit):
     prepare.main([f'--out={tmp_path}', '--sources=no-such-source'])
+
+
+def test_missing_corpus_names_the_flag(tmp_path):
+  from experiments.data import corpus  # pylint: disable=g-import-not-at-top
+  with pytest.raises(FileNotFoundError, match=r'another --out=<dir> needs --config.data.corpus_dir=<dir> on this '
+                     r'command, else build it with python -m experiments.data.prepare --out='):
+    corpus.read_manifest(str(tmp_path))

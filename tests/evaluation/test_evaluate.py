@@ -12,39 +12,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments.runner import trainer
-from experiments.data import corpus, token_files
-from experiments.data.tokenizer import BPETokenizer
-from experiments.evaluation import long_context, probes, run_loader, suites
+from experiments.data import token_files
+from experiments import loading
+from experiments.evaluation import long_context, probes, suites
 from experiments.evaluation.runner import evaluate
 from kdn_jax import ops
 from kdn_jax.models.config import model_config
 from kdn_jax.models.lm import LanguageModel
-from runner_helpers import tiny_config
-
-WORDS = ('the river ran past an old mill where children played and the miller sang of grain wind and '
-         'stone while boats drifted slowly toward a distant harbor under grey clouds').split()
-
-
-def _texts(n, rng, lo, hi):
-  return [' '.join(rng.choice(WORDS, size=int(rng.integers(lo, hi)))).capitalize() + '.' for _ in range(n)]
-
-
-def write_tiny_corpus(out, seed=0):
-  """A corpus directory in prepare's format: tokenizer.json, {train,val,long_eval}.npy + .docs.npy, manifest."""
-  rng = np.random.default_rng(seed)
-  splits = {'train': _texts(60, rng, 20, 80), 'val': _texts(20, rng, 20, 80),
-            'long_eval': _texts(3, rng, 500, 600)}
-  tok = BPETokenizer.train(splits['train'], vocab_size=300)
-  tok.save(out)
-  for name, texts in splits.items():
-    docs = [np.append(tok.encode(t), tok.eos_id) for t in texts]
-    np.save(os.path.join(out, f'{name}.npy'), np.concatenate(docs).astype(np.int32))
-    np.save(os.path.join(out, f'{name}.docs.npy'), np.concatenate([[0], np.cumsum([len(d) for d in docs])]))
-  with open(os.path.join(out, corpus.MANIFEST), 'w', encoding='utf-8') as f:
-    json.dump({'vocab_size': tok.vocab_size, 'eos_id': tok.eos_id}, f)
-  return tok
-
+from runner_helpers import train_tiny_lm
 
 def _model(layer_pattern='kdn_diag,swa,kdn_iso,attention', num_layers=4):
   cfg = model_config('tiny', mixer='kdn_diag', layer_pattern=layer_pattern, vocab_size=32,
@@ -107,22 +82,7 @@ def test_beta_eff_probe_equals_the_gain_of_the_op(mixer):
 
 @pytest.fixture(scope='module')
 def lm_run(tmp_path_factory):
-  base = tmp_path_factory.mktemp('eval')
-  cdir = str(base / 'corpus')
-  os.makedirs(cdir)
-  write_tiny_corpus(cdir)
-  c = tiny_config(kind='token_file', layer_pattern='kdn_diag,attention')
-  c.model.vocab_size = 320
-  c.data.corpus_dir = cdir
-  c.data.seq_len = 32
-  c.train.num_steps = 3
-  c.checkpoint.enabled = True
-  tr = trainer.Trainer(c, str(base / 'run'))
-  try:
-    tr.run()
-  finally:
-    tr.close()
-  return str(base / 'run'), cdir
+  return train_tiny_lm(tmp_path_factory.mktemp('eval'))
 
 
 def test_evaluate_every_suite_on_a_checkpoint(lm_run):
@@ -147,7 +107,7 @@ def test_evaluate_every_suite_on_a_checkpoint(lm_run):
   tokens = token_files.load_tokens(os.path.join(lm_run[1], 'long_eval.npy'))
   off = token_files.load_offsets(os.path.join(lm_run[1], 'long_eval.npy'), tokens)
   seqs, _ = long_context.document_windows(tokens, off, 256, 0, max_windows=3)
-  scorer = long_context.ChunkedScorer(run_loader.load(workdir).model)
+  scorer = long_context.ChunkedScorer(loading.load(workdir).model)
   nll, _ = scorer.one_shot(seqs[:, :-1], seqs[:, 1:])
   np.testing.assert_allclose(pp['perplexity'], np.exp(nll.mean()), rtol=1e-4)
   np.testing.assert_allclose(np.exp(per_pos.mean()), pp['perplexity'], rtol=1e-5)
@@ -166,9 +126,9 @@ def test_evaluate_every_suite_on_a_checkpoint(lm_run):
 def test_evaluate_errors_before_work(lm_run, tmp_path):
   workdir, _ = lm_run
   os.makedirs(tmp_path / 'empty')
-  with pytest.raises(FileNotFoundError, match='--workdir: no checkpoint'):
+  with pytest.raises(FileNotFoundError, match='workdir: no checkpoint'):
     evaluate(str(tmp_path / 'empty'), ['ppl'])
-  with pytest.raises(FileNotFoundError, match='--step: no checkpoint for step 7'):
+  with pytest.raises(FileNotFoundError, match='step: no checkpoint for step 7'):
     evaluate(workdir, ['ppl'], step=7)
   with pytest.raises(ValueError, match=r"--suite: unknown suite\(s\) \['nope'\]"):
     evaluate(workdir, ['nope'])
@@ -191,11 +151,11 @@ def test_cli_reports_bad_input_with_exit_code_2(lm_run):
 def test_info_scale_override_changes_only_mu(lm_run, tmp_path):
   """The fixed-weight beta_eff probe: the trained parameters, mu replaced; beta_eff falls as mu grows."""
   workdir, _ = lm_run
-  base = run_loader.load(workdir)
+  base = loading.load(workdir)
   params = nnx.to_pure_dict(nnx.state(base.model, nnx.Param))
   means = {}
   for mu in ('1', 'k', '4k'):
-    run = run_loader.load(workdir, model_overrides={'info_scale': mu})
+    run = loading.load(workdir, model_overrides={'info_scale': mu})
     got = nnx.to_pure_dict(nnx.state(run.model, nnx.Param))
     jax.tree.map(np.testing.assert_array_equal, got, params)  # the same parameters, bit for bit
     changed = {k for k in base.config.model if base.config.model[k] != run.config.model[k]}
@@ -208,6 +168,48 @@ def test_info_scale_override_changes_only_mu(lm_run, tmp_path):
   default = evaluate(workdir, ['beta_eff'], suites.Settings(batch=4), out_dir=str(tmp_path / 'plain'))
   assert default['beta_eff']['all']['mean'] == pytest.approx(means['k'], rel=1e-6)  # the run's own mu = K
   with pytest.raises(ValueError, match='--override_info_scale: expected one of'):
-    run_loader.load(workdir, model_overrides={'info_scale': 'big'})
+    loading.load(workdir, model_overrides={'info_scale': 'big'})
   with pytest.raises(ValueError, match='--override_info_scale: expected one of'):
-    run_loader.load(workdir, model_overrides={'info_scale': 'learned'})
+    loading.load(workdir, model_overrides={'info_scale': 'learned'})
+
+
+def test_default_lm_suites_gate_sniah_on_its_shortest_length(lm_run):
+  """Default suites: an S-NIAH task that retrieves nothing at its shortest length is not scored longer,
+  and the result says why; a run without a tokenizer leaves retrieval out with a reason."""
+  workdir, _ = lm_run
+  run = loading.load(workdir)
+  # (S-NIAH-3 needs >= 267 tokens with this tokenizer; the validation haystack has 2695)
+  s = suites.Settings(retrieval_lengths=(320, 640), retrieval_examples=2, batch=4)
+  ctx = suites.Context(run, long_context.ChunkedScorer(run.model), s)
+  assert 'retrieval' in suites.default_suites(ctx) and suites.default_skips(ctx) == {}
+  res = suites.run_retrieval(ctx, gate=True)
+  for task, rows in res['tasks'].items():
+    shortest = [r for r in rows if r['length'] == 320]
+    if any(r['exact_match'] > 0 for r in shortest):
+      assert task not in res.get('skipped', {}) and {r['length'] for r in rows} == {320, 640}
+    else:
+      assert rows == shortest and 'lengths [640] not scored' in res['skipped'][task]
+  assert res.get('skipped'), 'a 3-step model retrieves nothing: at least one task is gated'
+  # (explicit --suite=retrieval scores every cell: test_evaluate_every_suite_on_a_checkpoint)
+  bare = loading.LoadedRun(run.workdir, run.config, run.model, run.step, run.checkpoint, None)
+  ctx = suites.Context(bare, ctx.scorer, s)
+  assert 'retrieval' not in suites.default_suites(ctx)
+  assert 'S-NIAH needs the corpus tokenizer' in suites.default_skips(ctx)['retrieval']
+
+
+def test_headline_keeps_mqar_kv_counts_apart_and_formats_p_star(tmp_path):
+  from experiments.evaluation import plots, runner  # pylint: disable=g-import-not-at-top
+  rows = [{'axis': 'num_kv_pairs', 'num_kv_pairs': kv, 'length': n, 'token_accuracy': acc}
+          for kv, n, acc in ((8, 64, 0.74), (16, 64, 0.33), (8, 128, 0.70), (16, 128, 0.30))]
+  assert runner.retrieval_headline('mqar', rows) == [
+      'mqar token accuracy (num_kv_pairs 8) by length: 64: 0.74, 128: 0.70',
+      'mqar token accuracy (num_kv_pairs 16) by length: 64: 0.33, 128: 0.30']
+  pp = {'perplexity': 230.1, 'max_len': 4096, 'p_star': 225.69646979944798, 't_star': 700.5, 'p_star_log_se': 0.05,
+        'sequences': 16, 'p_star_buckets': 9, 'generalises_to': 2048.0}
+  line = runner._headline({'position_ppl': pp})[0]  # pylint: disable=protected-access
+  assert 'p* 225.70 at t* 700 (x/ 1.051 one standard error over 16 sequences; the best of 9 noisy buckets' in line
+  # state_stats: one panel row per layer with a state (attention's None skipped), markers only
+  series = [{'t': t, 'layers': [{'memory_norm': 1.0 + t, 'memory_std': 0.1}, None]} for t in (0, 64, 128)]
+  path = plots.state_stats({'series': series, 'train_len': 64, 'chunk': 64, 'sequences': 2},
+                           str(tmp_path / 's.png'))
+  assert os.path.getsize(path) > 1000

@@ -223,6 +223,27 @@ def test_auto_falls_back_with_the_reason_logged_once(monkeypatch, caplog):
                                 _diag(x, impl="chunked", chunk_size=8)[0])
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's 'auto' rule")
+def test_auto_on_cpu_is_the_token_loop_while_its_states_are_small(monkeypatch):
+  """CPU: 'auto' runs 'reference' up to CPU_REFERENCE_MAX_STATE_BYTES of per-token states
+  (B*T*H*K*V fp32), 'chunked' past it; explicit impls and calls without a size are unchanged."""
+  from kdn_jax.ops import dispatch  # pylint: disable=g-import-not-at-top
+  limit = dispatch.CPU_REFERENCE_MAX_STATE_BYTES
+  assert dispatch.resolve_impl("diag_kdn", "auto", 32, 32, None, limit) == "reference"
+  assert dispatch.resolve_impl("diag_kdn", "auto", 32, 32, None, limit + 1) == "chunked"
+  assert dispatch.resolve_impl("diag_kdn", "auto") == "chunked"
+  assert dispatch.resolve_impl("diag_kdn", "chunked", 32, 32, None, 1) == "chunked"
+  x = _inputs()
+  ref, chunked = _diag(x, impl="reference")[0], _diag(x, impl="chunked")[0]
+  assert not np.array_equal(ref, chunked)  # (the two differ in rounding: the test can tell them apart)
+  np.testing.assert_array_equal(_diag(x, impl="auto")[0], ref)
+  monkeypatch.setattr(dispatch, "CPU_REFERENCE_MAX_STATE_BYTES", 4 * B * T * H * K * V - 1)
+  np.testing.assert_array_equal(_diag(x, impl="auto")[0], chunked)
+  g = (x["log_alpha"][..., 0], jax.nn.sigmoid(x["r"]))   # gated delta rule: g [B,T,H], beta [B,T,H]
+  np.testing.assert_array_equal(ops.gated_delta_rule(x["q"], x["k"], x["v"], *g, impl="auto")[0],
+                                ops.gated_delta_rule(x["q"], x["k"], x["v"], *g, impl="chunked")[0])
+
+
 def test_pallas_limits_match_the_kernels():
   """dispatch reads the kernels' limits; the kernels' own checks agree."""
   x = jnp.zeros((1, 4, 1, 16))
