@@ -51,7 +51,7 @@ def find(workdir: str, step: int | None = None) -> tuple[str, int]:
 
 def load(workdir: str, step: int | None = None) -> EvalRun:
   root, step = find(workdir, step)
-  record = ckpt_lib.Checkpointer(root, async_save=False).record(step)
+  record = ckpt_lib.read_record(os.path.join(root, str(step)))
   config = _config_from(record, workdir)
   cls = config_lib.import_object(config.model_factory)
   model = cls(config.model, rngs=nnx.Rngs(int(config.seed)))
