@@ -6,6 +6,9 @@ line: {"argv": [...], "returncode": int, "stderr": str, "stdout": str}.
 
     python tests/train_cli_batch.py '<json list of argv lists>'
 
+A case may instead be {"argv": [...], "fsize_limit": bytes}: the child then runs with that
+RLIMIT_FSIZE (SIGXFSZ ignored), so writing a larger file fails as on a full disk.
+
 (tests/runner/test_cli_values.py checks that a child's result equals a fresh process's.)
 """
 import json
@@ -14,10 +17,15 @@ import sys
 import tempfile
 
 
-def _run_child(argv, out_path, err_path):
+def _run_child(argv, out_path, err_path, fsize_limit=None):
   """In the forked child: the script's stdout/stderr to files, then the app; never returns."""
   code = 1
   try:
+    if fsize_limit:
+      import resource  # pylint: disable=g-import-not-at-top
+      import signal  # pylint: disable=g-import-not-at-top
+      signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+      resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
     out = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     err = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(out, 1)
@@ -41,14 +49,17 @@ def _run_child(argv, out_path, err_path):
 
 def main():
   cases = json.loads(sys.argv[1])
+  # what every run imports (the trainer's modules too), once
   from experiments import train  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  from experiments.runner import lr_sweep  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
   import configs.mqar  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import  (warms the model configs)
   tmp = tempfile.mkdtemp()
-  for i, argv in enumerate(cases):
+  for i, case in enumerate(cases):
+    argv, limit = (case['argv'], case.get('fsize_limit')) if isinstance(case, dict) else (case, None)
     out_path, err_path = os.path.join(tmp, f'{i}.out'), os.path.join(tmp, f'{i}.err')
     pid = os.fork()
     if pid == 0:
-      _run_child(argv, out_path, err_path)
+      _run_child(argv, out_path, err_path, limit)
     _, status = os.waitpid(pid, 0)
     with open(out_path, encoding='utf-8') as f:
       stdout = f.read()

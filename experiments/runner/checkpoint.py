@@ -218,7 +218,12 @@ def restore_params(source: str, abstract_params) -> tuple[object, int]:
   root, step = find_checkpoint(source)
   state_dir = os.path.join(root, str(step), 'state')
   want = {f'params|{k}': v for k, v in flatten(abstract_params).items()}
-  problems = _misfit(_saved_shapes(state_dir), want)
+  try:
+    have = _saved_shapes(state_dir)
+  except Exception as e:  # pylint: disable=broad-except  (missing or damaged metadata)
+    raise ValueError(f'checkpoint {root}/{step} is unreadable ({type(e).__name__}: '
+                     f'{(str(e).strip().splitlines() or [""])[0][:200]})') from None
+  problems = _misfit(have, want)
   if problems:
     raise ValueError(f'checkpoint {root}/{step} does not fit this model ({problems})')
   restore_args = jax.tree.map(lambda v: ocp.ArrayRestoreArgs(sharding=v.sharding, dtype=v.dtype), want)
