@@ -146,7 +146,7 @@ def load(workdir: str, step: int | None = None, tokenizer: str | None = None, de
     except TypeError:
       raise ValueError(f'step: expected an integer or None, got {step!r}') from None
   root, step = find(workdir, step)
-  record = ckpt_lib.Checkpointer(root, async_save=False).record(step)
+  record = ckpt_lib.read_record(os.path.join(root, str(step)))
   run_dir = _run_dir(root)
   config = _config_from(record, run_dir)
   for key, value in (model_overrides or {}).items():

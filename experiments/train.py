@@ -17,22 +17,39 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments.data import corpus, token_files
 from experiments.runner import config_lib
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file (configs/<name>.py[:arg]).',
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and summaries.')
-flags.mark_flags_as_required(['config', 'workdir'])
-
-
-# Every configuration mistake (config file, config arg, unknown key, bad value, missing data, a workdir
-# holding another run) exits with this code after one 'Config error: ...' line on stderr.
+# Every configuration mistake (config file, config arg, unknown key, bad value, missing or malformed data,
+# a workdir holding another run) exits with this code after one 'Config error: ...' line on stderr.
 CONFIG_ERROR_EXIT = 2
+# A checkpoint that could not be written (a full disk): one 'Checkpoint error: ...' line; the workdir
+# keeps its last complete checkpoint and the same command resumes from it.
+SAVE_ERROR_EXIT = 3
 
 
 def _config_error(msg: str):
   print(f'Config error: {msg}', file=sys.stderr, flush=True)
   sys.exit(CONFIG_ERROR_EXIT)
+
+
+def _define_config_flag():
+  # (config_flags expands the command line's --flagfile files while defining the flag)
+  try:
+    return config_flags.DEFINE_config_file('config', None, 'Experiment config file (configs/<name>.py[:arg]).',
+                                           lock_config=True)
+  except flags.CantOpenFlagFileError as e:
+    _config_error(_flagfile_problem(e))
+
+
+def _check_workdir(workdir: str):
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    _config_error(f'--workdir={workdir}: is a file; expected a directory (new or holding a run)')
+  parent = os.path.dirname(os.path.abspath(workdir))
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    _config_error(f'--workdir={workdir}: {parent} is a file; expected a directory path')
 
 
 def main(argv):
@@ -44,8 +61,15 @@ def main(argv):
   try:
     config = _CONFIG.value
     config_lib.check_keys(config)
+    if config.data.kind == 'token_file':  # corpus_dir fills the paths and eos_id the checks read
+      corpus.resolve(config)
+    config_lib.validate(config)  # values, before anything is built (the mesh is checked by the Trainer)
+    token_files.check_run_files(config)
+  except FileNotFoundError as e:  # a data file
+    _config_error(str(e))
   except (OSError, config_lib.ConfigError) as e:  # OSError: get_config's deferred load failure
     _config_error(_root_message(e))
+  _check_workdir(_WORKDIR.value)
   from experiments.runner import lr_sweep  # pylint: disable=g-import-not-at-top(imports jax)
   from experiments.runner import checkpoint  # pylint: disable=g-import-not-at-top
   try:
@@ -56,10 +80,21 @@ def main(argv):
     summary = tr.run()
   except checkpoint.CheckpointMismatchError as e:  # raised at the start of run(), before any training
     _config_error(str(e))
+  except checkpoint.CheckpointSaveError as e:
+    print(f'Checkpoint error: {e}', file=sys.stderr, flush=True)
+    return SAVE_ERROR_EXIT
   finally:
     tr.close()
   logging.info('summary: %s', summary)  # also in <workdir>/summary.json
   return 0 if summary['status'] in ('completed', 'preempted') else 1
+
+
+def _flagfile_problem(e: BaseException) -> str:
+  """The one line for a --flagfile that cannot be read (found at import or at flag parsing)."""
+  cause = next((c for c in _chain(e) if isinstance(c, OSError) and c.filename), None)
+  if cause is None:
+    return f'--flagfile: {_root_message(e)}'
+  return f'--flagfile: cannot read {cause.filename!r} ({cause.strerror})'
 
 
 def _root_message(e: BaseException) -> str:
@@ -106,6 +141,8 @@ def _parse_flags(argv):
   try:
     return flags.FLAGS(argv)
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError, OSError) as e:
+    if any(isinstance(c, flags.CantOpenFlagFileError) for c in _chain(e)):
+      _config_error(_flagfile_problem(e))
     msg = _root_message(e)
     if any(isinstance(c, config_lib.ConfigError) for c in _chain(e)):
       _config_error(msg)
@@ -115,8 +152,8 @@ def _parse_flags(argv):
     overrides = [a.split('=')[0][2:] for a in _expanded_args(argv) if a.startswith('--config.')]
     named = [o for o in overrides if any(re.search(rf'\b{re.escape(o.split(".")[-1])}\b', str(c)) for c in lookup)]
     if named:
-      _config_error(f'unknown config key {named[0]!r} (configs are locked; see '
-                    'experiments/runner/config_lib.py for the schema)')
+      _config_error(f'unknown config key {named[0]!r}{config_lib.did_you_mean(named[0])} (configs are '
+                    'locked; see experiments/runner/config_lib.py for the schema)')
     bad_flag = re.match(r'flag --([\w.]+)=(.*?): ', str(e))  # absl's prefix names the flag and its value
     _config_error(f'--{bad_flag[1]}={bad_flag[2]}: {msg}' if bad_flag else msg)
 
@@ -128,6 +165,11 @@ def _chain(e) -> list[BaseException]:
     out.append(e)
     e = e.__cause__ or e.__context__
   return out
+
+
+_CONFIG = _define_config_flag()
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and summaries.')
+flags.mark_flags_as_required(['config', 'workdir'])
 
 
 if __name__ == '__main__':

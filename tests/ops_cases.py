@@ -102,13 +102,18 @@ def oracle(family, x, *, state=None, segment_ids=None):
     if family in ("diag", "iso"):
       p0 = (jnp.ones((b, h, kd) if family == "diag" else (b, h))
             if state is None else jnp.asarray(state[1], jnp.float64))
-      o, s, p = kdn_oracle.kdn(c["q"], c["k"], c["v"], c["log_alpha"],
-                               c["omega"], c["r"], s0, p0, x["mu"], scale,
-                               family == "diag", segment_ids)
+      o, s, p = _oracle_kdn(c["q"], c["k"], c["v"], c["log_alpha"],
+                            c["omega"], c["r"], s0, p0, jnp.asarray(x["mu"], jnp.float64),
+                            scale, family == "diag", segment_ids)
       return np.asarray(o), (np.asarray(s), np.asarray(p))
-    o, s = kdn_oracle.delta_rule(c["q"], c["k"], c["v"], c["log_alpha"],
-                                 c["write"], s0, scale, segment_ids)
+    o, s = _oracle_delta(c["q"], c["k"], c["v"], c["log_alpha"],
+                         c["write"], s0, scale, segment_ids)
     return np.asarray(o), (np.asarray(s),)
+
+
+# (jitted: an eager token loop compiles its scan on every call, ~1 s on CPU)
+_oracle_kdn = jax.jit(kdn_oracle.kdn, static_argnums=(9, 10))
+_oracle_delta = jax.jit(kdn_oracle.delta_rule, static_argnums=(6,))
 
 
 def round_f32(x):

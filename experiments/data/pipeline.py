@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import grain
 import numpy as np
@@ -12,20 +11,13 @@ from experiments.runner import config_lib
 
 
 def check_data_files(config):
-  """Fills token-file paths from ``data.corpus_dir``, then raises FileNotFoundError before training if a
-  configured data file is missing."""
-  d = config.data
-  if d.kind != 'token_file':
+  """Fills token-file paths from ``data.corpus_dir``, then opens every configured token file as the loader
+  will (token_files.check_run_files): a missing or malformed file, or an id outside the model's vocabulary,
+  is a ConfigError naming the key before training."""
+  if config.data.kind != 'token_file':
     return
   corpus.resolve(config)
-  for key in ('train_path', 'eval_path', 'long_eval_path'):
-    path = d[key]
-    if path and not os.path.exists(path):
-      raise FileNotFoundError(
-          f'config.data.{key}: data file not found: {path!r}; make one with `python -m '
-          f'experiments.data.make_token_file {path}` (synthetic documents) or `python -m experiments.data.prepare '
-          '--out=<dir>` (a text corpus, then --config.data.corpus_dir=<dir>), or point '
-          f'--config.data.{key} to an existing .npy / .array_record token file')
+  token_files.check_run_files(config)
 
 
 def _example_fn(config, split: str):
@@ -57,8 +49,9 @@ def _map_dataset(config, split: str) -> grain.MapDataset:
   if d.kind == 'token_file':
     path = d.train_path if split == 'train' else (d.eval_path or d.train_path)
     seq_len = d.seq_len if split == 'train' or not d.eval_seq_len else d.eval_seq_len
-    tokens = token_files.load_tokens(path)
-    offsets = token_files.load_offsets(path, tokens, d.eos_id) if d.pack_documents else None
+    tokens, offsets = token_files.open_token_file(
+        path, min_tokens=seq_len + 1, vocab_size=int(config.model.vocab_size), eos_id=d.eos_id,
+        pack_documents=d.pack_documents)
     return grain.MapDataset.source(token_files.WindowSource(tokens, seq_len, offsets))
   if d.kind == 'topic':
     seq_len = d.seq_len if split == 'train' or not d.eval_seq_len else d.eval_seq_len
@@ -97,9 +90,11 @@ def make_train_iterator(config, process_index: int = 0, process_count: int = 1):
           topic_source.TopicSource(topic_source.params_from_config(d.topic)), d.seq_len,
           d.global_batch_size, d.topic.num_train_docs, process_index, process_count)
     elif d.kind == 'token_file':
-      src = token_files.TBTTSource(token_files.load_tokens(d.train_path), d.eos_id, d.seq_len,
-                                   d.global_batch_size, d.shuffle_seed, process_index,
-                                   process_count)
+      tokens, _ = token_files.open_token_file(
+          d.train_path, min_tokens=2, vocab_size=int(config.model.vocab_size), eos_id=d.eos_id,
+          pack_documents=False)
+      src = token_files.TBTTSource(tokens, d.eos_id, d.seq_len, d.global_batch_size,
+                                   d.shuffle_seed, process_index, process_count)
     else:
       raise ValueError('config.train.initial_state="tbtt" needs long documents: '
                        'data.kind="token_file" or "topic"')

@@ -1,11 +1,18 @@
 """orbax CheckpointManager wrapper: train state (params, optimizer, step, RNG, carried states, fitted-noise
-statistics) + grain iterator state + a small JSON record; periodic and final saves, keep-N, async saves."""
+statistics) + grain iterator state + a small JSON record; periodic and final saves, keep-N, async saves.
+
+The record carries a checksum of every array (array_checksum.py), verified after each restore: a checkpoint
+whose arrays fail it is set aside like an unreadable one. A save that cannot be written (a full disk) raises
+CheckpointSaveError with one line; orbax's own error logs of that save are held back, and the incomplete
+step is never listed, so the workdir resumes from its last complete checkpoint."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import logging
 import os
+import re
 import shutil
 import sys
 import time
@@ -13,6 +20,8 @@ import time
 import grain
 import jax
 import orbax.checkpoint as ocp
+
+from experiments.runner import array_checksum
 
 
 def _is_abandoned_read(unraisable) -> bool:
@@ -174,6 +183,32 @@ class CheckpointMismatchError(ValueError):
   """A readable checkpoint saved by another model or config (not damage: it is left in place)."""
 
 
+class CheckpointCorruptError(ValueError):
+  """A checkpoint whose restored arrays differ from the checksums saved with them."""
+
+
+class CheckpointSaveError(RuntimeError):
+  """A checkpoint could not be written (one line: the step, the directory, the cause, what to do)."""
+
+
+def verify(record: dict, flat: dict, where: str):
+  """Raises CheckpointCorruptError when an array of ``flat`` fails the checksum in ``record`` (a record
+  without checksums, from before they were kept, is not checked)."""
+  saved = record.get('checksums') if isinstance(record, dict) else None
+  if not saved:
+    return
+  bad = array_checksum.mismatches(saved, flat)
+  if bad:
+    raise CheckpointCorruptError(f'{where}: {len(bad)} array(s) differ from their saved checksum '
+                                 f'({", ".join(bad[:3])}{", ..." if len(bad) > 3 else ""})')
+
+
+def read_record(step_dir: str) -> dict:
+  """The JSON record of one checkpoint step directory, read without a CheckpointManager (which would clean
+  up the in-flight save of a run training in that directory)."""
+  return dict(ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(os.path.join(step_dir, 'record')))
+
+
 def restore_params(source: str, abstract_params) -> tuple[object, int]:
   """Restores only the parameters of another run's checkpoint into ``abstract_params`` (a pytree of
   ShapeDtypeStructs with shardings, the ``params`` of a train state); returns (params, step).
@@ -183,25 +218,77 @@ def restore_params(source: str, abstract_params) -> tuple[object, int]:
   root, step = find_checkpoint(source)
   state_dir = os.path.join(root, str(step), 'state')
   want = {f'params|{k}': v for k, v in flatten(abstract_params).items()}
-  problems = _misfit(_saved_shapes(state_dir), want)
+  try:
+    have = _saved_shapes(state_dir)
+  except Exception as e:  # pylint: disable=broad-except  (missing or damaged metadata)
+    raise ValueError(f'checkpoint {root}/{step} is unreadable ({type(e).__name__}: '
+                     f'{(str(e).strip().splitlines() or [""])[0][:200]})') from None
+  problems = _misfit(have, want)
   if problems:
     raise ValueError(f'checkpoint {root}/{step} does not fit this model ({problems})')
   restore_args = jax.tree.map(lambda v: ocp.ArrayRestoreArgs(sharding=v.sharding, dtype=v.dtype), want)
   out = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
       item=want, restore_args=restore_args, partial_restore=True))
+  try:
+    record = read_record(os.path.join(root, str(step)))
+  except Exception:  # pylint: disable=broad-except  (no readable record: nothing to verify against)
+    record = {}
+  verify(record, out, f'checkpoint {root}/{step}')
   flat = {k[len('params|'):]: v for k, v in out.items()}
   return unflatten(abstract_params, flat), step
+
+
+def _os_cause(text: str) -> str:
+  """'No space left on device' from an error text carrying an errno (tensorstore's os_error_code=...,
+  Python's [Errno N]), else ''."""
+  m = re.search(r"os_error_code='?(\d+)|\[Errno (\d+)\]", text)
+  return os.strerror(int(m[1] or m[2])) if m else ''
+
+
+class _HeldBackSaveErrors(logging.Filter):
+  """Holds back orbax's ERROR logs (each with a traceback, from several threads per failed save) while a
+  Checkpointer is open: the failure surfaces as one CheckpointSaveError instead. Kept for the message."""
+
+  def __init__(self):
+    super().__init__()
+    self.held = []
+
+  def filter(self, record):
+    if record.levelno >= logging.ERROR and f'{os.sep}orbax{os.sep}' in (record.pathname or ''):
+      self.held.append(record.getMessage())
+      return False
+    return True
+
+
+def _abandoned_writes_hook(previous, dropped):
+  """sys.unraisablehook that counts, instead of printing, what tensorstore's threads leave when a failed
+  save's asyncio loop has closed under them (as _abandoned_reads_dropped does for a failed restore), and
+  passes everything else on."""
+  def hook(unraisable):
+    if _is_abandoned_read(unraisable):
+      dropped.append(time.monotonic())
+    else:
+      previous(unraisable)
+  return hook
 
 
 class Checkpointer:
 
   def __init__(self, directory: str, keep: int = 3, async_save: bool = True):
     self.directory = os.path.abspath(directory)
+    # cleanup_tmp_directories: a save that failed (disk full) or was killed leaves <step>.orbax-checkpoint-tmp,
+    # which a later save of the same step would trip over
     opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                        create=True)
+                                        create=True, cleanup_tmp_directories=True)
     self.manager = ocp.CheckpointManager(self.directory, options=opts,
                                          item_names=('state', 'data', 'record'))
     self._read_hooks = []   # hooks of failed restores, in place until close (_abandoned_reads_dropped)
+    self._held = _HeldBackSaveErrors()
+    logging.getLogger('absl').addFilter(self._held)
+    self._abandoned, self._previous_hook = [], sys.unraisablehook
+    self._hook = sys.unraisablehook = _abandoned_writes_hook(sys.unraisablehook, self._abandoned)
+    self._saving_step = None   # the step of the last save started (for the failure message)
+    self.failed = None         # the CheckpointSaveError once a save has failed
 
   def latest_step(self):
     return self.manager.latest_step()
@@ -279,21 +366,61 @@ class Checkpointer:
           'with the config they were saved with; otherwise delete them to start over')
 
   def save(self, step: int, state, data_iter, record: dict, force: bool = False):
-    args = ocp.args.Composite(state=ocp.args.StandardSave(flatten(state)),
+    """Saves (asynchronously unless configured otherwise) with the arrays' checksums in the record; a failed
+    save, this one or the previous asynchronous one, raises CheckpointSaveError."""
+    self.wait()  # the previous save (orbax waits for it anyway): its failure is named with its step
+    flat = flatten(state)
+    record = dict(record, checksums=array_checksum.checksums(flat), checksum=array_checksum.ALGORITHM)
+    args = ocp.args.Composite(state=ocp.args.StandardSave(flat),
                               data=grain.checkpoint.CheckpointSave(data_iter),
                               record=ocp.args.JsonSave(record))
-    saved = self.manager.save(step, args=args, force=force)
+    self._saving_step = step
+    with self._save_errors():
+      saved = self.manager.save(step, args=args, force=force)
     if saved:
       logging.info('checkpoint: saving step %d to %s', step, self.directory)
     return saved
 
+  @contextlib.contextmanager
+  def _save_errors(self):
+    """Any failure inside (orbax's ValueErrors from tensorstore, OSErrors) -> CheckpointSaveError."""
+    try:
+      yield
+    except Exception as e:  # pylint: disable=broad-except
+      self.failed = self._save_error(e)
+      raise self.failed from None
+
+  def _save_error(self, e: Exception) -> CheckpointSaveError:
+    text = ' '.join([str(e)] + self._held.held)
+    cause = _os_cause(text) or (e.strerror if isinstance(e, OSError) and e.strerror else '')
+    cause = cause or (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    done = [s for s in ocp.utils.checkpoint_steps(self.directory) if s != self._saving_step] if os.path.isdir(
+        self.directory) else []
+    last = f'its last complete checkpoint is step {max(done)}' if done else 'it holds no complete checkpoint'
+    disk = any(code in text for code in (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT),
+                                          os.strerror(errno.EFBIG)))
+    return CheckpointSaveError(
+        f'saving step {self._saving_step} to {self.directory} failed: {cause}; training stopped and {last}: '
+        f'{"free disk space, then " if disk else ""}rerun the same command to resume')
+
+  def check(self):
+    """Raises CheckpointSaveError when an asynchronous save has failed (cheap: call it at log points).
+    (orbax's check_for_errors misses it: the manager's finalize thread takes the error first; waiting for a
+    save that is no longer in progress returns at once, or raises its failure.)"""
+    if self.failed is not None:
+      raise self.failed
+    if not self.manager.is_saving_in_progress():
+      self.wait()
+
   def restore(self, step: int, abstract_state, data_iter):
-    """Restores into ``abstract_state`` (ShapeDtypeStructs with shardings) and ``data_iter`` in place."""
+    """Restores into ``abstract_state`` (ShapeDtypeStructs with shardings) and ``data_iter`` in place; arrays
+    that fail their saved checksum raise CheckpointCorruptError."""
     abstract_flat = flatten(abstract_state)
     out = self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_flat),
         data=grain.checkpoint.CheckpointRestore(data_iter),
         record=ocp.args.JsonRestore()))
+    verify(dict(out['record']), out['state'], f'{self.directory}/{step}')
     return unflatten(abstract_state, out['state']), out['record']
 
   def record(self, step: int) -> dict:
@@ -301,9 +428,22 @@ class Checkpointer:
     return dict(self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))['record'])
 
   def wait(self):
-    self.manager.wait_until_finished()
+    if self.failed is not None:  # (orbax would raise the same failure again)
+      return
+    with self._save_errors():
+      self.manager.wait_until_finished()
 
   def close(self):
-    self.manager.wait_until_finished()
-    self.manager.close()
-    _release_hooks(self._read_hooks)
+    try:
+      self.wait()
+    finally:
+      if self.failed is None:
+        self.manager.close()
+      _release_hooks(self._read_hooks)
+      logging.getLogger('absl').removeFilter(self._held)
+      if sys.unraisablehook is self._hook:
+        sys.unraisablehook = self._previous_hook
+      if self._abandoned:
+        logging.info('checkpoint: dropped %d abandoned writes of a failed save', len(self._abandoned))
+      if self._held.held and self.failed is None:  # held back, yet no save failed: say so
+        logging.warning('checkpoint: orbax reported an error: %s', self._held.held[0].splitlines()[0][:300])

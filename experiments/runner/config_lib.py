@@ -7,6 +7,7 @@ key fails at start naming the key; :func:`validate` checks values and names the 
 """
 from __future__ import annotations
 
+import difflib
 import importlib
 import math
 import os
@@ -19,8 +20,8 @@ from experiments.runner import kernel_config
 MIXERS = ('kdn_diag', 'kdn_iso', 'kda', 'gated_deltanet', 'deltanet', 'gdn2', 'gla', 'mamba2', 'attention', 'swa')
 INITIAL_STATES = ('zero', 'random_noise', 'fitted_noise', 'state_passing', 'tbtt')
 DATA_KINDS = ('mqar', 'copying', 'passkey', 'token_file', 'topic')
-DTYPES = ('float32', 'bfloat16', 'float16')
 NAN_POLICIES = ('halt', 'skip')
+DEFAULT_MODEL_FACTORY = 'kdn_jax.models.lm:LanguageModel'
 
 
 def parse_arg(arg: str, presets: tuple[str, ...], config_name: str):
@@ -52,7 +53,7 @@ def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
   # 'module:attr' of the model class; the class takes (model_cfg, rngs=nnx.Rngs(seed)).
-  c.model_factory = 'kdn_jax.models.lm:LanguageModel'
+  c.model_factory = DEFAULT_MODEL_FACTORY
   c.model = ml_collections.ConfigDict()
 
   c.data = d = ml_collections.ConfigDict()
@@ -172,6 +173,33 @@ def _get(c, key):
   return node
 
 
+def _dotted_keys(node, prefix: str = '') -> list[str]:
+  out = []
+  for key in node.keys():
+    out.append(f'{prefix}{key}')
+    if isinstance(node[key], ml_collections.ConfigDict):
+      out += _dotted_keys(node[key], f'{prefix}{key}.')
+  return out
+
+
+def did_you_mean(key: str, config: ml_collections.ConfigDict | None = None) -> str:
+  """' (did you mean 'optim.learning_rate'?)' for a mistyped dotted key (optionally 'config.'-prefixed),
+  from the keys of ``config`` (default: the schema, with the model's keys), or ''."""
+  key = key.removeprefix('config.')
+  if config is None:
+    config = base_config()
+    from kdn_jax.models import config as model_config_lib  # pylint: disable=g-import-not-at-top
+    known = _dotted_keys(config) + [f'model.{k}' for k in model_config_lib.DEFAULTS]
+  else:
+    known = _dotted_keys(config)
+  # the same section first (a typo rarely changes it), then any key
+  section = key.rpartition('.')[0]
+  same = [k for k in known if k.rpartition('.')[0] == section]
+  close = (difflib.get_close_matches(key, same, n=1, cutoff=0.6)
+           or difflib.get_close_matches(key, known, n=1, cutoff=0.75))
+  return f" (did you mean 'config.{close[0]}'?)" if close else ''
+
+
 def check_keys(config: ml_collections.ConfigDict, schema: ml_collections.ConfigDict | None = None,
                prefix: str = ''):
   """Fails on keys the schema does not know (``model`` is checked against the model's own schema)."""
@@ -179,7 +207,7 @@ def check_keys(config: ml_collections.ConfigDict, schema: ml_collections.ConfigD
   for key in config.keys():
     full = f'{prefix}{key}'
     if key not in schema:
-      _fail(full, 'unknown key')
+      _fail(full, 'unknown key' + did_you_mean(full))
     if key == 'model' and not prefix:
       continue
     if isinstance(config[key], ml_collections.ConfigDict) and isinstance(schema[key],
@@ -207,6 +235,33 @@ def mesh_shape(config, num_devices: int) -> tuple[int, int, int, int]:
   return tuple(dims)
 
 
+def _check_finite(node, prefix: str = ''):
+  """Every float of the config is a number: a NaN passes no comparison (clip_norm=nan turned clipping
+  off) and an infinite rate or weight trains nothing but NaN, so neither is meant."""
+  for key in node.keys():
+    val = node[key]
+    if isinstance(val, ml_collections.ConfigDict):
+      _check_finite(val, f'{prefix}{key}.')
+    elif isinstance(val, float) and not math.isfinite(val):
+      _fail(f'{prefix}{key}', f'must be a finite number, got {val}')
+    elif isinstance(val, (tuple, list)):
+      for v in val:
+        if isinstance(v, float) and not math.isfinite(v):
+          _fail(f'{prefix}{key}', f'must hold finite numbers, got {tuple(val)}')
+
+
+def _check_model(config):
+  """The model's own checks (kdn_jax.models.config.validate_config) on config.model as the flags left
+  it, as config errors naming the key (another model_factory brings its own schema)."""
+  if config.model_factory != DEFAULT_MODEL_FACTORY:
+    return
+  from kdn_jax.models import config as model_config_lib  # pylint: disable=g-import-not-at-top
+  try:
+    model_config_lib.validate_config(config.model)
+  except model_config_lib.ModelConfigError as e:
+    raise ConfigError(f'config.model.{e.key}: {e.msg}') from None
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None,
              process_count: int = 1):
   """Checks a run config; raises ConfigError naming the first bad key."""
@@ -216,12 +271,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None,
     if key not in m:
       _fail(f'model.{key}', 'missing (config.model must come from model_config(size, ...))')
   _one_of(config, 'model.mixer', MIXERS)
-  for key in ('vocab_size', 'num_layers', 'd_model'):
-    if int(m[key]) <= 0:
-      _fail(f'model.{key}', f'must be positive, got {m[key]}')
-  for key in ('dtype', 'param_dtype'):
-    if key in m:
-      _one_of(config, f'model.{key}', DTYPES)
+  _check_finite(config)
+  _check_model(config)
   if ':' not in config.model_factory:
     _fail('model_factory', f'expected "module:attr", got {config.model_factory!r}')
 
@@ -232,7 +283,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None,
 
   d = config.data
   _one_of(config, 'data.kind', DATA_KINDS)
-  for key in ('seq_len', 'global_batch_size', 'eval_batch_size', 'num_eval_examples'):
+  for key in ('seq_len', 'global_batch_size', 'eval_batch_size', 'num_eval_examples', 'num_train_examples'):
     if int(d[key]) <= 0:
       _fail(f'data.{key}', f'must be positive, got {d[key]}')
   if d.eval_seq_len < 0:
@@ -245,6 +296,12 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None,
     _fail('data.train_path', 'required for data.kind="token_file" (or set data.corpus_dir)')
   if d.kind == 'mqar':
     q = d.mqar
+    if q.num_kv_pairs <= 0:
+      _fail('data.mqar.num_kv_pairs', f'must be positive (pairs to recall per row), got {q.num_kv_pairs}')
+    if q.eval_num_kv_pairs < 0:
+      _fail('data.mqar.eval_num_kv_pairs', f'must be >= 0 (0: as training), got {q.eval_num_kv_pairs}')
+    if not q.power_a > 0:
+      _fail('data.mqar.power_a', f'must be positive, got {q.power_a}')
     if q.vocab_size > m.vocab_size:
       _fail('data.mqar.vocab_size', f'{q.vocab_size} exceeds model.vocab_size={m.vocab_size}')
     n = max(q.num_kv_pairs, q.eval_num_kv_pairs)
@@ -282,6 +339,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None,
     _fail('data.passkey.vocab_size', 'exceeds model.vocab_size')
   if d.kind == 'topic':
     _check_topic(config)
+  if d.kind == 'passkey' and d.passkey.digits <= 0:
+    _fail('data.passkey.digits', f'must be positive, got {d.passkey.digits}')
 
   t = config.train
   _one_of(config, 'train.initial_state', INITIAL_STATES)
@@ -296,6 +355,12 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None,
     _fail('train.fitted_noise_beta', 'must be in [0, 1]')
   if t.log_every <= 0:
     _fail('train.log_every', 'must be positive')
+  if t.eval_every < 0:
+    _fail('train.eval_every', f'must be >= 0 (0: only at the end), got {t.eval_every}')
+  if t.eval_batches < 0:
+    _fail('train.eval_batches', f'must be >= 0 (0: the whole validation set), got {t.eval_batches}')
+  if t.z_loss < 0:
+    _fail('train.z_loss', f'must be >= 0, got {t.z_loss}')
   if t.initial_state == 'tbtt' and d.kind == 'token_file' and d.eos_id < 0:
     _fail('data.eos_id', 'tbtt over token files needs a document separator id (>= 0)')
 
@@ -320,6 +385,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None,
     _fail('optim.min_lr_ratio', 'must be in [0, 1]')
   if o.weight_decay < 0:
     _fail('optim.weight_decay', 'must be >= 0')
+  if not o.eps > 0:
+    _fail('optim.eps', f'must be positive, got {o.eps}')
   for key in ('b1', 'b2'):
     if not 0 <= o[key] < 1:
       _fail(f'optim.{key}', 'must be in [0, 1)')

@@ -28,6 +28,7 @@ from experiments.runner import kernel_config
 from experiments.runner import logging_utils
 from experiments.runner import optim
 from experiments.runner import sharding
+from experiments.runner import workdir_lock
 from experiments.data import corpus, pipeline
 from kdn_jax.models import config as model_config_lib
 from kdn_jax.ops import dispatch
@@ -147,7 +148,8 @@ class Trainer:
     pipeline.check_data_files(config)
     self.config, self.workdir = config, workdir
     self.is_main = self.process_index == 0
-    os.makedirs(workdir, exist_ok=True)
+    self._lock = None
+    self._lock_workdir(workdir)
     # config.kernels, before any jit of the model (close() puts the previous defaults back)
     self._kernel_defaults = kernel_config.apply(config)
     try:
@@ -170,10 +172,29 @@ class Trainer:
         self._init_from(config.train.init_from)
       if self.is_main:
         logging_utils.write_json(os.path.join(workdir, 'config.json'), self.config_json)
-    except BaseException:   # a failed start leaves the process's kernel defaults as they were
+    except BaseException:   # a failed start leaves the process's kernel defaults (and the workdir) as they were
       kernel_config.restore(self._kernel_defaults)
+      workdir_lock.release(self._lock)
       raise
     self.last_metrics = {}
+
+  def _lock_workdir(self, workdir: str):
+    """One run per workdir (workdir_lock.py): process 0 takes the lock and tells the others."""
+    error = None
+    if self.is_main:
+      try:
+        self._lock = workdir_lock.acquire(workdir)
+      except workdir_lock.WorkdirInUseError as e:
+        error = e
+    else:
+      os.makedirs(workdir, exist_ok=True)
+    if self.process_count > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      ok = bool(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
+      if not ok and error is None:
+        error = workdir_lock.WorkdirInUseError(f'{workdir} is in use by another run (process 0 found its lock)')
+    if error is not None:
+      raise error
 
   # ---------------------------------------------------------------- model
   def _build_model(self):
@@ -482,6 +503,8 @@ class Trainer:
           t_log, step_log = time.time(), step
           past_first = True
         if step % cfg.train.log_every == 0 or step == total or at_save or at_eval:
+          if self.checkpointer is not None:  # an asynchronous save that failed stops the run here
+            self.checkpointer.check()
           self._check_finite(pending_finite)
           pending_finite = []
           self.last_metrics = self._host_metrics(metrics)
@@ -519,11 +542,13 @@ class Trainer:
         print(f'Stopped at step {self.step()} (checkpoint saved); rerun the same command to resume.',
               flush=True)
     finally:
-      if self.checkpointer is not None:
-        self.checkpointer.wait()
-      writer.close()
-      if old_handler is not None:
-        signal.signal(signal.SIGTERM, old_handler)
+      try:
+        if self.checkpointer is not None:
+          self.checkpointer.wait()
+      finally:
+        writer.close()
+        if old_handler is not None:
+          signal.signal(signal.SIGTERM, old_handler)
     elapsed = time.time() - t0
     summary = {'status': status, 'step': self.step(), 'num_steps': total, 'wall_time_s': elapsed,
                'steps_this_run': self.step() - start_step,
@@ -570,17 +595,57 @@ class Trainer:
       print(msg, flush=True)
     else:
       logging.warning(msg)
-    return {'status': 'completed', 'step': step, 'num_steps': total, 'steps_this_run': 0,
-            'warning': msg, 'initial_state': self.strategy}
+    out = {'status': 'completed', 'step': step, 'num_steps': total, 'steps_this_run': 0,
+           'warning': msg, 'initial_state': self.strategy}
+    if self._summary_is_stale(step):
+      out = self._repair_summary(step, total, out)
+    return out
+
+  def _summary_is_stale(self, step: int) -> bool:
+    """Whether summary.json misses the run that ended at checkpoint ``step`` (the run was killed between its
+    last checkpoint and its summary): absent, unreadable, or of another step or status. The same answer on
+    every process (process 0's)."""
+    stale = False
+    if self.is_main:
+      try:
+        with open(os.path.join(self.workdir, 'summary.json'), encoding='utf-8') as f:
+          old = json.load(f)
+        stale = old.get('step') != step or old.get('status') != 'completed'
+      except (OSError, ValueError, AttributeError):
+        stale = True
+    if self.process_count > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      stale = bool(multihost_utils.broadcast_one_to_all(np.int32(stale)))
+    return stale
+
+  def _repair_summary(self, step: int, total: int, out: dict) -> dict:
+    """Rebuilds summary.json from the checkpoint: its training metrics and a fresh evaluation of its
+    parameters (the same numbers the run's final evaluation gave: same parameters, same batches)."""
+    record = self.checkpointer.record(step)
+    self.last_metrics = {k: np.asarray(v) if isinstance(v, list) else v
+                         for k, v in (record.get('metrics') or {}).items()}
+    summary = dict(out, train=self.last_metrics, eval=self.evaluate(), num_params=self.num_params,
+                   mesh=dict(self.mesh.shape), init_from=self.config.train.init_from or None,
+                   init_from_step=self.init_from_step, repaired=True,
+                   warning=f'{out["warning"]} summary.json was missing or stale (the run ended before writing '
+                           f'it); rebuilt from the checkpoint at step {step}.')
+    self._write_summary(summary)
+    if self.is_main:
+      print(f'Rebuilt {self.workdir}/summary.json from the checkpoint at step {step}', flush=True)
+    return summary
 
   def close(self):
     kernel_config.restore(getattr(self, '_kernel_defaults', None))
     self._kernel_defaults = None
-    if self.checkpointer is not None:
-      self.checkpointer.close()
-    close = getattr(self.data_iter, 'close', None)
-    if close:
-      close()
+    try:
+      if self.checkpointer is not None:
+        self.checkpointer.close()
+      close = getattr(self.data_iter, 'close', None)
+      if close:
+        close()
+    finally:
+      workdir_lock.release(self._lock)
+      self._lock = None
 
 
 def _preemption_service():

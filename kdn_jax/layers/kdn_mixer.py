@@ -42,8 +42,8 @@ VARIANCE_INIT = 1.0
 def resolve_info_scale(info_scale, K: int):
     """Returns (python float | None for learned)."""
     if isinstance(info_scale, (int, float)) and not isinstance(info_scale, bool):
-        if info_scale <= 0:
-            raise ValueError(f'info_scale must be > 0, got {info_scale}')
+        if not (info_scale > 0 and math.isfinite(info_scale)):
+            raise ValueError(f'info_scale must be > 0 and finite, got {info_scale}')
         return float(info_scale)
     s = str(info_scale).lower()
     if s == 'learned':
@@ -55,8 +55,8 @@ def resolve_info_scale(info_scale, K: int):
         v = float(s)
     except ValueError:
         raise ValueError(f'info_scale: unknown value {info_scale!r}; expected one of {INFO_SCALES} or a positive float')
-    if v <= 0:
-        raise ValueError(f'info_scale must be > 0, got {info_scale}')
+    if not (v > 0 and math.isfinite(v)):
+        raise ValueError(f'info_scale must be > 0 and finite, got {info_scale}')
     return v
 
 

@@ -56,8 +56,16 @@ DEFAULTS = dict(
 _DTYPES = ('float32', 'bfloat16')
 
 
+class ModelConfigError(ValueError):
+    """An invalid model config value; ``key`` names it, ``msg`` says what was expected."""
+
+    def __init__(self, key, msg):
+        super().__init__(f'model config key {key!r}: {msg}')
+        self.key, self.msg = key, msg
+
+
 def _err(key, msg):
-    return ValueError(f'model config key {key!r}: {msg}')
+    return ModelConfigError(key, msg)
 
 
 def layer_mixers(cfg) -> list[str]:
@@ -68,8 +76,10 @@ def layer_mixers(cfg) -> list[str]:
 
 
 def validate_config(cfg) -> None:
+    """Raises ModelConfigError naming the first invalid key."""
     from kdn_jax.layers.kdn_mixer import INFO_SCALES, NOISE_MODES, resolve_info_scale
     from kdn_jax.layers.registry import MIXERS
+    from kdn_jax.ops.validation import IMPLS
     for key in ('vocab_size', 'num_layers', 'd_model', 'num_heads', 'head_dim', 'mlp_hidden', 'conv_size',
                 'chunk_size', 'swa_window'):
         v = cfg[key]
@@ -89,17 +99,17 @@ def validate_config(cfg) -> None:
     try:
         resolve_info_scale(cfg.info_scale, int(cfg.head_dim))
     except ValueError:
-        raise _err('info_scale', f'got {cfg.info_scale!r}; expected one of {INFO_SCALES} or a positive float')
+        raise _err('info_scale', f'got {cfg.info_scale!r}; expected one of {INFO_SCALES} or a positive '
+                   'finite float')
     if cfg.noise not in NOISE_MODES:
         raise _err('noise', f'got {cfg.noise!r}; expected one of {NOISE_MODES}')
     if cfg.dtype not in _DTYPES:
         raise _err('dtype', f'got {cfg.dtype!r}; expected one of {_DTYPES}')
     if cfg.param_dtype not in _DTYPES:
         raise _err('param_dtype', f'got {cfg.param_dtype!r}; expected one of {_DTYPES}')
-    if not cfg.r_min > 0:
-        raise _err('r_min', f'must be > 0, got {cfg.r_min}')
-    if not cfg.norm_eps > 0:
-        raise _err('norm_eps', f'must be > 0, got {cfg.norm_eps}')
+    for key in ('r_min', 'norm_eps', 'rope_theta'):
+        if not (cfg[key] > 0 and math.isfinite(cfg[key])):
+            raise _err(key, f'must be > 0 and finite, got {cfg[key]}')
     num_v_heads = cfg.get('num_v_heads', 0)
     if (not isinstance(num_v_heads, (int, np.integer)) or isinstance(num_v_heads, bool)
             or num_v_heads < 0 or num_v_heads % cfg.num_heads):
@@ -109,8 +119,8 @@ def validate_config(cfg) -> None:
         raise _err('lowrank_dim', f'must be >= 0 (0 = head_dim), got {cfg.lowrank_dim}')
     if not isinstance(cfg.get('scan_layers', False), bool):
         raise _err('scan_layers', f'must be a bool, got {cfg.scan_layers!r}')
-    if not isinstance(cfg.impl, str):
-        raise _err('impl', f'must be a string, got {cfg.impl!r}')
+    if cfg.impl not in IMPLS:
+        raise _err('impl', f'got {cfg.impl!r}; expected one of {list(IMPLS)}')
 
 
 # ---------------------------------------------------------------- parameter counting ---------------

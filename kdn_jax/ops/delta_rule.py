@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from kdn_jax.ops import dispatch, heads, widths
+from kdn_jax.ops import nonfinite
 from kdn_jax.ops import validation as val
 from kdn_jax.ops.delta_chunked import delta_rule_chunked
 from kdn_jax.ops.delta_reference import delta_rule_reference, delta_step
@@ -112,8 +113,10 @@ def delta_rule(q, k, v, log_alpha, write, *, scale=None, initial_state=None,
     segment_ids: [B, T] ints for packed sequences, or None.
     impl: 'auto', 'reference', 'chunked' or 'pallas'.
     chunk_size: chunk length of the chunked/pallas paths (None: per platform).
-    checked: check log_alpha <= 0 and raise `ops.InvalidValueError` naming
-      it; under jit wrap the caller in `ops.checked`.
+    checked: check log_alpha <= 0 (-inf, a full forget, allowed) and that
+      q, k, v, write and initial_state are finite, and raise
+      `ops.InvalidValueError` naming the argument; under jit wrap the caller
+      in `ops.checked`.
 
   Returns:
     (o [B, T, H, V] in q's dtype, final memory [B, H, K, V] or None).
@@ -123,18 +126,25 @@ def delta_rule(q, k, v, log_alpha, write, *, scale=None, initial_state=None,
   (b, t, h, kd, vd), cd, memory0 = check_args(op, q, k, v, log_alpha, write,
                                               initial_state, segment_ids)
   if checked:
-    val.check_values(op, (("log_alpha", log_alpha, "<= 0"),))
+    val.check_values(op, (("log_alpha", log_alpha, "<= 0"),) + _finite(
+        q=q, k=k, v=v, write=write, initial_state=initial_state))
   impl, chunk_size = resolve(op, impl, kd, vd, chunk_size, b * t * h)
   scale = kd ** -0.5 if scale is None else scale
+  input_dtype = jnp.result_type(q, k, v)
+  out_dtype = q.dtype
+  guard = nonfinite.Guard(q, dict(k=k, v=v, log_alpha=log_alpha, write=write),
+                          segment_ids, cd)
+  q, k, v, log_alpha, write = (guard.inputs[n] for n in
+                               ("q", "k", "v", "log_alpha", "write"))
   if impl != "pallas":
     # (the Pallas kernels read log_alpha and write in their own dtypes, fp32 inside: a cast
     # here would be a pass over memory, e.g. of a bf16 kappa, DeltaRuleConfig.bf16_write)
     log_alpha, write = log_alpha.astype(cd), write.astype(cd)
   o, memory = run_memory(op, impl, q.astype(cd), k.astype(cd),
                          v.astype(cd), log_alpha, write,
-                         memory0, segment_ids, chunk_size,
-                         jnp.result_type(q, k, v), scale)
-  return o.astype(q.dtype), (memory if output_final_state else None)
+                         memory0, segment_ids, chunk_size, input_dtype, scale)
+  o, memory, _ = guard.spoil(o.astype(out_dtype), memory)
+  return o, (memory if output_final_state else None)
 
 
 def delta_rule_step(q, k, v, log_alpha, write, memory, *, scale=None,
@@ -157,7 +167,8 @@ def delta_rule_step(q, k, v, log_alpha, write, memory, *, scale=None,
     raise ValueError(f"{op}: log_alpha must have shape [B, H, K] or [B, H], "
                      f"got {tuple(log_alpha.shape)}")
   if checked:
-    val.check_values(op, (("log_alpha", log_alpha, "<= 0"),))
+    val.check_values(op, (("log_alpha", log_alpha, "<= 0"),) + _finite(
+        q=q, k=k, v=v, write=write, memory=memory))
   cd = val.compute_dtype(q, k, v, log_alpha, write, memory)
   scale = kd ** -0.5 if scale is None else scale
   o, memory = delta_step(memory.astype(cd), q.astype(cd) * scale,
@@ -176,32 +187,40 @@ def beta_write(beta, k):
   return beta if beta.ndim == k.ndim - 1 else beta_times(beta, k)
 
 
-def _check_gate(op, g, kwargs):
-  """Checked mode of a wrapper: its decay is called g (delta_rule's log_alpha
-  check would name the wrong argument)."""
+def _finite(**arrays):
+  """Checked-mode rules: each of these inputs finite (None: not given)."""
+  return tuple((name, x, "finite") for name, x in arrays.items())
+
+
+def _check_gate(op, g, kwargs, **inputs):
+  """Checked mode of a wrapper, with its own argument names (delta_rule's would
+  name the wrong ones): the decay g <= 0 (-inf allowed), the inputs finite."""
   if kwargs.pop("checked", False):
-    val.check_values(op, (("g (log decay)", g, "<= 0"),))
+    gate = () if g is None else (("g (log decay)", g, "<= 0"),)
+    if "memory" not in inputs:  # (a sequence op: its initial state)
+      inputs["initial_state"] = kwargs.get("initial_state")
+    val.check_values(op, gate + _finite(**inputs))
   return kwargs
 
 
 def kda(q, k, v, g, beta, **kwargs):
   """Kimi Delta Attention: per-channel decay g [B,T,H,K], write beta * k."""
   q, k = heads.to_value_heads("kda", q, k, v)
-  kwargs = _check_gate("kda", g, kwargs)
+  kwargs = _check_gate("kda", g, kwargs, q=q, k=k, v=v, beta=beta)
   return delta_rule(q, k, v, g, beta_write(beta, k), **kwargs)
 
 
 def gated_delta_rule(q, k, v, g, beta, **kwargs):
   """Gated DeltaNet: scalar decay g [B,T,H], write beta * k."""
   q, k = heads.to_value_heads("gated_delta_rule", q, k, v)
-  kwargs = _check_gate("gated_delta_rule", g, kwargs)
+  kwargs = _check_gate("gated_delta_rule", g, kwargs, q=q, k=k, v=v, beta=beta)
   return delta_rule(q, k, v, g, beta_write(beta, k), **kwargs)
 
 
 def delta_net(q, k, v, beta, **kwargs):
   """DeltaNet: no decay, write beta * k."""
   q, k = heads.to_value_heads("delta_net", q, k, v)
-  kwargs.pop("checked", None)  # no decay: nothing to check
+  kwargs = _check_gate("delta_net", None, kwargs, q=q, k=k, v=v, beta=beta)
   return delta_rule(q, k, v, jnp.zeros(q.shape[:3], q.dtype),
                     beta_write(beta, k), **kwargs)
 
@@ -213,7 +232,7 @@ def gdn2(q, k, v, g, b, w, **kwargs):
   b is [B,T,H,K] or [B,T,H], w is [B,T,H,V] or [B,T,H].
   """
   q, k = heads.to_value_heads("gdn2", q, k, v)
-  kwargs = _check_gate("gdn2", g, kwargs)
+  kwargs = _check_gate("gdn2", g, kwargs, q=q, k=k, v=v, b=b, w=w)
   return delta_rule(q, beta_times(b, k), beta_times(w, v), g, k, **kwargs)
 
 
@@ -223,7 +242,7 @@ def gla(q, k, v, g, **kwargs):
   g: [B,T,H,K] or [B,T,H]. No erase: the erase key is zero.
   """
   q, k = heads.to_value_heads("gla", q, k, v)
-  kwargs = _check_gate("gla", g, kwargs)
+  kwargs = _check_gate("gla", g, kwargs, q=q, k=k, v=v)
   return delta_rule(q, jnp.zeros_like(k), v, g, k, **kwargs)
 
 
@@ -237,7 +256,8 @@ def gla(q, k, v, g, **kwargs):
 def kda_step(q, k, v, g, beta, memory, *, scale=None, checked=False):
   """One token of `kda`: q, k, g [B,H,K]; v [B,H,V]; beta [B,H]."""
   q, k = heads.to_value_heads("kda_step", q, k, v, axis=1)
-  _check_gate("kda_step", g, dict(checked=checked))
+  _check_gate("kda_step", g, dict(checked=checked), q=q, k=k, v=v, beta=beta,
+              memory=memory)
   return delta_rule_step(q, k, v, g, beta_times(beta, k), memory, scale=scale)
 
 
@@ -245,7 +265,8 @@ def gated_delta_rule_step(q, k, v, g, beta, memory, *, scale=None,
                           checked=False):
   """One token of `gated_delta_rule`: g, beta [B,H]."""
   q, k = heads.to_value_heads("gated_delta_rule_step", q, k, v, axis=1)
-  _check_gate("gated_delta_rule_step", g, dict(checked=checked))
+  _check_gate("gated_delta_rule_step", g, dict(checked=checked), q=q, k=k, v=v,
+              beta=beta, memory=memory)
   return delta_rule_step(q, k, v, g, beta_times(beta, k), memory, scale=scale)
 
 
@@ -259,7 +280,8 @@ def delta_net_step(q, k, v, beta, memory, *, scale=None):
 def gdn2_step(q, k, v, g, b, w, memory, *, scale=None, checked=False):
   """One token of `gdn2`: b [B,H,K] or [B,H]; w [B,H,V] or [B,H]."""
   q, k = heads.to_value_heads("gdn2_step", q, k, v, axis=1)
-  _check_gate("gdn2_step", g, dict(checked=checked))
+  _check_gate("gdn2_step", g, dict(checked=checked), q=q, k=k, v=v, b=b, w=w,
+              memory=memory)
   return delta_rule_step(q, beta_times(b, k), beta_times(w, v), g, k, memory,
                          scale=scale)
 
@@ -267,5 +289,6 @@ def gdn2_step(q, k, v, g, b, w, memory, *, scale=None, checked=False):
 def gla_step(q, k, v, g, memory, *, scale=None, checked=False):
   """One token of `gla` (no erase): g [B,H,K] or [B,H]."""
   q, k = heads.to_value_heads("gla_step", q, k, v, axis=1)
-  _check_gate("gla_step", g, dict(checked=checked))
+  _check_gate("gla_step", g, dict(checked=checked), q=q, k=k, v=v,
+              memory=memory)
   return delta_rule_step(q, jnp.zeros_like(k), v, g, k, memory, scale=scale)

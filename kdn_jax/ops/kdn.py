@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from kdn_jax.ops import dispatch, heads, variance, widths
+from kdn_jax.ops import nonfinite
 from kdn_jax.ops import validation as val
 from kdn_jax.ops.delta_reference import delta_step, scan_tokens
 from kdn_jax.ops.delta_rule import DEFAULT_CHUNK, resolve, run_memory
@@ -57,12 +58,18 @@ def _gain_step(diag, mu):
   return step
 
 
-def _check_kdn_values(op, log_alpha, omega, r, mu, variance):
-  """Checked mode: the domain of the KDN inputs (docs/math.md section 2)."""
+def _check_kdn_values(op, q, k, v, log_alpha, omega, r, mu, state, state_given):
+  """Checked mode: the domain of the KDN inputs (docs/math.md section 2), every value
+  finite except log_alpha, for which -inf (forget everything) is legal."""
+  memory, variance = (state.memory, state.variance) if state_given else (None, None)
   val.check_values(op, (("log_alpha", log_alpha, "<= 0"),
-                        ("omega", omega, ">= 0"), ("r", r, "> 0"),
-                        ("info_scale", mu, "> 0"),
-                        ("initial_state.variance", variance, "> 0")))
+                        ("omega", omega, ">= 0"), ("omega", omega, "finite"),
+                        ("r", r, "> 0"), ("r", r, "finite"),
+                        ("info_scale", mu, "> 0"), ("info_scale", mu, "finite"),
+                        ("initial_state.variance", variance, "> 0"),
+                        ("initial_state.variance", variance, "finite"),
+                        ("q", q, "finite"), ("k", k, "finite"), ("v", v, "finite"),
+                        ("initial_state.memory", memory, "finite")))
 
 
 def _kdn(op, diag, q, k, v, log_alpha, omega, r, info_scale, scale,
@@ -78,9 +85,14 @@ def _kdn(op, diag, q, k, v, log_alpha, omega, r, info_scale, scale,
   mu = val.info_scale_array(op, info_scale, h, kd, cd)
   state0 = _initial_state(op, diag, initial_state, b, h, kd, vd, cd)
   if checked:
-    _check_kdn_values(op, log_alpha, omega, r, mu,
-                      None if initial_state is None else state0.variance)
+    _check_kdn_values(op, q, k, v, log_alpha, omega, r, mu, state0,
+                      initial_state is not None)
   scale = kd ** -0.5 if scale is None else scale
+  guard = nonfinite.Guard(q, dict(k=k, v=v, log_alpha=log_alpha, omega=omega, r=r),
+                          segment_ids, cd, variance=("k", "log_alpha", "omega", "r"),
+                          r_names=("r",))
+  q, k, v, log_alpha, omega, r = (guard.inputs[n] for n in
+                                  ("q", "k", "v", "log_alpha", "omega", "r"))
   if impl != "pallas":
     # (The Pallas kernels read each input in its own dtype and compute in fp32 inside: fp32
     # copies of 16-bit [B, T, H, K] inputs would be whole extra passes over HBM, three converts
@@ -97,8 +109,9 @@ def _kdn(op, diag, q, k, v, log_alpha, omega, r, info_scale, scale,
                        state0.variance, segment_ids, input_dtype)
     o, memory = run_memory(op, impl, q, k, v, log_alpha, write, state0.memory,
                            segment_ids, chunk_size, input_dtype, scale)
+  o, memory, var = guard.spoil(o.astype(out_dtype), memory, var)
   final = KDNState(memory, var) if output_final_state else None
-  return o.astype(out_dtype), final
+  return o, final
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -154,8 +167,9 @@ def diag_kdn(q, k, v, log_alpha, omega, r, *, info_scale=None, scale=None,
     impl: 'auto', 'reference', 'chunked' or 'pallas'.
     chunk_size: memory chunk length for 'chunked' / 'pallas' (None: per
       platform, see `delta_rule.default_chunk_size`).
-    checked: check the values (log_alpha <= 0, omega >= 0, r > 0, mu > 0,
-      initial variance > 0) and raise `ops.InvalidValueError` naming the
+    checked: check the values (log_alpha <= 0, -inf allowed; omega >= 0,
+      r > 0, mu > 0, initial variance > 0, all finite; q, k, v and the
+      initial memory finite) and raise `ops.InvalidValueError` naming the
       argument; under jit wrap the caller in `ops.checked`.
 
   Returns:
@@ -191,7 +205,7 @@ def _kdn_step(op, diag, q, k, v, log_alpha, omega, r, state, info_scale,
   mu = val.info_scale_array(op, info_scale, h, kd, cd)
   state = _initial_state(op, diag, state, b, h, kd, vd, cd)
   if checked:
-    _check_kdn_values(op, log_alpha, omega, r, mu, state.variance)
+    _check_kdn_values(op, q, k, v, log_alpha, omega, r, mu, state, True)
   scale = kd ** -0.5 if scale is None else scale
   q, k, v, log_alpha, omega, r = (
       x.astype(cd) for x in (q, k, v, log_alpha, omega, r))

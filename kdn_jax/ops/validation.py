@@ -105,16 +105,18 @@ class InvalidValueError(ValueError):
   """A value outside an op's documented domain (checked mode: `checked=True`)."""
 
 
-# rule -> the elementwise test a valid value passes (NaN passes none of them).
+# rule -> the elementwise test a valid value passes (NaN passes none of them;
+# "<= 0" lets log_alpha = -inf, a full forget, through).
 _VALUE_RULES = {"> 0": lambda x: x > 0, ">= 0": lambda x: x >= 0,
-                "<= 0": lambda x: x <= 0}
+                "<= 0": lambda x: x <= 0, "finite": jnp.isfinite}
 _CHECK_SUFFIX = " (`check` failed)"
 
 
 def check_values(op, checks):
   """Checked mode: every (name, array, rule) in checks must hold elementwise.
 
-  rule is one of '> 0', '>= 0', '<= 0'. Concrete arrays are checked now and
+  rule is one of '> 0', '>= 0', '<= 0', 'finite' (the first rule that fails
+  is named). Concrete arrays are checked now and
   raise InvalidValueError; traced ones (under jit / grad / vmap) become
   `checkify.check`s, which `kdn_jax.ops.checked` (or checkify.checkify)
   turns into the same error. Opt-in: a check is a device-to-host sync (or,

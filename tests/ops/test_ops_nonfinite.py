@@ -1,0 +1,203 @@
+"""Non-finite inputs stay inside their segment, for every impl (kdn_jax/ops/nonfinite.py).
+
+A hypothesis fuzz (no example database) over packed rows with NaN / +inf / -inf written into
+any input at any token, and log_alpha = -inf (legal: forget everything) sprinkled in: against
+the float64 token loop (tests/kdn_oracle.py), every token outside the reach of a bad value
+matches it, every token inside reports NaN (the bad value's own token included), and the final
+memory / variance are NaN exactly when the last segment was reached."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from ops_cases import FAMILIES, oracle, rel_err, round_f32, run
+from kdn_jax import ops
+from kdn_jax.ops import nonfinite
+
+B, T, H = 2, 40, 2
+# Inputs of the memory recurrence per family, and those of the KDN variance recurrence.
+STATE_INPUTS = {"diag": ("k", "v", "log_alpha", "omega", "r"),
+                "iso": ("k", "v", "log_alpha", "omega", "r"),
+                "delta_channel": ("k", "v", "log_alpha", "write"),
+                "delta_scalar": ("k", "v", "log_alpha", "write")}
+VARIANCE_INPUTS = ("k", "log_alpha", "omega", "r")
+
+
+def _inputs(rng, family, kd, vd):
+  """float32-rounded float64 inputs in the documented domains, log_alpha = -inf at ~8% of
+  its entries."""
+  nrm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+  q, k = (nrm(rng.standard_normal((B, T, H, kd))) for _ in range(2))
+  x = dict(q=q, k=k, v=rng.standard_normal((B, T, H, vd)))
+  la_shape = (B, T, H) if family == "delta_scalar" else (B, T, H, kd)
+  la = -3.0 * rng.random(la_shape)
+  la[rng.random(la_shape) < 0.08] = -np.inf
+  x["log_alpha"] = la
+  if family in ("diag", "iso"):
+    om_shape = (B, T, H, kd) if family == "diag" else (B, T, H)
+    x["omega"] = 0.1 * rng.random(om_shape)
+    x["r"] = 10.0 ** rng.uniform(-1, 1, (B, T, H))
+    x["mu"] = float(kd)
+  else:
+    x["write"] = rng.random((B, T, H, 1)) * k
+  return round_f32(x)
+
+
+@st.composite
+def cases(draw, families, with_state=None):
+  family = draw(st.sampled_from(families))
+  names = ("q",) + STATE_INPUTS[family]
+  bad = draw(st.lists(st.tuples(st.sampled_from(names), st.integers(0, B - 1),
+                                 st.integers(0, T - 1), st.integers(0, H - 1),
+                                 st.sampled_from((np.nan, np.inf, -np.inf))),
+                      min_size=1, max_size=3))
+  starts = draw(st.lists(st.integers(1, T - 1), max_size=4))
+  with_state = draw(st.booleans()) if with_state is None else with_state
+  return dict(family=family, bad=bad, starts=starts, with_state=with_state,
+              seed=draw(st.integers(0, 2 ** 16)))
+
+
+def _spoiled(case, seg):
+  """What the bad values reach, written independently of the ops: (outputs [B, T, H], final
+  memory [B, H], final variance [B, H])."""
+  out = np.zeros((B, T, H), bool)
+  memory, variance = np.zeros((B, H), bool), np.zeros((B, H), bool)
+  for name, b, t, h, value in case["bad"]:
+    if name == "log_alpha" and value == -np.inf:
+      continue  # legal
+    if name == "q":
+      out[b, t, h] = True
+      continue
+    end = t
+    while end < T and seg[b, end] == seg[b, t]:
+      end += 1
+    out[b, t:end, h] = True
+    if end == T:
+      memory[b, h] = True
+      variance[b, h] |= name in VARIANCE_INPUTS
+  return out, memory, variance
+
+
+def _check(impl, case, kd, vd):
+  rng = np.random.default_rng(case["seed"])
+  fam = case["family"]
+  x = _inputs(rng, fam, kd, vd)
+  for name, b, t, h, value in case["bad"]:
+    x[name][b, t, h] = value  # (every channel of the token: any one would do)
+  seg = np.zeros((B, T), np.int32)
+  for p in case["starts"]:
+    seg[:, p:] += 1
+  if len(case["starts"]) % 2:
+    seg[1] = 0  # rows packed differently
+  state = None
+  if case["with_state"]:
+    s = [0.3 * rng.standard_normal((B, H, kd, vd))]
+    if fam in ("diag", "iso"):
+      s.append(10.0 ** rng.uniform(-1, 1, (B, H, kd) if fam == "diag" else (B, H)))
+    state = tuple(np.asarray(a, np.float32).astype(np.float64) for a in s)
+  segj = jnp.asarray(seg)
+  o, final = run(fam, x, impl, state=state, segment_ids=segj, chunk_size=16, jit=True)
+  o_ref, final_ref = oracle(fam, x, state=state, segment_ids=segj)
+  o, o_ref = np.asarray(o, np.float64), np.asarray(o_ref)
+  out, memory, variance = _spoiled(case, seg)
+  # Inside the reach: NaN in every impl; the loop is non-finite there too for a NaN.
+  assert np.all(np.isnan(o[out])), np.argwhere(out & ~np.isnan(o).all(-1))[:5]
+  nan_written = [c for c in case["bad"] if c[4] != c[4]]
+  if nan_written and len(nan_written) == len(case["bad"]):
+    assert np.all(~np.isfinite(o_ref[out]).any(-1))
+  # Outside: the float64 loop's values (finite: the loop contains them too).
+  keep = ~out
+  assert np.all(np.isfinite(o_ref[keep])) and np.all(np.isfinite(o[keep]))
+  assert rel_err(o[keep], o_ref[keep]) <= 1e-4, rel_err(o[keep], o_ref[keep])
+  for got, want, spoiled in zip(final, final_ref, (memory, variance)):
+    got = np.asarray(got, np.float64)
+    assert np.all(np.isnan(got[spoiled]))
+    assert rel_err(got[~spoiled], want[~spoiled]) <= 1e-4
+
+
+FUZZ = dict(deadline=None, derandomize=True, database=None)
+
+
+@pytest.mark.parametrize("impl", ("reference", "chunked"))
+@settings(max_examples=40, **FUZZ)
+@given(case=cases(FAMILIES))
+def test_nonfinite_values_stay_in_their_segment(impl, case):
+  _check(impl, case, kd=8, vd=8)
+
+
+@settings(max_examples=8, **FUZZ)
+@given(case=cases(("diag", "delta_scalar"), with_state=True))
+def test_nonfinite_values_stay_in_their_segment_pallas(case):
+  """The Pallas kernels (interpret mode) at their smallest width, two families with an initial
+  state (one compile each): the guard is the same code for every impl, what differs is the
+  kernels' arithmetic."""
+  _check("pallas", case, kd=16, vd=16)
+
+
+def test_minus_inf_decay_is_a_full_forget():
+  """log_alpha = -inf everywhere: every token sees only its own write (S_t = w v^T), in each
+  impl, with no NaN; its floor's exp is exactly 0 in each dtype."""
+  for dtype in (jnp.float32, jnp.float64, jnp.bfloat16):
+    floor = nonfinite.log_decay_floor(jnp.float32 if dtype == jnp.bfloat16 else dtype)
+    with jax.enable_x64(dtype == jnp.float64):
+      assert float(jnp.exp(jnp.asarray(floor, dtype))) == 0.0
+      assert float(jnp.asarray(floor, dtype)) == floor  # representable
+  rng = np.random.default_rng(0)
+  q, k, v, w = (jnp.asarray(rng.standard_normal((1, 24, 1, 16)), jnp.float32) for _ in range(4))
+  la = jnp.full((1, 24, 1, 16), -jnp.inf)
+  want = jnp.einsum("bthk,bthk->bth", q, w)[..., None] * 0.25 * v
+  for impl in ("reference", "chunked", "pallas"):
+    o, s = ops.delta_rule(q, k, v, la, w, impl=impl, chunk_size=16, output_final_state=True)
+    assert rel_err(o, want) <= 1e-5, (impl, rel_err(o, want))
+    assert rel_err(s, w[:, -1, :, :, None] * v[:, -1, :, None, :]) <= 1e-5
+
+
+def test_checked_mode_domain_edges():
+  """checked=True: -inf log_alpha passes; infinite omega, r, mu, initial variance and non-finite
+  q / k / v / write / initial memory are named."""
+  rng = np.random.default_rng(1)
+  n = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  q, k, v = n(1, 4, 1, 16), n(1, 4, 1, 16), n(1, 4, 1, 16)
+  la = (-jnp.abs(n(1, 4, 1, 16))).at[0, 1].set(-jnp.inf)
+  om, r = jnp.abs(n(1, 4, 1, 16)), 1.0 + jnp.abs(n(1, 4, 1))
+  st0 = ops.KDNState(jnp.zeros((1, 1, 16, 16)), jnp.ones((1, 1, 16)))
+  kw = dict(checked=True, impl="reference", output_final_state=True)
+  o, _ = ops.diag_kdn(q, k, v, la, om, r, initial_state=st0, **kw)
+  assert np.all(np.isfinite(o))
+  bad = [
+      (dict(omega=om.at[0, 2, 0, 3].set(jnp.inf)), "diag_kdn: omega must be finite"),
+      (dict(r=r.at[0, 0, 0].set(jnp.inf)), "diag_kdn: r must be finite"),
+      (dict(info_scale=jnp.inf), "diag_kdn: info_scale must be finite"),
+      (dict(initial_state=st0._replace(variance=st0.variance.at[0, 0, 2].set(jnp.inf))),
+       "diag_kdn: initial_state.variance must be finite"),
+      (dict(initial_state=st0._replace(memory=st0.memory.at[0, 0, 2].set(jnp.nan))),
+       "diag_kdn: initial_state.memory must be finite"),
+      (dict(log_alpha=la.at[0, 3, 0, 0].set(jnp.inf)), "diag_kdn: log_alpha must be <= 0"),
+      (dict(v=v.at[0, 3, 0, 0].set(-jnp.inf)), "diag_kdn: v must be finite"),
+      (dict(q=q.at[0, 0, 0, 0].set(jnp.nan)), "diag_kdn: q must be finite"),
+  ]
+  args = dict(q=q, k=k, v=v, log_alpha=la, omega=om, r=r, initial_state=st0)
+  for change, msg in bad:
+    a = dict(args, **change)
+    with pytest.raises(ops.InvalidValueError, match=msg):
+      ops.diag_kdn(a["q"], a["k"], a["v"], a["log_alpha"], a["omega"], a["r"],
+                   initial_state=a["initial_state"], info_scale=a.get("info_scale"), **kw)
+  beta = jnp.abs(n(1, 4, 1))
+  ops.kda(q, k, v, la, beta, **kw)  # -inf g passes
+  with pytest.raises(ops.InvalidValueError, match="kda: beta must be finite"):
+    ops.kda(q, k, v, la, beta.at[0, 0, 0].set(jnp.inf), **kw)
+  with pytest.raises(ops.InvalidValueError, match="delta_net: k must be finite"):
+    ops.delta_net(q, k.at[0, 1, 0, 1].set(jnp.nan), v, beta, **kw)
+  with pytest.raises(ops.InvalidValueError, match="delta_rule: write must be finite"):
+    ops.delta_rule(q, k, v, la, k.at[0, 1, 0, 1].set(jnp.nan), **kw)
+  with pytest.raises(ops.InvalidValueError, match="gla_step: memory must be finite"):
+    ops.gla_step(q[:, 0], k[:, 0], v[:, 0], la[:, 0], jnp.full((1, 1, 16, 16), jnp.inf),
+                 checked=True)
+  # under jit, through ops.checked: the same message
+  fn = functools.partial(ops.diag_kdn, checked=True, impl="reference")
+  with pytest.raises(ops.InvalidValueError, match="diag_kdn: omega must be finite"):
+    ops.checked(jax.jit(fn))(q, k, v, la, om.at[0, 0, 0, 0].set(jnp.inf), r)
