@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from kdn_jax.ops import dispatch
+from kdn_jax.ops import states_at
 from kdn_jax.ops import validation as val
 from kdn_jax.ops.delta_chunked import delta_rule_chunked
 from kdn_jax.ops.delta_reference import delta_rule_reference, delta_step
@@ -59,7 +60,7 @@ def check_args(op, q, k, v, log_alpha, write, initial_state, segment_ids):
 
 
 def run_memory(op, impl, q, k, v, log_alpha, write, memory0, segment_ids,
-               chunk_size, input_dtype, scale):
+               chunk_size, input_dtype, scale, positions=None):
   """Runs the memory recurrence with impl; q, k, v already in compute dtype (the
   Pallas path takes log_alpha and write in their own dtypes), q not yet
   multiplied by `scale`.
@@ -67,7 +68,9 @@ def run_memory(op, impl, q, k, v, log_alpha, write, memory0, segment_ids,
   input_dtype (the caller's q/k/v dtype) sets the Pallas dot precision: 'fast'
   (bf16 operands, fp32 accumulation) for bf16/fp16 data, fp32-accurate for
   fp32/fp64 data. write: [B, T, H, K], or [B, T, H]: beta with write = beta k
-  (the Pallas kernels form it themselves).
+  (the Pallas kernels form it themselves). positions: None, or checked
+  output_states_at (states_at.check_positions): then also returns the memory
+  after each position [B, P, H, K, V].
   """
   if impl == "pallas":
     # resolve_impl has checked that the kernels import and take these widths
@@ -77,22 +80,40 @@ def run_memory(op, impl, q, k, v, log_alpha, write, memory0, segment_ids,
     # and the kernels read half the bytes (they compute in fp32 inside).
     narrow = jnp.dtype(input_dtype).itemsize == 2
     kq, kk, kv = ((x.astype(input_dtype) if narrow else x) for x in (q, k, v))
-    return kernels.delta_rule(
+    out = kernels.delta_rule(
         kq, kk, kv, log_alpha, write, scale, memory0, segment_ids,
-        chunk_size=chunk_size, precision=kernels.precision_for(input_dtype))
+        chunk_size=chunk_size, precision=kernels.precision_for(input_dtype),
+        output_chunk_states=positions is not None)
+    if positions is None:
+      return out
+    o, memory, chunk_states, chunk = out
+    return o, memory, states_at.memory_at(
+        positions, chunk, chunk_states, memory.astype(memory0.dtype), k, v, log_alpha, write,
+        memory0, segment_ids)
   q = q * scale
   if write.ndim == 3:
     write = write[..., None] * k
   if impl == "chunked":
-    return delta_rule_chunked(q, k, v, log_alpha, write, memory0, segment_ids,
-                              chunk_size=chunk_size)
+    out = delta_rule_chunked(q, k, v, log_alpha, write, memory0, segment_ids,
+                             chunk_size=chunk_size,
+                             output_chunk_states=positions is not None)
+    if positions is None:
+      return out
+    o, memory, chunk_states = out
+    return o, memory, states_at.memory_at(
+        positions, chunk_size, chunk_states, memory, k, v, log_alpha, write, memory0,
+        segment_ids)
   starts = None if segment_ids is None else segment_starts(segment_ids)
-  return delta_rule_reference(q, k, v, log_alpha, write, memory0, starts)
+  if positions is None:
+    return delta_rule_reference(q, k, v, log_alpha, write, memory0, starts)
+  o, memory, every = delta_rule_reference(q, k, v, log_alpha, write, memory0, starts,
+                                          keep_states=True)
+  return o, memory, states_at.gather_tokens(every, positions)
 
 
 def delta_rule(q, k, v, log_alpha, write, *, scale=None, initial_state=None,
                output_final_state=False, segment_ids=None, impl="auto",
-               chunk_size=DEFAULT_CHUNK, checked=False):
+               chunk_size=DEFAULT_CHUNK, checked=False, output_states_at=None):
   """General delta rule with write direction `write` and erase direction `k`.
 
   Args:
@@ -109,13 +130,20 @@ def delta_rule(q, k, v, log_alpha, write, *, scale=None, initial_state=None,
     chunk_size: chunk length of the chunked/pallas paths (None: per platform).
     checked: check log_alpha <= 0 and raise `ops.InvalidValueError` naming
       it; under jit wrap the caller in `ops.checked`.
+    output_states_at: None, or positions [P] (ints known when tracing, sorted,
+      in [1, T]): also return the memory after each position p (the final
+      state of the op on the first p tokens), from the chunk states the
+      state pass holds (kdn_jax.ops.states_at); differentiable.
 
   Returns:
-    (o [B, T, H, V] in q's dtype, final memory [B, H, K, V] or None).
+    (o [B, T, H, V] in q's dtype, final memory [B, H, K, V] or None), and with
+    output_states_at a third entry: the memory after each position
+    [B, P, H, K, V].
   """
   op = "delta_rule"
-  (_, _, _, kd, vd), cd, memory0 = check_args(op, q, k, v, log_alpha, write,
+  (_, t, _, kd, vd), cd, memory0 = check_args(op, q, k, v, log_alpha, write,
                                               initial_state, segment_ids)
+  positions = states_at.check_positions(op, output_states_at, t)
   if checked:
     val.check_values(op, (("log_alpha", log_alpha, "<= 0"),))
   impl, chunk_size = resolve(op, impl, kd, vd, chunk_size)
@@ -124,11 +152,11 @@ def delta_rule(q, k, v, log_alpha, write, *, scale=None, initial_state=None,
     # (the Pallas kernels read log_alpha and write in their own dtypes, fp32 inside: a cast
     # here would be a pass over memory, e.g. of a bf16 kappa, DeltaRuleConfig.bf16_write)
     log_alpha, write = log_alpha.astype(cd), write.astype(cd)
-  o, memory = run_memory(op, impl, q.astype(cd), k.astype(cd),
-                         v.astype(cd), log_alpha, write,
-                         memory0, segment_ids, chunk_size,
-                         jnp.result_type(q, k, v), scale)
-  return o.astype(q.dtype), (memory if output_final_state else None)
+  o, memory, *at = run_memory(op, impl, q.astype(cd), k.astype(cd),
+                              v.astype(cd), log_alpha, write,
+                              memory0, segment_ids, chunk_size,
+                              jnp.result_type(q, k, v), scale, positions)
+  return (o.astype(q.dtype), (memory if output_final_state else None)) + tuple(at)
 
 
 def delta_rule_step(q, k, v, log_alpha, write, memory, *, scale=None,
