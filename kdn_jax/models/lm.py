@@ -22,7 +22,7 @@ from flax import nnx
 from kdn_jax.layers.dense import Dense, make_param, normal_init, project
 from kdn_jax.layers.gated_norm import RMSNorm
 from kdn_jax.layers.mlp import SwiGLU
-from kdn_jax.layers.recurrent import get_dtype
+from kdn_jax.layers.recurrent import RecurrentMixer, get_dtype
 from kdn_jax.layers.registry import make_mixer
 from kdn_jax.models import layer_scan
 from kdn_jax.models.config import effective_mlp_hidden, layer_mixers, validate_config
@@ -47,7 +47,7 @@ class Block(nnx.Module):
 
     def with_states_at(self, x, positions, state=None, segment_ids=None):
         """Like __call__, plus the mixer's state after each position (leaves [B, P, ...])."""
-        if not hasattr(self.mixer, '_core'):
+        if not isinstance(self.mixer, RecurrentMixer):
             raise NotImplementedError(f'prefix states: mixer {self.mixer_name!r} keeps no recurrent state to '
                                       'read at positions (attention layers are not supported)')
         y, st, at = self.mixer(self.norm1(x), initial_state=state, segment_ids=segment_ids, states_at=positions)
@@ -124,6 +124,10 @@ class LanguageModel(nnx.Module):
                 x, st = blk(x, st, segment_ids)
             new_states.append(st)
         return self._logits(_take_positions(x, read_positions)), new_states
+
+    def has_prefix_states(self) -> bool:
+        """Whether prefix_states applies: every layer a recurrent mixer."""
+        return all(isinstance(blk.mixer, RecurrentMixer) for blk in self.blocks)
 
     def prefix_states(self, tokens, positions, *, states=None, segment_ids=None):
         """The decode cache after each prompt prefix, from one forward (the ops' output_states_at).
