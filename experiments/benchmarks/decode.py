@@ -156,12 +156,28 @@ def time_jax_row(row, b, h, d, steps, reps, warmup):
   return statistics.median(times), {}
 
 
-def pallas_decode_available() -> bool:
+def check_against_xla(row, b, h, d, steps):
+  """A Pallas row's relative errors against its XLA step after `steps` steps from one state: the
+  final state (memory) and the outputs (bf16)."""
+  xs, memory = _step_inputs(jax.random.key(1), steps, b, h, d)
+  outs = []
+  for r in (row, row.replace("_pallas", "_xla")):
+    step, init = step_fn(r)
+    state, o = jax.jit(lambda state, xs, step=step: jax.lax.scan(step, state, xs))(init(memory), xs)
+    outs.append((np.asarray(jax.tree.leaves(state)[0], np.float64), np.asarray(o, np.float64)))
+  rel = lambda a, b: float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+  return {"rel_err_state_vs_xla": rel(outs[0][0], outs[1][0]),
+          "rel_err_o_vs_xla": rel(outs[0][1], outs[1][1])}
+
+
+def pallas_decode_available(allow_interpret: bool = False) -> bool:
+  """Whether the *_pallas rows run: the fused decode kernels import, on a GPU (or anywhere with
+  allow_interpret: interpret mode, for the CPU test)."""
   try:
     importlib.import_module("pallas_kernels.decode")
-    return jax.default_backend() == "gpu"
   except ImportError:
     return False
+  return allow_interpret or jax.default_backend() == "gpu"
 
 
 # ----------------------------------------------------------------------------------- fla row
@@ -261,10 +277,11 @@ def _write(out, results):
     rows = [[r["row"], r["batch"], "%.2f" % r["us_per_step"], "%.0f" % r["gbps"],
              "-" if r["floor_us"] is None else "%.2f" % r["floor_us"],
              "-" if r["floor_us"] is None else "%.0f%%" % (100 * r["floor_us"] / r["us_per_step"]),
-             r.get("launch", "scan")]
+             r.get("launch", "scan"),
+             "%.1e" % r["rel_err_state_vs_xla"] if "rel_err_state_vs_xla" in r else "-"]
             for r in results["steps"] if "us_per_step" in r]
     lines += [markdown_table(["row", "B", "us / step", "state GB/s", "floor us", "% of floor",
-                              "launch"], rows), ""]
+                              "launch", "state err vs XLA"], rows), ""]
     fails = [r for r in results["steps"] if "error" in r]
     lines += [f"- {r['row']} B={r['batch']}: {r['error']}" for r in fails]
   if results["generation"]:
@@ -280,13 +297,13 @@ def _write(out, results):
 
 
 def run(out, batches, heads, dim, steps, reps, warmup, rows, lm_config, lm_batches, prompt_len,
-        new_tokens, time_budget_s):
+        new_tokens, time_budget_s, pallas_interpret=False):
   t_start = time.time()
   kind = jax.devices()[0].device_kind
   tbps = hbm_tbps(kind)
   results = dict(device=kind, hbm_tbps=tbps, heads=heads, dim=dim, steps_per_call=steps, steps=[],
                  generation=[], lm_config=lm_config)
-  have_pallas = pallas_decode_available()
+  have_pallas = pallas_decode_available(pallas_interpret)
   have_fla = any(r.startswith("fla") for r in rows) and _fla_fused_recurrent() is not None
   for b in batches:
     for row in rows:
@@ -301,6 +318,8 @@ def run(out, batches, heads, dim, steps, reps, warmup, rows, lm_config, lm_batch
           ms, extra = time_fla_row(b, heads, dim, steps, reps, warmup)
         else:
           ms, extra = time_jax_row(row, b, heads, dim, steps, reps, warmup)
+          if row.endswith("_pallas"):
+            extra = dict(extra, **check_against_xla(row, b, heads, dim, steps))
         us = 1e3 * ms / steps
         nbytes = 2 * state_bytes(row if not row.startswith("fla") else "kda", b, heads, dim)
         rec.update(extra, us_per_step=us, state_bytes_moved=nbytes, gbps=nbytes / (us * 1e3),

@@ -160,17 +160,23 @@ def delta_rule(q, k, v, log_alpha, write, *, scale=None, initial_state=None,
 
 
 def delta_rule_step(q, k, v, log_alpha, write, memory, *, scale=None,
-                    checked=False):
-  """One decode step. q, k, write [B, H, K]; v [B, H, V]; log_alpha [B, H, K]
-  or [B, H]; memory [B, H, K, V]. Returns (o_t [B, H, V], new memory)."""
+                    checked=False, impl="auto"):
+  """One decode step. q, k [B, H, K]; write [B, H, K], or [B, H] (beta:
+  write = beta k); v [B, H, V]; log_alpha [B, H, K] or [B, H]; memory
+  [B, H, K, V]. impl: 'pallas' runs the fused decode step
+  (pallas_kernels.decode, forward only), 'reference' (or 'chunked') the XLA
+  step; 'auto': see dispatch.resolve_step_impl. Returns (o_t [B, H, V], new
+  memory)."""
   op = "delta_rule_step"
   for name, x in (("q", q), ("k", k), ("v", v), ("log_alpha", log_alpha),
                   ("write", write), ("memory", memory)):
     val.check_float(op, name, x)
   b, h, kd = q.shape
   vd = v.shape[-1]
-  for name, x in (("k", k), ("write", write)):
-    val.check_shape(op, name, x, (b, h, kd), "[B, H, K]")
+  val.check_shape(op, "k", k, (b, h, kd), "[B, H, K]")
+  if write.shape not in ((b, h, kd), (b, h)):
+    raise ValueError(f"{op}: write must have shape [B, H, K] = {(b, h, kd)} (a direction) or "
+                     f"[B, H] = {(b, h)} (a scalar beta: write = beta k), got {tuple(write.shape)}")
   val.check_shape(op, "v", v, (b, h, vd), "[B, H, V]")
   val.check_shape(op, "memory", memory, (b, h, kd, vd), "[B, H, K, V]")
   if log_alpha.shape not in ((b, h, kd), (b, h)):
@@ -180,6 +186,12 @@ def delta_rule_step(q, k, v, log_alpha, write, memory, *, scale=None,
     val.check_values(op, (("log_alpha", log_alpha, "<= 0"),))
   cd = val.compute_dtype(q, k, v, log_alpha, write, memory)
   scale = kd ** -0.5 if scale is None else scale
+  if dispatch.resolve_step_impl(op, impl, kd, vd) == "pallas":
+    o, memory = dispatch.pallas_module().decode.delta_rule_step(
+        q, k, v, log_alpha, write, memory, scale)
+    return o, memory.astype(cd)
+  if write.ndim == 2:
+    write = write[..., None] * k
   o, memory = delta_step(memory.astype(cd), q.astype(cd) * scale,
                          k.astype(cd), v.astype(cd), log_alpha.astype(cd),
                          write.astype(cd))
@@ -247,33 +259,33 @@ def gla(q, k, v, g, **kwargs):
 # its final state (so a prefill's final state continues token by token).
 
 
-def kda_step(q, k, v, g, beta, memory, *, scale=None, checked=False):
+def kda_step(q, k, v, g, beta, memory, *, scale=None, checked=False, impl="auto"):
   """One token of `kda`: q, k, g [B,H,K]; v [B,H,V]; beta [B,H]."""
   _check_gate("kda_step", g, dict(checked=checked))
-  return delta_rule_step(q, k, v, g, beta_times(beta, k), memory, scale=scale)
+  return delta_rule_step(q, k, v, g, beta_write(beta, k), memory, scale=scale, impl=impl)
 
 
 def gated_delta_rule_step(q, k, v, g, beta, memory, *, scale=None,
-                          checked=False):
+                          checked=False, impl="auto"):
   """One token of `gated_delta_rule`: g, beta [B,H]."""
   _check_gate("gated_delta_rule_step", g, dict(checked=checked))
-  return delta_rule_step(q, k, v, g, beta_times(beta, k), memory, scale=scale)
+  return delta_rule_step(q, k, v, g, beta_write(beta, k), memory, scale=scale, impl=impl)
 
 
-def delta_net_step(q, k, v, beta, memory, *, scale=None):
+def delta_net_step(q, k, v, beta, memory, *, scale=None, impl="auto"):
   """One token of `delta_net` (no decay): beta [B,H]."""
   return delta_rule_step(q, k, v, jnp.zeros(q.shape[:2], q.dtype),
-                         beta_times(beta, k), memory, scale=scale)
+                         beta_write(beta, k), memory, scale=scale, impl=impl)
 
 
-def gdn2_step(q, k, v, g, b, w, memory, *, scale=None, checked=False):
+def gdn2_step(q, k, v, g, b, w, memory, *, scale=None, checked=False, impl="auto"):
   """One token of `gdn2`: b [B,H,K] or [B,H]; w [B,H,V] or [B,H]."""
   _check_gate("gdn2_step", g, dict(checked=checked))
   return delta_rule_step(q, beta_times(b, k), beta_times(w, v), g, k, memory,
-                         scale=scale)
+                         scale=scale, impl=impl)
 
 
-def gla_step(q, k, v, g, memory, *, scale=None, checked=False):
+def gla_step(q, k, v, g, memory, *, scale=None, checked=False, impl="auto"):
   """One token of `gla` (no erase): g [B,H,K] or [B,H]."""
   _check_gate("gla_step", g, dict(checked=checked))
-  return delta_rule_step(q, jnp.zeros_like(k), v, g, k, memory, scale=scale)
+  return delta_rule_step(q, jnp.zeros_like(k), v, g, k, memory, scale=scale, impl=impl)

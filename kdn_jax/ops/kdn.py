@@ -211,7 +211,7 @@ def iso_kdn(q, k, v, log_alpha, omega, r, *, info_scale=None, scale=None,
 
 
 def _kdn_step(op, diag, q, k, v, log_alpha, omega, r, state, info_scale,
-              scale, checked):
+              scale, checked, impl):
   if not isinstance(state, KDNState):
     raise TypeError(f"{op}: state must be a KDNState, got "
                     f"{type(state).__name__}")
@@ -226,6 +226,11 @@ def _kdn_step(op, diag, q, k, v, log_alpha, omega, r, state, info_scale,
   if checked:
     _check_kdn_values(op, log_alpha, omega, r, mu, state.variance)
   scale = kd ** -0.5 if scale is None else scale
+  if dispatch.resolve_step_impl(op, impl, kd, vd) == "pallas":
+    # (the fused step reads each input in its own dtype and computes in fp32)
+    o, memory, var = dispatch.pallas_module().decode.kdn_step(
+        q, k, v, log_alpha, omega, r, mu, state.memory, state.variance, scale, diag=diag)
+    return o, KDNState(memory.astype(cd), var.astype(cd))
   q, k, v, log_alpha, omega, r = (
       x.astype(cd) for x in (q, k, v, log_alpha, omega, r))
   write, var = _gain_step(diag, mu)(state.variance, k, log_alpha, omega, r)
@@ -234,18 +239,22 @@ def _kdn_step(op, diag, q, k, v, log_alpha, omega, r, state, info_scale,
 
 
 def diag_kdn_step(q, k, v, log_alpha, omega, r, state, *, info_scale=None,
-                  scale=None, checked=False):
+                  scale=None, checked=False, impl="auto"):
   """One decode token of diag_kdn.
 
   q, k, log_alpha, omega: [B, H, K]; v: [B, H, V]; r: [B, H]; state: KDNState.
+  impl: 'pallas' runs the fused decode step (pallas_kernels.decode: gain,
+  decay, erase / write and read in one pass over the state, forward only);
+  'reference' (or 'chunked') the XLA step; 'auto': see
+  dispatch.resolve_step_impl.
   Returns (o_t [B, H, V], new KDNState).
   """
   return _kdn_step("diag_kdn_step", True, q, k, v, log_alpha, omega, r, state,
-                   info_scale, scale, checked)
+                   info_scale, scale, checked, impl)
 
 
 def iso_kdn_step(q, k, v, log_alpha, omega, r, state, *, info_scale=None,
-                 scale=None, checked=False):
+                 scale=None, checked=False, impl="auto"):
   """One decode token of iso_kdn (omega, r: [B, H]; variance [B, H])."""
   return _kdn_step("iso_kdn_step", False, q, k, v, log_alpha, omega, r, state,
-                   info_scale, scale, checked)
+                   info_scale, scale, checked, impl)
