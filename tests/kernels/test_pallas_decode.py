@@ -94,3 +94,54 @@ def test_step_impl_choice():
   assert o.shape == (B, H, 8)
   with pytest.raises(ValueError, match="delta_rule_step: write must have shape"):
     ops.delta_rule_step(*args[:4], args[4][..., :3], memory)
+
+
+@pytest.fixture
+def as_on_gpu(monkeypatch):
+  from pallas_kernels import common  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(common, "kernel_backend", lambda: "gpu")
+
+
+def _lower_for_cuda(fn, *args):
+  """The MLIR text of fn(*args) lowered for CUDA (Triton IR built, nothing compiled or run): the
+  kernels' lowering is checked without a GPU (tests/kernels/test_pallas_lowering.py says why)."""
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_decode_steps_lower_for_cuda(as_on_gpu):
+  """Every kind of the fused step at K = V = 128 with bf16 activations."""
+  b, h, d = 2, 4, 128
+  bf = jnp.bfloat16
+  x = [jnp.ones((b, h, d), bf) for _ in range(4)]
+  lane, head = jnp.ones((b, h, d), bf), jnp.ones((b, h), bf)
+  mem = jnp.zeros((b, h, d, d), jnp.float32)
+  kdn = ops.KDNState(mem, jnp.ones((b, h, d), jnp.float32))
+  iso = ops.KDNState(mem, jnp.ones((b, h), jnp.float32))
+  cases = [
+      (lambda *a: ops.diag_kdn_step(*a, kdn, impl="pallas"), (*x, lane, head), "decode_step_diag"),
+      (lambda *a: ops.iso_kdn_step(*a, iso, impl="pallas"), (*x, head, head), "decode_step_iso"),
+      (lambda *a: ops.kda_step(*a, mem, impl="pallas"), (*x, head), "decode_step_beta"),
+      (lambda *a: ops.delta_rule_step(*a, mem, impl="pallas"), (*x[:3], head, lane),
+       "decode_step_write"),
+  ]
+  for fn, args, name in cases:
+    text = _lower_for_cuda(fn, *args)
+    assert "@__gpu$xla.gpu.triton" in text and name in text, name
+
+
+def test_chunk_states_backward_lowers_for_cuda(as_on_gpu):
+  """The delta rule with output_chunk_states, differentiated: the reverse chain's state-cotangent
+  input (dext) lowers."""
+  from pallas_kernels import delta_rule  # pylint: disable=g-import-not-at-top
+  b, t, h, d = 1, 64, 2, 64
+  q, k, v, la, w = (jnp.ones((b, t, h, d), jnp.bfloat16) for _ in range(5))
+  seg = (jnp.arange(t)[None, :] >= 37).astype(jnp.int32)
+
+  def loss(q, k, v, la, w, h0):
+    o, sfin, states, _ = delta_rule(q, k, v, la, w, 0.1, h0, seg, chunk_size=16,
+                                    output_chunk_states=True)
+    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(states) + jnp.sum(sfin)
+
+  text = _lower_for_cuda(jax.grad(loss, argnums=tuple(range(6))), q, k, v, la, w,
+                         jnp.zeros((b, h, d, d), jnp.float32))
+  assert "delta_rule_recur_bwd" in text
