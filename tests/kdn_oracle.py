@@ -27,23 +27,29 @@ def _memory_update(S, k, v, la, w):
   return e @ (d[..., :, None] * S) + w[..., :, None] * v[..., None, :]
 
 
-def delta_rule(q, k, v, la, w, S0, scale, segment_ids=None):
-  """Returns (o [B,T,H,V], S_T)."""
+def delta_rule(q, k, v, la, w, S0, scale, segment_ids=None, every=False):
+  """Returns (o [B,T,H,V], S_T); every=True: (o, S after every token
+  [B,T,H,K,V]), entry t - 1 being S_T of the loop on the first t tokens."""
   b, t = q.shape[:2]
   tm = lambda x: jnp.moveaxis(x, 1, 0)
 
   def step(S, x):
     st, qt, kt, vt, lat, wt = x
     S = _memory_update(_reset(st, S, S0), kt, vt, lat, wt)
-    return S, scale * jnp.einsum("bhkv,bhk->bhv", S, qt)
+    o = scale * jnp.einsum("bhkv,bhk->bhv", S, qt)
+    return S, ((o, S) if every else o)
 
-  S, o = jax.lax.scan(step, S0, (_starts(segment_ids, b, t), tm(q), tm(k),
-                                 tm(v), tm(la), tm(w)))
-  return jnp.moveaxis(o, 0, 1), S
+  S, ys = jax.lax.scan(step, S0, (_starts(segment_ids, b, t), tm(q), tm(k),
+                                  tm(v), tm(la), tm(w)))
+  if every:
+    return jnp.moveaxis(ys[0], 0, 1), jnp.moveaxis(ys[1], 0, 1)
+  return jnp.moveaxis(ys, 0, 1), S
 
 
-def kdn(q, k, v, la, omega, r, S0, p0, mu, scale, diag, segment_ids=None):
-  """Diagonal (diag=True) or isotropic KDN. Returns (o, S_T, p_T)."""
+def kdn(q, k, v, la, omega, r, S0, p0, mu, scale, diag, segment_ids=None,
+        every=False):
+  """Diagonal (diag=True) or isotropic KDN. Returns (o, S_T, p_T); every=True:
+  (o, S, p) after every token ([B,T,...], like delta_rule's)."""
   b, t = q.shape[:2]
   kd = q.shape[-1]
   tm = lambda x: jnp.moveaxis(x, 1, 0)
@@ -62,12 +68,15 @@ def kdn(q, k, v, la, omega, r, S0, p0, mu, scale, diag, segment_ids=None):
       gain = (p_hat / (rt + p_hat * k2))[..., None] * kt
       p = p_hat * kd * rt / (kd * rt + mu * k2 * p_hat)
     S = _memory_update(S, kt, vt, lat, gain)
-    return (S, p), scale * jnp.einsum("bhkv,bhk->bhv", S, qt)
+    o = scale * jnp.einsum("bhkv,bhk->bhv", S, qt)
+    return (S, p), ((o, S, p) if every else o)
 
-  (S, p), o = jax.lax.scan(step, (S0, p0), (
+  (S, p), ys = jax.lax.scan(step, (S0, p0), (
       _starts(segment_ids, b, t), tm(q), tm(k), tm(v), tm(la), tm(omega),
       tm(r)))
-  return jnp.moveaxis(o, 0, 1), S, p
+  if every:
+    return tuple(jnp.moveaxis(y, 0, 1) for y in ys)
+  return jnp.moveaxis(ys, 0, 1), S, p
 
 
 def mobius_sequential(a, b, c, d, x0):

@@ -4,6 +4,8 @@ cache), so inputs far past the training length fit in memory, plus the windows i
 ``ChunkedScorer(model).score(inputs, targets, chunk)`` gives per-position NLL and argmax-correctness
 exactly as one forward over the whole input would (tested), calling ``on_chunk(t_end, cache)`` after each
 chunk for state statistics. ``one_shot`` is that single forward (also with ``segment_ids``).
+``state_series`` calls the same ``on_chunk`` without scoring: the states at chunk ends read from forwards
+of several chunks at once (the model's prefix_states; no logits).
 """
 from __future__ import annotations
 
@@ -13,6 +15,11 @@ import numpy as np
 from flax import nnx
 
 from experiments.runner import logging_utils
+from kdn_jax.models.generate import cache_at
+
+# Tokens per forward of ChunkedScorer.state_series (a multiple of its chunk): activations of one
+# forward-only pass over this many tokens per row, far below a training step's.
+STATE_PIECE_TOKENS = 8192
 
 
 def _token_scores(logits, targets):
@@ -37,13 +44,49 @@ class ChunkedScorer:
       logits, _ = nnx.merge(self.graphdef, state)(inputs, segment_ids=segment_ids)
       return logits.astype(jnp.float32)
 
+    def forward_at(state, inputs, segment_ids, read_positions):
+      logits, _ = nnx.merge(self.graphdef, state)(inputs, segment_ids=segment_ids,
+                                                   read_positions=read_positions)
+      return logits.astype(jnp.float32)
+
+    def states_at(state, inputs, cache, positions):
+      return nnx.merge(self.graphdef, state).prefix_states(inputs, np.asarray(positions), states=cache)[1]
+
     self._prefill = jax.jit(prefill, donate_argnums=(3,))
     self._forward = jax.jit(forward)
+    self._forward_at = jax.jit(forward_at)
+    self._states_at = jax.jit(states_at, static_argnums=(3,))
 
   def logits(self, inputs, segment_ids=None) -> jax.Array:
     """One forward from the normal initial state: float32 logits [B, T, vocab]."""
     seg = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
     return self._forward(self.state, jnp.asarray(inputs, jnp.int32), seg)
+
+  def logits_at(self, inputs, segment_ids, read_positions) -> jax.Array:
+    """float32 logits [B, P, vocab] at read_positions [B, P] of one forward (the head only there)."""
+    return self._forward_at(self.state, jnp.asarray(inputs, jnp.int32), jnp.asarray(segment_ids, jnp.int32),
+                            jnp.asarray(read_positions, jnp.int32))
+
+  def state_series(self, inputs, chunk: int, on_chunk, progress: str | None = None) -> None:
+    """``on_chunk(t_end, cache)`` after every ``chunk`` tokens and at the end, as ``score`` calls it,
+    without scoring: forwards of up to STATE_PIECE_TOKENS tokens that read the states at the chunk ends
+    inside them (prefix_states, the ops' output_states_at). Recurrent-only models."""
+    inputs = np.asarray(inputs, np.int32)
+    t = inputs.shape[1]
+    if chunk <= 0:
+      raise ValueError(f'chunk must be positive, got {chunk}')
+    piece = chunk * max(1, STATE_PIECE_TOKENS // chunk)
+    cache = None
+    bar = logging_utils.Progress(-(-t // piece), progress) if progress else None
+    for s in range(0, t, piece):
+      e = min(s + piece, t)
+      ends = list(range(s + chunk, e, chunk)) + [e]
+      caches = self._states_at(self.state, jnp.asarray(inputs[:, s:e]), cache, tuple(x - s for x in ends))
+      for i, t_end in enumerate(ends):
+        on_chunk(t_end, cache_at(caches, i))
+      cache = cache_at(caches, len(ends) - 1)
+      if bar:
+        bar.update()
 
   def one_shot(self, inputs, targets, segment_ids=None):
     """(nll [B, T], correct [B, T]) from one forward over the whole input."""
@@ -106,34 +149,64 @@ def effrem_grid(length: int, points: int) -> np.ndarray:
   return np.unique(np.linspace(0, length - 1, points).round().astype(int))
 
 
+def _pack_suffixes(n: int, t_len: int, ts) -> list[list[tuple[int, int, int]]]:
+  """The suffixes x_{t:T} of every (sequence i, cut j at t) packed first-fit decreasing into rows of
+  t_len tokens: a list of rows, each a list of (i, j, t)."""
+  items = sorted(((t_len - int(t), i, j, int(t)) for i in range(n) for j, t in enumerate(ts)),
+                 key=lambda x: (-x[0], x[1], x[2]))
+  rows, free = [], []
+  for length, i, j, t in items:
+    for r, f in enumerate(free):
+      if f >= length:
+        rows[r].append((i, j, t))
+        free[r] -= length
+        break
+    else:
+      rows.append([(i, j, t)])
+      free.append(t_len - length)
+  return rows
+
+
 def effective_remembrance(scorer: ChunkedScorer, sequences: np.ndarray, ts: np.ndarray,
                           batch: int = 16, progress: str | None = None) -> np.ndarray:
   """EffRem_T(t) = TV(q(. | x_{0:T}), q(. | x_{t:T})) for each sequence and each t (docs/math.md section 7).
 
   ``sequences`` [N, T] are the inputs x_0..x_{T-1}; the prediction compared is the next-token
-  distribution after x_{T-1}. The suffix x_{t:T} runs from the normal initial state, written as a second
-  segment after the first t tokens (segment_ids), so every row has the same shape [T].
-  Returns [N, len(ts)]."""
+  distribution after x_{T-1}. Every suffix x_{t:T} runs from the normal initial state as its own
+  segment, the suffixes packed side by side into rows of T tokens (the whole sequence is the t = 0
+  suffix), with the head read only at each suffix's last token: about half the tokens of one row per cut
+  (a packed segment runs exactly as alone: segment_ids). Returns [N, len(ts)]."""
   n, t_len = sequences.shape
-  pos = np.arange(t_len)
-  rows = [(i, j, int(t)) for i in range(n) for j, t in enumerate(ts)]
+  cuts = np.asarray(ts, np.int64)
+  if not np.any(cuts == 0):   # the whole-sequence prediction rides along as the t = 0 suffix
+    cuts = np.concatenate([[0], cuts])
+  rows = _pack_suffixes(n, t_len, cuts)
+  per_row = max(len(r) for r in rows)
   bar = logging_utils.Progress(-(-len(rows) // batch), progress) if progress else None
-
-  def last_probs(part):
-    full = part + [part[-1]] * (batch - len(part))  # one compiled shape
-    inputs = np.stack([sequences[r[0]] for r in full])
-    seg = np.stack([(pos >= t).astype(np.int32) for *_, t in full])
-    probs = jax.nn.softmax(scorer.logits(inputs, seg)[:, -1], axis=-1)
-    return np.asarray(probs[:len(part)], np.float64)
-
-  whole = np.concatenate([last_probs([(i, 0, 0) for i in range(s, min(s + batch, n))])
-                          for s in range(0, n, batch)])
-  out = np.zeros((n, len(ts)), np.float64)
+  probs = {}
   for s in range(0, len(rows), batch):
     part = rows[s:s + batch]
-    probs = last_probs(part)
-    for r, (i, j, _) in enumerate(part):
-      out[i, j] = 0.5 * np.abs(whole[i] - probs[r]).sum()
+    part = part + [part[-1]] * (batch - len(part))  # one compiled shape
+    inputs = np.zeros((batch, t_len), np.int32)
+    seg = np.zeros((batch, t_len), np.int32)
+    read = np.zeros((batch, per_row), np.int32)
+    for r, row in enumerate(part):
+      at = 0
+      for k, (i, _, t) in enumerate(row):
+        inputs[r, at:at + t_len - t] = sequences[i, t:]
+        seg[r, at:at + t_len - t] = k
+        at += t_len - t
+        read[r, k] = at - 1
+      seg[r, at:] = len(row)   # the unused tail: a segment of its own
+      read[r, len(row):] = read[r, len(row) - 1]
+    p = np.asarray(jax.nn.softmax(scorer.logits_at(inputs, seg, read), axis=-1), np.float64)
+    for r, row in enumerate(part[:len(rows[s:s + batch])]):
+      for k, (i, _, t) in enumerate(row):
+        probs[i, t] = p[r, k]
     if bar:
       bar.update()
+  out = np.zeros((n, len(ts)), np.float64)
+  for i in range(n):
+    for j, t in enumerate(ts):
+      out[i, j] = 0.5 * np.abs(probs[i, 0] - probs[i, int(t)]).sum()
   return out

@@ -219,8 +219,12 @@ def _long_pass(ctx: Context, length: int, with_nll: bool) -> tuple[np.ndarray, l
     series.append({'t': int(t_end), 'layers': probes.state_stats(cache)})
 
   on_chunk(0, ctx.run.model.init_cache(len(seqs), length))  # the normal initial state
-  nll, _ = ctx.scorer.score(seqs[:, :-1], seqs[:, 1:], ctx.chunk, on_chunk=on_chunk,
-                            progress=f'{"position_ppl" if with_nll else "state_stats"} ({len(seqs)} x {length})')
+  progress = f'{"position_ppl" if with_nll else "state_stats"} ({len(seqs)} x {length})'
+  if not with_nll and ctx.run.model.has_prefix_states():
+    # states only: read at the chunk ends from longer forwards, no logits (the same series)
+    ctx.scorer.state_series(seqs[:, :-1], ctx.chunk, on_chunk, progress=progress)
+    return None, series, len(seqs)
+  nll, _ = ctx.scorer.score(seqs[:, :-1], seqs[:, 1:], ctx.chunk, on_chunk=on_chunk, progress=progress)
   return nll, series, len(seqs)
 
 

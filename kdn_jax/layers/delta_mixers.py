@@ -18,7 +18,7 @@ from kdn_jax import ops
 from kdn_jax.ops import context_parallel
 from kdn_jax.layers.decay import Decay
 from kdn_jax.layers.dense import Dense, LowRank
-from kdn_jax.layers.recurrent import RecurrentMixer
+from kdn_jax.layers.recurrent import RecurrentMixer, memory_outputs, states_kw
 
 
 class _BetaMixin:
@@ -44,10 +44,10 @@ class KDA(_BetaMixin, RecurrentMixer):
     def _gates(self, x):
         return {'g': self.decay(x), 'beta': self.beta(x)}
 
-    def _core(self, q, k, v, gates, state, segment_ids):
-        o, m = context_parallel.op(self.OP)(q, k, v, gates['g'], gates['beta'], initial_state=state['memory'], output_final_state=True,
-                       segment_ids=segment_ids, impl=self.impl, chunk_size=self.chunk_size)
-        return o, {'memory': m}
+    def _core(self, q, k, v, gates, state, segment_ids, positions=None):
+        o, m, *at = context_parallel.op(self.OP)(q, k, v, gates['g'], gates['beta'], initial_state=state['memory'], output_final_state=True,
+                       segment_ids=segment_ids, impl=self.impl, chunk_size=self.chunk_size, **states_kw(positions))
+        return memory_outputs(o, m, at)
 
     def _core_step(self, q, k, v, gates, state):
         write = gates['beta'][..., None] * k.astype(jnp.float32)
@@ -68,11 +68,11 @@ class DeltaNet(_BetaMixin, RecurrentMixer):
     def _gates(self, x):
         return {'beta': self.beta(x)}
 
-    def _core(self, q, k, v, gates, state, segment_ids):
-        o, m = context_parallel.op('delta_net')(q, k, v, gates['beta'], initial_state=state['memory'], output_final_state=True,
+    def _core(self, q, k, v, gates, state, segment_ids, positions=None):
+        o, m, *at = context_parallel.op('delta_net')(q, k, v, gates['beta'], initial_state=state['memory'], output_final_state=True,
                              segment_ids=segment_ids, impl=self.impl,
-                       chunk_size=self.chunk_size)
-        return o, {'memory': m}
+                       chunk_size=self.chunk_size, **states_kw(positions))
+        return memory_outputs(o, m, at)
 
     def _core_step(self, q, k, v, gates, state):
         beta = gates['beta']
@@ -93,11 +93,11 @@ class GDN2(RecurrentMixer):
         return {'g': self.decay(x), 'b': jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32)),
                 'w': jax.nn.sigmoid(self.w_proj(x).astype(jnp.float32))}
 
-    def _core(self, q, k, v, gates, state, segment_ids):
-        o, m = context_parallel.op('gdn2')(q, k, v, gates['g'], gates['b'], gates['w'], initial_state=state['memory'],
+    def _core(self, q, k, v, gates, state, segment_ids, positions=None):
+        o, m, *at = context_parallel.op('gdn2')(q, k, v, gates['g'], gates['b'], gates['w'], initial_state=state['memory'],
                         output_final_state=True, segment_ids=segment_ids, impl=self.impl,
-                       chunk_size=self.chunk_size)
-        return o, {'memory': m}
+                       chunk_size=self.chunk_size, **states_kw(positions))
+        return memory_outputs(o, m, at)
 
     def _core_step(self, q, k, v, gates, state):
         # read/erase key b*k, write direction k, value w*v
@@ -115,11 +115,11 @@ class GLA(RecurrentMixer):
     def _gates(self, x):
         return {'g': self.decay(x)}
 
-    def _core(self, q, k, v, gates, state, segment_ids):
-        o, m = context_parallel.op('gla')(q, k, v, gates['g'], initial_state=state['memory'], output_final_state=True,
+    def _core(self, q, k, v, gates, state, segment_ids, positions=None):
+        o, m, *at = context_parallel.op('gla')(q, k, v, gates['g'], initial_state=state['memory'], output_final_state=True,
                        segment_ids=segment_ids, impl=self.impl,
-                       chunk_size=self.chunk_size)
-        return o, {'memory': m}
+                       chunk_size=self.chunk_size, **states_kw(positions))
+        return memory_outputs(o, m, at)
 
     def _core_step(self, q, k, v, gates, state):
         # S = diag(alpha) S + k v^T ; o = K^-1/2 S^T q   (no erase, so no delta-rule op needed)

@@ -31,7 +31,7 @@ from kdn_jax.ops import context_parallel
 from kdn_jax.ops import dispatch
 from kdn_jax.layers.decay import Decay
 from kdn_jax.layers.dense import Dense, LowRank, constant_init, inv_softplus, make_param, zeros_init
-from kdn_jax.layers.recurrent import RecurrentMixer
+from kdn_jax.layers.recurrent import RecurrentMixer, states_kw
 
 INFO_SCALES = ('1', 'sqrt_k', 'k', '4k', 'learned')
 NOISE_MODES = ('learned', 'fixed_r', 'fixed')
@@ -153,18 +153,23 @@ class KDNMixer(RecurrentMixer):
         var = jnp.broadcast_to(c0[None, :, None], (batch, H, K)) if self.diagonal else jnp.broadcast_to(c0[None], (batch, H))
         return {'memory': jnp.zeros((batch, H, K, self.value_dim), jnp.float32), 'variance': var}
 
-    def _core(self, q, k, v, gates, state, segment_ids):
+    def _core(self, q, k, v, gates, state, segment_ids, positions=None):
         if self._fused_front(gates):
-            return self._core_fused(q, k, v, gates['raw'], state, segment_ids)
+            return self._core_fused(q, k, v, gates, state, segment_ids, positions)
         fn = context_parallel.op('diag_kdn' if self.diagonal else 'iso_kdn')
-        o, fs = fn(q, k, v, gates['log_alpha'], gates['omega'], gates['r'], info_scale=self.info_scale(),
-                   initial_state=ops.KDNState(state['memory'], state['variance']), output_final_state=True,
-                   segment_ids=segment_ids, impl=self.impl, chunk_size=self.chunk_size)
-        return o, {'memory': fs.memory, 'variance': fs.variance}
+        o, fs, *at = fn(q, k, v, gates['log_alpha'], gates['omega'], gates['r'], info_scale=self.info_scale(),
+                        initial_state=ops.KDNState(state['memory'], state['variance']), output_final_state=True,
+                        segment_ids=segment_ids, impl=self.impl, chunk_size=self.chunk_size,
+                        **states_kw(positions))
+        return (o, {'memory': fs.memory, 'variance': fs.variance}) + tuple(
+            {'memory': a.memory, 'variance': a.variance} for a in at)
 
-    def _core_fused(self, q, k, v, raw, state, segment_ids):
+    def _core_fused(self, q, k, v, gates, state, segment_ids, positions=None):
         """The pallas path with the fused front-end: gain kernels on the projections (they emit
-        log_alpha), then the delta rule with write kappa (iso: beta k), erase k."""
+        log_alpha), then the delta rule with write kappa (iso: beta k), erase k. With positions,
+        the variance after each comes from the XLA variance scan on the plain front-end's gates
+        (the gain kernels keep their chunk carries inside)."""
+        raw = gates['raw']
         from pallas_kernels import kdn_gain  # pylint: disable=g-import-not-at-top
         fn = kdn_gain.diag_gain_fused if self.diagonal else kdn_gain.iso_gain_fused
         # (diag: kappa stored as the delta rule wants it for this data; DeltaRuleConfig.bf16_write)
@@ -175,10 +180,17 @@ class KDNMixer(RecurrentMixer):
                                        raw['r_raw'], self.r_min, self.info_scale(), state['variance'],
                                        segment_ids, **kw)
         # (iso: the write is beta k; the kernels form it from beta [B, T, H])
-        o, memory = ops.delta_rule(q, k, v, log_alpha, gain, initial_state=state['memory'],
-                                   output_final_state=True, segment_ids=segment_ids, impl='pallas',
-                                   chunk_size=self.chunk_size)
-        return o, {'memory': memory, 'variance': variance}
+        o, memory, *mem_at = ops.delta_rule(q, k, v, log_alpha, gain, initial_state=state['memory'],
+                                            output_final_state=True, segment_ids=segment_ids, impl='pallas',
+                                            chunk_size=self.chunk_size, **states_kw(positions))
+        out = (o, {'memory': memory, 'variance': variance})
+        if positions is None:
+            return out
+        scan = ops.diag_variance_scan if self.diagonal else ops.iso_variance_scan
+        _, post = scan(k.astype(jnp.float32), gates['log_alpha'], gates['omega'], gates['r'], self.info_scale(),
+                       state['variance'], segment_ids)
+        var_at = jnp.take(post, jnp.asarray(positions) - 1, axis=1)
+        return out + ({'memory': mem_at[0], 'variance': var_at},)
 
     def write_strength(self, x, *, initial_state=None, segment_ids=None):
         """Effective same-key write strength beta_eff = z / (r + z), z = k^T P_hat k (docs/math.md section 2; iso:

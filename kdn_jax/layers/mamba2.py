@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from kdn_jax import ops
 from kdn_jax.layers.decay import Decay
 from kdn_jax.layers.dense import make_param, ones_init
-from kdn_jax.layers.recurrent import RecurrentMixer
+from kdn_jax.layers.recurrent import RecurrentMixer, memory_outputs, states_kw
 
 
 class Mamba2(RecurrentMixer):
@@ -58,12 +58,12 @@ class Mamba2(RecurrentMixer):
     def _skip(self, o, v):
         return o.astype(jnp.float32) + self.D[...].astype(jnp.float32)[:, None] * v.astype(jnp.float32)
 
-    def _core(self, q, k, v, gates, state, segment_ids):
+    def _core(self, q, k, v, gates, state, segment_ids, positions=None):
         write = self._write(k, gates)
-        o, m = ops.gla(q, write, v, gates['g'], scale=self.scale, initial_state=state['memory'],
-                       output_final_state=True, segment_ids=segment_ids, impl=self.impl,
-                       chunk_size=self.chunk_size)
-        return self._skip(o, v), {'memory': m}
+        o, m, *at = ops.gla(q, write, v, gates['g'], scale=self.scale, initial_state=state['memory'],
+                            output_final_state=True, segment_ids=segment_ids, impl=self.impl,
+                            chunk_size=self.chunk_size, **states_kw(positions))
+        return memory_outputs(self._skip(o, v), m, at)
 
     def _core_step(self, q, k, v, gates, state):
         write = self._write(k, gates)

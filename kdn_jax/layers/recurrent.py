@@ -47,6 +47,16 @@ def lowrank_dim(cfg) -> int:
     return r if r > 0 else int(cfg.head_dim)
 
 
+def states_kw(positions) -> dict:
+    """The ops' keyword for a mixer's _core positions (none when None)."""
+    return {} if positions is None else {'output_states_at': positions}
+
+
+def memory_outputs(o, memory, at) -> tuple:
+    """A memory-only mixer's _core result from an op's (o, memory, *memory at positions)."""
+    return (o, {'memory': memory}) + tuple({'memory': a} for a in at)
+
+
 class RecurrentMixer(nnx.Module):
     """Base class. Subclasses implement _init_gates, _gates, _core, _core_step, _init_core."""
 
@@ -93,7 +103,9 @@ class RecurrentMixer(nnx.Module):
     def _init_core(self, batch: int) -> dict:
         return {'memory': jnp.zeros((batch, self.num_heads, self.key_dim, self.value_dim), jnp.float32)}
 
-    def _core(self, q, k, v, gates, state, segment_ids):
+    def _core(self, q, k, v, gates, state, segment_ids, positions=None):
+        """-> (o, final core state); with positions (static [P]) a third entry: the core state
+        after each position (leaves [B, P, ...]; the ops' output_states_at)."""
         raise NotImplementedError
 
     def _core_step(self, q, k, v, gates, state):
@@ -134,21 +146,29 @@ class RecurrentMixer(nnx.Module):
     def _fused_norm(self) -> bool:
         return self.fuse_norm and self._glue_kernels()
 
-    def project(self, x, conv, segment_ids=None):
-        """x [B, T, d] -> (q, k, v after short conv, q/k L2-normalised; the new conv caches)."""
+    def project(self, x, conv, segment_ids=None, positions=None):
+        """x [B, T, d] -> (q, k, v after short conv, q/k L2-normalised; the new conv caches), and
+        with positions ([P], static) the conv caches after each position ({'q', 'k', 'v'}:
+        [B, P, W-1, H, K|V])."""
         # short_conv: the plain call (the Pallas conv when fused), or a halo exchange when T is split
         # (context parallelism)
         fused = self._fused_conv()
+        xq, xk, xv = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if fused:   # (no context split then) the L2 normalisation inside the conv kernels
-            q, cq = self.q_conv(self.q_proj(x), conv['q'], segment_ids, fused=True, normalize=True)
-            k, ck = self.k_conv(self.k_proj(x), conv['k'], segment_ids, fused=True, normalize=True)
+            q, cq = self.q_conv(xq, conv['q'], segment_ids, fused=True, normalize=True)
+            k, ck = self.k_conv(xk, conv['k'], segment_ids, fused=True, normalize=True)
         else:
-            q, cq = short_conv(self.q_conv, self.q_proj(x), conv['q'], segment_ids)
-            k, ck = short_conv(self.k_conv, self.k_proj(x), conv['k'], segment_ids)
+            q, cq = short_conv(self.q_conv, xq, conv['q'], segment_ids)
+            k, ck = short_conv(self.k_conv, xk, conv['k'], segment_ids)
             q, k = l2_normalize(q), l2_normalize(k)
-        v, cv = short_conv(self.v_conv, self.v_proj(x), conv['v'], segment_ids, fused=fused)
+        v, cv = short_conv(self.v_conv, xv, conv['v'], segment_ids, fused=fused)
         q, k = self._to_value_heads(q, k)
-        return q.astype(self.dtype), k.astype(self.dtype), v, (cq, ck, cv)
+        out = (q.astype(self.dtype), k.astype(self.dtype), v, (cq, ck, cv))
+        if positions is None:
+            return out
+        at = {name: mod.caches_at(xx, conv[name], positions, segment_ids)
+              for name, mod, xx in (('q', self.q_conv, xq), ('k', self.k_conv, xk), ('v', self.v_conv, xv))}
+        return out + (at,)
 
     def _to_value_heads(self, q, k):
         """q, k [..., H_k, K] -> [..., H, K]: key head i serves value heads i * G .. i * G + G - 1
@@ -158,18 +178,22 @@ class RecurrentMixer(nnx.Module):
             return q, k
         return jnp.repeat(q, group, axis=-2), jnp.repeat(k, group, axis=-2)
 
-    def __call__(self, x, *, initial_state=None, segment_ids=None):
-        """x [B, T, d] -> (y [B, T, d], final_state)."""
+    def __call__(self, x, *, initial_state=None, segment_ids=None, states_at=None):
+        """x [B, T, d] -> (y [B, T, d], final_state). states_at: None, or positions [P] (ints known
+        when tracing, sorted, in [1, T]): a third entry, the state after each position p (what
+        final_state is for x[:, :p]; leaves [B, P, ...])."""
         B = x.shape[0]
         if initial_state is None:
             initial_state = self.init_state(B)
-        q, k, v, (cq, ck, cv) = self.project(x, initial_state['conv'], segment_ids)
+        q, k, v, (cq, ck, cv), *conv_at = self.project(x, initial_state['conv'], segment_ids, states_at)
         gates = self._gates(x)
         core_in = {kk: vv for kk, vv in initial_state.items() if kk != 'conv'}
-        o, core = self._core(q, k, v, gates, core_in, segment_ids)
+        o, core, *core_at = self._core(q, k, v, gates, core_in, segment_ids, states_at)
         y = self._out(o.astype(self.dtype), x)
         core['conv'] = {'q': cq, 'k': ck, 'v': cv}
-        return y, core
+        if states_at is None:
+            return y, core
+        return y, core, dict(core_at[0], conv=conv_at[0])
 
     def step(self, x_t, state):
         """x_t [B, d] -> (y_t [B, d], new_state)."""

@@ -95,6 +95,27 @@ class ShortConv(nnx.Module):
         new_cache = jnp.concatenate(cols, axis=1) if cols else xp[:, :0]
         return new_cache.astype(jnp.float32)
 
+    def caches_at(self, x, cache, positions, segment_ids=None):
+        """The cache after each position p (the last W-1 inputs before p of p - 1's segment, its
+        earlier part from ``cache`` where that segment began less than W-1 tokens before):
+        x [B, T, *C], positions [P] ints in [1, T] -> [B, P, W-1, *C] float32."""
+        B, T = x.shape[:2]
+        W = self.width
+        if cache is None:
+            cache = self.init_cache(B)
+        xp = jnp.concatenate([cache.astype(self.dtype), x.astype(self.dtype)], axis=1)
+        last = jnp.asarray(positions, jnp.int32)[None, :] - 1                        # [1, P]
+        pos = last if segment_ids is None else positions_in_segment(segment_ids)[:, last[0]]
+        extra = (1,) * len(self.channels)
+        cols = []
+        for j in range(W - 2, -1, -1):  # oldest first
+            idx = (W - 1) + jnp.where(pos >= j, last - j, pos - j)
+            idx = jnp.broadcast_to(idx, (B, last.shape[1])).reshape((B, -1) + extra)
+            cols.append(jnp.take_along_axis(xp, idx, axis=1))
+        if not cols:
+            return jnp.zeros((B, last.shape[1], 0) + self.channels, jnp.float32)
+        return jnp.stack(cols, axis=2).astype(jnp.float32)
+
     def step(self, x_t, cache):
         """x_t [B, *C] -> (y_t, new_cache)."""
         window = jnp.concatenate([cache.astype(self.dtype), x_t.astype(self.dtype)[:, None]], axis=1)  # [B, W, C]

@@ -6,6 +6,8 @@
   init_states(batch)           default ("normal start") states; KDN variance = learned c0 per head.
   init_cache(batch, max_len)   decode caches (recurrent: state dict, attention: KV cache).
   prefill(tokens, cache)       -> (logits, cache)      chunked path, continues from the cache.
+  prefix_states(tokens, positions) -> (logits [B,P,vocab], caches): the decode cache after each prefix
+                               tokens[:, :p], from one forward (recurrent mixers).
   decode_step(token [B], cache) -> (logits [B,vocab], cache)
   mixer_inputs(tokens)         every mixer's normalised input (probes).
 The residual stream is kept in float32; mixers/MLP compute in cfg.dtype.
@@ -20,10 +22,11 @@ from flax import nnx
 from kdn_jax.layers.dense import Dense, make_param, normal_init, project
 from kdn_jax.layers.gated_norm import RMSNorm
 from kdn_jax.layers.mlp import SwiGLU
-from kdn_jax.layers.recurrent import get_dtype
+from kdn_jax.layers.recurrent import RecurrentMixer, get_dtype
 from kdn_jax.layers.registry import make_mixer
 from kdn_jax.models import layer_scan
 from kdn_jax.models.config import effective_mlp_hidden, layer_mixers, validate_config
+from kdn_jax.ops import states_at as ops_states_at
 
 
 class Block(nnx.Module):
@@ -41,6 +44,16 @@ class Block(nnx.Module):
         x = x + y.astype(jnp.float32)
         x = x + self.mlp(self.norm2(x)).astype(jnp.float32)
         return x, st
+
+    def with_states_at(self, x, positions, state=None, segment_ids=None):
+        """Like __call__, plus the mixer's state after each position (leaves [B, P, ...])."""
+        if not isinstance(self.mixer, RecurrentMixer):
+            raise NotImplementedError(f'prefix states: mixer {self.mixer_name!r} keeps no recurrent state to '
+                                      'read at positions (attention layers are not supported)')
+        y, st, at = self.mixer(self.norm1(x), initial_state=state, segment_ids=segment_ids, states_at=positions)
+        x = x + y.astype(jnp.float32)
+        x = x + self.mlp(self.norm2(x)).astype(jnp.float32)
+        return x, st, at
 
     def prefill(self, x, cache):
         y, cache = self.mixer.prefill(self.norm1(x), cache)
@@ -111,6 +124,29 @@ class LanguageModel(nnx.Module):
                 x, st = blk(x, st, segment_ids)
             new_states.append(st)
         return self._logits(_take_positions(x, read_positions)), new_states
+
+    def has_prefix_states(self) -> bool:
+        """Whether prefix_states applies: every layer a recurrent mixer."""
+        return all(isinstance(blk.mixer, RecurrentMixer) for blk in self.blocks)
+
+    def prefix_states(self, tokens, positions, *, states=None, segment_ids=None):
+        """The decode cache after each prompt prefix, from one forward (the ops' output_states_at).
+
+        tokens [B, T] int32; positions: [P] ints known when tracing, sorted, in [1, T] (prefix p =
+        tokens[:, :p]). Returns (logits [B, P, vocab] float32: the next-token logits after each
+        prefix, caches: one entry per layer, the state that layer's decode_step continues from
+        after each prefix, leaves [B, P, ...]; `kdn_jax.models.generate.cache_at` picks one).
+        Recurrent mixers only."""
+        positions = ops_states_at.check_positions('prefix_states', positions, tokens.shape[1])
+        if states is None:
+            states = [None] * len(self.blocks)
+        x = self._embed(tokens)
+        caches = []
+        for blk, st in zip(self.blocks, states):
+            x, _, at = blk.with_states_at(x, positions, st, segment_ids)
+            caches.append(at)
+        read = jnp.broadcast_to(jnp.asarray(positions - 1)[None], (tokens.shape[0], len(positions)))
+        return self._logits(_take_positions(x, read)), caches
 
     def mixer_inputs(self, tokens, *, segment_ids=None) -> list:
         """The normalised input of every layer's mixer ([B, T, d] each), from the normal initial state:

@@ -111,13 +111,16 @@ def unit_lower_inverse(l_mat, block=16):
   return jnp.concatenate([jnp.concatenate(r, axis=-1) for r in rows], axis=-2)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "sub_block"))
+@functools.partial(jax.jit, static_argnames=("chunk_size", "sub_block",
+                                             "output_chunk_states"))
 def delta_rule_chunked(q, k, v, log_alpha, write, memory0, segment_ids=None,
-                       *, chunk_size=64, sub_block=None):
+                       *, chunk_size=64, sub_block=None, output_chunk_states=False):
   """Chunked delta rule. Inputs [B,T,H,*] in the compute dtype, q pre-scaled.
 
   log_alpha: [B,T,H,K] (per-channel) or [B,T,H] (scalar); memory0 [B,H,K,V];
-  segment_ids: [B,T] ints or None. Returns (o [B,T,H,V], final memory).
+  segment_ids: [B,T] ints or None. Returns (o [B,T,H,V], final memory), and
+  with output_chunk_states also the state entering each chunk [B,H,N,K,V]
+  (before any reset at the chunk's first token).
   """
   batch, t_len, _, _ = q.shape
   memory0 = like_varying(memory0, q)
@@ -215,4 +218,5 @@ def delta_rule_chunked(q, k, v, log_alpha, write, memory0, segment_ids=None,
   if segmented:
     o = o + jnp.einsum("bhnck,bhkv->bhncv", q_new, memory0)
   o = o.reshape(o.shape[:2] + (n_chunks * c, vdim))
-  return jnp.moveaxis(o, 1, 2)[:, :t_len], final
+  o = jnp.moveaxis(o, 1, 2)[:, :t_len]
+  return (o, final, state_in) if output_chunk_states else (o, final)

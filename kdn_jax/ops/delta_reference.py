@@ -5,6 +5,8 @@ S_t = (I - w_t k_t^T) D_t S_{t-1} + w_t v_t^T,   o_t = S_t^T q_t
 delta_t = v_t - S_hat^T k_t, S_t = S_hat + w_t delta_t^T.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -54,13 +56,15 @@ def scan_tokens(step, carry0, xs, starts=None):
   return carry, jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1), ys)
 
 
-@jax.jit
-def delta_rule_reference(q, k, v, log_alpha, write, memory0, starts=None):
-  """[B,T,H,*] inputs in the compute dtype. Returns (o [B,T,H,V], memory)."""
+@functools.partial(jax.jit, static_argnames="keep_states")
+def delta_rule_reference(q, k, v, log_alpha, write, memory0, starts=None,
+                         keep_states=False):
+  """[B,T,H,*] inputs in the compute dtype. Returns (o [B,T,H,V], memory), and
+  with keep_states also the memory after every token [B,T,H,K,V]."""
 
   def step(memory, x):
     o, memory = delta_step(memory, *x)
-    return memory, o
+    return memory, ((o, memory) if keep_states else o)
 
-  memory, o = scan_tokens(step, memory0, (q, k, v, log_alpha, write), starts)
-  return o, memory
+  memory, ys = scan_tokens(step, memory0, (q, k, v, log_alpha, write), starts)
+  return (ys[0], memory, ys[1]) if keep_states else (ys, memory)

@@ -123,3 +123,30 @@ def resolve_impl(op, impl, kd=None, vd=None, chunk_size=None, state_bytes=None):
                      "(or 'auto', which falls back to it)")
   _log_fallback(op, reason)
   return "chunked"
+
+
+# Platforms on which a decode step's 'auto' picks the fused Pallas step (pallas_kernels.decode).
+# None yet: the kernel is exact in interpret mode on CPU but has not run on a GPU; 'auto' keeps
+# the XLA step until experiments/benchmarks/decode.py shows it exact and faster there.
+DECODE_PALLAS_AUTO_PLATFORMS = ()
+
+
+def resolve_step_impl(op, impl, kd, vd):
+  """The implementation of a decode step: 'pallas' (the fused step) or 'reference' (the XLA step;
+  'chunked' means it too, a single token having no chunks). 'auto' -> 'pallas' on
+  DECODE_PALLAS_AUTO_PLATFORMS when the kernels import and take (kd, vd), else 'reference'; an
+  explicit 'pallas' never falls back (an unsupported width raises ValueError naming it)."""
+  check_impl(op, impl)
+  if impl in ("reference", "chunked"):
+    return "reference"
+  if impl == "auto" and jax.default_backend() not in DECODE_PALLAS_AUTO_PLATFORMS:
+    return "reference"
+  kernels = pallas_module()
+  reason = ("pallas_kernels cannot be imported" if kernels is None
+            else pallas_unsupported(kernels, kd, vd, None))
+  if reason is None:
+    return "pallas"
+  if impl == "pallas":
+    raise ValueError(f"{op}: impl='pallas': {reason}; use impl='reference' (or 'auto')")
+  _log_fallback(op, reason)
+  return "reference"

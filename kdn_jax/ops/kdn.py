@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from kdn_jax.ops import dispatch, heads, variance, widths
 from kdn_jax.ops import nonfinite
+from kdn_jax.ops import states_at
 from kdn_jax.ops import validation as val
 from kdn_jax.ops.delta_reference import delta_step, scan_tokens
 from kdn_jax.ops.delta_rule import DEFAULT_CHUNK, resolve, run_memory
@@ -74,10 +75,11 @@ def _check_kdn_values(op, q, k, v, log_alpha, omega, r, mu, state, state_given):
 
 def _kdn(op, diag, q, k, v, log_alpha, omega, r, info_scale, scale,
          initial_state, output_final_state, segment_ids, impl, chunk_size,
-         checked):
+         checked, output_states_at):
   q, k = heads.to_value_heads(op, q, k, v)
   b, t, h, kd, vd = _check_kdn(op, diag, q, k, v, log_alpha, omega, r)
   val.check_segment_ids(op, segment_ids, b, t)
+  positions = states_at.check_positions(op, output_states_at, t)
   impl, chunk_size = resolve(op, impl, kd, vd, chunk_size, b * t * h)
   out_dtype = q.dtype
   cd = val.compute_dtype(q, k, v, log_alpha, omega, r)
@@ -99,24 +101,44 @@ def _kdn(op, diag, q, k, v, log_alpha, omega, r, info_scale, scale,
     # of 50 us each in an H200 profile of the T=4096 forward, docs/decisions.md.)
     q, k, v, log_alpha, omega, r = (
         x.astype(cd) for x in (q, k, v, log_alpha, omega, r))
+  at = ()
   if impl == "reference":
     starts = None if segment_ids is None else variance.segment_starts(
         segment_ids)
-    o, (memory, var) = _kdn_reference(diag, q * scale, k, v, log_alpha, omega, r, mu,
-                                      tuple(state0), starts)
+    o, (memory, var), *every = _kdn_reference(
+        diag, q * scale, k, v, log_alpha, omega, r, mu, tuple(state0), starts,
+        positions is not None)
+    if positions is not None:
+      at = (KDNState(*(states_at.gather_tokens(x, positions) for x in every[0])),)
   else:
-    write, var = _gain(op, diag, impl, k, log_alpha, omega, r, mu,
-                       state0.variance, segment_ids, input_dtype)
-    o, memory = run_memory(op, impl, q, k, v, log_alpha, write, state0.memory,
-                           segment_ids, chunk_size, input_dtype, scale)
+    write, var, *var_at = _gain(op, diag, impl, k, log_alpha, omega, r, mu,
+                                state0.variance, segment_ids, input_dtype, positions)
+    o, memory, *mem_at = run_memory(op, impl, q, k, v, log_alpha, write, state0.memory,
+                                    segment_ids, chunk_size, input_dtype, scale, positions)
+    if positions is not None:
+      at = (KDNState(mem_at[0], var_at[0]),)
   o, memory, var = guard.spoil(o.astype(out_dtype), memory, var)
   final = KDNState(memory, var) if output_final_state else None
-  return o, final
+  return (o, final) + at
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _kdn_reference(diag, q, k, v, log_alpha, omega, r, mu, state0, starts):
-  """Token-by-token KDN: the gain step feeds the delta step."""
+def _variance_at(diag, positions, k, log_alpha, omega, r, mu, var0, segment_ids):
+  """The variance after each position [B, P, H(, K)] for the Pallas path: the
+  posteriors of the XLA Moebius scan (variance.py), an elementwise pass over
+  [B, T, H, K], 1/V of the memory pass's work (the gain kernels keep their
+  chunk carries inside, and their backward takes no cotangent for them)."""
+  k, log_alpha, omega, r = (x.astype(var0.dtype) for x in (k, log_alpha, omega, r))
+  scan = variance.diag_variance_scan if diag else variance.iso_variance_scan
+  _, post = scan(k, log_alpha, omega, r, mu, var0, segment_ids)
+  return states_at.gather_tokens(post, positions)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 10))
+def _kdn_reference(diag, q, k, v, log_alpha, omega, r, mu, state0, starts,
+                   keep_states=False):
+  """Token-by-token KDN: the gain step feeds the delta step. Returns
+  (o, final (memory, variance)), and with keep_states also (memory, variance)
+  after every token ([B, T, H, K, V], [B, T, H(, K)])."""
   gain_step = _gain_step(diag, mu)
 
   def step(carry, x):
@@ -124,31 +146,40 @@ def _kdn_reference(diag, q, k, v, log_alpha, omega, r, mu, state0, starts):
     qt, kt, vt, lat, omt, rt = x
     write, var = gain_step(var, kt, lat, omt, rt)
     o, memory = delta_step(memory, qt, kt, vt, lat, write)
-    return (memory, var), o
+    return (memory, var), ((o, (memory, var)) if keep_states else o)
 
-  carry, o = scan_tokens(step, state0, (q, k, v, log_alpha, omega, r), starts)
-  return o, carry
+  carry, ys = scan_tokens(step, state0, (q, k, v, log_alpha, omega, r), starts)
+  return (ys[0], carry, ys[1]) if keep_states else (ys, carry)
 
 
 def _gain(op, diag, impl, k, log_alpha, omega, r, mu, var0, segment_ids,
-          input_dtype):
+          input_dtype, positions=None):
   """The delta rule's write for all tokens (diag: kappa [B, T, H, K]; iso:
-  beta [B, T, H], write = beta k) and the final variance. input_dtype (the
-  caller's q/k/v dtype): the Pallas diag gain stores kappa as the delta rule
-  wants it for that data (pallas_kernels.write_dtype)."""
+  beta [B, T, H], write = beta k) and the final variance (with positions, also
+  the variance after each). input_dtype (the caller's q/k/v dtype): the Pallas
+  diag gain stores kappa as the delta rule wants it for that data
+  (pallas_kernels.write_dtype)."""
   kernels = dispatch.pallas_module() if impl == "pallas" else None
-  if kernels:   # (widths the kernels do not take are padded onto theirs: widths.py)
-    if diag:
-      return widths.diag_gain(kernels, k, log_alpha, omega, r, mu, var0, segment_ids,
-                              gain_dtype=kernels.write_dtype(input_dtype))
-    return widths.iso_gain(kernels, k, log_alpha, omega, r, mu, var0, segment_ids)
-  fn = variance.diag_gain if diag else variance.iso_gain
-  return fn(k, log_alpha, omega, r, mu, var0, segment_ids)   # iso: beta, write = beta k
+  if not kernels:
+    fn = variance.diag_gain if diag else variance.iso_gain   # iso: beta, write = beta k
+    return fn(k, log_alpha, omega, r, mu, var0, segment_ids,
+              at=None if positions is None else tuple(int(p) for p in positions))
+  # (widths the kernels do not take are padded onto theirs: widths.py)
+  if diag:
+    out = widths.diag_gain(kernels, k, log_alpha, omega, r, mu, var0, segment_ids,
+                           gain_dtype=kernels.write_dtype(input_dtype))
+  else:
+    out = widths.iso_gain(kernels, k, log_alpha, omega, r, mu, var0, segment_ids)
+  if positions is None:
+    return out
+  return out + (_variance_at(diag, positions, k, log_alpha, omega, r, mu, var0,
+                             segment_ids),)
 
 
 def diag_kdn(q, k, v, log_alpha, omega, r, *, info_scale=None, scale=None,
              initial_state=None, output_final_state=False, segment_ids=None,
-             impl="auto", chunk_size=DEFAULT_CHUNK, checked=False):
+             impl="auto", chunk_size=DEFAULT_CHUNK, checked=False,
+             output_states_at=None):
   """Diagonal Kalman Delta Network.
 
   Args:
@@ -171,27 +202,34 @@ def diag_kdn(q, k, v, log_alpha, omega, r, *, info_scale=None, scale=None,
       r > 0, mu > 0, initial variance > 0, all finite; q, k, v and the
       initial memory finite) and raise `ops.InvalidValueError` naming the
       argument; under jit wrap the caller in `ops.checked`.
+    output_states_at: None, or positions [P] (ints known when tracing, sorted,
+      in [1, T]): also return the state after each position p (the final
+      state of the op on the first p tokens; kdn_jax.ops.states_at);
+      differentiable.
 
   Returns:
-    (o [B, T, H, V] in the input dtype, KDNState or None).
+    (o [B, T, H, V] in the input dtype, KDNState or None), and with
+    output_states_at a third entry: KDNState(memory [B, P, H, K, V],
+    variance [B, P, H, K] (iso: [B, P, H])).
   """
   return _kdn("diag_kdn", True, q, k, v, log_alpha, omega, r, info_scale,
               scale, initial_state, output_final_state, segment_ids, impl,
-              chunk_size, checked)
+              chunk_size, checked, output_states_at)
 
 
 def iso_kdn(q, k, v, log_alpha, omega, r, *, info_scale=None, scale=None,
             initial_state=None, output_final_state=False, segment_ids=None,
-            impl="auto", chunk_size=DEFAULT_CHUNK, checked=False):
+            impl="auto", chunk_size=DEFAULT_CHUNK, checked=False,
+            output_states_at=None):
   """Isotropic Kalman Delta Network: like `diag_kdn` with omega [B, T, H]
   and a per-head scalar variance (KDNState.variance [B, H])."""
   return _kdn("iso_kdn", False, q, k, v, log_alpha, omega, r, info_scale,
               scale, initial_state, output_final_state, segment_ids, impl,
-              chunk_size, checked)
+              chunk_size, checked, output_states_at)
 
 
 def _kdn_step(op, diag, q, k, v, log_alpha, omega, r, state, info_scale,
-              scale, checked):
+              scale, checked, impl):
   if not isinstance(state, KDNState):
     raise TypeError(f"{op}: state must be a KDNState, got "
                     f"{type(state).__name__}")
@@ -207,6 +245,11 @@ def _kdn_step(op, diag, q, k, v, log_alpha, omega, r, state, info_scale,
   if checked:
     _check_kdn_values(op, q, k, v, log_alpha, omega, r, mu, state, True)
   scale = kd ** -0.5 if scale is None else scale
+  if dispatch.resolve_step_impl(op, impl, kd, vd) == "pallas":
+    # (the fused step reads each input in its own dtype and computes in fp32)
+    o, memory, var = dispatch.pallas_module().decode.kdn_step(
+        q, k, v, log_alpha, omega, r, mu, state.memory, state.variance, scale, diag=diag)
+    return o, KDNState(memory.astype(cd), var.astype(cd))
   q, k, v, log_alpha, omega, r = (
       x.astype(cd) for x in (q, k, v, log_alpha, omega, r))
   write, var = _gain_step(diag, mu)(state.variance, k, log_alpha, omega, r)
@@ -215,19 +258,23 @@ def _kdn_step(op, diag, q, k, v, log_alpha, omega, r, state, info_scale,
 
 
 def diag_kdn_step(q, k, v, log_alpha, omega, r, state, *, info_scale=None,
-                  scale=None, checked=False):
+                  scale=None, checked=False, impl="auto"):
   """One decode token of diag_kdn.
 
   q, k: [B, H_k, K]; log_alpha, omega: [B, H, K]; v: [B, H, V]; r: [B, H];
   state: KDNState (grouped value heads as in `diag_kdn`).
+  impl: 'pallas' runs the fused decode step (pallas_kernels.decode: gain,
+  decay, erase / write and read in one pass over the state, forward only);
+  'reference' (or 'chunked') the XLA step; 'auto': see
+  dispatch.resolve_step_impl.
   Returns (o_t [B, H, V], new KDNState).
   """
   return _kdn_step("diag_kdn_step", True, q, k, v, log_alpha, omega, r, state,
-                   info_scale, scale, checked)
+                   info_scale, scale, checked, impl)
 
 
 def iso_kdn_step(q, k, v, log_alpha, omega, r, state, *, info_scale=None,
-                 scale=None, checked=False):
+                 scale=None, checked=False, impl="auto"):
   """One decode token of iso_kdn (omega, r: [B, H]; variance [B, H])."""
   return _kdn_step("iso_kdn_step", False, q, k, v, log_alpha, omega, r, state,
-                   info_scale, scale, checked)
+                   info_scale, scale, checked, impl)

@@ -9,6 +9,8 @@ decay), so all posteriors come from one `mobius.prefix_products`; the gain
 needs the prior p_hat_t, which uses the EXCLUSIVE prefix p_{t-1}.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -150,22 +152,32 @@ def iso_variance_scan(k, log_alpha, omega, r, info_scale, b0,
   return _variance_scan(decay2, omega, u, b0, starts)
 
 
-@jax.jit
-def diag_gain(k, log_alpha, omega, r, info_scale, p0, segment_ids=None):
-  """kappa [B,T,H,K] and the final variance [B,H,K] via the Moebius scan."""
+def _with_posteriors_at(out, post, at):
+  """`at`: None, or a tuple of positions p (the posterior after token p - 1 is
+  appended to `out`, [B, P, ...])."""
+  if at is None:
+    return out
+  return out + (jnp.take(post, jnp.asarray(at) - 1, axis=1),)
+
+
+@functools.partial(jax.jit, static_argnames="at")
+def diag_gain(k, log_alpha, omega, r, info_scale, p0, segment_ids=None, at=None):
+  """kappa [B,T,H,K] and the final variance [B,H,K] via the Moebius scan
+  (with `at`, positions as a tuple, also the variance after each)."""
   p_hat, p = diag_variance_scan(k, log_alpha, omega, r, info_scale, p0,
                                 segment_ids)
   kappa = p_hat * k / (r + jnp.sum(p_hat * k * k, axis=-1))[..., None]
-  return kappa, p[:, -1]
+  return _with_posteriors_at((kappa, p[:, -1]), p, at)
 
 
-@jax.jit
-def iso_gain(k, log_alpha, omega, r, info_scale, b0, segment_ids=None):
-  """beta [B,T,H] (gain = beta k) and the final variance [B,H]."""
+@functools.partial(jax.jit, static_argnames="at")
+def iso_gain(k, log_alpha, omega, r, info_scale, b0, segment_ids=None, at=None):
+  """beta [B,T,H] (gain = beta k) and the final variance [B,H] (with `at`,
+  also the variance after each of those positions)."""
   b_hat, b = iso_variance_scan(k, log_alpha, omega, r, info_scale, b0,
                                segment_ids)
   beta = b_hat / (r + b_hat * jnp.sum(k * k, axis=-1))
-  return beta, b[:, -1]
+  return _with_posteriors_at((beta, b[:, -1]), b, at)
 
 
 __all__ = ["diag_variance_step", "iso_variance_step", "diag_variance_scan",

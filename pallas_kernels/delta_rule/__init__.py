@@ -99,11 +99,11 @@ def _forward_body(q, k, v, w, la, h0, starts, cont, pid, *, chunk, scale, interp
 
 
 def _backward_body(q, k, v, w, g, h0, starts, cont, pid, amat, pmat, wt, wk, states, do, dsfin,
-                   *, chunk, scale, interpret, cfg, prec):
+                   dext=None, *, chunk, scale, interpret, cfg, prec):
   dq, dk, dv, dw, dg, dla_terms, dh0 = _backward.backward(
       q, k, v, w, g, h0, cont, pid, (amat, pmat, wt, wk, states), do, dsfin, chunk=chunk,
       scale=scale, interpret=interpret, cfg=cfg, cfg_prec=prec,
-      grad_dtypes=(q.dtype, k.dtype, v.dtype))
+      grad_dtypes=(q.dtype, k.dtype, v.dtype), dext=dext)
   # g = within-(chunk, segment) cumsum of log_alpha  =>  dla = reverse cumsum of dg, plus the
   # direct term: the exclusive prefix of dla_terms. (Its pieces restart at resets too, which
   # changes nothing: a term is zero outside its chunk's last segment, where every later token
@@ -174,6 +174,41 @@ def _core_bwd(chunk, chunk_fo, scale, interpret, cfg, cfg_fo, prec, saved, cts):
 _core.defvjp(_core_fwd, _core_bwd)
 
 
+# The forward of (cfg, chunk) with the chunk-start states as a third output (output_chunk_states):
+# the states the backward saves anyway, so no extra pass; their cotangent enters the reverse dS
+# chain (backward.state_grads' dext). GPU/interpret kernels only (delta_rule checks).
+@functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(9, 14)))
+def _core_states(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg, prec):
+  return _core_states_fwd(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg,
+                          prec)[0]
+
+
+def _core_states_fwd(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg, prec):
+  (o, sfin), res = _core_fwd(q, k, v, w, la, h0, starts, cont, pid, None, None, chunk, None,
+                             scale, interpret, cfg, None, prec)
+  return (o, sfin, res[8][-1].astype(jnp.float32)), res
+
+
+def _core_states_bwd(chunk, scale, interpret, cfg, prec, saved, cts):
+  q, k, v, w, h0, starts, cont, pid, res, la_like = saved
+  do, dsfin, dstates = cts
+  dstates = dstates.astype(jnp.float32)
+  # dext[c]: the cotangent of the state after chunk c, the start state of chunk c + 1 (the last
+  # chunk's is S_final's, dsfin); chunk 0's start state is h0, whose gradient it joins directly.
+  dext = jnp.concatenate([dstates[:, :, 1:], jnp.zeros_like(dstates[:, :, :1])], axis=2)
+  body = functools.partial(_backward_body, chunk=chunk, scale=scale, interpret=interpret,
+                           cfg=cfg, prec=prec)
+  dims = _IN[:4] + (_BTHK,) + _IN[5:] + _RES[1:] + (_BTHK, _BH, _BH)
+  outs = (_OUT4,) * 3 + (_BTHK + (w.ndim,), _OUT4, _STATE4)
+  dq, dk, dv, dw, dla, dh0 = _sharding.per_shard(body, dims, outs, "delta_rule backward")(
+      q, k, v, w, *res[:1], h0, starts, cont, pid, *res[1:], do, dsfin.astype(jnp.float32), dext)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dw.astype(w.dtype),
+          dla.astype(la_like.dtype), dh0 + dstates[:, :, 0], None, None, None)
+
+
+_core_states.defvjp(_core_states_fwd, _core_states_bwd)
+
+
 def chunk_length(cfg, chunk_size, t, interpret):
   """The kernels' chunk C for a caller's chunk_size and length t: capped by cfg.max_chunk and by
   t (rounded up to a power of two), at least 16, and at least cfg.min_chunk when compiled."""
@@ -219,7 +254,7 @@ def write_dtype(dtype, interpret=None):
 
 
 def delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None, *,
-               chunk_size=64, precision=None, interpret=None):
+               chunk_size=64, precision=None, interpret=None, output_chunk_states=False):
   """S_t = (I - w_t k_t^T) D_t S_{t-1} + w_t v_t^T,  o_t = scale * S_t^T q_t.
 
   q, k: [B,T,H,K]; write: [B,T,H,K], or [B,T,H] for a per-token scalar beta with write = beta k
@@ -228,6 +263,10 @@ def delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None
   [B,T] int or None. precision: 'fast' (bf16-operand or TF32 dots, for bf16/fp16 data) or
   'exact' (fp32-accurate dots); None picks from q.dtype. Returns (o [B,T,H,V] q.dtype,
   S_final [B,H,K,V] f32).
+
+  output_chunk_states: also return (states [B, H, NC, K, V] f32, C): the state entering each
+  chunk of C tokens (state n is the state after token n C - 1, before any reset at token n C),
+  NC >= ceil(T / C); differentiable. Not on the TPU kernels.
   """
   interpret = common.resolve_interpret(interpret)
   precision = common.precision_for(q.dtype) if precision is None else precision
@@ -253,6 +292,16 @@ def delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None
     write = write[..., None] * k   # (the TPU kernels read a [B, T, H, K] write)
   q, k, v, w, la = (common.pad_time(x, t_pad) for x in (q, k, v, write, la))
   starts, cont, pid = segment_arrays(segment_ids, bsz, t, t_pad, chunk)
+  if output_chunk_states:
+    if tpu_common.use_tpu_kernels(interpret):
+      raise NotImplementedError("delta_rule: output_chunk_states is not available on the TPU "
+                                "kernels (their backward takes no state cotangents)")
+    # fp32 states: they are returned, not only read back by the backward's bf16 dots
+    cfg_states = dataclasses.replace(cfg, bf16_states=False)
+    o, sfin, states = _core_states(q, k, v, w, la, initial_state.astype(jnp.float32), starts,
+                                   cont, pid, chunk, float(scale), interpret, cfg_states,
+                                   precision)
+    return o[:, :t].astype(out_dtype), sfin, states, chunk
   starts_fo, cont_fo = starts, cont
   if chunk_fo != chunk:   # (the unused set is dead code in either jit)
     starts_fo, cont_fo, _ = segment_arrays(segment_ids, bsz, t, t_pad, chunk_fo)

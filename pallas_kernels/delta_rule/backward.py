@@ -125,11 +125,14 @@ def _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs, s, ds, s_init, x, prec, 
   dqbar_ref[b, h, vb, rows, :] = dqbar
 
 
-def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, exp):
+def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, exp, has_ext=False):
   """Serial over chunks in reverse: the state-gradient chain alone, saving each chunk's dS for
   _bwd_partials_kernel. One loop carry (see _SEG_NOTE). (Loading the previous chunk's inputs
-  ahead, as the forward's state pass does, lost here: H200 session 37, T=16384, 2.99 -> 3.36 ms.)"""
-  names = _bwd_names(has_seg, ["dsfin"])
+  ahead, as the forward's state pass does, lost here: H200 session 37, T=16384, 2.99 -> 3.36 ms.)
+  has_ext: a "dext" input [B, H, NC, K, V], a cotangent of the state after each chunk from outside
+  the op (the chunk-start states as an output: delta_rule's output_chunk_states), added to dS
+  where the chain reaches that state."""
+  names = _bwd_names(has_seg, ["dsfin", "dext"] if has_ext else ["dsfin"])
   n_in = len(names)
   r = dict(zip(names, refs[:n_in]))
   dh0_ref, ds_ref = refs[n_in], refs[n_in + 1]
@@ -139,6 +142,8 @@ def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, e
 
   def body(i, ds):
     c = num_chunks - 1 - i
+    if has_ext:
+      ds = ds + r["dext"][b, h, c, :, vs].astype(jnp.float32)
     ds_ref[b, h, c, :, vs] = ds.astype(ds_ref.dtype)
     return _bwd_chain(_chain_loads(r, b, h, c * C, C, has_seg, vs), scale, has_seg, ds, prec,
                       exp)[0]
@@ -186,9 +191,10 @@ def _bwd_inputs(q, k, v, g, h0, cont, res, do, cfg, cfg_prec, interpret, chunk, 
 
 
 def state_grads(q, k, v, g, h0, cont, res, do, dsfin, *, chunk, scale, interpret, cfg,
-                cfg_prec):
+                cfg_prec, dext=None):
   """The reverse dS chain, serial over chunks: (dS_init's chain share [B, H, K, V] fp32, each
-  chunk's dS [B, H, T/C, K, V] in the states' dtype)."""
+  chunk's dS [B, H, T/C, K, V] in the states' dtype). dext: None, or [B, H, T/C, K, V] f32, a
+  cotangent of the state after each chunk from outside the op (_recur_bwd_kernel)."""
   states = res[4]
   bsz, _, nh, kd = k.shape
   vd = v.shape[-1]
@@ -196,12 +202,13 @@ def state_grads(q, k, v, g, h0, cont, res, do, dsfin, *, chunk, scale, interpret
   common_in, opt, kw = _bwd_inputs(q, k, v, g, h0, cont, res, do, cfg, cfg_prec, interpret,
                                    chunk, scale)
   return pl.pallas_call(
-      functools.partial(_recur_bwd_kernel, num_chunks=k.shape[1] // chunk, block_v=block_v, **kw),
+      functools.partial(_recur_bwd_kernel, num_chunks=k.shape[1] // chunk, block_v=block_v,
+                        has_ext=dext is not None, **kw),
       out_shape=(jax.ShapeDtypeStruct((bsz, nh, kd, vd), jnp.float32),
                  jax.ShapeDtypeStruct(states.shape, states.dtype)),
       grid=(bsz, nh, vd // block_v), name="delta_rule_recur_bwd",
       **launch_params(interpret, cfg.num_warps_recur, cfg),
-  )(*common_in, dsfin, *opt)
+  )(*common_in, dsfin, *([] if dext is None else [dext]), *opt)
 
 
 def bwd_partials(q, k, v, g, h0, cont, res, do, dstates, *, chunk, scale, interpret, cfg,
@@ -229,13 +236,13 @@ def bwd_partials(q, k, v, g, h0, cont, res, do, dstates, *, chunk, scale, interp
 
 
 def recur_backward(q, k, v, g, h0, cont, res, do, dsfin, *, chunk, scale, interpret, cfg,
-                   cfg_prec, dv_dtype=jnp.float32):
+                   cfg_prec, dv_dtype=jnp.float32, dext=None):
   """Backward stage 1: the reverse dS chain (state_grads), then dV and the per-V-block partial
   gradients (bwd_partials); with segments, S_init's share of the segments that restart from it
   (seg_init_grad, XLA, from the fp32 dV: dv_dtype applies only without segments). Returns
   (dV, dS_init, partials...)."""
   kw = dict(chunk=chunk, scale=scale, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
-  dh0, dstates = state_grads(q, k, v, g, h0, cont, res, do, dsfin, **kw)
+  dh0, dstates = state_grads(q, k, v, g, h0, cont, res, do, dsfin, dext=dext, **kw)
   dv, *partials = bwd_partials(q, k, v, g, h0, cont, res, do, dstates,
                                dv_dtype=jnp.float32 if cont is not None else dv_dtype, **kw)
   return (dv, _add_seg_init(dh0, q, k, g, cont, do, dv, dstates, chunk, scale, cfg_prec),
@@ -269,15 +276,16 @@ def seg_init_grad(q, k, g, cont, do, dv, dstates, *, chunk, scale, exact):
 
 
 def backward(q, k, v, w, g, h0, cont, pid, res, do, dsfin, *, chunk, scale, interpret, cfg,
-             cfg_prec, grad_dtypes=(jnp.float32,) * 3):
+             cfg_prec, grad_dtypes=(jnp.float32,) * 3, dext=None):
   """(dq, dk, dv, dw, dg, dla_terms, dh0): the direct log-decay term dla_x is the exclusive
   prefix of dla_terms within chunks (the reverse cumsum sums it). grad_dtypes: what the kernels
   store dq, dk and dv in (the caller's dtypes: no fp32 copy and cast pass through memory; dv
-  stays fp32 with segments, where S_init's gradient reads it); the rest are fp32."""
+  stays fp32 with segments, where S_init's gradient reads it); the rest are fp32. dext: a
+  cotangent of the state after each chunk ([B, H, T/C, K, V] f32) or None (state_grads)."""
   dq_dtype, dk_dtype, dv_dtype = grad_dtypes
   dv, dh0, *partials = recur_backward(q, k, v, g, h0, cont, res, do, dsfin, chunk=chunk,
                                       scale=scale, interpret=interpret, cfg=cfg,
-                                      cfg_prec=cfg_prec, dv_dtype=dv_dtype)
+                                      cfg_prec=cfg_prec, dv_dtype=dv_dtype, dext=dext)
   dq, dk, dw, dg, dla_terms = intra_backward_tokens(q, k, w, g, pid, partials, chunk=chunk,
                                                     scale=scale, interpret=interpret, cfg=cfg,
                                                     cfg_prec=cfg_prec, dq_dtype=dq_dtype,

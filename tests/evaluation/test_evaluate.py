@@ -56,6 +56,36 @@ def test_effrem_is_zero_at_t0_and_bounded():
   np.testing.assert_allclose(er[0, 3], 0.5 * float(jnp.abs(full - alone).sum()), atol=1e-5)
 
 
+def test_effrem_packed_suffixes_equal_suffixes_run_alone():
+  """Every cut's suffix, packed beside others as a segment with the head read at its end, predicts what
+  it predicts run alone (a cut grid without t = 0 and with short suffixes that share rows)."""
+  scorer = long_context.ChunkedScorer(_model('kdn_iso,swa', num_layers=2))
+  seqs = np.random.default_rng(3).integers(0, 32, size=(2, 20)).astype(np.int32)
+  ts = np.array([5, 12, 17, 19])
+  er = long_context.effective_remembrance(scorer, seqs, ts, batch=3)
+  full = jax.nn.softmax(scorer.logits(seqs)[:, -1])
+  for j, t in enumerate(ts):
+    alone = jax.nn.softmax(scorer.logits(seqs[:, t:])[:, -1])
+    np.testing.assert_allclose(er[:, j], 0.5 * np.abs(full - alone).sum(-1), atol=1e-5)
+
+
+def test_state_series_equals_the_scored_pass(monkeypatch):
+  """The states at chunk ends read from multi-chunk forwards (prefix states) equal the chunked scored
+  pass's, pieces of two chunks and a short last chunk included."""
+  monkeypatch.setattr(long_context, 'STATE_PIECE_TOKENS', 32)
+  scorer = long_context.ChunkedScorer(_model('kdn_diag,kda', num_layers=2))
+  x = np.random.default_rng(4).integers(0, 32, size=(2, 45)).astype(np.int32)
+  scored, read = [], []
+  scorer.score(x, x, chunk=16, on_chunk=lambda t, c: scored.append((t, probes.state_stats(c))))
+  scorer.state_series(x, 16, lambda t, c: read.append((t, probes.state_stats(c))))
+  assert [t for t, _ in read] == [t for t, _ in scored] == [16, 32, 45]
+  for (_, a), (_, b) in zip(read, scored):
+    for la, lb in zip(a, b):
+      assert la.keys() == lb.keys()
+      for key in la:
+        assert la[key] == pytest.approx(lb[key], rel=1e-4, abs=1e-6), key
+
+
 @pytest.mark.parametrize('mixer', ['kdn_diag', 'kdn_iso'])
 def test_beta_eff_probe_equals_the_gain_of_the_op(mixer):
   model = _model(mixer, num_layers=1)
