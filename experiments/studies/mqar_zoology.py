@@ -46,6 +46,8 @@ flags.DEFINE_integer('batch', 0, 'sequences per step (0: the config\'s)', flag_v
 flags.DEFINE_integer('parallel', 4, 'processes at a time', flag_values=FLAGS)
 flags.DEFINE_float('deadline_s', 0, 'seconds this call may take (0: none); processes stop with a checkpoint '
                    'before it and resume on the next call', flag_values=FLAGS)
+flags.DEFINE_float('min_start_s', 120, 'with --deadline_s: no process starts with less than this left (a late '
+                   'one only slows the others and resumes on a later call)', flag_values=FLAGS)
 flags.DEFINE_bool('tiny', False, "the config's CPU-sized variant (checks the study runs)", flag_values=FLAGS)
 flags.DEFINE_string('out', os.path.join(os.environ['OUT'], 'mqar_zoology') if os.environ.get('OUT') else '',
                     'folder for zoology.json, commands.json and runs/ (empty: none)', flag_values=FLAGS)
@@ -201,6 +203,7 @@ def main(argv):
   status = {}
   if not FLAGS.collect_only:
     status = jobs_lib.run_jobs(study_jobs(p, FLAGS.runs), FLAGS.parallel, FLAGS.deadline_s,
+                               min_start_s=FLAGS.min_start_s,
                                env=dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE='false'))
   if FLAGS.out:
     call = {'command': ' '.join(['python -m experiments.studies.mqar_zoology'] + sys.argv[1:]),
