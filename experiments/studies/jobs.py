@@ -5,6 +5,10 @@ skipped, so calling again resumes a study (the processes themselves resume from 
 ``deadline_s``: every job is told to stop at ``end - save_s`` (``stop_flag=<unix time>``; a trainer then
 saves a checkpoint and exits), gets SIGTERM at ``end - kill_s`` and SIGKILL at ``end``; no job starts with
 less than ``min_start_s`` left. Progress lines read the last ``step <a>/<b>`` a job printed.
+
+A job that fails because the accelerator ran out of memory (its output says so) is retried once, first in
+the queue, and from then on fewer jobs run at a time (one fewer than ran beside it when it failed): jobs
+sharing one accelerator fit or not depending on what runs beside them.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from collections.abc import Callable
 from experiments.runner.logging_utils import fmt_time
 
 _STEP = re.compile(rb'step (\d+)/(\d+)')
+_OOM = re.compile(rb'RESOURCE_EXHAUSTED|[Oo]ut of memory')
 
 
 @dataclasses.dataclass
@@ -36,8 +41,9 @@ class _Running:
   job: Job
   proc: subprocess.Popen
   started: float
-  seen: list = dataclasses.field(default_factory=list)  # (time, step) observations
+  seen: list = dataclasses.field(default_factory=list)  # (time, step, total) observations
   signalled: str = ''
+  log_start: int = 0  # the log's size when the job started
 
 
 def last_step(log: str) -> tuple[int, int] | None:
@@ -50,6 +56,32 @@ def last_step(log: str) -> tuple[int, int] | None:
   except OSError:
     return None
   return (int(found[-1][0]), int(found[-1][1])) if found else None
+
+
+def ran_out_of_memory(log: str, start: int = 0) -> bool:
+  """Whether the output written to ``log`` after byte ``start`` reports an out-of-memory error."""
+  try:
+    with open(log, 'rb') as f:
+      f.seek(start)
+      return bool(_OOM.search(f.read()))
+  except OSError:
+    return False
+
+
+def last_outcome(log: str) -> str:
+  """What the last run recorded in ``log`` reached: 'stopped at step a/b', 'failed: out of memory',
+  'failed before its first step', or 'not run' (no log)."""
+  try:
+    with open(log, 'rb') as f:
+      text = f.read().rsplit(b'\n$ ', 1)[-1]
+  except OSError:
+    return 'not run'
+  steps = _STEP.findall(text)
+  if _OOM.search(text):
+    return 'failed: out of memory' + (f' at step {int(steps[-1][0])}' if steps else ' before its first step')
+  if steps:
+    return f'stopped at step {int(steps[-1][0])}/{int(steps[-1][1])}'
+  return 'failed before its first step'
 
 
 def _rate(r: _Running) -> float | None:
@@ -73,18 +105,19 @@ def run_jobs(jobs: list[Job], parallel: int, deadline_s: float = 0, *, save_s: f
         + (f', deadline {fmt_time(deadline_s)}' if end else ''), file=out, flush=True)
   env = dict(os.environ if env is None else env, PYTHONUNBUFFERED='1')
   running: list[_Running] = []
-  last_report = t0
+  last_report, cap, retried = t0, parallel, set()
   while pending or running:
     now = time.time()
-    while pending and len(running) < parallel and (end is None or end - now >= min_start_s):
+    while pending and len(running) < cap and (end is None or end - now >= min_start_s):
       job = pending.pop(0)
       cmd = list(job.command) + ([f'{job.stop_flag}={end - save_s:.0f}'] if end and job.stop_flag else [])
       os.makedirs(os.path.dirname(os.path.abspath(job.log)), exist_ok=True)
       with open(job.log, 'ab') as log:
+        start = log.tell()
         log.write(f'\n$ {" ".join(cmd)}\n'.encode())
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-      running.append(_Running(job, proc, now))
+      running.append(_Running(job, proc, now, log_start=start))
       print(f'started {job.name} (pid {proc.pid})', file=out, flush=True)
     for r in list(running):
       rc = r.proc.poll()
@@ -93,6 +126,15 @@ def run_jobs(jobs: list[Job], parallel: int, deadline_s: float = 0, *, save_s: f
       running.remove(r)
       status[r.job.name] = ('done' if r.job.done() else 'stopped' if r.signalled or end and time.time() > end - save_s
                             else f'exit {rc}')
+      if status[r.job.name].startswith('exit') and ran_out_of_memory(r.job.log, r.log_start):
+        status[r.job.name] += ' (out of memory)'
+        if r.job.name not in retried:
+          retried.add(r.job.name)
+          cap = max(1, min(cap, len(running)))
+          pending.insert(0, r.job)
+          print(f'{r.job.name}: out of memory beside {len(running)} other job(s); retried with at most {cap} '
+                'at a time', file=out, flush=True)
+          continue
       print(f'{r.job.name}: {status[r.job.name]} after {fmt_time(time.time() - r.started)}', file=out, flush=True)
     if end:
       for r in running:

@@ -156,8 +156,7 @@ def collect(p: dict, root: str, out: str, call: dict, resamples: int):
       rec = load_record(p, root, width, mixer)
       wd = sweep_dir(root, width, mixer)
       if rec is None:
-        got = jobs_lib.last_step(os.path.join(wd, 'sweep.log'))
-        status[f'd{width}/{mixer}'] = 'not run' if got is None else f'stopped at step {got[0]}/{got[1]}'
+        status[f'd{width}/{mixer}'] = jobs_lib.last_outcome(os.path.join(wd, 'sweep.log'))
         continue
       records[(width, mixer)] = rec
       status[f'd{width}/{mixer}'] = 'completed'

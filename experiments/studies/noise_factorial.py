@@ -160,8 +160,7 @@ def main(argv):
     os.makedirs(FLAGS.out, exist_ok=True)
     res = collect(FLAGS.runs, FLAGS.modes, seeds, FLAGS.probe)
     res['status'] = {m: 'completed' if trained(FLAGS.runs, m, seeds) else
-                     ('stopped at step {}/{}'.format(*got) if (got := jobs_lib.last_step(
-                         os.path.join(FLAGS.runs, m, 'train.log'))) else 'not run') for m in FLAGS.modes}
+                     jobs_lib.last_outcome(os.path.join(FLAGS.runs, m, 'train.log')) for m in FLAGS.modes}
     write_json(os.path.join(FLAGS.out, 'noise.json'), res)
     path = os.path.join(FLAGS.out, 'commands.json')
     cmds = _json(path) or {}

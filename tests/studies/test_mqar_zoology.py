@@ -121,3 +121,21 @@ def test_tiny_study_end_to_end(tmp_path):
   assert (tmp_path / 'out2' / 'runs' / 'd16' / 'kda' / 'cells.json').exists()
   calls = json.loads((tmp_path / 'out2' / 'commands.json').read_text())['calls']
   assert len(calls) == 2 and calls[1]['jobs'] == {'d16/kdn_diag': 'already done', 'd16/kda': 'already done'}
+
+
+def test_a_job_out_of_memory_is_retried_once_with_fewer_beside_it(tmp_path):
+  # 'oom' fails with an out-of-memory message on its first run; 'other' runs beside it for a second
+  (tmp_path / 'oom.py').write_text(
+      'import os, sys, time\nmark = sys.argv[1]\n'
+      'if not os.path.exists(mark):\n  open(mark, "w").close()\n  print("RESOURCE_EXHAUSTED: Out of memory")\n'
+      '  sys.exit(1)\nopen(mark + ".start", "w").write(repr(time.time()))\nopen(mark + ".done", "w").close()\n')
+  (tmp_path / 'other.py').write_text('import sys, time\ntime.sleep(1.5)\nopen(sys.argv[1], "w").write(repr(time.time()))\n')
+  oom = jobs.Job('oom', [sys.executable, str(tmp_path / 'oom.py'), str(tmp_path / 'm')], str(tmp_path / 'oom.log'),
+                 done=lambda: (tmp_path / 'm.done').exists(), stop_flag=None)
+  other = jobs.Job('other', [sys.executable, str(tmp_path / 'other.py'), str(tmp_path / 'o')],
+                   str(tmp_path / 'other.log'), done=lambda: (tmp_path / 'o').exists(), stop_flag=None)
+  status = jobs.run_jobs([oom, other], parallel=2)
+  assert status == {'oom': 'done', 'other': 'done'}
+  # retried only once 'other' had finished: one job at a time after the failure
+  assert float((tmp_path / 'm.start').read_text()) >= float((tmp_path / 'o').read_text())
+  assert jobs.ran_out_of_memory(str(tmp_path / 'oom.log'))
