@@ -51,7 +51,7 @@ def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads, exp):
   b, t, hb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   C = chunk
   hs = pl.ds(hb * heads, heads)
-  c = lax.div(t, C)
+  c = lax.div(t, jnp.asarray(C, t.dtype))   # (C as t's int32: under x64 a Python int is int64)
   r0 = c * C
   t_last = r0 + C - 1
   i = t - r0
