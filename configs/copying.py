@@ -25,26 +25,37 @@ Arg ``<preset>[,<mixer>][,<initial_state>]``:
                  strategy (give ``--config.train.init_from``).
   ``default``    a larger accelerator run on 50-100 from scratch; ``post`` its post-training.
 """
+
 from experiments.runner import config_lib
 from kdn_jax.models.config import model_config
 
 MIN_COPY, MAX_COPY = 50, 100
 
 
-def get_config(arg: str = 'cpu'):
-  preset, mixer, strategy = config_lib.parse_arg(arg, ('cpu', 'cpu_short', 'cpu_post', 'default', 'post'),
-                                                 'configs/copying.py')
+def get_config(arg: str = "cpu"):
+  preset, mixer, strategy = config_lib.parse_arg(
+    arg, ("cpu", "cpu_short", "cpu_post", "default", "post"), "configs/copying.py"
+  )
 
   c = config_lib.base_config()
-  c.data.kind = 'copying'
+  c.data.kind = "copying"
   c.train.initial_state = strategy
   c.data.seq_len = 2 * MAX_COPY + 2
   c.data.copying.copy_len = MAX_COPY
   c.data.copying.min_copy_len = MIN_COPY
-  if preset.startswith('cpu'):
+  if preset.startswith("cpu"):
     vocab = 32  # 29 symbols + pad/BOS/SEP
-    c.model = model_config('tiny', mixer=mixer, vocab_size=vocab, num_layers=2, d_model=64, num_heads=2,
-                           head_dim=64, chunk_size=16, mlp_hidden=128)
+    c.model = model_config(
+      "tiny",
+      mixer=mixer,
+      vocab_size=vocab,
+      num_layers=2,
+      d_model=64,
+      num_heads=2,
+      head_dim=64,
+      chunk_size=16,
+      mlp_hidden=128,
+    )
     c.data.global_batch_size = 8
     c.data.eval_batch_size = 32
     c.data.num_eval_examples = 128
@@ -53,14 +64,14 @@ def get_config(arg: str = 'cpu'):
     c.train.eval_batches = 4
     c.optim.weight_decay = 0.0
     c.checkpoint.keep = 1
-    if preset == 'cpu_short':
+    if preset == "cpu_short":
       c.data.seq_len = 2 * 20 + 2
       c.data.copying.copy_len = 20
       c.data.copying.min_copy_len = 10
       c.train.num_steps = 1000
       c.optim.learning_rate = 6e-3
       c.optim.warmup_steps = 50
-    elif preset == 'cpu':
+    elif preset == "cpu":
       c.train.num_steps = 600
       c.optim.learning_rate = 3e-3
       c.optim.warmup_steps = 30
@@ -71,14 +82,23 @@ def get_config(arg: str = 'cpu'):
     c.checkpoint.every_steps = c.train.num_steps
   else:
     vocab = 64
-    c.model = model_config('20m', mixer=mixer, vocab_size=vocab, num_layers=4, d_model=256, num_heads=4,
-                           head_dim=64, mlp_hidden=512, dtype='bfloat16')
+    c.model = model_config(
+      "20m",
+      mixer=mixer,
+      vocab_size=vocab,
+      num_layers=4,
+      d_model=256,
+      num_heads=4,
+      head_dim=64,
+      mlp_hidden=512,
+      dtype="bfloat16",
+    )
     c.data.global_batch_size = 64
     c.data.eval_batch_size = 64
     c.data.copying.vocab_size = vocab
     c.train.log_every = 100
     c.optim.weight_decay = 0.0
-    if preset == 'default':
+    if preset == "default":
       c.train.num_steps = 20000
       c.train.eval_every = 2000
       c.optim.learning_rate = 1e-3

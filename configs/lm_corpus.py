@@ -13,22 +13,33 @@ with a fresh optimizer; give ``--config.train.init_from``). ``--config.data.corp
 corpus (default /tmp/kdn_corpus); its manifest gives the token files and the EOS id, documents are
 packed with segment_ids.
 """
+
 from experiments.runner import config_lib
 from kdn_jax.models.config import model_config
 
 VOCAB = 16384  # experiments/data/prepare.py --vocab_size
 
 
-def get_config(arg: str = 'smoke'):
-  preset, mixer, strategy = config_lib.parse_arg(arg, ('smoke', 'default', 'post'), 'configs/lm_corpus.py')
+def get_config(arg: str = "smoke"):
+  preset, mixer, strategy = config_lib.parse_arg(
+    arg, ("smoke", "default", "post"), "configs/lm_corpus.py"
+  )
 
   c = config_lib.base_config()
-  c.data.kind = 'token_file'
-  c.data.corpus_dir = '/tmp/kdn_corpus'
+  c.data.kind = "token_file"
+  c.data.corpus_dir = "/tmp/kdn_corpus"
   c.train.initial_state = strategy
-  if preset == 'smoke':
-    c.model = model_config('tiny', mixer=mixer, vocab_size=VOCAB, num_layers=2, d_model=128, num_heads=2,
-                           head_dim=64, chunk_size=16)
+  if preset == "smoke":
+    c.model = model_config(
+      "tiny",
+      mixer=mixer,
+      vocab_size=VOCAB,
+      num_layers=2,
+      d_model=128,
+      num_heads=2,
+      head_dim=64,
+      chunk_size=16,
+    )
     c.data.seq_len = 128
     c.data.global_batch_size = 32
     c.data.eval_batch_size = 16
@@ -37,13 +48,17 @@ def get_config(arg: str = 'smoke'):
     c.train.num_steps = 300
     c.train.log_every = 25
     c.train.eval_batches = 8
-    c.optim.learning_rate = 1e-2  # tied 16k x 128 embedding: a high rate learns the bigram statistics fast
+    c.optim.learning_rate = (
+      1e-2  # tied 16k x 128 embedding: a high rate learns the bigram statistics fast
+    )
     c.optim.warmup_steps = 30
     c.checkpoint.every_steps = 150
     c.checkpoint.keep = 2
     return c
   # ~30M parameters (8.4M of them the tied embedding), MLP width matched across mixers
-  c.model = model_config('30m', mixer=mixer, vocab_size=VOCAB, dtype='bfloat16', param_dtype='float32')
+  c.model = model_config(
+    "30m", mixer=mixer, vocab_size=VOCAB, dtype="bfloat16", param_dtype="float32"
+  )
   c.data.seq_len = 512
   c.data.global_batch_size = 32
   c.data.eval_batch_size = 32
@@ -52,7 +67,7 @@ def get_config(arg: str = 'smoke'):
   c.train.eval_batches = 16
   c.optim.weight_decay = 0.1
   c.checkpoint.keep = 2
-  if preset == 'default':
+  if preset == "default":
     c.train.num_steps = 2000
     c.train.eval_every = 500
     c.optim.learning_rate = 2e-3

@@ -6,20 +6,30 @@ Args (``configs/mqar.py:<arg>``): ``smoke`` (tiny CPU run, ~2 min on 2 cores), `
 accelerator run). Further comma-separated tokens pick the mixer / initial-state strategy, e.g.
 ``configs/mqar.py:smoke,gla`` or ``configs/mqar.py:default,kdn_iso,state_passing``.
 """
+
 from experiments.runner import config_lib
 from kdn_jax.models.config import model_config
 
 
-def get_config(arg: str = 'smoke'):
-  preset, mixer, strategy = config_lib.parse_arg(arg, ('smoke', 'default'), 'configs/mqar.py')
+def get_config(arg: str = "smoke"):
+  preset, mixer, strategy = config_lib.parse_arg(arg, ("smoke", "default"), "configs/mqar.py")
 
   c = config_lib.base_config()
-  c.data.kind = 'mqar'
+  c.data.kind = "mqar"
   c.train.initial_state = strategy
-  if preset == 'smoke':
+  if preset == "smoke":
     vocab = 64
-    c.model = model_config('tiny', mixer=mixer, vocab_size=vocab, num_layers=2, d_model=64, num_heads=2,
-                           head_dim=32, chunk_size=16, mlp_hidden=128)
+    c.model = model_config(
+      "tiny",
+      mixer=mixer,
+      vocab_size=vocab,
+      num_layers=2,
+      d_model=64,
+      num_heads=2,
+      head_dim=32,
+      chunk_size=16,
+      mlp_hidden=128,
+    )
     c.data.seq_len = 64
     c.data.global_batch_size = 32
     c.data.eval_batch_size = 64
@@ -37,8 +47,17 @@ def get_config(arg: str = 'smoke'):
     c.checkpoint.keep = 2
   else:
     vocab = 8192
-    c.model = model_config('20m', mixer=mixer, vocab_size=vocab, num_layers=2, d_model=256, num_heads=2,
-                           head_dim=128, mlp_hidden=512, dtype='bfloat16')
+    c.model = model_config(
+      "20m",
+      mixer=mixer,
+      vocab_size=vocab,
+      num_layers=2,
+      d_model=256,
+      num_heads=2,
+      head_dim=128,
+      mlp_hidden=512,
+      dtype="bfloat16",
+    )
     c.data.seq_len = 512
     c.data.global_batch_size = 64
     c.data.mqar.vocab_size = vocab

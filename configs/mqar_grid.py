@@ -11,6 +11,7 @@ whole grid (3 learning rates per cell) and keeps the best rate per cell.
 Arg: ``<cell>[,<mixer>][,cpu]`` with ``<cell>`` = ``d<d_model>_t<seq_len>_kv<pairs>``; ``cpu`` is a tiny
 variant (small vocabulary, 60 steps) that checks a cell runs.
 """
+
 import re
 
 from experiments.runner import config_lib
@@ -18,8 +19,8 @@ from kdn_jax.models.config import matched_mlp_hidden, model_config
 
 D_MODELS = (64, 128)
 TASKS = ((256, 16), (256, 64), (512, 64))  # (sequence length, key-value pairs)
-CELLS = tuple(f'd{d}_t{t}_kv{kv}' for d in D_MODELS for t, kv in TASKS)
-MIXERS = ('kdn_diag', 'kdn_iso', 'kda', 'gated_deltanet', 'deltanet', 'gla')
+CELLS = tuple(f"d{d}_t{t}_kv{kv}" for d in D_MODELS for t, kv in TASKS)
+MIXERS = ("kdn_diag", "kdn_iso", "kda", "gated_deltanet", "deltanet", "gla")
 LEARNING_RATES = (1e-3, 3e-3, 1e-2)
 NUM_HEADS = 2
 VOCAB = 8192  # Zoology's MQAR vocabulary: keys from [1, 4096), values from [4096, 8192)
@@ -29,30 +30,41 @@ BATCH = 64
 
 def parse_cell(cell: str) -> tuple[int, int, int]:
   """'d64_t256_kv16' -> (64, 256, 16)."""
-  m = re.fullmatch(r'd(\d+)_t(\d+)_kv(\d+)', cell)
+  m = re.fullmatch(r"d(\d+)_t(\d+)_kv(\d+)", cell)
   if not m:
-    raise ValueError(f'configs/mqar_grid.py: cell {cell!r} is not d<d_model>_t<seq_len>_kv<pairs>; '
-                     f'the grid has {", ".join(CELLS)}')
+    raise ValueError(
+      f"configs/mqar_grid.py: cell {cell!r} is not d<d_model>_t<seq_len>_kv<pairs>; "
+      f"the grid has {', '.join(CELLS)}"
+    )
   return tuple(int(g) for g in m.groups())
 
 
-def get_config(arg: str = 'd64_t256_kv16'):
-  parts = [p for p in (arg or CELLS[0]).split(',') if p]
-  cpu = 'cpu' in parts
-  rest = ','.join(p for p in parts[1:] if p != 'cpu')
+def get_config(arg: str = "d64_t256_kv16"):
+  parts = [p for p in (arg or CELLS[0]).split(",") if p]
+  cpu = "cpu" in parts
+  rest = ",".join(p for p in parts[1:] if p != "cpu")
   d_model, seq_len, kv = parse_cell(parts[0])
-  _, mixer, strategy = config_lib.parse_arg(f'grid,{rest}', ('grid',), 'configs/mqar_grid.py')
+  _, mixer, strategy = config_lib.parse_arg(f"grid,{rest}", ("grid",), "configs/mqar_grid.py")
 
   c = config_lib.base_config()
-  c.data.kind = 'mqar'
+  c.data.kind = "mqar"
   c.train.initial_state = strategy
   vocab = 4 * kv + 64 if cpu else VOCAB
   head_dim = d_model // NUM_HEADS
   # The reference budget is diagonal KDN with a 2 x d_model SwiGLU; every mixer's MLP width is matched to
   # it (model_config only matches against its size presets' widths, so match here explicitly).
-  c.model = model_config('tiny', mixer=mixer, vocab_size=vocab, num_layers=2, d_model=d_model,
-                         num_heads=NUM_HEADS, head_dim=head_dim, chunk_size=64, mlp_hidden=2 * d_model,
-                         mlp_multiple=8)
+  c.model = model_config(
+    "tiny",
+    mixer=mixer,
+    vocab_size=vocab,
+    num_layers=2,
+    d_model=d_model,
+    num_heads=NUM_HEADS,
+    head_dim=head_dim,
+    chunk_size=64,
+    mlp_hidden=2 * d_model,
+    mlp_multiple=8,
+  )
   c.model.mlp_hidden = matched_mlp_hidden(c.model, 2 * d_model)
   c.model.mlp_reference, c.model.mlp_matched = 2 * d_model, c.model.mlp_hidden
   c.data.seq_len = seq_len
@@ -62,7 +74,9 @@ def get_config(arg: str = 'd64_t256_kv16'):
   c.data.read_threads = 2
   c.data.mqar.vocab_size = vocab
   c.data.mqar.num_kv_pairs = kv
-  c.train.loss_positions = kv  # logits only at the kv scored queries: the same loss, ~T/kv x less memory
+  c.train.loss_positions = (
+    kv  # logits only at the kv scored queries: the same loss, ~T/kv x less memory
+  )
   c.train.num_steps = 60 if cpu else STEPS
   c.train.log_every = 20 if cpu else 250
   c.train.eval_every = 0

@@ -16,18 +16,19 @@ Budget knobs: ``--config.train.num_steps`` (warm-up stays 10% of it) and
 steps); the defaults here are that order, the study's --num_steps/--batch pick what a GPU budget allows.
 ``tiny``: a CPU-sized variant (small vocabulary and cells, 30 steps) that checks the whole study runs.
 """
+
 import re
 
 from experiments.runner import config_lib
 from kdn_jax.models.config import matched_mlp_hidden, model_config
 
 WIDTHS = (64, 128, 256)
-MIXERS = ('kdn_diag', 'kdn_iso', 'kda', 'gated_deltanet', 'deltanet', 'gla')
+MIXERS = ("kdn_diag", "kdn_iso", "kda", "gated_deltanet", "deltanet", "gla")
 LEARNING_RATES = (1e-3, 3.2e-3, 1e-2, 3.2e-2)
-SEEDS = '0,1,2'
+SEEDS = "0,1,2"
 NUM_HEADS = 2
 VOCAB = 8192
-TRAIN_CELLS = '64:4:5,128:8:1,256:16:1,256:32:1,256:64:1'  # <seq_len>:<pairs>:<weight>
+TRAIN_CELLS = "64:4:5,128:8:1,256:16:1,256:32:1,256:64:1"  # <seq_len>:<pairs>:<weight>
 TEST_CELLS = ((64, 4), (64, 8), (64, 16), (128, 32), (256, 64), (512, 128), (1024, 256))
 VALIDATION_EXAMPLES, TEST_EXAMPLES = 256, 1000
 # generator seeds of the evaluation splits (the training stream of seed s is the mixture generator's
@@ -37,60 +38,81 @@ STEPS = 20_000
 BATCH = 256
 
 # (test cells of one padded length: one compiled scoring pass; the reference impl compiles fastest on CPU)
-TINY = {'vocab': 64, 'train_cells': '16:2:2,32:4:1', 'test_cells': ((16, 2), (32, 4), (32, 8)), 'steps': 30,
-        'batch': 8, 'validation_examples': 16, 'test_examples': 24, 'impl': 'reference'}
+TINY = {
+  "vocab": 64,
+  "train_cells": "16:2:2,32:4:1",
+  "test_cells": ((16, 2), (32, 4), (32, 8)),
+  "steps": 30,
+  "batch": 8,
+  "validation_examples": 16,
+  "test_examples": 24,
+  "impl": "reference",
+}
 
 
 def parse_arg(arg: str) -> tuple[int, str, bool]:
   """'d64,kda[,tiny]' -> (64, 'kda', False)."""
-  parts = [p for p in (arg or 'd64,kdn_diag').split(',') if p]
-  tiny = 'tiny' in parts
-  rest = [p for p in parts if p != 'tiny']
-  m = re.fullmatch(r'd(\d+)', rest[0]) if rest else None
+  parts = [p for p in (arg or "d64,kdn_diag").split(",") if p]
+  tiny = "tiny" in parts
+  rest = [p for p in parts if p != "tiny"]
+  m = re.fullmatch(r"d(\d+)", rest[0]) if rest else None
   if not m or len(rest) > 2 or (len(rest) == 2 and rest[1] not in MIXERS):
-    raise config_lib.ConfigError(f'configs/mqar_zoology.py:{arg}: expected d<width>,<mixer>[,tiny] with a '
-                                 f'mixer from {", ".join(MIXERS)}')
+    raise config_lib.ConfigError(
+      f"configs/mqar_zoology.py:{arg}: expected d<width>,<mixer>[,tiny] with a "
+      f"mixer from {', '.join(MIXERS)}"
+    )
   width = int(m.group(1))
   if width % (NUM_HEADS * 8):
-    raise config_lib.ConfigError(f'configs/mqar_zoology.py:{arg}: width {width} must be a multiple of '
-                                 f'{NUM_HEADS * 8} ({NUM_HEADS} heads of a multiple of 8)')
-  return width, (rest[1] if len(rest) == 2 else 'kdn_diag'), tiny
+    raise config_lib.ConfigError(
+      f"configs/mqar_zoology.py:{arg}: width {width} must be a multiple of "
+      f"{NUM_HEADS * 8} ({NUM_HEADS} heads of a multiple of 8)"
+    )
+  return width, (rest[1] if len(rest) == 2 else "kdn_diag"), tiny
 
 
 def test_cells(tiny: bool = False) -> tuple:
-  return TINY['test_cells'] if tiny else TEST_CELLS
+  return TINY["test_cells"] if tiny else TEST_CELLS
 
 
-def get_config(arg: str = 'd64,kdn_diag'):
+def get_config(arg: str = "d64,kdn_diag"):
   width, mixer, tiny = parse_arg(arg)
   c = config_lib.base_config()
-  c.data.kind = 'mqar'
-  vocab = TINY['vocab'] if tiny else VOCAB
-  c.model = model_config('tiny', mixer=mixer, vocab_size=vocab, num_layers=2, d_model=width,
-                         num_heads=NUM_HEADS, head_dim=width // NUM_HEADS, chunk_size=16 if tiny else 64,
-                         mlp_hidden=2 * width, mlp_multiple=8)
+  c.data.kind = "mqar"
+  vocab = TINY["vocab"] if tiny else VOCAB
+  c.model = model_config(
+    "tiny",
+    mixer=mixer,
+    vocab_size=vocab,
+    num_layers=2,
+    d_model=width,
+    num_heads=NUM_HEADS,
+    head_dim=width // NUM_HEADS,
+    chunk_size=16 if tiny else 64,
+    mlp_hidden=2 * width,
+    mlp_multiple=8,
+  )
   if tiny:
-    c.model.impl = TINY['impl']
+    c.model.impl = TINY["impl"]
   c.model.mlp_hidden = matched_mlp_hidden(c.model, 2 * width)
   c.model.mlp_reference, c.model.mlp_matched = 2 * width, c.model.mlp_hidden
   c.data.mqar.vocab_size = vocab
-  c.data.mqar.mixture = TINY['train_cells'] if tiny else TRAIN_CELLS
+  c.data.mqar.mixture = TINY["train_cells"] if tiny else TRAIN_CELLS
   cells = config_lib.mqar_mixture_cells(c)
   c.data.seq_len = max(t for t, _, _ in cells)
   c.data.mqar.num_kv_pairs = max(n for _, n, _ in cells)
-  c.data.global_batch_size = TINY['batch'] if tiny else BATCH
+  c.data.global_batch_size = TINY["batch"] if tiny else BATCH
   c.data.eval_batch_size = c.data.global_batch_size
   c.data.num_eval_examples = 2 * c.data.global_batch_size
   c.data.read_threads = 1
   c.train.loss_positions = c.data.mqar.num_kv_pairs  # logits only at the scored queries
   c.train.lr_sweep = LEARNING_RATES
   c.train.seeds = SEEDS
-  c.train.num_steps = TINY['steps'] if tiny else STEPS
+  c.train.num_steps = TINY["steps"] if tiny else STEPS
   c.train.log_every = 10 if tiny else 100
   c.train.eval_every = 0
   c.train.eval_batches = 2
   c.optim.learning_rate = LEARNING_RATES[0]  # (unused by a sweep: each member has its rate)
-  c.optim.warmup_steps = c.train.get_ref('num_steps') // 10
+  c.optim.warmup_steps = c.train.get_ref("num_steps") // 10
   c.optim.weight_decay = 0.1
   c.checkpoint.every_steps = 0 if tiny else 1000
   c.checkpoint.keep = 1

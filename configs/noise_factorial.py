@@ -9,21 +9,24 @@ fixing both at 1, two seeds each trained at once (``train.seeds``, experiments/r
 Arg ``<noise>[,smoke]``: ``learned`` | ``fixed_r`` | ``fixed`` (kdn_jax/layers/kdn_mixer.py); ``smoke`` is
 the tiny CPU preset. The seed of each member sets its initial parameters and its data order.
 """
+
 from configs import lm_corpus
 from experiments.runner import config_lib
 
-NOISE_MODES = ('learned', 'fixed_r', 'fixed')
-SEEDS = '0,1'
+NOISE_MODES = ("learned", "fixed_r", "fixed")
+SEEDS = "0,1"
 
 
-def get_config(arg: str = 'learned'):
-  parts = [p for p in (arg or 'learned').split(',') if p]
-  mode, smoke = parts[0], 'smoke' in parts[1:]
-  if mode not in NOISE_MODES or any(p != 'smoke' for p in parts[1:]):
-    raise config_lib.ConfigError(f'configs/noise_factorial.py:{arg}: expected <noise>[,smoke] with <noise> one '
-                                 f'of {", ".join(NOISE_MODES)}')
-  c = lm_corpus.get_config('smoke,kdn_diag' if smoke else 'default,kdn_diag')
-  c.model.info_scale = 'k'
+def get_config(arg: str = "learned"):
+  parts = [p for p in (arg or "learned").split(",") if p]
+  mode, smoke = parts[0], "smoke" in parts[1:]
+  if mode not in NOISE_MODES or any(p != "smoke" for p in parts[1:]):
+    raise config_lib.ConfigError(
+      f"configs/noise_factorial.py:{arg}: expected <noise>[,smoke] with <noise> one "
+      f"of {', '.join(NOISE_MODES)}"
+    )
+  c = lm_corpus.get_config("smoke,kdn_diag" if smoke else "default,kdn_diag")
+  c.model.info_scale = "k"
   c.model.noise = mode
   c.train.seeds = SEEDS
   return c

@@ -17,21 +17,33 @@ minutes; exact match 1.0 in range), ``cpu_post`` (the ``cpu`` model post-trained
 optimizer and the arg's strategy; give ``--config.train.init_from``), ``default`` (a larger accelerator run
 at T=256).
 """
+
 from experiments.runner import config_lib
 from kdn_jax.models.config import model_config
 
 
-def get_config(arg: str = 'cpu'):
-  preset, mixer, strategy = config_lib.parse_arg(arg, ('cpu', 'cpu_post', 'default'), 'configs/passkey.py')
+def get_config(arg: str = "cpu"):
+  preset, mixer, strategy = config_lib.parse_arg(
+    arg, ("cpu", "cpu_post", "default"), "configs/passkey.py"
+  )
 
   c = config_lib.base_config()
-  c.data.kind = 'passkey'
+  c.data.kind = "passkey"
   c.train.initial_state = strategy
   c.data.passkey.digits = 5
-  if preset in ('cpu', 'cpu_post'):
+  if preset in ("cpu", "cpu_post"):
     vocab = 64  # 1 = KEY, 2 = QUERY, 10..19 = digits, 20..63 = filler
-    c.model = model_config('tiny', mixer=mixer, vocab_size=vocab, num_layers=2, d_model=64, num_heads=2,
-                           head_dim=32, chunk_size=16, mlp_hidden=128)
+    c.model = model_config(
+      "tiny",
+      mixer=mixer,
+      vocab_size=vocab,
+      num_layers=2,
+      d_model=64,
+      num_heads=2,
+      head_dim=32,
+      chunk_size=16,
+      mlp_hidden=128,
+    )
     c.data.seq_len = 128
     c.data.global_batch_size = 16
     c.data.eval_batch_size = 64
@@ -41,7 +53,7 @@ def get_config(arg: str = 'cpu'):
     c.train.eval_batches = 4
     c.optim.weight_decay = 0.0
     c.checkpoint.keep = 1
-    if preset == 'cpu':
+    if preset == "cpu":
       c.train.num_steps = 1000
       c.optim.learning_rate = 6e-3
       c.optim.warmup_steps = 50
@@ -53,8 +65,17 @@ def get_config(arg: str = 'cpu'):
       c.checkpoint.every_steps = 300
   else:
     vocab = 256
-    c.model = model_config('20m', mixer=mixer, vocab_size=vocab, num_layers=4, d_model=256, num_heads=4,
-                           head_dim=64, mlp_hidden=512, dtype='bfloat16')
+    c.model = model_config(
+      "20m",
+      mixer=mixer,
+      vocab_size=vocab,
+      num_layers=4,
+      d_model=256,
+      num_heads=4,
+      head_dim=64,
+      mlp_hidden=512,
+      dtype="bfloat16",
+    )
     c.data.seq_len = 256
     c.data.global_batch_size = 64
     c.data.eval_batch_size = 64

@@ -19,13 +19,13 @@ document separator, which training saw before every document); inputs of any len
 chunk with the recurrent state carried, never truncated. ``loglikelihood_rolling`` scores every token of a
 document once with all of its context (the state carries it), not in windows.
 """
+
 from __future__ import annotations
 
 import logging
 import sys
 
 import numpy as np
-
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
@@ -40,31 +40,36 @@ DEFAULT_BATCH = 16
 def jax_device(spec: str | None):
   """'cpu', 'gpu' / 'cuda', 'tpu', with an optional ':index' -> that jax.Device (None: JAX's default)."""
   import jax  # pylint: disable=g-import-not-at-top
-  if spec is None or spec == '':
+
+  if spec is None or spec == "":
     return jax.devices()[0]
-  name, _, index = str(spec).partition(':')
-  platform = {'cuda': 'gpu', 'gpu': 'gpu', 'cpu': 'cpu', 'tpu': 'tpu'}.get(name.lower())
+  name, _, index = str(spec).partition(":")
+  platform = {"cuda": "gpu", "gpu": "gpu", "cpu": "cpu", "tpu": "tpu"}.get(name.lower())
   if platform is None or (index and not index.isdigit()):
-    raise ValueError(f'device: expected cpu, gpu, cuda or tpu with an optional :index, got {spec!r}')
+    raise ValueError(
+      f"device: expected cpu, gpu, cuda or tpu with an optional :index, got {spec!r}"
+    )
   try:
     devices = jax.devices(platform)
   except RuntimeError as e:
-    raise ValueError(f'device: {spec!r}: JAX has no {platform} backend here ({e})') from None
+    raise ValueError(f"device: {spec!r}: JAX has no {platform} backend here ({e})") from None
   i = int(index or 0)
   if i >= len(devices):
-    raise ValueError(f'device: {spec!r}: index {i} is past the {len(devices)} {platform} device(s)')
+    raise ValueError(f"device: {spec!r}: index {i} is past the {len(devices)} {platform} device(s)")
   return devices[i]
 
 
 def batch_rows(batch_size) -> int:
-  if batch_size is None or str(batch_size).startswith('auto'):
+  if batch_size is None or str(batch_size).startswith("auto"):
     return DEFAULT_BATCH  # (no memory probing: one chunk's activations per row bound the memory)
   try:
     rows = int(batch_size)
   except ValueError:
-    raise ValueError(f'batch_size: expected a positive integer or auto, got {batch_size!r}') from None
+    raise ValueError(
+      f"batch_size: expected a positive integer or auto, got {batch_size!r}"
+    ) from None
   if rows < 1:
-    raise ValueError(f'batch_size: expected a positive integer or auto, got {batch_size!r}')
+    raise ValueError(f"batch_size: expected a positive integer or auto, got {batch_size!r}")
   return rows
 
 
@@ -77,35 +82,57 @@ def split_pair(tok, context: str, continuation: str) -> tuple[list[int], list[in
     context, continuation = context[:-n], context[-n:] + continuation
   whole = tok.encode(context + continuation).tolist()
   ctx = tok.encode(context).tolist() if context else []
-  return whole[:len(ctx)], whole[len(ctx):]
+  return whole[: len(ctx)], whole[len(ctx) :]
 
 
-@register_model('kdn_jax')
+@register_model("kdn_jax")
 class KdnJaxLM(LM):
   """lm_eval's LM interface over experiments.load(workdir, step)."""
 
-  def __init__(self, workdir: str | None = None, step: int | None = None, tokenizer: str | None = None,
-               chunk: int = 0, seed: int = 0, batch_size=None, max_batch_size=None, device=None,
-               max_gen_toks: int = 256, **unknown):
+  def __init__(
+    self,
+    workdir: str | None = None,
+    step: int | None = None,
+    tokenizer: str | None = None,
+    chunk: int = 0,
+    seed: int = 0,
+    batch_size=None,
+    max_batch_size=None,
+    device=None,
+    max_gen_toks: int = 256,
+    **unknown,
+  ):
     super().__init__()
     if unknown:
-      raise ValueError(f'model_args: unknown {sorted(unknown)}; expected workdir, step, tokenizer, chunk, seed, '
-                       'max_gen_toks')
+      raise ValueError(
+        f"model_args: unknown {sorted(unknown)}; expected workdir, step, tokenizer, chunk, seed, "
+        "max_gen_toks"
+      )
     if not workdir:
-      raise ValueError('model_args: workdir=<run directory or checkpoint> is required')
+      raise ValueError("model_args: workdir=<run directory or checkpoint> is required")
     self._device = jax_device(device)
-    self.run = loading.load(str(workdir), None if step in (None, '') else step, tokenizer or None,
-                            device=self._device)
-    self.tok = self.run.tokenizer   # raises, naming the argument, for runs without a text tokenizer
+    self.run = loading.load(
+      str(workdir), None if step in (None, "") else step, tokenizer or None, device=self._device
+    )
+    self.tok = self.run.tokenizer  # raises, naming the argument, for runs without a text tokenizer
     self.prefix = int(self.tok.eos_id)
     chunk = int(chunk) or int(self.run.config.data.seq_len)
-    self.runner = request_runner.RequestRunner(self.run.model, chunk, batch_rows(batch_size), self.prefix)
+    self.runner = request_runner.RequestRunner(
+      self.run.model, chunk, batch_rows(batch_size), self.prefix
+    )
     self.seed, self.max_gen_toks = int(seed), int(max_gen_toks)
-    log.info('kdn_jax: %s (step %d) on %s, chunk %d, batch %d', self.run.checkpoint, self.run.step,
-             self._device, chunk, self.runner.batch)
+    log.info(
+      "kdn_jax: %s (step %d) on %s, chunk %d, batch %d",
+      self.run.checkpoint,
+      self.run.step,
+      self._device,
+      chunk,
+      self.runner.batch,
+    )
 
   def _in_context(self, fn, *args, **kw):
     import jax  # pylint: disable=g-import-not-at-top
+
     with jax.default_device(self._device), kernel_config.applied(self.run.config):
       return fn(*args, **kw)
 
@@ -115,15 +142,17 @@ class KdnJaxLM(LM):
     for k, req in enumerate(requests):
       context, continuation = req.args
       ctx, cont = split_pair(self.tok, context, continuation)
-      if cont:   # an empty continuation has probability 1
+      if cont:  # an empty continuation has probability 1
         seqs.append(np.asarray([self.prefix] + ctx + cont, np.int32))
         scored.append(len(cont))
         where.append(k)
-    res = self._in_context(self.runner.score, seqs, scored, on_batch=self._bar(len(seqs), disable_tqdm))
+    res = self._in_context(
+      self.runner.score, seqs, scored, on_batch=self._bar(len(seqs), disable_tqdm)
+    )
     for k, r in zip(where, res):
       out[k] = r
     for req, r in zip(requests, out):
-      self.cache_hook.add_partial('loglikelihood', req.args, r)
+      self.cache_hook.add_partial("loglikelihood", req.args, r)
     return out
 
   def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -133,12 +162,16 @@ class KdnJaxLM(LM):
       if ids:
         seqs.append(np.asarray([self.prefix] + ids, np.int32))
         where.append(k)
-    res = self._in_context(self.runner.score, seqs, [len(s) - 1 for s in seqs],
-                           on_batch=self._bar(len(seqs), disable_tqdm))
+    res = self._in_context(
+      self.runner.score,
+      seqs,
+      [len(s) - 1 for s in seqs],
+      on_batch=self._bar(len(seqs), disable_tqdm),
+    )
     for k, (lp, _) in zip(where, res):
       out[k] = lp
     for req, lp in zip(requests, out):
-      self.cache_hook.add_partial('loglikelihood_rolling', req.args, lp)
+      self.cache_hook.add_partial("loglikelihood_rolling", req.args, lp)
     return out
 
   def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
@@ -146,42 +179,59 @@ class KdnJaxLM(LM):
     for k, req in enumerate(requests):
       context, kw = req.args
       opts = self._gen_options(dict(kw or {}))
-      groups.setdefault(repr(sorted((n, v) for n, v in opts.items() if n != 'until')), []).append((k, opts))
+      groups.setdefault(repr(sorted((n, v) for n, v in opts.items() if n != "until")), []).append(
+        (k, opts)
+      )
     out: list = [None] * len(requests)
     bar = self._bar(len(requests), disable_tqdm)
     for members in groups.values():
       opts = members[0][1]
-      prompts = [np.asarray([self.prefix] + self.tok.encode(requests[k].args[0]).tolist(), np.int32)
-                 for k, _ in members]
-      stops = [o['until'] for _, o in members]
+      prompts = [
+        np.asarray([self.prefix] + self.tok.encode(requests[k].args[0]).tolist(), np.int32)
+        for k, _ in members
+      ]
+      stops = [o["until"] for _, o in members]
 
       def stop(i, ids, stops=stops):
         return ids[-1] == self.prefix or any(u in self.tok.decode(ids) for u in stops[i])
 
-      gen = self._in_context(self.runner.generate, prompts, opts['max_gen_toks'], stop,
-                             temperature=opts['temperature'], top_k=opts['top_k'], seed=self.seed,
-                             on_batch=bar)
+      gen = self._in_context(
+        self.runner.generate,
+        prompts,
+        opts["max_gen_toks"],
+        stop,
+        temperature=opts["temperature"],
+        top_k=opts["top_k"],
+        seed=self.seed,
+        on_batch=bar,
+      )
       for (k, o), ids in zip(members, gen):
-        out[k] = self._trim(ids, o['until'])
-        self.cache_hook.add_partial('generate_until', requests[k].args, out[k])
+        out[k] = self._trim(ids, o["until"])
+        self.cache_hook.add_partial("generate_until", requests[k].args, out[k])
     return out
 
   # ---------------------------------------------------------------------------------------- helpers
   def _gen_options(self, kw: dict) -> dict:
-    until = kw.pop('until', None) or []
+    until = kw.pop("until", None) or []
     until = [until] if isinstance(until, str) else list(until)
-    do_sample = bool(kw.pop('do_sample', False))
-    temperature = float(kw.pop('temperature', 0.0) or 0.0)
-    top_k = kw.pop('top_k', None)
-    max_gen = int(kw.pop('max_gen_toks', kw.pop('max_new_tokens', self.max_gen_toks)))
-    kw.pop('top_p', None) if not do_sample else None
+    do_sample = bool(kw.pop("do_sample", False))
+    temperature = float(kw.pop("temperature", 0.0) or 0.0)
+    top_k = kw.pop("top_k", None)
+    max_gen = int(kw.pop("max_gen_toks", kw.pop("max_new_tokens", self.max_gen_toks)))
+    kw.pop("top_p", None) if not do_sample else None
     if kw:
-      raise ValueError(f'generate_until: unsupported generation arguments {sorted(kw)}; supported: until, '
-                       'max_gen_toks, do_sample, temperature, top_k')
+      raise ValueError(
+        f"generate_until: unsupported generation arguments {sorted(kw)}; supported: until, "
+        "max_gen_toks, do_sample, temperature, top_k"
+      )
     if not do_sample:
       temperature = 0.0
-    return {'until': until, 'max_gen_toks': max_gen, 'temperature': temperature,
-            'top_k': None if top_k in (None, 0) else int(top_k)}
+    return {
+      "until": until,
+      "max_gen_toks": max_gen,
+      "temperature": temperature,
+      "top_k": None if top_k in (None, 0) else int(top_k),
+    }
 
   def _trim(self, ids: list[int], until: list[str]) -> str:
     if ids and ids[-1] == self.prefix:
@@ -194,19 +244,21 @@ class KdnJaxLM(LM):
     if disable or not total:
       return None
     from tqdm import tqdm  # pylint: disable=g-import-not-at-top  (an lm_eval dependency)
-    bar = tqdm(total=total, desc='kdn_jax', file=sys.stderr)
+
+    bar = tqdm(total=total, desc="kdn_jax", file=sys.stderr)
     return lambda n: bar.update(n) and None
 
   @property
   def tokenizer_name(self) -> str:
-    return self.run.tokenizer_path or ''
+    return self.run.tokenizer_path or ""
 
 
 def main():
   """lm_eval's command line with the ``kdn_jax`` model registered (the console script kdn-lm-eval)."""
   from lm_eval.__main__ import cli_evaluate  # pylint: disable=g-import-not-at-top
+
   cli_evaluate()
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
   main()

@@ -8,6 +8,7 @@ The config is locked: overriding a key that does not exist fails at start naming
 validation (experiments/runner/config_lib.py) before anything is built. Re-running with the same --workdir resumes
 from the latest checkpoint.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,83 +30,94 @@ SAVE_ERROR_EXIT = 3
 
 
 def _config_error(msg: str):
-  print(f'Config error: {msg}', file=sys.stderr, flush=True)
+  print(f"Config error: {msg}", file=sys.stderr, flush=True)
   sys.exit(CONFIG_ERROR_EXIT)
 
 
 def _define_config_flag():
   # (config_flags expands the command line's --flagfile files while defining the flag)
   try:
-    return config_flags.DEFINE_config_file('config', None, 'Experiment config file (configs/<name>.py[:arg]).',
-                                           lock_config=True)
+    return config_flags.DEFINE_config_file(
+      "config", None, "Experiment config file (configs/<name>.py[:arg]).", lock_config=True
+    )
   except flags.CantOpenFlagFileError as e:
     _config_error(_flagfile_problem(e))
 
 
 def _check_workdir(workdir: str):
   if os.path.exists(workdir) and not os.path.isdir(workdir):
-    _config_error(f'--workdir={workdir}: is a file; expected a directory (new or holding a run)')
+    _config_error(f"--workdir={workdir}: is a file; expected a directory (new or holding a run)")
   parent = os.path.dirname(os.path.abspath(workdir))
   while not os.path.exists(parent):
     parent = os.path.dirname(parent)
   if not os.path.isdir(parent):
-    _config_error(f'--workdir={workdir}: {parent} is a file; expected a directory path')
+    _config_error(f"--workdir={workdir}: {parent} is a file; expected a directory path")
 
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  if not flags.FLAGS['verbosity'].present:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
     # Progress lines go to stdout; library INFO logs (orbax's per-save lines) need --verbosity=0.
     logging.set_verbosity(logging.WARNING)
   try:
     config = _CONFIG.value
     config_lib.check_keys(config)
-    if config.data.kind == 'token_file':  # corpus_dir fills the paths and eos_id the checks read
+    if config.data.kind == "token_file":  # corpus_dir fills the paths and eos_id the checks read
       corpus.resolve(config)
-    config_lib.validate(config)  # values, before anything is built (the mesh is checked by the Trainer)
+    config_lib.validate(
+      config
+    )  # values, before anything is built (the mesh is checked by the Trainer)
     token_files.check_run_files(config)
   except FileNotFoundError as e:  # a data file
     _config_error(str(e))
   except (OSError, config_lib.ConfigError) as e:  # OSError: get_config's deferred load failure
     _config_error(_root_message(e))
   _check_workdir(_WORKDIR.value)
-  from experiments.runner import lr_sweep  # pylint: disable=g-import-not-at-top(imports jax)
-  from experiments.runner import checkpoint  # pylint: disable=g-import-not-at-top
+  from experiments.runner import (
+    checkpoint,  # pylint: disable=g-import-not-at-top
+    lr_sweep,  # pylint: disable=g-import-not-at-top(imports jax)
+  )
+
   try:
     tr = lr_sweep.make_trainer(config, _WORKDIR.value)
   except (config_lib.ConfigError, FileNotFoundError) as e:
     _config_error(str(e))
   try:
     summary = tr.run()
-  except checkpoint.CheckpointMismatchError as e:  # raised at the start of run(), before any training
+  except (
+    checkpoint.CheckpointMismatchError
+  ) as e:  # raised at the start of run(), before any training
     _config_error(str(e))
   except checkpoint.CheckpointSaveError as e:
-    print(f'Checkpoint error: {e}', file=sys.stderr, flush=True)
+    print(f"Checkpoint error: {e}", file=sys.stderr, flush=True)
     return SAVE_ERROR_EXIT
   finally:
     tr.close()
-  logging.info('summary: %s', summary)  # also in <workdir>/summary.json
-  return 0 if summary['status'] in ('completed', 'preempted') else 1
+  logging.info("summary: %s", summary)  # also in <workdir>/summary.json
+  return 0 if summary["status"] in ("completed", "preempted") else 1
 
 
 def _flagfile_problem(e: BaseException) -> str:
   """The one line for a --flagfile that cannot be read (found at import or at flag parsing)."""
   cause = next((c for c in _chain(e) if isinstance(c, OSError) and c.filename), None)
   if cause is None:
-    return f'--flagfile: {_root_message(e)}'
-  return f'--flagfile: cannot read {cause.filename!r} ({cause.strerror})'
+    return f"--flagfile: {_root_message(e)}"
+  return f"--flagfile: cannot read {cause.filename!r} ({cause.strerror})"
 
 
 def _root_message(e: BaseException) -> str:
   """The first line of the innermost ConfigError (or else the innermost error) behind ``e``: absl and
   ml_collections re-wrap errors raised while loading a config file, adding tracebacks."""
   chain = _chain(e)
-  configs = [c for c in chain if isinstance(c, config_lib.ConfigError)
-             and not str(c).startswith('Error whilst parsing')]
+  configs = [
+    c
+    for c in chain
+    if isinstance(c, config_lib.ConfigError) and not str(c).startswith("Error whilst parsing")
+  ]
   root = configs[-1] if configs else chain[-1]
-  lines = str(root).strip().splitlines() or ['']
-  return lines[0] if configs else f'{type(root).__name__}: {lines[-1]}'
+  lines = str(root).strip().splitlines() or [""]
+  return lines[0] if configs else f"{type(root).__name__}: {lines[-1]}"
 
 
 def _expanded_args(argv) -> list[str]:
@@ -118,18 +130,22 @@ def _expanded_args(argv) -> list[str]:
 
 def _config_file_problem(argv) -> str | None:
   """A message when the --config file (also from --flagfile) does not exist, naming what does."""
-  values = [a.split('=', 1)[1] for a in _expanded_args(argv) if a.startswith('--config=')]
+  values = [a.split("=", 1)[1] for a in _expanded_args(argv) if a.startswith("--config=")]
   if not values:
     return None
   spec = values[-1]
-  path = spec.split(':', 1)[0]
+  path = spec.split(":", 1)[0]
   if os.path.isfile(path):
     return None
-  folder = os.path.dirname(path) or '.'
-  found = sorted(os.path.join(os.path.dirname(path), f) for f in (os.listdir(folder) if os.path.isdir(folder) else [])
-                 if f.endswith('.py') and not f.startswith('_'))
-  return (f'--config: no config file {path!r}{"" if spec == path else f" (in {spec!r})"}; '
-          + (f'available: {", ".join(found)}' if found else f'no .py config files in {folder!r}'))
+  folder = os.path.dirname(path) or "."
+  found = sorted(
+    os.path.join(os.path.dirname(path), f)
+    for f in (os.listdir(folder) if os.path.isdir(folder) else [])
+    if f.endswith(".py") and not f.startswith("_")
+  )
+  return f"--config: no config file {path!r}{'' if spec == path else f' (in {spec!r})'}; " + (
+    f"available: {', '.join(found)}" if found else f"no .py config files in {folder!r}"
+  )
 
 
 def _parse_flags(argv):
@@ -148,14 +164,24 @@ def _parse_flags(argv):
       _config_error(msg)
     # An override of a key the locked config lacks surfaces as a KeyError/AttributeError (or absl's unknown
     # flag) whose text holds the key's last component.
-    lookup = [c for c in _chain(e) if isinstance(c, (AttributeError, KeyError, flags.UnrecognizedFlagError))]
-    overrides = [a.split('=')[0][2:] for a in _expanded_args(argv) if a.startswith('--config.')]
-    named = [o for o in overrides if any(re.search(rf'\b{re.escape(o.split(".")[-1])}\b', str(c)) for c in lookup)]
+    lookup = [
+      c for c in _chain(e) if isinstance(c, (AttributeError, KeyError, flags.UnrecognizedFlagError))
+    ]
+    overrides = [a.split("=")[0][2:] for a in _expanded_args(argv) if a.startswith("--config.")]
+    named = [
+      o
+      for o in overrides
+      if any(re.search(rf"\b{re.escape(o.split('.')[-1])}\b", str(c)) for c in lookup)
+    ]
     if named:
-      _config_error(f'unknown config key {named[0]!r}{config_lib.did_you_mean(named[0])} (configs are '
-                    'locked; see experiments/runner/config_lib.py for the schema)')
-    bad_flag = re.match(r'flag --([\w.]+)=(.*?): ', str(e))  # absl's prefix names the flag and its value
-    _config_error(f'--{bad_flag[1]}={bad_flag[2]}: {msg}' if bad_flag else msg)
+      _config_error(
+        f"unknown config key {named[0]!r}{config_lib.did_you_mean(named[0])} (configs are "
+        "locked; see experiments/runner/config_lib.py for the schema)"
+      )
+    bad_flag = re.match(
+      r"flag --([\w.]+)=(.*?): ", str(e)
+    )  # absl's prefix names the flag and its value
+    _config_error(f"--{bad_flag[1]}={bad_flag[2]}: {msg}" if bad_flag else msg)
 
 
 def _chain(e) -> list[BaseException]:
@@ -168,9 +194,9 @@ def _chain(e) -> list[BaseException]:
 
 
 _CONFIG = _define_config_flag()
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and summaries.')
-flags.mark_flags_as_required(['config', 'workdir'])
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and summaries.")
+flags.mark_flags_as_required(["config", "workdir"])
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
   app.run(main, flags_parser=_parse_flags)

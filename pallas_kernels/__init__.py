@@ -15,10 +15,19 @@ Decode: decode.delta_rule_step / decode.kdn_step, one token fused in one pass ov
 Layer glue (import from their folders): kdn_gain.diag_gain_fused / iso_gain_fused (the gain with
 the gate front-end), causal_conv1d.causal_conv1d, gated_norm.gated_rms_norm.
 """
+
 from pallas_kernels import decode
 from pallas_kernels.common import precision_for
-from pallas_kernels.kdn_gain import diag_gain, iso_gain
 from pallas_kernels.delta_rule import delta_rule, write_dtype
+from pallas_kernels.kdn_gain import diag_gain, iso_gain
 from pallas_kernels.warmup import warm_imports
 
-__all__ = ["decode", "diag_gain", "iso_gain", "delta_rule", "precision_for", "warm_imports", "write_dtype"]
+__all__ = [
+  "decode",
+  "diag_gain",
+  "iso_gain",
+  "delta_rule",
+  "precision_for",
+  "warm_imports",
+  "write_dtype",
+]

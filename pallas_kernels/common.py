@@ -3,6 +3,7 @@
 Everything here is plain JAX (runs in XLA around the kernels); the kernels themselves live in the
 per-op folders.
 """
+
 from __future__ import annotations
 
 import jax
@@ -10,15 +11,15 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = [
-    "kernel_backend",
-    "resolve_interpret",
-    "compiler_params",
-    "dot_precision",
-    "precision_for",
-    "pad_time",
-    "reset_flags",
-    "segmented_cumsum",
-    "check_width",
+  "kernel_backend",
+  "resolve_interpret",
+  "compiler_params",
+  "dot_precision",
+  "precision_for",
+  "pad_time",
+  "reset_flags",
+  "segmented_cumsum",
+  "check_width",
 ]
 
 # Head widths K and V the kernels take (kdn_jax.ops pads narrower widths onto them and splits a
@@ -47,6 +48,7 @@ def compiler_params(num_warps: int = 4, num_stages: int = 1):
   """Backend-specific compiler params (Triton on GPU; None elsewhere)."""
   if kernel_backend() == "gpu":
     from jax.experimental.pallas import triton as pltr  # pylint: disable=g-import-not-at-top
+
     return pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages)
   return None
 
@@ -80,8 +82,9 @@ def dot_precision(mode, interpret=False):
 def check_width(name, n):
   if n not in SUPPORTED_WIDTHS:
     raise NotImplementedError(
-        f"pallas_kernels: {name}={n} is not supported (supported: {SUPPORTED_WIDTHS}); "
-        "use the chunked XLA implementation instead.")
+      f"pallas_kernels: {name}={n} is not supported (supported: {SUPPORTED_WIDTHS}); "
+      "use the chunked XLA implementation instead."
+    )
 
 
 def next_pow2(n):
@@ -109,8 +112,7 @@ def reset_flags(segment_ids, batch, t, t_pad):
     flags = jnp.zeros((batch, t), bool).at[:, 0].set(True)
   else:
     seg = segment_ids.astype(jnp.int32)
-    flags = jnp.concatenate(
-        [jnp.ones((batch, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    flags = jnp.concatenate([jnp.ones((batch, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
   return pad_time(flags, t_pad, False)
 
 

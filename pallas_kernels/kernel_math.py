@@ -14,6 +14,7 @@ gains, the conv and the norm take exp_for(their data's dtype). Session 46, stati
 116 -> 84 instructions per warp (with intra.py's unclamped decay), the fused-front gain's token
 loops 626 -> 389 and 606 -> 357.
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp

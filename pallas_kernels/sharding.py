@@ -10,6 +10,7 @@ batch / head count the mesh axes do not divide, are gathered (with a warning). O
 inside a fully manual shard_map, and under vmap (custom_partitioning has no batching rule) the
 plain body runs. Not on TPU: custom_partitioning does not compile there (jax issue #38196).
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,7 +19,8 @@ import math
 import jax
 from jax import custom_batching
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 __all__ = ["per_shard"]
 
@@ -67,9 +69,14 @@ def _warn_gathered(name, arg_shapes, kept):
     used = {a for d in have.spec for a in _as_tuple(d)}
     if used - {a for d in want.spec for a in _as_tuple(d)}:
       logging.warning(
-          "pallas_kernels: %s operand %d %s arrives sharded as %s; the kernel keeps only its "
-          "batch / head sharding (%s, divisible sizes), so it is gathered to that first.",
-          name, i, tuple(s.shape), have.spec, want.spec)
+        "pallas_kernels: %s operand %d %s arrives sharded as %s; the kernel keeps only its "
+        "batch / head sharding (%s, divisible sizes), so it is gathered to that first.",
+        name,
+        i,
+        tuple(s.shape),
+        have.spec,
+        want.spec,
+      )
 
 
 def _rule(in_ndims, in_dims, out_ndims, out_dims):
@@ -101,6 +108,7 @@ def per_shard(fn, in_dims, out_dims, name):
   head_dim, ndim), or None for a result `fn` returns as None (given up front, so the body is
   traced once). `fn` must be independent across batch entries and heads (results with a batch
   or head dim depend only on the same entries of the arguments)."""
+
   def wrapped(*args):
     if jax.default_backend() == "tpu":
       return fn(*args)
@@ -133,11 +141,16 @@ def per_shard(fn, in_dims, out_dims, name):
       _warn_gathered(name, arg_shapes, arg_shardings)
       return (mesh, body, _shardings(mesh, out_shapes, odims, batch, heads), arg_shardings)
 
-    rule, local = _rule([a.ndim for a in arrays], dims, [out_dims[j][2] for j in out_present],
-                        odims)
+    rule, local = _rule(
+      [a.ndim for a in arrays], dims, [out_dims[j][2] for j in out_present], odims
+    )
     cp = custom_partitioning(body)
-    cp.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule,
-                     need_replication_factors=local)
+    cp.def_partition(
+      partition,
+      infer_sharding_from_operands=infer,
+      sharding_rule=rule,
+      need_replication_factors=local,
+    )
 
     @custom_batching.custom_vmap
     def call(*arrays):

@@ -19,6 +19,7 @@ paid once per block or hidden behind the steps. Pallas' Triton lowering has no u
 kernel). The steps' arithmetic and its order are unchanged (results agree with the plain loop's
 up to the compiler's choices, e.g. fused multiply-adds: 1 ulp in interpret mode on CPU).
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -39,7 +40,7 @@ def blocked_loop(n, block, load, step, carry, ahead=True):
     raise ValueError(f"blocked_loop: block must be >= 1, got {block}")
   if block == 1:
     return lax.fori_loop(0, n, lambda i, c: step(i, load(i), c), carry)
-  if isinstance(n, int) and n < block:   # no whole block: the plain loop
+  if isinstance(n, int) and n < block:  # no whole block: the plain loop
     return lax.fori_loop(0, n, lambda i, c: step(i, load(i), c), carry)
   whole = n // block
   last = jnp.maximum(n - 1, 0) if not isinstance(n, int) else max(n - 1, 0)
@@ -53,10 +54,12 @@ def blocked_loop(n, block, load, step, carry, ahead=True):
     return c
 
   if ahead:
+
     def body(j, state):
       c, rows = state
-      nxt = grab(j + 1)   # issued before this block's steps wait on anything
+      nxt = grab(j + 1)  # issued before this block's steps wait on anything
       return run(j, rows, c), nxt
+
     carry, _ = lax.fori_loop(0, whole, body, (carry, grab(0)))
   else:
     carry = lax.fori_loop(0, whole, lambda j, c: run(j, grab(j), c), carry)

@@ -13,19 +13,27 @@ scratch and the body's spilled temporaries; issue 21 holds every kernel to 16 Mi
 T=16k, H=16, K=V=128 bf16 (tests/test_tpu_kernels.py), the default scoped-VMEM limit on some
 TPU generations, so the real budget has room for those.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import sharding
 
-__all__ = ["use_tpu_kernels", "per_shard", "check_lane_tile", "compiler_params", "tile_bytes",
-           "Block", "vmem_bytes"]
+__all__ = [
+  "use_tpu_kernels",
+  "per_shard",
+  "check_lane_tile",
+  "compiler_params",
+  "tile_bytes",
+  "Block",
+  "vmem_bytes",
+]
 
 LANES = 128
 SUBLANES_32BIT = 8
@@ -39,10 +47,12 @@ def use_tpu_kernels(interpret) -> bool:
   if jax.default_backend() == "tpu":
     return True
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+
   if isinstance(interpret, pltpu.InterpretParams):
     return True
   # The context manager's state has no public getter; pallas_call reads this same flag.
   from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
+
   forced = getattr(jax_config, "pallas_tpu_interpret_mode_context_manager", None)
   return forced is not None and forced.value is not None
 
@@ -63,14 +73,16 @@ def check_lane_tile(op, name, width):
   there. Interpret mode does not check layouts, so it runs any width (the tests use 16, 32)."""
   if jax.default_backend() == "tpu" and width % LANES:
     raise NotImplementedError(
-        f"{op}: {name}={width} is not a multiple of {LANES}, which the Mosaic-TPU kernels' "
-        "(rows, K) tiles need; use impl='chunked' on TPU for this width.")
+      f"{op}: {name}={width} is not a multiple of {LANES}, which the Mosaic-TPU kernels' "
+      "(rows, K) tiles need; use impl='chunked' on TPU for this width."
+    )
 
 
 def compiler_params(semantics: Sequence[str]):
   """Mosaic params: `semantics` per grid axis, 'parallel' (independent programs: megacore may
   split them across the two TensorCores) or 'arbitrary' (sequential: a carry in scratch)."""
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+
   return pltpu.CompilerParams(dimension_semantics=tuple(semantics))
 
 
@@ -91,6 +103,7 @@ def tile_bytes(shape, dtype) -> int:
 class Block:
   """One VMEM buffer of a kernel: `shape` (squeezed dims dropped), `dtype`, and whether the
   pipeline double-buffers it (BlockSpec'd inputs/outputs: True; scratch: False)."""
+
   name: str
   shape: tuple
   dtype: object

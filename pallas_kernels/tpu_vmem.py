@@ -6,6 +6,7 @@ Each kernel's live VMEM = its BlockSpec'd tiles double-buffered + its scratch, c
 Mosaic's (8|16, 128) tile padding (tpu_common.vmem_bytes). It depends on the block sizes, not
 on B, T or H (those only set the grid), which is the point of the tiling.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import tpu_common
 from pallas_kernels.delta_rule import config as dr_config
-from pallas_kernels.delta_rule import tpu_backward
-from pallas_kernels.delta_rule import tpu_forward
+from pallas_kernels.delta_rule import tpu_backward, tpu_forward
 from pallas_kernels.kdn_gain import config as gain_config
 from pallas_kernels.kdn_gain import tpu as gain_tpu
 
@@ -30,13 +30,17 @@ def budgets(bsz, t, nh, kd, vd, dtype, gain_block=None, chunk=None):
   out = {}
   for diag, name in ((True, "diag"), (False, "iso")):
     out[f"kdn_gain {name} forward (block_t={gain_block})"] = tpu_common.vmem_bytes(
-        gain_tpu.forward_blocks(bsz, t, nh, kd, diag, gain_block, dtype))
+      gain_tpu.forward_blocks(bsz, t, nh, kd, diag, gain_block, dtype)
+    )
     out[f"kdn_gain {name} backward (block_t={gain_block})"] = tpu_common.vmem_bytes(
-        gain_tpu.backward_blocks(bsz, t, nh, kd, diag, gain_block, dtype))
+      gain_tpu.backward_blocks(bsz, t, nh, kd, diag, gain_block, dtype)
+    )
   out[f"delta_rule forward (chunk={chunk}, segments, saving states)"] = tpu_common.vmem_bytes(
-      tpu_forward.forward_blocks(bsz, t, nh, kd, vd, chunk, dtype))
+    tpu_forward.forward_blocks(bsz, t, nh, kd, vd, chunk, dtype)
+  )
   out[f"delta_rule backward (chunk={chunk}, segments)"] = tpu_common.vmem_bytes(
-      tpu_backward.backward_blocks(bsz, t, nh, kd, vd, chunk, dtype))
+    tpu_backward.backward_blocks(bsz, t, nh, kd, vd, chunk, dtype)
+  )
   return out
 
 
@@ -59,13 +63,20 @@ def main(argv=None):
   print("| kernel | live VMEM (KiB) |\n|---|---:|")
   rows = dict(budgets(a.b, a.t, a.h, a.k, a.v, dt))
   for c in (32, 64):
-    rows.update({k: v for k, v in budgets(a.b, a.t, a.h, a.k, a.v, dt, chunk=c).items()
-                 if k.startswith("delta_rule")})
+    rows.update(
+      {
+        k: v
+        for k, v in budgets(a.b, a.t, a.h, a.k, a.v, dt, chunk=c).items()
+        if k.startswith("delta_rule")
+      }
+    )
   for name, n in rows.items():
     print(f"| {name} | {n / 1024:.0f} |")
-  print(f"\nFor scale: one whole [B, T, H, K] {dt.name} operand (what the whole-array kernels "
-        f"would need in VMEM per input) is {whole_array_bytes(a.b, a.t, a.h, a.k, dt) / 2**20:.0f}"
-        " MiB.")
+  print(
+    f"\nFor scale: one whole [B, T, H, K] {dt.name} operand (what the whole-array kernels "
+    f"would need in VMEM per input) is {whole_array_bytes(a.b, a.t, a.h, a.k, dt) / 2**20:.0f}"
+    " MiB."
+  )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ decide between the Mosaic-TPU and the generic kernels) and from lowering a palla
 both before the step is traced. (Importing them in pallas_kernels at module level was not enough:
 kdn_jax imports pallas_kernels only when a layer first reaches a kernel, inside that trace.)
 """
+
 from __future__ import annotations
 
 import jax
@@ -27,7 +28,7 @@ def warm_imports(interpret=None) -> None:
   """Lower (not compile) one [16, 128] copy kernel with `interpret` resolved as the kernels do
   (compiled on GPU, interpret mode on CPU). Call it before the first jit that reaches a kernel."""
   # every kernel call imports jax's Mosaic-TPU package (tpu_common.use_tpu_kernels)
-  from jax.experimental.pallas import tpu  # pylint: disable=g-import-not-at-top,unused-import
+
   interpret = common.resolve_interpret(interpret)
   shape = jax.ShapeDtypeStruct((16, 128), jnp.float32)
   jax.jit(lambda x: pl.pallas_call(_copy, out_shape=shape, interpret=interpret)(x)).lower(shape)

@@ -13,8 +13,9 @@ also which elementwise ops XLA:CPU fuses; both can change the order of some fp32
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
-                      "--xla_cpu_use_fusion_emitters=false")
+os.environ.setdefault(
+  "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_cpu_use_fusion_emitters=false"
+)
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 
@@ -27,6 +28,7 @@ def optimized_xla():
   compiled program many times (a training loop) rather than compiling it. (XLA_FLAGS are read
   once per process, so these still run with the loop emitters above.)"""
   import jax  # pylint: disable=g-import-not-at-top
+
   before = jax.config.values["jax_disable_most_optimizations"]
   jax.config.update("jax_disable_most_optimizations", False)
   yield

@@ -10,8 +10,7 @@ def _starts(segment_ids, b, t):
   if segment_ids is None:
     return jnp.zeros((t, b), bool)
   s = jnp.asarray(segment_ids)
-  return jnp.concatenate([jnp.zeros((b, 1), bool), s[:, 1:] != s[:, :-1]],
-                         axis=1).T
+  return jnp.concatenate([jnp.zeros((b, 1), bool), s[:, 1:] != s[:, :-1]], axis=1).T
 
 
 def _reset(flag, x, x0):
@@ -39,15 +38,13 @@ def delta_rule(q, k, v, la, w, S0, scale, segment_ids=None, every=False):
     o = scale * jnp.einsum("bhkv,bhk->bhv", S, qt)
     return S, ((o, S) if every else o)
 
-  S, ys = jax.lax.scan(step, S0, (_starts(segment_ids, b, t), tm(q), tm(k),
-                                  tm(v), tm(la), tm(w)))
+  S, ys = jax.lax.scan(step, S0, (_starts(segment_ids, b, t), tm(q), tm(k), tm(v), tm(la), tm(w)))
   if every:
     return jnp.moveaxis(ys[0], 0, 1), jnp.moveaxis(ys[1], 0, 1)
   return jnp.moveaxis(ys, 0, 1), S
 
 
-def kdn(q, k, v, la, omega, r, S0, p0, mu, scale, diag, segment_ids=None,
-        every=False):
+def kdn(q, k, v, la, omega, r, S0, p0, mu, scale, diag, segment_ids=None, every=False):
   """Diagonal (diag=True) or isotropic KDN. Returns (o, S_T, p_T); every=True:
   (o, S, p) after every token ([B,T,...], like delta_rule's)."""
   b, t = q.shape[:2]
@@ -60,20 +57,20 @@ def kdn(q, k, v, la, omega, r, S0, p0, mu, scale, diag, segment_ids=None,
     S, p = _reset(st, carry[0], S0), _reset(st, carry[1], p0)
     if diag:
       p_hat = jnp.exp(2 * lat) * p + omt
-      gain = p_hat * kt / (rt + jnp.sum(p_hat * kt ** 2, -1))[..., None]
-      p = p_hat * rt[..., None] / (rt[..., None] + mu[:, None] * kt ** 2 * p_hat)
+      gain = p_hat * kt / (rt + jnp.sum(p_hat * kt**2, -1))[..., None]
+      p = p_hat * rt[..., None] / (rt[..., None] + mu[:, None] * kt**2 * p_hat)
     else:
       p_hat = jnp.mean(jnp.exp(2 * lat), -1) * p + omt
-      k2 = jnp.sum(kt ** 2, -1)
+      k2 = jnp.sum(kt**2, -1)
       gain = (p_hat / (rt + p_hat * k2))[..., None] * kt
       p = p_hat * kd * rt / (kd * rt + mu * k2 * p_hat)
     S = _memory_update(S, kt, vt, lat, gain)
     o = scale * jnp.einsum("bhkv,bhk->bhv", S, qt)
     return (S, p), ((o, S, p) if every else o)
 
-  (S, p), ys = jax.lax.scan(step, (S0, p0), (
-      _starts(segment_ids, b, t), tm(q), tm(k), tm(v), tm(la), tm(omega),
-      tm(r)))
+  (S, p), ys = jax.lax.scan(
+    step, (S0, p0), (_starts(segment_ids, b, t), tm(q), tm(k), tm(v), tm(la), tm(omega), tm(r))
+  )
   if every:
     return tuple(jnp.moveaxis(y, 0, 1) for y in ys)
   return jnp.moveaxis(ys, 0, 1), S, p

@@ -2,16 +2,30 @@
 
 import jax
 import jax.numpy as jnp
+import kdn_oracle
 import numpy as np
 
-import kdn_oracle
 from kdn_jax import ops
 
 FAMILIES = ("diag", "iso", "delta_channel", "delta_scalar")
 
 
-def make_inputs(family, b, t, h, kd, vd, seed=0, *, la_scale=1.0, r=None,
-                mu=None, omega_zero=False, la_value=None, hk=None):
+def make_inputs(
+  family,
+  b,
+  t,
+  h,
+  kd,
+  vd,
+  seed=0,
+  *,
+  la_scale=1.0,
+  r=None,
+  mu=None,
+  omega_zero=False,
+  la_value=None,
+  hk=None,
+):
   """float64 numpy inputs for one family (unit-norm keys, as layers use).
 
   hk: q/k heads (default h); fewer than h is grouped value heads (h a multiple
@@ -30,14 +44,13 @@ def make_inputs(family, b, t, h, kd, vd, seed=0, *, la_scale=1.0, r=None,
   x["log_alpha"] = la if la_value is None else np.full(la_shape, la_value)
   if family in ("diag", "iso"):
     om_shape = (b, t, h, kd) if family == "diag" else (b, t, h)
-    x["omega"] = 0.0 * n(*om_shape) if omega_zero else 0.1 * np.log1p(
-        np.exp(n(*om_shape)))
-    x["r"] = (np.full((b, t, h), r) if r is not None else
-              0.01 + np.log1p(np.exp(n(b, t, h))))
+    x["omega"] = 0.0 * n(*om_shape) if omega_zero else 0.1 * np.log1p(np.exp(n(*om_shape)))
+    x["r"] = np.full((b, t, h), r) if r is not None else 0.01 + np.log1p(np.exp(n(b, t, h)))
     x["mu"] = float(kd) if mu is None else mu
   else:
-    x["write"] = 0.5 * k * (1 / (1 + np.exp(-n(b, t, h))))[..., None] + \
-        0.1 * n(b, t, h, kd) / np.sqrt(kd)
+    x["write"] = 0.5 * k * (1 / (1 + np.exp(-n(b, t, h))))[..., None] + 0.1 * n(
+      b, t, h, kd
+    ) / np.sqrt(kd)
   return x
 
 
@@ -57,8 +70,9 @@ def make_state(family, b, h, kd, vd, seed=1):
   return (s,)
 
 
-def run(family, x, impl, *, state=None, segment_ids=None, chunk_size=32,
-        dtype=jnp.float32, jit=False):
+def run(
+  family, x, impl, *, state=None, segment_ids=None, chunk_size=32, dtype=jnp.float32, jit=False
+):
   """Runs kdn_jax on inputs x cast to dtype; returns (o, final tuple).
 
   jit=True traces once per (family, impl, shapes): worth it where a test calls
@@ -71,17 +85,26 @@ def run(family, x, impl, *, state=None, segment_ids=None, chunk_size=32,
 
 
 def _run(family, c, mu, state, segment_ids, impl, chunk_size):
-  kw = dict(impl=impl, output_final_state=True, segment_ids=segment_ids,
-            chunk_size=chunk_size)
+  kw = dict(impl=impl, output_final_state=True, segment_ids=segment_ids, chunk_size=chunk_size)
   if family in ("diag", "iso"):
     fn = ops.diag_kdn if family == "diag" else ops.iso_kdn
     init = None if state is None else ops.KDNState(*state)
-    o, st = fn(c["q"], c["k"], c["v"], c["log_alpha"], c["omega"], c["r"],
-               info_scale=mu, initial_state=init, **kw)
+    o, st = fn(
+      c["q"],
+      c["k"],
+      c["v"],
+      c["log_alpha"],
+      c["omega"],
+      c["r"],
+      info_scale=mu,
+      initial_state=init,
+      **kw,
+    )
     return o, (st.memory, st.variance)
   init = None if state is None else state[0]
-  o, s = ops.delta_rule(c["q"], c["k"], c["v"], c["log_alpha"], c["write"],
-                        initial_state=init, **kw)
+  o, s = ops.delta_rule(
+    c["q"], c["k"], c["v"], c["log_alpha"], c["write"], initial_state=init, **kw
+  )
   return o, (s,)
 
 
@@ -92,22 +115,37 @@ def oracle(family, x, *, state=None, segment_ids=None):
   """float64 token loop; inputs are rounded through float32 by the caller."""
   with jax.enable_x64(True):
     h = x["v"].shape[2]
-    c = {key: jnp.asarray(to_value_heads(val, h) if key in ("q", "k") else val,
-                          jnp.float64) for key, val in x.items() if key != "mu"}
+    c = {
+      key: jnp.asarray(to_value_heads(val, h) if key in ("q", "k") else val, jnp.float64)
+      for key, val in x.items()
+      if key != "mu"
+    }
     b, _, _, kd = c["q"].shape
     vd = c["v"].shape[-1]
-    s0 = jnp.zeros((b, h, kd, vd)) if state is None else jnp.asarray(
-        state[0], jnp.float64)
-    scale = kd ** -0.5
+    s0 = jnp.zeros((b, h, kd, vd)) if state is None else jnp.asarray(state[0], jnp.float64)
+    scale = kd**-0.5
     if family in ("diag", "iso"):
-      p0 = (jnp.ones((b, h, kd) if family == "diag" else (b, h))
-            if state is None else jnp.asarray(state[1], jnp.float64))
-      o, s, p = _oracle_kdn(c["q"], c["k"], c["v"], c["log_alpha"],
-                            c["omega"], c["r"], s0, p0, jnp.asarray(x["mu"], jnp.float64),
-                            scale, family == "diag", segment_ids)
+      p0 = (
+        jnp.ones((b, h, kd) if family == "diag" else (b, h))
+        if state is None
+        else jnp.asarray(state[1], jnp.float64)
+      )
+      o, s, p = _oracle_kdn(
+        c["q"],
+        c["k"],
+        c["v"],
+        c["log_alpha"],
+        c["omega"],
+        c["r"],
+        s0,
+        p0,
+        jnp.asarray(x["mu"], jnp.float64),
+        scale,
+        family == "diag",
+        segment_ids,
+      )
       return np.asarray(o), (np.asarray(s), np.asarray(p))
-    o, s = _oracle_delta(c["q"], c["k"], c["v"], c["log_alpha"],
-                         c["write"], s0, scale, segment_ids)
+    o, s = _oracle_delta(c["q"], c["k"], c["v"], c["log_alpha"], c["write"], s0, scale, segment_ids)
     return np.asarray(o), (np.asarray(s),)
 
 
@@ -118,8 +156,10 @@ _oracle_delta = jax.jit(kdn_oracle.delta_rule, static_argnums=(6,))
 
 def round_f32(x):
   """The float32-rounded copy of the inputs, so the oracle sees what the op sees."""
-  return {k: (np.asarray(v, np.float32).astype(np.float64)
-              if isinstance(v, np.ndarray) else v) for k, v in x.items()}
+  return {
+    k: (np.asarray(v, np.float32).astype(np.float64) if isinstance(v, np.ndarray) else v)
+    for k, v in x.items()
+  }
 
 
 def rel_err(a, b):

@@ -1,5 +1,6 @@
 """The import graph reads top-down (configs -> experiments -> kdn_jax -> pallas_kernels) and has no
 cycles, counting imports inside functions too (they hide a cycle, they do not remove it)."""
+
 import ast
 import os
 
@@ -8,11 +9,13 @@ PACKAGES = ("configs", "experiments", "kdn_jax", "pallas_kernels")
 # a package may import only packages listed after it (and itself)
 BELOW = {p: set(PACKAGES[i:]) for i, p in enumerate(PACKAGES)}
 # runners of one experiment's config file (they read its grid definition)
-ALLOWED_UP = {("experiments.studies.mqar_grid", "configs.mqar_grid"),
-              ("experiments.studies.lengen_synthetic", "configs.lengen_synthetic"),
-              ("experiments.studies.mqar_zoology", "configs.mqar_zoology"),
-              ("experiments.studies.mqar_zoology_sweep", "configs.mqar_zoology"),
-              ("experiments.studies.init_write_strength", "configs.mqar_zoology")}
+ALLOWED_UP = {
+  ("experiments.studies.mqar_grid", "configs.mqar_grid"),
+  ("experiments.studies.lengen_synthetic", "configs.lengen_synthetic"),
+  ("experiments.studies.mqar_zoology", "configs.mqar_zoology"),
+  ("experiments.studies.mqar_zoology_sweep", "configs.mqar_zoology"),
+  ("experiments.studies.init_write_strength", "configs.mqar_zoology"),
+}
 
 
 def _modules():
@@ -22,7 +25,9 @@ def _modules():
       for f in files:
         if f.endswith(".py"):
           rel = os.path.relpath(os.path.join(dirpath, f[:-3]), ROOT).replace(os.sep, ".")
-          mods[rel[:-len(".__init__")] if rel.endswith(".__init__") else rel] = os.path.join(dirpath, f)
+          mods[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = os.path.join(
+            dirpath, f
+          )
   return mods
 
 
@@ -37,8 +42,10 @@ def _graph():
         targets = [a.name for a in node.names]
       elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
         # `from pkg import mod` depends on pkg.mod only, `from mod import name` on mod
-        targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module
-                   for a in node.names]
+        targets = [
+          f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module
+          for a in node.names
+        ]
       else:
         continue
       edges[m] |= {t for t in targets if t in mods and t != m}
@@ -69,6 +76,7 @@ def _cycles(edges):
           break
       if len(comp) > 1:
         out.append(sorted(comp))
+
   for v in sorted(edges):
     if v not in index:
       visit(v)
@@ -80,8 +88,12 @@ def test_no_import_cycles():
 
 
 def test_imports_point_down():
-  bad = [(m, t) for m, ts in _graph().items() for t in ts
-         if t.split(".")[0] not in BELOW[m.split(".")[0]] and (m, t) not in ALLOWED_UP]
+  bad = [
+    (m, t)
+    for m, ts in _graph().items()
+    for t in ts
+    if t.split(".")[0] not in BELOW[m.split(".")[0]] and (m, t) not in ALLOWED_UP
+  ]
   assert bad == []
 
 

@@ -2,13 +2,13 @@
 a trained run says so in a `<!-- readme-test: skip (reason) -->` line right above it), and every
 `python -m <module>` and `--config=<file>:<preset>` in its ```bash blocks names a module / config that
 exists."""
+
 import os
 import re
 import subprocess
 import sys
 
 import pytest
-
 from runner_helpers import ROOT, one_device_env
 
 README = os.path.join(ROOT, "README.md")
@@ -28,7 +28,7 @@ def _blocks(lang):
         j += 1
       prev = next((lines[k] for k in range(start - 1, -1, -1) if lines[k].strip()), "")
       m = SKIP.search(prev)
-      out.append((start + 1, "\n".join(lines[start + 1:j]), m[1] if m else None))
+      out.append((start + 1, "\n".join(lines[start + 1 : j]), m[1] if m else None))
       i = j
     i += 1
   return out
@@ -42,11 +42,21 @@ def test_readme_has_python_blocks_and_skips_say_why():
   assert all(reason is None or len(reason) > 10 for _, _, reason in PY)
 
 
-@pytest.mark.parametrize("line,code", [(n, c) for n, c, why in PY if why is None],
-                         ids=[f"README.md:{n}" for n, _, why in PY if why is None])
+@pytest.mark.parametrize(
+  "line,code",
+  [(n, c) for n, c, why in PY if why is None],
+  ids=[f"README.md:{n}" for n, _, why in PY if why is None],
+)
 def test_python_block_runs_as_pasted(line, code, tmp_path):
-  out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=one_device_env(), capture_output=True,
-                       text=True, timeout=300, check=False)
+  out = subprocess.run(
+    [sys.executable, "-c", code],
+    cwd=tmp_path,
+    env=one_device_env(),
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
   assert out.returncode == 0, f"README.md line {line}:\n{out.stderr[-3000:]}"
 
 

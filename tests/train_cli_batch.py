@@ -11,6 +11,7 @@ RLIMIT_FSIZE (SIGXFSZ ignored), so writing a larger file fails as on a full disk
 
 (tests/runner/test_cli_values.py checks that a child's result equals a fresh process's.)
 """
+
 import json
 import os
 import sys
@@ -24,21 +25,27 @@ def _run_child(argv, out_path, err_path, fsize_limit=None):
     if fsize_limit:
       import resource  # pylint: disable=g-import-not-at-top
       import signal  # pylint: disable=g-import-not-at-top
+
       signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-      resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+      resource.setrlimit(
+        resource.RLIMIT_FSIZE, (fsize_limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1])
+      )
     out = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     err = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(out, 1)
     os.dup2(err, 2)
     from absl import app  # pylint: disable=g-import-not-at-top
+
     from experiments import train  # pylint: disable=g-import-not-at-top
-    sys.argv = ['experiments/train.py', *argv]
+
+    sys.argv = ["experiments/train.py", *argv]
     app.run(train.main, flags_parser=train._parse_flags)  # pylint: disable=protected-access
     code = 0
   except SystemExit as e:
     code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
   except BaseException:  # pylint: disable=broad-except
     import traceback  # pylint: disable=g-import-not-at-top
+
     traceback.print_exc()
     code = 1
   finally:
@@ -50,24 +57,36 @@ def _run_child(argv, out_path, err_path, fsize_limit=None):
 def main():
   cases = json.loads(sys.argv[1])
   # what every run imports (the trainer's modules too), once
+  import configs.mqar  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import  (warms the model configs)
   from experiments import train  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
   from experiments.runner import lr_sweep  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
-  import configs.mqar  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import  (warms the model configs)
+
   tmp = tempfile.mkdtemp()
   for i, case in enumerate(cases):
-    argv, limit = (case['argv'], case.get('fsize_limit')) if isinstance(case, dict) else (case, None)
-    out_path, err_path = os.path.join(tmp, f'{i}.out'), os.path.join(tmp, f'{i}.err')
+    argv, limit = (
+      (case["argv"], case.get("fsize_limit")) if isinstance(case, dict) else (case, None)
+    )
+    out_path, err_path = os.path.join(tmp, f"{i}.out"), os.path.join(tmp, f"{i}.err")
     pid = os.fork()
     if pid == 0:
       _run_child(argv, out_path, err_path, limit)
     _, status = os.waitpid(pid, 0)
-    with open(out_path, encoding='utf-8') as f:
+    with open(out_path, encoding="utf-8") as f:
       stdout = f.read()
-    with open(err_path, encoding='utf-8') as f:
+    with open(err_path, encoding="utf-8") as f:
       stderr = f.read()
-    print(json.dumps({'argv': argv, 'returncode': os.waitstatus_to_exitcode(status), 'stdout': stdout,
-                      'stderr': stderr}), flush=True)
+    print(
+      json.dumps(
+        {
+          "argv": argv,
+          "returncode": os.waitstatus_to_exitcode(status),
+          "stdout": stdout,
+          "stderr": stderr,
+        }
+      ),
+      flush=True,
+    )
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
   main()

@@ -24,22 +24,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from experiments.runner import cli
 from experiments.benchmarks import timing
+from experiments.runner import cli
 from kdn_jax import ops
 from kdn_jax.ops import context_parallel as cp
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_string("out", "/tmp/benchmark_context_parallel", "output directory", flag_values=FLAGS)
-flags.DEFINE_boolean("tiny", False, "tiny CPU shapes (B=1, H=2, K=V=16, T=64; float32, chunked)",
-                     flag_values=FLAGS)
-flags.DEFINE_list("overhead_lens", ["4096", "16384", "65536"], "lengths of the overhead rows",
-                  flag_values=FLAGS)
+flags.DEFINE_boolean(
+  "tiny", False, "tiny CPU shapes (B=1, H=2, K=V=16, T=64; float32, chunked)", flag_values=FLAGS
+)
+flags.DEFINE_list(
+  "overhead_lens", ["4096", "16384", "65536"], "lengths of the overhead rows", flag_values=FLAGS
+)
 flags.DEFINE_integer("long_len", 1 << 20, "length of the long and split rows", flag_values=FLAGS)
-flags.DEFINE_list("contexts", [], "axis sizes of the split rows (default: 2, 4, ... up to the "
-                  "device count)", flag_values=FLAGS)
+flags.DEFINE_list(
+  "contexts",
+  [],
+  "axis sizes of the split rows (default: 2, 4, ... up to the device count)",
+  flag_values=FLAGS,
+)
 flags.DEFINE_integer("batch", 1, "batch size", flag_values=FLAGS)
 flags.DEFINE_integer("heads", 16, "heads", flag_values=FLAGS)
 flags.DEFINE_integer("dim", 128, "K = V per head", flag_values=FLAGS)
@@ -91,8 +98,9 @@ def _row(section, t, contexts, fn, impl, args, reps, warmup):
     compiled = _fwd_bwd(fn, impl).lower(*args).compile()
     mem = compiled.memory_analysis()
     if mem is not None:
-      row["program_bytes"] = int(mem.argument_size_in_bytes + mem.output_size_in_bytes +
-                                 mem.temp_size_in_bytes)
+      row["program_bytes"] = int(
+        mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+      )
     row["ms"] = timing.median_time(compiled, *args, warmup=warmup, repeats=reps)
     row["ms_per_mtoken"] = row["ms"] * 1e6 / (t * args[0].shape[0])
   except Exception as e:  # pylint: disable=broad-except  (an OOM row is a result too)
@@ -103,12 +111,29 @@ def _row(section, t, contexts, fn, impl, args, reps, warmup):
 
 
 def _settings():
-  s = dict(batch=FLAGS.batch, heads=FLAGS.heads, dim=FLAGS.dim, dtype=FLAGS.dtype, impl=FLAGS.impl,
-           overhead_lens=[int(x) for x in FLAGS.overhead_lens], long_len=FLAGS.long_len,
-           reps=FLAGS.reps, warmup=FLAGS.warmup)
+  s = dict(
+    batch=FLAGS.batch,
+    heads=FLAGS.heads,
+    dim=FLAGS.dim,
+    dtype=FLAGS.dtype,
+    impl=FLAGS.impl,
+    overhead_lens=[int(x) for x in FLAGS.overhead_lens],
+    long_len=FLAGS.long_len,
+    reps=FLAGS.reps,
+    warmup=FLAGS.warmup,
+  )
   if FLAGS.tiny:
-    s.update(batch=1, heads=2, dim=16, dtype="float32", impl="chunked", overhead_lens=[64],
-             long_len=64, reps=1, warmup=1)
+    s.update(
+      batch=1,
+      heads=2,
+      dim=16,
+      dtype="float32",
+      impl="chunked",
+      overhead_lens=[64],
+      long_len=64,
+      reps=1,
+      warmup=1,
+    )
   n_dev = len(jax.devices())
   if FLAGS.contexts:
     s["contexts"] = [int(x) for x in FLAGS.contexts]
@@ -116,15 +141,16 @@ def _settings():
     s["contexts"] = [n for n in (2, 4, 8, 16) if n <= n_dev]
   bad = [n for n in s["contexts"] if n < 2 or n > n_dev or s["long_len"] % n]
   if bad:
-    raise ValueError(f"--contexts: {bad} must be in [2, {n_dev}] (the devices) and divide "
-                     f"--long_len={s['long_len']}")
+    raise ValueError(
+      f"--contexts: {bad} must be in [2, {n_dev}] (the devices) and divide "
+      f"--long_len={s['long_len']}"
+    )
   return s
 
 
 def run(s):
   """All rows for settings s; returns them (also written to --out)."""
   dtype = jnp.dtype(s["dtype"])
-  shape = (s["batch"], s["heads"], s["dim"])
   one = Mesh(np.array(jax.devices()[:1]), ("context",))
   cp_one = cp.context_sharded("diag_kdn", one)
   rows = []
@@ -137,16 +163,33 @@ def run(s):
     del args
   if s["long_len"] not in lens:
     args = _make_inputs(s["batch"], s["long_len"], s["heads"], s["dim"], dtype, None)
-    rows.append(_row("long", s["long_len"], 0, ops.diag_kdn, s["impl"], args, s["reps"],
-                     s["warmup"]))
+    rows.append(
+      _row("long", s["long_len"], 0, ops.diag_kdn, s["impl"], args, s["reps"], s["warmup"])
+    )
     rows.append(_row("long", s["long_len"], 1, cp_one, s["impl"], args, s["reps"], s["warmup"]))
     del args
   for n in s["contexts"]:
     mesh = Mesh(np.array(jax.devices()[:n]), ("context",))
-    args = _make_inputs(s["batch"], s["long_len"], s["heads"], s["dim"], dtype,
-                        NamedSharding(mesh, P(None, "context")))
-    rows.append(_row("split", s["long_len"], n, cp.context_sharded("diag_kdn", mesh), s["impl"],
-                     args, s["reps"], s["warmup"]))
+    args = _make_inputs(
+      s["batch"],
+      s["long_len"],
+      s["heads"],
+      s["dim"],
+      dtype,
+      NamedSharding(mesh, P(None, "context")),
+    )
+    rows.append(
+      _row(
+        "split",
+        s["long_len"],
+        n,
+        cp.context_sharded("diag_kdn", mesh),
+        s["impl"],
+        args,
+        s["reps"],
+        s["warmup"],
+      )
+    )
     del args
   for row in rows:  # plain = context 0; the overhead is relative to the plain row at that T
     plain = next((r for r in rows if r["T"] == row["T"] and r["context"] == 0 and "ms" in r), None)
@@ -157,13 +200,33 @@ def run(s):
 
 def _table(rows):
   fmt = lambda x, f: "" if x is None else f.format(x)
-  gib = lambda b: None if b is None else b / 2 ** 30
-  body = [[r["section"], r["T"], "plain" if r["context"] == 0 else r["context"],
-           fmt(r.get("ms"), "{:.2f}"), fmt(r.get("x_plain"), "{:.2f}"),
-           fmt(gib(r.get("program_bytes")), "{:.2f}"), fmt(gib(r.get("device_peak_bytes")), "{:.2f}"),
-           r.get("error", "")] for r in rows]
-  return timing.markdown_table(["section", "T", "context", "fwd+bwd ms", "x plain",
-                                "program GiB/device", "device peak GiB", "error"], body)
+  gib = lambda b: None if b is None else b / 2**30
+  body = [
+    [
+      r["section"],
+      r["T"],
+      "plain" if r["context"] == 0 else r["context"],
+      fmt(r.get("ms"), "{:.2f}"),
+      fmt(r.get("x_plain"), "{:.2f}"),
+      fmt(gib(r.get("program_bytes")), "{:.2f}"),
+      fmt(gib(r.get("device_peak_bytes")), "{:.2f}"),
+      r.get("error", ""),
+    ]
+    for r in rows
+  ]
+  return timing.markdown_table(
+    [
+      "section",
+      "T",
+      "context",
+      "fwd+bwd ms",
+      "x plain",
+      "program GiB/device",
+      "device peak GiB",
+      "error",
+    ],
+    body,
+  )
 
 
 def main(argv):
@@ -172,14 +235,21 @@ def main(argv):
   start = time.time()
   rows = run(s)
   os.makedirs(FLAGS.out, exist_ok=True)
-  result = {"settings": s, "device": jax.devices()[0].device_kind, "num_devices": len(jax.devices()),
-            "rows": rows, "wall_s": time.time() - start}
+  result = {
+    "settings": s,
+    "device": jax.devices()[0].device_kind,
+    "num_devices": len(jax.devices()),
+    "rows": rows,
+    "wall_s": time.time() - start,
+  }
   with open(os.path.join(FLAGS.out, "benchmark_context_parallel.json"), "w") as f:
     json.dump(result, f, indent=1)
   table = _table(rows)
   with open(os.path.join(FLAGS.out, "benchmark_context_parallel.md"), "w") as f:
-    f.write(f"diag KDN fwd+bwd, B={s['batch']} H={s['heads']} K=V={s['dim']} {s['dtype']}, "
-            f"impl={s['impl']}, {result['device']} x{result['num_devices']}\n\n{table}\n")
+    f.write(
+      f"diag KDN fwd+bwd, B={s['batch']} H={s['heads']} K=V={s['dim']} {s['dtype']}, "
+      f"impl={s['impl']}, {result['device']} x{result['num_devices']}\n\n{table}\n"
+    )
   print(table)
 
 

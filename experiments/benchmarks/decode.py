@@ -26,6 +26,7 @@ CPU smoke (what tests/benchmarks/test_benchmark_decode.py runs): --batches=1,2 -
 
 Writes <out>.json and <out>.md after every section.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -36,38 +37,51 @@ import statistics
 import time
 import traceback
 
-from absl import app
-from absl import flags
-from absl import logging
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags, logging
 from flax import nnx
 
-from experiments.runner import cli
 from experiments.benchmarks.timing import import_for_cuda, markdown_table
+from experiments.runner import cli
 
 FLAGS = flags.FlagValues()
-flags.DEFINE_string("out", "/tmp/benchmark_decode", "output path prefix (<out>.json, <out>.md)",
-                    flag_values=FLAGS)
+flags.DEFINE_string(
+  "out", "/tmp/benchmark_decode", "output path prefix (<out>.json, <out>.md)", flag_values=FLAGS
+)
 flags.DEFINE_list("batches", ["1", "16", "64", "256"], "decode batch sizes", flag_values=FLAGS)
 flags.DEFINE_integer("heads", 16, "heads", flag_values=FLAGS)
 flags.DEFINE_integer("dim", 128, "K = V per head", flag_values=FLAGS)
 flags.DEFINE_integer("steps", 64, "decode steps per timed call", flag_values=FLAGS)
 flags.DEFINE_integer("reps", 20, "timed calls (median reported)", flag_values=FLAGS)
 flags.DEFINE_integer("warmup", 2, "untimed calls after compilation", flag_values=FLAGS)
-flags.DEFINE_list("rows", ["diag_kdn_xla", "iso_kdn_xla", "kda_xla", "diag_kdn_pallas",
-                           "iso_kdn_pallas", "kda_pallas", "fla_fused_recurrent_kda"],
-                  "step rows to time (pallas and fla rows are skipped where unavailable)",
-                  flag_values=FLAGS)
-flags.DEFINE_string("lm_config", "configs/lm_125m.py:default", "config file:arg of the generation "
-                    "rows ('' skips them)", flag_values=FLAGS)
+flags.DEFINE_list(
+  "rows",
+  [
+    "diag_kdn_xla",
+    "iso_kdn_xla",
+    "kda_xla",
+    "diag_kdn_pallas",
+    "iso_kdn_pallas",
+    "kda_pallas",
+    "fla_fused_recurrent_kda",
+  ],
+  "step rows to time (pallas and fla rows are skipped where unavailable)",
+  flag_values=FLAGS,
+)
+flags.DEFINE_string(
+  "lm_config",
+  "configs/lm_125m.py:default",
+  "config file:arg of the generation rows ('' skips them)",
+  flag_values=FLAGS,
+)
 flags.DEFINE_list("lm_batches", ["1", "64"], "generation batch sizes", flag_values=FLAGS)
 flags.DEFINE_integer("prompt_len", 2048, "generation prompt length", flag_values=FLAGS)
 flags.DEFINE_integer("new_tokens", 256, "tokens generated per row", flag_values=FLAGS)
-flags.DEFINE_float("time_budget_s", 270.0, "start no new cell after this many seconds",
-                   flag_values=FLAGS)
+flags.DEFINE_float(
+  "time_budget_s", 270.0, "start no new cell after this many seconds", flag_values=FLAGS
+)
 
 # HBM bandwidth in TB/s by device kind (substring of jax's device_kind, first match).
 HBM_TBPS = (("H100 PCIe", 2.0), ("H100", 3.35), ("H200", 4.8))
@@ -100,12 +114,15 @@ def _step_inputs(key, steps, b, h, d):
   bf = jnp.bfloat16
   l2 = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
   shp = (steps, b, h, d)
-  x = dict(q=l2(jax.random.normal(ks[0], shp)).astype(bf), k=l2(jax.random.normal(ks[1], shp)).astype(bf),
-           v=jax.random.normal(ks[2], shp).astype(bf),
-           la=(-0.1 * jax.nn.softplus(jax.random.normal(ks[3], shp))).astype(bf),
-           om=(0.1 * jax.nn.softplus(jax.random.normal(ks[4], shp))).astype(bf),
-           r=(0.01 + jax.nn.softplus(jax.random.normal(ks[5], shp[:3]))).astype(bf),
-           beta=jax.nn.sigmoid(jax.random.normal(ks[6], shp[:3])).astype(bf))
+  x = dict(
+    q=l2(jax.random.normal(ks[0], shp)).astype(bf),
+    k=l2(jax.random.normal(ks[1], shp)).astype(bf),
+    v=jax.random.normal(ks[2], shp).astype(bf),
+    la=(-0.1 * jax.nn.softplus(jax.random.normal(ks[3], shp))).astype(bf),
+    om=(0.1 * jax.nn.softplus(jax.random.normal(ks[4], shp))).astype(bf),
+    r=(0.01 + jax.nn.softplus(jax.random.normal(ks[5], shp[:3]))).astype(bf),
+    beta=jax.nn.sigmoid(jax.random.normal(ks[6], shp[:3])).astype(bf),
+  )
   x["om_iso"] = x["om"][..., 0]
   memory = 0.1 * jax.random.normal(ks[7], (b, h, d, d), jnp.float32)
   return x, memory
@@ -114,27 +131,34 @@ def _step_inputs(key, steps, b, h, d):
 def step_fn(row: str):
   """(one step (state, x_t) -> (state, o_t), initial state from memory) of a JAX row."""
   from kdn_jax import ops  # pylint: disable=g-import-not-at-top
+
   op, impl = row.rsplit("_", 1)
   if op not in ("diag_kdn", "iso_kdn", "kda") or impl not in ("xla", "pallas"):
-    raise ValueError(f"--rows: unknown step row {row!r}; expected <diag_kdn|iso_kdn|kda>_<xla|pallas> "
-                     "or fla_fused_recurrent_kda")
+    raise ValueError(
+      f"--rows: unknown step row {row!r}; expected <diag_kdn|iso_kdn|kda>_<xla|pallas> "
+      "or fla_fused_recurrent_kda"
+    )
   kw = {} if impl == "xla" else {"impl": "pallas"}
   if op in ("diag_kdn", "iso_kdn"):
     diag = op == "diag_kdn"
     fn = ops.diag_kdn_step if diag else ops.iso_kdn_step
 
     def step(state, x):
-      o, state = fn(x["q"], x["k"], x["v"], x["la"], x["om"] if diag else x["om_iso"], x["r"], state, **kw)
+      o, state = fn(
+        x["q"], x["k"], x["v"], x["la"], x["om"] if diag else x["om_iso"], x["r"], state, **kw
+      )
       return state, o
 
     def init(memory):
       var_shape = memory.shape[:3] if diag else memory.shape[:2]
       return ops.KDNState(memory, jnp.ones(var_shape, jnp.float32))
+
     return step, init
 
   def step(memory, x):
     o, memory = ops.kda_step(x["q"], x["k"], x["v"], x["la"], x["beta"], memory, **kw)
     return memory, o
+
   return step, lambda memory: memory
 
 
@@ -166,8 +190,10 @@ def check_against_xla(row, b, h, d, steps):
     state, o = jax.jit(lambda state, xs, step=step: jax.lax.scan(step, state, xs))(init(memory), xs)
     outs.append((np.asarray(jax.tree.leaves(state)[0], np.float64), np.asarray(o, np.float64)))
   rel = lambda a, b: float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-  return {"rel_err_state_vs_xla": rel(outs[0][0], outs[1][0]),
-          "rel_err_o_vs_xla": rel(outs[0][1], outs[1][1])}
+  return {
+    "rel_err_state_vs_xla": rel(outs[0][0], outs[1][0]),
+    "rel_err_o_vs_xla": rel(outs[0][1], outs[1][1]),
+  }
 
 
 def pallas_decode_available(allow_interpret: bool = False) -> bool:
@@ -199,20 +225,27 @@ def time_fla_row(b, h, d, steps, reps, warmup):
   rn = lambda *s: torch.randn(*s, device="cuda", generator=g)
   l2 = lambda z: z / z.norm(dim=-1, keepdim=True)
   bf = torch.bfloat16
-  xs = [dict(q=l2(rn(b, 1, h, d)).to(bf), k=l2(rn(b, 1, h, d)).to(bf), v=rn(b, 1, h, d).to(bf),
-             g=(-0.1 * torch.nn.functional.softplus(rn(b, 1, h, d))).float(),
-             beta=torch.sigmoid(rn(b, 1, h)).to(bf)) for _ in range(steps)]
+  xs = [
+    dict(
+      q=l2(rn(b, 1, h, d)).to(bf),
+      k=l2(rn(b, 1, h, d)).to(bf),
+      v=rn(b, 1, h, d).to(bf),
+      g=(-0.1 * torch.nn.functional.softplus(rn(b, 1, h, d))).float(),
+      beta=torch.sigmoid(rn(b, 1, h)).to(bf),
+    )
+    for _ in range(steps)
+  ]
   state = 0.1 * rn(b, h, d, d)
   inplace = {"inplace_final_state": True}
   try:
-    fused(**xs[0], scale=d ** -0.5, initial_state=state.clone(), output_final_state=True, **inplace)
+    fused(**xs[0], scale=d**-0.5, initial_state=state.clone(), output_final_state=True, **inplace)
   except TypeError:
     inplace = {}
 
   def run():
     s = state
     for x in xs:
-      _, fin = fused(**x, scale=d ** -0.5, initial_state=s, output_final_state=True, **inplace)
+      _, fin = fused(**x, scale=d**-0.5, initial_state=s, output_final_state=True, **inplace)
       s = s if inplace else fin
 
   for _ in range(1 + warmup):
@@ -254,9 +287,12 @@ def time_generation(spec, batch, prompt_len, new_tokens):
   """GenerationStats of the second generate call (the first compiles) for a random-weight LM."""
   from kdn_jax.models import LanguageModel  # pylint: disable=g-import-not-at-top
   from kdn_jax.models.generate import generate  # pylint: disable=g-import-not-at-top
+
   cfg = load_lm_config(spec)
   model = LanguageModel(cfg, rngs=nnx.Rngs(0))
-  prompt = jax.random.randint(jax.random.key(1), (batch, prompt_len), 0, int(cfg.vocab_size), jnp.int32)
+  prompt = jax.random.randint(
+    jax.random.key(1), (batch, prompt_len), 0, int(cfg.vocab_size), jnp.int32
+  )
   generate(model, prompt, new_tokens, return_stats=True)
   _, stats = generate(model, prompt, new_tokens, return_stats=True)
   return stats
@@ -271,38 +307,97 @@ def _write(out, results):
     json.dump(results, f, indent=1)
   lines = [f"# Decode ({results['device']})", ""]
   if results["steps"]:
-    lines += ["One decode step (fp32 state, bf16 activations, H = %d, K = V = %d); floor: the state "
-              "read and written once at %s TB/s." % (results["heads"], results["dim"],
-                                                      results["hbm_tbps"]), ""]
-    rows = [[r["row"], r["batch"], "%.2f" % r["us_per_step"], "%.0f" % r["gbps"],
-             "-" if r["floor_us"] is None else "%.2f" % r["floor_us"],
-             "-" if r["floor_us"] is None else "%.0f%%" % (100 * r["floor_us"] / r["us_per_step"]),
-             r.get("launch", "scan"),
-             "%.1e" % r["rel_err_state_vs_xla"] if "rel_err_state_vs_xla" in r else "-"]
-            for r in results["steps"] if "us_per_step" in r]
-    lines += [markdown_table(["row", "B", "us / step", "state GB/s", "floor us", "% of floor",
-                              "launch", "state err vs XLA"], rows), ""]
+    lines += [
+      "One decode step (fp32 state, bf16 activations, H = %d, K = V = %d); floor: the state "
+      "read and written once at %s TB/s." % (results["heads"], results["dim"], results["hbm_tbps"]),
+      "",
+    ]
+    rows = [
+      [
+        r["row"],
+        r["batch"],
+        "%.2f" % r["us_per_step"],
+        "%.0f" % r["gbps"],
+        "-" if r["floor_us"] is None else "%.2f" % r["floor_us"],
+        "-" if r["floor_us"] is None else "%.0f%%" % (100 * r["floor_us"] / r["us_per_step"]),
+        r.get("launch", "scan"),
+        "%.1e" % r["rel_err_state_vs_xla"] if "rel_err_state_vs_xla" in r else "-",
+      ]
+      for r in results["steps"]
+      if "us_per_step" in r
+    ]
+    lines += [
+      markdown_table(
+        [
+          "row",
+          "B",
+          "us / step",
+          "state GB/s",
+          "floor us",
+          "% of floor",
+          "launch",
+          "state err vs XLA",
+        ],
+        rows,
+      ),
+      "",
+    ]
     fails = [r for r in results["steps"] if "error" in r]
     lines += [f"- {r['row']} B={r['batch']}: {r['error']}" for r in fails]
   if results["generation"]:
     lines += ["", f"Generation ({results['lm_config']}, random weights, greedy, no EOS).", ""]
-    rows = [[g["batch"], g["prompt_len"], g["new_tokens"], "%.3f" % g["time_to_first_token_s"],
-             "%.1f" % g["tokens_per_s"], "%.1f" % g["decode_tokens_per_s"],
-             "%.2f" % (1e3 * g["decode_s"] / max(g["new_tokens"] - 1, 1))]
-            for g in results["generation"] if "tokens_per_s" in g]
-    lines += [markdown_table(["B", "prompt", "new", "TTFT s", "tokens/s", "decode tokens/s",
-                              "ms / decode step"], rows), ""]
+    rows = [
+      [
+        g["batch"],
+        g["prompt_len"],
+        g["new_tokens"],
+        "%.3f" % g["time_to_first_token_s"],
+        "%.1f" % g["tokens_per_s"],
+        "%.1f" % g["decode_tokens_per_s"],
+        "%.2f" % (1e3 * g["decode_s"] / max(g["new_tokens"] - 1, 1)),
+      ]
+      for g in results["generation"]
+      if "tokens_per_s" in g
+    ]
+    lines += [
+      markdown_table(
+        ["B", "prompt", "new", "TTFT s", "tokens/s", "decode tokens/s", "ms / decode step"], rows
+      ),
+      "",
+    ]
   with open(out + ".md", "w", encoding="utf-8") as f:
     f.write("\n".join(lines) + "\n")
 
 
-def run(out, batches, heads, dim, steps, reps, warmup, rows, lm_config, lm_batches, prompt_len,
-        new_tokens, time_budget_s, pallas_interpret=False):
+def run(
+  out,
+  batches,
+  heads,
+  dim,
+  steps,
+  reps,
+  warmup,
+  rows,
+  lm_config,
+  lm_batches,
+  prompt_len,
+  new_tokens,
+  time_budget_s,
+  pallas_interpret=False,
+):
   t_start = time.time()
   kind = jax.devices()[0].device_kind
   tbps = hbm_tbps(kind)
-  results = dict(device=kind, hbm_tbps=tbps, heads=heads, dim=dim, steps_per_call=steps, steps=[],
-                 generation=[], lm_config=lm_config)
+  results = dict(
+    device=kind,
+    hbm_tbps=tbps,
+    heads=heads,
+    dim=dim,
+    steps_per_call=steps,
+    steps=[],
+    generation=[],
+    lm_config=lm_config,
+  )
   have_pallas = pallas_decode_available(pallas_interpret)
   have_fla = any(r.startswith("fla") for r in rows) and _fla_fused_recurrent() is not None
   for b in batches:
@@ -322,23 +417,32 @@ def run(out, batches, heads, dim, steps, reps, warmup, rows, lm_config, lm_batch
             extra = dict(extra, **check_against_xla(row, b, heads, dim, steps))
         us = 1e3 * ms / steps
         nbytes = 2 * state_bytes(row if not row.startswith("fla") else "kda", b, heads, dim)
-        rec.update(extra, us_per_step=us, state_bytes_moved=nbytes, gbps=nbytes / (us * 1e3),
-                   floor_us=None if tbps is None else nbytes / (tbps * 1e6))
+        rec.update(
+          extra,
+          us_per_step=us,
+          state_bytes_moved=nbytes,
+          gbps=nbytes / (us * 1e3),
+          floor_us=None if tbps is None else nbytes / (tbps * 1e6),
+        )
       except Exception as e:  # pylint: disable=broad-except
         traceback.print_exc()
         rec["error"] = f"{type(e).__name__}: {e}"[:300]
       print(rec, flush=True)
       results["steps"].append(rec)
       _write(out, results)
-  for b in (lm_batches if lm_config else []):
+  for b in lm_batches if lm_config else []:
     if time.time() - t_start > time_budget_s:
       logging.warning("time budget spent: skipping generation B=%d", b)
       continue
     rec = dict(batch=b, prompt_len=prompt_len, new_tokens=new_tokens)
     try:
       stats = time_generation(lm_config, b, prompt_len, new_tokens)
-      rec.update(time_to_first_token_s=stats.time_to_first_token_s, decode_s=stats.decode_s,
-                 tokens_per_s=stats.tokens_per_s, decode_tokens_per_s=stats.decode_tokens_per_s)
+      rec.update(
+        time_to_first_token_s=stats.time_to_first_token_s,
+        decode_s=stats.decode_s,
+        tokens_per_s=stats.tokens_per_s,
+        decode_tokens_per_s=stats.decode_tokens_per_s,
+      )
     except Exception as e:  # pylint: disable=broad-except
       traceback.print_exc()
       rec["error"] = f"{type(e).__name__}: {e}"[:300]
@@ -352,9 +456,21 @@ def run(out, batches, heads, dim, steps, reps, warmup, rows, lm_config, lm_batch
 def main(argv):
   del argv
   ints = lambda xs: [int(x) for x in xs]
-  run(FLAGS.out, ints(FLAGS.batches), FLAGS.heads, FLAGS.dim, FLAGS.steps, FLAGS.reps, FLAGS.warmup,
-      list(FLAGS.rows), FLAGS.lm_config, ints(FLAGS.lm_batches), FLAGS.prompt_len, FLAGS.new_tokens,
-      FLAGS.time_budget_s)
+  run(
+    FLAGS.out,
+    ints(FLAGS.batches),
+    FLAGS.heads,
+    FLAGS.dim,
+    FLAGS.steps,
+    FLAGS.reps,
+    FLAGS.warmup,
+    list(FLAGS.rows),
+    FLAGS.lm_config,
+    ints(FLAGS.lm_batches),
+    FLAGS.prompt_len,
+    FLAGS.new_tokens,
+    FLAGS.time_budget_s,
+  )
 
 
 if __name__ == "__main__":

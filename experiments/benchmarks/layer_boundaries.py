@@ -6,21 +6,22 @@ Shows which fp32 arrays the fused glue kernels keep out of HBM (docs/decisions.m
   python -m experiments.benchmarks.layer_boundaries --mixer=kdn_diag --fusion=off    # plain-JAX glue
   python -m experiments.benchmarks.layer_boundaries --mixer=kdn_diag --fusion=on     # fused glue
 """
+
 from __future__ import annotations
 
-from absl import app
-from absl import flags
 import jax
 import jax.numpy as jnp
+from absl import app, flags
 from flax import nnx
 from jax._src import core as jax_core
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_string("mixer", "kdn_diag", "registry.MIXERS name", flag_values=FLAGS)
-flags.DEFINE_string("fusion", "on", "benchmark_layers.set_fusion: on, off, front, conv, norm",
-                    flag_values=FLAGS)
+flags.DEFINE_string(
+  "fusion", "on", "benchmark_layers.set_fusion: on, off, front, conv, norm", flag_values=FLAGS
+)
 
-B, T, H, K, D = 1, 64, 2, 16, 32   # T = 64: a multiple of every kernel block (no padding)
+B, T, H, K, D = 1, 64, 2, 16, 32  # T = 64: a multiple of every kernel block (no padding)
 
 
 def _sub_jaxprs(params):
@@ -37,13 +38,26 @@ def kernel_boundaries(mixer, fusion):
   from experiments.benchmarks.layers import set_fusion
   from kdn_jax.layers.registry import MIXERS
   from kdn_jax.models.config import model_config
-  cfg = model_config("tiny", d_model=D, num_heads=H, head_dim=K, mixer=mixer, impl="pallas",
-                     chunk_size=16, dtype="bfloat16", param_dtype="float32", mlp_hidden=1)
+
+  cfg = model_config(
+    "tiny",
+    d_model=D,
+    num_heads=H,
+    head_dim=K,
+    mixer=mixer,
+    impl="pallas",
+    chunk_size=16,
+    dtype="bfloat16",
+    param_dtype="float32",
+    mlp_hidden=1,
+  )
   layer = MIXERS[mixer](cfg, rngs=nnx.Rngs(0))
   set_fusion(layer, fusion)
   graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
   loss = lambda p, x: jnp.sum(nnx.merge(graphdef, p, rest)(x)[0].astype(jnp.float32))
-  program = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, jnp.ones((B, T, D), jnp.bfloat16))
+  program = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(
+    params, jnp.ones((B, T, D), jnp.bfloat16)
+  )
   big = lambda a: len(a.shape) == 4 and a.shape[1] == T and a.shape[2] == H
   found = []
 
@@ -56,6 +70,7 @@ def kernel_boundaries(mixer, fusion):
         continue
       for sub in _sub_jaxprs(e.params):
         walk(sub)
+
   walk(program.jaxpr)
   return found
 

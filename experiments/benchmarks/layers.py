@@ -19,23 +19,25 @@ CPU smoke (what tests/test_benchmark_layers.py runs):
 
 Writes <out>.json, <out>.md and <out>.png (log-log time vs T) after every cell.
 """
+
 from __future__ import annotations
 
 import json
 import time
 import traceback
 
-from absl import app
-from absl import flags
-from absl import logging
-
 import jax
 import jax.numpy as jnp
+from absl import app, flags, logging
 from flax import nnx
 
-from experiments.runner import cli
-from experiments.runner import kernel_config
-from experiments.benchmarks.timing import import_for_cuda, markdown_table, median_time, torch_cuda_median_ms
+from experiments.benchmarks.timing import (
+  import_for_cuda,
+  markdown_table,
+  median_time,
+  torch_cuda_median_ms,
+)
+from experiments.runner import cli, kernel_config
 from kdn_jax.layers.registry import MIXERS
 from kdn_jax.models.config import model_config
 
@@ -44,43 +46,64 @@ JAX_MIXERS = ("kdn_diag", "kdn_iso", "kda", "gated_deltanet")
 
 # From the issue (PyTorch layers on the authors' GPU, batch 4, width 2048): not measured here.
 ANCHORS = {  # name -> {T: (fwd ms, fwd+bwd ms)}
-    "fla KDA layer": {4096: (3.35, 11.1), 16384: (8.35, 36.6)},
-    "KDN authors' diag layer": {4096: (3.61, 13.9), 16384: (12.8, 49.4)},
-    "KDN authors' iso layer": {4096: (2.52, 11.2), 16384: (8.52, 37.0)},
+  "fla KDA layer": {4096: (3.35, 11.1), 16384: (8.35, 36.6)},
+  "KDN authors' diag layer": {4096: (3.61, 13.9), 16384: (12.8, 49.4)},
+  "KDN authors' iso layer": {4096: (2.52, 11.2), 16384: (8.52, 37.0)},
 }
 PAPER_SHAPE = dict(batch=4, width=2048, num_heads=16, head_dim=128)  # the anchors' shape
 # Issue 24's bars (time / fla KDA layer's, at most): (mixer, timing key, bound). Until session 38
 # the script checked an older issue's fwd+bwd bars (kdn_diag 1.0x, kdn_iso 0.9x), which the
 # verdict lines of earlier docs quote.
-TARGETS = tuple((mixer, key, bound) for mixer in ("kdn_diag", "kdn_iso")
-                for key, bound in (("fwd_bwd_ms", 0.9), ("fwd_ms", 1.1)))
+TARGETS = tuple(
+  (mixer, key, bound)
+  for mixer in ("kdn_diag", "kdn_iso")
+  for key, bound in (("fwd_bwd_ms", 0.9), ("fwd_ms", 1.1))
+)
 
 FLAGS = flags.FlagValues()
-flags.DEFINE_string("out", "/tmp/benchmark_layers", "output prefix: <out>.json, <out>.md, <out>.png",
-                  flag_values=FLAGS)
+flags.DEFINE_string(
+  "out",
+  "/tmp/benchmark_layers",
+  "output prefix: <out>.json, <out>.md, <out>.png",
+  flag_values=FLAGS,
+)
 flags.DEFINE_list("seq_lens", ["4096", "16384"], "sequence lengths T", flag_values=FLAGS)
-flags.DEFINE_list("rows", list(JAX_MIXERS) + [FLA_ROW], "kdn_jax mixer names and/or fla_kda_layer",
-                  flag_values=FLAGS)
-flags.DEFINE_list("impls", ["chunked"], "memory-update impls of the kdn_jax rows (chunked, pallas)",
-                  flag_values=FLAGS)
-flags.DEFINE_list("fusion", ["on"], "pallas rows with the layer's fused glue kernels 'on' (the default "
-                  "path), and/or 'off' (rows <mixer>_pallas_unfused: the plain-JAX glue), or single "
-                  "pieces 'front', 'conv', 'norm' (rows <mixer>_pallas_<piece>: only that one on)",
-                  flag_values=FLAGS)
-kernel_config.define_flags(FLAGS)   # --delta_rule_config, --gain_config, --conv_config
+flags.DEFINE_list(
+  "rows",
+  list(JAX_MIXERS) + [FLA_ROW],
+  "kdn_jax mixer names and/or fla_kda_layer",
+  flag_values=FLAGS,
+)
+flags.DEFINE_list(
+  "impls",
+  ["chunked"],
+  "memory-update impls of the kdn_jax rows (chunked, pallas)",
+  flag_values=FLAGS,
+)
+flags.DEFINE_list(
+  "fusion",
+  ["on"],
+  "pallas rows with the layer's fused glue kernels 'on' (the default "
+  "path), and/or 'off' (rows <mixer>_pallas_unfused: the plain-JAX glue), or single "
+  "pieces 'front', 'conv', 'norm' (rows <mixer>_pallas_<piece>: only that one on)",
+  flag_values=FLAGS,
+)
+kernel_config.define_flags(FLAGS)  # --delta_rule_config, --gain_config, --conv_config
 flags.DEFINE_integer("batch", 4, "batch size", flag_values=FLAGS)
 flags.DEFINE_integer("width", 2048, "d_model / hidden_size", flag_values=FLAGS)
 flags.DEFINE_integer("num_heads", 16, "heads", flag_values=FLAGS)
 flags.DEFINE_integer("head_dim", 128, "K = V per head", flag_values=FLAGS)
-flags.DEFINE_integer("chunk_size", 64, "memory chunk length of the kdn_jax layers",
-                  flag_values=FLAGS)
+flags.DEFINE_integer(
+  "chunk_size", 64, "memory chunk length of the kdn_jax layers", flag_values=FLAGS
+)
 flags.DEFINE_integer("reps", 30, "timed runs (median reported)", flag_values=FLAGS)
 flags.DEFINE_integer("warmup", 3, "untimed runs after the compiling call", flag_values=FLAGS)
-flags.DEFINE_float("time_budget_s", 420.0, "start no new cell after this many seconds",
-                  flag_values=FLAGS)
+flags.DEFINE_float(
+  "time_budget_s", 420.0, "start no new cell after this many seconds", flag_values=FLAGS
+)
 
 
-FUSED_PIECES = ("front", "conv", "norm")   # RecurrentMixer / KDNMixer fuse_<piece> switches
+FUSED_PIECES = ("front", "conv", "norm")  # RecurrentMixer / KDNMixer fuse_<piece> switches
 
 
 def set_fusion(layer, fusion):
@@ -95,9 +118,18 @@ def set_fusion(layer, fusion):
 def layer_fns(mixer, impl, t, s, fusion="on", dtype="bfloat16"):
   """(jitted fwd, jitted fwd+bwd, (params, x), ct) of one kdn_jax layer; fwd+bwd takes
   (params, x, ct) and returns the gradients of sum(y * ct) w.r.t. params and x."""
-  cfg = model_config("tiny", d_model=s["width"], num_heads=s["num_heads"],
-                     head_dim=s["head_dim"], mixer=mixer, impl=impl, chunk_size=s["chunk_size"],
-                     dtype=dtype, param_dtype="float32", mlp_hidden=1)
+  cfg = model_config(
+    "tiny",
+    d_model=s["width"],
+    num_heads=s["num_heads"],
+    head_dim=s["head_dim"],
+    mixer=mixer,
+    impl=impl,
+    chunk_size=s["chunk_size"],
+    dtype=dtype,
+    param_dtype="float32",
+    mlp_hidden=1,
+  )
   layer = MIXERS[mixer](cfg, rngs=nnx.Rngs(0))
   set_fusion(layer, fusion)
   graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
@@ -126,8 +158,9 @@ def _fla_times(t, s, mods):
   """(fwd ms, fwd+bwd ms) of fla's KimiDeltaAttention layer (fp32 params, bf16 autocast)."""
   torch, fla_layers = mods
   torch.manual_seed(0)
-  layer = fla_layers.KimiDeltaAttention(hidden_size=s["width"], num_heads=s["num_heads"],
-                                        head_dim=s["head_dim"], mode="chunk").cuda()
+  layer = fla_layers.KimiDeltaAttention(
+    hidden_size=s["width"], num_heads=s["num_heads"], head_dim=s["head_dim"], mode="chunk"
+  ).cuda()
   shape = (s["batch"], t, s["width"])
   x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
   ct = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
@@ -179,7 +212,9 @@ def verdicts(results):
         verdict = f"not measured (no {row} and {FLA_ROW} {mode} pair)"
       else:
         met = all(x <= bound for _, x in cells)
-        verdict = ", ".join(f"T={t} {x:.2f}x" for t, x in cells) + (" -> MET" if met else " -> MISSED")
+        verdict = ", ".join(f"T={t} {x:.2f}x" for t, x in cells) + (
+          " -> MET" if met else " -> MISSED"
+        )
       lines.append(f"target {row} {mode} <= {bound}x {FLA_ROW}: {verdict}")
   return lines
 
@@ -189,31 +224,51 @@ def report(results):
   rows = []
   for r in sorted(results["rows"], key=lambda r: r["T"]):
     if "fwd_ms" in r:
-      cells = [_fmt(r["fwd_ms"]), _fmt(r["fwd_bwd_ms"]), _fmt(_ratio(results, r, "fwd_ms")),
-               _fmt(_ratio(results, r, "fwd_bwd_ms"))]
+      cells = [
+        _fmt(r["fwd_ms"]),
+        _fmt(r["fwd_bwd_ms"]),
+        _fmt(_ratio(results, r, "fwd_ms")),
+        _fmt(_ratio(results, r, "fwd_bwd_ms")),
+      ]
     else:
       why = r.get("skipped") or "error: " + r.get("error", "")
       cells = [why[:80].replace("|", "/"), "", "", ""]
     rows.append([r["row"], r["T"]] + cells)
   table = markdown_table(["row", "T", "fwd ms", "fwd+bwd ms", "fwd / fla", "fwd+bwd / fla"], rows)
-  anchor_rows = [[name, t, f, fb, f"{fb / ANCHORS['fla KDA layer'][t][1]:.2f}"]
-                 for name, by_t in ANCHORS.items() for t, (f, fb) in by_t.items()]
-  anchors = markdown_table(["layer (issue, not measured here)", "T", "fwd ms", "fwd+bwd ms",
-                            "fwd+bwd / fla"], anchor_rows)
-  return "\n".join([
-      f"# Whole-layer timings (experiments/benchmarks/layers.py)\n",
-      f"batch {s['batch']}, width {s['width']} = {s['num_heads']} heads x {s['head_dim']}, bf16 "
-      f"compute, fp32 params, chunk {s['chunk_size']}; median of {s['reps']} runs after "
-      f"{s['warmup']} warm-up; device {results['device']}, jax {results['jax']}. Ratios are to "
-      f"the measured {FLA_ROW} at the same T.\n", table, "",
-      "Reference numbers quoted in the issue (their GPU, PyTorch):\n", anchors, "",
-      *(f"- {v}" for v in results["verdicts"])]) + "\n"
+  anchor_rows = [
+    [name, t, f, fb, f"{fb / ANCHORS['fla KDA layer'][t][1]:.2f}"]
+    for name, by_t in ANCHORS.items()
+    for t, (f, fb) in by_t.items()
+  ]
+  anchors = markdown_table(
+    ["layer (issue, not measured here)", "T", "fwd ms", "fwd+bwd ms", "fwd+bwd / fla"], anchor_rows
+  )
+  return (
+    "\n".join(
+      [
+        "# Whole-layer timings (experiments/benchmarks/layers.py)\n",
+        f"batch {s['batch']}, width {s['width']} = {s['num_heads']} heads x {s['head_dim']}, bf16 "
+        f"compute, fp32 params, chunk {s['chunk_size']}; median of {s['reps']} runs after "
+        f"{s['warmup']} warm-up; device {results['device']}, jax {results['jax']}. Ratios are to "
+        f"the measured {FLA_ROW} at the same T.\n",
+        table,
+        "",
+        "Reference numbers quoted in the issue (their GPU, PyTorch):\n",
+        anchors,
+        "",
+        *(f"- {v}" for v in results["verdicts"]),
+      ]
+    )
+    + "\n"
+  )
 
 
 def _plot(results, path):
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
   fig, axes = plt.subplots(1, 2, figsize=(12, 5))
   for ax, key, col in zip(axes, ("fwd_ms", "fwd_bwd_ms"), (0, 1)):
     for row in dict.fromkeys(r["row"] for r in results["rows"]):
@@ -249,9 +304,21 @@ def _write(results, out):
 # ------------------------------------------------------------------------------------- main
 
 
-def run(out, seq_lens=(4096, 16384), rows=JAX_MIXERS + (FLA_ROW,), impls=("chunked",), batch=4,
-        width=2048, num_heads=16, head_dim=128, chunk_size=64, reps=30, warmup=3,
-        time_budget_s=420.0, fusion=("on",)):
+def run(
+  out,
+  seq_lens=(4096, 16384),
+  rows=JAX_MIXERS + (FLA_ROW,),
+  impls=("chunked",),
+  batch=4,
+  width=2048,
+  num_heads=16,
+  head_dim=128,
+  chunk_size=64,
+  reps=30,
+  warmup=3,
+  time_budget_s=420.0,
+  fusion=("on",),
+):
   """Times every (row, T) cell until the budget runs out; writes and returns the results dict."""
   bad = [f for f in fusion if f not in ("on", "off") + FUSED_PIECES]
   if bad:
@@ -259,10 +326,23 @@ def run(out, seq_lens=(4096, 16384), rows=JAX_MIXERS + (FLA_ROW,), impls=("chunk
   unknown = [r for r in rows if r != FLA_ROW and r not in MIXERS]
   if unknown:
     raise ValueError(f"--rows: unknown {unknown}; expected {FLA_ROW} or one of {sorted(MIXERS)}")
-  settings = dict(batch=batch, width=width, num_heads=num_heads, head_dim=head_dim,
-                  chunk_size=chunk_size, reps=reps, warmup=warmup)
-  results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "settings": settings,
-             **kernel_config.current(), "rows": [], "not_started": []}
+  settings = dict(
+    batch=batch,
+    width=width,
+    num_heads=num_heads,
+    head_dim=head_dim,
+    chunk_size=chunk_size,
+    reps=reps,
+    warmup=warmup,
+  )
+  results = {
+    "device": str(jax.devices()[0]),
+    "jax": jax.__version__,
+    "settings": settings,
+    **kernel_config.current(),
+    "rows": [],
+    "not_started": [],
+  }
   fla, reason = None, None
   if FLA_ROW in rows:
     fla, reason = import_for_cuda("fla.layers")
@@ -273,8 +353,13 @@ def run(out, seq_lens=(4096, 16384), rows=JAX_MIXERS + (FLA_ROW,), impls=("chunk
   lens = [int(z) for z in seq_lens]
   cells = []
   for t in lens:
-    cells += [(m, impl, t, f) for impl in impls for f in (fusion if impl == "pallas" else ("on",))
-              for m in rows if m != FLA_ROW]
+    cells += [
+      (m, impl, t, f)
+      for impl in impls
+      for f in (fusion if impl == "pallas" else ("on",))
+      for m in rows
+      if m != FLA_ROW
+    ]
     cells += [(FLA_ROW, None, t, "on")] if FLA_ROW in rows else []
   start = time.time()
   for mixer, impl, t, fused in cells:
@@ -289,20 +374,32 @@ def run(out, seq_lens=(4096, 16384), rows=JAX_MIXERS + (FLA_ROW,), impls=("chunk
     else:
       print(f"[{time.time() - start:7.1f}s] {row} T={t}: started", flush=True)
       try:
-        ms = (_fla_times(t, settings, fla) if impl is None
-              else _jax_times(mixer, impl, t, settings, fused))
+        ms = (
+          _fla_times(t, settings, fla)
+          if impl is None
+          else _jax_times(mixer, impl, t, settings, fused)
+        )
         rec["fwd_ms"], rec["fwd_bwd_ms"] = ms
       except Exception as e:  # pylint: disable=broad-except
         rec["error"] = f"{type(e).__name__}: {e}"[:300]
         logging.warning("%s T=%d failed: %s", row, t, traceback.format_exc()[-1500:])
     results["rows"].append(rec)
-    print(f"[{time.time() - start:7.1f}s] {row} T={t}: "
-          + (f"fwd {rec['fwd_ms']:.3f} ms, fwd+bwd {rec['fwd_bwd_ms']:.3f} ms" if "fwd_ms" in rec
-             else rec.get("skipped") or rec.get("error")), flush=True)
+    print(
+      f"[{time.time() - start:7.1f}s] {row} T={t}: "
+      + (
+        f"fwd {rec['fwd_ms']:.3f} ms, fwd+bwd {rec['fwd_bwd_ms']:.3f} ms"
+        if "fwd_ms" in rec
+        else rec.get("skipped") or rec.get("error")
+      ),
+      flush=True,
+    )
     _write(results, out)
   if results["not_started"]:
-    print(f"time budget {time_budget_s:.0f}s spent; not started: "
-          + ", ".join(f"{r['row']}@{r['T']}" for r in results["not_started"]), flush=True)
+    print(
+      f"time budget {time_budget_s:.0f}s spent; not started: "
+      + ", ".join(f"{r['row']}@{r['T']}" for r in results["not_started"]),
+      flush=True,
+    )
   print(_write(results, out), flush=True)
   return results
 
@@ -310,10 +407,21 @@ def run(out, seq_lens=(4096, 16384), rows=JAX_MIXERS + (FLA_ROW,), impls=("chunk
 def main(argv):
   del argv
   kernel_config.apply_flags(FLAGS)
-  run(FLAGS.out, seq_lens=[int(t) for t in FLAGS.seq_lens], rows=tuple(FLAGS.rows),
-      impls=tuple(FLAGS.impls), batch=FLAGS.batch, width=FLAGS.width, num_heads=FLAGS.num_heads,
-      head_dim=FLAGS.head_dim, chunk_size=FLAGS.chunk_size, reps=FLAGS.reps, warmup=FLAGS.warmup,
-      time_budget_s=FLAGS.time_budget_s, fusion=tuple(FLAGS.fusion))
+  run(
+    FLAGS.out,
+    seq_lens=[int(t) for t in FLAGS.seq_lens],
+    rows=tuple(FLAGS.rows),
+    impls=tuple(FLAGS.impls),
+    batch=FLAGS.batch,
+    width=FLAGS.width,
+    num_heads=FLAGS.num_heads,
+    head_dim=FLAGS.head_dim,
+    chunk_size=FLAGS.chunk_size,
+    reps=FLAGS.reps,
+    warmup=FLAGS.warmup,
+    time_budget_s=FLAGS.time_budget_s,
+    fusion=tuple(FLAGS.fusion),
+  )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ Batch 4, 16 heads of K = V = 128, bf16 inputs; median of --reps timed runs after
 forward and forward+backward. Writes results.md, results.json and results.png to --out (the
 JSON and table after every sweep spec and cell, so a run cut off by its time limit keeps them).
 """
+
 from __future__ import annotations
 
 import json
@@ -15,81 +16,161 @@ import os
 import time
 import traceback
 
-from absl import app
-from absl import flags
-from absl import logging
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags, logging
 
+from experiments.benchmarks.timing import import_for_cuda, median_time, torch_cuda_median_ms
 from experiments.runner import cli
 from experiments.runner.kernel_config import config_from_spec
-from experiments.benchmarks.timing import import_for_cuda, median_time, torch_cuda_median_ms
 
 # This script's flags live in their own registry: benchmark_layers defines flags of the same names
 # (--out, --seq_lens, ...) and a test process imports both modules.
 FLAGS = flags.FlagValues()
 flags.DEFINE_string("out", "/tmp/benchmark_mixers", "output directory", flag_values=FLAGS)
-flags.DEFINE_list("seq_lens", ["2048", "4096", "8192", "16384", "32768"], "sequence lengths",
-                  flag_values=FLAGS)
+flags.DEFINE_list(
+  "seq_lens", ["2048", "4096", "8192", "16384", "32768"], "sequence lengths", flag_values=FLAGS
+)
 flags.DEFINE_integer("batch", 4, "batch size", flag_values=FLAGS)
 flags.DEFINE_integer("heads", 16, "heads", flag_values=FLAGS)
 flags.DEFINE_integer("dim", 128, "K = V per head", flag_values=FLAGS)
 flags.DEFINE_integer("reps", 30, "timed runs (median reported)", flag_values=FLAGS)
 flags.DEFINE_integer("warmup", 3, "untimed runs after compilation", flag_values=FLAGS)
-flags.DEFINE_list("rows", ["diag_kdn_pallas", "iso_kdn_pallas", "diag_gain_pallas",
-                           "iso_gain_pallas", "diag_kdn_chunked", "iso_kdn_chunked",
-                           "kda_pallas", "gdn_pallas", "kda_chunked", "gdn_chunked",
-                           "fla_chunk_kda", "fla_chunk_gdn"],
-                  "rows to time; diag_kdn_seg_<impl> / iso_kdn_seg_<impl>: with segment_ids "
-                  "(packed documents of 1000 tokens)", flag_values=FLAGS)
-flags.DEFINE_integer("chunked_max_len", 32768, "skip *_chunked rows above this length",
-                     flag_values=FLAGS)
-flags.DEFINE_list("pallas_lens", [], "if set, time *_pallas rows only at these lengths (each new "
-                  "length compiles the kernels again)", flag_values=FLAGS)
+flags.DEFINE_list(
+  "rows",
+  [
+    "diag_kdn_pallas",
+    "iso_kdn_pallas",
+    "diag_gain_pallas",
+    "iso_gain_pallas",
+    "diag_kdn_chunked",
+    "iso_kdn_chunked",
+    "kda_pallas",
+    "gdn_pallas",
+    "kda_chunked",
+    "gdn_chunked",
+    "fla_chunk_kda",
+    "fla_chunk_gdn",
+  ],
+  "rows to time; diag_kdn_seg_<impl> / iso_kdn_seg_<impl>: with segment_ids "
+  "(packed documents of 1000 tokens)",
+  flag_values=FLAGS,
+)
+flags.DEFINE_integer(
+  "chunked_max_len", 32768, "skip *_chunked rows above this length", flag_values=FLAGS
+)
+flags.DEFINE_list(
+  "pallas_lens",
+  [],
+  "if set, time *_pallas rows only at these lengths (each new length compiles the kernels again)",
+  flag_values=FLAGS,
+)
 flags.DEFINE_boolean("check", True, "run the GPU correctness check first", flag_values=FLAGS)
 flags.DEFINE_boolean("check_only", False, "only run the correctness check", flag_values=FLAGS)
-flags.DEFINE_integer("check_dim", 128, "head width K = V of the correctness check: a width the "
-                     "kernels take as it is (16, 32, 64, 128, 256; the ops pad others onto them)",
-                     flag_values=FLAGS)
-flags.DEFINE_float("time_budget_s", 420.0, "stop timing new cells (and sweep specs) after this "
-                   "many seconds", flag_values=FLAGS)
-flags.DEFINE_list("sweep", [], "DeltaRuleConfig overrides to try on diag_kdn_pallas fwd+bwd at "
-                  "--sweep_len, each 'field=value/field=value' ('default': none), e.g. "
-                  "'max_chunk=64/sub_block=32'; the fastest is used for the rows",
-                  flag_values=FLAGS)
-flags.DEFINE_list("gain_sweep", [], "GainConfig overrides to try on --gain_sweep_row, same "
-                  "syntax, e.g. 'max_chunk=128/num_stages_fwd=2'", flag_values=FLAGS)
-flags.DEFINE_enum("gain_sweep_row", "diag_gain_pallas",
-                  ["diag_gain_pallas", "iso_gain_pallas", "diag_kdn_pallas", "iso_kdn_pallas",
-                   "diag_kdn_seg_pallas", "iso_kdn_seg_pallas"],
-                  "the row --gain_sweep times: a gain alone, or a KDN op (the gain inside it)",
-                  flag_values=FLAGS)
-flags.DEFINE_boolean("gain_sweep_fwd_bwd", True, "rank the --gain_sweep specs by fwd+bwd (else "
-                     "by the forward alone)", flag_values=FLAGS)
+flags.DEFINE_integer(
+  "check_dim",
+  128,
+  "head width K = V of the correctness check: a width the "
+  "kernels take as it is (16, 32, 64, 128, 256; the ops pad others onto them)",
+  flag_values=FLAGS,
+)
+flags.DEFINE_float(
+  "time_budget_s",
+  420.0,
+  "stop timing new cells (and sweep specs) after this many seconds",
+  flag_values=FLAGS,
+)
+flags.DEFINE_list(
+  "sweep",
+  [],
+  "DeltaRuleConfig overrides to try on diag_kdn_pallas fwd+bwd at "
+  "--sweep_len, each 'field=value/field=value' ('default': none), e.g. "
+  "'max_chunk=64/sub_block=32'; the fastest is used for the rows",
+  flag_values=FLAGS,
+)
+flags.DEFINE_list(
+  "gain_sweep",
+  [],
+  "GainConfig overrides to try on --gain_sweep_row, same "
+  "syntax, e.g. 'max_chunk=128/num_stages_fwd=2'",
+  flag_values=FLAGS,
+)
+flags.DEFINE_enum(
+  "gain_sweep_row",
+  "diag_gain_pallas",
+  [
+    "diag_gain_pallas",
+    "iso_gain_pallas",
+    "diag_kdn_pallas",
+    "iso_kdn_pallas",
+    "diag_kdn_seg_pallas",
+    "iso_kdn_seg_pallas",
+  ],
+  "the row --gain_sweep times: a gain alone, or a KDN op (the gain inside it)",
+  flag_values=FLAGS,
+)
+flags.DEFINE_boolean(
+  "gain_sweep_fwd_bwd",
+  True,
+  "rank the --gain_sweep specs by fwd+bwd (else by the forward alone)",
+  flag_values=FLAGS,
+)
 flags.DEFINE_integer("sweep_len", 4096, "sequence length for the sweeps", flag_values=FLAGS)
-flags.DEFINE_enum("sweep_row", "diag_kdn_pallas",
-                  ["diag_kdn_pallas", "iso_kdn_pallas", "diag_kdn_seg_pallas",
-                   "iso_kdn_seg_pallas", "kda_pallas", "gdn_pallas"],
-                  "the row --sweep times (fwd+bwd); the *_seg rows sweep the packed-documents "
-                  "path", flag_values=FLAGS)
-flags.DEFINE_boolean("sweep_stages", False, "time the pallas stages (see --stages) under every "
-                     "delta-rule sweep spec", flag_values=FLAGS)
-flags.DEFINE_boolean("sweep_fwd_only", False, "rank the --sweep specs by the forward alone "
-                     "(inference, or a forward-only kernel option)", flag_values=FLAGS)
-flags.DEFINE_boolean("sweep_repeat_first", True, "time a sweep's first spec (its baseline) again "
-                     "after the others and rank it by that timing: a process's first timed spec can "
-                     "read slow (session 46, H100: 2.29 ms against 1.35-1.40 for the same config)",
-                     flag_values=FLAGS)
-flags.DEFINE_boolean("sweep_combine", True, "after a sweep, also time the first spec merged with "
-                     "every spec that beat it", flag_values=FLAGS)
-flags.DEFINE_boolean("stages_docs", False, "with --stages, also time the stages at the first "
-                     "length with packed documents (segment_ids)", flag_values=FLAGS)
-flags.DEFINE_boolean("stages", False, "also time the pallas stages one by one (diag KDN): gain, "
-                     "cumsum, the forward's pair/WY/serial/output kernels, the backward's serial "
-                     "dS chain, partials, token-parallel intra and reverse-cumsum kernels",
-                     flag_values=FLAGS)
+flags.DEFINE_enum(
+  "sweep_row",
+  "diag_kdn_pallas",
+  [
+    "diag_kdn_pallas",
+    "iso_kdn_pallas",
+    "diag_kdn_seg_pallas",
+    "iso_kdn_seg_pallas",
+    "kda_pallas",
+    "gdn_pallas",
+  ],
+  "the row --sweep times (fwd+bwd); the *_seg rows sweep the packed-documents path",
+  flag_values=FLAGS,
+)
+flags.DEFINE_boolean(
+  "sweep_stages",
+  False,
+  "time the pallas stages (see --stages) under every delta-rule sweep spec",
+  flag_values=FLAGS,
+)
+flags.DEFINE_boolean(
+  "sweep_fwd_only",
+  False,
+  "rank the --sweep specs by the forward alone (inference, or a forward-only kernel option)",
+  flag_values=FLAGS,
+)
+flags.DEFINE_boolean(
+  "sweep_repeat_first",
+  True,
+  "time a sweep's first spec (its baseline) again "
+  "after the others and rank it by that timing: a process's first timed spec can "
+  "read slow (session 46, H100: 2.29 ms against 1.35-1.40 for the same config)",
+  flag_values=FLAGS,
+)
+flags.DEFINE_boolean(
+  "sweep_combine",
+  True,
+  "after a sweep, also time the first spec merged with every spec that beat it",
+  flag_values=FLAGS,
+)
+flags.DEFINE_boolean(
+  "stages_docs",
+  False,
+  "with --stages, also time the stages at the first length with packed documents (segment_ids)",
+  flag_values=FLAGS,
+)
+flags.DEFINE_boolean(
+  "stages",
+  False,
+  "also time the pallas stages one by one (diag KDN): gain, "
+  "cumsum, the forward's pair/WY/serial/output kernels, the backward's serial "
+  "dS chain, partials, token-parallel intra and reverse-cumsum kernels",
+  flag_values=FLAGS,
+)
 
 
 # ----------------------------------------------------------------------------------- inputs
@@ -105,13 +186,13 @@ def _inputs(key, b, t, h, d, dtype):
   om = (0.1 * jax.nn.softplus(jax.random.normal(ks[4], (b, t, h, d)))).astype(dtype)
   r = (0.01 + jax.nn.softplus(jax.random.normal(ks[5], (b, t, h)))).astype(dtype)
   beta = jax.nn.sigmoid(jax.random.normal(ks[6], (b, t, h))).astype(dtype)
-  return dict(q=q, k=k, v=v, la=la, om=om, r=r, beta=beta, om_iso=om[..., 0],
-              la_scalar=la[..., 0])
+  return dict(q=q, k=k, v=v, la=la, om=om, r=r, beta=beta, om_iso=om[..., 0], la_scalar=la[..., 0])
 
 
 def _ops():
   try:
     from kdn_jax import ops  # pylint: disable=g-import-not-at-top
+
     return ops
   except Exception as e:  # pylint: disable=broad-except
     logging.warning("kdn_jax.ops unavailable: %s", e)
@@ -121,6 +202,7 @@ def _ops():
 def _direct_kdn(diag, x, d):
   """KDN mixer straight from the pallas kernels (gain, then memory)."""
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
+
   b, _, h, _ = x["k"].shape
   mu = jnp.full((h,), float(d), jnp.float32)
   s0 = jnp.zeros((b, h, d, d), jnp.float32)
@@ -129,11 +211,11 @@ def _direct_kdn(diag, x, d):
   else:
     # (beta itself: the delta rule forms the write beta k in its kernels)
     w, _ = pk.iso_gain(x["k"], x["la"], x["om_iso"], x["r"], mu, jnp.ones((b, h), jnp.float32))
-  o, _ = pk.delta_rule(x["q"], x["k"], x["v"], x["la"], w, d ** -0.5, s0)
+  o, _ = pk.delta_rule(x["q"], x["k"], x["v"], x["la"], w, d**-0.5, s0)
   return o
 
 
-_DOC_LEN = 1000   # document length of the *_seg rows (not a multiple of any chunk)
+_DOC_LEN = 1000  # document length of the *_seg rows (not a multiple of any chunk)
 
 
 def _is_docs_row(row):
@@ -149,47 +231,80 @@ def _doc_ids(b, t):
 def _make_jax_fn(row, d):
   """Returns f(x) -> output array (differentiable in the float inputs)."""
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
+
   ops = _ops()
   name, impl = row.rsplit("_", 1)
-  docs = _is_docs_row(row)   # packed documents: segment_ids with a reset every _DOC_LEN
+  docs = _is_docs_row(row)  # packed documents: segment_ids with a reset every _DOC_LEN
   name = name[:-4] if docs else name
   if docs and (name not in ("diag_kdn", "iso_kdn") or ops is None):
-    raise ValueError(f"row {row!r}: the _seg rows are diag_kdn_seg_<impl> and iso_kdn_seg_<impl> "
-                     "(through kdn_jax.ops)")
+    raise ValueError(
+      f"row {row!r}: the _seg rows are diag_kdn_seg_<impl> and iso_kdn_seg_<impl> "
+      "(through kdn_jax.ops)"
+    )
   if name in ("diag_kdn", "iso_kdn"):
     diag = name == "diag_kdn"
     if ops is not None:
       fn = ops.diag_kdn if diag else ops.iso_kdn
+
       def f(x):
         om = x["om"] if diag else x["om_iso"]
         b, t = x["q"].shape[:2]
         seg = _doc_ids(b, t) if docs else None
-        return fn(x["q"], x["k"], x["v"], x["la"], om, x["r"], info_scale=float(d),
-                  segment_ids=seg, impl=impl)[0]
+        return fn(
+          x["q"],
+          x["k"],
+          x["v"],
+          x["la"],
+          om,
+          x["r"],
+          info_scale=float(d),
+          segment_ids=seg,
+          impl=impl,
+        )[0]
+
       return f, ("q", "k", "v", "la", "om" if diag else "om_iso", "r")
     if impl != "pallas":
       raise RuntimeError("kdn_jax.ops unavailable")
     return (lambda x: _direct_kdn(diag, x, d)), (
-        "q", "k", "v", "la", "om" if diag else "om_iso", "r")
+      "q",
+      "k",
+      "v",
+      "la",
+      "om" if diag else "om_iso",
+      "r",
+    )
   if name == "diag_gain":
+
     def f(x):
       b, _, h, _ = x["k"].shape
-      return pk.diag_gain(x["k"], x["la"], x["om"], x["r"], jnp.full((h,), float(d)),
-                          jnp.ones((b, h, d), jnp.float32))[0]
+      return pk.diag_gain(
+        x["k"], x["la"], x["om"], x["r"], jnp.full((h,), float(d)), jnp.ones((b, h, d), jnp.float32)
+      )[0]
+
     return f, ("k", "la", "om", "r")
   if name == "iso_gain":
+
     def f(x):
       b, _, h, _ = x["k"].shape
-      return pk.iso_gain(x["k"], x["la"], x["om_iso"], x["r"], jnp.full((h,), float(d)),
-                         jnp.ones((b, h), jnp.float32))[0]
+      return pk.iso_gain(
+        x["k"],
+        x["la"],
+        x["om_iso"],
+        x["r"],
+        jnp.full((h,), float(d)),
+        jnp.ones((b, h), jnp.float32),
+      )[0]
+
     return f, ("k", "la", "om_iso", "r")
   if name in ("kda", "gdn"):
     if ops is None:
       raise RuntimeError("kdn_jax.ops unavailable")
     la = "la" if name == "kda" else "la_scalar"
     fn = ops.kda if name == "kda" else ops.gated_delta_rule
+
     def f(x):
       return fn(x["q"], x["k"], x["v"], x[la], x["beta"], impl=impl)[0]
+
     return f, ("q", "k", "v", la, "beta")
   raise ValueError(row)
 
@@ -220,9 +335,11 @@ def jax_row_fn(row, t, fwd_bwd):
   if not fwd_bwd:
     fn = jax.jit(lambda diff: f({**rest, **diff}))
   else:
+
     def loss(diff):
       o = f({**rest, **diff})
       return jnp.sum(o.astype(jnp.float32) * 1e-3)
+
     fn = jax.jit(jax.grad(loss))
   return fn, (diff,)
 
@@ -270,7 +387,7 @@ def fla_row_fn(row, t, fwd_bwd):
   do = rn(b, t, h, d).to(bf)
 
   def run():
-    o = fn(q, k, v, gate, beta, scale=d ** -0.5)[0]
+    o = fn(q, k, v, gate, beta, scale=d**-0.5)[0]
     if fwd_bwd:
       torch.autograd.grad(o, leaves, do)
     return o
@@ -284,7 +401,7 @@ def fla_row_fn(row, t, fwd_bwd):
 def _rel(a, b):
   a = np.asarray(a, np.float64)
   b = np.asarray(b, np.float64)
-  return float(np.sqrt(np.mean((a - b) ** 2) / max(np.mean(b ** 2), 1e-300)))
+  return float(np.sqrt(np.mean((a - b) ** 2) / max(np.mean(b**2), 1e-300)))
 
 
 # The issue's accuracy bounds: (forward, gradients) for fp32 and for bf16 inputs.
@@ -306,8 +423,9 @@ def _gain_scan(diag, k, la, om, r, mu, p0, seg):
   """The KDN gain as a plain token scan of kdn_jax.ops.variance's steps (a reset where seg
   changes): (gain, p_final)."""
   from kdn_jax.ops import variance  # pylint: disable=g-import-not-at-top
+
   step_fn = variance.diag_variance_step if diag else variance.iso_variance_step
-  mu = mu[:, None] if diag else mu          # against [B, H, K] (diag) or [B, H] (iso) rows
+  mu = mu[:, None] if diag else mu  # against [B, H, K] (diag) or [B, H] (iso) rows
 
   def step(p, xs):
     kt, lat, omt, rt, st = xs
@@ -332,10 +450,20 @@ def _gain_check(pk, x, seg, tag, b, h, d):
     args = (x["k"], x["la"], om, x["r"], jnp.full((h,), float(d)), p0)
     ct = jax.random.normal(jax.random.PRNGKey(4), x["k"].shape if diag else x["r"].shape)
     f_pk = lambda *a, fn=fn: fn(*a, seg)
+
     def f_ref(*a, diag=diag):
       return _gain_scan(diag, *(z.astype(jnp.float32) for z in a), seg)
-    _compare(res, f"{mode}_gain_{tag}_", f_pk, f_ref, args, ct, ("kappa", "pfin"),
-             ("dk", "dla", "dom", "dr", "dmu", "dp0"))
+
+    _compare(
+      res,
+      f"{mode}_gain_{tag}_",
+      f_pk,
+      f_ref,
+      args,
+      ct,
+      ("kappa", "pfin"),
+      ("dk", "dla", "dom", "dr", "dmu", "dp0"),
+    )
   return res
 
 
@@ -344,6 +472,7 @@ def _kdn_op_check(x, seg, tag, d, ct):
   loops (impl='reference'): what the op adds to the kernels (the gain's kappa stored for the
   delta rule, DeltaRuleConfig.bf16_write; the iso write beta k formed in the kernels)."""
   from kdn_jax import ops  # pylint: disable=g-import-not-at-top
+
   res = {}
   for diag in (True, False):
     fn = ops.diag_kdn if diag else ops.iso_kdn
@@ -356,19 +485,31 @@ def _kdn_op_check(x, seg, tag, d, ct):
     def f_ref(*a, f_op=f_op):
       with jax.default_matmul_precision("highest"):
         return f_op(*(z.astype(jnp.float32) for z in a), impl="reference")
-    _compare(res, f"{'diag' if diag else 'iso'}_kdn_{tag}_seg_", f_op, f_ref, args, ct,
-             ("o", "S"), ("dq", "dk", "dv", "dla", "dom", "dr"))
+
+    _compare(
+      res,
+      f"{'diag' if diag else 'iso'}_kdn_{tag}_seg_",
+      f_op,
+      f_ref,
+      args,
+      ct,
+      ("o", "S"),
+      ("dq", "dk", "dv", "dla", "dom", "dr"),
+    )
   return res
 
 
 def _compare(res, prefix, fa, fb, args, ct, out_names, grad_names):
   """res[prefix + name]: relative RMS error of fa against fb, for every output and for the
   gradients of sum(out_0 * ct) + the sums of the other outputs w.r.t. every argument."""
+
   def loss(fn):
     def f(*a):
       out0, *rest = fn(*a)
       return jnp.sum(out0.astype(jnp.float32) * ct) + sum(jnp.sum(o) for o in rest)
+
     return f
+
   for n, a1, a2 in zip(out_names, jax.jit(fa)(*args), jax.jit(fb)(*args)):
     res[prefix + n] = _rel(a1, a2)
   argnums = tuple(range(len(args)))
@@ -391,36 +532,58 @@ def run_check(b=2, t=300, h=2, d=128, cut=100):
   `cut` (the gains: with it)."""
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
   from kdn_jax.ops.delta_reference import delta_rule_reference  # pylint: disable=g-import-not-at-top
+
   res = {}
   for dtype in (jnp.float32, jnp.bfloat16):
     x = _inputs(jax.random.PRNGKey(1), b, t, h, d, dtype)
-    w = (0.5 * x["beta"][..., None].astype(jnp.float32) * x["k"].astype(jnp.float32))
+    w = 0.5 * x["beta"][..., None].astype(jnp.float32) * x["k"].astype(jnp.float32)
     s0 = 0.1 * jax.random.normal(jax.random.PRNGKey(2), (b, h, d, d))
     seg = (jnp.arange(t)[None, :] >= cut).astype(jnp.int32) * jnp.ones((b, 1), jnp.int32)
     args = (x["q"], x["k"], x["v"], x["la"], w, s0)
+
     def f_pk(*a):
-      return pk.delta_rule(*a[:5], d ** -0.5, a[5])
-    def f_ref(*a):   # kdn_jax's float32 token loop (q arrives scaled)
+      return pk.delta_rule(*a[:5], d**-0.5, a[5])
+
+    def f_ref(*a):  # kdn_jax's float32 token loop (q arrives scaled)
       q, *rest = (z.astype(jnp.float32) for z in a)
       with jax.default_matmul_precision("highest"):
-        return delta_rule_reference(d ** -0.5 * q, *rest)
+        return delta_rule_reference(d**-0.5 * q, *rest)
+
     def f_pk_seg(*a):
-      return pk.delta_rule(*a[:5], d ** -0.5, a[5], seg)
-    def f_ref_seg(*a):   # the reset at token `cut` = two independent runs from s0
+      return pk.delta_rule(*a[:5], d**-0.5, a[5], seg)
+
+    def f_ref_seg(*a):  # the reset at token `cut` = two independent runs from s0
       o_a, _ = f_ref(*(z[:, :cut] for z in a[:5]), a[5])
       o_b, s_b = f_ref(*(z[:, cut:] for z in a[:5]), a[5])
       return jnp.concatenate([o_a, o_b], axis=1), s_b
+
     tag = jnp.dtype(dtype).name
     ct = jax.random.normal(jax.random.PRNGKey(3), (b, t, h, d))
     for name, fa, fb in (("", f_pk, f_ref), ("seg_", f_pk_seg, f_ref_seg)):
-      _compare(res, f"delta_rule_{tag}_{name}", fa, fb, args, ct, ("o", "S"),
-               ("dq", "dk", "dv", "dla", "dw", "dh0"))
+      _compare(
+        res,
+        f"delta_rule_{tag}_{name}",
+        fa,
+        fb,
+        args,
+        ct,
+        ("o", "S"),
+        ("dq", "dk", "dv", "dla", "dw", "dh0"),
+      )
     # the write as a per-token scalar (write = beta k, formed in the kernels; KDA's, the iso
     # KDN's), with the reset: beta's gradient is "dbeta"
     beta_args = args[:4] + (0.5 * x["beta"].astype(jnp.float32),) + args[5:]
     f_ref_beta = lambda *a: f_ref_seg(*a[:4], a[4][..., None] * a[1].astype(jnp.float32), a[5])
-    _compare(res, f"delta_rule_{tag}_seg_beta_", f_pk_seg, f_ref_beta, beta_args, ct, ("o", "S"),
-             ("dq", "dk", "dv", "dla", "dbeta", "dh0"))
+    _compare(
+      res,
+      f"delta_rule_{tag}_seg_beta_",
+      f_pk_seg,
+      f_ref_beta,
+      beta_args,
+      ct,
+      ("o", "S"),
+      ("dq", "dk", "dv", "dla", "dbeta", "dh0"),
+    )
     res.update(_gain_check(pk, x, seg, tag, b, h, d))
     res.update(_kdn_op_check(x, seg, tag, d, ct))
   for kname, val in res.items():
@@ -437,16 +600,19 @@ def _time_stages(t, docs=False):
   with `docs`, packed documents of _DOC_LEN tokens (segment_ids)."""
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
   from pallas_kernels import common  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.delta_rule import chunk_length  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.delta_rule.chunk_cumsum import chunk_cumsum, chunk_reverse_cumsum  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.delta_rule import segment_arrays  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import backward as dbwd  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.delta_rule import (
+    chunk_length,  # pylint: disable=g-import-not-at-top
+    segment_arrays,  # pylint: disable=g-import-not-at-top
+  )
+  from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import intra as dintra  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.delta_rule.intra_bwd_tokens import intra_backward_tokens  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import output as dout  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import state_pass as dstate  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import wy as dwy  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.delta_rule.chunk_cumsum import chunk_cumsum, chunk_reverse_cumsum  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.delta_rule.intra_bwd_tokens import intra_backward_tokens  # pylint: disable=g-import-not-at-top
+
   b, h, d = FLAGS.batch, FLAGS.heads, FLAGS.dim
   x = _inputs(jax.random.PRNGKey(0), b, t, h, d, jnp.bfloat16)
   cfg = dcfg.DEFAULT
@@ -460,22 +626,34 @@ def _time_stages(t, docs=False):
   p0 = jnp.ones((b, h, d), jnp.float32)
   out, first = {}, {}
   # (kappa stored as the op stores it: bf16 under DeltaRuleConfig.bf16_write)
-  gain = jax.jit(lambda k, la, om, r, seg: pk.diag_gain(
-      k, la, om, r, mu, p0, seg, gain_dtype=pk.write_dtype(k.dtype))[0])
+  gain = jax.jit(
+    lambda k, la, om, r, seg: pk.diag_gain(
+      k, la, om, r, mu, p0, seg, gain_dtype=pk.write_dtype(k.dtype)
+    )[0]
+  )
   gargs = (x["k"], x["la"], x["om"], x["r"], seg)
   out["gain_fwd"] = _time_fn(gain, gargs, first, "gain_fwd")
   w = gain(*gargs)
-  cums = jax.jit(lambda la, starts: chunk_cumsum(la, starts, chunk=chunk, interpret=interpret,
-                                                 block=cfg.cumsum_block))
+  cums = jax.jit(
+    lambda la, starts: chunk_cumsum(
+      la, starts, chunk=chunk, interpret=interpret, block=cfg.cumsum_block
+    )
+  )
   out["cumsum_glue"] = _time_fn(cums, (x["la"], starts), first, "cumsum_glue")
   g = cums(x["la"], starts)
   # The precision the op picks for bf16 data.
-  kw = dict(chunk=chunk, scale=d ** -0.5, interpret=interpret, cfg=cfg,
-            cfg_prec=common.precision_for(jnp.bfloat16))
+  kw = dict(
+    chunk=chunk,
+    scale=d**-0.5,
+    interpret=interpret,
+    cfg=cfg,
+    cfg_prec=common.precision_for(jnp.bfloat16),
+  )
   h0 = jnp.zeros((b, h, d, d), jnp.float32)
   # Arrays go in as arguments: closed-over arrays become constants that XLA folds for minutes.
-  intra = jax.jit(lambda q, k, v, w, g, h0, pid, cont: dintra.intra_forward(
-      q, k, v, w, g, h0, pid, cont, **kw))
+  intra = jax.jit(
+    lambda q, k, v, w, g, h0, pid, cont: dintra.intra_forward(q, k, v, w, g, h0, pid, cont, **kw)
+  )
   iargs = (x["q"], x["k"], x["v"], w, g, h0, pid, cont)
   out["delta_intra_fwd"] = _time_fn(intra, iargs, first, "delta_intra_fwd")
   amat, pmat, wt, wk, u = intra(*iargs)[:5]
@@ -483,32 +661,43 @@ def _time_stages(t, docs=False):
   # kernel also writes Kbar and Qbar) the later stages read those, as the op's do (the state
   # pass gets the whole g here, where a forward-only op call passes g_last: the same rows read)
   dec = dintra.decayed_operands(cfg, chunk)
-  pairs = jax.jit(lambda q, k, w, g, pid: dintra.pair_rows_forward(q, k, w, g, pid, decayed=dec,
-                                                                   **kw))
+  pairs = jax.jit(
+    lambda q, k, w, g, pid: dintra.pair_rows_forward(q, k, w, g, pid, decayed=dec, **kw)
+  )
   out["delta_pairs_fwd"] = _time_fn(pairs, (x["q"], x["k"], w, g, pid), first, "delta_pairs_fwd")
   pd = pairs(x["q"], x["k"], w, g, pid)
   lmat = pd.lmat
-  q_out, g_dec = dintra.operands(pd.qbar, x["q"], g)   # (the op's choice: intra.operands)
+  q_out, g_dec = dintra.operands(pd.qbar, x["q"], g)  # (the op's choice: intra.operands)
   k_wy, _ = dintra.operands(pd.kbar, x["k"], g)
   if cfg.cumsum_in_pairs and dintra.token_parallel(cfg, chunk):
     # the pair kernel forming g from log_alpha (the op then runs no cumsum kernel; with decayed
     # operands a call not differentiated writes only g's chunk-last rows)
-    pairs_la = jax.jit(lambda q, k, w, la, pid: dintra.pair_rows_forward(
-        q, k, w, None, pid, la=la, decayed=dec, write_g=not dec, **kw))
-    out["delta_pairs_cumsum_fwd"] = _time_fn(pairs_la, (x["q"], x["k"], w, x["la"], pid), first,
-                                             "delta_pairs_cumsum_fwd")
+    pairs_la = jax.jit(
+      lambda q, k, w, la, pid: dintra.pair_rows_forward(
+        q, k, w, None, pid, la=la, decayed=dec, write_g=not dec, **kw
+      )
+    )
+    out["delta_pairs_cumsum_fwd"] = _time_fn(
+      pairs_la, (x["q"], x["k"], w, x["la"], pid), first, "delta_pairs_cumsum_fwd"
+    )
   nosc = {n: val for n, val in kw.items() if n != "scale"}
-  wyf = jax.jit(lambda lmat, k, v, g, h0, cont: dwy.wy_forward(
-      lmat, k, v, g, h0, cont, sub=dintra.sub_rows(cfg, chunk), **nosc))
-  out["delta_wy_fwd"] = _time_fn(wyf, (lmat, k_wy, x["v"], g_dec, h0, cont), first,
-                                 "delta_wy_fwd")
-  state = jax.jit(lambda u, wk, wt, g, h0, cont: dstate.state_forward(u, wk, wt, g, h0, cont,
-                                                                      **nosc))
+  wyf = jax.jit(
+    lambda lmat, k, v, g, h0, cont: dwy.wy_forward(
+      lmat, k, v, g, h0, cont, sub=dintra.sub_rows(cfg, chunk), **nosc
+    )
+  )
+  out["delta_wy_fwd"] = _time_fn(wyf, (lmat, k_wy, x["v"], g_dec, h0, cont), first, "delta_wy_fwd")
+  state = jax.jit(
+    lambda u, wk, wt, g, h0, cont: dstate.state_forward(u, wk, wt, g, h0, cont, **nosc)
+  )
   args = (u, wk, wt, g, h0, cont)
   out["delta_state_fwd"] = _time_fn(state, args, first, "delta_state_fwd")
   delta, _, states = state(*args)
-  output = jax.jit(lambda q, g, p, delta, states, h0, cont: dout.output_forward(
-      q, g, p, delta, states, h0, cont, out_dtype=jnp.bfloat16, **kw))
+  output = jax.jit(
+    lambda q, g, p, delta, states, h0, cont: dout.output_forward(
+      q, g, p, delta, states, h0, cont, out_dtype=jnp.bfloat16, **kw
+    )
+  )
   oargs = (q_out, g_dec, pmat, delta, states, h0, cont)
   out["delta_output_fwd"] = _time_fn(output, oargs, first, "delta_output_fwd")
   o = output(*oargs)
@@ -517,44 +706,82 @@ def _time_stages(t, docs=False):
   # ... and as one kernel (cfg.fuse_output): without the states (a call not differentiated)
   # and with them (training's forward)
   for save in (False, True):
-    fused = jax.jit(lambda u, wk, wt, g, h0, cont, q, p, save=save: dstate.state_output_forward(
-        u, wk, wt, g, h0, cont, q, p, save_states=save, decayed=dec, out_dtype=jnp.bfloat16,
-        **kw))
+    fused = jax.jit(
+      lambda u, wk, wt, g, h0, cont, q, p, save=save: dstate.state_output_forward(
+        u, wk, wt, g, h0, cont, q, p, save_states=save, decayed=dec, out_dtype=jnp.bfloat16, **kw
+      )
+    )
     name = "delta_state_output_fwd" + ("_save" if save else "")
     out[name] = _time_fn(fused, (u, wk, wt, g, h0, cont, q_out, pmat), first, name)
-  rbwd = jax.jit(lambda q, k, v, g, h0, cont, res, do: dbwd.recur_backward(
-      q, k, v, g, h0, cont, res, do, jnp.zeros_like(h0), dv_dtype=v.dtype, **kw))
+  rbwd = jax.jit(
+    lambda q, k, v, g, h0, cont, res, do: dbwd.recur_backward(
+      q, k, v, g, h0, cont, res, do, jnp.zeros_like(h0), dv_dtype=v.dtype, **kw
+    )
+  )
   args = (x["q"], x["k"], x["v"], g, h0, cont, (amat, pmat, wt, wk, states), jnp.ones_like(o))
   out["delta_recur_bwd"] = _time_fn(rbwd, args, first, "delta_recur_bwd")
   # its two kernels apart: the serial dS chain, then the parallel partials
-  sgr = jax.jit(lambda q, k, v, g, h0, cont, res, do: dbwd.state_grads(
-      q, k, v, g, h0, cont, res, do, jnp.zeros_like(h0), **kw))
+  sgr = jax.jit(
+    lambda q, k, v, g, h0, cont, res, do: dbwd.state_grads(
+      q, k, v, g, h0, cont, res, do, jnp.zeros_like(h0), **kw
+    )
+  )
   out["delta_state_bwd"] = _time_fn(sgr, args, first, "delta_state_bwd")
   dstates = sgr(*args)[1]
   # (dq, dk and dv stored in the data's dtype, as the op stores them: dv fp32 with documents)
-  parts = jax.jit(lambda q, k, v, g, h0, cont, res, do, dstates: dbwd.bwd_partials(
-      q, k, v, g, h0, cont, res, do, dstates,
-      dv_dtype=v.dtype if cont is None else jnp.float32, **kw))
+  parts = jax.jit(
+    lambda q, k, v, g, h0, cont, res, do, dstates: dbwd.bwd_partials(
+      q,
+      k,
+      v,
+      g,
+      h0,
+      cont,
+      res,
+      do,
+      dstates,
+      dv_dtype=v.dtype if cont is None else jnp.float32,
+      **kw,
+    )
+  )
   out["delta_partials_bwd"] = _time_fn(parts, args + (dstates,), first, "delta_partials_bwd")
   partials = tuple(rbwd(*args)[2:])
   # the intra backward (intra_bwd_tokens.py); "delta_intra_bwd" in sessions <= 38's JSON is the
   # per-chunk kernel removed in session 39
-  tbwd = jax.jit(lambda q, k, w, g, pid, parts: intra_backward_tokens(
-      q, k, w, g, pid, parts, chunk=chunk, scale=kw["scale"], interpret=kw["interpret"],
-      cfg=cfg, cfg_prec=kw["cfg_prec"], dq_dtype=q.dtype, dk_dtype=k.dtype))
+  tbwd = jax.jit(
+    lambda q, k, w, g, pid, parts: intra_backward_tokens(
+      q,
+      k,
+      w,
+      g,
+      pid,
+      parts,
+      chunk=chunk,
+      scale=kw["scale"],
+      interpret=kw["interpret"],
+      cfg=cfg,
+      cfg_prec=kw["cfg_prec"],
+      dq_dtype=q.dtype,
+      dk_dtype=k.dtype,
+    )
+  )
   targs = (x["q"], x["k"], w, g, pid, partials)
   out["delta_intra_bwd_tokens"] = _time_fn(tbwd, targs, first, "delta_intra_bwd_tokens")
   # dg -> dlog_alpha: the reverse cumsum plus the direct terms' exclusive prefix
   _, _, _, dg, dla_terms = tbwd(*targs)
-  rcum = jax.jit(lambda dg, terms, starts: chunk_reverse_cumsum(
-      dg, terms, starts, chunk=chunk, interpret=interpret, block=cfg.cumsum_block))
+  rcum = jax.jit(
+    lambda dg, terms, starts: chunk_reverse_cumsum(
+      dg, terms, starts, chunk=chunk, interpret=interpret, block=cfg.cumsum_block
+    )
+  )
   out["reverse_cumsum_bwd"] = _time_fn(rcum, (dg, dla_terms, starts), first, "reverse_cumsum_bwd")
   out["first_call_s"] = first
   return out
 
 
-def _sweep(results, specs, module, make_config, row, fwd_bwd, key, deadline, stages=False,
-           save=lambda: None):
+def _sweep(
+  results, specs, module, make_config, row, fwd_bwd, key, deadline, stages=False, save=lambda: None
+):
   """Times `row` at --sweep_len under each config make_config(spec) (with the pallas stage split
   when `stages`) until time.time() passes `deadline`; with --sweep_repeat_first the first spec
   is timed again after the others (a record with "repeat": true, no stage split) and ranks by
@@ -562,7 +789,7 @@ def _sweep(results, specs, module, make_config, row, fwd_bwd, key, deadline, sta
   spec and timed too. The fastest config becomes `module.DEFAULT` (recorded under
   results[key]); if none ran, the default is left as it was."""
   original = module.DEFAULT
-  timed = []   # (spec, ms or None, config)
+  timed = []  # (spec, ms or None, config)
 
   def run(spec, repeat=False):
     if time.time() > deadline:
@@ -577,19 +804,27 @@ def _sweep(results, specs, module, make_config, row, fwd_bwd, key, deadline, sta
     except Exception as e:  # pylint: disable=broad-except
       ms = None
       logging.warning("sweep %s failed: %s", spec, e)
-    rec = {"sweep": spec, "row": row, "fwd_bwd": fwd_bwd, "T": FLAGS.sweep_len, "ms": ms,
-           "first_call_s": first.get(row)}
+    rec = {
+      "sweep": spec,
+      "row": row,
+      "fwd_bwd": fwd_bwd,
+      "T": FLAGS.sweep_len,
+      "ms": ms,
+      "first_call_s": first.get(row),
+    }
     if repeat:
       rec["repeat"] = True
     if stages and ms is not None and not repeat:
       try:
-        rec["stages"] = {k: v if isinstance(v, dict) else round(v, 3)
-                         for k, v in _time_stages(FLAGS.sweep_len, _is_docs_row(row)).items()}
+        rec["stages"] = {
+          k: v if isinstance(v, dict) else round(v, 3)
+          for k, v in _time_stages(FLAGS.sweep_len, _is_docs_row(row)).items()
+        }
       except Exception as e:  # pylint: disable=broad-except
         rec["stages_error"] = f"{type(e).__name__}: {e}"[:300]
     print(json.dumps(rec), flush=True)
     results.setdefault("sweeps", []).append(rec)
-    if repeat:   # (a failed repeat keeps the first timing)
+    if repeat:  # (a failed repeat keeps the first timing)
       timed[0] = (spec, ms if ms is not None else timed[0][1], cfg)
     else:
       timed.append((spec, ms, cfg))
@@ -597,8 +832,12 @@ def _sweep(results, specs, module, make_config, row, fwd_bwd, key, deadline, sta
 
   for spec in specs:
     run(spec)
-  if (FLAGS.sweep_repeat_first and len(specs) > 1 and len(timed) == len(specs)
-      and timed[0][1] is not None):
+  if (
+    FLAGS.sweep_repeat_first
+    and len(specs) > 1
+    and len(timed) == len(specs)
+    and timed[0][1] is not None
+  ):
     run(specs[0], repeat=True)
   if FLAGS.sweep_combine and timed and len(timed) == len(specs):
     combined = combine_winners([(spec, ms) for spec, ms, _ in timed])
@@ -620,7 +859,7 @@ def combine_winners(timed):
   if len(wins) < 2:
     return None
   fields = {}
-  for spec in [base] + [spec for _, spec in wins]:   # slowest winner first, fastest last
+  for spec in [base] + [spec for _, spec in wins]:  # slowest winner first, fastest last
     if spec not in ("", "default"):
       fields.update(item.partition("=")[::2] for item in spec.split("/"))
   return "/".join(f"{k}={v}" for k, v in fields.items())
@@ -629,12 +868,31 @@ def combine_winners(timed):
 def _sweeps(results, deadline, save):
   from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
   from pallas_kernels.kdn_gain import config as gcfg  # pylint: disable=g-import-not-at-top
+
   base, gbase = dcfg.DEFAULT, gcfg.DEFAULT
-  _sweep(results, FLAGS.sweep, dcfg, lambda spec: config_from_spec(base, spec), FLAGS.sweep_row,
-         not FLAGS.sweep_fwd_only, "delta_rule_config", deadline, stages=FLAGS.sweep_stages,
-         save=save)
-  _sweep(results, FLAGS.gain_sweep, gcfg, lambda spec: config_from_spec(gbase, spec),
-         FLAGS.gain_sweep_row, FLAGS.gain_sweep_fwd_bwd, "gain_config", deadline, save=save)
+  _sweep(
+    results,
+    FLAGS.sweep,
+    dcfg,
+    lambda spec: config_from_spec(base, spec),
+    FLAGS.sweep_row,
+    not FLAGS.sweep_fwd_only,
+    "delta_rule_config",
+    deadline,
+    stages=FLAGS.sweep_stages,
+    save=save,
+  )
+  _sweep(
+    results,
+    FLAGS.gain_sweep,
+    gcfg,
+    lambda spec: config_from_spec(gbase, spec),
+    FLAGS.gain_sweep_row,
+    FLAGS.gain_sweep_fwd_bwd,
+    "gain_config",
+    deadline,
+    save=save,
+  )
   print("configs:", results.get("delta_rule_config"), results.get("gain_config"), flush=True)
 
 
@@ -651,8 +909,10 @@ def _write(results, out, plot=True):
   os.makedirs(out, exist_ok=True)
   _replace_file(os.path.join(out, "results.json"), json.dumps(results, indent=1))
   lens = sorted({int(r["T"]) for r in results["rows"]})
-  lines = ["| row | mode | " + " | ".join(f"T={t}" for t in lens) + " |",
-           "|---|---|" + "---|" * len(lens)]
+  lines = [
+    "| row | mode | " + " | ".join(f"T={t}" for t in lens) + " |",
+    "|---|---|" + "---|" * len(lens),
+  ]
   keys = sorted({(r["row"], r["mode"]) for r in results["rows"]})
   for row, mode in keys:
     cells = []
@@ -666,8 +926,10 @@ def _write(results, out, plot=True):
         cells.append(f"{m[0]['ms']:.2f}")
     lines.append(f"| {row} | {mode} | " + " | ".join(cells) + " |")
   table = "\n".join(lines)
-  hdr = (f"Mixer timings in ms (median of {FLAGS.reps}), batch {FLAGS.batch}, "
-         f"{FLAGS.heads} heads x {FLAGS.dim}, bf16, device: {results.get('device')}\n\n")
+  hdr = (
+    f"Mixer timings in ms (median of {FLAGS.reps}), batch {FLAGS.batch}, "
+    f"{FLAGS.heads} heads x {FLAGS.dim}, bf16, device: {results.get('device')}\n\n"
+  )
   if results.get("delta_rule_config"):
     hdr += f"Pallas delta-rule config: `{results['delta_rule_config']}`\n\n"
   if results.get("gain_config"):
@@ -681,15 +943,20 @@ def _write(results, out, plot=True):
     return table
   try:
     import matplotlib  # pylint: disable=g-import-not-at-top
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
     fig, axes = plt.subplots(1, 2, figsize=(12, 5))
     for ax, mode in zip(axes, ("fwd", "fwd+bwd")):
       for row, m in keys:
         if m != mode:
           continue
-        pts = sorted((r["T"], r["ms"]) for r in results["rows"]
-                     if r["row"] == row and r["mode"] == mode and r.get("ms") is not None)
+        pts = sorted(
+          (r["T"], r["ms"])
+          for r in results["rows"]
+          if r["row"] == row and r["mode"] == mode and r.get("ms") is not None
+        )
         if pts:
           ax.plot(*zip(*pts), marker="o", label=row)
       ax.set_xscale("log", base=2)
@@ -709,19 +976,20 @@ def main(argv):
   del argv
   results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": []}
   start = time.time()
-  save = lambda: _write(results, FLAGS.out, plot=False)   # after every step: a killed run keeps it
+  save = lambda: _write(results, FLAGS.out, plot=False)  # after every step: a killed run keeps it
   # Sweeps first, so that the check covers the configuration the rows use.
   _sweeps(results, start + FLAGS.time_budget_s, save)
   from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
   from pallas_kernels.kdn_gain import config as gcfg  # pylint: disable=g-import-not-at-top
+
   results.setdefault("delta_rule_config", repr(dcfg.DEFAULT))
-  results.setdefault("gain_config", repr(gcfg.DEFAULT))   # (both: the rows run with them)
+  results.setdefault("gain_config", repr(gcfg.DEFAULT))  # (both: the rows run with them)
   save()
   if FLAGS.check or FLAGS.check_only:
     try:
       results["check"] = run_check(d=FLAGS.check_dim)
       bad = check_violations(results["check"])
-      if bad:   # the rows still run (they time this config), but the report says it is wrong
+      if bad:  # the rows still run (they time this config), but the report says it is wrong
         results["check_failed"] = bad
         logging.error("GPU CHECK FAILED for %s: %s", results.get("delta_rule_config"), bad)
     except Exception as e:  # pylint: disable=broad-except
@@ -734,7 +1002,8 @@ def main(argv):
   have_fla = _fla() is not None
   if FLAGS.stages:
     for t, docs in [(int(z), False) for z in FLAGS.seq_lens[:2]] + (
-        [(int(FLAGS.seq_lens[0]), True)] if FLAGS.stages_docs else []):
+      [(int(FLAGS.seq_lens[0]), True)] if FLAGS.stages_docs else []
+    ):
       try:
         rec = {"stages": _time_stages(t, docs), "T": t, "docs": docs}
       except Exception as e:  # pylint: disable=broad-except
@@ -756,8 +1025,9 @@ def main(argv):
         rec = {"row": row, "mode": mode, "T": t}
         try:
           fb = mode == "fwd+bwd"
-          rec["ms"] = (time_fla_row(row, t, fb) if row.startswith("fla")
-                       else time_jax_row(row, t, fb))
+          rec["ms"] = (
+            time_fla_row(row, t, fb) if row.startswith("fla") else time_jax_row(row, t, fb)
+          )
         except Exception as e:  # pylint: disable=broad-except
           rec["ms"] = None
           rec["error"] = f"{type(e).__name__}: {e}"[:300]

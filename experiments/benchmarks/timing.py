@@ -36,6 +36,7 @@ def import_for_cuda(*names):
 def torch_cuda_median_ms(run, warmup=2, repeats=10):
   """Median time in ms of `run()` on the current CUDA stream (torch.cuda events)."""
   import torch  # pylint: disable=g-import-not-at-top
+
   for _ in range(warmup):
     run()
   torch.cuda.synchronize()
@@ -52,7 +53,6 @@ def torch_cuda_median_ms(run, warmup=2, repeats=10):
 
 
 def markdown_table(header, rows):
-  lines = ["| " + " | ".join(header) + " |",
-           "|" + "|".join("---" for _ in header) + "|"]
+  lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
   lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
   return "\n".join(lines)

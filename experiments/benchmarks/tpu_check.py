@@ -14,6 +14,7 @@ DeltaRuleConfig.max_chunk (the delta rule's chunk), chunked XLA alongside.
 `--interpret` runs everything in TPU interpret mode (a CPU smoke test of this script only).
 Writes JSON to --out when given.
 """
+
 import json
 
 import jax
@@ -44,10 +45,14 @@ def _inputs(diag, b, t, h, d, dtype, seed=0):
   rng = np.random.default_rng(seed)
   n = lambda *s: rng.standard_normal(s)
   unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
-  x = [unit(n(b, t, h, d)), unit(n(b, t, h, d)), n(b, t, h, d),
-       -np.log1p(np.exp(n(b, t, h, d) - 1.0)),
-       0.1 * np.log1p(np.exp(n(*((b, t, h, d) if diag else (b, t, h))))),
-       0.01 + np.log1p(np.exp(n(b, t, h)))]
+  x = [
+    unit(n(b, t, h, d)),
+    unit(n(b, t, h, d)),
+    n(b, t, h, d),
+    -np.log1p(np.exp(n(b, t, h, d) - 1.0)),
+    0.1 * np.log1p(np.exp(n(*((b, t, h, d) if diag else (b, t, h))))),
+    0.01 + np.log1p(np.exp(n(b, t, h))),
+  ]
   state = (0.3 * n(b, h, d, d), 0.2 + rng.random((b, h, d) if diag else (b, h)))
   cast = lambda a: jnp.asarray(a, jnp.float32).astype(dtype)
   return [cast(a) for a in x], [jnp.asarray(s, jnp.float32) for s in state]
@@ -66,15 +71,22 @@ def _loss_and_grads(diag, impl, seg, xs, state):
 
   def run(*args):
     *x, mem, var = args
-    o, st = fn(*x, info_scale=float(d), initial_state=ops.KDNState(mem, var),
-               output_final_state=True, segment_ids=seg, impl=impl)
+    o, st = fn(
+      *x,
+      info_scale=float(d),
+      initial_state=ops.KDNState(mem, var),
+      output_final_state=True,
+      segment_ids=seg,
+      impl=impl,
+    )
     return o, st.memory, st.variance
 
   def loss(*args):
     o, mem, var = run(*args)
     w = lambda a, i: jnp.cos(jnp.arange(a.size).reshape(a.shape) * 0.37 + i)
-    return (jnp.sum(w(o, 0) * o.astype(jnp.float32)) + jnp.sum(w(mem, 1) * mem)
-            + jnp.sum(w(var, 2) * var))
+    return (
+      jnp.sum(w(o, 0) * o.astype(jnp.float32)) + jnp.sum(w(mem, 1) * mem) + jnp.sum(w(var, 2) * var)
+    )
 
   args = tuple(xs) + tuple(state)
   outs = jax.jit(run)(*args)
@@ -88,8 +100,19 @@ def _rel(a, b):
 
 
 def check():
-  names = ("o", "memory", "variance", "dq", "dk", "dv", "dlog_alpha", "domega", "dr",
-           "dmemory0", "dvariance0")
+  names = (
+    "o",
+    "memory",
+    "variance",
+    "dq",
+    "dk",
+    "dv",
+    "dlog_alpha",
+    "domega",
+    "dr",
+    "dmemory0",
+    "dvariance0",
+  )
   rows, worst_ok = [], True
   for op, diag in (("diag_kdn", True), ("iso_kdn", False)):
     for dt in FLAGS.dtypes:
@@ -102,16 +125,21 @@ def check():
           errs = [_rel(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
           ok = max(errs) <= TOL[dt]
           worst_ok &= ok
-          rows.append(dict(op=op, dtype=dt, T=t, segments=segmented, ok=ok,
-                           errors=dict(zip(names, errs))))
-          print(f"{op} {dt} T={t} seg={segmented}: max rel err {max(errs):.2e} "
-                f"({names[int(np.argmax(errs))]}) {'ok' if ok else 'FAIL'}", flush=True)
+          rows.append(
+            dict(op=op, dtype=dt, T=t, segments=segmented, ok=ok, errors=dict(zip(names, errs)))
+          )
+          print(
+            f"{op} {dt} T={t} seg={segmented}: max rel err {max(errs):.2e} "
+            f"({names[int(np.argmax(errs))]}) {'ok' if ok else 'FAIL'}",
+            flush=True,
+          )
   return rows, worst_ok
 
 
 def sweep():
   from pallas_kernels.delta_rule import config as dr_config  # pylint: disable=g-import-not-at-top
   from pallas_kernels.kdn_gain import config as gain_config  # pylint: disable=g-import-not-at-top
+
   rows = []
   old = (dr_config.DEFAULT, gain_config.DEFAULT)
   for op, diag in (("diag_kdn", True), ("iso_kdn", False)):
@@ -119,29 +147,58 @@ def sweep():
     for dt in FLAGS.dtypes:
       for t in map(int, FLAGS.seq_lens):
         xs, _ = _inputs(diag, FLAGS.batch, t, FLAGS.heads, FLAGS.dim, jnp.dtype(dt))
-        specs = [("chunked", None, None)] + [("pallas", int(g), int(c))
-                                             for g in FLAGS.gain_blocks for c in FLAGS.chunks]
+        specs = [("chunked", None, None)] + [
+          ("pallas", int(g), int(c)) for g in FLAGS.gain_blocks for c in FLAGS.chunks
+        ]
         for impl, gblock, chunk in specs:
           try:
             if impl == "pallas":
               gain_config.set_default(max_chunk=gblock)
               dr_config.set_default(max_chunk=chunk)
             loss = lambda *a, impl=impl: jnp.sum(
-                fn(*a, impl=impl, chunk_size=64)[0].astype(jnp.float32))
+              fn(*a, impl=impl, chunk_size=64)[0].astype(jnp.float32)
+            )
             fwd = jax.jit(lambda *a, impl=impl: fn(*a, impl=impl, chunk_size=64)[0])
             fb = jax.jit(jax.grad(loss, argnums=tuple(range(len(xs)))))
             f_ms = median_time(fwd, *xs, repeats=FLAGS.repeats)
             fb_ms = median_time(fb, *xs, repeats=FLAGS.repeats)
           finally:
             dr_config.DEFAULT, gain_config.DEFAULT = old
-          rows.append(dict(op=op, dtype=dt, T=t, impl=impl, gain_block=gblock, chunk=chunk,
-                           forward_ms=f_ms, fwd_bwd_ms=fb_ms))
-          print(f"{op} {dt} T={t} {impl} gain_block={gblock} chunk={chunk}: fwd {f_ms:.2f} "
-                f"ms, fwd+bwd {fb_ms:.2f} ms", flush=True)
-  print(markdown_table(["op", "dtype", "T", "impl", "gain block", "chunk", "fwd ms",
-                        "fwd+bwd ms"],
-                       [[r["op"], r["dtype"], r["T"], r["impl"], r["gain_block"], r["chunk"],
-                         f"{r['forward_ms']:.2f}", f"{r['fwd_bwd_ms']:.2f}"] for r in rows]))
+          rows.append(
+            dict(
+              op=op,
+              dtype=dt,
+              T=t,
+              impl=impl,
+              gain_block=gblock,
+              chunk=chunk,
+              forward_ms=f_ms,
+              fwd_bwd_ms=fb_ms,
+            )
+          )
+          print(
+            f"{op} {dt} T={t} {impl} gain_block={gblock} chunk={chunk}: fwd {f_ms:.2f} "
+            f"ms, fwd+bwd {fb_ms:.2f} ms",
+            flush=True,
+          )
+  print(
+    markdown_table(
+      ["op", "dtype", "T", "impl", "gain block", "chunk", "fwd ms", "fwd+bwd ms"],
+      [
+        [
+          r["op"],
+          r["dtype"],
+          r["T"],
+          r["impl"],
+          r["gain_block"],
+          r["chunk"],
+          f"{r['forward_ms']:.2f}",
+          f"{r['fwd_bwd_ms']:.2f}",
+        ]
+        for r in rows
+      ],
+    )
+  )
   return rows, True
 
 
@@ -151,16 +208,26 @@ def main(argv):
   run = check if FLAGS.mode == "check" else sweep
   if FLAGS.interpret:
     from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
       rows, ok = run()
   else:
     rows, ok = run()
   if FLAGS.out:
     with open(FLAGS.out, "w") as f:
-      json.dump(dict(mode=FLAGS.mode, backend=jax.default_backend(),
-                     devices=[str(d) for d in jax.devices()], rows=rows,
-                     flags={k: FLAGS[k].value for k in ("seq_lens", "batch", "heads", "dim",
-                                                        "dtypes", "interpret")}), f, indent=1)
+      json.dump(
+        dict(
+          mode=FLAGS.mode,
+          backend=jax.default_backend(),
+          devices=[str(d) for d in jax.devices()],
+          rows=rows,
+          flags={
+            k: FLAGS[k].value for k in ("seq_lens", "batch", "heads", "dim", "dtypes", "interpret")
+          },
+        ),
+        f,
+        indent=1,
+      )
   if not ok:
     raise SystemExit(1)
 

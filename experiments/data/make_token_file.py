@@ -5,6 +5,7 @@
 Each document is a noisy repetition of a short random pattern, ends with ``eos`` (token 1), so models can
 learn in-context copying and tbtt has document boundaries.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,15 +28,15 @@ def make_docs(num_docs, vocab, seed=0, min_len=64, max_len=1024, eos=1):
 
 def main():
   p = argparse.ArgumentParser()
-  p.add_argument('path')
-  p.add_argument('--num_docs', type=int, default=2000)
-  p.add_argument('--vocab', type=int, default=256)
-  p.add_argument('--seed', type=int, default=0)
+  p.add_argument("path")
+  p.add_argument("--num_docs", type=int, default=2000)
+  p.add_argument("--vocab", type=int, default=256)
+  p.add_argument("--seed", type=int, default=0)
   a = p.parse_args()
   toks = make_docs(a.num_docs, a.vocab, a.seed)
   np.save(a.path, toks)
-  print(f'wrote {len(toks)} tokens to {a.path}')
+  print(f"wrote {len(toks)} tokens to {a.path}")
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
   main()

@@ -13,6 +13,7 @@ which at 256 rows x 3 seeds per step would hold a GPU back); every batch is dete
     cells = ((64, 4, 5.0), (128, 8, 1.0), (256, 64, 1.0))   # (seq_len, pairs, weight)
     b = mqar_mixture.batch(seed=1, index=0, cells=cells, batch_size=256, seq_len=256, vocab_size=8192)
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -20,7 +21,9 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def _distinct_keys(rng: np.random.Generator, low: int, high: int, counts: np.ndarray, width: int) -> np.ndarray:
+def _distinct_keys(
+  rng: np.random.Generator, low: int, high: int, counts: np.ndarray, width: int
+) -> np.ndarray:
   """[B, width] ints from [low, high), distinct within the first ``counts[r]`` entries of row r.
 
   Duplicates (after the first occurrence in the row) are redrawn until none is left. The procedure
@@ -32,7 +35,7 @@ def _distinct_keys(rng: np.random.Generator, low: int, high: int, counts: np.nda
   while True:
     # unused columns get distinct negative sentinels so they never count as duplicates
     probe = np.where(valid, keys, -1 - np.arange(width)[None, :])
-    order = np.argsort(probe, axis=1, kind='stable')
+    order = np.argsort(probe, axis=1, kind="stable")
     srt = np.take_along_axis(probe, order, axis=1)
     dup_sorted = np.zeros_like(valid)
     dup_sorted[:, 1:] = srt[:, 1:] == srt[:, :-1]
@@ -43,8 +46,15 @@ def _distinct_keys(rng: np.random.Generator, low: int, high: int, counts: np.nda
     keys[dup] = rng.integers(low, high, size=int(dup.sum()))
 
 
-def batch(seed: int, index: int, cells: Sequence[tuple], batch_size: int, seq_len: int, vocab_size: int,
-          power_a: float = 0.01) -> dict:
+def batch(
+  seed: int,
+  index: int,
+  cells: Sequence[tuple],
+  batch_size: int,
+  seq_len: int,
+  vocab_size: int,
+  power_a: float = 0.01,
+) -> dict:
   """``{'inputs', 'targets': int32 [B, seq_len], 'mask': float32 [B, seq_len], 'cell': int32 [B]}``:
   batch ``index`` of the stream ``seed``; ``cells`` = (length, pairs[, weight]) with length <= seq_len."""
   cells = [(int(c[0]), int(c[1]), float(c[2]) if len(c) > 2 else 1.0) for c in cells]
@@ -52,7 +62,7 @@ def batch(seed: int, index: int, cells: Sequence[tuple], batch_size: int, seq_le
   pairs = np.array([c[1] for c in cells])
   weights = np.array([c[2] for c in cells])
   if np.any(lengths > seq_len) or np.any(4 * pairs > lengths) or not len(cells):
-    raise ValueError(f'mqar_mixture: cells {cells} need pairs * 4 <= length <= seq_len={seq_len}')
+    raise ValueError(f"mqar_mixture: cells {cells} need pairs * 4 <= length <= seq_len={seq_len}")
   rng = np.random.default_rng([int(seed), int(index)])
   which = rng.choice(len(cells), size=batch_size, p=weights / weights.sum())
   t, n = lengths[which], pairs[which]
@@ -67,11 +77,18 @@ def batch(seed: int, index: int, cells: Sequence[tuple], batch_size: int, seq_le
   space = (t + 1 - 2 * n) // 2
   slots = np.arange(int(space.max()))[None, :]
   logw = (-1.0 + power_a) * np.log(slots + 1.0) if power_a else np.zeros(slots.shape)
-  score = np.where(slots < space[:, None], logw - np.log(-np.log(rng.random((batch_size, slots.shape[1])))),
-                   -np.inf)
-  chosen = np.argsort(-score, axis=1, kind='stable')[:, :width]
-  chosen = np.sort(np.where(valid, chosen, np.iinfo(np.int64).max), axis=1)  # the row's n slots, in order
-  order = np.argsort(np.where(valid, rng.random((batch_size, width)), np.inf), axis=1)  # query order
+  score = np.where(
+    slots < space[:, None],
+    logw - np.log(-np.log(rng.random((batch_size, slots.shape[1])))),
+    -np.inf,
+  )
+  chosen = np.argsort(-score, axis=1, kind="stable")[:, :width]
+  chosen = np.sort(
+    np.where(valid, chosen, np.iinfo(np.int64).max), axis=1
+  )  # the row's n slots, in order
+  order = np.argsort(
+    np.where(valid, rng.random((batch_size, width)), np.inf), axis=1
+  )  # query order
   rows = np.arange(batch_size)[:, None]
   dump = seq_len + 1  # invalid columns write here, outside the sequence
   seq = np.zeros((batch_size, seq_len + 2), np.int64)
@@ -82,5 +99,9 @@ def batch(seed: int, index: int, cells: Sequence[tuple], batch_size: int, seq_le
   seq[rows, np.where(valid, qpos + 1, dump)] = np.take_along_axis(values, order, axis=1)
   mask = np.zeros((batch_size, seq_len + 2), np.float32)
   mask[rows, qpos] = 1.0
-  return {'inputs': seq[:, :seq_len].astype(np.int32), 'targets': seq[:, 1:seq_len + 1].astype(np.int32),
-          'mask': mask[:, :seq_len], 'cell': which.astype(np.int32)}
+  return {
+    "inputs": seq[:, :seq_len].astype(np.int32),
+    "targets": seq[:, 1 : seq_len + 1].astype(np.int32),
+    "mask": mask[:, :seq_len],
+    "cell": which.astype(np.int32),
+  }

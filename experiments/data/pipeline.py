@@ -1,4 +1,5 @@
 """grain pipelines: MapDataset -> shuffle -> repeat -> per-process shard -> batch -> prefetch."""
+
 from __future__ import annotations
 
 import functools
@@ -6,7 +7,14 @@ import functools
 import grain
 import numpy as np
 
-from experiments.data import corpus, mqar_mixture, synthetic, token_files, topic_source, topic_windows
+from experiments.data import (
+  corpus,
+  mqar_mixture,
+  synthetic,
+  token_files,
+  topic_source,
+  topic_windows,
+)
 from experiments.runner import config_lib
 
 
@@ -14,7 +22,7 @@ def check_data_files(config):
   """Fills token-file paths from ``data.corpus_dir``, then opens every configured token file as the loader
   will (token_files.check_run_files): a missing or malformed file, or an id outside the model's vocabulary,
   is a ConfigError naming the key before training."""
-  if config.data.kind != 'token_file':
+  if config.data.kind != "token_file":
     return
   corpus.resolve(config)
   token_files.check_run_files(config)
@@ -22,85 +30,142 @@ def check_data_files(config):
 
 def _example_fn(config, split: str):
   d = config.data
-  train = split == 'train'
+  train = split == "train"
   seq_len = d.seq_len if train or not d.eval_seq_len else d.eval_seq_len
   seed = d.shuffle_seed * 1000 + (1 if train else 2)
-  if d.kind == 'mqar':
+  if d.kind == "mqar":
     q = d.mqar
     n = q.num_kv_pairs if train or not q.eval_num_kv_pairs else q.eval_num_kv_pairs
-    return functools.partial(synthetic.mqar_example, seed=seed, seq_len=seq_len, vocab_size=q.vocab_size,
-                             num_kv_pairs=n, power_a=q.power_a)
-  if d.kind == 'copying':
+    return functools.partial(
+      synthetic.mqar_example,
+      seed=seed,
+      seq_len=seq_len,
+      vocab_size=q.vocab_size,
+      num_kv_pairs=n,
+      power_a=q.power_a,
+    )
+  if d.kind == "copying":
     c = d.copying
     fixed_eval = not train and c.eval_copy_len
     n = c.eval_copy_len if fixed_eval else c.copy_len
     # min_copy_len > 0: lengths drawn from [min_copy_len, copy_len] (train, and eval unless eval_copy_len)
-    return functools.partial(synthetic.copying_example, seed=seed, seq_len=seq_len,
-                             vocab_size=c.vocab_size, copy_len=n,
-                             min_copy_len=0 if fixed_eval else c.get('min_copy_len', 0))
-  if d.kind == 'passkey':
-    return functools.partial(synthetic.passkey_example, seed=seed, seq_len=seq_len,
-                             vocab_size=d.passkey.vocab_size, digits=d.passkey.digits)
+    return functools.partial(
+      synthetic.copying_example,
+      seed=seed,
+      seq_len=seq_len,
+      vocab_size=c.vocab_size,
+      copy_len=n,
+      min_copy_len=0 if fixed_eval else c.get("min_copy_len", 0),
+    )
+  if d.kind == "passkey":
+    return functools.partial(
+      synthetic.passkey_example,
+      seed=seed,
+      seq_len=seq_len,
+      vocab_size=d.passkey.vocab_size,
+      digits=d.passkey.digits,
+    )
   raise ValueError(d.kind)
 
 
 def _map_dataset(config, split: str) -> grain.MapDataset:
   d = config.data
-  if d.kind == 'token_file':
-    path = d.train_path if split == 'train' else (d.eval_path or d.train_path)
-    seq_len = d.seq_len if split == 'train' or not d.eval_seq_len else d.eval_seq_len
+  if d.kind == "token_file":
+    path = d.train_path if split == "train" else (d.eval_path or d.train_path)
+    seq_len = d.seq_len if split == "train" or not d.eval_seq_len else d.eval_seq_len
     tokens, offsets = token_files.open_token_file(
-        path, min_tokens=seq_len + 1, vocab_size=int(config.model.vocab_size), eos_id=d.eos_id,
-        pack_documents=d.pack_documents)
+      path,
+      min_tokens=seq_len + 1,
+      vocab_size=int(config.model.vocab_size),
+      eos_id=d.eos_id,
+      pack_documents=d.pack_documents,
+    )
     return grain.MapDataset.source(token_files.WindowSource(tokens, seq_len, offsets))
-  if d.kind == 'topic':
-    seq_len = d.seq_len if split == 'train' or not d.eval_seq_len else d.eval_seq_len
+  if d.kind == "topic":
+    seq_len = d.seq_len if split == "train" or not d.eval_seq_len else d.eval_seq_len
     src = topic_source.TopicSource(topic_source.params_from_config(d.topic))
-    if split == 'train':
-      return grain.MapDataset.source(topic_windows.TopicWindows(src, topic_source.TRAIN, seq_len,
-                                                                d.topic.num_train_docs))
-    return grain.MapDataset.source(topic_windows.TopicWindows(src, topic_source.VALID, seq_len,
-                                                              d.num_eval_examples, spread=True))
-  n = d.num_train_examples if split == 'train' else d.num_eval_examples
+    if split == "train":
+      return grain.MapDataset.source(
+        topic_windows.TopicWindows(src, topic_source.TRAIN, seq_len, d.topic.num_train_docs)
+      )
+    return grain.MapDataset.source(
+      topic_windows.TopicWindows(src, topic_source.VALID, seq_len, d.num_eval_examples, spread=True)
+    )
+  n = d.num_train_examples if split == "train" else d.num_eval_examples
   return grain.MapDataset.range(n).map(_example_fn(config, split))
 
 
-def _mixture_batch(config, split: str, index: int, rows: int, process_index: int, process_count: int):
+def _mixture_batch(
+  config, split: str, index: int, rows: int, process_index: int, process_count: int
+):
   """This process's rows of global batch ``index`` of the MQAR mixture stream of ``split``."""
   d = config.data
-  seed = d.shuffle_seed * 1000 + (1 if split == 'train' else 2)
-  b = mqar_mixture.batch(seed, index, config_lib.mqar_mixture_cells(config), rows, d.seq_len,
-                         d.mqar.vocab_size, d.mqar.power_a)
+  seed = d.shuffle_seed * 1000 + (1 if split == "train" else 2)
+  b = mqar_mixture.batch(
+    seed,
+    index,
+    config_lib.mqar_mixture_cells(config),
+    rows,
+    d.seq_len,
+    d.mqar.vocab_size,
+    d.mqar.power_a,
+  )
   local = rows // process_count
-  return {k: v[process_index * local:(process_index + 1) * local] for k, v in b.items() if k != 'cell'}
+  return {
+    k: v[process_index * local : (process_index + 1) * local] for k, v in b.items() if k != "cell"
+  }
 
 
 def make_train_iterator(config, process_index: int = 0, process_count: int = 1):
   """A checkpointable grain iterator of per-process numpy batches."""
   d = config.data
   local_batch = d.global_batch_size // process_count
-  if d.kind == 'mqar' and config_lib.mqar_mixture_cells(config):
+  if d.kind == "mqar" and config_lib.mqar_mixture_cells(config):
     # whole batches, each generated at once (one example at a time is too slow for this stream)
-    ds = grain.MapDataset.range(config.train.num_steps + 1).map(functools.partial(
-        _mixture_batch, config, 'train', rows=d.global_batch_size, process_index=process_index,
-        process_count=process_count))
-  elif config.train.initial_state == 'tbtt':
-    if d.kind == 'topic':
+    ds = grain.MapDataset.range(config.train.num_steps + 1).map(
+      functools.partial(
+        _mixture_batch,
+        config,
+        "train",
+        rows=d.global_batch_size,
+        process_index=process_index,
+        process_count=process_count,
+      )
+    )
+  elif config.train.initial_state == "tbtt":
+    if d.kind == "topic":
       src = topic_windows.TopicTBTTSource(
-          topic_source.TopicSource(topic_source.params_from_config(d.topic)), d.seq_len,
-          d.global_batch_size, d.topic.num_train_docs, process_index, process_count)
-    elif d.kind == 'token_file':
+        topic_source.TopicSource(topic_source.params_from_config(d.topic)),
+        d.seq_len,
+        d.global_batch_size,
+        d.topic.num_train_docs,
+        process_index,
+        process_count,
+      )
+    elif d.kind == "token_file":
       tokens, _ = token_files.open_token_file(
-          d.train_path, min_tokens=2, vocab_size=int(config.model.vocab_size), eos_id=d.eos_id,
-          pack_documents=False)
-      src = token_files.TBTTSource(tokens, d.eos_id, d.seq_len, d.global_batch_size,
-                                   d.shuffle_seed, process_index, process_count)
+        d.train_path,
+        min_tokens=2,
+        vocab_size=int(config.model.vocab_size),
+        eos_id=d.eos_id,
+        pack_documents=False,
+      )
+      src = token_files.TBTTSource(
+        tokens,
+        d.eos_id,
+        d.seq_len,
+        d.global_batch_size,
+        d.shuffle_seed,
+        process_index,
+        process_count,
+      )
     else:
-      raise ValueError('config.train.initial_state="tbtt" needs long documents: '
-                       'data.kind="token_file" or "topic"')
+      raise ValueError(
+        'config.train.initial_state="tbtt" needs long documents: data.kind="token_file" or "topic"'
+      )
     epochs = -(-config.train.num_steps // len(src)) + 1
     ds = grain.MapDataset.source(src).repeat(epochs)  # order matters: no shuffle
-  elif d.kind == 'topic':  # shuffled window indices, each batch generated in one vectorised pass
+  elif d.kind == "topic":  # shuffled window indices, each batch generated in one vectorised pass
     src = topic_source.TopicSource(topic_source.params_from_config(d.topic))
     n = d.topic.num_train_docs * src.windows_per_doc(d.seq_len)
     epochs = -(-config.train.num_steps * d.global_batch_size // n) + 1
@@ -108,13 +173,14 @@ def make_train_iterator(config, process_index: int = 0, process_count: int = 1):
     ds = ds[process_index::process_count].batch(local_batch, drop_remainder=True)
     ds = ds.map(topic_windows.WindowBatch(src, topic_source.TRAIN, d.seq_len))
   else:
-    ds = _map_dataset(config, 'train')
+    ds = _map_dataset(config, "train")
     epochs = -(-config.train.num_steps * d.global_batch_size // len(ds)) + 1
     ds = ds.shuffle(seed=d.shuffle_seed).repeat(epochs)
     ds = ds[process_index::process_count]
     ds = ds.batch(local_batch, drop_remainder=True)
-  it = ds.to_iter_dataset(grain.ReadOptions(num_threads=d.read_threads, prefetch_buffer_size=max(
-      2 * d.read_threads, 1)))
+  it = ds.to_iter_dataset(
+    grain.ReadOptions(num_threads=d.read_threads, prefetch_buffer_size=max(2 * d.read_threads, 1))
+  )
   if d.prefetch:
     it = grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=d.prefetch)
   return iter(it)
@@ -123,16 +189,25 @@ def make_train_iterator(config, process_index: int = 0, process_count: int = 1):
 def make_eval_batches(config, process_index: int = 0, process_count: int = 1) -> list[dict]:
   """Fixed evaluation batches (per process), the same for every evaluation."""
   d = config.data
-  if d.kind == 'mqar' and config_lib.mqar_mixture_cells(config):
-    num_batches = max(1, min(config.train.eval_batches or d.num_eval_examples, d.num_eval_examples //
-                             d.eval_batch_size))
-    return [_mixture_batch(config, 'eval', b, d.eval_batch_size, process_index, process_count)
-            for b in range(num_batches)]
-  ds = _map_dataset(config, 'eval')
+  if d.kind == "mqar" and config_lib.mqar_mixture_cells(config):
+    num_batches = max(
+      1,
+      min(
+        config.train.eval_batches or d.num_eval_examples, d.num_eval_examples // d.eval_batch_size
+      ),
+    )
+    return [
+      _mixture_batch(config, "eval", b, d.eval_batch_size, process_index, process_count)
+      for b in range(num_batches)
+    ]
+  ds = _map_dataset(config, "eval")
   n = min(len(ds), d.num_eval_examples)
   local = d.eval_batch_size // process_count
-  num_batches = min(config.train.eval_batches, n // d.eval_batch_size) if config.train.eval_batches else (
-      n // d.eval_batch_size)
+  num_batches = (
+    min(config.train.eval_batches, n // d.eval_batch_size)
+    if config.train.eval_batches
+    else (n // d.eval_batch_size)
+  )
   num_batches = max(num_batches, 1)
   out = []
   for b in range(num_batches):

@@ -11,6 +11,7 @@ A source that cannot be had prints one line and the corpus is built from the res
 then say which sources are missing and what that changes (a long-eval source: every long-context result).
 The download cache grows to ~540 MB on a full build; prepare prints its size at the start and the end.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,7 @@ import json
 import os
 import sys
 import time
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -27,51 +28,59 @@ from experiments.data import corpus_sources
 from experiments.data.corpus_sources import Source, SourceUnavailable
 from experiments.data.tokenizer import EOS, BPETokenizer
 
-SPLITS = ('train', 'val', 'long_eval')
+SPLITS = ("train", "val", "long_eval")
 FORMAT_VERSION = 1
-FULL_CACHE_MB = 540  # <out>/cache after a full build: 79 MB of downloads plus the unpacked package trees
+FULL_CACHE_MB = (
+  540  # <out>/cache after a full build: 79 MB of downloads plus the unpacked package trees
+)
 
 
 def _atomic_write(path: str, write: Callable) -> None:
-  tmp = f'{path}.tmp{os.getpid()}'
-  with open(tmp, 'wb') as f:
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "wb") as f:
     write(f)
   os.replace(tmp, path)
 
 
 def _atomic_json(path: str, obj) -> None:
-  _atomic_write(path, lambda f: f.write((json.dumps(obj, indent=1, ensure_ascii=False) + '\n').encode()))
+  _atomic_write(
+    path, lambda f: f.write((json.dumps(obj, indent=1, ensure_ascii=False) + "\n").encode())
+  )
 
 
-def save_split(out: str, split: str, docs_tokens: Sequence[np.ndarray], eos_id: int) -> tuple[int, int]:
+def save_split(
+  out: str, split: str, docs_tokens: Sequence[np.ndarray], eos_id: int
+) -> tuple[int, int]:
   """Writes ``<out>/<split>.npy`` (token ids, each document + EOS; uint16 when every id fits, which halves
   the files, else int32) and ``<split>.docs.npy`` (int64 offsets)."""
   lens = np.array([len(t) + 1 for t in docs_tokens], np.int64)
   offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
   top = max([eos_id] + [int(t.max()) for t in docs_tokens if len(t)])
-  tokens = np.empty(int(offsets[-1]), np.uint16 if top < 2 ** 16 else np.int32)
+  tokens = np.empty(int(offsets[-1]), np.uint16 if top < 2**16 else np.int32)
   for a, t in zip(offsets[:-1], docs_tokens):
-    tokens[a:a + len(t)] = t
+    tokens[a : a + len(t)] = t
     tokens[a + len(t)] = eos_id
-  _atomic_write(os.path.join(out, f'{split}.npy'), lambda f: np.save(f, tokens))
-  _atomic_write(os.path.join(out, f'{split}.docs.npy'), lambda f: np.save(f, offsets))
+  _atomic_write(os.path.join(out, f"{split}.npy"), lambda f: np.save(f, tokens))
+  _atomic_write(os.path.join(out, f"{split}.docs.npy"), lambda f: np.save(f, offsets))
   return len(docs_tokens), len(tokens)
 
 
 def load_split(out: str, split: str) -> tuple[np.ndarray, np.ndarray]:
   """(tokens, offsets) of a split; document i = tokens[offsets[i]:offsets[i+1]] (ends with EOS)."""
-  return (np.load(os.path.join(out, f'{split}.npy'), mmap_mode='r'),
-          np.load(os.path.join(out, f'{split}.docs.npy')))
+  return (
+    np.load(os.path.join(out, f"{split}.npy"), mmap_mode="r"),
+    np.load(os.path.join(out, f"{split}.docs.npy")),
+  )
 
 
 def split_key(seed: int, source: str, name: str) -> float:
   """A uniform number in [0, 1) from (seed, source, document name): the document's split draw and order."""
-  h = hashlib.blake2b(f'{seed}\x00{source}\x00{name}'.encode(), digest_size=8).digest()
-  return int.from_bytes(h, 'big') / 2.0 ** 64
+  h = hashlib.blake2b(f"{seed}\x00{source}\x00{name}".encode(), digest_size=8).digest()
+  return int.from_bytes(h, "big") / 2.0**64
 
 
 def _read_jsonl(path: str) -> list[dict]:
-  with open(path, encoding='utf-8') as f:
+  with open(path, encoding="utf-8") as f:
     return [json.loads(line) for line in f if line.strip()]
 
 
@@ -81,37 +90,42 @@ def extract_source(src: Source, out: str, cache_dir: str, refresh: bool = False,
   Returns ``{'status': 'ok', 'documents': [...], 'cached': bool, 'seconds': s}`` or ``{'status':
   'unavailable', 'reason': str}``; an unavailable source prints one line.
   """
-  path = os.path.join(out, 'docs', f'{src.name}.jsonl')
+  path = os.path.join(out, "docs", f"{src.name}.jsonl")
   if os.path.exists(path) and not refresh:
-    return {'status': 'ok', 'documents': _read_jsonl(path), 'cached': True, 'seconds': 0.0}
+    return {"status": "ok", "documents": _read_jsonl(path), "cached": True, "seconds": 0.0}
   t = time.time()
   log(f"prepare: source '{src.name}': downloading into the cache and extracting ...")
   try:
     docs, names = [], {}
     for d in src.fn(cache_dir):
-      name, text = str(d['name']), d['text'].replace(EOS, '<|endoftext |>')  # no EOS inside a document
+      name, text = (
+        str(d["name"]),
+        d["text"].replace(EOS, "<|endoftext |>"),
+      )  # no EOS inside a document
       if name in names:  # names are unique within a source
         names[name] += 1
-        name = f'{name}#{names[name]}'
+        name = f"{name}#{names[name]}"
       names.setdefault(name, 1)
-      docs.append({'name': name, 'text': text})
+      docs.append({"name": name, "text": text})
     if not docs:
-      raise SourceUnavailable('no documents extracted')
+      raise SourceUnavailable("no documents extracted")
   except SourceUnavailable as e:
     reason = str(e)
   except Exception as e:  # pylint: disable=broad-except  # a broken download / archive must not stop the rest
-    reason = f'{type(e).__name__}: {e}'
+    reason = f"{type(e).__name__}: {e}"
   else:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    _atomic_write(path, lambda f: f.write(''.join(json.dumps(d, ensure_ascii=False) + '\n' for d in docs).encode()))
-    return {'status': 'ok', 'documents': docs, 'cached': False, 'seconds': time.time() - t}
-  reason = ' '.join(reason.split())
+    _atomic_write(
+      path,
+      lambda f: f.write("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs).encode()),
+    )
+    return {"status": "ok", "documents": docs, "cached": False, "seconds": time.time() - t}
+  reason = " ".join(reason.split())
   log(f"prepare: source '{src.name}' unavailable: {reason}; continuing without it")
-  return {'status': 'unavailable', 'reason': reason}
+  return {"status": "unavailable", "reason": reason}
 
 
 class _Progress:
-
   def __init__(self, what: str, total_bytes: int, log, every_s: float = 5.0):
     self.what, self.total, self.log, self.every = what, max(total_bytes, 1), log, every_s
     self.t0 = self.last = time.time()
@@ -124,14 +138,17 @@ class _Progress:
     dt = max(now - self.t0, 1e-9)
     rate = done_bytes / dt
     eta = (self.total - done_bytes) / rate if rate > 0 else 0.0
-    self.log(f'prepare: {self.what}: {done_bytes / 1e6:.1f}/{self.total / 1e6:.1f} MB, {tokens / 1e6:.2f}M tokens, '
-             f'{rate / 1e6:.2f} MB/s, ' + (f'{dt:.1f} s' if final else f'ETA {eta:.0f} s'))
+    self.log(
+      f"prepare: {self.what}: {done_bytes / 1e6:.1f}/{self.total / 1e6:.1f} MB, {tokens / 1e6:.2f}M tokens, "
+      f"{rate / 1e6:.2f} MB/s, " + (f"{dt:.1f} s" if final else f"ETA {eta:.0f} s")
+    )
 
 
-def tokenize_documents(tok: BPETokenizer, texts: Sequence[str], what: str, log=print,
-                       batch_bytes: int = 4_000_000) -> list[np.ndarray]:
+def tokenize_documents(
+  tok: BPETokenizer, texts: Sequence[str], what: str, log=print, batch_bytes: int = 4_000_000
+) -> list[np.ndarray]:
   """``encode_batch`` over batches of ~``batch_bytes`` of text, with progress lines."""
-  sizes = [len(t.encode('utf-8')) for t in texts]
+  sizes = [len(t.encode("utf-8")) for t in texts]
   prog = _Progress(what, sum(sizes), log)
   out, done, ntok, i = [], 0, 0, 0
   while i < len(texts):
@@ -153,27 +170,39 @@ def _fingerprint(parts: Iterable) -> str:
   h = hashlib.sha256()
   for p in parts:
     h.update(repr(p).encode())
-    h.update(b'\x00')
+    h.update(b"\x00")
   return h.hexdigest()
 
 
 def _file_sha(path: str) -> str:
   h = hashlib.sha256()
-  with open(path, 'rb') as f:
-    for block in iter(lambda: f.read(1 << 20), b''):
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
       h.update(block)
   return h.hexdigest()
 
 
 def _outputs_present(out: str) -> bool:
-  files = ['tokenizer.json', 'manifest.json'] + [f'{s}{e}' for s in SPLITS for e in ('.npy', '.docs.npy')]
+  files = ["tokenizer.json", "manifest.json"] + [
+    f"{s}{e}" for s in SPLITS for e in (".npy", ".docs.npy")
+  ]
   return all(os.path.exists(os.path.join(out, f)) for f in files)
 
 
-def build(out: str, sources: Sequence[Source] | None = None, cache_dir: str | None = None,
-          vocab_size: int = 16384, seed: int = 0, val_fraction: float = 0.02, long_tokens: int = 32768,
-          tokenizer_sample_bytes: int = 40_000_000, force: bool = False, refresh_docs: bool = False,
-          command: str | None = None, log: Callable[[str], None] = print) -> dict:
+def build(
+  out: str,
+  sources: Sequence[Source] | None = None,
+  cache_dir: str | None = None,
+  vocab_size: int = 16384,
+  seed: int = 0,
+  val_fraction: float = 0.02,
+  long_tokens: int = 32768,
+  tokenizer_sample_bytes: int = 40_000_000,
+  force: bool = False,
+  refresh_docs: bool = False,
+  command: str | None = None,
+  log: Callable[[str], None] = print,
+) -> dict:
   """Builds (or finds up to date) the corpus in ``out``; returns the manifest.
 
   Split: every document of a ``long`` source (Austen, Shakespeare) -> ``long_eval``; the others draw
@@ -185,42 +214,70 @@ def build(out: str, sources: Sequence[Source] | None = None, cache_dir: str | No
   """
   t0 = time.time()
   sources = corpus_sources.default_sources() if sources is None else list(sources)
-  cache_dir = cache_dir or os.path.join(out, 'cache')
+  cache_dir = cache_dir or os.path.join(out, "cache")
   os.makedirs(out, exist_ok=True)
   os.makedirs(cache_dir, exist_ok=True)
-  command = command or 'python -m experiments.data.prepare ' + ' '.join(sys.argv[1:])
-  log(f'prepare: building {out} from {len(sources)} sources; download cache {cache_dir} '
-      f'({dir_mb(cache_dir):.0f} MB now; a full build leaves ~{FULL_CACHE_MB} MB there, deletable afterwards)')
+  command = command or "python -m experiments.data.prepare " + " ".join(sys.argv[1:])
+  log(
+    f"prepare: building {out} from {len(sources)} sources; download cache {cache_dir} "
+    f"({dir_mb(cache_dir):.0f} MB now; a full build leaves ~{FULL_CACHE_MB} MB there, deletable afterwards)"
+  )
 
   # ---- documents per source
   per_source, docs = {}, []  # docs: (source, long, name, text)
   for src in sources:
     r = extract_source(src, out, cache_dir, refresh=refresh_docs, log=log)
-    if r['status'] != 'ok':
-      per_source[src.name] = {'status': 'unavailable', 'reason': r['reason'], 'documents': 0, 'bytes': 0}
+    if r["status"] != "ok":
+      per_source[src.name] = {
+        "status": "unavailable",
+        "reason": r["reason"],
+        "documents": 0,
+        "bytes": 0,
+      }
       continue
-    nbytes = sum(len(d['text'].encode('utf-8')) for d in r['documents'])
-    per_source[src.name] = {'status': 'ok', 'documents': len(r['documents']), 'bytes': nbytes,
-                            'long': src.long, 'description': src.description}
-    log(f"prepare: source '{src.name}': {len(r['documents'])} documents, {nbytes / 1e6:.2f} MB"
-        + (' (cached)' if r['cached'] else f" ({r['seconds']:.1f} s)"))
-    docs += [(src.name, src.long, d['name'], d['text']) for d in r['documents']]
+    nbytes = sum(len(d["text"].encode("utf-8")) for d in r["documents"])
+    per_source[src.name] = {
+      "status": "ok",
+      "documents": len(r["documents"]),
+      "bytes": nbytes,
+      "long": src.long,
+      "description": src.description,
+    }
+    log(
+      f"prepare: source '{src.name}': {len(r['documents'])} documents, {nbytes / 1e6:.2f} MB"
+      + (" (cached)" if r["cached"] else f" ({r['seconds']:.1f} s)")
+    )
+    docs += [(src.name, src.long, d["name"], d["text"]) for d in r["documents"]]
   if not docs:
-    raise RuntimeError('prepare: no source is available, nothing to build (' + '; '.join(
-        f"{k}: {v.get('reason')}" for k, v in per_source.items()) + ')')
+    raise RuntimeError(
+      "prepare: no source is available, nothing to build ("
+      + "; ".join(f"{k}: {v.get('reason')}" for k, v in per_source.items())
+      + ")"
+    )
 
-  params = dict(vocab_size=vocab_size, seed=seed, val_fraction=val_fraction, long_tokens=long_tokens,
-                tokenizer_sample_bytes=tokenizer_sample_bytes, format_version=FORMAT_VERSION)
-  fingerprint = _fingerprint([sorted(params.items())] + [
-      (s.name, s.long, _file_sha(os.path.join(out, 'docs', f'{s.name}.jsonl')))
-      for s in sources if per_source[s.name]['status'] == 'ok'])
-  manifest_path = os.path.join(out, 'manifest.json')
+  params = dict(
+    vocab_size=vocab_size,
+    seed=seed,
+    val_fraction=val_fraction,
+    long_tokens=long_tokens,
+    tokenizer_sample_bytes=tokenizer_sample_bytes,
+    format_version=FORMAT_VERSION,
+  )
+  fingerprint = _fingerprint(
+    [sorted(params.items())]
+    + [
+      (s.name, s.long, _file_sha(os.path.join(out, "docs", f"{s.name}.jsonl")))
+      for s in sources
+      if per_source[s.name]["status"] == "ok"
+    ]
+  )
+  manifest_path = os.path.join(out, "manifest.json")
   if not force and _outputs_present(out):
-    with open(manifest_path, encoding='utf-8') as f:
+    with open(manifest_path, encoding="utf-8") as f:
       old = json.load(f)
-    if old.get('fingerprint') == fingerprint:
-      log(f'prepare: {out} is up to date (use --force to rebuild the tokenizer and token files)')
-      report_lost(per_source, sources, old.get('splits', {}), log)
+    if old.get("fingerprint") == fingerprint:
+      log(f"prepare: {out} is up to date (use --force to rebuild the tokenizer and token files)")
+      report_lost(per_source, sources, old.get("splits", {}), log)
       return old
 
   # ---- split
@@ -234,7 +291,7 @@ def build(out: str, sources: Sequence[Source] | None = None, cache_dir: str | No
   val = sorted(val, key=lambda i: draws[i])
   long_eval = [i for i, d in enumerate(docs) if d[1]]
   if not train:
-    raise RuntimeError('prepare: the train split is empty (only long-eval sources are available?)')
+    raise RuntimeError("prepare: the train split is empty (only long-eval sources are available?)")
 
   # ---- tokenizer (train split only)
   t = time.time()
@@ -243,83 +300,122 @@ def build(out: str, sources: Sequence[Source] | None = None, cache_dir: str | No
     if sample and nbytes >= tokenizer_sample_bytes:
       break
     sample.append(docs[i][3])
-    nbytes += len(docs[i][3].encode('utf-8'))
-  log(f'prepare: training the BPE tokenizer (vocab {vocab_size}) on {len(sample)} train documents, '
-      f'{nbytes / 1e6:.1f} MB ...')
+    nbytes += len(docs[i][3].encode("utf-8"))
+  log(
+    f"prepare: training the BPE tokenizer (vocab {vocab_size}) on {len(sample)} train documents, "
+    f"{nbytes / 1e6:.1f} MB ..."
+  )
   tok = BPETokenizer.train(sample, vocab_size=vocab_size)
   tok.save(out)
   t_tok = time.time() - t
   n_sample, sample_bytes = len(sample), nbytes
-  log(f'prepare: tokenizer: vocab {tok.vocab_size}, eos_id {tok.eos_id} ({t_tok:.1f} s)')
+  log(f"prepare: tokenizer: vocab {tok.vocab_size}, eos_id {tok.eos_id} ({t_tok:.1f} s)")
   del sample
 
   # ---- tokenize
   t = time.time()
-  order = {'train': train, 'val': val, 'long_eval': long_eval}
+  order = {"train": train, "val": val, "long_eval": long_eval}
   enc = {}
   for split in SPLITS:
-    enc[split] = tokenize_documents(tok, [docs[i][3] for i in order[split]], f'tokenize {split}', log)
-  held_long = [k for k, i in enumerate(val) if len(enc['val'][k]) + 1 >= long_tokens]
+    enc[split] = tokenize_documents(
+      tok, [docs[i][3] for i in order[split]], f"tokenize {split}", log
+    )
+  held_long = [k for k, i in enumerate(val) if len(enc["val"][k]) + 1 >= long_tokens]
   if held_long and len(held_long) < len(val):
     moved = set(held_long)
-    order['long_eval'] = long_eval + [val[k] for k in held_long]
-    enc['long_eval'] = enc['long_eval'] + [enc['val'][k] for k in held_long]
-    order['val'] = [i for k, i in enumerate(val) if k not in moved]
-    enc['val'] = [e for k, e in enumerate(enc['val']) if k not in moved]
-    log(f'prepare: {len(held_long)} held-out documents of >= {long_tokens} tokens moved from val to long_eval: '
-        + ', '.join(f'{docs[val[k]][0]}/{docs[val[k]][2]}' for k in held_long))
+    order["long_eval"] = long_eval + [val[k] for k in held_long]
+    enc["long_eval"] = enc["long_eval"] + [enc["val"][k] for k in held_long]
+    order["val"] = [i for k, i in enumerate(val) if k not in moved]
+    enc["val"] = [e for k, e in enumerate(enc["val"]) if k not in moved]
+    log(
+      f"prepare: {len(held_long)} held-out documents of >= {long_tokens} tokens moved from val to long_eval: "
+      + ", ".join(f"{docs[val[k]][0]}/{docs[val[k]][2]}" for k in held_long)
+    )
   splits_info = {}
   for split in SPLITS:
     ndocs, ntok = save_split(out, split, enc[split], tok.eos_id)
-    nbytes = sum(len(docs[i][3].encode('utf-8')) for i in order[split])
-    splits_info[split] = {'documents': ndocs, 'tokens': ntok, 'bytes': nbytes}
-    log(f'prepare: {split}: {ndocs} documents, {ntok} tokens, {nbytes / 1e6:.2f} MB')
+    nbytes = sum(len(docs[i][3].encode("utf-8")) for i in order[split])
+    splits_info[split] = {"documents": ndocs, "tokens": ntok, "bytes": nbytes}
+    log(f"prepare: {split}: {ndocs} documents, {ntok} tokens, {nbytes / 1e6:.2f} MB")
   t_enc = time.time() - t
 
   # ---- checks
-  val_tok = sum(len(e) for e in enc['val'])
-  bytes_per_token = splits_info['val']['bytes'] / max(val_tok, 1)
-  check = [docs[i][3] for i in order['val'][:100]] + [docs[i][3] for i in order['long_eval'][:1]]
+  val_tok = sum(len(e) for e in enc["val"])
+  bytes_per_token = splits_info["val"]["bytes"] / max(val_tok, 1)
+  check = [docs[i][3] for i in order["val"][:100]] + [docs[i][3] for i in order["long_eval"][:1]]
   roundtrip_ok = all(tok.decode(tok.encode(text)) == text for text in check)
   files_ok = True
   for split in SPLITS:
     tokens, offsets = load_split(out, split)
-    ok = (offsets[0] == 0 and offsets[-1] == len(tokens) and len(offsets) == splits_info[split]['documents'] + 1
-          and bool(np.all(np.diff(offsets) >= 1)) and int(np.count_nonzero(tokens == tok.eos_id)) == len(offsets) - 1
-          and bool(np.all(tokens[offsets[1:] - 1] == tok.eos_id)) if len(offsets) > 1 else len(tokens) == 0)
+    ok = (
+      offsets[0] == 0
+      and offsets[-1] == len(tokens)
+      and len(offsets) == splits_info[split]["documents"] + 1
+      and bool(np.all(np.diff(offsets) >= 1))
+      and int(np.count_nonzero(tokens == tok.eos_id)) == len(offsets) - 1
+      and bool(np.all(tokens[offsets[1:] - 1] == tok.eos_id))
+      if len(offsets) > 1
+      else len(tokens) == 0
+    )
     if ok and len(offsets) > 1:
-      ok = tok.decode(tokens[offsets[0]:offsets[1] - 1]) == docs[order[split][0]][3]
+      ok = tok.decode(tokens[offsets[0] : offsets[1] - 1]) == docs[order[split][0]][3]
     files_ok = files_ok and bool(ok)
-  log(f'prepare: tokenizer round trip on {len(check)} documents: {"ok" if roundtrip_ok else "FAILED"}; '
-      f'token files: {"ok" if files_ok else "FAILED"}; val bytes/token {bytes_per_token:.3f}')
+  log(
+    f"prepare: tokenizer round trip on {len(check)} documents: {'ok' if roundtrip_ok else 'FAILED'}; "
+    f"token files: {'ok' if files_ok else 'FAILED'}; val bytes/token {bytes_per_token:.3f}"
+  )
 
-  cache_files = sorted(f for d in ('apt', 'pip') if os.path.isdir(os.path.join(cache_dir, d))
-                       for f in os.listdir(os.path.join(cache_dir, d)) if not f.endswith('.tmp'))
-  long_offsets = load_split(out, 'long_eval')[1]
+  cache_files = sorted(
+    f
+    for d in ("apt", "pip")
+    if os.path.isdir(os.path.join(cache_dir, d))
+    for f in os.listdir(os.path.join(cache_dir, d))
+    if not f.endswith(".tmp")
+  )
+  long_offsets = load_split(out, "long_eval")[1]
   manifest = {
-      'format_version': FORMAT_VERSION,
-      'vocab_size': tok.vocab_size, 'eos_id': tok.eos_id, 'eos_token': EOS, 'seed': seed,
-      'val_fraction': val_fraction, 'long_tokens': long_tokens, 'tokenizer_sample_bytes': tokenizer_sample_bytes,
-      'splits': splits_info,
-      'sources': per_source,
-      'long_eval_documents': [{'name': f'{docs[i][0]}/{docs[i][2]}',
-                               'tokens': int(long_offsets[k + 1] - long_offsets[k])}
-                              for k, i in enumerate(order['long_eval'])],
-      'tokenizer': {'file': 'tokenizer.json', 'val_bytes_per_token': round(bytes_per_token, 4),
-                    'train_sample_documents': n_sample, 'train_sample_bytes': sample_bytes,
-                    'roundtrip_documents_checked': len(check),
-                    'roundtrip_ok': roundtrip_ok, 'token_files_ok': files_ok},
-      'cache_files': cache_files,
-      # to the millisecond: a tiny build (the tests') takes under 0.05 s
-      'seconds': {'total': round(time.time() - t0, 3), 'tokenizer': round(t_tok, 3), 'tokenize': round(t_enc, 3)},
-      'command': command,
-      'fingerprint': fingerprint,
+    "format_version": FORMAT_VERSION,
+    "vocab_size": tok.vocab_size,
+    "eos_id": tok.eos_id,
+    "eos_token": EOS,
+    "seed": seed,
+    "val_fraction": val_fraction,
+    "long_tokens": long_tokens,
+    "tokenizer_sample_bytes": tokenizer_sample_bytes,
+    "splits": splits_info,
+    "sources": per_source,
+    "long_eval_documents": [
+      {"name": f"{docs[i][0]}/{docs[i][2]}", "tokens": int(long_offsets[k + 1] - long_offsets[k])}
+      for k, i in enumerate(order["long_eval"])
+    ],
+    "tokenizer": {
+      "file": "tokenizer.json",
+      "val_bytes_per_token": round(bytes_per_token, 4),
+      "train_sample_documents": n_sample,
+      "train_sample_bytes": sample_bytes,
+      "roundtrip_documents_checked": len(check),
+      "roundtrip_ok": roundtrip_ok,
+      "token_files_ok": files_ok,
+    },
+    "cache_files": cache_files,
+    # to the millisecond: a tiny build (the tests') takes under 0.05 s
+    "seconds": {
+      "total": round(time.time() - t0, 3),
+      "tokenizer": round(t_tok, 3),
+      "tokenize": round(t_enc, 3),
+    },
+    "command": command,
+    "fingerprint": fingerprint,
   }
-  _atomic_json(os.path.join(out, 'splits.json'),
-               {s: [f'{docs[i][0]}/{docs[i][2]}' for i in order[s]] for s in SPLITS})
+  _atomic_json(
+    os.path.join(out, "splits.json"),
+    {s: [f"{docs[i][0]}/{docs[i][2]}" for i in order[s]] for s in SPLITS},
+  )
   _atomic_json(manifest_path, manifest)
-  log(f'prepare: wrote {out} in {time.time() - t0:.1f} s; cache {cache_dir}: {dir_mb(cache_dir):.0f} MB '
-      '(delete it to reclaim the space; keep its apt/ and pip/ folders to rebuild this exact corpus)')
+  log(
+    f"prepare: wrote {out} in {time.time() - t0:.1f} s; cache {cache_dir}: {dir_mb(cache_dir):.0f} MB "
+    "(delete it to reclaim the space; keep its apt/ and pip/ folders to rebuild this exact corpus)"
+  )
   report_lost(per_source, sources, splits_info, log)
   return manifest
 
@@ -338,63 +434,98 @@ def dir_mb(path: str) -> float:
 def report_lost(per_source: dict, sources: Sequence[Source], splits: dict, log) -> list[str]:
   """Warns, as the build's last lines, of every source that could not be had and what its absence changes;
   returns the lost sources' names."""
-  lost = [s for s in sources if per_source.get(s.name, {}).get('status') == 'unavailable']
+  lost = [s for s in sources if per_source.get(s.name, {}).get("status") == "unavailable"]
   if not lost:
     return []
-  bar = '!' * 100
+  bar = "!" * 100
   log(bar)
-  log(f'prepare: WARNING: {len(lost)} of {len(sources)} sources could not be had; this corpus differs from a '
-      'full build:')
+  log(
+    f"prepare: WARNING: {len(lost)} of {len(sources)} sources could not be had; this corpus differs from a "
+    "full build:"
+  )
   for s in lost:
     log(f"  - '{s.name}': {per_source[s.name]['reason']}")
   long_lost = [s.name for s in lost if s.long]
   if long_lost:
-    le = splits.get('long_eval', {})
-    log(f'  long_eval lacks {", ".join(long_lost)}: {le.get("documents", "?")} documents, {le.get("tokens", "?")} '
-        'tokens here; every long-context result (position_ppl, effrem, state_stats) is measured on other text than '
-        "a full build's and is not comparable with one")
+    le = splits.get("long_eval", {})
+    log(
+      f"  long_eval lacks {', '.join(long_lost)}: {le.get('documents', '?')} documents, {le.get('tokens', '?')} "
+      "tokens here; every long-context result (position_ppl, effrem, state_stats) is measured on other text than "
+      "a full build's and is not comparable with one"
+    )
   if len(long_lost) < len(lost):
-    log('  train / val lack ' + ', '.join(s.name for s in lost if not s.long) + ': the tokenizer and every '
-        "model trained on this corpus differ from a full build's")
-  if any('rdata' in per_source[s.name]['reason'] for s in lost):
+    log(
+      "  train / val lack "
+      + ", ".join(s.name for s in lost if not s.long)
+      + ": the tokenizer and every "
+      "model trained on this corpus differ from a full build's"
+    )
+  if any("rdata" in per_source[s.name]["reason"] for s in lost):
     log("  fix: pip install -e '.[corpus]' (installs rdata), then rerun this command")
   else:
-    log('  fix the cause above and rerun this command (cached downloads are reused)')
+    log("  fix the cause above and rerun this command (cached downloads are reused)")
   log(bar)
   return [s.name for s in lost]
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(prog='python -m experiments.data.prepare', description=__doc__.split('\n')[0])
-  p.add_argument('--out', required=True, help='corpus directory')
-  p.add_argument('--cache', default=None, help='download cache (default <out>/cache)')
-  p.add_argument('--vocab_size', type=int, default=16384)
-  p.add_argument('--seed', type=int, default=0)
-  p.add_argument('--val_fraction', type=float, default=0.02)
-  p.add_argument('--long_tokens', type=int, default=32768,
-                 help='held-out documents with at least this many tokens go to long_eval')
-  p.add_argument('--tokenizer_sample_mb', type=float, default=40.0,
-                 help='MB of train text (seeded sample) the tokenizer is trained on')
-  p.add_argument('--sources', default='', help='comma-separated subset of source names (default: all)')
-  p.add_argument('--force', action='store_true', help='rebuild the tokenizer and token files')
-  p.add_argument('--refresh_docs', action='store_true', help='re-extract <out>/docs/*.jsonl (downloads stay cached)')
+  p = argparse.ArgumentParser(
+    prog="python -m experiments.data.prepare", description=__doc__.split("\n")[0]
+  )
+  p.add_argument("--out", required=True, help="corpus directory")
+  p.add_argument("--cache", default=None, help="download cache (default <out>/cache)")
+  p.add_argument("--vocab_size", type=int, default=16384)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--val_fraction", type=float, default=0.02)
+  p.add_argument(
+    "--long_tokens",
+    type=int,
+    default=32768,
+    help="held-out documents with at least this many tokens go to long_eval",
+  )
+  p.add_argument(
+    "--tokenizer_sample_mb",
+    type=float,
+    default=40.0,
+    help="MB of train text (seeded sample) the tokenizer is trained on",
+  )
+  p.add_argument(
+    "--sources", default="", help="comma-separated subset of source names (default: all)"
+  )
+  p.add_argument("--force", action="store_true", help="rebuild the tokenizer and token files")
+  p.add_argument(
+    "--refresh_docs",
+    action="store_true",
+    help="re-extract <out>/docs/*.jsonl (downloads stay cached)",
+  )
   a = p.parse_args(argv)
   sources = corpus_sources.default_sources()
   if a.sources:
-    want = [s.strip() for s in a.sources.split(',') if s.strip()]
+    want = [s.strip() for s in a.sources.split(",") if s.strip()]
     unknown = set(want) - {s.name for s in sources}
     if unknown:
-      p.error(f'unknown sources {sorted(unknown)}; known: {", ".join(s.name for s in sources)}')
+      p.error(f"unknown sources {sorted(unknown)}; known: {', '.join(s.name for s in sources)}")
     sources = [s for s in sources if s.name in want]
-  command = 'python -m experiments.data.prepare ' + ' '.join(sys.argv[1:] if argv is None else argv)
+  command = "python -m experiments.data.prepare " + " ".join(sys.argv[1:] if argv is None else argv)
   try:
-    build(a.out, sources, a.cache, a.vocab_size, a.seed, a.val_fraction, a.long_tokens,
-          int(a.tokenizer_sample_mb * 1e6), a.force, a.refresh_docs, command)
+    build(
+      a.out,
+      sources,
+      a.cache,
+      a.vocab_size,
+      a.seed,
+      a.val_fraction,
+      a.long_tokens,
+      int(a.tokenizer_sample_mb * 1e6),
+      a.force,
+      a.refresh_docs,
+      command,
+    )
   except RuntimeError as e:
     print(e, file=sys.stderr)
     return 1
   return 0
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
   sys.exit(main())

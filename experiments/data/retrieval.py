@@ -47,47 +47,160 @@ S-NIAH: the same key, value and haystack offset at every depth; lengths change o
 cells are paired comparisons. :func:`example_fn` gives the per-cell ``index -> example`` function (wrap it in
 ``grain.MapDataset.range(n).map(fn)`` for a lazy pipeline).
 """
+
 from __future__ import annotations
 
 import functools
 import uuid
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from experiments.data import synthetic
 
-TASKS = ('mqar', 'snih1', 'snih2', 'snih3', 'passkey', 'copy')
-AXIS = {'mqar': 'num_kv_pairs', 'snih1': 'depth', 'snih2': 'depth', 'snih3': 'depth', 'passkey': 'depth',
-        'copy': 'copy_len'}
+TASKS = ("mqar", "snih1", "snih2", "snih3", "passkey", "copy")
+AXIS = {
+  "mqar": "num_kv_pairs",
+  "snih1": "depth",
+  "snih2": "depth",
+  "snih3": "depth",
+  "passkey": "depth",
+  "copy": "copy_len",
+}
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
-NOISE = 'The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.'
-NEEDLE = ' One of the special magic numbers for {key} is:'  # then ' {value}' and '.'
-QUERY = ('\nWhat is the special magic number for {key} mentioned in the provided text? The special magic '
-         'number for {key} mentioned in the provided text is')  # then the answer ' {value}'
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NEEDLE = " One of the special magic numbers for {key} is:"  # then ' {value}' and '.'
+QUERY = (
+  "\nWhat is the special magic number for {key} mentioned in the provided text? The special magic "
+  "number for {key} mentioned in the provided text is"
+)  # then the answer ' {value}'
 
 ADJECTIVES = (
-    'amber', 'ancient', 'bitter', 'brave', 'brisk', 'calm', 'clever', 'cosmic', 'crimson', 'curious', 'dusty',
-    'eager', 'elegant', 'faded', 'fierce', 'fluffy', 'frozen', 'gentle', 'gloomy', 'golden', 'graceful',
-    'hollow', 'humble', 'icy', 'jolly', 'keen', 'lively', 'lonely', 'lucky', 'mellow', 'misty', 'modest',
-    'noble', 'odd', 'patient', 'polite', 'proud', 'quiet', 'rapid', 'restless', 'rusty', 'shiny', 'silent',
-    'silver', 'sleepy', 'sturdy', 'swift', 'tidy', 'violet', 'wise', 'witty', 'zealous')
+  "amber",
+  "ancient",
+  "bitter",
+  "brave",
+  "brisk",
+  "calm",
+  "clever",
+  "cosmic",
+  "crimson",
+  "curious",
+  "dusty",
+  "eager",
+  "elegant",
+  "faded",
+  "fierce",
+  "fluffy",
+  "frozen",
+  "gentle",
+  "gloomy",
+  "golden",
+  "graceful",
+  "hollow",
+  "humble",
+  "icy",
+  "jolly",
+  "keen",
+  "lively",
+  "lonely",
+  "lucky",
+  "mellow",
+  "misty",
+  "modest",
+  "noble",
+  "odd",
+  "patient",
+  "polite",
+  "proud",
+  "quiet",
+  "rapid",
+  "restless",
+  "rusty",
+  "shiny",
+  "silent",
+  "silver",
+  "sleepy",
+  "sturdy",
+  "swift",
+  "tidy",
+  "violet",
+  "wise",
+  "witty",
+  "zealous",
+)
 NOUNS = (
-    'anchor', 'badger', 'banjo', 'beacon', 'biscuit', 'canyon', 'castle', 'cobra', 'comet', 'compass',
-    'cottage', 'crystal', 'dolphin', 'falcon', 'feather', 'fiddle', 'forest', 'garden', 'glacier', 'harbor',
-    'helmet', 'island', 'jigsaw', 'kettle', 'lantern', 'lemon', 'lobster', 'meadow', 'mitten', 'nebula',
-    'orchard', 'otter', 'parrot', 'pebble', 'pigeon', 'puzzle', 'quarry', 'rabbit', 'ribbon', 'saddle',
-    'salmon', 'spider', 'teapot', 'thimble', 'tiger', 'tulip', 'turnip', 'valley', 'violin', 'walrus',
-    'whistle', 'zebra')
+  "anchor",
+  "badger",
+  "banjo",
+  "beacon",
+  "biscuit",
+  "canyon",
+  "castle",
+  "cobra",
+  "comet",
+  "compass",
+  "cottage",
+  "crystal",
+  "dolphin",
+  "falcon",
+  "feather",
+  "fiddle",
+  "forest",
+  "garden",
+  "glacier",
+  "harbor",
+  "helmet",
+  "island",
+  "jigsaw",
+  "kettle",
+  "lantern",
+  "lemon",
+  "lobster",
+  "meadow",
+  "mitten",
+  "nebula",
+  "orchard",
+  "otter",
+  "parrot",
+  "pebble",
+  "pigeon",
+  "puzzle",
+  "quarry",
+  "rabbit",
+  "ribbon",
+  "saddle",
+  "salmon",
+  "spider",
+  "teapot",
+  "thimble",
+  "tiger",
+  "tulip",
+  "turnip",
+  "valley",
+  "violin",
+  "walrus",
+  "whistle",
+  "zebra",
+)
 
-_SNIH_KW = {'value_digits': 7, 'adjectives': ADJECTIVES, 'nouns': NOUNS, 'snap': 32, 'drop_eos': True,
-            'max_tries': 100}
+_SNIH_KW = {
+  "value_digits": 7,
+  "adjectives": ADJECTIVES,
+  "nouns": NOUNS,
+  "snap": 32,
+  "drop_eos": True,
+  "max_tries": 100,
+}
 _TASK_KW = {  # allowed task keyword arguments and their defaults (None = required)
-    'mqar': {'vocab_size': None, 'power_a': 0.01},
-    'passkey': {'vocab_size': None, 'digits': 5},
-    'copy': {'vocab_size': None},
-    'snih1': _SNIH_KW, 'snih2': _SNIH_KW, 'snih3': {k: v for k, v in _SNIH_KW.items() if k != 'value_digits'},
+  "mqar": {"vocab_size": None, "power_a": 0.01},
+  "passkey": {"vocab_size": None, "digits": 5},
+  "copy": {"vocab_size": None},
+  "snih1": _SNIH_KW,
+  "snih2": _SNIH_KW,
+  "snih3": {k: v for k, v in _SNIH_KW.items() if k != "value_digits"},
 }
 
 
@@ -100,15 +213,15 @@ def _sentence_end_ids(tokenizer) -> np.ndarray:
   ids = []
   for i in range(tokenizer.vocab_size):
     s = tokenizer.decode([i])
-    t = s.rstrip('"\')]\u201d\u2019')
-    if s.endswith('\n') or (t and t[-1] in '.!?'):
+    t = s.rstrip("\"')]\u201d\u2019")
+    if s.endswith("\n") or (t and t[-1] in ".!?"):
       ids.append(i)
   return np.asarray(ids, np.int64)
 
 
 @functools.lru_cache(maxsize=8)
 def _noise_unit(tokenizer) -> np.ndarray:
-  return np.asarray(tokenizer.encode(' ' + NOISE), np.int64)
+  return np.asarray(tokenizer.encode(" " + NOISE), np.int64)
 
 
 @functools.lru_cache(maxsize=8)
@@ -117,22 +230,35 @@ def _max_key_overhead(tokenizer, adjectives: tuple, nouns: tuple) -> int:
   best = 0
   for a in adjectives:
     for n in nouns:
-      key = f'{a}-{n}'
-      n_tok = len(tokenizer.encode(NEEDLE.format(key=key))) + len(tokenizer.encode(QUERY.format(key=key)))
+      key = f"{a}-{n}"
+      n_tok = len(tokenizer.encode(NEEDLE.format(key=key))) + len(
+        tokenizer.encode(QUERY.format(key=key))
+      )
       best = max(best, n_tok)
   return best
 
 
 def _value_token_bound(kind: str, digits: int) -> int:
-  return 1 + (36 if kind == 'uuid' else digits)  # ' ' + value, at most one token per byte (all ASCII)
+  return 1 + (
+    36 if kind == "uuid" else digits
+  )  # ' ' + value, at most one token per byte (all ASCII)
 
 
-def snih_min_length(tokenizer, *, value_kind: str = 'number', value_digits: int = 7,
-                    adjectives: Sequence[str] = ADJECTIVES, nouns: Sequence[str] = NOUNS) -> int:
+def snih_min_length(
+  tokenizer,
+  *,
+  value_kind: str = "number",
+  value_digits: int = 7,
+  adjectives: Sequence[str] = ADJECTIVES,
+  nouns: Sequence[str] = NOUNS,
+) -> int:
   """The shortest ``seq_len`` for which every S-NIAH example fits (needle + query + answer, empty haystack);
   an upper bound over all keys and values (values are bounded by one token per byte)."""
-  over = (_max_key_overhead(tokenizer, tuple(adjectives), tuple(nouns)) + len(tokenizer.encode('.'))
-          + 2 * _value_token_bound(value_kind, value_digits))
+  over = (
+    _max_key_overhead(tokenizer, tuple(adjectives), tuple(nouns))
+    + len(tokenizer.encode("."))
+    + 2 * _value_token_bound(value_kind, value_digits)
+  )
   return over - 1  # the sequence holds seq_len + 1 tokens
 
 
@@ -142,9 +268,9 @@ def _corpus_slice(tokens: np.ndarray, start: int, n: int, eos_id: int | None) ->
   parts, got, pos, scanned = [], 0, start % total, 0
   while got < n:
     if scanned >= total:
-      raise ValueError(f'haystack_tokens holds fewer than {n} non-EOS tokens')
+      raise ValueError(f"haystack_tokens holds fewer than {n} non-EOS tokens")
     take = min(n - got, total - pos)
-    chunk = np.asarray(tokens[pos:pos + take], np.int64)
+    chunk = np.asarray(tokens[pos : pos + take], np.int64)
     scanned += take
     pos = (pos + take) % total
     if eos_id is not None:
@@ -167,21 +293,34 @@ def _insert_pos(hay: np.ndarray, depth: float, ends: np.ndarray, snap: int) -> i
 
 
 def _draw_value(rng: np.random.Generator, kind: str, digits: int) -> str:
-  if kind == 'uuid':
+  if kind == "uuid":
     return str(uuid.UUID(bytes=rng.bytes(16), version=4))
-  return str(int(rng.integers(10 ** (digits - 1), 10 ** digits)))
+  return str(int(rng.integers(10 ** (digits - 1), 10**digits)))
 
 
-def snih_example(index: int, *, seed: int, seq_len: int, depth: float, tokenizer,
-                 haystack_tokens: np.ndarray | None = None, value_kind: str = 'number', value_digits: int = 7,
-                 adjectives: Sequence[str] = ADJECTIVES, nouns: Sequence[str] = NOUNS, snap: int = 32,
-                 drop_eos: bool = True, max_tries: int = 100, return_meta: bool = False):
+def snih_example(
+  index: int,
+  *,
+  seed: int,
+  seq_len: int,
+  depth: float,
+  tokenizer,
+  haystack_tokens: np.ndarray | None = None,
+  value_kind: str = "number",
+  value_digits: int = 7,
+  adjectives: Sequence[str] = ADJECTIVES,
+  nouns: Sequence[str] = NOUNS,
+  snap: int = 32,
+  drop_eos: bool = True,
+  max_tries: int = 100,
+  return_meta: bool = False,
+):
   """One S-NIAH example (see the module docstring). ``haystack_tokens=None``: the noise haystack (snih1);
   else a slice of that corpus (snih2/3). ``value_kind``: 'number' (``value_digits`` digits) or 'uuid'.
   Returns the example dict, or ``(example, meta)`` with ``return_meta``."""
   if not 0.0 <= depth <= 1.0:
-    raise ValueError(f'snih: depth must be in [0, 1], got {depth}')
-  if value_kind not in ('number', 'uuid'):
+    raise ValueError(f"snih: depth must be in [0, 1], got {depth}")
+  if value_kind not in ("number", "uuid"):
     raise ValueError(f"snih: value_kind must be 'number' or 'uuid', got {value_kind!r}")
   rng = np.random.default_rng([int(seed), int(index)])
   offset_frac = rng.random()
@@ -191,32 +330,41 @@ def snih_example(index: int, *, seed: int, seq_len: int, depth: float, tokenizer
   if haystack_tokens is None:
     unit = _noise_unit(tokenizer)
     hay_max = np.tile(unit, -(-n_max // len(unit)))[:n_max]
-    hay_text = (NOISE + ' ' + NOISE).lower()  # everything the tiled noise can contain
+    hay_text = (NOISE + " " + NOISE).lower()  # everything the tiled noise can contain
     hay_start = 0
   else:
     total = len(haystack_tokens)
     if total == 0:
-      raise ValueError('haystack_tokens is empty')
+      raise ValueError("haystack_tokens is empty")
     hay_start = int(offset_frac * max(total - n_max + 1, 1))
-    eos = getattr(tokenizer, 'eos_id', None) if drop_eos else None
+    eos = getattr(tokenizer, "eos_id", None) if drop_eos else None
     hay_max = _corpus_slice(haystack_tokens, hay_start, n_max, eos)
     hay_text = tokenizer.decode(hay_max).lower()
   for _ in range(max_tries):
-    key = f'{adjectives[rng.integers(len(adjectives))]}-{nouns[rng.integers(len(nouns))]}'
+    key = f"{adjectives[rng.integers(len(adjectives))]}-{nouns[rng.integers(len(nouns))]}"
     value = _draw_value(rng, value_kind, value_digits)
     if key.lower() not in hay_text and value.lower() not in hay_text:
       break
   else:
-    raise ValueError(f'snih: no key/value absent from the haystack in {max_tries} draws (seed={seed}, '
-                     f'index={index}); use other adjectives/nouns or more value digits')
-  answer = np.asarray(tokenizer.encode(' ' + value), np.int64)
-  needle = np.concatenate([np.asarray(tokenizer.encode(NEEDLE.format(key=key)), np.int64), answer,
-                           np.asarray(tokenizer.encode('.'), np.int64)])
+    raise ValueError(
+      f"snih: no key/value absent from the haystack in {max_tries} draws (seed={seed}, "
+      f"index={index}); use other adjectives/nouns or more value digits"
+    )
+  answer = np.asarray(tokenizer.encode(" " + value), np.int64)
+  needle = np.concatenate(
+    [
+      np.asarray(tokenizer.encode(NEEDLE.format(key=key)), np.int64),
+      answer,
+      np.asarray(tokenizer.encode("."), np.int64),
+    ]
+  )
   query = np.asarray(tokenizer.encode(QUERY.format(key=key)), np.int64)
   size = seq_len + 1 - len(needle) - len(query) - len(answer)
   if size < 0:
-    raise ValueError(f'snih: seq_len={seq_len} is too short for the needle + query + answer '
-                     f'({len(needle) + len(query) + len(answer)} tokens)')
+    raise ValueError(
+      f"snih: seq_len={seq_len} is too short for the needle + query + answer "
+      f"({len(needle) + len(query) + len(answer)} tokens)"
+    )
   hay = hay_max[:size]
   pos = _insert_pos(hay, depth, _sentence_end_ids(tokenizer), snap)
   seq = np.concatenate([hay[:pos], needle, hay[pos:], query, answer])
@@ -224,8 +372,15 @@ def snih_example(index: int, *, seed: int, seq_len: int, depth: float, tokenizer
   ex = synthetic._pack(seq, np.arange(seq_len - len(answer), seq_len), seq_len)  # pylint: disable=protected-access
   if not return_meta:
     return ex
-  return ex, {'key': key, 'value': value, 'needle_start': pos, 'needle_len': len(needle),
-              'haystack_len': size, 'answer_len': len(answer), 'haystack_start': hay_start}
+  return ex, {
+    "key": key,
+    "value": value,
+    "needle_start": pos,
+    "needle_len": len(needle),
+    "haystack_len": size,
+    "answer_len": len(answer),
+    "haystack_start": hay_start,
+  }
 
 
 # ------------------------------------------------------------------------------------------------- grid
@@ -234,113 +389,164 @@ def snih_example(index: int, *, seed: int, seq_len: int, depth: float, tokenizer
 def _resolve(task: str, tokenizer, haystack_tokens, task_kw: dict) -> dict:
   """Validates the task and its arguments (before any work); returns the task keywords with defaults."""
   if task not in TASKS:
-    raise ValueError(f'unknown task {task!r}; expected one of {TASKS}')
-  if task.startswith('snih') and tokenizer is None:
-    raise ValueError(f'task {task!r} needs tokenizer= (a BPETokenizer)')
-  if task in ('snih2', 'snih3') and haystack_tokens is None:
-    raise ValueError(f'task {task!r} needs haystack_tokens= (a 1-D corpus token array, e.g. the val split)')
-  if task not in ('snih2', 'snih3') and haystack_tokens is not None:
-    raise ValueError(f'task {task!r} takes no haystack_tokens')
+    raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
+  if task.startswith("snih") and tokenizer is None:
+    raise ValueError(f"task {task!r} needs tokenizer= (a BPETokenizer)")
+  if task in ("snih2", "snih3") and haystack_tokens is None:
+    raise ValueError(
+      f"task {task!r} needs haystack_tokens= (a 1-D corpus token array, e.g. the val split)"
+    )
+  if task not in ("snih2", "snih3") and haystack_tokens is not None:
+    raise ValueError(f"task {task!r} takes no haystack_tokens")
   allowed = _TASK_KW[task]
   unknown = sorted(set(task_kw) - set(allowed))
   if unknown:
-    raise ValueError(f'task {task!r}: unknown argument(s) {unknown}; allowed: {sorted(allowed)}')
+    raise ValueError(f"task {task!r}: unknown argument(s) {unknown}; allowed: {sorted(allowed)}")
   kw = {**allowed, **task_kw}
   missing = [k for k, v in kw.items() if v is None]
   if missing:
-    raise ValueError(f'task {task!r} needs {", ".join(f"{k}=" for k in missing)}')
+    raise ValueError(f"task {task!r} needs {', '.join(f'{k}=' for k in missing)}")
   return kw
 
 
 def _points(task: str, points) -> list:
   axis = AXIS[task]
   if points is None:
-    if task == 'mqar':
+    if task == "mqar":
       raise ValueError('task "mqar" needs points= (the num_kv_pairs values)')
-    return [None] if task == 'copy' else list(DEPTHS)
+    return [None] if task == "copy" else list(DEPTHS)
   pts = list(points)
   if not pts:
-    raise ValueError(f'task {task!r}: points is empty')
+    raise ValueError(f"task {task!r}: points is empty")
   for p in pts:
-    if axis == 'depth':
+    if axis == "depth":
       if not 0.0 <= float(p) <= 1.0:
-        raise ValueError(f'task {task!r}: depth must be in [0, 1], got {p}')
+        raise ValueError(f"task {task!r}: depth must be in [0, 1], got {p}")
     elif p is not None and (int(p) != p or p < 1):
-      raise ValueError(f'task {task!r}: {axis} must be a positive integer, got {p}')
-  return [None if p is None else (float(p) if axis == 'depth' else int(p)) for p in pts]
+      raise ValueError(f"task {task!r}: {axis} must be a positive integer, got {p}")
+  return [None if p is None else (float(p) if axis == "depth" else int(p)) for p in pts]
 
 
 def min_length(task: str, point=None, *, tokenizer=None, **task_kw) -> int:
   """The shortest sequence length for which every example of ``task`` at ``point`` fits (for S-NIAH an upper
   bound over keys/values)."""
   kw = {**{k: v for k, v in _TASK_KW[task].items() if v is not None}, **task_kw}
-  if task.startswith('snih'):
-    return snih_min_length(tokenizer, value_kind='uuid' if task == 'snih3' else 'number',
-                           value_digits=kw.get('value_digits', 7), adjectives=kw['adjectives'],
-                           nouns=kw['nouns'])
-  if task == 'passkey':
-    return 2 * kw['digits'] + 2
-  if task == 'copy':
+  if task.startswith("snih"):
+    return snih_min_length(
+      tokenizer,
+      value_kind="uuid" if task == "snih3" else "number",
+      value_digits=kw.get("value_digits", 7),
+      adjectives=kw["adjectives"],
+      nouns=kw["nouns"],
+    )
+  if task == "passkey":
+    return 2 * kw["digits"] + 2
+  if task == "copy":
     return 3 if point is None else 2 * point + 1
-  if task == 'mqar':
+  if task == "mqar":
     return 4 * point - 1
-  raise ValueError(f'unknown task {task!r}')
+  raise ValueError(f"unknown task {task!r}")
 
 
 def _check_cell(task: str, length: int, point, kw: dict, tokenizer) -> None:
   if int(length) != length or length < 1:
-    raise ValueError(f'task {task!r}: lengths must be positive integers, got {length}')
-  if task == 'mqar' and point >= kw['vocab_size'] // 2 - 1:
-    raise ValueError(f'mqar: num_kv_pairs={point} needs vocab_size > {2 * (point + 1)} (distinct keys)')
+    raise ValueError(f"task {task!r}: lengths must be positive integers, got {length}")
+  if task == "mqar" and point >= kw["vocab_size"] // 2 - 1:
+    raise ValueError(
+      f"mqar: num_kv_pairs={point} needs vocab_size > {2 * (point + 1)} (distinct keys)"
+    )
   need = min_length(task, point, tokenizer=tokenizer, **kw)
   if length < need:
-    raise ValueError(f'task {task!r}: length {length} is too short ({AXIS[task]}={point}); '
-                     f'needs at least {need}')
+    raise ValueError(
+      f"task {task!r}: length {length} is too short ({AXIS[task]}={point}); needs at least {need}"
+    )
 
 
-def _generator(task: str, length: int, point, *, seed: int, tokenizer, haystack_tokens, kw: dict
-               ) -> Callable[[int], tuple[dict, dict]]:
+def _generator(
+  task: str, length: int, point, *, seed: int, tokenizer, haystack_tokens, kw: dict
+) -> Callable[[int], tuple[dict, dict]]:
   """``index -> (example, meta)`` for one cell; arguments already validated."""
-  if task.startswith('snih'):
+  if task.startswith("snih"):
     skw = dict(kw)
-    if task == 'snih3':
-      skw['value_kind'] = 'uuid'
-    return functools.partial(snih_example, seed=seed, seq_len=length, depth=point, tokenizer=tokenizer,
-                             haystack_tokens=haystack_tokens, return_meta=True, **skw)
-  if task == 'passkey':
-    d = kw['digits']
+    if task == "snih3":
+      skw["value_kind"] = "uuid"
+    return functools.partial(
+      snih_example,
+      seed=seed,
+      seq_len=length,
+      depth=point,
+      tokenizer=tokenizer,
+      haystack_tokens=haystack_tokens,
+      return_meta=True,
+      **skw,
+    )
+  if task == "passkey":
+    d = kw["digits"]
 
     def fn(i):
-      ex = synthetic.passkey_example(i, seed=seed, seq_len=length, vocab_size=kw['vocab_size'], digits=d,
-                                     depth=point)
-      return ex, {'key_pos': int(round(point * (length - 2 * d - 2)))}
+      ex = synthetic.passkey_example(
+        i, seed=seed, seq_len=length, vocab_size=kw["vocab_size"], digits=d, depth=point
+      )
+      return ex, {"key_pos": int(round(point * (length - 2 * d - 2)))}
+
     return fn
-  if task == 'copy':
+  if task == "copy":
     n = (length - 1) // 2 if point is None else point
-    return lambda i: (synthetic.copying_example(i, seed=seed, seq_len=length, vocab_size=kw['vocab_size'],
-                                                copy_len=n), {'copy_len': n})
-  if task == 'mqar':
-    return lambda i: (synthetic.mqar_example(i, seed=seed, seq_len=length, vocab_size=kw['vocab_size'],
-                                             num_kv_pairs=point, power_a=kw['power_a']), {})
+    return lambda i: (
+      synthetic.copying_example(
+        i, seed=seed, seq_len=length, vocab_size=kw["vocab_size"], copy_len=n
+      ),
+      {"copy_len": n},
+    )
+  if task == "mqar":
+    return lambda i: (
+      synthetic.mqar_example(
+        i,
+        seed=seed,
+        seq_len=length,
+        vocab_size=kw["vocab_size"],
+        num_kv_pairs=point,
+        power_a=kw["power_a"],
+      ),
+      {},
+    )
   raise ValueError(task)
 
 
-def example_fn(task: str, length: int, point=None, *, seed: int = 0, tokenizer=None, haystack_tokens=None,
-               **task_kw) -> Callable[[int], dict]:
+def example_fn(
+  task: str,
+  length: int,
+  point=None,
+  *,
+  seed: int = 0,
+  tokenizer=None,
+  haystack_tokens=None,
+  **task_kw,
+) -> Callable[[int], dict]:
   """The validated ``index -> example`` function of one grid cell (``point`` along ``AXIS[task]``)."""
   kw = _resolve(task, tokenizer, haystack_tokens, task_kw)
-  if point is None and task != 'copy':
-    raise ValueError(f'task {task!r} needs point= (its {AXIS[task]})')
+  if point is None and task != "copy":
+    raise ValueError(f"task {task!r} needs point= (its {AXIS[task]})")
   (point,) = _points(task, [point])
   _check_cell(task, length, point, kw, tokenizer)
-  gen = _generator(task, length, point, seed=seed, tokenizer=tokenizer, haystack_tokens=haystack_tokens,
-                   kw=kw)
+  gen = _generator(
+    task, length, point, seed=seed, tokenizer=tokenizer, haystack_tokens=haystack_tokens, kw=kw
+  )
   return lambda i: gen(i)[0]
 
 
-def grid(task: str, lengths: Sequence[int], points: Sequence | None = None, num_examples: int = 100,
-         seed: int = 0, *, tokenizer=None, haystack_tokens: np.ndarray | None = None, stack: bool = True,
-         **task_kw) -> list[dict[str, Any]]:
+def grid(
+  task: str,
+  lengths: Sequence[int],
+  points: Sequence | None = None,
+  num_examples: int = 100,
+  seed: int = 0,
+  *,
+  tokenizer=None,
+  haystack_tokens: np.ndarray | None = None,
+  stack: bool = True,
+  **task_kw,
+) -> list[dict[str, Any]]:
   """Evaluation cells for ``task`` over ``lengths`` x ``points`` (the values along ``AXIS[task]``: depths
   for snih*/passkey (default ``DEPTHS``), num_kv_pairs for mqar (required), copy_len for copy (default: the
   longest that fits each length)). Everything is validated before any example is generated.
@@ -355,28 +561,39 @@ def grid(task: str, lengths: Sequence[int], points: Sequence | None = None, num_
   pts = _points(task, points)
   lengths = list(lengths)
   if not lengths:
-    raise ValueError('lengths is empty')
+    raise ValueError("lengths is empty")
   if int(num_examples) != num_examples or num_examples < 1:
-    raise ValueError(f'num_examples must be a positive integer, got {num_examples}')
+    raise ValueError(f"num_examples must be a positive integer, got {num_examples}")
   for length in lengths:
     for p in pts:
       _check_cell(task, length, p, kw, tokenizer)
   if haystack_tokens is not None and len(haystack_tokens) < max(lengths) + 1:
-    raise ValueError(f'haystack_tokens has {len(haystack_tokens)} tokens, fewer than the longest length + 1 '
-                     f'= {max(lengths) + 1}')
+    raise ValueError(
+      f"haystack_tokens has {len(haystack_tokens)} tokens, fewer than the longest length + 1 "
+      f"= {max(lengths) + 1}"
+    )
   axis = AXIS[task]
   cells = []
   for length in lengths:
     for p in pts:
-      gen = _generator(task, int(length), p, seed=seed, tokenizer=tokenizer, haystack_tokens=haystack_tokens,
-                       kw=kw)
+      gen = _generator(
+        task, int(length), p, seed=seed, tokenizer=tokenizer, haystack_tokens=haystack_tokens, kw=kw
+      )
       pairs = [gen(i) for i in range(int(num_examples))]
       exs = [e for e, _ in pairs]
       if stack:
         exs = {k: np.stack([e[k] for e in exs]) for k in exs[0]}
-      value = pairs[0][1]['copy_len'] if task == 'copy' else p
-      cells.append({'task': task, 'length': int(length), 'axis': axis, axis: value, 'examples': exs,
-                    'meta': [m for _, m in pairs]})
+      value = pairs[0][1]["copy_len"] if task == "copy" else p
+      cells.append(
+        {
+          "task": task,
+          "length": int(length),
+          "axis": axis,
+          axis: value,
+          "examples": exs,
+          "meta": [m for _, m in pairs],
+        }
+      )
   return cells
 
 
@@ -393,13 +610,19 @@ def score(correct, mask) -> dict:
   correct = np.asarray(correct, bool)
   m = np.asarray(mask) > 0
   if correct.shape != m.shape or correct.ndim != 2:
-    raise ValueError(f'score: correct {correct.shape} and mask {m.shape} must be the same [B, T] shape')
+    raise ValueError(
+      f"score: correct {correct.shape} and mask {m.shape} must be the same [B, T] shape"
+    )
   rows = m.any(axis=1)
   per_example = np.all(correct | ~m, axis=1)
   n_tok = int(m.sum())
-  return {'exact_match': float(per_example[rows].mean()) if rows.any() else float('nan'),
-          'token_accuracy': float((correct & m).sum() / n_tok) if n_tok else float('nan'),
-          'num_examples': int(rows.sum()), 'num_tokens': n_tok, 'per_example': per_example}
+  return {
+    "exact_match": float(per_example[rows].mean()) if rows.any() else float("nan"),
+    "token_accuracy": float((correct & m).sum() / n_tok) if n_tok else float("nan"),
+    "num_examples": int(rows.sum()),
+    "num_tokens": n_tok,
+    "per_example": per_example,
+  }
 
 
 def score_predictions(predictions, targets, mask) -> dict:

@@ -8,58 +8,65 @@
 
 The only special token is ``<|endoftext|>`` (id 0, ``eos_id``): the corpus ends every document with it.
 """
+
 from __future__ import annotations
 
 import os
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
-EOS = '<|endoftext|>'
-FILENAME = 'tokenizer.json'
+EOS = "<|endoftext|>"
+FILENAME = "tokenizer.json"
 
 
 def _tokenizers():
   try:
     import tokenizers  # pylint: disable=g-import-not-at-top
   except ImportError as e:  # an optional dependency of the corpus path only
-    raise ImportError('the corpus tokenizer needs HF tokenizers: pip install tokenizers') from e
+    raise ImportError("the corpus tokenizer needs HF tokenizers: pip install tokenizers") from e
   return tokenizers
 
 
 class BPETokenizer:
-
   def __init__(self, tok):
     self._tok = tok
     self.eos_id = tok.token_to_id(EOS)
     if self.eos_id is None:
-      raise ValueError(f'tokenizer has no {EOS} token')
+      raise ValueError(f"tokenizer has no {EOS} token")
 
   @classmethod
-  def train(cls, texts: Iterable[str], vocab_size: int = 16384, min_frequency: int = 2) -> 'BPETokenizer':
+  def train(
+    cls, texts: Iterable[str], vocab_size: int = 16384, min_frequency: int = 2
+  ) -> BPETokenizer:
     t = _tokenizers()
     tok = t.Tokenizer(t.models.BPE())
     tok.pre_tokenizer = t.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = t.decoders.ByteLevel()
-    trainer = t.trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOS],
-                                    initial_alphabet=t.pre_tokenizers.ByteLevel.alphabet(),
-                                    show_progress=False)
+    trainer = t.trainers.BpeTrainer(
+      vocab_size=vocab_size,
+      min_frequency=min_frequency,
+      special_tokens=[EOS],
+      initial_alphabet=t.pre_tokenizers.ByteLevel.alphabet(),
+      show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
     return cls(tok)
 
   @classmethod
-  def load(cls, path: str) -> 'BPETokenizer':
+  def load(cls, path: str) -> BPETokenizer:
     """``path``: a corpus directory holding tokenizer.json, or the json file itself."""
     file = os.path.join(path, FILENAME) if os.path.isdir(path) else path
     if not os.path.exists(file):
-      raise FileNotFoundError(f'tokenizer not found: {file!r} (build the corpus with '
-                              'python -m experiments.data.prepare)')
+      raise FileNotFoundError(
+        f"tokenizer not found: {file!r} (build the corpus with python -m experiments.data.prepare)"
+      )
     return cls(_tokenizers().Tokenizer.from_file(file))
 
   def save(self, directory: str) -> str:
     os.makedirs(directory, exist_ok=True)
     file = os.path.join(directory, FILENAME)
-    tmp = file + '.tmp'
+    tmp = file + ".tmp"
     self._tok.save(tmp)
     os.replace(tmp, file)
     return file
@@ -72,7 +79,9 @@ class BPETokenizer:
     return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
 
   def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-    return [np.asarray(e.ids, np.int32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+    return [
+      np.asarray(e.ids, np.int32) for e in self._tok.encode_batch(texts, add_special_tokens=False)
+    ]
 
   def decode(self, ids) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)

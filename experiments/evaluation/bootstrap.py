@@ -122,9 +122,7 @@ def paired_difference(
   return mean(a - b, level=level, resamples=resamples, seed=seed)
 
 
-def mean_crossed(
-  x, *, level: float = LEVEL, resamples: int = RESAMPLES, seed: int = 0
-) -> Interval:
+def mean_crossed(x, *, level: float = LEVEL, resamples: int = RESAMPLES, seed: int = 0) -> Interval:
   """The mean of a seeds x examples table ``x`` [S, N], seeds and examples resampled independently."""
   x = np.asarray(x, np.float64)
   if x.ndim != 2:

@@ -7,6 +7,7 @@ chunk for state statistics. ``one_shot`` is that single forward (also with ``seg
 ``state_series`` calls the same ``on_chunk`` without scoring: the states at chunk ends read from forwards
 of several chunks at once (the model's prefix_states; no logits).
 """
+
 from __future__ import annotations
 
 import jax
@@ -45,12 +46,15 @@ class ChunkedScorer:
       return logits.astype(jnp.float32)
 
     def forward_at(state, inputs, segment_ids, read_positions):
-      logits, _ = nnx.merge(self.graphdef, state)(inputs, segment_ids=segment_ids,
-                                                   read_positions=read_positions)
+      logits, _ = nnx.merge(self.graphdef, state)(
+        inputs, segment_ids=segment_ids, read_positions=read_positions
+      )
       return logits.astype(jnp.float32)
 
     def states_at(state, inputs, cache, positions):
-      return nnx.merge(self.graphdef, state).prefix_states(inputs, np.asarray(positions), states=cache)[1]
+      return nnx.merge(self.graphdef, state).prefix_states(
+        inputs, np.asarray(positions), states=cache
+      )[1]
 
     self._prefill = jax.jit(prefill, donate_argnums=(3,))
     self._forward = jax.jit(forward)
@@ -64,8 +68,12 @@ class ChunkedScorer:
 
   def logits_at(self, inputs, segment_ids, read_positions) -> jax.Array:
     """float32 logits [B, P, vocab] at read_positions [B, P] of one forward (the head only there)."""
-    return self._forward_at(self.state, jnp.asarray(inputs, jnp.int32), jnp.asarray(segment_ids, jnp.int32),
-                            jnp.asarray(read_positions, jnp.int32))
+    return self._forward_at(
+      self.state,
+      jnp.asarray(inputs, jnp.int32),
+      jnp.asarray(segment_ids, jnp.int32),
+      jnp.asarray(read_positions, jnp.int32),
+    )
 
   def state_series(self, inputs, chunk: int, on_chunk, progress: str | None = None) -> None:
     """``on_chunk(t_end, cache)`` after every ``chunk`` tokens and at the end, as ``score`` calls it,
@@ -74,14 +82,16 @@ class ChunkedScorer:
     inputs = np.asarray(inputs, np.int32)
     t = inputs.shape[1]
     if chunk <= 0:
-      raise ValueError(f'chunk must be positive, got {chunk}')
+      raise ValueError(f"chunk must be positive, got {chunk}")
     piece = chunk * max(1, STATE_PIECE_TOKENS // chunk)
     cache = None
     bar = logging_utils.Progress(-(-t // piece), progress) if progress else None
     for s in range(0, t, piece):
       e = min(s + piece, t)
       ends = list(range(s + chunk, e, chunk)) + [e]
-      caches = self._states_at(self.state, jnp.asarray(inputs[:, s:e]), cache, tuple(x - s for x in ends))
+      caches = self._states_at(
+        self.state, jnp.asarray(inputs[:, s:e]), cache, tuple(x - s for x in ends)
+      )
       for i, t_end in enumerate(ends):
         on_chunk(t_end, cache_at(caches, i))
       cache = cache_at(caches, len(ends) - 1)
@@ -98,14 +108,15 @@ class ChunkedScorer:
     inputs, targets = np.asarray(inputs, np.int32), np.asarray(targets, np.int32)
     b, t = inputs.shape
     if chunk <= 0:
-      raise ValueError(f'chunk must be positive, got {chunk}')
+      raise ValueError(f"chunk must be positive, got {chunk}")
     cache = self.model.init_cache(b, t)
     nll, correct = np.zeros((b, t), np.float32), np.zeros((b, t), bool)
     bar = logging_utils.Progress(-(-t // chunk), progress) if progress else None
     for s in range(0, t, chunk):
       e = min(s + chunk, t)
-      n, c, cache = self._prefill(self.state, jnp.asarray(inputs[:, s:e]), jnp.asarray(targets[:, s:e]),
-                                  cache)
+      n, c, cache = self._prefill(
+        self.state, jnp.asarray(inputs[:, s:e]), jnp.asarray(targets[:, s:e]), cache
+      )
       nll[:, s:e], correct[:, s:e] = np.asarray(n), np.asarray(c)
       if on_chunk is not None:
         on_chunk(e, cache)
@@ -114,8 +125,9 @@ class ChunkedScorer:
     return nll, correct
 
 
-def document_windows(tokens: np.ndarray, offsets: np.ndarray, length: int, eos_id: int,
-                     max_windows: int | None = None) -> tuple[np.ndarray, list[int]]:
+def document_windows(
+  tokens: np.ndarray, offsets: np.ndarray, length: int, eos_id: int, max_windows: int | None = None
+) -> tuple[np.ndarray, list[int]]:
   """Non-overlapping windows of ``length + 1`` tokens inside documents, documents in order.
 
   Each document is read as ``[eos] + doc`` (the separator acts as BOS, as in packed training), so the
@@ -123,24 +135,32 @@ def document_windows(tokens: np.ndarray, offsets: np.ndarray, length: int, eos_i
   index of each window); documents shorter than a window contribute none."""
   windows, which = [], []
   for i in range(len(offsets) - 1):
-    doc = np.concatenate([[eos_id], np.asarray(tokens[offsets[i]:offsets[i + 1]], np.int64)])
+    doc = np.concatenate([[eos_id], np.asarray(tokens[offsets[i] : offsets[i + 1]], np.int64)])
     for s in range(0, len(doc) - length, length):
-      windows.append(doc[s:s + length + 1])
+      windows.append(doc[s : s + length + 1])
       which.append(i)
       if max_windows is not None and len(windows) >= max_windows:
         return np.stack(windows).astype(np.int32), which
   if not windows:
     longest = int(np.max(np.diff(offsets))) if len(offsets) > 1 else 0
-    raise ValueError(f'no document holds {length + 1} tokens (the longest has {longest}); use a shorter '
-                     'length or longer documents')
+    raise ValueError(
+      f"no document holds {length + 1} tokens (the longest has {longest}); use a shorter "
+      "length or longer documents"
+    )
   return np.stack(windows).astype(np.int32), which
 
 
 def position_buckets(length: int, num: int = 64) -> np.ndarray:
   """Bucket edges over positions 0..length: linear for the first 16 positions, then log-spaced."""
-  edges = np.unique(np.concatenate([np.arange(min(16, length)),
-                                    np.geomspace(16, length, num).round().astype(int) if length > 16 else [],
-                                    [length]]).astype(int))
+  edges = np.unique(
+    np.concatenate(
+      [
+        np.arange(min(16, length)),
+        np.geomspace(16, length, num).round().astype(int) if length > 16 else [],
+        [length],
+      ]
+    ).astype(int)
+  )
   return edges
 
 
@@ -152,8 +172,10 @@ def effrem_grid(length: int, points: int) -> np.ndarray:
 def _pack_suffixes(n: int, t_len: int, ts) -> list[list[tuple[int, int, int]]]:
   """The suffixes x_{t:T} of every (sequence i, cut j at t) packed first-fit decreasing into rows of
   t_len tokens: a list of rows, each a list of (i, j, t)."""
-  items = sorted(((t_len - int(t), i, j, int(t)) for i in range(n) for j, t in enumerate(ts)),
-                 key=lambda x: (-x[0], x[1], x[2]))
+  items = sorted(
+    ((t_len - int(t), i, j, int(t)) for i in range(n) for j, t in enumerate(ts)),
+    key=lambda x: (-x[0], x[1], x[2]),
+  )
   rows, free = [], []
   for length, i, j, t in items:
     for r, f in enumerate(free):
@@ -167,8 +189,13 @@ def _pack_suffixes(n: int, t_len: int, ts) -> list[list[tuple[int, int, int]]]:
   return rows
 
 
-def effective_remembrance(scorer: ChunkedScorer, sequences: np.ndarray, ts: np.ndarray,
-                          batch: int = 16, progress: str | None = None) -> np.ndarray:
+def effective_remembrance(
+  scorer: ChunkedScorer,
+  sequences: np.ndarray,
+  ts: np.ndarray,
+  batch: int = 16,
+  progress: str | None = None,
+) -> np.ndarray:
   """EffRem_T(t) = TV(q(. | x_{0:T}), q(. | x_{t:T})) for each sequence and each t (docs/math.md section 7).
 
   ``sequences`` [N, T] are the inputs x_0..x_{T-1}; the prediction compared is the next-token
@@ -178,14 +205,14 @@ def effective_remembrance(scorer: ChunkedScorer, sequences: np.ndarray, ts: np.n
   (a packed segment runs exactly as alone: segment_ids). Returns [N, len(ts)]."""
   n, t_len = sequences.shape
   cuts = np.asarray(ts, np.int64)
-  if not np.any(cuts == 0):   # the whole-sequence prediction rides along as the t = 0 suffix
+  if not np.any(cuts == 0):  # the whole-sequence prediction rides along as the t = 0 suffix
     cuts = np.concatenate([[0], cuts])
   rows = _pack_suffixes(n, t_len, cuts)
   per_row = max(len(r) for r in rows)
   bar = logging_utils.Progress(-(-len(rows) // batch), progress) if progress else None
   probs = {}
   for s in range(0, len(rows), batch):
-    part = rows[s:s + batch]
+    part = rows[s : s + batch]
     part = part + [part[-1]] * (batch - len(part))  # one compiled shape
     inputs = np.zeros((batch, t_len), np.int32)
     seg = np.zeros((batch, t_len), np.int32)
@@ -193,14 +220,14 @@ def effective_remembrance(scorer: ChunkedScorer, sequences: np.ndarray, ts: np.n
     for r, row in enumerate(part):
       at = 0
       for k, (i, _, t) in enumerate(row):
-        inputs[r, at:at + t_len - t] = sequences[i, t:]
-        seg[r, at:at + t_len - t] = k
+        inputs[r, at : at + t_len - t] = sequences[i, t:]
+        seg[r, at : at + t_len - t] = k
         at += t_len - t
         read[r, k] = at - 1
-      seg[r, at:] = len(row)   # the unused tail: a segment of its own
-      read[r, len(row):] = read[r, len(row) - 1]
+      seg[r, at:] = len(row)  # the unused tail: a segment of its own
+      read[r, len(row) :] = read[r, len(row) - 1]
     p = np.asarray(jax.nn.softmax(scorer.logits_at(inputs, seg, read), axis=-1), np.float64)
-    for r, row in enumerate(part[:len(rows[s:s + batch])]):
+    for r, row in enumerate(part[: len(rows[s : s + batch])]):
       for k, (i, _, t) in enumerate(row):
         probs[i, t] = p[r, k]
     if bar:

@@ -1,5 +1,6 @@
 """Probes of a model's recurrence: KDN's effective write strength (beta_eff, the KDN paper's Fig. 2) and
 statistics of the carried states (memory, KDN variance) per layer."""
+
 from __future__ import annotations
 
 import jax
@@ -11,7 +12,7 @@ BETA_BINS = np.linspace(0.0, 1.0, 51)
 
 
 def _kdn_layers(model) -> list[int]:
-  return [i for i, blk in enumerate(model.blocks) if hasattr(blk.mixer, 'write_strength')]
+  return [i for i, blk in enumerate(model.blocks) if hasattr(blk.mixer, "write_strength")]
 
 
 def write_strengths(model, tokens, segment_ids=None) -> dict[int, np.ndarray]:
@@ -33,18 +34,26 @@ def write_strengths(model, tokens, segment_ids=None) -> dict[int, np.ndarray]:
 
 def beta_summary(betas: dict[int, np.ndarray], mask=None) -> dict:
   """Per-layer and overall mean / quantiles / histogram of beta_eff (positions where ``mask`` [B, T])."""
+
   def summ(x):
     hist, _ = np.histogram(x, bins=BETA_BINS)
-    return {'mean': float(np.mean(x)), 'std': float(np.std(x)), 'median': float(np.median(x)),
-            'p05': float(np.quantile(x, 0.05)), 'p95': float(np.quantile(x, 0.95)), 'count': int(x.size),
-            'hist': hist.tolist()}
+    return {
+      "mean": float(np.mean(x)),
+      "std": float(np.std(x)),
+      "median": float(np.median(x)),
+      "p05": float(np.quantile(x, 0.05)),
+      "p95": float(np.quantile(x, 0.95)),
+      "count": int(x.size),
+      "hist": hist.tolist(),
+    }
+
   vals = {}
   for i, b in betas.items():
     sel = b if mask is None else b[np.asarray(mask, bool)]
     vals[i] = np.asarray(sel, np.float64).ravel()
-  out = {'bins': BETA_BINS.tolist(), 'layers': {str(i): summ(v) for i, v in vals.items()}}
+  out = {"bins": BETA_BINS.tolist(), "layers": {str(i): summ(v) for i, v in vals.items()}}
   if vals:
-    out['all'] = summ(np.concatenate(list(vals.values())))
+    out["all"] = summ(np.concatenate(list(vals.values())))
   return out
 
 
@@ -52,16 +61,23 @@ def beta_summary(betas: dict[int, np.ndarray], mask=None) -> dict:
 def _state_stats(cache):
   out = []
   for layer in cache:
-    if not isinstance(layer, dict) or 'memory' not in layer:
+    if not isinstance(layer, dict) or "memory" not in layer:
       out.append(None)
       continue
-    m = layer['memory'].astype(jnp.float32)
-    st = {'memory_mean': jnp.mean(m), 'memory_std': jnp.std(m),
-          'memory_norm': jnp.mean(jnp.sqrt(jnp.sum(m * m, axis=(-2, -1))))}  # per (batch, head)
-    if 'variance' in layer:
-      v = layer['variance'].astype(jnp.float32)
-      st.update(variance_mean=jnp.mean(v), variance_std=jnp.std(v), variance_min=jnp.min(v),
-                variance_max=jnp.max(v))
+    m = layer["memory"].astype(jnp.float32)
+    st = {
+      "memory_mean": jnp.mean(m),
+      "memory_std": jnp.std(m),
+      "memory_norm": jnp.mean(jnp.sqrt(jnp.sum(m * m, axis=(-2, -1)))),
+    }  # per (batch, head)
+    if "variance" in layer:
+      v = layer["variance"].astype(jnp.float32)
+      st.update(
+        variance_mean=jnp.mean(v),
+        variance_std=jnp.std(v),
+        variance_min=jnp.min(v),
+        variance_max=jnp.max(v),
+      )
     out.append(st)
   return out
 

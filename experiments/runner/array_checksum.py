@@ -11,6 +11,7 @@ mod 2^32 are exact in any order, so every sharding and device count gives the sa
 one flipped bit changes the first sum by +-2^b, never 0 mod 2^32; the weighted sum catches
 swapped words.
 """
+
 from __future__ import annotations
 
 import functools
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ALGORITHM = 'sum32x2-v1'
+ALGORITHM = "sum32x2-v1"
 
 
 def _words(x):
@@ -50,8 +51,14 @@ def checksums(flat: dict) -> dict:
   """{key: [sum, weighted sum]} (Python ints) of a flat dict of arrays (numpy or jax, any sharding)."""
   if not flat:
     return {}
-  mesh = next((v.sharding.mesh for v in flat.values()
-               if isinstance(getattr(v, 'sharding', None), jax.sharding.NamedSharding)), None)
+  mesh = next(
+    (
+      v.sharding.mesh
+      for v in flat.values()
+      if isinstance(getattr(v, "sharding", None), jax.sharding.NamedSharding)
+    ),
+    None,
+  )
   # replicated results: every process of a multi-host run can read them
   out = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   sums = jax.device_get(_jitted(out)(flat))

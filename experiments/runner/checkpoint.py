@@ -5,6 +5,7 @@ The record carries a checksum of every array (array_checksum.py), verified after
 whose arrays fail it is set aside like an unreadable one. A save that cannot be written (a full disk) raises
 CheckpointSaveError with one line; orbax's own error logs of that save are held back, and the incomplete
 step is never listed, so the workdir resumes from its last complete checkpoint."""
+
 from __future__ import annotations
 
 import contextlib
@@ -27,11 +28,12 @@ from experiments.runner import array_checksum
 def _is_abandoned_read(unraisable) -> bool:
   """A read callback scheduled on orbax's closed loop, or one of orbax's read coroutines closed
   unfinished by the garbage collector."""
-  if (isinstance(unraisable.exc_value, RuntimeError)
-      and 'Event loop is closed' in str(unraisable.exc_value)):
+  if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(
+    unraisable.exc_value
+  ):
     return True
-  code = getattr(unraisable.object, 'cr_code', None)
-  return code is not None and f'{os.sep}orbax{os.sep}' in code.co_filename
+  code = getattr(unraisable.object, "cr_code", None)
+  return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
 
 
 @contextlib.contextmanager
@@ -65,7 +67,7 @@ def _abandoned_reads_dropped(settle_s: float = 0.3, max_wait_s: float = 3.0, kee
     yield failed
   finally:
     try:
-      if failed and keep is None:   # (a kept hook keeps counting; close waits for stragglers)
+      if failed and keep is None:  # (a kept hook keeps counting; close waits for stragglers)
         start = time.monotonic()
         gc.collect()
         while time.monotonic() - start < max_wait_s:
@@ -84,8 +86,11 @@ def _abandoned_reads_dropped(settle_s: float = 0.3, max_wait_s: float = 3.0, kee
 def _log_dropped(dropped, failed):
   if dropped:
     # (a restore's hook also counts stragglers of an earlier failed one whose hook is kept)
-    logging.info('checkpoint: dropped %d abandoned reads during a %s restore', len(dropped),
-                 'failed' if failed else 'successful')
+    logging.info(
+      "checkpoint: dropped %d abandoned reads during a %s restore",
+      len(dropped),
+      "failed" if failed else "successful",
+    )
 
 
 def _release_hooks(kept, settle_s: float = 1.0, max_wait_s: float = 5.0):
@@ -109,7 +114,7 @@ def _release_hooks(kept, settle_s: float = 1.0, max_wait_s: float = 5.0):
 
 
 def _key_str(k) -> str:
-  for attr in ('key', 'name', 'idx'):
+  for attr in ("key", "name", "idx"):
     if hasattr(k, attr):
       return str(getattr(k, attr))
   return str(k)
@@ -118,13 +123,14 @@ def _key_str(k) -> str:
 def flatten(tree) -> dict:
   """{'a|b|0': leaf} for every array leaf (None subtrees vanish)."""
   leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return {'|'.join(_key_str(k) for k in path): leaf for path, leaf in leaves}
+  return {"|".join(_key_str(k) for k in path): leaf for path, leaf in leaves}
 
 
 def unflatten(template, flat: dict):
   leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
   return jax.tree_util.tree_unflatten(
-      treedef, [flat['|'.join(_key_str(k) for k in path)] for path, _ in leaves])
+    treedef, [flat["|".join(_key_str(k) for k in path)] for path, _ in leaves]
+  )
 
 
 def find_checkpoint(source: str) -> tuple[str, int]:
@@ -132,26 +138,26 @@ def find_checkpoint(source: str) -> tuple[str, int]:
   ``checkpoints`` directory, or one step directory ``.../checkpoints/<step>``."""
   source = os.path.abspath(source)
   if not os.path.isdir(source):
-    raise FileNotFoundError(f'no such directory: {source!r}')
-  base = os.path.basename(source.rstrip('/'))
-  if base.isdigit() and os.path.isdir(os.path.join(source, 'state')):
+    raise FileNotFoundError(f"no such directory: {source!r}")
+  base = os.path.basename(source.rstrip("/"))
+  if base.isdigit() and os.path.isdir(os.path.join(source, "state")):
     return os.path.dirname(source), int(base)
-  root = os.path.join(source, 'checkpoints')
+  root = os.path.join(source, "checkpoints")
   root = root if os.path.isdir(root) else source
   steps = ocp.utils.checkpoint_steps(root) if os.path.isdir(root) else []
   if not steps:
-    raise FileNotFoundError(f'no checkpoint in {source!r} (expected <workdir>/checkpoints/<step>)')
+    raise FileNotFoundError(f"no checkpoint in {source!r} (expected <workdir>/checkpoints/<step>)")
   return root, max(steps)
 
 
 class _DropMissingMetadata(logging.Filter):
   def filter(self, record):
-    return 'Metadata file does not exist' not in record.getMessage()
+    return "Metadata file does not exist" not in record.getMessage()
 
 
 @contextlib.contextmanager
 def _quiet_missing_metadata():
-  log, filt = logging.getLogger('absl'), _DropMissingMetadata()
+  log, filt = logging.getLogger("absl"), _DropMissingMetadata()
   log.addFilter(filt)
   try:
     yield
@@ -161,22 +167,28 @@ def _quiet_missing_metadata():
 
 def _saved_shapes(state_dir: str) -> dict:
   """{flat key: shape} of a saved train state, read from its metadata only (no arrays)."""
-  with _quiet_missing_metadata():  # the step-level metadata file lives one level up: a harmless warning
+  with (
+    _quiet_missing_metadata()
+  ):  # the step-level metadata file lives one level up: a harmless warning
     meta = ocp.PyTreeCheckpointer().metadata(state_dir)
-  meta = getattr(meta, 'item_metadata', meta)
-  meta = getattr(meta, 'tree', meta)
-  return {k: tuple(getattr(v, 'shape', ())) for k, v in dict(meta).items()}
+  meta = getattr(meta, "item_metadata", meta)
+  meta = getattr(meta, "tree", meta)
+  return {k: tuple(getattr(v, "shape", ())) for k, v in dict(meta).items()}
 
 
 def _misfit(have: dict, want: dict) -> str:
   """'' when every wanted array is saved with its shape, else a short list of the differences."""
   missing = [k for k in want if k not in have]
-  wrong = [f'{k}: checkpoint {have[k]}, model {tuple(v.shape)}' for k, v in want.items()
-           if k in have and have[k] != tuple(v.shape)]
+  wrong = [
+    f"{k}: checkpoint {have[k]}, model {tuple(v.shape)}"
+    for k, v in want.items()
+    if k in have and have[k] != tuple(v.shape)
+  ]
   if not missing and not wrong:
-    return ''
-  return (f'{len(missing)} arrays missing, {len(wrong)} of another shape: '
-          + '; '.join([f'missing {k}' for k in missing[:5]] + wrong[:5]))
+    return ""
+  return f"{len(missing)} arrays missing, {len(wrong)} of another shape: " + "; ".join(
+    [f"missing {k}" for k in missing[:5]] + wrong[:5]
+  )
 
 
 class CheckpointMismatchError(ValueError):
@@ -194,19 +206,23 @@ class CheckpointSaveError(RuntimeError):
 def verify(record: dict, flat: dict, where: str):
   """Raises CheckpointCorruptError when an array of ``flat`` fails the checksum in ``record`` (a record
   without checksums, from before they were kept, is not checked)."""
-  saved = record.get('checksums') if isinstance(record, dict) else None
+  saved = record.get("checksums") if isinstance(record, dict) else None
   if not saved:
     return
   bad = array_checksum.mismatches(saved, flat)
   if bad:
-    raise CheckpointCorruptError(f'{where}: {len(bad)} array(s) differ from their saved checksum '
-                                 f'({", ".join(bad[:3])}{", ..." if len(bad) > 3 else ""})')
+    raise CheckpointCorruptError(
+      f"{where}: {len(bad)} array(s) differ from their saved checksum "
+      f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})"
+    )
 
 
 def read_record(step_dir: str) -> dict:
   """The JSON record of one checkpoint step directory, read without a CheckpointManager (which would clean
   up the in-flight save of a run training in that directory)."""
-  return dict(ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(os.path.join(step_dir, 'record')))
+  return dict(
+    ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(os.path.join(step_dir, "record"))
+  )
 
 
 def restore_params(source: str, abstract_params) -> tuple[object, int]:
@@ -216,25 +232,31 @@ def restore_params(source: str, abstract_params) -> tuple[object, int]:
   Raises ValueError naming the first parameters that are missing or differ in shape, before reading
   any array."""
   root, step = find_checkpoint(source)
-  state_dir = os.path.join(root, str(step), 'state')
-  want = {f'params|{k}': v for k, v in flatten(abstract_params).items()}
+  state_dir = os.path.join(root, str(step), "state")
+  want = {f"params|{k}": v for k, v in flatten(abstract_params).items()}
   try:
     have = _saved_shapes(state_dir)
   except Exception as e:  # pylint: disable=broad-except  (missing or damaged metadata)
-    raise ValueError(f'checkpoint {root}/{step} is unreadable ({type(e).__name__}: '
-                     f'{(str(e).strip().splitlines() or [""])[0][:200]})') from None
+    raise ValueError(
+      f"checkpoint {root}/{step} is unreadable ({type(e).__name__}: "
+      f"{(str(e).strip().splitlines() or [''])[0][:200]})"
+    ) from None
   problems = _misfit(have, want)
   if problems:
-    raise ValueError(f'checkpoint {root}/{step} does not fit this model ({problems})')
-  restore_args = jax.tree.map(lambda v: ocp.ArrayRestoreArgs(sharding=v.sharding, dtype=v.dtype), want)
-  out = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
-      item=want, restore_args=restore_args, partial_restore=True))
+    raise ValueError(f"checkpoint {root}/{step} does not fit this model ({problems})")
+  restore_args = jax.tree.map(
+    lambda v: ocp.ArrayRestoreArgs(sharding=v.sharding, dtype=v.dtype), want
+  )
+  out = ocp.PyTreeCheckpointer().restore(
+    state_dir,
+    args=ocp.args.PyTreeRestore(item=want, restore_args=restore_args, partial_restore=True),
+  )
   try:
     record = read_record(os.path.join(root, str(step)))
   except Exception:  # pylint: disable=broad-except  (no readable record: nothing to verify against)
     record = {}
-  verify(record, out, f'checkpoint {root}/{step}')
-  flat = {k[len('params|'):]: v for k, v in out.items()}
+  verify(record, out, f"checkpoint {root}/{step}")
+  flat = {k[len("params|") :]: v for k, v in out.items()}
   return unflatten(abstract_params, flat), step
 
 
@@ -242,7 +264,7 @@ def _os_cause(text: str) -> str:
   """'No space left on device' from an error text carrying an errno (tensorstore's os_error_code=...,
   Python's [Errno N]), else ''."""
   m = re.search(r"os_error_code='?(\d+)|\[Errno (\d+)\]", text)
-  return os.strerror(int(m[1] or m[2])) if m else ''
+  return os.strerror(int(m[1] or m[2])) if m else ""
 
 
 class _HeldBackSaveErrors(logging.Filter):
@@ -254,7 +276,7 @@ class _HeldBackSaveErrors(logging.Filter):
     self.held = []
 
   def filter(self, record):
-    if record.levelno >= logging.ERROR and f'{os.sep}orbax{os.sep}' in (record.pathname or ''):
+    if record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in (record.pathname or ""):
       self.held.append(record.getMessage())
       return False
     return True
@@ -264,31 +286,37 @@ def _abandoned_writes_hook(previous, dropped):
   """sys.unraisablehook that counts, instead of printing, what tensorstore's threads leave when a failed
   save's asyncio loop has closed under them (as _abandoned_reads_dropped does for a failed restore), and
   passes everything else on."""
+
   def hook(unraisable):
     if _is_abandoned_read(unraisable):
       dropped.append(time.monotonic())
     else:
       previous(unraisable)
+
   return hook
 
 
 class Checkpointer:
-
   def __init__(self, directory: str, keep: int = 3, async_save: bool = True):
     self.directory = os.path.abspath(directory)
     # cleanup_tmp_directories: a save that failed (disk full) or was killed leaves <step>.orbax-checkpoint-tmp,
     # which a later save of the same step would trip over
-    opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                        create=True, cleanup_tmp_directories=True)
-    self.manager = ocp.CheckpointManager(self.directory, options=opts,
-                                         item_names=('state', 'data', 'record'))
-    self._read_hooks = []   # hooks of failed restores, in place until close (_abandoned_reads_dropped)
+    opts = ocp.CheckpointManagerOptions(
+      max_to_keep=keep,
+      enable_async_checkpointing=async_save,
+      create=True,
+      cleanup_tmp_directories=True,
+    )
+    self.manager = ocp.CheckpointManager(
+      self.directory, options=opts, item_names=("state", "data", "record")
+    )
+    self._read_hooks = []  # hooks of failed restores, in place until close (_abandoned_reads_dropped)
     self._held = _HeldBackSaveErrors()
-    logging.getLogger('absl').addFilter(self._held)
+    logging.getLogger("absl").addFilter(self._held)
     self._abandoned, self._previous_hook = [], sys.unraisablehook
     self._hook = sys.unraisablehook = _abandoned_writes_hook(sys.unraisablehook, self._abandoned)
-    self._saving_step = None   # the step of the last save started (for the failure message)
-    self.failed = None         # the CheckpointSaveError once a save has failed
+    self._saving_step = None  # the step of the last save started (for the failure message)
+    self.failed = None  # the CheckpointSaveError once a save has failed
 
   def latest_step(self):
     return self.manager.latest_step()
@@ -299,12 +327,14 @@ class Checkpointer:
     It leaves ``directory`` (orbax would keep listing it as the latest step, and a later save of the same
     step would be skipped or refused) for ``<directory>.unreadable/<step>[.<time>]``, where it can be
     inspected or deleted by hand. Only process 0 moves files; every process then re-reads the step list."""
-    dest = os.path.join(f'{self.directory}.unreadable', str(step))
+    dest = os.path.join(f"{self.directory}.unreadable", str(step))
     if os.path.exists(dest):
-      dest = f'{dest}.{int(time.time())}'
-    first_line = (str(error).strip().splitlines() or [''])[0][:200]
-    msg = (f'Checkpoint step {step} in {self.directory} is unreadable ({type(error).__name__}: {first_line}); '
-           f'moved it to {dest} and falling back to the previous checkpoint')
+      dest = f"{dest}.{int(time.time())}"
+    first_line = (str(error).strip().splitlines() or [""])[0][:200]
+    msg = (
+      f"Checkpoint step {step} in {self.directory} is unreadable ({type(error).__name__}: {first_line}); "
+      f"moved it to {dest} and falling back to the previous checkpoint"
+    )
     if jax.process_index() == 0:
       os.makedirs(os.path.dirname(dest), exist_ok=True)
       shutil.move(os.path.join(self.directory, str(step)), dest)
@@ -313,7 +343,8 @@ class Checkpointer:
       logging.warning(msg)
     if jax.process_count() > 1:  # the others must not list the step before process 0 has moved it
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-      multihost_utils.sync_global_devices(f'kdn_set_aside_{step}')
+
+      multihost_utils.sync_global_devices(f"kdn_set_aside_{step}")
     self.manager.reload()
 
   def latest_record(self):
@@ -338,14 +369,15 @@ class Checkpointer:
     steps = sorted(self.manager.all_steps(), reverse=True)
     for step in steps:
       try:
-        problems = _misfit(_saved_shapes(os.path.join(self.directory, str(step), 'state')), want)
+        problems = _misfit(_saved_shapes(os.path.join(self.directory, str(step), "state")), want)
       except Exception as e:  # pylint: disable=broad-except  (unreadable metadata: damaged)
         self._set_aside(step, e)
         continue
       if problems:  # a changed model or config, not damage: stop rather than set good files aside
         raise CheckpointMismatchError(
-            f'{self.directory}/{step} was saved by another model or config ({problems}); resume with the '
-            'config it was trained with, or start a new --workdir (--config.train.init_from copies parameters)')
+          f"{self.directory}/{step} was saved by another model or config ({problems}); resume with the "
+          "config it was trained with, or start a new --workdir (--config.train.init_from copies parameters)"
+        )
       with _abandoned_reads_dropped(keep=self._read_hooks) as failed:
         try:
           state, record = self.restore(step, abstract_state, data_iter)
@@ -361,24 +393,29 @@ class Checkpointer:
     step 0 silently."""
     if steps:
       raise RuntimeError(
-          f'none of the checkpoints {sorted(steps)} in {self.directory} restores; they were moved to '
-          f'{self.directory}.unreadable/ (messages above). If the config changed, move them back and resume '
-          'with the config they were saved with; otherwise delete them to start over')
+        f"none of the checkpoints {sorted(steps)} in {self.directory} restores; they were moved to "
+        f"{self.directory}.unreadable/ (messages above). If the config changed, move them back and resume "
+        "with the config they were saved with; otherwise delete them to start over"
+      )
 
   def save(self, step: int, state, data_iter, record: dict, force: bool = False):
     """Saves (asynchronously unless configured otherwise) with the arrays' checksums in the record; a failed
     save, this one or the previous asynchronous one, raises CheckpointSaveError."""
     self.wait()  # the previous save (orbax waits for it anyway): its failure is named with its step
     flat = flatten(state)
-    record = dict(record, checksums=array_checksum.checksums(flat), checksum=array_checksum.ALGORITHM)
-    args = ocp.args.Composite(state=ocp.args.StandardSave(flat),
-                              data=grain.checkpoint.CheckpointSave(data_iter),
-                              record=ocp.args.JsonSave(record))
+    record = dict(
+      record, checksums=array_checksum.checksums(flat), checksum=array_checksum.ALGORITHM
+    )
+    args = ocp.args.Composite(
+      state=ocp.args.StandardSave(flat),
+      data=grain.checkpoint.CheckpointSave(data_iter),
+      record=ocp.args.JsonSave(record),
+    )
     self._saving_step = step
     with self._save_errors():
       saved = self.manager.save(step, args=args, force=force)
     if saved:
-      logging.info('checkpoint: saving step %d to %s', step, self.directory)
+      logging.info("checkpoint: saving step %d to %s", step, self.directory)
     return saved
 
   @contextlib.contextmanager
@@ -391,17 +428,27 @@ class Checkpointer:
       raise self.failed from None
 
   def _save_error(self, e: Exception) -> CheckpointSaveError:
-    text = ' '.join([str(e)] + self._held.held)
-    cause = _os_cause(text) or (e.strerror if isinstance(e, OSError) and e.strerror else '')
+    text = " ".join([str(e)] + self._held.held)
+    cause = _os_cause(text) or (e.strerror if isinstance(e, OSError) and e.strerror else "")
     cause = cause or (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-    done = [s for s in ocp.utils.checkpoint_steps(self.directory) if s != self._saving_step] if os.path.isdir(
-        self.directory) else []
-    last = f'its last complete checkpoint is step {max(done)}' if done else 'it holds no complete checkpoint'
-    disk = any(code in text for code in (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT),
-                                          os.strerror(errno.EFBIG)))
+    done = (
+      [s for s in ocp.utils.checkpoint_steps(self.directory) if s != self._saving_step]
+      if os.path.isdir(self.directory)
+      else []
+    )
+    last = (
+      f"its last complete checkpoint is step {max(done)}"
+      if done
+      else "it holds no complete checkpoint"
+    )
+    disk = any(
+      code in text
+      for code in (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT), os.strerror(errno.EFBIG))
+    )
     return CheckpointSaveError(
-        f'saving step {self._saving_step} to {self.directory} failed: {cause}; training stopped and {last}: '
-        f'{"free disk space, then " if disk else ""}rerun the same command to resume')
+      f"saving step {self._saving_step} to {self.directory} failed: {cause}; training stopped and {last}: "
+      f"{'free disk space, then ' if disk else ''}rerun the same command to resume"
+    )
 
   def check(self):
     """Raises CheckpointSaveError when an asynchronous save has failed (cheap: call it at log points).
@@ -416,16 +463,22 @@ class Checkpointer:
     """Restores into ``abstract_state`` (ShapeDtypeStructs with shardings) and ``data_iter`` in place; arrays
     that fail their saved checksum raise CheckpointCorruptError."""
     abstract_flat = flatten(abstract_state)
-    out = self.manager.restore(step, args=ocp.args.Composite(
+    out = self.manager.restore(
+      step,
+      args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_flat),
         data=grain.checkpoint.CheckpointRestore(data_iter),
-        record=ocp.args.JsonRestore()))
-    verify(dict(out['record']), out['state'], f'{self.directory}/{step}')
-    return unflatten(abstract_state, out['state']), out['record']
+        record=ocp.args.JsonRestore(),
+      ),
+    )
+    verify(dict(out["record"]), out["state"], f"{self.directory}/{step}")
+    return unflatten(abstract_state, out["state"]), out["record"]
 
   def record(self, step: int) -> dict:
     """The JSON record saved with ``step`` (reads nothing else)."""
-    return dict(self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))['record'])
+    return dict(
+      self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
+    )
 
   def wait(self):
     if self.failed is not None:  # (orbax would raise the same failure again)
@@ -440,10 +493,14 @@ class Checkpointer:
       if self.failed is None:
         self.manager.close()
       _release_hooks(self._read_hooks)
-      logging.getLogger('absl').removeFilter(self._held)
+      logging.getLogger("absl").removeFilter(self._held)
       if sys.unraisablehook is self._hook:
         sys.unraisablehook = self._previous_hook
       if self._abandoned:
-        logging.info('checkpoint: dropped %d abandoned writes of a failed save', len(self._abandoned))
+        logging.info(
+          "checkpoint: dropped %d abandoned writes of a failed save", len(self._abandoned)
+        )
       if self._held.held and self.failed is None:  # held back, yet no save failed: say so
-        logging.warning('checkpoint: orbax reported an error: %s', self._held.held[0].splitlines()[0][:300])
+        logging.warning(
+          "checkpoint: orbax reported an error: %s", self._held.held[0].splitlines()[0][:300]
+        )

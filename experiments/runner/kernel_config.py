@@ -4,6 +4,7 @@ The benchmarks' --sweep / --gain_sweep / --delta_rule_config / --gain_config / -
 take them, and a run config's config.kernels.delta_rule / .gain / .conv (applied by the Trainer
 and by evaluate before anything is traced). Every option is exact and changes speed only, but
 DeltaRuleConfig.bf16_write, which also rounds the KDN gain kappa to bf16 for bf16 data."""
+
 from __future__ import annotations
 
 import contextlib
@@ -33,22 +34,30 @@ def config_from_spec(base, spec, what="--sweep item"):
     except ValueError:
       raise ValueError(f"{what} {item!r}: expected an integer") from None
   try:
-    return dataclasses.replace(base, **kw)   # (the dataclass checks the values)
+    return dataclasses.replace(base, **kw)  # (the dataclass checks the values)
   except ValueError as e:
     raise ValueError(f"{what} in {spec!r}: {e}") from None
 
 
 # The kernel families: config.kernels key, config class, its module (DEFAULT lives there).
-FAMILIES = (("delta_rule", "DeltaRuleConfig", "pallas_kernels.delta_rule.config"),
-            ("gain", "GainConfig", "pallas_kernels.kdn_gain.config"),
-            ("conv", "ConvConfig", "pallas_kernels.causal_conv1d.config"))
+FAMILIES = (
+  ("delta_rule", "DeltaRuleConfig", "pallas_kernels.delta_rule.config"),
+  ("gain", "GainConfig", "pallas_kernels.kdn_gain.config"),
+  ("conv", "ConvConfig", "pallas_kernels.causal_conv1d.config"),
+)
 
 
 # Fields that run configs of earlier versions may name and that no longer exist (speed-only
 # options removed after they lost on the GPU): dropped from config.kernels specs with a warning,
 # so those runs still resume and evaluate. (Benchmark flags refuse them like any unknown field.)
-REMOVED = {"delta_rule": ("cumsum_in_gain", "prefetch_output_rows", "output_after_update",
-                          "state_step_chunks")}
+REMOVED = {
+  "delta_rule": (
+    "cumsum_in_gain",
+    "prefetch_output_rows",
+    "output_after_update",
+    "state_step_chunks",
+  )
+}
 
 
 def _modules():
@@ -61,8 +70,12 @@ def _without_removed(key, spec, what):
   items = spec.split("/")
   kept = [item for item in items if item.partition("=")[0] not in REMOVED.get(key, ())]
   if len(kept) < len(items):
-    logging.warning("%s.%s: %s no longer exist (removed speed-only options); ignored", what, key,
-                    sorted(set(items) - set(kept)))
+    logging.warning(
+      "%s.%s: %s no longer exist (removed speed-only options); ignored",
+      what,
+      key,
+      sorted(set(items) - set(kept)),
+    )
   return "/".join(kept)
 
 
@@ -74,8 +87,10 @@ def resolve(specs, what="config.kernels"):
   if not any(specs.values()):
     return None
   mods = _modules()
-  return {key: config_from_spec(getattr(mods[key], cls)(), specs[key], f"{what}.{key} item")
-          for key, cls, _ in FAMILIES}
+  return {
+    key: config_from_spec(getattr(mods[key], cls)(), specs[key], f"{what}.{key} item")
+    for key, cls, _ in FAMILIES
+  }
 
 
 def apply(config):
@@ -117,10 +132,16 @@ def define_flags(flag_values):
   """--delta_rule_config, --gain_config, --conv_config on `flag_values`: overrides of the
   kernels' package defaults for the whole process (apply_flags sets them)."""
   from absl import flags  # pylint: disable=g-import-not-at-top
+
   for key, cls, _ in FAMILIES:
-    flags.DEFINE_string(f"{key}_config", "", f"{cls} overrides for the Pallas kernels, "
-                        "'field=value/field=value' (benchmark_mixers' --sweep syntax); '' = the "
-                        "default", flag_values=flag_values)
+    flags.DEFINE_string(
+      f"{key}_config",
+      "",
+      f"{cls} overrides for the Pallas kernels, "
+      "'field=value/field=value' (benchmark_mixers' --sweep syntax); '' = the "
+      "default",
+      flag_values=flag_values,
+    )
 
 
 def current():
@@ -133,8 +154,12 @@ def apply_flags(flag_values):
   is parsed (a ValueError naming the flag and item) before any default changes. Returns
   current()."""
   mods = _modules()
-  new = {key: config_from_spec(mod.DEFAULT, getattr(flag_values, f"{key}_config"),
-                               f"--{key}_config item") for key, mod in mods.items()}
+  new = {
+    key: config_from_spec(
+      mod.DEFAULT, getattr(flag_values, f"{key}_config"), f"--{key}_config item"
+    )
+    for key, mod in mods.items()
+  }
   for key, mod in mods.items():
     mod.DEFAULT = new[key]
   return current()

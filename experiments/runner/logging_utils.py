@@ -1,4 +1,5 @@
 """Progress lines, JSONL + TensorBoard metrics, the end-of-run summary JSON and a PNG loss curve."""
+
 from __future__ import annotations
 
 import json
@@ -11,43 +12,53 @@ def fmt_time(seconds: float) -> str:
   seconds = int(max(seconds, 0))
   h, rem = divmod(seconds, 3600)
   m, s = divmod(rem, 60)
-  return f'{h}h{m:02d}m{s:02d}s' if h else (f'{m}m{s:02d}s' if m else f'{s}s')
+  return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
 class MetricWriter:
   """Writes metrics.jsonl and TensorBoard events under ``workdir`` (process 0 only)."""
 
-  def __init__(self, workdir: str, tensorboard: bool = True, active: bool = True,
-               resume_step: int | None = None):
+  def __init__(
+    self,
+    workdir: str,
+    tensorboard: bool = True,
+    active: bool = True,
+    resume_step: int | None = None,
+  ):
     """``resume_step``: the step training (re)starts from; rows and events after it are dropped first."""
     self.workdir, self.active = workdir, active
     self.tb = None
     if not active:
       return
     os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, 'metrics.jsonl')
+    path = os.path.join(workdir, "metrics.jsonl")
     if resume_step is not None:
       truncate_metrics(path, resume_step)
-    self.jsonl = open(path, 'a', encoding='utf-8')
+    self.jsonl = open(path, "a", encoding="utf-8")
     if tensorboard:
       try:
         from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+
         # purge_step: TensorBoard hides this directory's older events at steps >= it
         purge = None if resume_step is None else resume_step + 1
-        self.tb = SummaryWriter(os.path.join(workdir, 'tb'), purge_step=purge)
+        self.tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=purge)
       except ImportError:
-        logging.warning('tensorboardX not installed: no TensorBoard event files')
+        logging.warning("tensorboardX not installed: no TensorBoard event files")
 
   def write(self, step: int, split: str, metrics: dict):
     if not self.active:
       return
-    rec = {'step': int(step), 'split': split, 'time': time.time(),
-           **{k: float(v) for k, v in metrics.items()}}
-    self.jsonl.write(json.dumps(rec) + '\n')
+    rec = {
+      "step": int(step),
+      "split": split,
+      "time": time.time(),
+      **{k: float(v) for k, v in metrics.items()},
+    }
+    self.jsonl.write(json.dumps(rec) + "\n")
     self.jsonl.flush()
     if self.tb is not None:
       for k, v in metrics.items():
-        self.tb.add_scalar(f'{split}/{k}', float(v), int(step))
+        self.tb.add_scalar(f"{split}/{k}", float(v), int(step))
 
   def close(self):
     if not self.active:
@@ -62,7 +73,7 @@ def truncate_metrics(path: str, last_step: int) -> int:
   atomically; returns how many rows were dropped."""
   if not os.path.exists(path):
     return 0
-  with open(path, encoding='utf-8') as f:
+  with open(path, encoding="utf-8") as f:
     lines = [line for line in f if line.strip()]
   keep = []
   for line in lines:
@@ -70,67 +81,72 @@ def truncate_metrics(path: str, last_step: int) -> int:
       rec = json.loads(line)
     except json.JSONDecodeError:
       continue
-    if int(rec.get('step', 0)) <= last_step:
-      keep.append(line if line.endswith('\n') else line + '\n')
-  if len(keep) == len(lines) and (not lines or lines[-1].endswith('\n')):
+    if int(rec.get("step", 0)) <= last_step:
+      keep.append(line if line.endswith("\n") else line + "\n")
+  if len(keep) == len(lines) and (not lines or lines[-1].endswith("\n")):
     return 0
-  tmp = f'{path}.tmp'
-  with open(tmp, 'w', encoding='utf-8') as f:
+  tmp = f"{path}.tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
     f.writelines(keep)
   os.replace(tmp, path)
   return len(lines) - len(keep)
 
 
 def read_metrics(workdir: str, split: str | None = None) -> list[dict]:
-  path = os.path.join(workdir, 'metrics.jsonl')
+  path = os.path.join(workdir, "metrics.jsonl")
   if not os.path.exists(path):
     return []
-  with open(path, encoding='utf-8') as f:
+  with open(path, encoding="utf-8") as f:
     recs = [json.loads(line) for line in f if line.strip()]
-  return [r for r in recs if split is None or r['split'] == split]
+  return [r for r in recs if split is None or r["split"] == split]
 
 
 def progress_line(step, total, metrics, tokens_per_s, eta_s) -> str:
-  extra = ' | '.join(f'{k} {v:.4g}' for k, v in metrics.items() if k in ('accuracy', 'grad_norm', 'lr'))
-  speed = '' if tokens_per_s is None else f' | {tokens_per_s / 1e3:.1f}k tok/s | ETA {fmt_time(eta_s)}'
-  return f'step {step}/{total} | loss {metrics["loss"]:.4f} | {extra}{speed}'
-
+  extra = " | ".join(
+    f"{k} {v:.4g}" for k, v in metrics.items() if k in ("accuracy", "grad_norm", "lr")
+  )
+  speed = (
+    "" if tokens_per_s is None else f" | {tokens_per_s / 1e3:.1f}k tok/s | ETA {fmt_time(eta_s)}"
+  )
+  return f"step {step}/{total} | loss {metrics['loss']:.4f} | {extra}{speed}"
 
 
 def write_json(path: str, obj) -> str:
   """Writes ``obj`` as indented JSON atomically (tmp file + rename)."""
-  tmp = f'{path}.tmp'
-  with open(tmp, 'w', encoding='utf-8') as f:
+  tmp = f"{path}.tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
     json.dump(obj, f, indent=2, sort_keys=True)
   os.replace(tmp, path)
   return path
 
 
 def write_summary(workdir: str, summary: dict):
-  write_json(os.path.join(workdir, 'summary.json'), summary)
+  write_json(os.path.join(workdir, "summary.json"), summary)
 
 
 def plot_loss(workdir: str) -> str | None:
   """Plots train (and eval) loss from metrics.jsonl to loss.png; the last run segment wins per step."""
-  train = {r['step']: r['loss'] for r in read_metrics(workdir, 'train')}
-  evals = {r['step']: r['loss'] for r in read_metrics(workdir, 'eval')}
+  train = {r["step"]: r["loss"] for r in read_metrics(workdir, "train")}
+  evals = {r["step"]: r["loss"] for r in read_metrics(workdir, "eval")}
   if not train:
     return None
   import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
+
+  matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
   fig, ax = plt.subplots(figsize=(6, 4))
   steps = sorted(train)
-  ax.plot(steps, [train[s] for s in steps], label='train')
+  ax.plot(steps, [train[s] for s in steps], label="train")
   if evals:
     es = sorted(evals)
-    ax.plot(es, [evals[s] for s in es], 'o-', label='eval')
-  ax.set_xlabel('step')
-  ax.set_ylabel('loss')
-  ax.set_yscale('log')
+    ax.plot(es, [evals[s] for s in es], "o-", label="eval")
+  ax.set_xlabel("step")
+  ax.set_ylabel("loss")
+  ax.set_yscale("log")
   ax.legend()
   ax.grid(alpha=0.3)
-  path = os.path.join(workdir, 'loss.png')
+  path = os.path.join(workdir, "loss.png")
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
@@ -151,5 +167,8 @@ class Progress:
       self.t_print = now
       rate = self.done / max(now - self.t0, 1e-9)
       eta = (self.total - self.done) / max(rate, 1e-9)
-      print(f'  {self.desc}: {self.done}/{self.total} | {fmt_time(now - self.t0)} elapsed | '
-            f'ETA {fmt_time(eta)}', flush=True)
+      print(
+        f"  {self.desc}: {self.done}/{self.total} | {fmt_time(now - self.t0)} elapsed | "
+        f"ETA {fmt_time(eta)}",
+        flush=True,
+      )

@@ -1,4 +1,5 @@
 """AdamW with linear warmup + cosine decay, global-norm clipping and a path-based weight-decay mask."""
+
 from __future__ import annotations
 
 import jax
@@ -13,26 +14,32 @@ def schedule(config, peak_lr: float | None = None) -> optax.Schedule:
   total = max(int(config.train.num_steps), 1)
   warmup = min(int(o.warmup_steps), total)
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0 if warmup else peak, peak_value=peak, warmup_steps=warmup,
-      decay_steps=max(total, warmup + 1), end_value=peak * o.min_lr_ratio)
+    init_value=0.0 if warmup else peak,
+    peak_value=peak,
+    warmup_steps=warmup,
+    decay_steps=max(total, warmup + 1),
+    end_value=peak * o.min_lr_ratio,
+  )
 
 
 def path_str(path) -> str:
   parts = []
   for k in path:
-    for attr in ('key', 'name', 'idx'):
+    for attr in ("key", "name", "idx"):
       if hasattr(k, attr):
         parts.append(str(getattr(k, attr)))
         break
     else:
       parts.append(str(k))
-  return '/'.join(parts)
+  return "/".join(parts)
 
 
 def decay_mask(params, patterns: str):
   """True where weight decay applies: parameters whose path contains none of ``patterns``."""
-  pats = [p.strip() for p in patterns.split(',') if p.strip()]
-  return jax.tree_util.tree_map_with_path(lambda path, _: not any(p in path_str(path) for p in pats), params)
+  pats = [p.strip() for p in patterns.split(",") if p.strip()]
+  return jax.tree_util.tree_map_with_path(
+    lambda path, _: not any(p in path_str(path) for p in pats), params
+  )
 
 
 def make_optimizer(config, params, peak_lr: float | None = None) -> optax.GradientTransformation:
@@ -42,6 +49,14 @@ def make_optimizer(config, params, peak_lr: float | None = None) -> optax.Gradie
   parts = []
   if o.clip_norm > 0:
     parts.append(optax.clip_by_global_norm(o.clip_norm))
-  parts.append(optax.adamw(schedule(config, peak_lr), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
-                           mask=decay_mask(params, o.no_decay)))
+  parts.append(
+    optax.adamw(
+      schedule(config, peak_lr),
+      b1=o.b1,
+      b2=o.b2,
+      eps=o.eps,
+      weight_decay=o.weight_decay,
+      mask=decay_mask(params, o.no_decay),
+    )
+  )
   return optax.chain(*parts)

@@ -1,4 +1,5 @@
 """Device mesh and shardings: parameters from their logical axis annotations, batches over data."""
+
 from __future__ import annotations
 
 import logging
@@ -6,14 +7,17 @@ import logging
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from experiments.runner import config_lib
 
-AXES = ('data', 'fsdp', 'tensor', 'context')
-BATCH_AXES = ('data', 'fsdp')  # FSDP is data parallel too: the batch is split over both.
-CONTEXT_AXIS = 'context'  # splits T of every batch array (context parallelism, kdn_jax.ops.context_parallel)
-_META_KEYS = ('out_sharding', 'sharding_names', 'sharding')
+AXES = ("data", "fsdp", "tensor", "context")
+BATCH_AXES = ("data", "fsdp")  # FSDP is data parallel too: the batch is split over both.
+CONTEXT_AXIS = (
+  "context"  # splits T of every batch array (context parallelism, kdn_jax.ops.context_parallel)
+)
+_META_KEYS = ("out_sharding", "sharding_names", "sharding")
 
 _initialized = False
 
@@ -38,7 +42,7 @@ def make_mesh(config, devices=None) -> Mesh:
 
 def logical_names(variable) -> tuple | None:
   """Logical axis names stored on an NNX variable (or its abstract copy), if any."""
-  meta = variable.get_metadata() if hasattr(variable, 'get_metadata') else {}
+  meta = variable.get_metadata() if hasattr(variable, "get_metadata") else {}
   for key in _META_KEYS:
     names = meta.get(key)
     if names is not None and not isinstance(names, (NamedSharding, P)):
@@ -54,11 +58,11 @@ def spec_for(shape, names, rules: dict, mesh: Mesh) -> P:
   if names is None:
     return P()
   if len(names) != len(shape):
-    logging.warning('sharding names %s do not match shape %s; replicating', names, shape)
+    logging.warning("sharding names %s do not match shape %s; replicating", names, shape)
     return P()
   used, out = set(), []
   for dim, name in zip(shape, names):
-    axis = rules.get(name, '') if name is not None else ''
+    axis = rules.get(name, "") if name is not None else ""
     if axis and axis not in used and mesh.shape[axis] > 1 and dim % mesh.shape[axis] == 0:
       out.append(axis)
       used.add(axis)
@@ -98,6 +102,7 @@ def context_parallel(mesh: Mesh):
   """The context under which a model is traced: its recurrent ops split T over the context axis when
   it has more than one device (a no-op context otherwise)."""
   from kdn_jax.ops import context_parallel as cp  # pylint: disable=g-import-not-at-top
+
   return cp.sequence_sharding(mesh, CONTEXT_AXIS, BATCH_AXES)
 
 
@@ -114,10 +119,14 @@ def traced_context_parallel(mesh: Mesh, fn):
 
 def leading_batch_shardings(tree, mesh: Mesh):
   """Shards every array leaf of ``tree`` (e.g. recurrent states) along its leading batch axis."""
-  return jax.tree.map(lambda x: batch_sharding(mesh, np.ndim(x)) if np.ndim(x) else replicated(mesh), tree)
+  return jax.tree.map(
+    lambda x: batch_sharding(mesh, np.ndim(x)) if np.ndim(x) else replicated(mesh), tree
+  )
 
 
 def global_batch(local_batch: dict, mesh: Mesh) -> dict:
   """Assembles per-process numpy batches ([B, T] arrays) into globally sharded jax arrays."""
-  return {k: jax.make_array_from_process_local_data(sequence_batch_sharding(mesh, v.ndim), v)
-          for k, v in local_batch.items()}
+  return {
+    k: jax.make_array_from_process_local_data(sequence_batch_sharding(mesh, v.ndim), v)
+    for k, v in local_batch.items()
+  }

@@ -4,6 +4,7 @@
 in ``workdir/checkpoints`` if there is one, trains, evaluates from the model's normal initial state, and
 writes metrics, a summary and a loss curve.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,15 +22,17 @@ import numpy as np
 import optax
 from flax import nnx
 
-from experiments.runner import checkpoint as ckpt_lib
-from experiments.runner import config_lib
-from experiments.runner import initial_states as init_lib
-from experiments.runner import kernel_config
-from experiments.runner import logging_utils
-from experiments.runner import optim
-from experiments.runner import sharding
-from experiments.runner import workdir_lock
 from experiments.data import corpus, pipeline
+from experiments.runner import checkpoint as ckpt_lib
+from experiments.runner import (
+  config_lib,
+  kernel_config,
+  logging_utils,
+  optim,
+  sharding,
+  workdir_lock,
+)
+from experiments.runner import initial_states as init_lib
 from kdn_jax.models import config as model_config_lib
 from kdn_jax.ops import dispatch
 
@@ -47,7 +50,7 @@ def _pure_from_state(state, fn):
   out = {}
   for path, var in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_var)[0]:
     node = out
-    keys = [getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k))) for k in path]
+    keys = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path]
     for k in keys[:-1]:
       node = node.setdefault(k, {})
     node[keys[-1]] = fn(var)
@@ -60,7 +63,7 @@ def cross_entropy(logits, targets, mask, z_loss=0.0):
   tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
   nll = lse - tgt
   if z_loss:
-    nll = nll + z_loss * lse ** 2
+    nll = nll + z_loss * lse**2
   correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
   return jnp.sum(nll * mask), jnp.sum(correct * mask), jnp.sum(mask)
 
@@ -74,13 +77,20 @@ def supervised_positions(mask, count: int):
 def scored_logits(model, batch, count: int, **kwargs):
   """(logits, final states, targets, mask, dropped): everywhere, or with ``count`` > 0 at the first ``count``
   scored positions of each row only (train.loss_positions); ``dropped`` = the scored entries left out."""
-  pos = supervised_positions(batch['mask'], count) if count else None
-  logits, final = model(batch['inputs'], segment_ids=batch.get('segment_ids'), read_positions=pos, **kwargs)
+  pos = supervised_positions(batch["mask"], count) if count else None
+  logits, final = model(
+    batch["inputs"], segment_ids=batch.get("segment_ids"), read_positions=pos, **kwargs
+  )
   if pos is None:
-    return logits, final, batch['targets'], batch['mask'], jnp.zeros((), jnp.float32)
-  mask = jnp.take_along_axis(batch['mask'], pos, axis=1)
-  return (logits, final, jnp.take_along_axis(batch['targets'], pos, axis=1), mask,
-          jnp.sum(batch['mask']) - jnp.sum(mask))
+    return logits, final, batch["targets"], batch["mask"], jnp.zeros((), jnp.float32)
+  mask = jnp.take_along_axis(batch["mask"], pos, axis=1)
+  return (
+    logits,
+    final,
+    jnp.take_along_axis(batch["targets"], pos, axis=1),
+    mask,
+    jnp.sum(batch["mask"]) - jnp.sum(mask),
+  )
 
 
 def _host_init(init, shardings):
@@ -92,18 +102,20 @@ def _host_init(init, shardings):
   only its shards, so this also works across hosts. Without a CPU backend it falls back to jit.
   """
   try:
-    cpu = jax.local_devices(backend='cpu')[0]  # this process's CPU (jax.devices lists all hosts')
+    cpu = jax.local_devices(backend="cpu")[0]  # this process's CPU (jax.devices lists all hosts')
   except RuntimeError:
     return jax.jit(init, out_shardings=shardings)()
   with jax.default_device(cpu):
     values = jax.device_get(init())
   return jax.tree.map(
-      lambda x, sh: jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx]), values, shardings)
+    lambda x, sh: jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx]), values, shardings
+  )
 
 
 def tracing_context():
   """(jit tracing-context values: count, their names or None, the imported module names)."""
   from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
+
   try:
     names = tuple(jax_config.trace_context_names())
   except Exception:  # pylint: disable=broad-except  (older jaxlibs cannot name them)
@@ -119,31 +131,37 @@ def context_growth(before, after):
   if after[0] == before[0]:
     return None
   names = None if before[1] is None or after[1] is None else sorted(set(after[1]) - set(before[1]))
-  mods = sorted(m for m in after[2] - before[2] if not m.startswith('experiments'))
-  return (f'jit tracing context grew during the first step ({before[0]} -> {after[0]} values; '
-          f'new: {names if names is not None else "unnamed"}; modules imported meanwhile: '
-          f'{mods[:20]}{" ..." if len(mods) > 20 else ""}): the train step will be traced and '
-          'compiled again at the next step')
+  mods = sorted(m for m in after[2] - before[2] if not m.startswith("experiments"))
+  return (
+    f"jit tracing context grew during the first step ({before[0]} -> {after[0]} values; "
+    f"new: {names if names is not None else 'unnamed'}; modules imported meanwhile: "
+    f"{mods[:20]}{' ...' if len(mods) > 20 else ''}): the train step will be traced and "
+    "compiled again at the next step"
+  )
 
 
 def check_dropped(config, dropped, where: str):
   """Raises when train.loss_positions left scored entries out (a row had more than it allows)."""
   if np.any(np.asarray(dropped) > 0):
-    raise ValueError(f'config.train.loss_positions={config.train.loss_positions}: {where} has rows with more '
-                     f'scored positions ({int(np.max(dropped))} entries left out); raise it, or 0 = every position')
+    raise ValueError(
+      f"config.train.loss_positions={config.train.loss_positions}: {where} has rows with more "
+      f"scored positions ({int(np.max(dropped))} entries left out); raise it, or 0 = every position"
+    )
 
 
 class Trainer:
-  peak_lr = None  # the optimizer's peak rate; None: config.optim.learning_rate (a sweep trains at 1)
+  peak_lr = (
+    None  # the optimizer's peak rate; None: config.optim.learning_rate (a sweep trains at 1)
+  )
 
   def __init__(self, config, workdir: str, devices=None):
     sharding.maybe_initialize_distributed(config)
     self.devices = list(jax.devices() if devices is None else devices)
     self.process_index, self.process_count = jax.process_index(), jax.process_count()
-    if config.data.kind == 'token_file':  # corpus_dir fills paths and eos_id that validation checks
+    if config.data.kind == "token_file":  # corpus_dir fills paths and eos_id that validation checks
       corpus.resolve(config)
     config_lib.validate(config, len(self.devices), self.process_count)
-    if 'mlp_matched' in config.model:  # flag overrides of the mixer keep parameters matched
+    if "mlp_matched" in config.model:  # flag overrides of the mixer keep parameters matched
       model_config_lib.resolve_mlp_hidden(config.model)
     pipeline.check_data_files(config)
     self.config, self.workdir = config, workdir
@@ -164,15 +182,18 @@ class Trainer:
       self.eval_batches = self._eval_batches()
       self.checkpointer = None
       if config.checkpoint.enabled:
-        self.checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, 'checkpoints'), config.checkpoint.keep,
-                                                  config.checkpoint.async_save)
+        self.checkpointer = ckpt_lib.Checkpointer(
+          os.path.join(workdir, "checkpoints"), config.checkpoint.keep, config.checkpoint.async_save
+        )
       self.config_json = json.loads(config.to_json_best_effort())
       self.init_from_step = None
       if self._check_resumable() is None and config.train.init_from:
         self._init_from(config.train.init_from)
       if self.is_main:
-        logging_utils.write_json(os.path.join(workdir, 'config.json'), self.config_json)
-    except BaseException:   # a failed start leaves the process's kernel defaults (and the workdir) as they were
+        logging_utils.write_json(os.path.join(workdir, "config.json"), self.config_json)
+    except (
+      BaseException
+    ):  # a failed start leaves the process's kernel defaults (and the workdir) as they were
       kernel_config.restore(self._kernel_defaults)
       workdir_lock.release(self._lock)
       raise
@@ -190,9 +211,12 @@ class Trainer:
       os.makedirs(workdir, exist_ok=True)
     if self.process_count > 1:
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
       ok = bool(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
       if not ok and error is None:
-        error = workdir_lock.WorkdirInUseError(f'{workdir} is in use by another run (process 0 found its lock)')
+        error = workdir_lock.WorkdirInUseError(
+          f"{workdir} is in use by another run (process 0 found its lock)"
+        )
     if error is not None:
       raise error
 
@@ -211,9 +235,15 @@ class Trainer:
     self.graphdef, self.abs_params, self.abs_rest = nnx.split(abs_model, nnx.Param, ...)
     rules = dict(cfg.mesh.rules)
     self.param_shardings = _pure_from_state(
-        self.abs_params, lambda v: jax.sharding.NamedSharding(
-            self.mesh, sharding.spec_for(v.get_value().shape, sharding.logical_names(v), rules, self.mesh)))
-    rest_sh = jax.tree.map(lambda _: sharding.replicated(self.mesh), nnx.to_pure_dict(self.abs_rest))
+      self.abs_params,
+      lambda v: jax.sharding.NamedSharding(
+        self.mesh,
+        sharding.spec_for(v.get_value().shape, sharding.logical_names(v), rules, self.mesh),
+      ),
+    )
+    rest_sh = jax.tree.map(
+      lambda _: sharding.replicated(self.mesh), nnx.to_pure_dict(self.abs_rest)
+    )
 
     def init(seed):
       m = make(seed)
@@ -224,8 +254,9 @@ class Trainer:
     # (params, rest) initialised from a seed (a sweep over seeds initialises one set per seed)
     self._init_for_seed = lambda seed: _host_init(functools.partial(init, seed), out_sh)
     self._init_fn = functools.partial(self._init_for_seed, cfg.seed)
-    self.num_params = sum(int(np.prod(v.get_value().shape)) for v in
-                          jax.tree.leaves(self.abs_params, is_leaf=_is_var))
+    self.num_params = sum(
+      int(np.prod(v.get_value().shape)) for v in jax.tree.leaves(self.abs_params, is_leaf=_is_var)
+    )
 
   def merge(self, params, rest=None):
     """An nnx model from pure-dict params (usable inside jit)."""
@@ -250,8 +281,9 @@ class Trainer:
     self.tx = optim.make_optimizer(cfg, params, self.peak_lr)
     abs_opt = jax.eval_shape(self.tx.init, params)
     rep = sharding.replicated(self.mesh)
-    opt_sh = optax.tree_map_params(self.tx, lambda _, s: s, abs_opt, self.param_shardings,
-                                   transform_non_params=lambda _: rep)
+    opt_sh = optax.tree_map_params(
+      self.tx, lambda _, s: s, abs_opt, self.param_shardings, transform_non_params=lambda _: rep
+    )
     opt_state = jax.jit(self.tx.init, out_shardings=opt_sh)(params)
     batch = cfg.data.global_batch_size
 
@@ -259,18 +291,30 @@ class Trainer:
     carry, carry_sh = None, None
     if self.strategy in init_lib.CARRY_STRATEGIES:
       carry_sh = sharding.leading_batch_shardings(abs_default, self.mesh)
-      carry = jax.jit(lambda p: self.merge(p, self.rest).init_states(batch), out_shardings=carry_sh)(params)
+      carry = jax.jit(
+        lambda p: self.merge(p, self.rest).init_states(batch), out_shardings=carry_sh
+      )(params)
     fstats = None
-    if self.strategy == 'fitted_noise':
+    if self.strategy == "fitted_noise":
       fstats = jax.device_put(init_lib.init_fitted_stats(abs_default), rep)
-    self.state = {'params': params, 'opt_state': opt_state,
-                  'step': jax.device_put(jnp.zeros((), jnp.int32), rep),
-                  'rng': jax.device_put(jax.random.PRNGKey(cfg.seed), rep),
-                  'carry': carry, 'carry_valid': jax.device_put(jnp.zeros((), bool), rep),
-                  'fstats': fstats}
+    self.state = {
+      "params": params,
+      "opt_state": opt_state,
+      "step": jax.device_put(jnp.zeros((), jnp.int32), rep),
+      "rng": jax.device_put(jax.random.PRNGKey(cfg.seed), rep),
+      "carry": carry,
+      "carry_valid": jax.device_put(jnp.zeros((), bool), rep),
+      "fstats": fstats,
+    }
     self.state_shardings = {
-        'params': self.param_shardings, 'opt_state': opt_sh, 'step': rep, 'rng': rep, 'carry': carry_sh,
-        'carry_valid': rep, 'fstats': None if fstats is None else jax.tree.map(lambda _: rep, fstats)}
+      "params": self.param_shardings,
+      "opt_state": opt_sh,
+      "step": rep,
+      "rng": rep,
+      "carry": carry_sh,
+      "carry_valid": rep,
+      "fstats": None if fstats is None else jax.tree.map(lambda _: rep, fstats),
+    }
 
   def _check_resumable(self):
     """The step this workdir resumes from (None: a new run). A checkpoint written under another
@@ -280,103 +324,146 @@ class Trainer:
     step, record = self.checkpointer.latest_record()  # an unreadable latest one is set aside
     if step is None:
       return None
-    self.init_from_step = record.get('init_from_step')  # a resumed post-training run keeps its origin
-    saved = record.get('initial_state', self.strategy)
+    self.init_from_step = record.get(
+      "init_from_step"
+    )  # a resumed post-training run keeps its origin
+    saved = record.get("initial_state", self.strategy)
     if saved != self.strategy:
       raise config_lib.ConfigError(
-          f'config.train.initial_state: {self.workdir} holds a run trained with initial_state={saved!r} '
-          f'(step {step}); to continue it with {self.strategy!r} start a new workdir with '
-          f'--config.train.init_from={self.workdir}')
+        f"config.train.initial_state: {self.workdir} holds a run trained with initial_state={saved!r} "
+        f"(step {step}); to continue it with {self.strategy!r} start a new workdir with "
+        f"--config.train.init_from={self.workdir}"
+      )
     return step
 
   def _init_from(self, source):
     """Post-training: parameters from another run's checkpoint; optimizer, step and RNG start fresh."""
-    abs_params = self.abstract_state()['params']
+    abs_params = self.abstract_state()["params"]
     try:
       params, step = ckpt_lib.restore_params(source, abs_params)
     except (FileNotFoundError, ValueError) as e:
-      raise config_lib.ConfigError(f'config.train.init_from: {e}') from e
-    self.state['params'] = params
+      raise config_lib.ConfigError(f"config.train.init_from: {e}") from e
+    self.state["params"] = params
     self.init_from_step = step
     if self.is_main:
-      print(f'Initialised parameters from {source} (step {step}); fresh optimizer, '
-            f'initial_state={self.strategy}', flush=True)
+      print(
+        f"Initialised parameters from {source} (step {step}); fresh optimizer, "
+        f"initial_state={self.strategy}",
+        flush=True,
+      )
 
   def abstract_state(self):
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state,
-                        self.state_shardings)
+    return jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      self.state,
+      self.state_shardings,
+    )
 
   # ---------------------------------------------------------------- steps
   def _loss_fn(self, params, rest, batch, state, key):
     cfg = self.config
     model = self.merge(params, rest)
-    b = batch['inputs'].shape[0]
+    b = batch["inputs"].shape[0]
     reset = None
-    if self.strategy == 'zero':
+    if self.strategy == "zero":
       init = None
     else:
       default = model.init_states(b)
-      tbtt_reset = batch.get('reset')
-      first = jnp.logical_not(state['carry_valid'])
+      tbtt_reset = batch.get("reset")
+      first = jnp.logical_not(state["carry_valid"])
       if self.strategy in init_lib.CARRY_STRATEGIES:
         tbtt_reset = first | (tbtt_reset if tbtt_reset is not None else jnp.zeros((b,), bool))
       init, reset = init_lib.initial_states(
-          self.strategy, default, key=key, carry=state['carry'], reset=tbtt_reset, stats=state['fstats'],
-          sigma=cfg.train.noise_std, reset_prob=cfg.train.state_reset_prob)
-    logits, final, targets, mask, dropped = scored_logits(model, batch, cfg.train.loss_positions, states=init)
+        self.strategy,
+        default,
+        key=key,
+        carry=state["carry"],
+        reset=tbtt_reset,
+        stats=state["fstats"],
+        sigma=cfg.train.noise_std,
+        reset_prob=cfg.train.state_reset_prob,
+      )
+    logits, final, targets, mask, dropped = scored_logits(
+      model, batch, cfg.train.loss_positions, states=init
+    )
     nll, correct, count = cross_entropy(logits, targets, mask, cfg.train.z_loss)
     denom = jnp.maximum(count, 1.0)
-    aux = {'final': jax.lax.stop_gradient(final), 'reset': reset,
-           'accuracy': correct / denom, 'tokens': count, 'dropped': dropped}
+    aux = {
+      "final": jax.lax.stop_gradient(final),
+      "reset": reset,
+      "accuracy": correct / denom,
+      "tokens": count,
+      "dropped": dropped,
+    }
     return nll / denom, aux
 
   def _train_step(self, state, rest, batch, lr_scale=None):
     """One optimizer step. ``lr_scale`` multiplies the update (the optimizer is linear in its peak rate, so
     a unit-rate optimizer scaled by ``lr`` is the optimizer at rate ``lr``: how a sweep vmaps rates)."""
     cfg = self.config
-    key = jax.random.fold_in(state['rng'], state['step'])
+    key = jax.random.fold_in(state["rng"], state["step"])
     (loss, aux), grads = jax.value_and_grad(self._loss_fn, has_aux=True)(
-        state['params'], rest, batch, state, key)
-    updates, opt_state = self.tx.update(grads, state['opt_state'], state['params'])
-    lr = optim.schedule(cfg, self.peak_lr)(state['step'])
+      state["params"], rest, batch, state, key
+    )
+    updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
+    lr = optim.schedule(cfg, self.peak_lr)(state["step"])
     if lr_scale is not None:
       updates = jax.tree.map(lambda u: (u * lr_scale).astype(u.dtype), updates)
       lr = lr * lr_scale
-    params = optax.apply_updates(state['params'], updates)
+    params = optax.apply_updates(state["params"], updates)
     gnorm = optax.tree.norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-    new = dict(state, params=params, opt_state=opt_state, step=state['step'] + 1)
+    new = dict(state, params=params, opt_state=opt_state, step=state["step"] + 1)
     if self.strategy in init_lib.CARRY_STRATEGIES:
-      new['carry'] = jax.tree.map(lambda f, c: f.astype(c.dtype), aux['final'], state['carry'])
-      new['carry_valid'] = jnp.ones((), bool)
-    if self.strategy == 'fitted_noise':
-      new['fstats'] = init_lib.update_fitted_stats(state['fstats'], aux['final'],
-                                                   cfg.train.fitted_noise_beta)
-    if cfg.train.nan_policy == 'skip':
-      keep_step = new['step']
+      new["carry"] = jax.tree.map(lambda f, c: f.astype(c.dtype), aux["final"], state["carry"])
+      new["carry_valid"] = jnp.ones((), bool)
+    if self.strategy == "fitted_noise":
+      new["fstats"] = init_lib.update_fitted_stats(
+        state["fstats"], aux["final"], cfg.train.fitted_noise_beta
+      )
+    if cfg.train.nan_policy == "skip":
+      keep_step = new["step"]
       new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
-      new['step'] = keep_step
-    metrics = {'loss': loss, 'accuracy': aux['accuracy'], 'grad_norm': gnorm, 'dropped_targets': aux['dropped'],
-               'lr': lr, 'finite': ok.astype(jnp.float32)}
-    if aux['reset'] is not None:
-      metrics['reset_frac'] = jnp.mean(aux['reset'].astype(jnp.float32))
-    return new, metrics, aux['reset']
+      new["step"] = keep_step
+    metrics = {
+      "loss": loss,
+      "accuracy": aux["accuracy"],
+      "grad_norm": gnorm,
+      "dropped_targets": aux["dropped"],
+      "lr": lr,
+      "finite": ok.astype(jnp.float32),
+    }
+    if aux["reset"] is not None:
+      metrics["reset_frac"] = jnp.mean(aux["reset"].astype(jnp.float32))
+    return new, metrics, aux["reset"]
 
   def _eval_step(self, params, rest, batch):
     model = self.merge(params, rest)
     # always the model's normal initial state
-    logits, _, targets, mask, dropped = scored_logits(model, batch, self.config.train.loss_positions)
+    logits, _, targets, mask, dropped = scored_logits(
+      model, batch, self.config.train.loss_positions
+    )
     return (*cross_entropy(logits, targets, mask), dropped)
 
   def _build_steps(self):
     rep = sharding.replicated(self.mesh)
     rest_sh = jax.tree.map(lambda _: rep, self.rest)
     # Traced with the recurrent ops splitting T over mesh.context (a no-op when it is 1).
-    self._train_step_jit = sharding.traced_context_parallel(self.mesh, jax.jit(
-        self._train_step, in_shardings=(self.state_shardings, rest_sh, None),
-        out_shardings=(self.state_shardings, rep, None), donate_argnums=(0,)))
-    self._eval_step_jit = sharding.traced_context_parallel(self.mesh, jax.jit(
-        self._eval_step, in_shardings=(self.param_shardings, rest_sh, None), out_shardings=rep))
+    self._train_step_jit = sharding.traced_context_parallel(
+      self.mesh,
+      jax.jit(
+        self._train_step,
+        in_shardings=(self.state_shardings, rest_sh, None),
+        out_shardings=(self.state_shardings, rep, None),
+        donate_argnums=(0,),
+      ),
+    )
+    self._eval_step_jit = sharding.traced_context_parallel(
+      self.mesh,
+      jax.jit(
+        self._eval_step, in_shardings=(self.param_shardings, rest_sh, None), out_shardings=rep
+      ),
+    )
 
   def _global_batch(self, local_batch: dict) -> dict:
     return sharding.global_batch(local_batch, self.mesh)
@@ -391,17 +478,25 @@ class Trainer:
 
   def evaluate(self) -> dict:
     """Validation loss, accuracy and perplexity over the fixed batches (a sweep: arrays over its members)."""
-    tot = sum(np.asarray(jax.device_get(self._eval_step_jit(
-        self.state['params'], self.rest, self._global_batch(b))), np.float64)
-              for b in self.eval_batches)  # (nll, correct, count, dropped)[, members]
-    check_dropped(self.config, tot[3], 'validation')
+    tot = sum(
+      np.asarray(
+        jax.device_get(self._eval_step_jit(self.state["params"], self.rest, self._global_batch(b))),
+        np.float64,
+      )
+      for b in self.eval_batches
+    )  # (nll, correct, count, dropped)[, members]
+    check_dropped(self.config, tot[3], "validation")
     loss = tot[0] / np.maximum(tot[2], 1.0)
-    out = {'loss': loss, 'accuracy': tot[1] / np.maximum(tot[2], 1.0), 'perplexity': np.exp(np.minimum(loss, 50))}
+    out = {
+      "loss": loss,
+      "accuracy": tot[1] / np.maximum(tot[2], 1.0),
+      "perplexity": np.exp(np.minimum(loss, 50)),
+    }
     return {k: float(v) if np.ndim(v) == 0 else v for k, v in out.items()}
 
   # ---------------------------------------------------------------- checkpoints
   def step(self) -> int:
-    return int(self.state['step'])
+    return int(self.state["step"])
 
   def save(self, force=False):
     if self.checkpointer is None:
@@ -409,9 +504,14 @@ class Trainer:
     step = self.step()
     if self.checkpointer.latest_step() == step:
       return
-    record = {'step': step, 'metrics': {k: np.asarray(v).tolist() for k, v in self.last_metrics.items()},
-              'initial_state': self.strategy, 'init_from': self.config.train.init_from,
-              'init_from_step': self.init_from_step, 'config': self.config_json}
+    record = {
+      "step": step,
+      "metrics": {k: np.asarray(v).tolist() for k, v in self.last_metrics.items()},
+      "initial_state": self.strategy,
+      "init_from": self.config.train.init_from,
+      "init_from_step": self.init_from_step,
+      "config": self.config_json,
+    }
     self.checkpointer.save(step, self.state, self.data_iter, record, force=force)
 
   def maybe_restore(self) -> bool:
@@ -421,14 +521,14 @@ class Trainer:
     if found is None:
       return False
     step, self.state, _ = found
-    logging.info('restored checkpoint at step %d', step)
+    logging.info("restored checkpoint at step %d", step)
     if self.is_main:
-      print(f'Resumed from checkpoint at step {step}', flush=True)
+      print(f"Resumed from checkpoint at step {step}", flush=True)
     return True
 
   # ---------------------------------------------------------------- loop
   def _on_sigterm(self, signum, frame):  # pylint: disable=unused-argument
-    logging.warning('SIGTERM received: saving a checkpoint and exiting')
+    logging.warning("SIGTERM received: saving a checkpoint and exiting")
     self._stop_requested = True
 
   def _check_finite(self, pending):
@@ -440,9 +540,10 @@ class Trainer:
     if bad:
       last = self.checkpointer.latest_step() if self.checkpointer else None
       raise NonFiniteLossError(
-          f'non-finite loss/gradients at step {bad[0]}; halting without saving. '
-          f'Last good checkpoint: step {last} in {self.workdir}/checkpoints. '
-          'Set --config.train.nan_policy=skip to skip such steps instead.')
+        f"non-finite loss/gradients at step {bad[0]}; halting without saving. "
+        f"Last good checkpoint: step {last} in {self.workdir}/checkpoints. "
+        "Set --config.train.nan_policy=skip to skip such steps instead."
+      )
 
   def run(self, stop_at: int | None = None) -> dict:
     """Trains to ``train.num_steps`` (or stops early at ``stop_at`` like a preemption, saving first)."""
@@ -464,39 +565,45 @@ class Trainer:
     sync_preemption = _preemption_service() is not None
     if threading.current_thread() is threading.main_thread() and not sync_preemption:
       old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
-    status, t0 = 'completed', time.time()
+    status, t0 = "completed", time.time()
     t_log, step_log = t0, start_step
     eval_metrics = {}
     pending_finite, pending_dropped = [], []
-    past_first = False   # the first (compiling) step is done
-    interval_tps = []   # tokens/s of each logged interval after the first (compiling) step
+    past_first = False  # the first (compiling) step is done
+    interval_tps = []  # tokens/s of each logged interval after the first (compiling) step
     if self.is_main:
-      print(f'Training {cfg.model.get("mixer")} model ({self.num_params / 1e6:.2f}M params) on '
-            f'{cfg.data.kind}, mesh {dict(self.mesh.shape)}, initial_state={self.strategy}, '
-            f'steps {start_step}->{total}', flush=True)
+      print(
+        f"Training {cfg.model.get('mixer')} model ({self.num_params / 1e6:.2f}M params) on "
+        f"{cfg.data.kind}, mesh {dict(self.mesh.shape)}, initial_state={self.strategy}, "
+        f"steps {start_step}->{total}",
+        flush=True,
+      )
     try:
       step = start_step
       ctx_before = tracing_context()
       while step < total:
-        if (self._stop_requested or (stop_at is not None and step >= stop_at)
-            or (sync_preemption and _reached_preemption(step))):
-          status = 'preempted'
+        if (
+          self._stop_requested
+          or (stop_at is not None and step >= stop_at)
+          or (sync_preemption and _reached_preemption(step))
+        ):
+          status = "preempted"
           break
         local = next(self.data_iter)
         metrics = self.train_step(local)
         step += 1
         # Finiteness is checked on the host only at log/eval/save points: a per-step float() would
         # serialise dispatch. Halting then still happens before any checkpoint of a bad state.
-        if cfg.train.nan_policy == 'halt':
-          pending_finite.append((step, metrics['finite']))
+        if cfg.train.nan_policy == "halt":
+          pending_finite.append((step, metrics["finite"]))
         if cfg.train.loss_positions:  # checked with the finiteness flags, without a per-step sync
-          pending_dropped.append((step, metrics['dropped_targets']))
+          pending_dropped.append((step, metrics["dropped_targets"]))
         at_save = bool(cfg.checkpoint.every_steps) and step % cfg.checkpoint.every_steps == 0
         at_eval = bool(cfg.train.eval_every) and step % cfg.train.eval_every == 0
         if step == start_step + 1:  # keep compilation out of the tokens/s of the first interval
-          jax.block_until_ready(metrics['loss'])
+          jax.block_until_ready(metrics["loss"])
           if self.is_main:
-            print(f'first step done in {time.time() - t0:.1f}s (includes compilation)', flush=True)
+            print(f"first step done in {time.time() - t0:.1f}s (includes compilation)", flush=True)
             grew = context_growth(ctx_before, tracing_context())
             if grew:
               logging.warning(grew)
@@ -509,7 +616,7 @@ class Trainer:
           pending_finite = []
           self.last_metrics = self._host_metrics(metrics)
           for s, d in pending_dropped:
-            check_dropped(cfg, jax.device_get(d), f'step {s}')
+            check_dropped(cfg, jax.device_get(d), f"step {s}")
           pending_dropped = []
         if step % cfg.train.log_every == 0 or step == total:
           now = time.time()
@@ -520,27 +627,33 @@ class Trainer:
               interval_tps.append(tps)
             eta = (total - step) * (now - t_log) / max(step - step_log, 1)
             t_log, step_log = now, step
-          writer.write(step, 'train', {**self.last_metrics,
-                                       **({} if tps is None else {'tokens_per_s': tps})})
+          writer.write(
+            step, "train", {**self.last_metrics, **({} if tps is None else {"tokens_per_s": tps})}
+          )
           if self.is_main:
             print(self._progress_line(step, total, tps, eta), flush=True)
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < total:
           eval_metrics = self.evaluate()
-          writer.write(step, 'eval', eval_metrics)
+          writer.write(step, "eval", eval_metrics)
           if self.is_main:
-            print(f'eval @ {step}: {self._describe_eval(eval_metrics)}', flush=True)
+            print(f"eval @ {step}: {self._describe_eval(eval_metrics)}", flush=True)
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < total:
           self.save()
-      if status == 'completed':
+      if status == "completed":
         eval_metrics = self.evaluate()
-        writer.write(self.step(), 'eval', eval_metrics)
+        writer.write(self.step(), "eval", eval_metrics)
         if self.is_main:
-          print(f'final eval @ {self.step()}: {self._describe_eval(eval_metrics, final=True)}', flush=True)
+          print(
+            f"final eval @ {self.step()}: {self._describe_eval(eval_metrics, final=True)}",
+            flush=True,
+          )
       self._check_finite(pending_finite)
       self.save(force=True)
-      if status == 'preempted' and self.is_main:
-        print(f'Stopped at step {self.step()} (checkpoint saved); rerun the same command to resume.',
-              flush=True)
+      if status == "preempted" and self.is_main:
+        print(
+          f"Stopped at step {self.step()} (checkpoint saved); rerun the same command to resume.",
+          flush=True,
+        )
     finally:
       try:
         if self.checkpointer is not None:
@@ -550,24 +663,34 @@ class Trainer:
         if old_handler is not None:
           signal.signal(signal.SIGTERM, old_handler)
     elapsed = time.time() - t0
-    summary = {'status': status, 'step': self.step(), 'num_steps': total, 'wall_time_s': elapsed,
-               'steps_this_run': self.step() - start_step,
-               'tokens_per_s': (self.step() - start_step) * tokens_per_step / max(elapsed, 1e-9),
-               # the median over the logged intervals after the first (compiling) step: an
-               # interval that held an eval, a checkpoint or a recompile counts as one slow
-               # interval instead of dragging a mean down (a step-2 recompile on GPUs:
-               # docs/decisions.md)
-               'steady_tokens_per_s': (float(np.median(interval_tps)) if interval_tps else None),
-               'num_params': self.num_params, 'train': self.last_metrics,
-               'eval': eval_metrics, 'initial_state': self.strategy, 'mesh': dict(self.mesh.shape),
-               'init_from': self.config.train.init_from or None, 'init_from_step': self.init_from_step}
+    summary = {
+      "status": status,
+      "step": self.step(),
+      "num_steps": total,
+      "wall_time_s": elapsed,
+      "steps_this_run": self.step() - start_step,
+      "tokens_per_s": (self.step() - start_step) * tokens_per_step / max(elapsed, 1e-9),
+      # the median over the logged intervals after the first (compiling) step: an
+      # interval that held an eval, a checkpoint or a recompile counts as one slow
+      # interval instead of dragging a mean down (a step-2 recompile on GPUs:
+      # docs/decisions.md)
+      "steady_tokens_per_s": (float(np.median(interval_tps)) if interval_tps else None),
+      "num_params": self.num_params,
+      "train": self.last_metrics,
+      "eval": eval_metrics,
+      "initial_state": self.strategy,
+      "mesh": dict(self.mesh.shape),
+      "init_from": self.config.train.init_from or None,
+      "init_from_step": self.init_from_step,
+    }
     self._write_summary(summary)
     return summary
 
   # ---------------------------------------------------------------- reporting (a sweep overrides these)
   def _metric_writer(self, start_step: int):
-    return logging_utils.MetricWriter(self.workdir, self.config.logging.tensorboard, self.is_main,
-                                      resume_step=start_step)
+    return logging_utils.MetricWriter(
+      self.workdir, self.config.logging.tensorboard, self.is_main, resume_step=start_step
+    )
 
   def _host_metrics(self, metrics) -> dict:
     return {k: float(v) for k, v in metrics.items()}
@@ -576,7 +699,7 @@ class Trainer:
     return logging_utils.progress_line(step, total, self.last_metrics, tokens_per_s, eta_s)
 
   def _describe_eval(self, metrics, final=False) -> str:
-    return f'loss {metrics["loss"]:.4f} {"val " if final else ""}accuracy {metrics["accuracy"]:.4f}'
+    return f"loss {metrics['loss']:.4f} {'val ' if final else ''}accuracy {metrics['accuracy']:.4f}"
 
   def _write_summary(self, summary: dict):
     """Called on every process (a sweep saves its members' checkpoints, which is collective)."""
@@ -588,15 +711,23 @@ class Trainer:
 
   def _nothing_to_train(self, step: int, total: int) -> dict:
     """A workdir whose checkpoint already reaches train.num_steps: say so (no training, no new rows)."""
-    msg = (f'Warning: the checkpoint in {self.workdir} is at step {step}, '
-           f'{"beyond" if step > total else "already at"} config.train.num_steps={total}: nothing to train. '
-           'Raise --config.train.num_steps to train on, or use a new --workdir.')
+    msg = (
+      f"Warning: the checkpoint in {self.workdir} is at step {step}, "
+      f"{'beyond' if step > total else 'already at'} config.train.num_steps={total}: nothing to train. "
+      "Raise --config.train.num_steps to train on, or use a new --workdir."
+    )
     if self.is_main:
       print(msg, flush=True)
     else:
       logging.warning(msg)
-    out = {'status': 'completed', 'step': step, 'num_steps': total, 'steps_this_run': 0,
-           'warning': msg, 'initial_state': self.strategy}
+    out = {
+      "status": "completed",
+      "step": step,
+      "num_steps": total,
+      "steps_this_run": 0,
+      "warning": msg,
+      "initial_state": self.strategy,
+    }
     if self._summary_is_stale(step):
       out = self._repair_summary(step, total, out)
     return out
@@ -608,13 +739,14 @@ class Trainer:
     stale = False
     if self.is_main:
       try:
-        with open(os.path.join(self.workdir, 'summary.json'), encoding='utf-8') as f:
+        with open(os.path.join(self.workdir, "summary.json"), encoding="utf-8") as f:
           old = json.load(f)
-        stale = old.get('step') != step or old.get('status') != 'completed'
+        stale = old.get("step") != step or old.get("status") != "completed"
       except (OSError, ValueError, AttributeError):
         stale = True
     if self.process_count > 1:
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
       stale = bool(multihost_utils.broadcast_one_to_all(np.int32(stale)))
     return stale
 
@@ -622,25 +754,34 @@ class Trainer:
     """Rebuilds summary.json from the checkpoint: its training metrics and a fresh evaluation of its
     parameters (the same numbers the run's final evaluation gave: same parameters, same batches)."""
     record = self.checkpointer.record(step)
-    self.last_metrics = {k: np.asarray(v) if isinstance(v, list) else v
-                         for k, v in (record.get('metrics') or {}).items()}
-    summary = dict(out, train=self.last_metrics, eval=self.evaluate(), num_params=self.num_params,
-                   mesh=dict(self.mesh.shape), init_from=self.config.train.init_from or None,
-                   init_from_step=self.init_from_step, repaired=True,
-                   warning=f'{out["warning"]} summary.json was missing or stale (the run ended before writing '
-                           f'it); rebuilt from the checkpoint at step {step}.')
+    self.last_metrics = {
+      k: np.asarray(v) if isinstance(v, list) else v
+      for k, v in (record.get("metrics") or {}).items()
+    }
+    summary = dict(
+      out,
+      train=self.last_metrics,
+      eval=self.evaluate(),
+      num_params=self.num_params,
+      mesh=dict(self.mesh.shape),
+      init_from=self.config.train.init_from or None,
+      init_from_step=self.init_from_step,
+      repaired=True,
+      warning=f"{out['warning']} summary.json was missing or stale (the run ended before writing "
+      f"it); rebuilt from the checkpoint at step {step}.",
+    )
     self._write_summary(summary)
     if self.is_main:
-      print(f'Rebuilt {self.workdir}/summary.json from the checkpoint at step {step}', flush=True)
+      print(f"Rebuilt {self.workdir}/summary.json from the checkpoint at step {step}", flush=True)
     return summary
 
   def close(self):
-    kernel_config.restore(getattr(self, '_kernel_defaults', None))
+    kernel_config.restore(getattr(self, "_kernel_defaults", None))
     self._kernel_defaults = None
     try:
       if self.checkpointer is not None:
         self.checkpointer.close()
-      close = getattr(self.data_iter, 'close', None)
+      close = getattr(self.data_iter, "close", None)
       if close:
         close()
     finally:
@@ -653,15 +794,19 @@ def _preemption_service():
   if jax.process_count() == 1:
     return None
   from jax._src import distributed  # pylint: disable=g-import-not-at-top
-  return getattr(distributed.global_state, 'preemption_sync_manager', None)
+
+  return getattr(distributed.global_state, "preemption_sync_manager", None)
 
 
 def _reached_preemption(step: int) -> bool:
   """True on every process at the same step once any of them got SIGTERM (called every step)."""
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
   if multihost_utils.reached_preemption_sync_point(step):
-    logging.warning('preemption (SIGTERM on some process) agreed at step %d: saving a checkpoint and exiting',
-                    step)
+    logging.warning(
+      "preemption (SIGTERM on some process) agreed at step %d: saving a checkpoint and exiting",
+      step,
+    )
     return True
   return False
 

@@ -7,6 +7,7 @@ file) is stale and is taken over: on the same host when its pid is not running (
 program, started at another time). A lock from another host cannot be checked from here; it is
 honoured, and the message says which file to delete if that run is known to be dead.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ import time
 
 from experiments.runner import config_lib
 
-LOCK_NAME = 'run.lock'
+LOCK_NAME = "run.lock"
 _HELD = {}  # lock path -> number of holders in this process (several Trainers of one workdir in tests)
 
 
@@ -27,9 +28,9 @@ class WorkdirInUseError(config_lib.ConfigError):
 def _start_time(pid: int):
   """The process's start time in clock ticks since boot (Linux), or None where unknown."""
   try:
-    with open(f'/proc/{pid}/stat', encoding='utf-8') as f:
-      fields = f.read().rpartition(')')[2].split()
-    return None if fields[0] == 'Z' else int(fields[19])  # a zombie has exited
+    with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+      fields = f.read().rpartition(")")[2].split()
+    return None if fields[0] == "Z" else int(fields[19])  # a zombie has exited
   except (OSError, IndexError, ValueError):
     return None
 
@@ -42,32 +43,39 @@ def _alive(pid: int, start) -> bool:
   except PermissionError:  # someone else's process
     pass
   now = _start_time(pid)
-  if os.path.exists('/proc/self/stat') and now is None:
+  if os.path.exists("/proc/self/stat") and now is None:
     return False  # gone, or a zombie
-  return start is None or now is None or now == start  # the same pid reused by another process: gone
+  return (
+    start is None or now is None or now == start
+  )  # the same pid reused by another process: gone
 
 
 def _owner(path: str):
   try:
-    with open(path, encoding='utf-8') as f:
+    with open(path, encoding="utf-8") as f:
       return json.load(f)
   except (OSError, ValueError):
     return None
 
 
 def _me() -> dict:
-  return {'pid': os.getpid(), 'host': socket.gethostname(), 'start': _start_time(os.getpid()),
-          'since': time.strftime('%Y-%m-%d %H:%M:%S')}
+  return {
+    "pid": os.getpid(),
+    "host": socket.gethostname(),
+    "start": _start_time(os.getpid()),
+    "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+  }
 
 
 def _is_me(owner) -> bool:
   me = _me()
-  return bool(owner) and owner.get('pid') == me['pid'] and owner.get('host') == me['host']
+  return bool(owner) and owner.get("pid") == me["pid"] and owner.get("host") == me["host"]
 
 
 def _stale(owner) -> bool:
-  return owner.get('host') == socket.gethostname() and not _alive(int(owner.get('pid', -1)),
-                                                                  owner.get('start'))
+  return owner.get("host") == socket.gethostname() and not _alive(
+    int(owner.get("pid", -1)), owner.get("start")
+  )
 
 
 def acquire(workdir: str) -> str:
@@ -92,14 +100,17 @@ def acquire(workdir: str) -> str:
         _remove_if_unchanged(path, owner)
         continue
       raise WorkdirInUseError(
-          f'{workdir} is in use by another run (pid {owner.get("pid")} on {owner.get("host")}, since '
-          f'{owner.get("since")}); wait for it to end or use another --workdir (if that run is dead, delete '
-          f'{path})') from None
-    with os.fdopen(fd, 'w', encoding='utf-8') as f:
+        f"{workdir} is in use by another run (pid {owner.get('pid')} on {owner.get('host')}, since "
+        f"{owner.get('since')}); wait for it to end or use another --workdir (if that run is dead, delete "
+        f"{path})"
+      ) from None
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
       json.dump(_me(), f)
     _HELD[path] = 1
     return path
-  raise WorkdirInUseError(f'{workdir}: could not take {path} (it keeps changing); is another run starting?')
+  raise WorkdirInUseError(
+    f"{workdir}: could not take {path} (it keeps changing); is another run starting?"
+  )
 
 
 def release(path: str | None):
@@ -127,7 +138,7 @@ def _mtime(path: str) -> float:
 def _remove_if_unchanged(path: str, owner):
   """Removes a stale lock unless another run replaced it meanwhile. Two runs breaking the same stale
   lock at once: each removes only the file it judged stale, and only one O_EXCL create then wins."""
-  breaker = f'{path}.break'
+  breaker = f"{path}.break"
   try:
     fd = os.open(breaker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
   except FileExistsError:

@@ -10,6 +10,7 @@ A job that fails because the accelerator ran out of memory (its output says so) 
 the queue, and from then on fewer jobs run at a time (one fewer than ran beside it when it failed): jobs
 sharing one accelerator fit or not depending on what runs beside them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,8 +24,8 @@ from collections.abc import Callable
 
 from experiments.runner.logging_utils import fmt_time
 
-_STEP = re.compile(rb'step (\d+)/(\d+)')
-_OOM = re.compile(rb'RESOURCE_EXHAUSTED|[Oo]ut of memory')
+_STEP = re.compile(rb"step (\d+)/(\d+)")
+_OOM = re.compile(rb"RESOURCE_EXHAUSTED|[Oo]ut of memory")
 
 
 @dataclasses.dataclass
@@ -33,7 +34,7 @@ class Job:
   command: list[str]
   log: str
   done: Callable[[], bool] = lambda: False
-  stop_flag: str | None = '--stop_at_time'
+  stop_flag: str | None = "--stop_at_time"
 
 
 @dataclasses.dataclass
@@ -42,14 +43,14 @@ class _Running:
   proc: subprocess.Popen
   started: float
   seen: list = dataclasses.field(default_factory=list)  # (time, step, total) observations
-  signalled: str = ''
+  signalled: str = ""
   log_start: int = 0  # the log's size when the job started
 
 
 def last_step(log: str) -> tuple[int, int] | None:
   """(step, total) of the last progress line in ``log`` (reads only its tail)."""
   try:
-    with open(log, 'rb') as f:
+    with open(log, "rb") as f:
       f.seek(0, os.SEEK_END)
       f.seek(max(0, f.tell() - 16384))
       found = _STEP.findall(f.read())
@@ -61,7 +62,7 @@ def last_step(log: str) -> tuple[int, int] | None:
 def ran_out_of_memory(log: str, start: int = 0) -> bool:
   """Whether the output written to ``log`` after byte ``start`` reports an out-of-memory error."""
   try:
-    with open(log, 'rb') as f:
+    with open(log, "rb") as f:
       f.seek(start)
       return bool(_OOM.search(f.read()))
   except OSError:
@@ -72,16 +73,18 @@ def last_outcome(log: str) -> str:
   """What the last run recorded in ``log`` reached: 'stopped at step a/b', 'failed: out of memory',
   'failed before its first step', or 'not run' (no log)."""
   try:
-    with open(log, 'rb') as f:
-      text = f.read().rsplit(b'\n$ ', 1)[-1]
+    with open(log, "rb") as f:
+      text = f.read().rsplit(b"\n$ ", 1)[-1]
   except OSError:
-    return 'not run'
+    return "not run"
   steps = _STEP.findall(text)
   if _OOM.search(text):
-    return 'failed: out of memory' + (f' at step {int(steps[-1][0])}' if steps else ' before its first step')
+    return "failed: out of memory" + (
+      f" at step {int(steps[-1][0])}" if steps else " before its first step"
+    )
   if steps:
-    return f'stopped at step {int(steps[-1][0])}/{int(steps[-1][1])}'
-  return 'failed before its first step'
+    return f"stopped at step {int(steps[-1][0])}/{int(steps[-1][1])}"
+  return "failed before its first step"
 
 
 def _rate(r: _Running) -> float | None:
@@ -91,63 +94,91 @@ def _rate(r: _Running) -> float | None:
   return (r.seen[-1][1] - r.seen[0][1]) / max(r.seen[-1][0] - r.seen[0][0], 1e-9)
 
 
-def run_jobs(jobs: list[Job], parallel: int, deadline_s: float = 0, *, save_s: float = 40, kill_s: float = 15,
-             min_start_s: float = 120, progress_every_s: float = 30, env: dict | None = None,
-             out=sys.stdout) -> dict[str, str]:
+def run_jobs(
+  jobs: list[Job],
+  parallel: int,
+  deadline_s: float = 0,
+  *,
+  save_s: float = 40,
+  kill_s: float = 15,
+  min_start_s: float = 120,
+  progress_every_s: float = 30,
+  env: dict | None = None,
+  out=sys.stdout,
+) -> dict[str, str]:
   """Runs ``jobs``; returns {name: 'done' | 'already done' | 'exit <rc>' | 'stopped' | 'not started'}."""
   if parallel < 1:
-    raise ValueError(f'--parallel: must be >= 1, got {parallel}')
+    raise ValueError(f"--parallel: must be >= 1, got {parallel}")
   t0 = time.time()
   end = t0 + deadline_s if deadline_s else None
-  status = {j.name: 'already done' for j in jobs if j.done()}
+  status = {j.name: "already done" for j in jobs if j.done()}
   pending = [j for j in jobs if j.name not in status]
-  print(f'{len(jobs)} jobs: {len(status)} already done, {len(pending)} to run, {parallel} at a time'
-        + (f', deadline {fmt_time(deadline_s)}' if end else ''), file=out, flush=True)
-  env = dict(os.environ if env is None else env, PYTHONUNBUFFERED='1')
+  print(
+    f"{len(jobs)} jobs: {len(status)} already done, {len(pending)} to run, {parallel} at a time"
+    + (f", deadline {fmt_time(deadline_s)}" if end else ""),
+    file=out,
+    flush=True,
+  )
+  env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
   running: list[_Running] = []
   last_report, cap, retried = t0, parallel, set()
   while pending or running:
     now = time.time()
     while pending and len(running) < cap and (end is None or end - now >= min_start_s):
       job = pending.pop(0)
-      cmd = list(job.command) + ([f'{job.stop_flag}={end - save_s:.0f}'] if end and job.stop_flag else [])
+      cmd = list(job.command) + (
+        [f"{job.stop_flag}={end - save_s:.0f}"] if end and job.stop_flag else []
+      )
       os.makedirs(os.path.dirname(os.path.abspath(job.log)), exist_ok=True)
-      with open(job.log, 'ab') as log:
+      with open(job.log, "ab") as log:
         start = log.tell()
-        log.write(f'\n$ {" ".join(cmd)}\n'.encode())
+        log.write(f"\n$ {' '.join(cmd)}\n".encode())
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
       running.append(_Running(job, proc, now, log_start=start))
-      print(f'started {job.name} (pid {proc.pid})', file=out, flush=True)
+      print(f"started {job.name} (pid {proc.pid})", file=out, flush=True)
     for r in list(running):
       rc = r.proc.poll()
       if rc is None:
         continue
       running.remove(r)
-      status[r.job.name] = ('done' if r.job.done() else 'stopped' if r.signalled or end and time.time() > end - save_s
-                            else f'exit {rc}')
-      if status[r.job.name].startswith('exit') and ran_out_of_memory(r.job.log, r.log_start):
-        status[r.job.name] += ' (out of memory)'
+      status[r.job.name] = (
+        "done"
+        if r.job.done()
+        else "stopped"
+        if r.signalled or end and time.time() > end - save_s
+        else f"exit {rc}"
+      )
+      if status[r.job.name].startswith("exit") and ran_out_of_memory(r.job.log, r.log_start):
+        status[r.job.name] += " (out of memory)"
         if r.job.name not in retried:
           retried.add(r.job.name)
           cap = max(1, min(cap, len(running)))
           pending.insert(0, r.job)
-          print(f'{r.job.name}: out of memory beside {len(running)} other job(s); retried with at most {cap} '
-                'at a time', file=out, flush=True)
+          print(
+            f"{r.job.name}: out of memory beside {len(running)} other job(s); retried with at most {cap} "
+            "at a time",
+            file=out,
+            flush=True,
+          )
           continue
-      print(f'{r.job.name}: {status[r.job.name]} after {fmt_time(time.time() - r.started)}', file=out, flush=True)
+      print(
+        f"{r.job.name}: {status[r.job.name]} after {fmt_time(time.time() - r.started)}",
+        file=out,
+        flush=True,
+      )
     if end:
       for r in running:
         left = end - time.time()
-        if left <= 0 and r.signalled != 'kill':
+        if left <= 0 and r.signalled != "kill":
           r.proc.kill()
-          r.signalled = 'kill'
+          r.signalled = "kill"
         elif left <= kill_s and not r.signalled:
           r.proc.send_signal(signal.SIGTERM)  # a trainer saves a checkpoint and exits
-          r.signalled = 'term'
+          r.signalled = "term"
       if not running and pending and end - time.time() < min_start_s:
         for j in pending:
-          status[j.name] = 'not started'
+          status[j.name] = "not started"
         pending = []
     for r in running:
       got = last_step(r.job.log)
@@ -161,17 +192,24 @@ def run_jobs(jobs: list[Job], parallel: int, deadline_s: float = 0, *, save_s: f
 
 
 def progress_report(running, pending, t0, end) -> str:
-  lines = [f'[{fmt_time(time.time() - t0)}] {len(running)} running, {len(pending)} waiting'
-           + (f', {fmt_time(max(end - time.time(), 0))} to the deadline' if end else '')]
+  lines = [
+    f"[{fmt_time(time.time() - t0)}] {len(running)} running, {len(pending)} waiting"
+    + (f", {fmt_time(max(end - time.time(), 0))} to the deadline" if end else "")
+  ]
   for r in running:
     if not r.seen:
-      lines.append(f'  {r.job.name}: starting ({fmt_time(time.time() - r.started)})')
+      lines.append(f"  {r.job.name}: starting ({fmt_time(time.time() - r.started)})")
       continue
     _, step, total = r.seen[-1]
     rate = _rate(r)
     eta = None if rate is None else (total - step) / rate
-    lines.append(f'  {r.job.name}: step {step}/{total}'
-                 + ('' if rate is None else f', {rate:.2f} steps/s, ETA {fmt_time(eta)}')
-                 + ('' if eta is None or end is None or time.time() + eta < end else ' (past the deadline: '
-                    'it will stop with a checkpoint and resume on the next call)'))
-  return '\n'.join(lines)
+    lines.append(
+      f"  {r.job.name}: step {step}/{total}"
+      + ("" if rate is None else f", {rate:.2f} steps/s, ETA {fmt_time(eta)}")
+      + (
+        ""
+        if eta is None or end is None or time.time() + eta < end
+        else " (past the deadline: it will stop with a checkpoint and resume on the next call)"
+      )
+    )
+  return "\n".join(lines)

@@ -651,8 +651,10 @@ def main(argv):
     return 2
   loose = [a for a in sys.argv[1:] if not a.startswith("--")]
   if loose:  # the children get the flags as written: a value after a space would be lost
-    print(f"Study error: write flags as --name=value (got a separate value {loose[0]!r})",
-          file=sys.stderr)
+    print(
+      f"Study error: write flags as --name=value (got a separate value {loose[0]!r})",
+      file=sys.stderr,
+    )
     return 2
   argv_flags = list(sys.argv[1:])
   os.makedirs(plan.results, exist_ok=True)

@@ -1,13 +1,13 @@
 """Renders docs/RESULTS.md from the JSON the runs wrote under docs/results/ (never from typed numbers).
 
-    python -m experiments.studies.render_results [--results=docs/results] [--out=docs/RESULTS.md]
+python -m experiments.studies.render_results [--results=docs/results] [--out=docs/RESULTS.md]
 """
+
 from __future__ import annotations
 
 import argparse
-import os
-
 import importlib
+import os
 
 HEADER = """# Results: the seeds' claims tested at small scale
 
@@ -18,40 +18,42 @@ its `commands.json`). Sections follow issue 17's list; a study not run yet says 
 
 # (title, 'module:function' of experiments.studies.results, or None where no renderer exists yet)
 SECTIONS = (
-    ('1. MQAR', 'mqar:render'),
-    ('2. Information scale', 'info_scale:render'),
-    ('3. Length generalisation', 'lengen:render'),
-    ('3b. Length generalisation on a synthetic source', 'lengen_synthetic:render'),
-    ('4. Copying and passkey', 'copy_passkey:render'),
-    ('5. S-NIAH', 'lengen:render_sniah'),
-    ('Appendix: evaluation cost', 'eval_cost:render'),
+  ("1. MQAR", "mqar:render"),
+  ("2. Information scale", "info_scale:render"),
+  ("3. Length generalisation", "lengen:render"),
+  ("3b. Length generalisation on a synthetic source", "lengen_synthetic:render"),
+  ("4. Copying and passkey", "copy_passkey:render"),
+  ("5. S-NIAH", "lengen:render_sniah"),
+  ("Appendix: evaluation cost", "eval_cost:render"),
 )
 
 
 def render(results_dir: str, fig_dir: str | None = None) -> str:
-  fig_dir = fig_dir or os.path.join(results_dir, 'figures')
+  fig_dir = fig_dir or os.path.join(results_dir, "figures")
   parts = [HEADER]
   for title, target in SECTIONS:
-    md = ''
+    md = ""
     if target:
-      module, fn = target.split(':')
-      md = getattr(importlib.import_module(f'experiments.studies.results.{module}'), fn)(results_dir, fig_dir)
-    parts.append(md or f'## {title}\n\nNot run yet.\n')
-  return '\n'.join(parts)
+      module, fn = target.split(":")
+      md = getattr(importlib.import_module(f"experiments.studies.results.{module}"), fn)(
+        results_dir, fig_dir
+      )
+    parts.append(md or f"## {title}\n\nNot run yet.\n")
+  return "\n".join(parts)
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--results', default='docs/results')
-  p.add_argument('--out', default='docs/RESULTS.md')
+  p.add_argument("--results", default="docs/results")
+  p.add_argument("--out", default="docs/RESULTS.md")
   a = p.parse_args(argv)
   md = render(a.results)
-  tmp = a.out + '.tmp'
-  with open(tmp, 'w', encoding='utf-8') as f:
+  tmp = a.out + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
     f.write(md)
   os.replace(tmp, a.out)
-  print(f'wrote {a.out}')
+  print(f"wrote {a.out}")
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
   main()

@@ -1,4 +1,5 @@
 """Flax NNX layers of kdn_jax (mixers, norms, short conv, MLP) and the mixer registry."""
+
 from kdn_jax.layers.attention import Attention, FullAttention, SlidingWindowAttention, rope
 from kdn_jax.layers.decay import Decay
 from kdn_jax.layers.delta_mixers import GDN2, GLA, KDA, DeltaNet, GatedDeltaNet

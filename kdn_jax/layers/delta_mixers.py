@@ -8,122 +8,191 @@ L2-normalised q/k, low-rank sigmoid output gate + RMSNorm, o_proj), so only the 
   gla            S = diag(alpha) S + k v^T                           per-channel KDA decay, no erase
   (mamba2        S = alpha S + dt k v^T, o += D v                    scalar decay, dt-scaled input: layers/mamba2.py)
 """
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from kdn_jax import ops
-from kdn_jax.ops import context_parallel
 from kdn_jax.layers.decay import Decay
 from kdn_jax.layers.dense import Dense, LowRank
 from kdn_jax.layers.recurrent import RecurrentMixer, memory_outputs, states_kw
+from kdn_jax.ops import context_parallel
 
 
 class _BetaMixin:
-    def _init_beta(self, rngs):
-        self.b_proj = Dense(self.d_model, self.num_heads, ('embed', 'heads'), use_bias=True, dtype=self.dtype,
-                            param_dtype=self.param_dtype, rngs=rngs)
+  def _init_beta(self, rngs):
+    self.b_proj = Dense(
+      self.d_model,
+      self.num_heads,
+      ("embed", "heads"),
+      use_bias=True,
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+      rngs=rngs,
+    )
 
-    def beta(self, x):
-        return jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+  def beta(self, x):
+    return jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
 
 
 class KDA(_BetaMixin, RecurrentMixer):
-    """Kimi Delta Attention: per-channel decay, write beta * k."""
-    PER_CHANNEL_DECAY = True
-    OP = 'kda'  # a context_parallel.op name
+  """Kimi Delta Attention: per-channel decay, write beta * k."""
 
-    def _init_gates(self, cfg, rngs):
-        rank = {'rank': self.rank} if self.PER_CHANNEL_DECAY else {}
-        self.decay = Decay(self.d_model, self.num_heads, self.key_dim, per_channel=self.PER_CHANNEL_DECAY,
-                           dtype=self.dtype, param_dtype=self.param_dtype, rngs=rngs, **rank)
-        self._init_beta(rngs)
+  PER_CHANNEL_DECAY = True
+  OP = "kda"  # a context_parallel.op name
 
-    def _gates(self, x):
-        return {'g': self.decay(x), 'beta': self.beta(x)}
+  def _init_gates(self, cfg, rngs):
+    rank = {"rank": self.rank} if self.PER_CHANNEL_DECAY else {}
+    self.decay = Decay(
+      self.d_model,
+      self.num_heads,
+      self.key_dim,
+      per_channel=self.PER_CHANNEL_DECAY,
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+      rngs=rngs,
+      **rank,
+    )
+    self._init_beta(rngs)
 
-    def _core(self, q, k, v, gates, state, segment_ids, positions=None):
-        o, m, *at = context_parallel.op(self.OP)(q, k, v, gates['g'], gates['beta'], initial_state=state['memory'], output_final_state=True,
-                       segment_ids=segment_ids, impl=self.impl, chunk_size=self.chunk_size, **states_kw(positions))
-        return memory_outputs(o, m, at)
+  def _gates(self, x):
+    return {"g": self.decay(x), "beta": self.beta(x)}
 
-    def _core_step(self, q, k, v, gates, state):
-        write = gates['beta'][..., None] * k.astype(jnp.float32)
-        o, m = ops.delta_rule_step(q, k, v, gates['g'], write, state['memory'])
-        return o, {'memory': m}
+  def _core(self, q, k, v, gates, state, segment_ids, positions=None):
+    o, m, *at = context_parallel.op(self.OP)(
+      q,
+      k,
+      v,
+      gates["g"],
+      gates["beta"],
+      initial_state=state["memory"],
+      output_final_state=True,
+      segment_ids=segment_ids,
+      impl=self.impl,
+      chunk_size=self.chunk_size,
+      **states_kw(positions),
+    )
+    return memory_outputs(o, m, at)
+
+  def _core_step(self, q, k, v, gates, state):
+    write = gates["beta"][..., None] * k.astype(jnp.float32)
+    o, m = ops.delta_rule_step(q, k, v, gates["g"], write, state["memory"])
+    return o, {"memory": m}
 
 
 class GatedDeltaNet(KDA):
-    """Gated DeltaNet: KDA with one scalar decay per head."""
-    PER_CHANNEL_DECAY = False
-    OP = 'gated_delta_rule'
+  """Gated DeltaNet: KDA with one scalar decay per head."""
+
+  PER_CHANNEL_DECAY = False
+  OP = "gated_delta_rule"
 
 
 class DeltaNet(_BetaMixin, RecurrentMixer):
-    def _init_gates(self, cfg, rngs):
-        self._init_beta(rngs)
+  def _init_gates(self, cfg, rngs):
+    self._init_beta(rngs)
 
-    def _gates(self, x):
-        return {'beta': self.beta(x)}
+  def _gates(self, x):
+    return {"beta": self.beta(x)}
 
-    def _core(self, q, k, v, gates, state, segment_ids, positions=None):
-        o, m, *at = context_parallel.op('delta_net')(q, k, v, gates['beta'], initial_state=state['memory'], output_final_state=True,
-                             segment_ids=segment_ids, impl=self.impl,
-                       chunk_size=self.chunk_size, **states_kw(positions))
-        return memory_outputs(o, m, at)
+  def _core(self, q, k, v, gates, state, segment_ids, positions=None):
+    o, m, *at = context_parallel.op("delta_net")(
+      q,
+      k,
+      v,
+      gates["beta"],
+      initial_state=state["memory"],
+      output_final_state=True,
+      segment_ids=segment_ids,
+      impl=self.impl,
+      chunk_size=self.chunk_size,
+      **states_kw(positions),
+    )
+    return memory_outputs(o, m, at)
 
-    def _core_step(self, q, k, v, gates, state):
-        beta = gates['beta']
-        write = beta[..., None] * k.astype(jnp.float32)
-        o, m = ops.delta_rule_step(q, k, v, jnp.zeros_like(beta), write, state['memory'])
-        return o, {'memory': m}
+  def _core_step(self, q, k, v, gates, state):
+    beta = gates["beta"]
+    write = beta[..., None] * k.astype(jnp.float32)
+    o, m = ops.delta_rule_step(q, k, v, jnp.zeros_like(beta), write, state["memory"])
+    return o, {"memory": m}
 
 
 class GDN2(RecurrentMixer):
-    def _init_gates(self, cfg, rngs):
-        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype, rngs=rngs)
-        H, K, V = self.num_heads, self.key_dim, self.value_dim
-        self.decay = Decay(self.d_model, H, K, per_channel=True, rank=self.rank, **kw)
-        self.b_proj = LowRank(self.d_model, self.rank, (H, K), ('heads', 'kv'), use_bias=True, **kw)
-        self.w_proj = LowRank(self.d_model, self.rank, (H, V), ('heads', 'kv'), use_bias=True, **kw)
+  def _init_gates(self, cfg, rngs):
+    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype, rngs=rngs)
+    H, K, V = self.num_heads, self.key_dim, self.value_dim
+    self.decay = Decay(self.d_model, H, K, per_channel=True, rank=self.rank, **kw)
+    self.b_proj = LowRank(self.d_model, self.rank, (H, K), ("heads", "kv"), use_bias=True, **kw)
+    self.w_proj = LowRank(self.d_model, self.rank, (H, V), ("heads", "kv"), use_bias=True, **kw)
 
-    def _gates(self, x):
-        return {'g': self.decay(x), 'b': jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32)),
-                'w': jax.nn.sigmoid(self.w_proj(x).astype(jnp.float32))}
+  def _gates(self, x):
+    return {
+      "g": self.decay(x),
+      "b": jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32)),
+      "w": jax.nn.sigmoid(self.w_proj(x).astype(jnp.float32)),
+    }
 
-    def _core(self, q, k, v, gates, state, segment_ids, positions=None):
-        o, m, *at = context_parallel.op('gdn2')(q, k, v, gates['g'], gates['b'], gates['w'], initial_state=state['memory'],
-                        output_final_state=True, segment_ids=segment_ids, impl=self.impl,
-                       chunk_size=self.chunk_size, **states_kw(positions))
-        return memory_outputs(o, m, at)
+  def _core(self, q, k, v, gates, state, segment_ids, positions=None):
+    o, m, *at = context_parallel.op("gdn2")(
+      q,
+      k,
+      v,
+      gates["g"],
+      gates["b"],
+      gates["w"],
+      initial_state=state["memory"],
+      output_final_state=True,
+      segment_ids=segment_ids,
+      impl=self.impl,
+      chunk_size=self.chunk_size,
+      **states_kw(positions),
+    )
+    return memory_outputs(o, m, at)
 
-    def _core_step(self, q, k, v, gates, state):
-        # read/erase key b*k, write direction k, value w*v
-        kf = k.astype(jnp.float32)
-        o, m = ops.delta_rule_step(q, gates['b'] * kf, gates['w'] * v.astype(jnp.float32), gates['g'], kf,
-                                   state['memory'])
-        return o, {'memory': m}
+  def _core_step(self, q, k, v, gates, state):
+    # read/erase key b*k, write direction k, value w*v
+    kf = k.astype(jnp.float32)
+    o, m = ops.delta_rule_step(
+      q, gates["b"] * kf, gates["w"] * v.astype(jnp.float32), gates["g"], kf, state["memory"]
+    )
+    return o, {"memory": m}
 
 
 class GLA(RecurrentMixer):
-    def _init_gates(self, cfg, rngs):
-        self.decay = Decay(self.d_model, self.num_heads, self.key_dim, per_channel=True, rank=self.rank,
-                           dtype=self.dtype, param_dtype=self.param_dtype, rngs=rngs)
+  def _init_gates(self, cfg, rngs):
+    self.decay = Decay(
+      self.d_model,
+      self.num_heads,
+      self.key_dim,
+      per_channel=True,
+      rank=self.rank,
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+      rngs=rngs,
+    )
 
-    def _gates(self, x):
-        return {'g': self.decay(x)}
+  def _gates(self, x):
+    return {"g": self.decay(x)}
 
-    def _core(self, q, k, v, gates, state, segment_ids, positions=None):
-        o, m, *at = context_parallel.op('gla')(q, k, v, gates['g'], initial_state=state['memory'], output_final_state=True,
-                       segment_ids=segment_ids, impl=self.impl,
-                       chunk_size=self.chunk_size, **states_kw(positions))
-        return memory_outputs(o, m, at)
+  def _core(self, q, k, v, gates, state, segment_ids, positions=None):
+    o, m, *at = context_parallel.op("gla")(
+      q,
+      k,
+      v,
+      gates["g"],
+      initial_state=state["memory"],
+      output_final_state=True,
+      segment_ids=segment_ids,
+      impl=self.impl,
+      chunk_size=self.chunk_size,
+      **states_kw(positions),
+    )
+    return memory_outputs(o, m, at)
 
-    def _core_step(self, q, k, v, gates, state):
-        # S = diag(alpha) S + k v^T ; o = K^-1/2 S^T q   (no erase, so no delta-rule op needed)
-        qf, kf, vf = (a.astype(jnp.float32) for a in (q, k, v))
-        S = jnp.exp(gates['g'])[..., None] * state['memory'] + kf[..., :, None] * vf[..., None, :]
-        o = jnp.einsum('bhkv,bhk->bhv', S, qf) * (self.key_dim ** -0.5)
-        return o, {'memory': S}
+  def _core_step(self, q, k, v, gates, state):
+    # S = diag(alpha) S + k v^T ; o = K^-1/2 S^T q   (no erase, so no delta-rule op needed)
+    qf, kf, vf = (a.astype(jnp.float32) for a in (q, k, v))
+    S = jnp.exp(gates["g"])[..., None] * state["memory"] + kf[..., :, None] * vf[..., None, :]
+    o = jnp.einsum("bhkv,bhk->bhv", S, qf) * (self.key_dim**-0.5)
+    return o, {"memory": S}

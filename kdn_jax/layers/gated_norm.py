@@ -1,4 +1,5 @@
 """RMSNorm and the sigmoid-gated output RMSNorm used by the recurrent mixers."""
+
 from __future__ import annotations
 
 import jax
@@ -9,34 +10,50 @@ from kdn_jax.layers.dense import make_param, ones_init
 
 
 def rms_norm(x, weight, eps):
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return y * weight.astype(jnp.float32)
+  xf = x.astype(jnp.float32)
+  y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return y * weight.astype(jnp.float32)
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, *, eps: float = 1e-6, name: str | None = 'embed', dtype=jnp.float32,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
-        self.eps, self.dtype = eps, dtype
-        self.weight = make_param(None, ones_init, (dim,), param_dtype, (name,))
+  def __init__(
+    self,
+    dim: int,
+    *,
+    eps: float = 1e-6,
+    name: str | None = "embed",
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    rngs: nnx.Rngs | None = None,
+  ):
+    self.eps, self.dtype = eps, dtype
+    self.weight = make_param(None, ones_init, (dim,), param_dtype, (name,))
 
-    def __call__(self, x):
-        return rms_norm(x, self.weight[...], self.eps).astype(self.dtype)
+  def __call__(self, x):
+    return rms_norm(x, self.weight[...], self.eps).astype(self.dtype)
 
 
 class GatedRMSNorm(nnx.Module):
-    """y = RMSNorm(o) * sigmoid(gate) over the last (value) dim; weight shared across heads (as in FLA)."""
+  """y = RMSNorm(o) * sigmoid(gate) over the last (value) dim; weight shared across heads (as in FLA)."""
 
-    def __init__(self, dim: int, *, eps: float = 1e-6, dtype=jnp.float32, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs | None = None):
-        self.eps, self.dtype = eps, dtype
-        self.weight = make_param(None, ones_init, (dim,), param_dtype, ('kv',))
+  def __init__(
+    self,
+    dim: int,
+    *,
+    eps: float = 1e-6,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    rngs: nnx.Rngs | None = None,
+  ):
+    self.eps, self.dtype = eps, dtype
+    self.weight = make_param(None, ones_init, (dim,), param_dtype, ("kv",))
 
-    def __call__(self, o, gate, *, fused=False):
-        """fused=True: the Pallas kernel (pallas_kernels.gated_norm), for which this plain-JAX
-        composition is the reference; it returns o's dtype, so it is used when that is ours."""
-        if fused and o.ndim == 4 and o.dtype == jnp.dtype(self.dtype):
-            from pallas_kernels.gated_norm import gated_rms_norm  # pylint: disable=g-import-not-at-top
-            return gated_rms_norm(o, gate, self.weight[...], self.eps)
-        y = rms_norm(o, self.weight[...], self.eps) * jax.nn.sigmoid(gate.astype(jnp.float32))
-        return y.astype(self.dtype)
+  def __call__(self, o, gate, *, fused=False):
+    """fused=True: the Pallas kernel (pallas_kernels.gated_norm), for which this plain-JAX
+    composition is the reference; it returns o's dtype, so it is used when that is ours."""
+    if fused and o.ndim == 4 and o.dtype == jnp.dtype(self.dtype):
+      from pallas_kernels.gated_norm import gated_rms_norm  # pylint: disable=g-import-not-at-top
+
+      return gated_rms_norm(o, gate, self.weight[...], self.eps)
+    y = rms_norm(o, self.weight[...], self.eps) * jax.nn.sigmoid(gate.astype(jnp.float32))
+    return y.astype(self.dtype)

@@ -18,203 +18,272 @@ Options (config keys):
   info_scale: "1" | "sqrt_k" | "k" | "4k" | "learned" | float   (learned: exp(log_mu) per head, init K)
   noise:      "learned" | "fixed_r" (r = 1) | "fixed" (r = 1 and omega = 1)
 """
+
 from __future__ import annotations
 
 import math
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from kdn_jax import ops
-from kdn_jax.ops import context_parallel
-from kdn_jax.ops import dispatch
 from kdn_jax.layers.decay import Decay
-from kdn_jax.layers.dense import Dense, LowRank, constant_init, inv_softplus, make_param, zeros_init
+from kdn_jax.layers.dense import Dense, LowRank, constant_init, inv_softplus, make_param
 from kdn_jax.layers.recurrent import RecurrentMixer, states_kw
+from kdn_jax.ops import context_parallel, dispatch
 
-INFO_SCALES = ('1', 'sqrt_k', 'k', '4k', 'learned')
-NOISE_MODES = ('learned', 'fixed_r', 'fixed')
+INFO_SCALES = ("1", "sqrt_k", "k", "4k", "learned")
+NOISE_MODES = ("learned", "fixed_r", "fixed")
 VARIANCE_FLOOR = 0.1
 VARIANCE_INIT = 1.0
 
 
 def resolve_info_scale(info_scale, K: int):
-    """Returns (python float | None for learned)."""
-    if isinstance(info_scale, (int, float)) and not isinstance(info_scale, bool):
-        if not (info_scale > 0 and math.isfinite(info_scale)):
-            raise ValueError(f'info_scale must be > 0 and finite, got {info_scale}')
-        return float(info_scale)
-    s = str(info_scale).lower()
-    if s == 'learned':
-        return None
-    table = {'1': 1.0, 'sqrt_k': math.sqrt(K), 'k': float(K), '4k': 4.0 * K}
-    if s in table:
-        return table[s]
-    try:
-        v = float(s)
-    except ValueError:
-        raise ValueError(f'info_scale: unknown value {info_scale!r}; expected one of {INFO_SCALES} or a positive float')
-    if not (v > 0 and math.isfinite(v)):
-        raise ValueError(f'info_scale must be > 0 and finite, got {info_scale}')
-    return v
+  """Returns (python float | None for learned)."""
+  if isinstance(info_scale, (int, float)) and not isinstance(info_scale, bool):
+    if not (info_scale > 0 and math.isfinite(info_scale)):
+      raise ValueError(f"info_scale must be > 0 and finite, got {info_scale}")
+    return float(info_scale)
+  s = str(info_scale).lower()
+  if s == "learned":
+    return None
+  table = {"1": 1.0, "sqrt_k": math.sqrt(K), "k": float(K), "4k": 4.0 * K}
+  if s in table:
+    return table[s]
+  try:
+    v = float(s)
+  except ValueError:
+    raise ValueError(
+      f"info_scale: unknown value {info_scale!r}; expected one of {INFO_SCALES} or a positive float"
+    ) from None
+  if not (v > 0 and math.isfinite(v)):
+    raise ValueError(f"info_scale must be > 0 and finite, got {info_scale}")
+  return v
 
 
 class KDNMixer(RecurrentMixer):
-    has_variance = True
-    diagonal = True
-    fuse_front = True  # the gate front-end inside the gain kernels when the impl is pallas
-    fuse_conv = True   # q/k/v short convs as Pallas kernels when the impl is pallas
-    fuse_norm = True   # the gated output RMSNorm as a Pallas kernel, likewise
+  has_variance = True
+  diagonal = True
+  fuse_front = True  # the gate front-end inside the gain kernels when the impl is pallas
+  fuse_conv = True  # q/k/v short convs as Pallas kernels when the impl is pallas
+  fuse_norm = True  # the gated output RMSNorm as a Pallas kernel, likewise
 
-    def _init_gates(self, cfg, rngs):
-        d, H, K = self.d_model, self.num_heads, self.key_dim
-        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype, rngs=rngs)
-        self.noise = str(cfg.noise)
-        if self.noise not in NOISE_MODES:
-            raise ValueError(f'noise: unknown value {cfg.noise!r}; expected one of {NOISE_MODES}')
-        self.r_min = float(cfg.r_min)
-        if self.r_min <= 0:
-            raise ValueError(f'r_min must be > 0, got {cfg.r_min}')
-        self.decay = Decay(d, H, K, per_channel=True, rank=self.rank, **kw)
-        if self.noise == 'fixed':
-            self.omega_proj = None
-        elif self.diagonal:
-            self.omega_proj = LowRank(d, self.rank, (H, K), ('heads', 'kv'), use_bias=True, zero_second=True, **kw)
-        else:
-            self.omega_proj = Dense(d, H, ('embed', 'heads'), use_bias=True, **kw)
-        if self.noise == 'learned':
-            self.r_proj = Dense(d, H, ('embed', 'heads'), use_bias=True, **kw)
-        else:
-            self.r_proj = None
-        self.variance_raw = make_param(rngs, constant_init(inv_softplus(VARIANCE_INIT - VARIANCE_FLOOR)), (H,),
-                                       self.param_dtype, ('heads',))
-        mu = resolve_info_scale(cfg.info_scale, K)
-        self.info_scale_fixed = mu
-        if mu is None:
-            self.log_info_scale = make_param(rngs, constant_init(math.log(K)), (H,), self.param_dtype, ('heads',))
-        else:
-            self.log_info_scale = None
+  def _init_gates(self, cfg, rngs):
+    d, H, K = self.d_model, self.num_heads, self.key_dim
+    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype, rngs=rngs)
+    self.noise = str(cfg.noise)
+    if self.noise not in NOISE_MODES:
+      raise ValueError(f"noise: unknown value {cfg.noise!r}; expected one of {NOISE_MODES}")
+    self.r_min = float(cfg.r_min)
+    if self.r_min <= 0:
+      raise ValueError(f"r_min must be > 0, got {cfg.r_min}")
+    self.decay = Decay(d, H, K, per_channel=True, rank=self.rank, **kw)
+    if self.noise == "fixed":
+      self.omega_proj = None
+    elif self.diagonal:
+      self.omega_proj = LowRank(
+        d, self.rank, (H, K), ("heads", "kv"), use_bias=True, zero_second=True, **kw
+      )
+    else:
+      self.omega_proj = Dense(d, H, ("embed", "heads"), use_bias=True, **kw)
+    if self.noise == "learned":
+      self.r_proj = Dense(d, H, ("embed", "heads"), use_bias=True, **kw)
+    else:
+      self.r_proj = None
+    self.variance_raw = make_param(
+      rngs,
+      constant_init(inv_softplus(VARIANCE_INIT - VARIANCE_FLOOR)),
+      (H,),
+      self.param_dtype,
+      ("heads",),
+    )
+    mu = resolve_info_scale(cfg.info_scale, K)
+    self.info_scale_fixed = mu
+    if mu is None:
+      self.log_info_scale = make_param(
+        rngs, constant_init(math.log(K)), (H,), self.param_dtype, ("heads",)
+      )
+    else:
+      self.log_info_scale = None
 
-    # -- parameters as used by the recurrence ----------------------------------------------------
-    def initial_variance(self) -> jax.Array:
-        """[H] learned positive initial variance c0 (floor 0.1)."""
-        return VARIANCE_FLOOR + jax.nn.softplus(self.variance_raw[...].astype(jnp.float32))
+  # -- parameters as used by the recurrence ----------------------------------------------------
+  def initial_variance(self) -> jax.Array:
+    """[H] learned positive initial variance c0 (floor 0.1)."""
+    return VARIANCE_FLOOR + jax.nn.softplus(self.variance_raw[...].astype(jnp.float32))
 
-    def info_scale(self):
-        """python float or [H] float32 array (learned)."""
-        if self.log_info_scale is None:
-            return self.info_scale_fixed
-        return jnp.exp(self.log_info_scale[...].astype(jnp.float32))
+  def info_scale(self):
+    """python float or [H] float32 array (learned)."""
+    if self.log_info_scale is None:
+      return self.info_scale_fixed
+    return jnp.exp(self.log_info_scale[...].astype(jnp.float32))
 
-    def gate_projections(self, x):
-        """x [..., d] -> the gate projections before their activations, in the compute dtype:
-        f (decay), omega_raw, r_raw (None where the noise mode fixes them)."""
-        return {'f': self.decay.f(x),
-                'omega_raw': None if self.omega_proj is None else self.omega_proj(x),
-                'r_raw': None if self.r_proj is None else self.r_proj(x)}
+  def gate_projections(self, x):
+    """x [..., d] -> the gate projections before their activations, in the compute dtype:
+    f (decay), omega_raw, r_raw (None where the noise mode fixes them)."""
+    return {
+      "f": self.decay.f(x),
+      "omega_raw": None if self.omega_proj is None else self.omega_proj(x),
+      "r_raw": None if self.r_proj is None else self.r_proj(x),
+    }
 
-    def gate_values(self, raw, lead):
-        """The plain-JAX gate front-end: projections -> (log_alpha, omega, r), float32; `lead` is
-        the token dims ([B, T] or [B]) for the fixed noise modes' constants."""
-        H, K = self.num_heads, self.key_dim
-        om_shape = lead + ((H, K) if self.diagonal else (H,))
-        if raw['omega_raw'] is None:
-            omega = jnp.ones(om_shape, jnp.float32)
-        else:
-            omega = jax.nn.softplus(raw['omega_raw'].astype(jnp.float32))
-        if raw['r_raw'] is None:
-            r = jnp.ones(lead + (H,), jnp.float32)
-        else:
-            r = self.r_min + jax.nn.softplus(raw['r_raw'].astype(jnp.float32))
-        return {'log_alpha': self.decay.activate(raw['f'])[0], 'omega': omega, 'r': r}
+  def gate_values(self, raw, lead):
+    """The plain-JAX gate front-end: projections -> (log_alpha, omega, r), float32; `lead` is
+    the token dims ([B, T] or [B]) for the fixed noise modes' constants."""
+    H, K = self.num_heads, self.key_dim
+    om_shape = lead + ((H, K) if self.diagonal else (H,))
+    if raw["omega_raw"] is None:
+      omega = jnp.ones(om_shape, jnp.float32)
+    else:
+      omega = jax.nn.softplus(raw["omega_raw"].astype(jnp.float32))
+    if raw["r_raw"] is None:
+      r = jnp.ones(lead + (H,), jnp.float32)
+    else:
+      r = self.r_min + jax.nn.softplus(raw["r_raw"].astype(jnp.float32))
+    return {"log_alpha": self.decay.activate(raw["f"])[0], "omega": omega, "r": r}
 
-    def noise_params(self, x):
-        """x [..., d] -> (omega [..., H, K] (diag) / [..., H] (iso), r [..., H]), float32."""
-        g = self.gate_values(self.gate_projections(x), x.shape[:-1])
-        return g['omega'], g['r']
+  def noise_params(self, x):
+    """x [..., d] -> (omega [..., H, K] (diag) / [..., H] (iso), r [..., H]), float32."""
+    g = self.gate_values(self.gate_projections(x), x.shape[:-1])
+    return g["omega"], g["r"]
 
-    def _gates(self, x):
-        raw = self.gate_projections(x)
-        # The activated gates are dead code (removed under jit) when the fused path takes 'raw'.
-        return dict(self.gate_values(raw, x.shape[:-1]), raw=raw)
+  def _gates(self, x):
+    raw = self.gate_projections(x)
+    # The activated gates are dead code (removed under jit) when the fused path takes 'raw'.
+    return dict(self.gate_values(raw, x.shape[:-1]), raw=raw)
 
-    def _fused_front(self, gates):
-        """Whether _core runs the gate front-end inside the gain kernels: the pallas impl, learned
-        noise (both projections present) and no float64 (the kernels compute in fp32)."""
-        raw = gates['raw']
-        return (self.fuse_front and self.noise == 'learned'
-                and self._glue_kernels()
-                and all(jnp.dtype(v.dtype).itemsize <= 4 for v in raw.values()))
+  def _fused_front(self, gates):
+    """Whether _core runs the gate front-end inside the gain kernels: the pallas impl, learned
+    noise (both projections present) and no float64 (the kernels compute in fp32)."""
+    raw = gates["raw"]
+    return (
+      self.fuse_front
+      and self.noise == "learned"
+      and self._glue_kernels()
+      and all(jnp.dtype(v.dtype).itemsize <= 4 for v in raw.values())
+    )
 
-    def _init_core(self, batch):
-        H, K = self.num_heads, self.key_dim
-        c0 = self.initial_variance()
-        var = jnp.broadcast_to(c0[None, :, None], (batch, H, K)) if self.diagonal else jnp.broadcast_to(c0[None], (batch, H))
-        return {'memory': jnp.zeros((batch, H, K, self.value_dim), jnp.float32), 'variance': var}
+  def _init_core(self, batch):
+    H, K = self.num_heads, self.key_dim
+    c0 = self.initial_variance()
+    var = (
+      jnp.broadcast_to(c0[None, :, None], (batch, H, K))
+      if self.diagonal
+      else jnp.broadcast_to(c0[None], (batch, H))
+    )
+    return {"memory": jnp.zeros((batch, H, K, self.value_dim), jnp.float32), "variance": var}
 
-    def _core(self, q, k, v, gates, state, segment_ids, positions=None):
-        if self._fused_front(gates):
-            return self._core_fused(q, k, v, gates, state, segment_ids, positions)
-        fn = context_parallel.op('diag_kdn' if self.diagonal else 'iso_kdn')
-        o, fs, *at = fn(q, k, v, gates['log_alpha'], gates['omega'], gates['r'], info_scale=self.info_scale(),
-                        initial_state=ops.KDNState(state['memory'], state['variance']), output_final_state=True,
-                        segment_ids=segment_ids, impl=self.impl, chunk_size=self.chunk_size,
-                        **states_kw(positions))
-        return (o, {'memory': fs.memory, 'variance': fs.variance}) + tuple(
-            {'memory': a.memory, 'variance': a.variance} for a in at)
+  def _core(self, q, k, v, gates, state, segment_ids, positions=None):
+    if self._fused_front(gates):
+      return self._core_fused(q, k, v, gates, state, segment_ids, positions)
+    fn = context_parallel.op("diag_kdn" if self.diagonal else "iso_kdn")
+    o, fs, *at = fn(
+      q,
+      k,
+      v,
+      gates["log_alpha"],
+      gates["omega"],
+      gates["r"],
+      info_scale=self.info_scale(),
+      initial_state=ops.KDNState(state["memory"], state["variance"]),
+      output_final_state=True,
+      segment_ids=segment_ids,
+      impl=self.impl,
+      chunk_size=self.chunk_size,
+      **states_kw(positions),
+    )
+    return (o, {"memory": fs.memory, "variance": fs.variance}) + tuple(
+      {"memory": a.memory, "variance": a.variance} for a in at
+    )
 
-    def _core_fused(self, q, k, v, gates, state, segment_ids, positions=None):
-        """The pallas path with the fused front-end: gain kernels on the projections (they emit
-        log_alpha), then the delta rule with write kappa (iso: beta k), erase k. With positions,
-        the variance after each comes from the XLA variance scan on the plain front-end's gates
-        (the gain kernels keep their chunk carries inside)."""
-        raw = gates['raw']
-        from pallas_kernels import kdn_gain  # pylint: disable=g-import-not-at-top
-        fn = kdn_gain.diag_gain_fused if self.diagonal else kdn_gain.iso_gain_fused
-        # (diag: kappa stored as the delta rule wants it for this data; DeltaRuleConfig.bf16_write)
-        write_dtype = dispatch.pallas_module().write_dtype(jnp.result_type(q, k, v))
-        kw = dict(gain_dtype=write_dtype) if self.diagonal else {}
-        decay = self.decay
-        gain, log_alpha, variance = fn(k, raw['f'], decay.dt_bias[...], decay.A_log[...], raw['omega_raw'],
-                                       raw['r_raw'], self.r_min, self.info_scale(), state['variance'],
-                                       segment_ids, **kw)
-        # (iso: the write is beta k; the kernels form it from beta [B, T, H])
-        o, memory, *mem_at = ops.delta_rule(q, k, v, log_alpha, gain, initial_state=state['memory'],
-                                            output_final_state=True, segment_ids=segment_ids, impl='pallas',
-                                            chunk_size=self.chunk_size, **states_kw(positions))
-        out = (o, {'memory': memory, 'variance': variance})
-        if positions is None:
-            return out
-        scan = ops.diag_variance_scan if self.diagonal else ops.iso_variance_scan
-        _, post = scan(k.astype(jnp.float32), gates['log_alpha'], gates['omega'], gates['r'], self.info_scale(),
-                       state['variance'], segment_ids)
-        var_at = jnp.take(post, jnp.asarray(positions) - 1, axis=1)
-        return out + ({'memory': mem_at[0], 'variance': var_at},)
+  def _core_fused(self, q, k, v, gates, state, segment_ids, positions=None):
+    """The pallas path with the fused front-end: gain kernels on the projections (they emit
+    log_alpha), then the delta rule with write kappa (iso: beta k), erase k. With positions,
+    the variance after each comes from the XLA variance scan on the plain front-end's gates
+    (the gain kernels keep their chunk carries inside)."""
+    raw = gates["raw"]
+    from pallas_kernels import kdn_gain  # pylint: disable=g-import-not-at-top
 
-    def write_strength(self, x, *, initial_state=None, segment_ids=None):
-        """Effective same-key write strength beta_eff = z / (r + z), z = k^T P_hat k (docs/math.md section 2; iso:
-        z = b_hat ||k||^2), per token and head: the KDN paper's probe. x [B, T, d] -> float32 [B, T, H]."""
-        B = x.shape[0]
-        state = self.init_state(B) if initial_state is None else initial_state
-        _, k, _, _ = self.project(x, state['conv'], segment_ids)
-        g = self._gates(x)
-        kf = k.astype(jnp.float32)
-        scan = ops.diag_variance_scan if self.diagonal else ops.iso_variance_scan
-        prior, _ = scan(kf, g['log_alpha'], g['omega'], g['r'], self.info_scale(), state['variance'], segment_ids)
-        z = jnp.sum(prior * kf * kf, axis=-1) if self.diagonal else prior * jnp.sum(kf * kf, axis=-1)
-        return z / (g['r'] + z)
+    fn = kdn_gain.diag_gain_fused if self.diagonal else kdn_gain.iso_gain_fused
+    # (diag: kappa stored as the delta rule wants it for this data; DeltaRuleConfig.bf16_write)
+    write_dtype = dispatch.pallas_module().write_dtype(jnp.result_type(q, k, v))
+    kw = dict(gain_dtype=write_dtype) if self.diagonal else {}
+    decay = self.decay
+    gain, log_alpha, variance = fn(
+      k,
+      raw["f"],
+      decay.dt_bias[...],
+      decay.A_log[...],
+      raw["omega_raw"],
+      raw["r_raw"],
+      self.r_min,
+      self.info_scale(),
+      state["variance"],
+      segment_ids,
+      **kw,
+    )
+    # (iso: the write is beta k; the kernels form it from beta [B, T, H])
+    o, memory, *mem_at = ops.delta_rule(
+      q,
+      k,
+      v,
+      log_alpha,
+      gain,
+      initial_state=state["memory"],
+      output_final_state=True,
+      segment_ids=segment_ids,
+      impl="pallas",
+      chunk_size=self.chunk_size,
+      **states_kw(positions),
+    )
+    out = (o, {"memory": memory, "variance": variance})
+    if positions is None:
+      return out
+    scan = ops.diag_variance_scan if self.diagonal else ops.iso_variance_scan
+    _, post = scan(
+      k.astype(jnp.float32),
+      gates["log_alpha"],
+      gates["omega"],
+      gates["r"],
+      self.info_scale(),
+      state["variance"],
+      segment_ids,
+    )
+    var_at = jnp.take(post, jnp.asarray(positions) - 1, axis=1)
+    return out + ({"memory": mem_at[0], "variance": var_at},)
 
-    def _core_step(self, q, k, v, gates, state):
-        fn = ops.diag_kdn_step if self.diagonal else ops.iso_kdn_step
-        o, fs = fn(q, k, v, gates['log_alpha'], gates['omega'], gates['r'],
-                   ops.KDNState(state['memory'], state['variance']), info_scale=self.info_scale())
-        return o, {'memory': fs.memory, 'variance': fs.variance}
+  def write_strength(self, x, *, initial_state=None, segment_ids=None):
+    """Effective same-key write strength beta_eff = z / (r + z), z = k^T P_hat k (docs/math.md section 2; iso:
+    z = b_hat ||k||^2), per token and head: the KDN paper's probe. x [B, T, d] -> float32 [B, T, H]."""
+    B = x.shape[0]
+    state = self.init_state(B) if initial_state is None else initial_state
+    _, k, _, _ = self.project(x, state["conv"], segment_ids)
+    g = self._gates(x)
+    kf = k.astype(jnp.float32)
+    scan = ops.diag_variance_scan if self.diagonal else ops.iso_variance_scan
+    prior, _ = scan(
+      kf, g["log_alpha"], g["omega"], g["r"], self.info_scale(), state["variance"], segment_ids
+    )
+    z = jnp.sum(prior * kf * kf, axis=-1) if self.diagonal else prior * jnp.sum(kf * kf, axis=-1)
+    return z / (g["r"] + z)
+
+  def _core_step(self, q, k, v, gates, state):
+    fn = ops.diag_kdn_step if self.diagonal else ops.iso_kdn_step
+    o, fs = fn(
+      q,
+      k,
+      v,
+      gates["log_alpha"],
+      gates["omega"],
+      gates["r"],
+      ops.KDNState(state["memory"], state["variance"]),
+      info_scale=self.info_scale(),
+    )
+    return o, {"memory": fs.memory, "variance": fs.variance}
 
 
 class KDNDiag(KDNMixer):
-    diagonal = True
+  diagonal = True
 
 
 class KDNIso(KDNMixer):
-    diagonal = False
+  diagonal = False

@@ -26,6 +26,7 @@ Choices:
 
 State: {'memory': [B, H, K, V], 'conv': {...}} as for the other recurrent mixers.
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -37,36 +38,54 @@ from kdn_jax.layers.recurrent import RecurrentMixer, memory_outputs, states_kw
 
 
 class Mamba2(RecurrentMixer):
-    """Mamba-2 / SSD mixer: scalar per-head decay, dt-scaled input, no erase, per-head D skip."""
+  """Mamba-2 / SSD mixer: scalar per-head decay, dt-scaled input, no erase, per-head D skip."""
 
-    def _init_gates(self, cfg, rngs):
-        H = self.num_heads
-        self.decay = Decay(self.d_model, H, self.key_dim, per_channel=False, dtype=self.dtype,
-                           param_dtype=self.param_dtype, rngs=rngs)
-        self.D = make_param(rngs, ones_init, (H,), self.param_dtype, ('heads',))
-        self.scale = float(self.key_dim)
+  def _init_gates(self, cfg, rngs):
+    H = self.num_heads
+    self.decay = Decay(
+      self.d_model,
+      H,
+      self.key_dim,
+      per_channel=False,
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+      rngs=rngs,
+    )
+    self.D = make_param(rngs, ones_init, (H,), self.param_dtype, ("heads",))
+    self.scale = float(self.key_dim)
 
-    def _gates(self, x):
-        g, dt = self.decay.log_alpha_and_dt(x)  # [..., H] each
-        return {'g': g, 'dt': dt}
+  def _gates(self, x):
+    g, dt = self.decay.log_alpha_and_dt(x)  # [..., H] each
+    return {"g": g, "dt": dt}
 
-    @staticmethod
-    def _write(k, gates):
-        """dt_t k_t in k's dtype (bf16 runs keep the ops' fast 16-bit dot path; the op computes in fp32)."""
-        return (gates['dt'][..., None] * k.astype(jnp.float32)).astype(k.dtype)
+  @staticmethod
+  def _write(k, gates):
+    """dt_t k_t in k's dtype (bf16 runs keep the ops' fast 16-bit dot path; the op computes in fp32)."""
+    return (gates["dt"][..., None] * k.astype(jnp.float32)).astype(k.dtype)
 
-    def _skip(self, o, v):
-        return o.astype(jnp.float32) + self.D[...].astype(jnp.float32)[:, None] * v.astype(jnp.float32)
+  def _skip(self, o, v):
+    return o.astype(jnp.float32) + self.D[...].astype(jnp.float32)[:, None] * v.astype(jnp.float32)
 
-    def _core(self, q, k, v, gates, state, segment_ids, positions=None):
-        write = self._write(k, gates)
-        o, m, *at = ops.gla(q, write, v, gates['g'], scale=self.scale, initial_state=state['memory'],
-                            output_final_state=True, segment_ids=segment_ids, impl=self.impl,
-                            chunk_size=self.chunk_size, **states_kw(positions))
-        return memory_outputs(self._skip(o, v), m, at)
+  def _core(self, q, k, v, gates, state, segment_ids, positions=None):
+    write = self._write(k, gates)
+    o, m, *at = ops.gla(
+      q,
+      write,
+      v,
+      gates["g"],
+      scale=self.scale,
+      initial_state=state["memory"],
+      output_final_state=True,
+      segment_ids=segment_ids,
+      impl=self.impl,
+      chunk_size=self.chunk_size,
+      **states_kw(positions),
+    )
+    return memory_outputs(self._skip(o, v), m, at)
 
-    def _core_step(self, q, k, v, gates, state):
-        write = self._write(k, gates)
-        o, m = ops.delta_rule_step(q, jnp.zeros_like(write), v, gates['g'], write, state['memory'],
-                                   scale=self.scale)
-        return self._skip(o, v), {'memory': m}
+  def _core_step(self, q, k, v, gates, state):
+    write = self._write(k, gates)
+    o, m = ops.delta_rule_step(
+      q, jnp.zeros_like(write), v, gates["g"], write, state["memory"], scale=self.scale
+    )
+    return self._skip(o, v), {"memory": m}

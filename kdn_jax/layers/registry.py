@@ -1,6 +1,7 @@
 """Mixer registry: name -> class. Every class is built as ``cls(cfg, *, rngs)`` and implements
 ``__call__(x, *, initial_state=None, segment_ids=None) -> (y, final_state)``, ``step(x_t, state)``,
 ``init_state(batch)``, ``init_cache(batch, max_len)`` and ``prefill(x, cache)``."""
+
 from __future__ import annotations
 
 from kdn_jax.layers.attention import FullAttention, SlidingWindowAttention
@@ -9,26 +10,26 @@ from kdn_jax.layers.kdn_mixer import KDNDiag, KDNIso
 from kdn_jax.layers.mamba2 import Mamba2
 
 MIXERS = {
-    'kdn_diag': KDNDiag,
-    'kdn_iso': KDNIso,
-    'kda': KDA,
-    'gated_deltanet': GatedDeltaNet,
-    'deltanet': DeltaNet,
-    'gdn2': GDN2,
-    'gla': GLA,
-    'mamba2': Mamba2,
-    'attention': FullAttention,
-    'swa': SlidingWindowAttention,
+  "kdn_diag": KDNDiag,
+  "kdn_iso": KDNIso,
+  "kda": KDA,
+  "gated_deltanet": GatedDeltaNet,
+  "deltanet": DeltaNet,
+  "gdn2": GDN2,
+  "gla": GLA,
+  "mamba2": Mamba2,
+  "attention": FullAttention,
+  "swa": SlidingWindowAttention,
 }
 
-ATTENTION_MIXERS = ('attention', 'swa')
+ATTENTION_MIXERS = ("attention", "swa")
 
 
 def is_recurrent(name: str) -> bool:
-    return name not in ATTENTION_MIXERS
+  return name not in ATTENTION_MIXERS
 
 
 def make_mixer(name: str, cfg, *, rngs):
-    if name not in MIXERS:
-        raise ValueError(f'mixer: unknown mixer {name!r}; expected one of {sorted(MIXERS)}')
-    return MIXERS[name](cfg, rngs=rngs)
+  if name not in MIXERS:
+    raise ValueError(f"mixer: unknown mixer {name!r}; expected one of {sorted(MIXERS)}")
+  return MIXERS[name](cfg, rngs=rngs)

@@ -7,19 +7,20 @@ Parameters carry ``out_sharding`` metadata with these logical names. Map them to
 
 Names not present in the rules pass through unchanged, so the rules must cover every name.
 """
+
 from __future__ import annotations
 
-LOGICAL_AXES = ('vocab', 'embed', 'mlp', 'heads', 'kv', 'lowrank', 'conv', None)
+LOGICAL_AXES = ("vocab", "embed", "mlp", "heads", "kv", "lowrank", "conv", None)
 
 
-def logical_axis_rules(fsdp: str | None = 'fsdp', tensor: str | None = 'tensor') -> tuple:
-    """FSDP over the model dim, tensor parallelism over heads / MLP hidden / vocab."""
-    return (
-        ('vocab', tensor),
-        ('embed', fsdp),
-        ('mlp', tensor),
-        ('heads', tensor),
-        ('kv', None),
-        ('lowrank', None),
-        ('conv', None),
-    )
+def logical_axis_rules(fsdp: str | None = "fsdp", tensor: str | None = "tensor") -> tuple:
+  """FSDP over the model dim, tensor parallelism over heads / MLP hidden / vocab."""
+  return (
+    ("vocab", tensor),
+    ("embed", fsdp),
+    ("mlp", tensor),
+    ("heads", tensor),
+    ("kv", None),
+    ("lowrank", None),
+    ("conv", None),
+  )

@@ -10,6 +10,7 @@ cache is formed here either way. ``normalize=True`` L2-normalises each output ro
 axis (the recurrent mixers' q and k) in float32, after the rounding to the conv's dtype; the
 fused kernel does the same inside (no pass over the conv output through memory).
 """
+
 from __future__ import annotations
 
 import math
@@ -19,105 +20,128 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kdn_jax.layers.dense import make_param, normal_init
+
 # (defined with the conv kernel, the lowest package that needs them; re-exported here)
 from pallas_kernels.causal_conv1d import L2_EPS, causal_conv1d, positions_in_segment
 
 
 def l2_normalize(x, eps=L2_EPS):
-    """x / sqrt(|x|^2 + eps) over the last axis, in float32 (the fused conv kernel's eps)."""
-    xf = x.astype(jnp.float32)
-    return xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
+  """x / sqrt(|x|^2 + eps) over the last axis, in float32 (the fused conv kernel's eps)."""
+  xf = x.astype(jnp.float32)
+  return xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
 
 
 class ShortConv(nnx.Module):
-    def __init__(self, channels: tuple[int, ...], width: int = 4, *, names=('heads', 'kv'), activation=True,
-                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        self.channels, self.width, self.dtype, self.activation = tuple(channels), int(width), dtype, activation
-        if self.width < 1:
-            raise ValueError(f'conv_size must be >= 1, got {width}')
-        self.weight = make_param(rngs, normal_init(1.0 / math.sqrt(self.width)), (self.width,) + self.channels,
-                                 param_dtype, ('conv',) + tuple(names))
+  def __init__(
+    self,
+    channels: tuple[int, ...],
+    width: int = 4,
+    *,
+    names=("heads", "kv"),
+    activation=True,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    rngs: nnx.Rngs,
+  ):
+    self.channels, self.width, self.dtype, self.activation = (
+      tuple(channels),
+      int(width),
+      dtype,
+      activation,
+    )
+    if self.width < 1:
+      raise ValueError(f"conv_size must be >= 1, got {width}")
+    self.weight = make_param(
+      rngs,
+      normal_init(1.0 / math.sqrt(self.width)),
+      (self.width,) + self.channels,
+      param_dtype,
+      ("conv",) + tuple(names),
+    )
 
-    def init_cache(self, batch: int) -> jax.Array:
-        return jnp.zeros((batch, self.width - 1) + self.channels, jnp.float32)  # caches are kept in f32
+  def init_cache(self, batch: int) -> jax.Array:
+    return jnp.zeros((batch, self.width - 1) + self.channels, jnp.float32)  # caches are kept in f32
 
-    def _act(self, y):
-        return jax.nn.silu(y) if self.activation else y
+  def _act(self, y):
+    return jax.nn.silu(y) if self.activation else y
 
-    def fusable(self) -> bool:
-        """Whether the Pallas kernel covers this conv: channels (H, K) and width >= 2."""
-        return len(self.channels) == 2 and self.width >= 2
+  def fusable(self) -> bool:
+    """Whether the Pallas kernel covers this conv: channels (H, K) and width >= 2."""
+    return len(self.channels) == 2 and self.width >= 2
 
-    def __call__(self, x, cache=None, segment_ids=None, *, fused=False, normalize=False):
-        """x [B, T, *C] -> (y [B, T, *C], new_cache [B, W-1, *C]); normalize: y L2-normalised over
-        its last axis (float32 on the plain path, the conv's dtype from the kernel)."""
-        B, T = x.shape[:2]
-        if cache is None:
-            cache = self.init_cache(B)
-        x = x.astype(self.dtype)
-        xp = jnp.concatenate([cache.astype(self.dtype), x], axis=1)  # [B, W-1+T, C]
-        pos = None if segment_ids is None else positions_in_segment(segment_ids)
-        if fused and self.fusable():
-            y = causal_conv1d(x, self.weight[...], cache, segment_ids, activation=self.activation,
-                              normalize=normalize)
-        else:
-            y = self._act(self._conv(xp, T, pos)).astype(self.dtype)
-            y = l2_normalize(y) if normalize else y
-        return y, self._new_cache(xp, T, pos)
+  def __call__(self, x, cache=None, segment_ids=None, *, fused=False, normalize=False):
+    """x [B, T, *C] -> (y [B, T, *C], new_cache [B, W-1, *C]); normalize: y L2-normalised over
+    its last axis (float32 on the plain path, the conv's dtype from the kernel)."""
+    B, T = x.shape[:2]
+    if cache is None:
+      cache = self.init_cache(B)
+    x = x.astype(self.dtype)
+    xp = jnp.concatenate([cache.astype(self.dtype), x], axis=1)  # [B, W-1+T, C]
+    pos = None if segment_ids is None else positions_in_segment(segment_ids)
+    if fused and self.fusable():
+      y = causal_conv1d(
+        x, self.weight[...], cache, segment_ids, activation=self.activation, normalize=normalize
+      )
+    else:
+      y = self._act(self._conv(xp, T, pos)).astype(self.dtype)
+      y = l2_normalize(y) if normalize else y
+    return y, self._new_cache(xp, T, pos)
 
-    def _conv(self, xp, T, pos):
-        """The causal sums in fp32 (before the activation): the kernel's reference."""
-        B, W = xp.shape[0], self.width
-        w = self.weight[...].astype(jnp.float32)
-        extra = (1,) * len(self.channels)
-        y = jnp.zeros((B, T) + self.channels, jnp.float32)
-        t = jnp.arange(T, dtype=jnp.int32)[None, :]
-        for j in range(W):  # tap j looks j steps back
-            if pos is None:
-                y = y + xp[:, W - 1 - j: W - 1 - j + T].astype(jnp.float32) * w[W - 1 - j]
-            else:
-                idx = (W - 1) + jnp.where(pos >= j, t - j, pos - j)  # before the segment start -> cache
-                idx = jnp.broadcast_to(idx, (B, T)).reshape((B, T) + extra)
-                y = y + jnp.take_along_axis(xp, idx, axis=1).astype(jnp.float32) * w[W - 1 - j]
-        return y
+  def _conv(self, xp, T, pos):
+    """The causal sums in fp32 (before the activation): the kernel's reference."""
+    B, W = xp.shape[0], self.width
+    w = self.weight[...].astype(jnp.float32)
+    extra = (1,) * len(self.channels)
+    y = jnp.zeros((B, T) + self.channels, jnp.float32)
+    t = jnp.arange(T, dtype=jnp.int32)[None, :]
+    for j in range(W):  # tap j looks j steps back
+      if pos is None:
+        y = y + xp[:, W - 1 - j : W - 1 - j + T].astype(jnp.float32) * w[W - 1 - j]
+      else:
+        idx = (W - 1) + jnp.where(pos >= j, t - j, pos - j)  # before the segment start -> cache
+        idx = jnp.broadcast_to(idx, (B, T)).reshape((B, T) + extra)
+        y = y + jnp.take_along_axis(xp, idx, axis=1).astype(jnp.float32) * w[W - 1 - j]
+    return y
 
-    def _new_cache(self, xp, T, pos):
-        """The last W-1 inputs of every sequence's last segment (oldest first), float32."""
-        B, W = xp.shape[0], self.width
-        if pos is None:
-            return xp[:, T:].astype(jnp.float32)
-        extra = (1,) * len(self.channels)
-        pos_last = pos[:, -1:]
-        cols = []
-        for j in range(W - 2, -1, -1):  # oldest first
-            idx = (W - 1) + jnp.where(pos_last >= j, T - 1 - j, pos_last - j)
-            cols.append(jnp.take_along_axis(xp, idx.reshape((B, 1) + extra), axis=1))
-        new_cache = jnp.concatenate(cols, axis=1) if cols else xp[:, :0]
-        return new_cache.astype(jnp.float32)
+  def _new_cache(self, xp, T, pos):
+    """The last W-1 inputs of every sequence's last segment (oldest first), float32."""
+    B, W = xp.shape[0], self.width
+    if pos is None:
+      return xp[:, T:].astype(jnp.float32)
+    extra = (1,) * len(self.channels)
+    pos_last = pos[:, -1:]
+    cols = []
+    for j in range(W - 2, -1, -1):  # oldest first
+      idx = (W - 1) + jnp.where(pos_last >= j, T - 1 - j, pos_last - j)
+      cols.append(jnp.take_along_axis(xp, idx.reshape((B, 1) + extra), axis=1))
+    new_cache = jnp.concatenate(cols, axis=1) if cols else xp[:, :0]
+    return new_cache.astype(jnp.float32)
 
-    def caches_at(self, x, cache, positions, segment_ids=None):
-        """The cache after each position p (the last W-1 inputs before p of p - 1's segment, its
-        earlier part from ``cache`` where that segment began less than W-1 tokens before):
-        x [B, T, *C], positions [P] ints in [1, T] -> [B, P, W-1, *C] float32."""
-        B, T = x.shape[:2]
-        W = self.width
-        if cache is None:
-            cache = self.init_cache(B)
-        xp = jnp.concatenate([cache.astype(self.dtype), x.astype(self.dtype)], axis=1)
-        last = jnp.asarray(positions, jnp.int32)[None, :] - 1                        # [1, P]
-        pos = last if segment_ids is None else positions_in_segment(segment_ids)[:, last[0]]
-        extra = (1,) * len(self.channels)
-        cols = []
-        for j in range(W - 2, -1, -1):  # oldest first
-            idx = (W - 1) + jnp.where(pos >= j, last - j, pos - j)
-            idx = jnp.broadcast_to(idx, (B, last.shape[1])).reshape((B, -1) + extra)
-            cols.append(jnp.take_along_axis(xp, idx, axis=1))
-        if not cols:
-            return jnp.zeros((B, last.shape[1], 0) + self.channels, jnp.float32)
-        return jnp.stack(cols, axis=2).astype(jnp.float32)
+  def caches_at(self, x, cache, positions, segment_ids=None):
+    """The cache after each position p (the last W-1 inputs before p of p - 1's segment, its
+    earlier part from ``cache`` where that segment began less than W-1 tokens before):
+    x [B, T, *C], positions [P] ints in [1, T] -> [B, P, W-1, *C] float32."""
+    B, T = x.shape[:2]
+    W = self.width
+    if cache is None:
+      cache = self.init_cache(B)
+    xp = jnp.concatenate([cache.astype(self.dtype), x.astype(self.dtype)], axis=1)
+    last = jnp.asarray(positions, jnp.int32)[None, :] - 1  # [1, P]
+    pos = last if segment_ids is None else positions_in_segment(segment_ids)[:, last[0]]
+    extra = (1,) * len(self.channels)
+    cols = []
+    for j in range(W - 2, -1, -1):  # oldest first
+      idx = (W - 1) + jnp.where(pos >= j, last - j, pos - j)
+      idx = jnp.broadcast_to(idx, (B, last.shape[1])).reshape((B, -1) + extra)
+      cols.append(jnp.take_along_axis(xp, idx, axis=1))
+    if not cols:
+      return jnp.zeros((B, last.shape[1], 0) + self.channels, jnp.float32)
+    return jnp.stack(cols, axis=2).astype(jnp.float32)
 
-    def step(self, x_t, cache):
-        """x_t [B, *C] -> (y_t, new_cache)."""
-        window = jnp.concatenate([cache.astype(self.dtype), x_t.astype(self.dtype)[:, None]], axis=1)  # [B, W, C]
-        y = jnp.sum(window.astype(jnp.float32) * self.weight[...].astype(jnp.float32)[None], axis=1)
-        return self._act(y).astype(self.dtype), window[:, 1:].astype(jnp.float32)
+  def step(self, x_t, cache):
+    """x_t [B, *C] -> (y_t, new_cache)."""
+    window = jnp.concatenate(
+      [cache.astype(self.dtype), x_t.astype(self.dtype)[:, None]], axis=1
+    )  # [B, W, C]
+    y = jnp.sum(window.astype(jnp.float32) * self.weight[...].astype(jnp.float32)[None], axis=1)
+    return self._act(y).astype(self.dtype), window[:, 1:].astype(jnp.float32)

@@ -8,6 +8,7 @@ model.prefix_states(tokens, positions)`` holds the decode cache after every pref
 after prefix i with the prompt's remaining tokens ``rest`` (or, with ``rest`` empty, from
 ``last_logits=logits[:, i]``), and equals generating from the whole prompt.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,124 +21,164 @@ from flax import nnx
 
 
 def sample_logits(logits, rng, temperature: float = 0.0, top_k: int | None = None):
-    """logits [B, V] -> tokens [B] int32. temperature 0 = greedy."""
-    if temperature is None or temperature <= 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits.astype(jnp.float32) / temperature
-    if top_k is not None and top_k > 0 and top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+  """logits [B, V] -> tokens [B] int32. temperature 0 = greedy."""
+  if temperature is None or temperature <= 0.0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logits = logits.astype(jnp.float32) / temperature
+  if top_k is not None and top_k > 0 and top_k < logits.shape[-1]:
+    kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
 def cache_at(caches, i: int):
-    """The decode cache after prefix i of ``model.prefix_states``' caches (leaves [B, P, ...] ->
-    [B, ...])."""
-    return jax.tree.map(lambda a: a[:, i], caches)
+  """The decode cache after prefix i of ``model.prefix_states``' caches (leaves [B, P, ...] ->
+  [B, ...])."""
+  return jax.tree.map(lambda a: a[:, i], caches)
 
 
 @dataclasses.dataclass(frozen=True)
 class GenerationStats:
-    """Wall times of one ``generate`` call (compilation included on a first call of a shape).
+  """Wall times of one ``generate`` call (compilation included on a first call of a shape).
 
-    generated: tokens generated per row up to and including its EOS ([B] ints);
-    time_to_first_token_s: prefill (or the cached prefix's logits) to the first sampled token;
-    decode_s: the token loop after it; tokens_per_s: all rows' generated tokens over both;
-    decode_tokens_per_s: the tokens after the first over decode_s."""
+  generated: tokens generated per row up to and including its EOS ([B] ints);
+  time_to_first_token_s: prefill (or the cached prefix's logits) to the first sampled token;
+  decode_s: the token loop after it; tokens_per_s: all rows' generated tokens over both;
+  decode_tokens_per_s: the tokens after the first over decode_s."""
 
-    generated: tuple
-    time_to_first_token_s: float
-    decode_s: float
-    tokens_per_s: float
-    decode_tokens_per_s: float
+  generated: tuple
+  time_to_first_token_s: float
+  decode_s: float
+  tokens_per_s: float
+  decode_tokens_per_s: float
 
 
-@functools.partial(jax.jit, static_argnames=('graphdef', 'temperature', 'top_k', 'max_len'))
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "top_k", "max_len"))
 def _first_token(graphdef, state, prompt, cache, last_logits, rng, *, temperature, top_k, max_len):
-    """Prefill (from cache, or a fresh one when None) and sample the first token."""
-    model = nnx.merge(graphdef, state)
-    if cache is None:
-        cache = model.init_cache(prompt.shape[0], max_len)
-    if prompt.shape[1]:
-        logits, cache = model.prefill(prompt, cache)
-        last_logits = logits[:, -1]
+  """Prefill (from cache, or a fresh one when None) and sample the first token."""
+  model = nnx.merge(graphdef, state)
+  if cache is None:
+    cache = model.init_cache(prompt.shape[0], max_len)
+  if prompt.shape[1]:
+    logits, cache = model.prefill(prompt, cache)
+    last_logits = logits[:, -1]
+  rng, sub = jax.random.split(rng)
+  return sample_logits(last_logits, sub, temperature, top_k), cache, rng
+
+
+@functools.partial(
+  jax.jit,
+  static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "eos_id", "pad_id"),
+)
+def _decode(
+  graphdef, state, first, cache, rng, *, max_new_tokens, temperature, top_k, eos_id, pad_id
+):
+  """Tokens 1..max_new_tokens-1 after `first`, stopping once every row has emitted eos_id; rows that
+  are done get pad_id. Returns (tokens [B, max_new_tokens], generated count per row)."""
+  model = nnx.merge(graphdef, state)
+  B = first.shape[0]
+  out = jnp.full((B, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
+  done = jnp.zeros((B,), bool) if eos_id is None else first == eos_id
+  count = jnp.ones((B,), jnp.int32)
+
+  def cond(carry):
+    i, _, _, _, _, done, _ = carry
+    return (i < max_new_tokens) & ~jnp.all(done)
+
+  def body(carry):
+    i, tok, cache, rng, out, done, count = carry
+    logits, cache = model.decode_step(tok, cache)
     rng, sub = jax.random.split(rng)
-    return sample_logits(last_logits, sub, temperature, top_k), cache, rng
+    tok = jnp.where(done, pad_id, sample_logits(logits, sub, temperature, top_k))
+    out = jax.lax.dynamic_update_slice(out, tok[:, None], (0, i))
+    count = count + (~done).astype(jnp.int32)
+    if eos_id is not None:
+      done = done | (tok == eos_id)
+    return i + 1, tok, cache, rng, out, done, count
+
+  carry = (jnp.int32(1), first, cache, rng, out, done, count)
+  _, _, _, _, out, _, count = jax.lax.while_loop(cond, body, carry)
+  return out, count
 
 
-@functools.partial(jax.jit, static_argnames=('graphdef', 'max_new_tokens', 'temperature', 'top_k', 'eos_id',
-                                             'pad_id'))
-def _decode(graphdef, state, first, cache, rng, *, max_new_tokens, temperature, top_k, eos_id, pad_id):
-    """Tokens 1..max_new_tokens-1 after `first`, stopping once every row has emitted eos_id; rows that
-    are done get pad_id. Returns (tokens [B, max_new_tokens], generated count per row)."""
-    model = nnx.merge(graphdef, state)
-    B = first.shape[0]
-    out = jnp.full((B, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
-    done = jnp.zeros((B,), bool) if eos_id is None else first == eos_id
-    count = jnp.ones((B,), jnp.int32)
+def generate(
+  model,
+  prompt,
+  max_new_tokens: int,
+  *,
+  temperature: float = 0.0,
+  top_k: int | None = None,
+  rng=None,
+  cache=None,
+  last_logits=None,
+  eos_id: int | None = None,
+  pad_id: int | None = None,
+  return_stats: bool = False,
+):
+  """prompt [B, T] int32 -> [B, T + max_new_tokens] (prompt followed by the generated tokens).
 
-    def cond(carry):
-        i, _, _, _, _, done, _ = carry
-        return (i < max_new_tokens) & ~jnp.all(done)
-
-    def body(carry):
-        i, tok, cache, rng, out, done, count = carry
-        logits, cache = model.decode_step(tok, cache)
-        rng, sub = jax.random.split(rng)
-        tok = jnp.where(done, pad_id, sample_logits(logits, sub, temperature, top_k))
-        out = jax.lax.dynamic_update_slice(out, tok[:, None], (0, i))
-        count = count + (~done).astype(jnp.int32)
-        if eos_id is not None:
-            done = done | (tok == eos_id)
-        return i + 1, tok, cache, rng, out, done, count
-
-    carry = (jnp.int32(1), first, cache, rng, out, done, count)
-    _, _, _, _, out, _, count = jax.lax.while_loop(cond, body, carry)
-    return out, count
-
-
-def generate(model, prompt, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
-             rng=None, cache=None, last_logits=None, eos_id: int | None = None, pad_id: int | None = None,
-             return_stats: bool = False):
-    """prompt [B, T] int32 -> [B, T + max_new_tokens] (prompt followed by the generated tokens).
-
-    cache: a decode cache to continue from (``model.init_cache`` layout, e.g. ``cache_at`` of
-    ``model.prefix_states``); the prompt then holds the tokens after that prefix, and may be empty
-    ([B, 0]) when ``last_logits`` [B, vocab] (the logits after the prefix) is given. eos_id: a row
-    stops after emitting it; its later positions hold pad_id (default eos_id), and the loop ends when
-    every row has stopped. return_stats: also return GenerationStats (tokens/s, time to first
-    token)."""
-    prompt = jnp.asarray(prompt, jnp.int32)
-    if prompt.ndim != 2:
-        raise ValueError(f'generate: prompt must be [B, T] token ids, got shape {prompt.shape}')
-    if prompt.shape[1] == 0 and (cache is None or last_logits is None):
-        raise ValueError('generate: an empty prompt needs a cache and last_logits (the cached prefix)')
-    if last_logits is not None and prompt.shape[1]:
-        raise ValueError('generate: last_logits is for an empty prompt (the prompt prefills from cache)')
-    if max_new_tokens <= 0:
-        return (prompt, None) if return_stats else prompt
-    if rng is None:
-        if temperature and temperature > 0:
-            raise ValueError('sampling with temperature > 0 needs rng')
-        rng = jax.random.key(0)
-    pad_id = eos_id if pad_id is None else pad_id
-    pad_id = 0 if pad_id is None else int(pad_id)
-    graphdef, state = nnx.split(model)
-    sampling = dict(temperature=float(temperature or 0.0), top_k=None if top_k is None else int(top_k))
-    t0 = time.perf_counter()
-    first, cache, rng = _first_token(graphdef, state, prompt, cache, last_logits, rng,
-                                     max_len=int(prompt.shape[1] + max_new_tokens), **sampling)
-    first.block_until_ready()
-    t1 = time.perf_counter()
-    new, count = _decode(graphdef, state, first, cache, rng, max_new_tokens=int(max_new_tokens),
-                         eos_id=None if eos_id is None else int(eos_id), pad_id=pad_id, **sampling)
-    new.block_until_ready()
-    t2 = time.perf_counter()
-    out = jnp.concatenate([prompt, new], axis=1)
-    if not return_stats:
-        return out
-    total = int(jnp.sum(count))
-    stats = GenerationStats(generated=tuple(int(c) for c in count), time_to_first_token_s=t1 - t0,
-                            decode_s=t2 - t1, tokens_per_s=total / max(t2 - t0, 1e-12),
-                            decode_tokens_per_s=(total - prompt.shape[0]) / max(t2 - t1, 1e-12))
-    return out, stats
+  cache: a decode cache to continue from (``model.init_cache`` layout, e.g. ``cache_at`` of
+  ``model.prefix_states``); the prompt then holds the tokens after that prefix, and may be empty
+  ([B, 0]) when ``last_logits`` [B, vocab] (the logits after the prefix) is given. eos_id: a row
+  stops after emitting it; its later positions hold pad_id (default eos_id), and the loop ends when
+  every row has stopped. return_stats: also return GenerationStats (tokens/s, time to first
+  token)."""
+  prompt = jnp.asarray(prompt, jnp.int32)
+  if prompt.ndim != 2:
+    raise ValueError(f"generate: prompt must be [B, T] token ids, got shape {prompt.shape}")
+  if prompt.shape[1] == 0 and (cache is None or last_logits is None):
+    raise ValueError("generate: an empty prompt needs a cache and last_logits (the cached prefix)")
+  if last_logits is not None and prompt.shape[1]:
+    raise ValueError(
+      "generate: last_logits is for an empty prompt (the prompt prefills from cache)"
+    )
+  if max_new_tokens <= 0:
+    return (prompt, None) if return_stats else prompt
+  if rng is None:
+    if temperature and temperature > 0:
+      raise ValueError("sampling with temperature > 0 needs rng")
+    rng = jax.random.key(0)
+  pad_id = eos_id if pad_id is None else pad_id
+  pad_id = 0 if pad_id is None else int(pad_id)
+  graphdef, state = nnx.split(model)
+  sampling = dict(
+    temperature=float(temperature or 0.0), top_k=None if top_k is None else int(top_k)
+  )
+  t0 = time.perf_counter()
+  first, cache, rng = _first_token(
+    graphdef,
+    state,
+    prompt,
+    cache,
+    last_logits,
+    rng,
+    max_len=int(prompt.shape[1] + max_new_tokens),
+    **sampling,
+  )
+  first.block_until_ready()
+  t1 = time.perf_counter()
+  new, count = _decode(
+    graphdef,
+    state,
+    first,
+    cache,
+    rng,
+    max_new_tokens=int(max_new_tokens),
+    eos_id=None if eos_id is None else int(eos_id),
+    pad_id=pad_id,
+    **sampling,
+  )
+  new.block_until_ready()
+  t2 = time.perf_counter()
+  out = jnp.concatenate([prompt, new], axis=1)
+  if not return_stats:
+    return out
+  total = int(jnp.sum(count))
+  stats = GenerationStats(
+    generated=tuple(int(c) for c in count),
+    time_to_first_token_s=t1 - t0,
+    decode_s=t2 - t1,
+    tokens_per_s=total / max(t2 - t0, 1e-12),
+    decode_tokens_per_s=(total - prompt.shape[0]) / max(t2 - t1, 1e-12),
+  )
+  return out, stats

@@ -12,11 +12,11 @@
   mixer_inputs(tokens)         every mixer's normalised input (probes).
 The residual stream is kept in float32; mixers/MLP compute in cfg.dtype.
 """
+
 from __future__ import annotations
 
-import jax
-import ml_collections
 import jax.numpy as jnp
+import ml_collections
 from flax import nnx
 
 from kdn_jax.layers.dense import Dense, make_param, normal_init, project
@@ -30,153 +30,162 @@ from kdn_jax.ops import states_at as ops_states_at
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg, mixer_name: str, *, rngs: nnx.Rngs):
-        d = int(cfg.d_model)
-        dtype, pdt = get_dtype(cfg.dtype), get_dtype(cfg.param_dtype)
-        self.mixer_name = mixer_name
-        self.norm1 = RMSNorm(d, eps=float(cfg.norm_eps), dtype=dtype, param_dtype=pdt)
-        self.mixer = make_mixer(mixer_name, cfg, rngs=rngs)
-        self.norm2 = RMSNorm(d, eps=float(cfg.norm_eps), dtype=dtype, param_dtype=pdt)
-        self.mlp = SwiGLU(d, effective_mlp_hidden(cfg), dtype=dtype, param_dtype=pdt, rngs=rngs)
+  def __init__(self, cfg, mixer_name: str, *, rngs: nnx.Rngs):
+    d = int(cfg.d_model)
+    dtype, pdt = get_dtype(cfg.dtype), get_dtype(cfg.param_dtype)
+    self.mixer_name = mixer_name
+    self.norm1 = RMSNorm(d, eps=float(cfg.norm_eps), dtype=dtype, param_dtype=pdt)
+    self.mixer = make_mixer(mixer_name, cfg, rngs=rngs)
+    self.norm2 = RMSNorm(d, eps=float(cfg.norm_eps), dtype=dtype, param_dtype=pdt)
+    self.mlp = SwiGLU(d, effective_mlp_hidden(cfg), dtype=dtype, param_dtype=pdt, rngs=rngs)
 
-    def __call__(self, x, state=None, segment_ids=None):
-        y, st = self.mixer(self.norm1(x), initial_state=state, segment_ids=segment_ids)
-        x = x + y.astype(jnp.float32)
-        x = x + self.mlp(self.norm2(x)).astype(jnp.float32)
-        return x, st
+  def __call__(self, x, state=None, segment_ids=None):
+    y, st = self.mixer(self.norm1(x), initial_state=state, segment_ids=segment_ids)
+    x = x + y.astype(jnp.float32)
+    x = x + self.mlp(self.norm2(x)).astype(jnp.float32)
+    return x, st
 
-    def with_states_at(self, x, positions, state=None, segment_ids=None):
-        """Like __call__, plus the mixer's state after each position (leaves [B, P, ...])."""
-        if not isinstance(self.mixer, RecurrentMixer):
-            raise NotImplementedError(f'prefix states: mixer {self.mixer_name!r} keeps no recurrent state to '
-                                      'read at positions (attention layers are not supported)')
-        y, st, at = self.mixer(self.norm1(x), initial_state=state, segment_ids=segment_ids, states_at=positions)
-        x = x + y.astype(jnp.float32)
-        x = x + self.mlp(self.norm2(x)).astype(jnp.float32)
-        return x, st, at
+  def with_states_at(self, x, positions, state=None, segment_ids=None):
+    """Like __call__, plus the mixer's state after each position (leaves [B, P, ...])."""
+    if not isinstance(self.mixer, RecurrentMixer):
+      raise NotImplementedError(
+        f"prefix states: mixer {self.mixer_name!r} keeps no recurrent state to "
+        "read at positions (attention layers are not supported)"
+      )
+    y, st, at = self.mixer(
+      self.norm1(x), initial_state=state, segment_ids=segment_ids, states_at=positions
+    )
+    x = x + y.astype(jnp.float32)
+    x = x + self.mlp(self.norm2(x)).astype(jnp.float32)
+    return x, st, at
 
-    def prefill(self, x, cache):
-        y, cache = self.mixer.prefill(self.norm1(x), cache)
-        x = x + y.astype(jnp.float32)
-        return x + self.mlp(self.norm2(x)).astype(jnp.float32), cache
+  def prefill(self, x, cache):
+    y, cache = self.mixer.prefill(self.norm1(x), cache)
+    x = x + y.astype(jnp.float32)
+    return x + self.mlp(self.norm2(x)).astype(jnp.float32), cache
 
-    def step(self, x_t, cache):
-        y, cache = self.mixer.step(self.norm1(x_t), cache)
-        x_t = x_t + y.astype(jnp.float32)
-        return x_t + self.mlp(self.norm2(x_t)).astype(jnp.float32), cache
+  def step(self, x_t, cache):
+    y, cache = self.mixer.step(self.norm1(x_t), cache)
+    x_t = x_t + y.astype(jnp.float32)
+    return x_t + self.mlp(self.norm2(x_t)).astype(jnp.float32), cache
 
 
 class LanguageModel(nnx.Module):
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
-        validate_config(cfg)
-        self.cfg = ml_collections.FrozenConfigDict(cfg)  # hashable, so the graphdef can be a static jit arg
-        d, vocab = int(cfg.d_model), int(cfg.vocab_size)
-        self.dtype, pdt = get_dtype(cfg.dtype), get_dtype(cfg.param_dtype)
-        self.layer_names = tuple(layer_mixers(cfg))
-        self.embed = make_param(rngs, normal_init(1.0), (vocab, d), pdt, ('vocab', 'embed'))
-        self.blocks = nnx.List([Block(cfg, name, rngs=rngs) for name in self.layer_names])
-        self.final_norm = RMSNorm(d, eps=float(cfg.norm_eps), dtype=self.dtype, param_dtype=pdt)
-        self.tie_embeddings = bool(cfg.tie_embeddings)
-        if self.tie_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = Dense(d, vocab, ('embed', 'vocab'), dtype=self.dtype, param_dtype=pdt, rngs=rngs)
-        self.remat = bool(cfg.get('remat', False))
-        self.scan_layers = bool(cfg.get('scan_layers', False))
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    validate_config(cfg)
+    self.cfg = ml_collections.FrozenConfigDict(
+      cfg
+    )  # hashable, so the graphdef can be a static jit arg
+    d, vocab = int(cfg.d_model), int(cfg.vocab_size)
+    self.dtype, pdt = get_dtype(cfg.dtype), get_dtype(cfg.param_dtype)
+    self.layer_names = tuple(layer_mixers(cfg))
+    self.embed = make_param(rngs, normal_init(1.0), (vocab, d), pdt, ("vocab", "embed"))
+    self.blocks = nnx.List([Block(cfg, name, rngs=rngs) for name in self.layer_names])
+    self.final_norm = RMSNorm(d, eps=float(cfg.norm_eps), dtype=self.dtype, param_dtype=pdt)
+    self.tie_embeddings = bool(cfg.tie_embeddings)
+    if self.tie_embeddings:
+      self.lm_head = None
+    else:
+      self.lm_head = Dense(
+        d, vocab, ("embed", "vocab"), dtype=self.dtype, param_dtype=pdt, rngs=rngs
+      )
+    self.remat = bool(cfg.get("remat", False))
+    self.scan_layers = bool(cfg.get("scan_layers", False))
 
-    # ---------------------------------------------------------------------------------------------
-    def _embed(self, tokens):
-        return jnp.take(self.embed[...], tokens, axis=0).astype(jnp.float32)
+  # ---------------------------------------------------------------------------------------------
+  def _embed(self, tokens):
+    return jnp.take(self.embed[...], tokens, axis=0).astype(jnp.float32)
 
-    def _logits(self, x):
-        h = self.final_norm(x)
-        if self.tie_embeddings:
-            # embeddings ~ N(0, 1); scale the tied read-out by d^-1/2 so initial logits are O(1)
-            w = self.embed[...].astype(self.dtype)
-            logits = project(h.astype(self.dtype), w, (((h.ndim - 1,), (1,))))
-            return logits * (int(self.cfg.d_model) ** -0.5)
-        return self.lm_head(h).astype(jnp.float32)
+  def _logits(self, x):
+    h = self.final_norm(x)
+    if self.tie_embeddings:
+      # embeddings ~ N(0, 1); scale the tied read-out by d^-1/2 so initial logits are O(1)
+      w = self.embed[...].astype(self.dtype)
+      logits = project(h.astype(self.dtype), w, (((h.ndim - 1,), (1,))))
+      return logits * (int(self.cfg.d_model) ** -0.5)
+    return self.lm_head(h).astype(jnp.float32)
 
-    def init_states(self, batch: int) -> list:
-        return [blk.mixer.init_state(batch) for blk in self.blocks]
+  def init_states(self, batch: int) -> list:
+    return [blk.mixer.init_state(batch) for blk in self.blocks]
 
-    def init_cache(self, batch: int, max_len: int) -> list:
-        return [blk.mixer.init_cache(batch, max_len) for blk in self.blocks]
+  def init_cache(self, batch: int, max_len: int) -> list:
+    return [blk.mixer.init_cache(batch, max_len) for blk in self.blocks]
 
-    def __call__(self, tokens, *, states=None, segment_ids=None, read_positions=None):
-        """tokens [B, T] -> (logits [B, T, V] float32, final states). ``read_positions`` [B, P] int: logits
-        only at those positions ([B, P, V]): a loss scored at a few positions (MQAR's queries) need not
-        hold the vocabulary's logits at every position."""
-        if states is None:
-            states = [None] * len(self.blocks)
-        if len(states) != len(self.blocks):
-            raise ValueError(f'states has {len(states)} entries, model has {len(self.blocks)} layers')
-        x = self._embed(tokens)
-        if self.scan_layers and layer_scan.can_scan(self.layer_names, states):
-            x, new_states = layer_scan.scan_blocks(list(self.blocks), self.layer_names, x, states, segment_ids,
-                                                   remat=self.remat)
-            return self._logits(_take_positions(x, read_positions)), new_states
-        new_states = []
-        for blk, st in zip(self.blocks, states):
-            if self.remat:
-                x, st = nnx.remat(lambda b, x_, s_, seg_: b(x_, s_, seg_))(blk, x, st, segment_ids)
-            else:
-                x, st = blk(x, st, segment_ids)
-            new_states.append(st)
-        return self._logits(_take_positions(x, read_positions)), new_states
+  def __call__(self, tokens, *, states=None, segment_ids=None, read_positions=None):
+    """tokens [B, T] -> (logits [B, T, V] float32, final states). ``read_positions`` [B, P] int: logits
+    only at those positions ([B, P, V]): a loss scored at a few positions (MQAR's queries) need not
+    hold the vocabulary's logits at every position."""
+    if states is None:
+      states = [None] * len(self.blocks)
+    if len(states) != len(self.blocks):
+      raise ValueError(f"states has {len(states)} entries, model has {len(self.blocks)} layers")
+    x = self._embed(tokens)
+    if self.scan_layers and layer_scan.can_scan(self.layer_names, states):
+      x, new_states = layer_scan.scan_blocks(
+        list(self.blocks), self.layer_names, x, states, segment_ids, remat=self.remat
+      )
+      return self._logits(_take_positions(x, read_positions)), new_states
+    new_states = []
+    for blk, st in zip(self.blocks, states):
+      if self.remat:
+        x, st = nnx.remat(lambda b, x_, s_, seg_: b(x_, s_, seg_))(blk, x, st, segment_ids)
+      else:
+        x, st = blk(x, st, segment_ids)
+      new_states.append(st)
+    return self._logits(_take_positions(x, read_positions)), new_states
 
-    def has_prefix_states(self) -> bool:
-        """Whether prefix_states applies: every layer a recurrent mixer."""
-        return all(isinstance(blk.mixer, RecurrentMixer) for blk in self.blocks)
+  def has_prefix_states(self) -> bool:
+    """Whether prefix_states applies: every layer a recurrent mixer."""
+    return all(isinstance(blk.mixer, RecurrentMixer) for blk in self.blocks)
 
-    def prefix_states(self, tokens, positions, *, states=None, segment_ids=None):
-        """The decode cache after each prompt prefix, from one forward (the ops' output_states_at).
+  def prefix_states(self, tokens, positions, *, states=None, segment_ids=None):
+    """The decode cache after each prompt prefix, from one forward (the ops' output_states_at).
 
-        tokens [B, T] int32; positions: [P] ints known when tracing, sorted, in [1, T] (prefix p =
-        tokens[:, :p]). Returns (logits [B, P, vocab] float32: the next-token logits after each
-        prefix, caches: one entry per layer, the state that layer's decode_step continues from
-        after each prefix, leaves [B, P, ...]; `kdn_jax.models.generate.cache_at` picks one).
-        Recurrent mixers only."""
-        positions = ops_states_at.check_positions('prefix_states', positions, tokens.shape[1])
-        if states is None:
-            states = [None] * len(self.blocks)
-        x = self._embed(tokens)
-        caches = []
-        for blk, st in zip(self.blocks, states):
-            x, _, at = blk.with_states_at(x, positions, st, segment_ids)
-            caches.append(at)
-        read = jnp.broadcast_to(jnp.asarray(positions - 1)[None], (tokens.shape[0], len(positions)))
-        return self._logits(_take_positions(x, read)), caches
+    tokens [B, T] int32; positions: [P] ints known when tracing, sorted, in [1, T] (prefix p =
+    tokens[:, :p]). Returns (logits [B, P, vocab] float32: the next-token logits after each
+    prefix, caches: one entry per layer, the state that layer's decode_step continues from
+    after each prefix, leaves [B, P, ...]; `kdn_jax.models.generate.cache_at` picks one).
+    Recurrent mixers only."""
+    positions = ops_states_at.check_positions("prefix_states", positions, tokens.shape[1])
+    if states is None:
+      states = [None] * len(self.blocks)
+    x = self._embed(tokens)
+    caches = []
+    for blk, st in zip(self.blocks, states):
+      x, _, at = blk.with_states_at(x, positions, st, segment_ids)
+      caches.append(at)
+    read = jnp.broadcast_to(jnp.asarray(positions - 1)[None], (tokens.shape[0], len(positions)))
+    return self._logits(_take_positions(x, read)), caches
 
-    def mixer_inputs(self, tokens, *, segment_ids=None) -> list:
-        """The normalised input of every layer's mixer ([B, T, d] each), from the normal initial state:
-        for probes of the recurrence (e.g. KDN's write strength) on real activations."""
-        x = self._embed(tokens)
-        out = []
-        for blk in self.blocks:
-            out.append(blk.norm1(x))
-            x, _ = blk(x, None, segment_ids)
-        return out
+  def mixer_inputs(self, tokens, *, segment_ids=None) -> list:
+    """The normalised input of every layer's mixer ([B, T, d] each), from the normal initial state:
+    for probes of the recurrence (e.g. KDN's write strength) on real activations."""
+    x = self._embed(tokens)
+    out = []
+    for blk in self.blocks:
+      out.append(blk.norm1(x))
+      x, _ = blk(x, None, segment_ids)
+    return out
 
-    def prefill(self, tokens, cache):
-        x = self._embed(tokens)
-        new = []
-        for blk, c in zip(self.blocks, cache):
-            x, c = blk.prefill(x, c)
-            new.append(c)
-        return self._logits(x), new
+  def prefill(self, tokens, cache):
+    x = self._embed(tokens)
+    new = []
+    for blk, c in zip(self.blocks, cache):
+      x, c = blk.prefill(x, c)
+      new.append(c)
+    return self._logits(x), new
 
-    def decode_step(self, token, cache):
-        x = self._embed(token)
-        new = []
-        for blk, c in zip(self.blocks, cache):
-            x, c = blk.step(x, c)
-            new.append(c)
-        return self._logits(x), new
+  def decode_step(self, token, cache):
+    x = self._embed(token)
+    new = []
+    for blk, c in zip(self.blocks, cache):
+      x, c = blk.step(x, c)
+      new.append(c)
+    return self._logits(x), new
 
 
 def _take_positions(x, positions):
-    """x [B, T, d] at positions [B, P] -> [B, P, d] (None: x)."""
-    if positions is None:
-        return x
-    return jnp.take_along_axis(x, positions[..., None].astype(jnp.int32), axis=1)
+  """x [B, T, d] at positions [B, P] -> [B, P, d] (None: x)."""
+  if positions is None:
+    return x
+  return jnp.take_along_axis(x, positions[..., None].astype(jnp.int32), axis=1)

@@ -13,10 +13,20 @@ raises InvalidValueError; `checked(fn)` makes that work under jit.
 
 from kdn_jax.ops import context_parallel
 from kdn_jax.ops.context_parallel import context_sharded, sequence_sharding
-from kdn_jax.ops.delta_rule import (delta_net, delta_net_step, delta_rule,
-                                    delta_rule_step, gated_delta_rule,
-                                    gated_delta_rule_step, gdn2, gdn2_step,
-                                    gla, gla_step, kda, kda_step)
+from kdn_jax.ops.delta_rule import (
+  delta_net,
+  delta_net_step,
+  delta_rule,
+  delta_rule_step,
+  gated_delta_rule,
+  gated_delta_rule_step,
+  gdn2,
+  gdn2_step,
+  gla,
+  gla_step,
+  kda,
+  kda_step,
+)
 from kdn_jax.ops.kdn import diag_kdn, diag_kdn_step, iso_kdn, iso_kdn_step
 from kdn_jax.ops.mobius import mobius_scan
 from kdn_jax.ops.state import KDNState
@@ -24,10 +34,30 @@ from kdn_jax.ops.validation import IMPLS, InvalidValueError, checked
 from kdn_jax.ops.variance import diag_variance_scan, iso_variance_scan
 
 __all__ = [
-    "IMPLS", "InvalidValueError", "KDNState", "checked", "context_parallel",
-    "context_sharded", "delta_net", "delta_net_step", "delta_rule",
-    "delta_rule_step", "diag_kdn", "diag_kdn_step", "diag_variance_scan",
-    "gated_delta_rule", "gated_delta_rule_step", "gdn2", "gdn2_step", "gla",
-    "gla_step", "iso_kdn", "iso_kdn_step", "iso_variance_scan", "kda",
-    "kda_step", "mobius_scan", "sequence_sharding",
+  "IMPLS",
+  "InvalidValueError",
+  "KDNState",
+  "checked",
+  "context_parallel",
+  "context_sharded",
+  "delta_net",
+  "delta_net_step",
+  "delta_rule",
+  "delta_rule_step",
+  "diag_kdn",
+  "diag_kdn_step",
+  "diag_variance_scan",
+  "gated_delta_rule",
+  "gated_delta_rule_step",
+  "gdn2",
+  "gdn2_step",
+  "gla",
+  "gla_step",
+  "iso_kdn",
+  "iso_kdn_step",
+  "iso_variance_scan",
+  "kda",
+  "kda_step",
+  "mobius_scan",
+  "sequence_sharding",
 ]

@@ -47,13 +47,17 @@ from absl import logging
 from jax.sharding import PartitionSpec as P
 
 from kdn_jax.ops import delta_rule as delta_rule_ops
-from kdn_jax.ops import dispatch, heads
+from kdn_jax.ops import dispatch, heads, mobius, variance
 from kdn_jax.ops import kdn as kdn_ops
-from kdn_jax.ops import mobius
 from kdn_jax.ops import validation as val
-from kdn_jax.ops import variance
-from kdn_jax.ops.delta_rule import (beta_times, beta_write, check_args, default_chunk_size,
-                                    run_memory)
+from kdn_jax.ops.delta_rule import (
+  beta_times,
+  beta_write,
+  check_args,
+  default_chunk_size,
+  run_memory,
+)
+
 # kdn.py's own checks, state defaults and gain dispatch, so both forms of the
 # op accept and refuse the same inputs.
 from kdn_jax.ops.kdn import _check_kdn, _gain, _initial_state
@@ -74,8 +78,7 @@ class _Boundaries:
   def __init__(self, axis_name, segment_ids):
     idx = jax.lax.axis_index(axis_name)
     last = jax.lax.all_gather(segment_ids[:, -1], axis_name)  # [n, B]
-    prev_last = jnp.where(idx > 0, last[jnp.maximum(idx - 1, 0)],
-                          segment_ids[:, 0])
+    prev_last = jnp.where(idx > 0, last[jnp.maximum(idx - 1, 0)], segment_ids[:, 0])
     prev = jnp.concatenate([prev_last[:, None], segment_ids[:, :-1]], axis=1)
     self.start = segment_ids != prev
     self.head = jnp.cumsum(self.start.astype(jnp.int32), axis=1) == 0
@@ -106,8 +109,7 @@ def _exclusive_chain(axis_name, local_map, apply_map, start):
 def _last_slice(axis_name, x):
   """x of the last slice, the same on every device (a masked psum)."""
   idx, n = _slice_index_and_size(axis_name)
-  return jax.lax.psum(jnp.where(idx == n - 1, x, jnp.zeros_like(x)),
-                      axis_name)
+  return jax.lax.psum(jnp.where(idx == n - 1, x, jnp.zeros_like(x)), axis_name)
 
 
 def _token_mobius(diag, k, log_alpha, omega, r, mu, p0, start):
@@ -123,8 +125,12 @@ def _token_mobius(diag, k, log_alpha, omega, r, mu, p0, start):
     st = start.reshape(start.shape + (1,) * (a.ndim - 2))
     p0b = p0[:, None]
     zero = jnp.zeros_like(a)
-    a, b, c, d = (jnp.where(st, zero, a), jnp.where(st, a * p0b + b, b),
-                  jnp.where(st, zero, c), jnp.where(st, c * p0b + d, d))
+    a, b, c, d = (
+      jnp.where(st, zero, a),
+      jnp.where(st, a * p0b + b, b),
+      jnp.where(st, zero, c),
+      jnp.where(st, c * p0b + d, d),
+    )
   return a, b, c, d
 
 
@@ -134,10 +140,8 @@ def _reduce_mobius(m):
   while m[0].shape[1] > 1:
     if m[0].shape[1] % 2:
       ident = (1.0, 0.0, 0.0, 1.0)
-      m = tuple(jnp.concatenate([x, jnp.full_like(x[:, :1], e)], axis=1)
-                for x, e in zip(m, ident))
-    m = mobius.compose(tuple(x[:, 0::2] for x in m),
-                       tuple(x[:, 1::2] for x in m))
+      m = tuple(jnp.concatenate([x, jnp.full_like(x[:, :1], e)], axis=1) for x, e in zip(m, ident))
+    m = mobius.compose(tuple(x[:, 0::2] for x in m), tuple(x[:, 1::2] for x in m))
   return tuple(x[:, 0] for x in m)
 
 
@@ -150,8 +154,7 @@ def _xla_gain_from(diag, m, k, log_alpha, omega, r, p_in, p0, start):
   if start is not None:
     st = start.reshape(start.shape + (1,) * (prev.ndim - 2))
     prev = jnp.where(st, p0[:, None], prev)
-  decay2 = (jnp.exp(2.0 * log_alpha) if diag else
-            jnp.mean(jnp.exp(2.0 * log_alpha), axis=-1))
+  decay2 = jnp.exp(2.0 * log_alpha) if diag else jnp.mean(jnp.exp(2.0 * log_alpha), axis=-1)
   prior = decay2 * prev + omega
   if diag:
     write = prior * k / (r + jnp.sum(prior * k * k, axis=-1))[..., None]
@@ -160,8 +163,22 @@ def _xla_gain_from(diag, m, k, log_alpha, omega, r, p_in, p0, start):
   return write, post[:, -1]
 
 
-def _gain_cp(axis_name, op, diag, impl, k, log_alpha, omega, r, mu, p0,
-             segment_ids, bounds, input_dtype, k_caller):
+def _gain_cp(
+  axis_name,
+  op,
+  diag,
+  impl,
+  k,
+  log_alpha,
+  omega,
+  r,
+  mu,
+  p0,
+  segment_ids,
+  bounds,
+  input_dtype,
+  k_caller,
+):
   """The writes of this slice (diag: kappa [B, T, H, K]; iso: beta k, or on
   the pallas path beta [B, T, H] itself) and the global final variance.
   k_caller: k as the caller gave it, which the Pallas gain reads (as in the
@@ -170,17 +187,18 @@ def _gain_cp(axis_name, op, diag, impl, k, log_alpha, omega, r, mu, p0,
   m = _token_mobius(diag, k, log_alpha, omega, r, mu, p0, start)
   p_in = _exclusive_chain(axis_name, _reduce_mobius(m), mobius.apply, p0)
   if impl != "pallas":
-    write, p_end = _xla_gain_from(diag, m, k, log_alpha, omega, r, p_in, p0,
-                                  start)
+    write, p_end = _xla_gain_from(diag, m, k, log_alpha, omega, r, p_in, p0, start)
     return write, _last_slice(axis_name, p_end)
-  write, p_end = _gain(op, diag, impl, k_caller, log_alpha, omega, r, mu,
-                       p_in, segment_ids, input_dtype)
+  write, p_end = _gain(
+    op, diag, impl, k_caller, log_alpha, omega, r, mu, p_in, segment_ids, input_dtype
+  )
   if bounds is not None:
     # The kernels reset segments to the variance they start from: after the
     # slice's first start that must be p0, not p_in, so those tokens come
     # from a second run from p0.
-    write_p0, p_end_p0 = _gain(op, diag, impl, k_caller, log_alpha, omega, r,
-                               mu, p0, segment_ids, input_dtype)
+    write_p0, p_end_p0 = _gain(
+      op, diag, impl, k_caller, log_alpha, omega, r, mu, p0, segment_ids, input_dtype
+    )
     # (write: [B, T, H, K], or the iso gain's beta [B, T, H])
     head = bounds.head.reshape(bounds.head.shape + (1,) * (write.ndim - 2))
     write = jnp.where(head, write, write_p0)
@@ -189,8 +207,9 @@ def _gain_cp(axis_name, op, diag, impl, k, log_alpha, omega, r, mu, p0,
   return write, _last_slice(axis_name, p_end)
 
 
-def _run_augmented(op, impl, q, k, v, log_alpha, write, memory_v0, segment_ids,
-                   chunk_size, input_dtype, scale):
+def _run_augmented(
+  op, impl, q, k, v, log_alpha, write, memory_v0, segment_ids, chunk_size, input_dtype, scale
+):
   """The local memory run on [S_V | Phi] from [memory_v0, I].
 
   Returns (o_V [B,Tl,H,V], o_K [B,Tl,H,K], final S_V [B,H,K,V], Phi [B,H,K,K]).
@@ -201,20 +220,44 @@ def _run_augmented(op, impl, q, k, v, log_alpha, write, memory_v0, segment_ids,
   zeros = jnp.zeros(v.shape[:3] + (kd,), v.dtype)
   # (on the Pallas path, V + K columns wider than the kernels take run as column tiles:
   # widths.py)
-  o, s = run_memory(op, impl, q, k, jnp.concatenate([v, zeros], axis=-1), log_alpha, write,
-                    jnp.concatenate([memory_v0, eye.astype(memory_v0.dtype)], axis=-1),
-                    segment_ids, chunk_size, input_dtype, scale)
+  o, s = run_memory(
+    op,
+    impl,
+    q,
+    k,
+    jnp.concatenate([v, zeros], axis=-1),
+    log_alpha,
+    write,
+    jnp.concatenate([memory_v0, eye.astype(memory_v0.dtype)], axis=-1),
+    segment_ids,
+    chunk_size,
+    input_dtype,
+    scale,
+  )
   return o[..., :vd], o[..., vd:], s[..., :vd], s[..., vd:]
 
 
 def _affine_apply(m_c, s):
   m, c = m_c
-  return jnp.einsum("bhkj,bhjv->bhkv", m, s,
-                    precision=jax.lax.Precision.HIGHEST) + c
+  return jnp.einsum("bhkj,bhjv->bhkv", m, s, precision=jax.lax.Precision.HIGHEST) + c
 
 
-def _memory_cp(axis_name, op, impl, q, k, v, log_alpha, write, memory0,
-               segment_ids, bounds, chunk_size, input_dtype, scale):
+def _memory_cp(
+  axis_name,
+  op,
+  impl,
+  q,
+  k,
+  v,
+  log_alpha,
+  write,
+  memory0,
+  segment_ids,
+  bounds,
+  chunk_size,
+  input_dtype,
+  scale,
+):
   """Outputs of this slice and the global final memory."""
   if bounds is None:
     memory_v0 = jnp.zeros_like(memory0)
@@ -222,11 +265,10 @@ def _memory_cp(axis_name, op, impl, q, k, v, log_alpha, write, memory0,
     # A slice with a segment start needs the user's initial state as the
     # reset value; one without runs from zero (its c is then the zero-start
     # final state directly).
-    memory_v0 = jnp.where(bounds.has_start[:, None, None, None], memory0,
-                          jnp.zeros_like(memory0))
-  o_v, o_k, s_v, phi = _run_augmented(op, impl, q, k, v, log_alpha, write,
-                                      memory_v0, segment_ids, chunk_size,
-                                      input_dtype, scale)
+    memory_v0 = jnp.where(bounds.has_start[:, None, None, None], memory0, jnp.zeros_like(memory0))
+  o_v, o_k, s_v, phi = _run_augmented(
+    op, impl, q, k, v, log_alpha, write, memory_v0, segment_ids, chunk_size, input_dtype, scale
+  )
   phi = phi.astype(s_v.dtype)
   if bounds is not None:
     phi = jnp.where(bounds.has_start[:, None, None, None], 0.0, phi)
@@ -234,9 +276,9 @@ def _memory_cp(axis_name, op, impl, q, k, v, log_alpha, write, memory0,
   s_in = _exclusive_chain(axis_name, local, _affine_apply, memory0)
   # Outputs of tokens that carry the incoming state: o_K maps a change of
   # the slice's initial state to a change of the output.
-  correction = jnp.einsum("bthk,bhkv->bthv", o_k.astype(s_in.dtype),
-                          s_in - memory_v0,
-                          precision=jax.lax.Precision.HIGHEST)
+  correction = jnp.einsum(
+    "bthk,bhkv->bthv", o_k.astype(s_in.dtype), s_in - memory_v0, precision=jax.lax.Precision.HIGHEST
+  )
   if bounds is not None:
     correction = correction * bounds.head[..., None, None]
   o = o_v.astype(correction.dtype) + correction
@@ -248,25 +290,43 @@ def _check_axis(op, axis_name):
   try:
     jax.lax.axis_size(axis_name)
   except NameError as e:
-    raise ValueError(f"{op}: axis_name={axis_name!r} is not a mesh axis of "
-                     "the enclosing shard_map (call it inside shard_map, or "
-                     "use context_sharded under jit)") from e
+    raise ValueError(
+      f"{op}: axis_name={axis_name!r} is not a mesh axis of "
+      "the enclosing shard_map (call it inside shard_map, or "
+      "use context_sharded under jit)"
+    ) from e
 
 
 def _local_impl(op, impl, chunk_size):
   """(impl, chunk_size) of the local slices: 'reference' has no context-parallel form."""
   impl = dispatch.resolve_impl(op, impl)
   if impl == "reference":
-    raise ValueError(f"{op}: impl='reference' has no context-parallel form; "
-                     "use 'chunked' or 'pallas'")
+    raise ValueError(
+      f"{op}: impl='reference' has no context-parallel form; use 'chunked' or 'pallas'"
+    )
   chunk_size = default_chunk_size(impl) if chunk_size is None else chunk_size
   val.check_chunk_size(op, chunk_size)
   return impl, chunk_size
 
 
-def _kdn_cp(op, diag, q, k, v, log_alpha, omega, r, axis_name, info_scale,
-            scale, initial_state, output_final_state, segment_ids, impl,
-            chunk_size):
+def _kdn_cp(
+  op,
+  diag,
+  q,
+  k,
+  v,
+  log_alpha,
+  omega,
+  r,
+  axis_name,
+  info_scale,
+  scale,
+  initial_state,
+  output_final_state,
+  segment_ids,
+  impl,
+  chunk_size,
+):
   _check_axis(op, axis_name)
   q, k = heads.to_value_heads(op, q, k, v)
   b, _, h, kd, vd = _check_kdn(op, diag, q, k, v, log_alpha, omega, r)
@@ -278,23 +338,63 @@ def _kdn_cp(op, diag, q, k, v, log_alpha, omega, r, axis_name, info_scale,
   out_dtype = q.dtype
   mu = val.info_scale_array(op, info_scale, h, kd, cd)
   state0 = _initial_state(op, diag, initial_state, b, h, kd, vd, cd)
-  scale = kd ** -0.5 if scale is None else scale
+  scale = kd**-0.5 if scale is None else scale
   k_caller = k
-  q, k, v, log_alpha, omega, r = (
-      x.astype(cd) for x in (q, k, v, log_alpha, omega, r))
+  q, k, v, log_alpha, omega, r = (x.astype(cd) for x in (q, k, v, log_alpha, omega, r))
   bounds = None if segment_ids is None else _Boundaries(axis_name, segment_ids)
-  write, var = _gain_cp(axis_name, op, diag, impl, k, log_alpha, omega, r, mu,
-                        state0.variance, segment_ids, bounds, input_dtype, k_caller)
-  o, memory = _memory_cp(axis_name, op, impl, q, k, v, log_alpha, write,
-                         state0.memory, segment_ids, bounds, chunk_size,
-                         input_dtype, scale)
+  write, var = _gain_cp(
+    axis_name,
+    op,
+    diag,
+    impl,
+    k,
+    log_alpha,
+    omega,
+    r,
+    mu,
+    state0.variance,
+    segment_ids,
+    bounds,
+    input_dtype,
+    k_caller,
+  )
+  o, memory = _memory_cp(
+    axis_name,
+    op,
+    impl,
+    q,
+    k,
+    v,
+    log_alpha,
+    write,
+    state0.memory,
+    segment_ids,
+    bounds,
+    chunk_size,
+    input_dtype,
+    scale,
+  )
   final = KDNState(memory, var) if output_final_state else None
   return o.astype(out_dtype), final
 
 
-def diag_kdn(q, k, v, log_alpha, omega, r, *, axis_name, info_scale=None,
-             scale=None, initial_state=None, output_final_state=False,
-             segment_ids=None, impl="auto", chunk_size=None):
+def diag_kdn(
+  q,
+  k,
+  v,
+  log_alpha,
+  omega,
+  r,
+  *,
+  axis_name,
+  info_scale=None,
+  scale=None,
+  initial_state=None,
+  output_final_state=False,
+  segment_ids=None,
+  impl="auto",
+  chunk_size=None,
+):
   """`ops.diag_kdn` on this device's slice of T, inside `shard_map`.
 
   q, k, v, log_alpha, omega, r, segment_ids: the local slices ([B, T/n, ...])
@@ -304,24 +404,80 @@ def diag_kdn(q, k, v, log_alpha, omega, r, *, axis_name, info_scale=None,
   every device, or None). Other arguments as `ops.diag_kdn` ('chunked' or
   'pallas'; the Pallas path needs shard_map(check_vma=False)).
   """
-  return _kdn_cp("context_parallel.diag_kdn", True, q, k, v, log_alpha, omega,
-                 r, axis_name, info_scale, scale, initial_state,
-                 output_final_state, segment_ids, impl, chunk_size)
+  return _kdn_cp(
+    "context_parallel.diag_kdn",
+    True,
+    q,
+    k,
+    v,
+    log_alpha,
+    omega,
+    r,
+    axis_name,
+    info_scale,
+    scale,
+    initial_state,
+    output_final_state,
+    segment_ids,
+    impl,
+    chunk_size,
+  )
 
 
-def iso_kdn(q, k, v, log_alpha, omega, r, *, axis_name, info_scale=None,
-            scale=None, initial_state=None, output_final_state=False,
-            segment_ids=None, impl="auto", chunk_size=None):
+def iso_kdn(
+  q,
+  k,
+  v,
+  log_alpha,
+  omega,
+  r,
+  *,
+  axis_name,
+  info_scale=None,
+  scale=None,
+  initial_state=None,
+  output_final_state=False,
+  segment_ids=None,
+  impl="auto",
+  chunk_size=None,
+):
   """`ops.iso_kdn` on this device's slice of T, inside `shard_map` (see
   `diag_kdn`; omega, r [B, T/n, H], variance [B, H])."""
-  return _kdn_cp("context_parallel.iso_kdn", False, q, k, v, log_alpha, omega,
-                 r, axis_name, info_scale, scale, initial_state,
-                 output_final_state, segment_ids, impl, chunk_size)
+  return _kdn_cp(
+    "context_parallel.iso_kdn",
+    False,
+    q,
+    k,
+    v,
+    log_alpha,
+    omega,
+    r,
+    axis_name,
+    info_scale,
+    scale,
+    initial_state,
+    output_final_state,
+    segment_ids,
+    impl,
+    chunk_size,
+  )
 
 
-def delta_rule(q, k, v, log_alpha, write, *, axis_name, scale=None,
-               initial_state=None, output_final_state=False, segment_ids=None,
-               impl="auto", chunk_size=None):
+def delta_rule(
+  q,
+  k,
+  v,
+  log_alpha,
+  write,
+  *,
+  axis_name,
+  scale=None,
+  initial_state=None,
+  output_final_state=False,
+  segment_ids=None,
+  impl="auto",
+  chunk_size=None,
+):
   """`ops.delta_rule` on this device's slice of T, inside `shard_map`.
 
   Local slices as in `diag_kdn`; initial_state: the sequence's memory
@@ -330,17 +486,30 @@ def delta_rule(q, k, v, log_alpha, write, *, axis_name, scale=None,
   op = "context_parallel.delta_rule"
   _check_axis(op, axis_name)
   q, k = heads.to_value_heads(op, q, k, v)
-  (_, _, _, kd, _), cd, memory0 = check_args(op, q, k, v, log_alpha, write,
-                                             initial_state, segment_ids)
+  (_, _, _, kd, _), cd, memory0 = check_args(
+    op, q, k, v, log_alpha, write, initial_state, segment_ids
+  )
   impl, chunk_size = _local_impl(op, impl, chunk_size)
-  scale = kd ** -0.5 if scale is None else scale
+  scale = kd**-0.5 if scale is None else scale
   bounds = None if segment_ids is None else _Boundaries(axis_name, segment_ids)
-  if impl != "pallas":   # (the Pallas kernels read them in their own dtypes)
+  if impl != "pallas":  # (the Pallas kernels read them in their own dtypes)
     log_alpha, write = log_alpha.astype(cd), write.astype(cd)
-  o, memory = _memory_cp(axis_name, op, impl, q.astype(cd), k.astype(cd),
-                         v.astype(cd), log_alpha, write,
-                         memory0, segment_ids, bounds, chunk_size,
-                         jnp.result_type(q, k, v), scale)
+  o, memory = _memory_cp(
+    axis_name,
+    op,
+    impl,
+    q.astype(cd),
+    k.astype(cd),
+    v.astype(cd),
+    log_alpha,
+    write,
+    memory0,
+    segment_ids,
+    bounds,
+    chunk_size,
+    jnp.result_type(q, k, v),
+    scale,
+  )
   return o.astype(q.dtype), (memory if output_final_state else None)
 
 
@@ -359,8 +528,7 @@ def gated_delta_rule(q, k, v, g, beta, **kwargs):
 def delta_net(q, k, v, beta, **kwargs):
   """`ops.delta_net` inside shard_map (no decay)."""
   q, k = heads.to_value_heads("context_parallel.delta_net", q, k, v)
-  return delta_rule(q, k, v, jnp.zeros(q.shape[:3], q.dtype),
-                    beta_write(beta, k), **kwargs)
+  return delta_rule(q, k, v, jnp.zeros(q.shape[:3], q.dtype), beta_write(beta, k), **kwargs)
 
 
 def gdn2(q, k, v, g, b, w, **kwargs):
@@ -375,9 +543,16 @@ def gla(q, k, v, g, **kwargs):
   return delta_rule(q, jnp.zeros_like(k), v, g, k, **kwargs)
 
 
-OPS = {"diag_kdn": diag_kdn, "iso_kdn": iso_kdn, "delta_rule": delta_rule,
-       "kda": kda, "gated_delta_rule": gated_delta_rule,
-       "delta_net": delta_net, "gdn2": gdn2, "gla": gla}
+OPS = {
+  "diag_kdn": diag_kdn,
+  "iso_kdn": iso_kdn,
+  "delta_rule": delta_rule,
+  "kda": kda,
+  "gated_delta_rule": gated_delta_rule,
+  "delta_net": delta_net,
+  "gdn2": gdn2,
+  "gla": gla,
+}
 
 
 def context_sharded(op, mesh=None, *, axis_name="context", batch_axes=None):
@@ -392,27 +567,28 @@ def context_sharded(op, mesh=None, *, axis_name="context", batch_axes=None):
   multiple of the axis size.
   """
   if op not in OPS:
-    raise ValueError(f"context_sharded: op={op!r} is not one of "
-                     f"{', '.join(OPS)}")
+    raise ValueError(f"context_sharded: op={op!r} is not one of {', '.join(OPS)}")
   cp_op = OPS[op]
   name = f"context_sharded({op!r})"
 
-  def call(*arrays, initial_state=None, segment_ids=None, info_scale=None,
-           impl="auto", **static):
+  def call(*arrays, initial_state=None, segment_ids=None, info_scale=None, impl="auto", **static):
     m = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if m is None or axis_name not in m.axis_names:
-      raise ValueError(f"{name}: axis_name={axis_name!r} is not an axis of "
-                       f"the mesh (axes {getattr(m, 'axis_names', ())})")
+      raise ValueError(
+        f"{name}: axis_name={axis_name!r} is not an axis of "
+        f"the mesh (axes {getattr(m, 'axis_names', ())})"
+      )
     n = m.shape[axis_name]
     t = arrays[0].shape[1]
     if t % n:
-      raise ValueError(f"{name}: the sequence length T={t} is not a multiple "
-                       f"of the mesh axis {axis_name!r} of size {n}; pad T")
+      raise ValueError(
+        f"{name}: the sequence length T={t} is not a multiple "
+        f"of the mesh axis {axis_name!r} of size {n}; pad T"
+      )
     resolved = dispatch.resolve_impl(name, impl)
     seq = P(batch_axes, axis_name)
     per_seq = P(batch_axes)
-    traced_mu = info_scale is not None and not isinstance(
-        info_scale, (int, float))
+    traced_mu = info_scale is not None and not isinstance(info_scale, (int, float))
     kw_specs = {"initial_state": per_seq, "segment_ids": seq}
     kw = {"initial_state": initial_state, "segment_ids": segment_ids}
     if traced_mu:
@@ -423,13 +599,16 @@ def context_sharded(op, mesh=None, *, axis_name="context", batch_axes=None):
     kw_specs = {k: kw_specs[k] for k in kw}
 
     def body(arrays, kw):
-      return cp_op(*arrays, axis_name=axis_name, impl=resolved, **kw,
-                   **static)
+      return cp_op(*arrays, axis_name=axis_name, impl=resolved, **kw, **static)
 
     # Pallas outputs carry no varying mesh axes (WORKSPACE.md).
     return jax.shard_map(
-        body, mesh=m, in_specs=((seq,) * len(arrays), kw_specs),
-        out_specs=(seq, per_seq), check_vma=resolved != "pallas")(arrays, kw)
+      body,
+      mesh=m,
+      in_specs=((seq,) * len(arrays), kw_specs),
+      out_specs=(seq, per_seq),
+      check_vma=resolved != "pallas",
+    )(arrays, kw)
 
   return call
 
@@ -450,8 +629,10 @@ def sequence_sharding(mesh, axis_name="context", batch_axes=None):
   reused.
   """
   if axis_name not in mesh.axis_names:
-    raise ValueError(f"sequence_sharding: axis_name={axis_name!r} is not an "
-                     f"axis of the mesh (axes {mesh.axis_names})")
+    raise ValueError(
+      f"sequence_sharding: axis_name={axis_name!r} is not an "
+      f"axis of the mesh (axes {mesh.axis_names})"
+    )
   token = _SETTING.set((mesh, axis_name, batch_axes))
   try:
     yield
@@ -480,28 +661,45 @@ def op(name):
   falls back to the plain op (XLA then gathers the sequence), with a
   warning."""
   if name not in OPS:
-    raise ValueError(f"context_parallel.op: name={name!r} is not one of "
-                     f"{', '.join(OPS)}")
+    raise ValueError(f"context_parallel.op: name={name!r} is not one of {', '.join(OPS)}")
   plain = _plain_op(name)
   setting = active_setting()
   if setting is None:
     return plain
   mesh, axis_name, batch_axes = setting
-  sharded = context_sharded(name, mesh, axis_name=axis_name,
-                            batch_axes=batch_axes)
+  sharded = context_sharded(name, mesh, axis_name=axis_name, batch_axes=batch_axes)
 
   def call(*arrays, **kwargs):
     n = mesh.shape[axis_name]
     if arrays[0].shape[1] % n:
       logging.log_first_n(
-          logging.WARNING, "context_parallel: %s with T=%d, not a multiple of "
-          "the %r axis (%d devices): running unsplit", 4, name,
-          arrays[0].shape[1], axis_name, n)
+        logging.WARNING,
+        "context_parallel: %s with T=%d, not a multiple of "
+        "the %r axis (%d devices): running unsplit",
+        4,
+        name,
+        arrays[0].shape[1],
+        axis_name,
+        n,
+      )
       return plain(*arrays, **kwargs)
     return sharded(*arrays, **kwargs)
 
   return call
 
 
-__all__ = ["OPS", "active_setting", "op", "sequence_sharding", "context_sharded", "delta_net", "delta_rule", "diag_kdn",
-           "gated_delta_rule", "gdn2", "gla", "iso_kdn", "kda"]
+__all__ = [
+  "OPS",
+  "active_setting",
+  "op",
+  "sequence_sharding",
+  "context_sharded",
+  "delta_net",
+  "delta_rule",
+  "diag_kdn",
+  "gated_delta_rule",
+  "gdn2",
+  "gla",
+  "iso_kdn",
+  "kda",
+]

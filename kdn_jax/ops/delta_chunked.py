@@ -52,18 +52,16 @@ def _gram_channel_decay(x, y, cum, mask, sub):
   tri = jnp.tril(jnp.ones((sub, sub), bool))[..., None]
   e = _masked_exp(tri, cb[..., :, None, :] - cb[..., None, :, :])
   g_diag = jnp.einsum("...nrk,...njk,...nrjk->...nrj", xb, yb, e)
-  g = jnp.einsum("...nrj,nm->...nrmj", g_diag,
-                 jnp.eye(nb, dtype=x.dtype)).reshape(*lead, c, c)
+  g = jnp.einsum("...nrj,nm->...nrmj", g_diag, jnp.eye(nb, dtype=x.dtype)).reshape(*lead, c, c)
   if nb > 1:
     ref = cb[..., :-1, -1, :]  # cumsum at the end of sub-blocks 0..nb-2
     x_ref = xb[..., 1:, :, :] * jnp.exp(cb[..., 1:, :, :] - ref[..., None, :])
-    before = (jnp.arange(c)[None, :] <
-              (jnp.arange(1, nb) * sub)[:, None])[..., None]  # [nb-1, C, 1]
-    y_ref = y[..., None, :, :] * _masked_exp(
-        before, ref[..., None, :] - cum[..., None, :, :])
+    before = (jnp.arange(c)[None, :] < (jnp.arange(1, nb) * sub)[:, None])[
+      ..., None
+    ]  # [nb-1, C, 1]
+    y_ref = y[..., None, :, :] * _masked_exp(before, ref[..., None, :] - cum[..., None, :, :])
     g_off = jnp.einsum("...brk,...bjk->...brj", x_ref, y_ref)
-    g_off = jnp.concatenate(
-        [jnp.zeros((*lead, 1, sub, c), x.dtype), g_off], axis=-3)
+    g_off = jnp.concatenate([jnp.zeros((*lead, 1, sub, c), x.dtype), g_off], axis=-3)
     g = g + g_off.reshape(*lead, c, c)
   return jnp.where(mask, g, 0.0)
 
@@ -89,8 +87,7 @@ def unit_lower_inverse(l_mat, block=16):
   eye = jnp.eye(block, dtype=l_mat.dtype)
   # Full-precision products: the inverse feeds every output (no TF32 on GPU).
   mm = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
-  blk = lambda i, j: l_mat[..., i * block:(i + 1) * block,
-                           j * block:(j + 1) * block]
+  blk = lambda i, j: l_mat[..., i * block : (i + 1) * block, j * block : (j + 1) * block]
   inv_diag = []
   for i in range(nb):
     n = -blk(i, i)
@@ -111,10 +108,20 @@ def unit_lower_inverse(l_mat, block=16):
   return jnp.concatenate([jnp.concatenate(r, axis=-1) for r in rows], axis=-2)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "sub_block",
-                                             "output_chunk_states"))
-def delta_rule_chunked(q, k, v, log_alpha, write, memory0, segment_ids=None,
-                       *, chunk_size=64, sub_block=None, output_chunk_states=False):
+@functools.partial(jax.jit, static_argnames=("chunk_size", "sub_block", "output_chunk_states"))
+def delta_rule_chunked(
+  q,
+  k,
+  v,
+  log_alpha,
+  write,
+  memory0,
+  segment_ids=None,
+  *,
+  chunk_size=64,
+  sub_block=None,
+  output_chunk_states=False,
+):
   """Chunked delta rule. Inputs [B,T,H,*] in the compute dtype, q pre-scaled.
 
   log_alpha: [B,T,H,K] (per-channel) or [B,T,H] (scalar); memory0 [B,H,K,V];
@@ -183,8 +190,7 @@ def delta_rule_chunked(q, k, v, log_alpha, write, memory0, segment_ids=None,
   u_mat = a_inv @ v_eff
   w_mat = a_inv @ k_bar
   # Decay from each token (and from the chunk start) to the chunk's end.
-  last_diff = cum[..., -1:, :] - cum if not scalar_decay else (
-      cum[..., -1:] - cum)
+  last_diff = cum[..., -1:, :] - cum if not scalar_decay else (cum[..., -1:] - cum)
   if segmented:
     mask_last = last_same if scalar_decay else last_same[..., None]
     dec_to_end = _masked_exp(mask_last, last_diff)
@@ -195,8 +201,7 @@ def delta_rule_chunked(q, k, v, log_alpha, write, memory0, segment_ids=None,
     decay_last = jnp.exp(g[..., -1])[..., None, None]
   else:
     decay_last = jnp.exp(g[..., -1, :])[..., None]
-  xs = [u_mat, w_mat, w_dec, jnp.broadcast_to(
-      decay_last, w_dec.shape[:3] + decay_last.shape[3:])]
+  xs = [u_mat, w_mat, w_dec, jnp.broadcast_to(decay_last, w_dec.shape[:3] + decay_last.shape[3:])]
   if segmented:
     xs.append(jnp.broadcast_to(new[..., -1], w_dec.shape[:3]))
   xs = [jnp.moveaxis(x, 2, 0) for x in xs]
@@ -213,8 +218,9 @@ def delta_rule_chunked(q, k, v, log_alpha, write, memory0, segment_ids=None,
   final, state_in = jax.lax.scan(body, memory0, xs)
   state_in = jnp.moveaxis(state_in, 0, 2)  # [B, H, N, K, V]
   delta = u_mat - jnp.einsum("bhnck,bhnkv->bhncv", w_mat, state_in)
-  o = (jnp.einsum("bhnck,bhnkv->bhncv", q_bar, state_in)
-       + jnp.einsum("bhnrj,bhnjv->bhnrv", qw_mat, delta))
+  o = jnp.einsum("bhnck,bhnkv->bhncv", q_bar, state_in) + jnp.einsum(
+    "bhnrj,bhnjv->bhnrv", qw_mat, delta
+  )
   if segmented:
     o = o + jnp.einsum("bhnck,bhkv->bhncv", q_new, memory0)
   o = o.reshape(o.shape[:2] + (n_chunks * c, vdim))

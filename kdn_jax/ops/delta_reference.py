@@ -46,9 +46,10 @@ def scan_tokens(step, carry0, xs, starts=None):
     x, start = inp
     if start is not None:
       carry = jax.tree.map(
-          lambda c, c0: jnp.where(
-              start.reshape(start.shape + (1,) * (c.ndim - 1)), c0, c),
-          carry, carry0)
+        lambda c, c0: jnp.where(start.reshape(start.shape + (1,) * (c.ndim - 1)), c0, c),
+        carry,
+        carry0,
+      )
     return step(carry, x)
 
   st = None if starts is None else jnp.moveaxis(starts, 1, 0)
@@ -57,8 +58,7 @@ def scan_tokens(step, carry0, xs, starts=None):
 
 
 @functools.partial(jax.jit, static_argnames="keep_states")
-def delta_rule_reference(q, k, v, log_alpha, write, memory0, starts=None,
-                         keep_states=False):
+def delta_rule_reference(q, k, v, log_alpha, write, memory0, starts=None, keep_states=False):
   """[B,T,H,*] inputs in the compute dtype. Returns (o [B,T,H,V], memory), and
   with keep_states also the memory after every token [B,T,H,K,V]."""
 

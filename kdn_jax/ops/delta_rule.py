@@ -7,9 +7,7 @@ Wrappers keep flash-linear-attention's argument meaning.
 import jax
 import jax.numpy as jnp
 
-from kdn_jax.ops import dispatch, heads, widths
-from kdn_jax.ops import nonfinite
-from kdn_jax.ops import states_at
+from kdn_jax.ops import dispatch, heads, nonfinite, states_at, widths
 from kdn_jax.ops import validation as val
 from kdn_jax.ops.delta_chunked import delta_rule_chunked
 from kdn_jax.ops.delta_reference import delta_rule_reference, delta_step
@@ -48,22 +46,35 @@ def check_args(op, q, k, v, log_alpha, write, initial_state, segment_ids):
   val.check_decay(op, "log_alpha", log_alpha, b, t, h, kd)
   val.check_float(op, "write", write)
   if write.shape not in ((b, t, h, kd), (b, t, h)):
-    raise ValueError(f"{op}: write must have shape [B, T, H, K] = {(b, t, h, kd)} (a "
-                     f"direction) or [B, T, H] = {(b, t, h)} (a scalar beta: write = beta k), "
-                     f"got {tuple(write.shape)}")
+    raise ValueError(
+      f"{op}: write must have shape [B, T, H, K] = {(b, t, h, kd)} (a "
+      f"direction) or [B, T, H] = {(b, t, h)} (a scalar beta: write = beta k), "
+      f"got {tuple(write.shape)}"
+    )
   val.check_segment_ids(op, segment_ids, b, t)
   if initial_state is not None:
     val.check_float(op, "initial_state", initial_state)
-    val.check_shape(op, "initial_state", initial_state, (b, h, kd, vd),
-                    "[B, H, K, V]")
+    val.check_shape(op, "initial_state", initial_state, (b, h, kd, vd), "[B, H, K, V]")
   cd = val.compute_dtype(q, k, v, log_alpha, write, initial_state)
-  memory0 = (jnp.zeros((b, h, kd, vd), cd) if initial_state is None
-             else initial_state.astype(cd))
+  memory0 = jnp.zeros((b, h, kd, vd), cd) if initial_state is None else initial_state.astype(cd)
   return (b, t, h, kd, vd), cd, memory0
 
 
-def run_memory(op, impl, q, k, v, log_alpha, write, memory0, segment_ids,
-               chunk_size, input_dtype, scale, positions=None):
+def run_memory(
+  op,
+  impl,
+  q,
+  k,
+  v,
+  log_alpha,
+  write,
+  memory0,
+  segment_ids,
+  chunk_size,
+  input_dtype,
+  scale,
+  positions=None,
+):
   """Runs the memory recurrence with impl; q, k, v already in compute dtype (the
   Pallas path takes log_alpha and write in their own dtypes), q not yet
   multiplied by `scale`.
@@ -86,44 +97,104 @@ def run_memory(op, impl, q, k, v, log_alpha, write, memory0, segment_ids,
     if positions is None:
       # (widths the kernels do not take are padded and tiled onto theirs: widths.py)
       return widths.delta_rule(
-          kernels, kq, kk, kv, log_alpha, write, scale, memory0, segment_ids,
-          chunk_size=chunk_size, precision=kernels.precision_for(input_dtype))
+        kernels,
+        kq,
+        kk,
+        kv,
+        log_alpha,
+        write,
+        scale,
+        memory0,
+        segment_ids,
+        chunk_size=chunk_size,
+        precision=kernels.precision_for(input_dtype),
+      )
     if not (dispatch.native_width(k.shape[-1]) and dispatch.native_width(v.shape[-1])):
-      raise ValueError(f"{op}: output_states_at with impl='pallas' needs K and V among the "
-                       f"kernels' widths {kernels.common.SUPPORTED_WIDTHS}, got K={k.shape[-1]}, "
-                       f"V={v.shape[-1]}; use impl='chunked'")
+      raise ValueError(
+        f"{op}: output_states_at with impl='pallas' needs K and V among the "
+        f"kernels' widths {kernels.common.SUPPORTED_WIDTHS}, got K={k.shape[-1]}, "
+        f"V={v.shape[-1]}; use impl='chunked'"
+      )
     out = kernels.delta_rule(
-        kq, kk, kv, log_alpha, write, scale, memory0, segment_ids,
-        chunk_size=chunk_size, precision=kernels.precision_for(input_dtype),
-        output_chunk_states=True)
+      kq,
+      kk,
+      kv,
+      log_alpha,
+      write,
+      scale,
+      memory0,
+      segment_ids,
+      chunk_size=chunk_size,
+      precision=kernels.precision_for(input_dtype),
+      output_chunk_states=True,
+    )
     o, memory, chunk_states, chunk = out
-    return o, memory, states_at.memory_at(
-        positions, chunk, chunk_states, memory.astype(memory0.dtype), k, v, log_alpha, write,
-        memory0, segment_ids)
+    return (
+      o,
+      memory,
+      states_at.memory_at(
+        positions,
+        chunk,
+        chunk_states,
+        memory.astype(memory0.dtype),
+        k,
+        v,
+        log_alpha,
+        write,
+        memory0,
+        segment_ids,
+      ),
+    )
   q = q * scale
   if write.ndim == 3:
     write = write[..., None] * k
   if impl == "chunked":
-    out = delta_rule_chunked(q, k, v, log_alpha, write, memory0, segment_ids,
-                             chunk_size=chunk_size,
-                             output_chunk_states=positions is not None)
+    out = delta_rule_chunked(
+      q,
+      k,
+      v,
+      log_alpha,
+      write,
+      memory0,
+      segment_ids,
+      chunk_size=chunk_size,
+      output_chunk_states=positions is not None,
+    )
     if positions is None:
       return out
     o, memory, chunk_states = out
-    return o, memory, states_at.memory_at(
-        positions, chunk_size, chunk_states, memory, k, v, log_alpha, write, memory0,
-        segment_ids)
+    return (
+      o,
+      memory,
+      states_at.memory_at(
+        positions, chunk_size, chunk_states, memory, k, v, log_alpha, write, memory0, segment_ids
+      ),
+    )
   starts = None if segment_ids is None else segment_starts(segment_ids)
   if positions is None:
     return delta_rule_reference(q, k, v, log_alpha, write, memory0, starts)
-  o, memory, every = delta_rule_reference(q, k, v, log_alpha, write, memory0, starts,
-                                          keep_states=True)
+  o, memory, every = delta_rule_reference(
+    q, k, v, log_alpha, write, memory0, starts, keep_states=True
+  )
   return o, memory, states_at.gather_tokens(every, positions)
 
 
-def delta_rule(q, k, v, log_alpha, write, *, scale=None, initial_state=None,
-               output_final_state=False, segment_ids=None, impl="auto",
-               chunk_size=DEFAULT_CHUNK, checked=False, output_states_at=None):
+def delta_rule(
+  q,
+  k,
+  v,
+  log_alpha,
+  write,
+  *,
+  scale=None,
+  initial_state=None,
+  output_final_state=False,
+  segment_ids=None,
+  impl="auto",
+  chunk_size=DEFAULT_CHUNK,
+  checked=False,
+  output_states_at=None,
+):
   """General delta rule with write direction `write` and erase direction `k`.
 
   Args:
@@ -156,34 +227,46 @@ def delta_rule(q, k, v, log_alpha, write, *, scale=None, initial_state=None,
   """
   op = "delta_rule"
   q, k = heads.to_value_heads(op, q, k, v)
-  (b, t, h, kd, vd), cd, memory0 = check_args(op, q, k, v, log_alpha, write,
-                                              initial_state, segment_ids)
+  (b, t, h, kd, vd), cd, memory0 = check_args(
+    op, q, k, v, log_alpha, write, initial_state, segment_ids
+  )
   positions = states_at.check_positions(op, output_states_at, t)
   if checked:
-    val.check_values(op, (("log_alpha", log_alpha, "<= 0"),) + _finite(
-        q=q, k=k, v=v, write=write, initial_state=initial_state))
+    val.check_values(
+      op,
+      (("log_alpha", log_alpha, "<= 0"),)
+      + _finite(q=q, k=k, v=v, write=write, initial_state=initial_state),
+    )
   impl, chunk_size = resolve(op, impl, kd, vd, chunk_size, b * t * h)
-  scale = kd ** -0.5 if scale is None else scale
+  scale = kd**-0.5 if scale is None else scale
   input_dtype = jnp.result_type(q, k, v)
   out_dtype = q.dtype
-  guard = nonfinite.Guard(q, dict(k=k, v=v, log_alpha=log_alpha, write=write),
-                          segment_ids, cd)
-  q, k, v, log_alpha, write = (guard.inputs[n] for n in
-                               ("q", "k", "v", "log_alpha", "write"))
+  guard = nonfinite.Guard(q, dict(k=k, v=v, log_alpha=log_alpha, write=write), segment_ids, cd)
+  q, k, v, log_alpha, write = (guard.inputs[n] for n in ("q", "k", "v", "log_alpha", "write"))
   if impl != "pallas":
     # (the Pallas kernels read log_alpha and write in their own dtypes, fp32 inside: a cast
     # here would be a pass over memory, e.g. of a bf16 kappa, DeltaRuleConfig.bf16_write)
     log_alpha, write = log_alpha.astype(cd), write.astype(cd)
-  o, memory, *at = run_memory(op, impl, q.astype(cd), k.astype(cd),
-                              v.astype(cd), log_alpha, write,
-                              memory0, segment_ids, chunk_size, input_dtype, scale,
-                              positions)
+  o, memory, *at = run_memory(
+    op,
+    impl,
+    q.astype(cd),
+    k.astype(cd),
+    v.astype(cd),
+    log_alpha,
+    write,
+    memory0,
+    segment_ids,
+    chunk_size,
+    input_dtype,
+    scale,
+    positions,
+  )
   o, memory, _ = guard.spoil(o.astype(out_dtype), memory)
   return (o, (memory if output_final_state else None)) + tuple(at)
 
 
-def delta_rule_step(q, k, v, log_alpha, write, memory, *, scale=None,
-                    checked=False, impl="auto"):
+def delta_rule_step(q, k, v, log_alpha, write, memory, *, scale=None, checked=False, impl="auto"):
   """One decode step. q, k [B, H_k, K]; write [B, H, K], or [B, H] (beta:
   write = beta k); v [B, H, V]; log_alpha [B, H, K] or [B, H]; memory
   [B, H, K, V]; H a multiple of H_k (grouped value heads, as in `delta_rule`).
@@ -192,34 +275,50 @@ def delta_rule_step(q, k, v, log_alpha, write, memory, *, scale=None,
   dispatch.resolve_step_impl. Returns (o_t [B, H, V], new memory)."""
   op = "delta_rule_step"
   q, k = heads.to_value_heads(op, q, k, v, axis=1)
-  for name, x in (("q", q), ("k", k), ("v", v), ("log_alpha", log_alpha),
-                  ("write", write), ("memory", memory)):
+  for name, x in (
+    ("q", q),
+    ("k", k),
+    ("v", v),
+    ("log_alpha", log_alpha),
+    ("write", write),
+    ("memory", memory),
+  ):
     val.check_float(op, name, x)
   b, h, kd = q.shape
   vd = v.shape[-1]
   val.check_shape(op, "k", k, (b, h, kd), "[B, H, K]")
   if write.shape not in ((b, h, kd), (b, h)):
-    raise ValueError(f"{op}: write must have shape [B, H, K] = {(b, h, kd)} (a direction) or "
-                     f"[B, H] = {(b, h)} (a scalar beta: write = beta k), got {tuple(write.shape)}")
+    raise ValueError(
+      f"{op}: write must have shape [B, H, K] = {(b, h, kd)} (a direction) or "
+      f"[B, H] = {(b, h)} (a scalar beta: write = beta k), got {tuple(write.shape)}"
+    )
   val.check_shape(op, "v", v, (b, h, vd), "[B, H, V]")
   val.check_shape(op, "memory", memory, (b, h, kd, vd), "[B, H, K, V]")
   if log_alpha.shape not in ((b, h, kd), (b, h)):
-    raise ValueError(f"{op}: log_alpha must have shape [B, H, K] or [B, H], "
-                     f"got {tuple(log_alpha.shape)}")
+    raise ValueError(
+      f"{op}: log_alpha must have shape [B, H, K] or [B, H], got {tuple(log_alpha.shape)}"
+    )
   if checked:
-    val.check_values(op, (("log_alpha", log_alpha, "<= 0"),) + _finite(
-        q=q, k=k, v=v, write=write, memory=memory))
+    val.check_values(
+      op, (("log_alpha", log_alpha, "<= 0"),) + _finite(q=q, k=k, v=v, write=write, memory=memory)
+    )
   cd = val.compute_dtype(q, k, v, log_alpha, write, memory)
-  scale = kd ** -0.5 if scale is None else scale
+  scale = kd**-0.5 if scale is None else scale
   if dispatch.resolve_step_impl(op, impl, kd, vd) == "pallas":
     o, memory = dispatch.pallas_module().decode.delta_rule_step(
-        q, k, v, log_alpha, write, memory, scale)
+      q, k, v, log_alpha, write, memory, scale
+    )
     return o, memory.astype(cd)
   if write.ndim == 2:
     write = write[..., None] * k
-  o, memory = delta_step(memory.astype(cd), q.astype(cd) * scale,
-                         k.astype(cd), v.astype(cd), log_alpha.astype(cd),
-                         write.astype(cd))
+  o, memory = delta_step(
+    memory.astype(cd),
+    q.astype(cd) * scale,
+    k.astype(cd),
+    v.astype(cd),
+    log_alpha.astype(cd),
+    write.astype(cd),
+  )
   return o.astype(q.dtype), memory
 
 
@@ -267,8 +366,7 @@ def delta_net(q, k, v, beta, **kwargs):
   """DeltaNet: no decay, write beta * k."""
   q, k = heads.to_value_heads("delta_net", q, k, v)
   kwargs = _check_gate("delta_net", None, kwargs, q=q, k=k, v=v, beta=beta)
-  return delta_rule(q, k, v, jnp.zeros(q.shape[:3], q.dtype),
-                    beta_write(beta, k), **kwargs)
+  return delta_rule(q, k, v, jnp.zeros(q.shape[:3], q.dtype), beta_write(beta, k), **kwargs)
 
 
 def gdn2(q, k, v, g, b, w, **kwargs):
@@ -302,39 +400,38 @@ def gla(q, k, v, g, **kwargs):
 def kda_step(q, k, v, g, beta, memory, *, scale=None, checked=False, impl="auto"):
   """One token of `kda`: q, k, g [B,H,K]; v [B,H,V]; beta [B,H]."""
   q, k = heads.to_value_heads("kda_step", q, k, v, axis=1)
-  _check_gate("kda_step", g, dict(checked=checked), q=q, k=k, v=v, beta=beta,
-              memory=memory)
+  _check_gate("kda_step", g, dict(checked=checked), q=q, k=k, v=v, beta=beta, memory=memory)
   return delta_rule_step(q, k, v, g, beta_write(beta, k), memory, scale=scale, impl=impl)
 
 
-def gated_delta_rule_step(q, k, v, g, beta, memory, *, scale=None,
-                          checked=False, impl="auto"):
+def gated_delta_rule_step(q, k, v, g, beta, memory, *, scale=None, checked=False, impl="auto"):
   """One token of `gated_delta_rule`: g, beta [B,H]."""
   q, k = heads.to_value_heads("gated_delta_rule_step", q, k, v, axis=1)
-  _check_gate("gated_delta_rule_step", g, dict(checked=checked), q=q, k=k, v=v,
-              beta=beta, memory=memory)
+  _check_gate(
+    "gated_delta_rule_step", g, dict(checked=checked), q=q, k=k, v=v, beta=beta, memory=memory
+  )
   return delta_rule_step(q, k, v, g, beta_write(beta, k), memory, scale=scale, impl=impl)
 
 
 def delta_net_step(q, k, v, beta, memory, *, scale=None, impl="auto"):
   """One token of `delta_net` (no decay): beta [B,H]."""
   q, k = heads.to_value_heads("delta_net_step", q, k, v, axis=1)
-  return delta_rule_step(q, k, v, jnp.zeros(q.shape[:2], q.dtype),
-                         beta_write(beta, k), memory, scale=scale, impl=impl)
+  return delta_rule_step(
+    q, k, v, jnp.zeros(q.shape[:2], q.dtype), beta_write(beta, k), memory, scale=scale, impl=impl
+  )
 
 
 def gdn2_step(q, k, v, g, b, w, memory, *, scale=None, checked=False, impl="auto"):
   """One token of `gdn2`: b [B,H,K] or [B,H]; w [B,H,V] or [B,H]."""
   q, k = heads.to_value_heads("gdn2_step", q, k, v, axis=1)
-  _check_gate("gdn2_step", g, dict(checked=checked), q=q, k=k, v=v, b=b, w=w,
-              memory=memory)
-  return delta_rule_step(q, beta_times(b, k), beta_times(w, v), g, k, memory,
-                         scale=scale, impl=impl)
+  _check_gate("gdn2_step", g, dict(checked=checked), q=q, k=k, v=v, b=b, w=w, memory=memory)
+  return delta_rule_step(
+    q, beta_times(b, k), beta_times(w, v), g, k, memory, scale=scale, impl=impl
+  )
 
 
 def gla_step(q, k, v, g, memory, *, scale=None, checked=False, impl="auto"):
   """One token of `gla` (no erase): g [B,H,K] or [B,H]."""
   q, k = heads.to_value_heads("gla_step", q, k, v, axis=1)
-  _check_gate("gla_step", g, dict(checked=checked), q=q, k=k, v=v,
-              memory=memory)
+  _check_gate("gla_step", g, dict(checked=checked), q=q, k=k, v=v, memory=memory)
   return delta_rule_step(q, jnp.zeros_like(k), v, g, k, memory, scale=scale, impl=impl)

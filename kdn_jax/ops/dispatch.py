@@ -62,11 +62,12 @@ def pallas_unsupported(kernels, kd, vd, chunk_size):
   widest = max(kernels.common.SUPPORTED_WIDTHS)
   chunks = kernels.common.SUPPORTED_CHUNKS
   if kd > widest:
-    return (f"K (key width) = {kd} is not supported by the Pallas kernels "
-            f"(at most {widest})")
+    return f"K (key width) = {kd} is not supported by the Pallas kernels (at most {widest})"
   if chunk_size is not None and chunk_size not in chunks:
-    return (f"chunk_size = {chunk_size} is not supported by the Pallas kernels "
-            f"(supported: {', '.join(map(str, chunks))} or None)")
+    return (
+      f"chunk_size = {chunk_size} is not supported by the Pallas kernels "
+      f"(supported: {', '.join(map(str, chunks))} or None)"
+    )
   return None
 
 
@@ -103,24 +104,26 @@ def resolve_impl(op, impl, kd=None, vd=None, chunk_size=None, state_bytes=None):
   if impl not in ("auto", "pallas"):
     return impl
   if impl == "auto" and jax.default_backend() not in PALLAS_AUTO_PLATFORMS:
-    if (jax.default_backend() == "cpu" and state_bytes is not None
-        and state_bytes <= CPU_REFERENCE_MAX_STATE_BYTES):
+    if (
+      jax.default_backend() == "cpu"
+      and state_bytes is not None
+      and state_bytes <= CPU_REFERENCE_MAX_STATE_BYTES
+    ):
       return "reference"
     return "chunked"
   kernels = pallas_module()
   if kernels is None:
     if impl == "pallas":
-      raise NotImplementedError(f"{op}: impl='pallas' but pallas_kernels "
-                                "cannot be imported")
+      raise NotImplementedError(f"{op}: impl='pallas' but pallas_kernels cannot be imported")
     _log_fallback(op, "pallas_kernels cannot be imported")
     return "chunked"
-  reason = (None if kd is None else
-            pallas_unsupported(kernels, kd, vd, chunk_size))
+  reason = None if kd is None else pallas_unsupported(kernels, kd, vd, chunk_size)
   if reason is None:
     return "pallas"
   if impl == "pallas":
-    raise ValueError(f"{op}: impl='pallas': {reason}; use impl='chunked' "
-                     "(or 'auto', which falls back to it)")
+    raise ValueError(
+      f"{op}: impl='pallas': {reason}; use impl='chunked' (or 'auto', which falls back to it)"
+    )
   _log_fallback(op, reason)
   return "chunked"
 
@@ -142,8 +145,11 @@ def resolve_step_impl(op, impl, kd, vd):
   if impl == "auto" and jax.default_backend() not in DECODE_PALLAS_AUTO_PLATFORMS:
     return "reference"
   kernels = pallas_module()
-  reason = ("pallas_kernels cannot be imported" if kernels is None
-            else pallas_unsupported(kernels, kd, vd, None))
+  reason = (
+    "pallas_kernels cannot be imported"
+    if kernels is None
+    else pallas_unsupported(kernels, kd, vd, None)
+  )
   if reason is None:
     return "pallas"
   if impl == "pallas":

@@ -21,7 +21,9 @@ def to_value_heads(op, q, k, v, axis=2):
   if hk == hv:
     return q, k
   if hv < hk or hv % hk:
-    raise ValueError(f"{op}: v has {hv} heads and q, k have {hk}: grouped value heads need "
-                     f"the value heads to be a multiple of the query/key heads")
+    raise ValueError(
+      f"{op}: v has {hv} heads and q, k have {hk}: grouped value heads need "
+      f"the value heads to be a multiple of the query/key heads"
+    )
   group = hv // hk
   return jnp.repeat(q, group, axis=axis), jnp.repeat(k, group, axis=axis)

@@ -6,9 +6,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kdn_jax.ops import dispatch, heads, variance, widths
-from kdn_jax.ops import nonfinite
-from kdn_jax.ops import states_at
+from kdn_jax.ops import dispatch, heads, nonfinite, states_at, variance, widths
 from kdn_jax.ops import validation as val
 from kdn_jax.ops.delta_reference import delta_step, scan_tokens
 from kdn_jax.ops.delta_rule import DEFAULT_CHUNK, resolve, run_memory
@@ -32,30 +30,33 @@ def _check_kdn(op, diag, q, k, v, log_alpha, omega, r):
 def _initial_state(op, diag, state, b, h, kd, vd, dtype):
   var_shape = (b, h, kd) if diag else (b, h)
   if state is None:
-    return KDNState(jnp.zeros((b, h, kd, vd), dtype),
-                    jnp.ones(var_shape, dtype))
+    return KDNState(jnp.zeros((b, h, kd, vd), dtype), jnp.ones(var_shape, dtype))
   if not isinstance(state, KDNState):
-    raise TypeError(f"{op}: initial_state must be a KDNState(memory, "
-                    f"variance), got {type(state).__name__}")
+    raise TypeError(
+      f"{op}: initial_state must be a KDNState(memory, variance), got {type(state).__name__}"
+    )
   val.check_float(op, "initial_state.memory", state.memory)
-  val.check_shape(op, "initial_state.memory", state.memory, (b, h, kd, vd),
-                  "[B, H, K, V]")
+  val.check_shape(op, "initial_state.memory", state.memory, (b, h, kd, vd), "[B, H, K, V]")
   val.check_float(op, "initial_state.variance", state.variance)
-  val.check_shape(op, "initial_state.variance", state.variance, var_shape,
-                  "[B, H, K]" if diag else "[B, H]")
+  val.check_shape(
+    op, "initial_state.variance", state.variance, var_shape, "[B, H, K]" if diag else "[B, H]"
+  )
   return KDNState(state.memory.astype(dtype), state.variance.astype(dtype))
 
 
 def _gain_step(diag, mu):
   """(variance, k, log_alpha, omega, r) -> (write direction, new variance)."""
   if diag:
+
     def step(p, k, la, om, r):
       kappa, _, p = variance.diag_variance_step(p, k, la, om, r, mu[:, None])
       return kappa, p
   else:
+
     def step(b, k, la, om, r):
       beta, _, b = variance.iso_variance_step(b, k, la, om, r, mu)
       return beta[..., None] * k, b
+
   return step
 
 
@@ -63,19 +64,45 @@ def _check_kdn_values(op, q, k, v, log_alpha, omega, r, mu, state, state_given):
   """Checked mode: the domain of the KDN inputs (docs/math.md section 2), every value
   finite except log_alpha, for which -inf (forget everything) is legal."""
   memory, variance = (state.memory, state.variance) if state_given else (None, None)
-  val.check_values(op, (("log_alpha", log_alpha, "<= 0"),
-                        ("omega", omega, ">= 0"), ("omega", omega, "finite"),
-                        ("r", r, "> 0"), ("r", r, "finite"),
-                        ("info_scale", mu, "> 0"), ("info_scale", mu, "finite"),
-                        ("initial_state.variance", variance, "> 0"),
-                        ("initial_state.variance", variance, "finite"),
-                        ("q", q, "finite"), ("k", k, "finite"), ("v", v, "finite"),
-                        ("initial_state.memory", memory, "finite")))
+  val.check_values(
+    op,
+    (
+      ("log_alpha", log_alpha, "<= 0"),
+      ("omega", omega, ">= 0"),
+      ("omega", omega, "finite"),
+      ("r", r, "> 0"),
+      ("r", r, "finite"),
+      ("info_scale", mu, "> 0"),
+      ("info_scale", mu, "finite"),
+      ("initial_state.variance", variance, "> 0"),
+      ("initial_state.variance", variance, "finite"),
+      ("q", q, "finite"),
+      ("k", k, "finite"),
+      ("v", v, "finite"),
+      ("initial_state.memory", memory, "finite"),
+    ),
+  )
 
 
-def _kdn(op, diag, q, k, v, log_alpha, omega, r, info_scale, scale,
-         initial_state, output_final_state, segment_ids, impl, chunk_size,
-         checked, output_states_at):
+def _kdn(
+  op,
+  diag,
+  q,
+  k,
+  v,
+  log_alpha,
+  omega,
+  r,
+  info_scale,
+  scale,
+  initial_state,
+  output_final_state,
+  segment_ids,
+  impl,
+  chunk_size,
+  checked,
+  output_states_at,
+):
   q, k = heads.to_value_heads(op, q, k, v)
   b, t, h, kd, vd = _check_kdn(op, diag, q, k, v, log_alpha, omega, r)
   val.check_segment_ids(op, segment_ids, b, t)
@@ -87,34 +114,62 @@ def _kdn(op, diag, q, k, v, log_alpha, omega, r, info_scale, scale,
   mu = val.info_scale_array(op, info_scale, h, kd, cd)
   state0 = _initial_state(op, diag, initial_state, b, h, kd, vd, cd)
   if checked:
-    _check_kdn_values(op, q, k, v, log_alpha, omega, r, mu, state0,
-                      initial_state is not None)
-  scale = kd ** -0.5 if scale is None else scale
-  guard = nonfinite.Guard(q, dict(k=k, v=v, log_alpha=log_alpha, omega=omega, r=r),
-                          segment_ids, cd, variance=("k", "log_alpha", "omega", "r"),
-                          r_names=("r",))
-  q, k, v, log_alpha, omega, r = (guard.inputs[n] for n in
-                                  ("q", "k", "v", "log_alpha", "omega", "r"))
+    _check_kdn_values(op, q, k, v, log_alpha, omega, r, mu, state0, initial_state is not None)
+  scale = kd**-0.5 if scale is None else scale
+  guard = nonfinite.Guard(
+    q,
+    dict(k=k, v=v, log_alpha=log_alpha, omega=omega, r=r),
+    segment_ids,
+    cd,
+    variance=("k", "log_alpha", "omega", "r"),
+    r_names=("r",),
+  )
+  q, k, v, log_alpha, omega, r = (
+    guard.inputs[n] for n in ("q", "k", "v", "log_alpha", "omega", "r")
+  )
   if impl != "pallas":
     # (The Pallas kernels read each input in its own dtype and compute in fp32 inside: fp32
     # copies of 16-bit [B, T, H, K] inputs would be whole extra passes over HBM, three converts
     # of 50 us each in an H200 profile of the T=4096 forward, docs/decisions.md.)
-    q, k, v, log_alpha, omega, r = (
-        x.astype(cd) for x in (q, k, v, log_alpha, omega, r))
+    q, k, v, log_alpha, omega, r = (x.astype(cd) for x in (q, k, v, log_alpha, omega, r))
   at = ()
   if impl == "reference":
-    starts = None if segment_ids is None else variance.segment_starts(
-        segment_ids)
+    starts = None if segment_ids is None else variance.segment_starts(segment_ids)
     o, (memory, var), *every = _kdn_reference(
-        diag, q * scale, k, v, log_alpha, omega, r, mu, tuple(state0), starts,
-        positions is not None)
+      diag, q * scale, k, v, log_alpha, omega, r, mu, tuple(state0), starts, positions is not None
+    )
     if positions is not None:
       at = (KDNState(*(states_at.gather_tokens(x, positions) for x in every[0])),)
   else:
-    write, var, *var_at = _gain(op, diag, impl, k, log_alpha, omega, r, mu,
-                                state0.variance, segment_ids, input_dtype, positions)
-    o, memory, *mem_at = run_memory(op, impl, q, k, v, log_alpha, write, state0.memory,
-                                    segment_ids, chunk_size, input_dtype, scale, positions)
+    write, var, *var_at = _gain(
+      op,
+      diag,
+      impl,
+      k,
+      log_alpha,
+      omega,
+      r,
+      mu,
+      state0.variance,
+      segment_ids,
+      input_dtype,
+      positions,
+    )
+    o, memory, *mem_at = run_memory(
+      op,
+      impl,
+      q,
+      k,
+      v,
+      log_alpha,
+      write,
+      state0.memory,
+      segment_ids,
+      chunk_size,
+      input_dtype,
+      scale,
+      positions,
+    )
     if positions is not None:
       at = (KDNState(mem_at[0], var_at[0]),)
   o, memory, var = guard.spoil(o.astype(out_dtype), memory, var)
@@ -134,8 +189,7 @@ def _variance_at(diag, positions, k, log_alpha, omega, r, mu, var0, segment_ids)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 10))
-def _kdn_reference(diag, q, k, v, log_alpha, omega, r, mu, state0, starts,
-                   keep_states=False):
+def _kdn_reference(diag, q, k, v, log_alpha, omega, r, mu, state0, starts, keep_states=False):
   """Token-by-token KDN: the gain step feeds the delta step. Returns
   (o, final (memory, variance)), and with keep_states also (memory, variance)
   after every token ([B, T, H, K, V], [B, T, H(, K)])."""
@@ -152,8 +206,9 @@ def _kdn_reference(diag, q, k, v, log_alpha, omega, r, mu, state0, starts,
   return (ys[0], carry, ys[1]) if keep_states else (ys, carry)
 
 
-def _gain(op, diag, impl, k, log_alpha, omega, r, mu, var0, segment_ids,
-          input_dtype, positions=None):
+def _gain(
+  op, diag, impl, k, log_alpha, omega, r, mu, var0, segment_ids, input_dtype, positions=None
+):
   """The delta rule's write for all tokens (diag: kappa [B, T, H, K]; iso:
   beta [B, T, H], write = beta k) and the final variance (with positions, also
   the variance after each). input_dtype (the caller's q/k/v dtype): the Pallas
@@ -161,25 +216,55 @@ def _gain(op, diag, impl, k, log_alpha, omega, r, mu, var0, segment_ids,
   (pallas_kernels.write_dtype)."""
   kernels = dispatch.pallas_module() if impl == "pallas" else None
   if not kernels:
-    fn = variance.diag_gain if diag else variance.iso_gain   # iso: beta, write = beta k
-    return fn(k, log_alpha, omega, r, mu, var0, segment_ids,
-              at=None if positions is None else tuple(int(p) for p in positions))
+    fn = variance.diag_gain if diag else variance.iso_gain  # iso: beta, write = beta k
+    return fn(
+      k,
+      log_alpha,
+      omega,
+      r,
+      mu,
+      var0,
+      segment_ids,
+      at=None if positions is None else tuple(int(p) for p in positions),
+    )
   # (widths the kernels do not take are padded onto theirs: widths.py)
   if diag:
-    out = widths.diag_gain(kernels, k, log_alpha, omega, r, mu, var0, segment_ids,
-                           gain_dtype=kernels.write_dtype(input_dtype))
+    out = widths.diag_gain(
+      kernels,
+      k,
+      log_alpha,
+      omega,
+      r,
+      mu,
+      var0,
+      segment_ids,
+      gain_dtype=kernels.write_dtype(input_dtype),
+    )
   else:
     out = widths.iso_gain(kernels, k, log_alpha, omega, r, mu, var0, segment_ids)
   if positions is None:
     return out
-  return out + (_variance_at(diag, positions, k, log_alpha, omega, r, mu, var0,
-                             segment_ids),)
+  return out + (_variance_at(diag, positions, k, log_alpha, omega, r, mu, var0, segment_ids),)
 
 
-def diag_kdn(q, k, v, log_alpha, omega, r, *, info_scale=None, scale=None,
-             initial_state=None, output_final_state=False, segment_ids=None,
-             impl="auto", chunk_size=DEFAULT_CHUNK, checked=False,
-             output_states_at=None):
+def diag_kdn(
+  q,
+  k,
+  v,
+  log_alpha,
+  omega,
+  r,
+  *,
+  info_scale=None,
+  scale=None,
+  initial_state=None,
+  output_final_state=False,
+  segment_ids=None,
+  impl="auto",
+  chunk_size=DEFAULT_CHUNK,
+  checked=False,
+  output_states_at=None,
+):
   """Diagonal Kalman Delta Network.
 
   Args:
@@ -212,53 +297,97 @@ def diag_kdn(q, k, v, log_alpha, omega, r, *, info_scale=None, scale=None,
     output_states_at a third entry: KDNState(memory [B, P, H, K, V],
     variance [B, P, H, K] (iso: [B, P, H])).
   """
-  return _kdn("diag_kdn", True, q, k, v, log_alpha, omega, r, info_scale,
-              scale, initial_state, output_final_state, segment_ids, impl,
-              chunk_size, checked, output_states_at)
+  return _kdn(
+    "diag_kdn",
+    True,
+    q,
+    k,
+    v,
+    log_alpha,
+    omega,
+    r,
+    info_scale,
+    scale,
+    initial_state,
+    output_final_state,
+    segment_ids,
+    impl,
+    chunk_size,
+    checked,
+    output_states_at,
+  )
 
 
-def iso_kdn(q, k, v, log_alpha, omega, r, *, info_scale=None, scale=None,
-            initial_state=None, output_final_state=False, segment_ids=None,
-            impl="auto", chunk_size=DEFAULT_CHUNK, checked=False,
-            output_states_at=None):
+def iso_kdn(
+  q,
+  k,
+  v,
+  log_alpha,
+  omega,
+  r,
+  *,
+  info_scale=None,
+  scale=None,
+  initial_state=None,
+  output_final_state=False,
+  segment_ids=None,
+  impl="auto",
+  chunk_size=DEFAULT_CHUNK,
+  checked=False,
+  output_states_at=None,
+):
   """Isotropic Kalman Delta Network: like `diag_kdn` with omega [B, T, H]
   and a per-head scalar variance (KDNState.variance [B, H])."""
-  return _kdn("iso_kdn", False, q, k, v, log_alpha, omega, r, info_scale,
-              scale, initial_state, output_final_state, segment_ids, impl,
-              chunk_size, checked, output_states_at)
+  return _kdn(
+    "iso_kdn",
+    False,
+    q,
+    k,
+    v,
+    log_alpha,
+    omega,
+    r,
+    info_scale,
+    scale,
+    initial_state,
+    output_final_state,
+    segment_ids,
+    impl,
+    chunk_size,
+    checked,
+    output_states_at,
+  )
 
 
-def _kdn_step(op, diag, q, k, v, log_alpha, omega, r, state, info_scale,
-              scale, checked, impl):
+def _kdn_step(op, diag, q, k, v, log_alpha, omega, r, state, info_scale, scale, checked, impl):
   if not isinstance(state, KDNState):
-    raise TypeError(f"{op}: state must be a KDNState, got "
-                    f"{type(state).__name__}")
+    raise TypeError(f"{op}: state must be a KDNState, got {type(state).__name__}")
   q, k = heads.to_value_heads(op, q, k, v, axis=1)
   # Reuse the sequence checks with T = 1.
   add_t = lambda x: jnp.expand_dims(x, 1)
-  b, _, h, kd, vd = _check_kdn(op, diag, *map(add_t, (q, k, v, log_alpha,
-                                                      omega, r)))
+  b, _, h, kd, vd = _check_kdn(op, diag, *map(add_t, (q, k, v, log_alpha, omega, r)))
   out_dtype = q.dtype
   cd = val.compute_dtype(q, k, v, log_alpha, omega, r)
   mu = val.info_scale_array(op, info_scale, h, kd, cd)
   state = _initial_state(op, diag, state, b, h, kd, vd, cd)
   if checked:
     _check_kdn_values(op, q, k, v, log_alpha, omega, r, mu, state, True)
-  scale = kd ** -0.5 if scale is None else scale
+  scale = kd**-0.5 if scale is None else scale
   if dispatch.resolve_step_impl(op, impl, kd, vd) == "pallas":
     # (the fused step reads each input in its own dtype and computes in fp32)
     o, memory, var = dispatch.pallas_module().decode.kdn_step(
-        q, k, v, log_alpha, omega, r, mu, state.memory, state.variance, scale, diag=diag)
+      q, k, v, log_alpha, omega, r, mu, state.memory, state.variance, scale, diag=diag
+    )
     return o, KDNState(memory.astype(cd), var.astype(cd))
-  q, k, v, log_alpha, omega, r = (
-      x.astype(cd) for x in (q, k, v, log_alpha, omega, r))
+  q, k, v, log_alpha, omega, r = (x.astype(cd) for x in (q, k, v, log_alpha, omega, r))
   write, var = _gain_step(diag, mu)(state.variance, k, log_alpha, omega, r)
   o, memory = delta_step(state.memory, q * scale, k, v, log_alpha, write)
   return o.astype(out_dtype), KDNState(memory, var)
 
 
-def diag_kdn_step(q, k, v, log_alpha, omega, r, state, *, info_scale=None,
-                  scale=None, checked=False, impl="auto"):
+def diag_kdn_step(
+  q, k, v, log_alpha, omega, r, state, *, info_scale=None, scale=None, checked=False, impl="auto"
+):
   """One decode token of diag_kdn.
 
   q, k: [B, H_k, K]; log_alpha, omega: [B, H, K]; v: [B, H, V]; r: [B, H];
@@ -269,12 +398,15 @@ def diag_kdn_step(q, k, v, log_alpha, omega, r, state, *, info_scale=None,
   dispatch.resolve_step_impl.
   Returns (o_t [B, H, V], new KDNState).
   """
-  return _kdn_step("diag_kdn_step", True, q, k, v, log_alpha, omega, r, state,
-                   info_scale, scale, checked, impl)
+  return _kdn_step(
+    "diag_kdn_step", True, q, k, v, log_alpha, omega, r, state, info_scale, scale, checked, impl
+  )
 
 
-def iso_kdn_step(q, k, v, log_alpha, omega, r, state, *, info_scale=None,
-                 scale=None, checked=False, impl="auto"):
+def iso_kdn_step(
+  q, k, v, log_alpha, omega, r, state, *, info_scale=None, scale=None, checked=False, impl="auto"
+):
   """One decode token of iso_kdn (omega, r: [B, H]; variance [B, H])."""
-  return _kdn_step("iso_kdn_step", False, q, k, v, log_alpha, omega, r, state,
-                   info_scale, scale, checked, impl)
+  return _kdn_step(
+    "iso_kdn_step", False, q, k, v, log_alpha, omega, r, state, info_scale, scale, checked, impl
+  )

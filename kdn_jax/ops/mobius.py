@@ -17,8 +17,7 @@ def _renormalise(m: Matrix) -> Matrix:
   # scale, so divide by the largest |entry|. The scale carries no gradient
   # (the ratio does not depend on it), which keeps `max` out of the backward.
   a, b, c, d = m
-  s = jnp.maximum(jnp.maximum(jnp.abs(a), jnp.abs(b)),
-                  jnp.maximum(jnp.abs(c), jnp.abs(d)))
+  s = jnp.maximum(jnp.maximum(jnp.abs(a), jnp.abs(b)), jnp.maximum(jnp.abs(c), jnp.abs(d)))
   s = jax.lax.stop_gradient(jnp.where(s > 0, s, jnp.ones_like(s)))
   return a / s, b / s, c / s, d / s
 
@@ -27,15 +26,12 @@ def compose(earlier: Matrix, later: Matrix) -> Matrix:
   """later @ earlier, renormalised: apply `earlier` first, then `later`."""
   a1, b1, c1, d1 = earlier
   a2, b2, c2, d2 = later
-  return _renormalise((a2 * a1 + b2 * c1, a2 * b1 + b2 * d1,
-                       c2 * a1 + d2 * c1, c2 * b1 + d2 * d1))
+  return _renormalise((a2 * a1 + b2 * c1, a2 * b1 + b2 * d1, c2 * a1 + d2 * c1, c2 * b1 + d2 * d1))
 
 
-def prefix_products(m: Matrix, *, axis: int = 1,
-                    reverse: bool = False) -> Matrix:
+def prefix_products(m: Matrix, *, axis: int = 1, reverse: bool = False) -> Matrix:
   """Inclusive prefix compositions M_t o ... o M_1 (renormalised)."""
-  return jax.lax.associative_scan(compose, _renormalise(m), reverse=reverse,
-                                  axis=axis)
+  return jax.lax.associative_scan(compose, _renormalise(m), reverse=reverse, axis=axis)
 
 
 def apply(m: Matrix, x: jax.Array) -> jax.Array:
@@ -63,13 +59,15 @@ def mobius_scan(a, b, c, d, x0, *, axis: int = 1, reverse: bool = False):
     raise ValueError(f"mobius_scan: a, b, c, d must have one shape, got {shapes}")
   shape = jnp.shape(a)
   axis = axis % len(shape)
-  out_shape = shape[:axis] + shape[axis + 1:]
+  out_shape = shape[:axis] + shape[axis + 1 :]
   try:
     x0 = jnp.broadcast_to(jnp.asarray(x0), out_shape)
   except ValueError as e:
-    raise ValueError(f"mobius_scan: x0 of shape {jnp.shape(x0)} does not "
-                     f"broadcast to {out_shape} (a's shape without axis "
-                     f"{axis})") from e
+    raise ValueError(
+      f"mobius_scan: x0 of shape {jnp.shape(x0)} does not "
+      f"broadcast to {out_shape} (a's shape without axis "
+      f"{axis})"
+    ) from e
   dtype = jnp.result_type(a, b, c, d, x0)
   if not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(f"mobius_scan: expected floating inputs, got {dtype}")

@@ -49,8 +49,9 @@ def clean(x, fill=0.0):
 
 def clean_log_decay(log_alpha, compute_dtype):
   floor = jnp.asarray(log_decay_floor(compute_dtype), log_alpha.dtype)
-  return jnp.where(_bad_log_decay(log_alpha), jnp.zeros((), log_alpha.dtype),
-                   jnp.maximum(log_alpha, floor))
+  return jnp.where(
+    _bad_log_decay(log_alpha), jnp.zeros((), log_alpha.dtype), jnp.maximum(log_alpha, floor)
+  )
 
 
 def _spoiled_from(bad, segment_ids):
@@ -76,17 +77,19 @@ class Guard:
 
   def __init__(self, q, state: dict, segment_ids, compute_dtype, variance=(), r_names=()):
     self.segment_ids = segment_ids
-    bad = {name: (_bad_log_decay(x) if name == "log_alpha" else ~jnp.isfinite(x))
-           for name, x in state.items()}
-    tok = {name: jnp.any(b, axis=tuple(range(3, b.ndim))) if b.ndim > 3 else b
-           for name, b in bad.items()}
+    bad = {
+      name: (_bad_log_decay(x) if name == "log_alpha" else ~jnp.isfinite(x))
+      for name, x in state.items()
+    }
+    tok = {
+      name: jnp.any(b, axis=tuple(range(3, b.ndim))) if b.ndim > 3 else b for name, b in bad.items()
+    }
     self.bad_q = _token_bad(q)
     bad_state = _any_of(tok.values())
     self.spoiled = _spoiled_from(bad_state, segment_ids)
     self.variance_spoiled = None
     if variance:
-      self.variance_spoiled = _spoiled_from(_any_of(tok[n] for n in variance),
-                                            segment_ids)
+      self.variance_spoiled = _spoiled_from(_any_of(tok[n] for n in variance), segment_ids)
     inputs = {"q": clean(q)}
     for name, x in state.items():
       if name == "log_alpha":
@@ -105,8 +108,9 @@ class Guard:
       memory = jnp.where(last[..., None, None], nan(memory), memory)
     if variance is not None:
       last_v = self.variance_spoiled[:, -1]
-      variance = jnp.where(last_v.reshape(last_v.shape + (1,) * (variance.ndim - 2)),
-                           nan(variance), variance)
+      variance = jnp.where(
+        last_v.reshape(last_v.shape + (1,) * (variance.ndim - 2)), nan(variance), variance
+      )
     return o, memory, variance
 
 

@@ -35,18 +35,23 @@ def check_positions(op, positions, t):
     return None
   name = f"{op}: output_states_at"
   if isinstance(positions, jax.core.Tracer):
-    raise TypeError(f"{name} must be concrete (a list, tuple or numpy array of ints known when "
-                    "tracing: the output's shape depends on it), got a traced array")
+    raise TypeError(
+      f"{name} must be concrete (a list, tuple or numpy array of ints known when "
+      "tracing: the output's shape depends on it), got a traced array"
+    )
   arr = np.asarray(positions)
   if arr.ndim != 1 or arr.size == 0:
-    raise ValueError(f"{name} must be a non-empty 1-D array of positions [P], got shape "
-                     f"{arr.shape}")
+    raise ValueError(
+      f"{name} must be a non-empty 1-D array of positions [P], got shape {arr.shape}"
+    )
   if not np.issubdtype(arr.dtype, np.integer):
     raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
   bad = arr[(arr < 1) | (arr > t)]
   if bad.size:
-    raise ValueError(f"{name} must lie in [1, T] = [1, {t}] (the state after the first p tokens), "
-                     f"got {bad.tolist()[:5]}")
+    raise ValueError(
+      f"{name} must lie in [1, T] = [1, {t}] (the state after the first p tokens), "
+      f"got {bad.tolist()[:5]}"
+    )
   if np.any(np.diff(arr) < 0):
     raise ValueError(f"{name} must be sorted in ascending order, got {arr.tolist()[:10]}")
   return arr.astype(np.int64)
@@ -57,8 +62,7 @@ def gather_tokens(x, positions):
   return jnp.take(x, jnp.asarray(positions - 1), axis=1)
 
 
-def memory_at(positions, chunk, chunk_states, final, k, v, log_alpha, write, memory0,
-              segment_ids):
+def memory_at(positions, chunk, chunk_states, final, k, v, log_alpha, write, memory0, segment_ids):
   """The memory after each position: [B, P, H, K, V].
 
   positions: check_positions' array; chunk_states [B, H, N, K, V]: the state entering each chunk
@@ -78,8 +82,11 @@ def memory_at(positions, chunk, chunk_states, final, k, v, log_alpha, write, mem
     parts.append(jnp.stack([x.astype(dtype) for x in ends], axis=1))
     order += direct
   if at_start:
-    parts.append(_window_states(positions[at_start], chunk, chunk_states, k, v, log_alpha, write,
-                                memory0, segment_ids).astype(dtype))
+    parts.append(
+      _window_states(
+        positions[at_start], chunk, chunk_states, k, v, log_alpha, write, memory0, segment_ids
+      ).astype(dtype)
+    )
     order += at_start
   out = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
   if order != sorted(order):
@@ -87,25 +94,25 @@ def memory_at(positions, chunk, chunk_states, final, k, v, log_alpha, write, mem
   return out
 
 
-def _window_states(positions, chunk, chunk_states, k, v, log_alpha, write, memory0,
-                   segment_ids):
+def _window_states(positions, chunk, chunk_states, k, v, log_alpha, write, memory0, segment_ids):
   """memory_at for positions inside a chunk: [B, P, H, K, V]."""
   b, t, h, kd = k.shape
   vd = v.shape[-1]
   n_p = len(positions)
   cd = memory0.dtype
-  first = (positions - 1) // chunk * chunk                       # each window's first token
-  idx = first[:, None] + np.arange(chunk)[None, :]               # [P, C]
-  keep = jnp.asarray(idx < positions[:, None])[None]             # [1, P, C]: tokens before p
-  take = lambda x: jnp.take(x, jnp.asarray(np.minimum(idx, t - 1)), axis=1)   # [B, P, C, ...]
+  first = (positions - 1) // chunk * chunk  # each window's first token
+  idx = first[:, None] + np.arange(chunk)[None, :]  # [P, C]
+  keep = jnp.asarray(idx < positions[:, None])[None]  # [1, P, C]: tokens before p
+  take = lambda x: jnp.take(x, jnp.asarray(np.minimum(idx, t - 1)), axis=1)  # [B, P, C, ...]
   start = jnp.moveaxis(chunk_states[:, :, first // chunk].astype(cd), 2, 1)  # [B, P, H, K, V]
   if segment_ids is not None:
     resets = take(segment_starts(segment_ids)) & keep
     count = jnp.cumsum(resets, axis=-1)
     # Tokens of p - 1's segment: those from the window's last reset before p on.
     keep = keep & (count == count[..., -1:])
-    start = jnp.where((count[..., -1] > 0)[..., None, None, None], memory0[:, None].astype(cd),
-                      start)
+    start = jnp.where(
+      (count[..., -1] > 0)[..., None, None, None], memory0[:, None].astype(cd), start
+    )
   if write.ndim == 3:
     write = write[..., None] * k.astype(write.dtype)
 
@@ -117,6 +124,13 @@ def _window_states(positions, chunk, chunk_states, k, v, log_alpha, write, memor
     return jnp.broadcast_to(y, (b,) + y.shape[1:]).reshape((b * n_p,) + y.shape[2:])
 
   kw, vw, law, ww = (window(x) for x in (k, v, log_alpha, write))
-  _, states = delta_rule_chunked(jnp.zeros_like(kw), kw, vw, law, ww, start.reshape((b * n_p,) + start.shape[2:]),
-                                 chunk_size=WINDOW_CHUNK)
+  _, states = delta_rule_chunked(
+    jnp.zeros_like(kw),
+    kw,
+    vw,
+    law,
+    ww,
+    start.reshape((b * n_p,) + start.shape[2:]),
+    chunk_size=WINDOW_CHUNK,
+  )
   return states.reshape(b, n_p, h, kd, vd)

@@ -77,13 +77,13 @@ def _chunked_posteriors(m, p0, chunk):
   pad = n * chunk - t_len
   ident = (1.0, 0.0, 0.0, 1.0)
   if pad:
-    m = tuple(jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2),
-                      constant_values=e) for x, e in zip(m, ident))
+    m = tuple(
+      jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=e)
+      for x, e in zip(m, ident)
+    )
   # [B, N*C, ...] -> [C, B, N, ...] so the in-chunk scan runs over axis 0.
-  m = tuple(jnp.moveaxis(x.reshape(x.shape[:1] + (n, chunk) + x.shape[2:]),
-                         2, 0) for x in m)
-  one = tuple(like_varying(jnp.full(m[0].shape[1:], e, m[0].dtype), m[0])
-              for e in ident)
+  m = tuple(jnp.moveaxis(x.reshape(x.shape[:1] + (n, chunk) + x.shape[2:]), 2, 0) for x in m)
+  one = tuple(like_varying(jnp.full(m[0].shape[1:], e, m[0].dtype), m[0]) for e in ident)
   p0 = like_varying(p0, m[0])
 
   def step(carry, mt):
@@ -93,8 +93,7 @@ def _chunked_posteriors(m, p0, chunk):
   _, local = jax.lax.scan(step, one, m)
   totals = tuple(x[-1] for x in local)
   incl = mobius.prefix_products(totals, axis=1)
-  excl = tuple(jnp.concatenate([o[:, :1], x[:, :-1]], axis=1)
-               for o, x in zip(one, incl))
+  excl = tuple(jnp.concatenate([o[:, :1], x[:, :-1]], axis=1) for o, x in zip(one, incl))
   p_start = mobius.apply(excl, p0[:, None])
   post = mobius.apply(local, p_start[None])  # [C, B, N, ...]
   post = jnp.moveaxis(post, 0, 2)
@@ -114,8 +113,12 @@ def _variance_scan(decay2, omega, u, p0, starts, chunk=GAIN_CHUNK):
   if starts is not None:
     st = starts.reshape(starts.shape + (1,) * (a.ndim - 2))
     zero = jnp.zeros_like(a)
-    a, b, c, d = (jnp.where(st, zero, a), jnp.where(st, a * p0b + b, b),
-                  jnp.where(st, zero, c), jnp.where(st, c * p0b + d, d))
+    a, b, c, d = (
+      jnp.where(st, zero, a),
+      jnp.where(st, a * p0b + b, b),
+      jnp.where(st, zero, c),
+      jnp.where(st, c * p0b + d, d),
+    )
   post = _chunked_posteriors((a, b, c, d), p0, chunk)
   prev = jnp.concatenate([p0b[:, :1], post[:, :-1]], axis=1)
   if starts is not None:
@@ -124,8 +127,7 @@ def _variance_scan(decay2, omega, u, p0, starts, chunk=GAIN_CHUNK):
   return prior, post
 
 
-def diag_variance_scan(k, log_alpha, omega, r, info_scale, p0,
-                       segment_ids=None):
+def diag_variance_scan(k, log_alpha, omega, r, info_scale, p0, segment_ids=None):
   """Diagonal KDN variance for all tokens.
 
   k, log_alpha, omega: [B, T, H, K]; r: [B, T, H]; info_scale: scalar or [H];
@@ -139,8 +141,7 @@ def diag_variance_scan(k, log_alpha, omega, r, info_scale, p0,
   return _variance_scan(decay2, omega, u, p0, starts)
 
 
-def iso_variance_scan(k, log_alpha, omega, r, info_scale, b0,
-                      segment_ids=None):
+def iso_variance_scan(k, log_alpha, omega, r, info_scale, b0, segment_ids=None):
   """Isotropic KDN variance for all tokens.
 
   k, log_alpha: [B, T, H, K]; omega, r: [B, T, H]; b0: [B, H].
@@ -164,8 +165,7 @@ def _with_posteriors_at(out, post, at):
 def diag_gain(k, log_alpha, omega, r, info_scale, p0, segment_ids=None, at=None):
   """kappa [B,T,H,K] and the final variance [B,H,K] via the Moebius scan
   (with `at`, positions as a tuple, also the variance after each)."""
-  p_hat, p = diag_variance_scan(k, log_alpha, omega, r, info_scale, p0,
-                                segment_ids)
+  p_hat, p = diag_variance_scan(k, log_alpha, omega, r, info_scale, p0, segment_ids)
   kappa = p_hat * k / (r + jnp.sum(p_hat * k * k, axis=-1))[..., None]
   return _with_posteriors_at((kappa, p[:, -1]), p, at)
 
@@ -174,11 +174,17 @@ def diag_gain(k, log_alpha, omega, r, info_scale, p0, segment_ids=None, at=None)
 def iso_gain(k, log_alpha, omega, r, info_scale, b0, segment_ids=None, at=None):
   """beta [B,T,H] (gain = beta k) and the final variance [B,H] (with `at`,
   also the variance after each of those positions)."""
-  b_hat, b = iso_variance_scan(k, log_alpha, omega, r, info_scale, b0,
-                               segment_ids)
+  b_hat, b = iso_variance_scan(k, log_alpha, omega, r, info_scale, b0, segment_ids)
   beta = b_hat / (r + b_hat * jnp.sum(k * k, axis=-1))
   return _with_posteriors_at((beta, b[:, -1]), b, at)
 
 
-__all__ = ["diag_variance_step", "iso_variance_step", "diag_variance_scan",
-           "iso_variance_scan", "diag_gain", "iso_gain", "segment_starts"]
+__all__ = [
+  "diag_variance_step",
+  "iso_variance_step",
+  "diag_variance_scan",
+  "iso_variance_scan",
+  "diag_gain",
+  "iso_gain",
+  "segment_starts",
+]

@@ -62,8 +62,17 @@ def delta_rule(kernels, q, k, v, log_alpha, write, scale, memory0, segment_ids, 
   for start, width in value_tiles(vd, widths):
     vp = kernel_width(width, widths)
     cols = slice(start, start + width)
-    o, s = kernels.delta_rule(q, k, pad_to(v[..., cols], vp), log_alpha, write, scale,
-                              pad_to(memory0[..., cols], vp), segment_ids, **kwargs)
+    o, s = kernels.delta_rule(
+      q,
+      k,
+      pad_to(v[..., cols], vp),
+      log_alpha,
+      write,
+      scale,
+      pad_to(memory0[..., cols], vp),
+      segment_ids,
+      **kwargs,
+    )
     outs.append(o[..., :width])
     states.append(s[..., :kd, :width])
   if len(outs) == 1:
@@ -76,8 +85,15 @@ def diag_gain(kernels, k, log_alpha, omega, r, mu, p0, segment_ids, **kwargs):
   kd = k.shape[-1]
   kp = kernel_width(kd, kernels.common.SUPPORTED_WIDTHS)
   kappa, p_final = kernels.diag_gain(
-      pad_to(k, kp), pad_to(log_alpha, kp), pad_to(omega, kp), r, mu,
-      pad_to(p0, kp, value=1.0), segment_ids, **kwargs)
+    pad_to(k, kp),
+    pad_to(log_alpha, kp),
+    pad_to(omega, kp),
+    r,
+    mu,
+    pad_to(p0, kp, value=1.0),
+    segment_ids,
+    **kwargs,
+  )
   return kappa[..., :kd], p_final[..., :kd]
 
 
@@ -90,6 +106,7 @@ def iso_gain(kernels, k, log_alpha, omega, r, mu, b0, segment_ids):
     la = log_alpha.astype(jnp.promote_types(log_alpha.dtype, jnp.float32))
     half_log_mean = 0.5 * (jax.nn.logsumexp(2.0 * la, axis=-1, keepdims=True) - jnp.log(kd))
     log_alpha = jnp.concatenate(
-        [la, jnp.broadcast_to(half_log_mean, la.shape[:-1] + (kp - kd,))], axis=-1)
+      [la, jnp.broadcast_to(half_log_mean, la.shape[:-1] + (kp - kd,))], axis=-1
+    )
     k, mu = pad_to(k, kp), mu * (kp / kd)
   return kernels.iso_gain(k, log_alpha, omega, r, mu, b0, segment_ids)

@@ -1,5 +1,6 @@
 """Causal depthwise conv1d (+ SiLU) with segment resets and a decode cache: Pallas kernels with a
 custom VJP. The reference is kdn_jax.layers.short_conv.ShortConv (its plain-JAX composition)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +16,7 @@ from pallas_kernels.causal_conv1d import kernel as _kernel
 
 __all__ = ["causal_conv1d", "positions_in_segment", "L2_EPS"]
 
-L2_EPS = _kernel.L2_EPS   # normalize=True: y / sqrt(|y|^2 + L2_EPS)
+L2_EPS = _kernel.L2_EPS  # normalize=True: y / sqrt(|y|^2 + L2_EPS)
 
 # (batch, head) dims for sharding.per_shard: x / dy / dx [B,T,H,K]; w [W,H,K];
 # cache [B,W-1,H,K]; pos [B,T]; accumulators [B,NB,H,R,K].
@@ -32,10 +33,14 @@ def positions_in_segment(segment_ids):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _conv(x, w, cache, pos, activation, normalize, interpret, cfg):
-  body = lambda x, w, c, p: (_kernel.forward(x, w, c, p, activation=activation,
-                                             normalize=normalize, interpret=interpret, cfg=cfg),)
-  return _sharding.per_shard(body, (_X, _W, _CACHE, _POS), (_X + (4,),),
-                             "causal_conv1d forward")(x, w, cache, pos)[0]
+  body = lambda x, w, c, p: (
+    _kernel.forward(
+      x, w, c, p, activation=activation, normalize=normalize, interpret=interpret, cfg=cfg
+    ),
+  )
+  return _sharding.per_shard(body, (_X, _W, _CACHE, _POS), (_X + (4,),), "causal_conv1d forward")(
+    x, w, cache, pos
+  )[0]
 
 
 def _conv_fwd(x, w, cache, pos, activation, normalize, interpret, cfg):
@@ -45,15 +50,16 @@ def _conv_fwd(x, w, cache, pos, activation, normalize, interpret, cfg):
 def _conv_bwd(activation, normalize, interpret, cfg, res, dy):
   x, w, cache, pos = res
   width = w.shape[0]
-  body = lambda x, w, c, p, dy: _kernel.backward(x, w, c, p, dy, activation=activation,
-                                                 normalize=normalize, interpret=interpret,
-                                                 cfg=cfg)
-  dx, acc = _sharding.per_shard(body, (_X, _W, _CACHE, _POS, _X), (_X + (4,), _ACC + (5,)),
-                                "causal_conv1d backward")(x, w, cache, pos, dy)
+  body = lambda x, w, c, p, dy: _kernel.backward(
+    x, w, c, p, dy, activation=activation, normalize=normalize, interpret=interpret, cfg=cfg
+  )
+  dx, acc = _sharding.per_shard(
+    body, (_X, _W, _CACHE, _POS, _X), (_X + (4,), _ACC + (5,)), "causal_conv1d backward"
+  )(x, w, cache, pos, dy)
   # row j of the accumulators is tap j, i.e. weight index W-1-j; sums over batch and blocks
-  dw = jnp.flip(acc[:, :, :, :width].sum(axis=(0, 1)), axis=1)         # [H, W, K]
+  dw = jnp.flip(acc[:, :, :, :width].sum(axis=(0, 1)), axis=1)  # [H, W, K]
   dw = jnp.moveaxis(dw, 1, 0).astype(w.dtype)
-  dcache = jnp.moveaxis(acc[:, :, :, width:2 * width - 1].sum(axis=1), 2, 1)  # [B, W-1, H, K]
+  dcache = jnp.moveaxis(acc[:, :, :, width : 2 * width - 1].sum(axis=1), 2, 1)  # [B, W-1, H, K]
   # the layer rounds the cache to x's dtype before use: its gradient passes that cast
   dcache = dcache.astype(x.dtype).astype(cache.dtype)
   return dx, dw, dcache, None
@@ -62,8 +68,9 @@ def _conv_bwd(activation, normalize, interpret, cfg, res, dy):
 _conv.defvjp(_conv_fwd, _conv_bwd)
 
 
-def causal_conv1d(x, weight, cache, segment_ids=None, *, activation=True, normalize=False,
-                  interpret=None):
+def causal_conv1d(
+  x, weight, cache, segment_ids=None, *, activation=True, normalize=False, interpret=None
+):
   """y_t = silu(sum_j weight[W-1-j] * x[t-j]) per channel (activation=False: no SiLU), the inputs
   before the sequence (and before every packed segment's start) taken from `cache`; normalize:
   then y_t / sqrt(|y_t|^2 + L2_EPS) over each head's K channels (of y_t rounded to x's dtype, in
@@ -78,23 +85,28 @@ def causal_conv1d(x, weight, cache, segment_ids=None, *, activation=True, normal
   bsz, t, nh, kd = x.shape
   width = weight.shape[0]
   if weight.shape != (width, nh, kd):
-    raise ValueError(f"causal_conv1d: weight has shape {tuple(weight.shape)}; expected "
-                     f"({width}, {nh}, {kd}) (from x {tuple(x.shape)})")
+    raise ValueError(
+      f"causal_conv1d: weight has shape {tuple(weight.shape)}; expected "
+      f"({width}, {nh}, {kd}) (from x {tuple(x.shape)})"
+    )
   if cache.shape != (bsz, width - 1, nh, kd):
-    raise ValueError(f"causal_conv1d: cache has shape {tuple(cache.shape)}; expected "
-                     f"{(bsz, width - 1, nh, kd)}")
+    raise ValueError(
+      f"causal_conv1d: cache has shape {tuple(cache.shape)}; expected {(bsz, width - 1, nh, kd)}"
+    )
   if width < 2:
-    raise NotImplementedError("causal_conv1d: width 1 is a pointwise scale; use the layer's "
-                              "plain-JAX path")
+    raise NotImplementedError(
+      "causal_conv1d: width 1 is a pointwise scale; use the layer's plain-JAX path"
+    )
   cfg = _config.DEFAULT
   block_t = min(cfg.block_t, max(16, common.next_pow2(t)))
-  cfg = dataclasses.replace(cfg, block_t=block_t)   # short sequences: one smaller block
+  cfg = dataclasses.replace(cfg, block_t=block_t)  # short sequences: one smaller block
   t_pad = -(-t // block_t) * block_t
   pos = None
   if segment_ids is not None:
     # padded tokens continue the last segment (their outputs are dropped)
     seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, t_pad - t)), mode="edge")
     pos = positions_in_segment(seg)
-  y = _conv(common.pad_time(x, t_pad), weight, cache, pos, bool(activation), bool(normalize),
-            interpret, cfg)
+  y = _conv(
+    common.pad_time(x, t_pad), weight, cache, pos, bool(activation), bool(normalize), interpret, cfg
+  )
   return y[:, :t]

@@ -2,6 +2,7 @@
 
 `DEFAULT` is what `causal_conv1d` uses; `set_default(**overrides)` swaps it.
 """
+
 import dataclasses
 
 

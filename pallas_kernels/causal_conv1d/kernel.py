@@ -29,6 +29,7 @@ and every step reads one new x row at a dynamic offset:
             once per program as rows of [B, T / block_t, H, 2W-1, K] and summed outside.
             The W-1 rows after the block (the next block's) are recomputed before the loop.
 """
+
 from __future__ import annotations
 
 import functools
@@ -48,7 +49,7 @@ def acc_rows(width):
   return 2 * width - 1
 
 
-L2_EPS = 1e-6   # (kdn_jax.layers.short_conv.l2_normalize, the reference, uses this one)
+L2_EPS = 1e-6  # (kdn_jax.layers.short_conv.l2_normalize, the reference, uses this one)
 
 
 def _l2_inverse_norm(z):
@@ -61,8 +62,9 @@ class _Rows:
   def __init__(self, x_ref, w_ref, cache_ref, pos_ref, b, h, width, x_dtype):
     self.x_ref, self.pos_ref, self.b, self.h, self.width = x_ref, pos_ref, b, h, width
     # the layer rounds the cache to x's dtype before the products (ShortConv: xp's concat)
-    self.cache = [cache_ref[b, c, pl.ds(h, 1), :].astype(x_dtype).astype(jnp.float32)
-                  for c in range(width - 1)]
+    self.cache = [
+      cache_ref[b, c, pl.ds(h, 1), :].astype(x_dtype).astype(jnp.float32) for c in range(width - 1)
+    ]
     self.w = [w_ref[i, pl.ds(h, 1), :].astype(jnp.float32) for i in range(width)]
 
   def pos(self, t):
@@ -133,11 +135,11 @@ def _forward_kernel(*refs, width, block_t, activation, has_pos, normalize, load_
     for j in range(1, width):
       pre = pre + w[width - 1 - j] * src[j]
     y = pre * sigmoid(pre, exp_for(x_ref.dtype)) if activation else pre
-    if normalize:   # the conv output rounded to x's dtype, as the layer's composition has it
+    if normalize:  # the conv output rounded to x's dtype, as the layer's composition has it
       y = y.astype(x_ref.dtype).astype(jnp.float32)
       y = y * _l2_inverse_norm(y)
     y_ref[b, pl.ds(t, 1), h, :] = y.astype(y_ref.dtype)
-    return tuple(src[:width - 1])
+    return tuple(src[: width - 1])
 
   blocked_loop(block_t, load_block, load, step, prev)
 
@@ -155,9 +157,9 @@ def _backward_kernel(*refs, width, block_t, activation, has_pos, normalize, load
 
   def dpre(dy, pre):
     sg = sigmoid(pre, exp_for(x_ref.dtype)) if activation else None
-    if normalize:   # dy -> the cotangent of z = silu(pre) (or pre) through y = z / |z|
+    if normalize:  # dy -> the cotangent of z = silu(pre) (or pre) through y = z / |z|
       z = pre * sg if activation else pre
-      z = z.astype(x_ref.dtype).astype(jnp.float32)   # the forward's rounding
+      z = z.astype(x_ref.dtype).astype(jnp.float32)  # the forward's rounding
       inv = _l2_inverse_norm(z)
       n = z * inv
       dy = inv * (dy - n * jnp.sum(dy * n, axis=1, keepdims=True))
@@ -173,7 +175,7 @@ def _backward_kernel(*refs, width, block_t, activation, has_pos, normalize, load
     pos_s = rows.pos(s)
     g = dpre(dy_ref[b, pl.ds(s, 1), h, :].astype(jnp.float32), rows.pre(s, pos_s))
     after.append(jnp.where(t_last + k < t_pad, jnp.where(pos_s >= k, g, 0.0), 0.0))
-  xs = tuple(rows.x(t_last - j) for j in range(width - 1))   # x_t .. x_{t-W+2}
+  xs = tuple(rows.x(t_last - j) for j in range(width - 1))  # x_t .. x_{t-W+2}
 
   def load(r):
     t = t_last - r
@@ -202,7 +204,7 @@ def _backward_kernel(*refs, width, block_t, activation, has_pos, normalize, load
       for m in range(c + 1):
         wc = jnp.where(pos == c - m, w[m], wc)
       dc_new.append(dc[c] + g * wc)
-    after = (g,) + after[:width - 2]
+    after = (g,) + after[: width - 2]
     if has_pos:
       # a segment starts at t: the rows after it do not read t-1 or earlier
       after = tuple(jnp.where(pos == 0, 0.0, a) for a in after)
@@ -216,8 +218,9 @@ def _backward_kernel(*refs, width, block_t, activation, has_pos, normalize, load
 
 
 def _params(interpret, cfg):
-  return dict(interpret=interpret,
-              compiler_params=common.compiler_params(cfg.num_warps, cfg.num_stages))
+  return dict(
+    interpret=interpret, compiler_params=common.compiler_params(cfg.num_warps, cfg.num_stages)
+  )
 
 
 def forward(x, w, cache, pos, *, activation, interpret, cfg, normalize=False):
@@ -225,13 +228,23 @@ def forward(x, w, cache, pos, *, activation, interpret, cfg, normalize=False):
   or None -> y [B,T,H,K] in x's dtype (normalize: each row L2-normalised over K)."""
   bsz, t, nh, _ = x.shape
   width = w.shape[0]
-  kern = functools.partial(_forward_kernel, width=width, block_t=cfg.block_t,
-                           activation=activation, has_pos=pos is not None, normalize=normalize,
-                           load_block=cfg.load_block)
+  kern = functools.partial(
+    _forward_kernel,
+    width=width,
+    block_t=cfg.block_t,
+    activation=activation,
+    has_pos=pos is not None,
+    normalize=normalize,
+    load_block=cfg.load_block,
+  )
   args = (x, w, cache) + (() if pos is None else (pos,))
-  return pl.pallas_call(kern, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                        grid=(bsz, t // cfg.block_t, nh), name="causal_conv1d_fwd",
-                        **_params(interpret, cfg))(*args)
+  return pl.pallas_call(
+    kern,
+    out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+    grid=(bsz, t // cfg.block_t, nh),
+    name="causal_conv1d_fwd",
+    **_params(interpret, cfg),
+  )(*args)
 
 
 def backward(x, w, cache, pos, dy, *, activation, interpret, cfg, normalize=False):
@@ -240,11 +253,23 @@ def backward(x, w, cache, pos, dy, *, activation, interpret, cfg, normalize=Fals
   bsz, t, nh, kd = x.shape
   width = w.shape[0]
   nb = t // cfg.block_t
-  kern = functools.partial(_backward_kernel, width=width, block_t=cfg.block_t,
-                           activation=activation, has_pos=pos is not None, normalize=normalize,
-                           load_block=cfg.load_block)
+  kern = functools.partial(
+    _backward_kernel,
+    width=width,
+    block_t=cfg.block_t,
+    activation=activation,
+    has_pos=pos is not None,
+    normalize=normalize,
+    load_block=cfg.load_block,
+  )
   args = (x, w, cache) + (() if pos is None else (pos,)) + (dy,)
   return pl.pallas_call(
-      kern, out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype),
-                       jax.ShapeDtypeStruct((bsz, nb, nh, acc_rows(width), kd), jnp.float32)),
-      grid=(bsz, nb, nh), name="causal_conv1d_bwd", **_params(interpret, cfg))(*args)
+    kern,
+    out_shape=(
+      jax.ShapeDtypeStruct(x.shape, x.dtype),
+      jax.ShapeDtypeStruct((bsz, nb, nh, acc_rows(width), kd), jnp.float32),
+    ),
+    grid=(bsz, nb, nh),
+    name="causal_conv1d_bwd",
+    **_params(interpret, cfg),
+  )(*args)

@@ -6,13 +6,13 @@
 Forward only (decoding); kdn_jax.ops' `*_step` with impl='pallas' call these, the XLA steps are
 their reference. Triton / interpret mode only (not the TPU kernels).
 """
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import common
-from pallas_kernels import tpu_common
+from pallas_kernels import common, tpu_common
 from pallas_kernels.decode import config as _config
 from pallas_kernels.decode import kernel as _kernel
 
@@ -22,13 +22,17 @@ __all__ = ["delta_rule_step", "kdn_step"]
 def _setup(op, k, v, memory, interpret, cfg):
   interpret = common.resolve_interpret(interpret)
   if tpu_common.use_tpu_kernels(interpret):
-    raise NotImplementedError(f"{op}: the fused decode step has no TPU kernel; use impl='reference'")
+    raise NotImplementedError(
+      f"{op}: the fused decode step has no TPU kernel; use impl='reference'"
+    )
   kd, vd = k.shape[-1], v.shape[-1]
   common.check_width("K", kd)
   common.check_width("V", vd)
   if memory.shape != k.shape + (vd,):
-    raise ValueError(f"{op}: memory has shape {tuple(memory.shape)}; expected "
-                     f"{tuple(k.shape) + (vd,)} ([B, H, K, V] from k and v)")
+    raise ValueError(
+      f"{op}: memory has shape {tuple(memory.shape)}; expected "
+      f"{tuple(k.shape) + (vd,)} ([B, H, K, V] from k and v)"
+    )
   return interpret, cfg or _config.DEFAULT
 
 
@@ -40,18 +44,52 @@ def delta_rule_step(q, k, v, log_alpha, write, memory, scale, *, interpret=None,
   (o [B,H,V] in q's dtype, S' f32)."""
   interpret, cfg = _setup("decode.delta_rule_step", k, v, memory, interpret, cfg)
   kind = "beta" if write.ndim == 2 else "write"
-  o, s = _kernel.decode_step(kind, q, k, v, log_alpha, (write,), memory.astype(jnp.float32),
-                             scale=scale, interpret=interpret, cfg=cfg)
+  o, s = _kernel.decode_step(
+    kind,
+    q,
+    k,
+    v,
+    log_alpha,
+    (write,),
+    memory.astype(jnp.float32),
+    scale=scale,
+    interpret=interpret,
+    cfg=cfg,
+  )
   return o, s
 
 
-def kdn_step(q, k, v, log_alpha, omega, r, info_scale, memory, variance, scale, *, diag,
-             interpret=None, cfg=None):
+def kdn_step(
+  q,
+  k,
+  v,
+  log_alpha,
+  omega,
+  r,
+  info_scale,
+  memory,
+  variance,
+  scale,
+  *,
+  diag,
+  interpret=None,
+  cfg=None,
+):
   """One token of the diagonal (diag=True) or isotropic KDN: the variance step's gain feeds the
   delta rule's write. omega: [B,H,K] (iso [B,H]); r: [B,H]; info_scale: [H] or a float;
   variance: [B,H,K] (iso [B,H]). Returns (o, S', new variance), the last two f32."""
   interpret, cfg = _setup("decode.kdn_step", k, v, memory, interpret, cfg)
   mu = jnp.broadcast_to(jnp.asarray(info_scale, jnp.float32), (k.shape[1],))
   gain = (omega, r, mu, variance.astype(jnp.float32))
-  return _kernel.decode_step("diag" if diag else "iso", q, k, v, log_alpha, gain,
-                             memory.astype(jnp.float32), scale=scale, interpret=interpret, cfg=cfg)
+  return _kernel.decode_step(
+    "diag" if diag else "iso",
+    q,
+    k,
+    v,
+    log_alpha,
+    gain,
+    memory.astype(jnp.float32),
+    scale=scale,
+    interpret=interpret,
+    cfg=cfg,
+  )

@@ -1,5 +1,6 @@
 """Launch configuration of the fused decode step. `DEFAULT` is what the step uses unless a config
 is passed."""
+
 import dataclasses
 
 

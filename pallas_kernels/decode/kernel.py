@@ -11,6 +11,7 @@ and writes S' over S (the caller aliases them) and o. The gain is recomputed by 
 head (O(K) against the block's O(K block_v)); only block 0 writes the new variance, into its own
 output (reading and writing one aliased variance across programs would race).
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,20 +26,24 @@ KINDS = ("write", "beta", "diag", "iso")
 
 
 def _names(kind):
-  gain = {"write": ["w"], "beta": ["beta"], "diag": ["om", "r", "mu", "p"],
-          "iso": ["om", "r", "mu", "p"]}[kind]
+  gain = {
+    "write": ["w"],
+    "beta": ["beta"],
+    "diag": ["om", "r", "mu", "p"],
+    "iso": ["om", "r", "mu", "p"],
+  }[kind]
   return ["q", "k", "v", "la"] + gain + ["s"]
 
 
 def _kernel(*refs, kind, scalar_decay, block_v, scale, key_dim):
   names = _names(kind)
-  r = dict(zip(names, refs[:len(names)]))
-  outs = refs[len(names):]
+  r = dict(zip(names, refs[: len(names)]))
+  outs = refs[len(names) :]
   o_ref, s_out = outs[0], outs[1]
   b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   vs = pl.ds(vb * block_v, block_v)
   f32 = jnp.float32
-  k = r["k"][b, h, :].astype(f32)                       # [K]
+  k = r["k"][b, h, :].astype(f32)  # [K]
   la = r["la"][b, h].astype(f32) if scalar_decay else r["la"][b, h, :].astype(f32)
   if kind == "write":
     w = r["w"][b, h, :].astype(f32)
@@ -67,7 +72,7 @@ def _kernel(*refs, kind, scalar_decay, block_v, scale, key_dim):
         outs[2][b, h] = p_new
 
   alpha = jnp.exp(la)
-  s = r["s"][b, h, :, vs].astype(f32)                   # [K, block_v]
+  s = r["s"][b, h, :, vs].astype(f32)  # [K, block_v]
   s = alpha * s if scalar_decay else alpha[:, None] * s
   delta = r["v"][b, h, vs].astype(f32) - jnp.sum(s * k[:, None], axis=0)
   s = s + w[:, None] * delta[None, :]
@@ -84,14 +89,20 @@ def decode_step(kind, q, k, v, la, gain, memory, *, scale, interpret, cfg):
   vd = v.shape[-1]
   block_v = min(cfg.block_v, vd)
   args = [q, k, v, la, *gain, memory]
-  out_shape = [jax.ShapeDtypeStruct((bsz, nh, vd), q.dtype),
-               jax.ShapeDtypeStruct(memory.shape, jnp.float32)]
+  out_shape = [
+    jax.ShapeDtypeStruct((bsz, nh, vd), q.dtype),
+    jax.ShapeDtypeStruct(memory.shape, jnp.float32),
+  ]
   if kind in ("diag", "iso"):
     out_shape.append(jax.ShapeDtypeStruct(gain[3].shape, jnp.float32))
   return pl.pallas_call(
-      functools.partial(_kernel, kind=kind, scalar_decay=la.ndim == 2, block_v=block_v,
-                        scale=float(scale), key_dim=kd),
-      out_shape=tuple(out_shape), grid=(bsz, nh, vd // block_v),
-      input_output_aliases={len(args) - 1: 1}, name=f"decode_step_{kind}",
-      interpret=interpret, compiler_params=common.compiler_params(cfg.num_warps, cfg.num_stages),
+    functools.partial(
+      _kernel, kind=kind, scalar_decay=la.ndim == 2, block_v=block_v, scale=float(scale), key_dim=kd
+    ),
+    out_shape=tuple(out_shape),
+    grid=(bsz, nh, vd // block_v),
+    input_output_aliases={len(args) - 1: 1},
+    name=f"decode_step_{kind}",
+    interpret=interpret,
+    compiler_params=common.compiler_params(cfg.num_warps, cfg.num_stages),
   )(*args)

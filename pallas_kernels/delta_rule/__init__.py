@@ -23,6 +23,7 @@ One module per stage (options in config.DeltaRuleConfig), imported only from her
   output_mgpu   the output stage on Mosaic GPU (a trial port; not imported here, not wired in:
                 docs/decisions.md)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,9 +32,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import common
+from pallas_kernels import common, tpu_common
 from pallas_kernels import sharding as _sharding
-from pallas_kernels import tpu_common
 from pallas_kernels.delta_rule import backward as _backward
 from pallas_kernels.delta_rule import chunk_cumsum as _cumsum_kernels
 from pallas_kernels.delta_rule import config as _config
@@ -49,19 +49,20 @@ __all__ = ["delta_rule", "chunk_length", "forward_only", "segment_arrays", "writ
 
 # (batch, head) dims of the kernels' arrays for sharding.per_shard, and (batch, head, ndim) of
 # their results.
-_BTHK = (0, 2)     # [B, T, H, K or V]
-_BH = (0, 1)       # [B, H, ...]: states, A, P
-_BT = (0, None)    # [B, T]: segment bookkeeping
-_IN = (_BTHK,) * 5 + (_BH, _BT, _BT, _BT)           # q, k, v, w, la, h0, starts, cont, pid
-_RES = (_BTHK, _BH, _BH, _BTHK, _BTHK, _BH)         # g, A, P, Wt, W, chunk-start states
+_BTHK = (0, 2)  # [B, T, H, K or V]
+_BH = (0, 1)  # [B, H, ...]: states, A, P
+_BT = (0, None)  # [B, T]: segment bookkeeping
+_IN = (_BTHK,) * 5 + (_BH, _BT, _BT, _BT)  # q, k, v, w, la, h0, starts, cont, pid
+_RES = (_BTHK, _BH, _BH, _BTHK, _BTHK, _BH)  # g, A, P, Wt, W, chunk-start states
 _OUT4, _STATE4, _STATES5 = _BTHK + (4,), _BH + (4,), _BH + (5,)
 
 
-_RES_OUT = (_OUT4, _STATE4, _STATE4, _OUT4, _OUT4, _STATES5)   # results: g, A, P, Wt, W, states
+_RES_OUT = (_OUT4, _STATE4, _STATE4, _OUT4, _OUT4, _STATES5)  # results: g, A, P, Wt, W, states
 
 
-def forward(q, k, v, w, g, h0, cont, pid, *, chunk, scale, interpret, cfg, cfg_prec,
-            save_states, la=None):
+def forward(
+  q, k, v, w, g, h0, cont, pid, *, chunk, scale, interpret, cfg, cfg_prec, save_states, la=None
+):
   """The forward stages from the pair kernel on: (o, S_final, residuals (A, P, Wt, W, states), g).
 
   q, k: [B,T,H,K]; w: [B,T,H,K] or [B,T,H] (write = w k); v: [B,T,H,V]; g: [B,T,H,K] f32
@@ -70,46 +71,119 @@ def forward(q, k, v, w, g, h0, cont, pid, *, chunk, scale, interpret, cfg, cfg_p
   (both None without segments). The g returned is None when the pair kernel formed it and
   nothing read it whole (a call without save_states under cfg.decayed_operands)."""
   kw = dict(chunk=chunk, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
-  x = _intra.intra_forward(q, k, v, w, g, h0, pid, cont, scale=scale, la=la,
-                           keep_g=save_states, **kw)
+  x = _intra.intra_forward(
+    q, k, v, w, g, h0, pid, cont, scale=scale, la=la, keep_g=save_states, **kw
+  )
   decayed = x.qbar is not None
   q_out, g_out = _intra.operands(x.qbar, q, x.g)
-  g_chain = x.g if x.g is not None else x.g_last   # the state pass reads g's last rows
-  if cfg.fuse_output == "all" or (cfg.fuse_output == "primal" and not save_states
-                                   and cont is None):
+  g_chain = x.g if x.g is not None else x.g_last  # the state pass reads g's last rows
+  if cfg.fuse_output == "all" or (cfg.fuse_output == "primal" and not save_states and cont is None):
     o, sfin, *states = _state_pass.state_output_forward(
-        x.u, x.wk, x.wt, g_chain, h0, cont, q_out, x.pmat, scale=scale, save_states=save_states,
-        decayed=decayed, out_dtype=q.dtype, **kw)
+      x.u,
+      x.wk,
+      x.wt,
+      g_chain,
+      h0,
+      cont,
+      q_out,
+      x.pmat,
+      scale=scale,
+      save_states=save_states,
+      decayed=decayed,
+      out_dtype=q.dtype,
+      **kw,
+    )
     return o, sfin, (x.amat, x.pmat, x.wt, x.wk, states[0] if save_states else None), x.g
   delta, sfin, states = _state_pass.state_forward(x.u, x.wk, x.wt, g_chain, h0, cont, **kw)
-  o = _output.output_forward(q_out, g_out, x.pmat, delta, states, h0, cont, scale=scale,
-                             out_dtype=q.dtype, **kw)
+  o = _output.output_forward(
+    q_out, g_out, x.pmat, delta, states, h0, cont, scale=scale, out_dtype=q.dtype, **kw
+  )
   return o, sfin, (x.amat, x.pmat, x.wt, x.wk, states if save_states else None), x.g
 
 
-def _forward_body(q, k, v, w, la, h0, starts, cont, pid, *, chunk, scale, interpret, cfg, prec,
-                  save):
+def _forward_body(
+  q, k, v, w, la, h0, starts, cont, pid, *, chunk, scale, interpret, cfg, prec, save
+):
   in_pairs = cfg.cumsum_in_pairs and _intra.token_parallel(cfg, chunk)
-  g = None if in_pairs else _cumsum_kernels.chunk_cumsum(
-      la, starts, chunk=chunk, interpret=interpret, block=cfg.cumsum_block)
-  o, sfin, res, g = forward(q, k, v, w, g, h0, cont, pid, chunk=chunk, scale=scale,
-                            interpret=interpret, cfg=cfg, cfg_prec=prec, save_states=save,
-                            la=la if in_pairs else None)
+  g = (
+    None
+    if in_pairs
+    else _cumsum_kernels.chunk_cumsum(
+      la, starts, chunk=chunk, interpret=interpret, block=cfg.cumsum_block
+    )
+  )
+  o, sfin, res, g = forward(
+    q,
+    k,
+    v,
+    w,
+    g,
+    h0,
+    cont,
+    pid,
+    chunk=chunk,
+    scale=scale,
+    interpret=interpret,
+    cfg=cfg,
+    cfg_prec=prec,
+    save_states=save,
+    la=la if in_pairs else None,
+  )
   return (o, sfin, g) + tuple(res) if save else (o, sfin)
 
 
-def _backward_body(q, k, v, w, g, h0, starts, cont, pid, amat, pmat, wt, wk, states, do, dsfin,
-                   dext=None, *, chunk, scale, interpret, cfg, prec):
+def _backward_body(
+  q,
+  k,
+  v,
+  w,
+  g,
+  h0,
+  starts,
+  cont,
+  pid,
+  amat,
+  pmat,
+  wt,
+  wk,
+  states,
+  do,
+  dsfin,
+  dext=None,
+  *,
+  chunk,
+  scale,
+  interpret,
+  cfg,
+  prec,
+):
   dq, dk, dv, dw, dg, dla_terms, dh0 = _backward.backward(
-      q, k, v, w, g, h0, cont, pid, (amat, pmat, wt, wk, states), do, dsfin, chunk=chunk,
-      scale=scale, interpret=interpret, cfg=cfg, cfg_prec=prec,
-      grad_dtypes=(q.dtype, k.dtype, v.dtype), dext=dext)
+    q,
+    k,
+    v,
+    w,
+    g,
+    h0,
+    cont,
+    pid,
+    (amat, pmat, wt, wk, states),
+    do,
+    dsfin,
+    chunk=chunk,
+    scale=scale,
+    interpret=interpret,
+    cfg=cfg,
+    cfg_prec=prec,
+    grad_dtypes=(q.dtype, k.dtype, v.dtype),
+    dext=dext,
+  )
   # g = within-(chunk, segment) cumsum of log_alpha  =>  dla = reverse cumsum of dg, plus the
   # direct term: the exclusive prefix of dla_terms. (Its pieces restart at resets too, which
   # changes nothing: a term is zero outside its chunk's last segment, where every later token
   # of the chunk lies.)
-  dla = _cumsum_kernels.chunk_reverse_cumsum(dg, dla_terms, starts, chunk=chunk,
-                                             interpret=interpret, block=cfg.cumsum_block)
+  dla = _cumsum_kernels.chunk_reverse_cumsum(
+    dg, dla_terms, starts, chunk=chunk, interpret=interpret, block=cfg.cumsum_block
+  )
   return dq, dk, dv, dw, dla, dh0
 
 
@@ -118,11 +192,24 @@ def _forward(save, args, chunk, scale, interpret, cfg, prec):
     # TPU: one BlockSpec kernel (tpu_forward.py); with `save` it also returns the chunk-start
     # states, the residual of tpu_backward.py.
     q, k, v, w, la, h0, _, _, pid = args
-    return _tpu_forward.delta_rule_forward(q, k, v, w, la, h0, pid, chunk=chunk, scale=scale,
-                                           interpret=interpret, prec=prec, out_dtype=q.dtype,
-                                           save_states=save)
-  body = functools.partial(_forward_body, chunk=chunk, scale=scale, interpret=interpret,
-                           cfg=cfg, prec=prec, save=save)
+    return _tpu_forward.delta_rule_forward(
+      q,
+      k,
+      v,
+      w,
+      la,
+      h0,
+      pid,
+      chunk=chunk,
+      scale=scale,
+      interpret=interpret,
+      prec=prec,
+      out_dtype=q.dtype,
+      save_states=save,
+    )
+  body = functools.partial(
+    _forward_body, chunk=chunk, scale=scale, interpret=interpret, cfg=cfg, prec=prec, save=save
+  )
   outs = (_OUT4, _STATE4) + (_RES_OUT if save else ())
   return _sharding.per_shard(body, _IN, outs, "delta_rule forward")(*args)
 
@@ -131,21 +218,60 @@ def _forward(save, args, chunk, scale, interpret, cfg, prec):
 # the forward of (cfg_fo, chunk_fo) on its own segment bookkeeping (starts_fo, cont_fo); a
 # differentiated one runs _core_fwd, whose residuals are those of (cfg, chunk), the backward's.
 @functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(11, 18)))
-def _core(q, k, v, w, la, h0, starts, cont, pid, starts_fo, cont_fo, chunk, chunk_fo, scale,
-          interpret, cfg, cfg_fo, prec):
-  return _forward(False, (q, k, v, w, la, h0, starts_fo, cont_fo, pid), chunk_fo, scale,
-                  interpret, cfg_fo, prec)
+def _core(
+  q,
+  k,
+  v,
+  w,
+  la,
+  h0,
+  starts,
+  cont,
+  pid,
+  starts_fo,
+  cont_fo,
+  chunk,
+  chunk_fo,
+  scale,
+  interpret,
+  cfg,
+  cfg_fo,
+  prec,
+):
+  return _forward(
+    False, (q, k, v, w, la, h0, starts_fo, cont_fo, pid), chunk_fo, scale, interpret, cfg_fo, prec
+  )
 
 
-def _core_fwd(q, k, v, w, la, h0, starts, cont, pid, starts_fo, cont_fo, chunk, chunk_fo, scale,
-              interpret, cfg, cfg_fo, prec):
+def _core_fwd(
+  q,
+  k,
+  v,
+  w,
+  la,
+  h0,
+  starts,
+  cont,
+  pid,
+  starts_fo,
+  cont_fo,
+  chunk,
+  chunk_fo,
+  scale,
+  interpret,
+  cfg,
+  cfg_fo,
+  prec,
+):
   del starts_fo, cont_fo, chunk_fo, cfg_fo
   if tpu_common.use_tpu_kernels(interpret):
-    o, sfin, states = _forward(True, (q, k, v, w, la, h0, starts, cont, pid), chunk, scale,
-                               interpret, cfg, prec)
+    o, sfin, states = _forward(
+      True, (q, k, v, w, la, h0, starts, cont, pid), chunk, scale, interpret, cfg, prec
+    )
     return (o, sfin), (q, k, v, w, la, h0, pid, states)
-  o, sfin, *res = _forward(True, (q, k, v, w, la, h0, starts, cont, pid), chunk, scale,
-                           interpret, cfg, prec)
+  o, sfin, *res = _forward(
+    True, (q, k, v, w, la, h0, starts, cont, pid), chunk, scale, interpret, cfg, prec
+  )
   # (an empty array carries log_alpha's dtype: residuals must be arrays)
   return (o, sfin), (q, k, v, w, h0, starts, cont, pid, res, jnp.zeros((0,), la.dtype))
 
@@ -154,21 +280,52 @@ def _core_bwd(chunk, chunk_fo, scale, interpret, cfg, cfg_fo, prec, saved, cts):
   del chunk_fo, cfg_fo
   if tpu_common.use_tpu_kernels(interpret):
     q, k, v, w, la, h0, pid, states = saved
-    grads = _tpu_backward.delta_rule_backward(q, k, v, w, la, h0, pid, states, *cts,
-                                              chunk=chunk, scale=scale, interpret=interpret,
-                                              prec=prec)
+    grads = _tpu_backward.delta_rule_backward(
+      q,
+      k,
+      v,
+      w,
+      la,
+      h0,
+      pid,
+      states,
+      *cts,
+      chunk=chunk,
+      scale=scale,
+      interpret=interpret,
+      prec=prec,
+    )
     return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v, w, la))) + (
-        grads[5], None, None, None, None, None)
+      grads[5],
+      None,
+      None,
+      None,
+      None,
+      None,
+    )
   q, k, v, w, h0, starts, cont, pid, res, la_like = saved
   do, dsfin = cts
-  body = functools.partial(_backward_body, chunk=chunk, scale=scale, interpret=interpret,
-                           cfg=cfg, prec=prec)
+  body = functools.partial(
+    _backward_body, chunk=chunk, scale=scale, interpret=interpret, cfg=cfg, prec=prec
+  )
   dims = _IN[:4] + (_BTHK,) + _IN[5:] + _RES[1:] + (_BTHK, _BH)
   outs = (_OUT4,) * 3 + (_BTHK + (w.ndim,), _OUT4, _STATE4)
   dq, dk, dv, dw, dla, dh0 = _sharding.per_shard(body, dims, outs, "delta_rule backward")(
-      q, k, v, w, *res[:1], h0, starts, cont, pid, *res[1:], do, dsfin.astype(jnp.float32))
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dw.astype(w.dtype),
-          dla.astype(la_like.dtype), dh0, None, None, None, None, None)
+    q, k, v, w, *res[:1], h0, starts, cont, pid, *res[1:], do, dsfin.astype(jnp.float32)
+  )
+  return (
+    dq.astype(q.dtype),
+    dk.astype(k.dtype),
+    dv.astype(v.dtype),
+    dw.astype(w.dtype),
+    dla.astype(la_like.dtype),
+    dh0,
+    None,
+    None,
+    None,
+    None,
+    None,
+  )
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -179,13 +336,32 @@ _core.defvjp(_core_fwd, _core_bwd)
 # chain (backward.state_grads' dext). GPU/interpret kernels only (delta_rule checks).
 @functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(9, 14)))
 def _core_states(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg, prec):
-  return _core_states_fwd(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg,
-                          prec)[0]
+  return _core_states_fwd(
+    q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg, prec
+  )[0]
 
 
 def _core_states_fwd(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg, prec):
-  (o, sfin), res = _core_fwd(q, k, v, w, la, h0, starts, cont, pid, None, None, chunk, None,
-                             scale, interpret, cfg, None, prec)
+  (o, sfin), res = _core_fwd(
+    q,
+    k,
+    v,
+    w,
+    la,
+    h0,
+    starts,
+    cont,
+    pid,
+    None,
+    None,
+    chunk,
+    None,
+    scale,
+    interpret,
+    cfg,
+    None,
+    prec,
+  )
   return (o, sfin, res[8][-1].astype(jnp.float32)), res
 
 
@@ -196,14 +372,25 @@ def _core_states_bwd(chunk, scale, interpret, cfg, prec, saved, cts):
   # dext[c]: the cotangent of the state after chunk c, the start state of chunk c + 1 (the last
   # chunk's is S_final's, dsfin); chunk 0's start state is h0, whose gradient it joins directly.
   dext = jnp.concatenate([dstates[:, :, 1:], jnp.zeros_like(dstates[:, :, :1])], axis=2)
-  body = functools.partial(_backward_body, chunk=chunk, scale=scale, interpret=interpret,
-                           cfg=cfg, prec=prec)
+  body = functools.partial(
+    _backward_body, chunk=chunk, scale=scale, interpret=interpret, cfg=cfg, prec=prec
+  )
   dims = _IN[:4] + (_BTHK,) + _IN[5:] + _RES[1:] + (_BTHK, _BH, _BH)
   outs = (_OUT4,) * 3 + (_BTHK + (w.ndim,), _OUT4, _STATE4)
   dq, dk, dv, dw, dla, dh0 = _sharding.per_shard(body, dims, outs, "delta_rule backward")(
-      q, k, v, w, *res[:1], h0, starts, cont, pid, *res[1:], do, dsfin.astype(jnp.float32), dext)
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dw.astype(w.dtype),
-          dla.astype(la_like.dtype), dh0 + dstates[:, :, 0], None, None, None)
+    q, k, v, w, *res[:1], h0, starts, cont, pid, *res[1:], do, dsfin.astype(jnp.float32), dext
+  )
+  return (
+    dq.astype(q.dtype),
+    dk.astype(k.dtype),
+    dv.astype(v.dtype),
+    dw.astype(w.dtype),
+    dla.astype(la_like.dtype),
+    dh0 + dstates[:, :, 0],
+    None,
+    None,
+    None,
+  )
 
 
 _core_states.defvjp(_core_states_fwd, _core_states_bwd)
@@ -249,12 +436,24 @@ def write_dtype(dtype, interpret=None):
   interpret = common.resolve_interpret(interpret)
   if not cfg.bf16_write or tpu_common.use_tpu_kernels(interpret):
     return jnp.float32
-  return _tiles.operand_dtype(_tiles.kernel_precision(cfg, common.precision_for(dtype),
-                                                      interpret))
+  return _tiles.operand_dtype(_tiles.kernel_precision(cfg, common.precision_for(dtype), interpret))
 
 
-def delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None, *,
-               chunk_size=64, precision=None, interpret=None, output_chunk_states=False):
+def delta_rule(
+  q,
+  k,
+  v,
+  log_alpha,
+  write,
+  scale,
+  initial_state,
+  segment_ids=None,
+  *,
+  chunk_size=64,
+  precision=None,
+  interpret=None,
+  output_chunk_states=False,
+):
   """S_t = (I - w_t k_t^T) D_t S_{t-1} + w_t v_t^T,  o_t = scale * S_t^T q_t.
 
   q, k: [B,T,H,K]; write: [B,T,H,K], or [B,T,H] for a per-token scalar beta with write = beta k
@@ -280,8 +479,8 @@ def delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None
   cfg = _config.DEFAULT
   chunk = chunk_length(cfg, chunk_size, t, interpret)
   cfg_fo, chunk_fo = forward_only(cfg, chunk_size, t, interpret)
-  t_pad = -(-t // max(chunk, chunk_fo)) * max(chunk, chunk_fo)   # powers of two: a multiple of both
-  la = log_alpha   # the cumsum (or pair) kernel reads it in its own dtype and sums in fp32
+  t_pad = -(-t // max(chunk, chunk_fo)) * max(chunk, chunk_fo)  # powers of two: a multiple of both
+  la = log_alpha  # the cumsum (or pair) kernel reads it in its own dtype and sums in fp32
   if la.ndim == 3:
     la = jnp.broadcast_to(la[..., None], la.shape + (kd,))
   out_dtype = q.dtype
@@ -289,23 +488,55 @@ def delta_rule(q, k, v, log_alpha, write, scale, initial_state, segment_ids=None
     # A traced scale cannot be a kernel constant: fold it into q (fp32) instead.
     q, scale = q.astype(jnp.float32) * scale, 1.0
   if write.ndim == 3 and (not cfg.scalar_write or tpu_common.use_tpu_kernels(interpret)):
-    write = write[..., None] * k   # (the TPU kernels read a [B, T, H, K] write)
+    write = write[..., None] * k  # (the TPU kernels read a [B, T, H, K] write)
   q, k, v, w, la = (common.pad_time(x, t_pad) for x in (q, k, v, write, la))
   starts, cont, pid = segment_arrays(segment_ids, bsz, t, t_pad, chunk)
   if output_chunk_states:
     if tpu_common.use_tpu_kernels(interpret):
-      raise NotImplementedError("delta_rule: output_chunk_states is not available on the TPU "
-                                "kernels (their backward takes no state cotangents)")
+      raise NotImplementedError(
+        "delta_rule: output_chunk_states is not available on the TPU "
+        "kernels (their backward takes no state cotangents)"
+      )
     # fp32 states: they are returned, not only read back by the backward's bf16 dots
     cfg_states = dataclasses.replace(cfg, bf16_states=False)
-    o, sfin, states = _core_states(q, k, v, w, la, initial_state.astype(jnp.float32), starts,
-                                   cont, pid, chunk, float(scale), interpret, cfg_states,
-                                   precision)
+    o, sfin, states = _core_states(
+      q,
+      k,
+      v,
+      w,
+      la,
+      initial_state.astype(jnp.float32),
+      starts,
+      cont,
+      pid,
+      chunk,
+      float(scale),
+      interpret,
+      cfg_states,
+      precision,
+    )
     return o[:, :t].astype(out_dtype), sfin, states, chunk
   starts_fo, cont_fo = starts, cont
-  if chunk_fo != chunk:   # (the unused set is dead code in either jit)
+  if chunk_fo != chunk:  # (the unused set is dead code in either jit)
     starts_fo, cont_fo, _ = segment_arrays(segment_ids, bsz, t, t_pad, chunk_fo)
-  o, sfin = _core(q, k, v, w, la, initial_state.astype(jnp.float32), starts, cont, pid,
-                  starts_fo, cont_fo, chunk, chunk_fo, float(scale), interpret, cfg, cfg_fo,
-                  precision)
+  o, sfin = _core(
+    q,
+    k,
+    v,
+    w,
+    la,
+    initial_state.astype(jnp.float32),
+    starts,
+    cont,
+    pid,
+    starts_fo,
+    cont_fo,
+    chunk,
+    chunk_fo,
+    float(scale),
+    interpret,
+    cfg,
+    cfg_fo,
+    precision,
+  )
   return o[:, :t].astype(out_dtype), sfin

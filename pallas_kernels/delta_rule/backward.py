@@ -13,6 +13,7 @@ fusion with the partials kernel (fuse_bwd): the token-parallel kernel beat them 
 timed, H200 diag KDN fwd+bwd T=16384 17.81 ms against 19.25 fused, with documents 19.50 against
 20.67 fused and 21.36 unfused; T=4096 5.02 against 5.11 in session 38.)
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,16 +25,29 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.delta_rule.intra_bwd_tokens import intra_backward_tokens
 from pallas_kernels.delta_rule.tiles import (
-    dot, dot_nt, dot_tn, kernel_precision, launch_params, by_reset)
+  by_reset,
+  dot,
+  dot_nt,
+  dot_tn,
+  kernel_precision,
+  launch_params,
+)
 from pallas_kernels.kernel_math import exp_for_mode
 
 
 def _chain_loads(r, b, h, t0, C, has_seg, vs):
   """Chunk t0's inputs to the reverse chain and the partials, as loaded (none depends on dS)."""
   rows = pl.ds(t0, C)
-  x = dict(g=r["g"][b, rows, h, :], q=r["q"][b, rows, h, :], g_last=r["g"][b, t0 + C - 1, h, :],
-           do=r["do"][b, rows, h, vs], a=r["a"][b, h, rows, :], p=r["p"][b, h, rows, :],
-           wt=r["wt"][b, rows, h, :], wk=r["wk"][b, rows, h, :])
+  x = dict(
+    g=r["g"][b, rows, h, :],
+    q=r["q"][b, rows, h, :],
+    g_last=r["g"][b, t0 + C - 1, h, :],
+    do=r["do"][b, rows, h, vs],
+    a=r["a"][b, h, rows, :],
+    p=r["p"][b, h, rows, :],
+    wt=r["wt"][b, rows, h, :],
+    wk=r["wk"][b, rows, h, :],
+  )
   if has_seg:
     x.update(k=r["k"][b, rows, h, :], cont=r["cont"][b, rows], cont_last=r["cont"][b, t0 + C - 1])
   return x
@@ -45,9 +59,9 @@ def _chunk_common(x, scale, has_seg, exp):
   g = x["g"].astype(jnp.float32)
   kbar = x["k"].astype(jnp.float32) * exp(g) if has_seg else None
   qbar = (scale * x["q"].astype(jnp.float32)) * exp(g)
-  e_last = exp(x["g_last"])[:, None]     # [K, 1]
+  e_last = exp(x["g_last"])[:, None]  # [K, 1]
   if has_seg:
-    cont = x["cont"][:, None]                 # [C, 1] float
+    cont = x["cont"][:, None]  # [C, 1] float
     cont_last = x["cont_last"]
   else:
     cont, cont_last = None, None
@@ -95,8 +109,9 @@ def _partials_values(r, b, h, c, C, has_seg, vs, s, ds, s_init, x, prec, exp):
   t0 = c * C
   v = r["v"][b, pl.ds(t0, C), h, vs].astype(jnp.float32)
   wk = r["wk"][b, pl.ds(t0, C), h, :]
-  s_base, delta = _delta_rows(x["kbar"], v, x["amat"], wk, s, s_init, x["cont"], x["cont_last"],
-                             has_seg, prec)
+  s_base, delta = _delta_rows(
+    x["kbar"], v, x["amat"], wk, s, s_init, x["cont"], x["cont_last"], has_seg, prec
+  )
   do, du, cont = x["do"], x["du"], x["cont"]
   e_last_row = exp(r["g"][b, t0 + C - 1, h, :])
   dgl = e_last_row * jnp.sum(ds * s_base, axis=1)
@@ -106,15 +121,23 @@ def _partials_values(r, b, h, c, C, has_seg, vs, s, ds, s_init, x, prec, exp):
   else:
     dkbar = -dot_nt(du, s, prec)
     dqbar = dot_nt(do, s, prec)
-  return (du, dot_nt(do, delta, prec), -dot_nt(du, delta, prec), dot_nt(delta, ds, prec), dkbar,
-          dqbar, dgl)
+  return (
+    du,
+    dot_nt(do, delta, prec),
+    -dot_nt(du, delta, prec),
+    dot_nt(delta, ds, prec),
+    dkbar,
+    dqbar,
+    dgl,
+  )
 
 
 def _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs, s, ds, s_init, x, prec, exp):
   """Writes _partials_values to the per-V-block partial outputs."""
   dv_ref, dp_ref, dl_ref, dwt_ref, dkbar_ref, dqbar_ref, dgl_ref = outs
-  dv, dp, dl, dwt, dkbar, dqbar, dgl = _partials_values(r, b, h, c, C, has_seg, vs, s, ds, s_init,
-                                                        x, prec, exp)
+  dv, dp, dl, dwt, dkbar, dqbar, dgl = _partials_values(
+    r, b, h, c, C, has_seg, vs, s, ds, s_init, x, prec, exp
+  )
   rows = pl.ds(c * C, C)
   dv_ref[b, rows, h, vs] = dv.astype(dv_ref.dtype)
   dp_ref[b, h, vb, rows, :] = dp
@@ -145,23 +168,41 @@ def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, e
     if has_ext:
       ds = ds + r["dext"][b, h, c, :, vs].astype(jnp.float32)
     ds_ref[b, h, c, :, vs] = ds.astype(ds_ref.dtype)
-    return _bwd_chain(_chain_loads(r, b, h, c * C, C, has_seg, vs), scale, has_seg, ds, prec,
-                      exp)[0]
+    return _bwd_chain(_chain_loads(r, b, h, c * C, C, has_seg, vs), scale, has_seg, ds, prec, exp)[
+      0
+    ]
 
-  dh0_ref[b, h, :, vs] = lax.fori_loop(0, num_chunks, body,
-                                       r["dsfin"][b, h, :, vs].astype(jnp.float32))
+  dh0_ref[b, h, :, vs] = lax.fori_loop(
+    0, num_chunks, body, r["dsfin"][b, h, :, vs].astype(jnp.float32)
+  )
 
 
 def _bwd_partials_kernel(*refs, chunk, scale, has_seg, block_v, prec, exp):
   """Parallel over (chunk, V block): _bwd_partials from the saved states and state gradients."""
   names = _bwd_names(has_seg, ["states", "dstates"])
-  r = dict(zip(names, refs[:len(names)]))
-  outs = refs[len(names):]
+  r = dict(zip(names, refs[: len(names)]))
+  outs = refs[len(names) :]
   b, h, c, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
   vs = pl.ds(vb * block_v, block_v)
-  by_reset(r.get("cont"), b, c * chunk + chunk - 1, lambda seg: _bwd_partials(
-      r, outs, b, h, c, vb, chunk, seg, vs, *_chunk_states(r, b, h, c, chunk, scale, seg, vs,
-                                                            prec, exp), prec, exp))
+  by_reset(
+    r.get("cont"),
+    b,
+    c * chunk + chunk - 1,
+    lambda seg: _bwd_partials(
+      r,
+      outs,
+      b,
+      h,
+      c,
+      vb,
+      chunk,
+      seg,
+      vs,
+      *_chunk_states(r, b, h, c, chunk, scale, seg, vs, prec, exp),
+      prec,
+      exp,
+    ),
+  )
 
 
 def _chunk_states(r, b, h, c, C, scale, has_seg, vs, prec, exp):
@@ -185,13 +226,15 @@ def _bwd_inputs(q, k, v, g, h0, cont, res, do, cfg, cfg_prec, interpret, chunk, 
   (cont, W) and their static arguments (exp: kernel_math.exp_for_mode of the data's precision)."""
   amat, pmat, wt, wk, _ = res
   prec = kernel_precision(cfg, cfg_prec, interpret)
-  kw = dict(chunk=chunk, scale=scale, has_seg=cont is not None, prec=prec,
-            exp=exp_for_mode(cfg_prec))
+  kw = dict(
+    chunk=chunk, scale=scale, has_seg=cont is not None, prec=prec, exp=exp_for_mode(cfg_prec)
+  )
   return [q, k, v, g, amat, pmat, wt, h0, do], ([cont] if cont is not None else []) + [wk], kw
 
 
-def state_grads(q, k, v, g, h0, cont, res, do, dsfin, *, chunk, scale, interpret, cfg,
-                cfg_prec, dext=None):
+def state_grads(
+  q, k, v, g, h0, cont, res, do, dsfin, *, chunk, scale, interpret, cfg, cfg_prec, dext=None
+):
   """The reverse dS chain, serial over chunks: (dS_init's chain share [B, H, K, V] fp32, each
   chunk's dS [B, H, T/C, K, V] in the states' dtype). dext: None, or [B, H, T/C, K, V] f32, a
   cotangent of the state after each chunk from outside the op (_recur_bwd_kernel)."""
@@ -199,20 +242,45 @@ def state_grads(q, k, v, g, h0, cont, res, do, dsfin, *, chunk, scale, interpret
   bsz, _, nh, kd = k.shape
   vd = v.shape[-1]
   block_v = min(cfg.block_v, vd)
-  common_in, opt, kw = _bwd_inputs(q, k, v, g, h0, cont, res, do, cfg, cfg_prec, interpret,
-                                   chunk, scale)
+  common_in, opt, kw = _bwd_inputs(
+    q, k, v, g, h0, cont, res, do, cfg, cfg_prec, interpret, chunk, scale
+  )
   return pl.pallas_call(
-      functools.partial(_recur_bwd_kernel, num_chunks=k.shape[1] // chunk, block_v=block_v,
-                        has_ext=dext is not None, **kw),
-      out_shape=(jax.ShapeDtypeStruct((bsz, nh, kd, vd), jnp.float32),
-                 jax.ShapeDtypeStruct(states.shape, states.dtype)),
-      grid=(bsz, nh, vd // block_v), name="delta_rule_recur_bwd",
-      **launch_params(interpret, cfg.num_warps_recur, cfg),
+    functools.partial(
+      _recur_bwd_kernel,
+      num_chunks=k.shape[1] // chunk,
+      block_v=block_v,
+      has_ext=dext is not None,
+      **kw,
+    ),
+    out_shape=(
+      jax.ShapeDtypeStruct((bsz, nh, kd, vd), jnp.float32),
+      jax.ShapeDtypeStruct(states.shape, states.dtype),
+    ),
+    grid=(bsz, nh, vd // block_v),
+    name="delta_rule_recur_bwd",
+    **launch_params(interpret, cfg.num_warps_recur, cfg),
   )(*common_in, dsfin, *([] if dext is None else [dext]), *opt)
 
 
-def bwd_partials(q, k, v, g, h0, cont, res, do, dstates, *, chunk, scale, interpret, cfg,
-                 cfg_prec, dv_dtype=jnp.float32):
+def bwd_partials(
+  q,
+  k,
+  v,
+  g,
+  h0,
+  cont,
+  res,
+  do,
+  dstates,
+  *,
+  chunk,
+  scale,
+  interpret,
+  cfg,
+  cfg_prec,
+  dv_dtype=jnp.float32,
+):
   """Parallel over (chunk, V block): dV (in dv_dtype) and the per-V-block partial gradients of
   P, L, Wt, Kbar, Qbar and g_last, from the saved states and state gradients."""
   states = res[4]
@@ -222,38 +290,76 @@ def bwd_partials(q, k, v, g, h0, cont, res, do, dstates, *, chunk, scale, interp
   f32 = jnp.float32
   bv_part = min(cfg.block_v_parallel, vd)
   nvb = vd // bv_part
-  common_in, opt, kw = _bwd_inputs(q, k, v, g, h0, cont, res, do, cfg, cfg_prec, interpret,
-                                   chunk, scale)
+  common_in, opt, kw = _bwd_inputs(
+    q, k, v, g, h0, cont, res, do, cfg, cfg_prec, interpret, chunk, scale
+  )
   cc = jax.ShapeDtypeStruct((bsz, nh, nvb, t, chunk), f32)
   ck = jax.ShapeDtypeStruct((bsz, nh, nvb, t, kd), f32)
-  partial_shapes = (jax.ShapeDtypeStruct(v.shape, dv_dtype), cc, cc, ck, ck, ck,
-                    jax.ShapeDtypeStruct((bsz, nh, nvb, nc, kd), f32))
+  partial_shapes = (
+    jax.ShapeDtypeStruct(v.shape, dv_dtype),
+    cc,
+    cc,
+    ck,
+    ck,
+    ck,
+    jax.ShapeDtypeStruct((bsz, nh, nvb, nc, kd), f32),
+  )
   return pl.pallas_call(
-      functools.partial(_bwd_partials_kernel, block_v=bv_part, **kw),
-      out_shape=partial_shapes, grid=(bsz, nh, nc, nvb), name="delta_rule_bwd_partials",
-      **launch_params(interpret, cfg.num_warps_parallel, cfg),
+    functools.partial(_bwd_partials_kernel, block_v=bv_part, **kw),
+    out_shape=partial_shapes,
+    grid=(bsz, nh, nc, nvb),
+    name="delta_rule_bwd_partials",
+    **launch_params(interpret, cfg.num_warps_parallel, cfg),
   )(*common_in, states, dstates, *opt)
 
 
-def recur_backward(q, k, v, g, h0, cont, res, do, dsfin, *, chunk, scale, interpret, cfg,
-                   cfg_prec, dv_dtype=jnp.float32, dext=None):
+def recur_backward(
+  q,
+  k,
+  v,
+  g,
+  h0,
+  cont,
+  res,
+  do,
+  dsfin,
+  *,
+  chunk,
+  scale,
+  interpret,
+  cfg,
+  cfg_prec,
+  dv_dtype=jnp.float32,
+  dext=None,
+):
   """Backward stage 1: the reverse dS chain (state_grads), then dV and the per-V-block partial
   gradients (bwd_partials); with segments, S_init's share of the segments that restart from it
   (seg_init_grad, XLA, from the fp32 dV: dv_dtype applies only without segments). Returns
   (dV, dS_init, partials...)."""
   kw = dict(chunk=chunk, scale=scale, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
   dh0, dstates = state_grads(q, k, v, g, h0, cont, res, do, dsfin, dext=dext, **kw)
-  dv, *partials = bwd_partials(q, k, v, g, h0, cont, res, do, dstates,
-                               dv_dtype=jnp.float32 if cont is not None else dv_dtype, **kw)
-  return (dv, _add_seg_init(dh0, q, k, g, cont, do, dv, dstates, chunk, scale, cfg_prec),
-          *partials)
+  dv, *partials = bwd_partials(
+    q,
+    k,
+    v,
+    g,
+    h0,
+    cont,
+    res,
+    do,
+    dstates,
+    dv_dtype=jnp.float32 if cont is not None else dv_dtype,
+    **kw,
+  )
+  return (dv, _add_seg_init(dh0, q, k, g, cont, do, dv, dstates, chunk, scale, cfg_prec), *partials)
 
 
 def _add_seg_init(dh0, q, k, g, cont, do, dv, dstates, chunk, scale, cfg_prec):
   if cont is None:
     return dh0
-  return dh0 + seg_init_grad(q, k, g, cont, do, dv, dstates, chunk=chunk, scale=scale,
-                             exact=cfg_prec == "exact")
+  return dh0 + seg_init_grad(
+    q, k, g, cont, do, dv, dstates, chunk=chunk, scale=scale, exact=cfg_prec == "exact"
+  )
 
 
 def seg_init_grad(q, k, g, cont, do, dv, dstates, *, chunk, scale, exact):
@@ -266,28 +372,74 @@ def seg_init_grad(q, k, g, cont, do, dv, dstates, *, chunk, scale, exact):
   new = (1.0 - cont)[:, :, None, None]
   qn = (scale * q.astype(f32)) * e * new
   kn = k.astype(f32) * e * new
-  d = (jnp.einsum("bthk,bthv->bhkv", qn, do.astype(f32), precision=prec)
-       - jnp.einsum("bthk,bthv->bhkv", kn, dv, precision=prec))
+  d = jnp.einsum("bthk,bthv->bhkv", qn, do.astype(f32), precision=prec) - jnp.einsum(
+    "bthk,bthv->bhkv", kn, dv, precision=prec
+  )
   last = slice(chunk - 1, None, chunk)
-  w_last = (1.0 - cont[:, last])[:, :, None, None] * jnp.exp(g[:, last])    # [B, NC, H, K]
+  w_last = (1.0 - cont[:, last])[:, :, None, None] * jnp.exp(g[:, last])  # [B, NC, H, K]
   # (Written as a broadcast-multiply-sum over chunks instead, this gave garbage on XLA:CPU
   # behind the interpret-mode kernels, jax 0.10.2; the einsum is exact.)
   return d + jnp.einsum("bchk,bhckv->bhkv", w_last, dstates, precision=prec)
 
 
-def backward(q, k, v, w, g, h0, cont, pid, res, do, dsfin, *, chunk, scale, interpret, cfg,
-             cfg_prec, grad_dtypes=(jnp.float32,) * 3, dext=None):
+def backward(
+  q,
+  k,
+  v,
+  w,
+  g,
+  h0,
+  cont,
+  pid,
+  res,
+  do,
+  dsfin,
+  *,
+  chunk,
+  scale,
+  interpret,
+  cfg,
+  cfg_prec,
+  grad_dtypes=(jnp.float32,) * 3,
+  dext=None,
+):
   """(dq, dk, dv, dw, dg, dla_terms, dh0): the direct log-decay term dla_x is the exclusive
   prefix of dla_terms within chunks (the reverse cumsum sums it). grad_dtypes: what the kernels
   store dq, dk and dv in (the caller's dtypes: no fp32 copy and cast pass through memory; dv
   stays fp32 with segments, where S_init's gradient reads it); the rest are fp32. dext: a
   cotangent of the state after each chunk ([B, H, T/C, K, V] f32) or None (state_grads)."""
   dq_dtype, dk_dtype, dv_dtype = grad_dtypes
-  dv, dh0, *partials = recur_backward(q, k, v, g, h0, cont, res, do, dsfin, chunk=chunk,
-                                      scale=scale, interpret=interpret, cfg=cfg,
-                                      cfg_prec=cfg_prec, dv_dtype=dv_dtype, dext=dext)
-  dq, dk, dw, dg, dla_terms = intra_backward_tokens(q, k, w, g, pid, partials, chunk=chunk,
-                                                    scale=scale, interpret=interpret, cfg=cfg,
-                                                    cfg_prec=cfg_prec, dq_dtype=dq_dtype,
-                                                    dk_dtype=dk_dtype)
+  dv, dh0, *partials = recur_backward(
+    q,
+    k,
+    v,
+    g,
+    h0,
+    cont,
+    res,
+    do,
+    dsfin,
+    chunk=chunk,
+    scale=scale,
+    interpret=interpret,
+    cfg=cfg,
+    cfg_prec=cfg_prec,
+    dv_dtype=dv_dtype,
+    dext=dext,
+  )
+  dq, dk, dw, dg, dla_terms = intra_backward_tokens(
+    q,
+    k,
+    w,
+    g,
+    pid,
+    partials,
+    chunk=chunk,
+    scale=scale,
+    interpret=interpret,
+    cfg=cfg,
+    cfg_prec=cfg_prec,
+    dq_dtype=dq_dtype,
+    dk_dtype=dk_dtype,
+  )
   return dq, dk, dv, dw, dg, dla_terms, dh0

@@ -3,6 +3,7 @@
 `DEFAULT` is what `delta_rule` uses; `set_default(**overrides)` swaps it (benchmarks / tuning),
 `overridden(**overrides)` swaps it for one `with` block (tests, trials).
 """
+
 import contextlib
 import dataclasses
 
@@ -18,8 +19,8 @@ class DeltaRuleConfig:
   # forward against 1.6). Chunk 16 first failed
   # the fp32 reset check: the two-carry serial backward (backward.py, _SEG_NOTE), now one carry.
   # min_chunk keeps a floor for compiled runs should a GPU need one.
-  max_chunk: int = 16        # caps the caller's chunk_size (C_m)
-  min_chunk: int = 16        # floor of the chunk in compiled runs (interpret mode: 16)
+  max_chunk: int = 16  # caps the caller's chunk_size (C_m)
+  min_chunk: int = 16  # floor of the chunk in compiled runs (interpret mode: 16)
   # The row block of the forward's pair and WY kernels (16 when 0). (Until session 39 it also
   # split the intra backward of longer chunks into row blocks; the token-parallel intra
   # backward takes any chunk.)
@@ -48,7 +49,7 @@ class DeltaRuleConfig:
   # Removed in session 31 as slower in every measured cell: that single intra kernel (with its
   # `blocked` sub-tiles and `inverse` options), the 3-dot serial chain (`wy=False`) and the
   # serial kernel that formed O itself (`split_output=False`) (docs/decisions.md).
-  num_warps_pairs: int = 4   # Triton warps, the pair kernel
+  num_warps_pairs: int = 4  # Triton warps, the pair kernel
   # The pair products' kernel (intra.py): 'token_loop' (token-parallel, fla's structure: one
   # program per (token row, pair_heads heads), the row's columns j <= r one per step; chunks of
   # one row block only, longer chunks take 'columns') or 'columns' (one program per (chunk, row
@@ -57,14 +58,14 @@ class DeltaRuleConfig:
   # forward 1.97 ms, fwd+bwd 5.28 (T=16384: 6.88 / 19.85). Lost and removed there: a vectorised
   # token-parallel kernel (0.84-1.16 ms) and [S, S, K-slice] pair tensors (1.41-2.9 ms).
   pair_diag: str = "token_loop"
-  pair_heads: int = 4        # heads per token-parallel program (token_loop, the intra backward)
+  pair_heads: int = 4  # heads per token-parallel program (token_loop, the intra backward)
   # (I + L)^-1 in the WY kernel (wy.py): 'sub_rows', 'sub_dots', 'doubling'.
   wy_inverse: str = "sub_rows"
   # A call that is not differentiated (inference, evaluation) runs the forward at this chunk
   # (0: like a differentiated one); differentiated calls keep the config above, whose residuals
   # the backward reads (__init__.forward_only).
   forward_only_chunk: int = 0
-  block_v: int = 64          # value-columns per program in the recurrent (state-passing) kernels
+  block_v: int = 64  # value-columns per program in the recurrent (state-passing) kernels
   # value-columns per program in the parallel output and backward-partials kernels (fewer V
   # blocks: fewer per-V-block partial-gradient bytes for the intra backward to read and sum)
   block_v_parallel: int = 128
@@ -87,7 +88,7 @@ class DeltaRuleConfig:
   # beyond that and was dropped: docs/decisions.md). Session 44, diag KDN fwd+bwd
   # T=16384 (with num_warps_intra=1): 15.18 ms with 4, 14.92-14.94 with 2, 14.90 with 1.
   num_warps_output: int = 2
-  num_warps_recur: int = 4   # Triton warps, recurrent kernels (serial over chunks)
+  num_warps_recur: int = 4  # Triton warps, recurrent kernels (serial over chunks)
   # The output O = Qbar S_0 + P Delta formed inside the serial state pass (state_pass.py), off
   # its chain, instead of by the parallel output kernel (output.py), so Delta never goes
   # through memory: 'primal' in calls that are not differentiated and have no segment_ids (no
@@ -166,33 +167,47 @@ class DeltaRuleConfig:
     pow2 = lambda n: n > 0 and n & (n - 1) == 0
     for name in ("max_chunk", "min_chunk", "block_v", "block_v_parallel"):
       if not pow2(getattr(self, name)):
-        raise ValueError(f"DeltaRuleConfig.{name} must be a power of two, got {getattr(self, name)}")
+        raise ValueError(
+          f"DeltaRuleConfig.{name} must be a power of two, got {getattr(self, name)}"
+        )
     for f in dataclasses.fields(self):
-      if f.name.startswith("num_warps") and not (pow2(getattr(self, f.name))
-                                                 and getattr(self, f.name) <= 32):
-        raise ValueError(f"DeltaRuleConfig.{f.name} must be a power of two in [1, 32] (Triton "
-                         f"warps), got {getattr(self, f.name)}")
+      if f.name.startswith("num_warps") and not (
+        pow2(getattr(self, f.name)) and getattr(self, f.name) <= 32
+      ):
+        raise ValueError(
+          f"DeltaRuleConfig.{f.name} must be a power of two in [1, 32] (Triton "
+          f"warps), got {getattr(self, f.name)}"
+        )
     if self.cumsum_block < 1:
       raise ValueError(f"DeltaRuleConfig.cumsum_block must be >= 1, got {self.cumsum_block}")
     if self.sub_block and (not pow2(self.sub_block) or self.sub_block < 16):
-      raise ValueError("DeltaRuleConfig.sub_block must be 0 or a power of two >= 16, got "
-                       f"{self.sub_block}")
+      raise ValueError(
+        f"DeltaRuleConfig.sub_block must be 0 or a power of two >= 16, got {self.sub_block}"
+      )
     if self.forward_only_chunk and not pow2(self.forward_only_chunk):
-      raise ValueError("DeltaRuleConfig.forward_only_chunk must be 0 or a power of two, got "
-                       f"{self.forward_only_chunk}")
+      raise ValueError(
+        "DeltaRuleConfig.forward_only_chunk must be 0 or a power of two, got "
+        f"{self.forward_only_chunk}"
+      )
     if self.wy_inverse not in ("sub_rows", "sub_dots", "doubling"):
-      raise ValueError("DeltaRuleConfig.wy_inverse must be 'sub_rows', 'sub_dots' or 'doubling', "
-                       f"got {self.wy_inverse!r}")
+      raise ValueError(
+        "DeltaRuleConfig.wy_inverse must be 'sub_rows', 'sub_dots' or 'doubling', "
+        f"got {self.wy_inverse!r}"
+      )
     if self.pair_diag not in ("columns", "token_loop"):
-      raise ValueError("DeltaRuleConfig.pair_diag must be 'columns' or 'token_loop', got "
-                       f"{self.pair_diag!r}")
+      raise ValueError(
+        f"DeltaRuleConfig.pair_diag must be 'columns' or 'token_loop', got {self.pair_diag!r}"
+      )
     if self.fuse_output not in ("none", "primal", "all"):
-      raise ValueError("DeltaRuleConfig.fuse_output must be 'none', 'primal' or 'all', got "
-                       f"{self.fuse_output!r}")
+      raise ValueError(
+        f"DeltaRuleConfig.fuse_output must be 'none', 'primal' or 'all', got {self.fuse_output!r}"
+      )
     if not pow2(self.pair_heads):
       raise ValueError(f"DeltaRuleConfig.pair_heads must be a power of two, got {self.pair_heads}")
     if self.fast_dots not in ("tf32", "bf16"):
-      raise ValueError(f"DeltaRuleConfig.fast_dots must be 'tf32' or 'bf16', got {self.fast_dots!r}")
+      raise ValueError(
+        f"DeltaRuleConfig.fast_dots must be 'tf32' or 'bf16', got {self.fast_dots!r}"
+      )
 
 
 DEFAULT = DeltaRuleConfig()

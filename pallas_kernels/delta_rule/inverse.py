@@ -1,6 +1,7 @@
 """(I + L)^-1 for a strictly lower-triangular L [C, C] inside a kernel, by the methods that
 DeltaRuleConfig.wy_inverse (the WY kernel, wy.py) names. Plain functions of in-register tiles: no
 refs, no kernels."""
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -53,7 +54,7 @@ def unit_lower_inverse(lmat, C, inverse, block, hi):
     return _unit_lower_inverse_doubling(lmat, C, hi)
   if inverse == "sub_rows":
     return _unit_lower_inverse_sub_rows(lmat, C, min(block, C), hi)
-  return _unit_lower_inverse_blocked(lmat, C, min(block, C), hi)   # 'sub_dots'
+  return _unit_lower_inverse_blocked(lmat, C, min(block, C), hi)  # 'sub_dots'
 
 
 def _unit_lower_inverse_sub_rows(lmat, C, S, hi):

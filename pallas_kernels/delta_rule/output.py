@@ -2,6 +2,7 @@
 O = Qbar S_0 (S_init for rows whose segment starts inside the chunk) + P Delta,
 from the saved chunk-start states and the serial pass's Delta.
 """
+
 from __future__ import annotations
 
 import functools
@@ -11,7 +12,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.delta_rule.tiles import (
-    chunk_output, decay_q, kernel_precision, launch_params, by_reset)
+  by_reset,
+  chunk_output,
+  decay_q,
+  kernel_precision,
+  launch_params,
+)
 from pallas_kernels.kernel_math import exp_for_mode
 
 
@@ -20,9 +26,13 @@ def _output_kernel(*refs, chunk, scale, has_seg, block_v, prec, exp, decayed):
   (V/BV, NC, B H): the V blocks of one chunk, then the chunks of one (batch, head), run next to
   each other and share its q, g and P tiles in L2. decayed: the "q" input is Qbar already (no
   g is read)."""
-  names = (["q"] + ([] if decayed else ["g"]) + ["p", "delta", "states", "h0"]
-           + (["cont"] if has_seg else []))
-  r = dict(zip(names, refs[:len(names)]))
+  names = (
+    ["q"]
+    + ([] if decayed else ["g"])
+    + ["p", "delta", "states", "h0"]
+    + (["cont"] if has_seg else [])
+  )
+  r = dict(zip(names, refs[: len(names)]))
   o_ref = refs[len(names)]
   vb, c, bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   nh = r["q"].shape[2]
@@ -30,16 +40,23 @@ def _output_kernel(*refs, chunk, scale, has_seg, block_v, prec, exp, decayed):
   C = chunk
   t0 = c * C
   vs = pl.ds(vb * block_v, block_v)
-  by_reset(r.get("cont"), b, t0 + C - 1, lambda seg: _output_rows(
-      r, o_ref, b, h, c, t0, C, vs, scale, seg, prec, exp))
+  by_reset(
+    r.get("cont"),
+    b,
+    t0 + C - 1,
+    lambda seg: _output_rows(r, o_ref, b, h, c, t0, C, vs, scale, seg, prec, exp),
+  )
 
 
 def _output_rows(r, o_ref, b, h, c, t0, C, vs, scale, seg, prec, exp):
   """One chunk's O rows for one V block; seg: the chunk holds a reset."""
   rows = pl.ds(t0, C)
   s = r["states"][b, h, c, :, vs].astype(jnp.float32)
-  seg_kw = dict(cont=r["cont"][b, rows][:, None],
-                s_init=r["h0"][b, h, :, vs].astype(jnp.float32)) if seg else {}
+  seg_kw = (
+    dict(cont=r["cont"][b, rows][:, None], s_init=r["h0"][b, h, :, vs].astype(jnp.float32))
+    if seg
+    else {}
+  )
   qbar = r["q"][b, rows, h, :]
   if "g" in r:
     qbar = decay_q(qbar, r["g"][b, rows, h, :], scale, exp)
@@ -47,8 +64,9 @@ def _output_rows(r, o_ref, b, h, c, t0, C, vs, scale, seg, prec, exp):
   o_ref[b, rows, h, vs] = o.astype(o_ref.dtype)
 
 
-def output_forward(q, g, pmat, delta, states, h0, cont, *, chunk, scale, interpret, cfg, cfg_prec,
-                   out_dtype=None):
+def output_forward(
+  q, g, pmat, delta, states, h0, cont, *, chunk, scale, interpret, cfg, cfg_prec, out_dtype=None
+):
   """O [B, T, H, V] in out_dtype (default q's) from Delta [B, T, H, V] and the chunk-start
   states; g None: q is Qbar = scale q exp(g) already (decayed operands)."""
   bsz, t, nh, _ = q.shape
@@ -56,14 +74,23 @@ def output_forward(q, g, pmat, delta, states, h0, cont, *, chunk, scale, interpr
   has_seg = cont is not None
   prec = kernel_precision(cfg, cfg_prec, interpret)
   bv_par = min(cfg.block_v_parallel, vd)
-  out_in = [q] + ([] if g is None else [g]) + [pmat, delta, states, h0] + (
-      [cont] if has_seg else [])
+  out_in = (
+    [q] + ([] if g is None else [g]) + [pmat, delta, states, h0] + ([cont] if has_seg else [])
+  )
   grid = (vd // bv_par, t // chunk, bsz * nh)
   return pl.pallas_call(
-      functools.partial(_output_kernel, chunk=chunk, scale=scale, has_seg=has_seg,
-                        block_v=bv_par, prec=prec, exp=exp_for_mode(cfg_prec),
-                        decayed=g is None),
-      out_shape=jax.ShapeDtypeStruct((bsz, t, nh, vd), out_dtype or q.dtype),
-      grid=grid, name="delta_rule_output",
-      **launch_params(interpret, cfg.num_warps_output, cfg),
+    functools.partial(
+      _output_kernel,
+      chunk=chunk,
+      scale=scale,
+      has_seg=has_seg,
+      block_v=bv_par,
+      prec=prec,
+      exp=exp_for_mode(cfg_prec),
+      decayed=g is None,
+    ),
+    out_shape=jax.ShapeDtypeStruct((bsz, t, nh, vd), out_dtype or q.dtype),
+    grid=grid,
+    name="delta_rule_output",
+    **launch_params(interpret, cfg.num_warps_output, cfg),
   )(*out_in)

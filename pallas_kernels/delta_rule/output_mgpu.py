@@ -30,6 +30,7 @@ the kernel (an XLA pass over the largest array). SMEM per CTA at K = V = 128, bf
 interpret=True runs the kernel in jax's GPU interpret mode (InterpretGPUParams, a private jax
 module in 0.10 and 0.11): on CPU it simulates SMEM, barriers, TMA copies and wgmma.
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,15 +42,16 @@ from jax import lax
 from pallas_kernels import common
 from pallas_kernels.delta_rule.tiles import BF16_OPERANDS, kernel_precision
 
-try:   # the Mosaic GPU Pallas API; absent or broken in some jax builds
+try:  # the Mosaic GPU Pallas API; absent or broken in some jax builds
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
+
   _IMPORT_ERROR = None
-except ImportError as e:   # pragma: no cover - depends on the jax build
+except ImportError as e:  # pragma: no cover - depends on the jax build
   pl = plgpu = None
   _IMPORT_ERROR = e
 
-CHUNK = 64          # wgmma's M tile on one warpgroup
+CHUNK = 64  # wgmma's M tile on one warpgroup
 _BF16 = jnp.bfloat16
 
 
@@ -64,8 +66,8 @@ def _interpret_params(interpret):
       from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # pylint: disable=g-import-not-at-top
     except ImportError as e:
       raise MosaicGPUUnavailable(
-          f"output_mgpu: interpret=True needs jax's GPU interpret mode (jax {jax.__version__}: "
-          f"{e})") from e
+        f"output_mgpu: interpret=True needs jax's GPU interpret mode (jax {jax.__version__}: {e})"
+      ) from e
     return InterpretGPUParams()
   return interpret or None
 
@@ -74,49 +76,58 @@ def check_backend(interpret):
   """Raises MosaicGPUUnavailable unless the kernel can run here: a compute capability 9.x GPU
   (wgmma is Hopper-only), or interpret mode."""
   if plgpu is None:
-    raise MosaicGPUUnavailable(f"output_mgpu: jax {jax.__version__} has no usable "
-                               f"jax.experimental.pallas.mosaic_gpu ({_IMPORT_ERROR})")
+    raise MosaicGPUUnavailable(
+      f"output_mgpu: jax {jax.__version__} has no usable "
+      f"jax.experimental.pallas.mosaic_gpu ({_IMPORT_ERROR})"
+    )
   if interpret:
     return
   if jax.default_backend() != "gpu":
     raise MosaicGPUUnavailable(
-        f"output_mgpu: the Mosaic GPU kernel needs a CUDA GPU (backend is "
-        f"{jax.default_backend()!r}); pass interpret=True to run it in GPU interpret mode")
+      f"output_mgpu: the Mosaic GPU kernel needs a CUDA GPU (backend is "
+      f"{jax.default_backend()!r}); pass interpret=True to run it in GPU interpret mode"
+    )
   cc = getattr(jax.devices()[0], "compute_capability", None)
   if cc is None or not str(cc).startswith("9."):
     raise MosaicGPUUnavailable(
-        f"output_mgpu: wgmma needs a Hopper GPU (compute capability 9.x), got {cc!r} "
-        f"({jax.devices()[0].device_kind})")
+      f"output_mgpu: wgmma needs a Hopper GPU (compute capability 9.x), got {cc!r} "
+      f"({jax.devices()[0].device_kind})"
+    )
 
 
-def _kernel(q_ref, g_ref, p_ref, d_ref, s_ref, o_ref, q_s, g_s, p_s, d_s, s_s, *extra, scale, nh,
-            block_v):
+def _kernel(
+  q_ref, g_ref, p_ref, d_ref, s_ref, o_ref, q_s, g_s, p_s, d_s, s_s, *extra, scale, nh, block_v
+):
   """One (V block, chunk, batch head): refs *_ref in GMEM, tiles *_s in SMEM. extra: the Qbar
   and O tiles where they cannot reuse q's and Delta's (q or O not bf16), then the barriers."""
   *tiles, bars = extra
-  qb_s = tiles.pop(0) if q_s.dtype != _BF16 else q_s     # Qbar overwrites q once it is read
-  o_s = tiles.pop(0) if o_ref.dtype != _BF16 else d_s    # O overwrites Delta after the wgmma
+  qb_s = tiles.pop(0) if q_s.dtype != _BF16 else q_s  # Qbar overwrites q once it is read
+  o_s = tiles.pop(0) if o_ref.dtype != _BF16 else d_s  # O overwrites Delta after the wgmma
   vb, c, bh = lax.axis_index("v"), lax.axis_index("c"), lax.axis_index("bh")
   b, h = bh // nh, bh % nh
   rows = pl.ds(c * CHUNK, CHUNK)
   cols = pl.ds(vb * block_v, block_v)
-  loads = ((p_ref.at[b, h, rows, :], p_s), (d_ref.at[b, rows, h, cols], d_s),
-           (q_ref.at[b, rows, h, :], q_s), (g_ref.at[b, rows, h, :], g_s),
-           (s_ref.at[b, h, c, :, cols], s_s))
-  for i, (src, dst) in enumerate(loads):   # all five in flight at once
+  loads = (
+    (p_ref.at[b, h, rows, :], p_s),
+    (d_ref.at[b, rows, h, cols], d_s),
+    (q_ref.at[b, rows, h, :], q_s),
+    (g_ref.at[b, rows, h, :], g_s),
+    (s_ref.at[b, h, c, :, cols], s_s),
+  )
+  for i, (src, dst) in enumerate(loads):  # all five in flight at once
     plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
 
   def dots(acc):
     plgpu.barrier_wait(bars.at[0])
     plgpu.barrier_wait(bars.at[1])
-    plgpu.wgmma(acc, p_s, d_s)                       # P Delta, asynchronous
+    plgpu.wgmma(acc, p_s, d_s)  # P Delta, asynchronous
     plgpu.barrier_wait(bars.at[2])
     plgpu.barrier_wait(bars.at[3])
     qbar = (scale * q_s[...].astype(jnp.float32)) * jnp.exp(g_s[...])
     qb_s[...] = qbar.astype(_BF16)
-    plgpu.commit_smem()                              # the stores, before wgmma reads qb_s
+    plgpu.commit_smem()  # the stores, before wgmma reads qb_s
     plgpu.barrier_wait(bars.at[4])
-    plgpu.wgmma(acc, qb_s, s_s)                      # + Qbar S_0
+    plgpu.wgmma(acc, qb_s, s_s)  # + Qbar S_0
     plgpu.wgmma_wait(0)
     return acc[...]
 
@@ -131,39 +142,53 @@ def check_args(q, g, pmat, delta, states, cont, *, chunk, cfg, cfg_prec, interpr
   """Shape, dtype and scope checks (plain Python, before any tracing of the kernel)."""
   if cont is not None:
     raise NotImplementedError(
-        "output_mgpu.output_forward: cont (segments, the Qbar (1 - cont) S_init term) is not "
-        "supported by the Mosaic GPU output kernel; use output.output_forward")
+      "output_mgpu.output_forward: cont (segments, the Qbar (1 - cont) S_init term) is not "
+      "supported by the Mosaic GPU output kernel; use output.output_forward"
+    )
   if chunk != CHUNK:
-    raise NotImplementedError(f"output_mgpu.output_forward: chunk={chunk}; the Mosaic GPU "
-                              f"kernel needs chunk={CHUNK} (one 64-row wgmma tile)")
+    raise NotImplementedError(
+      f"output_mgpu.output_forward: chunk={chunk}; the Mosaic GPU "
+      f"kernel needs chunk={CHUNK} (one 64-row wgmma tile)"
+    )
   prec = kernel_precision(cfg, cfg_prec, bool(interpret))
   if prec != BF16_OPERANDS:
     raise NotImplementedError(
-        f"output_mgpu.output_forward: cfg_prec={cfg_prec!r} (fast_dots={cfg.fast_dots!r}); only "
-        "bf16-operand dots (cfg_prec='fast', fast_dots='bf16') are ported to wgmma")
+      f"output_mgpu.output_forward: cfg_prec={cfg_prec!r} (fast_dots={cfg.fast_dots!r}); only "
+      "bf16-operand dots (cfg_prec='fast', fast_dots='bf16') are ported to wgmma"
+    )
   bsz, t, nh, kd = q.shape
   vd = delta.shape[-1]
   nc = t // chunk
-  want = {"g": (g, (bsz, t, nh, kd)), "pmat": (pmat, (bsz, nh, t, chunk)),
-          "delta": (delta, (bsz, t, nh, vd)), "states": (states, (bsz, nh, nc, kd, vd))}
+  want = {
+    "g": (g, (bsz, t, nh, kd)),
+    "pmat": (pmat, (bsz, nh, t, chunk)),
+    "delta": (delta, (bsz, t, nh, vd)),
+    "states": (states, (bsz, nh, nc, kd, vd)),
+  }
   for name, (x, shape) in want.items():
     if tuple(x.shape) != shape:
-      raise ValueError(f"output_mgpu.output_forward: {name} has shape {tuple(x.shape)}, "
-                       f"expected {shape}")
+      raise ValueError(
+        f"output_mgpu.output_forward: {name} has shape {tuple(x.shape)}, expected {shape}"
+      )
   if t % chunk:
     raise ValueError(f"output_mgpu.output_forward: T={t} is not a multiple of chunk={chunk}")
   common.check_width("K", kd)
   common.check_width("V", vd)
   for name, x in (("pmat", pmat), ("delta", delta)):
     if x.dtype != _BF16:
-      raise ValueError(f"output_mgpu.output_forward: {name} must be bfloat16 (the operand dtype "
-                       f"of bf16-operand dots), got {x.dtype}")
+      raise ValueError(
+        f"output_mgpu.output_forward: {name} must be bfloat16 (the operand dtype "
+        f"of bf16-operand dots), got {x.dtype}"
+      )
   if states.dtype not in (_BF16, jnp.float32):
-    raise ValueError(f"output_mgpu.output_forward: states must be bfloat16 or float32, got "
-                     f"{states.dtype}")
+    raise ValueError(
+      f"output_mgpu.output_forward: states must be bfloat16 or float32, got {states.dtype}"
+    )
   if q.dtype not in (_BF16, jnp.float32, jnp.float16) or g.dtype != jnp.float32:
-    raise ValueError(f"output_mgpu.output_forward: q must be bf16/fp16/fp32 and g float32, got "
-                     f"q {q.dtype}, g {g.dtype}")
+    raise ValueError(
+      f"output_mgpu.output_forward: q must be bf16/fp16/fp32 and g float32, got "
+      f"q {q.dtype}, g {g.dtype}"
+    )
 
 
 def kernel_call(q, g, pmat, delta, states, *, scale, block_v, interpret=None):
@@ -175,27 +200,28 @@ def kernel_call(q, g, pmat, delta, states, *, scale, block_v, interpret=None):
   # No SMEM transforms: Warpgroup layout inference picks each tile's tiling and swizzle (explicit
   # (8, find_swizzle) transforms failed it for widths < 64).
   scratch = [
-      plgpu.SMEM((CHUNK, kd), q.dtype),           # q (and Qbar, wgmma A, when q is bf16)
-      plgpu.SMEM((CHUNK, kd), jnp.float32),       # g
-      plgpu.SMEM((CHUNK, CHUNK), _BF16),          # P (wgmma A)
-      plgpu.SMEM((CHUNK, block_v), _BF16),        # Delta (wgmma B; and O when O is bf16)
-      plgpu.SMEM((kd, block_v), _BF16),           # S_0 (wgmma B)
+    plgpu.SMEM((CHUNK, kd), q.dtype),  # q (and Qbar, wgmma A, when q is bf16)
+    plgpu.SMEM((CHUNK, kd), jnp.float32),  # g
+    plgpu.SMEM((CHUNK, CHUNK), _BF16),  # P (wgmma A)
+    plgpu.SMEM((CHUNK, block_v), _BF16),  # Delta (wgmma B; and O when O is bf16)
+    plgpu.SMEM((kd, block_v), _BF16),  # S_0 (wgmma B)
   ]
   if q.dtype != _BF16:
-    scratch.append(plgpu.SMEM((CHUNK, kd), _BF16))           # Qbar
+    scratch.append(plgpu.SMEM((CHUNK, kd), _BF16))  # Qbar
   if out_dtype != _BF16:
     scratch.append(plgpu.SMEM((CHUNK, block_v), out_dtype))  # O, staged for the TMA store
   scratch.append(plgpu.Barrier(num_barriers=5))
   kernel = plgpu.kernel(
-      functools.partial(_kernel, scale=float(scale), nh=nh, block_v=block_v),
-      out_type=jax.ShapeDtypeStruct((bsz, t, nh, vd), out_dtype),
-      scratch_types=scratch,
-      grid=(vd // block_v, t // CHUNK, bsz * nh), grid_names=("v", "c", "bh"),
-      kernel_name="delta_rule_output_mgpu",
-      # Warpgroup semantics: the default from jax 0.11, not in 0.10 (Lane).
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=_interpret_params(interpret))
+    functools.partial(_kernel, scale=float(scale), nh=nh, block_v=block_v),
+    out_type=jax.ShapeDtypeStruct((bsz, t, nh, vd), out_dtype),
+    scratch_types=scratch,
+    grid=(vd // block_v, t // CHUNK, bsz * nh),
+    grid_names=("v", "c", "bh"),
+    kernel_name="delta_rule_output_mgpu",
+    # Warpgroup semantics: the default from jax 0.11, not in 0.10 (Lane).
+    compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    interpret=_interpret_params(interpret),
+  )
   return kernel(q, g, pmat, delta, states.astype(_BF16))
 
 
@@ -204,8 +230,17 @@ def output_forward(q, g, pmat, delta, states, h0, cont, *, chunk, scale, interpr
   unused without segments).
   interpret=True runs jax's GPU interpret mode (CPU is fine); else a Hopper GPU is needed."""
   del h0
-  check_args(q, g, pmat, delta, states, cont, chunk=chunk, cfg=cfg, cfg_prec=cfg_prec,
-             interpret=interpret)
+  check_args(
+    q, g, pmat, delta, states, cont, chunk=chunk, cfg=cfg, cfg_prec=cfg_prec, interpret=interpret
+  )
   check_backend(interpret)
-  return kernel_call(q, g, pmat, delta, states, scale=scale,
-                     block_v=min(cfg.block_v_parallel, delta.shape[-1]), interpret=interpret)
+  return kernel_call(
+    q,
+    g,
+    pmat,
+    delta,
+    states,
+    scale=scale,
+    block_v=min(cfg.block_v_parallel, delta.shape[-1]),
+    interpret=interpret,
+  )

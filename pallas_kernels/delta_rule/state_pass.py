@@ -3,6 +3,7 @@ Delta = U - W S_0 (U = A V' and W = A Kbar from wy.py) and S_C = exp(g_last) S_0
 the chain's only two dots. Saves the chunk-start states and Delta for the output stage
 (output.py), or with DeltaRuleConfig.fuse_output forms O itself (state_output_forward).
 """
+
 from __future__ import annotations
 
 import functools
@@ -13,13 +14,32 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.delta_rule.tiles import (
-    chunk_output, decay_q, dot, dot_tn, kernel_precision, operand_dtype, state_dtype,
-    launch_params)
+  chunk_output,
+  decay_q,
+  dot,
+  dot_tn,
+  kernel_precision,
+  launch_params,
+  operand_dtype,
+  state_dtype,
+)
 from pallas_kernels.kernel_math import exp_for_mode
 
 
-def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_output, scale,
-                       save_states, exp, g_per_chunk, decayed):
+def _state_pass_kernel(
+  *refs,
+  chunk,
+  num_chunks,
+  has_seg,
+  block_v,
+  prec,
+  fuse_output,
+  scale,
+  save_states,
+  exp,
+  g_per_chunk,
+  decayed,
+):
   """Serial over chunks with U = A V' precomputed (wy.py): Delta = U - W S_0 and
   S <- exp(g_last) S_base + Wt^T Delta, the chain's only two dots.
 
@@ -49,8 +69,8 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_ou
   names = ["u", "wk", "wt", "g", "h0"] + (["cont"] if has_seg else [])
   if fuse_output:
     names += ["q", "p"]
-  r = dict(zip(names, refs[:len(names)]))
-  outs = list(refs[len(names):])
+  r = dict(zip(names, refs[: len(names)]))
+  outs = list(refs[len(names) :])
   o_ref = outs.pop(0) if fuse_output else None
   delta_ref = None if fuse_output else outs.pop(0)
   sfin_ref = outs.pop(0)
@@ -65,8 +85,12 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_ou
     rows only the output reads: q, g, P (Qbar, P when decayed), and cont with segments)."""
     t0 = c * C
     rows = pl.ds(t0, C)
-    x = dict(u=r["u"][b, rows, h, vs], wk=r["wk"][b, rows, h, :], wt=r["wt"][b, rows, h, :],
-             g_last=r["g"][b, c if g_per_chunk else t0 + C - 1, h, :])
+    x = dict(
+      u=r["u"][b, rows, h, vs],
+      wk=r["wk"][b, rows, h, :],
+      wt=r["wt"][b, rows, h, :],
+      g_last=r["g"][b, c if g_per_chunk else t0 + C - 1, h, :],
+    )
     if has_seg:
       x["cont_last"] = r["cont"][b, t0 + C - 1]
     if fuse_output:
@@ -90,7 +114,7 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_ou
         o = chunk_output(qbar, s, x["p"], delta, prec, **seg_kw)
         o_ref[b, rows, h, vs] = o.astype(o_ref.dtype)
 
-      if has_seg:   # the S_init dot only in chunks with a reset (as tiles.by_reset decides)
+      if has_seg:  # the S_init dot only in chunks with a reset (as tiles.by_reset decides)
         reset = x["cont_last"] < 0.5
         pl.when(reset)(lambda: store_output(True))
         pl.when(jnp.logical_not(reset))(lambda: store_output(False))
@@ -103,13 +127,13 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_ou
       delta_ref[b, rows, h, vs] = delta.astype(delta_ref.dtype)
     e_last = exp(x["g_last"])[:, None]
     s_base = s
-    if has_seg:   # the chunk's last token restarted from S_init inside the chunk
+    if has_seg:  # the chunk's last token restarted from S_init inside the chunk
       s_base = x["cont_last"] * s + (1.0 - x["cont_last"]) * s_init
     return e_last * s_base + dot_tn(x["wt"], delta, prec)
 
   def body(c, carry):
     s, x = carry
-    nxt = inputs(jnp.minimum(c + 1, num_chunks - 1))   # (the last step's reload goes unused)
+    nxt = inputs(jnp.minimum(c + 1, num_chunks - 1))  # (the last step's reload goes unused)
     return step(c, s, x), nxt
 
   sfin_ref[b, h, :, vs] = lax.fori_loop(0, num_chunks, body, (s_init, inputs(0)))[0]
@@ -118,23 +142,85 @@ def _state_pass_kernel(*refs, chunk, num_chunks, has_seg, block_v, prec, fuse_ou
 def state_forward(u, wk, wt, g, h0, cont, *, chunk, interpret, cfg, cfg_prec):
   """The serial stage: (Delta [B, T, H, V] in the dots' operand dtype, S_final [B, H, K, V] f32,
   the chunk-start states [B, H, NC, K, V]). g: [B, T, H, K], or g_last [B, NC, H, K]."""
-  return _call(u, wk, wt, g, h0, cont, (), chunk=chunk, interpret=interpret, cfg=cfg,
-               cfg_prec=cfg_prec, scale=1.0, save_states=True, out_dtype=None, decayed=False)
+  return _call(
+    u,
+    wk,
+    wt,
+    g,
+    h0,
+    cont,
+    (),
+    chunk=chunk,
+    interpret=interpret,
+    cfg=cfg,
+    cfg_prec=cfg_prec,
+    scale=1.0,
+    save_states=True,
+    out_dtype=None,
+    decayed=False,
+  )
 
 
-def state_output_forward(u, wk, wt, g, h0, cont, q, pmat, *, chunk, scale, interpret, cfg,
-                         cfg_prec, save_states, decayed=False, out_dtype=None):
+def state_output_forward(
+  u,
+  wk,
+  wt,
+  g,
+  h0,
+  cont,
+  q,
+  pmat,
+  *,
+  chunk,
+  scale,
+  interpret,
+  cfg,
+  cfg_prec,
+  save_states,
+  decayed=False,
+  out_dtype=None,
+):
   """The serial stage with the output fused (cfg.fuse_output): (O [B, T, H, V] in out_dtype
   (default q's), S_final [B, H, K, V] f32) and, with save_states, the chunk-start states
   [B, H, NC, K, V]. decayed: q is Qbar = scale q exp(g) already, and g may be g_last
   [B, NC, H, K]."""
-  return _call(u, wk, wt, g, h0, cont, (q, pmat), chunk=chunk, interpret=interpret, cfg=cfg,
-               cfg_prec=cfg_prec, scale=scale, save_states=save_states,
-               out_dtype=out_dtype or q.dtype, decayed=decayed)
+  return _call(
+    u,
+    wk,
+    wt,
+    g,
+    h0,
+    cont,
+    (q, pmat),
+    chunk=chunk,
+    interpret=interpret,
+    cfg=cfg,
+    cfg_prec=cfg_prec,
+    scale=scale,
+    save_states=save_states,
+    out_dtype=out_dtype or q.dtype,
+    decayed=decayed,
+  )
 
 
-def _call(u, wk, wt, g, h0, cont, out_in, *, chunk, interpret, cfg, cfg_prec, scale,
-          save_states, out_dtype, decayed):
+def _call(
+  u,
+  wk,
+  wt,
+  g,
+  h0,
+  cont,
+  out_in,
+  *,
+  chunk,
+  interpret,
+  cfg,
+  cfg_prec,
+  scale,
+  save_states,
+  out_dtype,
+  decayed,
+):
   bsz, t, nh, kd = wk.shape
   vd = u.shape[-1]
   nc = t // chunk
@@ -142,8 +228,10 @@ def _call(u, wk, wt, g, h0, cont, out_in, *, chunk, interpret, cfg, cfg_prec, sc
   fuse_output = bool(out_in)
   g_per_chunk = g.shape[1] != t
   if g_per_chunk and (g.shape[1] != nc or (fuse_output and not decayed)):
-    raise ValueError(f"state pass: g has {g.shape[1]} rows; expected T = {t}, or the chunks' "
-                     f"{nc} last rows (g_last) where no output rows of g are read")
+    raise ValueError(
+      f"state pass: g has {g.shape[1]} rows; expected T = {t}, or the chunks' "
+      f"{nc} last rows (g_last) where no output rows of g are read"
+    )
   prec = kernel_precision(cfg, cfg_prec, interpret)
   block_v = min(cfg.block_v, vd)
   first = jax.ShapeDtypeStruct(u.shape, out_dtype if fuse_output else operand_dtype(prec))
@@ -151,11 +239,22 @@ def _call(u, wk, wt, g, h0, cont, out_in, *, chunk, interpret, cfg, cfg_prec, sc
   if save_states:
     out_shape.append(jax.ShapeDtypeStruct((bsz, nh, nc, kd, vd), state_dtype(cfg, prec)))
   return pl.pallas_call(
-      functools.partial(_state_pass_kernel, chunk=chunk, num_chunks=nc, has_seg=has_seg,
-                        block_v=block_v, prec=prec, fuse_output=fuse_output, scale=scale,
-                        save_states=save_states, exp=exp_for_mode(cfg_prec),
-                        g_per_chunk=g_per_chunk, decayed=decayed),
-      out_shape=tuple(out_shape), grid=(bsz, nh, vd // block_v),
-      name="delta_rule_state_output" if fuse_output else "delta_rule_state_pass",
-      **launch_params(interpret, cfg.num_warps_recur, cfg),
+    functools.partial(
+      _state_pass_kernel,
+      chunk=chunk,
+      num_chunks=nc,
+      has_seg=has_seg,
+      block_v=block_v,
+      prec=prec,
+      fuse_output=fuse_output,
+      scale=scale,
+      save_states=save_states,
+      exp=exp_for_mode(cfg_prec),
+      g_per_chunk=g_per_chunk,
+      decayed=decayed,
+    ),
+    out_shape=tuple(out_shape),
+    grid=(bsz, nh, vd // block_v),
+    name="delta_rule_state_output" if fuse_output else "delta_rule_state_pass",
+    **launch_params(interpret, cfg.num_warps_recur, cfg),
   )(*([u, wk, wt, g, h0] + ([cont] if has_seg else []) + list(out_in)))

@@ -1,6 +1,7 @@
 """Helpers the delta-rule stage kernels share: dots at the kernels' precision, tile loads,
 the decay to the chunk's last token, sub-block reference points, storage dtypes and launch
 parameters. No kernels here, and no imports of the stage modules."""
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -10,12 +11,11 @@ from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels import common
 
+_NT = (((1,), (1,)), ((), ()))  # x @ y^T
+_TN = (((0,), (0,)), ((), ()))  # x^T @ y
 
-_NT = (((1,), (1,)), ((), ()))   # x @ y^T
-_TN = (((0,), (0,)), ((), ()))   # x^T @ y
 
-
-BF16_OPERANDS = "bf16_operands"   # a `prec` value: round both operands to bf16, accumulate in fp32
+BF16_OPERANDS = "bf16_operands"  # a `prec` value: round both operands to bf16, accumulate in fp32
 
 
 def dims(x, y, dims, prec):
@@ -146,5 +146,6 @@ def state_dtype(cfg, prec):
 
 
 def launch_params(interpret, num_warps, cfg):
-  return dict(interpret=interpret,
-              compiler_params=common.compiler_params(num_warps, cfg.num_stages))
+  return dict(
+    interpret=interpret, compiler_params=common.compiler_params(num_warps, cfg.num_stages)
+  )

@@ -18,6 +18,7 @@ g_last - g_j would cancel O(1) terms).
   K-side gradients are sums over V: a V split would need a cross-program sum), so its tiles are
   (C, K), (C, V), (K, V).
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,8 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import common
-from pallas_kernels import tpu_common
+from pallas_kernels import common, tpu_common
 from pallas_kernels.delta_rule import tpu_forward as fwd
 
 __all__ = ["delta_rule_backward", "backward_blocks"]
@@ -66,7 +66,7 @@ def _pair_grads(q, k, w, g, dlm, dpm):
 def _backward_kernel(*refs, scale, has_seg, prec):
   q_ref, k_ref, w_ref, la_ref, v_ref, h0_ref, s0_ref, do_ref, dsfin_ref = refs[:9]
   lp_ref = refs[9] if has_seg else None
-  dq_ref, dk_ref, dw_ref, dla_ref, dv_ref, dh0_ref, ds_scr, dinit_scr = refs[9 + has_seg:]
+  dq_ref, dk_ref, dw_ref, dla_ref, dv_ref, dh0_ref, ds_scr, dinit_scr = refs[9 + has_seg :]
   step = pl.program_id(1)
 
   @pl.when(step == 0)
@@ -113,10 +113,11 @@ def _backward_kernel(*refs, scale, has_seg, prec):
   dla = dla + fwd._dot(ct["strict"].astype(F32), dwt * wt, HIGHEST)
   # exp(g_last) scales the chunk-end state: g_last sums la over the last token's segment.
   s_base = fwd.chunk_base(ct, s0, s_init)
-  de_col = jnp.sum(ds * s_base, axis=1, keepdims=True)                     # [K, 1]
-  eye = (lax.broadcasted_iota(jnp.int32, (kd, kd), 0)
-         == lax.broadcasted_iota(jnp.int32, (kd, kd), 1)).astype(F32)
-  de_row = fwd._dot_tn(de_col, eye, HIGHEST) * ct["e_last"]               # [1, K]
+  de_col = jnp.sum(ds * s_base, axis=1, keepdims=True)  # [K, 1]
+  eye = (
+    lax.broadcasted_iota(jnp.int32, (kd, kd), 0) == lax.broadcasted_iota(jnp.int32, (kd, kd), 1)
+  ).astype(F32)
+  de_row = fwd._dot_tn(de_col, eye, HIGHEST) * ct["e_last"]  # [1, K]
   dla = dla + (de_row if ct["in_last"] is None else ct["in_last"] * de_row)
   for ref, val in ((dq_ref, dq), (dk_ref, dk), (dw_ref, dw), (dla_ref, dla), (dv_ref, du)):
     ref[...] = val
@@ -126,11 +127,16 @@ def _backward_kernel(*refs, scale, has_seg, prec):
     ds_new = e_ds + fwd._dot_tn(ct["qbar"], do, prec) - fwd._dot_tn(ct["kbar"], du, prec)
   else:
     cont_last = cont[-1:]
-    ds_new = (cont_last * e_ds + fwd._dot_tn(ct["qbar"] * cont, do, prec)
-              - fwd._dot_tn(ct["kbar"] * cont, du, prec))
-    dinit_scr[...] += ((1.0 - cont_last) * e_ds
-                       + fwd._dot_tn(ct["qbar"] * (1.0 - cont), do, prec)
-                       - fwd._dot_tn(ct["kbar"] * (1.0 - cont), du, prec))
+    ds_new = (
+      cont_last * e_ds
+      + fwd._dot_tn(ct["qbar"] * cont, do, prec)
+      - fwd._dot_tn(ct["kbar"] * cont, du, prec)
+    )
+    dinit_scr[...] += (
+      (1.0 - cont_last) * e_ds
+      + fwd._dot_tn(ct["qbar"] * (1.0 - cont), do, prec)
+      - fwd._dot_tn(ct["kbar"] * (1.0 - cont), du, prec)
+    )
   ds_scr[...] = ds_new
 
   @pl.when(step == pl.num_programs(1) - 1)
@@ -140,6 +146,7 @@ def _backward_kernel(*refs, scale, has_seg, prec):
 
 def _plan(bsz, t, nh, kd, vd, chunk, dtypes, has_seg):
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+
   nc = t // chunk
   blocks = []
 
@@ -152,22 +159,37 @@ def _plan(bsz, t, nh, kd, vd, chunk, dtypes, has_seg):
   val = lambda n, dt: spec(n, (chunk, vd), dt, lambda bh, c: (bh // nh, rev(c), bh % nh))
   state = lambda n: spec(n, (kd, vd), F32, lambda bh, c: (bh, 0, 0))
   qdt, kdt, vdt, wdt, ladt, dodt = dtypes
-  in_specs = [key("q", qdt), key("k", kdt), key("w", wdt), key("log_alpha", ladt),
-              val("v", vdt), state("S_init")]
+  in_specs = [
+    key("q", qdt),
+    key("k", kdt),
+    key("w", wdt),
+    key("log_alpha", ladt),
+    val("v", vdt),
+    state("S_init"),
+  ]
   blocks.append(tpu_common.Block("chunk-start S", (kd, vd), F32))
   in_specs.append(pl.BlockSpec((None, None, kd, vd), lambda bh, c: (bh, rev(c), 0, 0)))
   in_specs += [val("dO", dodt), state("dS_final")]
   if has_seg:
-    in_specs.append(spec("resets in chunk", (chunk, 1), F32,
-                         lambda bh, c: (bh // nh, rev(c), 0)))
-  out_specs = [key("dq", F32), key("dk", F32), key("dw", F32), key("dlog_alpha", F32),
-               val("dv", F32), state("dS_init")]
+    in_specs.append(spec("resets in chunk", (chunk, 1), F32, lambda bh, c: (bh // nh, rev(c), 0)))
+  out_specs = [
+    key("dq", F32),
+    key("dk", F32),
+    key("dw", F32),
+    key("dlog_alpha", F32),
+    val("dv", F32),
+    state("dS_init"),
+  ]
   lane_k = jax.ShapeDtypeStruct((bsz, t, nh * kd), F32)
-  out_shape = (lane_k,) * 4 + (jax.ShapeDtypeStruct((bsz, t, nh * vd), F32),
-                               jax.ShapeDtypeStruct((bsz * nh, kd, vd), F32))
+  out_shape = (lane_k,) * 4 + (
+    jax.ShapeDtypeStruct((bsz, t, nh * vd), F32),
+    jax.ShapeDtypeStruct((bsz * nh, kd, vd), F32),
+  )
   scratch = [pltpu.VMEM((kd, vd), F32), pltpu.VMEM((kd, vd), F32)]
-  blocks += [tpu_common.Block("dS carry", (kd, vd), F32, pipelined=False),
-             tpu_common.Block("dS_init sum", (kd, vd), F32, pipelined=False)]
+  blocks += [
+    tpu_common.Block("dS carry", (kd, vd), F32, pipelined=False),
+    tpu_common.Block("dS_init sum", (kd, vd), F32, pipelined=False),
+  ]
   return in_specs, out_specs, out_shape, scratch, blocks
 
 
@@ -176,28 +198,51 @@ def backward_blocks(bsz, t, nh, kd, vd, chunk, dtype, has_seg=True):
   return _plan(bsz, t, nh, kd, vd, chunk, (dtype,) * 6, has_seg)[4]
 
 
-def delta_rule_backward(q, k, v, w, la, h0, pid, states, do, dsfin, *, chunk, scale, interpret,
-                        prec):
+def delta_rule_backward(
+  q, k, v, w, la, h0, pid, states, do, dsfin, *, chunk, scale, interpret, prec
+):
   """Gradients (dq, dk, dv, dw, dla [B,T,H,*], dh0 [B,H,K,V]; float32) of tpu_forward's
   delta_rule_forward; states: its saved chunk-start states, pid as given to it."""
   bsz, t, nh, kd = k.shape
   vd = v.shape[-1]
   has_seg = pid is not None
   in_specs, out_specs, out_shape, scratch, _ = _plan(
-      bsz, t, nh, kd, vd, chunk, tuple(x.dtype for x in (q, k, v, w, la, do)), has_seg)
+    bsz, t, nh, kd, vd, chunk, tuple(x.dtype for x in (q, k, v, w, la, do)), has_seg
+  )
   flat = lambda x: x.reshape(bsz, t, nh * x.shape[-1])
-  args = [flat(q), flat(k), flat(w), flat(la), flat(v), h0.reshape(bsz * nh, kd, vd), states,
-          flat(do), dsfin.astype(F32).reshape(bsz * nh, kd, vd)]
+  args = [
+    flat(q),
+    flat(k),
+    flat(w),
+    flat(la),
+    flat(v),
+    h0.reshape(bsz * nh, kd, vd),
+    states,
+    flat(do),
+    dsfin.astype(F32).reshape(bsz * nh, kd, vd),
+  ]
   if has_seg:
     args.append(fwd.local_reset_count(pid, chunk))
   kw = {} if interpret is False or interpret is None else dict(interpret=interpret)
   dq, dk, dw, dla, dv, dh0 = pl.pallas_call(
-      functools.partial(_backward_kernel, scale=scale, has_seg=has_seg,
-                        prec=common.dot_precision(prec, interpret)),
-      grid=(bsz * nh, t // chunk), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      scratch_shapes=scratch, name="delta_rule_tpu_bwd",
-      compiler_params=tpu_common.compiler_params(("parallel", "arbitrary")), **kw,
+    functools.partial(
+      _backward_kernel, scale=scale, has_seg=has_seg, prec=common.dot_precision(prec, interpret)
+    ),
+    grid=(bsz * nh, t // chunk),
+    in_specs=in_specs,
+    out_specs=out_specs,
+    out_shape=out_shape,
+    scratch_shapes=scratch,
+    name="delta_rule_tpu_bwd",
+    compiler_params=tpu_common.compiler_params(("parallel", "arbitrary")),
+    **kw,
   )(*args)
   shape_k = (bsz, t, nh, kd)
-  return (dq.reshape(shape_k), dk.reshape(shape_k), dv.reshape(bsz, t, nh, vd),
-          dw.reshape(shape_k), dla.reshape(shape_k), dh0.reshape(bsz, nh, kd, vd))
+  return (
+    dq.reshape(shape_k),
+    dk.reshape(shape_k),
+    dv.reshape(bsz, t, nh, vd),
+    dw.reshape(shape_k),
+    dla.reshape(shape_k),
+    dh0.reshape(bsz, nh, kd, vd),
+  )

@@ -27,6 +27,7 @@ v and o as [B, T, H*V], block (C, BV); initial / final state [B*H, K, V], block 
 segments as the chunk-local reset count [B, T, 1] float32 (0 while the chunk still continues
 the carried state; equal counts = same segment), block (C, 1).
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,8 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import common
-from pallas_kernels import tpu_common
+from pallas_kernels import common, tpu_common
 
 __all__ = ["delta_rule_forward", "forward_blocks", "local_reset_count", "chunk_terms"]
 
@@ -49,11 +49,11 @@ def _dot(x, y, prec, dims=(((1,), (0,)), ((), ()))):
   return lax.dot_general(x, y, dims, precision=prec, preferred_element_type=F32)
 
 
-def _dot_nt(x, y, prec):   # x @ y^T
+def _dot_nt(x, y, prec):  # x @ y^T
   return _dot(x, y, prec, (((1,), (1,)), ((), ())))
 
 
-def _dot_tn(x, y, prec):   # x^T @ y
+def _dot_tn(x, y, prec):  # x^T @ y
   return _dot(x, y, prec, (((0,), (0,)), ((), ())))
 
 
@@ -63,8 +63,7 @@ def _unit_lower_inverse(lmat):
   c = lmat.shape[0]
   row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
   eye = (row == lax.broadcasted_iota(jnp.int32, (c, c), 1)).astype(F32)
-  return lax.fori_loop(1, c, lambda i, a: jnp.where(row == i, eye - _dot(lmat, a, HIGHEST), a),
-                       eye)
+  return lax.fori_loop(1, c, lambda i, a: jnp.where(row == i, eye - _dot(lmat, a, HIGHEST), a), eye)
 
 
 def _pair_products(q, k, w, g, mask_strict, mask_incl, scale):
@@ -74,7 +73,7 @@ def _pair_products(q, k, w, g, mask_strict, mask_incl, scale):
   col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
   lmat = jnp.zeros((c, c), F32)
   pmat = lmat
-  for j in range(c):   # static: row j of a value is a static sublane slice
+  for j in range(c):  # static: row j of a value is a static sublane slice
     at = slice(j, j + 1)
     we = w[at] * jnp.exp(jnp.minimum(g - g[at], 0.0))
     lmat = jnp.where(col == j, jnp.sum(k * we, axis=1, keepdims=True), lmat)
@@ -92,27 +91,38 @@ def chunk_terms(q, k, w, la, lp, scale):
   strict, incl = row > col, row >= col
   cont = in_last = None
   if lp is not None:
-    lp_cols = _dot_nt(jnp.ones_like(lp), lp, HIGHEST)           # [C, C]: (r, j) -> count_j
+    lp_cols = _dot_nt(jnp.ones_like(lp), lp, HIGHEST)  # [C, C]: (r, j) -> count_j
     same = lp == lp_cols
     strict, incl = strict & same, incl & same
-    cont = (lp == 0.0).astype(F32)                              # rows still on the carry
-    in_last = (lp == lp[c - 1:c]).astype(F32)                   # rows in the last one's segment
+    cont = (lp == 0.0).astype(F32)  # rows still on the carry
+    in_last = (lp == lp[c - 1 : c]).astype(F32)  # rows in the last one's segment
   # Chunk-local cumsum restarted at resets, as a 0/1 lower-triangular matmul (fp32-accurate).
   g = _dot(incl.astype(F32), la, HIGHEST)
   lmat, pmat = _pair_products(q, k, w, g, strict, incl, scale)
   e = jnp.exp(g)
-  g_last = g[c - 1:c]
+  g_last = g[c - 1 : c]
   decay_to_last = jnp.exp(jnp.minimum(g_last - g, 0.0))
   if in_last is not None:
     decay_to_last = decay_to_last * in_last
   e_last = jnp.exp(g_last)
   return dict(
-      strict=strict, incl=incl, cont=cont, in_last=in_last, g=g, pmat=pmat,
-      amat=_unit_lower_inverse(lmat), e=e, kbar=k * e, qbar=(scale * q) * e,
-      decay_to_last=decay_to_last, wt=w * decay_to_last, e_last=e_last,
-      # exp(g_last) as a [K, 1] column (to scale the state's rows) by an outer product with 1:
-      # no lane-to-sublane relayout needed.
-      e_col=_dot_tn(e_last, jnp.ones((1, 1), F32), HIGHEST))
+    strict=strict,
+    incl=incl,
+    cont=cont,
+    in_last=in_last,
+    g=g,
+    pmat=pmat,
+    amat=_unit_lower_inverse(lmat),
+    e=e,
+    kbar=k * e,
+    qbar=(scale * q) * e,
+    decay_to_last=decay_to_last,
+    wt=w * decay_to_last,
+    e_last=e_last,
+    # exp(g_last) as a [K, 1] column (to scale the state's rows) by an outer product with 1:
+    # no lane-to-sublane relayout needed.
+    e_col=_dot_tn(e_last, jnp.ones((1, 1), F32), HIGHEST),
+  )
 
 
 def rows_from(x, cont, s0, s_init, prec):
@@ -133,7 +143,7 @@ def chunk_base(ct, s0, s_init):
 def _forward_kernel(*refs, scale, has_seg, prec, save_states):
   q_ref, k_ref, w_ref, la_ref, v_ref, h0_ref = refs[:6]
   lp_ref = refs[6] if has_seg else None
-  o_ref, sfin_ref = refs[6 + has_seg:8 + has_seg]
+  o_ref, sfin_ref = refs[6 + has_seg : 8 + has_seg]
   states_ref = refs[8 + has_seg] if save_states else None
   s_scr = refs[-1]
   c_idx = pl.program_id(2)
@@ -163,6 +173,7 @@ def _forward_kernel(*refs, scale, has_seg, prec, save_states):
 def _plan(bsz, t, nh, kd, vd, chunk, block_v, dtypes, out_dtype, has_seg, save_states=False):
   """(in_specs, out_specs, out_shape, scratch, VMEM blocks) of the forward."""
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+
   nvb = vd // block_v
   blocks = []
 
@@ -171,19 +182,27 @@ def _plan(bsz, t, nh, kd, vd, chunk, block_v, dtypes, out_dtype, has_seg, save_s
     return pl.BlockSpec((None,) + shape, index_map)
 
   key = lambda n, dt: spec(n, (chunk, kd), dt, lambda bh, vb, c: (bh // nh, c, bh % nh))
-  val = lambda n, dt: spec(n, (chunk, block_v), dt,
-                           lambda bh, vb, c: (bh // nh, c, (bh % nh) * nvb + vb))
+  val = lambda n, dt: spec(
+    n, (chunk, block_v), dt, lambda bh, vb, c: (bh // nh, c, (bh % nh) * nvb + vb)
+  )
   state = lambda n: spec(n, (kd, block_v), F32, lambda bh, vb, c: (bh, 0, vb))
   qdt, kdt, vdt, wdt, ladt = dtypes
-  in_specs = [key("q", qdt), key("k", kdt), key("w", wdt), key("log_alpha", ladt),
-              val("v", vdt), state("S_init")]
+  in_specs = [
+    key("q", qdt),
+    key("k", kdt),
+    key("w", wdt),
+    key("log_alpha", ladt),
+    val("v", vdt),
+    state("S_init"),
+  ]
   if has_seg:
-    in_specs.append(spec("resets in chunk", (chunk, 1), F32,
-                         lambda bh, vb, c: (bh // nh, c, 0)))
+    in_specs.append(spec("resets in chunk", (chunk, 1), F32, lambda bh, vb, c: (bh // nh, c, 0)))
   out_specs = [val("o", out_dtype), state("S_final")]
-  out_shape = [jax.ShapeDtypeStruct((bsz, t, nh * vd), out_dtype),
-               jax.ShapeDtypeStruct((bsz * nh, kd, vd), F32)]
-  if save_states:   # the backward's residual: every chunk's start state
+  out_shape = [
+    jax.ShapeDtypeStruct((bsz, t, nh * vd), out_dtype),
+    jax.ShapeDtypeStruct((bsz * nh, kd, vd), F32),
+  ]
+  if save_states:  # the backward's residual: every chunk's start state
     blocks.append(tpu_common.Block("chunk-start S", (kd, block_v), F32))
     out_specs.append(pl.BlockSpec((None, None, kd, block_v), lambda bh, vb, c: (bh, c, 0, vb)))
     out_shape.append(jax.ShapeDtypeStruct((bsz * nh, t // chunk, kd, vd), F32))
@@ -202,8 +221,9 @@ def _block_v(vd):
 
 def forward_blocks(bsz, t, nh, kd, vd, chunk, dtype, has_seg=True, save_states=True):
   """The forward's VMEM Blocks for inputs of one `dtype` (training: saving the states)."""
-  return _plan(bsz, t, nh, kd, vd, chunk, _block_v(vd), (dtype,) * 5, dtype, has_seg,
-               save_states)[4]
+  return _plan(bsz, t, nh, kd, vd, chunk, _block_v(vd), (dtype,) * 5, dtype, has_seg, save_states)[
+    4
+  ]
 
 
 def local_reset_count(pid, chunk):
@@ -211,13 +231,13 @@ def local_reset_count(pid, chunk):
   the token's chunk start up to the token (0: still the carried segment)."""
   bsz, t = pid.shape
   per_chunk = pid.reshape(bsz, t // chunk, chunk)
-  before = jnp.concatenate([jnp.zeros_like(per_chunk[:, :1, -1]), per_chunk[:, :-1, -1]],
-                           axis=1)
+  before = jnp.concatenate([jnp.zeros_like(per_chunk[:, :1, -1]), per_chunk[:, :-1, -1]], axis=1)
   return (per_chunk - before[..., None]).astype(F32).reshape(bsz, t, 1)
 
 
-def delta_rule_forward(q, k, v, w, la, h0, pid, *, chunk, scale, interpret, prec, out_dtype,
-                       save_states=False):
+def delta_rule_forward(
+  q, k, v, w, la, h0, pid, *, chunk, scale, interpret, prec, out_dtype, save_states=False
+):
   """q, k, w, la: [B,T,H,K] (T a multiple of chunk; la per channel); v [B,T,H,V]; h0 [B,H,K,V]
   f32; pid [B,T] int32 or None (no segments); prec: 'fast' | 'exact'.
   Returns (o [B,T,H,V] out_dtype, S_final [B,H,K,V] f32, and with save_states the chunk-start
@@ -229,19 +249,39 @@ def delta_rule_forward(q, k, v, w, la, h0, pid, *, chunk, scale, interpret, prec
   has_seg = pid is not None
   block_v = _block_v(vd)
   in_specs, out_specs, out_shape, scratch, _ = _plan(
-      bsz, t, nh, kd, vd, chunk, block_v, tuple(x.dtype for x in (q, k, v, w, la)), out_dtype,
-      has_seg, save_states)
+    bsz,
+    t,
+    nh,
+    kd,
+    vd,
+    chunk,
+    block_v,
+    tuple(x.dtype for x in (q, k, v, w, la)),
+    out_dtype,
+    has_seg,
+    save_states,
+  )
   flat = lambda x: x.reshape(bsz, t, nh * x.shape[-1])
   args = [flat(q), flat(k), flat(w), flat(la), flat(v), h0.reshape(bsz * nh, kd, vd)]
   if has_seg:
     args.append(local_reset_count(pid, chunk))
   kw = {} if interpret is False or interpret is None else dict(interpret=interpret)
   outs = pl.pallas_call(
-      functools.partial(_forward_kernel, scale=scale, has_seg=has_seg,
-                        prec=common.dot_precision(prec, interpret), save_states=save_states),
-      grid=(bsz * nh, vd // block_v, t // chunk), in_specs=in_specs, out_specs=out_specs,
-      out_shape=tuple(out_shape), scratch_shapes=scratch, name="delta_rule_tpu_fwd",
-      compiler_params=tpu_common.compiler_params(("parallel", "parallel", "arbitrary")), **kw,
+    functools.partial(
+      _forward_kernel,
+      scale=scale,
+      has_seg=has_seg,
+      prec=common.dot_precision(prec, interpret),
+      save_states=save_states,
+    ),
+    grid=(bsz * nh, vd // block_v, t // chunk),
+    in_specs=in_specs,
+    out_specs=out_specs,
+    out_shape=tuple(out_shape),
+    scratch_shapes=scratch,
+    name="delta_rule_tpu_fwd",
+    compiler_params=tpu_common.compiler_params(("parallel", "parallel", "arbitrary")),
+    **kw,
   )(*args)
   o, sfin = outs[0].reshape(bsz, t, nh, vd), outs[1].reshape(bsz, nh, kd, vd)
   return (o, sfin, outs[2]) if save_states else (o, sfin)

@@ -14,6 +14,7 @@ D^-1 the block-diagonal inverse and M = D^-1 (L - blockdiag(L)), nilpotent of in
 closed form of block forward substitution, C / S fp32-accurate dots); 'sub_dots' = the same with
 the diagonal blocks' substitution as fp32-accurate dots; 'doubling' = the product form.
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,7 +26,13 @@ from jax.experimental import pallas as pl
 from pallas_kernels import common
 from pallas_kernels.delta_rule.inverse import unit_lower_inverse
 from pallas_kernels.delta_rule.tiles import (
-    dot, tile, kernel_precision, operand_dtype, launch_params, by_reset)
+  by_reset,
+  dot,
+  kernel_precision,
+  launch_params,
+  operand_dtype,
+  tile,
+)
 from pallas_kernels.kernel_math import exp_for_mode
 
 
@@ -33,8 +40,8 @@ def _wy_kernel(*refs, chunk, sub, has_seg, block_v, inverse, prec, hi, exp, deca
   """decayed: the "k" input is Kbar already (the pair kernel's, DeltaRuleConfig.decayed_operands)
   and no g is read."""
   names = ["l", "k"] + ([] if decayed else ["g"]) + ["v", "h0"] + (["cont"] if has_seg else [])
-  r = dict(zip(names, refs[:len(names)]))
-  a_out, wk_out, u_out = refs[len(names):]
+  r = dict(zip(names, refs[: len(names)]))
+  a_out, wk_out, u_out = refs[len(names) :]
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   C = chunk
   t0 = c * C
@@ -44,8 +51,12 @@ def _wy_kernel(*refs, chunk, sub, has_seg, block_v, inverse, prec, hi, exp, deca
   kbar = tile(r["k"], b, t0, C, h)
   if not decayed:
     kbar = kbar * exp(tile(r["g"], b, t0, C, h))
-  by_reset(r.get("cont"), b, t0 + C - 1, lambda seg: _wk_u(
-      r, wk_out, u_out, amat, kbar, b, h, t0, C, seg, block_v, prec))
+  by_reset(
+    r.get("cont"),
+    b,
+    t0 + C - 1,
+    lambda seg: _wk_u(r, wk_out, u_out, amat, kbar, b, h, t0, C, seg, block_v, prec),
+  )
 
 
 def _wk_u(r, wk_out, u_out, amat, kbar, b, h, t0, C, seg, block_v, prec):
@@ -58,7 +69,7 @@ def _wk_u(r, wk_out, u_out, amat, kbar, b, h, t0, C, seg, block_v, prec):
   for vb in range(r["v"].shape[-1] // block_v):
     vs = pl.ds(vb * block_v, block_v)
     v = r["v"][b, rows, h, vs].astype(jnp.float32)
-    if seg:   # rows after a reset inside the chunk start from S_init, known up front
+    if seg:  # rows after a reset inside the chunk start from S_init, known up front
       v = v - dot(kbar * (1.0 - cont), r["h0"][b, h, :, vs], prec)
     u_out[b, rows, h, vs] = dot(amat, v, prec).astype(u_out.dtype)
 
@@ -75,13 +86,26 @@ def wy_forward(lmat, k, v, g, h0, cont, *, chunk, sub, interpret, cfg, cfg_prec)
   prec = kernel_precision(cfg, cfg_prec, interpret)
   dt = operand_dtype(prec)
   hi = common.dot_precision("exact", interpret)
-  out_shape = (jax.ShapeDtypeStruct((bsz, nh, t, chunk), dt),
-               jax.ShapeDtypeStruct((bsz, t, nh, kd), dt),
-               jax.ShapeDtypeStruct((bsz, t, nh, vd), dt))
+  out_shape = (
+    jax.ShapeDtypeStruct((bsz, nh, t, chunk), dt),
+    jax.ShapeDtypeStruct((bsz, t, nh, kd), dt),
+    jax.ShapeDtypeStruct((bsz, t, nh, vd), dt),
+  )
   return pl.pallas_call(
-      functools.partial(_wy_kernel, chunk=chunk, sub=sub, has_seg=has_seg,
-                        block_v=min(cfg.block_v_parallel, vd), inverse=cfg.wy_inverse,
-                        prec=prec, hi=hi, exp=exp_for_mode(cfg_prec), decayed=g is None),
-      out_shape=out_shape, grid=(bsz, nh, t // chunk), name="delta_rule_wy",
-      **launch_params(interpret, cfg.num_warps_intra, cfg),
+    functools.partial(
+      _wy_kernel,
+      chunk=chunk,
+      sub=sub,
+      has_seg=has_seg,
+      block_v=min(cfg.block_v_parallel, vd),
+      inverse=cfg.wy_inverse,
+      prec=prec,
+      hi=hi,
+      exp=exp_for_mode(cfg_prec),
+      decayed=g is None,
+    ),
+    out_shape=out_shape,
+    grid=(bsz, nh, t // chunk),
+    name="delta_rule_wy",
+    **launch_params(interpret, cfg.num_warps_intra, cfg),
   )(*([lmat, k] + ([] if g is None else [g]) + [v, h0] + ([cont] if has_seg else [])))

@@ -1,4 +1,5 @@
 """Block sizes of the gated RMSNorm kernels. `DEFAULT` is what `gated_rms_norm` uses."""
+
 import dataclasses
 
 

@@ -5,6 +5,7 @@ Backward, per row (s = sigmoid(g), dn = dy * s * w):
     dg = dy * n * w * s * (1 - s),   do = (dn - n * mean(dn * n)) / sqrt(mean(o^2) + eps),
     dw = sum over rows of dy * s * n   (per-program partials, summed outside)
 """
+
 from __future__ import annotations
 
 import functools
@@ -51,17 +52,21 @@ def _backward_kernel(o_ref, g_ref, w_ref, dy_ref, do_ref, dg_ref, dw_ref, *, eps
 
 
 def _params(interpret, cfg):
-  return dict(interpret=interpret,
-              compiler_params=common.compiler_params(cfg.num_warps, cfg.num_stages))
+  return dict(
+    interpret=interpret, compiler_params=common.compiler_params(cfg.num_warps, cfg.num_stages)
+  )
 
 
 def forward(o, g, w, *, eps, interpret, cfg):
   """o, g [B,T,H,V] (T a multiple of cfg.block_t), w [V] -> y [B,T,H,V] in o's dtype."""
   bsz, t, nh, _ = o.shape
   return pl.pallas_call(
-      functools.partial(_forward_kernel, eps=eps, block_t=cfg.block_t),
-      out_shape=jax.ShapeDtypeStruct(o.shape, o.dtype), grid=(bsz, t // cfg.block_t, nh),
-      name="gated_norm_fwd", **_params(interpret, cfg))(o, g, w)
+    functools.partial(_forward_kernel, eps=eps, block_t=cfg.block_t),
+    out_shape=jax.ShapeDtypeStruct(o.shape, o.dtype),
+    grid=(bsz, t // cfg.block_t, nh),
+    name="gated_norm_fwd",
+    **_params(interpret, cfg),
+  )(o, g, w)
 
 
 def backward(o, g, w, dy, *, eps, interpret, cfg):
@@ -69,7 +74,13 @@ def backward(o, g, w, dy, *, eps, interpret, cfg):
   bsz, t, nh, vd = o.shape
   nb = t // cfg.block_t
   return pl.pallas_call(
-      functools.partial(_backward_kernel, eps=eps, block_t=cfg.block_t),
-      out_shape=(jax.ShapeDtypeStruct(o.shape, o.dtype), jax.ShapeDtypeStruct(g.shape, g.dtype),
-                 jax.ShapeDtypeStruct((bsz, nb, nh, vd), jnp.float32)),
-      grid=(bsz, nb, nh), name="gated_norm_bwd", **_params(interpret, cfg))(o, g, w, dy)
+    functools.partial(_backward_kernel, eps=eps, block_t=cfg.block_t),
+    out_shape=(
+      jax.ShapeDtypeStruct(o.shape, o.dtype),
+      jax.ShapeDtypeStruct(g.shape, g.dtype),
+      jax.ShapeDtypeStruct((bsz, nb, nh, vd), jnp.float32),
+    ),
+    grid=(bsz, nb, nh),
+    name="gated_norm_bwd",
+    **_params(interpret, cfg),
+  )(o, g, w, dy)

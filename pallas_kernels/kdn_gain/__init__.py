@@ -1,4 +1,5 @@
 """KDN gain (diagonal and isotropic) as Pallas kernels with a custom VJP."""
+
 from __future__ import annotations
 
 import functools
@@ -6,9 +7,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import common
+from pallas_kernels import common, tpu_common
 from pallas_kernels import sharding as _sharding
-from pallas_kernels import tpu_common
 from pallas_kernels.kdn_gain import config as _config
 from pallas_kernels.kdn_gain import kernel as _kernel
 from pallas_kernels.kdn_gain import tpu as _tpu
@@ -17,6 +17,7 @@ from pallas_kernels.kdn_gain import tpu as _tpu
 def _kernels(interpret):
   """The Mosaic-TPU kernels on TPU (and in TPU interpret mode), else the Triton/generic ones."""
   return _tpu if tpu_common.use_tpu_kernels(interpret) else _kernel
+
 
 __all__ = ["diag_gain", "iso_gain", "diag_gain_fused", "iso_gain_fused", "PAD_PREACT"]
 
@@ -35,12 +36,21 @@ def _forward(raw, reset, p0, diag, chunk, interpret, cfg, save_pprev, gain_dtype
     # (the TPU kernels always read the reset flags)
     kw = {} if tpu else dict(gain_dtype=gain_dtype, segmented=segmented)
     return _kernels(interpret).gain_forward(
-        (k, la, om, r, mu), reset, p0, diag=diag, chunk=chunk, interpret=interpret, cfg=cfg,
-        save_pprev=save_pprev, **kw)[:3]
+      (k, la, om, r, mu),
+      reset,
+      p0,
+      diag=diag,
+      chunk=chunk,
+      interpret=interpret,
+      cfg=cfg,
+      save_pprev=save_pprev,
+      **kw,
+    )[:3]
+
   outs = (_LANES, _LANES if save_pprev else None, _P)
   shard = tpu_common.per_shard(interpret, body, _RAW + (_BT, _BH), outs, "kdn_gain forward")
   gain, pprev, pfin = shard(*raw, reset, p0)
-  return gain.astype(gain_dtype), pprev, pfin   # (the TPU kernels write fp32)
+  return gain.astype(gain_dtype), pprev, pfin  # (the TPU kernels write fp32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
@@ -48,15 +58,17 @@ def _gain(k, la, om, r, mu, reset, p0, diag, chunk, interpret, cfg, gain_dtype, 
   """The gain recurrence from the raw inputs (kernel.py), time already padded to the chunk;
   segmented: whether any token but the first resets (kernel.py, UNSEGMENTED)."""
   # Not differentiated: p_prev (the backward's residual) is not written.
-  gain, _, pfin = _forward((k, la, om, r, mu), reset, p0, diag, chunk, interpret, cfg, False,
-                           gain_dtype, segmented)
+  gain, _, pfin = _forward(
+    (k, la, om, r, mu), reset, p0, diag, chunk, interpret, cfg, False, gain_dtype, segmented
+  )
   return gain, pfin
 
 
 def _gain_fwd(k, la, om, r, mu, reset, p0, diag, chunk, interpret, cfg, gain_dtype, segmented):
   raw = (k, la, om, r, mu)
-  gain, pprev, pfin = _forward(raw, reset, p0, diag, chunk, interpret, cfg, True, gain_dtype,
-                               segmented)
+  gain, pprev, pfin = _forward(
+    raw, reset, p0, diag, chunk, interpret, cfg, True, gain_dtype, segmented
+  )
   return (gain, pfin), (raw, reset, pprev)
 
 
@@ -66,22 +78,44 @@ def _gain_bwd(diag, chunk, interpret, cfg, gain_dtype, segmented, res, cts):
   dgain, dpfin = cts
 
   # (the Triton kernels store k's gradient in k's dtype, the TPU ones in fp32: cast below)
-  kw = ({} if tpu_common.use_tpu_kernels(interpret)
-        else dict(dk_dtype=raw[0].dtype, segmented=segmented))
+  kw = (
+    {}
+    if tpu_common.use_tpu_kernels(interpret)
+    else dict(dk_dtype=raw[0].dtype, segmented=segmented)
+  )
 
   def body(k, la, om, r, mu, reset, pprev, dgain, dpfin):
     d_raw, dp0 = _kernels(interpret).gain_backward(
-        (k, la, om, r, mu), reset, pprev, dgain, dpfin, diag=diag, chunk=chunk,
-        interpret=interpret, cfg=cfg, **kw)
+      (k, la, om, r, mu),
+      reset,
+      pprev,
+      dgain,
+      dpfin,
+      diag=diag,
+      chunk=chunk,
+      interpret=interpret,
+      cfg=cfg,
+      **kw,
+    )
     return tuple(d_raw) + (dp0,)
 
   dk, dla, dom, dr, dmu, dp0 = tpu_common.per_shard(
-      interpret, body, _RAW + (_BT, _BTH, _BTH, _BH),
-      (_LANES, _LANES, _BTH + (raw[2].ndim,), _PER_TOKEN, _PER_TOKEN, _P), "kdn_gain backward")(
-          *raw, reset, pprev, dgain.astype(jnp.float32), dpfin.astype(jnp.float32))
+    interpret,
+    body,
+    _RAW + (_BT, _BTH, _BTH, _BH),
+    (_LANES, _LANES, _BTH + (raw[2].ndim,), _PER_TOKEN, _PER_TOKEN, _P),
+    "kdn_gain backward",
+  )(*raw, reset, pprev, dgain.astype(jnp.float32), dpfin.astype(jnp.float32))
   # mu's gradient per token ([B,T,H]) is summed here, outside the shards.
-  return (dk.astype(raw[0].dtype), dla.astype(raw[1].dtype), dom.astype(raw[2].dtype),
-          dr.astype(raw[3].dtype), dmu.sum(axis=(0, 1)), None, dp0)
+  return (
+    dk.astype(raw[0].dtype),
+    dla.astype(raw[1].dtype),
+    dom.astype(raw[2].dtype),
+    dr.astype(raw[3].dtype),
+    dmu.sum(axis=(0, 1)),
+    None,
+    dp0,
+  )
 
 
 _gain.defvjp(_gain_fwd, _gain_bwd)
@@ -99,32 +133,59 @@ PAD_PREACT = -1e4
 _RAW_FRONT = (_BTH, _BTH, _MU, _MU, _BTH, _BTH, _MU)
 
 
-def _front_forward(raw, reset, p0, diag, chunk, interpret, cfg, save_pprev, r_min, gain_dtype,
-                   segmented):
+def _front_forward(
+  raw, reset, p0, diag, chunk, interpret, cfg, save_pprev, r_min, gain_dtype, segmented
+):
   def body(k, f, dtb, alog, om, r, mu, reset, p0):
     gain, pprev, pfin, la = _kernel.gain_forward(
-        (k, f, dtb, alog, om, r, mu), reset, p0, diag=diag, chunk=chunk, interpret=interpret,
-        cfg=cfg, save_pprev=save_pprev, front=r_min, gain_dtype=gain_dtype, segmented=segmented)
+      (k, f, dtb, alog, om, r, mu),
+      reset,
+      p0,
+      diag=diag,
+      chunk=chunk,
+      interpret=interpret,
+      cfg=cfg,
+      save_pprev=save_pprev,
+      front=r_min,
+      gain_dtype=gain_dtype,
+      segmented=segmented,
+    )
     return gain, la, pprev, pfin
+
   outs = (_LANES, _LANES, _LANES if save_pprev else None, _P)
-  return _sharding.per_shard(body, _RAW_FRONT + (_BT, _BH), outs,
-                             "kdn_gain_fused forward")(*raw, reset, p0)
+  return _sharding.per_shard(body, _RAW_FRONT + (_BT, _BH), outs, "kdn_gain_fused forward")(
+    *raw, reset, p0
+  )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13, 14, 15))
-def _gain_front(k, f, dtb, alog, om, r, mu, reset, p0, diag, chunk, interpret, cfg, r_min,
-                gain_dtype, segmented):
+def _gain_front(
+  k, f, dtb, alog, om, r, mu, reset, p0, diag, chunk, interpret, cfg, r_min, gain_dtype, segmented
+):
   """(gain, log_alpha, p_final) from the pre-activations, time already padded to the chunk."""
-  gain, la, _, pfin = _front_forward((k, f, dtb, alog, om, r, mu), reset, p0, diag, chunk,
-                                     interpret, cfg, False, r_min, gain_dtype, segmented)
+  gain, la, _, pfin = _front_forward(
+    (k, f, dtb, alog, om, r, mu),
+    reset,
+    p0,
+    diag,
+    chunk,
+    interpret,
+    cfg,
+    False,
+    r_min,
+    gain_dtype,
+    segmented,
+  )
   return gain, la, pfin
 
 
-def _gain_front_fwd(k, f, dtb, alog, om, r, mu, reset, p0, diag, chunk, interpret, cfg, r_min,
-                    gain_dtype, segmented):
+def _gain_front_fwd(
+  k, f, dtb, alog, om, r, mu, reset, p0, diag, chunk, interpret, cfg, r_min, gain_dtype, segmented
+):
   raw = (k, f, dtb, alog, om, r, mu)
-  gain, la, pprev, pfin = _front_forward(raw, reset, p0, diag, chunk, interpret, cfg, True,
-                                         r_min, gain_dtype, segmented)
+  gain, la, pprev, pfin = _front_forward(
+    raw, reset, p0, diag, chunk, interpret, cfg, True, r_min, gain_dtype, segmented
+  )
   return (gain, la, pfin), (raw, reset, pprev)
 
 
@@ -135,22 +196,49 @@ def _gain_front_bwd(diag, chunk, interpret, cfg, r_min, gain_dtype, segmented, r
 
   def body(k, f, dtb, alog, om, r, mu, reset, pprev, dgain, dpfin, dla):
     d_raw, dp0, ddt, dalog = _kernel.gain_backward(
-        (k, f, dtb, alog, om, r, mu), reset, pprev, dgain, dpfin, diag=diag, chunk=chunk,
-        interpret=interpret, cfg=cfg, front=r_min, dla_out=dla, dk_dtype=k.dtype,
-        segmented=segmented)
+      (k, f, dtb, alog, om, r, mu),
+      reset,
+      pprev,
+      dgain,
+      dpfin,
+      diag=diag,
+      chunk=chunk,
+      interpret=interpret,
+      cfg=cfg,
+      front=r_min,
+      dla_out=dla,
+      dk_dtype=k.dtype,
+      segmented=segmented,
+    )
     return tuple(d_raw) + (dp0, ddt, dalog)
 
   om_dims = _BTH + (raw[4].ndim,)
   dk, df, dom, dr, dmu, dp0, ddt, dalog = _sharding.per_shard(
-      body, _RAW_FRONT + (_BT, _BTH, _BTH, _BH, _BTH),
-      (_LANES, _LANES, om_dims, _PER_TOKEN, _PER_TOKEN, _P, _BH + (3,), _BH + (2,)),
-      "kdn_gain_fused backward")(
-          *raw, reset, pprev, dgain.astype(jnp.float32), dpfin.astype(jnp.float32),
-          dla.astype(jnp.float32))
+    body,
+    _RAW_FRONT + (_BT, _BTH, _BTH, _BH, _BTH),
+    (_LANES, _LANES, om_dims, _PER_TOKEN, _PER_TOKEN, _P, _BH + (3,), _BH + (2,)),
+    "kdn_gain_fused backward",
+  )(
+    *raw,
+    reset,
+    pprev,
+    dgain.astype(jnp.float32),
+    dpfin.astype(jnp.float32),
+    dla.astype(jnp.float32),
+  )
   # sums over batch (and heads' shares of mu) stay outside the shards
   k, f, dtb, alog = raw[:4]
-  return (dk, df, ddt.sum(axis=0).astype(dtb.dtype),
-          dalog.sum(axis=0).astype(alog.dtype), dom, dr, dmu.sum(axis=(0, 1)), None, dp0)
+  return (
+    dk,
+    df,
+    ddt.sum(axis=0).astype(dtb.dtype),
+    dalog.sum(axis=0).astype(alog.dtype),
+    dom,
+    dr,
+    dmu.sum(axis=(0, 1)),
+    None,
+    dp0,
+  )
 
 
 _gain_front.defvjp(_gain_front_fwd, _gain_front_bwd)
@@ -171,8 +259,9 @@ def check_gate(op, diag, front, k, gate, p0):
   wants += ((bsz, nh, kd) if diag else (bsz, nh),)
   for name, x, want in zip(names, tuple(gate) + (p0,), wants):
     if tuple(x.shape) != want:
-      raise ValueError(f"{op}: {name} has shape {tuple(x.shape)}; expected {want} "
-                       f"(from k {tuple(k.shape)})")
+      raise ValueError(
+        f"{op}: {name} has shape {tuple(x.shape)}; expected {want} (from k {tuple(k.shape)})"
+      )
 
 
 def kernel_inputs(k, gate, info_scale, p0, t_pad, diag, front):
@@ -183,8 +272,13 @@ def kernel_inputs(k, gate, info_scale, p0, t_pad, diag, front):
   k = common.pad_time(k, t_pad)
   if front:
     f, dtb, alog, om, rr = gate
-    gate = (common.pad_time(f, t_pad, PAD_PREACT), dtb, alog,
-            common.pad_time(om, t_pad, PAD_PREACT), common.pad_time(rr, t_pad))
+    gate = (
+      common.pad_time(f, t_pad, PAD_PREACT),
+      dtb,
+      alog,
+      common.pad_time(om, t_pad, PAD_PREACT),
+      common.pad_time(rr, t_pad),
+    )
   else:
     la, om, r = gate
     gate = (common.pad_time(la, t_pad), common.pad_time(om, t_pad), common.pad_time(r, t_pad, 1.0))
@@ -193,8 +287,22 @@ def kernel_inputs(k, gate, info_scale, p0, t_pad, diag, front):
   return k, gate, mu, (p0 if diag else p0[..., None])
 
 
-def _run_fused(diag, k, f, dt_bias, a_log, omega_raw, r_raw, r_min, info_scale, p0, segment_ids,
-               chunk_size, interpret, gain_dtype=jnp.float32):
+def _run_fused(
+  diag,
+  k,
+  f,
+  dt_bias,
+  a_log,
+  omega_raw,
+  r_raw,
+  r_min,
+  info_scale,
+  p0,
+  segment_ids,
+  chunk_size,
+  interpret,
+  gain_dtype=jnp.float32,
+):
   interpret = common.resolve_interpret(interpret)
   bsz, t = k.shape[:2]
   op = "diag_gain_fused" if diag else "iso_gain_fused"
@@ -204,14 +312,39 @@ def _run_fused(diag, k, f, dt_bias, a_log, omega_raw, r_raw, r_min, info_scale, 
     raise ValueError(f"{op}: r_min must be > 0, got {r_min}")
   chunk, t_pad, reset = _prep(t, chunk_size, bsz, segment_ids)
   k, gate, mu, p0 = kernel_inputs(k, gate, info_scale, p0, t_pad, diag, True)
-  gain, la, pfin = _gain_front(k, *gate, mu, reset, p0, diag, chunk, interpret, _config.DEFAULT,
-                               float(r_min), _gain_dtype(gain_dtype), segment_ids is not None)
+  gain, la, pfin = _gain_front(
+    k,
+    *gate,
+    mu,
+    reset,
+    p0,
+    diag,
+    chunk,
+    interpret,
+    _config.DEFAULT,
+    float(r_min),
+    _gain_dtype(gain_dtype),
+    segment_ids is not None,
+  )
   return gain[:, :t], la[:, :t], pfin
 
 
-def diag_gain_fused(k, f, dt_bias, a_log, omega_raw, r_raw, r_min, info_scale, p0,
-                    segment_ids=None, *, chunk_size=256, interpret=None,
-                    gain_dtype=jnp.float32):
+def diag_gain_fused(
+  k,
+  f,
+  dt_bias,
+  a_log,
+  omega_raw,
+  r_raw,
+  r_min,
+  info_scale,
+  p0,
+  segment_ids=None,
+  *,
+  chunk_size=256,
+  interpret=None,
+  gain_dtype=jnp.float32,
+):
   """Diagonal KDN gain from the gate projections before their activations:
   log_alpha = -exp(a_log) softplus(f + dt_bias), omega = softplus(omega_raw),
   r = r_min + softplus(r_raw), applied inside the kernels.
@@ -221,16 +354,56 @@ def diag_gain_fused(k, f, dt_bias, a_log, omega_raw, r_raw, r_min, info_scale, p
   Returns (kappa [B,T,H,K] in gain_dtype (float32 or bfloat16), log_alpha [B,T,H,K] f32,
   p_final [B,H,K] f32).
   """
-  return _run_fused(True, k, f, dt_bias, a_log, omega_raw, r_raw, r_min, info_scale, p0,
-                    segment_ids, chunk_size, interpret, gain_dtype)
+  return _run_fused(
+    True,
+    k,
+    f,
+    dt_bias,
+    a_log,
+    omega_raw,
+    r_raw,
+    r_min,
+    info_scale,
+    p0,
+    segment_ids,
+    chunk_size,
+    interpret,
+    gain_dtype,
+  )
 
 
-def iso_gain_fused(k, f, dt_bias, a_log, omega_raw, r_raw, r_min, info_scale, b0,
-                   segment_ids=None, *, chunk_size=256, interpret=None):
+def iso_gain_fused(
+  k,
+  f,
+  dt_bias,
+  a_log,
+  omega_raw,
+  r_raw,
+  r_min,
+  info_scale,
+  b0,
+  segment_ids=None,
+  *,
+  chunk_size=256,
+  interpret=None,
+):
   """Isotropic KDN gain from the gate projections (like diag_gain_fused; omega_raw [B,T,H],
   b0 [B,H]). Returns (beta [B,T,H] f32, log_alpha [B,T,H,K] f32, b_final [B,H] f32)."""
-  beta, la, bfin = _run_fused(False, k, f, dt_bias, a_log, omega_raw, r_raw, r_min, info_scale,
-                              b0, segment_ids, chunk_size, interpret)
+  beta, la, bfin = _run_fused(
+    False,
+    k,
+    f,
+    dt_bias,
+    a_log,
+    omega_raw,
+    r_raw,
+    r_min,
+    info_scale,
+    b0,
+    segment_ids,
+    chunk_size,
+    interpret,
+  )
   return beta[..., 0], la, bfin[..., 0]
 
 
@@ -257,8 +430,19 @@ def _gain_dtype(dtype):
   return dtype
 
 
-def _run(diag, k, log_alpha, omega, r, info_scale, p0, segment_ids, chunk_size, interpret,
-         gain_dtype=jnp.float32):
+def _run(
+  diag,
+  k,
+  log_alpha,
+  omega,
+  r,
+  info_scale,
+  p0,
+  segment_ids,
+  chunk_size,
+  interpret,
+  gain_dtype=jnp.float32,
+):
   interpret = common.resolve_interpret(interpret)
   bsz, t = k.shape[:2]
   gate = (log_alpha, omega, r)
@@ -266,30 +450,55 @@ def _run(diag, k, log_alpha, omega, r, info_scale, p0, segment_ids, chunk_size, 
   gain_dtype = _gain_dtype(gain_dtype)
   chunk, t_pad, reset = _prep(t, chunk_size, bsz, segment_ids)
   k, gate, mu, p0 = kernel_inputs(k, gate, info_scale, p0, t_pad, diag, False)
-  return _gain(k, *gate, mu, reset, p0, diag, chunk, interpret, _config.DEFAULT, gain_dtype,
-               segment_ids is not None)
+  return _gain(
+    k,
+    *gate,
+    mu,
+    reset,
+    p0,
+    diag,
+    chunk,
+    interpret,
+    _config.DEFAULT,
+    gain_dtype,
+    segment_ids is not None,
+  )
 
 
-def diag_gain(k, log_alpha, omega, r, info_scale, p0, segment_ids=None, *, chunk_size=256,
-              interpret=None, gain_dtype=jnp.float32):
+def diag_gain(
+  k,
+  log_alpha,
+  omega,
+  r,
+  info_scale,
+  p0,
+  segment_ids=None,
+  *,
+  chunk_size=256,
+  interpret=None,
+  gain_dtype=jnp.float32,
+):
   """Diagonal KDN gain. k, log_alpha, omega: [B,T,H,K]; r: [B,T,H]; info_scale: [H]; p0: [B,H,K].
 
   Returns (kappa [B,T,H,K] in gain_dtype (float32, or bfloat16: the kernel stores it rounded,
   for a delta rule whose dots round it so: pallas_kernels.write_dtype), p_final [B,H,K] float32).
   """
   t = k.shape[1]
-  kappa, pfin = _run(True, k, log_alpha, omega, r, info_scale, p0, segment_ids, chunk_size,
-                     interpret, gain_dtype)
+  kappa, pfin = _run(
+    True, k, log_alpha, omega, r, info_scale, p0, segment_ids, chunk_size, interpret, gain_dtype
+  )
   return kappa[:, :t], pfin
 
 
-def iso_gain(k, log_alpha, omega, r, info_scale, b0, segment_ids=None, *, chunk_size=256,
-             interpret=None):
+def iso_gain(
+  k, log_alpha, omega, r, info_scale, b0, segment_ids=None, *, chunk_size=256, interpret=None
+):
   """Isotropic KDN gain. k, log_alpha: [B,T,H,K]; omega, r: [B,T,H]; info_scale: [H]; b0: [B,H].
 
   Returns (beta [B,T,H] float32, b_final [B,H] float32).
   """
   t = k.shape[1]
-  beta, bfin = _run(False, k, log_alpha, omega, r, info_scale, b0, segment_ids, chunk_size,
-                    interpret)
+  beta, bfin = _run(
+    False, k, log_alpha, omega, r, info_scale, b0, segment_ids, chunk_size, interpret
+  )
   return beta[:, :t, :, 0], bfin[..., 0]

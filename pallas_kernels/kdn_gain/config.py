@@ -2,6 +2,7 @@
 
 `DEFAULT` is what `diag_gain` / `iso_gain` use; `set_default(**overrides)` swaps it.
 """
+
 import dataclasses
 
 
@@ -40,13 +41,18 @@ class GainConfig:
   renorm_every: int = 1
 
   def __post_init__(self):
-    if not (self.num_warps > 0 and self.num_warps & (self.num_warps - 1) == 0
-            and self.num_warps <= 32):
-      raise ValueError(f"GainConfig.num_warps must be a power of two in [1, 32] (Triton warps), "
-                       f"got {self.num_warps}")
+    if not (
+      self.num_warps > 0 and self.num_warps & (self.num_warps - 1) == 0 and self.num_warps <= 32
+    ):
+      raise ValueError(
+        f"GainConfig.num_warps must be a power of two in [1, 32] (Triton warps), "
+        f"got {self.num_warps}"
+      )
     if type(self.renorm_every) is not int or self.renorm_every not in (1, 2):
-      raise ValueError(f"GainConfig.renorm_every must be the int 1 or 2 (tokens per "
-                       f"renormalisation of the reduce's product), got {self.renorm_every!r}")
+      raise ValueError(
+        f"GainConfig.renorm_every must be the int 1 or 2 (tokens per "
+        f"renormalisation of the reduce's product), got {self.renorm_every!r}"
+      )
     for name in ("max_chunk", "num_stages_fwd", "num_stages_bwd"):
       if getattr(self, name) < 1:
         raise ValueError(f"GainConfig.{name} must be >= 1, got {getattr(self, name)}")

@@ -49,6 +49,7 @@ chunk 0's replay starts anyway (its carry-in is p0), so the kernels read no rese
 select nothing per token. Chunk 0's product then leaves R out, which the carry-in, applying it
 to p0, does not see; the backward's dp0 is chunk 0's final adjoint (token 0's dp_{t-1}).
 """
+
 from __future__ import annotations
 
 import functools
@@ -59,10 +60,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import common
-from pallas_kernels import kernel_math
-from pallas_kernels.kdn_gain import iso_replay
-from pallas_kernels.kdn_gain import moebius
+from pallas_kernels import common, kernel_math
+from pallas_kernels.kdn_gain import iso_replay, moebius
 
 
 def _row(ref, b, t, h):
@@ -72,7 +71,7 @@ def _row(ref, b, t, h):
   return ref[b, pl.ds(t, 1), h].astype(jnp.float32)
 
 
-RAW = ("k", "la", "om", "r", "mu")   # the kernels' raw inputs, in this order
+RAW = ("k", "la", "om", "r", "mu")  # the kernels' raw inputs, in this order
 # ... with the gate front-end: the pre-activation projections and the front-end parameters
 RAW_FRONT = ("k", "f", "dt_bias", "a_log", "om", "r", "mu")
 # gradients the backward writes per token (front: f in place of la; dt_bias / A_log as partials)
@@ -91,12 +90,13 @@ def _front(raw, b, t, h, front):
   softplus = kernel_math.softplus_for(raw["k"].dtype)
   sigmoid = lambda x: kernel_math.sigmoid(x, exp)
   z = _row(raw["f"], b, t, h) + raw["dt_bias"][pl.ds(h, 1), :].astype(jnp.float32)
-  a_scale = exp(raw["a_log"][pl.ds(h, 1)].astype(jnp.float32))[:, None]   # [1, 1]
+  a_scale = exp(raw["a_log"][pl.ds(h, 1)].astype(jnp.float32))[:, None]  # [1, 1]
   la = -a_scale * softplus(z)
   om_raw = _row(raw["om"], b, t, h)
   r_raw = _row(raw["r"], b, t, h)
-  chain = dict(la=la, a_scale=a_scale, sig_z=sigmoid(z), sig_om=sigmoid(om_raw),
-               sig_r=sigmoid(r_raw))
+  chain = dict(
+    la=la, a_scale=a_scale, sig_z=sigmoid(z), sig_om=sigmoid(om_raw), sig_r=sigmoid(r_raw)
+  )
   return la, softplus(om_raw), front + softplus(r_raw), chain
 
 
@@ -121,9 +121,18 @@ def _lanes(raw, b, t, h, diag, front=None):
     # (one division per token, not one per lane: mu / r is shared by the lanes)
     return dict(a=e2, om=om, u=kk * (mu / r), kx=k, kk=kk, r=r, k=k, e2=e2, mu=mu, front=chain)
   kk = jnp.sum(k * k, axis=1, keepdims=True)
-  return dict(a=jnp.mean(e2, axis=1, keepdims=True), om=om[:, None],
-              u=mu * kk / (k.shape[1] * r), kx=jnp.ones_like(kk), kk=kk, r=r, k=k, e2=e2, mu=mu,
-              front=chain)
+  return dict(
+    a=jnp.mean(e2, axis=1, keepdims=True),
+    om=om[:, None],
+    u=mu * kk / (k.shape[1] * r),
+    kx=jnp.ones_like(kk),
+    kk=kk,
+    r=r,
+    k=k,
+    e2=e2,
+    mu=mu,
+    front=chain,
+  )
 
 
 def _raw_grads(x, g, diag):
@@ -132,13 +141,21 @@ def _raw_grads(x, g, diag):
   k, r, mu = x["k"], x["r"], x["mu"]
   gu_r = g["u"] / r
   if diag:
-    return dict(k=g["kx"] + 2.0 * k * (g["kk"] + mu * gu_r), la=2.0 * x["e2"] * g["a"],
-                om=g["om"], r=g["r"] - jnp.sum(gu_r * x["u"], axis=1),
-                mu=jnp.sum(gu_r * x["kk"], axis=1))
+    return dict(
+      k=g["kx"] + 2.0 * k * (g["kk"] + mu * gu_r),
+      la=2.0 * x["e2"] * g["a"],
+      om=g["om"],
+      r=g["r"] - jnp.sum(gu_r * x["u"], axis=1),
+      mu=jnp.sum(gu_r * x["kk"], axis=1),
+    )
   kd = k.shape[1]
-  return dict(k=2.0 * k * (g["kk"] + mu * gu_r / kd), la=(2.0 / kd) * x["e2"] * g["a"],
-              om=g["om"].reshape(-1), r=g["r"] - (gu_r * x["u"]).reshape(-1),
-              mu=(gu_r * x["kk"]).reshape(-1) / kd)
+  return dict(
+    k=2.0 * k * (g["kk"] + mu * gu_r / kd),
+    la=(2.0 / kd) * x["e2"] * g["a"],
+    om=g["om"].reshape(-1),
+    r=g["r"] - (gu_r * x["u"]).reshape(-1),
+    mu=(gu_r * x["kk"]).reshape(-1) / kd,
+  )
 
 
 def _front_grads(x, d, dla_out):
@@ -163,8 +180,12 @@ def _token_matrix(a, om, u, reset, p0):
   r12 = m11 * p0 + m12
   r22 = m21 * p0 + m22
   zero = jnp.zeros_like(a)
-  return (jnp.where(reset, zero, m11), jnp.where(reset, r12, m12),
-          jnp.where(reset, zero, m21), jnp.where(reset, r22, m22))
+  return (
+    jnp.where(reset, zero, m11),
+    jnp.where(reset, r12, m12),
+    jnp.where(reset, zero, m21),
+    jnp.where(reset, r22, m22),
+  )
 
 
 def _pow2_inverse(s):
@@ -179,8 +200,12 @@ def _product2(x, y):
   """x @ y for 2x2 matrices stored as 4-tuples of lane vectors."""
   x11, x12, x21, x22 = x
   y11, y12, y21, y22 = y
-  return (x11 * y11 + x12 * y21, x11 * y12 + x12 * y22,
-          x21 * y11 + x22 * y21, x21 * y12 + x22 * y22)
+  return (
+    x11 * y11 + x12 * y21,
+    x11 * y12 + x12 * y22,
+    x21 * y11 + x22 * y21,
+    x21 * y12 + x22 * y22,
+  )
 
 
 def _matmul2(x, y):
@@ -188,15 +213,14 @@ def _matmul2(x, y):
   |entry| is in [1, 2). A Moebius map is the same map at any scale of its matrix, so any
   positive factor would do: a power of two (_pow2_inverse) is exact and needs no division."""
   n11, n12, n21, n22 = _product2(x, y)
-  s = jnp.maximum(jnp.maximum(jnp.abs(n11), jnp.abs(n12)),
-                  jnp.maximum(jnp.abs(n21), jnp.abs(n22)))
+  s = jnp.maximum(jnp.maximum(jnp.abs(n11), jnp.abs(n12)), jnp.maximum(jnp.abs(n21), jnp.abs(n22)))
   inv = _pow2_inverse(jnp.where(s > 0, s, 1.0))
   return n11 * inv, n12 * inv, n21 * inv, n22 * inv
 
 
 def _raw_refs(refs, front):
   names = raw_names(front)
-  return dict(zip(names, refs[:len(names)])), refs[len(names):]
+  return dict(zip(names, refs[: len(names)])), refs[len(names) :]
 
 
 def _reduce_kernel(*refs, chunk, diag, front, segmented, scalars, renorm_every):
@@ -219,7 +243,7 @@ def _reduce_kernel(*refs, chunk, diag, front, segmented, scalars, renorm_every):
     mt = _token_matrix(x["a"], x["om"], x["u"], reset, p0)
     return _matmul2(mt, m) if renormalise else _product2(mt, m)
 
-  def body(i, m):   # renorm_every tokens, the product renormalised after the last (RENORM)
+  def body(i, m):  # renorm_every tokens, the product renormalised after the last (RENORM)
     for j in range(renorm_every):
       m = token(t0 + i * renorm_every + j, m, j == renorm_every - 1)
     return m
@@ -233,8 +257,9 @@ def _reduce_kernel(*refs, chunk, diag, front, segmented, scalars, renorm_every):
 
 def _carry_in(prod_ref, p0, b, h, c):
   """Variance at the start of chunk c: chunk maps 0..c-1 applied to p0."""
-  return moebius.apply_maps(lambda j: tuple(prod_ref[b, h, j, i, :][None, :] for i in range(4)),
-                            p0, c)
+  return moebius.apply_maps(
+    lambda j: tuple(prod_ref[b, h, j, i, :][None, :] for i in range(4)), p0, c
+  )
 
 
 def _replay_kernel(*refs, chunk, num_chunks, diag, save_pprev, front, segmented):
@@ -253,11 +278,11 @@ def _replay_kernel(*refs, chunk, num_chunks, diag, save_pprev, front, segmented)
     if segmented:
       p = jnp.where(reset_ref[b, pl.ds(t, 1)][:, None] > 0, p0, p)
     x = _lanes(raw, b, t, h, diag, front)
-    if front is not None:   # the delta rule's decay, from the same front-end evaluation
+    if front is not None:  # the delta rule's decay, from the same front-end evaluation
       la_ref[b, pl.ds(t, 1), h, :] = x["front"]["la"].astype(la_ref.dtype)
     p_hat = x["a"] * p + x["om"]
     den = x["r"] + jnp.sum(p_hat * x["kk"], axis=1, keepdims=True)
-    gain = p_hat * x["kx"] * (1.0 / den)   # (one division per token, not per lane)
+    gain = p_hat * x["kx"] * (1.0 / den)  # (one division per token, not per lane)
     gain_ref[b, pl.ds(t, 1), h, :] = gain.astype(gain_ref.dtype)
     if save_pprev:
       pprev_ref[b, pl.ds(t, 1), h, :] = p
@@ -282,18 +307,18 @@ def _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, dp, diag, front):
   inv_den = 1.0 / den
   gain = p_hat * kx * inv_den
   dden = -jnp.sum(dgain * gain, axis=1, keepdims=True) * inv_den
-  q = dgain * kx * inv_den + dden * kk          # dp_hat from the gain (independent of dp)
+  q = dgain * kx * inv_den + dden * kk  # dp_hat from the gain (independent of dp)
   s = 1.0 / (1.0 + u * p_hat)
   p_new = p_hat * s
-  m = s * s                                      # dp_hat / dp_new
+  m = s * s  # dp_hat / dp_new
   dp_hat = m * dp + q
   grads = dict(
-      kx=dgain * p_hat * inv_den,
-      kk=dden * p_hat,
-      r=dden.reshape(-1),
-      u=-dp * p_new * p_new,
-      a=dp_hat * p_prev,
-      om=dp_hat,
+    kx=dgain * p_hat * inv_den,
+    kk=dden * p_hat,
+    r=dden.reshape(-1),
+    u=-dp * p_new * p_new,
+    a=dp_hat * p_prev,
+    om=dp_hat,
   )
   return grads, x, dp_hat, a * m, a * q, a
 
@@ -307,8 +332,9 @@ def _bwd_reduce_kernel(*refs, chunk, diag, front, segmented):
     mm, cc = mc
     t = t_last - i
     # dp_t = mm * dp_out + cc  ->  dp_{t-1} = m_t dp_t + c_t.
-    _, _, _, m_t, c_t, _ = _bwd_token(t, b, h, raw, pprev_ref, dgain_ref, jnp.zeros_like(mm),
-                                      diag, front)
+    _, _, _, m_t, c_t, _ = _bwd_token(
+      t, b, h, raw, pprev_ref, dgain_ref, jnp.zeros_like(mm), diag, front
+    )
     if segmented:
       reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
       m_t = jnp.where(reset, 0.0, m_t)
@@ -328,7 +354,7 @@ def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front, segmented):
   dla_out_ref, rest = (None, rest) if front is None else (rest[0], rest[1:])
   d_refs = dict(zip(GRADS if front is None else GRADS_FRONT, rest[:5]))
   dp0_ref = rest[5]
-  dparam_refs = rest[6:]   # front: per-chunk dt_bias and A_log partials [B, H, NC, K]
+  dparam_refs = rest[6:]  # front: per-chunk dt_bias and A_log partials [B, H, NC, K]
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   dp_fin = dpfin_ref[b, h, :].astype(jnp.float32)[None, :]
 
@@ -354,7 +380,7 @@ def _bwd_replay_kernel(*refs, chunk, num_chunks, diag, front, segmented):
       else:
         ref[b, pl.ds(t, 1), h] = val.astype(ref.dtype)
     dprev = a * dp_hat
-    if not segmented:   # (token 0's reset: dp0 is chunk 0's final dp, below)
+    if not segmented:  # (token 0's reset: dp0 is chunk 0's final dp, below)
       return dprev, dp0, dparams
     reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0
     dp0 = dp0 + jnp.where(reset, dprev, 0.0)
@@ -389,29 +415,49 @@ def _log_alpha_out(k, front):
   return () if front is None else (jax.ShapeDtypeStruct(k.shape, jnp.float32),)
 
 
-def reduce_maps(raw, reset, p0, *, diag, chunk, interpret, cfg, front=None, segmented=True,
-                scalars=False):
+def reduce_maps(
+  raw, reset, p0, *, diag, chunk, interpret, cfg, front=None, segmented=True, scalars=False
+):
   """The forward reduce: (the chunk maps [B, H, NC, 4, L] fp32, renormalised (RENORM), and
   with `scalars` (iso_replay.py) a, kk [B, T, Hp] fp32 and, with a front, log_alpha). reset:
   [B, T] int32."""
   r, k = raw[-2], raw[0]
   bsz, t, nh, nc, grid, params = _launch(r, chunk, interpret, cfg, backward=False)
   scalar_out = ()
-  if scalars:   # a and kk, as wide as the scalar replay's head row
+  if scalars:  # a and kk, as wide as the scalar replay's head row
     per_token = jax.ShapeDtypeStruct((bsz, t, common.next_pow2(nh)), jnp.float32)
     scalar_out = (per_token, per_token) + _log_alpha_out(k, front)
   return pl.pallas_call(
-      functools.partial(_reduce_kernel, chunk=chunk, diag=diag, front=front,
-                        segmented=segmented, scalars=scalars,
-                        renorm_every=math.gcd(cfg.renorm_every, chunk)),
-      out_shape=(jax.ShapeDtypeStruct((bsz, nh, nc, 4, p0.shape[-1]), jnp.float32),)
-      + scalar_out,
-      grid=grid, name="kdn_gain_reduce", **params,
+    functools.partial(
+      _reduce_kernel,
+      chunk=chunk,
+      diag=diag,
+      front=front,
+      segmented=segmented,
+      scalars=scalars,
+      renorm_every=math.gcd(cfg.renorm_every, chunk),
+    ),
+    out_shape=(jax.ShapeDtypeStruct((bsz, nh, nc, 4, p0.shape[-1]), jnp.float32),) + scalar_out,
+    grid=grid,
+    name="kdn_gain_reduce",
+    **params,
   )(*raw, reset, p0)
 
 
-def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True, front=None,
-                 gain_dtype=jnp.float32, segmented=True):
+def gain_forward(
+  raw,
+  reset,
+  p0,
+  *,
+  diag,
+  chunk,
+  interpret,
+  cfg,
+  save_pprev=True,
+  front=None,
+  gain_dtype=jnp.float32,
+  segmented=True,
+):
   """raw: (k [B,T,H,K], log_alpha [B,T,H,K], omega [B,T,H,K] (diag) or [B,T,H] (iso),
   r [B,T,H], mu [H]) in any float dtype, or with `front` (r_min) the pre-activations
   (k, f [B,T,H,K], dt_bias [H,K], A_log [H], omega_raw, r_raw, mu); reset [B,T]; p0 [B,H,L]
@@ -424,24 +470,58 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
   bsz, t, nh, nc, grid, params = _launch(r, chunk, interpret, cfg, backward=False)
   reset = reset.astype(jnp.int32)
   scalars = not diag and cfg.iso_scalar_replay
-  prod, *extra = reduce_maps(raw, reset, p0, diag=diag, chunk=chunk, interpret=interpret,
-                             cfg=cfg, front=front, segmented=segmented, scalars=scalars)
-  if scalars:   # the replay over per-token scalars (iso_replay.py)
+  prod, *extra = reduce_maps(
+    raw,
+    reset,
+    p0,
+    diag=diag,
+    chunk=chunk,
+    interpret=interpret,
+    cfg=cfg,
+    front=front,
+    segmented=segmented,
+    scalars=scalars,
+  )
+  if scalars:  # the replay over per-token scalars (iso_replay.py)
     a, kk, *la = extra
     gain, pprev, pfin = iso_replay.replay(
-        a, kk, raw[-3], r, raw[-1], reset, p0, prod, chunk=chunk, kd=k.shape[-1],
-        save_pprev=save_pprev, front=front, data_dtype=k.dtype, gain_dtype=gain_dtype,
-        segmented=segmented, params=params)
+      a,
+      kk,
+      raw[-3],
+      r,
+      raw[-1],
+      reset,
+      p0,
+      prod,
+      chunk=chunk,
+      kd=k.shape[-1],
+      save_pprev=save_pprev,
+      front=front,
+      data_dtype=k.dtype,
+      gain_dtype=gain_dtype,
+      segmented=segmented,
+      params=params,
+    )
     return gain, pprev, pfin, (la[0] if la else None)
   lane = jax.ShapeDtypeStruct((bsz, t, nh, lanes), jnp.float32)
   la_out = _log_alpha_out(k, front)
   outs = pl.pallas_call(
-      functools.partial(_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag,
-                        save_pprev=save_pprev, front=front, segmented=segmented),
-      out_shape=(jax.ShapeDtypeStruct(lane.shape, gain_dtype),) + la_out + (
-          (lane,) if save_pprev else ()) + (
-          jax.ShapeDtypeStruct((bsz, nh, lanes), jnp.float32),),
-      grid=grid, name="kdn_gain_replay", **params,
+    functools.partial(
+      _replay_kernel,
+      chunk=chunk,
+      num_chunks=nc,
+      diag=diag,
+      save_pprev=save_pprev,
+      front=front,
+      segmented=segmented,
+    ),
+    out_shape=(jax.ShapeDtypeStruct(lane.shape, gain_dtype),)
+    + la_out
+    + ((lane,) if save_pprev else ())
+    + (jax.ShapeDtypeStruct((bsz, nh, lanes), jnp.float32),),
+    grid=grid,
+    name="kdn_gain_replay",
+    **params,
   )(*raw, reset, p0, prod)
   gain, outs = outs[0], outs[1:]
   la, outs = (None, outs) if front is None else (outs[0], outs[1:])
@@ -449,8 +529,22 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
   return gain, pprev, pfin, la
 
 
-def gain_backward(raw, reset, pprev, dgain, dpfin, *, diag, chunk, interpret, cfg, front=None,
-                  dla_out=None, dk_dtype=jnp.float32, segmented=True):
+def gain_backward(
+  raw,
+  reset,
+  pprev,
+  dgain,
+  dpfin,
+  *,
+  diag,
+  chunk,
+  interpret,
+  cfg,
+  front=None,
+  dla_out=None,
+  dk_dtype=jnp.float32,
+  segmented=True,
+):
   """Returns the gradients of the raw inputs (k's in dk_dtype, the others' in their dtypes; mu's
   per token, [B,T,H], fp32) and of p0 (fp32). With `front`, `dla_out` is the cotangent of the
   log_alpha the forward emitted, and the per-token gradients are (k, f, omega_raw, r_raw, mu),
@@ -462,15 +556,16 @@ def gain_backward(raw, reset, pprev, dgain, dpfin, *, diag, chunk, interpret, cf
   bsz, t, nh, nc, grid, params = _launch(r, chunk, interpret, cfg, backward=True)
   reset = reset.astype(jnp.int32)
   maps = pl.pallas_call(
-      functools.partial(_bwd_reduce_kernel, chunk=chunk, diag=diag, front=front,
-                        segmented=segmented),
-      out_shape=jax.ShapeDtypeStruct((bsz, nh, nc, 2, lanes), jnp.float32),
-      grid=grid, name="kdn_gain_bwd_reduce", **params,
+    functools.partial(_bwd_reduce_kernel, chunk=chunk, diag=diag, front=front, segmented=segmented),
+    out_shape=jax.ShapeDtypeStruct((bsz, nh, nc, 2, lanes), jnp.float32),
+    grid=grid,
+    name="kdn_gain_bwd_reduce",
+    **params,
   )(*raw, pprev, dgain, reset)
   per_token = jax.ShapeDtypeStruct(r.shape, jnp.float32)
   dk_shape = jax.ShapeDtypeStruct(k.shape, dk_dtype)
   same = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-  if front is None:   # log_alpha, omega, r: in their dtypes (stored once, no cast pass)
+  if front is None:  # log_alpha, omega, r: in their dtypes (stored once, no cast pass)
     d_shapes = (dk_shape,) + tuple(same(x) for x in raw[1:4]) + (per_token,)
     extra_out = ()
   else:
@@ -479,10 +574,13 @@ def gain_backward(raw, reset, pprev, dgain, dpfin, *, diag, chunk, interpret, cf
     extra_out = (jax.ShapeDtypeStruct((bsz, nh, nc, k.shape[-1]), jnp.float32),) * 2
   extra_in = () if front is None else (dla_out,)
   outs = pl.pallas_call(
-      functools.partial(_bwd_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag, front=front,
-                        segmented=segmented),
-      out_shape=d_shapes + (jax.ShapeDtypeStruct((bsz, nh, nc, lanes), jnp.float32),) + extra_out,
-      grid=grid, name="kdn_gain_bwd_replay", **params,
+    functools.partial(
+      _bwd_replay_kernel, chunk=chunk, num_chunks=nc, diag=diag, front=front, segmented=segmented
+    ),
+    out_shape=d_shapes + (jax.ShapeDtypeStruct((bsz, nh, nc, lanes), jnp.float32),) + extra_out,
+    grid=grid,
+    name="kdn_gain_bwd_replay",
+    **params,
   )(*raw, pprev, dgain, reset, maps, dpfin, *extra_in)
   d_raw, dp0 = outs[:5], outs[5].sum(axis=2)
   if front is None:

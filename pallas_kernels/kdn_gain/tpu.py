@@ -33,6 +33,7 @@ Rows are read and written in aligned groups of `_ROWS` (the sublane tile: 8 rows
 depend on the carry (lane formation, and in the backward p_hat, den, the gain's own gradient)
 is computed for the whole group at once.
 """
+
 from __future__ import annotations
 
 import functools
@@ -100,12 +101,14 @@ class _Layout:
 
   def scratch(self, name):
     from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+
     self._add(name, (1, self.lanes), F32, pipelined=False)
     return pltpu.VMEM((1, self.lanes), F32)
 
   @staticmethod
   def smem():
     from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+
     return pl.BlockSpec(memory_space=pltpu.SMEM)
 
 
@@ -126,8 +129,16 @@ def _lanes(k, la, om, r, mu, h, diag):
     return dict(a=e2, om=om.astype(F32), u=mu * kk / r, kx=k, kk=kk, r=r, k=k, e2=e2)
   kd = k.shape[1]
   kk = jnp.sum(k * k, axis=1, keepdims=True)
-  return dict(a=jnp.mean(e2, axis=1, keepdims=True), om=_head_column(om, h),
-              u=mu * kk / (kd * r), kx=jnp.ones_like(kk), kk=kk, r=r, k=k, e2=e2)
+  return dict(
+    a=jnp.mean(e2, axis=1, keepdims=True),
+    om=_head_column(om, h),
+    u=mu * kk / (kd * r),
+    kx=jnp.ones_like(kk),
+    kk=kk,
+    r=r,
+    k=k,
+    e2=e2,
+  )
 
 
 def _raw_grads(x, g, mu, diag):
@@ -136,20 +147,30 @@ def _raw_grads(x, g, mu, diag):
   k, r = x["k"], x["r"]
   gu_r = g["u"] / r
   if diag:
-    return (g["kx"] + 2.0 * k * (g["kk"] + mu * gu_r), 2.0 * x["e2"] * g["a"], g["om"],
-            g["r"] - jnp.sum(gu_r * x["u"], axis=1, keepdims=True),
-            jnp.sum(gu_r * x["kk"], axis=1, keepdims=True))
+    return (
+      g["kx"] + 2.0 * k * (g["kk"] + mu * gu_r),
+      2.0 * x["e2"] * g["a"],
+      g["om"],
+      g["r"] - jnp.sum(gu_r * x["u"], axis=1, keepdims=True),
+      jnp.sum(gu_r * x["kk"], axis=1, keepdims=True),
+    )
   kd = k.shape[1]
-  return (2.0 * k * (g["kk"] + mu * gu_r / kd), (2.0 / kd) * x["e2"] * g["a"], g["om"],
-          g["r"] - gu_r * x["u"], gu_r * x["kk"] / kd)
+  return (
+    2.0 * k * (g["kk"] + mu * gu_r / kd),
+    (2.0 / kd) * x["e2"] * g["a"],
+    g["om"],
+    g["r"] - gu_r * x["u"],
+    gu_r * x["kk"] / kd,
+  )
 
 
 def _group_slice(j, rows):
   return pl.ds(pl.multiple_of(j * rows, rows), rows)
 
 
-def _forward_kernel(k_ref, la_ref, om_ref, r_ref, reset_ref, p0_ref, mu_ref, *rest, nh, diag,
-                    rows, save_pprev):
+def _forward_kernel(
+  k_ref, la_ref, om_ref, r_ref, reset_ref, p0_ref, mu_ref, *rest, nh, diag, rows, save_pprev
+):
   gain_ref, pprev_ref, pfin_ref, p_scr = rest if save_pprev else (rest[0], None) + rest[1:]
   bh, tb = pl.program_id(0), pl.program_id(1)
   h = bh % nh
@@ -168,8 +189,8 @@ def _forward_kernel(k_ref, la_ref, om_ref, r_ref, reset_ref, p0_ref, mu_ref, *re
     x = _lanes(k_ref[sl, :], la_ref[sl, :], om_ref[sl, :], r_ref[sl, :], mu, h, diag)
     reset = reset_ref[sl, :] > 0
     gains = jnp.zeros(out_shape, F32)
-    p_before = gains   # the variance each token starts from (the backward's residual)
-    for i in range(rows):   # the serial part: one token after another
+    p_before = gains  # the variance each token starts from (the backward's residual)
+    for i in range(rows):  # the serial part: one token after another
       at = slice(i, i + 1)
       p = jnp.where(reset[at], p0, p)
       p_hat = x["a"][at] * p + x["om"][at]
@@ -190,9 +211,29 @@ def _forward_kernel(k_ref, la_ref, om_ref, r_ref, reset_ref, p0_ref, mu_ref, *re
     pfin_ref[...] = p
 
 
-def _backward_kernel(k_ref, la_ref, om_ref, r_ref, reset_ref, mu_ref, pprev_ref, dgain_ref,
-                     dpfin_ref, dk_ref, dla_ref, dom_ref, dr_ref, dmu_ref, dp0_ref, dp_scr,
-                     dp0_scr, *, nh, diag, rows):
+def _backward_kernel(
+  k_ref,
+  la_ref,
+  om_ref,
+  r_ref,
+  reset_ref,
+  mu_ref,
+  pprev_ref,
+  dgain_ref,
+  dpfin_ref,
+  dk_ref,
+  dla_ref,
+  dom_ref,
+  dr_ref,
+  dmu_ref,
+  dp0_ref,
+  dp_scr,
+  dp0_scr,
+  *,
+  nh,
+  diag,
+  rows,
+):
   """Reverse pass over T blocks (the index maps run backwards): dp_{t-1} = a (m dp_t + q) with
   m = d p_t / d p_hat_t = s^2 and q the gain's own share of dp_hat; at a reset dp_{t-1} goes to
   p0's gradient instead."""
@@ -221,11 +262,11 @@ def _backward_kernel(k_ref, la_ref, om_ref, r_ref, reset_ref, mu_ref, pprev_ref,
     inv_den = 1.0 / (x["r"] + jnp.sum(p_hat * x["kk"], axis=1, keepdims=True))
     gain = p_hat * x["kx"] * inv_den
     dden = -jnp.sum(dgain * gain, axis=1, keepdims=True) * inv_den
-    q = dgain * x["kx"] * inv_den + dden * x["kk"]     # dp_hat from the gain
+    q = dgain * x["kx"] * inv_den + dden * x["kk"]  # dp_hat from the gain
     s = 1.0 / (1.0 + x["u"] * p_hat)
     p_new = p_hat * s
-    m = s * s                                           # d p_new / d p_hat
-    dps = jnp.zeros((rows, lanes), F32)                 # dp_t of every row (the chain)
+    m = s * s  # d p_new / d p_hat
+    dps = jnp.zeros((rows, lanes), F32)  # dp_t of every row (the chain)
     for i in reversed(range(rows)):
       at = slice(i, i + 1)
       dps = jnp.where(row_id == i, dp, dps)
@@ -233,8 +274,14 @@ def _backward_kernel(k_ref, la_ref, om_ref, r_ref, reset_ref, mu_ref, pprev_ref,
       dp0 = dp0 + jnp.where(reset[at], dprev, 0.0)
       dp = jnp.where(reset[at], 0.0, dprev)
     dp_hat = m * dps + q
-    g = dict(kx=dgain * p_hat * inv_den, kk=dden * p_hat, r=dden, u=-dps * p_new * p_new,
-             a=dp_hat * p_prev, om=dp_hat)
+    g = dict(
+      kx=dgain * p_hat * inv_den,
+      kk=dden * p_hat,
+      r=dden,
+      u=-dps * p_new * p_new,
+      a=dp_hat * p_prev,
+      om=dp_hat,
+    )
     for ref, val in zip((dk_ref, dla_ref, dom_ref, dr_ref, dmu_ref), _raw_grads(x, g, mu, diag)):
       ref[sl, :] = val
     return dp, dp0
@@ -256,8 +303,15 @@ def _backward_kernel(k_ref, la_ref, om_ref, r_ref, reset_ref, mu_ref, pprev_ref,
 def _forward_plan(bsz, t, nh, kd, diag, block_t, dtypes, save_pprev):
   kdt, ladt, omdt, rdt = dtypes
   lay = _Layout(nh, kd, block_t, t // block_t, diag, reverse=False)
-  in_specs = [lay.lane("k", kdt), lay.lane("log_alpha", ladt), lay.omega(omdt),
-              lay.heads("r", rdt), lay.tokens("reset", jnp.int32), lay.state("p0"), lay.smem()]
+  in_specs = [
+    lay.lane("k", kdt),
+    lay.lane("log_alpha", ladt),
+    lay.omega(omdt),
+    lay.heads("r", rdt),
+    lay.tokens("reset", jnp.int32),
+    lay.state("p0"),
+    lay.smem(),
+  ]
   lane_shape = (bsz, t, nh * kd) if diag else (bsz * nh, t, 1)
   out_specs = [lay.per_lane("gain", F32)]
   out_shape = [jax.ShapeDtypeStruct(lane_shape, F32)]
@@ -273,16 +327,35 @@ def _forward_plan(bsz, t, nh, kd, diag, block_t, dtypes, save_pprev):
 def _backward_plan(bsz, t, nh, kd, diag, block_t, dtypes):
   kdt, ladt, omdt, rdt = dtypes
   lay = _Layout(nh, kd, block_t, t // block_t, diag, reverse=True)
-  in_specs = [lay.lane("k", kdt), lay.lane("log_alpha", ladt), lay.omega(omdt),
-              lay.heads("r", rdt), lay.tokens("reset", jnp.int32), lay.smem(),
-              lay.per_lane("p_prev", F32), lay.per_lane("d_gain", F32), lay.state("d_p_final")]
+  in_specs = [
+    lay.lane("k", kdt),
+    lay.lane("log_alpha", ladt),
+    lay.omega(omdt),
+    lay.heads("r", rdt),
+    lay.tokens("reset", jnp.int32),
+    lay.smem(),
+    lay.per_lane("p_prev", F32),
+    lay.per_lane("d_gain", F32),
+    lay.state("d_p_final"),
+  ]
   lane = jax.ShapeDtypeStruct((bsz, t, nh * kd), F32)
   col = jax.ShapeDtypeStruct((bsz * nh, t, 1), F32)
-  out_specs = [lay.lane("d_k", F32), lay.lane("d_log_alpha", F32),
-               lay.lane("d_omega", F32) if diag else lay.column("d_omega", F32),
-               lay.column("d_r", F32), lay.column("d_mu", F32), lay.state("d_p0")]
-  out_shape = [lane, lane, lane if diag else col, col, col,
-               jax.ShapeDtypeStruct((bsz * nh, 1, lay.lanes), F32)]
+  out_specs = [
+    lay.lane("d_k", F32),
+    lay.lane("d_log_alpha", F32),
+    lay.lane("d_omega", F32) if diag else lay.column("d_omega", F32),
+    lay.column("d_r", F32),
+    lay.column("d_mu", F32),
+    lay.state("d_p0"),
+  ]
+  out_shape = [
+    lane,
+    lane,
+    lane if diag else col,
+    col,
+    col,
+    jax.ShapeDtypeStruct((bsz * nh, 1, lay.lanes), F32),
+  ]
   scratch = [lay.scratch("d_p"), lay.scratch("d_p0 sum")]
   return in_specs, out_specs, out_shape, scratch, lay.blocks
 
@@ -302,9 +375,15 @@ def _call(kernel, plan, interpret, name, args):
   grid = (out_shape[-1].shape[0], nt)
   kw = {} if interpret is False or interpret is None else dict(interpret=interpret)
   return pl.pallas_call(
-      kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=tuple(out_shape),
-      scratch_shapes=scratch, name=name,
-      compiler_params=tpu_common.compiler_params(("parallel", "arbitrary")), **kw,
+    kernel,
+    grid=grid,
+    in_specs=in_specs,
+    out_specs=out_specs,
+    out_shape=tuple(out_shape),
+    scratch_shapes=scratch,
+    name=name,
+    compiler_params=tpu_common.compiler_params(("parallel", "arbitrary")),
+    **kw,
   )(*args)
 
 
@@ -313,8 +392,13 @@ def _to_kernel(raw, reset, diag):
   k, la, om, r, mu = raw
   bsz, t, nh, kd = k.shape
   flat = lambda x: x.reshape(bsz, t, nh * kd)
-  return (flat(k), flat(la), flat(om) if diag else om, r,
-          reset.astype(jnp.int32).reshape(bsz, t, 1)), mu.astype(F32)
+  return (
+    flat(k),
+    flat(la),
+    flat(om) if diag else om,
+    r,
+    reset.astype(jnp.int32).reshape(bsz, t, 1),
+  ), mu.astype(F32)
 
 
 def _lanes_in(x, diag):
@@ -339,7 +423,7 @@ def _columns_out(x, bsz, nh):
 
 def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True):
   """As kernel.gain_forward (same arguments and results); `chunk` is the T block."""
-  del cfg   # Triton warps/stages: nothing to set on TPU
+  del cfg  # Triton warps/stages: nothing to set on TPU
   k = raw[0]
   bsz, t, nh, kd = k.shape
   tpu_common.check_lane_tile("kdn_gain", "K", kd)
@@ -347,9 +431,13 @@ def gain_forward(raw, reset, p0, *, diag, chunk, interpret, cfg, save_pprev=True
   plan = _forward_plan(bsz, t, nh, kd, diag, chunk, tuple(x.dtype for x in raw[:4]), save_pprev)
   rows = _rows([x.dtype for x in raw[:4]])
   lanes = p0.shape[-1]
-  outs = _call(functools.partial(_forward_kernel, nh=nh, diag=diag, rows=rows,
-                                 save_pprev=save_pprev), plan, interpret, "kdn_gain_tpu_fwd",
-               (kf, laf, omf, r, rs, p0.astype(F32).reshape(bsz * nh, 1, lanes), mu))
+  outs = _call(
+    functools.partial(_forward_kernel, nh=nh, diag=diag, rows=rows, save_pprev=save_pprev),
+    plan,
+    interpret,
+    "kdn_gain_tpu_fwd",
+    (kf, laf, omf, r, rs, p0.astype(F32).reshape(bsz * nh, 1, lanes), mu),
+  )
   gain = _lanes_out(outs[0], bsz, nh, diag)
   pprev = _lanes_out(outs[1], bsz, nh, diag) if save_pprev else None
   return gain, pprev, outs[-1].reshape(bsz, nh, lanes)
@@ -366,13 +454,29 @@ def gain_backward(raw, reset, pprev, dgain, dpfin, *, diag, chunk, interpret, cf
   plan = _backward_plan(bsz, t, nh, kd, diag, chunk, tuple(x.dtype for x in raw[:4]))
   rows = _rows([x.dtype for x in raw[:4]])
   dk, dla, dom, dr, dmu, dp0 = _call(
-      functools.partial(_backward_kernel, nh=nh, diag=diag, rows=rows), plan, interpret,
-      "kdn_gain_tpu_bwd",
-      (kf, laf, omf, r, rs, mu, _lanes_in(pprev.astype(F32), diag),
-       _lanes_in(dgain.astype(F32), diag),
-       dpfin.astype(F32).reshape(bsz * nh, 1, lanes)))
+    functools.partial(_backward_kernel, nh=nh, diag=diag, rows=rows),
+    plan,
+    interpret,
+    "kdn_gain_tpu_bwd",
+    (
+      kf,
+      laf,
+      omf,
+      r,
+      rs,
+      mu,
+      _lanes_in(pprev.astype(F32), diag),
+      _lanes_in(dgain.astype(F32), diag),
+      dpfin.astype(F32).reshape(bsz * nh, 1, lanes),
+    ),
+  )
   shape4 = (bsz, t, nh, kd)
   dom = dom.reshape(shape4) if diag else _columns_out(dom, bsz, nh)
-  d_raw = (dk.reshape(shape4), dla.reshape(shape4), dom, _columns_out(dr, bsz, nh),
-           _columns_out(dmu, bsz, nh))
+  d_raw = (
+    dk.reshape(shape4),
+    dla.reshape(shape4),
+    dom,
+    _columns_out(dr, bsz, nh),
+    _columns_out(dmu, bsz, nh),
+  )
   return d_raw, dp0.reshape(bsz, nh, lanes)

@@ -1,5 +1,6 @@
 """experiments/benchmarks/decode.py on CPU at tiny sizes: every step row and the generation row
 time without error and land in the JSON and the markdown table; the bandwidth bookkeeping."""
+
 from __future__ import annotations
 
 import json
@@ -12,9 +13,22 @@ from experiments.benchmarks import decode
 def test_decode_benchmark_runs_and_writes_tables(tmp_path):
   out = str(tmp_path / "decode")
   rows = ["diag_kdn_xla", "iso_kdn_xla", "kda_xla", "diag_kdn_pallas", "fla_fused_recurrent_kda"]
-  res = decode.run(out, [2], heads=2, dim=16, steps=3, reps=1, warmup=0, rows=rows,
-                   lm_config="configs/lm_125m.py:smoke", lm_batches=[1], prompt_len=8, new_tokens=3,
-                   time_budget_s=600, pallas_interpret=True)
+  res = decode.run(
+    out,
+    [2],
+    heads=2,
+    dim=16,
+    steps=3,
+    reps=1,
+    warmup=0,
+    rows=rows,
+    lm_config="configs/lm_125m.py:smoke",
+    lm_batches=[1],
+    prompt_len=8,
+    new_tokens=3,
+    time_budget_s=600,
+    pallas_interpret=True,
+  )
   with open(out + ".json", encoding="utf-8") as f:
     assert json.load(f) == json.loads(json.dumps(res))
   timed = {r["row"]: r for r in res["steps"]}

@@ -1,6 +1,7 @@
 """experiments/benchmarks/mixers.py on CPU: the kernel check at a tiny shape (interpret mode) meets
 the accuracy bounds, sweep specs parse into configs and bad ones are refused, and the winners of a
 sweep combine into one spec."""
+
 from __future__ import annotations
 
 import importlib
@@ -26,12 +27,19 @@ def test_check_meets_bounds_in_interpret_mode():
 
 
 def test_check_violations_use_the_issue_bounds():
-  res = {"delta_rule_float32_o": 2e-5, "delta_rule_float32_seg_dk": 5e-5,
-         "delta_rule_bfloat16_dv": 2e-2, "delta_rule_bfloat16_S": 4e-3,
-         "diag_gain_float32_kappa": float("nan"), "iso_gain_bfloat16_dmu": 9e-3}
-  assert bm.check_violations(res) == {"delta_rule_float32_o": 2e-5,
-                                      "delta_rule_bfloat16_dv": 2e-2,
-                                      "diag_gain_float32_kappa": res["diag_gain_float32_kappa"]}
+  res = {
+    "delta_rule_float32_o": 2e-5,
+    "delta_rule_float32_seg_dk": 5e-5,
+    "delta_rule_bfloat16_dv": 2e-2,
+    "delta_rule_bfloat16_S": 4e-3,
+    "diag_gain_float32_kappa": float("nan"),
+    "iso_gain_bfloat16_dmu": 9e-3,
+  }
+  assert bm.check_violations(res) == {
+    "delta_rule_float32_o": 2e-5,
+    "delta_rule_bfloat16_dv": 2e-2,
+    "diag_gain_float32_kappa": res["diag_gain_float32_kappa"],
+  }
 
 
 def test_config_from_spec():
@@ -49,45 +57,72 @@ def test_config_from_spec():
 
 
 def test_combine_winners():
-  timed = [("fast_dots=bf16", 10.0), ("bf16_states=0", 9.0), ("block_v=64", 11.0),
-           ("num_stages=2", 8.0), ("sub_block=16", None)]
+  timed = [
+    ("fast_dots=bf16", 10.0),
+    ("bf16_states=0", 9.0),
+    ("block_v=64", 11.0),
+    ("num_stages=2", 8.0),
+    ("sub_block=16", None),
+  ]
   assert bm.combine_winners(timed) == "fast_dots=bf16/bf16_states=0/num_stages=2"
-  assert bm.combine_winners(timed[:3]) is None          # one winner: nothing new to try
+  assert bm.combine_winners(timed[:3]) is None  # one winner: nothing new to try
   assert bm.combine_winners([("default", None), ("bf16_states=0", 1.0), ("x=1", 1.0)]) is None
   # Two winners setting one field: the faster one's value is kept.
-  assert bm.combine_winners([("default", 10.0), ("max_chunk=16", 8.0),
-                             ("max_chunk=64/bf16_states=0", 9.0)]) == "max_chunk=16/bf16_states=0"
+  assert (
+    bm.combine_winners(
+      [("default", 10.0), ("max_chunk=16", 8.0), ("max_chunk=64/bf16_states=0", 9.0)]
+    )
+    == "max_chunk=16/bf16_states=0"
+  )
 
 
 def test_sweep_with_stages_at_tiny_shape():
   """The sweep times every spec (and its stage split), keeps the fastest as the default, records
   what it tried, and times nothing past its deadline."""
-  bm.FLAGS(["bm", "--batch=1", "--heads=1", "--dim=16", "--reps=1", "--warmup=0",
-            "--sweep_len=40"])
+  bm.FLAGS(["bm", "--batch=1", "--heads=1", "--dim=16", "--reps=1", "--warmup=0", "--sweep_len=40"])
   old = dr_config.DEFAULT
   results = {}
   make = lambda spec: bm.config_from_spec(old, spec)
   try:
     spec = "max_chunk=32/bf16_states=0/num_warps_parallel=8"
-    bm._sweep(results, ["default", spec], dr_config, make,
-              "diag_kdn_pallas", True, "cfg", deadline=float("inf"), stages=True)
+    bm._sweep(
+      results,
+      ["default", spec],
+      dr_config,
+      make,
+      "diag_kdn_pallas",
+      True,
+      "cfg",
+      deadline=float("inf"),
+      stages=True,
+    )
     recs = results["sweeps"]
     # (the baseline timed again after the others, without its stage split: --sweep_repeat_first)
     assert [r["sweep"] for r in recs] == ["default", spec, "default"]
     assert recs[2]["repeat"] and "stages" not in recs[2] and recs[2]["ms"] > 0
     for r in recs[:2]:
       assert r["ms"] > 0 and r["first_call_s"] > 0, r
-      assert set(r["stages"]) >= {"gain_fwd", "delta_intra_fwd", "delta_recur_fwd",
-                                  "delta_state_output_fwd", "delta_state_output_fwd_save",
-                                  "delta_recur_bwd", "delta_state_bwd", "delta_partials_bwd",
-                                  "delta_intra_bwd_tokens", "reverse_cumsum_bwd"}, r
+      assert set(r["stages"]) >= {
+        "gain_fwd",
+        "delta_intra_fwd",
+        "delta_recur_fwd",
+        "delta_state_output_fwd",
+        "delta_state_output_fwd_save",
+        "delta_recur_bwd",
+        "delta_state_bwd",
+        "delta_partials_bwd",
+        "delta_intra_bwd_tokens",
+        "reverse_cumsum_bwd",
+      }, r
     assert results["cfg"] == repr(dr_config.DEFAULT)
     assert dr_config.DEFAULT in (old, make(spec))
     # Past the deadline nothing runs.
     dr_config.DEFAULT = old
     late = {}
     bm._sweep(late, ["max_chunk=32"], dr_config, make, "diag_kdn_pallas", True, "cfg", deadline=0.0)
-    assert late["sweeps"] == [{"sweep": "max_chunk=32", "skipped": "time budget"}] and "cfg" not in late
+    assert (
+      late["sweeps"] == [{"sweep": "max_chunk=32", "skipped": "time budget"}] and "cfg" not in late
+    )
     assert dr_config.DEFAULT is old
   finally:
     dr_config.DEFAULT = old
@@ -97,14 +132,22 @@ def test_sweep_with_stages_at_tiny_shape():
 def test_sweep_restores_the_default_when_every_spec_fails(monkeypatch):
   def fail(*a, **k):
     raise RuntimeError("compile error")
+
   monkeypatch.setattr(bm, "time_jax_row", fail)
   bm.FLAGS(["bm", "--sweep_len=40"])
   old = dr_config.DEFAULT
   results = {}
   try:
-    bm._sweep(results, ["max_chunk=32", "max_chunk=16"], dr_config,
-              lambda spec: bm.config_from_spec(old, spec), "diag_kdn_pallas", True, "cfg",
-              deadline=float("inf"))
+    bm._sweep(
+      results,
+      ["max_chunk=32", "max_chunk=16"],
+      dr_config,
+      lambda spec: bm.config_from_spec(old, spec),
+      "diag_kdn_pallas",
+      True,
+      "cfg",
+      deadline=float("inf"),
+    )
     assert [r["ms"] for r in results["sweeps"]] == [None, None] and "cfg" not in results
     assert dr_config.DEFAULT is old
   finally:
@@ -133,33 +176,63 @@ def test_stage_split_with_documents(monkeypatch):
   monkeypatch.setattr(bm, "_DOC_LEN", 10)
   seen = []
   real = pdr.segment_arrays
+
   def recording(segment_ids, *a):
     out = real(segment_ids, *a)
     seen.append(out[1] is not None and out[2] is not None)
     return out
+
   monkeypatch.setattr(pdr, "segment_arrays", recording)
-  bm.FLAGS(["bm", "--batch=1", "--heads=1", "--dim=16", "--reps=1", "--warmup=0",
-            "--sweep_len=40", "--sweep_row=diag_kdn_seg_pallas"])
+  bm.FLAGS(
+    [
+      "bm",
+      "--batch=1",
+      "--heads=1",
+      "--dim=16",
+      "--reps=1",
+      "--warmup=0",
+      "--sweep_len=40",
+      "--sweep_row=diag_kdn_seg_pallas",
+    ]
+  )
   old = dr_config.DEFAULT
   try:
     results = {}
-    bm._sweep(results, ["default"], dr_config, lambda spec: bm.config_from_spec(old, spec),
-              bm.FLAGS.sweep_row, True, "cfg", deadline=float("inf"), stages=True)
+    bm._sweep(
+      results,
+      ["default"],
+      dr_config,
+      lambda spec: bm.config_from_spec(old, spec),
+      bm.FLAGS.sweep_row,
+      True,
+      "cfg",
+      deadline=float("inf"),
+      stages=True,
+    )
   finally:
     dr_config.DEFAULT = old
     bm.FLAGS.unparse_flags()
   (rec,) = results["sweeps"]
   assert rec["row"] == "diag_kdn_seg_pallas" and rec["ms"] > 0
-  assert seen and all(seen), seen   # the op and the stage split both ran with segments
-  for name in ("gain_fwd", "cumsum_glue", "delta_intra_fwd", "delta_recur_fwd",
-               "delta_recur_bwd", "delta_state_bwd", "delta_partials_bwd",
-               "delta_intra_bwd_tokens", "reverse_cumsum_bwd"):
+  assert seen and all(seen), seen  # the op and the stage split both ran with segments
+  for name in (
+    "gain_fwd",
+    "cumsum_glue",
+    "delta_intra_fwd",
+    "delta_recur_fwd",
+    "delta_recur_bwd",
+    "delta_state_bwd",
+    "delta_partials_bwd",
+    "delta_intra_bwd_tokens",
+    "reverse_cumsum_bwd",
+  ):
     assert rec["stages"][name] > 0, (name, rec["stages"])
 
 
 def test_a_killed_run_keeps_the_cells_it_timed(tmp_path, monkeypatch):
   """results.json is rewritten after every sweep spec and every cell: a run stopped by its time
   limit (here SystemExit, as a SIGTERM handler would raise) keeps what it timed before."""
+
   def run(kill_at, seq_lens):
     calls = []
 
@@ -171,15 +244,25 @@ def test_a_killed_run_keeps_the_cells_it_timed(tmp_path, monkeypatch):
 
     monkeypatch.setattr(bm, "time_jax_row", fake_time)
     out = tmp_path / f"kill{kill_at}"
-    bm.FLAGS(["bm", f"--out={out}", "--check=false", f"--seq_lens={seq_lens}",
-              "--rows=diag_kdn_pallas", "--sweep=default,block_v=32", "--sweep_combine=false",
-              "--nosweep_repeat_first"])
+    bm.FLAGS(
+      [
+        "bm",
+        f"--out={out}",
+        "--check=false",
+        f"--seq_lens={seq_lens}",
+        "--rows=diag_kdn_pallas",
+        "--sweep=default,block_v=32",
+        "--sweep_combine=false",
+        "--nosweep_repeat_first",
+      ]
+    )
     try:
       with dr_config.overridden(), pytest.raises(SystemExit):
         bm.main([])
     finally:
       bm.FLAGS.unparse_flags()
     import json  # pylint: disable=g-import-not-at-top
+
     return json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
 
   # killed inside the sweep's second spec: the first spec is kept
@@ -189,8 +272,10 @@ def test_a_killed_run_keeps_the_cells_it_timed(tmp_path, monkeypatch):
   res, md = run(4, "40,80")
   assert [r["sweep"] for r in res["sweeps"]] == ["default", "block_v=32"]
   assert [(r["row"], r["mode"], r["T"], r["ms"]) for r in res["rows"]] == [
-      ("diag_kdn_pallas", "fwd", 40, 3.0)]
+    ("diag_kdn_pallas", "fwd", 40, 3.0)
+  ]
   assert "| diag_kdn_pallas | fwd | 3.00 |" in md
   # the kernel configs the rows ran with are recorded beside them
   from pallas_kernels.kdn_gain import config as gain_config  # pylint: disable=g-import-not-at-top
+
   assert res["gain_config"] == repr(gain_config.DEFAULT) and "Pallas gain config:" in md

@@ -1,13 +1,14 @@
 """experiments/benchmarks/kernel_dev/kernel_sass.py's CPU half (the Triton IR taken from a CUDA lowering; the SASS
 parsing), and the kernels' exp choice (pallas_kernels/kernel_math.py) as it reaches Triton: the
 triton package that compiles the IR to SASS is not a dependency, so CI checks the IR."""
+
 import jax
 import jax.numpy as jnp
+import ops_cases
 import pytest
 from flax import nnx
 
 from experiments.benchmarks.kernel_dev import kernel_sass
-import ops_cases
 from kdn_jax import ops
 from kdn_jax.layers.registry import MIXERS
 from kdn_jax.models.config import model_config
@@ -28,8 +29,13 @@ def test_triton_modules_of_the_kdn_forward_with_their_launch_parameters():
   mods = _kdn_forward_modules(jnp.bfloat16)
   cfg = dr_config.DEFAULT
   # (the pair kernel forms g: DeltaRuleConfig.cumsum_in_pairs, no cumsum kernel)
-  assert {"kdn_gain_reduce", "kdn_gain_replay", "delta_rule_pair_token_loop",
-          "delta_rule_wy", "delta_rule_state_output"} <= set(mods)
+  assert {
+    "kdn_gain_reduce",
+    "kdn_gain_replay",
+    "delta_rule_pair_token_loop",
+    "delta_rule_wy",
+    "delta_rule_state_output",
+  } <= set(mods)
   assert ("delta_rule_cumsum" in mods) == (not cfg.cumsum_in_pairs)
   assert mods["delta_rule_pair_token_loop"]["num_warps"] == cfg.num_warps_pairs
   assert mods["delta_rule_wy"]["num_warps"] == cfg.num_warps_intra
@@ -40,7 +46,8 @@ def test_triton_modules_of_the_kdn_forward_with_their_launch_parameters():
   # and its result (the chunk's 2 x 2 maps [1, 2, 1, 4, 16] fp32)
   lanes = 64 * 2 * 16
   assert mods["kdn_gain_reduce"]["hbm_bytes"] == (
-      3 * lanes * 2 + 64 * 2 * 2 + 2 * 4 + 64 * 4 + 2 * 16 * 4 + 2 * 4 * 16 * 4)
+    3 * lanes * 2 + 64 * 2 * 2 + 2 * 4 + 64 * 4 + 2 * 16 * 4 + 2 * 4 * 16 * 4
+  )
 
 
 def _math_calls(mods):
@@ -54,8 +61,10 @@ def _kdn_grad_modules(dtype, seg):
   ids = (jnp.arange(args[0].shape[1])[None, :] >= 21).astype(jnp.int32) if seg else None
 
   def loss(*a):
-    return jnp.sum(ops.diag_kdn(*a, segment_ids=ids, impl="pallas", chunk_size=64)[0]
-                   .astype(jnp.float32))
+    return jnp.sum(
+      ops.diag_kdn(*a, segment_ids=ids, impl="pallas", chunk_size=64)[0].astype(jnp.float32)
+    )
+
   return kernel_sass.triton_modules(jax.grad(loss, argnums=tuple(range(6))), *args)
 
 
@@ -66,8 +75,9 @@ def test_kernels_exp_follows_the_data_dtype(dtype, seg):
   libdevice's exp2f (one MUFU.EX2) and never expf; fp32 data the reverse."""
   calls = _math_calls(_kdn_grad_modules(dtype, seg))
   assert len(calls) >= 10
-  wanted, banned = ("__nv_exp2f", "__nv_expf") if dtype == jnp.bfloat16 else (
-      "__nv_expf", "__nv_exp2f")
+  wanted, banned = (
+    ("__nv_exp2f", "__nv_expf") if dtype == jnp.bfloat16 else ("__nv_expf", "__nv_exp2f")
+  )
   assert all(banned not in used for used in calls.values()), calls
   assert sum(wanted in used for used in calls.values()) >= 8, calls
 
@@ -76,7 +86,8 @@ def test_kernels_exp_follows_the_data_dtype(dtype, seg):
 def test_delta_rule_exp_follows_its_precision_even_with_a_traced_scale(dtype):
   """The delta-rule kernels take their exp from the call's precision: 'fast' (explicit, or bf16
   data), also where a traced scale folds q into fp32 before the kernels (one choice for all)."""
-  import pallas_kernels as pk   # pylint: disable=g-import-not-at-top
+  import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
+
   ks = jax.random.split(jax.random.PRNGKey(2), 5)
   b, t, h, d = 1, 32, 2, 16
   q, k, v, w = (jax.random.normal(x, (b, t, h, d)).astype(dtype) for x in ks[:4])
@@ -86,8 +97,12 @@ def test_delta_rule_exp_follows_its_precision_even_with_a_traced_scale(dtype):
   def loss(q, k, v, w, la, scale):
     o, _ = pk.delta_rule(q, k, v, la, w, scale, s0, precision="fast")
     return jnp.sum(o.astype(jnp.float32))
-  calls = _math_calls(kernel_sass.triton_modules(jax.grad(loss, argnums=(0, 1, 2, 3, 4)),
-                                                 q, k, v, w, la, jnp.float32(0.25)))
+
+  calls = _math_calls(
+    kernel_sass.triton_modules(
+      jax.grad(loss, argnums=(0, 1, 2, 3, 4)), q, k, v, w, la, jnp.float32(0.25)
+    )
+  )
   used = set().union(*calls.values())
   assert "__nv_exp2f" in used and "__nv_expf" not in used, calls
 
@@ -95,15 +110,25 @@ def test_delta_rule_exp_follows_its_precision_even_with_a_traced_scale(dtype):
 def test_fused_layer_glue_uses_the_16_bit_math():
   """The kdn_diag layer in bf16 on the pallas path, fwd+bwd: the fused gate front-end's softplus
   has no libdevice log1pf, and no kernel (conv, norm, gains, delta rule) calls expf."""
-  cfg = model_config("tiny", d_model=64, num_heads=2, head_dim=32, mixer="kdn_diag",
-                     impl="pallas", chunk_size=16, dtype="bfloat16", param_dtype="float32",
-                     mlp_hidden=1)
+  cfg = model_config(
+    "tiny",
+    d_model=64,
+    num_heads=2,
+    head_dim=32,
+    mixer="kdn_diag",
+    impl="pallas",
+    chunk_size=16,
+    dtype="bfloat16",
+    param_dtype="float32",
+    mlp_hidden=1,
+  )
   layer = MIXERS["kdn_diag"](cfg, rngs=nnx.Rngs(0))
   graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
   x = jax.random.normal(jax.random.PRNGKey(3), (1, 32, 64)).astype(jnp.bfloat16)
 
   def loss(params, x):
     return jnp.sum(nnx.merge(graphdef, params, rest)(x)[0].astype(jnp.float32))
+
   calls = _math_calls(kernel_sass.triton_modules(jax.grad(loss, argnums=(0, 1)), params, x))
   assert {"causal_conv1d_fwd", "gated_norm_bwd", "kdn_gain_reduce"} <= set(calls)
   assert all(not used & {"__nv_expf", "__nv_log1pf"} for used in calls.values()), calls
@@ -111,15 +136,16 @@ def test_fused_layer_glue_uses_the_16_bit_math():
 
 
 def test_comparison_lists_kernels_of_either_side():
-  row = lambda name, regs: dict(name=name, registers=regs, instructions=100,
-                                loops=[dict(instructions=10, ops={})])
-  table = kernel_sass.format_comparison([row("a", 40), row("new_only", 8)],
-                                        [row("a", 48), row("gone", 16)])
+  row = lambda name, regs: dict(
+    name=name, registers=regs, instructions=100, loops=[dict(instructions=10, ops={})]
+  )
+  table = kernel_sass.format_comparison(
+    [row("a", 40), row("new_only", 8)], [row("a", 48), row("gone", 16)]
+  )
   assert "| a | 48 -> 40 | 100 -> 100 | 10 -> 10 |" in table
   assert "| new_only | - -> 8 |" in table and "| gone | 16 -> - |" in table
   # the report's table: 6 GB at 3 TB/s is 2 ms
-  full = dict(row("a", 40), num_warps=1, num_stages=1, local_bytes=0, shared_bytes=0,
-              hbm_mb=6000.0)
+  full = dict(row("a", 40), num_warps=1, num_stages=1, local_bytes=0, shared_bytes=0, hbm_mb=6000.0)
   assert kernel_sass.format_table([full]).endswith("| 10 | 6000.0 | 2.000 |")
 
 
@@ -143,6 +169,17 @@ def test_sass_loops_reports_the_innermost_loops():
   n, loops = kernel_sass.sass_loops(_SASS)
   assert n == 9
   assert loops == [dict(instructions=3, ops={"BRA": 1, "FADD": 1, "MUFU": 1})]
-  assert "3 (MUFU 1)" in kernel_sass.format_table([dict(
-      name="k", num_warps=1, num_stages=1, registers=8, local_bytes=0, shared_bytes=0,
-      instructions=n, loops=loops)])
+  assert "3 (MUFU 1)" in kernel_sass.format_table(
+    [
+      dict(
+        name="k",
+        num_warps=1,
+        num_stages=1,
+        registers=8,
+        local_bytes=0,
+        shared_bytes=0,
+        instructions=n,
+        loops=loops,
+      )
+    ]
+  )

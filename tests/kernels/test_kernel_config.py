@@ -1,23 +1,25 @@
 """experiments/runner/kernel_config.py: kernel option specs in a run config (config.kernels) are checked
 by validate, naming the key, and applied as the kernels' defaults."""
+
 import pytest
 
-from experiments.runner import config_lib
-from experiments.runner import kernel_config
+from configs import mqar
+from experiments.runner import config_lib, kernel_config
 from pallas_kernels.causal_conv1d import config as conv_config
 from pallas_kernels.delta_rule import config as dr_config
 from pallas_kernels.kdn_gain import config as gain_config
-from configs import mqar
 
 
-@pytest.mark.parametrize("key,spec,match", [
-    ("delta_rule", "bf16_states=maybe",
-     "config.kernels.delta_rule item 'bf16_states=maybe'"),
+@pytest.mark.parametrize(
+  "key,spec,match",
+  [
+    ("delta_rule", "bf16_states=maybe", "config.kernels.delta_rule item 'bf16_states=maybe'"),
     ("delta_rule", "no_such_field=1", "expected field=value with field in"),
     ("delta_rule", "block_v=48", "DeltaRuleConfig.block_v must be a power of two"),
     ("gain", "num_warps=two", "config.kernels.gain item 'num_warps=two': expected an integer"),
     ("conv", "load_block=0", "config.kernels.conv item in 'load_block=0': ConvConfig.load_block"),
-])
+  ],
+)
 def test_validate_names_the_bad_spec(key, spec, match):
   config = mqar.get_config("smoke")
   config.kernels[key] = spec
@@ -27,9 +29,9 @@ def test_validate_names_the_bad_spec(key, spec, match):
 
 def test_applied_sets_the_package_defaults_with_the_specs_and_restores():
   config = mqar.get_config("smoke")
-  with dr_config.overridden(block_v=32):   # a process's own setting (a test, a script)
+  with dr_config.overridden(block_v=32):  # a process's own setting (a test, a script)
     before = dr_config.DEFAULT, gain_config.DEFAULT, conv_config.DEFAULT
-    assert kernel_config.apply(config) is None   # no spec: nothing changes
+    assert kernel_config.apply(config) is None  # no spec: nothing changes
     assert (dr_config.DEFAULT, gain_config.DEFAULT, conv_config.DEFAULT) == before
     config.kernels.delta_rule = "bf16_states=0/num_stages=2"
     config.kernels.gain = "num_stages_fwd=2"
@@ -37,8 +39,7 @@ def test_applied_sets_the_package_defaults_with_the_specs_and_restores():
     config_lib.validate(config)
     with kernel_config.applied(config):
       d, g, c = dr_config.DEFAULT, gain_config.DEFAULT, conv_config.DEFAULT
-      assert (d.bf16_states, d.num_stages, g.num_stages_fwd, c.load_block) == (
-          False, 2, 2, 2)
+      assert (d.bf16_states, d.num_stages, g.num_stages_fwd, c.load_block) == (False, 2, 2, 2)
       # the run config alone decides: the package default, not the process's block_v=32
       assert d.block_v == dr_config.DeltaRuleConfig().block_v != 32
     assert (dr_config.DEFAULT, gain_config.DEFAULT, conv_config.DEFAULT) == before
@@ -48,13 +49,15 @@ def test_configs_without_the_key_apply_nothing():
   """A run config written before config.kernels existed (evaluate loads those too)."""
   config = mqar.get_config("smoke")
   plain = {k: v for k, v in config.to_dict().items() if k != "kernels"}
-  import ml_collections   # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+
   assert kernel_config.apply(ml_collections.ConfigDict(plain)) is None
 
 
 def test_configs_before_the_conv_key_apply_their_specs():
   """A session-42 run config: config.kernels without 'conv' (the conv keeps its package default)."""
-  import ml_collections   # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+
   config = ml_collections.ConfigDict(dict(kernels=dict(delta_rule="num_stages=2", gain="")))
   saved = conv_config.DEFAULT
   try:
@@ -68,9 +71,10 @@ def test_configs_before_the_conv_key_apply_their_specs():
 
 
 def test_flags_set_the_defaults_and_name_the_bad_item(monkeypatch):
-  from absl import flags   # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+
   for mod in (dr_config, gain_config, conv_config):
-    monkeypatch.setattr(mod, "DEFAULT", mod.DEFAULT)   # restored after the test
+    monkeypatch.setattr(mod, "DEFAULT", mod.DEFAULT)  # restored after the test
   fv = flags.FlagValues()
   kernel_config.define_flags(fv)
   fv(["prog", "--conv_config=load_block=4", "--gain_config=num_stages_bwd=2"])
@@ -82,7 +86,7 @@ def test_flags_set_the_defaults_and_name_the_bad_item(monkeypatch):
   fv.conv_config = "load_block=8"
   with pytest.raises(ValueError, match="--delta_rule_config item"):
     kernel_config.apply_flags(fv)
-  assert conv_config.DEFAULT is before   # nothing set when one spec is bad
+  assert conv_config.DEFAULT is before  # nothing set when one spec is bad
 
 
 def test_gain_config_checks_its_fields():
@@ -101,7 +105,7 @@ def test_removed_fields_of_earlier_runs_are_dropped(caplog):
   with kernel_config.applied(config):
     assert dr_config.DEFAULT.num_stages == 2
   assert "cumsum_in_gain=1" in caplog.text
-  config.kernels.delta_rule = "cumsum_in_gain=0"   # only a removed field: nothing to apply
+  config.kernels.delta_rule = "cumsum_in_gain=0"  # only a removed field: nothing to apply
   assert kernel_config.apply(config) is None
   # session 41's fused-step trials, removed in session 44
   config.kernels.delta_rule = "prefetch_output_rows=0/output_after_update=1/block_v=32"

@@ -1,6 +1,7 @@
 """pallas_kernels/kernel_math.py: the kernels' exp and softplus for 16-bit data against float64
 (the values interpret mode computes; on a GPU the MUFU.EX2 adds ~2^-22 relative), and fp32 data
 keeping jnp's."""
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ def test_exp_for_16_bit_data_is_exp2_scaled_and_fp32_keeps_exp():
 
 def test_log1p_series_on_the_unit_interval():
   e = np.concatenate([np.linspace(0.0, 1.0, 100001), np.logspace(-37, 0, 2001)]).astype(np.float32)
-  got = np.asarray(kernel_math._log1p_unit_fast(jnp.asarray(e)), np.float64)   # pylint: disable=protected-access
+  got = np.asarray(kernel_math._log1p_unit_fast(jnp.asarray(e)), np.float64)  # pylint: disable=protected-access
   want = np.log1p(e.astype(np.float64))
   assert got[0] == 0.0 and np.all(np.isfinite(got))
   rel = np.abs(got - want)[want > 0] / want[want > 0]

@@ -1,12 +1,13 @@
 """The fused Pallas decode step (interpret mode): over many steps with per-row resets to the initial
 state, equal to the XLA `*_step` (its reference) and to the float64 token loop, for diag / iso KDN
 and the delta-rule family (a given write with scalar decay, KDA's beta write); in-place state."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from ops_cases import make_inputs, make_state, oracle, rel_err, round_f32
+
 from kdn_jax import ops
 
 B, T, H, K, V = 2, 12, 2, 16, 32
@@ -14,7 +15,7 @@ B, T, H, K, V = 2, 12, 2, 16, 32
 
 def _segments():
   s = np.zeros((B, T), np.int32)
-  s[0, 5:], s[0, 9:] = 1, 2     # row 0 restarts twice, row 1 never
+  s[0, 5:], s[0, 9:] = 1, 2  # row 0 restarts twice, row 1 never
   return s
 
 
@@ -23,16 +24,20 @@ def _steps(family, x, state, mu, seg, impl):
   returns (o [B, T, V], final state tuple)."""
   starts = np.concatenate([np.zeros((B, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
   tm = lambda a: jnp.moveaxis(jnp.asarray(a, jnp.float32), 1, 0)
-  names = {"diag": ["q", "k", "v", "log_alpha", "omega", "r"],
-           "iso": ["q", "k", "v", "log_alpha", "omega", "r"],
-           "delta_scalar": ["q", "k", "v", "log_alpha", "write"],
-           "kda": ["q", "k", "v", "log_alpha", "beta"]}[family]
+  names = {
+    "diag": ["q", "k", "v", "log_alpha", "omega", "r"],
+    "iso": ["q", "k", "v", "log_alpha", "omega", "r"],
+    "delta_scalar": ["q", "k", "v", "log_alpha", "write"],
+    "kda": ["q", "k", "v", "log_alpha", "beta"],
+  }[family]
   xs = [tm(x[n]) for n in names]
   st0 = tuple(jnp.asarray(s, jnp.float32) for s in state)
 
   def body(st, inp):
     reset, *xt = inp
-    st = tuple(jnp.where(reset.reshape((B,) + (1,) * (s.ndim - 1)), s0, s) for s, s0 in zip(st, st0))
+    st = tuple(
+      jnp.where(reset.reshape((B,) + (1,) * (s.ndim - 1)), s0, s) for s, s0 in zip(st, st0)
+    )
     if family in ("diag", "iso"):
       fn = ops.diag_kdn_step if family == "diag" else ops.iso_kdn_step
       o, new = fn(*xt, ops.KDNState(*st), info_scale=mu, impl=impl)
@@ -49,7 +54,7 @@ def _steps(family, x, state, mu, seg, impl):
 def test_fused_decode_equals_xla_step_and_token_loop(family):
   base = "delta_channel" if family == "kda" else family
   x = round_f32(make_inputs(base, B, T, H, K, V, seed=7))
-  if family == "kda":   # KDA: write = beta k, beta [B, T, H]
+  if family == "kda":  # KDA: write = beta k, beta [B, T, H]
     x["beta"] = np.asarray(np.random.default_rng(8).uniform(0.1, 0.9, (B, T, H)), np.float32) * 1.0
     x["write"] = x["beta"][..., None] * x["k"]
   state = round_f32(dict(enumerate(make_state(base, B, H, K, V))))
@@ -79,8 +84,11 @@ def test_fused_decode_updates_the_state_in_place():
   assert rel_err(new.memory, want.memory) < 1e-6 and rel_err(new.variance, want.variance) < 1e-6
   assert rel_err(o.astype(jnp.float32), want_o.astype(jnp.float32)) < 1e-2
   # the kernel writes S' over its memory input (the 9th: q, k, v, la, omega, r, mu, variance, S)
-  jaxpr = str(jax.make_jaxpr(lambda st, *a: ops.diag_kdn_step(*a, st, impl="pallas"))(
-      ops.KDNState(mem, var), *args))
+  jaxpr = str(
+    jax.make_jaxpr(lambda st, *a: ops.diag_kdn_step(*a, st, impl="pallas"))(
+      ops.KDNState(mem, var), *args
+    )
+  )
   assert "input_output_aliases=((8, 1),)" in jaxpr
 
 
@@ -90,7 +98,7 @@ def test_step_impl_choice():
   memory = jnp.zeros((B, H, 8, 8))
   with pytest.raises(ValueError, match=r"delta_rule_step: impl='pallas': K \(key width\) = 8"):
     ops.delta_rule_step(*args, memory, impl="pallas")
-  o, _ = ops.delta_rule_step(*args, memory, impl="auto")   # auto: the XLA step here
+  o, _ = ops.delta_rule_step(*args, memory, impl="auto")  # auto: the XLA step here
   assert o.shape == (B, H, 8)
   with pytest.raises(ValueError, match="delta_rule_step: write must have shape"):
     ops.delta_rule_step(*args[:4], args[4][..., :3], memory)
@@ -99,6 +107,7 @@ def test_step_impl_choice():
 @pytest.fixture
 def as_on_gpu(monkeypatch):
   from pallas_kernels import common  # pylint: disable=g-import-not-at-top
+
   monkeypatch.setattr(common, "kernel_backend", lambda: "gpu")
 
 
@@ -118,11 +127,14 @@ def test_decode_steps_lower_for_cuda(as_on_gpu):
   kdn = ops.KDNState(mem, jnp.ones((b, h, d), jnp.float32))
   iso = ops.KDNState(mem, jnp.ones((b, h), jnp.float32))
   cases = [
-      (lambda *a: ops.diag_kdn_step(*a, kdn, impl="pallas"), (*x, lane, head), "decode_step_diag"),
-      (lambda *a: ops.iso_kdn_step(*a, iso, impl="pallas"), (*x, head, head), "decode_step_iso"),
-      (lambda *a: ops.kda_step(*a, mem, impl="pallas"), (*x, head), "decode_step_beta"),
-      (lambda *a: ops.delta_rule_step(*a, mem, impl="pallas"), (*x[:3], head, lane),
-       "decode_step_write"),
+    (lambda *a: ops.diag_kdn_step(*a, kdn, impl="pallas"), (*x, lane, head), "decode_step_diag"),
+    (lambda *a: ops.iso_kdn_step(*a, iso, impl="pallas"), (*x, head, head), "decode_step_iso"),
+    (lambda *a: ops.kda_step(*a, mem, impl="pallas"), (*x, head), "decode_step_beta"),
+    (
+      lambda *a: ops.delta_rule_step(*a, mem, impl="pallas"),
+      (*x[:3], head, lane),
+      "decode_step_write",
+    ),
   ]
   for fn, args, name in cases:
     text = _lower_for_cuda(fn, *args)
@@ -133,15 +145,18 @@ def test_chunk_states_backward_lowers_for_cuda(as_on_gpu):
   """The delta rule with output_chunk_states, differentiated: the reverse chain's state-cotangent
   input (dext) lowers."""
   from pallas_kernels import delta_rule  # pylint: disable=g-import-not-at-top
+
   b, t, h, d = 1, 64, 2, 64
   q, k, v, la, w = (jnp.ones((b, t, h, d), jnp.bfloat16) for _ in range(5))
   seg = (jnp.arange(t)[None, :] >= 37).astype(jnp.int32)
 
   def loss(q, k, v, la, w, h0):
-    o, sfin, states, _ = delta_rule(q, k, v, la, w, 0.1, h0, seg, chunk_size=16,
-                                    output_chunk_states=True)
+    o, sfin, states, _ = delta_rule(
+      q, k, v, la, w, 0.1, h0, seg, chunk_size=16, output_chunk_states=True
+    )
     return jnp.sum(o.astype(jnp.float32)) + jnp.sum(states) + jnp.sum(sfin)
 
-  text = _lower_for_cuda(jax.grad(loss, argnums=tuple(range(6))), q, k, v, la, w,
-                         jnp.zeros((b, h, d, d), jnp.float32))
+  text = _lower_for_cuda(
+    jax.grad(loss, argnums=tuple(range(6))), q, k, v, la, w, jnp.zeros((b, h, d, d), jnp.float32)
+  )
   assert "delta_rule_recur_bwd" in text

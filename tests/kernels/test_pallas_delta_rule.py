@@ -1,10 +1,9 @@
 """Accuracy of pallas_kernels.delta_rule (CPU interpret mode) against a float64 token loop."""
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from pallas_kernels import delta_rule
 from pallas_kernels.delta_rule import config as dr_config
@@ -15,14 +14,14 @@ NAMES = ("q", "k", "v", "log_alpha", "write", "initial_state")
 def _rel(a, b):
   a = np.asarray(a, np.float64)
   b = np.asarray(b, np.float64)
-  return float(np.sqrt(np.mean((a - b) ** 2) / max(np.mean(b ** 2), 1e-300)))
+  return float(np.sqrt(np.mean((a - b) ** 2) / max(np.mean(b**2), 1e-300)))
 
 
 def _oracle(q, k, v, la, w, s0, scale, seg):
   """Float64 token loop (lax.scan), resets at segment starts. Call under enable_x64."""
   if la.ndim == 3:
     la = la[..., None]
-  if w.ndim == 3:   # a per-token scalar write: write = beta k
+  if w.ndim == 3:  # a per-token scalar write: write = beta k
     w = w[..., None] * k
   b, t = q.shape[:2]
   if seg is None:
@@ -44,15 +43,14 @@ def _oracle(q, k, v, la, w, s0, scale, seg):
   return jnp.moveaxis(o, 0, 1), s
 
 
-def _inputs(seed, b, t, h, kd, vd, dtype, scalar_decay, decay, write_scale=0.5,
-            scalar_write=False):
+def _inputs(seed, b, t, h, kd, vd, dtype, scalar_decay, decay, write_scale=0.5, scalar_write=False):
   rng = np.random.default_rng(seed)
   nrm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
   q = nrm(rng.normal(size=(b, t, h, kd)))
   k = nrm(rng.normal(size=(b, t, h, kd)))
   v = rng.normal(size=(b, t, h, vd))
   w = write_scale * rng.uniform(0, 1, size=(b, t, h, 1)) * k + 0.05 * rng.normal(size=k.shape)
-  if scalar_write:   # beta [B, T, H]: write = beta k
+  if scalar_write:  # beta [B, T, H]: write = beta k
     w = rng.uniform(0.05, 1.0, size=(b, t, h))
   shape = (b, t, h) if scalar_decay else (b, t, h, kd)
   if decay == "strong":
@@ -89,9 +87,11 @@ def _check(args, seg, chunk, tol_fwd, tol_grad, scale=0.7, vjp_primal=False):
     a64 = [jnp.asarray(np.asarray(x, np.float32), jnp.float64) for x in args]
     seg64 = None if seg is None else jnp.asarray(seg)
     ro, rs = _oracle(*a64, scale, seg64)
+
     def loss64(*a):
       o64, s64 = _oracle(*a, scale, seg64)
       return jnp.sum(o64 * ct_o) + jnp.sum(s64 * ct_s)
+
     rg = jax.jit(jax.grad(loss64, argnums=tuple(range(6))))(*a64)
     ro, rs, rg = np.asarray(ro), np.asarray(rs), [np.asarray(x) for x in rg]
   assert _rel(o, ro) <= tol_fwd, ("o", _rel(o, ro))
@@ -100,9 +100,11 @@ def _check(args, seg, chunk, tol_fwd, tol_grad, scale=0.7, vjp_primal=False):
     o_d, s_d = jax.jit(lambda *a: jax.vjp(f, *a)[0])(*args)
     assert _rel(o_d, ro) <= tol_fwd, ("o (differentiated call)", _rel(o_d, ro))
     assert _rel(s_d, rs) <= tol_fwd, ("S_final (differentiated call)", _rel(s_d, rs))
+
   def loss(*a):
     o, s = f(*a)
     return jnp.sum(o.astype(jnp.float32) * ct_o) + jnp.sum(s * ct_s)
+
   g = jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*args)
   errs = {n: _rel(x, y) for n, x, y in zip(NAMES, g, rg)}
   for n, e in errs.items():
@@ -113,11 +115,14 @@ def _check(args, seg, chunk, tol_fwd, tol_grad, scale=0.7, vjp_primal=False):
 # The shipped chunk (16) at T = 1, partial chunks, both decay forms and resets inside chunks is
 # held to the float64 loop through the ops (tests/ops_cases.py, impl="pallas"); here: longer
 # chunks (max_chunk raised) and the gradients under strong decay.
-@pytest.mark.parametrize("t,chunk,scalar_decay,decay,segs", [
-    (65, 64, False, "normal", None),          # T = chunk + 1, per-channel decay
-    (40, 16, False, "strong", None),          # log_alpha = -20, several chunks
+@pytest.mark.parametrize(
+  "t,chunk,scalar_decay,decay,segs",
+  [
+    (65, 64, False, "normal", None),  # T = chunk + 1, per-channel decay
+    (40, 16, False, "strong", None),  # log_alpha = -20, several chunks
     (37, 32, False, "strong", (5, 30)),
-])
+  ],
+)
 def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
   """The default config at the chunk given (max_chunk raised to it: the shipped cap is 16)."""
   args = _inputs(t, 1, t, 2, 64, 64, jnp.float32, scalar_decay, decay)
@@ -126,22 +131,27 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
     _check(args, seg, chunk, 1e-5, 1e-4)
 
 
-@pytest.mark.parametrize("variant", [   # (the shipped default: through the ops, ops_cases)
+@pytest.mark.parametrize(
+  "variant",
+  [  # (the shipped default: through the ops, ops_cases)
     # (orthogonal options share a case: each case is one interpret-mode compile of fwd + bwd)
     # ... with the cumsum kernel and q/k/g read by the WY and output kernels (before session 48)
-    dict(block_v=32, block_v_parallel=64, pair_heads=1, cumsum_in_pairs=False,
-         decayed_operands=False),
+    dict(
+      block_v=32, block_v_parallel=64, pair_heads=1, cumsum_in_pairs=False, decayed_operands=False
+    ),
     dict(block_v=64, block_v_parallel=32, pair_diag="columns", fuse_output="none"),
     # chunk 32: two row blocks, the 32-step backward; the cumsums' loads in blocks of 3 (a
     # remainder in every program)
     dict(max_chunk=32, wy_inverse="doubling", cumsum_block=3),
-    dict(max_chunk=32, sub_block=32),            # chunk 32 in one row block
-    dict(forward_only_chunk=32, wy_inverse="sub_dots"),   # primal at chunk 32, residuals at 16
+    dict(max_chunk=32, sub_block=32),  # chunk 32 in one row block
+    dict(forward_only_chunk=32, wy_inverse="sub_dots"),  # primal at chunk 32, residuals at 16
     # (6 heads: programs of gcd(4, 6) = 2 heads); the cumsums as plain row loops (default: 8)
     dict(pair_heads=4, fuse_output="all", cumsum_block=1, cumsum_in_pairs=False),
     # the decayed operands (default) read by state pass and output kernel in two V blocks each
     dict(block_v=32, block_v_parallel=32, fuse_output="none"),
-    dict(fuse_output="all", block_v=32, max_chunk=32)])
+    dict(fuse_output="all", block_v=32, max_chunk=32),
+  ],
+)
 def test_delta_rule_kernel_variants(variant):
   """Every kernel option (V blocks of the serial and parallel kernels, the WY kernel's inverses,
   chunk 32 in 16- and 32-row forward blocks, the forward-only chunk, the output fused into the
@@ -157,14 +167,18 @@ def test_delta_rule_kernel_variants(variant):
     _check(args, seg, 32, 1e-5, 1e-4, vjp_primal=variant.get("fuse_output") == "all")
 
 
-@pytest.mark.parametrize("variant,dtype,scalar_decay", [
-    ({}, jnp.float32, False),                                        # token-parallel pair kernel
-    (dict(pair_diag="columns", max_chunk=32), jnp.float32, False),   # the row-block pair kernel
-    ({}, jnp.bfloat16, True),                                 # GDN's: with a [B, T, H] decay
-    ({}, jnp.bfloat16, False),   # KDA's: per-channel decay, g in pairs (the default)
+@pytest.mark.parametrize(
+  "variant,dtype,scalar_decay",
+  [
+    ({}, jnp.float32, False),  # token-parallel pair kernel
+    (dict(pair_diag="columns", max_chunk=32), jnp.float32, False),  # the row-block pair kernel
+    ({}, jnp.bfloat16, True),  # GDN's: with a [B, T, H] decay
+    ({}, jnp.bfloat16, False),  # KDA's: per-channel decay, g in pairs (the default)
     # the forward's passes before session 48: the cumsum kernel, q/k/g read by WY and output
     (dict(cumsum_in_pairs=False, decayed_operands=False), jnp.float32, False),
-    (dict(scalar_write=False), jnp.float32, False)])                 # beta k made in XLA instead
+    (dict(scalar_write=False), jnp.float32, False),
+  ],
+)  # beta k made in XLA instead
 def test_delta_rule_scalar_write(variant, dtype, scalar_decay):
   """write given as a per-token scalar beta [B, T, H] (write = beta k, formed in the pair kernel
   and the intra backward; beta's gradient <dw, k> and k's share beta dw summed there) against
@@ -180,19 +194,22 @@ def test_delta_rule_scalar_write(variant, dtype, scalar_decay):
     _check(args, seg, chunk, *tol, vjp_primal=True)
 
 
-@pytest.mark.parametrize("t,decay,scalar_decay,segs,scalar_write", [
+@pytest.mark.parametrize(
+  "t,decay,scalar_decay,segs,scalar_write",
+  [
     # resets inside a chunk, on its last row, on the next's first; the scalar write
     (45, "normal", False, True, True),
-    (45, "normal", False, True, False),   # the same with a [B, T, H, K] write (the diag KDN's)
-    (40, "strong", True, False, False),   # log-decay -20 per token, [B, T, H] decay
-    (1, "normal", False, False, False)])  # T = 1
+    (45, "normal", False, True, False),  # the same with a [B, T, H, K] write (the diag KDN's)
+    (40, "strong", True, False, False),  # log-decay -20 per token, [B, T, H] decay
+    (1, "normal", False, False, False),
+  ],
+)  # T = 1
 def test_cumsum_in_pairs(t, decay, scalar_decay, segs, scalar_write):
   """cumsum_in_pairs (the default) without decayed operands: the token-parallel pair kernel forms
   g from log_alpha (no cumsum kernel) and writes it whole for the WY and output kernels; outputs
   of the primal and of a differentiated call, final state and gradients against the float64
   loop."""
-  args = _inputs(13, 2, t, 2, 64, 32, jnp.float32, scalar_decay, decay,
-                 scalar_write=scalar_write)
+  args = _inputs(13, 2, t, 2, 64, 32, jnp.float32, scalar_decay, decay, scalar_write=scalar_write)
   seg = _segments(t, (20, 31, 32), (9,)) if segs else None
   with dr_config.overridden(cumsum_in_pairs=True, decayed_operands=False):
     _check(args, seg, 16, 1e-5, 1e-4, vjp_primal=True)
@@ -201,8 +218,9 @@ def test_cumsum_in_pairs(t, decay, scalar_decay, segs, scalar_write):
 def test_cumsum_in_pairs_matches_the_cumsum_kernel():
   """The pair kernel's g, L, P and Wt from log_alpha against the cumsum kernel's g and the pair
   kernel on it, with resets (g restarts at them): the same up to fp32 summation order."""
-  from pallas_kernels.delta_rule import intra, segment_arrays   # pylint: disable=g-import-not-at-top
-  from pallas_kernels.delta_rule.chunk_cumsum import chunk_cumsum   # pylint: disable=g-import-not-at-top
+  from pallas_kernels.delta_rule import intra, segment_arrays  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.delta_rule.chunk_cumsum import chunk_cumsum  # pylint: disable=g-import-not-at-top
+
   t = 48
   q, k, _, la, w, _ = _inputs(14, 2, t, 4, 64, 32, jnp.float32, False, "normal")
   starts, _, pid = segment_arrays(jnp.asarray(_segments(t, (5, 16), (30,))), 2, t, t, 16)
@@ -216,8 +234,9 @@ def test_cumsum_in_pairs_matches_the_cumsum_kernel():
   for name, a, b in zip(("L", "P", "Wt"), got[:3], want[:3]):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
   with pytest.raises(ValueError, match="token-parallel"):
-    intra.pair_rows_forward(q, k, w, None, pid, la=la,
-                            **dict(kw, cfg=dr_config.DeltaRuleConfig(pair_diag="columns")))
+    intra.pair_rows_forward(
+      q, k, w, None, pid, la=la, **dict(kw, cfg=dr_config.DeltaRuleConfig(pair_diag="columns"))
+    )
 
 
 @pytest.mark.parametrize("from_la", [False, True])
@@ -225,13 +244,13 @@ def test_decayed_operands_pair_outputs(from_la):
   """decayed_operands: the pair kernel's Kbar and Qbar are k exp(g) and scale q exp(g) in the
   operand dtype (bf16 for 'fast' dots), and without write_g (from log_alpha) its g_last is g at
   each chunk's last row; L, P and Wt are those of the plain kernel."""
-  from pallas_kernels.delta_rule import intra, segment_arrays   # pylint: disable=g-import-not-at-top
-  from pallas_kernels.delta_rule.chunk_cumsum import chunk_cumsum   # pylint: disable=g-import-not-at-top
+  from pallas_kernels.delta_rule import intra, segment_arrays  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.delta_rule.chunk_cumsum import chunk_cumsum  # pylint: disable=g-import-not-at-top
+
   t, scale = 48, 0.3
   q, k, _, la, w, _ = _inputs(15, 2, t, 4, 64, 32, jnp.bfloat16, False, "normal")
   starts, _, pid = segment_arrays(jnp.asarray(_segments(t, (5, 16), (30,))), 2, t, t, 16)
-  kw = dict(chunk=16, scale=scale, interpret=True, cfg=dr_config.DeltaRuleConfig(),
-            cfg_prec="fast")
+  kw = dict(chunk=16, scale=scale, interpret=True, cfg=dr_config.DeltaRuleConfig(), cfg_prec="fast")
   g = chunk_cumsum(la, starts, chunk=16, interpret=True, block=8)
   want = intra.pair_rows_forward(q, k, w, g, pid, **kw)
   extra = dict(la=la, write_g=False) if from_la else {}
@@ -245,32 +264,36 @@ def test_decayed_operands_pair_outputs(from_la):
   if from_la:
     np.testing.assert_allclose(got.g_last, g[:, 15::16], rtol=1e-6, atol=1e-6)
   for name, a, b in zip(("L", "P", "Wt"), got[:3], want[:3]):
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2,
-                               atol=1e-5, err_msg=name)
+    np.testing.assert_allclose(
+      np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2, atol=1e-5, err_msg=name
+    )
 
 
-@pytest.mark.parametrize("t,variant,scalar_decay,segs,scalar_write,decay", [
+@pytest.mark.parametrize(
+  "t,variant,scalar_decay,segs,scalar_write,decay",
+  [
     # g by the pair kernel: a forward-only call keeps g_last alone; the scalar write; resets
     (45, dict(cumsum_in_pairs=True), False, True, True, "normal"),
     # g by the cumsum kernel; the output kernel apart (reads Qbar), a [B, T, H, K] write
     (45, dict(cumsum_in_pairs=False, fuse_output="none"), False, True, False, "normal"),
     # the output fused in training's forward too, with resets (the per-chunk reset branch)
     (40, dict(cumsum_in_pairs=True, fuse_output="all"), True, True, False, "strong"),
-    (1, dict(cumsum_in_pairs=True), False, False, False, "normal"),   # T = 1
-])
+    (1, dict(cumsum_in_pairs=True), False, False, False, "normal"),  # T = 1
+  ],
+)
 def test_decayed_operands(t, variant, scalar_decay, segs, scalar_write, decay):
   """decayed_operands (Kbar and Qbar written by the pair kernel, read by the WY and output
   kernels in place of k, q and g): outputs of the primal and of a differentiated call, final
   state and every gradient against the float64 loop."""
-  args = _inputs(16, 2, t, 2, 64, 32, jnp.float32, scalar_decay, decay,
-                 scalar_write=scalar_write)
+  args = _inputs(16, 2, t, 2, 64, 32, jnp.float32, scalar_decay, decay, scalar_write=scalar_write)
   seg = _segments(t, (20, 31, 32), (9,)) if segs else None
   with dr_config.overridden(decayed_operands=True, **variant):
     _check(args, seg, 16, 1e-5, 1e-4, vjp_primal=True)
 
 
-@pytest.mark.parametrize("variant", [dict(cumsum_in_pairs=True),
-                                     dict(cumsum_in_pairs=False, fuse_output="none")])
+@pytest.mark.parametrize(
+  "variant", [dict(cumsum_in_pairs=True), dict(cumsum_in_pairs=False, fuse_output="none")]
+)
 def test_decayed_operands_match_the_plain_kernels_in_bf16(variant):
   """For bf16 data the decayed operands are the values the WY and output kernels formed and
   rounded for their dots anyway (same fp32 expressions, one rounding), so the outputs are the
@@ -279,7 +302,7 @@ def test_decayed_operands_match_the_plain_kernels_in_bf16(variant):
   b, t, h, kd = 2, 45, 2, 64
   args = _inputs(17, b, t, h, kd, 32, jnp.bfloat16, False, "normal")
   seg = jnp.asarray(_segments(t, (20,), (9, 33)))
-  outs, fp32_g = {}, f"f32[{b},48,{h},{kd}]"   # (T padded to 48)
+  outs, fp32_g = {}, f"f32[{b},48,{h},{kd}]"  # (T padded to 48)
   for on in (False, True):
     with dr_config.overridden(decayed_operands=on, **variant):
       f = jax.jit(lambda *a: delta_rule(*a[:5], 0.7, a[5], seg, chunk_size=16))
@@ -287,8 +310,9 @@ def test_decayed_operands_match_the_plain_kernels_in_bf16(variant):
       outs[on] = f(*args)
     assert holds_g == (not on or not variant["cumsum_in_pairs"]), (on, holds_g)
   for a, b_, name in zip(outs[True], outs[False], ("o", "S_final")):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b_, np.float32),
-                                  err_msg=name)
+    np.testing.assert_array_equal(
+      np.asarray(a, np.float32), np.asarray(b_, np.float32), err_msg=name
+    )
 
 
 def test_fused_step_without_segments():
@@ -308,10 +332,15 @@ def test_delta_rule_intra_backward(segments, variant):
   inside a chunk, next to a chunk without one (tiles.by_reset: the segment-free bodies)."""
   t = 45
   seg = _segments(t, (31, 32), (38,)) if segments else None
-  heads = 6   # programs of gcd(pair_heads, 6) heads: 2 by default, 1 with pair_heads=1
+  heads = 6  # programs of gcd(pair_heads, 6) heads: 2 by default, 1 with pair_heads=1
   with dr_config.overridden(**variant):
-    _check(_inputs(6, 2, t, heads, 64, 32, jnp.float32, False, "normal"), seg,
-           variant.get("max_chunk", 16), 1e-5, 1e-4)
+    _check(
+      _inputs(6, 2, t, heads, 64, 32, jnp.float32, False, "normal"),
+      seg,
+      variant.get("max_chunk", 16),
+      1e-5,
+      1e-4,
+    )
 
 
 @pytest.mark.parametrize("fuse_output", ["primal", "all"])
@@ -322,23 +351,33 @@ def test_delta_rule_bf16_operand_dots(fuse_output):
   seg = np.zeros((1, 150), np.int32)
   seg[:, 70:] = 1
   with dr_config.overridden(fast_dots="bf16", fuse_output=fuse_output):
-    _check(_inputs(11, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"), seg, 32, 5e-3, 1e-2,
-           vjp_primal=fuse_output == "all")
+    _check(
+      _inputs(11, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"),
+      seg,
+      32,
+      5e-3,
+      1e-2,
+      vjp_primal=fuse_output == "all",
+    )
 
 
-@pytest.mark.parametrize("variant,dtype,decay,tol", [
+@pytest.mark.parametrize(
+  "variant,dtype,decay,tol",
+  [
     (dict(sub_block=16), jnp.float32, "strong", (1e-5, 1e-4)),
     (dict(sub_block=16), jnp.float32, "normal", (1e-5, 1e-4)),
-    (dict(sub_block=32), jnp.float32, "normal", (1e-5, 1e-4)),   # two 32-row blocks
-    (dict(sub_block=16, wy_inverse="doubling"), jnp.bfloat16, "normal", (5e-3, 1e-2))])
+    (dict(sub_block=32), jnp.float32, "normal", (1e-5, 1e-4)),  # two 32-row blocks
+    (dict(sub_block=16, wy_inverse="doubling"), jnp.bfloat16, "normal", (5e-3, 1e-2)),
+  ],
+)
 def test_delta_rule_sub_blocks(variant, dtype, decay, tol):
   """16- or 32-row blocks of a 64-token chunk against the float64 loop: the chunk-64 forward by
   stage (pair rows, WY, serial pass) and the token-parallel intra backward over 64-token chunks;
   resets inside and at the start of a row block, an initial state, T not a multiple of the
   chunk."""
   seg = np.zeros((1, 150), np.int32)
-  seg[:, 40:] = 1     # inside a sub-block
-  seg[:, 96:] = 2     # at a sub-block start
+  seg[:, 40:] = 1  # inside a sub-block
+  seg[:, 96:] = 2  # at a sub-block start
   with dr_config.overridden(max_chunk=64, **variant):
     _check(_inputs(17, 1, 150, 2, 64, 64, dtype, False, decay), seg, 64, *tol)
 
@@ -349,8 +388,11 @@ def test_delta_rule_bf16_states():
   TF32 dots on bf16 data (fast_dots='tf32') too."""
   seg = np.zeros((1, 150), np.int32)
   seg[:, 70:] = 1
-  for extra in (dict(bf16_states=True, max_chunk=32), dict(bf16_states=False),
-                dict(fast_dots="tf32")):   # (tf32: fp32 operands, so fp32 states too)
+  for extra in (
+    dict(bf16_states=True, max_chunk=32),
+    dict(bf16_states=False),
+    dict(fast_dots="tf32"),
+  ):  # (tf32: fp32 operands, so fp32 states too)
     with dr_config.overridden(**extra):
       _check(_inputs(13, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"), seg, 32, 5e-3, 1e-2)
 
@@ -364,10 +406,12 @@ def test_delta_rule_unsupported_width():
 def test_delta_rule_tpu_interpret_matches():
   """Mosaic-TPU interpret mode (the only TPU validation available here) == generic interpret."""
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+
   args = _inputs(3, 1, 20, 1, 16, 16, jnp.float32, False, "normal")
   seg = jnp.asarray(np.array([[0] * 9 + [1] * 11]), jnp.int32)
-  o1, s1 = delta_rule(*args[:5], 0.5, args[5], seg, chunk_size=16,
-                      interpret=pltpu.InterpretParams())
+  o1, s1 = delta_rule(
+    *args[:5], 0.5, args[5], seg, chunk_size=16, interpret=pltpu.InterpretParams()
+  )
   o2, s2 = delta_rule(*args[:5], 0.5, args[5], seg, chunk_size=16, interpret=True)
   assert _rel(o1, o2) < 1e-6 and _rel(s1, s2) < 1e-6
 
@@ -375,6 +419,7 @@ def test_delta_rule_tpu_interpret_matches():
 def test_delta_rule_precision_argument():
   """precision defaults from the dtype ('exact' for fp32, 'fast' for bf16) and bad names are refused."""
   from pallas_kernels import precision_for  # pylint: disable=g-import-not-at-top
+
   assert precision_for(jnp.float32) == "exact" and precision_for(jnp.bfloat16) == "fast"
   args = _inputs(2, 1, 8, 1, 16, 16, jnp.float32, False, "normal")
   with pytest.raises(ValueError, match="precision='tf16'"):
@@ -384,12 +429,23 @@ def test_delta_rule_precision_argument():
   np.testing.assert_array_equal(o1, o2)
 
 
-@pytest.mark.parametrize("bad", [dict(fast_dots="bf-16"), dict(block_v=48),
-                                 dict(block_v_parallel=96), dict(sub_block=8), dict(min_chunk=24),
-                                 dict(max_chunk=0), dict(wy_inverse="rows"),
-                                 dict(pair_diag="rows"), dict(pair_heads=3),
-                                 dict(fuse_output="fused"),
-                                 dict(forward_only_chunk=48), dict(num_warps_intra_bwd=0)])
+@pytest.mark.parametrize(
+  "bad",
+  [
+    dict(fast_dots="bf-16"),
+    dict(block_v=48),
+    dict(block_v_parallel=96),
+    dict(sub_block=8),
+    dict(min_chunk=24),
+    dict(max_chunk=0),
+    dict(wy_inverse="rows"),
+    dict(pair_diag="rows"),
+    dict(pair_heads=3),
+    dict(fuse_output="fused"),
+    dict(forward_only_chunk=48),
+    dict(num_warps_intra_bwd=0),
+  ],
+)
 def test_delta_rule_config_rejects_bad_values(bad):
   with pytest.raises(ValueError, match="DeltaRuleConfig." + next(iter(bad))):
     dr_config.DeltaRuleConfig(**bad)
@@ -416,11 +472,14 @@ def test_chunk_length_floor():
   """Compiled runs use chunks of at least min_chunk (a floor for GPUs where short chunks
   misbehave); interpret mode keeps 16, and short sequences shrink the chunk down to the floor."""
   from pallas_kernels.delta_rule import chunk_length  # pylint: disable=g-import-not-at-top
+
   cfg = dr_config.DeltaRuleConfig(max_chunk=32, min_chunk=32)
   assert chunk_length(cfg, 64, 300, interpret=False) == 32
   assert chunk_length(cfg, 64, 1, interpret=False) == 32
   assert chunk_length(cfg, 64, 1, interpret=True) == 16
   small = dr_config.DeltaRuleConfig(max_chunk=16, min_chunk=16)
   assert chunk_length(small, 64, 300, interpret=False) == 16
-  assert chunk_length(dr_config.DeltaRuleConfig(max_chunk=16, min_chunk=32), 64, 300,
-                      interpret=False) == 32
+  assert (
+    chunk_length(dr_config.DeltaRuleConfig(max_chunk=16, min_chunk=32), 64, 300, interpret=False)
+    == 32
+  )

@@ -1,11 +1,11 @@
 """Accuracy of pallas_kernels.diag_gain / iso_gain (CPU interpret mode) vs a float64 token loop."""
-import functools
 
-import numpy as np
-import pytest
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from pallas_kernels import diag_gain, iso_gain
 
@@ -13,7 +13,7 @@ from pallas_kernels import diag_gain, iso_gain
 def _rel(a, b):
   a = np.asarray(a, np.float64)
   b = np.asarray(b, np.float64)
-  return float(np.sqrt(np.mean((a - b) ** 2) / max(np.mean(b ** 2), 1e-300)))
+  return float(np.sqrt(np.mean((a - b) ** 2) / max(np.mean(b**2), 1e-300)))
 
 
 def _reset(seg, b, t):
@@ -24,6 +24,7 @@ def _reset(seg, b, t):
 
 def _diag_oracle(k, la, om, r, mu, p0, seg):
   kd = k.shape[-1]
+
   def step(p, xs):
     kt, lat, omt, rt, rs = xs
     p = jnp.where(rs[:, None, None], p0, p)
@@ -31,6 +32,7 @@ def _diag_oracle(k, la, om, r, mu, p0, seg):
     kap = ph * kt / (rt[..., None] + jnp.sum(ph * kt * kt, -1, keepdims=True))
     u = mu[None, :, None] * kt * kt / rt[..., None]
     return ph / (1 + u * ph), kap
+
   xs = tuple(jnp.moveaxis(x, 1, 0) for x in (k, la, om, r, _reset(seg, *k.shape[:2])))
   p, kap = jax.lax.scan(step, p0, xs)
   del kd
@@ -39,6 +41,7 @@ def _diag_oracle(k, la, om, r, mu, p0, seg):
 
 def _iso_oracle(k, la, om, r, mu, b0, seg):
   kd = k.shape[-1]
+
   def step(bv, xs):
     kt, lat, omt, rt, rs = xs
     bv = jnp.where(rs[:, None], b0, bv)
@@ -46,6 +49,7 @@ def _iso_oracle(k, la, om, r, mu, b0, seg):
     s = jnp.sum(kt * kt, -1)
     beta = bh / (rt + bh * s)
     return bh / (1 + mu[None, :] * bh * s / (kd * rt)), beta
+
   xs = tuple(jnp.moveaxis(x, 1, 0) for x in (k, la, om, r, _reset(seg, *k.shape[:2])))
   bv, beta = jax.lax.scan(step, b0, xs)
   return jnp.moveaxis(beta, 0, 1), bv
@@ -68,10 +72,10 @@ def _inputs(seed, b, t, h, kd, diag, dtype, r_val, strong):
 # gain at its default chunk (T = 1, one partial chunk, mu and every other gradient); these cases
 # keep what only a caller's chunk_size reaches: several gain chunks, T = chunk + 1.
 CASES = [
-    # (t, chunk, mu factor (x K), r value or None, strong decay, segment starts)
-    (33, 32, 4.0, 1e-3, True, (5, 6, 31)),     # T = chunk + 1, r = 1e-3, mu = 4K, segments
-    (70, 16, 1.0, None, True, (40,)),
-    (70, 16, 1.0, None, True, None),          # no segments: no reset flags read (UNSEGMENTED)
+  # (t, chunk, mu factor (x K), r value or None, strong decay, segment starts)
+  (33, 32, 4.0, 1e-3, True, (5, 6, 31)),  # T = chunk + 1, r = 1e-3, mu = 4K, segments
+  (70, 16, 1.0, None, True, (40,)),
+  (70, 16, 1.0, None, True, None),  # no segments: no reset flags read (UNSEGMENTED)
 ]
 
 
@@ -111,16 +115,20 @@ def _run(diag, t, chunk, mu_f, r_val, strong, segs, dtype, tol_fwd, tol_grad):
     a64 = [jnp.asarray(np.asarray(x, np.float32), jnp.float64) for x in args]
     seg64 = None if seg is None else jnp.asarray(seg)
     rgain, rp = oracle(*a64[:4], a64[5], a64[4], seg64)
+
     def loss64(*a):
       g64, p64 = oracle(*a[:4], a[5], a[4], seg64)
       return jnp.sum(g64 * ct_g) + jnp.sum(p64 * ct_p)
+
     rg = [np.asarray(x) for x in jax.jit(jax.grad(loss64, argnums=argnums))(*a64)]
     rgain, rp = np.asarray(rgain), np.asarray(rp)
   assert _rel(gain, rgain) <= tol_fwd, _rel(gain, rgain)
   assert _rel(pf, rp) <= tol_fwd, _rel(pf, rp)
+
   def loss(*a):
     gain, pf = f(*a)
     return jnp.sum(gain * ct_g) + jnp.sum(pf * ct_p)
+
   g = jax.jit(jax.grad(loss, argnums=argnums))(*args)
   names = ("k", "log_alpha", "omega", "r", "p0", "info_scale")
   errs = {n: _rel(x, y) for n, x, y in zip(names, g, rg)}
@@ -130,6 +138,7 @@ def _run(diag, t, chunk, mu_f, r_val, strong, segs, dtype, tol_fwd, tol_grad):
 
 def test_gain_tpu_interpret_matches():
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+
   args = _inputs(4, 1, 20, 1, 64, True, jnp.float32, None, False)
   mu = jnp.full((1,), 64.0)
   a = diag_gain(*args[:4], mu, args[4], chunk_size=16, interpret=pltpu.InterpretParams())
@@ -156,14 +165,16 @@ def test_gain_dtype_bf16_is_the_fp32_gain_rounded():
   f32, pf32 = diag_gain(k, la, om, r, mu, p0, seg)
   b16, pb16 = diag_gain(k, la, om, r, mu, p0, seg, gain_dtype=jnp.bfloat16)
   assert b16.dtype == jnp.bfloat16 and pb16.dtype == jnp.float32
-  np.testing.assert_array_equal(np.asarray(b16, np.float32),
-                                np.asarray(f32.astype(jnp.bfloat16), np.float32))
+  np.testing.assert_array_equal(
+    np.asarray(b16, np.float32), np.asarray(f32.astype(jnp.bfloat16), np.float32)
+  )
   np.testing.assert_array_equal(pb16, pf32)
   ct = jnp.asarray(np.random.default_rng(1).normal(size=k.shape), jnp.bfloat16)
 
   def grads(dtype):
-    loss = lambda *a: jnp.sum(diag_gain(*a, mu, p0, seg, gain_dtype=dtype)[0].astype(
-        jnp.float32) * ct.astype(jnp.float32))
+    loss = lambda *a: jnp.sum(
+      diag_gain(*a, mu, p0, seg, gain_dtype=dtype)[0].astype(jnp.float32) * ct.astype(jnp.float32)
+    )
     return jax.grad(loss, argnums=(0, 1, 2, 3))(k, la, om, r)
 
   for a, b in zip(grads(jnp.bfloat16), grads(jnp.float32)):
@@ -177,6 +188,7 @@ def test_gain_chunk_caps():
   power of two (16 at least)."""
   from pallas_kernels import kdn_gain
   from pallas_kernels.kdn_gain import config as gain_config
+
   cfg = gain_config.GainConfig(max_chunk=128)
   assert kdn_gain.gain_chunk(16384, 256, cfg) == 128
   assert kdn_gain.gain_chunk(70, 256, cfg) == 128
@@ -189,11 +201,12 @@ def test_pow2_inverse_keeps_the_products_in_range():
   """The reduce's renormalisation factor: an exact power of two that puts a normal s in [1, 2),
   never 0 (s near the fp32 maximum: 2^-126) and finite for a subnormal s."""
   from pallas_kernels.kdn_gain.kernel import _pow2_inverse
-  tiny = np.float32(np.finfo(np.float32).tiny) / 8    # subnormal
-  s = jnp.asarray([1.0, 3.0, 0.3, 2.0 ** 126, 1.5 * 2.0 ** 127, tiny, np.inf], jnp.float32)
+
+  tiny = np.float32(np.finfo(np.float32).tiny) / 8  # subnormal
+  s = jnp.asarray([1.0, 3.0, 0.3, 2.0**126, 1.5 * 2.0**127, tiny, np.inf], jnp.float32)
   inv = np.asarray(_pow2_inverse(s))
   assert np.all(inv > 0) and np.all(np.isfinite(inv))
-  assert np.all(np.log2(inv) == np.round(np.log2(inv)))          # powers of two
+  assert np.all(np.log2(inv) == np.round(np.log2(inv)))  # powers of two
   scaled = np.asarray(s, np.float64) * inv
   np.testing.assert_array_equal(scaled[:4], [1.0, 1.5, np.float32(0.3) * 4.0, 1.0])
   assert 1.0 <= scaled[4] < 4.0 and scaled[5] < 2.0 and np.isinf(scaled[6])
@@ -203,8 +216,9 @@ def test_unsegmented_kernels_match_the_segmented_ones():
   """Without segments the kernels skip the reset flags (kernel.py, UNSEGMENTED); with the flags
   read (only token 0 set) they give the same gain, final variance and gradients, to fp32
   rounding."""
-  from pallas_kernels.kdn_gain import kernel as gk
   from pallas_kernels.kdn_gain import config as gain_config
+  from pallas_kernels.kdn_gain import kernel as gk
+
   b, t, h, kd, chunk = 2, 64, 2, 32, 16
   k, la, om, r, p0 = _inputs(3, b, t, h, kd, True, jnp.float32, None, True)
   mu = jnp.full((h,), 1.0 * kd, jnp.float32)
@@ -214,16 +228,25 @@ def test_unsegmented_kernels_match_the_segmented_ones():
   for seg in (True, False):
     gain, pprev, pfin, _ = gk.gain_forward((k, la, om, r, mu), reset, p0, segmented=seg, **kw)
     dgain = jnp.cos(jnp.arange(gain.size, dtype=jnp.float32)).reshape(gain.shape)
-    grads = gk.gain_backward((k, la, om, r, mu), reset, pprev, dgain, jnp.ones_like(pfin),
-                             segmented=seg, **kw)
+    grads = gk.gain_backward(
+      (k, la, om, r, mu), reset, pprev, dgain, jnp.ones_like(pfin), segmented=seg, **kw
+    )
     outs[seg] = [gain, pprev, pfin] + list(grads[0]) + [grads[1]]
   for a, c in zip(outs[True], outs[False]):
     np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=2e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("segmented,front,nh,save_pprev", [
-    (True, False, 2, True), (False, False, 4, False), (False, True, 2, False),
-    (True, True, 4, True), (True, False, 3, True), (False, True, 6, False)])
+@pytest.mark.parametrize(
+  "segmented,front,nh,save_pprev",
+  [
+    (True, False, 2, True),
+    (False, False, 4, False),
+    (False, True, 2, False),
+    (True, True, 4, True),
+    (True, False, 3, True),
+    (False, True, 6, False),
+  ],
+)
 def test_iso_scalar_replay_matches_the_lane_replay(segmented, front, nh, save_pprev):
   """GainConfig.iso_scalar_replay: the isotropic replay over the reduce's per-token scalars
   (iso_replay.py) gives the lane replay's gain, p_prev, final variance and log_alpha (front),
@@ -232,23 +255,38 @@ def test_iso_scalar_replay_matches_the_lane_replay(segmented, front, nh, save_pp
   arithmetic in the same order, mostly bit for bit; but on CPU XLA compiles the two kernels
   apart and may contract them differently (seen: 1 ulp through the front's softplus), so to
   1e-6 of each output's largest entry."""
-  from pallas_kernels.kdn_gain import kernel as gk
   from pallas_kernels.kdn_gain import config as gain_config
+  from pallas_kernels.kdn_gain import kernel as gk
+
   b, t, kd, chunk = 2, 48, 32, 16
   k, la, om, r, b0 = _inputs(7, b, t, nh, kd, False, jnp.float32, None, True)
   mu = jnp.full((nh,), 0.5 * kd, jnp.float32) * jnp.linspace(0.5, 1.5, nh)
   reset = jnp.zeros((b, t), jnp.int32).at[:, 0].set(1).at[1, 21].set(1).at[0, 32].set(1)
-  if front:   # the gate front-end's pre-activations, in bf16 as in the layer
-    raw = (k.astype(jnp.bfloat16), (la * 5).astype(jnp.bfloat16), jnp.full((nh, kd), -3.0),
-           jnp.linspace(-1.0, 1.0, nh), om.astype(jnp.bfloat16) - 1.0, r.astype(jnp.bfloat16), mu)
+  if front:  # the gate front-end's pre-activations, in bf16 as in the layer
+    raw = (
+      k.astype(jnp.bfloat16),
+      (la * 5).astype(jnp.bfloat16),
+      jnp.full((nh, kd), -3.0),
+      jnp.linspace(-1.0, 1.0, nh),
+      om.astype(jnp.bfloat16) - 1.0,
+      r.astype(jnp.bfloat16),
+      mu,
+    )
   else:
     raw = (k, la, om, r, mu)
   outs = {}
   for scalar in (False, True):
     cfg = gain_config.GainConfig(iso_scalar_replay=scalar)
-    run = functools.partial(gk.gain_forward, diag=False, chunk=chunk, interpret=True, cfg=cfg,
-                            segmented=segmented, front=0.01 if front else None,
-                            save_pprev=save_pprev)
+    run = functools.partial(
+      gk.gain_forward,
+      diag=False,
+      chunk=chunk,
+      interpret=True,
+      cfg=cfg,
+      segmented=segmented,
+      front=0.01 if front else None,
+      save_pprev=save_pprev,
+    )
     outs[scalar] = run(raw, reset, b0[..., None])
     jaxpr = str(jax.make_jaxpr(run)(raw, reset, b0[..., None]))
     assert ("kdn_gain_iso_replay" in jaxpr) == scalar
@@ -269,6 +307,7 @@ def test_iso_replays_against_the_float64_loop(scalar):
   backward is the lane kernels', from either replay's p_prev), T = chunk + 1 with segments, and
   several chunks without."""
   from pallas_kernels.kdn_gain import config as gain_config
+
   before = gain_config.DEFAULT
   gain_config.set_default(iso_scalar_replay=scalar)
   try:
@@ -282,32 +321,52 @@ def test_iso_replays_against_the_float64_loop(scalar):
     gain_config.DEFAULT = before
 
 
-@pytest.mark.parametrize("diag,segmented,front,scalars", [
-    (True, True, False, False), (False, False, True, False), (True, False, True, False),
-    (False, True, False, True)])
+@pytest.mark.parametrize(
+  "diag,segmented,front,scalars",
+  [
+    (True, True, False, False),
+    (False, False, True, False),
+    (True, False, True, False),
+    (False, True, False, True),
+  ],
+)
 def test_renorm_every_keeps_the_chunk_maps(diag, segmented, front, scalars):
   """GainConfig.renorm_every=2 (kernel.py, RENORM): the reduce's chunk maps equal the
   every-token reduce's (the same up to a power of two, and both renormalised at the chunk's
   last token), and the gain, p_prev, final variance and log_alpha match, over several chunks, with resets, the fused
   front-end and the iso scalar replay (whose per-token scalars the unrolled loop writes);
   r = 1e-3, mu = 4K and strong decay (la = -20 every third token) spread the entries."""
-  from pallas_kernels.kdn_gain import kernel as gk
   from pallas_kernels.kdn_gain import config as gain_config
+  from pallas_kernels.kdn_gain import kernel as gk
+
   b, t, h, kd, chunk = 2, 64, 2, 32, 16
   k, la, om, r, p0 = _inputs(11, b, t, h, kd, diag, jnp.float32, 1e-3, True)
   p0 = p0 if diag else p0[..., None]
   mu = jnp.full((h,), 4.0 * kd, jnp.float32)
   reset = jnp.zeros((b, t), jnp.int32).at[:, 0].set(1).at[0, 37].set(1)
   if front:
-    raw = (k.astype(jnp.bfloat16), la.astype(jnp.bfloat16), jnp.full((h, kd), -3.0),
-           jnp.zeros((h,)), om.astype(jnp.bfloat16), r.astype(jnp.bfloat16), mu)
+    raw = (
+      k.astype(jnp.bfloat16),
+      la.astype(jnp.bfloat16),
+      jnp.full((h, kd), -3.0),
+      jnp.zeros((h,)),
+      om.astype(jnp.bfloat16),
+      r.astype(jnp.bfloat16),
+      mu,
+    )
   else:
     raw = (k, la, om, r, mu)
   outs, maps = {}, {}
   for n in (1, 2):
     cfg = gain_config.GainConfig(renorm_every=n, iso_scalar_replay=scalars)
-    kw = dict(diag=diag, chunk=chunk, interpret=True, cfg=cfg, segmented=segmented,
-              front=0.01 if front else None)
+    kw = dict(
+      diag=diag,
+      chunk=chunk,
+      interpret=True,
+      cfg=cfg,
+      segmented=segmented,
+      front=0.01 if front else None,
+    )
     maps[n] = np.asarray(gk.reduce_maps(raw, reset, p0, scalars=scalars, **kw)[0], np.float64)
     outs[n] = gk.gain_forward(raw, reset, p0, save_pprev=True, **kw)
   # Both end renormalised (n divides the chunk), largest entry in [1, 2): the same power of two,
@@ -333,6 +392,7 @@ def test_renorm_every_against_the_float64_loop(chunk):
   and every gradient (r = 1e-3, mu = 4K: large token entries), with segments; chunks 24 and 25
   (not powers of two: the reduce renormalises every gcd(2, chunk) tokens, 25 every token)."""
   from pallas_kernels.kdn_gain import config as gain_config
+
   before = gain_config.DEFAULT
   gain_config.set_default(renorm_every=2)
   try:

@@ -2,11 +2,11 @@
 against the plain-JAX front-end feeding the unfused gain kernels (CPU interpret mode): values,
 the emitted log_alpha, and the gradients of every input, with a cotangent on log_alpha too (the
 delta rule's share)."""
-import numpy as np
-import pytest
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from pallas_kernels import kdn_gain
 
@@ -16,13 +16,14 @@ R_MIN = 0.01
 def _rel(a, b):
   a = np.asarray(a, np.float64)
   b = np.asarray(b, np.float64)
-  return float(np.sqrt(np.mean((a - b) ** 2) / max(np.mean(b ** 2), 1e-300)))
+  return float(np.sqrt(np.mean((a - b) ** 2) / max(np.mean(b**2), 1e-300)))
 
 
 def _composed(diag, k, f, dtb, alog, om_raw, r_raw, mu, p0, seg, chunk):
   """The layer's plain-JAX front-end (layers.decay.Decay, KDNMixer.noise_params), then the gain."""
   la = -jnp.exp(alog.astype(jnp.float32))[:, None] * jax.nn.softplus(
-      f.astype(jnp.float32) + dtb.astype(jnp.float32))
+    f.astype(jnp.float32) + dtb.astype(jnp.float32)
+  )
   om = jax.nn.softplus(om_raw.astype(jnp.float32))
   r = R_MIN + jax.nn.softplus(r_raw.astype(jnp.float32))
   fn = kdn_gain.diag_gain if diag else kdn_gain.iso_gain
@@ -47,16 +48,27 @@ def _inputs(seed, b, t, h, kd, diag, dtype):
   p0 = 0.1 + np.abs(rng.normal(size=(b, h, kd) if diag else (b, h)))
   cast = lambda x, d: jnp.asarray(x, jnp.float32).astype(d)
   # projections in the compute dtype, parameters and state in fp32 (as in the layer)
-  return [cast(k, dtype), cast(f, dtype), cast(dtb, jnp.float32), cast(alog, jnp.float32),
-          cast(om_raw, dtype), cast(r_raw, dtype), cast(mu, jnp.float32), cast(p0, jnp.float32)]
+  return [
+    cast(k, dtype),
+    cast(f, dtype),
+    cast(dtb, jnp.float32),
+    cast(alog, jnp.float32),
+    cast(om_raw, dtype),
+    cast(r_raw, dtype),
+    cast(mu, jnp.float32),
+    cast(p0, jnp.float32),
+  ]
 
 
-@pytest.mark.parametrize("diag,t,segs,dtype", [
-    (True, 37, (5, 21), jnp.float32),    # T not a multiple of the chunk, segments
-    (False, 20, (7,), jnp.bfloat16),     # bf16 projections (the layer's compute dtype)
-    (True, 1, None, jnp.bfloat16),       # T = 1
-    (False, 40, None, jnp.float32),      # several chunks without segments (no reset flags)
-])
+@pytest.mark.parametrize(
+  "diag,t,segs,dtype",
+  [
+    (True, 37, (5, 21), jnp.float32),  # T not a multiple of the chunk, segments
+    (False, 20, (7,), jnp.bfloat16),  # bf16 projections (the layer's compute dtype)
+    (True, 1, None, jnp.bfloat16),  # T = 1
+    (False, 40, None, jnp.float32),  # several chunks without segments (no reset flags)
+  ],
+)
 def test_fused_front_matches_composition(diag, t, segs, dtype):
   b, h, kd, chunk = 2, 2, 16, 16
   args = _inputs(t, b, t, h, kd, diag, dtype)
@@ -75,7 +87,9 @@ def test_fused_front_matches_composition(diag, t, segs, dtype):
     def run(*a):
       outs, vjp = jax.vjp(lambda *a: fn(diag, *a, seg, chunk), *a)
       return outs, vjp(tuple(cts))
+
     return jax.jit(run)(*args)
+
   want, g_want = outputs_and_grads(_composed)
   got, g_got = outputs_and_grads(_fused)
   tol = 1e-6 if dtype == jnp.float32 else 1e-5

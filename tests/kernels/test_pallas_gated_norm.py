@@ -1,11 +1,11 @@
 """pallas_kernels.gated_norm (CPU interpret mode) against the layer's plain-JAX gated RMSNorm
 (kdn_jax.layers.gated_norm.GatedRMSNorm): outputs and the gradients of o, gate and weight; T not a
 multiple of the block, T = 1, bf16."""
-import numpy as np
-import pytest
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from kdn_jax.layers.gated_norm import rms_norm
 from pallas_kernels.gated_norm import gated_rms_norm
@@ -15,10 +15,10 @@ EPS = 1e-6
 
 def _rel(a, b):
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.sqrt(np.mean((a - b) ** 2) / max(np.mean(b ** 2), 1e-30)))
+  return float(np.sqrt(np.mean((a - b) ** 2) / max(np.mean(b**2), 1e-30)))
 
 
-def _reference(o, g, w):   # GatedRMSNorm.__call__ with dtype = o's
+def _reference(o, g, w):  # GatedRMSNorm.__call__ with dtype = o's
   return (rms_norm(o, w, EPS) * jax.nn.sigmoid(g.astype(jnp.float32))).astype(o.dtype)
 
 
@@ -34,9 +34,11 @@ def test_gated_rms_norm_matches_composition(t, dtype):
     def f(o, g, w):
       y, vjp = jax.vjp(fn, o, g, w)
       return y, vjp(ct.astype(y.dtype))
+
     return jax.jit(f)(o, g, w)
+
   (y, grads), (y_ref, grads_ref) = run(lambda *a: gated_rms_norm(*a, EPS)), run(_reference)
-  tol = 1e-6 if dtype == jnp.float32 else 4e-3   # bf16: one rounding of the same fp32 values
+  tol = 1e-6 if dtype == jnp.float32 else 4e-3  # bf16: one rounding of the same fp32 values
   assert y.dtype == y_ref.dtype and _rel(y, y_ref) <= tol, _rel(y, y_ref)
   for name, x, r in zip(("o", "gate", "weight"), grads, grads_ref):
     assert x.dtype == r.dtype and x.shape == r.shape, name

@@ -9,16 +9,17 @@ On CPU the kernels would pick interpret mode, no compiler params and HIGHEST dot
 sets common.kernel_backend to "gpu", so they choose what they choose on a GPU (compiled, Triton
 params, 3xTF32 for 'exact').
 """
+
 import dataclasses
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import ops_cases
 import pytest
 from flax import nnx
 
-import ops_cases
 from kdn_jax import ops
 from kdn_jax.layers.registry import MIXERS
 from kdn_jax.models.config import model_config
@@ -47,12 +48,19 @@ def _op_inputs(dtype, t=80):
   return ops_cases.random_kdn_inputs(dtype, t=t) + (seg,)
 
 
-@pytest.mark.parametrize("variant", [
-    {}, dict(pair_diag="columns"),
-    dict(max_chunk=32), dict(max_chunk=64, sub_block=32), dict(fuse_output="all"),
+@pytest.mark.parametrize(
+  "variant",
+  [
+    {},
+    dict(pair_diag="columns"),
+    dict(max_chunk=32),
+    dict(max_chunk=64, sub_block=32),
+    dict(fuse_output="all"),
     dict(fuse_output="all", cumsum_block=1, cumsum_in_pairs=False),
     # the forward's passes before session 48 (a cumsum kernel, fp32 kappa, q/k/g re-read)
-    dict(cumsum_in_pairs=False, bf16_write=False, decayed_operands=False)])
+    dict(cumsum_in_pairs=False, bf16_write=False, decayed_operands=False),
+  ],
+)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
   """diag KDN forward and backward (gain kernels, the cumsum unless the pair kernel forms g,
@@ -67,20 +75,31 @@ def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
 
   with dr_config.overridden(**variant):
     text = _lower_for_cuda(jax.grad(loss, argnums=tuple(range(6))), q, k, v, la, om, r)
-  token_parallel = (variant.get("pair_diag", "token_loop") == "token_loop"
-                    and "max_chunk" not in variant)   # (chunks of one row block only)
+  token_parallel = (
+    variant.get("pair_diag", "token_loop") == "token_loop" and "max_chunk" not in variant
+  )  # (chunks of one row block only)
   in_pairs = token_parallel and variant.get("cumsum_in_pairs", dr_config.DEFAULT.cumsum_in_pairs)
-  expected = {"kdn_gain_reduce", "kdn_gain_replay", "kdn_gain_bwd_reduce", "kdn_gain_bwd_replay",
-              *(() if in_pairs else ("delta_rule_cumsum",)),
-              "delta_rule_wy",
-              *(("delta_rule_state_output",) if variant.get("fuse_output") == "all" else
-                ("delta_rule_state_pass", "delta_rule_output")),
-              "delta_rule_recur_bwd", "delta_rule_bwd_partials", "delta_rule_intra_bwd_tokens",
-              "delta_rule_reverse_cumsum",
-              "delta_rule_pair_token_loop" if token_parallel else "delta_rule_pair_rows"}
+  expected = {
+    "kdn_gain_reduce",
+    "kdn_gain_replay",
+    "kdn_gain_bwd_reduce",
+    "kdn_gain_bwd_replay",
+    *(() if in_pairs else ("delta_rule_cumsum",)),
+    "delta_rule_wy",
+    *(
+      ("delta_rule_state_output",)
+      if variant.get("fuse_output") == "all"
+      else ("delta_rule_state_pass", "delta_rule_output")
+    ),
+    "delta_rule_recur_bwd",
+    "delta_rule_bwd_partials",
+    "delta_rule_intra_bwd_tokens",
+    "delta_rule_reverse_cumsum",
+    "delta_rule_pair_token_loop" if token_parallel else "delta_rule_pair_rows",
+  }
   kernels = _triton_kernels(text)
   assert expected <= kernels, expected - kernels
-  if in_pairs:   # the pair kernel forms g: no cumsum kernel runs
+  if in_pairs:  # the pair kernel forms g: no cumsum kernel runs
     assert "delta_rule_cumsum" not in kernels, kernels
 
 
@@ -112,28 +131,31 @@ def test_decayed_operands_forward_lowers(as_on_gpu, segments):
   Kbar, Qbar and g_last alone (its masked last-row store), read by the WY kernel and the state
   pass with the output fused (no segments) or the state pass and the output kernel; lowers for
   CUDA, bf16."""
-  from pallas_kernels import delta_rule   # pylint: disable=g-import-not-at-top
+  from pallas_kernels import delta_rule  # pylint: disable=g-import-not-at-top
+
   q, k, v, la, _, _, seg = _op_inputs(jnp.bfloat16)
   h0 = jnp.zeros((1, 2, 64, 64), jnp.float32)
-  fwd = lambda q, k, v: delta_rule(q, k, v, la, k, 0.125, h0, seg if segments else None,
-                                   chunk_size=16)[0]
+  fwd = lambda q, k, v: delta_rule(
+    q, k, v, la, k, 0.125, h0, seg if segments else None, chunk_size=16
+  )[0]
   with dr_config.overridden(decayed_operands=True, cumsum_in_pairs=True):
     kernels = _triton_kernels(_lower_for_cuda(fwd, q, k, v))
   want = {"delta_rule_pair_token_loop", "delta_rule_wy"} | (
-      {"delta_rule_state_pass", "delta_rule_output"} if segments else {"delta_rule_state_output"})
+    {"delta_rule_state_pass", "delta_rule_output"} if segments else {"delta_rule_state_output"}
+  )
   assert kernels == want, kernels
 
 
 @pytest.mark.parametrize("fuse_output", ["none", "primal", "all"])
 @pytest.mark.parametrize("segments", [False, True])
 @pytest.mark.parametrize("differentiated", [False, True])
-def test_fuse_output_picks_the_kernels_and_lowers(as_on_gpu, fuse_output, segments,
-                                                   differentiated):
+def test_fuse_output_picks_the_kernels_and_lowers(as_on_gpu, fuse_output, segments, differentiated):
   """DeltaRuleConfig.fuse_output: the serial pass forms O itself (delta_rule_state_output, no
   output kernel) in every call under 'all' and, under 'primal' (the default), in calls that are
   not differentiated and have no segment_ids; the other calls run the state pass and the output
   kernel. Each combination lowers for CUDA, bf16 data."""
-  from pallas_kernels import delta_rule   # pylint: disable=g-import-not-at-top
+  from pallas_kernels import delta_rule  # pylint: disable=g-import-not-at-top
+
   q, k, v, la, _, _, seg = _op_inputs(jnp.bfloat16)
   seg = seg if segments else None
   h0 = jnp.zeros((1, 2, 64, 64), jnp.float32)
@@ -141,22 +163,28 @@ def test_fuse_output_picks_the_kernels_and_lowers(as_on_gpu, fuse_output, segmen
   def fwd(q, k, v):
     return delta_rule(q, k, v, la, k, 0.125, h0, seg, chunk_size=16)[0]
 
-  fn = jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32)),
-                argnums=(0, 1, 2)) if differentiated else fwd
+  fn = (
+    jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+    if differentiated
+    else fwd
+  )
   with dr_config.overridden(fuse_output=fuse_output):
     kernels = _triton_kernels(_lower_for_cuda(fn, q, k, v))
-  fused = fuse_output == "all" or (fuse_output == "primal" and not differentiated
-                                   and not segments)
+  fused = fuse_output == "all" or (fuse_output == "primal" and not differentiated and not segments)
   if fused:
     assert "delta_rule_state_output" in kernels and not kernels & {
-        "delta_rule_state_pass", "delta_rule_output"}, kernels
+      "delta_rule_state_pass",
+      "delta_rule_output",
+    }, kernels
   else:
     assert {"delta_rule_state_pass", "delta_rule_output"} <= kernels, kernels
     assert "delta_rule_state_output" not in kernels, kernels
 
 
-@pytest.mark.parametrize("mixer,options", [("kdn_diag", "default"), ("kdn_iso", "default"),
-                                            ("kdn_diag", "plain_loops_old_passes")])
+@pytest.mark.parametrize(
+  "mixer,options",
+  [("kdn_diag", "default"), ("kdn_iso", "default"), ("kdn_diag", "plain_loops_old_passes")],
+)
 def test_kdn_layer_lowers_for_cuda(as_on_gpu, monkeypatch, mixer, options):
   """A whole KDN layer on the pallas path, fwd+bwd: the fused gate front-end, the short convs and
   the gated norm kernels as well as the memory update. 'plain_loops_old_passes': the conv and
@@ -164,13 +192,32 @@ def test_kdn_layer_lowers_for_cuda(as_on_gpu, monkeypatch, mixer, options):
   as they were before session 48 (bf16_write, cumsum_in_pairs and decayed_operands off: fp32
   kappa, the cumsum kernel, q/k/g read by the WY and output kernels)."""
   if options == "plain_loops_old_passes":
-    from pallas_kernels.causal_conv1d import config as conv_config   # pylint: disable=g-import-not-at-top
+    from pallas_kernels.causal_conv1d import config as conv_config  # pylint: disable=g-import-not-at-top
+
     monkeypatch.setattr(conv_config, "DEFAULT", conv_config.ConvConfig(load_block=1))
-    monkeypatch.setattr(dr_config, "DEFAULT", dataclasses.replace(
-        dr_config.DEFAULT, cumsum_block=1, bf16_write=False, cumsum_in_pairs=False,
-        decayed_operands=False))
-  cfg = model_config("tiny", d_model=128, num_heads=2, head_dim=64, mixer=mixer, impl="pallas",
-                     chunk_size=16, dtype="bfloat16", param_dtype="float32", mlp_hidden=1)
+    monkeypatch.setattr(
+      dr_config,
+      "DEFAULT",
+      dataclasses.replace(
+        dr_config.DEFAULT,
+        cumsum_block=1,
+        bf16_write=False,
+        cumsum_in_pairs=False,
+        decayed_operands=False,
+      ),
+    )
+  cfg = model_config(
+    "tiny",
+    d_model=128,
+    num_heads=2,
+    head_dim=64,
+    mixer=mixer,
+    impl="pallas",
+    chunk_size=16,
+    dtype="bfloat16",
+    param_dtype="float32",
+    mlp_hidden=1,
+  )
   layer = MIXERS[mixer](cfg, rngs=nnx.Rngs(0))
   graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
   x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 48, 128)), jnp.bfloat16)
@@ -179,9 +226,17 @@ def test_kdn_layer_lowers_for_cuda(as_on_gpu, monkeypatch, mixer, options):
     return jnp.sum(nnx.merge(graphdef, params, rest)(x)[0].astype(jnp.float32))
 
   kernels = _triton_kernels(_lower_for_cuda(jax.grad(loss, argnums=(0, 1)), params, x))
-  assert {"causal_conv1d_fwd", "causal_conv1d_bwd", "gated_norm_fwd", "gated_norm_bwd",
-          "kdn_gain_reduce", "kdn_gain_bwd_replay", "delta_rule_output",
-          "delta_rule_intra_bwd_tokens", "delta_rule_reverse_cumsum"} <= kernels
+  assert {
+    "causal_conv1d_fwd",
+    "causal_conv1d_bwd",
+    "gated_norm_fwd",
+    "gated_norm_bwd",
+    "kdn_gain_reduce",
+    "kdn_gain_bwd_replay",
+    "delta_rule_output",
+    "delta_rule_intra_bwd_tokens",
+    "delta_rule_reverse_cumsum",
+  } <= kernels
   # (the forward's cumsum kernel runs only with the old passes: cumsum_in_pairs off)
   assert ("delta_rule_cumsum" in kernels) == (options == "plain_loops_old_passes"), kernels
 
@@ -189,9 +244,13 @@ def test_kdn_layer_lowers_for_cuda(as_on_gpu, monkeypatch, mixer, options):
 def test_gain_stages_reach_their_kernels(as_on_gpu, monkeypatch):
   """GainConfig.num_stages_fwd / num_stages_bwd: the Triton pipelining stages of the gain's
   forward (reduce, replay) and backward kernels, each set apart."""
-  from pallas_kernels.kdn_gain import config as gain_config   # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(gain_config, "DEFAULT", dataclasses.replace(
-      gain_config.DEFAULT, num_stages_fwd=3, num_stages_bwd=2))
+  from pallas_kernels.kdn_gain import config as gain_config  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setattr(
+    gain_config,
+    "DEFAULT",
+    dataclasses.replace(gain_config.DEFAULT, num_stages_fwd=3, num_stages_bwd=2),
+  )
   q, k, v, la, om, r, _ = _op_inputs(jnp.float32)
 
   def loss(k, la):
@@ -202,8 +261,12 @@ def test_gain_stages_reach_their_kernels(as_on_gpu, monkeypatch):
     name = re.search(r"kdn_gain_(?:bwd_)?(?:reduce|replay)", line)
     if name and "xla.gpu.triton" in line:
       stages[name.group(0)] = int(re.search(r"num_stages = (\d+)", line).group(1))
-  assert stages == {"kdn_gain_reduce": 3, "kdn_gain_replay": 3, "kdn_gain_bwd_reduce": 2,
-                    "kdn_gain_bwd_replay": 2}, stages
+  assert stages == {
+    "kdn_gain_reduce": 3,
+    "kdn_gain_replay": 3,
+    "kdn_gain_bwd_reduce": 2,
+    "kdn_gain_bwd_replay": 2,
+  }, stages
 
 
 @pytest.mark.parametrize("diag", [True, False])
@@ -211,8 +274,9 @@ def test_backward_kernels_store_gradients_in_the_inputs_dtypes(as_on_gpu, monkey
   """bf16 data, KDN op fwd+bwd lowered for CUDA: the token kernel stores dq, dk, the partials
   kernel dv, the gain's reverse replay dk and the gates' gradients in bf16 (no fp32 copy and
   cast pass)."""
-  from pallas_kernels.delta_rule import backward as dbackward   # pylint: disable=g-import-not-at-top
-  from pallas_kernels.kdn_gain import kernel as gain_kernel   # pylint: disable=g-import-not-at-top
+  from pallas_kernels.delta_rule import backward as dbackward  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.kdn_gain import kernel as gain_kernel  # pylint: disable=g-import-not-at-top
+
   seen = {}
 
   def spy(module, name):
@@ -222,10 +286,14 @@ def test_backward_kernels_store_gradients_in_the_inputs_dtypes(as_on_gpu, monkey
       out = real(*args, **kwargs)
       seen[name] = [jnp.dtype(x.dtype).name for x in jax.tree.leaves(out)]
       return out
+
     monkeypatch.setattr(module, name, wrapped)
 
-  for module, name in ((dbackward, "intra_backward_tokens"), (dbackward, "bwd_partials"),
-                       (gain_kernel, "gain_backward")):
+  for module, name in (
+    (dbackward, "intra_backward_tokens"),
+    (dbackward, "bwd_partials"),
+    (gain_kernel, "gain_backward"),
+  ):
     spy(module, name)
   q, k, v, la, om, r, _ = _op_inputs(jnp.bfloat16)
   la, om, r = (x.astype(jnp.bfloat16) for x in (la, om if diag else om[..., 0], r))
@@ -237,38 +305,62 @@ def test_backward_kernels_store_gradients_in_the_inputs_dtypes(as_on_gpu, monkey
   _lower_for_cuda(jax.grad(loss, argnums=tuple(range(6))), q, k, v, la, om, r)
   bf16 = "bfloat16"
   assert seen["intra_backward_tokens"][:2] == [bf16, bf16]
-  assert seen["bwd_partials"][0] == bf16                 # dv (no segments)
-  assert seen["gain_backward"][:4] == [bf16] * 4, seen   # dk, d log_alpha, d omega, d r
+  assert seen["bwd_partials"][0] == bf16  # dv (no segments)
+  assert seen["gain_backward"][:4] == [bf16] * 4, seen  # dk, d log_alpha, d omega, d r
 
 
-@pytest.mark.parametrize("layer,heads,grad,scalar", [
-    (False, 2, True, True), (False, 3, False, True), (True, 2, True, True),
-    (True, 2, False, True), (False, 2, True, False), (True, 2, False, False)])
+@pytest.mark.parametrize(
+  "layer,heads,grad,scalar",
+  [
+    (False, 2, True, True),
+    (False, 3, False, True),
+    (True, 2, True, True),
+    (True, 2, False, True),
+    (False, 2, True, False),
+    (True, 2, False, False),
+  ],
+)
 def test_iso_scalar_replay_lowers_for_cuda(as_on_gpu, monkeypatch, layer, heads, grad, scalar):
   """GainConfig.iso_scalar_replay (on by default): the iso KDN op (segments; 3 heads: the row
   padded to 4) and the kdn_iso layer (the fused gate front-end), forward-only and fwd+bwd, lower
   for CUDA with the scalar replay in place of the lane replay, and the backward's kernels
   unchanged; with the option off, the lane replay instead."""
-  from pallas_kernels.kdn_gain import config as gain_config   # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(gain_config, "DEFAULT", dataclasses.replace(
-      gain_config.DEFAULT, iso_scalar_replay=scalar))
+  from pallas_kernels.kdn_gain import config as gain_config  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setattr(
+    gain_config, "DEFAULT", dataclasses.replace(gain_config.DEFAULT, iso_scalar_replay=scalar)
+  )
   if layer:
-    cfg = model_config("tiny", d_model=64, num_heads=heads, head_dim=32, mixer="kdn_iso",
-                       impl="pallas", chunk_size=16, dtype="bfloat16", param_dtype="float32",
-                       mlp_hidden=1)
+    cfg = model_config(
+      "tiny",
+      d_model=64,
+      num_heads=heads,
+      head_dim=32,
+      mixer="kdn_iso",
+      impl="pallas",
+      chunk_size=16,
+      dtype="bfloat16",
+      param_dtype="float32",
+      mlp_hidden=1,
+    )
     graphdef, params, rest = nnx.split(MIXERS["kdn_iso"](cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 40, 64)), jnp.bfloat16)
 
     def loss(params, x):
       return jnp.sum(nnx.merge(graphdef, params, rest)(x)[0].astype(jnp.float32))
+
     args = (params, x)
   else:
     q, k, v, la, om, r = ops_cases.random_kdn_inputs(jnp.bfloat16, h=heads)
     seg = (jnp.arange(q.shape[1])[None, :] >= 37).astype(jnp.int32)
 
     def loss(k, la, om, r):
-      return jnp.sum(ops.iso_kdn(q, k, v, la, om[..., 0], r, impl="pallas", chunk_size=16,
-                                 segment_ids=seg)[0].astype(jnp.float32))
+      return jnp.sum(
+        ops.iso_kdn(q, k, v, la, om[..., 0], r, impl="pallas", chunk_size=16, segment_ids=seg)[
+          0
+        ].astype(jnp.float32)
+      )
+
     args = (k, la, om, r)
   fn = jax.grad(loss, argnums=tuple(range(len(args)))) if grad else loss
   kernels = _triton_kernels(_lower_for_cuda(fn, *args))
@@ -281,15 +373,18 @@ def test_iso_scalar_replay_lowers_for_cuda(as_on_gpu, monkeypatch, layer, heads,
 def test_renorm_every_lowers_for_cuda(as_on_gpu, monkeypatch):
   """GainConfig.renorm_every=2: the diag KDN op's forward reduce (its token loop unrolled by 2,
   the product renormalised after the 2nd) lowers for CUDA, to another reduce kernel than at 1."""
-  from pallas_kernels.kdn_gain import config as gain_config   # pylint: disable=g-import-not-at-top
+  from pallas_kernels.kdn_gain import config as gain_config  # pylint: disable=g-import-not-at-top
+
   q, k, v, la, om, r, seg = _op_inputs(jnp.bfloat16)
   texts = {}
   for n in (1, 2):
-    monkeypatch.setattr(gain_config, "DEFAULT", dataclasses.replace(
-        gain_config.DEFAULT, renorm_every=n))
+    monkeypatch.setattr(
+      gain_config, "DEFAULT", dataclasses.replace(gain_config.DEFAULT, renorm_every=n)
+    )
     # (a new function per config: jit reuses a function's trace, which holds the config)
-    fn = lambda k: ops.diag_kdn(q, k, v, la, om, r, impl="pallas", chunk_size=16,
-                                segment_ids=seg)[0]
+    fn = lambda k: ops.diag_kdn(q, k, v, la, om, r, impl="pallas", chunk_size=16, segment_ids=seg)[
+      0
+    ]
     texts[n] = _lower_for_cuda(fn, k)
     assert {"kdn_gain_reduce", "kdn_gain_replay"} <= _triton_kernels(texts[n])
   # the unrolled body: twice the reduce's token matrices, one renormalisation (_pow2_inverse)
@@ -311,15 +406,23 @@ def test_any_width_lowers_for_cuda(as_on_gpu, kd, vd):
   om = jax.nn.softplus(jax.random.normal(ks[4], (b, t, h, kd)))
   r = 1.0 + jax.nn.softplus(jax.random.normal(ks[5], (b, t, h)))
   seg = (jnp.arange(t)[None, :] >= 23).astype(jnp.int32)
-  for fn, omega in ((ops.diag_kdn, om), (ops.iso_kdn, om[..., 0]))[:2 if kd == 128 else 1]:
+  for fn, omega in ((ops.diag_kdn, om), (ops.iso_kdn, om[..., 0]))[: 2 if kd == 128 else 1]:
+
     def loss(q, k, v, la, om, r, fn=fn):
       o, _ = fn(q, k, v, la, om, r, segment_ids=seg, impl="pallas", chunk_size=16)
       return jnp.sum(o.astype(jnp.float32))
 
     text = _lower_for_cuda(jax.grad(loss, argnums=tuple(range(6))), q, k, v, la, omega, r)
     kernels = _triton_kernels(text)
-    assert {"kdn_gain_reduce", "kdn_gain_bwd_replay", "delta_rule_wy", "delta_rule_state_pass",
-            "delta_rule_output", "delta_rule_recur_bwd", "delta_rule_intra_bwd_tokens"} <= kernels
+    assert {
+      "kdn_gain_reduce",
+      "kdn_gain_bwd_replay",
+      "delta_rule_wy",
+      "delta_rule_state_pass",
+      "delta_rule_output",
+      "delta_rule_recur_bwd",
+      "delta_rule_intra_bwd_tokens",
+    } <= kernels
     tiles = -(-vd // 128)
     # (one forward state pass and one reverse chain per tile)
     assert len(re.findall(r'name = "delta_rule_state_pass', text)) == tiles, fn.__name__

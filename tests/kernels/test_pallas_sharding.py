@@ -5,9 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from ops_cases import make_inputs
+
 from kdn_jax import ops
 
 B, T, H, K, V = 4, 40, 4, 16, 16
@@ -17,7 +18,7 @@ NAMES = ("q", "k", "v", "log_alpha", "omega", "r")
 def _args(family):
   x = make_inputs(family, B, T, H, K, V, seed=3)
   args = [jnp.asarray(x[n], jnp.float32) for n in NAMES]
-  mu = jnp.linspace(8.0, 24.0, H)     # per-head info_scale: its gradient sums over batch shards
+  mu = jnp.linspace(8.0, 24.0, H)  # per-head info_scale: its gradient sums over batch shards
   seg = jnp.asarray((np.arange(T)[None, :] >= np.array([[7], [19], [40], [33]])).astype(np.int32))
   return args, mu, seg
 
@@ -26,16 +27,20 @@ def _loss(family):
   fn = ops.diag_kdn if family == "diag" else ops.iso_kdn
 
   def loss(q, k, v, la, om, r, mu, seg):
-    o, st = fn(q, k, v, la, om, r, info_scale=mu, segment_ids=seg, impl="pallas",
-               output_final_state=True)
+    o, st = fn(
+      q, k, v, la, om, r, info_scale=mu, segment_ids=seg, impl="pallas", output_final_state=True
+    )
     return jnp.sum(o * jnp.cos(o)) + jnp.sum(st.memory) + jnp.sum(st.variance)
+
   return loss
 
 
 # (mesh shape, mesh axes, batch axes): data parallel with heads over "tensor", and FSDP-style
 # batch over two mesh axes at once (experiments/runner/sharding.py's BATCH_AXES).
-MESHES = {"data_tensor": ((2, 2), ("data", "tensor"), "data"),
-          "data_fsdp_tensor": ((2, 2, 2), ("data", "fsdp", "tensor"), ("data", "fsdp"))}
+MESHES = {
+  "data_tensor": ((2, 2), ("data", "tensor"), "data"),
+  "data_fsdp_tensor": ((2, 2, 2), ("data", "fsdp", "tensor"), ("data", "fsdp")),
+}
 
 
 def _mesh(shape, names):
@@ -57,10 +62,15 @@ def partitioner(request):
 
 
 # Each family, mesh and partitioner once (diag on data_tensor under shardy repeats the rest).
-@pytest.mark.parametrize("family,mesh_name,partitioner", [
-    ("iso", "data_tensor", "shardy"), ("diag", "data_fsdp_tensor", "shardy"),
-    ("diag", "data_tensor", "gspmd")],
-    indirect=["partitioner"])
+@pytest.mark.parametrize(
+  "family,mesh_name,partitioner",
+  [
+    ("iso", "data_tensor", "shardy"),
+    ("diag", "data_fsdp_tensor", "shardy"),
+    ("diag", "data_tensor", "gspmd"),
+  ],
+  indirect=["partitioner"],
+)
 def test_sharded_jit_runs_per_shard(family, mesh_name, partitioner):
   del partitioner
   shape, names, batch = MESHES[mesh_name]
@@ -68,8 +78,9 @@ def test_sharded_jit_runs_per_shard(family, mesh_name, partitioner):
   args, mu, seg = _args(family)
   bth = lambda a: jax.device_put(a, NamedSharding(mesh, P(batch, None, "tensor")))
   sharded = [bth(a) for a in args] + [
-      jax.device_put(mu, NamedSharding(mesh, P("tensor"))),
-      jax.device_put(seg, NamedSharding(mesh, P(batch)))]
+    jax.device_put(mu, NamedSharding(mesh, P("tensor"))),
+    jax.device_put(seg, NamedSharding(mesh, P(batch))),
+  ]
   loss = _loss(family)
   grad = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(7))))
   want_val, want = grad(*args, mu, seg)
@@ -105,8 +116,9 @@ def test_inside_shard_map_without_vma_check():
   mesh = _mesh((2,), ("x",))
   args, _, _ = _args("diag")
   body = lambda *a: ops.diag_kdn(*a, impl="pallas")[0]
-  sm = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x"),
-                             check_vma=False))
+  sm = jax.jit(
+    jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x"), check_vma=False)
+  )
   np.testing.assert_allclose(sm(*args), jax.jit(body)(*args), rtol=2e-5, atol=2e-6)
 
 

@@ -1,6 +1,7 @@
 """pallas_kernels.warm_imports: after it, tracing a kernel imports no more of jax (jax 0.11.2 + CUDA
 registered a jit tracing-context value from such a lazy import inside the first train step, and
 the step compiled again at step 2; docs/decisions.md)."""
+
 import subprocess
 import sys
 
@@ -24,8 +25,9 @@ print(len(jax_config.trace_context()) - n_ctx)
 
 
 def _run(warm):
-  out = subprocess.run([sys.executable, "-c", _CODE.format(warm=warm)], capture_output=True,
-                       text=True, check=True)
+  out = subprocess.run(
+    [sys.executable, "-c", _CODE.format(warm=warm)], capture_output=True, text=True, check=True
+  )
   lines = out.stdout.strip().splitlines()
   return eval(lines[-2]), int(lines[-1])  # pylint: disable=eval-used
 

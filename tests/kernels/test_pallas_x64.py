@@ -2,12 +2,13 @@
 64-bit), CPU interpret mode: every kernel runs, the delta rule's and the gains' forward and
 backward stay within the fp32 bounds of the float64 loop, and every kernel gives the values it
 gives without x64."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 import test_pallas_delta_rule as tdr
 import test_pallas_gain as tg
+
 from pallas_kernels import kdn_gain
 from pallas_kernels.causal_conv1d import causal_conv1d
 from pallas_kernels.gated_norm import gated_rms_norm
@@ -19,10 +20,20 @@ def test_delta_rule_fwd_bwd_against_the_float64_loop():
   t = 37
   seg = tdr._segments(t, (5, 16), (30,))
   with jax.enable_x64(True):
-    tdr._check(tdr._inputs(21, 2, t, 2, 32, 16, jnp.float32, False, "normal"), seg, 1e-5, 1e-4,
-               vjp_primal=True)
-    tdr._check(tdr._inputs(22, 2, t, 2, 32, 16, jnp.float32, True, "strong",
-                           scalar_write=True), None, 1e-5, 1e-4, vjp_primal=True)
+    tdr._check(
+      tdr._inputs(21, 2, t, 2, 32, 16, jnp.float32, False, "normal"),
+      seg,
+      1e-5,
+      1e-4,
+      vjp_primal=True,
+    )
+    tdr._check(
+      tdr._inputs(22, 2, t, 2, 32, 16, jnp.float32, True, "strong", scalar_write=True),
+      None,
+      1e-5,
+      1e-4,
+      vjp_primal=True,
+    )
 
 
 def test_gains_fwd_bwd_against_the_float64_loop():
@@ -53,15 +64,24 @@ def test_layer_kernels_give_their_x64_off_values():
   mu, p0 = jnp.full((h,), 8.0, jnp.float32), 1 + jnp.abs(f32(b, h, kd))
   seg = jnp.asarray((np.arange(t)[None] >= np.array([[7], [30]])).astype(np.int32))
   cases = {
-      "conv_l2": (lambda x, w, c: causal_conv1d(x.astype(jnp.bfloat16), w, c, seg,
-                                                normalize=True), (x, w, cache)),
-      "conv": (lambda x, w, c: causal_conv1d(x, w, c, seg, activation=False), (x, w, cache)),
-      "norm": (lambda o, g, nw: gated_rms_norm(o, g, nw, 1e-6), (o, g, nw)),
-      "diag_fused": (lambda k, f, om, r: kdn_gain.diag_gain_fused(
-          k.astype(jnp.bfloat16), f, dtb, alog, om, r, 0.01, mu, p0, seg,
-          gain_dtype=jnp.bfloat16), (x, f, om, r)),
-      "iso_fused": (lambda k, f, om, r: kdn_gain.iso_gain_fused(
-          k, f, dtb, alog, om, r, 0.01, mu, p0[..., 0], seg), (x, f, om_iso, r)),
+    "conv_l2": (
+      lambda x, w, c: causal_conv1d(x.astype(jnp.bfloat16), w, c, seg, normalize=True),
+      (x, w, cache),
+    ),
+    "conv": (lambda x, w, c: causal_conv1d(x, w, c, seg, activation=False), (x, w, cache)),
+    "norm": (lambda o, g, nw: gated_rms_norm(o, g, nw, 1e-6), (o, g, nw)),
+    "diag_fused": (
+      lambda k, f, om, r: kdn_gain.diag_gain_fused(
+        k.astype(jnp.bfloat16), f, dtb, alog, om, r, 0.01, mu, p0, seg, gain_dtype=jnp.bfloat16
+      ),
+      (x, f, om, r),
+    ),
+    "iso_fused": (
+      lambda k, f, om, r: kdn_gain.iso_gain_fused(
+        k, f, dtb, alog, om, r, 0.01, mu, p0[..., 0], seg
+      ),
+      (x, f, om_iso, r),
+    ),
   }
   for name, (fn, args) in cases.items():
     want = _values_and_grads(fn, args)
@@ -70,5 +90,6 @@ def test_layer_kernels_give_their_x64_off_values():
     assert len(got) == len(want), name
     for a, c in zip(got, want):
       assert a.dtype == c.dtype and a.shape == c.shape, name
-      np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(c, np.float32),
-                                 rtol=1e-6, atol=1e-6, err_msg=name)
+      np.testing.assert_allclose(
+        np.asarray(a, np.float32), np.asarray(c, np.float32), rtol=1e-6, atol=1e-6, err_msg=name
+      )

@@ -1,17 +1,17 @@
 """The Mosaic-TPU kernels (BlockSpec tiles, carried state in VMEM scratch) in TPU interpret mode
 on CPU against the float64 oracles: outputs, final states and every gradient, at two block
 sizes, T not a multiple of the block, segments; and their VMEM budgets at a real size."""
-import numpy as np
-import pytest
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import tpu as pltpu
-
 import kdn_oracle
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+from test_pallas_gain import _diag_oracle, _inputs, _iso_oracle, _rel
+
 from pallas_kernels import diag_gain, iso_gain, tpu_common
 from pallas_kernels.kdn_gain import tpu as gain_tpu
-from test_pallas_gain import _diag_oracle, _inputs, _iso_oracle, _rel
 
 TPU = pltpu.InterpretParams()
 
@@ -34,7 +34,7 @@ def _outputs_and_grads(f, args, out_shapes, seed):
 def _segments(b, t, starts):
   seg = np.zeros((b, t), np.int32)
   for s in starts:
-    seg[0, s:] += 1          # batch row 0 has resets, row 1 none
+    seg[0, s:] += 1  # batch row 0 has resets, row 1 none
   return jnp.asarray(seg)
 
 
@@ -42,8 +42,8 @@ def _segments(b, t, starts):
 # decays, so the variance (and its gradient) carries across blocks. (The iso gain at block 16
 # in f32 runs in test_iso_kdn_impl_pallas_runs_the_tpu_kernels.)
 GAIN_CASES = [
-    (True, 37, 16, jnp.float32, (5, 21)),
-    (False, 45, 32, jnp.bfloat16, (33,)),      # 16-row groups (the bf16 sublane tile)
+  (True, 37, 16, jnp.float32, (5, 21)),
+  (False, 45, 32, jnp.bfloat16, (33,)),  # 16-row groups (the bf16 sublane tile)
 ]
 
 
@@ -54,11 +54,9 @@ def test_gain_tpu_matches_oracle(diag, t, block, dtype, starts):
   mu = jnp.asarray([kd, 4.0 * kd], jnp.float32)
   seg = _segments(b, t, starts) if starts else None
   fn = diag_gain if diag else iso_gain
-  f = lambda k, la, om, r, mu, p0: fn(k, la, om, r, mu, p0, seg, chunk_size=block,
-                                      interpret=TPU)
+  f = lambda k, la, om, r, mu, p0: fn(k, la, om, r, mu, p0, seg, chunk_size=block, interpret=TPU)
   args = (k, la, om, r, mu, p0)
-  (gain, pf), grads, cts = _outputs_and_grads(f, args, (la.shape if diag else r.shape, p0.shape),
-                                              1)
+  (gain, pf), grads, cts = _outputs_and_grads(f, args, (la.shape if diag else r.shape, p0.shape), 1)
   oracle = _diag_oracle if diag else _iso_oracle
   with jax.enable_x64(True):
     a64 = [jnp.asarray(np.asarray(x, np.float32), jnp.float64) for x in args]
@@ -73,8 +71,8 @@ def test_gain_tpu_matches_oracle(diag, t, block, dtype, starts):
 
 # (T, chunk, K, V, forward V block, segment starts in row 0, scalar decay)
 DELTA_CASES = [
-    (37, 16, 16, 32, 16, (5, 16, 30), False),   # two V blocks in the forward
-    (45, 32, 32, 16, None, (), True),           # no segments: the kernel's has_seg=False
+  (37, 16, 16, 32, 16, (5, 16, 30), False),  # two V blocks in the forward
+  (45, 32, 32, 16, None, (), True),  # no segments: the kernel's has_seg=False
 ]
 
 
@@ -85,6 +83,7 @@ def test_delta_rule_tpu_matches_oracle(t, chunk, kd, vd, block_v, starts, scalar
   from pallas_kernels import delta_rule  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import config as dr_config  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import tpu_forward  # pylint: disable=g-import-not-at-top
+
   if block_v:
     monkeypatch.setattr(tpu_forward, "BLOCK_V", block_v)
   dtype = jnp.float32
@@ -100,10 +99,12 @@ def test_delta_rule_tpu_matches_oracle(t, chunk, kd, vd, block_v, starts, scalar
   w = rng.normal(size=(b, t, h, kd)) / np.sqrt(kd) * 0.5
   s0 = rng.normal(size=(b, h, kd, vd))
   args = [jnp.asarray(x, jnp.float32).astype(dtype) for x in (q, k, v, la, w)] + [
-      jnp.asarray(s0, jnp.float32)]
+    jnp.asarray(s0, jnp.float32)
+  ]
   seg = _segments(b, t, starts) if starts else None
-  f = lambda q, k, v, la, w, s0: delta_rule(q, k, v, la, w, 0.7, s0, seg, chunk_size=chunk,
-                                            interpret=TPU)
+  f = lambda q, k, v, la, w, s0: delta_rule(
+    q, k, v, la, w, 0.7, s0, seg, chunk_size=chunk, interpret=TPU
+  )
   with dr_config.overridden(max_chunk=chunk):
     (o, sfin), grads, cts = _outputs_and_grads(f, args, (v.shape, s0.shape), 2)
 
@@ -128,19 +129,21 @@ def test_tile_bytes_pad_to_the_tpu_layout():
   assert tpu_common.tile_bytes((16, 1), jnp.bfloat16) == 16 * 128 * 2
   assert tpu_common.tile_bytes((24, 130), jnp.float32) == 24 * 256 * 4
   assert tpu_common.tile_bytes((3, 8, 128), jnp.int32) == 3 * 8 * 128 * 4
-  assert tpu_common.Block("x", (8, 128), jnp.float32).bytes == 2 * 8 * 128 * 4   # 2 buffers
+  assert tpu_common.Block("x", (8, 128), jnp.float32).bytes == 2 * 8 * 128 * 4  # 2 buffers
 
 
 def test_every_tpu_kernel_fits_16mib_of_vmem_at_real_size():
   """Issue 21: at B=4, T=16k, H=16, K=V=128 bf16 every TPU kernel's live VMEM (tiles double-
   buffered + scratch) is under 16 MiB, at the default blocks and the largest chunk."""
   from pallas_kernels import tpu_vmem  # pylint: disable=g-import-not-at-top
+
   for chunk in (None, 64):
     got = tpu_vmem.budgets(4, 16384, 16, 128, 128, jnp.bfloat16, chunk=chunk)
     assert len(got) == 6 and all(0 < n < 16 * 2**20 for n in got.values()), got
   # The budget does not grow with T (only the grid does).
   assert tpu_vmem.budgets(4, 1024, 16, 128, 128, jnp.bfloat16) == tpu_vmem.budgets(
-      4, 16384, 16, 128, 128, jnp.bfloat16)
+    4, 16384, 16, 128, 128, jnp.bfloat16
+  )
 
 
 def test_iso_kdn_impl_pallas_runs_the_tpu_kernels():
@@ -148,13 +151,19 @@ def test_iso_kdn_impl_pallas_runs_the_tpu_kernels():
   runs kdn_gain/tpu.py and delta_rule/tpu_*.py, and its loss and every gradient (q, k, v,
   log_alpha, omega, r, memory, variance, info_scale) match the float64 oracle on test_ops_grad's shared
   body, with segments; 'auto' keeps the XLA chunked path on TPU."""
-  from kdn_jax.ops import dispatch  # pylint: disable=g-import-not-at-top
   import test_ops_grad as og  # pylint: disable=g-import-not-at-top
-  from ops_cases import (make_inputs, make_state, rel_err,  # pylint: disable=g-import-not-at-top
-                         round_f32)
+  from ops_cases import (
+    make_inputs,
+    make_state,
+    rel_err,  # pylint: disable=g-import-not-at-top
+    round_f32,
+  )
+
+  from kdn_jax.ops import dispatch  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import tpu_backward  # pylint: disable=g-import-not-at-top
+
   assert dispatch.PALLAS_AUTO_PLATFORMS == ("gpu",)
-  b, t, vd = og.B, 37, 16      # V >= 16: the kernels' smallest width
+  b, t, vd = og.B, 37, 16  # V >= 16: the kernels' smallest width
   x = round_f32(make_inputs("iso", b, t, og.H, og.K, vd, seed=11))
   state = round_f32(dict(enumerate(make_state("iso", b, og.H, og.K, vd))))
   _, arrays = og._arrays("iso", x, (state[0], state[1]), og.H, og.K)  # + a per-head info_scale
@@ -171,16 +180,17 @@ def test_iso_kdn_impl_pallas_runs_the_tpu_kernels():
     for (m, n), fn in zip(spied, real):
       setattr(m, n, spy(n, fn))
     with pltpu.force_tpu_interpret_mode(TPU):
-      loss, got = jax.jit(jax.value_and_grad(og._loss_fn("iso", "pallas", seg),
-                                             argnums))(
-          *(jnp.asarray(a, jnp.float32) for a in arrays))
+      loss, got = jax.jit(jax.value_and_grad(og._loss_fn("iso", "pallas", seg), argnums))(
+        *(jnp.asarray(a, jnp.float32) for a in arrays)
+      )
   finally:
     for (m, n), fn in zip(spied, real):
       setattr(m, n, fn)
   assert sorted(calls) == ["delta_rule_backward", "gain_backward"], calls
   with jax.enable_x64(True):
     want_loss, want = jax.value_and_grad(og._oracle_loss("iso", seg, og.K), argnums)(
-        *(jnp.asarray(a, jnp.float64) for a in arrays))
+      *(jnp.asarray(a, jnp.float64) for a in arrays)
+    )
   assert rel_err(loss, want_loss) <= 1e-5
   for name, g, w in zip(og._arg_names("iso"), got, want):
     assert rel_err(g, w) <= 1e-4, (name, rel_err(g, w))

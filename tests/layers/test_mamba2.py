@@ -2,6 +2,7 @@
 parameter matching, and a tiny LM forward + grad. Chunked forward == step decode and packed segments ==
 separate sequences are checked for mamba2 by tests/test_layers.py (test_recurrent_mixer runs every
 recurrent mixer). Tiny shapes, CPU, a few compiled programs."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,88 +18,93 @@ from kdn_jax.models.config import analytic_non_embedding
 T = 12
 
 
-def _mixer(impl='chunked'):
-    cfg = model_config('tiny', mixer='mamba2', chunk_size=4, impl=impl)
-    return nnx.jit(lambda: Mamba2(cfg, rngs=nnx.Rngs(0)))()
+def _mixer(impl="chunked"):
+  cfg = model_config("tiny", mixer="mamba2", chunk_size=4, impl=impl)
+  return nnx.jit(lambda: Mamba2(cfg, rngs=nnx.Rngs(0)))()
 
 
 def _x(B, T_, seed=1):
-    return jax.random.normal(jax.random.key(seed), (B, T_, 64), jnp.float32)
+  return jax.random.normal(jax.random.key(seed), (B, T_, 64), jnp.float32)
 
 
 def _random_state(m, batch, seed=2):
-    rng = np.random.default_rng(seed)
-    return jax.tree.map(lambda a: jnp.asarray(0.3 * rng.standard_normal(a.shape), jnp.float32), m.init_state(batch))
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(
+    lambda a: jnp.asarray(0.3 * rng.standard_normal(a.shape), jnp.float32), m.init_state(batch)
+  )
 
 
 @nnx.jit
 def _core_inputs(m, x):
-    conv = m.init_state(x.shape[0])['conv']
-    q, _ = m.q_conv(m.q_proj(x), conv['q'])
-    k, _ = m.k_conv(m.k_proj(x), conv['k'])
-    v, _ = m.v_conv(m.v_proj(x), conv['v'])
-    return l2_normalize(q), l2_normalize(k), v, m._gates(x), m.decay(x)
+  conv = m.init_state(x.shape[0])["conv"]
+  q, _ = m.q_conv(m.q_proj(x), conv["q"])
+  k, _ = m.k_conv(m.k_proj(x), conv["k"])
+  v, _ = m.v_conv(m.v_proj(x), conv["v"])
+  return l2_normalize(q), l2_normalize(k), v, m._gates(x), m.decay(x)
 
 
 @nnx.jit
 def _core(m, q, k, v, gates, s0):
-    return m._core(q, k, v, gates, {'memory': s0}, None)
+  return m._core(q, k, v, gates, {"memory": s0}, None)
 
 
 def test_recurrence_matches_float64_loop():
-    m = _mixer()
-    x = _x(2, T, seed=5)
-    q, k, v, gates, g_call = _core_inputs(m, x)
-    np.testing.assert_array_equal(gates['g'], g_call)  # Decay.__call__ unchanged
-    assert gates['g'].shape == gates['dt'].shape == (2, T, 2)
-    A = np.exp(np.asarray(m.decay.A_log[...], np.float64))
-    np.testing.assert_allclose(gates['g'], -A * np.asarray(gates['dt'], np.float64), rtol=1e-6)
-    s0 = _random_state(m, 2)['memory']
+  m = _mixer()
+  x = _x(2, T, seed=5)
+  q, k, v, gates, g_call = _core_inputs(m, x)
+  np.testing.assert_array_equal(gates["g"], g_call)  # Decay.__call__ unchanged
+  assert gates["g"].shape == gates["dt"].shape == (2, T, 2)
+  A = np.exp(np.asarray(m.decay.A_log[...], np.float64))
+  np.testing.assert_allclose(gates["g"], -A * np.asarray(gates["dt"], np.float64), rtol=1e-6)
+  s0 = _random_state(m, 2)["memory"]
 
-    # float64 token loop: S_t = alpha_t S_{t-1} + dt_t k_t v_t^T, o_t = scale S_t^T q_t + D v_t
-    qd, kd, vd = (np.asarray(a, np.float64) for a in (q, k, v))
-    alpha, dt = np.exp(np.asarray(gates['g'], np.float64)), np.asarray(gates['dt'], np.float64)
-    D = np.asarray(m.D[...], np.float64)
-    S = np.asarray(s0, np.float64)
-    ref = np.zeros(vd.shape)
-    for t in range(T):
-        S = alpha[:, t, :, None, None] * S + dt[:, t, :, None, None] * kd[:, t, :, :, None] * vd[:, t, :, None, :]
-        ref[:, t] = m.scale * np.einsum('bhkv,bhk->bhv', S, qd[:, t]) + D[:, None] * vd[:, t]
-    assert m.scale == 32.0
+  # float64 token loop: S_t = alpha_t S_{t-1} + dt_t k_t v_t^T, o_t = scale S_t^T q_t + D v_t
+  qd, kd, vd = (np.asarray(a, np.float64) for a in (q, k, v))
+  alpha, dt = np.exp(np.asarray(gates["g"], np.float64)), np.asarray(gates["dt"], np.float64)
+  D = np.asarray(m.D[...], np.float64)
+  S = np.asarray(s0, np.float64)
+  ref = np.zeros(vd.shape)
+  for t in range(T):
+    S = (
+      alpha[:, t, :, None, None] * S
+      + dt[:, t, :, None, None] * kd[:, t, :, :, None] * vd[:, t, :, None, :]
+    )
+    ref[:, t] = m.scale * np.einsum("bhkv,bhk->bhv", S, qd[:, t]) + D[:, None] * vd[:, t]
+  assert m.scale == 32.0
 
-    for impl in ('reference', 'chunked'):
-        m.impl = impl
-        o, st = _core(m, q, k, v, gates, s0)
-        np.testing.assert_allclose(o, ref, atol=2e-4, rtol=1e-4, err_msg=impl)
-        np.testing.assert_allclose(st['memory'], S, atol=2e-5, rtol=1e-4, err_msg=impl)
-    # the skip D v is part of the output (zero D removes exactly that term)
-    m.D[...] = jnp.zeros_like(m.D[...])
-    o0, _ = _core(m, q, k, v, gates, s0)
-    np.testing.assert_allclose(o0, ref - D[:, None] * vd, atol=2e-4, rtol=1e-4)
+  for impl in ("reference", "chunked"):
+    m.impl = impl
+    o, st = _core(m, q, k, v, gates, s0)
+    np.testing.assert_allclose(o, ref, atol=2e-4, rtol=1e-4, err_msg=impl)
+    np.testing.assert_allclose(st["memory"], S, atol=2e-5, rtol=1e-4, err_msg=impl)
+  # the skip D v is part of the output (zero D removes exactly that term)
+  m.D[...] = jnp.zeros_like(m.D[...])
+  o0, _ = _core(m, q, k, v, gates, s0)
+  np.testing.assert_allclose(o0, ref - D[:, None] * vd, atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize('size', ['tiny', '125m'])
+@pytest.mark.parametrize("size", ["tiny", "125m"])
 def test_parameter_matched_to_kdn_diag(size):
-    ref = analytic_non_embedding(model_config(size))
-    n = analytic_non_embedding(model_config(size, mixer='mamba2'))
-    assert abs(n - ref) / ref < 0.01, (size, n, ref)
-    assert 'mamba2' in MIXERS
+  ref = analytic_non_embedding(model_config(size))
+  n = analytic_non_embedding(model_config(size, mixer="mamba2"))
+  assert abs(n - ref) / ref < 0.01, (size, n, ref)
+  assert "mamba2" in MIXERS
 
 
 def test_tiny_lm_forward_and_grad():
-    cfg = model_config('tiny', mixer='mamba2', chunk_size=4, impl='chunked', num_layers=1)
-    model = nnx.jit(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)))()
-    tokens = jax.random.randint(jax.random.key(0), (2, 13), 0, cfg.vocab_size, jnp.int32)
+  cfg = model_config("tiny", mixer="mamba2", chunk_size=4, impl="chunked", num_layers=1)
+  model = nnx.jit(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)))()
+  tokens = jax.random.randint(jax.random.key(0), (2, 13), 0, cfg.vocab_size, jnp.int32)
 
-    def loss_fn(mdl):
-        logits, _ = mdl(tokens[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+  def loss_fn(mdl):
+    logits, _ = mdl(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
-    loss, grads = nnx.jit(nnx.value_and_grad(loss_fn))(model)
-    assert np.isfinite(float(loss))
-    leaves = jax.tree.leaves(grads)
-    assert leaves and all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
-    mixer_grads = grads['blocks'][0]['mixer']
-    for name in ('A_log', 'dt_bias'):
-        assert float(jnp.abs(mixer_grads['decay'][name][...]).sum()) > 0, name
-    assert float(jnp.abs(mixer_grads['D'][...]).sum()) > 0
+  loss, grads = nnx.jit(nnx.value_and_grad(loss_fn))(model)
+  assert np.isfinite(float(loss))
+  leaves = jax.tree.leaves(grads)
+  assert leaves and all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
+  mixer_grads = grads["blocks"][0]["mixer"]
+  for name in ("A_log", "dt_bias"):
+    assert float(jnp.abs(mixer_grads["decay"][name][...]).sum()) > 0, name
+  assert float(jnp.abs(mixer_grads["D"][...]).sum()) > 0

@@ -1,6 +1,7 @@
 """Prefix states and generation from them: the LM's state after each prompt prefix (one forward)
 equals the state a forward over that prefix ends in; generation continuing from a cached prefix
 equals generation from the whole prompt; EOS stops each row; bad positions name the argument."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +15,7 @@ B, T = 2, 11
 
 
 def _model(pattern, seed=0):
-  cfg = model_config('tiny', layer_pattern=pattern, chunk_size=4)
+  cfg = model_config("tiny", layer_pattern=pattern, chunk_size=4)
   return cfg, LanguageModel(cfg, rngs=nnx.Rngs(seed))
 
 
@@ -26,7 +27,7 @@ def test_prefix_states_equal_forward_on_the_prefix():
   """Every layer's state (memory, variance, conv caches; a KDN and a delta-rule layer) after
   prefixes at a chunk end (4), inside a chunk just after a reset (7; row 1: no reset) and at T,
   with packed segments, against the forward on tokens[:, :p]; logits too."""
-  cfg, model = _model('kdn_diag,kda')
+  cfg, model = _model("kdn_diag,kda")
   tokens = _tokens(cfg.vocab_size)
   seg = jnp.asarray(np.array([[0] * 6 + [1] * 5, [0] * 11]), jnp.int32)
   positions = np.array([4, 7, 11])
@@ -41,42 +42,45 @@ def test_prefix_states_equal_forward_on_the_prefix():
   assert logits.shape == (B, len(positions), cfg.vocab_size)
   for i, (lg, states) in enumerate(full):
     np.testing.assert_allclose(logits[:, i], lg[:, -1], atol=1e-5, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5),
-                 cache_at(caches, i), states)
+    jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5),
+      cache_at(caches, i),
+      states,
+    )
 
 
 def test_generation_from_cached_prefix_equals_whole_prompt():
   """Prefix states of one forward, then generation continuing after prefix p (with the prompt's
   rest, and from the prefix's logits when p = T) equals generation from the whole prompt."""
-  cfg, model = _model('kdn_diag,kdn_iso', seed=1)
+  cfg, model = _model("kdn_diag,kdn_iso", seed=1)
   prompt = _tokens(cfg.vocab_size, seed=2)
   want = generate(model, prompt, 5)
   logits, caches = nnx.jit(lambda m, t: m.prefix_states(t, np.array([6, T])))(model, prompt)
   mid = generate(model, prompt[:, 6:], 5, cache=cache_at(caches, 0))
-  np.testing.assert_array_equal(mid[:, T - 6:], want[:, T:])
+  np.testing.assert_array_equal(mid[:, T - 6 :], want[:, T:])
   end = generate(model, prompt[:, :0], 5, cache=cache_at(caches, 1), last_logits=logits[:, 1])
   np.testing.assert_array_equal(end, want[:, T:])
 
 
 def test_generation_stops_at_eos_per_row():
-  cfg, model = _model('kdn_diag,kdn_iso', seed=1)
+  cfg, model = _model("kdn_diag,kdn_iso", seed=1)
   prompt = _tokens(cfg.vocab_size, seed=2)
   free = generate(model, prompt, 6)
-  eos = int(free[0, T + 2])   # row 0 emits it as its third token
+  eos = int(free[0, T + 2])  # row 0 emits it as its third token
   out, stats = generate(model, prompt, 6, eos_id=eos, pad_id=-1, return_stats=True)
   for row in range(B):
     gen = np.asarray(free[row, T:])
     stop = int(np.argmax(gen == eos)) + 1 if np.any(gen == eos) else len(gen)
-    np.testing.assert_array_equal(out[row, T:T + stop], gen[:stop])
-    assert np.all(np.asarray(out[row, T + stop:]) == -1)
+    np.testing.assert_array_equal(out[row, T : T + stop], gen[:stop])
+    assert np.all(np.asarray(out[row, T + stop :]) == -1)
     assert stats.generated[row] == stop
   assert stats.tokens_per_s > 0 and stats.time_to_first_token_s > 0
 
 
 def test_prefix_states_bad_positions_name_the_argument():
-  cfg, model = _model('kdn_diag,kdn_iso')
+  cfg, model = _model("kdn_diag,kdn_iso")
   tokens = _tokens(cfg.vocab_size)
-  with pytest.raises(ValueError, match=r'prefix_states: output_states_at must lie in \[1, T\]'):
+  with pytest.raises(ValueError, match=r"prefix_states: output_states_at must lie in \[1, T\]"):
     model.prefix_states(tokens, [0, 3])
   with pytest.raises(NotImplementedError, match="mixer 'swa'"):
-    _model('kdn_diag,swa')[1].prefix_states(tokens, [3])
+    _model("kdn_diag,swa")[1].prefix_states(tokens, [3])

@@ -2,12 +2,12 @@
 
 import jax
 import jax.numpy as jnp
+import kdn_oracle
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-import kdn_oracle
 from kdn_jax import ops
 
 
@@ -18,18 +18,23 @@ def _positive(t):
 # Lengths from a fixed set (T = 1, odd, powers of two and around them): each new length compiles
 # the scan again, which was most of this test's 43 s with any length in 1..40.
 @settings(max_examples=40, deadline=None)
-@given(st.sampled_from([1, 2, 3, 7, 16, 33, 40]).flatmap(
-    lambda t: st.tuples(_positive(t), _positive(t), _positive(t),
-                        _positive(t))), st.floats(0.0, 5.0), st.booleans())
+@given(
+  st.sampled_from([1, 2, 3, 7, 16, 33, 40]).flatmap(
+    lambda t: st.tuples(_positive(t), _positive(t), _positive(t), _positive(t))
+  ),
+  st.floats(0.0, 5.0),
+  st.booleans(),
+)
 def test_scan_equals_sequential_map(abcd, x0, reverse):
   a, b, c, d = abcd
   with jax.enable_x64(True):
-    got = np.asarray(ops.mobius_scan(*(jnp.asarray(v[None]) for v in abcd),
-                                     jnp.asarray([x0]), axis=1,
-                                     reverse=reverse))[0]
+    got = np.asarray(
+      ops.mobius_scan(
+        *(jnp.asarray(v[None]) for v in abcd), jnp.asarray([x0]), axis=1, reverse=reverse
+      )
+    )[0]
   if reverse:
-    want = kdn_oracle.mobius_sequential(a[::-1], b[::-1], c[::-1], d[::-1],
-                                        x0)[::-1]
+    want = kdn_oracle.mobius_sequential(a[::-1], b[::-1], c[::-1], d[::-1], x0)[::-1]
   else:
     want = kdn_oracle.mobius_sequential(a, b, c, d, x0)
   np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
@@ -43,8 +48,8 @@ def test_broadcast_x0_and_other_axis():
   for i in range(3):
     for j in range(2):
       want = kdn_oracle.mobius_sequential(
-          *(np.asarray(m[i, j], np.float64) for m in (a, b, c, d)),
-          float(x0[j]))
+        *(np.asarray(m[i, j], np.float64) for m in (a, b, c, d)), float(x0[j])
+      )
       np.testing.assert_allclose(got[i, j], want, rtol=2e-6)
 
 
@@ -76,8 +81,7 @@ def test_variance_scans_match_token_loop():
   mu = np.array([1.0, 8.0, 32.0])
   p0 = 0.5 + rng.random((b, h, k))
   with jax.enable_x64(True):
-    p_hat, p = ops.diag_variance_scan(*map(jnp.asarray, (kk, la, om, r, mu,
-                                                         p0)))
+    p_hat, p = ops.diag_variance_scan(*map(jnp.asarray, (kk, la, om, r, mu, p0)))
   pp, want_hat, want = p0, [], []
   for i in range(t):
     ph = np.exp(2 * la[:, i]) * pp + om[:, i]
@@ -89,8 +93,7 @@ def test_variance_scans_match_token_loop():
   # Isotropic: scalar per head.
   om_i, b0 = om[..., 0], p0[..., 0]
   with jax.enable_x64(True):
-    b_hat, bb = ops.iso_variance_scan(*map(jnp.asarray, (kk, la, om_i, r, mu,
-                                                         b0)))
+    b_hat, bb = ops.iso_variance_scan(*map(jnp.asarray, (kk, la, om_i, r, mu, b0)))
   bp, want = b0, []
   for i in range(t):
     bh = np.mean(np.exp(2 * la[:, i]), -1) * bp + om_i[:, i]

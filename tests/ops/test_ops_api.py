@@ -7,24 +7,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
-
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 from ops_cases import make_inputs, rel_err, run
-from kdn_jax import ops
+
 import pallas_kernels
+from kdn_jax import ops
 
 B, T, H, K, V = 2, 40, 4, 16, 8
 
 
 def _inputs(family="diag", dtype=jnp.float32, t=T):
   x = make_inputs(family, B, t, H, K, V, seed=21)
-  return {k: (jnp.asarray(v, dtype) if isinstance(v, np.ndarray) else v)
-          for k, v in x.items()}
+  return {k: (jnp.asarray(v, dtype) if isinstance(v, np.ndarray) else v) for k, v in x.items()}
 
 
 def _diag(x, **kw):
-  return ops.diag_kdn(x["q"], x["k"], x["v"], x["log_alpha"], x["omega"],
-                      x["r"], **kw)
+  return ops.diag_kdn(x["q"], x["k"], x["v"], x["log_alpha"], x["omega"], x["r"], **kw)
 
 
 @pytest.mark.parametrize("impl", ["reference", "chunked"])
@@ -42,13 +41,12 @@ def test_bfloat16_inputs_pallas(family):
   """The Pallas path takes 16-bit inputs as they are (no fp32 copies; the kernels compute in
   fp32): outputs and every input's gradient (in the input's dtype) within bf16 rounding of the
   same inputs given in fp32."""
-  x = make_inputs(family, B, T, H, K, 16, seed=23)   # (the kernels take V >= 16)
+  x = make_inputs(family, B, T, H, K, 16, seed=23)  # (the kernels take V >= 16)
   names = ("q", "k", "v", "log_alpha", "omega", "r")
   fn = ops.diag_kdn if family == "diag" else ops.iso_kdn
 
   def loss(args, ct):
-    o, st = fn(*args, info_scale=x["mu"], impl="pallas", chunk_size=16,
-               output_final_state=True)
+    o, st = fn(*args, info_scale=x["mu"], impl="pallas", chunk_size=16, output_final_state=True)
     return jnp.sum(o.astype(jnp.float32) * ct) + jnp.sum(st.variance)
 
   ct = jnp.asarray(np.random.default_rng(0).normal(size=(B, T, H, 16)), jnp.float32)
@@ -84,8 +82,7 @@ def test_jit_vmap_grad_compose():
   np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-6)
   # The jitted gradient against the token loop's (held to the float64 oracle
   # in test_ops_grad).
-  loss = lambda impl: lambda q: jnp.sum(
-      _diag(dict(x, q=q), impl=impl)[0] ** 2)
+  loss = lambda impl: lambda q: jnp.sum(_diag(dict(x, q=q), impl=impl)[0] ** 2)
   g = jax.jit(jax.grad(loss("chunked")))(x["q"])
   assert rel_err(g, jax.grad(loss("reference"))(x["q"])) <= 1e-5
 
@@ -99,70 +96,100 @@ def test_shard_map(axis):
   x = _inputs()
   spec4 = P(None, None, "x", None) if axis == "heads" else P("x")
   spec3 = P(None, None, "x") if axis == "heads" else P("x")
-  specs = tuple(spec3 if n == "r" else spec4
-                for n in ("q", "k", "v", "log_alpha", "omega", "r"))
+  specs = tuple(spec3 if n == "r" else spec4 for n in ("q", "k", "v", "log_alpha", "omega", "r"))
 
   def body(q, k, v, la, om, r):
     # Per-device heads get their own info_scale slice only if mu is per head;
     # a float mu is the same everywhere.
-    return ops.diag_kdn(q, k, v, la, om, r, info_scale=float(K),
-                        impl="chunked")[0]
+    return ops.diag_kdn(q, k, v, la, om, r, info_scale=float(K), impl="chunked")[0]
 
-  sharded = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs,
-                                  out_specs=spec4))
+  sharded = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=spec4))
   args = [x[n] for n in ("q", "k", "v", "log_alpha", "omega", "r")]
-  np.testing.assert_allclose(sharded(*args), _diag(x, impl="chunked")[0],
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(sharded(*args), _diag(x, impl="chunked")[0], rtol=1e-5, atol=1e-6)
 
 
 BAD_INPUTS = [
-    (lambda x: _diag(dict(x, q=x["q"][0])), ValueError, "q must have rank 4"),
-    (lambda x: _diag(dict(x, k=x["k"][:, :-1])), ValueError, "k must have shape"),
-    (lambda x: _diag(dict(x, v=x["v"][:1])), ValueError, "v must have shape"),
-    (lambda x: _diag(dict(x, r=x["r"][..., :2])), ValueError, "r must have shape"),
-    (lambda x: _diag(dict(x, omega=x["omega"][..., 0])), ValueError,
-     "omega must have shape"),
-    (lambda x: _diag(dict(x, q=x["q"].astype(jnp.int32))), TypeError,
-     "q must be a floating array"),
-    (lambda x: _diag(x, info_scale=0.0), ValueError, "info_scale (mu) must be > 0"),
-    (lambda x: _diag(x, info_scale=-1.0), ValueError, "info_scale (mu) must be > 0"),
-    (lambda x: _diag(x, info_scale=np.ones(H + 1)), ValueError,
-     "info_scale must be a float or an array of shape [H]"),
-    (lambda x: _diag(x, impl="cuda"), ValueError,
-     "impl='cuda' is not one of auto, reference, chunked, pallas"),
-    (lambda x: _diag(x, chunk_size=40), ValueError, "chunk_size"),
-    (lambda x: _diag(x, segment_ids=jnp.zeros((B, T + 1), jnp.int32)),
-     ValueError, "segment_ids must have shape [B, T]"),
-    (lambda x: _diag(x, segment_ids=jnp.zeros((B, T))), TypeError,
-     "segment_ids must be integers"),
-    (lambda x: _diag(x, initial_state=ops.KDNState(jnp.zeros((B, H, K, V)),
-                                                   jnp.ones((B, H)))),
-     ValueError, "initial_state.variance must have shape"),
-    (lambda x: ops.delta_rule(x["q"], x["k"], x["v"], x["log_alpha"][..., :3],
-                              x["k"]), ValueError, "log_alpha must have shape"),
-    (lambda x: ops.delta_rule(x["q"], x["k"], x["v"], x["log_alpha"], x["k"][..., :1]),
-     ValueError, "write must have shape [B, T, H, K] = (2, 40, 4, 16) (a direction) or "
-     "[B, T, H] = (2, 40, 4) (a scalar beta: write = beta k), got (2, 40, 4, 1)"),
-    (lambda x: ops.iso_kdn(x["q"], x["k"], x["v"], x["log_alpha"], x["omega"],
-                           x["r"]), ValueError, "omega must have shape [B, T, H]"),
-    # An explicit impl='pallas' never falls back to chunked: it names the value.
-    (lambda x: ops.delta_rule(*(jnp.zeros((1, 4, 1, 300)),) * 5, impl="pallas"), ValueError,
-     "delta_rule: impl='pallas': K (key width) = 300 is not supported by the Pallas kernels "
-     "(at most 128)"),
-    # Grouped value heads: v's heads a multiple of q's and k's.
-    (lambda x: ops.kda(x["q"][:, :, :3], x["k"][:, :, :3], x["v"], x["log_alpha"], x["r"]),
-     ValueError, "kda: v has 4 heads and q, k have 3: grouped value heads need the value heads "
-     "to be a multiple of the query/key heads"),
-    (lambda x: _diag(dict(x, v=x["v"][:, :, :2])), ValueError, "diag_kdn: v has 2 heads and q, "
-     "k have 4"),
-    (lambda x: ops.iso_kdn_step(*(x[n][:, 0, :3] for n in ("q", "k")), *(
-        x[n][:, 0] for n in ("v", "log_alpha", "r", "r")), ops.KDNState(
-            jnp.zeros((B, H, K, V)), jnp.ones((B, H)))),
-     ValueError, "iso_kdn_step: v has 4 heads and q, k have 3"),
-    (lambda x: ops.delta_rule(x["q"], x["k"], x["q"], x["log_alpha"], x["k"],
-                              impl="pallas", chunk_size=8), ValueError,
-     "chunk_size = 8 is not supported by the Pallas kernels (supported: 16, "
-     "32, 64, 128 or None)"),
+  (lambda x: _diag(dict(x, q=x["q"][0])), ValueError, "q must have rank 4"),
+  (lambda x: _diag(dict(x, k=x["k"][:, :-1])), ValueError, "k must have shape"),
+  (lambda x: _diag(dict(x, v=x["v"][:1])), ValueError, "v must have shape"),
+  (lambda x: _diag(dict(x, r=x["r"][..., :2])), ValueError, "r must have shape"),
+  (lambda x: _diag(dict(x, omega=x["omega"][..., 0])), ValueError, "omega must have shape"),
+  (lambda x: _diag(dict(x, q=x["q"].astype(jnp.int32))), TypeError, "q must be a floating array"),
+  (lambda x: _diag(x, info_scale=0.0), ValueError, "info_scale (mu) must be > 0"),
+  (lambda x: _diag(x, info_scale=-1.0), ValueError, "info_scale (mu) must be > 0"),
+  (
+    lambda x: _diag(x, info_scale=np.ones(H + 1)),
+    ValueError,
+    "info_scale must be a float or an array of shape [H]",
+  ),
+  (
+    lambda x: _diag(x, impl="cuda"),
+    ValueError,
+    "impl='cuda' is not one of auto, reference, chunked, pallas",
+  ),
+  (lambda x: _diag(x, chunk_size=40), ValueError, "chunk_size"),
+  (
+    lambda x: _diag(x, segment_ids=jnp.zeros((B, T + 1), jnp.int32)),
+    ValueError,
+    "segment_ids must have shape [B, T]",
+  ),
+  (lambda x: _diag(x, segment_ids=jnp.zeros((B, T))), TypeError, "segment_ids must be integers"),
+  (
+    lambda x: _diag(x, initial_state=ops.KDNState(jnp.zeros((B, H, K, V)), jnp.ones((B, H)))),
+    ValueError,
+    "initial_state.variance must have shape",
+  ),
+  (
+    lambda x: ops.delta_rule(x["q"], x["k"], x["v"], x["log_alpha"][..., :3], x["k"]),
+    ValueError,
+    "log_alpha must have shape",
+  ),
+  (
+    lambda x: ops.delta_rule(x["q"], x["k"], x["v"], x["log_alpha"], x["k"][..., :1]),
+    ValueError,
+    "write must have shape [B, T, H, K] = (2, 40, 4, 16) (a direction) or "
+    "[B, T, H] = (2, 40, 4) (a scalar beta: write = beta k), got (2, 40, 4, 1)",
+  ),
+  (
+    lambda x: ops.iso_kdn(x["q"], x["k"], x["v"], x["log_alpha"], x["omega"], x["r"]),
+    ValueError,
+    "omega must have shape [B, T, H]",
+  ),
+  # An explicit impl='pallas' never falls back to chunked: it names the value.
+  (
+    lambda x: ops.delta_rule(*(jnp.zeros((1, 4, 1, 300)),) * 5, impl="pallas"),
+    ValueError,
+    "delta_rule: impl='pallas': K (key width) = 300 is not supported by the Pallas kernels "
+    "(at most 128)",
+  ),
+  # Grouped value heads: v's heads a multiple of q's and k's.
+  (
+    lambda x: ops.kda(x["q"][:, :, :3], x["k"][:, :, :3], x["v"], x["log_alpha"], x["r"]),
+    ValueError,
+    "kda: v has 4 heads and q, k have 3: grouped value heads need the value heads "
+    "to be a multiple of the query/key heads",
+  ),
+  (
+    lambda x: _diag(dict(x, v=x["v"][:, :, :2])),
+    ValueError,
+    "diag_kdn: v has 2 heads and q, k have 4",
+  ),
+  (
+    lambda x: ops.iso_kdn_step(
+      *(x[n][:, 0, :3] for n in ("q", "k")),
+      *(x[n][:, 0] for n in ("v", "log_alpha", "r", "r")),
+      ops.KDNState(jnp.zeros((B, H, K, V)), jnp.ones((B, H))),
+    ),
+    ValueError,
+    "iso_kdn_step: v has 4 heads and q, k have 3",
+  ),
+  (
+    lambda x: ops.delta_rule(
+      x["q"], x["k"], x["q"], x["log_alpha"], x["k"], impl="pallas", chunk_size=8
+    ),
+    ValueError,
+    "chunk_size = 8 is not supported by the Pallas kernels (supported: 16, 32, 64, 128 or None)",
+  ),
 ]
 
 
@@ -192,7 +219,8 @@ def test_pallas_delta_rule_scale_forms_agree():
   # The kernels' own entry point takes a traced scale too.
   s0 = jnp.zeros((b, h, d, d))
   o_kernel = jax.jit(lambda s: pallas_kernels.delta_rule(q, k, v, la, w, s, s0)[0])(
-      jnp.float32(0.37))
+    jnp.float32(0.37)
+  )
   assert o_traced.dtype == o_kernel.dtype == jnp.bfloat16
   for o in (o_traced, o_chunked, o_kernel):
     assert rel_err(o, o_py) <= 5e-3, rel_err(o, o_py)
@@ -202,6 +230,7 @@ def test_auto_falls_back_with_the_reason_logged_once(monkeypatch, caplog):
   """'auto' on a Pallas platform runs chunked for widths the kernels lack and
   says why, once per (op, reason); supported widths get the kernels."""
   from kdn_jax.ops import dispatch  # pylint: disable=g-import-not-at-top
+
   monkeypatch.setattr(dispatch, "PALLAS_AUTO_PLATFORMS", (jax.default_backend(),))
   monkeypatch.setattr(dispatch, "_FALLBACKS_LOGGED", set())
   caplog.set_level(logging.WARNING)
@@ -213,14 +242,16 @@ def test_auto_falls_back_with_the_reason_logged_once(monkeypatch, caplog):
   assert dispatch.resolve_impl("diag_kdn", "auto", 16, 16, 8) == "chunked"
   msgs = [r.getMessage() for r in caplog.records if "impl='auto'" in r.getMessage()]
   assert msgs == [
-      "diag_kdn: impl='auto' uses 'chunked': K (key width) = 256 is not "
-      "supported by the Pallas kernels (at most 128)",
-      "diag_kdn: impl='auto' uses 'chunked': chunk_size = 8 is not supported "
-      "by the Pallas kernels (supported: 16, 32, 64, 128 or None)"], msgs
+    "diag_kdn: impl='auto' uses 'chunked': K (key width) = 256 is not "
+    "supported by the Pallas kernels (at most 128)",
+    "diag_kdn: impl='auto' uses 'chunked': chunk_size = 8 is not supported "
+    "by the Pallas kernels (supported: 16, 32, 64, 128 or None)",
+  ], msgs
   # Through an op: chunk_size = 8 under 'auto' gives the chunked result.
   x = _inputs()
-  np.testing.assert_array_equal(_diag(x, impl="auto", chunk_size=8)[0],
-                                _diag(x, impl="chunked", chunk_size=8)[0])
+  np.testing.assert_array_equal(
+    _diag(x, impl="auto", chunk_size=8)[0], _diag(x, impl="chunked", chunk_size=8)[0]
+  )
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's 'auto' rule")
@@ -228,6 +259,7 @@ def test_auto_on_cpu_is_the_token_loop_while_its_states_are_small(monkeypatch):
   """CPU: 'auto' runs 'reference' up to CPU_REFERENCE_MAX_STATE_BYTES of per-token states
   (B*T*H*K*V fp32), 'chunked' past it; explicit impls and calls without a size are unchanged."""
   from kdn_jax.ops import dispatch  # pylint: disable=g-import-not-at-top
+
   limit = dispatch.CPU_REFERENCE_MAX_STATE_BYTES
   assert dispatch.resolve_impl("diag_kdn", "auto", 32, 32, None, limit) == "reference"
   assert dispatch.resolve_impl("diag_kdn", "auto", 32, 32, None, limit + 1) == "chunked"
@@ -235,13 +267,17 @@ def test_auto_on_cpu_is_the_token_loop_while_its_states_are_small(monkeypatch):
   assert dispatch.resolve_impl("diag_kdn", "chunked", 32, 32, None, 1) == "chunked"
   x = _inputs()
   ref, chunked = _diag(x, impl="reference")[0], _diag(x, impl="chunked")[0]
-  assert not np.array_equal(ref, chunked)  # (the two differ in rounding: the test can tell them apart)
+  assert not np.array_equal(
+    ref, chunked
+  )  # (the two differ in rounding: the test can tell them apart)
   np.testing.assert_array_equal(_diag(x, impl="auto")[0], ref)
   monkeypatch.setattr(dispatch, "CPU_REFERENCE_MAX_STATE_BYTES", 4 * B * T * H * K * V - 1)
   np.testing.assert_array_equal(_diag(x, impl="auto")[0], chunked)
-  g = (x["log_alpha"][..., 0], jax.nn.sigmoid(x["r"]))   # gated delta rule: g [B,T,H], beta [B,T,H]
-  np.testing.assert_array_equal(ops.gated_delta_rule(x["q"], x["k"], x["v"], *g, impl="auto")[0],
-                                ops.gated_delta_rule(x["q"], x["k"], x["v"], *g, impl="chunked")[0])
+  g = (x["log_alpha"][..., 0], jax.nn.sigmoid(x["r"]))  # gated delta rule: g [B,T,H], beta [B,T,H]
+  np.testing.assert_array_equal(
+    ops.gated_delta_rule(x["q"], x["k"], x["v"], *g, impl="auto")[0],
+    ops.gated_delta_rule(x["q"], x["k"], x["v"], *g, impl="chunked")[0],
+  )
 
 
 def test_pallas_limits_match_the_kernels():
@@ -259,30 +295,56 @@ def test_pallas_limits_match_the_kernels():
 # before any impl, so the cheapest to compile (reference) runs them.
 R = dict(checked=True, impl="reference")
 BAD_VALUES = [
-    (lambda x: _diag(dict(x, r=x["r"].at[0, 2, 1].set(-0.5)), **R),
-     "diag_kdn: r must be > 0; got 1 bad value(s), first -0.5"),
-    (lambda x: _diag(dict(x, r=x["r"].at[1, 0, 0].set(jnp.nan)), **R),
-     "diag_kdn: r must be > 0; got 1 bad value(s), first nan"),
-    (lambda x: _diag(dict(x, log_alpha=x["log_alpha"].at[0, 2].set(0.25)),
-                     **R),
-     f"diag_kdn: log_alpha must be <= 0; got {H * K} bad value(s), first 0.25"),
-    (lambda x: ops.iso_kdn(x["q"], x["k"], x["v"], x["log_alpha"],
-                           -x["r"], x["r"], **R),
-     "iso_kdn: omega must be >= 0"),
-    (lambda x: _diag(x, initial_state=ops.KDNState(
-        jnp.zeros((B, H, K, V)), jnp.zeros((B, H, K))), **R),
-     "diag_kdn: initial_state.variance must be > 0"),
-    (lambda x: ops.kda(x["q"], x["k"], x["v"], -x["log_alpha"], x["r"],
-                       **R), "kda: g (log decay) must be <= 0"),
-    (lambda x: ops.delta_rule(x["q"], x["k"], x["v"], -x["log_alpha"], x["k"],
-                              **R), "delta_rule: log_alpha must be <= 0"),
-    (lambda x: ops.gla_step(x["q"][:, 0], x["k"][:, 0], x["v"][:, 0],
-                            -x["log_alpha"][:, 0], jnp.zeros((B, H, K, V)),
-                            checked=True), "gla_step: g (log decay) must be <= 0"),
-    (lambda x: ops.diag_kdn_step(
-        *(x[n][:, 0] for n in ("q", "k", "v", "log_alpha", "omega")),
-        -x["r"][:, 0], ops.KDNState(jnp.zeros((B, H, K, V)), jnp.ones((B, H, K))),
-        checked=True), "diag_kdn_step: r must be > 0"),
+  (
+    lambda x: _diag(dict(x, r=x["r"].at[0, 2, 1].set(-0.5)), **R),
+    "diag_kdn: r must be > 0; got 1 bad value(s), first -0.5",
+  ),
+  (
+    lambda x: _diag(dict(x, r=x["r"].at[1, 0, 0].set(jnp.nan)), **R),
+    "diag_kdn: r must be > 0; got 1 bad value(s), first nan",
+  ),
+  (
+    lambda x: _diag(dict(x, log_alpha=x["log_alpha"].at[0, 2].set(0.25)), **R),
+    f"diag_kdn: log_alpha must be <= 0; got {H * K} bad value(s), first 0.25",
+  ),
+  (
+    lambda x: ops.iso_kdn(x["q"], x["k"], x["v"], x["log_alpha"], -x["r"], x["r"], **R),
+    "iso_kdn: omega must be >= 0",
+  ),
+  (
+    lambda x: _diag(
+      x, initial_state=ops.KDNState(jnp.zeros((B, H, K, V)), jnp.zeros((B, H, K))), **R
+    ),
+    "diag_kdn: initial_state.variance must be > 0",
+  ),
+  (
+    lambda x: ops.kda(x["q"], x["k"], x["v"], -x["log_alpha"], x["r"], **R),
+    "kda: g (log decay) must be <= 0",
+  ),
+  (
+    lambda x: ops.delta_rule(x["q"], x["k"], x["v"], -x["log_alpha"], x["k"], **R),
+    "delta_rule: log_alpha must be <= 0",
+  ),
+  (
+    lambda x: ops.gla_step(
+      x["q"][:, 0],
+      x["k"][:, 0],
+      x["v"][:, 0],
+      -x["log_alpha"][:, 0],
+      jnp.zeros((B, H, K, V)),
+      checked=True,
+    ),
+    "gla_step: g (log decay) must be <= 0",
+  ),
+  (
+    lambda x: ops.diag_kdn_step(
+      *(x[n][:, 0] for n in ("q", "k", "v", "log_alpha", "omega")),
+      -x["r"][:, 0],
+      ops.KDNState(jnp.zeros((B, H, K, V)), jnp.ones((B, H, K))),
+      checked=True,
+    ),
+    "diag_kdn_step: r must be > 0",
+  ),
 ]
 
 
@@ -308,8 +370,10 @@ def test_checked_mode_traced_info_scale_and_gradients():
 
   grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=(2, 3))
   mu = jnp.full((H,), float(K))
-  with pytest.raises(ops.InvalidValueError, match=re.escape(
-      "diag_kdn: info_scale must be > 0; got 1 bad value(s), first -1.0")):
+  with pytest.raises(
+    ops.InvalidValueError,
+    match=re.escape("diag_kdn: info_scale must be > 0; got 1 bad value(s), first -1.0"),
+  ):
     ops.checked(grad)(x, mu.at[2].set(-1.0), "reference", True)
   got = ops.checked(grad)(x, mu, "pallas", True)
   want = grad(x, mu, "reference", False)

@@ -4,9 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ops_cases import FAMILIES, make_inputs, make_state, oracle, rel_err, round_f32, run
 
-from ops_cases import (FAMILIES, make_inputs, make_state, oracle, rel_err,
-                       round_f32, run)
 from kdn_jax import ops
 
 IMPLS = ("reference", "chunked", "pallas")
@@ -14,15 +13,14 @@ B, H, K, V = 2, 2, 32, 16  # K != V, B*H > 1, widths the Pallas kernels take
 # Pallas runs in interpret mode on CPU (~1 s a call): it gets one length inside
 # its first chunk and one crossing chunk edges (chunk 16) with a partial last
 # chunk, not every length.
-LENGTHS = {"reference": (1, 7, 64, 65, 300), "chunked": (1, 7, 64, 65, 300),
-           "pallas": (1, 40)}
+LENGTHS = {"reference": (1, 7, 64, 65, 300), "chunked": (1, 7, 64, 65, 300), "pallas": (1, 40)}
 
 
-def check(family, x, impl, *, state=None, segment_ids=None, chunk_size=32,
-          tol=1e-5, jit=False):
+def check(family, x, impl, *, state=None, segment_ids=None, chunk_size=32, tol=1e-5, jit=False):
   x = round_f32(x)
-  o, final = run(family, x, impl, state=state, segment_ids=segment_ids,
-                 chunk_size=chunk_size, jit=jit)
+  o, final = run(
+    family, x, impl, state=state, segment_ids=segment_ids, chunk_size=chunk_size, jit=jit
+  )
   o_ref, final_ref = oracle(family, x, state=state, segment_ids=segment_ids)
   assert np.all(np.isfinite(o)) and all(np.all(np.isfinite(f)) for f in final)
   assert rel_err(o, o_ref) <= tol, ("output", rel_err(o, o_ref))
@@ -47,8 +45,7 @@ def test_packed_segments_match_token_loop(family, impl):
   seg = np.zeros((B, t), np.int32)
   seg[0, 5:40], seg[0, 40:41], seg[0, 41:] = 1, 2, 3  # boundaries inside chunks
   seg[1, 33:] = 1
-  check(family, x, impl, state=make_state(family, B, H, K, V),
-        segment_ids=jnp.asarray(seg))
+  check(family, x, impl, state=make_state(family, B, H, K, V), segment_ids=jnp.asarray(seg))
 
 
 # Head widths the Pallas kernels do not take as they are (ops/widths.py pads K and V and splits V
@@ -57,8 +54,11 @@ def test_packed_segments_match_token_loop(family, impl):
 # (its mean over K), per-channel and scalar decays, V = 256 as two tiles; its K stops at 128
 # (K = 256 runs on chunked: the backward does not fit an H100's shared memory).
 WIDTHS = ((8, 96), (48, 256), (96, 8), (256, 48))
-WIDTH_CASES = [(f, impl, WIDTHS[(i + shift) % 4]) for shift, impl in enumerate(IMPLS[::-1])
-               for i, f in enumerate(FAMILIES)]
+WIDTH_CASES = [
+  (f, impl, WIDTHS[(i + shift) % 4])
+  for shift, impl in enumerate(IMPLS[::-1])
+  for i, f in enumerate(FAMILIES)
+]
 
 
 @pytest.mark.parametrize("family,impl,widths", WIDTH_CASES)
@@ -67,8 +67,9 @@ def test_any_width_matches_token_loop(family, impl, widths):
   if impl == "pallas":
     kd = min(kd, 128)
   x = make_inputs(family, 1, 20, H, kd, vd, seed=kd + vd)
-  check(family, x, impl, state=make_state(family, 1, H, kd, vd), chunk_size=16,
-        jit=impl == "pallas")
+  check(
+    family, x, impl, state=make_state(family, 1, H, kd, vd), chunk_size=16, jit=impl == "pallas"
+  )
 
 
 def test_value_tiles_match_token_loop(monkeypatch):
@@ -76,6 +77,7 @@ def test_value_tiles_match_token_loop(monkeypatch):
   kernels' widths cut to (16, 32), V = 40 runs as two kernel calls, on 32 columns and on 8
   padded to 16, K = 24 padded to 32; outputs and final states as the loop's."""
   import pallas_kernels  # pylint: disable=g-import-not-at-top
+
   monkeypatch.setattr(pallas_kernels.common, "SUPPORTED_WIDTHS", (16, 32))
   real, widths_seen = pallas_kernels.delta_rule, []
 
@@ -85,8 +87,9 @@ def test_value_tiles_match_token_loop(monkeypatch):
 
   monkeypatch.setattr(pallas_kernels, "delta_rule", spy)
   x = make_inputs("delta_channel", 1, 20, H, 24, 40, seed=9)
-  check("delta_channel", x, "pallas", state=make_state("delta_channel", 1, H, 24, 40),
-        chunk_size=16)
+  check(
+    "delta_channel", x, "pallas", state=make_state("delta_channel", 1, H, 24, 40), chunk_size=16
+  )
   assert widths_seen == [(32, 32), (32, 16)], widths_seen
 
 
@@ -94,7 +97,8 @@ def test_value_tiles_match_token_loop(monkeypatch):
 # (the loop reads q, k repeated so). Pallas once (the heads are repeated before any impl; the
 # KDN gains' grouped case on Pallas: test_ops_grad's test_grads_at_any_width_with_grouped_heads).
 GROUPED_CASES = [(f, i) for f in FAMILIES for i in ("reference", "chunked")] + [
-    ("delta_scalar", "pallas")]
+  ("delta_scalar", "pallas")
+]
 
 
 @pytest.mark.parametrize("family,impl", GROUPED_CASES)
@@ -111,14 +115,11 @@ def test_packed_segments_equal_separate_runs(family):
   state = make_state(family, 1, H, K, V)
   seg = jnp.asarray([[0] * t1 + [1] * t2])
   o, final = run(family, x, "chunked", state=state, segment_ids=seg)
-  first = {k: (v[:, :t1] if isinstance(v, np.ndarray) else v)
-           for k, v in x.items()}
-  second = {k: (v[:, t1:] if isinstance(v, np.ndarray) else v)
-            for k, v in x.items()}
+  first = {k: (v[:, :t1] if isinstance(v, np.ndarray) else v) for k, v in x.items()}
+  second = {k: (v[:, t1:] if isinstance(v, np.ndarray) else v) for k, v in x.items()}
   o1, _ = run(family, first, "chunked", state=state)
   o2, final2 = run(family, second, "chunked", state=state)
-  np.testing.assert_allclose(o, np.concatenate([o1, o2], 1), rtol=1e-5,
-                             atol=1e-6)
+  np.testing.assert_allclose(o, np.concatenate([o1, o2], 1), rtol=1e-5, atol=1e-6)
   for f, f2 in zip(final, final2):
     np.testing.assert_allclose(f, f2, rtol=1e-5, atol=1e-6)
 
@@ -132,37 +133,42 @@ def test_continuation(family, impl):
   x = make_inputs(family, B, t, H, K, V, seed=5)
   state = make_state(family, B, H, K, V)
   o, final = run(family, x, impl, state=state)
-  head = {k: (v[:, :cut] if isinstance(v, np.ndarray) else v)
-          for k, v in x.items()}
-  tail = {k: (v[:, cut:] if isinstance(v, np.ndarray) else v)
-          for k, v in x.items()}
+  head = {k: (v[:, :cut] if isinstance(v, np.ndarray) else v) for k, v in x.items()}
+  tail = {k: (v[:, cut:] if isinstance(v, np.ndarray) else v) for k, v in x.items()}
   o1, mid = run(family, head, impl, state=state)
   o2, final2 = run(family, tail, impl, state=tuple(np.asarray(m) for m in mid))
-  np.testing.assert_allclose(o, np.concatenate([o1, o2], 1), rtol=1e-5,
-                             atol=1e-6)
+  np.testing.assert_allclose(o, np.concatenate([o1, o2], 1), rtol=1e-5, atol=1e-6)
   for f, f2 in zip(final, final2):
     np.testing.assert_allclose(f, f2, rtol=1e-5, atol=1e-6)
 
 
 # (hk 1: grouped value heads, for one family of each gain and decay form)
-@pytest.mark.parametrize("family,hk", [(f, H) for f in FAMILIES] + [("iso", 1),
-                                                                  ("delta_channel", 1)])
+@pytest.mark.parametrize(
+  "family,hk", [(f, H) for f in FAMILIES] + [("iso", 1), ("delta_channel", 1)]
+)
 def test_decode_steps_equal_parallel(family, hk):
   t = 19
   x = make_inputs(family, B, t, H, K, V, seed=6, hk=hk)
   state = make_state(family, B, H, K, V)
   o, final = run(family, x, "chunked", state=state)
-  c = {k: (jnp.asarray(v, jnp.float32) if isinstance(v, np.ndarray) else v)
-       for k, v in x.items()}
+  c = {k: (jnp.asarray(v, jnp.float32) if isinstance(v, np.ndarray) else v) for k, v in x.items()}
   if family in ("diag", "iso"):
     st = ops.KDNState(*(jnp.asarray(s, jnp.float32) for s in state))
-    step = jax.jit(ops.diag_kdn_step if family == "diag" else ops.iso_kdn_step,
-                   static_argnames="info_scale")
+    step = jax.jit(
+      ops.diag_kdn_step if family == "diag" else ops.iso_kdn_step, static_argnames="info_scale"
+    )
     outs = []
     for i in range(t):
-      o_t, st = step(c["q"][:, i], c["k"][:, i], c["v"][:, i],
-                     c["log_alpha"][:, i], c["omega"][:, i], c["r"][:, i], st,
-                     info_scale=c["mu"])
+      o_t, st = step(
+        c["q"][:, i],
+        c["k"][:, i],
+        c["v"][:, i],
+        c["log_alpha"][:, i],
+        c["omega"][:, i],
+        c["r"][:, i],
+        st,
+        info_scale=c["mu"],
+      )
       outs.append(o_t)
     got_final = (st.memory, st.variance)
   else:
@@ -170,8 +176,9 @@ def test_decode_steps_equal_parallel(family, hk):
     step = jax.jit(ops.delta_rule_step)
     outs = []
     for i in range(t):
-      o_t, mem = step(c["q"][:, i], c["k"][:, i], c["v"][:, i],
-                      c["log_alpha"][:, i], c["write"][:, i], mem)
+      o_t, mem = step(
+        c["q"][:, i], c["k"][:, i], c["v"][:, i], c["log_alpha"][:, i], c["write"][:, i], mem
+      )
       outs.append(o_t)
     got_final = (mem,)
   np.testing.assert_allclose(np.stack(outs, 1), o, rtol=1e-5, atol=1e-6)
@@ -180,21 +187,22 @@ def test_decode_steps_equal_parallel(family, hk):
 
 
 EDGE_CASES = {
-    "hard_reset": dict(la_value=-1e4),
-    "no_decay": dict(la_value=0.0),
-    "strong_decay": dict(la_value=-20.0),
-    "tiny_r": dict(r=1e-4),
-    "huge_r": dict(r=1e4),
-    "mu_1": dict(mu=1.0),
-    "mu_4k": dict(mu=4.0 * K),
-    "omega_zero": dict(omega_zero=True),
-    "omega_zero_hard_reset": dict(omega_zero=True, la_value=-1e4),
+  "hard_reset": dict(la_value=-1e4),
+  "no_decay": dict(la_value=0.0),
+  "strong_decay": dict(la_value=-20.0),
+  "tiny_r": dict(r=1e-4),
+  "huge_r": dict(r=1e4),
+  "mu_1": dict(mu=1.0),
+  "mu_4k": dict(mu=4.0 * K),
+  "omega_zero": dict(omega_zero=True),
+  "omega_zero_hard_reset": dict(omega_zero=True, la_value=-1e4),
 }
 
 
 DECAY_CASES = ("hard_reset", "no_decay", "strong_decay")
-EDGE_PARAMS = [(f, c) for f in FAMILIES for c in sorted(EDGE_CASES)
-               if f in ("diag", "iso") or c in DECAY_CASES]
+EDGE_PARAMS = [
+  (f, c) for f in FAMILIES for c in sorted(EDGE_CASES) if f in ("diag", "iso") or c in DECAY_CASES
+]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -203,8 +211,7 @@ def test_edge_cases(family, case, impl):
   x = make_inputs(family, B, 97, H, K, V, seed=7, **EDGE_CASES[case])
   # Long undecayed delta-rule runs accumulate float32 rounding in the state.
   # Pallas: one trace per family serves all its cases (same shapes).
-  check(family, x, impl, state=make_state(family, B, H, K, V), tol=2e-5,
-        jit=impl == "pallas")
+  check(family, x, impl, state=make_state(family, B, H, K, V), tol=2e-5, jit=impl == "pallas")
 
 
 def test_wrappers_match_delta_rule():
@@ -217,16 +224,17 @@ def test_wrappers_match_delta_rule():
   bk, wv = jax.nn.sigmoid(n(b, t, h, kd)), jax.nn.sigmoid(n(b, t, h, vd))
   dr = lambda *a: ops.delta_rule(*a, impl="reference")[0]
   pairs = [
-      (ops.kda(q, k, v, g_c, beta, impl="chunked")[0],
-       dr(q, k, v, g_c, beta[..., None] * k)),
-      (ops.gated_delta_rule(q, k, v, g_s, beta, impl="chunked")[0],
-       dr(q, k, v, g_s, beta[..., None] * k)),
-      (ops.delta_net(q, k, v, beta, impl="chunked")[0],
-       dr(q, k, v, jnp.zeros((b, t, h)), beta[..., None] * k)),
-      (ops.gdn2(q, k, v, g_c, bk, wv, impl="chunked")[0],
-       dr(q, bk * k, wv * v, g_c, k)),
-      (ops.gla(q, k, v, g_c, impl="chunked")[0],
-       dr(q, jnp.zeros_like(k), v, g_c, k)),
+    (ops.kda(q, k, v, g_c, beta, impl="chunked")[0], dr(q, k, v, g_c, beta[..., None] * k)),
+    (
+      ops.gated_delta_rule(q, k, v, g_s, beta, impl="chunked")[0],
+      dr(q, k, v, g_s, beta[..., None] * k),
+    ),
+    (
+      ops.delta_net(q, k, v, beta, impl="chunked")[0],
+      dr(q, k, v, jnp.zeros((b, t, h)), beta[..., None] * k),
+    ),
+    (ops.gdn2(q, k, v, g_c, bk, wv, impl="chunked")[0], dr(q, bk * k, wv * v, g_c, k)),
+    (ops.gla(q, k, v, g_c, impl="chunked")[0], dr(q, jnp.zeros_like(k), v, g_c, k)),
   ]
   for got, want in pairs:
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
@@ -236,29 +244,32 @@ def test_wrappers_match_delta_rule():
   outs = []
   for i in range(t):
     s = np.exp(gg[:, i])[..., None] * s + gk[:, i, ..., None] * gv[:, i, :, None, :]
-    outs.append(np.einsum("bhkv,bhk->bhv", s, gq[:, i]) * kd ** -0.5)
-  np.testing.assert_allclose(pairs[-1][0], np.stack(outs, 1), rtol=1e-4,
-                             atol=1e-5)
+    outs.append(np.einsum("bhkv,bhk->bhv", s, gq[:, i]) * kd**-0.5)
+  np.testing.assert_allclose(pairs[-1][0], np.stack(outs, 1), rtol=1e-4, atol=1e-5)
 
 
 def _baseline_inputs(b, t, h, kd, vd, seed):
   rng = np.random.default_rng(seed)
   n = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-  return dict(q=n(b, t, h, kd), k=n(b, t, h, kd) / 4, v=n(b, t, h, vd),
-              g_c=-jax.nn.softplus(n(b, t, h, kd)),
-              g_s=-jax.nn.softplus(n(b, t, h)), beta=jax.nn.sigmoid(n(b, t, h)),
-              bk=jax.nn.sigmoid(n(b, t, h, kd)),
-              wv=jax.nn.sigmoid(n(b, t, h, vd)))
+  return dict(
+    q=n(b, t, h, kd),
+    k=n(b, t, h, kd) / 4,
+    v=n(b, t, h, vd),
+    g_c=-jax.nn.softplus(n(b, t, h, kd)),
+    g_s=-jax.nn.softplus(n(b, t, h)),
+    beta=jax.nn.sigmoid(n(b, t, h)),
+    bk=jax.nn.sigmoid(n(b, t, h, kd)),
+    wv=jax.nn.sigmoid(n(b, t, h, vd)),
+  )
 
 
 # op -> (parallel, decode step, its gate arguments after q, k, v)
 BASELINES = {
-    "kda": (ops.kda, ops.kda_step, ("g_c", "beta")),
-    "gated_delta_rule": (ops.gated_delta_rule, ops.gated_delta_rule_step,
-                         ("g_s", "beta")),
-    "delta_net": (ops.delta_net, ops.delta_net_step, ("beta",)),
-    "gdn2": (ops.gdn2, ops.gdn2_step, ("g_c", "bk", "wv")),
-    "gla": (ops.gla, ops.gla_step, ("g_s",)),
+  "kda": (ops.kda, ops.kda_step, ("g_c", "beta")),
+  "gated_delta_rule": (ops.gated_delta_rule, ops.gated_delta_rule_step, ("g_s", "beta")),
+  "delta_net": (ops.delta_net, ops.delta_net_step, ("beta",)),
+  "gdn2": (ops.gdn2, ops.gdn2_step, ("g_c", "bk", "wv")),
+  "gla": (ops.gla, ops.gla_step, ("g_s",)),
 }
 
 
@@ -269,11 +280,9 @@ def test_baseline_decode_steps_equal_parallel(name):
   b, t, h, kd, vd = 2, 13, 2, 16, 8
   parallel, step, gates = BASELINES[name]
   x = _baseline_inputs(b, t, h, kd, vd, seed=len(name))
-  s0 = 0.3 * jnp.asarray(np.random.default_rng(1).standard_normal(
-      (b, h, kd, vd)), jnp.float32)
+  s0 = 0.3 * jnp.asarray(np.random.default_rng(1).standard_normal((b, h, kd, vd)), jnp.float32)
   args = [x[n] for n in ("q", "k", "v") + gates]
-  o, final = parallel(*args, initial_state=s0, output_final_state=True,
-                      impl="chunked")
+  o, final = parallel(*args, initial_state=s0, output_final_state=True, impl="chunked")
   step = jax.jit(step)
   mem, outs = s0, []
   for i in range(t):
@@ -294,8 +303,10 @@ def test_baselines_take_grouped_value_heads():
   for name, (parallel, step, gates) in sorted(BASELINES.items()):
     grouped = [x["q"][:, :, :1], x["k"][:, :, :1], x["v"]] + [x[g] for g in gates]
     repeated = [jnp.repeat(a, h, axis=2) for a in grouped[:2]] + grouped[2:]
-    got, want = (parallel(*a, initial_state=s0, output_final_state=True, impl="chunked")
-                 for a in (grouped, repeated))
+    got, want = (
+      parallel(*a, initial_state=s0, output_final_state=True, impl="chunked")
+      for a in (grouped, repeated)
+    )
     got_step, want_step = (step(*(z[:, 0] for z in a), s0) for a in (grouped, repeated))
     for g, w in zip(got + got_step, want + want_step):
       assert g.shape == w.shape, name

@@ -6,9 +6,10 @@ float64 token loop (tests/kdn_oracle.py) for every impl; and a 10^5-token run st
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
-
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from ops_cases import FAMILIES, oracle, rel_err, round_f32, run
+
 from kdn_jax import ops
 
 K = V = 16  # the Pallas kernels' smallest width
@@ -45,11 +46,18 @@ def cases(draw):
   lo = draw(st.floats(-4.0, 4.0))
   r_exp = (lo, draw(st.floats(lo, 4.0)))
   seg_starts = draw(st.lists(st.integers(1, max(1, t - 1)), max_size=4)) if t > 1 else []
-  return dict(family=family, t=t, h=draw(st.integers(1, 2)),
-              la_mag=draw(st.sampled_from((0.0, 0.01, 1.0, 30.0))),
-              r_exp=r_exp, om_max=draw(st.sampled_from((0.0, 1e-2, 1.0, 1e3))),
-              mu=draw(st.floats(1.0, 4.0 * K)), seg_starts=seg_starts,
-              with_state=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 16)))
+  return dict(
+    family=family,
+    t=t,
+    h=draw(st.integers(1, 2)),
+    la_mag=draw(st.sampled_from((0.0, 0.01, 1.0, 30.0))),
+    r_exp=r_exp,
+    om_max=draw(st.sampled_from((0.0, 1e-2, 1.0, 1e3))),
+    mu=draw(st.floats(1.0, 4.0 * K)),
+    seg_starts=seg_starts,
+    with_state=draw(st.booleans()),
+    seed=draw(st.integers(0, 2**16)),
+  )
 
 
 # Bounded time: a handful of examples per impl (~1-2 s each on CPU, Pallas in interpret mode
@@ -73,12 +81,13 @@ def test_fuzz_pallas_matches_float64_loop(case):
 def _fuzz(impl, case):
   rng = np.random.default_rng(case["seed"])
   fam, t, h, b = case["family"], case["t"], case["h"], 1
-  x = round_f32(_inputs(rng, fam, b, t, h, case["la_mag"], case["r_exp"], case["om_max"],
-                        case["mu"]))
+  x = round_f32(
+    _inputs(rng, fam, b, t, h, case["la_mag"], case["r_exp"], case["om_max"], case["mu"])
+  )
   state = None
   if case["with_state"]:
     s = [0.3 * rng.standard_normal((b, h, K, V))]
-    if fam in ("diag", "iso"):   # a positive initial variance over four decades
+    if fam in ("diag", "iso"):  # a positive initial variance over four decades
       s.append(10.0 ** rng.uniform(-2, 2, (b, h, K) if fam == "diag" else (b, h)))
     state = tuple(np.asarray(a, np.float32).astype(np.float64) for a in s)
   seg = np.zeros((b, t), np.int32)
@@ -102,8 +111,17 @@ def test_long_sequence_stays_finite():
   c = {k: jnp.asarray(v, jnp.float32) for k, v in x.items() if k != "mu"}
   outs = {}
   for impl in ("chunked", "reference"):
-    o, st_ = ops.diag_kdn(c["q"], c["k"], c["v"], c["log_alpha"], c["omega"], c["r"],
-                          info_scale=x["mu"], impl=impl, output_final_state=True)
+    o, st_ = ops.diag_kdn(
+      c["q"],
+      c["k"],
+      c["v"],
+      c["log_alpha"],
+      c["omega"],
+      c["r"],
+      info_scale=x["mu"],
+      impl=impl,
+      output_final_state=True,
+    )
     outs[impl] = (o, st_.memory, st_.variance)
   for a in outs["chunked"]:
     assert np.all(np.isfinite(a))

@@ -3,12 +3,12 @@ autodiff of the float64 token loop; plus numerical checks on tiny shapes."""
 
 import jax
 import jax.numpy as jnp
+import kdn_oracle
 import numpy as np
 import pytest
 from jax.test_util import check_grads
-
-import kdn_oracle
 from ops_cases import FAMILIES, make_inputs, make_state, rel_err, round_f32
+
 from kdn_jax import ops
 
 B, T, H, K, V = 2, 45, 2, 16, 32  # widths the Pallas kernels take
@@ -31,13 +31,11 @@ def _loss_fn(family, impl, segment_ids):
   final state."""
 
   def loss(*args):
-    kw = dict(impl=impl, output_final_state=True, segment_ids=segment_ids,
-              chunk_size=16)
+    kw = dict(impl=impl, output_final_state=True, segment_ids=segment_ids, chunk_size=16)
     if family in ("diag", "iso"):
       q, k, v, la, om, r, mem, var, mu = args
       fn = ops.diag_kdn if family == "diag" else ops.iso_kdn
-      o, st = fn(q, k, v, la, om, r, info_scale=mu,
-                 initial_state=ops.KDNState(mem, var), **kw)
+      o, st = fn(q, k, v, la, om, r, info_scale=mu, initial_state=ops.KDNState(mem, var), **kw)
       final = (st.memory, st.variance)
     else:
       q, k, v, la, w, mem = args
@@ -57,13 +55,14 @@ def _weighted(o, final):
 
 
 def _oracle_loss(family, segment_ids, kd):
-  scale = kd ** -0.5
+  scale = kd**-0.5
 
   def loss(*args):
     if family in ("diag", "iso"):
       q, k, v, la, om, r, mem, var, mu = args
-      o, s, p = kdn_oracle.kdn(q, k, v, la, om, r, mem, var, mu, scale,
-                               family == "diag", segment_ids)
+      o, s, p = kdn_oracle.kdn(
+        q, k, v, la, om, r, mem, var, mu, scale, family == "diag", segment_ids
+      )
       return _weighted(o, (s, p))
     q, k, v, la, w, mem = args
     o, s = kdn_oracle.delta_rule(q, k, v, la, w, mem, scale, segment_ids)
@@ -83,10 +82,11 @@ def _arrays(family, x, state, h, kd):
 # Pallas (interpret mode, several seconds per gradient on CPU) runs with
 # packed segments, where every kernel path runs (resets, the initial state's
 # share); without them only for one family of each kernel (gain, decay).
-GRAD_CASES = [(f, i, s) for f in FAMILIES for i in ("reference", "chunked")
-              for s in (False, True)] + [
-                  (f, "pallas", True) for f in FAMILIES] + [
-                      ("diag", "pallas", False), ("delta_scalar", "pallas", False)]
+GRAD_CASES = (
+  [(f, i, s) for f in FAMILIES for i in ("reference", "chunked") for s in (False, True)]
+  + [(f, "pallas", True) for f in FAMILIES]
+  + [("diag", "pallas", False), ("delta_scalar", "pallas", False)]
+)
 
 
 @pytest.mark.parametrize("family,impl,segmented", GRAD_CASES)
@@ -104,10 +104,12 @@ def test_grads_match_token_loop(family, impl, segmented):
     seg = jnp.asarray(s)
   argnums = tuple(range(len(arrays)))
   got = jax.grad(_loss_fn(family, impl, seg), argnums)(
-      *(jnp.asarray(a, jnp.float32) for a in arrays))
+    *(jnp.asarray(a, jnp.float32) for a in arrays)
+  )
   with jax.enable_x64(True):
     want = jax.grad(_oracle_loss(family, seg, K), argnums)(
-        *(jnp.asarray(a, jnp.float64) for a in arrays))
+      *(jnp.asarray(a, jnp.float64) for a in arrays)
+    )
     want = [np.asarray(w) for w in want]
   assert len(got) == len(names)
   for name, g, w in zip(names, got, want):
@@ -131,15 +133,15 @@ def test_grads_at_any_width_with_grouped_heads(family, impl, kd, vd):
   seg = jnp.asarray([[0] * 7 + [1] * (t - 7)])
   argnums = tuple(range(len(arrays)))
   got = jax.grad(_loss_fn(family, impl, seg), argnums)(
-      *(jnp.asarray(a, jnp.float32) for a in arrays))
+    *(jnp.asarray(a, jnp.float32) for a in arrays)
+  )
   oracle_loss = _oracle_loss(family, seg, kd)
 
-  def grouped_oracle_loss(q, k, *rest):   # q, k read by both value heads
+  def grouped_oracle_loss(q, k, *rest):  # q, k read by both value heads
     return oracle_loss(jnp.repeat(q, h, axis=2), jnp.repeat(k, h, axis=2), *rest)
 
   with jax.enable_x64(True):
-    want = jax.grad(grouped_oracle_loss, argnums)(
-        *(jnp.asarray(a, jnp.float64) for a in arrays))
+    want = jax.grad(grouped_oracle_loss, argnums)(*(jnp.asarray(a, jnp.float64) for a in arrays))
   assert got[0].shape == x["q"].shape and got[1].shape == x["k"].shape
   for name, g, w in zip(names, got, want):
     assert np.all(np.isfinite(g)), name
@@ -157,8 +159,15 @@ def test_check_grads_numerically(family, impl):
     x = make_inputs(family, b, t, h, kd, vd, seed=12)
     _, arrays = _arrays(family, x, make_state(family, b, h, kd, vd), h, kd)
     seg = jnp.asarray([[0, 0, 1, 1, 1]])
-    check_grads(_loss_fn(family, impl, seg), [jnp.asarray(a) for a in arrays],
-                order=1, modes=["rev"], eps=1e-6, atol=1e-6, rtol=1e-6)
+    check_grads(
+      _loss_fn(family, impl, seg),
+      [jnp.asarray(a) for a in arrays],
+      order=1,
+      modes=["rev"],
+      eps=1e-6,
+      atol=1e-6,
+      rtol=1e-6,
+    )
 
 
 def test_bf16_write_as_accurate_as_fp32_kappa():
@@ -166,9 +175,10 @@ def test_bf16_write_as_accurate_as_fp32_kappa():
   since session 48): the diag KDN op on bf16 q, k, v with packed segments, values and every
   gradient against the float64 loop: within bf16 bounds, and within 1.5x (plus 5e-4) of the
   errors with an fp32 kappa."""
-  from pallas_kernels.delta_rule import config as dr_config   # pylint: disable=g-import-not-at-top
+  from pallas_kernels.delta_rule import config as dr_config  # pylint: disable=g-import-not-at-top
+
   x = round_f32(make_inputs("diag", B, T, H, K, V, seed=12))
-  for n in ("q", "k", "v"):   # the oracle sees the bf16-rounded data
+  for n in ("q", "k", "v"):  # the oracle sees the bf16-rounded data
     x[n] = np.asarray(jnp.asarray(x[n], jnp.bfloat16).astype(jnp.float32), np.float64)
   state = make_state("diag", B, H, K, V)
   names, arrays = _arrays("diag", x, [round_f32({0: s})[0] for s in state], H, K)
@@ -178,16 +188,18 @@ def test_bf16_write_as_accurate_as_fp32_kappa():
   argnums = tuple(range(len(arrays)))
   with jax.enable_x64(True):
     want_l, want = jax.value_and_grad(_oracle_loss("diag", seg, K), argnums)(
-        *(jnp.asarray(a, jnp.float64) for a in arrays))
+      *(jnp.asarray(a, jnp.float64) for a in arrays)
+    )
     want = [np.asarray(w) for w in want]
   errs = {}
   for flag in (False, True):
     with dr_config.overridden(bf16_write=flag):
-      args = [jnp.asarray(a, jnp.bfloat16 if n in ("q", "k", "v") else jnp.float32)
-              for n, a in zip(names, arrays)]
+      args = [
+        jnp.asarray(a, jnp.bfloat16 if n in ("q", "k", "v") else jnp.float32)
+        for n, a in zip(names, arrays)
+      ]
       loss, got = jax.value_and_grad(_loss_fn("diag", "pallas", seg), argnums)(*args)
-    errs[flag] = {n: rel_err(np.asarray(g, np.float32), w)
-                  for n, g, w in zip(names, got, want)}
+    errs[flag] = {n: rel_err(np.asarray(g, np.float32), w) for n, g, w in zip(names, got, want)}
     errs[flag]["loss"] = abs(float(loss) - float(want_l)) / abs(float(want_l))
   # (bf16_write on: kappa's rounding moves the errors)
   assert max(abs(errs[True][n] - errs[False][n]) for n in errs[True]) > 1e-5, errs

@@ -12,18 +12,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
-
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from ops_cases import FAMILIES, oracle, rel_err, round_f32, run
+
 from kdn_jax import ops
 from kdn_jax.ops import nonfinite
 
 B, T, H = 2, 40, 2
 # Inputs of the memory recurrence per family, and those of the KDN variance recurrence.
-STATE_INPUTS = {"diag": ("k", "v", "log_alpha", "omega", "r"),
-                "iso": ("k", "v", "log_alpha", "omega", "r"),
-                "delta_channel": ("k", "v", "log_alpha", "write"),
-                "delta_scalar": ("k", "v", "log_alpha", "write")}
+STATE_INPUTS = {
+  "diag": ("k", "v", "log_alpha", "omega", "r"),
+  "iso": ("k", "v", "log_alpha", "omega", "r"),
+  "delta_channel": ("k", "v", "log_alpha", "write"),
+  "delta_scalar": ("k", "v", "log_alpha", "write"),
+}
 VARIANCE_INPUTS = ("k", "log_alpha", "omega", "r")
 
 
@@ -51,14 +54,24 @@ def _inputs(rng, family, kd, vd):
 def cases(draw, families, with_state=None):
   family = draw(st.sampled_from(families))
   names = ("q",) + STATE_INPUTS[family]
-  bad = draw(st.lists(st.tuples(st.sampled_from(names), st.integers(0, B - 1),
-                                 st.integers(0, T - 1), st.integers(0, H - 1),
-                                 st.sampled_from((np.nan, np.inf, -np.inf))),
-                      min_size=1, max_size=3))
+  bad = draw(
+    st.lists(
+      st.tuples(
+        st.sampled_from(names),
+        st.integers(0, B - 1),
+        st.integers(0, T - 1),
+        st.integers(0, H - 1),
+        st.sampled_from((np.nan, np.inf, -np.inf)),
+      ),
+      min_size=1,
+      max_size=3,
+    )
+  )
   starts = draw(st.lists(st.integers(1, T - 1), max_size=4))
   with_state = draw(st.booleans()) if with_state is None else with_state
-  return dict(family=family, bad=bad, starts=starts, with_state=with_state,
-              seed=draw(st.integers(0, 2 ** 16)))
+  return dict(
+    family=family, bad=bad, starts=starts, with_state=with_state, seed=draw(st.integers(0, 2**16))
+  )
 
 
 def _spoiled(case, seg):
@@ -169,23 +182,36 @@ def test_checked_mode_domain_edges():
   o, _ = ops.diag_kdn(q, k, v, la, om, r, initial_state=st0, **kw)
   assert np.all(np.isfinite(o))
   bad = [
-      (dict(omega=om.at[0, 2, 0, 3].set(jnp.inf)), "diag_kdn: omega must be finite"),
-      (dict(r=r.at[0, 0, 0].set(jnp.inf)), "diag_kdn: r must be finite"),
-      (dict(info_scale=jnp.inf), "diag_kdn: info_scale must be finite"),
-      (dict(initial_state=st0._replace(variance=st0.variance.at[0, 0, 2].set(jnp.inf))),
-       "diag_kdn: initial_state.variance must be finite"),
-      (dict(initial_state=st0._replace(memory=st0.memory.at[0, 0, 2].set(jnp.nan))),
-       "diag_kdn: initial_state.memory must be finite"),
-      (dict(log_alpha=la.at[0, 3, 0, 0].set(jnp.inf)), "diag_kdn: log_alpha must be <= 0"),
-      (dict(v=v.at[0, 3, 0, 0].set(-jnp.inf)), "diag_kdn: v must be finite"),
-      (dict(q=q.at[0, 0, 0, 0].set(jnp.nan)), "diag_kdn: q must be finite"),
+    (dict(omega=om.at[0, 2, 0, 3].set(jnp.inf)), "diag_kdn: omega must be finite"),
+    (dict(r=r.at[0, 0, 0].set(jnp.inf)), "diag_kdn: r must be finite"),
+    (dict(info_scale=jnp.inf), "diag_kdn: info_scale must be finite"),
+    (
+      dict(initial_state=st0._replace(variance=st0.variance.at[0, 0, 2].set(jnp.inf))),
+      "diag_kdn: initial_state.variance must be finite",
+    ),
+    (
+      dict(initial_state=st0._replace(memory=st0.memory.at[0, 0, 2].set(jnp.nan))),
+      "diag_kdn: initial_state.memory must be finite",
+    ),
+    (dict(log_alpha=la.at[0, 3, 0, 0].set(jnp.inf)), "diag_kdn: log_alpha must be <= 0"),
+    (dict(v=v.at[0, 3, 0, 0].set(-jnp.inf)), "diag_kdn: v must be finite"),
+    (dict(q=q.at[0, 0, 0, 0].set(jnp.nan)), "diag_kdn: q must be finite"),
   ]
   args = dict(q=q, k=k, v=v, log_alpha=la, omega=om, r=r, initial_state=st0)
   for change, msg in bad:
     a = dict(args, **change)
     with pytest.raises(ops.InvalidValueError, match=msg):
-      ops.diag_kdn(a["q"], a["k"], a["v"], a["log_alpha"], a["omega"], a["r"],
-                   initial_state=a["initial_state"], info_scale=a.get("info_scale"), **kw)
+      ops.diag_kdn(
+        a["q"],
+        a["k"],
+        a["v"],
+        a["log_alpha"],
+        a["omega"],
+        a["r"],
+        initial_state=a["initial_state"],
+        info_scale=a.get("info_scale"),
+        **kw,
+      )
   beta = jnp.abs(n(1, 4, 1))
   ops.kda(q, k, v, la, beta, **kw)  # -inf g passes
   with pytest.raises(ops.InvalidValueError, match="kda: beta must be finite"):
@@ -195,8 +221,9 @@ def test_checked_mode_domain_edges():
   with pytest.raises(ops.InvalidValueError, match="delta_rule: write must be finite"):
     ops.delta_rule(q, k, v, la, k.at[0, 1, 0, 1].set(jnp.nan), **kw)
   with pytest.raises(ops.InvalidValueError, match="gla_step: memory must be finite"):
-    ops.gla_step(q[:, 0], k[:, 0], v[:, 0], la[:, 0], jnp.full((1, 1, 16, 16), jnp.inf),
-                 checked=True)
+    ops.gla_step(
+      q[:, 0], k[:, 0], v[:, 0], la[:, 0], jnp.full((1, 1, 16, 16), jnp.inf), checked=True
+    )
   # under jit, through ops.checked: the same message
   fn = functools.partial(ops.diag_kdn, checked=True, impl="reference")
   with pytest.raises(ops.InvalidValueError, match="diag_kdn: omega must be finite"):

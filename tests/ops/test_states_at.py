@@ -5,11 +5,11 @@ float64 loop; bad positions give one clear error."""
 
 import jax
 import jax.numpy as jnp
+import kdn_oracle
 import numpy as np
 import pytest
-
-import kdn_oracle
 from ops_cases import make_inputs, make_state, rel_err, round_f32
+
 from kdn_jax import ops
 
 B, T, H, K, V = 2, 40, 2, 16, 32
@@ -37,8 +37,9 @@ def _call(family, arrays, mu, impl, seg, positions):
   """The op on (inputs..., initial state...) -> (o, final, states at positions as a tuple)."""
   n = len(_names(family))
   c, st = arrays[:n], arrays[n:]
-  kw = dict(impl=impl, output_final_state=True, chunk_size=16, output_states_at=positions,
-            segment_ids=seg)
+  kw = dict(
+    impl=impl, output_final_state=True, chunk_size=16, output_states_at=positions, segment_ids=seg
+  )
   if _kdn(family):
     fn = ops.diag_kdn if family == "diag" else ops.iso_kdn
     out = fn(*c, info_scale=mu, initial_state=ops.KDNState(*st), **kw)
@@ -54,9 +55,9 @@ def _oracle_every(family, arrays, mu, seg):
   n = len(_names(family))
   c, st = arrays[:n], arrays[n:]
   if _kdn(family):
-    o, s, p = kdn_oracle.kdn(*c, st[0], st[1], mu, K ** -0.5, family == "diag", seg, every=True)
+    o, s, p = kdn_oracle.kdn(*c, st[0], st[1], mu, K**-0.5, family == "diag", seg, every=True)
     return o, (s, p)
-  o, s = kdn_oracle.delta_rule(*c, st[0], K ** -0.5, seg, every=True)
+  o, s = kdn_oracle.delta_rule(*c, st[0], K**-0.5, seg, every=True)
   return o, (s,)
 
 
@@ -70,8 +71,13 @@ def _f32(arrays):
   return [jnp.asarray(a, jnp.float32) for a in arrays]
 
 
-CASES = [("diag", "reference"), ("delta_channel", "reference"), ("diag", "chunked"),
-         ("iso", "chunked"), ("delta_scalar", "chunked")]
+CASES = [
+  ("diag", "reference"),
+  ("delta_channel", "reference"),
+  ("diag", "chunked"),
+  ("iso", "chunked"),
+  ("delta_scalar", "chunked"),
+]
 
 
 @pytest.mark.parametrize("family,impl", CASES)
@@ -114,8 +120,9 @@ def _weighted(o, states):
   return total
 
 
-@pytest.mark.parametrize("family,impl", [("iso", "chunked"), ("diag", "pallas"),
-                                         ("delta_scalar", "pallas")])
+@pytest.mark.parametrize(
+  "family,impl", [("iso", "chunked"), ("diag", "pallas"), ("delta_scalar", "pallas")]
+)
 def test_states_at_values_and_grads_match_token_loop(family, impl):
   """The states at positions and the gradients of a loss on o and those states (every input and
   the initial state) against the float64 loop, with packed segments. One vjp per case: the
@@ -138,7 +145,8 @@ def test_states_at_values_and_grads_match_token_loop(family, impl):
   (_, at), got = jax.value_and_grad(loss, argnums, has_aux=True)(*_f32(arrays))
   with jax.enable_x64(True):
     (_, want_at), want = jax.value_and_grad(oracle_loss, argnums, has_aux=True)(
-        *(jnp.asarray(a) for a in arrays))
+      *(jnp.asarray(a) for a in arrays)
+    )
     want, want_at = [np.asarray(w) for w in want], [np.asarray(w) for w in want_at]
   for g, w in zip(at, want_at):
     assert rel_err(g, w) < 2e-6, rel_err(g, w)
@@ -147,14 +155,17 @@ def test_states_at_values_and_grads_match_token_loop(family, impl):
     assert rel_err(g, w) <= 1e-4, (name, rel_err(g, w))
 
 
-@pytest.mark.parametrize("positions,error,match", [
+@pytest.mark.parametrize(
+  "positions,error,match",
+  [
     ([0, 3], ValueError, r"output_states_at must lie in \[1, T\] = \[1, 40\].*\[0\]"),
     ([3, 41], ValueError, r"output_states_at must lie in \[1, T\].*\[41\]"),
     ([5, 3], ValueError, "output_states_at must be sorted in ascending order"),
     ([1.0, 2.0], TypeError, "output_states_at must hold integers, got dtype float64"),
     ([[1, 2]], ValueError, r"output_states_at must be a non-empty 1-D array .* shape \(1, 2\)"),
     ([], ValueError, "output_states_at must be a non-empty 1-D array"),
-])
+  ],
+)
 @pytest.mark.parametrize("family,op", [("diag", "diag_kdn"), ("delta_channel", "delta_rule")])
 def test_bad_positions_name_the_argument(family, op, positions, error, match):
   arrays, mu = _case(family)

@@ -6,18 +6,19 @@
 
 reports the kernels of those runs and nothing else (GPU; gpu_measurements.sh's `ncu` section
 runs it on the pair kernels; docs/kernel_dev.md)."""
+
 import time
 
-from absl import app
-from absl import flags
 import jax
+from absl import app, flags
 
 from experiments.benchmarks import mixers as bm
 from experiments.runner import cli
 
 FLAGS = flags.FlagValues()
-flags.DEFINE_string("row", "diag_kdn_pallas", "a benchmark_mixers row (fla_* rows need fla)",
-                    flag_values=FLAGS)
+flags.DEFINE_string(
+  "row", "diag_kdn_pallas", "a benchmark_mixers row (fla_* rows need fla)", flag_values=FLAGS
+)
 flags.DEFINE_integer("seq_len", 4096, "T", flag_values=FLAGS)
 flags.DEFINE_enum("mode", "fwd", ["fwd", "fwd_bwd"], "what one run does", flag_values=FLAGS)
 flags.DEFINE_integer("runs", 1, "profiled runs", flag_values=FLAGS)
@@ -26,6 +27,7 @@ flags.DEFINE_integer("runs", 1, "profiled runs", flag_values=FLAGS)
 def main(argv):
   del argv
   import torch  # pylint: disable=g-import-not-at-top  (cudaProfilerStart / Stop; GPU only)
+
   bm.FLAGS(["benchmark_mixers"])
   fwd_bwd = FLAGS.mode == "fwd_bwd"
   if FLAGS.row.startswith("fla_"):
@@ -34,7 +36,7 @@ def main(argv):
   else:
     fn, args = bm.jax_row_fn(FLAGS.row, FLAGS.seq_len, fwd_bwd)
     run = lambda: jax.block_until_ready(fn(*args))
-  run()                                    # compile / autotune, not profiled
+  run()  # compile / autotune, not profiled
   torch.cuda.synchronize()
   torch.cuda.cudart().cudaProfilerStart()
   t0 = time.time()
@@ -42,8 +44,10 @@ def main(argv):
     run()
   torch.cuda.synchronize()
   torch.cuda.cudart().cudaProfilerStop()
-  print(f"{FLAGS.row} {FLAGS.mode} T={FLAGS.seq_len}: {FLAGS.runs} run(s) under the profiler in "
-        f"{time.time() - t0:.1f} s")
+  print(
+    f"{FLAGS.row} {FLAGS.mode} T={FLAGS.seq_len}: {FLAGS.runs} run(s) under the profiler in "
+    f"{time.time() - t0:.1f} s"
+  )
 
 
 if __name__ == "__main__":

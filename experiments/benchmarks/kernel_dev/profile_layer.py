@@ -12,6 +12,7 @@ CPU check:
   python -m experiments.benchmarks.kernel_dev.profile_layer --seq_len=64 --batch=1 --heads=2 --head_dim=64 \
       --chunk_size=16 --impl=chunked
 """
+
 from __future__ import annotations
 
 import collections
@@ -22,60 +23,81 @@ import os
 import re
 import tempfile
 
-from absl import app
-from absl import flags
-
 import jax
+from absl import app, flags
 
-from experiments.runner import cli
 from experiments.benchmarks.layers import FUSED_PIECES, layer_fns
 from experiments.benchmarks.timing import markdown_table, median_time
+from experiments.runner import cli
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_string("mixer", "kdn_diag", "registry mixer name", flag_values=FLAGS)
-flags.DEFINE_string("impl", "auto", "memory-update impl; auto = pallas on GPU, chunked elsewhere",
-                    flag_values=FLAGS)
-flags.DEFINE_enum("fusion", "on", ("on", "off") + FUSED_PIECES,
-                  "benchmark_layers.set_fusion: the fused glue kernels (pallas path)",
-                  flag_values=FLAGS)
+flags.DEFINE_string(
+  "impl", "auto", "memory-update impl; auto = pallas on GPU, chunked elsewhere", flag_values=FLAGS
+)
+flags.DEFINE_enum(
+  "fusion",
+  "on",
+  ("on", "off") + FUSED_PIECES,
+  "benchmark_layers.set_fusion: the fused glue kernels (pallas path)",
+  flag_values=FLAGS,
+)
 flags.DEFINE_integer("seq_len", 16384, "T", flag_values=FLAGS)
 flags.DEFINE_integer("batch", 4, "B", flag_values=FLAGS)
 flags.DEFINE_integer("heads", 16, "heads", flag_values=FLAGS)
 flags.DEFINE_integer("head_dim", 128, "K = V per head", flag_values=FLAGS)
 flags.DEFINE_integer("width", 0, "d_model; 0 = heads * head_dim", flag_values=FLAGS)
 flags.DEFINE_integer("chunk_size", 64, "memory chunk length", flag_values=FLAGS)
-flags.DEFINE_enum("dtype", "bf16", ("bf16", "fp32"), "compute dtype (params stay fp32)",
-                  flag_values=FLAGS)
-flags.DEFINE_enum("mode", "fwd_bwd", ("fwd_bwd", "fwd"),
-                  "what the trace records: fwd+bwd calls, or the forward alone", flag_values=FLAGS)
+flags.DEFINE_enum(
+  "dtype", "bf16", ("bf16", "fp32"), "compute dtype (params stay fp32)", flag_values=FLAGS
+)
+flags.DEFINE_enum(
+  "mode",
+  "fwd_bwd",
+  ("fwd_bwd", "fwd"),
+  "what the trace records: fwd+bwd calls, or the forward alone",
+  flag_values=FLAGS,
+)
 flags.DEFINE_integer("iters", 3, "calls inside the trace", flag_values=FLAGS)
 flags.DEFINE_integer("warmup", 2, "untimed calls after the compiling one", flag_values=FLAGS)
-flags.DEFINE_integer("reps", 10, "timed calls for the wall time (median, no profiler)",
-                     flag_values=FLAGS)
+flags.DEFINE_integer(
+  "reps", 10, "timed calls for the wall time (median, no profiler)", flag_values=FLAGS
+)
 flags.DEFINE_integer("top", 25, "kernels listed", flag_values=FLAGS)
-flags.DEFINE_string("logdir", "", "trace directory; empty = a fresh temporary one",
-                    flag_values=FLAGS)
+flags.DEFINE_string(
+  "logdir", "", "trace directory; empty = a fresh temporary one", flag_values=FLAGS
+)
 flags.DEFINE_string("out", "/tmp/profile_layer.json", "JSON with everything", flag_values=FLAGS)
 
 # First match wins. Our pallas_call names (grep pallas_kernels/ for `name=`) come first; copies,
 # reductions and casts before the generic fusion bucket (loop_transpose_fusion is a copy,
 # wrapped_convert_3 a cast). XLA's Triton GEMMs are gemm_fusion_dot_*, cuBLAS's sm90_xmma_* / nvjet_*.
 BUCKETS = (
-    ("delta_rule (pallas)", r"delta_rule"),
-    ("gain (pallas)", r"kdn_gain"),
-    ("causal_conv (pallas)", r"causal_conv"),
-    ("gated_norm (pallas)", r"gated_norm"),
-    ("gemm (cuBLAS/cutlass)", r"gemm|cutlass|cublas|nvjet|xmma|sm90|sm80|(^|[_.])dot"),
-    ("copy/transpose", r"copy|transpose|memcpy|memset"),
-    ("reduction", r"reduce"),
-    ("convert (casts)", r"convert"),
-    ("xla fusion", r"fusion|^loop_|^input_|^wrapped_"),
+  ("delta_rule (pallas)", r"delta_rule"),
+  ("gain (pallas)", r"kdn_gain"),
+  ("causal_conv (pallas)", r"causal_conv"),
+  ("gated_norm (pallas)", r"gated_norm"),
+  ("gemm (cuBLAS/cutlass)", r"gemm|cutlass|cublas|nvjet|xmma|sm90|sm80|(^|[_.])dot"),
+  ("copy/transpose", r"copy|transpose|memcpy|memset"),
+  ("reduction", r"reduce"),
+  ("convert (casts)", r"convert"),
+  ("xla fusion", r"fusion|^loop_|^input_|^wrapped_"),
 )
 OTHER = "other"
 # Lines of a GPU plane that re-list the stream kernels per HLO op / module / step.
-DERIVED_LINES = ("xla ops", "xla modules", "async xla ops", "steps", "tensorflow ops",
-                 "tensorflow name scope", "framework ops", "framework name scope",
-                 "launch stats", "source code", "cupti overhead")
+DERIVED_LINES = (
+  "xla ops",
+  "xla modules",
+  "async xla ops",
+  "steps",
+  "tensorflow ops",
+  "tensorflow name scope",
+  "framework ops",
+  "framework name scope",
+  "launch stats",
+  "source code",
+  "cupti overhead",
+)
 
 
 def bucket(name):
@@ -107,7 +129,7 @@ def _self_times(events):
   ops nest (a while around its body's ops); GPU kernels on one stream do not, so dur stays."""
   events = sorted(events, key=lambda e: (e["ts"], -e["dur"]))
   self_t = [e["dur"] for e in events]
-  stack = []   # indices of open events
+  stack = []  # indices of open events
   for i, e in enumerate(events):
     while stack and events[stack[-1]]["ts"] + events[stack[-1]]["dur"] <= e["ts"]:
       stack.pop()
@@ -163,12 +185,27 @@ def parse_trace(path, iters):
       k["calls"] += 1
       k["hlo_ops"].add((e.get("args") or {}).get("hlo_op", ""))
       spans.append((e["ts"], e["ts"] + e["dur"]))
-    thread_rows.append({"process": label(key)[0], "thread": label(key)[1], "events": len(kept),
-                        "ms_per_iter": sum(t for _, t in kept) / 1e3 / iters})
-  kernels = sorted(({"name": n, "bucket": bucket(n), "ms": v["us"] / 1e3 / iters,
-                     "calls_per_iter": v["calls"] / iters,
-                     "hlo_ops": sorted(h for h in v["hlo_ops"] if h)[:5]}
-                    for n, v in per_kernel.items()), key=lambda k: -k["ms"])
+    thread_rows.append(
+      {
+        "process": label(key)[0],
+        "thread": label(key)[1],
+        "events": len(kept),
+        "ms_per_iter": sum(t for _, t in kept) / 1e3 / iters,
+      }
+    )
+  kernels = sorted(
+    (
+      {
+        "name": n,
+        "bucket": bucket(n),
+        "ms": v["us"] / 1e3 / iters,
+        "calls_per_iter": v["calls"] / iters,
+        "hlo_ops": sorted(h for h in v["hlo_ops"] if h)[:5],
+      }
+      for n, v in per_kernel.items()
+    ),
+    key=lambda k: -k["ms"],
+  )
   total = sum(k["ms"] for k in kernels)
   buckets = collections.defaultdict(lambda: {"ms": 0.0, "kernels": 0})
   for k in kernels:
@@ -176,28 +213,42 @@ def parse_trace(path, iters):
     buckets[k["bucket"]]["kernels"] += 1
   for b in buckets.values():
     b["share"] = b["ms"] / total if total else 0.0
-  return {"mode": mode, "trace": path, "total_device_ms": total,
-          "busy_ms": _busy(spans) / 1e3 / iters,   # union over streams/threads: idle gaps show
-          "buckets": dict(sorted(buckets.items(), key=lambda kv: -kv[1]["ms"])),
-          "kernels": kernels, "threads": thread_rows,
-          "all_threads": sorted({" / ".join(label(k)) for k in by_thread})}
+  return {
+    "mode": mode,
+    "trace": path,
+    "total_device_ms": total,
+    "busy_ms": _busy(spans) / 1e3 / iters,  # union over streams/threads: idle gaps show
+    "buckets": dict(sorted(buckets.items(), key=lambda kv: -kv[1]["ms"])),
+    "kernels": kernels,
+    "threads": thread_rows,
+    "all_threads": sorted({" / ".join(label(k)) for k in by_thread}),
+  }
 
 
 def report(res, top):
   p = res["profile"]
   per = "fwd" if res["settings"].get("mode") == "fwd" else "fwd+bwd"
-  rows = [[name, f"{b['ms']:.3f}", f"{100 * b['share']:.1f}%", b["kernels"]]
-          for name, b in p["buckets"].items()]
-  krows = [[k["name"][:90], k["bucket"], f"{k['ms']:.3f}", f"{k['calls_per_iter']:g}"]
-           for k in p["kernels"][:top]]
-  return "\n".join([
+  rows = [
+    [name, f"{b['ms']:.3f}", f"{100 * b['share']:.1f}%", b["kernels"]]
+    for name, b in p["buckets"].items()
+  ]
+  krows = [
+    [k["name"][:90], k["bucket"], f"{k['ms']:.3f}", f"{k['calls_per_iter']:g}"]
+    for k in p["kernels"][:top]
+  ]
+  return "\n".join(
+    [
       f"{res['settings']['mixer']} impl={res['settings']['impl']} on {res['device']}, "
       f"jax {res['jax']}: summed {p['mode']}",
       f"per {per}: kernels {p['total_device_ms']:.3f} ms, busy (union) {p['busy_ms']:.3f} ms, "
       f"wall without profiler {res['wall_ms_fwd_bwd']:.3f} ms (fwd alone {res['wall_ms_fwd']:.3f})",
-      "", markdown_table(["bucket", f"ms / {per}", "share", "kernels"], rows), "",
+      "",
+      markdown_table(["bucket", f"ms / {per}", "share", "kernels"], rows),
+      "",
       f"top {top} kernels:",
-      markdown_table(["kernel", "bucket", f"ms / {per}", "calls"], krows)])
+      markdown_table(["kernel", "bucket", f"ms / {per}", "calls"], krows),
+    ]
+  )
 
 
 def main(argv):
@@ -205,8 +256,13 @@ def main(argv):
   impl = FLAGS.impl
   if impl == "auto":
     impl = "pallas" if jax.default_backend() == "gpu" else "chunked"
-  s = dict(batch=FLAGS.batch, width=FLAGS.width or FLAGS.heads * FLAGS.head_dim,
-           num_heads=FLAGS.heads, head_dim=FLAGS.head_dim, chunk_size=FLAGS.chunk_size)
+  s = dict(
+    batch=FLAGS.batch,
+    width=FLAGS.width or FLAGS.heads * FLAGS.head_dim,
+    num_heads=FLAGS.heads,
+    head_dim=FLAGS.head_dim,
+    chunk_size=FLAGS.chunk_size,
+  )
   dtype = {"bf16": "bfloat16", "fp32": "float32"}[FLAGS.dtype]
   fwd, fwd_bwd, args, ct = layer_fns(FLAGS.mixer, impl, FLAGS.seq_len, s, FLAGS.fusion, dtype)
   wall_fwd = median_time(fwd, *args, warmup=1 + FLAGS.warmup, repeats=FLAGS.reps)
@@ -216,11 +272,24 @@ def main(argv):
   with jax.profiler.trace(logdir, create_perfetto_trace=True):
     for _ in range(FLAGS.iters):
       jax.block_until_ready(traced())
-  res = {"device": str(jax.devices()[0]), "jax": jax.__version__,
-         "settings": dict(s, mixer=FLAGS.mixer, impl=impl, fusion=FLAGS.fusion, T=FLAGS.seq_len,
-                          mode=FLAGS.mode, dtype=dtype, iters=FLAGS.iters, reps=FLAGS.reps),
-         "wall_ms_fwd_bwd": wall, "wall_ms_fwd": wall_fwd,
-         "profile": parse_trace(find_trace(logdir), FLAGS.iters)}
+  res = {
+    "device": str(jax.devices()[0]),
+    "jax": jax.__version__,
+    "settings": dict(
+      s,
+      mixer=FLAGS.mixer,
+      impl=impl,
+      fusion=FLAGS.fusion,
+      T=FLAGS.seq_len,
+      mode=FLAGS.mode,
+      dtype=dtype,
+      iters=FLAGS.iters,
+      reps=FLAGS.reps,
+    ),
+    "wall_ms_fwd_bwd": wall,
+    "wall_ms_fwd": wall_fwd,
+    "profile": parse_trace(find_trace(logdir), FLAGS.iters),
+  }
   os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
   with open(FLAGS.out, "w") as fh:
     json.dump(res, fh, indent=1)
