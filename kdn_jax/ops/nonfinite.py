@@ -56,13 +56,16 @@ def clean_log_decay(log_alpha, compute_dtype):
 
 def _spoiled_from(bad, segment_ids):
   """[B, T, H] bool: a bad token at or before t in t's segment."""
-  count = jnp.cumsum(bad.astype(jnp.int32), axis=1)
+  # (associative scans: XLA:CPU lowers cumsum / cummax over long T to slow-compiling windows)
+  count = jax.lax.associative_scan(jnp.add, bad.astype(jnp.int32), axis=1)
   if segment_ids is None:
     return count > 0
   prev = jnp.concatenate([segment_ids[:, :1], segment_ids[:, :-1]], axis=1)
   starts = (segment_ids != prev)[..., None]
   # count before each segment's first token; count is nondecreasing, so is this
-  base = jax.lax.cummax(jnp.where(starts, count - bad.astype(jnp.int32), 0), axis=1)
+  base = jax.lax.associative_scan(
+    jnp.maximum, jnp.where(starts, count - bad.astype(jnp.int32), 0), axis=1
+  )
   return count > base
 
 
