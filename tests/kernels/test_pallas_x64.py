@@ -23,6 +23,7 @@ def test_delta_rule_fwd_bwd_against_the_float64_loop():
     tdr._check(
       tdr._inputs(21, 2, t, 2, 32, 16, jnp.float32, False, "normal"),
       seg,
+      16,
       1e-5,
       1e-4,
       vjp_primal=True,
@@ -30,6 +31,7 @@ def test_delta_rule_fwd_bwd_against_the_float64_loop():
     tdr._check(
       tdr._inputs(22, 2, t, 2, 32, 16, jnp.float32, True, "strong", scalar_write=True),
       None,
+      16,
       1e-5,
       1e-4,
       vjp_primal=True,
