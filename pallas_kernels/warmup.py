@@ -13,6 +13,7 @@ kdn_jax imports pallas_kernels only when a layer first reaches a kernel, inside 
 
 from __future__ import annotations
 
+import importlib
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -28,7 +29,7 @@ def warm_imports(interpret=None) -> None:
   """Lower (not compile) one [16, 128] copy kernel with `interpret` resolved as the kernels do
   (compiled on GPU, interpret mode on CPU). Call it before the first jit that reaches a kernel."""
   # every kernel call imports jax's Mosaic-TPU package (tpu_common.use_tpu_kernels)
-
+  importlib.import_module("jax.experimental.pallas.tpu")
   interpret = common.resolve_interpret(interpret)
   shape = jax.ShapeDtypeStruct((16, 128), jnp.float32)
   jax.jit(lambda x: pl.pallas_call(_copy, out_shape=shape, interpret=interpret)(x)).lower(shape)

@@ -134,6 +134,16 @@ def resolve_impl(op, impl, kd=None, vd=None, chunk_size=None, state_bytes=None):
 DECODE_PALLAS_AUTO_PLATFORMS = ()
 
 
+def _decode_unsupported(kernels, kd, vd):
+  """Why the fused decode step cannot take these widths, or None: it runs at the kernels' own
+  widths only (one token has too little work to be worth padding the state)."""
+  widths = kernels.common.SUPPORTED_WIDTHS
+  for name, n in (("K (key width)", kd), ("V (value width)", vd)):
+    if n not in widths:
+      return f"{name} = {n} is not a width of the fused decode step (supported: {widths})"
+  return None
+
+
 def resolve_step_impl(op, impl, kd, vd):
   """The implementation of a decode step: 'pallas' (the fused step) or 'reference' (the XLA step;
   'chunked' means it too, a single token having no chunks). 'auto' -> 'pallas' on
@@ -148,7 +158,7 @@ def resolve_step_impl(op, impl, kd, vd):
   reason = (
     "pallas_kernels cannot be imported"
     if kernels is None
-    else pallas_unsupported(kernels, kd, vd, None)
+    else _decode_unsupported(kernels, kd, vd)
   )
   if reason is None:
     return "pallas"
