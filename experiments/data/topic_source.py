@@ -18,6 +18,14 @@ pass. A document's topic path is its switch positions (geometric gaps by inverse
 topics; its token at position t uses the uniform of index t. A document's content therefore does
 not depend on how it is cut into windows.
 
+A second family, ``family='dirichlet'``, gives every document its own unigram law: theta_d ~
+Dirichlet(``concentration``) over the vocabulary, tokens i.i.d. from theta_d. Its Bayes predictive
+is closed-form, ``(n_v(x_{<t}) + a) / (t + V a)``, and keeps improving at every length (the excess
+of a predictor that stops counting after T tokens is about (V - 1) / 2 * (1/T - 1/t) nats per token
+at position t), so the optimum needs a state that counts without bound: a model trained at a short
+length must run its state past the range it was trained on to keep up. ``num_topics``,
+``zipf_exponent`` and ``switch_prob`` do not apply to it.
+
 Model view: the token id ``vocab_size`` is BOS; a document is read as ``[BOS, x_0, ..., x_{L-1}]``,
 so the target at position ``t`` (0-based) is ``x_t`` predicted from ``x_{<t}``, and its floor is
 ``-log p(x_t | x_{<t})``.
@@ -34,7 +42,8 @@ TRAIN, VALID, EVAL = (
   1,
   2,
 )  # document splits: training windows, validation windows, floor evaluation
-_WORLD, _GAPS, _FIRST, _MOVES, _TOKENS = 0, 1, 2, 3, 4  # random stream tags
+_WORLD, _GAPS, _FIRST, _MOVES, _TOKENS, _THETA = 0, 1, 2, 3, 4, 5  # random stream tags
+FAMILIES = ("hmm", "dirichlet")
 _FILTER_BLOCK = 2048
 
 
@@ -46,6 +55,8 @@ class TopicParams:
   switch_prob: float = 1.0 / 2048
   doc_len: int = 65536
   seed: int = 0
+  family: str = "hmm"
+  concentration: float = 0.1
 
   def check(self, where: str = "topic source") -> None:
     """Raises ValueError naming the first bad parameter as ``<where>.<name>``."""
@@ -55,6 +66,8 @@ class TopicParams:
       ("zipf_exponent", self.zipf_exponent >= 0, "must be >= 0"),
       ("switch_prob", 0.0 <= self.switch_prob <= 1.0, "must be in [0, 1]"),
       ("doc_len", self.doc_len >= 1, "must be positive"),
+      ("family", self.family in FAMILIES, f"must be one of {', '.join(FAMILIES)}"),
+      ("concentration", self.concentration > 0, "must be > 0"),
     )
     for name, ok, expected in rules:
       if not ok:
@@ -79,6 +92,8 @@ def params_from_config(cfg) -> TopicParams:
     switch_prob=float(cfg.switch_prob),
     doc_len=int(cfg.doc_len),
     seed=int(cfg.seed),
+    family=str(cfg.get("family", "hmm")),
+    concentration=float(cfg.get("concentration", 0.1)),
   )
 
 
@@ -201,8 +216,32 @@ class TopicSource:
     """[B, L] int32: the tokens of document ``docs[b]`` at positions ``pos[b]`` (inside the
     document)."""
     u = uniform(self._doc_keys(split, docs, _TOKENS)[:, None], pos)
+    if self.params.family == "dirichlet":
+      cdf = np.cumsum(self.doc_laws(split, docs), axis=1)  # [B, V]
+      cdf[:, -1] = 1.0
+      tok = np.stack([np.searchsorted(c, row, side="right") for c, row in zip(cdf, u)])
+      return np.minimum(tok, self.params.vocab_size - 1).astype(np.int32)
     ranks = np.minimum(np.searchsorted(self._cdf, u, side="right"), self.params.vocab_size - 1)
     return self.perms[self._topics_at(split, docs, pos), ranks].astype(np.int32)
+
+  def doc_laws(self, split: int, docs) -> np.ndarray:
+    """[len(docs), V] float64: each document's own unigram law theta_d ~ Dirichlet(concentration)
+    (the ``dirichlet`` family), drawn from a generator seeded by (seed, split, doc)."""
+    p = self.params
+    if p.family != "dirichlet":
+      raise ValueError(
+        f"topic source: documents have their own laws only in the dirichlet family "
+        f"(family={p.family!r})"
+      )
+    alpha = np.full(p.vocab_size, p.concentration)
+    rows = []
+    for d in np.atleast_1d(np.asarray(docs, np.int64)):
+      rng = np.random.default_rng([p.seed, _THETA, int(split), int(d)])
+      g = rng.standard_gamma(alpha)
+      if g.sum() == 0:  # every gamma draw underflowed (tiny concentration): one token type
+        g[rng.integers(p.vocab_size)] = 1.0
+      rows.append(g / g.sum())
+    return np.stack(rows)
 
   def _positions(self, starts, length):
     starts = np.atleast_1d(starts).astype(np.int64)
@@ -274,7 +313,29 @@ class TopicSource:
   def bayes_nll(self, tokens: np.ndarray) -> np.ndarray:
     """Exact ``-log p(x_t | x_{<t})`` [N, L] (float64) of documents ``tokens`` [N, L] read from
     their start."""
-    return bayes_nll(tokens, self.emissions, self.params.switch_prob)
+    p = self.params
+    if p.family == "dirichlet":
+      return dirichlet_nll(tokens, p.vocab_size, p.concentration)
+    return bayes_nll(tokens, self.emissions, p.switch_prob)
+
+
+def dirichlet_nll(tokens: np.ndarray, vocab_size: int, concentration: float) -> np.ndarray:
+  """The Dirichlet-multinomial predictive's ``-log p(x_t | x_{<t})`` [N, L]: ``(n + a) / (t + V a)``
+  with n the count of x_t among the t tokens before it."""
+  tokens = np.atleast_2d(np.asarray(tokens, np.int64))
+  n, length = tokens.shape
+  # the count of x_t before t: its rank among the equal tokens of its row (a stable sort by token)
+  order = np.argsort(tokens, axis=1, kind="stable")
+  sorted_tok = np.take_along_axis(tokens, order, axis=1)
+  idx = np.arange(length)[None, :]
+  first = np.where(
+    np.concatenate([np.ones((n, 1), bool), sorted_tok[:, 1:] != sorted_tok[:, :-1]], axis=1), idx, 0
+  )
+  rank_sorted = idx - np.maximum.accumulate(first, axis=1)
+  before = np.empty_like(rank_sorted)
+  np.put_along_axis(before, order, rank_sorted, axis=1)
+  t = np.arange(length, dtype=np.float64)[None, :]
+  return -np.log((before + concentration) / (t + vocab_size * concentration))
 
 
 def bayes_nll(tokens: np.ndarray, emissions: np.ndarray, switch_prob: float) -> np.ndarray:

@@ -106,9 +106,11 @@ def base_config() -> ml_collections.ConfigDict:
     dict(vocab_size=32, copy_len=16, eval_copy_len=0, min_copy_len=0)
   )
   d.passkey = ml_collections.ConfigDict(dict(vocab_size=64, digits=5))
-  # topic: the slow-switching topic source (experiments/data/topic_source.py), generated on the fly.
-  # The model needs vocab_size + 1 ids (BOS = vocab_size). Training windows come from num_train_docs
-  # documents of doc_len tokens; validation from num_eval_examples other documents.
+  # topic: the synthetic sources with an exact floor (experiments/data/topic_source.py), generated
+  # on the fly: family 'hmm' (slow-switching topics: num_topics, zipf_exponent, switch_prob) or
+  # 'dirichlet' (each document its own unigram law ~ Dirichlet(concentration)). The model needs
+  # vocab_size + 1 ids (BOS = vocab_size). Training windows come from num_train_docs documents of
+  # doc_len tokens; validation from num_eval_examples other documents.
   d.topic = ml_collections.ConfigDict(
     dict(
       vocab_size=512,
@@ -118,6 +120,8 @@ def base_config() -> ml_collections.ConfigDict:
       doc_len=65536,
       seed=0,
       num_train_docs=16384,
+      family="hmm",
+      concentration=0.1,
     )
   )
 

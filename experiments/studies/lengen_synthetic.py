@@ -462,8 +462,8 @@ def run_mixer(plan, mixer, meter=None) -> str:
     tf = r["topic_floor"]
     meter.add(
       units,
-      f"{mixer} {stage} @ step {step} evaluated: ratio {tf['ratio']['estimate']:.2f} "
-      f"[{tf['ratio']['lo']:.2f}, {tf['ratio']['hi']:.2f}], {tf['verdict']}",
+      f"{mixer} {stage} @ step {step} evaluated: PPL late / early {tf['ppl_ratio']['estimate']:.2f} "
+      f"[{tf['ppl_ratio']['lo']:.2f}, {tf['ppl_ratio']['hi']:.2f}], {tf['verdict']}",
     )
   return "done"
 
@@ -611,14 +611,25 @@ def write_commands(plan, argv_flags, status, wall_s, machine):
         f"{c.model.num_heads} heads x {c.model.head_dim}; T={c.data.seq_len}, "
         f"batch {c.data.global_batch_size}; pretraining {plan.pretrain_steps} steps from the zero "
         f"state at lr {c.optim.learning_rate:g}, post-training {plan.post_steps} steps at lr "
-        f"{study_config.POST_LR:g} (fresh optimizer); topic source: vocabulary "
-        f"{c.data.topic.vocab_size}, {c.data.topic.num_topics} topics, "
-        f"Zipf {c.data.topic.zipf_exponent:g}, switch probability {c.data.topic.switch_prob:.6g}, "
-        f"documents of {c.data.topic.doc_len}; evaluation: {plan.documents} documents x "
+        f"{study_config.POST_LR:g} (fresh optimizer); {source_line(c.data.topic)}; "
+        f"evaluation: {plan.documents} documents x "
         f"{plan.max_len} positions, state carried in chunks of {plan.chunk}, {plan.resamples} "
         f"bootstrap resamples over documents"
       ),
     ),
+  )
+
+
+def source_line(tp) -> str:
+  """The synthetic source's settings in words."""
+  if tp.get("family", "hmm") == "dirichlet":
+    return (
+      f"Dirichlet source: vocabulary {tp.vocab_size}, concentration {tp.concentration:g} per "
+      f"token, documents of {tp.doc_len}"
+    )
+  return (
+    f"topic source: vocabulary {tp.vocab_size}, {tp.num_topics} topics, Zipf "
+    f"{tp.zipf_exponent:g}, switch probability {tp.switch_prob:.6g}, documents of {tp.doc_len}"
   )
 
 

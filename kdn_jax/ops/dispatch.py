@@ -156,9 +156,7 @@ def resolve_step_impl(op, impl, kd, vd):
     return "reference"
   kernels = pallas_module()
   reason = (
-    "pallas_kernels cannot be imported"
-    if kernels is None
-    else _decode_unsupported(kernels, kd, vd)
+    "pallas_kernels cannot be imported" if kernels is None else _decode_unsupported(kernels, kd, vd)
   )
   if reason is None:
     return "pallas"

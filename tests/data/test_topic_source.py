@@ -4,6 +4,7 @@ determinism and sampling statistics."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -141,3 +142,45 @@ def test_bad_parameters_name_the_argument():
   ):
     with pytest.raises(ValueError, match=f"topic source.{word}: must"):
       ts.TopicSource(ts.TopicParams(**{word: value}))
+
+
+def _dirichlet_source(**kw):
+  params = dict(family="dirichlet", vocab_size=5, concentration=0.3, doc_len=400, seed=4)
+  return ts.TopicSource(ts.TopicParams(**(params | kw)))
+
+
+def test_dirichlet_floor_is_the_dirichlet_multinomial_predictive():
+  """The chain of predictives multiplies to the closed-form Dirichlet-multinomial probability of
+  the whole sequence, and each predictive sums to one over the next token."""
+  gammaln = np.vectorize(math.lgamma)
+  src = _dirichlet_source()
+  v, a = 5, 0.3
+  docs = np.stack([src.tokens(ts.EVAL, d, 0, 50) for d in range(6)])
+  nll = src.bayes_nll(docs)
+  for row, got in zip(docs, nll):
+    counts = np.bincount(row, minlength=v)
+    log_p = gammaln(v * a) - gammaln(len(row) + v * a) + np.sum(gammaln(counts + a) - gammaln(a))
+    np.testing.assert_allclose(-got.sum(), log_p, rtol=1e-12)
+  for t in (0, 7, 49):  # every continuation of a prefix: the predictive sums to one
+    prefix = docs[0, :t]
+    rows = np.stack([np.concatenate([prefix, [x]]) for x in range(v)])
+    np.testing.assert_allclose(np.exp(-src.bayes_nll(rows)[:, t]).sum(), 1.0, rtol=1e-12)
+
+
+def test_dirichlet_documents_follow_their_own_law():
+  """Tokens are i.i.d. from the document's own law, windows are cut from the same document, and the
+  floor's predictive scores better than a mis-specified concentration (it is the Bayes optimum)."""
+  src = _dirichlet_source(vocab_size=8, doc_len=40000)
+  law = src.doc_laws(ts.TRAIN, [3])[0]
+  freq = np.bincount(src.tokens(ts.TRAIN, 3), minlength=8) / 40000
+  np.testing.assert_allclose(freq, law, atol=0.01)
+  w = src.window(ts.TRAIN, 3, 2, 64)
+  np.testing.assert_array_equal(w["inputs"], src.tokens(ts.TRAIN, 3, 127, 191))
+  docs = np.stack([src.tokens(ts.EVAL, d, 0, 64) for d in range(400)])
+  true = src.bayes_nll(docs).mean()
+  for wrong in (0.05, 2.0):
+    assert true < ts.dirichlet_nll(docs, 8, wrong).mean()
+  with pytest.raises(ValueError, match="family"):
+    ts.TopicParams(family="lda").check()
+  with pytest.raises(ValueError, match="concentration"):
+    ts.TopicParams(family="dirichlet", concentration=0.0).check()

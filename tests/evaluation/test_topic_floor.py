@@ -77,29 +77,36 @@ def test_config_errors_name_the_key():
     lengen_synthetic.get_config("huge,gla")
 
 
-def _nll(rng, n, excess_early, excess_late, length=8192, train_len=64):
-  """Per-position model and floor NLLs whose excess is excess_early before 4096 and excess_late
-  after."""
-  floor = rng.gamma(4.0, 1.0, (n, length))
-  excess = np.where(np.arange(length) < 4096, excess_early, excess_late) + rng.normal(
-    0, 0.3, (n, length)
-  )
-  return floor + excess, floor
+def _nll(rng, n, early_nll, late_nll, length=8192, floor_late=None):
+  """Per-position model and floor NLLs: the model's mean NLL is early_nll before 4096 and late_nll
+  after; the floor is 1 nat below the model before 4096 and floor_late (default: 1 below) after."""
+  pos = np.arange(length)
+  model = np.where(pos < 4096, early_nll, late_nll) + rng.normal(0, 0.3, (n, length))
+  floor_after = late_nll - 1.0 if floor_late is None else floor_late
+  floor = np.where(pos < 4096, early_nll - 1.0, floor_after) + 0 * model
+  return model, floor
 
 
 def test_analysis_verdicts_and_intervals():
   rng = np.random.default_rng(0)
-  fail = topic_floor.analyse(*_nll(rng, 24, 0.1, 0.5), 64, resamples=500)
-  assert fail["verdict"] == "failure" and fail["verdict_ci"] == "failure"
-  assert fail["ratio"]["lo"] < 5.0 < fail["ratio"]["hi"]
-  assert (
-    fail["late"]["lo"] < 0.5 < fail["late"]["hi"]
-    and fail["early"]["lo"] < 0.1 < fail["early"]["hi"]
-  )
-  flat = topic_floor.analyse(*_nll(rng, 24, 0.1, 0.1), 64, resamples=500)
-  assert flat["verdict"] == "no failure" and flat["verdict_ci"] == "no failure"
-  close = topic_floor.analyse(*_nll(rng, 24, 0.1, 0.3), 64, resamples=500)  # at the threshold
-  assert close["verdict_ci"] == "undecided"
+  fail = topic_floor.analyse(*_nll(rng, 24, 3.0, 3.0 + np.log(2.0)), 64, resamples=500)
+  assert fail["verdict"] == "failure"
+  assert fail["ppl_ratio"]["lo"] < 2.0 < fail["ppl_ratio"]["hi"]
+  assert abs(fail["nll_late"]["estimate"] - (3.0 + np.log(2.0))) < 0.01
+  # the gap to the floor is 1 nat in both windows: no growth
+  assert fail["excess_growth"]["lo"] < 0 < fail["excess_growth"]["hi"]
+  flat = topic_floor.analyse(*_nll(rng, 24, 3.0, 3.0, floor_late=1.5), 64, resamples=500)
+  assert flat["verdict"] == "no failure" and flat["ppl_ratio"]["hi"] < 1.5
+  # a model that stops gaining while the floor falls: no failure, its excess grows by 0.5 nats
+  assert abs(flat["excess_growth"]["estimate"] - 0.5) < 0.05
+  z = np.zeros(4)
+  close = topic_floor.verdict(z, z, z, np.log([1.2, 1.3, 1.5, 1.8]), resamples=500)
+  assert close["ppl_ratio"]["estimate"] < 1.5 < close["ppl_ratio"]["hi"]
+  assert close["verdict"] == "undecided"  # below 1.5 but the interval reaches it
+  # the rule's lower end: a ratio >= 1.5 whose interval dips under 1.3 is not a failure
+  loose = topic_floor.verdict(z, z, z, np.log([1.0, 1.1, 2.5, 3.0]), resamples=500)
+  assert loose["ppl_ratio"]["estimate"] >= 1.5 > 1.3 > loose["ppl_ratio"]["lo"]
+  assert loose["verdict"] == "undecided"
   # the curve's buckets tile [0, length) and hold the verdict windows' edges
   edges = fail["bucket_edges"]
   assert edges[0] == 0 and edges[-1] == 8192 and {32, 64, 4096, 8192} <= set(edges)
@@ -107,6 +114,33 @@ def test_analysis_verdicts_and_intervals():
   assert fail["early_window"] == [32, 64] and fail["late_window"] == [4096, 8192]
   with pytest.raises(ValueError, match="--max_len"):
     topic_floor.analyse(np.zeros((3, 4096)), np.zeros((3, 4096)), 64)
+
+
+def test_a_result_stored_without_the_verdict_fields_gets_them_from_the_floor():
+  """with_verdict recomputes the floor of the recorded documents: the model NLLs it recovers from
+  the stored excesses equal those a full analysis computes."""
+  src_cfg = {
+    "vocab_size": 16,
+    "num_topics": 3,
+    "zipf_exponent": 1.0,
+    "switch_prob": 0.01,
+    "doc_len": 8192,
+    "seed": 2,
+  }
+  src = ts.TopicSource(ts.params_from_config(topic_floor._Settings(src_cfg)))
+  docs = topic_floor.evaluation_documents(src, 4, 8192, seed=1)
+  floor = src.bayes_nll(docs)
+  model = floor + np.random.default_rng(0).uniform(0, 0.2, floor.shape)
+  full = topic_floor.analyse(model, floor, 64, seed=1, resamples=200)
+  old = {k: v for k, v in full.items() if k not in ("ppl_ratio", "nll_early", "nll_late")}
+  old["per_document"] = {k: full["per_document"][k] for k in ("early", "late")}
+  old.update(source=src_cfg, seed=1, threshold=3.0, verdict_ci="failure")
+  new = topic_floor.with_verdict(old, resamples=200)
+  np.testing.assert_allclose(new["per_document"]["nll_late"], full["per_document"]["nll_late"])
+  for k in ("estimate", "lo", "hi"):
+    np.testing.assert_allclose(new["ppl_ratio"][k], full["ppl_ratio"][k], rtol=1e-12)
+  assert new["verdict"] == full["verdict"]
+  assert "threshold" not in new and "verdict_ci" not in new
 
 
 def test_evaluation_documents_and_model_view():
