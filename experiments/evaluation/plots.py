@@ -85,14 +85,12 @@ def topic_floor(res: dict, path: str, label: str = "") -> str:
   ax.set_xlabel("position t (tokens)")
   ax.set_ylabel("excess NLL over the Bayes floor (nats)")
   ax.set_title("\n".join(textwrap.wrap(res.get("claim", ""), 90)), fontsize=8)
-  r = res["ratio"]
+  r, g = res["ppl_ratio"], res["excess_growth"]
   fig.text(
     0.01,
     0.01,
-    f"late/early excess = {r['estimate']:.2f} [{r['lo']:.2f}, {r['hi']:.2f}] "
-    f"({level}% CI); verdict: {res['verdict']} (threshold {res['threshold']:g}x; "
-    f"by the interval: "
-    f"{res['verdict_ci']})",
+    f"model PPL late / early = {r['estimate']:.2f} [{r['lo']:.2f}, {r['hi']:.2f}] ({level}% CI): "
+    f"{res['verdict']}; excess growth {g['estimate']:.3f} [{g['lo']:.3f}, {g['hi']:.3f}] nats",
     fontsize=7.5,
   )
   ax.grid(alpha=0.3, which="both")

@@ -125,8 +125,8 @@ def _headline(results) -> list[str]:
     (ea, eb), (la, lb) = r["early_window"], r["late_window"]
     lines.append(
       f"excess NLL over the floor: [{ea}, {eb}) {_fmt_iv(r['early'])}, "
-      f"[{la}, {lb}) {_fmt_iv(r['late'])}, ratio {_fmt_iv(r['ratio'])}: "
-      f"{r['verdict']} (intervals: {r['verdict_ci']})"
+      f"[{la}, {lb}) {_fmt_iv(r['late'])}; model PPL late / early {_fmt_iv(r['ppl_ratio'])}: "
+      f"{r['verdict']}"
     )
   if "effrem" in results:
     r = results["effrem"]
