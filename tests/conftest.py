@@ -2,11 +2,11 @@
 and XLA:CPU's cheapest compile (inherited by the tests' subprocesses; tests/runner_helpers.
 one_device_env drops only the simulated devices). The suite is compile-bound on CPU
 (interpret-mode kernels lower to large programs):
-- jax_disable_most_optimizations: XLA's backend at its lowest optimisation level (session 31:
-  a clean-clone `.ci/run` 21m05s -> 16m20s on 2 cores);
+- jax_disable_most_optimizations: XLA's backend at its lowest optimisation level (a clean-clone
+  `.ci/run` 21m05s -> 16m20s on 2 cores);
 - --xla_cpu_use_fusion_emitters=false: XLA:CPU's loop emitters instead of its MLIR fusion
-  emitters (session 41: a Pallas delta-rule fwd+bwd in interpret mode compiles in 0.96 s
-  instead of 2.67; the suite 1972 -> 1180 worker-seconds, 16m51s -> 10m13s on 2 cores).
+  emitters (a Pallas delta-rule fwd+bwd in interpret mode compiles in 0.96 s instead of 2.67;
+  the suite 1972 -> 1180 worker-seconds, 16m51s -> 10m13s on 2 cores).
 Neither changes what a program computes: the first changes code generation only, the second
 also which elementwise ops XLA:CPU fuses; both can change the order of some fp32 reductions
 (~1e-7 relative)."""

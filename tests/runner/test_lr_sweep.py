@@ -36,51 +36,68 @@ def _sweep_config(strategy="zero"):
   return c
 
 
-def test_members_train_as_single_runs_resume_and_freeze_when_non_finite(tmp_path):
+def test_seeded_members_train_as_single_runs_resume_and_freeze_when_non_finite(tmp_path):
+  """One seeded sweep under state_passing (one compiled program: the suite's time): the member (lr, s)
+  is the single run with seed = data.shuffle_seed = s at rate lr (its own initial parameters, data
+  order and carried states), through a stop and a resume; its folder holds a plain run's final
+  checkpoint; a member whose state is poisoned is frozen and reported while the others finish."""
+  members = ((1e-2, 1), (3e-3, 2))
   with compilation_cache(tmp_path / "cache"):
     single = {}
-    for lr in RATES[1:]:  # one single run: each member's rate is scaled the same way
+    for lr, seed in members:  # each member's rate is scaled the same way: two of the four
       c = _tiny("state_passing")
       c.optim.learning_rate = lr
-      tr = trainer.Trainer(c, str(tmp_path / f"single{lr}"))
+      c.seed = c.data.shuffle_seed = seed
+      tr = trainer.Trainer(c, str(tmp_path / f"single{lr}_{seed}"))
       tr.run()
       tr.close()
-      single[lr] = _losses(tmp_path / f"single{lr}")
+      single[(lr, seed)] = _losses(tmp_path / f"single{lr}_{seed}")
+    assert single[members[0]][0][2] != single[members[1]][0][2]  # the seeds start apart
 
+    c = _sweep_config("state_passing")
+    c.train.seeds = "1,2"
     wd = str(tmp_path / "sweep")
-    tr = lr_sweep.make_trainer(_sweep_config("state_passing"), wd)
+    tr = lr_sweep.make_trainer(c, wd)
     assert isinstance(tr, lr_sweep.SweepTrainer)
+    assert [m for m in tr.members] == [(3e-3, 1), (3e-3, 2), (1e-2, 1), (1e-2, 2)]
     assert tr.run(stop_at=3)["status"] == "preempted"
     tr.close()
-    tr = lr_sweep.make_trainer(
-      _sweep_config("state_passing"), wd
-    )  # resumes from the step-3 checkpoint
+    tr = lr_sweep.make_trainer(c, wd)  # resumes params, optimizer, carried states and both streams
     assert tr.run()["status"] == "completed"
     tr.close()
 
-  for lr in RATES:
-    member = config_lib.sweep_member_dir(wd, lr)
+  for i, (lr, seed) in enumerate(tr.members):
+    member = config_lib.sweep_member_dir(wd, lr, seed)
     got = _losses(member)
     assert [g[:2] for g in got] == [(s, "train") for s in range(1, 7)] + [
       (6, "eval")
     ]  # none repeated
-    if lr in single:
-      np.testing.assert_allclose([g[2] for g in got], [w[2] for w in single[lr]], rtol=2e-5)
+    if (lr, seed) in single:
+      np.testing.assert_allclose([g[2] for g in got], [w[2] for w in single[(lr, seed)]], rtol=2e-5)
     with open(os.path.join(member, "config.json")) as f:
       cfg = json.load(f)
-    assert cfg["optim"]["learning_rate"] == lr and cfg["train"]["lr_sweep"] == []
+    assert (cfg["seed"], cfg["data"]["shuffle_seed"], cfg["optim"]["learning_rate"]) == (
+      seed,
+      seed,
+      lr,
+    )
+    assert cfg["train"]["seeds"] == "" and cfg["train"]["lr_sweep"] == []
     # The member's folder holds a plain run's final checkpoint: parameters restore as init_from reads them.
     abstract = jax.eval_shape(lambda: tr.member_state(0)["params"])
     params, step = ckpt_lib.restore_params(member, abstract)
     assert step == 6
     np.testing.assert_array_equal(
-      np.asarray(params["embed"]), np.asarray(tr.member_state(RATES.index(lr))["params"]["embed"])
+      np.asarray(params["embed"]), np.asarray(tr.member_state(i)["params"]["embed"])
     )
   with open(os.path.join(wd, "summary.json")) as f:
-    assert [m["status"] for m in json.load(f)["members"]] == ["completed", "completed"]
+    assert [m["status"] for m in json.load(f)["members"]] == ["completed"] * 4
 
-  # The same program again (compiled once; part of this test for the suite's time): a non-finite member.
-  c = _sweep_config("state_passing")
+  c.train.seeds = "1,3"
+  with pytest.raises(config_lib.ConfigError, match=r"holds a sweep over seeds \(1, 2\)"):
+    lr_sweep.SweepTrainer(c, wd)
+
+  # The same program again (compiled once): a non-finite member.
+  c.train.seeds = "1,2"
   c.checkpoint.enabled = False
   with compilation_cache(tmp_path / "cache"):
     _a_non_finite_member_is_frozen_and_reported_while_the_others_finish(c, tmp_path)
@@ -88,21 +105,26 @@ def test_members_train_as_single_runs_resume_and_freeze_when_non_finite(tmp_path
 
 def _a_non_finite_member_is_frozen_and_reported_while_the_others_finish(c, tmp_path):
   tr = lr_sweep.SweepTrainer(c, str(tmp_path / "poisoned"))
+  poison = tr.members.index((1e-2, 1))
   emb = tr.state["params"]["embed"]
-  tr.state["params"]["embed"] = emb.at[1].multiply(np.inf)  # poison the second rate only
-  poisoned = np.asarray(tr.state["params"]["embed"][1])
+  tr.state["params"]["embed"] = emb.at[poison].multiply(np.inf)  # poison one member only
+  poisoned = np.asarray(tr.state["params"]["embed"][poison])
   summary = tr.run()
   tr.close()
   assert summary["status"] == "completed"
-  np.testing.assert_array_equal(np.asarray(tr.state["params"]["embed"][1]), poisoned)
+  np.testing.assert_array_equal(np.asarray(tr.state["params"]["embed"][poison]), poisoned)
   statuses = {}
-  for lr in RATES:
-    with open(
-      os.path.join(config_lib.sweep_member_dir(str(tmp_path / "poisoned"), lr), "summary.json")
-    ) as f:
+  for lr, seed in tr.members:
+    member = config_lib.sweep_member_dir(str(tmp_path / "poisoned"), lr, seed)
+    with open(os.path.join(member, "summary.json")) as f:
       s = json.load(f)
-    statuses[lr] = (s["status"], s.get("diverged_at_step"))
-  assert statuses == {3e-3: ("completed", None), 1e-2: ("diverged", 1)}
+    statuses[(lr, seed)] = (s["status"], s.get("diverged_at_step"))
+  assert statuses == {
+    (3e-3, 1): ("completed", None),
+    (3e-3, 2): ("completed", None),
+    (1e-2, 1): ("diverged", 1),
+    (1e-2, 2): ("completed", None),
+  }
 
   # Every member non-finite halts the sweep like a single run.
   tr = lr_sweep.SweepTrainer(c, str(tmp_path / "all"))
@@ -129,55 +151,7 @@ def test_bad_rates_and_a_changed_sweep_are_config_errors(tmp_path):
   c.train.lr_sweep = (1e-3,)
   with pytest.raises(config_lib.ConfigError, match=r"holds a sweep over \(0\.003, 0\.01\)"):
     lr_sweep.SweepTrainer(c, str(tmp_path / "sweep"))
-
-
-def test_seeded_members_train_as_separate_runs_per_seed_and_resume(tmp_path):
-  """train.seeds: the member (lr, s) is the single run with seed = data.shuffle_seed = s at rate lr (its
-  own initial parameters and data order), through a stop and a resume."""
-  members = ((1e-2, 1), (3e-3, 2))
-  with compilation_cache(tmp_path / "cache"):
-    single = {}
-    for lr, seed in members:
-      c = _tiny()
-      c.optim.learning_rate = lr
-      c.seed = c.data.shuffle_seed = seed
-      tr = trainer.Trainer(c, str(tmp_path / f"single{lr}_{seed}"))
-      tr.run()
-      tr.close()
-      single[(lr, seed)] = _losses(tmp_path / f"single{lr}_{seed}")
-    assert single[members[0]][0][2] != single[members[1]][0][2]  # the seeds start apart
-
-    c = _sweep_config()
-    c.train.seeds = "1,2"
-    wd = str(tmp_path / "sweep")
-    tr = lr_sweep.make_trainer(c, wd)
-    assert [m for m in tr.members] == [(3e-3, 1), (3e-3, 2), (1e-2, 1), (1e-2, 2)]
-    assert tr.run(stop_at=3)["status"] == "preempted"
-    tr.close()
-    tr = lr_sweep.make_trainer(c, wd)  # resumes params, optimizer and both seeds' data streams
-    assert tr.run()["status"] == "completed"
-    tr.close()
-
-  for lr, seed in members:
-    member = config_lib.sweep_member_dir(wd, lr, seed)
-    got = _losses(member)
-    assert [g[:2] for g in got] == [(s, "train") for s in range(1, 7)] + [(6, "eval")]
-    np.testing.assert_allclose([g[2] for g in got], [w[2] for w in single[(lr, seed)]], rtol=2e-5)
-    with open(os.path.join(member, "config.json")) as f:
-      cfg = json.load(f)
-    assert (cfg["seed"], cfg["data"]["shuffle_seed"], cfg["optim"]["learning_rate"]) == (
-      seed,
-      seed,
-      lr,
-    )
-    assert cfg["train"]["seeds"] == "" and cfg["train"]["lr_sweep"] == []
-
-  c = _sweep_config()
-  c.train.seeds = "1,2"
   c.train.lr_sweep = RATES
-  c.train.seeds = "1,3"
-  with pytest.raises(config_lib.ConfigError, match=r"holds a sweep over seeds \(1, 2\)"):
-    lr_sweep.SweepTrainer(c, wd)
   for bad in ("0,0", "1,x", "-1"):
     c.train.seeds = bad
     with pytest.raises(
