@@ -47,7 +47,7 @@ def test_tiny_study_end_to_end_and_resume(tmp_path, capsys):
   plan = study.Plan(
     "tiny",
     ["gla"],
-    ["zero", "state_passing"],
+    ["state_passing"],
     workdir=str(tmp_path / "runs"),
     results=str(tmp_path / "res" / "lengen_text"),
     toy_corpus=True,
@@ -62,8 +62,6 @@ def test_tiny_study_end_to_end_and_resume(tmp_path, capsys):
   assert plan.keep_steps == [1, 2, 5]
   kinds = [(k, s) for k, s, _ in study.arm_work(plan, "gla")]
   assert kinds == [("train", "pretrain")] + [("eval", "pretrain")] * 3 + [
-    ("train", "zero"),
-    ("eval", "zero"),
     ("train", "state_passing"),
     ("eval", "state_passing"),
   ]
@@ -75,7 +73,6 @@ def test_tiny_study_end_to_end_and_resume(tmp_path, capsys):
     ("pretrain", 1),
     ("pretrain", 2),
     ("pretrain", 5),
-    ("zero", 2),
     ("state_passing", 2),
   ]
   sp = runs[-1]
