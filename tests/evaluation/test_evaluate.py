@@ -246,6 +246,27 @@ def test_cli_reports_bad_input_with_exit_code_2(lm_run):
   ]
 
 
+def test_cli_all_steps_evaluates_every_checkpoint(lm_run, tmp_path):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  steps = loading.saved_steps(lm_run[0])
+  assert steps and steps[-1] == 3
+  cmd = [sys.executable, "-m", "experiments.evaluate", f"--workdir={lm_run[0]}", "--suite=ppl"]
+  out = subprocess.run(
+    cmd + ["--all_steps", f"--out={tmp_path}"],
+    cwd=root,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  for step in steps:
+    with open(tmp_path / f"step{step}" / "ppl.json", encoding="utf-8") as f:
+      assert json.load(f)["meta"]["step"] == step
+
+
 def test_info_scale_override_changes_only_mu(lm_run, tmp_path):
   """The fixed-weight beta_eff probe: the trained parameters, mu replaced; beta_eff falls as mu grows."""
   workdir, _ = lm_run

@@ -39,7 +39,7 @@ PAPER_FIX = {
   "state_passing": "fixes it (~0.1% of the pretraining budget)",
   "tbtt": "fixes it (~0.1% of the pretraining budget)",
   "fitted_noise": "helps sometimes",
-  "random_noise": "helps less than fitted noise",
+  "random_noise": "the baseline of fitted noise",
 }
 CLAIM = (
   "Paper: a recurrent LM trained from the zero state at length T breaks past T (position-wise "
@@ -97,7 +97,15 @@ def _verdict(r: dict, runs: list[dict]) -> str:
     return "failure shown" if failure_shown(r) else "no failure"
   if r["stage"] == "zero":
     return "control"
-  return "fix shown" if fix_shown(r, _control(runs, r["arm"])) else "no fix shown"
+  return _fix_words(r, _control(runs, r["arm"]))
+
+
+def _fix_words(r: dict, control: dict | None) -> str:
+  if fix_shown(r, control):
+    return "fix shown"
+  if control is not None and control["ratio"]["estimate"] < CONTROL_RATIO:
+    return f"no fix shown (control below {CONTROL_RATIO}: nothing to fix)"
+  return "no fix shown"
 
 
 def render_table(runs: list[dict]) -> str:
@@ -169,9 +177,9 @@ def verdicts(runs: list[dict]) -> list[str]:
       parts = []
       for r in posts:
         dv = 100 * (r["val_ppl"] / control["val_ppl"] - 1)
+        words = "**fix shown**" if fix_shown(r, control) else _fix_words(r, control)
         parts.append(
-          f"{r['stage']} {'**fix shown**' if fix_shown(r, control) else 'no fix shown'} "
-          f"(ratio {_iv(r['ratio'])}, val PPL {dv:+.1f}% vs control)"
+          f"{r['stage']} {words} (ratio {_iv(r['ratio'])}, val PPL {dv:+.1f}% vs control)"
         )
       line += f"; control ratio {_iv(control['ratio'])}: " + "; ".join(parts)
     out.append(line)
