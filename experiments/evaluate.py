@@ -3,6 +3,7 @@
     python -m experiments.evaluate --workdir=/tmp/kdn_mqar_smoke
     python -m experiments.evaluate --workdir=/ckpt/lm --suite=position_ppl,effrem --max_len=32768
     python -m experiments.evaluate --workdir=/ckpt/lm --step=2000 --suite=retrieval
+    python -m experiments.evaluate --workdir=/ckpt/lm --all_steps --suite=position_ppl  # every checkpoint
     python -m experiments.evaluate --workdir=/tmp/ls/gla --suite=topic_floor --chunk=512
     python -m experiments.evaluate --workdir=/ckpt/lm --suite=beta_eff --override_info_scale=4k  # mu probe
 
@@ -19,12 +20,19 @@ problem (no checkpoint, unknown suite, a length the data cannot serve) is report
 
 from __future__ import annotations
 
+import os
 import sys
 
 from absl import app, flags, logging
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by experiments.train.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+_ALL_STEPS = flags.DEFINE_bool(
+  "all_steps",
+  False,
+  "Evaluate every saved checkpoint, each into <out>/step<k> (default <workdir>/eval/step<k>): "
+  "the trend over training tokens.",
+)
 _SUITE = flags.DEFINE_string(
   "suite", "", "Comma-separated suites (default: by the run's data kind)."
 )
@@ -150,11 +158,19 @@ def main(argv):
 
   dispatch.warm_kernel_imports()  # before anything is traced (see the function)
   try:
+    if _ALL_STEPS.value and _STEP.value is not None:
+      raise ValueError("--all_steps: evaluates every checkpoint; give it or --step, not both")
+    from experiments import loading  # pylint: disable=g-import-not-at-top
+
+    settings = settings_from_flags()
+    steps = loading.saved_steps(_WORKDIR.value) if _ALL_STEPS.value else [_STEP.value]
     with context_parallel(_CONTEXT.value):
       overrides = {"info_scale": _OVERRIDE_MU.value} if _OVERRIDE_MU.value else None
-      runner.evaluate(
-        _WORKDIR.value, suites, settings_from_flags(), _STEP.value, _OUT.value, overrides
-      )
+      for step in steps:
+        out = _OUT.value
+        if _ALL_STEPS.value:
+          out = os.path.join(_OUT.value or os.path.join(_WORKDIR.value, "eval"), f"step{step}")
+        runner.evaluate(_WORKDIR.value, suites, settings, step, out, overrides)
   except (ValueError, FileNotFoundError) as e:
     print(f"Evaluation error: {as_flag(str(e))}", file=sys.stderr)
     return 2

@@ -105,6 +105,17 @@ def find(workdir: str, step: int | None = None) -> tuple[str, int]:
   return root, step
 
 
+def saved_steps(workdir: str) -> list[int]:
+  """Every saved checkpoint step of ``workdir`` (a run directory or its checkpoints directory),
+  ascending."""
+  root, _ = find(workdir)
+  return sorted(
+    int(s)
+    for s in os.listdir(root)
+    if s.isdigit() and os.path.isdir(os.path.join(root, s, "state"))
+  )
+
+
 def _run_dir(root: str) -> str:
   return os.path.dirname(root) if os.path.basename(root) == "checkpoints" else root
 

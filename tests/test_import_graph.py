@@ -12,6 +12,7 @@ BELOW = {p: set(PACKAGES[i:]) for i, p in enumerate(PACKAGES)}
 ALLOWED_UP = {
   ("experiments.studies.mqar_grid", "configs.mqar_grid"),
   ("experiments.studies.lengen_synthetic", "configs.lengen_synthetic"),
+  ("experiments.studies.lengen_text", "configs.lengen_short"),
   ("experiments.studies.mqar_zoology", "configs.mqar_zoology"),
   ("experiments.studies.mqar_zoology_sweep", "configs.mqar_zoology"),
   ("experiments.studies.init_write_strength", "configs.mqar_zoology"),

@@ -150,6 +150,37 @@ def document_windows(
   return np.stack(windows).astype(np.int32), which
 
 
+def spread_windows(
+  tokens: np.ndarray, offsets: np.ndarray, length: int, eos_id: int, n: int, seed: int = 0
+) -> tuple[np.ndarray, list[int]]:
+  """Up to ``n`` windows of ``length + 1`` tokens spread over the documents: each document long
+  enough gives its first window (read as ``[eos] + doc``, so it starts at the document's start), the
+  documents in an order drawn from ``seed``; only when there are fewer such documents than ``n`` do
+  they give further windows, round by round. Windows are the bootstrap units of the long
+  evaluation, so one document (one topic, one style) must not fill the sample as the first N in
+  file order would. Returns (windows [N', length + 1], the document index of each)."""
+  lengths = np.diff(np.asarray(offsets, np.int64)) + 1  # with the leading separator
+  per_doc = np.maximum((lengths - 1) // length, 0)  # windows each document holds
+  docs = np.flatnonzero(per_doc > 0)
+  if not len(docs):
+    longest = int(lengths.max() - 1) if len(lengths) else 0
+    raise ValueError(
+      f"no document holds {length + 1} tokens (the longest has {longest}); use a shorter "
+      "length or longer documents"
+    )
+  docs = np.random.default_rng(seed).permutation(docs)
+  picks = []
+  for r in range(int(per_doc.max())):
+    picks += [(int(i), r) for i in docs if per_doc[i] > r]
+    if len(picks) >= n:
+      break
+  windows = []
+  for i, r in picks[:n]:
+    doc = np.concatenate([[eos_id], np.asarray(tokens[offsets[i] : offsets[i + 1]], np.int64)])
+    windows.append(doc[r * length : r * length + length + 1])
+  return np.stack(windows).astype(np.int32), [i for i, _ in picks[:n]]
+
+
 def position_buckets(length: int, num: int = 64) -> np.ndarray:
   """Bucket edges over positions 0..length: linear for the first 16 positions, then log-spaced."""
   edges = np.unique(

@@ -54,7 +54,7 @@ class Settings:
   tokenizer: str = ""  # overrides the run's corpus tokenizer
   seed: int = 0
   documents: int = floor_lib.DEFAULT_DOCS  # topic_floor: evaluation documents (bootstrap units)
-  resamples: int = bootstrap.RESAMPLES  # topic_floor: bootstrap resamples
+  resamples: int = bootstrap.RESAMPLES  # topic_floor / position_ppl: bootstrap resamples
 
 
 @dataclasses.dataclass
@@ -119,9 +119,9 @@ class Context:
 
   def long_sequences(self, length: int, n: int) -> np.ndarray:
     """[n', length + 1] token windows: long-eval documents (LM runs) or the run's task at ``length``."""
-    if self.is_lm:
+    if self.is_lm:  # spread over the documents from the seed (the bootstrap units)
       tokens, off = self.long_eval()
-      return long_context.document_windows(tokens, off, length, self.bos(), max_windows=n)[0]
+      return long_context.spread_windows(tokens, off, length, self.bos(), n, self.settings.seed)[0]
     if self.is_topic:  # [BOS, x_0 .. x_{length-1}] of evaluation documents
       src = self.topic_source()
       docs = floor_lib.evaluation_documents(src, n, length, self.settings.seed)
@@ -321,7 +321,35 @@ def position_ppl(ctx: Context) -> tuple[dict, dict, np.ndarray]:
       if t <= L
     },
   }
+  res.update(position_intervals(nll, edges, ctx.train_len, ctx.settings))
   return res, _state_result(ctx, series, n, L), per_pos
+
+
+def position_intervals(nll, edges, train_len: int, settings: Settings) -> dict:
+  """Bootstrap intervals over the windows (the units) of the bucket perplexities and of the ratio
+  PPL@L / PPL@T, each PPL@t = exp(mean NLL over positions [t/2, t)) as in ``ppl_at``, L the
+  evaluated length: the ratio is exp of the paired difference of the two ranges' mean NLL."""
+  nll = np.asarray(nll, np.float64)
+  L, kw = nll.shape[1], {"resamples": settings.resamples, "seed": settings.seed}
+  per_window = np.stack([nll[:, a:b].mean(axis=1) for a, b in zip(edges[:-1], edges[1:])], axis=1)
+  buckets = bootstrap.mean(per_window, **kw)
+  early = nll[:, max(0, train_len // 2) : train_len].mean(axis=1)
+  late = nll[:, L // 2 : L].mean(axis=1)
+  diff = bootstrap.paired_difference(late, early, **kw)
+  return {
+    "bucket_ppl_lo": np.exp(buckets.lo).tolist(),
+    "bucket_ppl_hi": np.exp(buckets.hi).tolist(),
+    "ratio": {
+      "long_len": L,
+      "train_len": train_len,
+      "estimate": float(np.exp(diff.estimate)),
+      "lo": float(np.exp(diff.lo)),
+      "hi": float(np.exp(diff.hi)),
+      "level": diff.level,
+      "resamples": diff.resamples,
+      "units": diff.units,
+    },
+  }
 
 
 def state_stats(ctx: Context) -> dict:

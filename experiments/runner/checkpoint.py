@@ -21,6 +21,7 @@ import time
 import grain
 import jax
 import orbax.checkpoint as ocp
+from orbax.checkpoint.checkpoint_managers import preservation_policy
 
 from experiments.runner import array_checksum
 
@@ -297,12 +298,19 @@ def _abandoned_writes_hook(previous, dropped):
 
 
 class Checkpointer:
-  def __init__(self, directory: str, keep: int = 3, async_save: bool = True):
+  def __init__(self, directory: str, keep: int = 3, async_save: bool = True, keep_steps=()):
     self.directory = os.path.abspath(directory)
     # cleanup_tmp_directories: a save that failed (disk full) or was killed leaves <step>.orbax-checkpoint-tmp,
     # which a later save of the same step would trip over
+    retention = {"max_to_keep": keep}
+    if keep_steps:  # the newest `keep` and the listed steps
+      retention = {
+        "preservation_policy": preservation_policy.AnyPreservationPolicy(
+          [preservation_policy.LatestN(keep), preservation_policy.CustomSteps(list(keep_steps))]
+        )
+      }
     opts = ocp.CheckpointManagerOptions(
-      max_to_keep=keep,
+      **retention,
       enable_async_checkpointing=async_save,
       create=True,
       cleanup_tmp_directories=True,

@@ -180,6 +180,9 @@ def base_config() -> ml_collections.ConfigDict:
   k.enabled = True
   k.every_steps = 500
   k.keep = 3
+  # Comma-separated steps saved (also off the every_steps grid) and never deleted, besides the
+  # newest `keep`: e.g. '1000,2500,5000' for a trend over training tokens. '' = none.
+  k.keep_steps = ""
   k.async_save = True
 
   # Pallas kernel options (experiments/runner/kernel_config.py specs, e.g. delta_rule='fuse_output=all'):
@@ -476,6 +479,7 @@ def validate(
       _fail(f"mesh.rules.{logical}", f"unknown mesh axis {axis!r}")
   if config.checkpoint.every_steps < 0 or config.checkpoint.keep <= 0:
     _fail("checkpoint", "every_steps must be >= 0 and keep > 0")
+  parse_keep_steps(config.checkpoint.get("keep_steps", ""))
 
   if num_devices is not None:
     data, fsdp, _, context = mesh_shape(config, num_devices)
@@ -527,6 +531,21 @@ def sweep_member_dir(workdir: str, lr: float, seed: int | None = None) -> str:
   """The folder of one member of a sweep (experiments/runner/lr_sweep.py), a plain run's layout:
   ``lr<rate>``, or ``lr<rate>_seed<seed>`` in a sweep over seeds."""
   return os.path.join(workdir, f"lr{lr:g}" if seed is None else f"lr{lr:g}_seed{seed}")
+
+
+def parse_keep_steps(text) -> tuple[int, ...]:
+  """``checkpoint.keep_steps`` '1000,2500' -> (1000, 2500); '' -> ()."""
+  parts = [p.strip() for p in str(text).split(",") if p.strip()]
+  try:
+    steps = tuple(sorted(int(p) for p in parts))
+  except ValueError:
+    steps = None
+  if steps is None or any(s <= 0 for s in steps):
+    _fail(
+      "checkpoint.keep_steps",
+      f"expected positive steps separated by commas, like '1000,2500,5000', got {text!r}",
+    )
+  return steps
 
 
 def parse_seeds(text) -> tuple[int, ...]:

@@ -183,7 +183,10 @@ class Trainer:
       self.checkpointer = None
       if config.checkpoint.enabled:
         self.checkpointer = ckpt_lib.Checkpointer(
-          os.path.join(workdir, "checkpoints"), config.checkpoint.keep, config.checkpoint.async_save
+          os.path.join(workdir, "checkpoints"),
+          config.checkpoint.keep,
+          config.checkpoint.async_save,
+          config_lib.parse_keep_steps(config.checkpoint.get("keep_steps", "")),
         )
       self.config_json = json.loads(config.to_json_best_effort())
       self.init_from_step = None
@@ -551,6 +554,7 @@ class Trainer:
     self.maybe_restore()
     total = cfg.train.num_steps
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
+    keep_steps = set(config_lib.parse_keep_steps(cfg.checkpoint.get("keep_steps", "")))
     start_step = self.step()
     if start_step >= total:
       return self._nothing_to_train(start_step, total)
@@ -598,7 +602,9 @@ class Trainer:
           pending_finite.append((step, metrics["finite"]))
         if cfg.train.loss_positions:  # checked with the finiteness flags, without a per-step sync
           pending_dropped.append((step, metrics["dropped_targets"]))
-        at_save = bool(cfg.checkpoint.every_steps) and step % cfg.checkpoint.every_steps == 0
+        at_save = (
+          bool(cfg.checkpoint.every_steps) and step % cfg.checkpoint.every_steps == 0
+        ) or step in keep_steps
         at_eval = bool(cfg.train.eval_every) and step % cfg.train.eval_every == 0
         if step == start_step + 1:  # keep compilation out of the tokens/s of the first interval
           jax.block_until_ready(metrics["loss"])
@@ -637,7 +643,7 @@ class Trainer:
           writer.write(step, "eval", eval_metrics)
           if self.is_main:
             print(f"eval @ {step}: {self._describe_eval(eval_metrics)}", flush=True)
-        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < total:
+        if at_save and step < total:
           self.save()
       if status == "completed":
         eval_metrics = self.evaluate()

@@ -2,7 +2,9 @@
 
 ``per_channel=True``: f is low rank d -> rank -> H*K and dt_bias is [H, K] (KDA / KDN / GDN-2 / GLA).
 ``per_channel=False``: f is d -> H and dt_bias is [H] (Gated DeltaNet, Mamba-2 style).
-A_log ~ log U(a_min, a_max); dt ~ logU(dt_min, dt_max), dt_bias = softplus^{-1}(dt).
+A_log ~ log U(a_min, a_max); dt ~ logU(dt_min, dt_max), dt_bias = softplus^{-1}(dt). The ranges are
+the model config keys a_min, a_max, dt_min, dt_max (defaults [1, 16] and [1e-3, 1e-1], Mamba-2's):
+at f = 0 a channel's time constant 1 / (A dt) then lies in [1 / (a_max dt_max), 1 / (a_min dt_min)].
 """
 
 from __future__ import annotations
@@ -15,6 +17,16 @@ from flax import nnx
 
 from kdn_jax.layers.dense import Dense, LowRank, make_param
 
+DECAY_DEFAULTS = {"a_min": 1.0, "a_max": 16.0, "dt_min": 1e-3, "dt_max": 1e-1}
+DT_FLOOR = 1e-4
+
+
+def decay_ranges(cfg) -> dict:
+  """A model config's decay initialisation as Decay's keywords (configs saved before the keys
+  existed get the defaults)."""
+  v = {k: float(cfg.get(k, d)) for k, d in DECAY_DEFAULTS.items()}
+  return {"a_range": (v["a_min"], v["a_max"]), "dt_range": (v["dt_min"], v["dt_max"])}
+
 
 def _a_log_init(a_min, a_max):
   def init(key, shape, dtype):
@@ -24,7 +36,10 @@ def _a_log_init(a_min, a_max):
   return init
 
 
-def _dt_bias_init(dt_min, dt_max, dt_floor=1e-4):
+def _dt_bias_init(dt_min, dt_max):
+  # the floor guards the inverse softplus (log of a tiny expm1); below the range it never binds
+  dt_floor = min(DT_FLOOR, dt_min)
+
   def init(key, shape, dtype):
     u = jax.random.uniform(key, shape, jnp.float32)
     dt = jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))

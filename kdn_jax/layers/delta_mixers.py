@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from kdn_jax import ops
-from kdn_jax.layers.decay import Decay
+from kdn_jax.layers.decay import Decay, decay_ranges
 from kdn_jax.layers.dense import Dense, LowRank
 from kdn_jax.layers.recurrent import RecurrentMixer, memory_outputs, states_kw
 from kdn_jax.ops import context_parallel
@@ -54,6 +54,7 @@ class KDA(_BetaMixin, RecurrentMixer):
       param_dtype=self.param_dtype,
       rngs=rngs,
       **rank,
+      **decay_ranges(cfg),
     )
     self._init_beta(rngs)
 
@@ -122,7 +123,9 @@ class GDN2(RecurrentMixer):
   def _init_gates(self, cfg, rngs):
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype, rngs=rngs)
     H, K, V = self.num_heads, self.key_dim, self.value_dim
-    self.decay = Decay(self.d_model, H, K, per_channel=True, rank=self.rank, **kw)
+    self.decay = Decay(
+      self.d_model, H, K, per_channel=True, rank=self.rank, **kw, **decay_ranges(cfg)
+    )
     self.b_proj = LowRank(self.d_model, self.rank, (H, K), ("heads", "kv"), use_bias=True, **kw)
     self.w_proj = LowRank(self.d_model, self.rank, (H, V), ("heads", "kv"), use_bias=True, **kw)
 
@@ -170,6 +173,7 @@ class GLA(RecurrentMixer):
       dtype=self.dtype,
       param_dtype=self.param_dtype,
       rngs=rngs,
+      **decay_ranges(cfg),
     )
 
   def _gates(self, x):

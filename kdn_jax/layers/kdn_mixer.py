@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from kdn_jax import ops
-from kdn_jax.layers.decay import Decay
+from kdn_jax.layers.decay import Decay, decay_ranges
 from kdn_jax.layers.dense import Dense, LowRank, constant_init, inv_softplus, make_param
 from kdn_jax.layers.recurrent import RecurrentMixer, states_kw
 from kdn_jax.ops import context_parallel, dispatch
@@ -77,7 +77,7 @@ class KDNMixer(RecurrentMixer):
     self.r_min = float(cfg.r_min)
     if self.r_min <= 0:
       raise ValueError(f"r_min must be > 0, got {cfg.r_min}")
-    self.decay = Decay(d, H, K, per_channel=True, rank=self.rank, **kw)
+    self.decay = Decay(d, H, K, per_channel=True, rank=self.rank, **kw, **decay_ranges(cfg))
     if self.noise == "fixed":
       self.omega_proj = None
     elif self.diagonal:

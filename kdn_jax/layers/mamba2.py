@@ -24,17 +24,29 @@ Choices:
     per-head log decay [B, T, H], so the chunked / Pallas paths, packed segments and initial states
     are those of the op. The D skip is per token and carries no state.
 
+Variants (model config key ``mamba2_variant``):
+  * 'normalized' (the default): as above, L2-normalised q, k, read scale K, the scaffold's output
+    gate, so only the recurrence differs from the other mixers.
+  * 'faithful': Mamba-2's own block around the same recurrence: B, C unnormalised (only conv +
+    SiLU), read scale 1 (y = C^T h), and its gated RMSNorm over all heads together,
+    o_proj(RMSNorm_{H*V}(y * SiLU(z)) * w) with z a full-rank projection of x. The length study
+    needs it: without the normalisations the state's scale follows the inputs' statistics over
+    length, as in Mamba-2.
+
 State: {'memory': [B, H, K, V], 'conv': {...}} as for the other recurrent mixers.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from kdn_jax import ops
-from kdn_jax.layers.decay import Decay
-from kdn_jax.layers.dense import make_param, ones_init
+from kdn_jax.layers.decay import Decay, decay_ranges
+from kdn_jax.layers.dense import Dense, make_param, ones_init
 from kdn_jax.layers.recurrent import RecurrentMixer, memory_outputs, states_kw
+
+MAMBA2_VARIANTS = ("normalized", "faithful")
 
 
 class Mamba2(RecurrentMixer):
@@ -42,6 +54,13 @@ class Mamba2(RecurrentMixer):
 
   def _init_gates(self, cfg, rngs):
     H = self.num_heads
+    self.variant = str(cfg.get("mamba2_variant", "normalized"))
+    if self.variant not in MAMBA2_VARIANTS:
+      raise ValueError(
+        f"mamba2_variant: got {self.variant!r}; expected one of {list(MAMBA2_VARIANTS)}"
+      )
+    self.faithful = self.variant == "faithful"
+    self.normalize_qk = not self.faithful
     self.decay = Decay(
       self.d_model,
       H,
@@ -50,9 +69,29 @@ class Mamba2(RecurrentMixer):
       dtype=self.dtype,
       param_dtype=self.param_dtype,
       rngs=rngs,
+      **decay_ranges(cfg),
     )
     self.D = make_param(rngs, ones_init, (H,), self.param_dtype, ("heads",))
-    self.scale = float(self.key_dim)
+    self.scale = 1.0 if self.faithful else float(self.key_dim)
+
+  def _init_output_gate(self, cfg, kw):
+    if not self.faithful:
+      return super()._init_output_gate(cfg, kw)
+    H, V = self.num_heads, self.value_dim
+    self.eps = float(cfg.norm_eps)
+    self.z_proj = Dense(self.d_model, (H, V), ("embed", "heads", "kv"), **kw)
+    self.norm_weight = make_param(None, ones_init, (H, V), self.param_dtype, ("heads", "kv"))
+
+  def _out(self, o, x):
+    if not self.faithful:
+      return super()._out(o, x)
+    return self.o_proj(self.gated_norm(o, self.z_proj(x)).astype(self.dtype))
+
+  def gated_norm(self, o, z):
+    """Mamba-2's RMSNormGated (gate first): RMSNorm over all heads of o * SiLU(z), float32."""
+    y = o.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+    ms = jnp.mean(jnp.square(y), axis=(-2, -1), keepdims=True)
+    return y * jax.lax.rsqrt(ms + self.eps) * self.norm_weight[...].astype(jnp.float32)
 
   def _gates(self, x):
     g, dt = self.decay.log_alpha_and_dt(x)  # [..., H] each

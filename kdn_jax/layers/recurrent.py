@@ -2,7 +2,8 @@
 
 x -> q, k, v projections [B,T,H_k|H,K|V] -> causal depthwise short conv + SiLU (own decode cache
 each) -> L2-normalised q, k -> recurrence (subclass) -> sigmoid-gated RMSNorm (low-rank gate) ->
-o_proj.
+o_proj. Subclasses may keep q, k unnormalised (`normalize_qk`) and replace the output gate
+(`_init_output_gate`, `_out`).
 
 Heads: H = cfg.num_v_heads value heads (0: cfg.num_heads) carry v, the gates, the state and the
 output; q and k have H_k = cfg.num_heads heads, each serving H / H_k consecutive value heads
@@ -71,6 +72,7 @@ class RecurrentMixer(nnx.Module):
   # to pallas; on for the KDN mixers (issue 24), off here so far
   fuse_conv = False
   fuse_norm = False  # likewise the sigmoid-gated output RMSNorm (pallas_kernels.gated_norm)
+  normalize_qk = True  # q, k L2-normalised after their convs (off: Mamba-2's raw B, C)
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     d, Hk, K = int(cfg.d_model), int(cfg.num_heads), int(cfg.head_dim)
@@ -94,15 +96,26 @@ class RecurrentMixer(nnx.Module):
     self.k_conv = ShortConv((Hk, K), W, **kw)
     self.v_conv = ShortConv((H, V), W, **kw)
     self._init_gates(cfg, rngs)
-    self.g_proj = LowRank(d, self.rank, (H, V), ("heads", "kv"), use_bias=True, **kw)
-    self.o_norm = GatedRMSNorm(
-      V, eps=float(cfg.norm_eps), dtype=self.dtype, param_dtype=self.param_dtype
-    )
+    self._init_output_gate(cfg, kw)
     self.o_proj = Dense((H, V), d, ("heads", "kv", "embed"), **kw)
 
   # ---- subclass hooks -------------------------------------------------------------------------
   def _init_gates(self, cfg, rngs):
     pass
+
+  def _init_output_gate(self, cfg, kw):
+    """The output path before o_proj: a low-rank sigmoid gate and a per-head RMSNorm (`_out`)."""
+    self.g_proj = LowRank(
+      self.d_model,
+      self.rank,
+      (self.num_heads, self.value_dim),
+      ("heads", "kv"),
+      use_bias=True,
+      **kw,
+    )
+    self.o_norm = GatedRMSNorm(
+      self.value_dim, eps=float(cfg.norm_eps), dtype=self.dtype, param_dtype=self.param_dtype
+    )
 
   def _gates(self, x) -> dict:
     """x [..., d] -> dict of per-token recurrence inputs (float32)."""
@@ -170,12 +183,13 @@ class RecurrentMixer(nnx.Module):
     fused = self._fused_conv()
     xq, xk, xv = self.q_proj(x), self.k_proj(x), self.v_proj(x)
     if fused:  # (no context split then) the L2 normalisation inside the conv kernels
-      q, cq = self.q_conv(xq, conv["q"], segment_ids, fused=True, normalize=True)
-      k, ck = self.k_conv(xk, conv["k"], segment_ids, fused=True, normalize=True)
+      norm = self.normalize_qk
+      q, cq = self.q_conv(xq, conv["q"], segment_ids, fused=True, normalize=norm)
+      k, ck = self.k_conv(xk, conv["k"], segment_ids, fused=True, normalize=norm)
     else:
       q, cq = short_conv(self.q_conv, xq, conv["q"], segment_ids)
       k, ck = short_conv(self.k_conv, xk, conv["k"], segment_ids)
-      q, k = l2_normalize(q), l2_normalize(k)
+      q, k = self._normalize(q), self._normalize(k)
     v, cv = short_conv(self.v_conv, xv, conv["v"], segment_ids, fused=fused)
     q, k = self._to_value_heads(q, k)
     out = (q.astype(self.dtype), k.astype(self.dtype), v, (cq, ck, cv))
@@ -186,6 +200,9 @@ class RecurrentMixer(nnx.Module):
       for name, mod, xx in (("q", self.q_conv, xq), ("k", self.k_conv, xk), ("v", self.v_conv, xv))
     }
     return out + (at,)
+
+  def _normalize(self, a):
+    return l2_normalize(a) if self.normalize_qk else a
 
   def _to_value_heads(self, q, k):
     """q, k [..., H_k, K] -> [..., H, K]: key head i serves value heads i * G .. i * G + G - 1
@@ -218,7 +235,7 @@ class RecurrentMixer(nnx.Module):
     q, cq = self.q_conv.step(self.q_proj(x_t), conv["q"])
     k, ck = self.k_conv.step(self.k_proj(x_t), conv["k"])
     v, cv = self.v_conv.step(self.v_proj(x_t), conv["v"])
-    q, k = self._to_value_heads(l2_normalize(q), l2_normalize(k))
+    q, k = self._to_value_heads(self._normalize(q), self._normalize(k))
     q, k = q.astype(self.dtype), k.astype(self.dtype)
     gates = self._gates(x_t)
     core_in = {kk: vv for kk, vv in state.items() if kk != "conv"}

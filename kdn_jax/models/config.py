@@ -7,7 +7,10 @@
   'bfloat16' compute), param_dtype ('float32'), r_min, norm_eps, plus lowrank_dim (0 = head_dim),
   rope_theta, remat, match_params, scan_layers (run repeated layers as one lax.scan: compiles once),
   num_v_heads (the recurrent mixers' value heads, a multiple of num_heads, which then counts their
-  query/key heads: grouped value heads, layers/recurrent.py; 0 = num_heads; attention ignores it).
+  query/key heads: grouped value heads, layers/recurrent.py; 0 = num_heads; attention ignores it),
+  dt_min, dt_max, a_min, a_max (every mixer's Decay initialisation: dt ~ logU(dt_min, dt_max),
+  A ~ U(a_min, a_max); layers/decay.py), mamba2_variant ('normalized' | 'faithful';
+  layers/mamba2.py).
 
 Parameter matching: unless ``mlp_hidden`` is overridden (or match_params=False), the SwiGLU width is
 re-solved so that the model's non-embedding parameter count equals that of the reference
@@ -124,6 +127,11 @@ DEFAULTS = dict(
   num_v_heads=0,
   mlp_reference=0,
   mlp_matched=0,  # set by model_config; see effective_mlp_hidden
+  dt_min=1e-3,
+  dt_max=1e-1,
+  a_min=1.0,
+  a_max=16.0,
+  mamba2_variant="normalized",
 )
 
 _DTYPES = ("float32", "bfloat16")
@@ -151,6 +159,7 @@ def layer_mixers(cfg) -> list[str]:
 def validate_config(cfg) -> None:
   """Raises ModelConfigError naming the first invalid key."""
   from kdn_jax.layers.kdn_mixer import INFO_SCALES, NOISE_MODES, resolve_info_scale
+  from kdn_jax.layers.mamba2 import MAMBA2_VARIANTS
   from kdn_jax.layers.registry import MIXERS
   from kdn_jax.ops.validation import IMPLS
 
@@ -216,6 +225,28 @@ def validate_config(cfg) -> None:
     raise _err("scan_layers", f"must be a bool, got {cfg.scan_layers!r}")
   if cfg.impl not in IMPLS:
     raise _err("impl", f"got {cfg.impl!r}; expected one of {list(IMPLS)}")
+  _check_decay(cfg)
+  variant = cfg.get("mamba2_variant", "normalized")
+  if variant not in MAMBA2_VARIANTS:
+    raise _err("mamba2_variant", f"got {variant!r}; expected one of {list(MAMBA2_VARIANTS)}")
+
+
+def _check_decay(cfg) -> None:
+  """The decay initialisation ranges: positive finite numbers, each minimum below its maximum."""
+  from kdn_jax.layers.decay import DECAY_DEFAULTS
+
+  vals = {k: cfg.get(k, d) for k, d in DECAY_DEFAULTS.items()}
+  for key, v in vals.items():
+    if not (
+      isinstance(v, (int, float, np.integer, np.floating))
+      and not isinstance(v, bool)
+      and math.isfinite(v)
+      and v > 0
+    ):
+      raise _err(key, f"must be a positive finite number, got {v!r}")
+  for lo, hi in (("dt_min", "dt_max"), ("a_min", "a_max")):
+    if not vals[lo] < vals[hi]:
+      raise _err(lo, f"must be below {hi} = {vals[hi]:g}, got {vals[lo]:g}")
 
 
 # ---------------------------------------------------------------- parameter counting ---------------
@@ -234,6 +265,7 @@ def _mixer_key(name, cfg):
     "lowrank_dim",
     "swa_window",
     "num_v_heads",
+    "mamba2_variant",
   )
   return (name,) + tuple((k, str(cfg.get(k, DEFAULTS[k]))) for k in keys)
 

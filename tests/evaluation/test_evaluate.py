@@ -125,6 +125,24 @@ def test_beta_eff_probe_equals_the_gain_of_the_op(mixer):
   assert beta.shape == (2, 19, 2) and np.all((beta > 0) & (beta < 1))
 
 
+def test_spread_windows_cover_documents_from_a_seed():
+  """One window per document first, documents in a seeded order (not file order), more per
+  document only when documents run out; every window starts its document (after the separator)."""
+  lens = [50, 10, 300, 120, 80, 45]
+  off = np.concatenate([[0], np.cumsum(lens)])
+  tokens = np.arange(off[-1]) % 97 + 1
+  w, which = long_context.spread_windows(tokens, off, 40, 0, 4, seed=1)
+  assert w.shape == (4, 41) and len(set(which)) == 4 and 1 not in which  # 10 tokens: too short
+  for row, i in zip(w, which):
+    assert row[0] == 0 and np.array_equal(row[1:], tokens[off[i] : off[i] + 40])
+  orders = {tuple(long_context.spread_windows(tokens, off, 40, 0, 5, seed=s)[1]) for s in range(6)}
+  assert len(orders) > 1  # the seed picks the order
+  w, which = long_context.spread_windows(tokens, off, 40, 0, 9, seed=0)
+  assert len(w) == 9 and sorted(set(which)) == [0, 2, 3, 4, 5]  # second round: the longer ones
+  with pytest.raises(ValueError, match="no document holds 401 tokens"):
+    long_context.spread_windows(tokens, off, 400, 0, 2)
+
+
 @pytest.fixture(scope="module")
 def lm_run(tmp_path_factory):
   return train_tiny_lm(tmp_path_factory.mktemp("eval"))
@@ -168,11 +186,18 @@ def test_evaluate_every_suite_on_a_checkpoint(lm_run):
   assert per_pos.shape == (256,)
   tokens = token_files.load_tokens(os.path.join(lm_run[1], "long_eval.npy"))
   off = token_files.load_offsets(os.path.join(lm_run[1], "long_eval.npy"), tokens)
-  seqs, _ = long_context.document_windows(tokens, off, 256, 0, max_windows=3)
+  seqs, _ = long_context.spread_windows(tokens, off, 256, 0, 3, seed=0)
   scorer = long_context.ChunkedScorer(loading.load(workdir).model)
   nll, _ = scorer.one_shot(seqs[:, :-1], seqs[:, 1:])
   np.testing.assert_allclose(pp["perplexity"], np.exp(nll.mean()), rtol=1e-4)
   np.testing.assert_allclose(np.exp(per_pos.mean()), pp["perplexity"], rtol=1e-5)
+  # the ratio PPL@max_len / PPL@T and the bucket bands, with intervals over the windows
+  r = pp["ratio"]
+  assert (r["long_len"], r["train_len"], r["units"]) == (256, 32, 3)
+  np.testing.assert_allclose(r["estimate"], pp["ppl_at"]["256"] / pp["ppl_at"]["32"], rtol=1e-5)
+  assert r["lo"] <= r["estimate"] <= r["hi"]
+  assert np.all(np.asarray(pp["bucket_ppl_lo"]) <= np.asarray(pp["bucket_ppl"]) * (1 + 1e-6))
+  assert np.all(np.asarray(pp["bucket_ppl_hi"]) >= np.asarray(pp["bucket_ppl"]) * (1 - 1e-6))
   assert res["state_stats"]["series"][0]["t"] == 0 and res["state_stats"]["series"][-1]["t"] == 256
   assert res["state_stats"]["series"][0]["layers"][1] is None  # attention has no recurrent state
   assert "variance_mean" in res["state_stats"]["series"][-1]["layers"][0]
@@ -219,6 +244,27 @@ def test_cli_reports_bad_input_with_exit_code_2(lm_run):
   assert out.returncode == 2 and "--suite: unknown suite(s) ['nope']" in out.stderr, out.stderr[
     -2000:
   ]
+
+
+def test_cli_all_steps_evaluates_every_checkpoint(lm_run, tmp_path):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  steps = loading.saved_steps(lm_run[0])
+  assert steps and steps[-1] == 3
+  cmd = [sys.executable, "-m", "experiments.evaluate", f"--workdir={lm_run[0]}", "--suite=ppl"]
+  out = subprocess.run(
+    cmd + ["--all_steps", f"--out={tmp_path}"],
+    cwd=root,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  for step in steps:
+    with open(tmp_path / f"step{step}" / "ppl.json", encoding="utf-8") as f:
+      assert json.load(f)["meta"]["step"] == step
 
 
 def test_info_scale_override_changes_only_mu(lm_run, tmp_path):

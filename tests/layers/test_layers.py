@@ -118,6 +118,17 @@ def test_recurrent_mixer(name):
   _close(out["packed"], out["separate"], what="packed segments vs separate sequences")
 
 
+def test_faithful_mamba2_mixer():
+  """Mamba-2's own block (raw B, C, scale 1, gated RMSNorm over the heads): the same contract."""
+  mixer = _mixer("mamba2", mamba2_variant="faithful")
+  assert mixer.faithful and not mixer.normalize_qk and mixer.scale == 1.0
+  x, x1 = _x(2, T), _x(1, T, seed=3)
+  out = _recurrent_checks(mixer, x, _random_state(mixer, 2), x1)
+  _close(out["fwd"], out["dec"], what="parallel vs step decode (given state)")
+  _close(out["fwd"], out["cont"], what="initial-state continuation")
+  _close(out["packed"], out["separate"], what="packed segments vs separate sequences")
+
+
 @nnx.jit
 def _attention_checks(mixer, x, x1):
   out = {"fwd": mixer(x)[0]}

@@ -242,3 +242,17 @@ def test_rerun_repairs_a_stale_summary(tmp_path, capsys):
   shutil.rmtree(wd / "checkpoints" / "6" / "state")
   with pytest.raises(config_lib.ConfigError, match="config.train.init_from"):
     trainer.Trainer(c, str(tmp_path / "post"), devices=one)
+
+
+def test_keep_steps_survive_the_newest_n(tmp_path):
+  """checkpoint.keep_steps: the listed steps stay besides the newest `keep` (a trend over training)."""
+  d = str(tmp_path / "checkpoints")
+  ck = ckpt_lib.Checkpointer(d, keep=1, async_save=False, keep_steps=(2, 4))
+  it = _iterator()
+  st = _state(1)
+  for step in range(1, 7):
+    next(it)
+    ck.save(step, st, it, {"step": step})
+  ck.close()
+  kept = sorted(int(s) for s in os.listdir(d) if s.isdigit())
+  assert kept == [2, 4, 6], kept

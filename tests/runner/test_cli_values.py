@@ -81,6 +81,21 @@ CASES = [
   ),
   ("r_min", ["--config.model.r_min=0"], r"config\.model\.r_min: must be > 0 and finite, got 0"),
   (
+    "dt_range",
+    ["--config.model.dt_min=0.1", "--config.model.dt_max=0.01"],
+    r"config\.model\.dt_min: must be below dt_max = 0\.01, got 0\.1",
+  ),
+  (
+    "a_min",
+    ["--config.model.a_min=-1"],
+    r"config\.model\.a_min: must be a positive finite number, got -1",
+  ),
+  (
+    "mamba2_variant",
+    ["--config.model.mamba2_variant=mamba3"],
+    r"config\.model\.mamba2_variant: got 'mamba3'; expected one of \['normalized', 'faithful'\]",
+  ),
+  (
     "layer_pattern",
     ["--config.model.layer_pattern=kdn_diag,lstm"],
     r"config\.model\.layer_pattern: unknown mixer 'lstm' in 'kdn_diag,lstm'",

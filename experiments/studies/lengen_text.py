@@ -1,0 +1,565 @@
+"""The length-generalisation study on text at a short context (configs/lengen_short.py): per arm,
+pretrain from the zero state at T, evaluate every kept checkpoint (does extrapolation worsen with
+more training tokens?), post-train with each initial-state strategy and evaluate those.
+
+    # CPU, about a minute: every stage at tiny size on a generated toy corpus
+    python -m experiments.studies.lengen_text --preset=tiny --toy_corpus
+    # one GPU, the five arms side by side; resumable, stops cleanly at the deadline
+    python -m experiments.studies.lengen_text --preset=t64 --parallel=5 --deadline_s=540 \\
+        --workdir=/tmp/lengen_text --results=docs/results/lengen_text
+
+Runs: ``<workdir>/<arm>/pretrain`` (``<preset>,<arm>``), then ``<workdir>/<arm>/<strategy>``
+(``post`` / ``t128_post`` / ``tiny_post``, ``--config.train.init_from`` the pretrained run) for each
+strategy; ``zero`` post-training is the control. Evaluation (``experiments.evaluation`` suites ppl,
+position_ppl with its state_stats, effrem) starts from the normal initial state: position-wise PPL
+to ``max_len`` (default 128 x T) over ``windows`` long-eval windows spread over the documents, the
+state carried in chunks; the ratio PPL@max_len / PPL@T with a 95% bootstrap interval over the
+windows; EffRem at 16 x T. One JSON per evaluation in ``<results>/<preset>/``
+(``<arm>.pretrain.step<k>.json``, ``<arm>.<strategy>.json``), rendered by
+experiments/studies/results/lengen_text.py. A completed run or evaluation is skipped; a stopped run
+resumes from its checkpoint. ``--parallel=N`` runs up to N arms as separate processes (one
+accelerator shared); their output is prefixed with the arm and kept in ``<workdir>/<arm>.log``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import shlex
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+from absl import app, flags, logging
+from absl import flags as absl_flags
+
+from configs import lengen_short as study_config
+from experiments.runner import cli, config_lib
+from experiments.runner.logging_utils import fmt_time, write_json
+from experiments.studies import lengen_synthetic as common
+from experiments.studies.results import lengen_text as renderer
+
+PRESETS = ("tiny", "t64", "t128")
+POST_PRESET = {"tiny": "tiny_post", "t64": "post", "t128": "t128_post"}
+STRATEGIES = ("zero", "state_passing", "tbtt", "fitted_noise", "random_noise")
+DEFAULT_ARMS = {
+  "tiny": ("gla",),
+  "t64": ("mamba2", "mamba2_long", "gla", "kda", "kdn_diag"),
+  "t128": ("mamba2", "mamba2_long", "gla", "kda", "kdn_diag"),
+}
+EVAL = {"tiny": {"windows": 8, "chunk": 512}, "t64": {"windows": 64, "chunk": 512}}
+EVAL["t128"] = EVAL["t64"]
+SUITES = ("ppl", "position_ppl", "effrem")
+LONG_FACTOR = 128  # position_ppl to 128 x T
+EFFREM_FACTOR = 16  # EffRem at T_eval = 16 x T
+KEEP_FRACTIONS = (0.2, 0.5, 1.0)  # pretraining checkpoints kept and evaluated
+
+FLAGS = flags.FlagValues()
+flags.DEFINE_enum("preset", "tiny", PRESETS, "configs/lengen_short.py preset", flag_values=FLAGS)
+flags.DEFINE_list(
+  "arms",
+  [],
+  "arms (configs/lengen_short.py ARMS or mixer names; default: tiny gla; GPU "
+  "mamba2,mamba2_long,gla,kda,kdn_diag)",
+  flag_values=FLAGS,
+)
+flags.DEFINE_list(
+  "strategies",
+  list(STRATEGIES),
+  "post-training initial states (zero = the control)",
+  flag_values=FLAGS,
+)
+flags.DEFINE_string(
+  "workdir", "", "root of the run folders (default /tmp/lengen_text_<preset>)", flag_values=FLAGS
+)
+flags.DEFINE_string(
+  "results", "docs/results/lengen_text", "root of the JSON (a <preset>/ folder)", flag_values=FLAGS
+)
+flags.DEFINE_string(
+  "corpus_dir", "", "prepared corpus (default: the config's /tmp/kdn_corpus)", flag_values=FLAGS
+)
+flags.DEFINE_bool(
+  "toy_corpus",
+  False,
+  "generate a small corpus in <workdir>/toy_corpus and train on it (CPU runs without a prepared "
+  "corpus; vocabulary 256)",
+  flag_values=FLAGS,
+)
+flags.DEFINE_integer("parallel", 1, "arms at once as separate processes", flag_values=FLAGS)
+flags.DEFINE_integer(
+  "deadline_s",
+  0,
+  "stop cleanly after this many seconds (0: none): a running training saves a checkpoint, "
+  "nothing new starts; rerun to go on",
+  flag_values=FLAGS,
+)
+flags.DEFINE_integer("pretrain_steps", 0, "pretraining steps (0: the preset's)", flag_values=FLAGS)
+flags.DEFINE_integer(
+  "post_steps", 0, "post-training steps (0: 10% of pretraining)", flag_values=FLAGS
+)
+flags.DEFINE_integer("windows", 0, "long-eval windows (0: tiny 8, GPU 64)", flag_values=FLAGS)
+flags.DEFINE_integer("chunk", 0, "tokens per carried evaluation chunk (0: 512)", flag_values=FLAGS)
+flags.DEFINE_integer("max_len", 0, "evaluated positions (0: 128 x T)", flag_values=FLAGS)
+flags.DEFINE_integer("resamples", 2000, "bootstrap resamples", flag_values=FLAGS)
+flags.DEFINE_integer("seed", 0, "seed of the window choice and the bootstrap", flag_values=FLAGS)
+flags.DEFINE_bool(
+  "fast_compile",
+  None,
+  "runs and evaluations compile at XLA's lowest optimisation (same results up to fp32 summation "
+  "order; their few steps cost less than the compile). Default: on for tiny",
+  flag_values=FLAGS,
+)
+flags.DEFINE_string("machine", "", "where the study ran (commands.json)", flag_values=FLAGS)
+flags.DEFINE_list(
+  "override", [], "run-config overrides for every run, key=value", flag_values=FLAGS
+)
+flags.DEFINE_bool("child", False, "internal: one arm of a --parallel study", flag_values=FLAGS)
+
+
+# ------------------------------------------------------------------------------------------ plan
+class Plan:
+  """The study's settings after defaults, validated before any work."""
+
+  def __init__(
+    self,
+    preset,
+    arms=(),
+    strategies=STRATEGIES,
+    workdir="",
+    results="",
+    corpus_dir="",
+    toy_corpus=False,
+    pretrain_steps=0,
+    post_steps=0,
+    windows=0,
+    chunk=0,
+    max_len=0,
+    resamples=2000,
+    seed=0,
+    deadline_s=0,
+    overrides=(),
+    fast_compile=None,
+  ):
+    if preset not in PRESETS:
+      raise ValueError(f"--preset: expected one of {list(PRESETS)}, got {preset!r}")
+    self.preset = preset
+    self.arms = tuple(arms) or DEFAULT_ARMS[preset]
+    for arm in self.arms:
+      try:
+        study_config.arm_model_keys(arm)
+      except config_lib.ConfigError:
+        raise ValueError(
+          f"--arms: unknown {arm!r}; expected {list(study_config.ARMS)} or mixer names"
+        ) from None
+    self.strategies = tuple(strategies)
+    bad = [s for s in self.strategies if s not in config_lib.INITIAL_STATES]
+    if bad:
+      raise ValueError(
+        f"--strategies: unknown {bad}; expected names from {list(config_lib.INITIAL_STATES)}"
+      )
+    for name, v in (
+      ("--pretrain_steps", pretrain_steps),
+      ("--post_steps", post_steps),
+      ("--windows", windows),
+      ("--chunk", chunk),
+      ("--max_len", max_len),
+      ("--deadline_s", deadline_s),
+    ):
+      if v < 0:
+        raise ValueError(f"{name}: must be >= 0, got {v}")
+    if resamples < 100:
+      raise ValueError(f"--resamples: use at least 100 bootstrap resamples, got {resamples}")
+    self.workdir = workdir or f"/tmp/lengen_text_{preset}"
+    self.results = os.path.join(results or "docs/results/lengen_text", preset)
+    self.toy_corpus = toy_corpus
+    self.corpus_dir = os.path.join(self.workdir, "toy_corpus") if toy_corpus else corpus_dir
+    base = study_config.get_config(preset)
+    self.train_len = int(base.data.seq_len)
+    self.pretrain_steps = pretrain_steps or int(base.train.num_steps)
+    self.post_steps = post_steps or max(1, round(self.pretrain_steps * study_config.POST_FRACTION))
+    self.keep_steps = sorted({max(1, round(f * self.pretrain_steps)) for f in KEEP_FRACTIONS})
+    self.windows = windows or EVAL[preset]["windows"]
+    if self.windows < 2:
+      raise ValueError(f"--windows: the intervals need >= 2 windows, got {self.windows}")
+    self.max_len = max_len or LONG_FACTOR * self.train_len
+    if self.max_len < 2 * self.train_len:
+      raise ValueError(f"--max_len: must be >= 2 x T = {2 * self.train_len}, got {self.max_len}")
+    self.chunk = min(chunk or EVAL[preset]["chunk"], self.max_len)
+    self.effrem_len = min(EFFREM_FACTOR * self.train_len, self.max_len)
+    self.resamples, self.seed = resamples, seed
+    self.deadline = time.time() + deadline_s if deadline_s else None
+    self.fast_compile = preset == "tiny" if fast_compile is None else fast_compile
+    self.overrides = common.parse_overrides(overrides)
+    for key, value in self.overrides.items():  # fails here, naming the key, not mid-study
+      common._set(base, key, value)
+    self.tokens_per_step = int(base.data.global_batch_size) * self.train_len
+
+  def run_dir(self, arm, stage):
+    return os.path.join(self.workdir, arm, stage)
+
+  def config(self, arm, stage):
+    """The run config of ``stage`` ('pretrain' or a strategy)."""
+    if stage == "pretrain":
+      c = study_config.get_config(f"{self.preset},{arm}")
+      steps = self.pretrain_steps
+      c.checkpoint.keep_steps = ",".join(str(s) for s in self.keep_steps)
+      c.checkpoint.every_steps = max(1, steps // 10)
+      c.train.eval_every = self.keep_steps[0] if len(self.keep_steps) > 1 else 0
+    else:
+      c = study_config.get_config(f"{POST_PRESET[self.preset]},{arm},{stage}")
+      steps = self.post_steps
+      c.train.init_from = self.run_dir(arm, "pretrain")
+      c.checkpoint.every_steps = steps
+    c.train.num_steps = steps
+    c.optim.warmup_steps = steps // 10
+    if self.corpus_dir:
+      c.data.corpus_dir = self.corpus_dir
+    if self.toy_corpus:
+      c.model.vocab_size = TOY_VOCAB
+    for key, value in self.overrides.items():
+      common._set(c, key, value)
+    return c
+
+  def time_left(self):
+    return None if self.deadline is None else self.deadline - time.time()
+
+  def past_deadline(self):
+    return self.deadline is not None and time.time() >= self.deadline
+
+
+# ------------------------------------------------------------------------------------------ toy data
+TOY_VOCAB = 256
+TOY_EOS = 0
+
+
+def write_toy_corpus(out: str, seed: int = 0, long_len: int = 2100) -> str:
+  """A corpus in prepare's layout (no tokenizer: the study's suites need none): documents drawn
+  each from its own Zipf law over a random subset of the vocabulary, so the context identifies the
+  document and a memory of it lowers the loss. Train 2000 short documents, val 200, long_eval 24
+  of ``long_len``+ tokens. Written once (a manifest present means done)."""
+  if os.path.exists(os.path.join(out, "manifest.json")):
+    return out
+  os.makedirs(out, exist_ok=True)
+  rng = np.random.default_rng(seed)
+  ranks = 1.0 / np.arange(1, 49) ** 1.1
+  ranks /= ranks.sum()
+
+  def doc(n):
+    words = rng.choice(np.arange(1, TOY_VOCAB), 48, replace=False)
+    return np.append(words[rng.choice(48, n, p=ranks)], TOY_EOS).astype(np.int32)
+
+  splits = {
+    "train": [doc(int(n)) for n in rng.integers(20, 200, 2000)],
+    "val": [doc(int(n)) for n in rng.integers(20, 200, 200)],
+    "long_eval": [doc(int(n)) for n in rng.integers(long_len, long_len + 400, 24)],
+  }
+  for name, docs in splits.items():
+    np.save(os.path.join(out, f"{name}.npy"), np.concatenate(docs))
+    np.save(
+      os.path.join(out, f"{name}.docs.npy"),
+      np.concatenate([[0], np.cumsum([len(d) for d in docs])]),
+    )
+  write_json(os.path.join(out, "manifest.json"), {"vocab_size": TOY_VOCAB, "eos_id": TOY_EOS})
+  return out
+
+
+# ------------------------------------------------------------------------------------------ work
+def result_path(plan, arm, stage, step=None):
+  name = f"{arm}.{stage}" + (f".step{step}" if stage == "pretrain" else "") + ".json"
+  return os.path.join(plan.results, name)
+
+
+def evaluated(plan, path, step) -> bool:
+  r = common.read_json(path)
+  return (
+    bool(r)
+    and r.get("step") == step
+    and r["ratio"]["units"] == plan.windows
+    and r["position"]["max_len"] == plan.max_len
+  )
+
+
+def _evaluate(plan, arm, stage, step) -> dict:
+  from experiments.evaluation import runner  # pylint: disable=g-import-not-at-top  (imports jax)
+  from experiments.evaluation.suites import Settings  # pylint: disable=g-import-not-at-top
+
+  wd = plan.run_dir(arm, stage)
+  settings = Settings(
+    max_len=plan.max_len,
+    chunk=plan.chunk,
+    num_sequences=plan.windows,
+    effrem_len=plan.effrem_len,
+    effrem_sequences=min(plan.windows, 16),
+    resamples=plan.resamples,
+    seed=plan.seed,
+  )
+  t0 = time.time()
+  with common._lowest_optimisation(plan.fast_compile):
+    res = runner.evaluate(wd, list(SUITES), settings, step, os.path.join(wd, "eval", f"step{step}"))
+  pp, er, st = res["position_ppl"], res["effrem"], res["state_stats"]
+  summary = common.read_json(os.path.join(wd, "summary.json")) or {}
+  init_step = summary.get("init_from_step")
+  cfg = common.read_json(os.path.join(wd, "config.json")) or {}
+  model = cfg.get("model", {})
+  out = {
+    "study": "lengen_text",
+    "preset": plan.preset,
+    "arm": arm,
+    "mixer": model.get("mixer"),
+    "mamba2_variant": model.get("mamba2_variant"),
+    "dt_range": [model.get("dt_min"), model.get("dt_max")],
+    "stage": stage,
+    "strategy": "zero" if stage == "pretrain" else stage,
+    "post_trained": stage != "pretrain",
+    "step": step,
+    "init_from_step": init_step,
+    "tokens": (step + (int(init_step) if init_step else 0)) * plan.tokens_per_step,
+    "train_len": plan.train_len,
+    "num_params": summary.get("num_params"),
+    "val_ppl": res["ppl"]["perplexity"],
+    "ratio": pp["ratio"],
+    "position": {
+      k: pp[k] for k in ("max_len", "chunk", "sequences", "bucket_center", "bucket_ppl", "ppl_at")
+    }
+    | {"bucket_ppl_lo": pp["bucket_ppl_lo"], "bucket_ppl_hi": pp["bucket_ppl_hi"]},
+    "effrem": {k: er[k] for k in ("T", "t", "mean", "sequences")},
+    "state_norm": {
+      "t": [p["t"] for p in st["series"]],
+      "memory_norm": [
+        [None if lay is None else lay["memory_norm"] for lay in p["layers"]] for p in st["series"]
+      ],
+    },
+    "train_wall_s": summary.get("wall_time_s"),
+    "eval_wall_s": time.time() - t0,
+  }
+  write_json(result_path(plan, arm, stage, step), out)
+  return out
+
+
+def arm_work(plan, arm) -> list[tuple]:
+  """(kind, stage, units) still to do for one arm, in order (units: trained-token equivalents)."""
+  work = []
+  pre = plan.run_dir(arm, "pretrain")
+  if not common.trained(pre, plan.pretrain_steps):
+    work.append(("train", "pretrain", plan.pretrain_steps * plan.tokens_per_step))
+  eval_units = plan.windows * plan.max_len * common.EVAL_COST
+  done = [
+    s
+    for s in common.checkpoint_steps(pre)
+    if evaluated(plan, result_path(plan, arm, "pretrain", s), s)
+  ]
+  work += [("eval", "pretrain", eval_units)] * max(len(plan.keep_steps) - len(done), 0)
+  for s in plan.strategies:
+    wd = plan.run_dir(arm, s)
+    if not common.trained(wd, plan.post_steps):
+      work.append(("train", s, plan.post_steps * plan.tokens_per_step))
+    steps = common.checkpoint_steps(wd)
+    if not (steps and evaluated(plan, result_path(plan, arm, s), steps[-1])):
+      work.append(("eval", s, eval_units))
+  return work
+
+
+def _train(plan, arm, stage):
+  from experiments.runner import lr_sweep  # pylint: disable=g-import-not-at-top  (imports jax)
+
+  with common._lowest_optimisation(plan.fast_compile):
+    tr = lr_sweep.make_trainer(plan.config(arm, stage), plan.run_dir(arm, stage))
+    return common._run_trainer(plan, tr)
+
+
+def run_arm(plan, arm, meter=None) -> str:
+  """Pretrain, evaluate, post-train and evaluate one arm; returns 'done' or 'deadline'."""
+  meter = meter or common.Meter(plan, [u for *_, u in arm_work(plan, arm)])
+  for kind, stage, units in arm_work(plan, arm):
+    if plan.past_deadline():
+      print(f"study: {arm}: deadline reached before {kind} {stage}; rerun to go on", flush=True)
+      return "deadline"
+    if kind == "train":
+      steps = plan.pretrain_steps if stage == "pretrain" else plan.post_steps
+      print(
+        f"study: {arm}: training {stage} ({steps} steps) in {plan.run_dir(arm, stage)}", flush=True
+      )
+      if _train(plan, arm, stage) is None:
+        print(
+          f"study: {arm}: {stage} stopped at the deadline (checkpoint saved); rerun", flush=True
+        )
+        return "deadline"
+      meter.add(units, f"{arm} {stage} trained")
+      continue
+    steps = common.checkpoint_steps(plan.run_dir(arm, stage))
+    if stage == "pretrain":
+      todo = [s for s in steps if not evaluated(plan, result_path(plan, arm, stage, s), s)]
+      if not todo:
+        continue
+      step = todo[0]
+    else:
+      step = steps[-1]
+    r = _evaluate(plan, arm, stage, step)
+    iv = r["ratio"]
+    meter.add(
+      units,
+      f"{arm} {stage} @ step {step} evaluated: val PPL {r['val_ppl']:.2f}, PPL@{iv['long_len']} / "
+      f"PPL@{iv['train_len']} {iv['estimate']:.3f} [{iv['lo']:.3f}, {iv['hi']:.3f}]",
+    )
+  return "done"
+
+
+# ------------------------------------------------------------------------------------------ drivers
+def run_in_process(plan) -> str:
+  os.makedirs(plan.workdir, exist_ok=True)
+  os.makedirs(plan.results, exist_ok=True)
+  if plan.toy_corpus:
+    write_toy_corpus(plan.corpus_dir, long_len=plan.max_len + 1)
+  from kdn_jax.ops import dispatch  # pylint: disable=g-import-not-at-top
+
+  dispatch.warm_kernel_imports()
+  work = {a: arm_work(plan, a) for a in plan.arms}
+  n = sum(len(w) for w in work.values())
+  print(
+    f"study: preset {plan.preset}, arms {', '.join(plan.arms)}, strategies "
+    f"{', '.join(plan.strategies)}: {n} trainings/evaluations to do in {plan.workdir}",
+    flush=True,
+  )
+  meter = common.Meter(plan, [u for w in work.values() for *_, u in w])
+  with common._compilation_cache(plan.workdir):
+    for a in plan.arms:
+      if run_arm(plan, a, meter) == "deadline":
+        return "deadline"
+  return "done"
+
+
+def child_command(plan, arm, argv_flags) -> list[str]:
+  left = plan.time_left()
+  cmd = [sys.executable, "-m", "experiments.studies.lengen_text", f"--arms={arm}", "--parallel=1"]
+  cmd += ["--child"]
+  cmd += [a for a in argv_flags if not a.startswith(("--arms=", "--parallel=", "--deadline_s="))]
+  if left is not None:
+    cmd.append(f"--deadline_s={max(int(left), 1)}")
+  return cmd
+
+
+def run_parallel(plan, parallel, argv_flags) -> str:
+  """One process per arm, ``parallel`` at a time, each with the remaining deadline."""
+  os.makedirs(plan.workdir, exist_ok=True)
+  if plan.toy_corpus:  # before the children, which would race to write it
+    write_toy_corpus(plan.corpus_dir, long_len=plan.max_len + 1)
+  env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  print(
+    f"study: preset {plan.preset}, {len(plan.arms)} arms, {parallel} processes at a time; "
+    f"logs in {plan.workdir}/<arm>.log",
+    flush=True,
+  )
+  lock = threading.Lock()
+  shown = ("study:", "step ", "final eval", "Traceback", "Config error")
+
+  def one(arm):
+    if plan.past_deadline():
+      return arm, "deadline"
+    with open(os.path.join(plan.workdir, f"{arm}.log"), "a", encoding="utf-8") as log:
+      proc = subprocess.Popen(
+        child_command(plan, arm, argv_flags),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+        bufsize=1,
+      )
+      for line in proc.stdout:
+        log.write(line)
+        if line.startswith(shown) or "Error" in line:
+          with lock:
+            print(f"[{arm}] {line}", end="", flush=True)
+      rc = proc.wait()
+    return arm, "done" if rc == 0 else f"rc={rc}"
+
+  with concurrent.futures.ThreadPoolExecutor(max(parallel, 1)) as pool:
+    outcomes = dict(pool.map(one, plan.arms))
+  print(f"study: {outcomes}", flush=True)
+  return "done" if all(v == "done" for v in outcomes.values()) else "incomplete"
+
+
+def write_commands(plan, argv_flags, status, wall_s, machine):
+  """commands.json beside the results: how they were made (what a person added is kept)."""
+  path = os.path.join(plan.results, "commands.json")
+  kept = common.read_json(path) or {}
+  calls = kept.get("calls", [])
+  calls.append(
+    {
+      "command": "python -m experiments.studies.lengen_text " + shlex.join(argv_flags),
+      "status": status,
+      "wall_s": round(wall_s, 1),
+      "machine": machine,
+    }
+  )
+  c = plan.config(plan.arms[0], "pretrain")
+  protocol = (
+    f"preset {plan.preset}: {c.model.num_layers} layers, d={c.model.d_model}, "
+    f"{c.model.num_heads} heads x {c.model.head_dim}, vocabulary {c.model.vocab_size}; "
+    f"T={plan.train_len}, batch {c.data.global_batch_size}; pretraining {plan.pretrain_steps} steps "
+    f"from the zero state at lr {c.optim.learning_rate:g} (checkpoints {plan.keep_steps} "
+    f"evaluated), post-training {plan.post_steps} steps at lr {study_config.POST_LR:g} (fresh "
+    f"optimizer); corpus {c.data.corpus_dir}; evaluation: {plan.windows} long-eval windows of "
+    f"{plan.max_len} tokens spread over the documents (seed {plan.seed}), state carried in chunks "
+    f"of {plan.chunk}, EffRem at T={plan.effrem_len}, {plan.resamples} bootstrap resamples over "
+    f"windows"
+  )
+  write_json(path, dict(kept, calls=calls, protocol=protocol))
+
+
+def main(argv):
+  del argv
+  if not absl_flags.FLAGS["verbosity"].present:  # orbax logs every checkpoint read at INFO
+    logging.set_verbosity(logging.WARNING)
+  t0 = time.time()
+  try:
+    plan = Plan(
+      FLAGS.preset,
+      FLAGS.arms,
+      FLAGS.strategies,
+      FLAGS.workdir,
+      FLAGS.results,
+      FLAGS.corpus_dir,
+      FLAGS.toy_corpus,
+      FLAGS.pretrain_steps,
+      FLAGS.post_steps,
+      FLAGS.windows,
+      FLAGS.chunk,
+      FLAGS.max_len,
+      FLAGS.resamples,
+      FLAGS.seed,
+      FLAGS.deadline_s,
+      FLAGS.override,
+      FLAGS.fast_compile,
+    )
+  except (ValueError, config_lib.ConfigError) as e:
+    print(f"Study error: {e}", file=sys.stderr)
+    return 2
+  loose = [a for a in sys.argv[1:] if not a.startswith("--")]
+  if loose:  # the children get the flags as written: a value after a space would be lost
+    print(f"Study error: write flags as --name=value (got {loose[0]!r})", file=sys.stderr)
+    return 2
+  argv_flags = list(sys.argv[1:])
+  os.makedirs(plan.results, exist_ok=True)
+  pending = sum(len(arm_work(plan, a)) for a in plan.arms)
+  if FLAGS.parallel > 1 and len(plan.arms) > 1:
+    status = run_parallel(plan, FLAGS.parallel, argv_flags)
+  else:
+    status = run_in_process(plan)
+  wall = time.time() - t0
+  if FLAGS.child:  # the parent records the call and renders the table
+    return 0 if status == "done" else 3
+  if pending:
+    write_commands(plan, argv_flags, status, wall, FLAGS.machine)
+  runs = renderer.load_runs(plan.results)
+  table = renderer.render_table(runs)
+  with open(os.path.join(plan.results, "table.md"), "w", encoding="utf-8") as f:
+    f.write(table + "\n\n" + "\n".join(renderer.verdicts(runs)) + "\n")
+  print(table, flush=True)
+  print(f"study: {status} in {fmt_time(wall)}; results in {plan.results}", flush=True)
+  return 0 if status == "done" else 3
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=cli.own_flags_parser(FLAGS))
