@@ -14,6 +14,7 @@ kdn_jax imports pallas_kernels only when a layer first reaches a kernel, inside 
 from __future__ import annotations
 
 import importlib
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl

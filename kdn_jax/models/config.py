@@ -9,7 +9,7 @@
   num_v_heads (the recurrent mixers' value heads, a multiple of num_heads, which then counts their
   query/key heads: grouped value heads, layers/recurrent.py; 0 = num_heads; attention ignores it).
 
-Parameter matching: unless ``mlp_hidden`` is overridden (or match_params=False), the SwiGLU width is
+Parameter matching: unless ``mlp_hidden`` is given (or match_params=False), the SwiGLU width is
 re-solved so that the model's non-embedding parameter count equals that of the reference
 (`kdn_diag`, default options, preset mlp_hidden) of the same size, rounded to ``mlp_multiple``.
 """

@@ -1,10 +1,6 @@
-"""Block-size configuration for the chunked delta-rule kernels.
+"""Block-size configuration for the chunked delta-rule kernels: `delta_rule(config=...)`; None
+means the tuned entry for the device (pallas_kernels/tuned.py)."""
 
-`DEFAULT` is what `delta_rule` uses; `set_default(**overrides)` swaps it (benchmarks / tuning),
-`overridden(**overrides)` swaps it for one `with` block (tests, trials).
-"""
-
-import contextlib
 import dataclasses
 
 
@@ -208,26 +204,3 @@ class DeltaRuleConfig:
       raise ValueError(
         f"DeltaRuleConfig.fast_dots must be 'tf32' or 'bf16', got {self.fast_dots!r}"
       )
-
-
-DEFAULT = DeltaRuleConfig()
-
-
-def set_default(**overrides):
-  global DEFAULT
-  DEFAULT = dataclasses.replace(DEFAULT, **overrides)
-  return DEFAULT
-
-
-@contextlib.contextmanager
-def overridden(**overrides):
-  """DEFAULT with `overrides` inside the block, the previous DEFAULT again after it, also when the
-  block raises. Kernels read DEFAULT when traced: trace inside the block, and note that a jitted
-  function traced before (same shapes) reuses its cached trace, old config included."""
-  global DEFAULT
-  old = DEFAULT
-  DEFAULT = dataclasses.replace(old, **overrides)
-  try:
-    yield DEFAULT
-  finally:
-    DEFAULT = old

@@ -1,7 +1,5 @@
-"""Block-size configuration for the Moebius gain kernels.
-
-`DEFAULT` is what `diag_gain` / `iso_gain` use; `set_default(**overrides)` swaps it.
-"""
+"""Block-size configuration for the Moebius gain kernels: `diag_gain(config=...)` and the other
+gain ops; None means the tuned entry for the device (pallas_kernels/tuned.py)."""
 
 import dataclasses
 
@@ -56,12 +54,3 @@ class GainConfig:
     for name in ("max_chunk", "num_stages_fwd", "num_stages_bwd"):
       if getattr(self, name) < 1:
         raise ValueError(f"GainConfig.{name} must be >= 1, got {getattr(self, name)}")
-
-
-DEFAULT = GainConfig()
-
-
-def set_default(**overrides):
-  global DEFAULT
-  DEFAULT = dataclasses.replace(DEFAULT, **overrides)
-  return DEFAULT

@@ -90,7 +90,7 @@ def test_gain_bf16(diag):
   _run(diag, 40, 16, 1.0, None, False, (17,), jnp.bfloat16, 5e-3, 1e-2)
 
 
-def _run(diag, t, chunk, mu_f, r_val, strong, segs, dtype, tol_fwd, tol_grad):
+def _run(diag, t, chunk, mu_f, r_val, strong, segs, dtype, tol_fwd, tol_grad, config=None):
   b, h, kd = 2, 2, 64
   args = _inputs(t, b, t, h, kd, diag, dtype, r_val, strong)
   mu = jnp.full((h,), mu_f * kd, jnp.float32)
@@ -104,7 +104,7 @@ def _run(diag, t, chunk, mu_f, r_val, strong, segs, dtype, tol_fwd, tol_grad):
   oracle = _diag_oracle if diag else _iso_oracle
   # args: k, log_alpha, omega, r, p0, info_scale (all differentiated).
   args = args + [mu]
-  f = jax.jit(lambda *a: fn(*a[:4], a[5], a[4], segj, chunk_size=chunk))
+  f = jax.jit(lambda *a: fn(*a[:4], a[5], a[4], segj, chunk_size=chunk, config=config))
   gain, pf = f(*args)
   assert gain.dtype == jnp.float32 and pf.dtype == jnp.float32
   rng = np.random.default_rng(9)
@@ -308,17 +308,13 @@ def test_iso_replays_against_the_float64_loop(scalar):
   several chunks without."""
   from pallas_kernels.kdn_gain import config as gain_config
 
-  before = gain_config.DEFAULT
-  gain_config.set_default(iso_scalar_replay=scalar)
-  try:
-    k, la, om, r, b0 = _inputs(1, 1, 20, 2, 16, False, jnp.float32, None, False)
-    jaxpr = str(jax.make_jaxpr(lambda *a: iso_gain(*a))(k, la, om, r, jnp.ones((2,)), b0))
-    assert ("kdn_gain_iso_replay" in jaxpr) == scalar
-    assert ("kdn_gain_replay" in jaxpr) == (not scalar)
-    _run(False, 33, 32, 4.0, 1e-3, True, (5, 6, 31), jnp.float32, 1e-5, 1e-4)
-    _run(False, 70, 16, 1.0, None, True, None, jnp.float32, 1e-5, 1e-4)
-  finally:
-    gain_config.DEFAULT = before
+  cfg = gain_config.GainConfig(iso_scalar_replay=scalar)
+  k, la, om, r, b0 = _inputs(1, 1, 20, 2, 16, False, jnp.float32, None, False)
+  jaxpr = str(jax.make_jaxpr(lambda *a: iso_gain(*a, config=cfg))(k, la, om, r, jnp.ones((2,)), b0))
+  assert ("kdn_gain_iso_replay" in jaxpr) == scalar
+  assert ("kdn_gain_replay" in jaxpr) == (not scalar)
+  _run(False, 33, 32, 4.0, 1e-3, True, (5, 6, 31), jnp.float32, 1e-5, 1e-4, cfg)
+  _run(False, 70, 16, 1.0, None, True, None, jnp.float32, 1e-5, 1e-4, cfg)
 
 
 @pytest.mark.parametrize(
@@ -393,9 +389,5 @@ def test_renorm_every_against_the_float64_loop(chunk):
   (not powers of two: the reduce renormalises every gcd(2, chunk) tokens, 25 every token)."""
   from pallas_kernels.kdn_gain import config as gain_config
 
-  before = gain_config.DEFAULT
-  gain_config.set_default(renorm_every=2)
-  try:
-    _run(True, 53, chunk, 4.0, 1e-3, True, (5, 6, 31), jnp.float32, 1e-5, 1e-4)
-  finally:
-    gain_config.DEFAULT = before
+  cfg = gain_config.GainConfig(renorm_every=2)
+  _run(True, 53, chunk, 4.0, 1e-3, True, (5, 6, 31), jnp.float32, 1e-5, 1e-4, cfg)

@@ -10,7 +10,6 @@ sets common.kernel_backend to "gpu", so they choose what they choose on a GPU (c
 params, 3xTF32 for 'exact').
 """
 
-import dataclasses
 import re
 
 import jax
@@ -23,7 +22,7 @@ from flax import nnx
 from kdn_jax import ops
 from kdn_jax.layers.registry import MIXERS
 from kdn_jax.models.config import model_config
-from pallas_kernels import common
+from pallas_kernels import KernelConfigs, common
 from pallas_kernels.delta_rule import config as dr_config
 
 
@@ -69,16 +68,21 @@ def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
   q, k, v, la, om, r, seg = _op_inputs(dtype)
   la, om, r = (x.astype(dtype) for x in (la, om, r))
 
+  kc = KernelConfigs(delta_rule=dr_config.DeltaRuleConfig(**variant))
+
   def loss(q, k, v, la, om, r):
-    o, _ = ops.diag_kdn(q, k, v, la, om, r, segment_ids=seg, impl="pallas", chunk_size=64)
+    o, _ = ops.diag_kdn(
+      q, k, v, la, om, r, segment_ids=seg, impl="pallas", chunk_size=64, kernel_config=kc
+    )
     return jnp.sum(o.astype(jnp.float32))
 
-  with dr_config.overridden(**variant):
-    text = _lower_for_cuda(jax.grad(loss, argnums=tuple(range(6))), q, k, v, la, om, r)
+  text = _lower_for_cuda(jax.grad(loss, argnums=tuple(range(6))), q, k, v, la, om, r)
   token_parallel = (
     variant.get("pair_diag", "token_loop") == "token_loop" and "max_chunk" not in variant
   )  # (chunks of one row block only)
-  in_pairs = token_parallel and variant.get("cumsum_in_pairs", dr_config.DEFAULT.cumsum_in_pairs)
+  in_pairs = token_parallel and variant.get(
+    "cumsum_in_pairs", dr_config.DeltaRuleConfig().cumsum_in_pairs
+  )
   expected = {
     "kdn_gain_reduce",
     "kdn_gain_replay",
@@ -111,13 +115,16 @@ def test_scalar_write_lowers_for_cuda(as_on_gpu, variant):
   q, k, v, la, _, r, seg = _op_inputs(jnp.bfloat16)
   beta = jax.nn.sigmoid(r).astype(jnp.bfloat16)
 
+  kc = KernelConfigs(delta_rule=dr_config.DeltaRuleConfig(**variant))
+
   def loss(q, k, v, la, beta):
-    o, _ = ops.kda(q, k, v, la, beta, segment_ids=seg, impl="pallas", chunk_size=64)
+    o, _ = ops.kda(
+      q, k, v, la, beta, segment_ids=seg, impl="pallas", chunk_size=64, kernel_config=kc
+    )
     return jnp.sum(o.astype(jnp.float32))
 
-  with dr_config.overridden(**variant):
-    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(5))))(q, k, v, la, beta)
-    text = _lower_for_cuda(jax.grad(loss, argnums=tuple(range(5))), q, k, v, la, beta)
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(5))))(q, k, v, la, beta)
+  text = _lower_for_cuda(jax.grad(loss, argnums=tuple(range(5))), q, k, v, la, beta)
   pair = "delta_rule_pair_rows" if variant else "delta_rule_pair_token_loop"
   kernels = _triton_kernels(text)
   assert {pair, "delta_rule_intra_bwd_tokens"} <= kernels, kernels
@@ -135,11 +142,11 @@ def test_decayed_operands_forward_lowers(as_on_gpu, segments):
 
   q, k, v, la, _, _, seg = _op_inputs(jnp.bfloat16)
   h0 = jnp.zeros((1, 2, 64, 64), jnp.float32)
+  cfg = dr_config.DeltaRuleConfig(decayed_operands=True, cumsum_in_pairs=True)
   fwd = lambda q, k, v: delta_rule(
-    q, k, v, la, k, 0.125, h0, seg if segments else None, chunk_size=16
+    q, k, v, la, k, 0.125, h0, seg if segments else None, chunk_size=16, config=cfg
   )[0]
-  with dr_config.overridden(decayed_operands=True, cumsum_in_pairs=True):
-    kernels = _triton_kernels(_lower_for_cuda(fwd, q, k, v))
+  kernels = _triton_kernels(_lower_for_cuda(fwd, q, k, v))
   want = {"delta_rule_pair_token_loop", "delta_rule_wy"} | (
     {"delta_rule_state_pass", "delta_rule_output"} if segments else {"delta_rule_state_output"}
   )
@@ -160,16 +167,17 @@ def test_fuse_output_picks_the_kernels_and_lowers(as_on_gpu, fuse_output, segmen
   seg = seg if segments else None
   h0 = jnp.zeros((1, 2, 64, 64), jnp.float32)
 
+  cfg = dr_config.DeltaRuleConfig(fuse_output=fuse_output)
+
   def fwd(q, k, v):
-    return delta_rule(q, k, v, la, k, 0.125, h0, seg, chunk_size=16)[0]
+    return delta_rule(q, k, v, la, k, 0.125, h0, seg, chunk_size=16, config=cfg)[0]
 
   fn = (
     jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32)), argnums=(0, 1, 2))
     if differentiated
     else fwd
   )
-  with dr_config.overridden(fuse_output=fuse_output):
-    kernels = _triton_kernels(_lower_for_cuda(fn, q, k, v))
+  kernels = _triton_kernels(_lower_for_cuda(fn, q, k, v))
   fused = fuse_output == "all" or (fuse_output == "primal" and not differentiated and not segments)
   if fused:
     assert "delta_rule_state_output" in kernels and not kernels & {
@@ -191,15 +199,13 @@ def test_kdn_layer_lowers_for_cuda(as_on_gpu, monkeypatch, mixer, options):
   cumsum row loops as plain loops (not their default blocks of 8), with the forward's passes
   as they were before session 48 (bf16_write, cumsum_in_pairs and decayed_operands off: fp32
   kappa, the cumsum kernel, q/k/g read by the WY and output kernels)."""
+  kc = None
   if options == "plain_loops_old_passes":
     from pallas_kernels.causal_conv1d import config as conv_config  # pylint: disable=g-import-not-at-top
 
-    monkeypatch.setattr(conv_config, "DEFAULT", conv_config.ConvConfig(load_block=1))
-    monkeypatch.setattr(
-      dr_config,
-      "DEFAULT",
-      dataclasses.replace(
-        dr_config.DEFAULT,
+    kc = KernelConfigs(
+      conv=conv_config.ConvConfig(load_block=1),
+      delta_rule=dr_config.DeltaRuleConfig(
         cumsum_block=1,
         bf16_write=False,
         cumsum_in_pairs=False,
@@ -218,7 +224,7 @@ def test_kdn_layer_lowers_for_cuda(as_on_gpu, monkeypatch, mixer, options):
     param_dtype="float32",
     mlp_hidden=1,
   )
-  layer = MIXERS[mixer](cfg, rngs=nnx.Rngs(0))
+  layer = MIXERS[mixer](cfg, rngs=nnx.Rngs(0), kernel_config=kc)
   graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
   x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 48, 128)), jnp.bfloat16)
 
@@ -246,15 +252,12 @@ def test_gain_stages_reach_their_kernels(as_on_gpu, monkeypatch):
   forward (reduce, replay) and backward kernels, each set apart."""
   from pallas_kernels.kdn_gain import config as gain_config  # pylint: disable=g-import-not-at-top
 
-  monkeypatch.setattr(
-    gain_config,
-    "DEFAULT",
-    dataclasses.replace(gain_config.DEFAULT, num_stages_fwd=3, num_stages_bwd=2),
-  )
+  kc = KernelConfigs(gain=gain_config.GainConfig(num_stages_fwd=3, num_stages_bwd=2))
   q, k, v, la, om, r, _ = _op_inputs(jnp.float32)
 
   def loss(k, la):
-    return jnp.sum(ops.diag_kdn(q, k, v, la, om, r, impl="pallas", chunk_size=16)[0])
+    o = ops.diag_kdn(q, k, v, la, om, r, impl="pallas", chunk_size=16, kernel_config=kc)[0]
+    return jnp.sum(o)
 
   stages = {}
   for line in _lower_for_cuda(jax.grad(loss, argnums=(0, 1)), k, la).splitlines():
@@ -327,9 +330,7 @@ def test_iso_scalar_replay_lowers_for_cuda(as_on_gpu, monkeypatch, layer, heads,
   unchanged; with the option off, the lane replay instead."""
   from pallas_kernels.kdn_gain import config as gain_config  # pylint: disable=g-import-not-at-top
 
-  monkeypatch.setattr(
-    gain_config, "DEFAULT", dataclasses.replace(gain_config.DEFAULT, iso_scalar_replay=scalar)
-  )
+  kc = KernelConfigs(gain=gain_config.GainConfig(iso_scalar_replay=scalar))
   if layer:
     cfg = model_config(
       "tiny",
@@ -343,7 +344,8 @@ def test_iso_scalar_replay_lowers_for_cuda(as_on_gpu, monkeypatch, layer, heads,
       param_dtype="float32",
       mlp_hidden=1,
     )
-    graphdef, params, rest = nnx.split(MIXERS["kdn_iso"](cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    mixer = MIXERS["kdn_iso"](cfg, rngs=nnx.Rngs(0), kernel_config=kc)
+    graphdef, params, rest = nnx.split(mixer, nnx.Param, ...)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 40, 64)), jnp.bfloat16)
 
     def loss(params, x):
@@ -356,9 +358,18 @@ def test_iso_scalar_replay_lowers_for_cuda(as_on_gpu, monkeypatch, layer, heads,
 
     def loss(k, la, om, r):
       return jnp.sum(
-        ops.iso_kdn(q, k, v, la, om[..., 0], r, impl="pallas", chunk_size=16, segment_ids=seg)[
-          0
-        ].astype(jnp.float32)
+        ops.iso_kdn(
+          q,
+          k,
+          v,
+          la,
+          om[..., 0],
+          r,
+          impl="pallas",
+          chunk_size=16,
+          segment_ids=seg,
+          kernel_config=kc,
+        )[0].astype(jnp.float32)
       )
 
     args = (k, la, om, r)
@@ -378,13 +389,10 @@ def test_renorm_every_lowers_for_cuda(as_on_gpu, monkeypatch):
   q, k, v, la, om, r, seg = _op_inputs(jnp.bfloat16)
   texts = {}
   for n in (1, 2):
-    monkeypatch.setattr(
-      gain_config, "DEFAULT", dataclasses.replace(gain_config.DEFAULT, renorm_every=n)
-    )
-    # (a new function per config: jit reuses a function's trace, which holds the config)
-    fn = lambda k: ops.diag_kdn(q, k, v, la, om, r, impl="pallas", chunk_size=16, segment_ids=seg)[
-      0
-    ]
+    kc = KernelConfigs(gain=gain_config.GainConfig(renorm_every=n))
+    fn = lambda k, kc=kc: ops.diag_kdn(
+      q, k, v, la, om, r, impl="pallas", chunk_size=16, segment_ids=seg, kernel_config=kc
+    )[0]
     texts[n] = _lower_for_cuda(fn, k)
     assert {"kdn_gain_reduce", "kdn_gain_replay"} <= _triton_kernels(texts[n])
   # the unrolled body: twice the reduce's token matrices, one renormalisation (_pow2_inverse)
