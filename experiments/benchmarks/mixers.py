@@ -737,7 +737,7 @@ def _time_stages(t, docs=False, kernels=None):
   o = output(*oargs)
   # the serial pass and the output stage together (the earlier sessions' "recurrent fwd")
   out["delta_recur_fwd"] = out["delta_state_fwd"] + out["delta_output_fwd"]
-  # ... and as one kernel (cfg.fuse_output): without the states (a call not differentiated)
+  # ... and as one kernel (the op's choice for a call without states or segments): without the states (a call not differentiated)
   # and with them (training's forward)
   for save in (False, True):
     fused = jax.jit(

@@ -52,7 +52,10 @@ REMOVED = {
     "prefetch_output_rows",
     "output_after_update",
     "state_step_chunks",
-  )
+    "fast_dots",
+    "fuse_output",
+  ),
+  "gain": ("iso_scalar_replay", "renorm_every"),
 }
 
 

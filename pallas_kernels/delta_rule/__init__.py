@@ -14,14 +14,12 @@ One module per stage (options in config.DeltaRuleConfig), imported only from her
                 which the later stages read in place of k, q and g), then wy: A, W = A Kbar,
                 U = A V', parallel over chunks
   state_pass    the serial chunk loop: S_final, chunk-start states, Delta = U - W S_0 (with
-                cfg.fuse_output also O, in the same loop)
+                calls that store no states and have no segments also O, in the same loop)
   output        O = Qbar S_0 + P Delta, parallel over chunks
   backward      the reverse dS chain, dV and the partial gradients, then intra_bwd_tokens
   intra_bwd_tokens  the intra backward, token-parallel
   tiles         helpers the stage kernels share (no kernels)
   tpu_forward / tpu_backward   the Mosaic-TPU kernels (BlockSpec tiles; docs/tpu.md)
-  output_mgpu   the output stage on Mosaic GPU (a trial port; not imported here, not wired in:
-                docs/decisions.md)
 """
 
 from __future__ import annotations
@@ -76,7 +74,9 @@ def forward(
   decayed = x.qbar is not None
   q_out, g_out = _intra.operands(x.qbar, q, x.g)
   g_chain = x.g if x.g is not None else x.g_last  # the state pass reads g's last rows
-  if cfg.fuse_output == "all" or (cfg.fuse_output == "primal" and not save_states and cont is None):
+  # O formed in the serial pass, off its chain (Delta never through memory), in calls that store
+  # no states and have no segments; elsewhere it lost (docs/decisions.md)
+  if not save_states and cont is None:
     o, sfin, *states = _state_pass.state_output_forward(
       x.u,
       x.wk,
@@ -436,7 +436,7 @@ def write_dtype(dtype, interpret=None, config=None):
   cfg = tuned.config("delta_rule", config, interpret)
   if not cfg.bf16_write or tpu_common.use_tpu_kernels(interpret):
     return jnp.float32
-  return _tiles.operand_dtype(_tiles.kernel_precision(cfg, common.precision_for(dtype), interpret))
+  return _tiles.operand_dtype(_tiles.kernel_precision(common.precision_for(dtype), interpret))
 
 
 def delta_rule(

@@ -83,7 +83,7 @@ def wy_forward(lmat, k, v, g, h0, cont, *, chunk, sub, interpret, cfg, cfg_prec)
   bsz, t, nh, kd = k.shape
   vd = v.shape[-1]
   has_seg = cont is not None
-  prec = kernel_precision(cfg, cfg_prec, interpret)
+  prec = kernel_precision(cfg_prec, interpret)
   dt = operand_dtype(prec)
   hi = common.dot_precision("exact", interpret)
   out_shape = (

@@ -46,8 +46,13 @@ def test_check_violations_use_the_issue_bounds():
 def test_config_from_spec():
   base = dr_config.DeltaRuleConfig()
   assert bm.config_from_spec(base, "default") is base
-  cfg = bm.config_from_spec(base, "max_chunk=64/bf16_states=0/fast_dots=tf32/block_v=64")
-  assert (cfg.max_chunk, cfg.bf16_states, cfg.fast_dots, cfg.block_v) == (64, False, "tf32", 64)
+  cfg = bm.config_from_spec(base, "max_chunk=64/bf16_states=0/wy_inverse=doubling/block_v=64")
+  assert (cfg.max_chunk, cfg.bf16_states, cfg.wy_inverse, cfg.block_v) == (
+    64,
+    False,
+    "doubling",
+    64,
+  )
   assert bm.config_from_spec(gain_config.GainConfig(), "max_chunk=128").max_chunk == 128
   with pytest.raises(ValueError, match="expected one of"):
     bm.config_from_spec(base, "bf16_states=yes")
@@ -59,13 +64,13 @@ def test_config_from_spec():
 
 def test_combine_winners():
   timed = [
-    ("fast_dots=bf16", 10.0),
+    ("num_warps_output=4", 10.0),
     ("bf16_states=0", 9.0),
     ("block_v=64", 11.0),
     ("num_stages=2", 8.0),
     ("sub_block=16", None),
   ]
-  assert bm.combine_winners(timed) == "fast_dots=bf16/bf16_states=0/num_stages=2"
+  assert bm.combine_winners(timed) == "num_warps_output=4/bf16_states=0/num_stages=2"
   assert bm.combine_winners(timed[:3]) is None  # one winner: nothing new to try
   assert bm.combine_winners([("default", None), ("bf16_states=0", 1.0), ("x=1", 1.0)]) is None
   # Two winners setting one field: the faster one's value is kept.

@@ -139,24 +139,22 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
     dict(
       block_v=32, block_v_parallel=64, pair_heads=1, cumsum_in_pairs=False, decayed_operands=False
     ),
-    dict(block_v=64, block_v_parallel=32, pair_diag="columns", fuse_output="none"),
+    dict(block_v=64, block_v_parallel=32, pair_diag="columns"),
     # chunk 32: two row blocks, the 32-step backward; the cumsums' loads in blocks of 3 (a
     # remainder in every program)
     dict(max_chunk=32, wy_inverse="doubling", cumsum_block=3),
     dict(max_chunk=32, sub_block=32),  # chunk 32 in one row block
     dict(forward_only_chunk=32, wy_inverse="sub_dots"),  # primal at chunk 32, residuals at 16
     # (6 heads: programs of gcd(4, 6) = 2 heads); the cumsums as plain row loops (default: 8)
-    dict(pair_heads=4, fuse_output="all", cumsum_block=1, cumsum_in_pairs=False),
+    dict(pair_heads=4, cumsum_block=1, cumsum_in_pairs=False),
     # the decayed operands (default) read by state pass and output kernel in two V blocks each
-    dict(block_v=32, block_v_parallel=32, fuse_output="none"),
-    dict(fuse_output="all", block_v=32, max_chunk=32),
+    dict(block_v=32, block_v_parallel=32),
   ],
 )
 def test_delta_rule_kernel_variants(variant):
   """Every kernel option (V blocks of the serial and parallel kernels, the WY kernel's inverses,
-  chunk 32 in 16- and 32-row forward blocks, the forward-only chunk, the output fused into the
-  serial pass with resets and with the states saved, the decay cumsums' loads in other blocks)
-  is exact."""
+  chunk 32 in 16- and 32-row forward blocks, the forward-only chunk, the decay cumsums' loads in
+  other blocks) is exact."""
   t = 45
   # (6 heads where the option concerns the pair kernel's programs of several heads)
   heads = 6 if "pair_heads" in variant else 1
@@ -164,7 +162,7 @@ def test_delta_rule_kernel_variants(variant):
   # resets inside a chunk, on a chunk's last row, on the next chunk's first row
   seg = _segments(t, (20, 31, 32), (38,))
   cfg = dr_config.DeltaRuleConfig(**variant)
-  _check(args, seg, 32, 1e-5, 1e-4, vjp_primal=variant.get("fuse_output") == "all", config=cfg)
+  _check(args, seg, 32, 1e-5, 1e-4, config=cfg)
 
 
 @pytest.mark.parametrize(
@@ -275,9 +273,8 @@ def test_decayed_operands_pair_outputs(from_la):
     # g by the pair kernel: a forward-only call keeps g_last alone; the scalar write; resets
     (45, dict(cumsum_in_pairs=True), False, True, True, "normal"),
     # g by the cumsum kernel; the output kernel apart (reads Qbar), a [B, T, H, K] write
-    (45, dict(cumsum_in_pairs=False, fuse_output="none"), False, True, False, "normal"),
-    # the output fused in training's forward too, with resets (the per-chunk reset branch)
-    (40, dict(cumsum_in_pairs=True, fuse_output="all"), True, True, False, "strong"),
+    (45, dict(cumsum_in_pairs=False), False, True, False, "normal"),
+    (40, dict(cumsum_in_pairs=True), True, True, False, "strong"),
     (1, dict(cumsum_in_pairs=True), False, False, False, "normal"),  # T = 1
   ],
 )
@@ -291,9 +288,7 @@ def test_decayed_operands(t, variant, scalar_decay, segs, scalar_write, decay):
   _check(args, seg, 16, 1e-5, 1e-4, vjp_primal=True, config=cfg)
 
 
-@pytest.mark.parametrize(
-  "variant", [dict(cumsum_in_pairs=True), dict(cumsum_in_pairs=False, fuse_output="none")]
-)
+@pytest.mark.parametrize("variant", [dict(cumsum_in_pairs=True), dict(cumsum_in_pairs=False)])
 def test_decayed_operands_match_the_plain_kernels_in_bf16(variant):
   """For bf16 data the decayed operands are the values the WY and output kernels formed and
   rounded for their dots anyway (same fp32 expressions, one rounding), so the outputs are the
@@ -317,10 +312,9 @@ def test_decayed_operands_match_the_plain_kernels_in_bf16(variant):
 
 def test_fused_step_without_segments():
   """The fused step on the path the forward benchmark times (no segments): the primal, which
-  stores no states, and a differentiated call's forward, which does."""
+  stores no states (fused), and a differentiated call's forward (state pass and output kernel)."""
   args = _inputs(8, 2, 45, 1, 64, 64, jnp.float32, False, "normal")
-  cfg = dr_config.DeltaRuleConfig(fuse_output="all")
-  _check(args, None, 16, 1e-5, 1e-4, vjp_primal=True, config=cfg)
+  _check(args, None, 16, 1e-5, 1e-4, vjp_primal=True)
 
 
 @pytest.mark.parametrize("variant", [{}, dict(max_chunk=32), dict(pair_heads=1)])
@@ -344,22 +338,18 @@ def test_delta_rule_intra_backward(segments, variant):
   )
 
 
-@pytest.mark.parametrize("fuse_output", ["primal", "all"])
-def test_delta_rule_bf16_operand_dots(fuse_output):
-  """fast_dots='bf16' (bf16 dot operands for bf16 data; the shipped default) stays within the
-  bf16 bounds over 10 chunks, bf16 states included; also with the output fused into the serial
-  pass in every call (the outputs of a differentiated call checked too)."""
+def test_delta_rule_bf16_operand_dots():
+  """bf16 dot operands (for bf16 data) stay within the bf16 bounds over 10 chunks, bf16 states
+  included (the outputs of a differentiated call checked too)."""
   seg = np.zeros((1, 150), np.int32)
   seg[:, 70:] = 1
-  cfg = dr_config.DeltaRuleConfig(fast_dots="bf16", fuse_output=fuse_output)
   _check(
     _inputs(11, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"),
     seg,
     32,
     5e-3,
     1e-2,
-    vjp_primal=fuse_output == "all",
-    config=cfg,
+    vjp_primal=True,
   )
 
 
@@ -386,15 +376,13 @@ def test_delta_rule_sub_blocks(variant, dtype, decay, tol):
 
 def test_delta_rule_bf16_states():
   """bf16_states (saved states and state gradients in bf16 under bf16-operand dots; the default)
-  stays within the bf16 bounds with segments at chunk 32; fp32 states (bf16_states=False) and
-  TF32 dots on bf16 data (fast_dots='tf32') too."""
+  stays within the bf16 bounds with segments at chunk 32; fp32 states (bf16_states=False) too."""
   seg = np.zeros((1, 150), np.int32)
   seg[:, 70:] = 1
   for extra in (
     dict(bf16_states=True, max_chunk=32),
     dict(bf16_states=False),
-    dict(fast_dots="tf32"),
-  ):  # (tf32: fp32 operands, so fp32 states too)
+  ):
     cfg = dr_config.DeltaRuleConfig(**extra)
     _check(
       _inputs(13, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"), seg, 32, 5e-3, 1e-2, config=cfg
@@ -436,7 +424,6 @@ def test_delta_rule_precision_argument():
 @pytest.mark.parametrize(
   "bad",
   [
-    dict(fast_dots="bf-16"),
     dict(block_v=48),
     dict(block_v_parallel=96),
     dict(sub_block=8),
@@ -445,7 +432,6 @@ def test_delta_rule_precision_argument():
     dict(wy_inverse="rows"),
     dict(pair_diag="rows"),
     dict(pair_heads=3),
-    dict(fuse_output="fused"),
     dict(forward_only_chunk=48),
     dict(num_warps_intra_bwd=0),
   ],

@@ -54,8 +54,7 @@ def _op_inputs(dtype, t=80):
     dict(pair_diag="columns"),
     dict(max_chunk=32),
     dict(max_chunk=64, sub_block=32),
-    dict(fuse_output="all"),
-    dict(fuse_output="all", cumsum_block=1, cumsum_in_pairs=False),
+    dict(cumsum_block=1, cumsum_in_pairs=False),
     # the forward's passes before session 48 (a cumsum kernel, fp32 kappa, q/k/g re-read)
     dict(cumsum_in_pairs=False, bf16_write=False, decayed_operands=False),
   ],
@@ -90,11 +89,8 @@ def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
     "kdn_gain_bwd_replay",
     *(() if in_pairs else ("delta_rule_cumsum",)),
     "delta_rule_wy",
-    *(
-      ("delta_rule_state_output",)
-      if variant.get("fuse_output") == "all"
-      else ("delta_rule_state_pass", "delta_rule_output")
-    ),
+    "delta_rule_state_pass",
+    "delta_rule_output",
     "delta_rule_recur_bwd",
     "delta_rule_bwd_partials",
     "delta_rule_intra_bwd_tokens",
@@ -153,24 +149,20 @@ def test_decayed_operands_forward_lowers(as_on_gpu, segments):
   assert kernels == want, kernels
 
 
-@pytest.mark.parametrize("fuse_output", ["none", "primal", "all"])
 @pytest.mark.parametrize("segments", [False, True])
 @pytest.mark.parametrize("differentiated", [False, True])
-def test_fuse_output_picks_the_kernels_and_lowers(as_on_gpu, fuse_output, segments, differentiated):
-  """DeltaRuleConfig.fuse_output: the serial pass forms O itself (delta_rule_state_output, no
-  output kernel) in every call under 'all' and, under 'primal' (the default), in calls that are
-  not differentiated and have no segment_ids; the other calls run the state pass and the output
-  kernel. Each combination lowers for CUDA, bf16 data."""
+def test_fused_output_picks_the_kernels_and_lowers(as_on_gpu, segments, differentiated):
+  """The serial pass forms O itself (delta_rule_state_output, no output kernel) in calls that
+  are not differentiated and have no segment_ids; the other calls run the state pass and the
+  output kernel. Each combination lowers for CUDA, bf16 data."""
   from pallas_kernels import delta_rule  # pylint: disable=g-import-not-at-top
 
   q, k, v, la, _, _, seg = _op_inputs(jnp.bfloat16)
   seg = seg if segments else None
   h0 = jnp.zeros((1, 2, 64, 64), jnp.float32)
 
-  cfg = dr_config.DeltaRuleConfig(fuse_output=fuse_output)
-
   def fwd(q, k, v):
-    return delta_rule(q, k, v, la, k, 0.125, h0, seg, chunk_size=16, config=cfg)[0]
+    return delta_rule(q, k, v, la, k, 0.125, h0, seg, chunk_size=16)[0]
 
   fn = (
     jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32)), argnums=(0, 1, 2))
@@ -178,7 +170,7 @@ def test_fuse_output_picks_the_kernels_and_lowers(as_on_gpu, fuse_output, segmen
     else fwd
   )
   kernels = _triton_kernels(_lower_for_cuda(fn, q, k, v))
-  fused = fuse_output == "all" or (fuse_output == "primal" and not differentiated and not segments)
+  fused = not differentiated and not segments
   if fused:
     assert "delta_rule_state_output" in kernels and not kernels & {
       "delta_rule_state_pass",
@@ -313,24 +305,14 @@ def test_backward_kernels_store_gradients_in_the_inputs_dtypes(as_on_gpu, monkey
 
 
 @pytest.mark.parametrize(
-  "layer,heads,grad,scalar",
-  [
-    (False, 2, True, True),
-    (False, 3, False, True),
-    (True, 2, True, True),
-    (True, 2, False, True),
-    (False, 2, True, False),
-    (True, 2, False, False),
-  ],
+  "layer,heads,grad",
+  [(False, 2, True), (False, 3, False), (True, 2, True), (True, 2, False)],
 )
-def test_iso_scalar_replay_lowers_for_cuda(as_on_gpu, monkeypatch, layer, heads, grad, scalar):
-  """GainConfig.iso_scalar_replay (on by default): the iso KDN op (segments; 3 heads: the row
-  padded to 4) and the kdn_iso layer (the fused gate front-end), forward-only and fwd+bwd, lower
-  for CUDA with the scalar replay in place of the lane replay, and the backward's kernels
-  unchanged; with the option off, the lane replay instead."""
-  from pallas_kernels.kdn_gain import config as gain_config  # pylint: disable=g-import-not-at-top
-
-  kc = KernelConfigs(gain=gain_config.GainConfig(iso_scalar_replay=scalar))
+def test_iso_scalar_replay_lowers_for_cuda(as_on_gpu, layer, heads, grad):
+  """The iso replay over per-token scalars: the iso KDN op (segments; 3 heads: the row padded to
+  4) and the kdn_iso layer (the fused gate front-end), forward-only and fwd+bwd, lower for CUDA
+  with the scalar replay in place of the lane replay, and the backward's kernels unchanged."""
+  kc = None
   if layer:
     cfg = model_config(
       "tiny",
@@ -376,28 +358,9 @@ def test_iso_scalar_replay_lowers_for_cuda(as_on_gpu, monkeypatch, layer, heads,
   fn = jax.grad(loss, argnums=tuple(range(len(args)))) if grad else loss
   kernels = _triton_kernels(_lower_for_cuda(fn, *args))
   replays = {"kdn_gain_iso_replay", "kdn_gain_replay"}
-  used = "kdn_gain_iso_replay" if scalar else "kdn_gain_replay"
+  used = "kdn_gain_iso_replay"
   assert {"kdn_gain_reduce", used} <= kernels and not (replays - {used}) & kernels, kernels
   assert ({"kdn_gain_bwd_reduce", "kdn_gain_bwd_replay"} <= kernels) == grad, kernels
-
-
-def test_renorm_every_lowers_for_cuda(as_on_gpu, monkeypatch):
-  """GainConfig.renorm_every=2: the diag KDN op's forward reduce (its token loop unrolled by 2,
-  the product renormalised after the 2nd) lowers for CUDA, to another reduce kernel than at 1."""
-  from pallas_kernels.kdn_gain import config as gain_config  # pylint: disable=g-import-not-at-top
-
-  q, k, v, la, om, r, seg = _op_inputs(jnp.bfloat16)
-  texts = {}
-  for n in (1, 2):
-    kc = KernelConfigs(gain=gain_config.GainConfig(renorm_every=n))
-    fn = lambda k, kc=kc: ops.diag_kdn(
-      q, k, v, la, om, r, impl="pallas", chunk_size=16, segment_ids=seg, kernel_config=kc
-    )[0]
-    texts[n] = _lower_for_cuda(fn, k)
-    assert {"kdn_gain_reduce", "kdn_gain_replay"} <= _triton_kernels(texts[n])
-  # the unrolled body: twice the reduce's token matrices, one renormalisation (_pow2_inverse)
-  calls = {n: (t.count("_product2"), t.count("_pow2_inverse")) for n, t in texts.items()}
-  assert texts[1] != texts[2], calls
 
 
 @pytest.mark.parametrize("kd,vd", [(128, 256), (48, 320)])
