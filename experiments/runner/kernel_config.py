@@ -54,6 +54,7 @@ REMOVED = {
     "state_step_chunks",
     "fast_dots",
     "fuse_output",
+    "wy_inverse",
   ),
   "gain": ("iso_scalar_replay", "renorm_every"),
 }

@@ -51,8 +51,6 @@ class DeltaRuleConfig:
   # token-parallel kernel (0.84-1.16 ms) and [S, S, K-slice] pair tensors (1.41-2.9 ms).
   pair_diag: str = "token_loop"
   pair_heads: int = 4  # heads per token-parallel program (token_loop, the intra backward)
-  # (I + L)^-1 in the WY kernel (wy.py): 'sub_rows', 'sub_dots', 'doubling'.
-  wy_inverse: str = "sub_rows"
   # A call that is not differentiated (inference, evaluation) runs the forward at this chunk
   # (0: like a differentiated one); differentiated calls keep the config above, whose residuals
   # the backward reads (__init__.forward_only).
@@ -164,11 +162,6 @@ class DeltaRuleConfig:
       raise ValueError(
         "DeltaRuleConfig.forward_only_chunk must be 0 or a power of two, got "
         f"{self.forward_only_chunk}"
-      )
-    if self.wy_inverse not in ("sub_rows", "sub_dots", "doubling"):
-      raise ValueError(
-        "DeltaRuleConfig.wy_inverse must be 'sub_rows', 'sub_dots' or 'doubling', "
-        f"got {self.wy_inverse!r}"
       )
     if self.pair_diag not in ("columns", "token_loop"):
       raise ValueError(

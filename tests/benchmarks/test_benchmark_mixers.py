@@ -46,13 +46,8 @@ def test_check_violations_use_the_issue_bounds():
 def test_config_from_spec():
   base = dr_config.DeltaRuleConfig()
   assert bm.config_from_spec(base, "default") is base
-  cfg = bm.config_from_spec(base, "max_chunk=64/bf16_states=0/wy_inverse=doubling/block_v=64")
-  assert (cfg.max_chunk, cfg.bf16_states, cfg.wy_inverse, cfg.block_v) == (
-    64,
-    False,
-    "doubling",
-    64,
-  )
+  cfg = bm.config_from_spec(base, "max_chunk=64/bf16_states=0/pair_diag=columns/block_v=64")
+  assert (cfg.max_chunk, cfg.bf16_states, cfg.pair_diag, cfg.block_v) == (64, False, "columns", 64)
   assert bm.config_from_spec(gain_config.GainConfig(), "max_chunk=128").max_chunk == 128
   with pytest.raises(ValueError, match="expected one of"):
     bm.config_from_spec(base, "bf16_states=yes")

@@ -142,9 +142,9 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
     dict(block_v=64, block_v_parallel=32, pair_diag="columns"),
     # chunk 32: two row blocks, the 32-step backward; the cumsums' loads in blocks of 3 (a
     # remainder in every program)
-    dict(max_chunk=32, wy_inverse="doubling", cumsum_block=3),
+    dict(max_chunk=32, cumsum_block=3),
     dict(max_chunk=32, sub_block=32),  # chunk 32 in one row block
-    dict(forward_only_chunk=32, wy_inverse="sub_dots"),  # primal at chunk 32, residuals at 16
+    dict(forward_only_chunk=32),  # primal at chunk 32, residuals at 16
     # (6 heads: programs of gcd(4, 6) = 2 heads); the cumsums as plain row loops (default: 8)
     dict(pair_heads=4, cumsum_block=1, cumsum_in_pairs=False),
     # the decayed operands (default) read by state pass and output kernel in two V blocks each
@@ -152,7 +152,7 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
   ],
 )
 def test_delta_rule_kernel_variants(variant):
-  """Every kernel option (V blocks of the serial and parallel kernels, the WY kernel's inverses,
+  """Every kernel option (V blocks of the serial and parallel kernels,
   chunk 32 in 16- and 32-row forward blocks, the forward-only chunk, the decay cumsums' loads in
   other blocks) is exact."""
   t = 45
@@ -359,7 +359,7 @@ def test_delta_rule_bf16_operand_dots():
     (dict(sub_block=16), jnp.float32, "strong", (1e-5, 1e-4)),
     (dict(sub_block=16), jnp.float32, "normal", (1e-5, 1e-4)),
     (dict(sub_block=32), jnp.float32, "normal", (1e-5, 1e-4)),  # two 32-row blocks
-    (dict(sub_block=16, wy_inverse="doubling"), jnp.bfloat16, "normal", (5e-3, 1e-2)),
+    (dict(sub_block=16), jnp.bfloat16, "normal", (5e-3, 1e-2)),
   ],
 )
 def test_delta_rule_sub_blocks(variant, dtype, decay, tol):
@@ -429,7 +429,6 @@ def test_delta_rule_precision_argument():
     dict(sub_block=8),
     dict(min_chunk=24),
     dict(max_chunk=0),
-    dict(wy_inverse="rows"),
     dict(pair_diag="rows"),
     dict(pair_heads=3),
     dict(forward_only_chunk=48),
