@@ -31,7 +31,6 @@ from lm_eval.api.registry import register_model
 
 from experiments import loading
 from experiments.evaluation import request_runner
-from experiments.runner import kernel_config
 
 log = logging.getLogger(__name__)
 DEFAULT_BATCH = 16
@@ -133,7 +132,7 @@ class KdnJaxLM(LM):
   def _in_context(self, fn, *args, **kw):
     import jax  # pylint: disable=g-import-not-at-top
 
-    with jax.default_device(self._device), kernel_config.applied(self.run.config):
+    with jax.default_device(self._device):  # (the run's kernel configs are in its model)
       return fn(*args, **kw)
 
   # ------------------------------------------------------------------------------------- lm_eval API

@@ -26,7 +26,7 @@ import ml_collections
 from experiments.data import corpus
 from experiments.data.tokenizer import BPETokenizer
 from experiments.runner import checkpoint as ckpt_lib
-from experiments.runner import config_lib
+from experiments.runner import config_lib, kernel_config
 
 
 @dataclasses.dataclass
@@ -125,7 +125,8 @@ def _build_model(config):
 
   try:
     cls = config_lib.import_object(config.model_factory)
-    return cls(config.model, rngs=nnx.Rngs(int(config.seed)))
+    # (config.kernels: the run's kernel configs, which the model passes down to its ops)
+    return cls(config.model, rngs=nnx.Rngs(int(config.seed)), **kernel_config.model_kwargs(config))
   except (ImportError, AttributeError, KeyError, ValueError, TypeError) as e:
     raise ValueError(
       f"workdir: the run's model (model_factory {config.get('model_factory')!r}) does not "
@@ -194,7 +195,7 @@ def load(
   config = _config_from(record, run_dir)
   for key, value in (model_overrides or {}).items():
     if key != "info_scale":
-      raise ValueError(f"model_overrides: only info_scale can be overridden, got {key!r}")
+      raise ValueError(f"model_overrides: only info_scale can be replaced, got {key!r}")
     config.model.info_scale = check_info_scale_override(config, value)
   device = device or jax.devices()[0]
   with jax.default_device(device):

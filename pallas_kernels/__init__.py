@@ -10,6 +10,8 @@ Public API (all arrays in [B, T, H, *] layout):
   write_dtype(dtype) -> the dtype to store a computed write in for delta_rule on that data
              (diag_gain's gain_dtype: bfloat16 under DeltaRuleConfig.bf16_write and bf16 dots)
   warm_imports(interpret=None): lower one tiny kernel before your first jit (warmup.py says why)
+  KernelConfigs: one frozen config per kernel family (tuned.py); every op takes its family's as
+             `config=` (None: the tuned entry for the device, tuned.TUNED)
 Decode: decode.delta_rule_step / decode.kdn_step, one token fused in one pass over the state
 (forward only; kdn_jax.ops' *_step with impl='pallas').
 Layer glue (import from their folders): kdn_gain.diag_gain_fused / iso_gain_fused (the gain with
@@ -20,6 +22,7 @@ from pallas_kernels import decode
 from pallas_kernels.common import precision_for
 from pallas_kernels.delta_rule import delta_rule, write_dtype
 from pallas_kernels.kdn_gain import diag_gain, iso_gain
+from pallas_kernels.tuned import KernelConfigs
 from pallas_kernels.warmup import warm_imports
 
 __all__ = [
@@ -27,6 +30,7 @@ __all__ = [
   "diag_gain",
   "iso_gain",
   "delta_rule",
+  "KernelConfigs",
   "precision_for",
   "warm_imports",
   "write_dtype",

@@ -65,7 +65,7 @@ def dot_precision(mode, interpret=False):
   """Kernel dot precision (fp32 accumulation either way).
 
   'fast': TF32 tensor-core dots on GPU, enough for bf16/fp16 inputs (the delta-rule kernels
-  round the operands to bf16 instead by default: DeltaRuleConfig.fast_dots). 'exact': fp32-accurate dots;
+  round the operands to bf16 instead: tiles.kernel_precision). 'exact': fp32-accurate dots;
   on a GPU that is 3xTF32 (split operands, tensor cores) because Triton lowers HIGHEST to
   per-element FMA loops that are an order of magnitude slower and compile slowly; elsewhere
   (interpret mode, TPU) HIGHEST.

@@ -13,10 +13,8 @@ import argparse
 
 import jax.numpy as jnp
 
-from pallas_kernels import tpu_common
-from pallas_kernels.delta_rule import config as dr_config
+from pallas_kernels import tpu_common, tuned
 from pallas_kernels.delta_rule import tpu_backward, tpu_forward
-from pallas_kernels.kdn_gain import config as gain_config
 from pallas_kernels.kdn_gain import tpu as gain_tpu
 
 __all__ = ["budgets", "main"]
@@ -25,8 +23,8 @@ __all__ = ["budgets", "main"]
 def budgets(bsz, t, nh, kd, vd, dtype, gain_block=None, chunk=None):
   """{kernel name: live VMEM bytes} at the default blocks (gain: GainConfig.max_chunk rows,
   delta rule: DeltaRuleConfig.max_chunk) unless given."""
-  gain_block = gain_block or gain_config.DEFAULT.max_chunk
-  chunk = chunk or dr_config.DEFAULT.max_chunk
+  gain_block = gain_block or tuned.tuned("gain").max_chunk
+  chunk = chunk or tuned.tuned("delta_rule").max_chunk
   out = {}
   for diag, name in ((True, "diag"), (False, "iso")):
     out[f"kdn_gain {name} forward (block_t={gain_block})"] = tpu_common.vmem_bytes(

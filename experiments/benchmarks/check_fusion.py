@@ -91,7 +91,7 @@ def _compare(name, fn, ref, args, dtype, results):
   )
 
 
-def check_conv(results, b, t, h, kd, dtype):
+def check_conv(results, b, t, h, kd, dtype, kernels):
   from kdn_jax.layers.short_conv import ShortConv
   from pallas_kernels.causal_conv1d import causal_conv1d
 
@@ -111,7 +111,9 @@ def check_conv(results, b, t, h, kd, dtype):
     # (named by dtype too: the fp32 and bf16 checks must not overwrite each other's verdict)
     _compare(
       "causal_conv1d" + ("_l2" if normalize else "") + "_" + jnp.dtype(dtype).name,
-      lambda x, w, c, normalize=normalize: causal_conv1d(x, w, c, seg, normalize=normalize),
+      lambda x, w, c, normalize=normalize: causal_conv1d(
+        x, w, c, seg, normalize=normalize, config=kernels.conv
+      ),
       ref,
       (x, w, cache),
       dtype,
@@ -119,7 +121,7 @@ def check_conv(results, b, t, h, kd, dtype):
     )
 
 
-def check_norm(results, b, t, h, kd, dtype):
+def check_norm(results, b, t, h, kd, dtype, kernels):
   from kdn_jax.layers.gated_norm import rms_norm
   from pallas_kernels.gated_norm import gated_rms_norm
 
@@ -130,11 +132,16 @@ def check_norm(results, b, t, h, kd, dtype):
     o.dtype
   )
   _compare(
-    "gated_rms_norm", lambda o, g, w: gated_rms_norm(o, g, w, 1e-6), ref, (o, g, w), dtype, results
+    "gated_rms_norm",
+    lambda o, g, w: gated_rms_norm(o, g, w, 1e-6, config=kernels.norm),
+    ref,
+    (o, g, w),
+    dtype,
+    results,
   )
 
 
-def check_gain(results, b, t, h, kd, diag):
+def check_gain(results, b, t, h, kd, diag, kernels):
   from pallas_kernels import kdn_gain
 
   rng = np.random.default_rng(3)
@@ -152,12 +159,14 @@ def check_gain(results, b, t, h, kd, diag):
   def ref(k, f, dtb, alog, om, r, mu, p0):
     la = -jnp.exp(alog)[:, None] * jax.nn.softplus(f + dtb)
     fn = kdn_gain.diag_gain if diag else kdn_gain.iso_gain
-    gain, pf = fn(k, la, jax.nn.softplus(om), 0.01 + jax.nn.softplus(r), mu, p0, seg)
+    gain, pf = fn(
+      k, la, jax.nn.softplus(om), 0.01 + jax.nn.softplus(r), mu, p0, seg, config=kernels.gain
+    )
     return gain, la, pf
 
   def fused(k, f, dtb, alog, om, r, mu, p0):
     fn = kdn_gain.diag_gain_fused if diag else kdn_gain.iso_gain_fused
-    return fn(k, f, dtb, alog, om, r, 0.01, mu, p0, seg)
+    return fn(k, f, dtb, alog, om, r, 0.01, mu, p0, seg, config=kernels.gain)
 
   _compare(
     ("diag" if diag else "iso") + "_gain_fused",
@@ -179,7 +188,7 @@ def _pooled_rel(pairs):
   return float(np.sqrt(num / max(den, 1e-30))) if finite else float("nan")
 
 
-def check_layer(results, mixer, b, t, h, kd, d, seeds):
+def check_layer(results, mixer, b, t, h, kd, d, seeds, kernels):
   """The bf16 layer with its fused glue against the same layer unfused, both measured against the
   unfused layer in float32 (the truth): fused passes where its error is within the unfused
   path's own bf16 error (x LAYER_SLACK, floor LAYER_FLOOR) for every output and gradient.
@@ -194,7 +203,7 @@ def check_layer(results, mixer, b, t, h, kd, d, seeds):
     when it fuses them with their consumers, which a kernel's bf16 output cannot get; the errors
     with it on are recorded beside (`*_excess`)."""
   from experiments.benchmarks.layers import set_fusion
-  from kdn_jax.layers import MIXERS
+  from kdn_jax.layers import make_mixer
   from kdn_jax.models.config import model_config
 
   def make(dtype):
@@ -211,7 +220,7 @@ def check_layer(results, mixer, b, t, h, kd, d, seeds):
       mlp_hidden=1,
       info_scale="learned",
     )
-    return MIXERS[mixer](cfg, rngs=nnx.Rngs(0))
+    return make_mixer(mixer, cfg, rngs=nnx.Rngs(0), kernel_config=kernels)
 
   seg = _segments(np.random.default_rng(4), b, t)
 
@@ -294,21 +303,21 @@ def main(argv):
   del argv
   b, t, h, kd, d = FLAGS.batch, FLAGS.t, FLAGS.heads, FLAGS.head_dim, FLAGS.d_model
   seeds = FLAGS.layer_seeds
-  configs = kernel_config.apply_flags(FLAGS)  # (the kernels' defaults unless given)
+  kernels = kernel_config.from_flags(FLAGS)  # (the tuned configs unless given)
   print(f"device {jax.devices()[0]}; B={b} T={t} H={h} K={kd} d={d}", flush=True)
   results = {
     "device": str(jax.devices()[0]),
     "shape": dict(B=b, T=t, H=h, K=kd, d=d),
-    "configs": configs,
+    "configs": kernel_config.describe(kernels),
   }
   for name, fn in (
-    ("conv32", lambda: check_conv(results, b, t, h, kd, jnp.float32)),
-    ("conv16", lambda: check_conv(results, b, t, h, kd, jnp.bfloat16)),
-    ("norm", lambda: check_norm(results, b, t, h, kd, jnp.float32)),
-    ("gain_diag", lambda: check_gain(results, b, t, h, kd, True)),
-    ("gain_iso", lambda: check_gain(results, b, t, h, kd, False)),
-    ("layer_diag", lambda: check_layer(results, "kdn_diag", b, t, h, kd, d, seeds)),
-    ("layer_iso", lambda: check_layer(results, "kdn_iso", b, t, h, kd, d, seeds)),
+    ("conv32", lambda: check_conv(results, b, t, h, kd, jnp.float32, kernels)),
+    ("conv16", lambda: check_conv(results, b, t, h, kd, jnp.bfloat16, kernels)),
+    ("norm", lambda: check_norm(results, b, t, h, kd, jnp.float32, kernels)),
+    ("gain_diag", lambda: check_gain(results, b, t, h, kd, True, kernels)),
+    ("gain_iso", lambda: check_gain(results, b, t, h, kd, False, kernels)),
+    ("layer_diag", lambda: check_layer(results, "kdn_diag", b, t, h, kd, d, seeds, kernels)),
+    ("layer_iso", lambda: check_layer(results, "kdn_iso", b, t, h, kd, d, seeds, kernels)),
   ):
     try:
       fn()

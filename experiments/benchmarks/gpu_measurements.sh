@@ -4,20 +4,17 @@
 # sections: ops (reference vs chunked), stages (pallas stage split + kernel config sweep), docs
 # (the same for the packed-documents path),
 # mixers (mixer table vs flash-linear-attention), layers (whole layers vs fla's KDA layer),
-# train (125M LM training throughput on 1 GPU, and on 2 when there are 2), mgpu (the Mosaic GPU
-# output stage: tests and timing), forward (forward configs at 16k with the stage split and at
-# 4k, fuse_output=all, GPU checks), passes (the forward's passes fwd+bwd, the scalar write's A/B,
+# train (125M LM training throughput on 1 GPU, and on 2 when there are 2), forward (forward
+# configs at 16k with the stage split and at 4k, GPU checks), passes (the forward's passes fwd+bwd, the scalar write's A/B,
 # the K=16 check), ncu (Nsight Compute on the pair kernels, ours and fla's), glue (the GPU check
 # of the layers' fused glue kernels), loadchecks (GPU checks of the default since the cumsums'
 # load blocks), convblocks (the conv's load blocks: layers, check_fusion), abexp (session 46's
 # exp for 16-bit data against the tree before it), gains (session 47's gain kernels against a base
-# tree; the gain chunk at 4k), isoscalar (the iso gain's replay over per-token scalars, the default,
-# against the lane replay), renorm
-# (the gain reduce renormalising every 2nd token).
+# tree; the gain chunk at 4k).
 # Default: check ops stages docs mixers layers train.
 # Kernel config sweep (stages): SWEEP='default,max_chunk=64/sub_block=32' (DeltaRuleConfig fields).
 # Extra train flags: TRAIN_EXTRA='--config.model.scan_layers=True --config.model.impl=pallas';
-# kernel options: TRAIN_EXTRA='--config.kernels.delta_rule=fuse_output=all'.
+# kernel options: TRAIN_EXTRA='--config.kernels.delta_rule=num_stages=2'.
 # Results land in $RES (default /tmp/kdn_gpu); with $OUT set (the device tool) they are also packed
 # into $OUT/results.tgz. Each section has its own time limit.
 set -u
@@ -128,29 +125,21 @@ forward)
   # config against session 48's decayed_operands off, and all three of the forward's passes off
   # (cumsum_in_pairs: g formed by the pair kernel, no cumsum kernel; bf16_write: kappa in bf16;
   # decayed_operands: Kbar, Qbar written by the pair kernel; the default since session 48:
-  # forward 16k 4.70 -> 3.94 ms on the H200), and fuse_output=none, the output kernel apart);
-  # FORWARD_LIMIT / FORWARD_4K_LIMIT: their limits. Then 'all' (the output fused in every call,
-  # training too) fwd+bwd without and with documents (FORWARD_ALL=1 adds those, +120 s); the GPU
-  # checks CHECK_CASES=dim:spec[:gain spec],... (default: the default at K=128 and 16, and
-  # fuse_output=all's reset branch at K=128; each up to CHECK_LIMIT, 120 s: a cold compile
-  # cache needs more than 110 s at K=128, session 48). About 570 s at
-  # most (FORWARD_ALL=1: 690; FORWARD_DOCS=1: the forward with documents, +50 s). Each line has
-  # its own limit, and results.tgz is packed after each.
+  # forward 16k 4.70 -> 3.94 ms on the H200)); FORWARD_LIMIT / FORWARD_4K_LIMIT: their limits.
+  # Then the GPU checks CHECK_CASES=dim:spec[:gain spec],... (default: the default at K=128 and
+  # 16; each up to CHECK_LIMIT, 120 s: a cold compile cache needs more than 110 s at K=128,
+  # session 48). About 450 s at most (FORWARD_DOCS=1: the forward with documents, +50 s). Each
+  # line has its own limit, and results.tgz is packed after each.
   SWEEP_LOG=forward.txt
   OFF=cumsum_in_pairs=0/bf16_write=0/decayed_operands=0
-  SPECS=${FORWARD_SWEEP:-default,decayed_operands=0,$OFF,fuse_output=none}
+  SPECS=${FORWARD_SWEEP:-default,decayed_operands=0,$OFF}
   sweep_line ${FORWARD_LIMIT:-220} --out="$RES/forward_16384" --seq_lens=16384 --sweep_len=16384 \
     --sweep_fwd_only --sweep_stages --sweep=$SPECS
   sweep_line ${FORWARD_4K_LIMIT:-110} --out="$RES/forward_4096" --seq_lens=4096 --sweep_len=4096 \
     --sweep_fwd_only --sweep=$SPECS
-  # with documents: 'all' also fuses the primal (its S_init dot only in chunks with a reset)
   [ "${FORWARD_DOCS:-0}" = 1 ] && sweep_line 50 --out="$RES/forward_docs" --seq_lens=16384 \
-    --sweep_len=16384 --sweep_fwd_only --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
-  [ "${FORWARD_ALL:-0}" = 1 ] && sweep_line 70 --out="$RES/forward_all" --seq_lens=16384 --sweep_len=16384 \
-    --sweep=default,fuse_output=all
-  [ "${FORWARD_ALL:-0}" = 1 ] && sweep_line 50 --out="$RES/forward_all_docs" --seq_lens=16384 --sweep_len=16384 \
-    --sweep_row=diag_kdn_seg_pallas --sweep=default,fuse_output=all
-  gpu_checks "${CHECK_CASES:-128:default,16:default,128:fuse_output=all}" ;;
+    --sweep_len=16384 --sweep_fwd_only --sweep_row=diag_kdn_seg_pallas --sweep=default
+  gpu_checks "${CHECK_CASES:-128:default,16:default}" ;;
 passes)
   # The forward's passes in training's fwd+bwd: the default against cumsum_in_pairs (the pair
   # kernel forms g; no cumsum kernel) and bf16_write (kappa in bf16) off, and against all three
@@ -234,54 +223,6 @@ gains)
   sweep_line 70 --out="$RES/gain_chunk_4k_fwd" --seq_lens=4096 --sweep_len=4096 \
     --gain_sweep_fwd_bwd=false --gain_sweep=$CHUNKS
   sweep_line 70 --out="$RES/gain_chunk_4k" --seq_lens=4096 --sweep_len=4096 --gain_sweep=$CHUNKS ;;
-isoscalar)
-  # GainConfig.iso_scalar_replay (built in session 49, the default since session 50's timing on
-  # an H100: iso op forward 16k 3.73 ms against 3.91): the iso gain's replay reads the reduce's
-  # per-token scalars (a, |k|^2) instead of the K-wide k and log_alpha rows, one program per
-  # (batch, chunk) over the heads (pallas_kernels/kdn_gain/iso_replay.py). The default against
-  # the lane replay (iso_scalar_replay=0): the iso gain's and the iso op's forward at 16k and 4k,
-  # the op's fwd+bwd at 16k (each sweep: default first and again last), then the kdn_iso layer
-  # at 16k under each. At most 520 s (about 400 on a warm machine).
-  SWEEP_LOG=isoscalar.txt
-  S=default,iso_scalar_replay=0
-  for T in 16384 4096; do
-    for row in iso_gain_pallas iso_kdn_pallas; do
-      sweep_line 70 --out="$RES/isoscalar_${row}_${T}_fwd" --seq_lens=$T --sweep_len=$T \
-        --gain_sweep_row=$row --gain_sweep_fwd_bwd=false --gain_sweep=$S
-    done
-  done
-  sweep_line 80 --out="$RES/isoscalar_iso_kdn_16384" --seq_lens=16384 --sweep_len=16384 \
-    --gain_sweep_row=iso_kdn_pallas --gain_sweep=$S
-  for g in "" iso_scalar_replay=0; do
-    tag="layer ${g:-default}"
-    timeout 80 python3 -m experiments.benchmarks.layers --out="$RES/isoscalar_layer${g:+_lane}" \
-      --seq_lens=16384 --impls=pallas --reps=20 --rows=kdn_iso --gain_config=$g \
-      > "$RES/isoscalar_layer${g:+_lane}.log" 2>&1
-    rc=$?
-    { [ $rc -ne 0 ] && echo "exit $rc"
-      quiet < "$RES/isoscalar_layer${g:+_lane}.log" | grep -E 'T=[0-9]+: fwd|Error'
-    } | sed "s|^|$tag: |" | tee -a "$RES/$SWEEP_LOG"
-    pack
-  done ;;
-renorm)
-  # GainConfig.renorm_every=2 (session 49; timed in session 50 on an H100: the gain's forward
-  # gained 3%, the op's did not, so 1 stays): the gain's forward reduce renormalises its 2x2
-  # product every 2nd token (kernel.py, RENORM; the same chunk maps up to a power of two;
-  # statically 154 -> 125 instructions per token). The diag gain's forward at 16k and 4k, the
-  # diag op's forward and fwd+bwd at 16k (each sweep: default first and again last). At most
-  # 290 s. GPU checks of an option (a cold compilation cache needs about 300 s at K=128):
-  #   CHECK_CASES=16:default:renorm_every=2,128:default:renorm_every=2 CHECK_LIMIT=300 \
-  #     bash experiments/benchmarks/gpu_measurements.sh loadchecks
-  SWEEP_LOG=renorm.txt
-  S=default,renorm_every=2
-  sweep_line 70 --out="$RES/renorm_diag_gain_16384_fwd" --seq_lens=16384 --sweep_len=16384 \
-    --gain_sweep_fwd_bwd=false --gain_sweep=$S
-  sweep_line 60 --out="$RES/renorm_diag_gain_4096_fwd" --seq_lens=4096 --sweep_len=4096 \
-    --gain_sweep_fwd_bwd=false --gain_sweep=$S
-  sweep_line 80 --out="$RES/renorm_diag_kdn_16384_fwd" --seq_lens=16384 --sweep_len=16384 \
-    --gain_sweep_row=diag_kdn_pallas --gain_sweep_fwd_bwd=false --gain_sweep=$S
-  sweep_line 80 --out="$RES/renorm_diag_kdn_16384" --seq_lens=16384 --sweep_len=16384 \
-    --gain_sweep_row=diag_kdn_pallas --gain_sweep=$S ;;
 loadchecks)
   # The GPU checks of the default (DeltaRuleConfig.cumsum_block=8 since session 43, the decay
   # cumsums' loads in blocks: pallas_kernels/token_loop.py) at K=128 and K=16. About 200 s at most.
@@ -310,13 +251,6 @@ glue)
   # gains, and both bf16 KDN layers fused against unfused, each against the fp32 layer.
   timeout ${GLUE_LIMIT:-240} python3 -m experiments.benchmarks.check_fusion --out="$RES/check_fusion.json" \
     2>&1 | quiet | tail -15 | tee "$RES/check_fusion.txt"; pack ;;
-mgpu)
-  # Issue 18's Mosaic GPU trial port of the output stage (docs/decisions.md): its compiled tests,
-  # then Triton (chunk 16 / 64) against Mosaic GPU (chunk 64) at 4k and 16k.
-  timeout ${MGPU_TEST_LIMIT:-150} python3 -m pytest -q tests/test_output_mgpu.py 2>&1 | tail -15 \
-    | tee "$RES/mgpu_tests.txt"
-  timeout ${MGPU_LIMIT:-150} python3 -m experiments.benchmark_output_stage --out="$RES/output_stage.json" \
-    2>&1 | quiet | tail -20 | tee "$RES/output_stage.txt" ;;
 performance)
   # The numbers behind docs/performance.md, at the defaults: the KDN ops against fla's chunk_kda
   # and the KDN layers against fla's KimiDeltaAttention (each benchmark one process, fla in it),

@@ -38,7 +38,7 @@ from experiments.benchmarks.timing import (
   torch_cuda_median_ms,
 )
 from experiments.runner import cli, kernel_config
-from kdn_jax.layers.registry import MIXERS
+from kdn_jax.layers.registry import MIXERS, make_mixer
 from kdn_jax.models.config import model_config
 
 FLA_ROW = "fla_kda_layer"
@@ -115,9 +115,10 @@ def set_fusion(layer, fusion):
       setattr(layer, "fuse_" + piece, fusion == piece)
 
 
-def layer_fns(mixer, impl, t, s, fusion="on", dtype="bfloat16"):
+def layer_fns(mixer, impl, t, s, fusion="on", dtype="bfloat16", kernels=None):
   """(jitted fwd, jitted fwd+bwd, (params, x), ct) of one kdn_jax layer; fwd+bwd takes
-  (params, x, ct) and returns the gradients of sum(y * ct) w.r.t. params and x."""
+  (params, x, ct) and returns the gradients of sum(y * ct) w.r.t. params and x. kernels: the
+  layer's pallas_kernels.KernelConfigs (None: the tuned configs)."""
   cfg = model_config(
     "tiny",
     d_model=s["width"],
@@ -130,7 +131,7 @@ def layer_fns(mixer, impl, t, s, fusion="on", dtype="bfloat16"):
     param_dtype="float32",
     mlp_hidden=1,
   )
-  layer = MIXERS[mixer](cfg, rngs=nnx.Rngs(0))
+  layer = make_mixer(mixer, cfg, rngs=nnx.Rngs(0), kernel_config=kernels)
   set_fusion(layer, fusion)
   graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
   kx, kc = jax.random.split(jax.random.PRNGKey(1))
@@ -147,9 +148,9 @@ def layer_fns(mixer, impl, t, s, fusion="on", dtype="bfloat16"):
   return jax.jit(apply), jax.jit(jax.grad(loss, argnums=(0, 1))), (params, x), ct
 
 
-def _jax_times(mixer, impl, t, s, fusion="on"):
+def _jax_times(mixer, impl, t, s, fusion="on", kernels=None):
   """(fwd ms, fwd+bwd ms) of one kdn_jax layer, params passed to a pure jitted function."""
-  fwd, fwd_bwd, args, ct = layer_fns(mixer, impl, t, s, fusion)
+  fwd, fwd_bwd, args, ct = layer_fns(mixer, impl, t, s, fusion, kernels=kernels)
   timed = lambda fn, *a: median_time(fn, *args, *a, warmup=1 + s["warmup"], repeats=s["reps"])
   return timed(fwd), timed(fwd_bwd, ct)
 
@@ -318,8 +319,10 @@ def run(
   warmup=3,
   time_budget_s=420.0,
   fusion=("on",),
+  kernels=None,
 ):
-  """Times every (row, T) cell until the budget runs out; writes and returns the results dict."""
+  """Times every (row, T) cell until the budget runs out; writes and returns the results dict.
+  kernels: the layers' pallas_kernels.KernelConfigs (None: the tuned configs)."""
   bad = [f for f in fusion if f not in ("on", "off") + FUSED_PIECES]
   if bad:
     raise ValueError(f"--fusion: unknown {bad}; expected on, off or one of {FUSED_PIECES}")
@@ -339,7 +342,7 @@ def run(
     "device": str(jax.devices()[0]),
     "jax": jax.__version__,
     "settings": settings,
-    **kernel_config.current(),
+    **kernel_config.describe(kernels),
     "rows": [],
     "not_started": [],
   }
@@ -377,7 +380,7 @@ def run(
         ms = (
           _fla_times(t, settings, fla)
           if impl is None
-          else _jax_times(mixer, impl, t, settings, fused)
+          else _jax_times(mixer, impl, t, settings, fused, kernels)
         )
         rec["fwd_ms"], rec["fwd_bwd_ms"] = ms
       except Exception as e:  # pylint: disable=broad-except
@@ -406,7 +409,7 @@ def run(
 
 def main(argv):
   del argv
-  kernel_config.apply_flags(FLAGS)
+  kernels = kernel_config.from_flags(FLAGS)
   run(
     FLAGS.out,
     seq_lens=[int(t) for t in FLAGS.seq_lens],
@@ -421,6 +424,7 @@ def main(argv):
     warmup=FLAGS.warmup,
     time_budget_s=FLAGS.time_budget_s,
     fusion=tuple(FLAGS.fusion),
+    kernels=kernels,
   )
 
 

@@ -11,6 +11,7 @@ JSON and table after every sweep spec and cell, so a run cut off by its time lim
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -199,19 +200,30 @@ def _ops():
     return None
 
 
-def _direct_kdn(diag, x, d):
+def _kernels(kernels):
+  """kernels (a pallas_kernels.KernelConfigs) or, for None, the tuned configs."""
+  import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
+
+  return pk.KernelConfigs() if kernels is None else kernels
+
+
+def _direct_kdn(diag, x, d, kernels=None):
   """KDN mixer straight from the pallas kernels (gain, then memory)."""
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
 
+  kernels = _kernels(kernels)
   b, _, h, _ = x["k"].shape
   mu = jnp.full((h,), float(d), jnp.float32)
   s0 = jnp.zeros((b, h, d, d), jnp.float32)
+  gkw = dict(config=kernels.gain)
   if diag:
-    w, _ = pk.diag_gain(x["k"], x["la"], x["om"], x["r"], mu, jnp.ones((b, h, d), jnp.float32))
+    p0 = jnp.ones((b, h, d), jnp.float32)
+    w, _ = pk.diag_gain(x["k"], x["la"], x["om"], x["r"], mu, p0, **gkw)
   else:
     # (beta itself: the delta rule forms the write beta k in its kernels)
-    w, _ = pk.iso_gain(x["k"], x["la"], x["om_iso"], x["r"], mu, jnp.ones((b, h), jnp.float32))
-  o, _ = pk.delta_rule(x["q"], x["k"], x["v"], x["la"], w, d**-0.5, s0)
+    p0 = jnp.ones((b, h), jnp.float32)
+    w, _ = pk.iso_gain(x["k"], x["la"], x["om_iso"], x["r"], mu, p0, **gkw)
+  o, _ = pk.delta_rule(x["q"], x["k"], x["v"], x["la"], w, d**-0.5, s0, config=kernels.delta_rule)
   return o
 
 
@@ -228,9 +240,12 @@ def _doc_ids(b, t):
   return jnp.broadcast_to(jnp.arange(t) // _DOC_LEN, (b, t)).astype(jnp.int32)
 
 
-def _make_jax_fn(row, d):
-  """Returns f(x) -> output array (differentiable in the float inputs)."""
+def _make_jax_fn(row, d, kernels=None):
+  """Returns f(x) -> output array (differentiable in the float inputs); kernels: the Pallas
+  kernels' configs (a pallas_kernels.KernelConfigs; None: the tuned ones)."""
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
+
+  kernels = _kernels(kernels)
 
   ops = _ops()
   name, impl = row.rsplit("_", 1)
@@ -260,12 +275,13 @@ def _make_jax_fn(row, d):
           info_scale=float(d),
           segment_ids=seg,
           impl=impl,
+          kernel_config=kernels,
         )[0]
 
       return f, ("q", "k", "v", "la", "om" if diag else "om_iso", "r")
     if impl != "pallas":
       raise RuntimeError("kdn_jax.ops unavailable")
-    return (lambda x: _direct_kdn(diag, x, d)), (
+    return (lambda x: _direct_kdn(diag, x, d, kernels)), (
       "q",
       "k",
       "v",
@@ -278,7 +294,13 @@ def _make_jax_fn(row, d):
     def f(x):
       b, _, h, _ = x["k"].shape
       return pk.diag_gain(
-        x["k"], x["la"], x["om"], x["r"], jnp.full((h,), float(d)), jnp.ones((b, h, d), jnp.float32)
+        x["k"],
+        x["la"],
+        x["om"],
+        x["r"],
+        jnp.full((h,), float(d)),
+        jnp.ones((b, h, d), jnp.float32),
+        config=kernels.gain,
       )[0]
 
     return f, ("k", "la", "om", "r")
@@ -293,6 +315,7 @@ def _make_jax_fn(row, d):
         x["r"],
         jnp.full((h,), float(d)),
         jnp.ones((b, h), jnp.float32),
+        config=kernels.gain,
       )[0]
 
     return f, ("k", "la", "om_iso", "r")
@@ -303,7 +326,7 @@ def _make_jax_fn(row, d):
     fn = ops.kda if name == "kda" else ops.gated_delta_rule
 
     def f(x):
-      return fn(x["q"], x["k"], x["v"], x[la], x["beta"], impl=impl)[0]
+      return fn(x["q"], x["k"], x["v"], x[la], x["beta"], impl=impl, kernel_config=kernels)[0]
 
     return f, ("q", "k", "v", la, "beta")
   raise ValueError(row)
@@ -320,16 +343,17 @@ def _time_fn(fn, args, compile_times=None, name=None):
   return median_time(fn, *args, warmup=1 + FLAGS.warmup, repeats=FLAGS.reps)
 
 
-def time_jax_row(row, t, fwd_bwd, compile_times=None):
-  fn, args = jax_row_fn(row, t, fwd_bwd)
+def time_jax_row(row, t, fwd_bwd, compile_times=None, kernels=None):
+  fn, args = jax_row_fn(row, t, fwd_bwd, kernels)
   return _time_fn(fn, args, compile_times, row)
 
 
-def jax_row_fn(row, t, fwd_bwd):
-  """(jitted fn, args) of a JAX row: the forward, or the gradient of a loss on its output."""
+def jax_row_fn(row, t, fwd_bwd, kernels=None):
+  """(jitted fn, args) of a JAX row: the forward, or the gradient of a loss on its output;
+  kernels: the Pallas kernels' configs (None: the tuned ones)."""
   b, h, d = FLAGS.batch, FLAGS.heads, FLAGS.dim
   x = _inputs(jax.random.PRNGKey(0), b, t, h, d, jnp.bfloat16)
-  f, names = _make_jax_fn(row, d)
+  f, names = _make_jax_fn(row, d, kernels)
   diff = {n: x[n] for n in names}
   rest = {n: v for n, v in x.items() if n not in names}
   if not fwd_bwd:
@@ -438,7 +462,7 @@ def _gain_scan(diag, k, la, om, r, mu, p0, seg):
   return jnp.moveaxis(gain, 0, 1), p
 
 
-def _gain_check(pk, x, seg, tag, b, h, d):
+def _gain_check(pk, x, seg, tag, b, h, d, kernels):
   """diag/iso gain (Pallas, with the reset of `seg`) against _gain_scan: the gain, the final
   variance and the gradients of k, log_alpha, omega, r, info_scale and p0."""
   res = {}
@@ -449,7 +473,7 @@ def _gain_check(pk, x, seg, tag, b, h, d):
     p0 = jnp.full((b, h, d) if diag else (b, h), 0.5)
     args = (x["k"], x["la"], om, x["r"], jnp.full((h,), float(d)), p0)
     ct = jax.random.normal(jax.random.PRNGKey(4), x["k"].shape if diag else x["r"].shape)
-    f_pk = lambda *a, fn=fn: fn(*a, seg)
+    f_pk = lambda *a, fn=fn: fn(*a, seg, config=kernels.gain)
 
     def f_ref(*a, diag=diag):
       return _gain_scan(diag, *(z.astype(jnp.float32) for z in a), seg)
@@ -467,7 +491,7 @@ def _gain_check(pk, x, seg, tag, b, h, d):
   return res
 
 
-def _kdn_op_check(x, seg, tag, d, ct):
+def _kdn_op_check(x, seg, tag, d, ct, kernels):
   """The diag and iso KDN ops (impl='pallas', with the reset of `seg`) against their fp32 token
   loops (impl='reference'): what the op adds to the kernels (the gain's kappa stored for the
   delta rule, DeltaRuleConfig.bf16_write; the iso write beta k formed in the kernels)."""
@@ -479,7 +503,14 @@ def _kdn_op_check(x, seg, tag, d, ct):
     args = (x["q"], x["k"], x["v"], x["la"], x["om"] if diag else x["om_iso"], x["r"])
 
     def f_op(*a, fn=fn, impl="pallas"):
-      o, st = fn(*a, info_scale=float(d), segment_ids=seg, impl=impl, output_final_state=True)
+      o, st = fn(
+        *a,
+        info_scale=float(d),
+        segment_ids=seg,
+        impl=impl,
+        output_final_state=True,
+        kernel_config=kernels,
+      )
       return o, st.memory
 
     def f_ref(*a, f_op=f_op):
@@ -526,11 +557,13 @@ def _compare(res, prefix, fa, fb, args, ct, out_names, grad_names):
     res[prefix + n] = _rel(a1, a2)
 
 
-def run_check(b=2, t=300, h=2, d=128, cut=100):
-  """Relative RMS errors of the Pallas delta rule and the diag and iso gains (default configs)
-  against plain fp32 scans, fp32 and bf16 inputs, without and with a segment reset at token
-  `cut` (the gains: with it)."""
+def run_check(b=2, t=300, h=2, d=128, cut=100, kernels=None):
+  """Relative RMS errors of the Pallas delta rule and the diag and iso gains (with `kernels`, a
+  pallas_kernels.KernelConfigs; None: the tuned configs) against plain fp32 scans, fp32 and
+  bf16 inputs, without and with a segment reset at token `cut` (the gains: with it)."""
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
+
+  kernels = _kernels(kernels)
   from kdn_jax.ops.delta_reference import delta_rule_reference  # pylint: disable=g-import-not-at-top
 
   res = {}
@@ -542,7 +575,7 @@ def run_check(b=2, t=300, h=2, d=128, cut=100):
     args = (x["q"], x["k"], x["v"], x["la"], w, s0)
 
     def f_pk(*a):
-      return pk.delta_rule(*a[:5], d**-0.5, a[5])
+      return pk.delta_rule(*a[:5], d**-0.5, a[5], config=kernels.delta_rule)
 
     def f_ref(*a):  # kdn_jax's float32 token loop (q arrives scaled)
       q, *rest = (z.astype(jnp.float32) for z in a)
@@ -550,7 +583,7 @@ def run_check(b=2, t=300, h=2, d=128, cut=100):
         return delta_rule_reference(d**-0.5 * q, *rest)
 
     def f_pk_seg(*a):
-      return pk.delta_rule(*a[:5], d**-0.5, a[5], seg)
+      return pk.delta_rule(*a[:5], d**-0.5, a[5], seg, config=kernels.delta_rule)
 
     def f_ref_seg(*a):  # the reset at token `cut` = two independent runs from s0
       o_a, _ = f_ref(*(z[:, :cut] for z in a[:5]), a[5])
@@ -584,8 +617,8 @@ def run_check(b=2, t=300, h=2, d=128, cut=100):
       ("o", "S"),
       ("dq", "dk", "dv", "dla", "dbeta", "dh0"),
     )
-    res.update(_gain_check(pk, x, seg, tag, b, h, d))
-    res.update(_kdn_op_check(x, seg, tag, d, ct))
+    res.update(_gain_check(pk, x, seg, tag, b, h, d, kernels))
+    res.update(_kdn_op_check(x, seg, tag, d, ct, kernels))
   for kname, val in res.items():
     logging.info("check %s: %.3g", kname, val)
     print(f"check {kname}: {val:.3g}", flush=True)
@@ -595,9 +628,10 @@ def run_check(b=2, t=300, h=2, d=128, cut=100):
 # ------------------------------------------------------------------------------------- main
 
 
-def _time_stages(t, docs=False):
+def _time_stages(t, docs=False, kernels=None):
   """Per-stage times (ms) of the diag-KDN pallas path at length t (fwd stages and bwd stages);
-  with `docs`, packed documents of _DOC_LEN tokens (segment_ids)."""
+  with `docs`, packed documents of _DOC_LEN tokens (segment_ids); kernels: the configs (None:
+  the tuned ones)."""
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
   from pallas_kernels import common  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import backward as dbwd  # pylint: disable=g-import-not-at-top
@@ -605,7 +639,6 @@ def _time_stages(t, docs=False):
     chunk_length,  # pylint: disable=g-import-not-at-top
     segment_arrays,  # pylint: disable=g-import-not-at-top
   )
-  from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import intra as dintra  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import output as dout  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import state_pass as dstate  # pylint: disable=g-import-not-at-top
@@ -615,8 +648,9 @@ def _time_stages(t, docs=False):
 
   b, h, d = FLAGS.batch, FLAGS.heads, FLAGS.dim
   x = _inputs(jax.random.PRNGKey(0), b, t, h, d, jnp.bfloat16)
-  cfg = dcfg.DEFAULT
   interpret = common.resolve_interpret(None)
+  kernels = _kernels(kernels)
+  cfg, gain_cfg = kernels.get("delta_rule"), kernels.gain
   chunk = chunk_length(cfg, 64, t, interpret)  # what the op runs
   t_pad = -(-t // chunk) * chunk
   x = {n: common.pad_time(v, t_pad, 1.0 if n == "r" else 0.0) for n, v in x.items()}
@@ -628,7 +662,7 @@ def _time_stages(t, docs=False):
   # (kappa stored as the op stores it: bf16 under DeltaRuleConfig.bf16_write)
   gain = jax.jit(
     lambda k, la, om, r, seg: pk.diag_gain(
-      k, la, om, r, mu, p0, seg, gain_dtype=pk.write_dtype(k.dtype)
+      k, la, om, r, mu, p0, seg, gain_dtype=pk.write_dtype(k.dtype, config=cfg), config=gain_cfg
     )[0]
   )
   gargs = (x["k"], x["la"], x["om"], x["r"], seg)
@@ -703,7 +737,7 @@ def _time_stages(t, docs=False):
   o = output(*oargs)
   # the serial pass and the output stage together (the earlier sessions' "recurrent fwd")
   out["delta_recur_fwd"] = out["delta_state_fwd"] + out["delta_output_fwd"]
-  # ... and as one kernel (cfg.fuse_output): without the states (a call not differentiated)
+  # ... and as one kernel (the op's choice for a call without states or segments): without the states (a call not differentiated)
   # and with them (training's forward)
   for save in (False, True):
     fused = jax.jit(
@@ -780,15 +814,25 @@ def _time_stages(t, docs=False):
 
 
 def _sweep(
-  results, specs, module, make_config, row, fwd_bwd, key, deadline, stages=False, save=lambda: None
+  results,
+  specs,
+  kernels,
+  family,
+  make_config,
+  row,
+  fwd_bwd,
+  key,
+  deadline,
+  stages=False,
+  save=lambda: None,
 ):
-  """Times `row` at --sweep_len under each config make_config(spec) (with the pallas stage split
-  when `stages`) until time.time() passes `deadline`; with --sweep_repeat_first the first spec
-  is timed again after the others (a record with "repeat": true, no stage split) and ranks by
-  that timing; with --sweep_combine, the specs that beat the first one are merged into one more
-  spec and timed too. The fastest config becomes `module.DEFAULT` (recorded under
-  results[key]); if none ran, the default is left as it was."""
-  original = module.DEFAULT
+  """Times `row` at --sweep_len under `kernels` (a pallas_kernels.KernelConfigs) with its
+  `family` member replaced by make_config(spec) for each spec (with the pallas stage split when
+  `stages`) until time.time() passes `deadline`; with --sweep_repeat_first the first spec is
+  timed again after the others (a record with "repeat": true, no stage split) and ranks by that
+  timing; with --sweep_combine, the specs that beat the first one are merged into one more spec
+  and timed too. Returns `kernels` with the fastest config (recorded under results[key]), or
+  unchanged if none ran."""
   timed = []  # (spec, ms or None, config)
 
   def run(spec, repeat=False):
@@ -797,10 +841,11 @@ def _sweep(
       results.setdefault("sweeps", []).append({"sweep": spec, "skipped": "time budget"})
       save()
       return
-    cfg = module.DEFAULT = make_config(spec)
+    cfg = make_config(spec)
+    trial = dataclasses.replace(kernels, **{family: cfg})
     first = {}
     try:
-      ms = time_jax_row(row, FLAGS.sweep_len, fwd_bwd, first)
+      ms = time_jax_row(row, FLAGS.sweep_len, fwd_bwd, first, trial)
     except Exception as e:  # pylint: disable=broad-except
       ms = None
       logging.warning("sweep %s failed: %s", spec, e)
@@ -818,7 +863,7 @@ def _sweep(
       try:
         rec["stages"] = {
           k: v if isinstance(v, dict) else round(v, 3)
-          for k, v in _time_stages(FLAGS.sweep_len, _is_docs_row(row)).items()
+          for k, v in _time_stages(FLAGS.sweep_len, _is_docs_row(row), trial).items()
         }
       except Exception as e:  # pylint: disable=broad-except
         rec["stages_error"] = f"{type(e).__name__}: {e}"[:300]
@@ -844,9 +889,11 @@ def _sweep(
     if combined is not None and combined not in specs:
       run(combined)
   ok = [(ms, cfg) for _, ms, cfg in timed if ms is not None]
-  module.DEFAULT = min(ok, key=lambda m: m[0])[1] if ok else original
-  if ok:
-    results[key] = repr(module.DEFAULT)
+  if not ok:
+    return kernels
+  best = min(ok, key=lambda m: m[0])[1]
+  results[key] = repr(best)
+  return dataclasses.replace(kernels, **{family: best})
 
 
 def combine_winners(timed):
@@ -866,14 +913,15 @@ def combine_winners(timed):
 
 
 def _sweeps(results, deadline, save):
-  from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.kdn_gain import config as gcfg  # pylint: disable=g-import-not-at-top
+  """The KernelConfigs the rows run with: the tuned configs, each family's sweep winner."""
+  from pallas_kernels import tuned  # pylint: disable=g-import-not-at-top
 
-  base, gbase = dcfg.DEFAULT, gcfg.DEFAULT
-  _sweep(
+  base, gbase = tuned.tuned("delta_rule"), tuned.tuned("gain")
+  kernels = _sweep(
     results,
     FLAGS.sweep,
-    dcfg,
+    tuned.KernelConfigs(delta_rule=base, gain=gbase),
+    "delta_rule",
     lambda spec: config_from_spec(base, spec),
     FLAGS.sweep_row,
     not FLAGS.sweep_fwd_only,
@@ -882,10 +930,11 @@ def _sweeps(results, deadline, save):
     stages=FLAGS.sweep_stages,
     save=save,
   )
-  _sweep(
+  kernels = _sweep(
     results,
     FLAGS.gain_sweep,
-    gcfg,
+    kernels,
+    "gain",
     lambda spec: config_from_spec(gbase, spec),
     FLAGS.gain_sweep_row,
     FLAGS.gain_sweep_fwd_bwd,
@@ -894,6 +943,7 @@ def _sweeps(results, deadline, save):
     save=save,
   )
   print("configs:", results.get("delta_rule_config"), results.get("gain_config"), flush=True)
+  return kernels
 
 
 def _replace_file(path, text):
@@ -978,16 +1028,13 @@ def main(argv):
   start = time.time()
   save = lambda: _write(results, FLAGS.out, plot=False)  # after every step: a killed run keeps it
   # Sweeps first, so that the check covers the configuration the rows use.
-  _sweeps(results, start + FLAGS.time_budget_s, save)
-  from pallas_kernels.delta_rule import config as dcfg  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.kdn_gain import config as gcfg  # pylint: disable=g-import-not-at-top
-
-  results.setdefault("delta_rule_config", repr(dcfg.DEFAULT))
-  results.setdefault("gain_config", repr(gcfg.DEFAULT))  # (both: the rows run with them)
+  kernels = _sweeps(results, start + FLAGS.time_budget_s, save)
+  results.setdefault("delta_rule_config", repr(kernels.delta_rule))
+  results.setdefault("gain_config", repr(kernels.gain))  # (both: the rows run with them)
   save()
   if FLAGS.check or FLAGS.check_only:
     try:
-      results["check"] = run_check(d=FLAGS.check_dim)
+      results["check"] = run_check(d=FLAGS.check_dim, kernels=kernels)
       bad = check_violations(results["check"])
       if bad:  # the rows still run (they time this config), but the report says it is wrong
         results["check_failed"] = bad
@@ -1005,7 +1052,7 @@ def main(argv):
       [(int(FLAGS.seq_lens[0]), True)] if FLAGS.stages_docs else []
     ):
       try:
-        rec = {"stages": _time_stages(t, docs), "T": t, "docs": docs}
+        rec = {"stages": _time_stages(t, docs, kernels), "T": t, "docs": docs}
       except Exception as e:  # pylint: disable=broad-except
         rec = {"stages_error": f"{type(e).__name__}: {e}"[:500], "T": t, "docs": docs}
       print(json.dumps(rec), flush=True)
@@ -1026,7 +1073,9 @@ def main(argv):
         try:
           fb = mode == "fwd+bwd"
           rec["ms"] = (
-            time_fla_row(row, t, fb) if row.startswith("fla") else time_jax_row(row, t, fb)
+            time_fla_row(row, t, fb)
+            if row.startswith("fla")
+            else time_jax_row(row, t, fb, kernels=kernels)
           )
         except Exception as e:  # pylint: disable=broad-except
           rec["ms"] = None

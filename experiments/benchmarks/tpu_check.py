@@ -15,6 +15,7 @@ DeltaRuleConfig.max_chunk (the delta rule's chunk), chunked XLA alongside.
 Writes JSON to --out when given.
 """
 
+import dataclasses
 import json
 
 import jax
@@ -137,11 +138,9 @@ def check():
 
 
 def sweep():
-  from pallas_kernels.delta_rule import config as dr_config  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.kdn_gain import config as gain_config  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import tuned  # pylint: disable=g-import-not-at-top
 
   rows = []
-  old = (dr_config.DEFAULT, gain_config.DEFAULT)
   for op, diag in (("diag_kdn", True), ("iso_kdn", False)):
     fn = ops.diag_kdn if diag else ops.iso_kdn
     for dt in FLAGS.dtypes:
@@ -151,19 +150,18 @@ def sweep():
           ("pallas", int(g), int(c)) for g in FLAGS.gain_blocks for c in FLAGS.chunks
         ]
         for impl, gblock, chunk in specs:
-          try:
-            if impl == "pallas":
-              gain_config.set_default(max_chunk=gblock)
-              dr_config.set_default(max_chunk=chunk)
-            loss = lambda *a, impl=impl: jnp.sum(
-              fn(*a, impl=impl, chunk_size=64)[0].astype(jnp.float32)
+          kernels = None
+          if impl == "pallas":
+            kernels = tuned.KernelConfigs(
+              delta_rule=dataclasses.replace(tuned.tuned("delta_rule"), max_chunk=chunk),
+              gain=dataclasses.replace(tuned.tuned("gain"), max_chunk=gblock),
             )
-            fwd = jax.jit(lambda *a, impl=impl: fn(*a, impl=impl, chunk_size=64)[0])
-            fb = jax.jit(jax.grad(loss, argnums=tuple(range(len(xs)))))
-            f_ms = median_time(fwd, *xs, repeats=FLAGS.repeats)
-            fb_ms = median_time(fb, *xs, repeats=FLAGS.repeats)
-          finally:
-            dr_config.DEFAULT, gain_config.DEFAULT = old
+          kw = dict(impl=impl, chunk_size=64, kernel_config=kernels)
+          loss = lambda *a, kw=kw: jnp.sum(fn(*a, **kw)[0].astype(jnp.float32))
+          fwd = jax.jit(lambda *a, kw=kw: fn(*a, **kw)[0])
+          fb = jax.jit(jax.grad(loss, argnums=tuple(range(len(xs)))))
+          f_ms = median_time(fwd, *xs, repeats=FLAGS.repeats)
+          fb_ms = median_time(fb, *xs, repeats=FLAGS.repeats)
           rows.append(
             dict(
               op=op,

@@ -11,7 +11,7 @@ import numpy as np
 from experiments import loading
 from experiments.evaluation import long_context, plots
 from experiments.evaluation import suites as S
-from experiments.runner import kernel_config, logging_utils
+from experiments.runner import logging_utils
 
 
 def evaluate(
@@ -30,8 +30,8 @@ def evaluate(
   run = loading.load(workdir, step, settings.tokenizer or None, model_overrides=model_overrides)
   if model_overrides and not out_dir:
     out_dir = os.path.join(run.workdir, "eval", f"info_scale_{run.config.model.info_scale}")
-  with kernel_config.applied(run.config):  # the run's kernel options (speed only)
-    return _evaluate(run, suites, settings, out_dir, model_overrides)
+  # (the run's kernel options, speed only, are in its model: loading builds it with them)
+  return _evaluate(run, suites, settings, out_dir, model_overrides)
 
 
 def _evaluate(run, suites, settings, out_dir, model_overrides=None):

@@ -185,7 +185,7 @@ def base_config() -> ml_collections.ConfigDict:
   k.keep_steps = ""
   k.async_save = True
 
-  # Pallas kernel options (experiments/runner/kernel_config.py specs, e.g. delta_rule='fuse_output=all'):
+  # Pallas kernel options (experiments/runner/kernel_config.py specs, e.g. delta_rule='num_stages=2'):
   # DeltaRuleConfig / GainConfig / ConvConfig fields over their defaults; exact, speed only.
   # '' = the defaults.
   c.kernels = ml_collections.ConfigDict(dict(delta_rule="", gain="", conv=""))

@@ -1,15 +1,15 @@
 """Pallas kernel configurations from specs: 'field=value' items joined by '/' over the fields of
-pallas_kernels' DeltaRuleConfig, GainConfig or ConvConfig, e.g. 'fuse_output=all/num_stages=2'.
+pallas_kernels' DeltaRuleConfig, GainConfig or ConvConfig, e.g. 'num_stages=2/block_v=32'.
 The benchmarks' --sweep / --gain_sweep / --delta_rule_config / --gain_config / --conv_config
-take them, and a run config's config.kernels.delta_rule / .gain / .conv (applied by the Trainer
-and by evaluate before anything is traced). Every option is exact and changes speed only, but
-DeltaRuleConfig.bf16_write, which also rounds the KDN gain kappa to bf16 for bf16 data."""
+take them, and a run config's config.kernels.delta_rule / .gain / .conv. Specs become a frozen
+pallas_kernels.KernelConfigs (each family's tuned config for the device with the overrides) that
+the model is built with and passes down to the ops: nothing is set globally. Every option is
+exact and changes speed only, but DeltaRuleConfig.bf16_write, which also rounds the KDN gain
+kappa to bf16 for bf16 data."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import importlib
 import logging
 
 _BOOLS = {"1": True, "true": True, "True": True, "0": False, "false": False, "False": False}
@@ -39,12 +39,8 @@ def config_from_spec(base, spec, what="--sweep item"):
     raise ValueError(f"{what} in {spec!r}: {e}") from None
 
 
-# The kernel families: config.kernels key, config class, its module (DEFAULT lives there).
-FAMILIES = (
-  ("delta_rule", "DeltaRuleConfig", "pallas_kernels.delta_rule.config"),
-  ("gain", "GainConfig", "pallas_kernels.kdn_gain.config"),
-  ("conv", "ConvConfig", "pallas_kernels.causal_conv1d.config"),
-)
+# The families a run config and the flags name: config.kernels key = pallas_kernels.tuned family.
+FAMILIES = ("delta_rule", "gain", "conv")
 
 
 # Fields that run configs of earlier versions may name and that no longer exist (speed-only
@@ -56,12 +52,24 @@ REMOVED = {
     "prefetch_output_rows",
     "output_after_update",
     "state_step_chunks",
-  )
+    "fast_dots",
+    "fuse_output",
+    "wy_inverse",
+  ),
+  "gain": ("iso_scalar_replay", "renorm_every"),
 }
 
 
-def _modules():
-  return {key: importlib.import_module(path) for key, _, path in FAMILIES}
+def _tuned(family):
+  from pallas_kernels import tuned  # pylint: disable=g-import-not-at-top
+
+  return tuned.tuned(family)
+
+
+def _bundle(configs):
+  from pallas_kernels import KernelConfigs  # pylint: disable=g-import-not-at-top
+
+  return KernelConfigs(**configs)
 
 
 def _without_removed(key, spec, what):
@@ -80,86 +88,66 @@ def _without_removed(key, spec, what):
 
 
 def resolve(specs, what="config.kernels"):
-  """{family: config}: each family's package default (its class's defaults) with the overrides
-  of specs[family] (a mapping; a missing key is ''; REMOVED fields are dropped), or None when
-  every spec is empty. Raises a ValueError naming what.<family> and the item."""
-  specs = {key: _without_removed(key, specs.get(key, "") or "", what) for key, _, _ in FAMILIES}
-  if not any(specs.values()):
+  """A pallas_kernels.KernelConfigs from specs (a mapping family -> spec; a missing key is '';
+  REMOVED fields are dropped): each family with a spec is its tuned config for this device with
+  the overrides, the others None (tuned); None when every spec is empty. Raises a ValueError
+  naming what.<family> and the item."""
+  specs = {key: _without_removed(key, specs.get(key, "") or "", what) for key in FAMILIES}
+  if not any(s not in ("", "default") for s in specs.values()):
     return None
-  mods = _modules()
-  return {
-    key: config_from_spec(getattr(mods[key], cls)(), specs[key], f"{what}.{key} item")
-    for key, cls, _ in FAMILIES
-  }
+  return _bundle(
+    {
+      key: config_from_spec(_tuned(key), spec, f"{what}.{key} item")
+      for key, spec in specs.items()
+      if spec not in ("", "default")
+    }
+  )
 
 
-def apply(config):
-  """A run config's config.kernels as the kernels' defaults: with any spec, every family is set
-  to its package default with its overrides (the run config alone decides them); without any
-  (or in configs older than the key) nothing changes. Returns what restore() needs to put the
-  previous defaults back, or None when nothing changed."""
-  new = resolve(config.get("kernels") or {})
-  if new is None:
-    return None
-  mods = _modules()
-  previous = {key: mod.DEFAULT for key, mod in mods.items()}
-  for key, mod in mods.items():
-    mod.DEFAULT = new[key]
-  return previous
+def model_kwargs(config):
+  """The keyword arguments a run's model factory gets for config.kernels: {'kernel_config':
+  KernelConfigs} with any spec, else {} (the kernels' tuned configs; also for configs older than
+  the key and factories that take no kernel configs)."""
+  kernels = resolve(config.get("kernels") or {})
+  return {} if kernels is None else {"kernel_config": kernels}
 
 
-def restore(previous):
-  """Undoes apply() (previous: its result; None: nothing to undo)."""
-  if previous is not None:
-    for key, mod in _modules().items():
-      mod.DEFAULT = previous[key]
-
-
-@contextlib.contextmanager
-def applied(config):
-  """apply(config) for the block, restore() after it (also when it raises)."""
-  previous = apply(config)
-  try:
-    yield
-  finally:
-    restore(previous)
-
-
-# Benchmarks and GPU checks: the same specs as process-wide flags (--delta_rule_config, ...).
+# Benchmarks and GPU checks: the same specs as flags (--delta_rule_config, ...).
 
 
 def define_flags(flag_values):
   """--delta_rule_config, --gain_config, --conv_config on `flag_values`: overrides of the
-  kernels' package defaults for the whole process (apply_flags sets them)."""
+  kernels' tuned configs for the script's calls (from_flags builds them)."""
   from absl import flags  # pylint: disable=g-import-not-at-top
 
-  for key, cls, _ in FAMILIES:
+  for key, cls in zip(FAMILIES, ("DeltaRuleConfig", "GainConfig", "ConvConfig")):
     flags.DEFINE_string(
       f"{key}_config",
       "",
       f"{cls} overrides for the Pallas kernels, "
       "'field=value/field=value' (benchmark_mixers' --sweep syntax); '' = the "
-      "default",
+      "tuned config",
       flag_values=flag_values,
     )
 
 
-def current():
-  """{'<family>_config': repr of the family's current DEFAULT} (for results JSON)."""
-  return {f"{key}_config": repr(mod.DEFAULT) for key, mod in _modules().items()}
+def from_flags(flag_values):
+  """The KernelConfigs of define_flags' flags: every family (delta_rule, gain, conv) its tuned
+  config with the flag's overrides, norm and decode tuned. A ValueError names the flag and
+  item."""
+  return _bundle(
+    {
+      key: config_from_spec(
+        _tuned(key), getattr(flag_values, f"{key}_config"), f"--{key}_config item"
+      )
+      for key in FAMILIES
+    }
+  )
 
 
-def apply_flags(flag_values):
-  """Sets the package defaults from define_flags' flags (over the current defaults); every spec
-  is parsed (a ValueError naming the flag and item) before any default changes. Returns
-  current()."""
-  mods = _modules()
-  new = {
-    key: config_from_spec(
-      mod.DEFAULT, getattr(flag_values, f"{key}_config"), f"--{key}_config item"
-    )
-    for key, mod in mods.items()
+def describe(kernels):
+  """{'<family>_config': repr of the config each family runs with} (for results JSON);
+  kernels: a KernelConfigs or None (tuned)."""
+  return {
+    f"{key}_config": repr(_tuned(key) if kernels is None else kernels.get(key)) for key in FAMILIES
   }
-  for key, mod in mods.items():
-    mod.DEFAULT = new[key]
-  return current()

@@ -168,8 +168,6 @@ class Trainer:
     self.is_main = self.process_index == 0
     self._lock = None
     self._lock_workdir(workdir)
-    # config.kernels, before any jit of the model (close() puts the previous defaults back)
-    self._kernel_defaults = kernel_config.apply(config)
     try:
       dispatch.warm_kernel_imports()
       self.mesh = sharding.make_mesh(config, self.devices)
@@ -194,10 +192,7 @@ class Trainer:
         self._init_from(config.train.init_from)
       if self.is_main:
         logging_utils.write_json(os.path.join(workdir, "config.json"), self.config_json)
-    except (
-      BaseException
-    ):  # a failed start leaves the process's kernel defaults (and the workdir) as they were
-      kernel_config.restore(self._kernel_defaults)
+    except BaseException:  # a failed start leaves the workdir as it was
       workdir_lock.release(self._lock)
       raise
     self.last_metrics = {}
@@ -230,9 +225,12 @@ class Trainer:
     model_cfg = cfg.model
     self._model_cls = cls
 
+    # config.kernels: the kernels' configs the model passes down to its ops
+    kernels = kernel_config.model_kwargs(cfg)
+
     def make(seed=cfg.seed):
       with nnx.use_eager_sharding(False):
-        return cls(model_cfg, rngs=nnx.Rngs(seed))
+        return cls(model_cfg, rngs=nnx.Rngs(seed), **kernels)
 
     abs_model = nnx.eval_shape(make)
     self.graphdef, self.abs_params, self.abs_rest = nnx.split(abs_model, nnx.Param, ...)
@@ -782,8 +780,6 @@ class Trainer:
     return summary
 
   def close(self):
-    kernel_config.restore(getattr(self, "_kernel_defaults", None))
-    self._kernel_defaults = None
     try:
       if self.checkpointer is not None:
         self.checkpointer.close()

@@ -22,19 +22,19 @@ from jax.sharding import PartitionSpec as P
 from kdn_jax.ops import context_parallel
 
 
-def short_conv(conv, x, cache, segment_ids=None, *, fused=False):
-  """``conv(x, cache, segment_ids, fused=fused)`` (a ShortConv), T split over the active context
+def short_conv(conv, x, cache, segment_ids=None, *, fused=False, config=None):
+  """``conv(x, cache, segment_ids, fused=fused, config=config)`` (a ShortConv), T split over the active context
   axis when there is one and every slice holds at least W-1 tokens; else the plain call. The split
   path runs the plain-JAX conv (the Pallas one is not wrapped for shard_map)."""
   setting = context_parallel.active_setting()
   halo = conv.width - 1
   if setting is None or halo == 0:
-    return conv(x, cache, segment_ids, fused=fused)
+    return conv(x, cache, segment_ids, fused=fused, config=config)
   mesh, axis, batch_axes = setting
   n = mesh.shape[axis]
   B, T = x.shape[:2]
   if T % n or T // n < halo:
-    return conv(x, cache, segment_ids, fused=fused)
+    return conv(x, cache, segment_ids, fused=fused, config=config)
   if cache is None:
     cache = conv.init_cache(B)
   seq, per_seq = P(batch_axes, axis), P(batch_axes)

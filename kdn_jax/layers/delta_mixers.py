@@ -73,13 +73,16 @@ class KDA(_BetaMixin, RecurrentMixer):
       segment_ids=segment_ids,
       impl=self.impl,
       chunk_size=self.chunk_size,
+      kernel_config=self.kernel_config,
       **states_kw(positions),
     )
     return memory_outputs(o, m, at)
 
   def _core_step(self, q, k, v, gates, state):
     write = gates["beta"][..., None] * k.astype(jnp.float32)
-    o, m = ops.delta_rule_step(q, k, v, gates["g"], write, state["memory"])
+    o, m = ops.delta_rule_step(
+      q, k, v, gates["g"], write, state["memory"], kernel_config=self.kernel_config
+    )
     return o, {"memory": m}
 
 
@@ -108,6 +111,7 @@ class DeltaNet(_BetaMixin, RecurrentMixer):
       segment_ids=segment_ids,
       impl=self.impl,
       chunk_size=self.chunk_size,
+      kernel_config=self.kernel_config,
       **states_kw(positions),
     )
     return memory_outputs(o, m, at)
@@ -115,7 +119,9 @@ class DeltaNet(_BetaMixin, RecurrentMixer):
   def _core_step(self, q, k, v, gates, state):
     beta = gates["beta"]
     write = beta[..., None] * k.astype(jnp.float32)
-    o, m = ops.delta_rule_step(q, k, v, jnp.zeros_like(beta), write, state["memory"])
+    o, m = ops.delta_rule_step(
+      q, k, v, jnp.zeros_like(beta), write, state["memory"], kernel_config=self.kernel_config
+    )
     return o, {"memory": m}
 
 
@@ -149,6 +155,7 @@ class GDN2(RecurrentMixer):
       segment_ids=segment_ids,
       impl=self.impl,
       chunk_size=self.chunk_size,
+      kernel_config=self.kernel_config,
       **states_kw(positions),
     )
     return memory_outputs(o, m, at)
@@ -157,7 +164,13 @@ class GDN2(RecurrentMixer):
     # read/erase key b*k, write direction k, value w*v
     kf = k.astype(jnp.float32)
     o, m = ops.delta_rule_step(
-      q, gates["b"] * kf, gates["w"] * v.astype(jnp.float32), gates["g"], kf, state["memory"]
+      q,
+      gates["b"] * kf,
+      gates["w"] * v.astype(jnp.float32),
+      gates["g"],
+      kf,
+      state["memory"],
+      kernel_config=self.kernel_config,
     )
     return o, {"memory": m}
 
@@ -190,6 +203,7 @@ class GLA(RecurrentMixer):
       segment_ids=segment_ids,
       impl=self.impl,
       chunk_size=self.chunk_size,
+      kernel_config=self.kernel_config,
       **states_kw(positions),
     )
     return memory_outputs(o, m, at)

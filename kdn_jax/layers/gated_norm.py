@@ -48,12 +48,13 @@ class GatedRMSNorm(nnx.Module):
     self.eps, self.dtype = eps, dtype
     self.weight = make_param(None, ones_init, (dim,), param_dtype, ("kv",))
 
-  def __call__(self, o, gate, *, fused=False):
-    """fused=True: the Pallas kernel (pallas_kernels.gated_norm), for which this plain-JAX
-    composition is the reference; it returns o's dtype, so it is used when that is ours."""
+  def __call__(self, o, gate, *, fused=False, config=None):
+    """fused=True: the Pallas kernel (pallas_kernels.gated_norm; config: its NormConfig, None:
+    the tuned one), for which this plain-JAX composition is the reference; it returns o's
+    dtype, so it is used when that is ours."""
     if fused and o.ndim == 4 and o.dtype == jnp.dtype(self.dtype):
       from pallas_kernels.gated_norm import gated_rms_norm  # pylint: disable=g-import-not-at-top
 
-      return gated_rms_norm(o, gate, self.weight[...], self.eps)
+      return gated_rms_norm(o, gate, self.weight[...], self.eps, config=config)
     y = rms_norm(o, self.weight[...], self.eps) * jax.nn.sigmoid(gate.astype(jnp.float32))
     return y.astype(self.dtype)

@@ -189,6 +189,7 @@ class KDNMixer(RecurrentMixer):
       segment_ids=segment_ids,
       impl=self.impl,
       chunk_size=self.chunk_size,
+      kernel_config=self.kernel_config,
       **states_kw(positions),
     )
     return (o, {"memory": fs.memory, "variance": fs.variance}) + tuple(
@@ -205,7 +206,9 @@ class KDNMixer(RecurrentMixer):
 
     fn = kdn_gain.diag_gain_fused if self.diagonal else kdn_gain.iso_gain_fused
     # (diag: kappa stored as the delta rule wants it for this data; DeltaRuleConfig.bf16_write)
-    write_dtype = dispatch.pallas_module().write_dtype(jnp.result_type(q, k, v))
+    write_dtype = dispatch.pallas_module().write_dtype(
+      jnp.result_type(q, k, v), config=dispatch.family_config(self.kernel_config, "delta_rule")
+    )
     kw = dict(gain_dtype=write_dtype) if self.diagonal else {}
     decay = self.decay
     gain, log_alpha, variance = fn(
@@ -219,6 +222,7 @@ class KDNMixer(RecurrentMixer):
       self.info_scale(),
       state["variance"],
       segment_ids,
+      config=dispatch.family_config(self.kernel_config, "gain"),
       **kw,
     )
     # (iso: the write is beta k; the kernels form it from beta [B, T, H])
@@ -233,6 +237,7 @@ class KDNMixer(RecurrentMixer):
       segment_ids=segment_ids,
       impl="pallas",
       chunk_size=self.chunk_size,
+      kernel_config=self.kernel_config,
       **states_kw(positions),
     )
     out = (o, {"memory": memory, "variance": variance})
@@ -277,6 +282,7 @@ class KDNMixer(RecurrentMixer):
       gates["r"],
       ops.KDNState(state["memory"], state["variance"]),
       info_scale=self.info_scale(),
+      kernel_config=self.kernel_config,
     )
     return o, {"memory": fs.memory, "variance": fs.variance}
 

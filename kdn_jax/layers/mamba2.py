@@ -118,6 +118,7 @@ class Mamba2(RecurrentMixer):
       segment_ids=segment_ids,
       impl=self.impl,
       chunk_size=self.chunk_size,
+      kernel_config=self.kernel_config,
       **states_kw(positions),
     )
     return memory_outputs(self._skip(o, v), m, at)
@@ -125,6 +126,13 @@ class Mamba2(RecurrentMixer):
   def _core_step(self, q, k, v, gates, state):
     write = self._write(k, gates)
     o, m = ops.delta_rule_step(
-      q, jnp.zeros_like(write), v, gates["g"], write, state["memory"], scale=self.scale
+      q,
+      jnp.zeros_like(write),
+      v,
+      gates["g"],
+      write,
+      state["memory"],
+      scale=self.scale,
+      kernel_config=self.kernel_config,
     )
     return self._skip(o, v), {"memory": m}

@@ -74,7 +74,10 @@ class RecurrentMixer(nnx.Module):
   fuse_norm = False  # likewise the sigmoid-gated output RMSNorm (pallas_kernels.gated_norm)
   normalize_qk = True  # q, k L2-normalised after their convs (off: Mamba-2's raw B, C)
 
-  def __init__(self, cfg, *, rngs: nnx.Rngs):
+  def __init__(self, cfg, *, rngs: nnx.Rngs, kernel_config=None):
+    # the Pallas kernels' configs (pallas_kernels.KernelConfigs, frozen: static metadata of the
+    # module), passed to every op and glue kernel; None: the kernels' tuned ones
+    self.kernel_config = kernel_config
     d, Hk, K = int(cfg.d_model), int(cfg.num_heads), int(cfg.head_dim)
     H, V = value_heads(cfg), K
     if H % Hk:
@@ -152,7 +155,8 @@ class RecurrentMixer(nnx.Module):
     return self(x, initial_state=cache)
 
   def _out(self, o, x):
-    return self.o_proj(self.o_norm(o, self.g_proj(x), fused=self._fused_norm()))
+    norm_config = dispatch.family_config(self.kernel_config, "norm")
+    return self.o_proj(self.o_norm(o, self.g_proj(x), fused=self._fused_norm(), config=norm_config))
 
   def _glue_kernels(self) -> bool:
     """Whether the fused glue kernels (conv, norm, gate front-end) may run: the pallas impl, not
@@ -181,16 +185,17 @@ class RecurrentMixer(nnx.Module):
     # short_conv: the plain call (the Pallas conv when fused), or a halo exchange when T is split
     # (context parallelism)
     fused = self._fused_conv()
+    conv_config = dispatch.family_config(self.kernel_config, "conv")
     xq, xk, xv = self.q_proj(x), self.k_proj(x), self.v_proj(x)
     if fused:  # (no context split then) the L2 normalisation inside the conv kernels
-      norm = self.normalize_qk
-      q, cq = self.q_conv(xq, conv["q"], segment_ids, fused=True, normalize=norm)
-      k, ck = self.k_conv(xk, conv["k"], segment_ids, fused=True, normalize=norm)
+      kw = dict(fused=True, normalize=self.normalize_qk, config=conv_config)
+      q, cq = self.q_conv(xq, conv["q"], segment_ids, **kw)
+      k, ck = self.k_conv(xk, conv["k"], segment_ids, **kw)
     else:
       q, cq = short_conv(self.q_conv, xq, conv["q"], segment_ids)
       k, ck = short_conv(self.k_conv, xk, conv["k"], segment_ids)
       q, k = self._normalize(q), self._normalize(k)
-    v, cv = short_conv(self.v_conv, xv, conv["v"], segment_ids, fused=fused)
+    v, cv = short_conv(self.v_conv, xv, conv["v"], segment_ids, fused=fused, config=conv_config)
     q, k = self._to_value_heads(q, k)
     out = (q.astype(self.dtype), k.astype(self.dtype), v, (cq, ck, cv))
     if positions is None:

@@ -29,7 +29,11 @@ def is_recurrent(name: str) -> bool:
   return name not in ATTENTION_MIXERS
 
 
-def make_mixer(name: str, cfg, *, rngs):
+def make_mixer(name: str, cfg, *, rngs, kernel_config=None):
+  """kernel_config (a pallas_kernels.KernelConfigs or None: the kernels' tuned configs) goes to
+  the recurrent mixers, whose ops and glue kernels take it; attention runs no Pallas kernel."""
   if name not in MIXERS:
     raise ValueError(f"mixer: unknown mixer {name!r}; expected one of {sorted(MIXERS)}")
+  if is_recurrent(name):
+    return MIXERS[name](cfg, rngs=rngs, kernel_config=kernel_config)
   return MIXERS[name](cfg, rngs=rngs)

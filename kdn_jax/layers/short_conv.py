@@ -69,9 +69,10 @@ class ShortConv(nnx.Module):
     """Whether the Pallas kernel covers this conv: channels (H, K) and width >= 2."""
     return len(self.channels) == 2 and self.width >= 2
 
-  def __call__(self, x, cache=None, segment_ids=None, *, fused=False, normalize=False):
+  def __call__(self, x, cache=None, segment_ids=None, *, fused=False, normalize=False, config=None):
     """x [B, T, *C] -> (y [B, T, *C], new_cache [B, W-1, *C]); normalize: y L2-normalised over
-    its last axis (float32 on the plain path, the conv's dtype from the kernel)."""
+    its last axis (float32 on the plain path, the conv's dtype from the kernel); config: the
+    kernel's ConvConfig (None: the tuned one)."""
     B, T = x.shape[:2]
     if cache is None:
       cache = self.init_cache(B)
@@ -80,7 +81,13 @@ class ShortConv(nnx.Module):
     pos = None if segment_ids is None else positions_in_segment(segment_ids)
     if fused and self.fusable():
       y = causal_conv1d(
-        x, self.weight[...], cache, segment_ids, activation=self.activation, normalize=normalize
+        x,
+        self.weight[...],
+        cache,
+        segment_ids,
+        activation=self.activation,
+        normalize=normalize,
+        config=config,
       )
     else:
       y = self._act(self._conv(xp, T, pos)).astype(self.dtype)

@@ -12,7 +12,7 @@
   A ~ U(a_min, a_max); layers/decay.py), mamba2_variant ('normalized' | 'faithful';
   layers/mamba2.py).
 
-Parameter matching: unless ``mlp_hidden`` is overridden (or match_params=False), the SwiGLU width is
+Parameter matching: unless ``mlp_hidden`` is given (or match_params=False), the SwiGLU width is
 re-solved so that the model's non-embedding parameter count equals that of the reference
 (`kdn_diag`, default options, preset mlp_hidden) of the same size, rounded to ``mlp_multiple``.
 """

@@ -30,12 +30,12 @@ from kdn_jax.ops import states_at as ops_states_at
 
 
 class Block(nnx.Module):
-  def __init__(self, cfg, mixer_name: str, *, rngs: nnx.Rngs):
+  def __init__(self, cfg, mixer_name: str, *, rngs: nnx.Rngs, kernel_config=None):
     d = int(cfg.d_model)
     dtype, pdt = get_dtype(cfg.dtype), get_dtype(cfg.param_dtype)
     self.mixer_name = mixer_name
     self.norm1 = RMSNorm(d, eps=float(cfg.norm_eps), dtype=dtype, param_dtype=pdt)
-    self.mixer = make_mixer(mixer_name, cfg, rngs=rngs)
+    self.mixer = make_mixer(mixer_name, cfg, rngs=rngs, kernel_config=kernel_config)
     self.norm2 = RMSNorm(d, eps=float(cfg.norm_eps), dtype=dtype, param_dtype=pdt)
     self.mlp = SwiGLU(d, effective_mlp_hidden(cfg), dtype=dtype, param_dtype=pdt, rngs=rngs)
 
@@ -71,7 +71,10 @@ class Block(nnx.Module):
 
 
 class LanguageModel(nnx.Module):
-  def __init__(self, cfg, *, rngs: nnx.Rngs):
+  def __init__(self, cfg, *, rngs: nnx.Rngs, kernel_config=None):
+    """kernel_config: the Pallas kernels' configs for every layer (a pallas_kernels.KernelConfigs,
+    a run's config.kernels through experiments/runner/kernel_config.py), or None: the kernels'
+    tuned configs for the device."""
     validate_config(cfg)
     self.cfg = ml_collections.FrozenConfigDict(
       cfg
@@ -80,7 +83,9 @@ class LanguageModel(nnx.Module):
     self.dtype, pdt = get_dtype(cfg.dtype), get_dtype(cfg.param_dtype)
     self.layer_names = tuple(layer_mixers(cfg))
     self.embed = make_param(rngs, normal_init(1.0), (vocab, d), pdt, ("vocab", "embed"))
-    self.blocks = nnx.List([Block(cfg, name, rngs=rngs) for name in self.layer_names])
+    self.blocks = nnx.List(
+      [Block(cfg, name, rngs=rngs, kernel_config=kernel_config) for name in self.layer_names]
+    )
     self.final_norm = RMSNorm(d, eps=float(cfg.norm_eps), dtype=self.dtype, param_dtype=pdt)
     self.tie_embeddings = bool(cfg.tie_embeddings)
     if self.tie_embeddings:

@@ -178,6 +178,7 @@ def _gain_cp(
   bounds,
   input_dtype,
   k_caller,
+  kernel_config=None,
 ):
   """The writes of this slice (diag: kappa [B, T, H, K]; iso: beta k, or on
   the pallas path beta [B, T, H] itself) and the global final variance.
@@ -190,14 +191,36 @@ def _gain_cp(
     write, p_end = _xla_gain_from(diag, m, k, log_alpha, omega, r, p_in, p0, start)
     return write, _last_slice(axis_name, p_end)
   write, p_end = _gain(
-    op, diag, impl, k_caller, log_alpha, omega, r, mu, p_in, segment_ids, input_dtype
+    op,
+    diag,
+    impl,
+    k_caller,
+    log_alpha,
+    omega,
+    r,
+    mu,
+    p_in,
+    segment_ids,
+    input_dtype,
+    kernel_config=kernel_config,
   )
   if bounds is not None:
     # The kernels reset segments to the variance they start from: after the
     # slice's first start that must be p0, not p_in, so those tokens come
     # from a second run from p0.
     write_p0, p_end_p0 = _gain(
-      op, diag, impl, k_caller, log_alpha, omega, r, mu, p0, segment_ids, input_dtype
+      op,
+      diag,
+      impl,
+      k_caller,
+      log_alpha,
+      omega,
+      r,
+      mu,
+      p0,
+      segment_ids,
+      input_dtype,
+      kernel_config=kernel_config,
     )
     # (write: [B, T, H, K], or the iso gain's beta [B, T, H])
     head = bounds.head.reshape(bounds.head.shape + (1,) * (write.ndim - 2))
@@ -208,7 +231,19 @@ def _gain_cp(
 
 
 def _run_augmented(
-  op, impl, q, k, v, log_alpha, write, memory_v0, segment_ids, chunk_size, input_dtype, scale
+  op,
+  impl,
+  q,
+  k,
+  v,
+  log_alpha,
+  write,
+  memory_v0,
+  segment_ids,
+  chunk_size,
+  input_dtype,
+  scale,
+  kernel_config=None,
 ):
   """The local memory run on [S_V | Phi] from [memory_v0, I].
 
@@ -233,6 +268,7 @@ def _run_augmented(
     chunk_size,
     input_dtype,
     scale,
+    kernel_config=kernel_config,
   )
   return o[..., :vd], o[..., vd:], s[..., :vd], s[..., vd:]
 
@@ -257,6 +293,7 @@ def _memory_cp(
   chunk_size,
   input_dtype,
   scale,
+  kernel_config=None,
 ):
   """Outputs of this slice and the global final memory."""
   if bounds is None:
@@ -267,7 +304,19 @@ def _memory_cp(
     # final state directly).
     memory_v0 = jnp.where(bounds.has_start[:, None, None, None], memory0, jnp.zeros_like(memory0))
   o_v, o_k, s_v, phi = _run_augmented(
-    op, impl, q, k, v, log_alpha, write, memory_v0, segment_ids, chunk_size, input_dtype, scale
+    op,
+    impl,
+    q,
+    k,
+    v,
+    log_alpha,
+    write,
+    memory_v0,
+    segment_ids,
+    chunk_size,
+    input_dtype,
+    scale,
+    kernel_config,
   )
   phi = phi.astype(s_v.dtype)
   if bounds is not None:
@@ -326,6 +375,7 @@ def _kdn_cp(
   segment_ids,
   impl,
   chunk_size,
+  kernel_config=None,
 ):
   _check_axis(op, axis_name)
   q, k = heads.to_value_heads(op, q, k, v)
@@ -357,6 +407,7 @@ def _kdn_cp(
     bounds,
     input_dtype,
     k_caller,
+    kernel_config,
   )
   o, memory = _memory_cp(
     axis_name,
@@ -373,6 +424,7 @@ def _kdn_cp(
     chunk_size,
     input_dtype,
     scale,
+    kernel_config,
   )
   final = KDNState(memory, var) if output_final_state else None
   return o.astype(out_dtype), final
@@ -394,6 +446,7 @@ def diag_kdn(
   segment_ids=None,
   impl="auto",
   chunk_size=None,
+  kernel_config=None,
 ):
   """`ops.diag_kdn` on this device's slice of T, inside `shard_map`.
 
@@ -421,6 +474,7 @@ def diag_kdn(
     segment_ids,
     impl,
     chunk_size,
+    kernel_config,
   )
 
 
@@ -440,6 +494,7 @@ def iso_kdn(
   segment_ids=None,
   impl="auto",
   chunk_size=None,
+  kernel_config=None,
 ):
   """`ops.iso_kdn` on this device's slice of T, inside `shard_map` (see
   `diag_kdn`; omega, r [B, T/n, H], variance [B, H])."""
@@ -460,6 +515,7 @@ def iso_kdn(
     segment_ids,
     impl,
     chunk_size,
+    kernel_config,
   )
 
 
@@ -477,6 +533,7 @@ def delta_rule(
   segment_ids=None,
   impl="auto",
   chunk_size=None,
+  kernel_config=None,
 ):
   """`ops.delta_rule` on this device's slice of T, inside `shard_map`.
 
@@ -509,6 +566,7 @@ def delta_rule(
     chunk_size,
     jnp.result_type(q, k, v),
     scale,
+    kernel_config,
   )
   return o.astype(q.dtype), (memory if output_final_state else None)
 

@@ -74,6 +74,7 @@ def run_memory(
   input_dtype,
   scale,
   positions=None,
+  kernel_config=None,
 ):
   """Runs the memory recurrence with impl; q, k, v already in compute dtype (the
   Pallas path takes log_alpha and write in their own dtypes), q not yet
@@ -84,7 +85,8 @@ def run_memory(
   fp32/fp64 data. write: [B, T, H, K], or [B, T, H]: beta with write = beta k
   (the Pallas kernels form it themselves). positions: None, or checked
   output_states_at (states_at.check_positions): then also returns the memory
-  after each position [B, P, H, K, V].
+  after each position [B, P, H, K, V]. kernel_config: the Pallas kernels' configs
+  (pallas_kernels.KernelConfigs) or None (the tuned ones).
   """
   if impl == "pallas":
     # resolve_impl has checked that the kernels import and take these widths
@@ -108,6 +110,7 @@ def run_memory(
         segment_ids,
         chunk_size=chunk_size,
         precision=kernels.precision_for(input_dtype),
+        config=dispatch.family_config(kernel_config, "delta_rule"),
       )
     if not (dispatch.native_width(k.shape[-1]) and dispatch.native_width(v.shape[-1])):
       raise ValueError(
@@ -127,6 +130,7 @@ def run_memory(
       chunk_size=chunk_size,
       precision=kernels.precision_for(input_dtype),
       output_chunk_states=True,
+      config=dispatch.family_config(kernel_config, "delta_rule"),
     )
     o, memory, chunk_states, chunk = out
     return (
@@ -194,6 +198,7 @@ def delta_rule(
   chunk_size=DEFAULT_CHUNK,
   checked=False,
   output_states_at=None,
+  kernel_config=None,
 ):
   """General delta rule with write direction `write` and erase direction `k`.
 
@@ -219,6 +224,9 @@ def delta_rule(
       in [1, T]): also return the memory after each position p (the final
       state of the op on the first p tokens), from the chunk states the
       state pass holds (kdn_jax.ops.states_at); differentiable.
+    kernel_config: the Pallas kernels' configs (a pallas_kernels.KernelConfigs: frozen, hashable,
+      part of jit's cache key when passed as a static argument), or None: the tuned ones for
+      the device (pallas_kernels/tuned.py). Only impl='pallas' reads it.
 
   Returns:
     (o [B, T, H, V] in q's dtype, final memory [B, H, K, V] or None), and with
@@ -261,18 +269,22 @@ def delta_rule(
     input_dtype,
     scale,
     positions,
+    kernel_config,
   )
   o, memory, _ = guard.spoil(o.astype(out_dtype), memory)
   return (o, (memory if output_final_state else None)) + tuple(at)
 
 
-def delta_rule_step(q, k, v, log_alpha, write, memory, *, scale=None, checked=False, impl="auto"):
+def delta_rule_step(
+  q, k, v, log_alpha, write, memory, *, scale=None, checked=False, impl="auto", kernel_config=None
+):
   """One decode step. q, k [B, H_k, K]; write [B, H, K], or [B, H] (beta:
   write = beta k); v [B, H, V]; log_alpha [B, H, K] or [B, H]; memory
   [B, H, K, V]; H a multiple of H_k (grouped value heads, as in `delta_rule`).
   impl: 'pallas' runs the fused decode step (pallas_kernels.decode, forward
   only), 'reference' (or 'chunked') the XLA step; 'auto': see
-  dispatch.resolve_step_impl. Returns (o_t [B, H, V], new memory)."""
+  dispatch.resolve_step_impl. kernel_config: as in `delta_rule` (its decode member). Returns
+  (o_t [B, H, V], new memory)."""
   op = "delta_rule_step"
   q, k = heads.to_value_heads(op, q, k, v, axis=1)
   for name, x in (
@@ -306,7 +318,14 @@ def delta_rule_step(q, k, v, log_alpha, write, memory, *, scale=None, checked=Fa
   scale = kd**-0.5 if scale is None else scale
   if dispatch.resolve_step_impl(op, impl, kd, vd) == "pallas":
     o, memory = dispatch.pallas_module().decode.delta_rule_step(
-      q, k, v, log_alpha, write, memory, scale
+      q,
+      k,
+      v,
+      log_alpha,
+      write,
+      memory,
+      scale,
+      config=dispatch.family_config(kernel_config, "decode"),
     )
     return o, memory.astype(cd)
   if write.ndim == 2:
@@ -397,41 +416,69 @@ def gla(q, k, v, g, **kwargs):
 # the rest with H, a multiple of H_k.
 
 
-def kda_step(q, k, v, g, beta, memory, *, scale=None, checked=False, impl="auto"):
+def kda_step(
+  q, k, v, g, beta, memory, *, scale=None, checked=False, impl="auto", kernel_config=None
+):
   """One token of `kda`: q, k, g [B,H,K]; v [B,H,V]; beta [B,H]."""
   q, k = heads.to_value_heads("kda_step", q, k, v, axis=1)
   _check_gate("kda_step", g, dict(checked=checked), q=q, k=k, v=v, beta=beta, memory=memory)
-  return delta_rule_step(q, k, v, g, beta_write(beta, k), memory, scale=scale, impl=impl)
+  return delta_rule_step(
+    q, k, v, g, beta_write(beta, k), memory, scale=scale, impl=impl, kernel_config=kernel_config
+  )
 
 
-def gated_delta_rule_step(q, k, v, g, beta, memory, *, scale=None, checked=False, impl="auto"):
+def gated_delta_rule_step(
+  q, k, v, g, beta, memory, *, scale=None, checked=False, impl="auto", kernel_config=None
+):
   """One token of `gated_delta_rule`: g, beta [B,H]."""
   q, k = heads.to_value_heads("gated_delta_rule_step", q, k, v, axis=1)
   _check_gate(
     "gated_delta_rule_step", g, dict(checked=checked), q=q, k=k, v=v, beta=beta, memory=memory
   )
-  return delta_rule_step(q, k, v, g, beta_write(beta, k), memory, scale=scale, impl=impl)
-
-
-def delta_net_step(q, k, v, beta, memory, *, scale=None, impl="auto"):
-  """One token of `delta_net` (no decay): beta [B,H]."""
-  q, k = heads.to_value_heads("delta_net_step", q, k, v, axis=1)
   return delta_rule_step(
-    q, k, v, jnp.zeros(q.shape[:2], q.dtype), beta_write(beta, k), memory, scale=scale, impl=impl
+    q, k, v, g, beta_write(beta, k), memory, scale=scale, impl=impl, kernel_config=kernel_config
   )
 
 
-def gdn2_step(q, k, v, g, b, w, memory, *, scale=None, checked=False, impl="auto"):
+def delta_net_step(q, k, v, beta, memory, *, scale=None, impl="auto", kernel_config=None):
+  """One token of `delta_net` (no decay): beta [B,H]."""
+  q, k = heads.to_value_heads("delta_net_step", q, k, v, axis=1)
+  return delta_rule_step(
+    q,
+    k,
+    v,
+    jnp.zeros(q.shape[:2], q.dtype),
+    beta_write(beta, k),
+    memory,
+    scale=scale,
+    impl=impl,
+    kernel_config=kernel_config,
+  )
+
+
+def gdn2_step(
+  q, k, v, g, b, w, memory, *, scale=None, checked=False, impl="auto", kernel_config=None
+):
   """One token of `gdn2`: b [B,H,K] or [B,H]; w [B,H,V] or [B,H]."""
   q, k = heads.to_value_heads("gdn2_step", q, k, v, axis=1)
   _check_gate("gdn2_step", g, dict(checked=checked), q=q, k=k, v=v, b=b, w=w, memory=memory)
   return delta_rule_step(
-    q, beta_times(b, k), beta_times(w, v), g, k, memory, scale=scale, impl=impl
+    q,
+    beta_times(b, k),
+    beta_times(w, v),
+    g,
+    k,
+    memory,
+    scale=scale,
+    impl=impl,
+    kernel_config=kernel_config,
   )
 
 
-def gla_step(q, k, v, g, memory, *, scale=None, checked=False, impl="auto"):
+def gla_step(q, k, v, g, memory, *, scale=None, checked=False, impl="auto", kernel_config=None):
   """One token of `gla` (no erase): g [B,H,K] or [B,H]."""
   q, k = heads.to_value_heads("gla_step", q, k, v, axis=1)
   _check_gate("gla_step", g, dict(checked=checked), q=q, k=k, v=v, memory=memory)
-  return delta_rule_step(q, jnp.zeros_like(k), v, g, k, memory, scale=scale, impl=impl)
+  return delta_rule_step(
+    q, jnp.zeros_like(k), v, g, k, memory, scale=scale, impl=impl, kernel_config=kernel_config
+  )

@@ -71,6 +71,13 @@ def pallas_unsupported(kernels, kd, vd, chunk_size):
   return None
 
 
+def family_config(kernel_config, family):
+  """The config of one kernel family ('delta_rule', 'gain', 'conv', 'norm', 'decode') in an op's
+  `kernel_config` (a pallas_kernels.KernelConfigs, or None): None means the kernels' tuned
+  config for the device (pallas_kernels/tuned.py)."""
+  return None if kernel_config is None else getattr(kernel_config, family)
+
+
 def native_width(n):
   """Whether the kernels take width n as it is (no padding): the layers' glue kernels (short
   conv, gated norm, fused gain front-end) run only at such widths."""

@@ -102,6 +102,7 @@ def _kdn(
   chunk_size,
   checked,
   output_states_at,
+  kernel_config=None,
 ):
   q, k = heads.to_value_heads(op, q, k, v)
   b, t, h, kd, vd = _check_kdn(op, diag, q, k, v, log_alpha, omega, r)
@@ -154,6 +155,7 @@ def _kdn(
       segment_ids,
       input_dtype,
       positions,
+      kernel_config,
     )
     o, memory, *mem_at = run_memory(
       op,
@@ -169,6 +171,7 @@ def _kdn(
       input_dtype,
       scale,
       positions,
+      kernel_config,
     )
     if positions is not None:
       at = (KDNState(mem_at[0], var_at[0]),)
@@ -207,7 +210,19 @@ def _kdn_reference(diag, q, k, v, log_alpha, omega, r, mu, state0, starts, keep_
 
 
 def _gain(
-  op, diag, impl, k, log_alpha, omega, r, mu, var0, segment_ids, input_dtype, positions=None
+  op,
+  diag,
+  impl,
+  k,
+  log_alpha,
+  omega,
+  r,
+  mu,
+  var0,
+  segment_ids,
+  input_dtype,
+  positions=None,
+  kernel_config=None,
 ):
   """The delta rule's write for all tokens (diag: kappa [B, T, H, K]; iso:
   beta [B, T, H], write = beta k) and the final variance (with positions, also
@@ -228,6 +243,7 @@ def _gain(
       at=None if positions is None else tuple(int(p) for p in positions),
     )
   # (widths the kernels do not take are padded onto theirs: widths.py)
+  gain_config = dispatch.family_config(kernel_config, "gain")
   if diag:
     out = widths.diag_gain(
       kernels,
@@ -238,10 +254,15 @@ def _gain(
       mu,
       var0,
       segment_ids,
-      gain_dtype=kernels.write_dtype(input_dtype),
+      gain_dtype=kernels.write_dtype(
+        input_dtype, config=dispatch.family_config(kernel_config, "delta_rule")
+      ),
+      config=gain_config,
     )
   else:
-    out = widths.iso_gain(kernels, k, log_alpha, omega, r, mu, var0, segment_ids)
+    out = widths.iso_gain(
+      kernels, k, log_alpha, omega, r, mu, var0, segment_ids, config=gain_config
+    )
   if positions is None:
     return out
   return out + (_variance_at(diag, positions, k, log_alpha, omega, r, mu, var0, segment_ids),)
@@ -264,6 +285,7 @@ def diag_kdn(
   chunk_size=DEFAULT_CHUNK,
   checked=False,
   output_states_at=None,
+  kernel_config=None,
 ):
   """Diagonal Kalman Delta Network.
 
@@ -291,6 +313,8 @@ def diag_kdn(
       in [1, T]): also return the state after each position p (the final
       state of the op on the first p tokens; kdn_jax.ops.states_at);
       differentiable.
+    kernel_config: the Pallas kernels' configs (pallas_kernels.KernelConfigs, its delta_rule
+      and gain members), or None: the tuned ones (as in `delta_rule`).
 
   Returns:
     (o [B, T, H, V] in the input dtype, KDNState or None), and with
@@ -315,6 +339,7 @@ def diag_kdn(
     chunk_size,
     checked,
     output_states_at,
+    kernel_config,
   )
 
 
@@ -335,6 +360,7 @@ def iso_kdn(
   chunk_size=DEFAULT_CHUNK,
   checked=False,
   output_states_at=None,
+  kernel_config=None,
 ):
   """Isotropic Kalman Delta Network: like `diag_kdn` with omega [B, T, H]
   and a per-head scalar variance (KDNState.variance [B, H])."""
@@ -356,10 +382,13 @@ def iso_kdn(
     chunk_size,
     checked,
     output_states_at,
+    kernel_config,
   )
 
 
-def _kdn_step(op, diag, q, k, v, log_alpha, omega, r, state, info_scale, scale, checked, impl):
+def _kdn_step(
+  op, diag, q, k, v, log_alpha, omega, r, state, info_scale, scale, checked, impl, kernel_config
+):
   if not isinstance(state, KDNState):
     raise TypeError(f"{op}: state must be a KDNState, got {type(state).__name__}")
   q, k = heads.to_value_heads(op, q, k, v, axis=1)
@@ -376,7 +405,18 @@ def _kdn_step(op, diag, q, k, v, log_alpha, omega, r, state, info_scale, scale, 
   if dispatch.resolve_step_impl(op, impl, kd, vd) == "pallas":
     # (the fused step reads each input in its own dtype and computes in fp32)
     o, memory, var = dispatch.pallas_module().decode.kdn_step(
-      q, k, v, log_alpha, omega, r, mu, state.memory, state.variance, scale, diag=diag
+      q,
+      k,
+      v,
+      log_alpha,
+      omega,
+      r,
+      mu,
+      state.memory,
+      state.variance,
+      scale,
+      diag=diag,
+      config=dispatch.family_config(kernel_config, "decode"),
     )
     return o, KDNState(memory.astype(cd), var.astype(cd))
   q, k, v, log_alpha, omega, r = (x.astype(cd) for x in (q, k, v, log_alpha, omega, r))
@@ -386,7 +426,19 @@ def _kdn_step(op, diag, q, k, v, log_alpha, omega, r, state, info_scale, scale, 
 
 
 def diag_kdn_step(
-  q, k, v, log_alpha, omega, r, state, *, info_scale=None, scale=None, checked=False, impl="auto"
+  q,
+  k,
+  v,
+  log_alpha,
+  omega,
+  r,
+  state,
+  *,
+  info_scale=None,
+  scale=None,
+  checked=False,
+  impl="auto",
+  kernel_config=None,
 ):
   """One decode token of diag_kdn.
 
@@ -399,14 +451,52 @@ def diag_kdn_step(
   Returns (o_t [B, H, V], new KDNState).
   """
   return _kdn_step(
-    "diag_kdn_step", True, q, k, v, log_alpha, omega, r, state, info_scale, scale, checked, impl
+    "diag_kdn_step",
+    True,
+    q,
+    k,
+    v,
+    log_alpha,
+    omega,
+    r,
+    state,
+    info_scale,
+    scale,
+    checked,
+    impl,
+    kernel_config,
   )
 
 
 def iso_kdn_step(
-  q, k, v, log_alpha, omega, r, state, *, info_scale=None, scale=None, checked=False, impl="auto"
+  q,
+  k,
+  v,
+  log_alpha,
+  omega,
+  r,
+  state,
+  *,
+  info_scale=None,
+  scale=None,
+  checked=False,
+  impl="auto",
+  kernel_config=None,
 ):
   """One decode token of iso_kdn (omega, r: [B, H]; variance [B, H])."""
   return _kdn_step(
-    "iso_kdn_step", False, q, k, v, log_alpha, omega, r, state, info_scale, scale, checked, impl
+    "iso_kdn_step",
+    False,
+    q,
+    k,
+    v,
+    log_alpha,
+    omega,
+    r,
+    state,
+    info_scale,
+    scale,
+    checked,
+    impl,
+    kernel_config,
   )

@@ -97,7 +97,7 @@ def diag_gain(kernels, k, log_alpha, omega, r, mu, p0, segment_ids, **kwargs):
   return kappa[..., :kd], p_final[..., :kd]
 
 
-def iso_gain(kernels, k, log_alpha, omega, r, mu, b0, segment_ids):
+def iso_gain(kernels, k, log_alpha, omega, r, mu, b0, segment_ids, **kwargs):
   """kernels.iso_gain at any K up to the widest kernel width: (beta [B, T, H], b_final)."""
   kd = k.shape[-1]
   kp = kernel_width(kd, kernels.common.SUPPORTED_WIDTHS)
@@ -109,4 +109,4 @@ def iso_gain(kernels, k, log_alpha, omega, r, mu, b0, segment_ids):
       [la, jnp.broadcast_to(half_log_mean, la.shape[:-1] + (kp - kd,))], axis=-1
     )
     k, mu = pad_to(k, kp), mu * (kp / kd)
-  return kernels.iso_gain(k, log_alpha, omega, r, mu, b0, segment_ids)
+  return kernels.iso_gain(k, log_alpha, omega, r, mu, b0, segment_ids, **kwargs)

@@ -9,9 +9,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import common
+from pallas_kernels import common, tuned
 from pallas_kernels import sharding as _sharding
-from pallas_kernels.causal_conv1d import config as _config
 from pallas_kernels.causal_conv1d import kernel as _kernel
 
 __all__ = ["causal_conv1d", "positions_in_segment", "L2_EPS"]
@@ -69,7 +68,15 @@ _conv.defvjp(_conv_fwd, _conv_bwd)
 
 
 def causal_conv1d(
-  x, weight, cache, segment_ids=None, *, activation=True, normalize=False, interpret=None
+  x,
+  weight,
+  cache,
+  segment_ids=None,
+  *,
+  activation=True,
+  normalize=False,
+  interpret=None,
+  config=None,
 ):
   """y_t = silu(sum_j weight[W-1-j] * x[t-j]) per channel (activation=False: no SiLU), the inputs
   before the sequence (and before every packed segment's start) taken from `cache`; normalize:
@@ -80,6 +87,7 @@ def causal_conv1d(
   inputs before the sequence, oldest first (rounded to x's dtype, as the layer does);
   segment_ids: [B,T] or None. Returns y [B,T,H,K] in x's dtype (fp32 sums inside). Gradients
   flow to x, weight and cache. The new decode cache is the caller's (ShortConv computes it).
+  config: a ConvConfig (static); None: the tuned one for the device (pallas_kernels/tuned.py).
   """
   interpret = common.resolve_interpret(interpret)
   bsz, t, nh, kd = x.shape
@@ -97,7 +105,7 @@ def causal_conv1d(
     raise NotImplementedError(
       "causal_conv1d: width 1 is a pointwise scale; use the layer's plain-JAX path"
     )
-  cfg = _config.DEFAULT
+  cfg = tuned.config("conv", config, interpret)
   block_t = min(cfg.block_t, max(16, common.next_pow2(t)))
   cfg = dataclasses.replace(cfg, block_t=block_t)  # short sequences: one smaller block
   t_pad = -(-t // block_t) * block_t

@@ -1,7 +1,5 @@
-"""Block sizes of the causal depthwise conv1d kernels.
-
-`DEFAULT` is what `causal_conv1d` uses; `set_default(**overrides)` swaps it.
-"""
+"""Block sizes of the causal depthwise conv1d kernels: `causal_conv1d(config=...)`; None means
+the tuned entry for the device (pallas_kernels/tuned.py)."""
 
 import dataclasses
 
@@ -21,12 +19,3 @@ class ConvConfig:
   def __post_init__(self):
     if self.load_block < 1:
       raise ValueError(f"ConvConfig.load_block must be >= 1, got {self.load_block}")
-
-
-DEFAULT = ConvConfig()
-
-
-def set_default(**overrides):
-  global DEFAULT
-  DEFAULT = dataclasses.replace(DEFAULT, **overrides)
-  return DEFAULT

@@ -12,14 +12,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import common, tpu_common
-from pallas_kernels.decode import config as _config
+from pallas_kernels import common, tpu_common, tuned
 from pallas_kernels.decode import kernel as _kernel
 
 __all__ = ["delta_rule_step", "kdn_step"]
 
 
-def _setup(op, k, v, memory, interpret, cfg):
+def _setup(op, k, v, memory, interpret, config):
   interpret = common.resolve_interpret(interpret)
   if tpu_common.use_tpu_kernels(interpret):
     raise NotImplementedError(
@@ -33,16 +32,16 @@ def _setup(op, k, v, memory, interpret, cfg):
       f"{op}: memory has shape {tuple(memory.shape)}; expected "
       f"{tuple(k.shape) + (vd,)} ([B, H, K, V] from k and v)"
     )
-  return interpret, cfg or _config.DEFAULT
+  return interpret, tuned.config("decode", config, interpret)
 
 
-def delta_rule_step(q, k, v, log_alpha, write, memory, scale, *, interpret=None, cfg=None):
+def delta_rule_step(q, k, v, log_alpha, write, memory, scale, *, interpret=None, config=None):
   """S' = (I - w k^T) D S + w v^T,  o = scale S'^T q, one token.
 
   q, k: [B,H,K]; v: [B,H,V]; log_alpha: [B,H,K] or [B,H]; write: [B,H,K], or [B,H] (beta: w =
   beta k); memory: [B,H,K,V] (its buffer is reused for S' under jit with donation). Returns
   (o [B,H,V] in q's dtype, S' f32)."""
-  interpret, cfg = _setup("decode.delta_rule_step", k, v, memory, interpret, cfg)
+  interpret, cfg = _setup("decode.delta_rule_step", k, v, memory, interpret, config)
   kind = "beta" if write.ndim == 2 else "write"
   o, s = _kernel.decode_step(
     kind,
@@ -73,12 +72,12 @@ def kdn_step(
   *,
   diag,
   interpret=None,
-  cfg=None,
+  config=None,
 ):
   """One token of the diagonal (diag=True) or isotropic KDN: the variance step's gain feeds the
   delta rule's write. omega: [B,H,K] (iso [B,H]); r: [B,H]; info_scale: [H] or a float;
   variance: [B,H,K] (iso [B,H]). Returns (o, S', new variance), the last two f32."""
-  interpret, cfg = _setup("decode.kdn_step", k, v, memory, interpret, cfg)
+  interpret, cfg = _setup("decode.kdn_step", k, v, memory, interpret, config)
   mu = jnp.broadcast_to(jnp.asarray(info_scale, jnp.float32), (k.shape[1],))
   gain = (omega, r, mu, variance.astype(jnp.float32))
   return _kernel.decode_step(

@@ -1,5 +1,5 @@
-"""Launch configuration of the fused decode step. `DEFAULT` is what the step uses unless a config
-is passed."""
+"""Launch configuration of the fused decode step: `delta_rule_step(config=...)`, `kdn_step`; None
+means the tuned entry for the device (pallas_kernels/tuned.py)."""
 
 import dataclasses
 
@@ -17,6 +17,3 @@ class DecodeConfig:
   def __post_init__(self):
     if self.block_v < 16 or self.block_v & (self.block_v - 1):
       raise ValueError(f"DecodeConfig.block_v must be a power of two >= 16, got {self.block_v}")
-
-
-DEFAULT = DecodeConfig()

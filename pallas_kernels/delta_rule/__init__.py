@@ -14,14 +14,12 @@ One module per stage (options in config.DeltaRuleConfig), imported only from her
                 which the later stages read in place of k, q and g), then wy: A, W = A Kbar,
                 U = A V', parallel over chunks
   state_pass    the serial chunk loop: S_final, chunk-start states, Delta = U - W S_0 (with
-                cfg.fuse_output also O, in the same loop)
+                calls that store no states and have no segments also O, in the same loop)
   output        O = Qbar S_0 + P Delta, parallel over chunks
   backward      the reverse dS chain, dV and the partial gradients, then intra_bwd_tokens
   intra_bwd_tokens  the intra backward, token-parallel
   tiles         helpers the stage kernels share (no kernels)
   tpu_forward / tpu_backward   the Mosaic-TPU kernels (BlockSpec tiles; docs/tpu.md)
-  output_mgpu   the output stage on Mosaic GPU (a trial port; not imported here, not wired in:
-                docs/decisions.md)
 """
 
 from __future__ import annotations
@@ -32,11 +30,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import common, tpu_common
+from pallas_kernels import common, tpu_common, tuned
 from pallas_kernels import sharding as _sharding
 from pallas_kernels.delta_rule import backward as _backward
 from pallas_kernels.delta_rule import chunk_cumsum as _cumsum_kernels
-from pallas_kernels.delta_rule import config as _config
 from pallas_kernels.delta_rule import intra as _intra
 from pallas_kernels.delta_rule import output as _output
 from pallas_kernels.delta_rule import state_pass as _state_pass
@@ -77,7 +74,9 @@ def forward(
   decayed = x.qbar is not None
   q_out, g_out = _intra.operands(x.qbar, q, x.g)
   g_chain = x.g if x.g is not None else x.g_last  # the state pass reads g's last rows
-  if cfg.fuse_output == "all" or (cfg.fuse_output == "primal" and not save_states and cont is None):
+  # O formed in the serial pass, off its chain (Delta never through memory), in calls that store
+  # no states and have no segments; elsewhere it lost (docs/decisions.md)
+  if not save_states and cont is None:
     o, sfin, *states = _state_pass.state_output_forward(
       x.u,
       x.wk,
@@ -427,16 +426,17 @@ def segment_arrays(segment_ids, bsz, t, t_pad, chunk):
   return chunk_start | reset, (in_chunk == 0).astype(jnp.float32), pid
 
 
-def write_dtype(dtype, interpret=None):
+def write_dtype(dtype, interpret=None, config=None):
   """The dtype a caller that computes the write direction (the KDN gain) should store it in for
-  delta_rule on q/k/v data of `dtype`: with DeltaRuleConfig.bf16_write, the storage of the
-  kernels' dot operands (bfloat16 under bf16-operand dots, tiles.operand_dtype), except on the
-  TPU kernels (whose gain writes fp32); else float32."""
-  cfg = _config.DEFAULT
+  delta_rule on q/k/v data of `dtype` with `config` (None: the tuned one): with
+  DeltaRuleConfig.bf16_write, the storage of the kernels' dot operands (bfloat16 under
+  bf16-operand dots, tiles.operand_dtype), except on the TPU kernels (whose gain writes fp32);
+  else float32."""
   interpret = common.resolve_interpret(interpret)
+  cfg = tuned.config("delta_rule", config, interpret)
   if not cfg.bf16_write or tpu_common.use_tpu_kernels(interpret):
     return jnp.float32
-  return _tiles.operand_dtype(_tiles.kernel_precision(cfg, common.precision_for(dtype), interpret))
+  return _tiles.operand_dtype(_tiles.kernel_precision(common.precision_for(dtype), interpret))
 
 
 def delta_rule(
@@ -453,6 +453,7 @@ def delta_rule(
   precision=None,
   interpret=None,
   output_chunk_states=False,
+  config=None,
 ):
   """S_t = (I - w_t k_t^T) D_t S_{t-1} + w_t v_t^T,  o_t = scale * S_t^T q_t.
 
@@ -466,6 +467,9 @@ def delta_rule(
   output_chunk_states: also return (states [B, H, NC, K, V] f32, C): the state entering each
   chunk of C tokens (state n is the state after token n C - 1, before any reset at token n C),
   NC >= ceil(T / C); differentiable. Not on the TPU kernels.
+
+  config: a DeltaRuleConfig (static: part of jit's cache key); None: the tuned one for the device
+  (pallas_kernels/tuned.py).
   """
   interpret = common.resolve_interpret(interpret)
   precision = common.precision_for(q.dtype) if precision is None else precision
@@ -476,7 +480,7 @@ def delta_rule(
   common.check_width("V", vd)
   if chunk_size not in (16, 32, 64, 128):
     raise NotImplementedError(f"delta_rule: chunk_size={chunk_size} not supported")
-  cfg = _config.DEFAULT
+  cfg = tuned.config("delta_rule", config, interpret)
   chunk = chunk_length(cfg, chunk_size, t, interpret)
   cfg_fo, chunk_fo = forward_only(cfg, chunk_size, t, interpret)
   t_pad = -(-t // max(chunk, chunk_fo)) * max(chunk, chunk_fo)  # powers of two: a multiple of both

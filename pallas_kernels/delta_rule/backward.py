@@ -225,7 +225,7 @@ def _bwd_inputs(q, k, v, g, h0, cont, res, do, cfg, cfg_prec, interpret, chunk, 
   """The serial and partials kernels' shared inputs (in _bwd_names order), their optional tail
   (cont, W) and their static arguments (exp: kernel_math.exp_for_mode of the data's precision)."""
   amat, pmat, wt, wk, _ = res
-  prec = kernel_precision(cfg, cfg_prec, interpret)
+  prec = kernel_precision(cfg_prec, interpret)
   kw = dict(
     chunk=chunk, scale=scale, has_seg=cont is not None, prec=prec, exp=exp_for_mode(cfg_prec)
   )

@@ -1,10 +1,6 @@
-"""Block-size configuration for the chunked delta-rule kernels.
+"""Block-size configuration for the chunked delta-rule kernels: `delta_rule(config=...)`; None
+means the tuned entry for the device (pallas_kernels/tuned.py)."""
 
-`DEFAULT` is what `delta_rule` uses; `set_default(**overrides)` swaps it (benchmarks / tuning),
-`overridden(**overrides)` swaps it for one `with` block (tests, trials).
-"""
-
-import contextlib
 import dataclasses
 
 
@@ -25,10 +21,6 @@ class DeltaRuleConfig:
   # split the intra backward of longer chunks into row blocks; the token-parallel intra
   # backward takes any chunk.)
   sub_block: int = 0
-  # What precision='fast' (bf16/fp16 data) means for the dots: 'bf16' (operands rounded to bf16,
-  # fp32 accumulation: twice the TF32 tensor-core rate; flash-linear-attention's choice; H200 diag
-  # KDN fwd+bwd T=4096: 14.9 ms against 16.5 ms with 'tf32') or 'tf32' (fp32 operands).
-  fast_dots: str = "bf16"
   # Saved chunk-start states and state gradients ([B, H, T/C, K, V], the largest arrays) in bf16
   # under bf16-operand dots: half their bytes (fla stores its chunk states in the data dtype
   # too). H200 T=4096 diag KDN fwd+bwd 8.09 -> 7.26 ms; with packed documents the recurrent
@@ -59,8 +51,6 @@ class DeltaRuleConfig:
   # token-parallel kernel (0.84-1.16 ms) and [S, S, K-slice] pair tensors (1.41-2.9 ms).
   pair_diag: str = "token_loop"
   pair_heads: int = 4  # heads per token-parallel program (token_loop, the intra backward)
-  # (I + L)^-1 in the WY kernel (wy.py): 'sub_rows', 'sub_dots', 'doubling'.
-  wy_inverse: str = "sub_rows"
   # A call that is not differentiated (inference, evaluation) runs the forward at this chunk
   # (0: like a differentiated one); differentiated calls keep the config above, whose residuals
   # the backward reads (__init__.forward_only).
@@ -89,22 +79,6 @@ class DeltaRuleConfig:
   # T=16384 (with num_warps_intra=1): 15.18 ms with 4, 14.92-14.94 with 2, 14.90 with 1.
   num_warps_output: int = 2
   num_warps_recur: int = 4  # Triton warps, recurrent kernels (serial over chunks)
-  # The output O = Qbar S_0 + P Delta formed inside the serial state pass (state_pass.py), off
-  # its chain, instead of by the parallel output kernel (output.py), so Delta never goes
-  # through memory: 'primal' in calls that are not differentiated and have no segment_ids (no
-  # chunk-start states stored at all), 'all' in every call (the states stored for the backward;
-  # with segments, the S_init dot only in chunks with a reset), 'none'. Session 40, H200, diag
-  # KDN, one process per line: forward T=4096 1.90 -> 1.46 ms with 'primal'; 'all' lost fwd+bwd
-  # at T=16384, 16.47 -> 16.90, and with packed documents (the S_init dot then in every step)
-  # 17.95 -> 20.49. GPU check: the fused kernel as it then was (every call fused, the S_init dot
-  # in every step of a chunk run with segments) passed at K=16 (delta rule fp32 <= 3.6e-7, bf16
-  # <= 4.5e-3); the segment-free body, which 'primal' runs, is unchanged since; not yet checked
-  # at K=128, and the per-chunk reset branch ('all' with segments) has not run on a GPU
-  # (gpu_measurements.sh forward does both).
-  # Session 41's two trials of the fused step, timed in session 44 (H200, diag KDN forward
-  # T=16384, one process: default 5.12 ms) and removed: the output's rows loaded in their own
-  # step instead of with the chain's, 5.53 (lost); its dots after the S update, 5.11 (a tie).
-  fuse_output: str = "primal"
   # Three passes cut from the forward's memory traffic, the default since session 48 (H200, one
   # process, diag KDN forward T=16384, the three against none: 3.94 ms against 4.70 / 4.82 (the
   # default timed before and after the others); the first two alone 4.30; T=4096 1.31 against
@@ -137,7 +111,7 @@ class DeltaRuleConfig:
   # 4.30 -> 3.94 ms on top of the other two.
   decayed_operands: bool = True
   # A computed write direction (the diagonal KDN gain kappa, op and layer) stored in bf16 when
-  # the delta rule's dots take bf16 operands (16-bit q, k, v and fast_dots='bf16'; write_dtype):
+  # the delta rule's dots take bf16 operands (16-bit q, k, v; write_dtype):
   # the gain kernel writes half the bytes, and the token-parallel pair kernel, whose column
   # loads bound it (fla's equivalent kernel, which reads bf16 k and fp32 g per column, ran at
   # 82% of L1 throughput in session 35's profile), reads 6 bytes per column element instead of
@@ -189,45 +163,9 @@ class DeltaRuleConfig:
         "DeltaRuleConfig.forward_only_chunk must be 0 or a power of two, got "
         f"{self.forward_only_chunk}"
       )
-    if self.wy_inverse not in ("sub_rows", "sub_dots", "doubling"):
-      raise ValueError(
-        "DeltaRuleConfig.wy_inverse must be 'sub_rows', 'sub_dots' or 'doubling', "
-        f"got {self.wy_inverse!r}"
-      )
     if self.pair_diag not in ("columns", "token_loop"):
       raise ValueError(
         f"DeltaRuleConfig.pair_diag must be 'columns' or 'token_loop', got {self.pair_diag!r}"
       )
-    if self.fuse_output not in ("none", "primal", "all"):
-      raise ValueError(
-        f"DeltaRuleConfig.fuse_output must be 'none', 'primal' or 'all', got {self.fuse_output!r}"
-      )
     if not pow2(self.pair_heads):
       raise ValueError(f"DeltaRuleConfig.pair_heads must be a power of two, got {self.pair_heads}")
-    if self.fast_dots not in ("tf32", "bf16"):
-      raise ValueError(
-        f"DeltaRuleConfig.fast_dots must be 'tf32' or 'bf16', got {self.fast_dots!r}"
-      )
-
-
-DEFAULT = DeltaRuleConfig()
-
-
-def set_default(**overrides):
-  global DEFAULT
-  DEFAULT = dataclasses.replace(DEFAULT, **overrides)
-  return DEFAULT
-
-
-@contextlib.contextmanager
-def overridden(**overrides):
-  """DEFAULT with `overrides` inside the block, the previous DEFAULT again after it, also when the
-  block raises. Kernels read DEFAULT when traced: trace inside the block, and note that a jitted
-  function traced before (same shapes) reuses its cached trace, old config included."""
-  global DEFAULT
-  old = DEFAULT
-  DEFAULT = dataclasses.replace(old, **overrides)
-  try:
-    yield DEFAULT
-  finally:
-    DEFAULT = old

@@ -260,7 +260,7 @@ def pair_rows_forward(
   `decayed` (token-parallel only) it also writes Kbar and Qbar."""
   bsz, t, nh, kd = k.shape
   has_seg = pid is not None
-  prec = kernel_precision(cfg, cfg_prec, interpret)
+  prec = kernel_precision(cfg_prec, interpret)
   exp = exp_for_mode(cfg_prec)  # (the kernels' exp: kernel_math)
   dt = operand_dtype(prec)
   sub = sub_rows(cfg, chunk)

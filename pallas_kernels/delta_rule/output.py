@@ -72,7 +72,7 @@ def output_forward(
   bsz, t, nh, _ = q.shape
   vd = delta.shape[-1]
   has_seg = cont is not None
-  prec = kernel_precision(cfg, cfg_prec, interpret)
+  prec = kernel_precision(cfg_prec, interpret)
   bv_par = min(cfg.block_v_parallel, vd)
   out_in = (
     [q] + ([] if g is None else [g]) + [pmat, delta, states, h0] + ([cont] if has_seg else [])

@@ -1,7 +1,8 @@
 """Serial state-pass stage (forward): per (batch, head, V block), over chunks in order,
 Delta = U - W S_0 (U = A V' and W = A Kbar from wy.py) and S_C = exp(g_last) S_0 + Wt^T Delta,
 the chain's only two dots. Saves the chunk-start states and Delta for the output stage
-(output.py), or with DeltaRuleConfig.fuse_output forms O itself (state_output_forward).
+(output.py), or in calls that store no states and have no segments forms O itself
+(state_output_forward).
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ def state_output_forward(
   decayed=False,
   out_dtype=None,
 ):
-  """The serial stage with the output fused (cfg.fuse_output): (O [B, T, H, V] in out_dtype
+  """The serial stage with the output fused (the op's calls without states or segments): (O [B, T, H, V] in out_dtype
   (default q's), S_final [B, H, K, V] f32) and, with save_states, the chunk-start states
   [B, H, NC, K, V]. decayed: q is Qbar = scale q exp(g) already, and g may be g_last
   [B, NC, H, K]."""
@@ -232,7 +233,7 @@ def _call(
       f"state pass: g has {g.shape[1]} rows; expected T = {t}, or the chunks' "
       f"{nc} last rows (g_last) where no output rows of g are read"
     )
-  prec = kernel_precision(cfg, cfg_prec, interpret)
+  prec = kernel_precision(cfg_prec, interpret)
   block_v = min(cfg.block_v, vd)
   first = jax.ShapeDtypeStruct(u.shape, out_dtype if fuse_output else operand_dtype(prec))
   out_shape = [first, jax.ShapeDtypeStruct((bsz, nh, kd, vd), jnp.float32)]

@@ -126,9 +126,10 @@ def masked_store(ref, idx, val, mask):
   pltr.store(ref.at[idx], val, mask=mask)
 
 
-def kernel_precision(cfg, cfg_prec, interpret):
-  """The kernels' dot precision: 'fast' means bf16 operands (cfg.fast_dots='bf16') or TF32."""
-  if cfg_prec == "fast" and cfg.fast_dots == "bf16":
+def kernel_precision(cfg_prec, interpret):
+  """The kernels' dot precision: 'fast' means bf16 operands with fp32 accumulation (twice the
+  TF32 tensor-core rate; docs/decisions.md), 'exact' fp32-accurate dots."""
+  if cfg_prec == "fast":
     return BF16_OPERANDS
   return common.dot_precision(cfg_prec, interpret)
 

@@ -7,12 +7,11 @@ chunk), from L (intra._pair_rows_kernel, fp32)
 so that the serial pass carries Delta = U - W S_0 alone: two dots on its chain (W S_0, then
 S <- exp(g_last) S_0 + Wt^T Delta) and no A V product inside the loop.
 
-A is formed in fp32 (DeltaRuleConfig.wy_inverse, inverse.py): 'sub_rows' = forward substitution
+A is formed in fp32 (inverse.py): forward substitution
 on the S x S diagonal blocks (all of them at once, one row of every block per step, elementwise:
 no rounded dot touches it), then their merge into the C x C inverse, A = sum_n (-M)^n D^-1 with
 D^-1 the block-diagonal inverse and M = D^-1 (L - blockdiag(L)), nilpotent of index C / S (the
-closed form of block forward substitution, C / S fp32-accurate dots); 'sub_dots' = the same with
-the diagonal blocks' substitution as fp32-accurate dots; 'doubling' = the product form.
+closed form of block forward substitution, C / S fp32-accurate dots).
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from pallas_kernels.delta_rule.tiles import (
 from pallas_kernels.kernel_math import exp_for_mode
 
 
-def _wy_kernel(*refs, chunk, sub, has_seg, block_v, inverse, prec, hi, exp, decayed):
+def _wy_kernel(*refs, chunk, sub, has_seg, block_v, prec, hi, exp, decayed):
   """decayed: the "k" input is Kbar already (the pair kernel's, DeltaRuleConfig.decayed_operands)
   and no g is read."""
   names = ["l", "k"] + ([] if decayed else ["g"]) + ["v", "h0"] + (["cont"] if has_seg else [])
@@ -46,7 +45,7 @@ def _wy_kernel(*refs, chunk, sub, has_seg, block_v, inverse, prec, hi, exp, deca
   C = chunk
   t0 = c * C
   rows = pl.ds(t0, C)
-  amat = unit_lower_inverse(r["l"][b, h, rows, :], C, inverse, sub, hi)
+  amat = unit_lower_inverse(r["l"][b, h, rows, :], C, sub, hi)
   a_out[b, h, rows, :] = amat.astype(a_out.dtype)
   kbar = tile(r["k"], b, t0, C, h)
   if not decayed:
@@ -83,7 +82,7 @@ def wy_forward(lmat, k, v, g, h0, cont, *, chunk, sub, interpret, cfg, cfg_prec)
   bsz, t, nh, kd = k.shape
   vd = v.shape[-1]
   has_seg = cont is not None
-  prec = kernel_precision(cfg, cfg_prec, interpret)
+  prec = kernel_precision(cfg_prec, interpret)
   dt = operand_dtype(prec)
   hi = common.dot_precision("exact", interpret)
   out_shape = (
@@ -98,7 +97,6 @@ def wy_forward(lmat, k, v, g, h0, cont, *, chunk, sub, interpret, cfg, cfg_prec)
       sub=sub,
       has_seg=has_seg,
       block_v=min(cfg.block_v_parallel, vd),
-      inverse=cfg.wy_inverse,
       prec=prec,
       hi=hi,
       exp=exp_for_mode(cfg_prec),

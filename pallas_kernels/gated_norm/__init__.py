@@ -9,9 +9,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import common
+from pallas_kernels import common, tuned
 from pallas_kernels import sharding as _sharding
-from pallas_kernels.gated_norm import config as _config
 from pallas_kernels.gated_norm import kernel as _kernel
 
 __all__ = ["gated_rms_norm"]
@@ -42,10 +41,11 @@ def _norm_bwd(eps, interpret, cfg, res, dy):
 _norm.defvjp(_norm_fwd, _norm_bwd)
 
 
-def gated_rms_norm(o, gate, weight, eps, *, interpret=None):
+def gated_rms_norm(o, gate, weight, eps, *, interpret=None, config=None):
   """RMSNorm(o) * weight * sigmoid(gate) over the last dim, computed in fp32.
 
-  o, gate: [B,T,H,V]; weight: [V]; eps: a float. Returns [B,T,H,V] in o's dtype.
+  o, gate: [B,T,H,V]; weight: [V]; eps: a float. Returns [B,T,H,V] in o's dtype. config: a
+  NormConfig (static); None: the tuned one for the device (pallas_kernels/tuned.py).
   """
   interpret = common.resolve_interpret(interpret)
   bsz, t, nh, vd = o.shape
@@ -55,7 +55,7 @@ def gated_rms_norm(o, gate, weight, eps, *, interpret=None):
     )
   if weight.shape != (vd,):
     raise ValueError(f"gated_rms_norm: weight has shape {tuple(weight.shape)}; expected ({vd},)")
-  cfg = _config.DEFAULT
+  cfg = tuned.config("norm", config, interpret)
   cfg = dataclasses.replace(cfg, block_t=min(cfg.block_t, max(16, common.next_pow2(t))))
   t_pad = -(-t // cfg.block_t) * cfg.block_t
   y = _norm(

@@ -1,4 +1,5 @@
-"""Block sizes of the gated RMSNorm kernels. `DEFAULT` is what `gated_rms_norm` uses."""
+"""Block sizes of the gated RMSNorm kernels: `gated_rms_norm(config=...)`; None means the tuned
+entry for the device (pallas_kernels/tuned.py)."""
 
 import dataclasses
 
@@ -9,12 +10,3 @@ class NormConfig:
   block_t: int = 64
   num_warps: int = 4
   num_stages: int = 1
-
-
-DEFAULT = NormConfig()
-
-
-def set_default(**overrides):
-  global DEFAULT
-  DEFAULT = dataclasses.replace(DEFAULT, **overrides)
-  return DEFAULT

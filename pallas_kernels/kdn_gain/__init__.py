@@ -7,9 +7,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import common, tpu_common
+from pallas_kernels import common, tpu_common, tuned
 from pallas_kernels import sharding as _sharding
-from pallas_kernels.kdn_gain import config as _config
 from pallas_kernels.kdn_gain import kernel as _kernel
 from pallas_kernels.kdn_gain import tpu as _tpu
 
@@ -302,15 +301,17 @@ def _run_fused(
   chunk_size,
   interpret,
   gain_dtype=jnp.float32,
+  config=None,
 ):
   interpret = common.resolve_interpret(interpret)
+  cfg = tuned.config("gain", config, interpret)
   bsz, t = k.shape[:2]
   op = "diag_gain_fused" if diag else "iso_gain_fused"
   gate = (f, dt_bias, a_log, omega_raw, r_raw)
   check_gate(op, diag, True, k, gate, p0)
   if not r_min > 0:
     raise ValueError(f"{op}: r_min must be > 0, got {r_min}")
-  chunk, t_pad, reset = _prep(t, chunk_size, bsz, segment_ids)
+  chunk, t_pad, reset = _prep(t, chunk_size, bsz, segment_ids, cfg)
   k, gate, mu, p0 = kernel_inputs(k, gate, info_scale, p0, t_pad, diag, True)
   gain, la, pfin = _gain_front(
     k,
@@ -321,7 +322,7 @@ def _run_fused(
     diag,
     chunk,
     interpret,
-    _config.DEFAULT,
+    cfg,
     float(r_min),
     _gain_dtype(gain_dtype),
     segment_ids is not None,
@@ -344,6 +345,7 @@ def diag_gain_fused(
   chunk_size=256,
   interpret=None,
   gain_dtype=jnp.float32,
+  config=None,
 ):
   """Diagonal KDN gain from the gate projections before their activations:
   log_alpha = -exp(a_log) softplus(f + dt_bias), omega = softplus(omega_raw),
@@ -369,6 +371,7 @@ def diag_gain_fused(
     chunk_size,
     interpret,
     gain_dtype,
+    config,
   )
 
 
@@ -386,6 +389,7 @@ def iso_gain_fused(
   *,
   chunk_size=256,
   interpret=None,
+  config=None,
 ):
   """Isotropic KDN gain from the gate projections (like diag_gain_fused; omega_raw [B,T,H],
   b0 [B,H]). Returns (beta [B,T,H] f32, log_alpha [B,T,H,K] f32, b_final [B,H] f32)."""
@@ -403,20 +407,20 @@ def iso_gain_fused(
     segment_ids,
     chunk_size,
     interpret,
+    config=config,
   )
   return beta[..., 0], la, bfin[..., 0]
 
 
-def gain_chunk(t, chunk_size, cfg=None):
+def gain_chunk(t, chunk_size, cfg):
   """The gain kernels' chunk for T=t: chunk_size capped by cfg.max_chunk and by T's next power
   of two (16 at least). (Halving it to fill the GPU at short T, session 47's min_programs,
   lost: 0.72 ms against 0.41-0.51 for the 4k forward on the H100, docs/decisions.md.)"""
-  cfg = cfg or _config.DEFAULT
   return min(chunk_size, cfg.max_chunk, max(16, common.next_pow2(t)))
 
 
-def _prep(t, chunk_size, batch, segment_ids):
-  chunk = gain_chunk(t, chunk_size)
+def _prep(t, chunk_size, batch, segment_ids, cfg):
+  chunk = gain_chunk(t, chunk_size, cfg)
   t_pad = -(-t // chunk) * chunk
   reset = common.reset_flags(segment_ids, batch, t, t_pad)
   return chunk, t_pad, reset
@@ -442,13 +446,15 @@ def _run(
   chunk_size,
   interpret,
   gain_dtype=jnp.float32,
+  config=None,
 ):
   interpret = common.resolve_interpret(interpret)
+  cfg = tuned.config("gain", config, interpret)
   bsz, t = k.shape[:2]
   gate = (log_alpha, omega, r)
   check_gate("diag_gain" if diag else "iso_gain", diag, False, k, gate, p0)
   gain_dtype = _gain_dtype(gain_dtype)
-  chunk, t_pad, reset = _prep(t, chunk_size, bsz, segment_ids)
+  chunk, t_pad, reset = _prep(t, chunk_size, bsz, segment_ids, cfg)
   k, gate, mu, p0 = kernel_inputs(k, gate, info_scale, p0, t_pad, diag, False)
   return _gain(
     k,
@@ -459,7 +465,7 @@ def _run(
     diag,
     chunk,
     interpret,
-    _config.DEFAULT,
+    cfg,
     gain_dtype,
     segment_ids is not None,
   )
@@ -477,21 +483,45 @@ def diag_gain(
   chunk_size=256,
   interpret=None,
   gain_dtype=jnp.float32,
+  config=None,
 ):
   """Diagonal KDN gain. k, log_alpha, omega: [B,T,H,K]; r: [B,T,H]; info_scale: [H]; p0: [B,H,K].
 
   Returns (kappa [B,T,H,K] in gain_dtype (float32, or bfloat16: the kernel stores it rounded,
   for a delta rule whose dots round it so: pallas_kernels.write_dtype), p_final [B,H,K] float32).
+  config: a GainConfig (static); None: the tuned one for the device (pallas_kernels/tuned.py),
+  likewise in iso_gain and the fused variants.
   """
   t = k.shape[1]
   kappa, pfin = _run(
-    True, k, log_alpha, omega, r, info_scale, p0, segment_ids, chunk_size, interpret, gain_dtype
+    True,
+    k,
+    log_alpha,
+    omega,
+    r,
+    info_scale,
+    p0,
+    segment_ids,
+    chunk_size,
+    interpret,
+    gain_dtype,
+    config,
   )
   return kappa[:, :t], pfin
 
 
 def iso_gain(
-  k, log_alpha, omega, r, info_scale, b0, segment_ids=None, *, chunk_size=256, interpret=None
+  k,
+  log_alpha,
+  omega,
+  r,
+  info_scale,
+  b0,
+  segment_ids=None,
+  *,
+  chunk_size=256,
+  interpret=None,
+  config=None,
 ):
   """Isotropic KDN gain. k, log_alpha: [B,T,H,K]; omega, r: [B,T,H]; info_scale: [H]; b0: [B,H].
 
@@ -499,6 +529,6 @@ def iso_gain(
   """
   t = k.shape[1]
   beta, bfin = _run(
-    False, k, log_alpha, omega, r, info_scale, b0, segment_ids, chunk_size, interpret
+    False, k, log_alpha, omega, r, info_scale, b0, segment_ids, chunk_size, interpret, config=config
   )
   return beta[:, :t, :, 0], bfin[..., 0]

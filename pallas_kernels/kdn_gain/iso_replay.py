@@ -1,4 +1,4 @@
-"""The isotropic gain's forward replay over per-token scalars (GainConfig.iso_scalar_replay).
+"""The isotropic gain's forward replay over per-token scalars (always, on the Triton/interpret path).
 
 The isotropic gain has one lane per (batch, head): each token enters only through the scalars
     a = mean_K exp(2 log_alpha),  kk = |k|^2,  omega,  r

@@ -21,8 +21,8 @@ gain's own log_alpha gradient and emits the projections' gradients (in their dty
 per-chunk partial sums for dt_bias and A_log (summed outside, like dp0).
 
 The variance update is the Moebius map M_t = [[a, om], [u a, 1 + u om]] (a reset token uses M_t R, R
-the constant map to p0). Forward = two kernels (the isotropic gain's replay runs by default over
-per-token scalars the reduce writes instead: iso_replay.py, GainConfig.iso_scalar_replay):
+the constant map to p0). Forward = two kernels (the isotropic gain's replay runs over per-token scalars the reduce
+writes instead: iso_replay.py):
   1. `_reduce_kernel`: per chunk (grid (B, H, NC)), the renormalised product of the chunk's M_t.
   2. `_replay_kernel`: per chunk, the exclusive carry (the products of all earlier chunks applied to
      p0, serial over chunks but only a 2x2 map per step), then a token replay emitting the gain, the
@@ -33,17 +33,6 @@ Backward = two kernels over the linear adjoint recurrence dp_{t-1} = m_t dp_t + 
   4. `_bwd_replay_kernel`: per chunk, the carry from later chunks, then a reverse token replay that
      emits every raw input's gradient, plus each chunk's dp0 contribution (from its resets).
 
-RENORM (GainConfig.renorm_every = n, 1 or 2; the gcd with the chunk): the reduce renormalises its
-running product (by a power of two, _matmul2) after every n-th token only. Every token matrix has
-non-negative entries (largest E >= 1, as m22 = 1 + u om >= 1; E ~ 1 + mu om k^2 / r, e.g. 5e9 at
-mu = 512, r = 1e-4, om = 1e3, |k| = 1), and a renormalised product's largest entry is in [1, 4)
-(_pow2_inverse), so n tokens later it is below 4 (2E)^n: finite while (2E)^n < 2^126, i.e.
-E < 4.6e18 at n = 2 (n = 4 would overflow at E ~ 1.5e9, within the ops' input range: not
-offered). Scaling by a power of two is exact (products, sums and FMAs alike, barring subnormals),
-so the chunk maps equal the every-token ones up to a power of two, and the carry-in's Moebius
-application, which is scale-free, gives the same values up to how a compiler contracts the
-products into FMAs (identical in interpret mode; tests). Fewer instructions per token.
-
 UNSEGMENTED (`segmented=False`, a call without segment_ids): only token 0 resets, to p0, where
 chunk 0's replay starts anyway (its carry-in is p0), so the kernels read no reset flags and
 select nothing per token. Chunk 0's product then leaves R out, which the carry-in, applying it
@@ -53,7 +42,6 @@ to p0, does not see; the backward's dp0 is chunk 0's final adjoint (token 0's dp
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -223,7 +211,7 @@ def _raw_refs(refs, front):
   return dict(zip(names, refs[: len(names)])), refs[len(names) :]
 
 
-def _reduce_kernel(*refs, chunk, diag, front, segmented, scalars, renorm_every):
+def _reduce_kernel(*refs, chunk, diag, front, segmented, scalars):
   """Chunk c's renormalised map product. With `scalars` (iso_replay.py) it also writes each
   token's a and kk ([B, T, H] fp32) and, with a front, log_alpha: what the scalar replay would
   otherwise re-read the K-wide rows for."""
@@ -232,7 +220,7 @@ def _reduce_kernel(*refs, chunk, diag, front, segmented, scalars, renorm_every):
   p0 = p0_ref[b, h, :].astype(jnp.float32)[None, :]
   t0 = c * chunk
 
-  def token(t, m, renormalise):
+  def token(t, m):
     x = _lanes(raw, b, t, h, diag, front)
     if scalars:
       scalar_refs[0][b, pl.ds(t, 1), h] = x["a"].reshape(1)
@@ -241,16 +229,14 @@ def _reduce_kernel(*refs, chunk, diag, front, segmented, scalars, renorm_every):
         scalar_refs[2][b, pl.ds(t, 1), h, :] = x["front"]["la"].astype(scalar_refs[2].dtype)
     reset = reset_ref[b, pl.ds(t, 1)][:, None] > 0 if segmented else None
     mt = _token_matrix(x["a"], x["om"], x["u"], reset, p0)
-    return _matmul2(mt, m) if renormalise else _product2(mt, m)
+    return _matmul2(mt, m)  # renormalised every token (by a power of two: exact)
 
-  def body(i, m):  # renorm_every tokens, the product renormalised after the last (RENORM)
-    for j in range(renorm_every):
-      m = token(t0 + i * renorm_every + j, m, j == renorm_every - 1)
-    return m
+  def body(i, m):
+    return token(t0 + i, m)
 
   one = jnp.ones_like(p0)
   zero = jnp.zeros_like(p0)
-  m = lax.fori_loop(0, chunk // renorm_every, body, (one, zero, zero, one))
+  m = lax.fori_loop(0, chunk, body, (one, zero, zero, one))
   for j in range(4):
     prod_ref[b, h, c, j, :] = m[j].reshape(-1)
 
@@ -418,7 +404,7 @@ def _log_alpha_out(k, front):
 def reduce_maps(
   raw, reset, p0, *, diag, chunk, interpret, cfg, front=None, segmented=True, scalars=False
 ):
-  """The forward reduce: (the chunk maps [B, H, NC, 4, L] fp32, renormalised (RENORM), and
+  """The forward reduce: (the chunk maps [B, H, NC, 4, L] fp32, renormalised every token, and
   with `scalars` (iso_replay.py) a, kk [B, T, Hp] fp32 and, with a front, log_alpha). reset:
   [B, T] int32."""
   r, k = raw[-2], raw[0]
@@ -435,7 +421,6 @@ def reduce_maps(
       front=front,
       segmented=segmented,
       scalars=scalars,
-      renorm_every=math.gcd(cfg.renorm_every, chunk),
     ),
     out_shape=(jax.ShapeDtypeStruct((bsz, nh, nc, 4, p0.shape[-1]), jnp.float32),) + scalar_out,
     grid=grid,
@@ -469,7 +454,7 @@ def gain_forward(
   lanes = p0.shape[-1]
   bsz, t, nh, nc, grid, params = _launch(r, chunk, interpret, cfg, backward=False)
   reset = reset.astype(jnp.int32)
-  scalars = not diag and cfg.iso_scalar_replay
+  scalars = not diag  # the iso replay over per-token scalars (iso_replay.py)
   prod, *extra = reduce_maps(
     raw,
     reset,

@@ -1,6 +1,6 @@
 """The Moebius map application the gain's forward replays share: a chunk's carry-in is p0
 pushed through the reduce's chunk maps (kernel.py), p <- (m11 p + m12) / (m21 p + m22). Scale-free
-in the map's matrix, so the reduce may renormalise it by any power of two (kernel.py, RENORM)."""
+in the map's matrix, so the reduce may renormalise it by any power of two (kernel.py, _matmul2)."""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from experiments.benchmarks import mixers as bm
+from pallas_kernels import KernelConfigs
 from pallas_kernels.delta_rule import config as dr_config
 from pallas_kernels.kdn_gain import config as gain_config
 
@@ -45,8 +46,8 @@ def test_check_violations_use_the_issue_bounds():
 def test_config_from_spec():
   base = dr_config.DeltaRuleConfig()
   assert bm.config_from_spec(base, "default") is base
-  cfg = bm.config_from_spec(base, "max_chunk=64/bf16_states=0/fast_dots=tf32/block_v=64")
-  assert (cfg.max_chunk, cfg.bf16_states, cfg.fast_dots, cfg.block_v) == (64, False, "tf32", 64)
+  cfg = bm.config_from_spec(base, "max_chunk=64/bf16_states=0/pair_diag=columns/block_v=64")
+  assert (cfg.max_chunk, cfg.bf16_states, cfg.pair_diag, cfg.block_v) == (64, False, "columns", 64)
   assert bm.config_from_spec(gain_config.GainConfig(), "max_chunk=128").max_chunk == 128
   with pytest.raises(ValueError, match="expected one of"):
     bm.config_from_spec(base, "bf16_states=yes")
@@ -58,13 +59,13 @@ def test_config_from_spec():
 
 def test_combine_winners():
   timed = [
-    ("fast_dots=bf16", 10.0),
+    ("num_warps_output=4", 10.0),
     ("bf16_states=0", 9.0),
     ("block_v=64", 11.0),
     ("num_stages=2", 8.0),
     ("sub_block=16", None),
   ]
-  assert bm.combine_winners(timed) == "fast_dots=bf16/bf16_states=0/num_stages=2"
+  assert bm.combine_winners(timed) == "num_warps_output=4/bf16_states=0/num_stages=2"
   assert bm.combine_winners(timed[:3]) is None  # one winner: nothing new to try
   assert bm.combine_winners([("default", None), ("bf16_states=0", 1.0), ("x=1", 1.0)]) is None
   # Two winners setting one field: the faster one's value is kept.
@@ -80,15 +81,17 @@ def test_sweep_with_stages_at_tiny_shape():
   """The sweep times every spec (and its stage split), keeps the fastest as the default, records
   what it tried, and times nothing past its deadline."""
   bm.FLAGS(["bm", "--batch=1", "--heads=1", "--dim=16", "--reps=1", "--warmup=0", "--sweep_len=40"])
-  old = dr_config.DEFAULT
+  old = dr_config.DeltaRuleConfig()
+  base = KernelConfigs(delta_rule=old)
   results = {}
   make = lambda spec: bm.config_from_spec(old, spec)
   try:
     spec = "max_chunk=32/bf16_states=0/num_warps_parallel=8"
-    bm._sweep(
+    got = bm._sweep(
       results,
       ["default", spec],
-      dr_config,
+      base,
+      "delta_rule",
       make,
       "diag_kdn_pallas",
       True,
@@ -114,18 +117,18 @@ def test_sweep_with_stages_at_tiny_shape():
         "delta_intra_bwd_tokens",
         "reverse_cumsum_bwd",
       }, r
-    assert results["cfg"] == repr(dr_config.DEFAULT)
-    assert dr_config.DEFAULT in (old, make(spec))
+    assert results["cfg"] == repr(got.delta_rule)
+    assert got.delta_rule in (old, make(spec)) and base.delta_rule is old
     # Past the deadline nothing runs.
-    dr_config.DEFAULT = old
     late = {}
-    bm._sweep(late, ["max_chunk=32"], dr_config, make, "diag_kdn_pallas", True, "cfg", deadline=0.0)
+    got = bm._sweep(
+      late, ["max_chunk=32"], base, "delta_rule", make, "diag_kdn_pallas", True, "cfg", 0.0
+    )
     assert (
       late["sweeps"] == [{"sweep": "max_chunk=32", "skipped": "time budget"}] and "cfg" not in late
     )
-    assert dr_config.DEFAULT is old
+    assert got is base
   finally:
-    dr_config.DEFAULT = old
     bm.FLAGS.unparse_flags()
 
 
@@ -135,13 +138,15 @@ def test_sweep_restores_the_default_when_every_spec_fails(monkeypatch):
 
   monkeypatch.setattr(bm, "time_jax_row", fail)
   bm.FLAGS(["bm", "--sweep_len=40"])
-  old = dr_config.DEFAULT
+  old = dr_config.DeltaRuleConfig()
+  base = KernelConfigs(delta_rule=old)
   results = {}
   try:
-    bm._sweep(
+    got = bm._sweep(
       results,
       ["max_chunk=32", "max_chunk=16"],
-      dr_config,
+      base,
+      "delta_rule",
       lambda spec: bm.config_from_spec(old, spec),
       "diag_kdn_pallas",
       True,
@@ -149,9 +154,8 @@ def test_sweep_restores_the_default_when_every_spec_fails(monkeypatch):
       deadline=float("inf"),
     )
     assert [r["ms"] for r in results["sweeps"]] == [None, None] and "cfg" not in results
-    assert dr_config.DEFAULT is old
+    assert got is base
   finally:
-    dr_config.DEFAULT = old
     bm.FLAGS.unparse_flags()
 
 
@@ -195,13 +199,14 @@ def test_stage_split_with_documents(monkeypatch):
       "--sweep_row=diag_kdn_seg_pallas",
     ]
   )
-  old = dr_config.DEFAULT
+  old = dr_config.DeltaRuleConfig()
   try:
     results = {}
     bm._sweep(
       results,
       ["default"],
-      dr_config,
+      KernelConfigs(delta_rule=old),
+      "delta_rule",
       lambda spec: bm.config_from_spec(old, spec),
       bm.FLAGS.sweep_row,
       True,
@@ -210,7 +215,6 @@ def test_stage_split_with_documents(monkeypatch):
       stages=True,
     )
   finally:
-    dr_config.DEFAULT = old
     bm.FLAGS.unparse_flags()
   (rec,) = results["sweeps"]
   assert rec["row"] == "diag_kdn_seg_pallas" and rec["ms"] > 0
@@ -236,7 +240,7 @@ def test_a_killed_run_keeps_the_cells_it_timed(tmp_path, monkeypatch):
   def run(kill_at, seq_lens):
     calls = []
 
-    def fake_time(row, t, fwd_bwd, first=None):
+    def fake_time(row, t, fwd_bwd, first=None, kernels=None):
       calls.append((row, t, fwd_bwd))
       if len(calls) == kill_at:
         raise SystemExit(143)
@@ -257,7 +261,7 @@ def test_a_killed_run_keeps_the_cells_it_timed(tmp_path, monkeypatch):
       ]
     )
     try:
-      with dr_config.overridden(), pytest.raises(SystemExit):
+      with pytest.raises(SystemExit):
         bm.main([])
     finally:
       bm.FLAGS.unparse_flags()
@@ -278,4 +282,4 @@ def test_a_killed_run_keeps_the_cells_it_timed(tmp_path, monkeypatch):
   # the kernel configs the rows ran with are recorded beside them
   from pallas_kernels.kdn_gain import config as gain_config  # pylint: disable=g-import-not-at-top
 
-  assert res["gain_config"] == repr(gain_config.DEFAULT) and "Pallas gain config:" in md
+  assert res["gain_config"] == repr(gain_config.GainConfig()) and "Pallas gain config:" in md

@@ -12,7 +12,7 @@ from experiments.benchmarks.kernel_dev import kernel_sass
 from kdn_jax import ops
 from kdn_jax.layers.registry import MIXERS
 from kdn_jax.models.config import model_config
-from pallas_kernels.delta_rule import config as dr_config
+from pallas_kernels import tuned
 
 
 def _kdn_inputs(dtype, seed, t=48):
@@ -27,7 +27,7 @@ def _kdn_forward_modules(dtype):
 
 def test_triton_modules_of_the_kdn_forward_with_their_launch_parameters():
   mods = _kdn_forward_modules(jnp.bfloat16)
-  cfg = dr_config.DEFAULT
+  cfg = tuned.tuned("delta_rule")
   # (the pair kernel forms g: DeltaRuleConfig.cumsum_in_pairs, no cumsum kernel)
   assert {
     "kdn_gain_reduce",

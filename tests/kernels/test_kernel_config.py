@@ -1,10 +1,20 @@
-"""experiments/runner/kernel_config.py: kernel option specs in a run config (config.kernels) are checked
-by validate, naming the key, and applied as the kernels' defaults."""
+"""Kernel configs: experiments/runner/kernel_config.py turns specs in a run config (config.kernels)
+and in flags into a frozen pallas_kernels.KernelConfigs (bad specs named by validate); the model
+passes it down to its layers; pallas_kernels/tuned.py gives the tuned configs when none is given."""
 
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_collections
 import pytest
+from flax import nnx
 
 from configs import mqar
 from experiments.runner import config_lib, kernel_config
+from kdn_jax.models.config import model_config
+from kdn_jax.models.lm import LanguageModel
+from pallas_kernels import KernelConfigs, tuned
 from pallas_kernels.causal_conv1d import config as conv_config
 from pallas_kernels.delta_rule import config as dr_config
 from pallas_kernels.kdn_gain import config as gain_config
@@ -27,66 +37,52 @@ def test_validate_names_the_bad_spec(key, spec, match):
     config_lib.validate(config)
 
 
-def test_applied_sets_the_package_defaults_with_the_specs_and_restores():
+def test_specs_become_frozen_configs_over_the_tuned_ones():
   config = mqar.get_config("smoke")
-  with dr_config.overridden(block_v=32):  # a process's own setting (a test, a script)
-    before = dr_config.DEFAULT, gain_config.DEFAULT, conv_config.DEFAULT
-    assert kernel_config.apply(config) is None  # no spec: nothing changes
-    assert (dr_config.DEFAULT, gain_config.DEFAULT, conv_config.DEFAULT) == before
-    config.kernels.delta_rule = "bf16_states=0/num_stages=2"
-    config.kernels.gain = "num_stages_fwd=2"
-    config.kernels.conv = "load_block=2"
-    config_lib.validate(config)
-    with kernel_config.applied(config):
-      d, g, c = dr_config.DEFAULT, gain_config.DEFAULT, conv_config.DEFAULT
-      assert (d.bf16_states, d.num_stages, g.num_stages_fwd, c.load_block) == (False, 2, 2, 2)
-      # the run config alone decides: the package default, not the process's block_v=32
-      assert d.block_v == dr_config.DeltaRuleConfig().block_v != 32
-    assert (dr_config.DEFAULT, gain_config.DEFAULT, conv_config.DEFAULT) == before
+  assert kernel_config.resolve(config.kernels) is None  # no spec: the tuned configs
+  assert kernel_config.model_kwargs(config) == {}
+  config.kernels.delta_rule = "bf16_states=0/num_stages=2"
+  config.kernels.gain = "num_stages_fwd=2"
+  config.kernels.conv = "load_block=2"
+  config_lib.validate(config)
+  got = kernel_config.resolve(config.kernels)
+  d, g, c = got.delta_rule, got.gain, got.conv
+  assert (d.bf16_states, d.num_stages, g.num_stages_fwd, c.load_block) == (False, 2, 2, 2)
+  assert d == dataclasses.replace(tuned.tuned("delta_rule"), bf16_states=False, num_stages=2)
+  assert got.norm is None and got.get("norm") == tuned.tuned("norm")
+  assert hash(got) == hash(kernel_config.resolve(config.kernels))  # hashable, by value
+  assert kernel_config.model_kwargs(config) == {"kernel_config": got}
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    d.num_stages = 3
 
 
-def test_configs_without_the_key_apply_nothing():
+def test_configs_without_the_key_give_nothing():
   """A run config written before config.kernels existed (evaluate loads those too)."""
   config = mqar.get_config("smoke")
   plain = {k: v for k, v in config.to_dict().items() if k != "kernels"}
-  import ml_collections  # pylint: disable=g-import-not-at-top
-
-  assert kernel_config.apply(ml_collections.ConfigDict(plain)) is None
+  assert kernel_config.model_kwargs(ml_collections.ConfigDict(plain)) == {}
 
 
-def test_configs_before_the_conv_key_apply_their_specs():
-  """A session-42 run config: config.kernels without 'conv' (the conv keeps its package default)."""
-  import ml_collections  # pylint: disable=g-import-not-at-top
-
+def test_configs_before_the_conv_key_give_their_specs():
+  """A run config with config.kernels without 'conv' (the conv keeps its tuned config)."""
   config = ml_collections.ConfigDict(dict(kernels=dict(delta_rule="num_stages=2", gain="")))
-  saved = conv_config.DEFAULT
-  try:
-    conv_config.DEFAULT = conv_config.ConvConfig(load_block=3)
-    with kernel_config.applied(config):
-      assert dr_config.DEFAULT.num_stages == 2
-      assert conv_config.DEFAULT == conv_config.ConvConfig()
-    assert conv_config.DEFAULT.load_block == 3
-  finally:
-    conv_config.DEFAULT = saved
+  got = kernel_config.resolve(config.kernels)
+  assert got.delta_rule.num_stages == 2 and got.gain is None and got.conv is None
 
 
-def test_flags_set_the_defaults_and_name_the_bad_item(monkeypatch):
+def test_flags_give_configs_and_name_the_bad_item():
   from absl import flags  # pylint: disable=g-import-not-at-top
 
-  for mod in (dr_config, gain_config, conv_config):
-    monkeypatch.setattr(mod, "DEFAULT", mod.DEFAULT)  # restored after the test
   fv = flags.FlagValues()
   kernel_config.define_flags(fv)
   fv(["prog", "--conv_config=load_block=4", "--gain_config=num_stages_bwd=2"])
-  got = kernel_config.apply_flags(fv)
-  assert conv_config.DEFAULT.load_block == 4 and gain_config.DEFAULT.num_stages_bwd == 2
-  assert "load_block=4" in got["conv_config"]
+  got = kernel_config.from_flags(fv)
+  assert got.conv.load_block == 4 and got.gain.num_stages_bwd == 2
+  assert got.delta_rule == tuned.tuned("delta_rule")
+  assert "load_block=4" in kernel_config.describe(got)["conv_config"]
   fv.delta_rule_config = "block_v=48"
-  before = conv_config.DEFAULT
-  fv.conv_config = "load_block=8"
   with pytest.raises(ValueError, match="--delta_rule_config item"):
-    kernel_config.apply_flags(fv)
-  assert conv_config.DEFAULT is before  # nothing set when one spec is bad
+    kernel_config.from_flags(fv)
 
 
 def test_gain_config_checks_its_fields():
@@ -97,19 +93,64 @@ def test_gain_config_checks_its_fields():
 
 
 def test_removed_fields_of_earlier_runs_are_dropped(caplog):
-  """A session-42 run's config.kernels.delta_rule='cumsum_in_gain=1/...' (the option is gone):
-  validated and applied without it, with a warning, so that run still resumes and evaluates."""
+  """An earlier run's config.kernels.delta_rule='cumsum_in_gain=1/...' (the option is gone):
+  validated and resolved without it, with a warning, so that run still resumes and evaluates."""
   config = mqar.get_config("smoke")
   config.kernels.delta_rule = "cumsum_in_gain=1/num_stages=2"
   config_lib.validate(config)
-  with kernel_config.applied(config):
-    assert dr_config.DEFAULT.num_stages == 2
+  assert kernel_config.resolve(config.kernels).delta_rule.num_stages == 2
   assert "cumsum_in_gain=1" in caplog.text
-  config.kernels.delta_rule = "cumsum_in_gain=0"  # only a removed field: nothing to apply
-  assert kernel_config.apply(config) is None
-  # session 41's fused-step trials, removed in session 44
+  config.kernels.delta_rule = "cumsum_in_gain=0"  # only a removed field: nothing to give
+  assert kernel_config.resolve(config.kernels) is None
   config.kernels.delta_rule = "prefetch_output_rows=0/output_after_update=1/block_v=32"
   config_lib.validate(config)
-  with kernel_config.applied(config):
-    assert dr_config.DEFAULT.block_v == 32
+  assert kernel_config.resolve(config.kernels).delta_rule.block_v == 32
   assert "output_after_update=1" in caplog.text
+
+
+def test_tuned_table_lookup():
+  """One table: GPU kinds by substring, everything else the fallback; the classes' defaults are
+  the measured values (the default path is what it was before the table)."""
+  assert tuned._entry("NVIDIA H100 80GB HBM3") is tuned.TUNED["H100"]
+  assert tuned._entry("NVIDIA H200") is tuned.TUNED["H200"]
+  assert tuned._entry("cpu") is tuned.FALLBACK and tuned._entry("interpret") is tuned.FALLBACK
+  assert tuned.tuned("delta_rule", interpret=True) == dr_config.DeltaRuleConfig()
+  assert tuned.tuned("conv") == conv_config.ConvConfig()
+  given = dr_config.DeltaRuleConfig(block_v=32)
+  assert tuned.config("delta_rule", given) is given
+  with pytest.raises(TypeError, match="expected a DeltaRuleConfig or None"):
+    tuned.config("delta_rule", gain_config.GainConfig())
+  with pytest.raises(ValueError, match="kernel family"):
+    tuned.tuned("no_such_family")
+
+
+def test_model_passes_its_configs_to_every_recurrent_layer():
+  cfg = model_config("tiny", num_layers=3, layer_pattern="kdn_diag,swa,kda")
+  kernels = KernelConfigs(conv=conv_config.ConvConfig(load_block=2))
+  model = LanguageModel(cfg, rngs=nnx.Rngs(0), kernel_config=kernels)
+  got = [getattr(blk.mixer, "kernel_config", "attention") for blk in model.blocks]
+  assert got == [kernels, "attention", kernels]
+  plain = LanguageModel(cfg, rngs=nnx.Rngs(0))
+  assert plain.blocks[0].mixer.kernel_config is None
+  # the configs are static: two models differing only in them have different graphdefs
+  assert nnx.graphdef(model) != nnx.graphdef(plain)
+
+
+def test_config_is_part_of_the_jit_cache_key():
+  """A config passed as a static argument traces again when it changes (no stale trace)."""
+  from pallas_kernels.causal_conv1d import causal_conv1d  # pylint: disable=g-import-not-at-top
+
+  traces = []
+
+  def body(x, w, c, config):
+    traces.append(config)
+    return causal_conv1d(x, w, c, config=config)
+
+  conv = jax.jit(body, static_argnums=3)
+  x = jnp.ones((1, 20, 1, 16), jnp.float32)
+  w, c = jnp.ones((4, 1, 16), jnp.float32), jnp.zeros((1, 3, 1, 16), jnp.float32)
+  a = conv(x, w, c, conv_config.ConvConfig())
+  b = conv(x, w, c, conv_config.ConvConfig(load_block=1))
+  conv(x, w, c, conv_config.ConvConfig())
+  assert len(traces) == 2 and traces[0] != traces[1]
+  assert jnp.array_equal(a, b)  # load_block changes the loads, not the values

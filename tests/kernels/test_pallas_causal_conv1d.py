@@ -26,16 +26,11 @@ def _reference(x, w, cache, seg, activation, normalize=False):
   return conv(x, cache, seg, normalize=normalize)[0].astype(x.dtype)
 
 
-@pytest.fixture
-def block_t(request):
-  """The kernels' block_t for the case (None: the default; a dict: ConvConfig overrides),
-  restored afterwards."""
-  saved = conv_config.DEFAULT
-  if request.param is not None:
-    over = request.param if isinstance(request.param, dict) else dict(block_t=request.param)
-    conv_config.set_default(**over)
-  yield request.param
-  conv_config.DEFAULT = saved
+def _conv_config(block_t):
+  """The case's ConvConfig (None: the tuned one; an int: block_t; a dict: the overrides)."""
+  if block_t is None:
+    return None
+  return conv_config.ConvConfig(**(block_t if isinstance(block_t, dict) else dict(block_t=block_t)))
 
 
 @pytest.mark.parametrize(
@@ -55,9 +50,8 @@ def block_t(request):
     (1, None, jnp.bfloat16, True, None, False),  # T = 1: the cache alone
     (5, None, jnp.float32, False, None, True),  # no SiLU, normalised
   ],
-  indirect=["block_t"],
 )
-def test_causal_conv1d_matches_short_conv(t, segs, dtype, activation, block_t, normalize):  # pylint: disable=redefined-outer-name,unused-argument
+def test_causal_conv1d_matches_short_conv(t, segs, dtype, activation, block_t, normalize):
   b, h, kd, width = 2, 2, 16, 4
   rng = np.random.default_rng(t)
   x = jnp.asarray(rng.normal(size=(b, t, h, kd)), jnp.float32).astype(dtype)
@@ -78,7 +72,8 @@ def test_causal_conv1d_matches_short_conv(t, segs, dtype, activation, block_t, n
 
     return jax.jit(f)(x, w, cache)
 
-  kernel = lambda x, w, c, s, a, n: causal_conv1d(x, w, c, s, activation=a, normalize=n)
+  cfg = _conv_config(block_t)
+  kernel = lambda x, w, c, s, a, n: causal_conv1d(x, w, c, s, activation=a, normalize=n, config=cfg)
   (y, grads), (y_ref, grads_ref) = run(kernel), run(_reference)
   tol = 1e-6 if dtype == jnp.float32 else 4e-3  # bf16: one rounding of the same fp32 sums
   assert y.dtype == y_ref.dtype and _rel(y, y_ref) <= tol, _rel(y, y_ref)

@@ -72,11 +72,11 @@ def _segments(t, *rows):
   return seg
 
 
-def _check(args, seg, chunk, tol_fwd, tol_grad, scale=0.7, vjp_primal=False):
+def _check(args, seg, chunk, tol_fwd, tol_grad, scale=0.7, vjp_primal=False, config=None):
   """Outputs, final state and every gradient against the float64 loop; with vjp_primal also the
   outputs of a differentiated call (the custom_vjp's forward, which saves residuals)."""
   segj = None if seg is None else jnp.asarray(seg, jnp.int32)
-  f = jax.jit(lambda *a: delta_rule(*a[:5], scale, a[5], segj, chunk_size=chunk))
+  f = jax.jit(lambda *a: delta_rule(*a[:5], scale, a[5], segj, chunk_size=chunk, config=config))
   o, s = f(*args)
   assert o.dtype == args[0].dtype and o.shape == args[2].shape
   assert s.dtype == jnp.float32 and s.shape == args[5].shape
@@ -127,8 +127,8 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
   """The default config at the chunk given (max_chunk raised to it: the shipped cap is 16)."""
   args = _inputs(t, 1, t, 2, 64, 64, jnp.float32, scalar_decay, decay)
   seg = None if segs is None else _segments(t, segs)
-  with dr_config.overridden(max_chunk=chunk):
-    _check(args, seg, chunk, 1e-5, 1e-4)
+  cfg = dr_config.DeltaRuleConfig(max_chunk=chunk)
+  _check(args, seg, chunk, 1e-5, 1e-4, config=cfg)
 
 
 @pytest.mark.parametrize(
@@ -139,32 +139,30 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
     dict(
       block_v=32, block_v_parallel=64, pair_heads=1, cumsum_in_pairs=False, decayed_operands=False
     ),
-    dict(block_v=64, block_v_parallel=32, pair_diag="columns", fuse_output="none"),
+    dict(block_v=64, block_v_parallel=32, pair_diag="columns"),
     # chunk 32: two row blocks, the 32-step backward; the cumsums' loads in blocks of 3 (a
     # remainder in every program)
-    dict(max_chunk=32, wy_inverse="doubling", cumsum_block=3),
+    dict(max_chunk=32, cumsum_block=3),
     dict(max_chunk=32, sub_block=32),  # chunk 32 in one row block
-    dict(forward_only_chunk=32, wy_inverse="sub_dots"),  # primal at chunk 32, residuals at 16
+    dict(forward_only_chunk=32),  # primal at chunk 32, residuals at 16
     # (6 heads: programs of gcd(4, 6) = 2 heads); the cumsums as plain row loops (default: 8)
-    dict(pair_heads=4, fuse_output="all", cumsum_block=1, cumsum_in_pairs=False),
+    dict(pair_heads=4, cumsum_block=1, cumsum_in_pairs=False),
     # the decayed operands (default) read by state pass and output kernel in two V blocks each
-    dict(block_v=32, block_v_parallel=32, fuse_output="none"),
-    dict(fuse_output="all", block_v=32, max_chunk=32),
+    dict(block_v=32, block_v_parallel=32),
   ],
 )
 def test_delta_rule_kernel_variants(variant):
-  """Every kernel option (V blocks of the serial and parallel kernels, the WY kernel's inverses,
-  chunk 32 in 16- and 32-row forward blocks, the forward-only chunk, the output fused into the
-  serial pass with resets and with the states saved, the decay cumsums' loads in other blocks)
-  is exact."""
+  """Every kernel option (V blocks of the serial and parallel kernels,
+  chunk 32 in 16- and 32-row forward blocks, the forward-only chunk, the decay cumsums' loads in
+  other blocks) is exact."""
   t = 45
   # (6 heads where the option concerns the pair kernel's programs of several heads)
   heads = 6 if "pair_heads" in variant else 1
   args = _inputs(5, 2, t, heads, 64, 64, jnp.float32, False, "normal")
   # resets inside a chunk, on a chunk's last row, on the next chunk's first row
   seg = _segments(t, (20, 31, 32), (38,))
-  with dr_config.overridden(**variant):
-    _check(args, seg, 32, 1e-5, 1e-4, vjp_primal=variant.get("fuse_output") == "all")
+  cfg = dr_config.DeltaRuleConfig(**variant)
+  _check(args, seg, 32, 1e-5, 1e-4, config=cfg)
 
 
 @pytest.mark.parametrize(
@@ -190,8 +188,8 @@ def test_delta_rule_scalar_write(variant, dtype, scalar_decay):
   tol = (1e-5, 1e-4) if dtype == jnp.float32 else (5e-3, 1e-2)
   args = _inputs(9, 2, t, 2, 64, 32, dtype, scalar_decay, "normal", scalar_write=True)
   assert args[4].shape == (2, t, 2)
-  with dr_config.overridden(**variant):
-    _check(args, seg, chunk, *tol, vjp_primal=True)
+  cfg = dr_config.DeltaRuleConfig(**variant)
+  _check(args, seg, chunk, *tol, vjp_primal=True, config=cfg)
 
 
 @pytest.mark.parametrize(
@@ -211,8 +209,8 @@ def test_cumsum_in_pairs(t, decay, scalar_decay, segs, scalar_write):
   loop."""
   args = _inputs(13, 2, t, 2, 64, 32, jnp.float32, scalar_decay, decay, scalar_write=scalar_write)
   seg = _segments(t, (20, 31, 32), (9,)) if segs else None
-  with dr_config.overridden(cumsum_in_pairs=True, decayed_operands=False):
-    _check(args, seg, 16, 1e-5, 1e-4, vjp_primal=True)
+  cfg = dr_config.DeltaRuleConfig(cumsum_in_pairs=True, decayed_operands=False)
+  _check(args, seg, 16, 1e-5, 1e-4, vjp_primal=True, config=cfg)
 
 
 def test_cumsum_in_pairs_matches_the_cumsum_kernel():
@@ -275,9 +273,8 @@ def test_decayed_operands_pair_outputs(from_la):
     # g by the pair kernel: a forward-only call keeps g_last alone; the scalar write; resets
     (45, dict(cumsum_in_pairs=True), False, True, True, "normal"),
     # g by the cumsum kernel; the output kernel apart (reads Qbar), a [B, T, H, K] write
-    (45, dict(cumsum_in_pairs=False, fuse_output="none"), False, True, False, "normal"),
-    # the output fused in training's forward too, with resets (the per-chunk reset branch)
-    (40, dict(cumsum_in_pairs=True, fuse_output="all"), True, True, False, "strong"),
+    (45, dict(cumsum_in_pairs=False), False, True, False, "normal"),
+    (40, dict(cumsum_in_pairs=True), True, True, False, "strong"),
     (1, dict(cumsum_in_pairs=True), False, False, False, "normal"),  # T = 1
   ],
 )
@@ -287,13 +284,11 @@ def test_decayed_operands(t, variant, scalar_decay, segs, scalar_write, decay):
   state and every gradient against the float64 loop."""
   args = _inputs(16, 2, t, 2, 64, 32, jnp.float32, scalar_decay, decay, scalar_write=scalar_write)
   seg = _segments(t, (20, 31, 32), (9,)) if segs else None
-  with dr_config.overridden(decayed_operands=True, **variant):
-    _check(args, seg, 16, 1e-5, 1e-4, vjp_primal=True)
+  cfg = dr_config.DeltaRuleConfig(decayed_operands=True, **variant)
+  _check(args, seg, 16, 1e-5, 1e-4, vjp_primal=True, config=cfg)
 
 
-@pytest.mark.parametrize(
-  "variant", [dict(cumsum_in_pairs=True), dict(cumsum_in_pairs=False, fuse_output="none")]
-)
+@pytest.mark.parametrize("variant", [dict(cumsum_in_pairs=True), dict(cumsum_in_pairs=False)])
 def test_decayed_operands_match_the_plain_kernels_in_bf16(variant):
   """For bf16 data the decayed operands are the values the WY and output kernels formed and
   rounded for their dots anyway (same fp32 expressions, one rounding), so the outputs are the
@@ -304,10 +299,10 @@ def test_decayed_operands_match_the_plain_kernels_in_bf16(variant):
   seg = jnp.asarray(_segments(t, (20,), (9, 33)))
   outs, fp32_g = {}, f"f32[{b},48,{h},{kd}]"  # (T padded to 48)
   for on in (False, True):
-    with dr_config.overridden(decayed_operands=on, **variant):
-      f = jax.jit(lambda *a: delta_rule(*a[:5], 0.7, a[5], seg, chunk_size=16))
-      holds_g = fp32_g in str(jax.make_jaxpr(f)(*args))
-      outs[on] = f(*args)
+    cfg = dr_config.DeltaRuleConfig(decayed_operands=on, **variant)
+    f = jax.jit(lambda *a, cfg=cfg: delta_rule(*a[:5], 0.7, a[5], seg, chunk_size=16, config=cfg))
+    holds_g = fp32_g in str(jax.make_jaxpr(f)(*args))
+    outs[on] = f(*args)
     assert holds_g == (not on or not variant["cumsum_in_pairs"]), (on, holds_g)
   for a, b_, name in zip(outs[True], outs[False], ("o", "S_final")):
     np.testing.assert_array_equal(
@@ -317,10 +312,9 @@ def test_decayed_operands_match_the_plain_kernels_in_bf16(variant):
 
 def test_fused_step_without_segments():
   """The fused step on the path the forward benchmark times (no segments): the primal, which
-  stores no states, and a differentiated call's forward, which does."""
+  stores no states (fused), and a differentiated call's forward (state pass and output kernel)."""
   args = _inputs(8, 2, 45, 1, 64, 64, jnp.float32, False, "normal")
-  with dr_config.overridden(fuse_output="all"):
-    _check(args, None, 16, 1e-5, 1e-4, vjp_primal=True)
+  _check(args, None, 16, 1e-5, 1e-4, vjp_primal=True)
 
 
 @pytest.mark.parametrize("variant", [{}, dict(max_chunk=32), dict(pair_heads=1)])
@@ -333,32 +327,30 @@ def test_delta_rule_intra_backward(segments, variant):
   t = 45
   seg = _segments(t, (31, 32), (38,)) if segments else None
   heads = 6  # programs of gcd(pair_heads, 6) heads: 2 by default, 1 with pair_heads=1
-  with dr_config.overridden(**variant):
-    _check(
-      _inputs(6, 2, t, heads, 64, 32, jnp.float32, False, "normal"),
-      seg,
-      variant.get("max_chunk", 16),
-      1e-5,
-      1e-4,
-    )
+  cfg = dr_config.DeltaRuleConfig(**variant)
+  _check(
+    _inputs(6, 2, t, heads, 64, 32, jnp.float32, False, "normal"),
+    seg,
+    variant.get("max_chunk", 16),
+    1e-5,
+    1e-4,
+    config=cfg,
+  )
 
 
-@pytest.mark.parametrize("fuse_output", ["primal", "all"])
-def test_delta_rule_bf16_operand_dots(fuse_output):
-  """fast_dots='bf16' (bf16 dot operands for bf16 data; the shipped default) stays within the
-  bf16 bounds over 10 chunks, bf16 states included; also with the output fused into the serial
-  pass in every call (the outputs of a differentiated call checked too)."""
+def test_delta_rule_bf16_operand_dots():
+  """bf16 dot operands (for bf16 data) stay within the bf16 bounds over 10 chunks, bf16 states
+  included (the outputs of a differentiated call checked too)."""
   seg = np.zeros((1, 150), np.int32)
   seg[:, 70:] = 1
-  with dr_config.overridden(fast_dots="bf16", fuse_output=fuse_output):
-    _check(
-      _inputs(11, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"),
-      seg,
-      32,
-      5e-3,
-      1e-2,
-      vjp_primal=fuse_output == "all",
-    )
+  _check(
+    _inputs(11, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"),
+    seg,
+    32,
+    5e-3,
+    1e-2,
+    vjp_primal=True,
+  )
 
 
 @pytest.mark.parametrize(
@@ -367,7 +359,7 @@ def test_delta_rule_bf16_operand_dots(fuse_output):
     (dict(sub_block=16), jnp.float32, "strong", (1e-5, 1e-4)),
     (dict(sub_block=16), jnp.float32, "normal", (1e-5, 1e-4)),
     (dict(sub_block=32), jnp.float32, "normal", (1e-5, 1e-4)),  # two 32-row blocks
-    (dict(sub_block=16, wy_inverse="doubling"), jnp.bfloat16, "normal", (5e-3, 1e-2)),
+    (dict(sub_block=16), jnp.bfloat16, "normal", (5e-3, 1e-2)),
   ],
 )
 def test_delta_rule_sub_blocks(variant, dtype, decay, tol):
@@ -378,23 +370,23 @@ def test_delta_rule_sub_blocks(variant, dtype, decay, tol):
   seg = np.zeros((1, 150), np.int32)
   seg[:, 40:] = 1  # inside a sub-block
   seg[:, 96:] = 2  # at a sub-block start
-  with dr_config.overridden(max_chunk=64, **variant):
-    _check(_inputs(17, 1, 150, 2, 64, 64, dtype, False, decay), seg, 64, *tol)
+  cfg = dr_config.DeltaRuleConfig(max_chunk=64, **variant)
+  _check(_inputs(17, 1, 150, 2, 64, 64, dtype, False, decay), seg, 64, *tol, config=cfg)
 
 
 def test_delta_rule_bf16_states():
   """bf16_states (saved states and state gradients in bf16 under bf16-operand dots; the default)
-  stays within the bf16 bounds with segments at chunk 32; fp32 states (bf16_states=False) and
-  TF32 dots on bf16 data (fast_dots='tf32') too."""
+  stays within the bf16 bounds with segments at chunk 32; fp32 states (bf16_states=False) too."""
   seg = np.zeros((1, 150), np.int32)
   seg[:, 70:] = 1
   for extra in (
     dict(bf16_states=True, max_chunk=32),
     dict(bf16_states=False),
-    dict(fast_dots="tf32"),
-  ):  # (tf32: fp32 operands, so fp32 states too)
-    with dr_config.overridden(**extra):
-      _check(_inputs(13, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"), seg, 32, 5e-3, 1e-2)
+  ):
+    cfg = dr_config.DeltaRuleConfig(**extra)
+    _check(
+      _inputs(13, 1, 150, 2, 64, 64, jnp.bfloat16, False, "normal"), seg, 32, 5e-3, 1e-2, config=cfg
+    )
 
 
 def test_delta_rule_unsupported_width():
@@ -432,16 +424,13 @@ def test_delta_rule_precision_argument():
 @pytest.mark.parametrize(
   "bad",
   [
-    dict(fast_dots="bf-16"),
     dict(block_v=48),
     dict(block_v_parallel=96),
     dict(sub_block=8),
     dict(min_chunk=24),
     dict(max_chunk=0),
-    dict(wy_inverse="rows"),
     dict(pair_diag="rows"),
     dict(pair_heads=3),
-    dict(fuse_output="fused"),
     dict(forward_only_chunk=48),
     dict(num_warps_intra_bwd=0),
   ],
@@ -449,23 +438,6 @@ def test_delta_rule_precision_argument():
 def test_delta_rule_config_rejects_bad_values(bad):
   with pytest.raises(ValueError, match="DeltaRuleConfig." + next(iter(bad))):
     dr_config.DeltaRuleConfig(**bad)
-
-
-def test_config_overridden_restores_default():
-  """overridden() swaps DEFAULT inside its block and puts the same object back after it, also
-  when the block raises; a bad value raises before anything is swapped."""
-  before = dr_config.DEFAULT
-  with dr_config.overridden(block_v=32) as cfg:
-    assert dr_config.DEFAULT is cfg and cfg.block_v == 32
-  assert dr_config.DEFAULT is before
-  with pytest.raises(RuntimeError, match="inside"):
-    with dr_config.overridden(bf16_states=not before.bf16_states):
-      raise RuntimeError("inside")
-  assert dr_config.DEFAULT is before
-  with pytest.raises(ValueError, match="DeltaRuleConfig.block_v"):
-    with dr_config.overridden(block_v=48):
-      pass
-  assert dr_config.DEFAULT is before
 
 
 def test_chunk_length_floor():

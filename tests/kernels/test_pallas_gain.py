@@ -1,7 +1,5 @@
 """Accuracy of pallas_kernels.diag_gain / iso_gain (CPU interpret mode) vs a float64 token loop."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,7 +88,7 @@ def test_gain_bf16(diag):
   _run(diag, 40, 16, 1.0, None, False, (17,), jnp.bfloat16, 5e-3, 1e-2)
 
 
-def _run(diag, t, chunk, mu_f, r_val, strong, segs, dtype, tol_fwd, tol_grad):
+def _run(diag, t, chunk, mu_f, r_val, strong, segs, dtype, tol_fwd, tol_grad, config=None):
   b, h, kd = 2, 2, 64
   args = _inputs(t, b, t, h, kd, diag, dtype, r_val, strong)
   mu = jnp.full((h,), mu_f * kd, jnp.float32)
@@ -104,7 +102,7 @@ def _run(diag, t, chunk, mu_f, r_val, strong, segs, dtype, tol_fwd, tol_grad):
   oracle = _diag_oracle if diag else _iso_oracle
   # args: k, log_alpha, omega, r, p0, info_scale (all differentiated).
   args = args + [mu]
-  f = jax.jit(lambda *a: fn(*a[:4], a[5], a[4], segj, chunk_size=chunk))
+  f = jax.jit(lambda *a: fn(*a[:4], a[5], a[4], segj, chunk_size=chunk, config=config))
   gain, pf = f(*args)
   assert gain.dtype == jnp.float32 and pf.dtype == jnp.float32
   rng = np.random.default_rng(9)
@@ -236,166 +234,12 @@ def test_unsegmented_kernels_match_the_segmented_ones():
     np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=2e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize(
-  "segmented,front,nh,save_pprev",
-  [
-    (True, False, 2, True),
-    (False, False, 4, False),
-    (False, True, 2, False),
-    (True, True, 4, True),
-    (True, False, 3, True),
-    (False, True, 6, False),
-  ],
-)
-def test_iso_scalar_replay_matches_the_lane_replay(segmented, front, nh, save_pprev):
-  """GainConfig.iso_scalar_replay: the isotropic replay over the reduce's per-token scalars
-  (iso_replay.py) gives the lane replay's gain, p_prev, final variance and log_alpha (front),
-  over several chunks, with resets, plain and fused-front inputs, forward-only (no p_prev) and
-  differentiated; 3 and 6 heads (the 125m preset's) run it on a row padded to 4 and 8. Same
-  arithmetic in the same order, mostly bit for bit; but on CPU XLA compiles the two kernels
-  apart and may contract them differently (seen: 1 ulp through the front's softplus), so to
-  1e-6 of each output's largest entry."""
-  from pallas_kernels.kdn_gain import config as gain_config
-  from pallas_kernels.kdn_gain import kernel as gk
-
-  b, t, kd, chunk = 2, 48, 32, 16
-  k, la, om, r, b0 = _inputs(7, b, t, nh, kd, False, jnp.float32, None, True)
-  mu = jnp.full((nh,), 0.5 * kd, jnp.float32) * jnp.linspace(0.5, 1.5, nh)
-  reset = jnp.zeros((b, t), jnp.int32).at[:, 0].set(1).at[1, 21].set(1).at[0, 32].set(1)
-  if front:  # the gate front-end's pre-activations, in bf16 as in the layer
-    raw = (
-      k.astype(jnp.bfloat16),
-      (la * 5).astype(jnp.bfloat16),
-      jnp.full((nh, kd), -3.0),
-      jnp.linspace(-1.0, 1.0, nh),
-      om.astype(jnp.bfloat16) - 1.0,
-      r.astype(jnp.bfloat16),
-      mu,
-    )
-  else:
-    raw = (k, la, om, r, mu)
-  outs = {}
-  for scalar in (False, True):
-    cfg = gain_config.GainConfig(iso_scalar_replay=scalar)
-    run = functools.partial(
-      gk.gain_forward,
-      diag=False,
-      chunk=chunk,
-      interpret=True,
-      cfg=cfg,
-      segmented=segmented,
-      front=0.01 if front else None,
-      save_pprev=save_pprev,
-    )
-    outs[scalar] = run(raw, reset, b0[..., None])
-    jaxpr = str(jax.make_jaxpr(run)(raw, reset, b0[..., None]))
-    assert ("kdn_gain_iso_replay" in jaxpr) == scalar
-    assert ("kdn_gain_replay" in jaxpr) == (not scalar)
-  for name, x, y in zip(("gain", "p_prev", "p_final", "log_alpha"), outs[True], outs[False]):
-    assert (x is None) == (y is None), name
-    if y is not None:
-      assert x.shape == y.shape and x.dtype == y.dtype, name
-      x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-      assert np.max(np.abs(x - y)) <= 1e-6 * np.max(np.abs(y)), (name, np.max(np.abs(x - y)))
-  assert (outs[True][1] is None) == (not save_pprev)
-
-
-@pytest.mark.parametrize("scalar", [True, False])
-def test_iso_replays_against_the_float64_loop(scalar):
-  """iso_gain with GainConfig.iso_scalar_replay on (the default) and off (the lane replay), its
-  kernel in the trace: the float64 token loop's gain, final variance and gradients (the
-  backward is the lane kernels', from either replay's p_prev), T = chunk + 1 with segments, and
-  several chunks without."""
-  from pallas_kernels.kdn_gain import config as gain_config
-
-  before = gain_config.DEFAULT
-  gain_config.set_default(iso_scalar_replay=scalar)
-  try:
-    k, la, om, r, b0 = _inputs(1, 1, 20, 2, 16, False, jnp.float32, None, False)
-    jaxpr = str(jax.make_jaxpr(lambda *a: iso_gain(*a))(k, la, om, r, jnp.ones((2,)), b0))
-    assert ("kdn_gain_iso_replay" in jaxpr) == scalar
-    assert ("kdn_gain_replay" in jaxpr) == (not scalar)
-    _run(False, 33, 32, 4.0, 1e-3, True, (5, 6, 31), jnp.float32, 1e-5, 1e-4)
-    _run(False, 70, 16, 1.0, None, True, None, jnp.float32, 1e-5, 1e-4)
-  finally:
-    gain_config.DEFAULT = before
-
-
-@pytest.mark.parametrize(
-  "diag,segmented,front,scalars",
-  [
-    (True, True, False, False),
-    (False, False, True, False),
-    (True, False, True, False),
-    (False, True, False, True),
-  ],
-)
-def test_renorm_every_keeps_the_chunk_maps(diag, segmented, front, scalars):
-  """GainConfig.renorm_every=2 (kernel.py, RENORM): the reduce's chunk maps equal the
-  every-token reduce's (the same up to a power of two, and both renormalised at the chunk's
-  last token), and the gain, p_prev, final variance and log_alpha match, over several chunks, with resets, the fused
-  front-end and the iso scalar replay (whose per-token scalars the unrolled loop writes);
-  r = 1e-3, mu = 4K and strong decay (la = -20 every third token) spread the entries."""
-  from pallas_kernels.kdn_gain import config as gain_config
-  from pallas_kernels.kdn_gain import kernel as gk
-
-  b, t, h, kd, chunk = 2, 64, 2, 32, 16
-  k, la, om, r, p0 = _inputs(11, b, t, h, kd, diag, jnp.float32, 1e-3, True)
-  p0 = p0 if diag else p0[..., None]
-  mu = jnp.full((h,), 4.0 * kd, jnp.float32)
-  reset = jnp.zeros((b, t), jnp.int32).at[:, 0].set(1).at[0, 37].set(1)
-  if front:
-    raw = (
-      k.astype(jnp.bfloat16),
-      la.astype(jnp.bfloat16),
-      jnp.full((h, kd), -3.0),
-      jnp.zeros((h,)),
-      om.astype(jnp.bfloat16),
-      r.astype(jnp.bfloat16),
-      mu,
-    )
-  else:
-    raw = (k, la, om, r, mu)
-  outs, maps = {}, {}
-  for n in (1, 2):
-    cfg = gain_config.GainConfig(renorm_every=n, iso_scalar_replay=scalars)
-    kw = dict(
-      diag=diag,
-      chunk=chunk,
-      interpret=True,
-      cfg=cfg,
-      segmented=segmented,
-      front=0.01 if front else None,
-    )
-    maps[n] = np.asarray(gk.reduce_maps(raw, reset, p0, scalars=scalars, **kw)[0], np.float64)
-    outs[n] = gk.gain_forward(raw, reset, p0, save_pprev=True, **kw)
-  # Both end renormalised (n divides the chunk), largest entry in [1, 2): the same power of two,
-  # so the maps are equal outright; without the renormalisations they would be far larger.
-  for n in (1, 2):
-    largest = np.max(np.abs(maps[n]), axis=3)
-    assert np.all((largest >= 1) & (largest < 2)), n
-  np.testing.assert_array_equal(maps[2], maps[1])
-  for name, x, y in zip(("gain", "p_prev", "p_final", "log_alpha"), outs[2], outs[1]):
-    if y is None:
-      continue
-    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    assert np.max(np.abs(x - y)) <= 1e-6 * np.max(np.abs(y)), name
-  with pytest.raises(ValueError, match="GainConfig.renorm_every must be"):
-    gain_config.GainConfig(renorm_every=4)
-  with pytest.raises(ValueError, match="GainConfig.renorm_every must be"):
-    gain_config.GainConfig(renorm_every=2.0)
-
-
-@pytest.mark.parametrize("chunk", [16, 24, 25])
-def test_renorm_every_against_the_float64_loop(chunk):
-  """diag_gain with GainConfig.renorm_every=2: the float64 token loop's gain, final variance
-  and every gradient (r = 1e-3, mu = 4K: large token entries), with segments; chunks 24 and 25
-  (not powers of two: the reduce renormalises every gcd(2, chunk) tokens, 25 every token)."""
-  from pallas_kernels.kdn_gain import config as gain_config
-
-  before = gain_config.DEFAULT
-  gain_config.set_default(renorm_every=2)
-  try:
-    _run(True, 53, chunk, 4.0, 1e-3, True, (5, 6, 31), jnp.float32, 1e-5, 1e-4)
-  finally:
-    gain_config.DEFAULT = before
+def test_iso_replay_against_the_float64_loop():
+  """iso_gain (its replay over per-token scalars in the trace): the float64 token loop's gain,
+  final variance and gradients (the backward is the lane kernels', from the replay's p_prev),
+  T = chunk + 1 with segments, and several chunks without."""
+  k, la, om, r, b0 = _inputs(1, 1, 20, 2, 16, False, jnp.float32, None, False)
+  jaxpr = str(jax.make_jaxpr(lambda *a: iso_gain(*a))(k, la, om, r, jnp.ones((2,)), b0))
+  assert "kdn_gain_iso_replay" in jaxpr and "kdn_gain_replay" not in jaxpr
+  _run(False, 33, 32, 4.0, 1e-3, True, (5, 6, 31), jnp.float32, 1e-5, 1e-4)
+  _run(False, 70, 16, 1.0, None, True, None, jnp.float32, 1e-5, 1e-4)

@@ -10,7 +10,6 @@ sets common.kernel_backend to "gpu", so they choose what they choose on a GPU (c
 params, 3xTF32 for 'exact').
 """
 
-import dataclasses
 import re
 
 import jax
@@ -23,7 +22,7 @@ from flax import nnx
 from kdn_jax import ops
 from kdn_jax.layers.registry import MIXERS
 from kdn_jax.models.config import model_config
-from pallas_kernels import common
+from pallas_kernels import KernelConfigs, common
 from pallas_kernels.delta_rule import config as dr_config
 
 
@@ -55,8 +54,7 @@ def _op_inputs(dtype, t=80):
     dict(pair_diag="columns"),
     dict(max_chunk=32),
     dict(max_chunk=64, sub_block=32),
-    dict(fuse_output="all"),
-    dict(fuse_output="all", cumsum_block=1, cumsum_in_pairs=False),
+    dict(cumsum_block=1, cumsum_in_pairs=False),
     # the forward's passes before session 48 (a cumsum kernel, fp32 kappa, q/k/g re-read)
     dict(cumsum_in_pairs=False, bf16_write=False, decayed_operands=False),
   ],
@@ -69,16 +67,21 @@ def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
   q, k, v, la, om, r, seg = _op_inputs(dtype)
   la, om, r = (x.astype(dtype) for x in (la, om, r))
 
+  kc = KernelConfigs(delta_rule=dr_config.DeltaRuleConfig(**variant))
+
   def loss(q, k, v, la, om, r):
-    o, _ = ops.diag_kdn(q, k, v, la, om, r, segment_ids=seg, impl="pallas", chunk_size=64)
+    o, _ = ops.diag_kdn(
+      q, k, v, la, om, r, segment_ids=seg, impl="pallas", chunk_size=64, kernel_config=kc
+    )
     return jnp.sum(o.astype(jnp.float32))
 
-  with dr_config.overridden(**variant):
-    text = _lower_for_cuda(jax.grad(loss, argnums=tuple(range(6))), q, k, v, la, om, r)
+  text = _lower_for_cuda(jax.grad(loss, argnums=tuple(range(6))), q, k, v, la, om, r)
   token_parallel = (
     variant.get("pair_diag", "token_loop") == "token_loop" and "max_chunk" not in variant
   )  # (chunks of one row block only)
-  in_pairs = token_parallel and variant.get("cumsum_in_pairs", dr_config.DEFAULT.cumsum_in_pairs)
+  in_pairs = token_parallel and variant.get(
+    "cumsum_in_pairs", dr_config.DeltaRuleConfig().cumsum_in_pairs
+  )
   expected = {
     "kdn_gain_reduce",
     "kdn_gain_replay",
@@ -86,11 +89,8 @@ def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
     "kdn_gain_bwd_replay",
     *(() if in_pairs else ("delta_rule_cumsum",)),
     "delta_rule_wy",
-    *(
-      ("delta_rule_state_output",)
-      if variant.get("fuse_output") == "all"
-      else ("delta_rule_state_pass", "delta_rule_output")
-    ),
+    "delta_rule_state_pass",
+    "delta_rule_output",
     "delta_rule_recur_bwd",
     "delta_rule_bwd_partials",
     "delta_rule_intra_bwd_tokens",
@@ -111,13 +111,16 @@ def test_scalar_write_lowers_for_cuda(as_on_gpu, variant):
   q, k, v, la, _, r, seg = _op_inputs(jnp.bfloat16)
   beta = jax.nn.sigmoid(r).astype(jnp.bfloat16)
 
+  kc = KernelConfigs(delta_rule=dr_config.DeltaRuleConfig(**variant))
+
   def loss(q, k, v, la, beta):
-    o, _ = ops.kda(q, k, v, la, beta, segment_ids=seg, impl="pallas", chunk_size=64)
+    o, _ = ops.kda(
+      q, k, v, la, beta, segment_ids=seg, impl="pallas", chunk_size=64, kernel_config=kc
+    )
     return jnp.sum(o.astype(jnp.float32))
 
-  with dr_config.overridden(**variant):
-    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(5))))(q, k, v, la, beta)
-    text = _lower_for_cuda(jax.grad(loss, argnums=tuple(range(5))), q, k, v, la, beta)
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(5))))(q, k, v, la, beta)
+  text = _lower_for_cuda(jax.grad(loss, argnums=tuple(range(5))), q, k, v, la, beta)
   pair = "delta_rule_pair_rows" if variant else "delta_rule_pair_token_loop"
   kernels = _triton_kernels(text)
   assert {pair, "delta_rule_intra_bwd_tokens"} <= kernels, kernels
@@ -135,25 +138,23 @@ def test_decayed_operands_forward_lowers(as_on_gpu, segments):
 
   q, k, v, la, _, _, seg = _op_inputs(jnp.bfloat16)
   h0 = jnp.zeros((1, 2, 64, 64), jnp.float32)
+  cfg = dr_config.DeltaRuleConfig(decayed_operands=True, cumsum_in_pairs=True)
   fwd = lambda q, k, v: delta_rule(
-    q, k, v, la, k, 0.125, h0, seg if segments else None, chunk_size=16
+    q, k, v, la, k, 0.125, h0, seg if segments else None, chunk_size=16, config=cfg
   )[0]
-  with dr_config.overridden(decayed_operands=True, cumsum_in_pairs=True):
-    kernels = _triton_kernels(_lower_for_cuda(fwd, q, k, v))
+  kernels = _triton_kernels(_lower_for_cuda(fwd, q, k, v))
   want = {"delta_rule_pair_token_loop", "delta_rule_wy"} | (
     {"delta_rule_state_pass", "delta_rule_output"} if segments else {"delta_rule_state_output"}
   )
   assert kernels == want, kernels
 
 
-@pytest.mark.parametrize("fuse_output", ["none", "primal", "all"])
 @pytest.mark.parametrize("segments", [False, True])
 @pytest.mark.parametrize("differentiated", [False, True])
-def test_fuse_output_picks_the_kernels_and_lowers(as_on_gpu, fuse_output, segments, differentiated):
-  """DeltaRuleConfig.fuse_output: the serial pass forms O itself (delta_rule_state_output, no
-  output kernel) in every call under 'all' and, under 'primal' (the default), in calls that are
-  not differentiated and have no segment_ids; the other calls run the state pass and the output
-  kernel. Each combination lowers for CUDA, bf16 data."""
+def test_fused_output_picks_the_kernels_and_lowers(as_on_gpu, segments, differentiated):
+  """The serial pass forms O itself (delta_rule_state_output, no output kernel) in calls that
+  are not differentiated and have no segment_ids; the other calls run the state pass and the
+  output kernel. Each combination lowers for CUDA, bf16 data."""
   from pallas_kernels import delta_rule  # pylint: disable=g-import-not-at-top
 
   q, k, v, la, _, _, seg = _op_inputs(jnp.bfloat16)
@@ -168,9 +169,8 @@ def test_fuse_output_picks_the_kernels_and_lowers(as_on_gpu, fuse_output, segmen
     if differentiated
     else fwd
   )
-  with dr_config.overridden(fuse_output=fuse_output):
-    kernels = _triton_kernels(_lower_for_cuda(fn, q, k, v))
-  fused = fuse_output == "all" or (fuse_output == "primal" and not differentiated and not segments)
+  kernels = _triton_kernels(_lower_for_cuda(fn, q, k, v))
+  fused = not differentiated and not segments
   if fused:
     assert "delta_rule_state_output" in kernels and not kernels & {
       "delta_rule_state_pass",
@@ -191,15 +191,13 @@ def test_kdn_layer_lowers_for_cuda(as_on_gpu, monkeypatch, mixer, options):
   cumsum row loops as plain loops (not their default blocks of 8), with the forward's passes
   as they were before session 48 (bf16_write, cumsum_in_pairs and decayed_operands off: fp32
   kappa, the cumsum kernel, q/k/g read by the WY and output kernels)."""
+  kc = None
   if options == "plain_loops_old_passes":
     from pallas_kernels.causal_conv1d import config as conv_config  # pylint: disable=g-import-not-at-top
 
-    monkeypatch.setattr(conv_config, "DEFAULT", conv_config.ConvConfig(load_block=1))
-    monkeypatch.setattr(
-      dr_config,
-      "DEFAULT",
-      dataclasses.replace(
-        dr_config.DEFAULT,
+    kc = KernelConfigs(
+      conv=conv_config.ConvConfig(load_block=1),
+      delta_rule=dr_config.DeltaRuleConfig(
         cumsum_block=1,
         bf16_write=False,
         cumsum_in_pairs=False,
@@ -218,7 +216,7 @@ def test_kdn_layer_lowers_for_cuda(as_on_gpu, monkeypatch, mixer, options):
     param_dtype="float32",
     mlp_hidden=1,
   )
-  layer = MIXERS[mixer](cfg, rngs=nnx.Rngs(0))
+  layer = MIXERS[mixer](cfg, rngs=nnx.Rngs(0), kernel_config=kc)
   graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
   x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 48, 128)), jnp.bfloat16)
 
@@ -246,15 +244,12 @@ def test_gain_stages_reach_their_kernels(as_on_gpu, monkeypatch):
   forward (reduce, replay) and backward kernels, each set apart."""
   from pallas_kernels.kdn_gain import config as gain_config  # pylint: disable=g-import-not-at-top
 
-  monkeypatch.setattr(
-    gain_config,
-    "DEFAULT",
-    dataclasses.replace(gain_config.DEFAULT, num_stages_fwd=3, num_stages_bwd=2),
-  )
+  kc = KernelConfigs(gain=gain_config.GainConfig(num_stages_fwd=3, num_stages_bwd=2))
   q, k, v, la, om, r, _ = _op_inputs(jnp.float32)
 
   def loss(k, la):
-    return jnp.sum(ops.diag_kdn(q, k, v, la, om, r, impl="pallas", chunk_size=16)[0])
+    o = ops.diag_kdn(q, k, v, la, om, r, impl="pallas", chunk_size=16, kernel_config=kc)[0]
+    return jnp.sum(o)
 
   stages = {}
   for line in _lower_for_cuda(jax.grad(loss, argnums=(0, 1)), k, la).splitlines():
@@ -310,26 +305,14 @@ def test_backward_kernels_store_gradients_in_the_inputs_dtypes(as_on_gpu, monkey
 
 
 @pytest.mark.parametrize(
-  "layer,heads,grad,scalar",
-  [
-    (False, 2, True, True),
-    (False, 3, False, True),
-    (True, 2, True, True),
-    (True, 2, False, True),
-    (False, 2, True, False),
-    (True, 2, False, False),
-  ],
+  "layer,heads,grad",
+  [(False, 2, True), (False, 3, False), (True, 2, True), (True, 2, False)],
 )
-def test_iso_scalar_replay_lowers_for_cuda(as_on_gpu, monkeypatch, layer, heads, grad, scalar):
-  """GainConfig.iso_scalar_replay (on by default): the iso KDN op (segments; 3 heads: the row
-  padded to 4) and the kdn_iso layer (the fused gate front-end), forward-only and fwd+bwd, lower
-  for CUDA with the scalar replay in place of the lane replay, and the backward's kernels
-  unchanged; with the option off, the lane replay instead."""
-  from pallas_kernels.kdn_gain import config as gain_config  # pylint: disable=g-import-not-at-top
-
-  monkeypatch.setattr(
-    gain_config, "DEFAULT", dataclasses.replace(gain_config.DEFAULT, iso_scalar_replay=scalar)
-  )
+def test_iso_scalar_replay_lowers_for_cuda(as_on_gpu, layer, heads, grad):
+  """The iso replay over per-token scalars: the iso KDN op (segments; 3 heads: the row padded to
+  4) and the kdn_iso layer (the fused gate front-end), forward-only and fwd+bwd, lower for CUDA
+  with the scalar replay in place of the lane replay, and the backward's kernels unchanged."""
+  kc = None
   if layer:
     cfg = model_config(
       "tiny",
@@ -343,7 +326,8 @@ def test_iso_scalar_replay_lowers_for_cuda(as_on_gpu, monkeypatch, layer, heads,
       param_dtype="float32",
       mlp_hidden=1,
     )
-    graphdef, params, rest = nnx.split(MIXERS["kdn_iso"](cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    mixer = MIXERS["kdn_iso"](cfg, rngs=nnx.Rngs(0), kernel_config=kc)
+    graphdef, params, rest = nnx.split(mixer, nnx.Param, ...)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 40, 64)), jnp.bfloat16)
 
     def loss(params, x):
@@ -356,40 +340,27 @@ def test_iso_scalar_replay_lowers_for_cuda(as_on_gpu, monkeypatch, layer, heads,
 
     def loss(k, la, om, r):
       return jnp.sum(
-        ops.iso_kdn(q, k, v, la, om[..., 0], r, impl="pallas", chunk_size=16, segment_ids=seg)[
-          0
-        ].astype(jnp.float32)
+        ops.iso_kdn(
+          q,
+          k,
+          v,
+          la,
+          om[..., 0],
+          r,
+          impl="pallas",
+          chunk_size=16,
+          segment_ids=seg,
+          kernel_config=kc,
+        )[0].astype(jnp.float32)
       )
 
     args = (k, la, om, r)
   fn = jax.grad(loss, argnums=tuple(range(len(args)))) if grad else loss
   kernels = _triton_kernels(_lower_for_cuda(fn, *args))
   replays = {"kdn_gain_iso_replay", "kdn_gain_replay"}
-  used = "kdn_gain_iso_replay" if scalar else "kdn_gain_replay"
+  used = "kdn_gain_iso_replay"
   assert {"kdn_gain_reduce", used} <= kernels and not (replays - {used}) & kernels, kernels
   assert ({"kdn_gain_bwd_reduce", "kdn_gain_bwd_replay"} <= kernels) == grad, kernels
-
-
-def test_renorm_every_lowers_for_cuda(as_on_gpu, monkeypatch):
-  """GainConfig.renorm_every=2: the diag KDN op's forward reduce (its token loop unrolled by 2,
-  the product renormalised after the 2nd) lowers for CUDA, to another reduce kernel than at 1."""
-  from pallas_kernels.kdn_gain import config as gain_config  # pylint: disable=g-import-not-at-top
-
-  q, k, v, la, om, r, seg = _op_inputs(jnp.bfloat16)
-  texts = {}
-  for n in (1, 2):
-    monkeypatch.setattr(
-      gain_config, "DEFAULT", dataclasses.replace(gain_config.DEFAULT, renorm_every=n)
-    )
-    # (a new function per config: jit reuses a function's trace, which holds the config)
-    fn = lambda k: ops.diag_kdn(q, k, v, la, om, r, impl="pallas", chunk_size=16, segment_ids=seg)[
-      0
-    ]
-    texts[n] = _lower_for_cuda(fn, k)
-    assert {"kdn_gain_reduce", "kdn_gain_replay"} <= _triton_kernels(texts[n])
-  # the unrolled body: twice the reduce's token matrices, one renormalisation (_pow2_inverse)
-  calls = {n: (t.count("_product2"), t.count("_pow2_inverse")) for n, t in texts.items()}
-  assert texts[1] != texts[2], calls
 
 
 @pytest.mark.parametrize("kd,vd", [(128, 256), (48, 320)])

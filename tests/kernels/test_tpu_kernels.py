@@ -102,11 +102,11 @@ def test_delta_rule_tpu_matches_oracle(t, chunk, kd, vd, block_v, starts, scalar
     jnp.asarray(s0, jnp.float32)
   ]
   seg = _segments(b, t, starts) if starts else None
+  cfg = dr_config.DeltaRuleConfig(max_chunk=chunk)
   f = lambda q, k, v, la, w, s0: delta_rule(
-    q, k, v, la, w, 0.7, s0, seg, chunk_size=chunk, interpret=TPU
+    q, k, v, la, w, 0.7, s0, seg, chunk_size=chunk, interpret=TPU, config=cfg
   )
-  with dr_config.overridden(max_chunk=chunk):
-    (o, sfin), grads, cts = _outputs_and_grads(f, args, (v.shape, s0.shape), 2)
+  (o, sfin), grads, cts = _outputs_and_grads(f, args, (v.shape, s0.shape), 2)
 
   def oracle(q, k, v, la, w, s0):
     la = la if not scalar else jnp.broadcast_to(la[..., None], k.shape)

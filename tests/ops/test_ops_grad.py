@@ -26,12 +26,13 @@ def _mu(h, kd):
   return np.linspace(0.5, 2.0, h) * kd
 
 
-def _loss_fn(family, impl, segment_ids):
+def _loss_fn(family, impl, segment_ids, kernel_config=None):
   """Scalar loss of (inputs..., state..., info_scale) touching outputs and
   final state."""
 
   def loss(*args):
     kw = dict(impl=impl, output_final_state=True, segment_ids=segment_ids, chunk_size=16)
+    kw.update(kernel_config=kernel_config)
     if family in ("diag", "iso"):
       q, k, v, la, om, r, mem, var, mu = args
       fn = ops.diag_kdn if family == "diag" else ops.iso_kdn
@@ -175,6 +176,7 @@ def test_bf16_write_as_accurate_as_fp32_kappa():
   since session 48): the diag KDN op on bf16 q, k, v with packed segments, values and every
   gradient against the float64 loop: within bf16 bounds, and within 1.5x (plus 5e-4) of the
   errors with an fp32 kappa."""
+  from pallas_kernels import KernelConfigs  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import config as dr_config  # pylint: disable=g-import-not-at-top
 
   x = round_f32(make_inputs("diag", B, T, H, K, V, seed=12))
@@ -193,12 +195,12 @@ def test_bf16_write_as_accurate_as_fp32_kappa():
     want = [np.asarray(w) for w in want]
   errs = {}
   for flag in (False, True):
-    with dr_config.overridden(bf16_write=flag):
-      args = [
-        jnp.asarray(a, jnp.bfloat16 if n in ("q", "k", "v") else jnp.float32)
-        for n, a in zip(names, arrays)
-      ]
-      loss, got = jax.value_and_grad(_loss_fn("diag", "pallas", seg), argnums)(*args)
+    kernels = KernelConfigs(delta_rule=dr_config.DeltaRuleConfig(bf16_write=flag))
+    args = [
+      jnp.asarray(a, jnp.bfloat16 if n in ("q", "k", "v") else jnp.float32)
+      for n, a in zip(names, arrays)
+    ]
+    loss, got = jax.value_and_grad(_loss_fn("diag", "pallas", seg, kernels), argnums)(*args)
     errs[flag] = {n: rel_err(np.asarray(g, np.float32), w) for n, g, w in zip(names, got, want)}
     errs[flag]["loss"] = abs(float(loss) - float(want_l)) / abs(float(want_l))
   # (bf16_write on: kappa's rounding moves the errors)

@@ -310,7 +310,7 @@ def format_comparison(rows, base_rows):
   return "\n".join(lines)
 
 
-def _row_fn(row, t, fwd_bwd):
+def _row_fn(row, t, fwd_bwd, kernels):
   """(jitted fn, args) of a benchmark_mixers row or of a layer ('layer:<mixer>', pallas path)."""
   if row.startswith("layer:"):
     from experiments.benchmarks import layers as bl  # pylint: disable=g-import-not-at-top
@@ -322,14 +322,16 @@ def _row_fn(row, t, fwd_bwd):
       head_dim=FLAGS.dim,
       chunk_size=64,
     )
-    fwd, fwd_and_bwd, args, ct = bl.layer_fns(row.split(":", 1)[1], "pallas", t, shape)
+    fwd, fwd_and_bwd, args, ct = bl.layer_fns(
+      row.split(":", 1)[1], "pallas", t, shape, kernels=kernels
+    )
     return (fwd_and_bwd, args + (ct,)) if fwd_bwd else (fwd, args)
   from experiments.benchmarks import mixers as bm  # pylint: disable=g-import-not-at-top
 
   bm.FLAGS(
     ["benchmark_mixers", f"--batch={FLAGS.batch}", f"--heads={FLAGS.heads}", f"--dim={FLAGS.dim}"]
   )
-  return bm.jax_row_fn(row, t, fwd_bwd)
+  return bm.jax_row_fn(row, t, fwd_bwd, kernels)
 
 
 def main(argv):
@@ -342,8 +344,9 @@ def main(argv):
     import triton  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
   except ImportError as e:
     raise app.UsageError("kernel_sass needs the triton package (pip install triton)") from e
-  configs = kernel_config.apply_flags(FLAGS)
-  fn, args = _row_fn(FLAGS.row, FLAGS.seq_len, FLAGS.mode == "fwd_bwd")
+  kernels = kernel_config.from_flags(FLAGS)
+  configs = kernel_config.describe(kernels)
+  fn, args = _row_fn(FLAGS.row, FLAGS.seq_len, FLAGS.mode == "fwd_bwd", kernels)
   found = triton_modules(fn, *args)
   rows = kernel_report(found, FLAGS.compute_capability, FLAGS.sass_dir)
   print(
