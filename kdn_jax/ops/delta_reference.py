@@ -21,6 +21,14 @@ def decay_memory(memory, log_alpha):
   return alpha[..., None, None] * memory
 
 
+def scalar_write(beta, k):
+  """The write direction beta k of a per-token scalar beta, formed in fp32 at least: rounding
+  the product to 16 bits would lose what the Pallas kernels keep (they apply beta in fp32 after
+  their reductions over K)."""
+  dt = jnp.promote_types(jnp.promote_types(beta.dtype, k.dtype), jnp.float32)
+  return beta.astype(dt)[..., None] * k.astype(dt)
+
+
 def delta_step(memory, q, k, v, log_alpha, write):
   """One token. memory [B,H,K,V]; q, k, write [B,H,K]; v [B,H,V].
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from kdn_jax.ops import dispatch, heads, nonfinite, states_at, widths
 from kdn_jax.ops import validation as val
 from kdn_jax.ops.delta_chunked import delta_rule_chunked
-from kdn_jax.ops.delta_reference import delta_rule_reference, delta_step
+from kdn_jax.ops.delta_reference import delta_rule_reference, delta_step, scalar_write
 from kdn_jax.ops.variance import segment_starts
 
 DEFAULT_CHUNK = None  # per platform: see default_chunk_size
@@ -151,7 +151,7 @@ def run_memory(
     )
   q = q * scale
   if write.ndim == 3:
-    write = write[..., None] * k
+    write = scalar_write(write, k)
   if impl == "chunked":
     out = delta_rule_chunked(
       q,
@@ -329,7 +329,7 @@ def delta_rule_step(
     )
     return o, memory.astype(cd)
   if write.ndim == 2:
-    write = write[..., None] * k
+    write = scalar_write(write, k)
   o, memory = delta_step(
     memory.astype(cd),
     q.astype(cd) * scale,

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdn_jax.ops.delta_chunked import delta_rule_chunked
+from kdn_jax.ops.delta_reference import scalar_write
 from kdn_jax.ops.variance import segment_starts
 
 # Chunk of the chunked form inside a window (a window is one state-pass chunk, often 16 tokens).
@@ -114,7 +115,7 @@ def _window_states(positions, chunk, chunk_states, k, v, log_alpha, write, memor
       (count[..., -1] > 0)[..., None, None, None], memory0[:, None].astype(cd), start
     )
   if write.ndim == 3:
-    write = write[..., None] * k.astype(write.dtype)
+    write = scalar_write(write, k)
 
   def window(x):
     """x's window tokens, identities outside `keep` (zeros: no decay, no write), as

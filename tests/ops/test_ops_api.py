@@ -63,6 +63,30 @@ def test_bfloat16_inputs_pallas(family):
     assert rel_err(a, b) < 2e-2, (n, rel_err(a, b))
 
 
+def test_scalar_beta_write_is_formed_in_fp32():
+  """A 16-bit beta and k give their write beta k in fp32 on the XLA paths (the kernels apply beta
+  in fp32 too; on GPU a bf16 product lost ~1.7e-3 of the state against the Pallas decode step),
+  and kda's XLA step then matches the same step on fp32 copies of the same inputs."""
+  from kdn_jax.ops.delta_reference import scalar_write
+
+  rng = np.random.default_rng(5)
+  beta = jnp.asarray(rng.uniform(0.1, 0.9, (2, 3)), jnp.bfloat16)
+  k = jnp.asarray(rng.normal(size=(2, 3, 8)), jnp.bfloat16)
+  w = scalar_write(beta, k)
+  assert w.dtype == jnp.float32
+  np.testing.assert_array_equal(
+    np.asarray(w), np.asarray(beta, np.float32)[..., None] * np.asarray(k, np.float32)
+  )
+  xs = {n: jnp.asarray(rng.normal(size=(2, 3, 8)), jnp.bfloat16) for n in ("q", "v")}
+  g = -jnp.asarray(rng.uniform(0.01, 0.1, (2, 3, 8)), jnp.bfloat16)
+  mem = jnp.asarray(rng.normal(size=(2, 3, 8, 8)), jnp.float32)
+  f32 = lambda a: a.astype(jnp.float32)
+  step = jax.jit(ops.kda_step, static_argnames=("impl",))
+  _, m16 = step(xs["q"], k, xs["v"], g, beta, mem, impl="reference")
+  _, m32 = step(f32(xs["q"]), f32(k), f32(xs["v"]), f32(g), f32(beta), mem, impl="reference")
+  assert rel_err(m16, m32) < 1e-6
+
+
 def test_float64_under_x64():
   with jax.enable_x64(True):
     x = _inputs(dtype=jnp.float64)
