@@ -255,7 +255,8 @@ performance)
   # The numbers behind docs/performance.md, at the defaults: the KDN ops against fla's chunk_kda
   # and the KDN layers against fla's KimiDeltaAttention (each benchmark one process, fla in it),
   # and 125M training. PERF_PARTS picks the parts (default "mixers layers"; mixers ~250 s, layers
-  # ~430 s with fla's first-call autotune, train ~200 s: one call each within a 600 s limit).
+  # ~430 s with fla's first-call autotune, train ~200 s, decode ~110 s: one call each within a
+  # 600 s limit).
   # Each part writes $OUT/performance/<part>.json ({"meta", "result"}); copy them to
   # docs/performance/<h100|h200>/ and run python -m experiments.benchmarks.render_performance.
   PERF=${OUT:-$RES}/performance; mkdir -p "$PERF"
@@ -280,6 +281,11 @@ performance)
     TRAIN_LIMIT=${TRAIN_LIMIT:-230} bash "$0" train
     record "$RES/train_1gpu_summary.json" \
       "TRAIN_LIMIT=${TRAIN_LIMIT:-230} bash experiments/benchmarks/gpu_measurements.sh train" train_125m ;;
+  decode)
+    cmd="python3 -m experiments.benchmarks.decode --time_budget_s=${PERF_DECODE_BUDGET:-200} --reps=10"
+    rm -f "$RES/perf_decode.json"
+    timeout ${PERF_DECODE_LIMIT:-330} $cmd --out="$RES/perf_decode" 2>&1 | quiet | tail -20
+    record "$RES/perf_decode.json" "$(echo $cmd)" decode ;;
   *) echo "unknown performance part $part" ;;
   esac; done ;;
 *) echo "unknown section $s" ;;

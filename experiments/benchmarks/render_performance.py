@@ -9,6 +9,8 @@ Each <gpu>/ folder holds up to three records, each {"meta": {...}, "result": {..
   layers.json      experiments.benchmarks.layers' JSON: the KDN layers against fla's
                    KimiDeltaAttention layer
   train_125m.json  the summary.json of a 125M LM training run (steady_tokens_per_s)
+  decode.json      experiments.benchmarks.decode's JSON: one decode step of the KDN ops and KDA
+                   against fla's fused_recurrent_kda, and generation with the 125M LM
 "meta" says where the numbers come from: device (the GPU's name), date, command, commit, jax and
 optional notes (records carried over from earlier runs have "recorded_in", the commit that added
 them, in place of "commit"). `gpu_measurements.sh performance` writes the records through --wrap:
@@ -26,9 +28,10 @@ import json
 import os
 import subprocess
 
-PARTS = ("mixers", "layers", "train_125m")
+PARTS = ("mixers", "layers", "train_125m", "decode")
 FLA_OP_ROW = "fla_chunk_kda"
 FLA_LAYER_ROW = "fla_kda_layer"
+FLA_STEP_ROW = "fla_fused_recurrent_kda"
 
 HEADER = """# Performance against flash-linear-attention
 
@@ -107,6 +110,41 @@ def _layer_rows(result: dict) -> list[tuple]:
   return out
 
 
+def _decode_lines(result: dict) -> list[str]:
+  """One decode step per row and batch (us, and the time of fla's step over ours' inverse:
+  ratio below 1 = ours faster), then the generation rows."""
+  us = {(r["row"], r["batch"]): r["us_per_step"] for r in result["steps"]}
+  names = sorted({r["row"] for r in result["steps"] if r["row"] != FLA_STEP_ROW})
+  batches = sorted({r["batch"] for r in result["steps"]})
+  lines = [
+    f"One decode step (H = {result['heads']}, K = V = {result['dim']}, fp32 state, "
+    f"{result['steps_per_call']} steps per call; us per step; ratio: ours / fla's "
+    f"`fused_recurrent_kda`):",
+    "",
+    "| row | " + " | ".join(f"B={b}" for b in batches) + " |",
+    "|---|" + "---|" * len(batches),
+  ]
+  for name in names + [FLA_STEP_ROW]:
+    cells = []
+    for b in batches:
+      t, f = us.get((name, b)), us.get((FLA_STEP_ROW, b))
+      if t is None:
+        cells.append("–")
+      elif name == FLA_STEP_ROW or not f:
+        cells.append(f"{t:.1f}")
+      else:
+        cells.append(f"{t:.1f} ({t / f:.2f}x)")
+    lines.append(f"| {name} | " + " | ".join(cells) + " |")
+  lines.append("")
+  for g in result.get("generation", []):
+    lines.append(
+      f"Generation (`{result.get('lm_config', '?')}`, greedy): B={g['batch']}, prompt "
+      f"{g['prompt_len']}, {g['new_tokens']} new tokens: first token after "
+      f"{1e3 * g['time_to_first_token_s']:.0f} ms, then {g['decode_tokens_per_s']:.0f} tokens/s."
+    )
+  return lines + [""]
+
+
 def _source(what: str, rec: dict) -> str:
   m, res = rec["meta"], rec["result"]
   jax_version = m.get("jax") or res.get("jax", "?")
@@ -155,8 +193,15 @@ def render_gpu(gpu_dir: str) -> str:
       f"intervals after the first step, {s['num_steps']} steps).",
       "",
     ]
+  if "decode" in recs:
+    lines += _decode_lines(recs["decode"]["result"])
   lines.append("Sources:")
-  for part, what in (("mixers", "ops"), ("layers", "layers"), ("train_125m", "training")):
+  for part, what in (
+    ("mixers", "ops"),
+    ("layers", "layers"),
+    ("train_125m", "training"),
+    ("decode", "decode"),
+  ):
     if part in recs:
       lines.append(_source(what, recs[part]))
   notes = [n for rec in recs.values() for n in rec["meta"].get("notes", [])]

@@ -73,6 +73,32 @@ def test_training_line(tmp_path):
   assert "- training: `bench --x` — Test GPU, jax 0.1," in md
 
 
+def test_decode_table(tmp_path):
+  steps = [
+    {"row": "kda_pallas", "batch": 1, "us_per_step": 8.0},
+    {"row": "fla_fused_recurrent_kda", "batch": 1, "us_per_step": 4.0},
+    {"row": "kda_pallas", "batch": 16, "us_per_step": 30.0},
+  ]
+  gen = [
+    {
+      "batch": 1,
+      "prompt_len": 64,
+      "new_tokens": 8,
+      "time_to_first_token_s": 0.02,
+      "decode_tokens_per_s": 1000.4,
+    }
+  ]
+  result = {"heads": 16, "dim": 128, "steps_per_call": 64, "steps": steps, "generation": gen}
+  result["lm_config"] = "configs/x.py"
+  _write(str(tmp_path / "g" / "decode.json"), dict(META, jax="0.2"), result)
+  md = rp.render(str(tmp_path))
+  assert "| row | B=1 | B=16 |" in md
+  assert "| kda_pallas | 8.0 (2.00x) | 30.0 |" in md  # no fla cell at B=16: no ratio
+  assert "| fla_fused_recurrent_kda | 4.0 | – |" in md
+  assert "B=1, prompt 64, 8 new tokens: first token after 20 ms, then 1000 tokens/s" in md
+  assert "- decode: `bench --x` — Test GPU, jax 0.2," in md
+
+
 def test_bad_records_are_named(tmp_path):
   with pytest.raises(ValueError, match="no <gpu>/ folders"):
     rp.render(str(tmp_path))
