@@ -317,12 +317,20 @@ def position_ppl(ctx: Context) -> tuple[dict, dict, np.ndarray]:
     "generalises_to": generalises_to,
     "ppl_at": {
       str(t): float(np.exp(per_pos[max(0, t // 2) : t].mean()))
-      for t in (ctx.train_len, 2 * ctx.train_len, 4 * ctx.train_len, 8 * ctx.train_len, L)
-      if t <= L
+      for t in doubling_lengths(ctx.train_len, L)
     },
   }
   res.update(position_intervals(nll, edges, ctx.train_len, ctx.settings))
   return res, _state_result(ctx, series, n, L), per_pos
+
+
+def doubling_lengths(train_len: int, max_len: int) -> list[int]:
+  """T, 2T, 4T, ... up to max_len, and max_len itself: the ends of the bands [t/2, t) of ppl_at."""
+  out, t = [], train_len
+  while t < max_len:
+    out.append(t)
+    t *= 2
+  return out + [max_len]
 
 
 def position_intervals(nll, edges, train_len: int, settings: Settings) -> dict:

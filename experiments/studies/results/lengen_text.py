@@ -25,6 +25,7 @@ PRESET_TITLE = {
   "t64": "T = 64 (GPU: 4 layers, d=256, 4 heads x 64, 16k vocabulary, ~7.8M parameters)",
   "t128": "T = 128 (GPU: the T = 64 model at batch 128)",
 }
+IN_DOMAIN_SUFFIX = "_long_val"  # experiments/studies/lengen_text.py LONG_SPLITS
 # The second paper's findings beside ours (its reported settings, not numbers we measured).
 PAPER = {
   "mamba2": "fails past T (Mamba-1/2)",
@@ -46,6 +47,18 @@ CLAIM = (
   "perplexity climbs), more so with more training tokens; State Passing / TBTT post-training "
   "fixes it."
 )
+
+
+def title(folder: str) -> str:
+  """A results folder's heading: its preset and the long documents it was evaluated on."""
+  base = folder.removesuffix(IN_DOMAIN_SUFFIX)
+  where = (
+    "in-domain long documents held out of train (long_val)"
+    if folder.endswith(IN_DOMAIN_SUFFIX)
+    else "the long_eval split (on the prepared corpus: Shakespeare and Austen, sources outside "
+    "the training domain)"
+  )
+  return f"{PRESET_TITLE.get(base, base)}; evaluated on {where}"
 
 
 def load_runs(preset_dir: str) -> list[dict]:
@@ -108,6 +121,25 @@ def _fix_words(r: dict, control: dict | None) -> str:
   return "no fix shown"
 
 
+def drift(r: dict) -> tuple[float, int] | None:
+  """PPL@L over the lowest PPL@n past T (2T <= n < L, the doubling bands of ``ppl_at``) and that
+  n: how far the curve climbs back from its best point past T (1.0 when it keeps falling). A
+  description beside the verdict, without an interval; None when fewer than two bands are
+  stored."""
+  at = {int(k): v for k, v in r["position"]["ppl_at"].items()}
+  T, L = r["ratio"]["train_len"], r["ratio"]["long_len"]
+  past = {n: v for n, v in at.items() if 2 * T <= n < L}
+  if not past or L not in at:
+    return None
+  n = min(past, key=past.get)
+  return at[L] / min(past[n], at[L]), n
+
+
+def _drift_cell(r: dict) -> str:
+  d = drift(r)
+  return "" if d is None else f"{d[0]:.3f} (from {d[1]})"
+
+
 def render_table(runs: list[dict]) -> str:
   rows = []
   for r in runs:
@@ -124,6 +156,7 @@ def render_table(runs: list[dict]) -> str:
         f"{at[str(T)]:.2f}",
         f"{at[str(L)]:.2f}",
         _iv(r["ratio"]),
+        _drift_cell(r),
         f"{mid:.3f}",
         _verdict(r, runs),
         paper,
@@ -140,6 +173,7 @@ def render_table(runs: list[dict]) -> str:
       f"PPL@{T}",
       f"PPL@{L}",
       f"PPL@{L} / PPL@{T} [95% interval]",
+      f"PPL@{L} / lowest PPL@n past T",
       f"EffRem({runs[0]['effrem']['T'] // 2 if runs else 'T/2'})",
       "verdict",
       "paper",
@@ -184,6 +218,32 @@ def verdicts(runs: list[dict]) -> list[str]:
       line += f"; control ratio {_iv(control['ratio'])}: " + "; ".join(parts)
     out.append(line)
   return out
+
+
+def domain_gap(runs: list[dict]) -> str:
+  """How the long-eval documents compare with the training distribution at the same positions:
+  PPL@T on the long-eval windows over the validation PPL (windows of T from the training
+  sources), per arm at its last pretraining checkpoint. Far above 1, the long documents are out
+  of the training domain, and what the model learns in context over them lowers PPL(t) at every
+  length, which can hide a drift of the state."""
+  parts = []
+  for arm in sorted({r["arm"] for r in runs}):
+    pre = [r for r in runs if r["arm"] == arm and r["stage"] == "pretrain"]
+    if not pre:
+      continue
+    last = max(pre, key=lambda r: r["step"])
+    T = last["ratio"]["train_len"]
+    parts.append(f"{arm} {last['position']['ppl_at'][str(T)] / last['val_ppl']:.1f}x")
+  if not parts:
+    return ""
+  return (
+    "Long-eval PPL@T over validation PPL at the last pretraining checkpoint: "
+    + ", ".join(parts)
+    + ". Where this is far above 1 the long-eval documents lie outside the training domain; "
+    "in-context adaptation then lowers PPL(t) at every length and can mask a drift of the "
+    "state. The column PPL@L / lowest PPL@n past T shows how far each curve climbs back from "
+    "its lowest band (1.000: it keeps falling)."
+  )
 
 
 def figure(runs: list[dict], arm: str, fig_dir: str, name: str) -> str:
@@ -273,7 +333,7 @@ def render(results_dir: str, fig_dir: str) -> str:
     runs = load_runs(pdir) if os.path.isdir(pdir) else []
     if not runs:
       continue
-    out += [f"### {PRESET_TITLE.get(preset, preset)}", ""]
+    out += [f"### {title(preset)}", ""]
     if exists(pdir, "commands.json"):
       cmds = load(os.path.join(pdir, "commands.json"))
       out += [f"Protocol: {cmds.get('protocol', '')}.", ""]
@@ -291,6 +351,8 @@ def render(results_dir: str, fig_dir: str) -> str:
       render_table(runs),
       "",
       *verdicts(runs),
+      "",
+      domain_gap(runs),
       "",
       f"Device time in these runs: training {train_s / 3600:.2f} h, evaluation "
       f"{eval_s / 3600:.2f} h (wall time of each process; arms sharing a device overlap).",
