@@ -29,6 +29,10 @@ from experiments.data.corpus_sources import Source, SourceUnavailable
 from experiments.data.tokenizer import EOS, BPETokenizer
 
 SPLITS = ("train", "val", "long_eval")
+# In-domain long documents held out of train (build's long_val_docs): the long-context evaluation
+# of text like the training text, where long_eval's own sources are out of the training domain.
+LONG_VAL = "long_val"
+BYTES_PER_TOKEN_BOUND = 6  # bytes a document needs per wanted token (the tokenizer averages ~3.8)
 FORMAT_VERSION = 1
 FULL_CACHE_MB = (
   540  # <out>/cache after a full build: 79 MB of downloads plus the unpacked package trees
@@ -182,9 +186,10 @@ def _file_sha(path: str) -> str:
   return h.hexdigest()
 
 
-def _outputs_present(out: str) -> bool:
+def _outputs_present(out: str, long_val: bool = False) -> bool:
+  splits = SPLITS + ((LONG_VAL,) if long_val else ())
   files = ["tokenizer.json", "manifest.json"] + [
-    f"{s}{e}" for s in SPLITS for e in (".npy", ".docs.npy")
+    f"{s}{e}" for s in splits for e in (".npy", ".docs.npy")
   ]
   return all(os.path.exists(os.path.join(out, f)) for f in files)
 
@@ -198,6 +203,8 @@ def build(
   val_fraction: float = 0.02,
   long_tokens: int = 32768,
   tokenizer_sample_bytes: int = 40_000_000,
+  long_val_docs: int = 0,
+  long_val_tokens: int = 8192,
   force: bool = False,
   refresh_docs: bool = False,
   command: str | None = None,
@@ -211,7 +218,17 @@ def build(
   keeps its long documents: tbtt training needs them). Train and val are ordered by the draw (a seeded
   shuffle), long_eval by source. The tokenizer is trained on the train documents in draw order up to
   ``tokenizer_sample_bytes`` of UTF-8 text.
+
+  ``long_val_docs`` > 0 also holds out that many in-domain long documents as ``long_val``: drawn
+  (lowest draws first) among the train documents of at least ``BYTES_PER_TOKEN_BOUND`` x
+  ``long_val_tokens`` UTF-8 bytes, before the tokenizer is trained (neither the tokenizer nor a
+  model sees them); any that tokenize to fewer than ``long_val_tokens`` tokens go back to train.
   """
+  if long_val_docs < 0 or long_val_tokens < 1:
+    raise ValueError(
+      f"--long_val_docs / --long_val_tokens: expected >= 0 and >= 1, got {long_val_docs} / "
+      f"{long_val_tokens}"
+    )
   t0 = time.time()
   sources = corpus_sources.default_sources() if sources is None else list(sources)
   cache_dir = cache_dir or os.path.join(out, "cache")
@@ -263,6 +280,8 @@ def build(
     tokenizer_sample_bytes=tokenizer_sample_bytes,
     format_version=FORMAT_VERSION,
   )
+  if long_val_docs:  # (absent when off: corpora built without it keep their fingerprint)
+    params.update(long_val_docs=long_val_docs, long_val_tokens=long_val_tokens)
   fingerprint = _fingerprint(
     [sorted(params.items())]
     + [
@@ -272,7 +291,7 @@ def build(
     ]
   )
   manifest_path = os.path.join(out, "manifest.json")
-  if not force and _outputs_present(out):
+  if not force and _outputs_present(out, long_val=bool(long_val_docs)):
     with open(manifest_path, encoding="utf-8") as f:
       old = json.load(f)
     if old.get("fingerprint") == fingerprint:
@@ -290,6 +309,15 @@ def build(
   train = sorted((i for i in short if i not in val_set), key=lambda i: draws[i])
   val = sorted(val, key=lambda i: draws[i])
   long_eval = [i for i, d in enumerate(docs) if d[1]]
+  min_bytes = BYTES_PER_TOKEN_BOUND * long_val_tokens
+  long_val = [i for i in train if len(docs[i][3].encode("utf-8")) >= min_bytes][:long_val_docs]
+  if long_val_docs and len(long_val) < long_val_docs:
+    raise RuntimeError(
+      f"prepare: --long_val_docs={long_val_docs}: only {len(long_val)} train documents have "
+      f">= {min_bytes} bytes (--long_val_tokens={long_val_tokens})"
+    )
+  held = set(long_val)
+  train = [i for i in train if i not in held]
   if not train:
     raise RuntimeError("prepare: the train split is empty (only long-eval sources are available?)")
 
@@ -315,10 +343,26 @@ def build(
   # ---- tokenize
   t = time.time()
   order = {"train": train, "val": val, "long_eval": long_eval}
+  splits = SPLITS + ((LONG_VAL,) if long_val_docs else ())
+  if long_val_docs:
+    order[LONG_VAL] = long_val
   enc = {}
-  for split in SPLITS:
+  for split in splits:
     enc[split] = tokenize_documents(
       tok, [docs[i][3] for i in order[split]], f"tokenize {split}", log
+    )
+  if long_val_docs:
+    short_lv = [k for k, e in enumerate(enc[LONG_VAL]) if len(e) + 1 < long_val_tokens]
+    if short_lv:  # back to train, at the end (the tokenizer has not seen them)
+      order["train"] += [long_val[k] for k in short_lv]
+      enc["train"] += [enc[LONG_VAL][k] for k in short_lv]
+      keep = [k for k in range(len(long_val)) if k not in set(short_lv)]
+      order[LONG_VAL] = [long_val[k] for k in keep]
+      enc[LONG_VAL] = [enc[LONG_VAL][k] for k in keep]
+    log(
+      f"prepare: {len(order[LONG_VAL])} in-domain documents of >= {long_val_tokens} tokens held "
+      f"out of train as {LONG_VAL}"
+      + (f" ({len(short_lv)} shorter ones went back to train)" if short_lv else "")
     )
   held_long = [k for k, i in enumerate(val) if len(enc["val"][k]) + 1 >= long_tokens]
   if held_long and len(held_long) < len(val):
@@ -332,7 +376,7 @@ def build(
       + ", ".join(f"{docs[val[k]][0]}/{docs[val[k]][2]}" for k in held_long)
     )
   splits_info = {}
-  for split in SPLITS:
+  for split in splits:
     ndocs, ntok = save_split(out, split, enc[split], tok.eos_id)
     nbytes = sum(len(docs[i][3].encode("utf-8")) for i in order[split])
     splits_info[split] = {"documents": ndocs, "tokens": ntok, "bytes": nbytes}
@@ -345,7 +389,7 @@ def build(
   check = [docs[i][3] for i in order["val"][:100]] + [docs[i][3] for i in order["long_eval"][:1]]
   roundtrip_ok = all(tok.decode(tok.encode(text)) == text for text in check)
   files_ok = True
-  for split in SPLITS:
+  for split in splits:
     tokens, offsets = load_split(out, split)
     ok = (
       offsets[0] == 0
@@ -382,6 +426,9 @@ def build(
     "val_fraction": val_fraction,
     "long_tokens": long_tokens,
     "tokenizer_sample_bytes": tokenizer_sample_bytes,
+    **(
+      {"long_val_docs": long_val_docs, "long_val_tokens": long_val_tokens} if long_val_docs else {}
+    ),
     "splits": splits_info,
     "sources": per_source,
     "long_eval_documents": [
@@ -409,7 +456,7 @@ def build(
   }
   _atomic_json(
     os.path.join(out, "splits.json"),
-    {s: [f"{docs[i][0]}/{docs[i][2]}" for i in order[s]] for s in SPLITS},
+    {s: [f"{docs[i][0]}/{docs[i][2]}" for i in order[s]] for s in splits},
   )
   _atomic_json(manifest_path, manifest)
   log(
@@ -484,6 +531,18 @@ def main(argv=None):
     help="held-out documents with at least this many tokens go to long_eval",
   )
   p.add_argument(
+    "--long_val_docs",
+    type=int,
+    default=0,
+    help="hold this many in-domain long train documents out as long_val (0: none)",
+  )
+  p.add_argument(
+    "--long_val_tokens",
+    type=int,
+    default=8192,
+    help="the least tokens of a long_val document",
+  )
+  p.add_argument(
     "--tokenizer_sample_mb",
     type=float,
     default=40.0,
@@ -517,11 +576,13 @@ def main(argv=None):
       a.val_fraction,
       a.long_tokens,
       int(a.tokenizer_sample_mb * 1e6),
+      a.long_val_docs,
+      a.long_val_tokens,
       a.force,
       a.refresh_docs,
       command,
     )
-  except RuntimeError as e:
+  except (RuntimeError, ValueError) as e:
     print(e, file=sys.stderr)
     return 1
   return 0

@@ -49,6 +49,8 @@ DEFAULT_ARMS = {
   "t64": ("mamba2", "mamba2_long", "gla", "kda", "kdn_diag"),
   "t128": ("mamba2", "mamba2_long", "gla", "kda", "kdn_diag"),
 }
+# the evaluated long documents -> the suffix of the results folder (<preset><suffix>)
+LONG_SPLITS = {"long_val": "_long_val", "long_eval": ""}
 EVAL = {"tiny": {"windows": 8, "chunk": 512}, "t64": {"windows": 64, "chunk": 512}}
 EVAL["t128"] = EVAL["t64"]
 SUITES = ("ppl", "position_ppl", "effrem")
@@ -85,6 +87,14 @@ flags.DEFINE_bool(
   False,
   "generate a small corpus in <workdir>/toy_corpus and train on it (CPU runs without a prepared "
   "corpus; vocabulary 256)",
+  flag_values=FLAGS,
+)
+flags.DEFINE_enum(
+  "long_split",
+  "long_val",
+  ["long_val", "long_eval"],
+  "the long documents evaluated: long_val (in-domain documents held out of train; prepare "
+  "--long_val_docs) or long_eval (Shakespeare and Austen: sources outside the training domain)",
   flag_values=FLAGS,
 )
 flags.DEFINE_integer("parallel", 1, "arms at once as separate processes", flag_values=FLAGS)
@@ -141,6 +151,7 @@ class Plan:
     deadline_s=0,
     overrides=(),
     fast_compile=None,
+    long_split="long_val",
   ):
     if preset not in PRESETS:
       raise ValueError(f"--preset: expected one of {list(PRESETS)}, got {preset!r}")
@@ -171,8 +182,13 @@ class Plan:
         raise ValueError(f"{name}: must be >= 0, got {v}")
     if resamples < 100:
       raise ValueError(f"--resamples: use at least 100 bootstrap resamples, got {resamples}")
+    if long_split not in LONG_SPLITS:
+      raise ValueError(f"--long_split: expected one of {list(LONG_SPLITS)}, got {long_split!r}")
+    self.long_split = long_split
     self.workdir = workdir or f"/tmp/lengen_text_{preset}"
-    self.results = os.path.join(results or "docs/results/lengen_text", preset)
+    self.results = os.path.join(
+      results or "docs/results/lengen_text", preset + LONG_SPLITS[long_split]
+    )
     self.toy_corpus = toy_corpus
     self.corpus_dir = os.path.join(self.workdir, "toy_corpus") if toy_corpus else corpus_dir
     base = study_config.get_config(preset)
@@ -195,6 +211,18 @@ class Plan:
     for key, value in self.overrides.items():  # fails here, naming the key, not mid-study
       common._set(base, key, value)
     self.tokens_per_step = int(base.data.global_batch_size) * self.train_len
+    self.long_path = os.path.join(self.corpus_dir or base.data.corpus_dir, f"{long_split}.npy")
+
+  def check_long_split(self):
+    """One line before any work when the corpus lacks the evaluated split."""
+    if not os.path.exists(self.long_path):
+      hint = (
+        "prepare the corpus with --long_val_docs=64 (python -m experiments.data.prepare "
+        "--out=<dir> --long_val_docs=64) or pass --long_split=long_eval"
+        if self.long_split == "long_val"
+        else "prepare the corpus (python -m experiments.data.prepare --out=<dir>)"
+      )
+      raise ValueError(f"--long_split={self.long_split}: {self.long_path} does not exist; {hint}")
 
   def run_dir(self, arm, stage):
     return os.path.join(self.workdir, arm, stage)
@@ -237,8 +265,8 @@ TOY_EOS = 0
 def write_toy_corpus(out: str, seed: int = 0, long_len: int = 2100) -> str:
   """A corpus in prepare's layout (no tokenizer: the study's suites need none): documents drawn
   each from its own Zipf law over a random subset of the vocabulary, so the context identifies the
-  document and a memory of it lowers the loss. Train 2000 short documents, val 200, long_eval 24
-  of ``long_len``+ tokens. Written once (a manifest present means done)."""
+  document and a memory of it lowers the loss. Train 2000 short documents, val 200, long_eval and long_val 24
+  each of ``long_len``+ tokens. Written once (a manifest present means done)."""
   if os.path.exists(os.path.join(out, "manifest.json")):
     return out
   os.makedirs(out, exist_ok=True)
@@ -254,6 +282,7 @@ def write_toy_corpus(out: str, seed: int = 0, long_len: int = 2100) -> str:
     "train": [doc(int(n)) for n in rng.integers(20, 200, 2000)],
     "val": [doc(int(n)) for n in rng.integers(20, 200, 200)],
     "long_eval": [doc(int(n)) for n in rng.integers(long_len, long_len + 400, 24)],
+    "long_val": [doc(int(n)) for n in rng.integers(long_len, long_len + 400, 24)],
   }
   for name, docs in splits.items():
     np.save(os.path.join(out, f"{name}.npy"), np.concatenate(docs))
@@ -278,6 +307,7 @@ def evaluated(plan, path, step) -> bool:
     and r.get("step") == step
     and r["ratio"]["units"] == plan.windows
     and r["position"]["max_len"] == plan.max_len
+    and r.get("long_split", "long_eval") == plan.long_split
   )
 
 
@@ -294,6 +324,7 @@ def _evaluate(plan, arm, stage, step) -> dict:
     effrem_sequences=min(plan.windows, 16),
     resamples=plan.resamples,
     seed=plan.seed,
+    long_eval_path=plan.long_path,
   )
   t0 = time.time()
   with common._lowest_optimisation(plan.fast_compile):
@@ -317,6 +348,7 @@ def _evaluate(plan, arm, stage, step) -> dict:
     "init_from_step": init_step,
     "tokens": (step + (int(init_step) if init_step else 0)) * plan.tokens_per_step,
     "train_len": plan.train_len,
+    "long_split": plan.long_split,
     "num_params": summary.get("num_params"),
     "val_ppl": res["ppl"]["perplexity"],
     "ratio": pp["ratio"],
@@ -407,11 +439,17 @@ def run_arm(plan, arm, meter=None) -> str:
 
 
 # ------------------------------------------------------------------------------------------ drivers
+def prepare_inputs(plan):
+  """The toy corpus written (when asked for), and the evaluated long split there."""
+  if plan.toy_corpus:
+    write_toy_corpus(plan.corpus_dir, long_len=plan.max_len + 1)
+  plan.check_long_split()
+
+
 def run_in_process(plan) -> str:
   os.makedirs(plan.workdir, exist_ok=True)
   os.makedirs(plan.results, exist_ok=True)
-  if plan.toy_corpus:
-    write_toy_corpus(plan.corpus_dir, long_len=plan.max_len + 1)
+  prepare_inputs(plan)
   from kdn_jax.ops import dispatch  # pylint: disable=g-import-not-at-top
 
   dispatch.warm_kernel_imports()
@@ -443,8 +481,7 @@ def child_command(plan, arm, argv_flags) -> list[str]:
 def run_parallel(plan, parallel, argv_flags) -> str:
   """One process per arm, ``parallel`` at a time, each with the remaining deadline."""
   os.makedirs(plan.workdir, exist_ok=True)
-  if plan.toy_corpus:  # before the children, which would race to write it
-    write_toy_corpus(plan.corpus_dir, long_len=plan.max_len + 1)
+  prepare_inputs(plan)  # before the children, which would race to write the toy corpus
   env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
   print(
     f"study: preset {plan.preset}, {len(plan.arms)} arms, {parallel} processes at a time; "
@@ -500,7 +537,7 @@ def write_commands(plan, argv_flags, status, wall_s, machine):
     f"T={plan.train_len}, batch {c.data.global_batch_size}; pretraining {plan.pretrain_steps} steps "
     f"from the zero state at lr {c.optim.learning_rate:g} (checkpoints {plan.keep_steps} "
     f"evaluated), post-training {plan.post_steps} steps at lr {study_config.POST_LR:g} (fresh "
-    f"optimizer); corpus {c.data.corpus_dir}; evaluation: {plan.windows} long-eval windows of "
+    f"optimizer); corpus {c.data.corpus_dir}; evaluation: {plan.windows} {plan.long_split} windows of "
     f"{plan.max_len} tokens spread over the documents (seed {plan.seed}), state carried in chunks "
     f"of {plan.chunk}, EffRem at T={plan.effrem_len}, {plan.resamples} bootstrap resamples over "
     f"windows"
@@ -532,7 +569,9 @@ def main(argv):
       FLAGS.deadline_s,
       FLAGS.override,
       FLAGS.fast_compile,
+      FLAGS.long_split,
     )
+    prepare_inputs(plan)
   except (ValueError, config_lib.ConfigError) as e:
     print(f"Study error: {e}", file=sys.stderr)
     return 2

@@ -574,6 +574,28 @@ def test_splits_disjoint_long_docs_to_long_eval(built):
   assert long_train.any(), "train keeps its long documents"
 
 
+def test_long_val_holds_in_domain_long_documents_out(tmp_path):
+  """long_val: in-domain documents of >= long_val_tokens tokens, drawn before the tokenizer is
+  trained and absent from every other split; the build without it keeps its fingerprint."""
+  srcs = fake_sources(str(tmp_path))
+  out = str(tmp_path / "out")
+  m = prepare.build(
+    out, srcs, seed=0, log=[].append, command="t", long_val_docs=3, long_val_tokens=200, **KW
+  )
+  names = json.load(open(os.path.join(out, "splits.json")))
+  lv = set(names[prepare.LONG_VAL])
+  assert len(lv) == m["splits"][prepare.LONG_VAL]["documents"] == 3
+  assert not lv & (set(names["train"]) | set(names["val"]) | set(names["long_eval"]))
+  assert not any(n.startswith(("fake-austen", "fake-iambic")) for n in lv)  # in-domain only
+  _, off = prepare.load_split(out, prepare.LONG_VAL)
+  assert np.all(np.diff(off) >= 200)
+  assert m["long_val_docs"] == 3 and m["long_val_tokens"] == 200
+  with pytest.raises(ValueError, match="long_val_docs"):
+    prepare.build(out, srcs, log=[].append, long_val_docs=-1, **KW)
+  with pytest.raises(RuntimeError, match="only .* train documents have"):
+    prepare.build(out, srcs, log=[].append, long_val_docs=10_000, **KW)
+
+
 def test_missing_source_is_one_line_and_the_rest_builds(built):
   _, _, _, m, logs = built
   for name, why in (

@@ -77,6 +77,7 @@ def test_tiny_study_end_to_end_and_resume(tmp_path, capsys):
   ]
   sp = runs[-1]
   assert sp["init_from_step"] == 5 and sp["tokens"] == 7 * 8 * 16
+  assert sp["long_split"] == "long_val" and plan.results.endswith("tiny_long_val")
   r = sp["ratio"]
   assert (r["units"], r["long_len"], r["train_len"]) == (4, 512, 16)
   assert r["lo"] <= r["estimate"] <= r["hi"]
@@ -84,7 +85,8 @@ def test_tiny_study_end_to_end_and_resume(tmp_path, capsys):
   assert study.arm_work(plan, "gla") == []  # a second call finds nothing to do
   md = render.render(str(tmp_path / "res"), str(tmp_path / "fig"))
   assert render.render_table(runs) in md and "- **gla**:" in md
-  assert os.path.getsize(tmp_path / "fig" / "lengen_text_tiny_gla.png") > 1000
+  assert "in-domain long documents held out of train (long_val)" in md
+  assert os.path.getsize(tmp_path / "fig" / "lengen_text_tiny_long_val_gla.png") > 1000
   assert render.render(str(tmp_path / "res"), str(tmp_path / "fig")) == md  # from the JSON alone
 
 
@@ -99,6 +101,17 @@ def test_plan_rejects_bad_arguments():
     study.Plan("tiny", ["gla"], windows=1)
   with pytest.raises(ValueError, match="--override: unknown config key 'model.depth'"):
     study.Plan("tiny", ["gla"], overrides=["model.depth=3"])
+  with pytest.raises(ValueError, match="--long_split"):
+    study.Plan("tiny", ["gla"], long_split="long_test")
+
+
+def test_a_missing_long_split_is_one_line_before_any_work(tmp_path):
+  plan = study.Plan("t64", ["gla"], corpus_dir=str(tmp_path), workdir=str(tmp_path / "w"))
+  with pytest.raises(ValueError, match=r"--long_split=long_val: .*long_val.npy does not exist; "):
+    study.prepare_inputs(plan)
+  assert not os.path.exists(tmp_path / "w")
+  (tmp_path / "long_eval.npy").write_bytes(b"")
+  study.prepare_inputs(study.Plan("t64", ["gla"], corpus_dir=str(tmp_path), long_split="long_eval"))
 
 
 def _run(arm, stage, ratio, lo, hi, val_ppl=50.0, step=100):
@@ -156,7 +169,18 @@ def test_verdict_rules_on_constructed_json(tmp_path):
   assert v["kda"].startswith("- **kda**: no failure (largest ratio 1.050")
   assert "state_passing no fix shown" in v["kda"]
   table = render.render_table(loaded)
-  assert "| 1.600 [1.350, 1.900] | 0.010 | failure shown |" in table
+  assert "| 1.600 [1.350, 1.900] |  | 0.010 | failure shown |" in table  # no bands: no drift
   md = render.render(str(tmp_path / "results"), str(tmp_path / "fig"))
   assert "## 3c." in md and table in md and "paper" in table
   assert os.path.exists(tmp_path / "fig" / "lengen_text_t64_gla.png")
+
+
+def test_drift_from_the_lowest_band_past_T():
+  r = _run("gla", "pretrain", 1.2, 1.1, 1.3)
+  r["position"]["ppl_at"] = {"64": 60.0, "128": 50.0, "256": 40.0, "512": 44.0, "8192": 72.0}
+  ratio, n = render.drift(r)
+  assert n == 256 and abs(ratio - 72.0 / 40.0) < 1e-12
+  r["position"]["ppl_at"] = {"64": 60.0, "128": 50.0, "8192": 45.0}  # still falling at L
+  assert render.drift(r) == (1.0, 128)
+  r["position"]["ppl_at"] = {"64": 60.0, "256": 40.0, "8192": 72.0}
+  assert "| 1.800 (from 256) |" in render.render_table([r])
