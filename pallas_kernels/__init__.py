@@ -8,7 +8,7 @@ Public API (all arrays in [B, T, H, *] layout):
              precision=None, interpret=None)
   precision_for(dtype) -> 'fast' | 'exact' (the dot precision delta_rule picks for that dtype)
   write_dtype(dtype) -> the dtype to store a computed write in for delta_rule on that data
-             (diag_gain's gain_dtype: bfloat16 under DeltaRuleConfig.bf16_write and bf16 dots)
+             (diag_gain's gain_dtype: bfloat16 under bf16 dots)
   warm_imports(interpret=None): lower one tiny kernel before your first jit (warmup.py says why)
   KernelConfigs: one frozen config per kernel family (tuned.py); every op takes its family's as
              `config=` (None: the tuned entry for the device, tuned.TUNED)

@@ -6,11 +6,10 @@ order, so in a plain loop the next step's loads wait behind this step's first us
 memory round trip per step, which bounds such a loop when its steps do little arithmetic (H200,
 T=16384, blocks of 8: the cumsum 0.41 -> 0.35 ms, the reverse cumsum 1.02 -> 0.82; the KDN
 layers' forward 0.5-2.5% faster with the conv's, fwd+bwd 0.07-0.6%). It does not pay where
-the steps' own arithmetic is the bound: session 43 tried it on the gain kernels' token loops,
-which got slower (forward 1.24 -> 1.46 ms at blocks of 4, 1.68 at 8; fwd+bwd 2.88 -> 3.50 /
-4.01): one warp per program, 32 programs per SM, and a token step of a few hundred instructions
-per thread keep the schedulers busy, so there was no wait to hide, and the unrolled blocks cost
-registers.
+the steps' own arithmetic is the bound: the gain kernels' token loops got slower with it
+(docs/decisions.md, `token_block`): one warp per program, 32 programs per SM, and a token step
+of a few hundred instructions per thread keep the schedulers busy, so there is no wait to hide,
+and the unrolled blocks cost registers.
 
 `blocked_loop` issues the loads of `block` consecutive steps together and, with `ahead`, those
 of the next block before this block's steps run (carried through the loop), so a round trip is

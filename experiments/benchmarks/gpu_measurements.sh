@@ -5,14 +5,13 @@
 # (the same for the packed-documents path),
 # mixers (mixer table vs flash-linear-attention), layers (whole layers vs fla's KDA layer),
 # train (125M LM training throughput on 1 GPU, and on 2 when there are 2), forward (forward
-# configs at 16k with the stage split and at 4k, GPU checks), passes (the forward's passes fwd+bwd, the scalar write's A/B,
-# the K=16 check), ncu (Nsight Compute on the pair kernels, ours and fla's), glue (the GPU check
+# configs at 16k with the stage split and at 4k, GPU checks), passes (the GPU check at K=16), ncu (Nsight Compute on the pair kernels, ours and fla's), glue (the GPU check
 # of the layers' fused glue kernels), loadchecks (GPU checks of the default since the cumsums'
 # load blocks), convblocks (the conv's load blocks: layers, check_fusion), abexp (session 46's
 # exp for 16-bit data against the tree before it), gains (session 47's gain kernels against a base
 # tree; the gain chunk at 4k).
 # Default: check ops stages docs mixers layers train.
-# Kernel config sweep (stages): SWEEP='default,max_chunk=64/sub_block=32' (DeltaRuleConfig fields).
+# Kernel config sweep (stages): SWEEP='default,num_warps_intra=2/block_v=32' (DeltaRuleConfig fields).
 # Extra train flags: TRAIN_EXTRA='--config.model.scan_layers=True --config.model.impl=pallas';
 # kernel options: TRAIN_EXTRA='--config.kernels.delta_rule=num_stages=2'.
 # Results land in $RES (default /tmp/kdn_gpu); with $OUT set (the device tool) they are also packed
@@ -77,7 +76,7 @@ stages)
   timeout ${STAGES_LIMIT:-540} python3 -m experiments.benchmarks.mixers --out="$RES/stages" \
     --seq_lens=${STAGE_LENS:-4096} --pallas_lens= --reps=${REPS:-10} --check=${STAGES_CHECK:-true} \
     --time_budget_s=${STAGES_BUDGET:-420} --stages --stages_docs --sweep_stages \
-    --sweep=${SWEEP-default,bf16_states=0,max_chunk=32,num_warps_intra=4} \
+    --sweep=${SWEEP-default,bf16_states=0,num_warps_intra=4} \
     --rows=${STAGE_ROWS:-diag_kdn_pallas,iso_kdn_pallas,fla_chunk_kda} \
     2>&1 | quiet | tail -60 | tee "$RES/stages.txt" ;;
 docs)
@@ -122,17 +121,13 @@ train)
   done ;;
 forward)
   # The forward at 16k with its stage split, then at 4k: FORWARD_SWEEP (default: the shipped
-  # config against session 48's decayed_operands off, and all three of the forward's passes off
-  # (cumsum_in_pairs: g formed by the pair kernel, no cumsum kernel; bf16_write: kappa in bf16;
-  # decayed_operands: Kbar, Qbar written by the pair kernel; the default since session 48:
-  # forward 16k 4.70 -> 3.94 ms on the H200)); FORWARD_LIMIT / FORWARD_4K_LIMIT: their limits.
+  # config alone; DeltaRuleConfig specs to compare); FORWARD_LIMIT / FORWARD_4K_LIMIT: their limits.
   # Then the GPU checks CHECK_CASES=dim:spec[:gain spec],... (default: the default at K=128 and
   # 16; each up to CHECK_LIMIT, 120 s: a cold compile cache needs more than 110 s at K=128,
   # session 48). About 450 s at most (FORWARD_DOCS=1: the forward with documents, +50 s). Each
   # line has its own limit, and results.tgz is packed after each.
   SWEEP_LOG=forward.txt
-  OFF=cumsum_in_pairs=0/bf16_write=0/decayed_operands=0
-  SPECS=${FORWARD_SWEEP:-default,decayed_operands=0,$OFF}
+  SPECS=${FORWARD_SWEEP:-default}
   sweep_line ${FORWARD_LIMIT:-220} --out="$RES/forward_16384" --seq_lens=16384 --sweep_len=16384 \
     --sweep_fwd_only --sweep_stages --sweep=$SPECS
   sweep_line ${FORWARD_4K_LIMIT:-110} --out="$RES/forward_4096" --seq_lens=4096 --sweep_len=4096 \
@@ -141,25 +136,9 @@ forward)
     --sweep_len=16384 --sweep_fwd_only --sweep_row=diag_kdn_seg_pallas --sweep=default
   gpu_checks "${CHECK_CASES:-128:default,16:default}" ;;
 passes)
-  # The forward's passes in training's fwd+bwd: the default against cumsum_in_pairs (the pair
-  # kernel forms g; no cumsum kernel) and bf16_write (kappa in bf16) off, and against all three
-  # off (with decayed_operands; session 48, H200: 14.04 ms against 14.35-14.40 at 16k); and the
-  # scalar write (beta [B, T, H] formed in the kernels) against beta k made in XLA
-  # (scalar_write=0), forward then fwd+bwd, on the rows whose write is beta k
-  # (SCALAR_WRITE_ROWS: iso KDN, KDA); then the GPU check of the default at K=16 (every check
-  # has a scalar-write case and the KDN ops' own). About 450 s at most.
+  # The GPU check of the default at K=16 (every check has a scalar-write case and the KDN ops'
+  # own). About 150 s at most.
   SWEEP_LOG=passes.txt
-  sweep_line 90 --out="$RES/passes_fwd_bwd" --seq_lens=16384 --sweep_len=16384 \
-    --sweep=default,cumsum_in_pairs=0/bf16_write=0,cumsum_in_pairs=0/bf16_write=0/decayed_operands=0
-  # session 45's scalar write (beta [B, T, H] formed in the kernels) against beta k made in XLA
-  # (scalar_write=0), forward then fwd+bwd, on the rows whose write is beta k (iso KDN, KDA)
-  for row in ${SCALAR_WRITE_ROWS:-iso_kdn_pallas kda_pallas}; do
-    for mode in fwd fwd_bwd; do
-      rank=--sweep_fwd_only; [ $mode = fwd_bwd ] && rank=--nosweep_fwd_only
-      sweep_line 60 --out="$RES/scalar_write_${row}_$mode" --seq_lens=16384 --sweep_len=16384 \
-        --sweep_row=$row $rank --sweep=default,scalar_write=0
-    done
-  done
   gpu_checks "${CHECK_CASES:-16:default}" ;;
 ncu)
   # Nsight Compute on one forward per row (experiments/benchmarks/kernel_dev/profile_kernels.py): the kernels matching

@@ -87,7 +87,7 @@ flags.DEFINE_list(
   [],
   "DeltaRuleConfig overrides to try on diag_kdn_pallas fwd+bwd at "
   "--sweep_len, each 'field=value/field=value' ('default': none), e.g. "
-  "'max_chunk=64/sub_block=32'; the fastest is used for the rows",
+  "'num_warps_intra=2/block_v=32'; the fastest is used for the rows",
   flag_values=FLAGS,
 )
 flags.DEFINE_list(
@@ -149,7 +149,7 @@ flags.DEFINE_boolean(
   True,
   "time a sweep's first spec (its baseline) again "
   "after the others and rank it by that timing: a process's first timed spec can "
-  "read slow (session 46, H100: 2.29 ms against 1.35-1.40 for the same config)",
+  "read slow (docs/decisions.md, --sweep_repeat_first)",
   flag_values=FLAGS,
 )
 flags.DEFINE_boolean(
@@ -494,7 +494,7 @@ def _gain_check(pk, x, seg, tag, b, h, d, kernels):
 def _kdn_op_check(x, seg, tag, d, ct, kernels):
   """The diag and iso KDN ops (impl='pallas', with the reset of `seg`) against their fp32 token
   loops (impl='reference'): what the op adds to the kernels (the gain's kappa stored for the
-  delta rule, DeltaRuleConfig.bf16_write; the iso write beta k formed in the kernels)."""
+  delta rule, pallas_kernels.write_dtype; the iso write beta k formed in the kernels)."""
   from kdn_jax import ops  # pylint: disable=g-import-not-at-top
 
   res = {}
@@ -643,7 +643,7 @@ def _time_stages(t, docs=False, kernels=None):
   from pallas_kernels.delta_rule import output as dout  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import state_pass as dstate  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import wy as dwy  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.delta_rule.chunk_cumsum import chunk_cumsum, chunk_reverse_cumsum  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.delta_rule.chunk_cumsum import chunk_reverse_cumsum  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule.intra_bwd_tokens import intra_backward_tokens  # pylint: disable=g-import-not-at-top
 
   b, h, d = FLAGS.batch, FLAGS.heads, FLAGS.dim
@@ -659,22 +659,15 @@ def _time_stages(t, docs=False, kernels=None):
   mu = jnp.full((h,), float(d))
   p0 = jnp.ones((b, h, d), jnp.float32)
   out, first = {}, {}
-  # (kappa stored as the op stores it: bf16 under DeltaRuleConfig.bf16_write)
+  # (kappa stored as the op stores it: pallas_kernels.write_dtype)
   gain = jax.jit(
     lambda k, la, om, r, seg: pk.diag_gain(
-      k, la, om, r, mu, p0, seg, gain_dtype=pk.write_dtype(k.dtype, config=cfg), config=gain_cfg
+      k, la, om, r, mu, p0, seg, gain_dtype=pk.write_dtype(k.dtype), config=gain_cfg
     )[0]
   )
   gargs = (x["k"], x["la"], x["om"], x["r"], seg)
   out["gain_fwd"] = _time_fn(gain, gargs, first, "gain_fwd")
   w = gain(*gargs)
-  cums = jax.jit(
-    lambda la, starts: chunk_cumsum(
-      la, starts, chunk=chunk, interpret=interpret, block=cfg.cumsum_block
-    )
-  )
-  out["cumsum_glue"] = _time_fn(cums, (x["la"], starts), first, "cumsum_glue")
-  g = cums(x["la"], starts)
   # The precision the op picks for bf16 data.
   kw = dict(
     chunk=chunk,
@@ -686,41 +679,25 @@ def _time_stages(t, docs=False, kernels=None):
   h0 = jnp.zeros((b, h, d, d), jnp.float32)
   # Arrays go in as arguments: closed-over arrays become constants that XLA folds for minutes.
   intra = jax.jit(
-    lambda q, k, v, w, g, h0, pid, cont: dintra.intra_forward(q, k, v, w, g, h0, pid, cont, **kw)
+    lambda q, k, v, w, la, h0, pid, cont: dintra.intra_forward(q, k, v, w, la, h0, pid, cont, **kw)
   )
-  iargs = (x["q"], x["k"], x["v"], w, g, h0, pid, cont)
+  iargs = (x["q"], x["k"], x["v"], w, x["la"], h0, pid, cont)
   out["delta_intra_fwd"] = _time_fn(intra, iargs, first, "delta_intra_fwd")
-  amat, pmat, wt, wk, u = intra(*iargs)[:5]
-  # its two kernels apart: the pair rows, then the WY kernel; with decayed operands (the pair
-  # kernel also writes Kbar and Qbar) the later stages read those, as the op's do (the state
-  # pass gets the whole g here, where a forward-only op call passes g_last: the same rows read)
-  dec = dintra.decayed_operands(cfg, chunk)
-  pairs = jax.jit(
-    lambda q, k, w, g, pid: dintra.pair_rows_forward(q, k, w, g, pid, decayed=dec, **kw)
+  amat, pmat, wt, wk, u, g = intra(*iargs)[:6]
+  # its two kernels apart: the pair kernel (g, L, P, Wt, Kbar, Qbar; g whole, as in training),
+  # then the WY kernel; and the pair kernel of a call not differentiated (only g's chunk-last
+  # rows written)
+  pairs = jax.jit(lambda q, k, w, la, pid: dintra.pair_forward(q, k, w, la, pid, **kw))
+  pargs = (x["q"], x["k"], w, x["la"], pid)
+  out["delta_pairs_fwd"] = _time_fn(pairs, pargs, first, "delta_pairs_fwd")
+  pd = pairs(*pargs)
+  pairs_fo = jax.jit(
+    lambda q, k, w, la, pid: dintra.pair_forward(q, k, w, la, pid, write_g=False, **kw)
   )
-  out["delta_pairs_fwd"] = _time_fn(pairs, (x["q"], x["k"], w, g, pid), first, "delta_pairs_fwd")
-  pd = pairs(x["q"], x["k"], w, g, pid)
-  lmat = pd.lmat
-  q_out, g_dec = dintra.operands(pd.qbar, x["q"], g)  # (the op's choice: intra.operands)
-  k_wy, _ = dintra.operands(pd.kbar, x["k"], g)
-  if cfg.cumsum_in_pairs and dintra.token_parallel(cfg, chunk):
-    # the pair kernel forming g from log_alpha (the op then runs no cumsum kernel; with decayed
-    # operands a call not differentiated writes only g's chunk-last rows)
-    pairs_la = jax.jit(
-      lambda q, k, w, la, pid: dintra.pair_rows_forward(
-        q, k, w, None, pid, la=la, decayed=dec, write_g=not dec, **kw
-      )
-    )
-    out["delta_pairs_cumsum_fwd"] = _time_fn(
-      pairs_la, (x["q"], x["k"], w, x["la"], pid), first, "delta_pairs_cumsum_fwd"
-    )
+  out["delta_pairs_fwd_only"] = _time_fn(pairs_fo, pargs, first, "delta_pairs_fwd_only")
   nosc = {n: val for n, val in kw.items() if n != "scale"}
-  wyf = jax.jit(
-    lambda lmat, k, v, g, h0, cont: dwy.wy_forward(
-      lmat, k, v, g, h0, cont, sub=dintra.sub_rows(cfg, chunk), **nosc
-    )
-  )
-  out["delta_wy_fwd"] = _time_fn(wyf, (lmat, k_wy, x["v"], g_dec, h0, cont), first, "delta_wy_fwd")
+  wyf = jax.jit(lambda lmat, kbar, v, h0, cont: dwy.wy_forward(lmat, kbar, v, h0, cont, **nosc))
+  out["delta_wy_fwd"] = _time_fn(wyf, (pd.lmat, pd.kbar, x["v"], h0, cont), first, "delta_wy_fwd")
   state = jax.jit(
     lambda u, wk, wt, g, h0, cont: dstate.state_forward(u, wk, wt, g, h0, cont, **nosc)
   )
@@ -728,25 +705,25 @@ def _time_stages(t, docs=False, kernels=None):
   out["delta_state_fwd"] = _time_fn(state, args, first, "delta_state_fwd")
   delta, _, states = state(*args)
   output = jax.jit(
-    lambda q, g, p, delta, states, h0, cont: dout.output_forward(
-      q, g, p, delta, states, h0, cont, out_dtype=jnp.bfloat16, **kw
+    lambda qbar, p, delta, states, h0, cont: dout.output_forward(
+      qbar, p, delta, states, h0, cont, out_dtype=jnp.bfloat16, **nosc
     )
   )
-  oargs = (q_out, g_dec, pmat, delta, states, h0, cont)
+  oargs = (pd.qbar, pmat, delta, states, h0, cont)
   out["delta_output_fwd"] = _time_fn(output, oargs, first, "delta_output_fwd")
   o = output(*oargs)
-  # the serial pass and the output stage together (the earlier sessions' "recurrent fwd")
+  # the serial pass and the output stage together
   out["delta_recur_fwd"] = out["delta_state_fwd"] + out["delta_output_fwd"]
-  # ... and as one kernel (the op's choice for a call without states or segments): without the states (a call not differentiated)
-  # and with them (training's forward)
+  # ... and as one kernel (the op's choice for a call without states or segments): without the
+  # states (a call not differentiated) and with them (a differentiated call's forward, fused)
   for save in (False, True):
     fused = jax.jit(
-      lambda u, wk, wt, g, h0, cont, q, p, save=save: dstate.state_output_forward(
-        u, wk, wt, g, h0, cont, q, p, save_states=save, decayed=dec, out_dtype=jnp.bfloat16, **kw
+      lambda u, wk, wt, g, h0, cont, qbar, p, save=save: dstate.state_output_forward(
+        u, wk, wt, g, h0, cont, qbar, p, save_states=save, out_dtype=jnp.bfloat16, **nosc
       )
     )
     name = "delta_state_output_fwd" + ("_save" if save else "")
-    out[name] = _time_fn(fused, (u, wk, wt, g, h0, cont, q_out, pmat), first, name)
+    out[name] = _time_fn(fused, (u, wk, wt, g, h0, cont, pd.qbar, pmat), first, name)
   rbwd = jax.jit(
     lambda q, k, v, g, h0, cont, res, do: dbwd.recur_backward(
       q, k, v, g, h0, cont, res, do, jnp.zeros_like(h0), dv_dtype=v.dtype, **kw
@@ -780,8 +757,8 @@ def _time_stages(t, docs=False, kernels=None):
   )
   out["delta_partials_bwd"] = _time_fn(parts, args + (dstates,), first, "delta_partials_bwd")
   partials = tuple(rbwd(*args)[2:])
-  # the intra backward (intra_bwd_tokens.py); "delta_intra_bwd" in sessions <= 38's JSON is the
-  # per-chunk kernel removed in session 39
+  # the intra backward (intra_bwd_tokens.py; "delta_intra_bwd" in older JSON is the removed
+  # per-chunk kernel)
   tbwd = jax.jit(
     lambda q, k, w, g, pid, parts: intra_backward_tokens(
       q,

@@ -3,9 +3,9 @@ pallas_kernels' DeltaRuleConfig, GainConfig or ConvConfig, e.g. 'num_stages=2/bl
 The benchmarks' --sweep / --gain_sweep / --delta_rule_config / --gain_config / --conv_config
 take them, and a run config's config.kernels.delta_rule / .gain / .conv. Specs become a frozen
 pallas_kernels.KernelConfigs (each family's tuned config for the device with the overrides) that
-the model is built with and passes down to the ops: nothing is set globally. Every option is
-exact and changes speed only, but DeltaRuleConfig.bf16_write, which also rounds the KDN gain
-kappa to bf16 for bf16 data."""
+the model is built with and passes down to the ops: nothing is set globally. Every option
+changes speed only, but DeltaRuleConfig.bf16_states, which rounds the saved states to bf16 for
+bf16 data."""
 
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ def config_from_spec(base, spec, what="--sweep item"):
 FAMILIES = ("delta_rule", "gain", "conv")
 
 
-# Fields that run configs of earlier versions may name and that no longer exist (speed-only
-# options removed after they lost on the GPU): dropped from config.kernels specs with a warning,
+# Fields that run configs of earlier versions may name and that no longer exist (options removed,
+# each with its measurement in docs/decisions.md): dropped from config.kernels specs with a warning,
 # so those runs still resume and evaluate. (Benchmark flags refuse them like any unknown field.)
 REMOVED = {
   "delta_rule": (
@@ -55,6 +55,15 @@ REMOVED = {
     "fast_dots",
     "fuse_output",
     "wy_inverse",
+    # (bf16_write=0 stored the diag KDN's kappa in fp32: such a run resumes with bf16 kappa)
+    "bf16_write",
+    "cumsum_in_pairs",
+    "decayed_operands",
+    "forward_only_chunk",
+    "min_chunk",
+    "pair_diag",
+    "scalar_write",
+    "sub_block",
   ),
   "gain": ("iso_scalar_replay", "renorm_every"),
 }

@@ -205,10 +205,8 @@ class KDNMixer(RecurrentMixer):
     from pallas_kernels import kdn_gain  # pylint: disable=g-import-not-at-top
 
     fn = kdn_gain.diag_gain_fused if self.diagonal else kdn_gain.iso_gain_fused
-    # (diag: kappa stored as the delta rule wants it for this data; DeltaRuleConfig.bf16_write)
-    write_dtype = dispatch.pallas_module().write_dtype(
-      jnp.result_type(q, k, v), config=dispatch.family_config(self.kernel_config, "delta_rule")
-    )
+    # (diag: kappa stored as the delta rule wants it for this data: write_dtype)
+    write_dtype = dispatch.pallas_module().write_dtype(jnp.result_type(q, k, v))
     kw = dict(gain_dtype=write_dtype) if self.diagonal else {}
     decay = self.decay
     gain, log_alpha, variance = fn(

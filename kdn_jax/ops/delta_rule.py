@@ -253,7 +253,7 @@ def delta_rule(
   q, k, v, log_alpha, write = (guard.inputs[n] for n in ("q", "k", "v", "log_alpha", "write"))
   if impl != "pallas":
     # (the Pallas kernels read log_alpha and write in their own dtypes, fp32 inside: a cast
-    # here would be a pass over memory, e.g. of a bf16 kappa, DeltaRuleConfig.bf16_write)
+    # here would be a pass over memory, e.g. of a bf16 kappa, pallas_kernels.write_dtype)
     log_alpha, write = log_alpha.astype(cd), write.astype(cd)
   o, memory, *at = run_memory(
     op,

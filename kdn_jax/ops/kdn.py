@@ -254,9 +254,7 @@ def _gain(
       mu,
       var0,
       segment_ids,
-      gain_dtype=kernels.write_dtype(
-        input_dtype, config=dispatch.family_config(kernel_config, "delta_rule")
-      ),
+      gain_dtype=kernels.write_dtype(input_dtype),
       config=gain_config,
     )
   else:

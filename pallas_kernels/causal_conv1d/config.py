@@ -11,9 +11,8 @@ class ConvConfig:
   num_warps: int = 1
   num_stages: int = 1
   # rows whose loads (x, dy, positions) are issued together in the row loops, the next block's
-  # ahead (pallas_kernels/token_loop.py; 1: a plain loop). Session 43, H200 layers at T=16384,
-  # one process each, 1 -> 8: kdn_diag fwd 11.30 -> 11.24 ms, fwd+bwd 31.91 -> 31.72; kdn_iso
-  # 10.70 -> 10.43, 30.13 -> 30.11 (check_fusion's conv rows pass with it). Same arithmetic.
+  # ahead (pallas_kernels/token_loop.py; 1: a plain loop): faster layers at 8, the same
+  # arithmetic (docs/decisions.md, `load_block`).
   load_block: int = 8
 
   def __post_init__(self):

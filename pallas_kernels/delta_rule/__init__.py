@@ -9,17 +9,19 @@ starts), state S_0 at the chunk start (S_init for rows whose segment starts insi
 Decay ratios are only ever formed as exp(min(g_r - g_j, 0)) of log DIFFERENCES, never exp(-g).
 
 One module per stage (options in config.DeltaRuleConfig), imported only from here:
-  chunk_cumsum  g and its transpose (with cfg.cumsum_in_pairs the pair kernel forms g instead)
-  intra         L, P and Wt (the pair kernel; with cfg.decayed_operands also Kbar and Qbar,
-                which the later stages read in place of k, q and g), then wy: A, W = A Kbar,
-                U = A V', parallel over chunks
+  intra         g, L, P, Wt, Kbar and Qbar (the token-parallel pair kernel, from log_alpha; the
+                later stages read Kbar and Qbar in place of k, q and g), then wy: A,
+                W = A Kbar, U = A V', parallel over chunks
   state_pass    the serial chunk loop: S_final, chunk-start states, Delta = U - W S_0 (with
                 calls that store no states and have no segments also O, in the same loop)
   output        O = Qbar S_0 + P Delta, parallel over chunks
   backward      the reverse dS chain, dV and the partial gradients, then intra_bwd_tokens
   intra_bwd_tokens  the intra backward, token-parallel
+  chunk_cumsum  the transpose of g's chunk-local cumsum (the backward's)
   tiles         helpers the stage kernels share (no kernels)
   tpu_forward / tpu_backward   the Mosaic-TPU kernels (BlockSpec tiles; docs/tpu.md)
+The Triton kernels run chunks of config.GPU_CHUNK (16) tokens; the TPU kernels any power of two
+up to DeltaRuleConfig.max_chunk.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ from pallas_kernels.delta_rule import state_pass as _state_pass
 from pallas_kernels.delta_rule import tiles as _tiles
 from pallas_kernels.delta_rule import tpu_backward as _tpu_backward
 from pallas_kernels.delta_rule import tpu_forward as _tpu_forward
+from pallas_kernels.delta_rule.config import GPU_CHUNK
 
-__all__ = ["delta_rule", "chunk_length", "forward_only", "segment_arrays", "write_dtype"]
+__all__ = ["delta_rule", "chunk_length", "segment_arrays", "write_dtype"]
 
 
 # (batch, head) dims of the kernels' arrays for sharding.per_shard, and (batch, head, ndim) of
@@ -57,22 +60,15 @@ _OUT4, _STATE4, _STATES5 = _BTHK + (4,), _BH + (4,), _BH + (5,)
 _RES_OUT = (_OUT4, _STATE4, _STATE4, _OUT4, _OUT4, _STATES5)  # results: g, A, P, Wt, W, states
 
 
-def forward(
-  q, k, v, w, g, h0, cont, pid, *, chunk, scale, interpret, cfg, cfg_prec, save_states, la=None
-):
-  """The forward stages from the pair kernel on: (o, S_final, residuals (A, P, Wt, W, states), g).
+def forward(q, k, v, w, la, h0, cont, pid, *, chunk, scale, interpret, cfg, cfg_prec, save_states):
+  """The forward stages: (o, S_final, residuals (A, P, Wt, W, states), g).
 
-  q, k: [B,T,H,K]; w: [B,T,H,K] or [B,T,H] (write = w k); v: [B,T,H,V]; g: [B,T,H,K] f32
-  chunk-local cumsum, or None with `la` (log_alpha; the pair kernel forms g:
-  cfg.cumsum_in_pairs); h0 [B,H,K,V] f32; cont: [B,T] f32 or None; pid: [B,T] int32 or None
-  (both None without segments). The g returned is None when the pair kernel formed it and
-  nothing read it whole (a call without save_states under cfg.decayed_operands)."""
+  q, k: [B,T,H,K]; w: [B,T,H,K] or [B,T,H] (write = w k); v: [B,T,H,V]; la: log_alpha
+  [B,T,H,K] (the pair kernel forms the chunk-local cumsum g); h0 [B,H,K,V] f32; cont: [B,T] f32
+  or None; pid: [B,T] int32 or None (both None without segments). The g returned is None in a
+  call without save_states (only g's chunk-last rows were written)."""
   kw = dict(chunk=chunk, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
-  x = _intra.intra_forward(
-    q, k, v, w, g, h0, pid, cont, scale=scale, la=la, keep_g=save_states, **kw
-  )
-  decayed = x.qbar is not None
-  q_out, g_out = _intra.operands(x.qbar, q, x.g)
+  x = _intra.intra_forward(q, k, v, w, la, h0, pid, cont, scale=scale, keep_g=save_states, **kw)
   g_chain = x.g if x.g is not None else x.g_last  # the state pass reads g's last rows
   # O formed in the serial pass, off its chain (Delta never through memory), in calls that store
   # no states and have no segments; elsewhere it lost (docs/decisions.md)
@@ -84,39 +80,28 @@ def forward(
       g_chain,
       h0,
       cont,
-      q_out,
+      x.qbar,
       x.pmat,
-      scale=scale,
       save_states=save_states,
-      decayed=decayed,
       out_dtype=q.dtype,
       **kw,
     )
     return o, sfin, (x.amat, x.pmat, x.wt, x.wk, states[0] if save_states else None), x.g
   delta, sfin, states = _state_pass.state_forward(x.u, x.wk, x.wt, g_chain, h0, cont, **kw)
-  o = _output.output_forward(
-    q_out, g_out, x.pmat, delta, states, h0, cont, scale=scale, out_dtype=q.dtype, **kw
-  )
+  o = _output.output_forward(x.qbar, x.pmat, delta, states, h0, cont, out_dtype=q.dtype, **kw)
   return o, sfin, (x.amat, x.pmat, x.wt, x.wk, states if save_states else None), x.g
 
 
 def _forward_body(
   q, k, v, w, la, h0, starts, cont, pid, *, chunk, scale, interpret, cfg, prec, save
 ):
-  in_pairs = cfg.cumsum_in_pairs and _intra.token_parallel(cfg, chunk)
-  g = (
-    None
-    if in_pairs
-    else _cumsum_kernels.chunk_cumsum(
-      la, starts, chunk=chunk, interpret=interpret, block=cfg.cumsum_block
-    )
-  )
+  del starts  # (the pair kernel restarts g at chunk starts and at the segment ids' changes)
   o, sfin, res, g = forward(
     q,
     k,
     v,
     w,
-    g,
+    la,
     h0,
     cont,
     pid,
@@ -126,7 +111,6 @@ def _forward_body(
     cfg=cfg,
     cfg_prec=prec,
     save_states=save,
-    la=la if in_pairs else None,
   )
   return (o, sfin, g) + tuple(res) if save else (o, sfin)
 
@@ -213,56 +197,16 @@ def _forward(save, args, chunk, scale, interpret, cfg, prec):
   return _sharding.per_shard(body, _IN, outs, "delta_rule forward")(*args)
 
 
-# A call that is not differentiated runs the primal, _core: with cfg.forward_only_chunk that is
-# the forward of (cfg_fo, chunk_fo) on its own segment bookkeeping (starts_fo, cont_fo); a
-# differentiated one runs _core_fwd, whose residuals are those of (cfg, chunk), the backward's.
-@functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(11, 18)))
-def _core(
-  q,
-  k,
-  v,
-  w,
-  la,
-  h0,
-  starts,
-  cont,
-  pid,
-  starts_fo,
-  cont_fo,
-  chunk,
-  chunk_fo,
-  scale,
-  interpret,
-  cfg,
-  cfg_fo,
-  prec,
-):
+# A call that is not differentiated runs the primal, _core, which saves nothing; a
+# differentiated one runs _core_fwd, whose residuals the backward reads.
+@functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(9, 14)))
+def _core(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg, prec):
   return _forward(
-    False, (q, k, v, w, la, h0, starts_fo, cont_fo, pid), chunk_fo, scale, interpret, cfg_fo, prec
+    False, (q, k, v, w, la, h0, starts, cont, pid), chunk, scale, interpret, cfg, prec
   )
 
 
-def _core_fwd(
-  q,
-  k,
-  v,
-  w,
-  la,
-  h0,
-  starts,
-  cont,
-  pid,
-  starts_fo,
-  cont_fo,
-  chunk,
-  chunk_fo,
-  scale,
-  interpret,
-  cfg,
-  cfg_fo,
-  prec,
-):
-  del starts_fo, cont_fo, chunk_fo, cfg_fo
+def _core_fwd(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg, prec):
   if tpu_common.use_tpu_kernels(interpret):
     o, sfin, states = _forward(
       True, (q, k, v, w, la, h0, starts, cont, pid), chunk, scale, interpret, cfg, prec
@@ -275,8 +219,7 @@ def _core_fwd(
   return (o, sfin), (q, k, v, w, h0, starts, cont, pid, res, jnp.zeros((0,), la.dtype))
 
 
-def _core_bwd(chunk, chunk_fo, scale, interpret, cfg, cfg_fo, prec, saved, cts):
-  del chunk_fo, cfg_fo
+def _core_bwd(chunk, scale, interpret, cfg, prec, saved, cts):
   if tpu_common.use_tpu_kernels(interpret):
     q, k, v, w, la, h0, pid, states = saved
     grads = _tpu_backward.delta_rule_backward(
@@ -296,8 +239,6 @@ def _core_bwd(chunk, chunk_fo, scale, interpret, cfg, cfg_fo, prec, saved, cts):
     )
     return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v, w, la))) + (
       grads[5],
-      None,
-      None,
       None,
       None,
       None,
@@ -322,8 +263,6 @@ def _core_bwd(chunk, chunk_fo, scale, interpret, cfg, cfg_fo, prec, saved, cts):
     None,
     None,
     None,
-    None,
-    None,
   )
 
 
@@ -342,24 +281,7 @@ def _core_states(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret,
 
 def _core_states_fwd(q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg, prec):
   (o, sfin), res = _core_fwd(
-    q,
-    k,
-    v,
-    w,
-    la,
-    h0,
-    starts,
-    cont,
-    pid,
-    None,
-    None,
-    chunk,
-    None,
-    scale,
-    interpret,
-    cfg,
-    None,
-    prec,
+    q, k, v, w, la, h0, starts, cont, pid, chunk, scale, interpret, cfg, prec
   )
   return (o, sfin, res[8][-1].astype(jnp.float32)), res
 
@@ -396,20 +318,18 @@ _core_states.defvjp(_core_states_fwd, _core_states_bwd)
 
 
 def chunk_length(cfg, chunk_size, t, interpret):
-  """The kernels' chunk C for a caller's chunk_size and length t: capped by cfg.max_chunk and by
-  t (rounded up to a power of two), at least 16, and at least cfg.min_chunk when compiled."""
-  lo = 16 if interpret else max(16, cfg.min_chunk)
-  return max(lo, min(chunk_size, cfg.max_chunk, common.next_pow2(t)))
-
-
-def forward_only(cfg, chunk_size, t, interpret):
-  """(config, chunk) of a call that is not differentiated: with cfg.forward_only_chunk = N, the
-  forward at chunk N (capped like any chunk: chunk_length); else cfg's own."""
-  if not cfg.forward_only_chunk:
-    return cfg, chunk_length(cfg, chunk_size, t, interpret)
-  n = cfg.forward_only_chunk
-  cfg_fo = dataclasses.replace(cfg, max_chunk=n, forward_only_chunk=0)
-  return cfg_fo, chunk_length(cfg_fo, chunk_size, t, interpret)
+  """The kernels' chunk C for a caller's chunk_size and length t: GPU_CHUNK on the Triton kernels
+  (a config with another max_chunk is refused there); on the TPU kernels chunk_size capped by
+  cfg.max_chunk and by t (rounded up to a power of two), at least 16."""
+  if not tpu_common.use_tpu_kernels(interpret):
+    if cfg.max_chunk != GPU_CHUNK:
+      raise ValueError(
+        f"DeltaRuleConfig.max_chunk={cfg.max_chunk}: the Triton kernels run chunks of "
+        f"{GPU_CHUNK} (longer ones lost on the GPU: docs/decisions.md); max_chunk sets the TPU "
+        "kernels' chunk"
+      )
+    return GPU_CHUNK
+  return max(16, min(chunk_size, cfg.max_chunk, common.next_pow2(t)))
 
 
 def segment_arrays(segment_ids, bsz, t, t_pad, chunk):
@@ -426,15 +346,13 @@ def segment_arrays(segment_ids, bsz, t, t_pad, chunk):
   return chunk_start | reset, (in_chunk == 0).astype(jnp.float32), pid
 
 
-def write_dtype(dtype, interpret=None, config=None):
+def write_dtype(dtype, interpret=None):
   """The dtype a caller that computes the write direction (the KDN gain) should store it in for
-  delta_rule on q/k/v data of `dtype` with `config` (None: the tuned one): with
-  DeltaRuleConfig.bf16_write, the storage of the kernels' dot operands (bfloat16 under
-  bf16-operand dots, tiles.operand_dtype), except on the TPU kernels (whose gain writes fp32);
-  else float32."""
+  delta_rule on q/k/v data of `dtype`: the storage of the kernels' dot operands (bfloat16 under
+  bf16-operand dots, tiles.operand_dtype: half the bytes of the pair kernel's column loads, which
+  bound it); float32 on the TPU kernels (whose gain writes fp32)."""
   interpret = common.resolve_interpret(interpret)
-  cfg = tuned.config("delta_rule", config, interpret)
-  if not cfg.bf16_write or tpu_common.use_tpu_kernels(interpret):
+  if tpu_common.use_tpu_kernels(interpret):
     return jnp.float32
   return _tiles.operand_dtype(_tiles.kernel_precision(common.precision_for(dtype), interpret))
 
@@ -482,8 +400,7 @@ def delta_rule(
     raise NotImplementedError(f"delta_rule: chunk_size={chunk_size} not supported")
   cfg = tuned.config("delta_rule", config, interpret)
   chunk = chunk_length(cfg, chunk_size, t, interpret)
-  cfg_fo, chunk_fo = forward_only(cfg, chunk_size, t, interpret)
-  t_pad = -(-t // max(chunk, chunk_fo)) * max(chunk, chunk_fo)  # powers of two: a multiple of both
+  t_pad = -(-t // chunk) * chunk
   la = log_alpha  # the cumsum (or pair) kernel reads it in its own dtype and sums in fp32
   if la.ndim == 3:
     la = jnp.broadcast_to(la[..., None], la.shape + (kd,))
@@ -491,7 +408,7 @@ def delta_rule(
   if isinstance(scale, jax.core.Tracer):
     # A traced scale cannot be a kernel constant: fold it into q (fp32) instead.
     q, scale = q.astype(jnp.float32) * scale, 1.0
-  if write.ndim == 3 and (not cfg.scalar_write or tpu_common.use_tpu_kernels(interpret)):
+  if write.ndim == 3 and tpu_common.use_tpu_kernels(interpret):
     write = write[..., None] * k  # (the TPU kernels read a [B, T, H, K] write)
   q, k, v, w, la = (common.pad_time(x, t_pad) for x in (q, k, v, write, la))
   starts, cont, pid = segment_arrays(segment_ids, bsz, t, t_pad, chunk)
@@ -520,9 +437,6 @@ def delta_rule(
       precision,
     )
     return o[:, :t].astype(out_dtype), sfin, states, chunk
-  starts_fo, cont_fo = starts, cont
-  if chunk_fo != chunk:  # (the unused set is dead code in either jit)
-    starts_fo, cont_fo, _ = segment_arrays(segment_ids, bsz, t, t_pad, chunk_fo)
   o, sfin = _core(
     q,
     k,
@@ -533,14 +447,10 @@ def delta_rule(
     starts,
     cont,
     pid,
-    starts_fo,
-    cont_fo,
     chunk,
-    chunk_fo,
     float(scale),
     interpret,
     cfg,
-    cfg_fo,
     precision,
   )
   return o[:, :t].astype(out_dtype), sfin

@@ -6,12 +6,9 @@
                        Kbar, Qbar, g_last.
 Then the intra-chunk backward (intra_bwd_tokens.py, token-parallel) turns the partials into dq,
 dk, dw, dg and the direct log-decay terms. With segments, the partials kernel runs its
-segment-free body on chunks without a reset (tiles.by_reset).
-
-(Session 39 removed the per-chunk intra backward, its 16-row-block variant for sub_block and its
-fusion with the partials kernel (fuse_bwd): the token-parallel kernel beat them in every cell
-timed, H200 diag KDN fwd+bwd T=16384 17.81 ms against 19.25 fused, with documents 19.50 against
-20.67 fused and 21.36 unfused; T=4096 5.02 against 5.11 in session 38.)
+segment-free body on chunks without a reset (tiles.by_reset). The token-parallel intra backward
+beat the per-chunk one, alone and fused with the partials kernel, in every cell timed
+(docs/decisions.md, `intra_bwd`).
 """
 
 from __future__ import annotations
@@ -150,8 +147,9 @@ def _bwd_partials(r, outs, b, h, c, vb, C, has_seg, vs, s, ds, s_init, x, prec, 
 
 def _recur_bwd_kernel(*refs, chunk, num_chunks, scale, has_seg, block_v, prec, exp, has_ext=False):
   """Serial over chunks in reverse: the state-gradient chain alone, saving each chunk's dS for
-  _bwd_partials_kernel. One loop carry (see _SEG_NOTE). (Loading the previous chunk's inputs
-  ahead, as the forward's state pass does, lost here: H200 session 37, T=16384, 2.99 -> 3.36 ms.)
+  _bwd_partials_kernel. One loop carry (see _SEG_NOTE). Each chunk's inputs are loaded in its
+  own step: loading them a step ahead, as the forward's state pass does, lost here
+  (docs/decisions.md).
   has_ext: a "dext" input [B, H, NC, K, V], a cotangent of the state after each chunk from outside
   the op (the chunk-start states as an output: delta_rule's output_chunk_states), added to dS
   where the chain reaches that state."""

@@ -1,12 +1,12 @@
-"""The chunk-local log-decay cumsum g and its transpose, as Pallas kernels.
+"""The transpose of the chunk-local log-decay cumsum g, as a Pallas kernel (the backward's).
 
 g_t = sum of log_alpha over t's piece up to t, where pieces restart at every `starts` flag
-(chunk starts and segment resets); the backward is the reverse cumsum within pieces, plus the
-exclusive forward prefix of the intra backward's direct log-decay terms. One program per
-(batch, head, block of rows), the rows summed one after another in fp32: the same sequential
-sum as a token loop (a masked matmul would round on GPU tensor cores).
-H200, B=4 H=16 K=128 T=4096: 0.15 ms, against 0.3-0.5 ms for XLA's associative scan over all of
-T; a statically unrolled row loop ran 0.19 ms and took 7 s to compile (the loop: 0.1 s).
+(chunk starts and segment resets); the token-parallel pair kernel forms g in the forward
+(intra.py). Its transpose is the reverse cumsum within pieces, plus the exclusive forward prefix
+of the intra backward's direct log-decay terms. One program per (batch, head, block of rows),
+the rows summed one after another in fp32: the same sequential sum as a token loop (a masked
+matmul would round on GPU tensor cores), and faster than XLA's associative scan over all of T
+(docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -30,24 +30,6 @@ def _rows_per_program(t, chunk, max_rows=_MAX_ROWS):
   return rows
 
 
-def _forward_kernel(x_ref, starts_ref, g_ref, *, rows, block):
-  b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  t0 = i * rows
-
-  def load(j):
-    t = t0 + j
-    return x_ref[b, pl.ds(t, 1), h, :], starts_ref[b, pl.ds(t, 1)]
-
-  def step(j, xs, acc):
-    x, start = xs
-    x = x.astype(jnp.float32)
-    acc = jnp.where(start[:, None] > 0, x, acc + x)  # row 0 of a block restarts
-    g_ref[b, pl.ds(t0 + j, 1), h, :] = acc
-    return acc
-
-  blocked_loop(rows, block, load, step, jnp.zeros((1, x_ref.shape[-1]), jnp.float32))
-
-
 def _reverse_kernel(dg_ref, terms_ref, starts_ref, out_ref, *, rows, block):
   """out = reverse cumsum of dg within pieces + exclusive forward prefix of terms within pieces.
   The prefix is written first and read back by the reverse loop: the same program's own stores,
@@ -55,7 +37,7 @@ def _reverse_kernel(dg_ref, terms_ref, starts_ref, out_ref, *, rows, block):
   stored; narrower rows are replicated across lanes, so a lane may read another lane's store of
   the same warp (the same value it stored itself), after it in program order: the reverse loop's
   first block of loads follows the forward loop's last stores directly (GPU-checked at K = 128
-  and K = 16, session 43)."""
+  and K = 16)."""
   b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   t0 = i * rows
   zeros = jnp.zeros((1, dg_ref.shape[-1]), jnp.float32)
@@ -101,20 +83,12 @@ def _call(kernel, name, args, starts, chunk, interpret, num_warps, block):
   )(*args, starts.astype(jnp.int32))
 
 
-def chunk_cumsum(la, starts, *, chunk, interpret, block, num_warps=1):
-  """la [B,T,H,K] (T a multiple of chunk), starts [B,T] bool (True at every chunk start and
-  reset) -> g [B,T,H,K] float32. block: rows whose loads are issued together (blocked_loop;
-  the callers pass DeltaRuleConfig.cumsum_block)."""
-  return _call(
-    _forward_kernel, "delta_rule_cumsum", (la,), starts, chunk, interpret, num_warps, block
-  )
-
-
 def chunk_reverse_cumsum(dg, terms, starts, *, chunk, interpret, block, num_warps=1):
-  """The transpose of chunk_cumsum applied to dg, plus the exclusive prefix sum of `terms` within
-  pieces (at t: the sum over the piece's s < t, in token order as a token loop sums it); all
-  [B,T,H,K] float32, starts as for chunk_cumsum (True at every chunk start: the program blocks
-  end on chunk boundaries)."""
+  """The transpose of the chunk-local cumsum applied to dg, plus the exclusive prefix sum of
+  `terms` within pieces (at t: the sum over the piece's s < t, in token order as a token loop
+  sums it); all [B,T,H,K] float32 (T a multiple of chunk); starts [B,T] bool, True at every chunk
+  start (the program blocks end on chunk boundaries) and reset. block: rows whose loads are
+  issued together (blocked_loop; the callers pass DeltaRuleConfig.cumsum_block)."""
   return _call(
     _reverse_kernel,
     "delta_rule_reverse_cumsum",

@@ -1,6 +1,6 @@
 """Output stage (forward, parallel over chunks and V blocks):
 O = Qbar S_0 (S_init for rows whose segment starts inside the chunk) + P Delta,
-from the saved chunk-start states and the serial pass's Delta.
+from the pair kernel's Qbar, the saved chunk-start states and the serial pass's Delta.
 """
 
 from __future__ import annotations
@@ -11,31 +11,18 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.delta_rule.tiles import (
-  by_reset,
-  chunk_output,
-  decay_q,
-  kernel_precision,
-  launch_params,
-)
-from pallas_kernels.kernel_math import exp_for_mode
+from pallas_kernels.delta_rule.tiles import by_reset, chunk_output, kernel_precision, launch_params
 
 
-def _output_kernel(*refs, chunk, scale, has_seg, block_v, prec, exp, decayed):
+def _output_kernel(*refs, chunk, has_seg, block_v, prec):
   """Parallel over (chunk, V block): O from the saved chunk-start state and Delta. Grid
   (V/BV, NC, B H): the V blocks of one chunk, then the chunks of one (batch, head), run next to
-  each other and share its q, g and P tiles in L2. decayed: the "q" input is Qbar already (no
-  g is read)."""
-  names = (
-    ["q"]
-    + ([] if decayed else ["g"])
-    + ["p", "delta", "states", "h0"]
-    + (["cont"] if has_seg else [])
-  )
+  each other and share its Qbar and P tiles in L2."""
+  names = ["qbar", "p", "delta", "states", "h0"] + (["cont"] if has_seg else [])
   r = dict(zip(names, refs[: len(names)]))
   o_ref = refs[len(names)]
   vb, c, bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  nh = r["q"].shape[2]
+  nh = r["qbar"].shape[2]
   b, h = bh // nh, bh % nh
   C = chunk
   t0 = c * C
@@ -44,11 +31,11 @@ def _output_kernel(*refs, chunk, scale, has_seg, block_v, prec, exp, decayed):
     r.get("cont"),
     b,
     t0 + C - 1,
-    lambda seg: _output_rows(r, o_ref, b, h, c, t0, C, vs, scale, seg, prec, exp),
+    lambda seg: _output_rows(r, o_ref, b, h, c, t0, C, vs, seg, prec),
   )
 
 
-def _output_rows(r, o_ref, b, h, c, t0, C, vs, scale, seg, prec, exp):
+def _output_rows(r, o_ref, b, h, c, t0, C, vs, seg, prec):
   """One chunk's O rows for one V block; seg: the chunk holds a reset."""
   rows = pl.ds(t0, C)
   s = r["states"][b, h, c, :, vs].astype(jnp.float32)
@@ -57,39 +44,33 @@ def _output_rows(r, o_ref, b, h, c, t0, C, vs, scale, seg, prec, exp):
     if seg
     else {}
   )
-  qbar = r["q"][b, rows, h, :]
-  if "g" in r:
-    qbar = decay_q(qbar, r["g"][b, rows, h, :], scale, exp)
-  o = chunk_output(qbar, s, r["p"][b, h, rows, :], r["delta"][b, rows, h, vs], prec, **seg_kw)
+  o = chunk_output(
+    r["qbar"][b, rows, h, :], s, r["p"][b, h, rows, :], r["delta"][b, rows, h, vs], prec, **seg_kw
+  )
   o_ref[b, rows, h, vs] = o.astype(o_ref.dtype)
 
 
 def output_forward(
-  q, g, pmat, delta, states, h0, cont, *, chunk, scale, interpret, cfg, cfg_prec, out_dtype=None
+  qbar, pmat, delta, states, h0, cont, *, chunk, interpret, cfg, cfg_prec, out_dtype
 ):
-  """O [B, T, H, V] in out_dtype (default q's) from Delta [B, T, H, V] and the chunk-start
-  states; g None: q is Qbar = scale q exp(g) already (decayed operands)."""
-  bsz, t, nh, _ = q.shape
+  """O [B, T, H, V] in out_dtype from Qbar = scale q exp(g) (the pair kernel's), P, Delta
+  [B, T, H, V] and the chunk-start states."""
+  bsz, t, nh, _ = qbar.shape
   vd = delta.shape[-1]
   has_seg = cont is not None
   prec = kernel_precision(cfg_prec, interpret)
   bv_par = min(cfg.block_v_parallel, vd)
-  out_in = (
-    [q] + ([] if g is None else [g]) + [pmat, delta, states, h0] + ([cont] if has_seg else [])
-  )
+  out_in = [qbar, pmat, delta, states, h0] + ([cont] if has_seg else [])
   grid = (vd // bv_par, t // chunk, bsz * nh)
   return pl.pallas_call(
     functools.partial(
       _output_kernel,
       chunk=chunk,
-      scale=scale,
       has_seg=has_seg,
       block_v=bv_par,
       prec=prec,
-      exp=exp_for_mode(cfg_prec),
-      decayed=g is None,
     ),
-    out_shape=jax.ShapeDtypeStruct((bsz, t, nh, vd), out_dtype or q.dtype),
+    out_shape=jax.ShapeDtypeStruct((bsz, t, nh, vd), out_dtype),
     grid=grid,
     name="delta_rule_output",
     **launch_params(interpret, cfg.num_warps_output, cfg),

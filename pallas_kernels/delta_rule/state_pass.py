@@ -16,7 +16,6 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.delta_rule.tiles import (
   chunk_output,
-  decay_q,
   dot,
   dot_tn,
   kernel_precision,
@@ -35,11 +34,9 @@ def _state_pass_kernel(
   block_v,
   prec,
   fuse_output,
-  scale,
   save_states,
   exp,
   g_per_chunk,
-  decayed,
 ):
   """Serial over chunks with U = A V' precomputed (wy.py): Delta = U - W S_0 and
   S <- exp(g_last) S_base + Wt^T Delta, the chain's only two dots.
@@ -51,25 +48,17 @@ def _state_pass_kernel(
   neither Delta nor the states go through memory for it, and the states are stored only when
   the backward needs them (save_states).
 
-  Chunk c + 1's inputs are loaded before chunk c's dots and carried into the next step: ncu
-  (H200, session 35) put half the loop's stall cycles on global-load waits, one warp per
-  scheduler with nothing else to issue. Session 37, H200, diag KDN T=16384: this stage 2.48 ->
-  1.77 ms, op fwd+bwd 20.27 -> 19.74 ms. (The same prefetch in the backward's dS chain lost,
-  2.99 -> 3.36 ms, and was removed.) The fused output's own rows (q, g, P; Qbar, P with decayed
-  operands) are prefetched likewise (loading them in their step lost, and issuing the output's
-  dots after the S update tied: session 44, config.py).
+  Chunk c + 1's inputs are loaded before chunk c's dots and carried into the next step: the
+  loop is one warp per scheduler with nothing else to issue, and half its stall cycles were
+  global-load waits (ncu). The fused output's own rows (Qbar, P) are prefetched likewise. One
+  chunk per step: merging several chunks' operands off the chain lost (docs/decisions.md for
+  these). `exp`: kernel_math.exp_for_mode of the caller's precision, as in every delta-rule
+  kernel.
 
-  Several chunks per step (their operands merged off the chain; session 44's
-  state_step_chunks) lost: H100 session 46, diag KDN forward T=16384, 4.94 ms against 10.82 at 2
-  chunks and 27.97 at 4. `exp`: kernel_math.exp_for_mode of the caller's precision, as in every
-  delta-rule kernel.
-
-  g_per_chunk: the "g" input is g_last [B, NC, H, K] (the only row of g the pass reads without
-  the fused output's); decayed: the fused output's "q" input is Qbar already (no g rows read).
-  Both are DeltaRuleConfig.decayed_operands'."""
+  g_per_chunk: the "g" input is g_last [B, NC, H, K], the only rows of g the pass reads."""
   names = ["u", "wk", "wt", "g", "h0"] + (["cont"] if has_seg else [])
   if fuse_output:
-    names += ["q", "p"]
+    names += ["qbar", "p"]
   r = dict(zip(names, refs[: len(names)]))
   outs = list(refs[len(names) :])
   o_ref = outs.pop(0) if fuse_output else None
@@ -83,7 +72,7 @@ def _state_pass_kernel(
 
   def inputs(c):
     """Chunk c's loads: U, W, Wt, g_last (cont_last with segments; with fuse_output also the
-    rows only the output reads: q, g, P (Qbar, P when decayed), and cont with segments)."""
+    rows only the output reads: Qbar, P, and cont with segments)."""
     t0 = c * C
     rows = pl.ds(t0, C)
     x = dict(
@@ -95,9 +84,7 @@ def _state_pass_kernel(
     if has_seg:
       x["cont_last"] = r["cont"][b, t0 + C - 1]
     if fuse_output:
-      x.update(q=r["q"][b, rows, h, :], p=r["p"][b, h, rows, :])
-      if not decayed:
-        x["g"] = r["g"][b, rows, h, :]
+      x.update(qbar=r["qbar"][b, rows, h, :], p=r["p"][b, h, rows, :])
       if has_seg:
         x["cont"] = r["cont"][b, rows]
     return x
@@ -111,8 +98,7 @@ def _state_pass_kernel(
     def fused_output():
       def store_output(seg):
         seg_kw = dict(cont=x["cont"][:, None], s_init=s_init) if seg else {}
-        qbar = x["q"] if decayed else decay_q(x["q"], x["g"], scale, exp)
-        o = chunk_output(qbar, s, x["p"], delta, prec, **seg_kw)
+        o = chunk_output(x["qbar"], s, x["p"], delta, prec, **seg_kw)
         o_ref[b, rows, h, vs] = o.astype(o_ref.dtype)
 
       if has_seg:  # the S_init dot only in chunks with a reset (as tiles.by_reset decides)
@@ -155,35 +141,17 @@ def state_forward(u, wk, wt, g, h0, cont, *, chunk, interpret, cfg, cfg_prec):
     interpret=interpret,
     cfg=cfg,
     cfg_prec=cfg_prec,
-    scale=1.0,
     save_states=True,
     out_dtype=None,
-    decayed=False,
   )
 
 
 def state_output_forward(
-  u,
-  wk,
-  wt,
-  g,
-  h0,
-  cont,
-  q,
-  pmat,
-  *,
-  chunk,
-  scale,
-  interpret,
-  cfg,
-  cfg_prec,
-  save_states,
-  decayed=False,
-  out_dtype=None,
+  u, wk, wt, g, h0, cont, qbar, pmat, *, chunk, interpret, cfg, cfg_prec, save_states, out_dtype
 ):
-  """The serial stage with the output fused (the op's calls without states or segments): (O [B, T, H, V] in out_dtype
-  (default q's), S_final [B, H, K, V] f32) and, with save_states, the chunk-start states
-  [B, H, NC, K, V]. decayed: q is Qbar = scale q exp(g) already, and g may be g_last
+  """The serial stage with the output fused (the op's calls without states or segments): (O
+  [B, T, H, V] in out_dtype, S_final [B, H, K, V] f32) and, with save_states, the chunk-start
+  states [B, H, NC, K, V]. qbar: scale q exp(g) (the pair kernel's); g: [B, T, H, K], or g_last
   [B, NC, H, K]."""
   return _call(
     u,
@@ -192,35 +160,18 @@ def state_output_forward(
     g,
     h0,
     cont,
-    (q, pmat),
+    (qbar, pmat),
     chunk=chunk,
     interpret=interpret,
     cfg=cfg,
     cfg_prec=cfg_prec,
-    scale=scale,
     save_states=save_states,
-    out_dtype=out_dtype or q.dtype,
-    decayed=decayed,
+    out_dtype=out_dtype,
   )
 
 
 def _call(
-  u,
-  wk,
-  wt,
-  g,
-  h0,
-  cont,
-  out_in,
-  *,
-  chunk,
-  interpret,
-  cfg,
-  cfg_prec,
-  scale,
-  save_states,
-  out_dtype,
-  decayed,
+  u, wk, wt, g, h0, cont, out_in, *, chunk, interpret, cfg, cfg_prec, save_states, out_dtype
 ):
   bsz, t, nh, kd = wk.shape
   vd = u.shape[-1]
@@ -228,10 +179,10 @@ def _call(
   has_seg = cont is not None
   fuse_output = bool(out_in)
   g_per_chunk = g.shape[1] != t
-  if g_per_chunk and (g.shape[1] != nc or (fuse_output and not decayed)):
+  if g_per_chunk and g.shape[1] != nc:
     raise ValueError(
-      f"state pass: g has {g.shape[1]} rows; expected T = {t}, or the chunks' "
-      f"{nc} last rows (g_last) where no output rows of g are read"
+      f"state pass: g has {g.shape[1]} rows; expected T = {t}, or the chunks' {nc} last rows "
+      "(g_last)"
     )
   prec = kernel_precision(cfg_prec, interpret)
   block_v = min(cfg.block_v, vd)
@@ -248,11 +199,9 @@ def _call(
       block_v=block_v,
       prec=prec,
       fuse_output=fuse_output,
-      scale=scale,
       save_states=save_states,
       exp=exp_for_mode(cfg_prec),
       g_per_chunk=g_per_chunk,
-      decayed=decayed,
     ),
     out_shape=tuple(out_shape),
     grid=(bsz, nh, vd // block_v),

@@ -1,13 +1,11 @@
 """Helpers the delta-rule stage kernels share: dots at the kernels' precision, tile loads,
-the decay to the chunk's last token, sub-block reference points, storage dtypes and launch
-parameters. No kernels here, and no imports of the stage modules."""
+storage dtypes and launch parameters. No kernels here, and no imports of the stage modules."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels import common
 
@@ -75,11 +73,9 @@ def by_reset(cont_ref, b, t_last, body):
   every row continues the chunk-start state and shares one segment, so both bodies give the
   same values there (up to fp32 rounding: the segment body's blends by cont, e.g. of S and
   S_init, may round or contract differently); the segment body's S_init tile and masks cost
-  registers and dots, which most chunks then skip. Used where it paid (H200, packed 1000-token
-  documents, T=4096, chunk 16, session 33): WY 0.91 -> 0.72 ms, output 0.77 -> 0.59, the
-  backward partials 4.30 -> 1.63 (1.45 without segments) and the fused backward (removed in
-  session 39) 6.39 -> 2.75 (2.58); op fwd+bwd 9.56 -> 6.42. The pair kernel, whose segment masks are cheap (0.83 against
-  0.77 ms without segments), did not gain (0.87) and keeps one body."""
+  registers and dots, which most chunks then skip. Used by the WY, output and backward-partials
+  kernels, where it paid with packed documents; the pair kernel, whose segment masks are cheap,
+  did not gain and keeps one body (docs/decisions.md, `tiles.by_reset`)."""
   if cont_ref is None:
     body(False)
     return
@@ -88,14 +84,9 @@ def by_reset(cont_ref, b, t_last, body):
   pl.when(jnp.logical_not(reset))(lambda: body(False))
 
 
-def decay_q(q, g, scale, exp):
-  """Qbar = scale q exp(g), fp32. `exp`: kernel_math.exp_for_mode's."""
-  return (scale * q.astype(jnp.float32)) * exp(g.astype(jnp.float32))
-
-
 def chunk_output(qbar, s, p, delta, prec, cont=None, s_init=None):
-  """One chunk's output rows O = Qbar S_0 + P Delta (Qbar = scale q exp(g): decay_q, or the pair
-  kernel's with decayed operands); with cont (the rows' [C, 1] continuation flags) the rows
+  """One chunk's output rows O = Qbar S_0 + P Delta (Qbar = scale q exp(g), the pair kernel's);
+  with cont (the rows' [C, 1] continuation flags) the rows
   after the chunk's first reset read S_init instead of S_0. Shared by the output kernel and the
   state pass with the output fused."""
   qbar = qbar.astype(jnp.float32)
@@ -104,26 +95,6 @@ def chunk_output(qbar, s, p, delta, prec, cont=None, s_init=None):
   else:
     o = dot(qbar * cont, s, prec) + dot(qbar * (1.0 - cont), s_init, prec)
   return o + dot(p, delta, prec)
-
-
-def decay_to_last(g, g_last, exp, pid=None, pid_last=None):
-  """exp(g_last - g) per row (the decay from each token to the chunk's last one), zero for rows
-  outside the last token's segment (pid given); `exp`: kernel_math.exp_for_mode's."""
-  e_last = exp(jnp.minimum(g_last[None, :] - g, 0.0))
-  if pid is not None:
-    e_last = jnp.where((pid == pid_last)[:, None], e_last, 0.0)
-  return e_last
-
-
-def ref_point(g_ref, b, h, t0, S, i, g_i, exp):
-  """(g0 [1, K], row factors exp(min(g_i - g0, 0))) of block i; `exp`: as decay_to_last's."""
-  g0 = g_ref[b, pl.ds(t0 + i * S, 1), h, :].astype(jnp.float32)
-  return g0, exp(jnp.minimum(g_i - g0, 0.0))
-
-
-def masked_store(ref, idx, val, mask):
-  """ref[idx] = val where mask (Triton's masked store; the interpret mode runs it too)."""
-  pltr.store(ref.at[idx], val, mask=mask)
 
 
 def kernel_precision(cfg_prec, interpret):

@@ -1,17 +1,12 @@
 """The WY stage of the forward (the second kernel of intra.intra_forward): per (batch, head,
-chunk), from L (intra._pair_rows_kernel, fp32)
+chunk), from L (the pair kernel's, fp32) and Kbar
 
     A = (I + L)^-1,   W = A Kbar_c,   U = A V'   (Kbar_c = Kbar on the rows that continue the
                                                  chunk-start state; V' = V - Kbar_new S_init)
 
 so that the serial pass carries Delta = U - W S_0 alone: two dots on its chain (W S_0, then
-S <- exp(g_last) S_0 + Wt^T Delta) and no A V product inside the loop.
-
-A is formed in fp32 (inverse.py): forward substitution
-on the S x S diagonal blocks (all of them at once, one row of every block per step, elementwise:
-no rounded dot touches it), then their merge into the C x C inverse, A = sum_n (-M)^n D^-1 with
-D^-1 the block-diagonal inverse and M = D^-1 (L - blockdiag(L)), nilpotent of index C / S (the
-closed form of block forward substitution, C / S fp32-accurate dots).
+S <- exp(g_last) S_0 + Wt^T Delta) and no A V product inside the loop. A is formed in fp32 by
+forward substitution (inverse.py): elementwise, no rounded dot touches it.
 """
 
 from __future__ import annotations
@@ -22,7 +17,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import common
 from pallas_kernels.delta_rule.inverse import unit_lower_inverse
 from pallas_kernels.delta_rule.tiles import (
   by_reset,
@@ -32,24 +26,19 @@ from pallas_kernels.delta_rule.tiles import (
   operand_dtype,
   tile,
 )
-from pallas_kernels.kernel_math import exp_for_mode
 
 
-def _wy_kernel(*refs, chunk, sub, has_seg, block_v, prec, hi, exp, decayed):
-  """decayed: the "k" input is Kbar already (the pair kernel's, DeltaRuleConfig.decayed_operands)
-  and no g is read."""
-  names = ["l", "k"] + ([] if decayed else ["g"]) + ["v", "h0"] + (["cont"] if has_seg else [])
+def _wy_kernel(*refs, chunk, has_seg, block_v, prec):
+  names = ["l", "kbar", "v", "h0"] + (["cont"] if has_seg else [])
   r = dict(zip(names, refs[: len(names)]))
   a_out, wk_out, u_out = refs[len(names) :]
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   C = chunk
   t0 = c * C
   rows = pl.ds(t0, C)
-  amat = unit_lower_inverse(r["l"][b, h, rows, :], C, sub, hi)
+  amat = unit_lower_inverse(r["l"][b, h, rows, :], C)
   a_out[b, h, rows, :] = amat.astype(a_out.dtype)
-  kbar = tile(r["k"], b, t0, C, h)
-  if not decayed:
-    kbar = kbar * exp(tile(r["g"], b, t0, C, h))
+  kbar = tile(r["kbar"], b, t0, C, h)
   by_reset(
     r.get("cont"),
     b,
@@ -73,18 +62,16 @@ def _wk_u(r, wk_out, u_out, amat, kbar, b, h, t0, C, seg, block_v, prec):
     u_out[b, rows, h, vs] = dot(amat, v, prec).astype(u_out.dtype)
 
 
-def wy_forward(lmat, k, v, g, h0, cont, *, chunk, sub, interpret, cfg, cfg_prec):
-  """(A [B, H, T, C], W [B, T, H, K], U [B, T, H, V]), all in the dots' operand dtype; g None:
-  k is Kbar = k exp(g) already (the pair kernel's, decayed operands). A and W
-  only ever enter dots, which round them so anyway; U is the first term of Delta = U - W S_0, so
-  storing it in bf16 (the design of issue 18, and fla's) is one more bf16 rounding of Delta, for
-  bf16 data only (tests: within the bf16 bounds)."""
-  bsz, t, nh, kd = k.shape
+def wy_forward(lmat, kbar, v, h0, cont, *, chunk, interpret, cfg, cfg_prec):
+  """(A [B, H, T, C], W [B, T, H, K], U [B, T, H, V]), all in the dots' operand dtype, from L
+  and Kbar = k exp(g) (the pair kernel's). A and W only ever enter dots, which round them so
+  anyway; U is the first term of Delta = U - W S_0, so storing it in bf16 (fla's choice too) is
+  one more bf16 rounding of Delta, for bf16 data only (tests: within the bf16 bounds)."""
+  bsz, t, nh, kd = kbar.shape
   vd = v.shape[-1]
   has_seg = cont is not None
   prec = kernel_precision(cfg_prec, interpret)
   dt = operand_dtype(prec)
-  hi = common.dot_precision("exact", interpret)
   out_shape = (
     jax.ShapeDtypeStruct((bsz, nh, t, chunk), dt),
     jax.ShapeDtypeStruct((bsz, t, nh, kd), dt),
@@ -94,16 +81,12 @@ def wy_forward(lmat, k, v, g, h0, cont, *, chunk, sub, interpret, cfg, cfg_prec)
     functools.partial(
       _wy_kernel,
       chunk=chunk,
-      sub=sub,
       has_seg=has_seg,
       block_v=min(cfg.block_v_parallel, vd),
       prec=prec,
-      hi=hi,
-      exp=exp_for_mode(cfg_prec),
-      decayed=g is None,
     ),
     out_shape=out_shape,
     grid=(bsz, nh, t // chunk),
     name="delta_rule_wy",
     **launch_params(interpret, cfg.num_warps_intra, cfg),
-  )(*([lmat, k] + ([] if g is None else [g]) + [v, h0] + ([cont] if has_seg else [])))
+  )(*([lmat, kbar, v, h0] + ([cont] if has_seg else [])))

@@ -414,8 +414,8 @@ def iso_gain_fused(
 
 def gain_chunk(t, chunk_size, cfg):
   """The gain kernels' chunk for T=t: chunk_size capped by cfg.max_chunk and by T's next power
-  of two (16 at least). (Halving it to fill the GPU at short T, session 47's min_programs,
-  lost: 0.72 ms against 0.41-0.51 for the 4k forward on the H100, docs/decisions.md.)"""
+  of two (16 at least). Not halved to fill the GPU at short T: that lost (docs/decisions.md,
+  `min_programs`)."""
   return min(chunk_size, cfg.max_chunk, max(16, common.next_pow2(t)))
 
 

@@ -46,8 +46,8 @@ def test_check_violations_use_the_issue_bounds():
 def test_config_from_spec():
   base = dr_config.DeltaRuleConfig()
   assert bm.config_from_spec(base, "default") is base
-  cfg = bm.config_from_spec(base, "max_chunk=64/bf16_states=0/pair_diag=columns/block_v=64")
-  assert (cfg.max_chunk, cfg.bf16_states, cfg.pair_diag, cfg.block_v) == (64, False, "columns", 64)
+  cfg = bm.config_from_spec(base, "max_chunk=64/bf16_states=0/num_warps_intra=2/block_v=64")
+  assert (cfg.max_chunk, cfg.bf16_states, cfg.num_warps_intra, cfg.block_v) == (64, False, 2, 64)
   assert bm.config_from_spec(gain_config.GainConfig(), "max_chunk=128").max_chunk == 128
   with pytest.raises(ValueError, match="expected one of"):
     bm.config_from_spec(base, "bf16_states=yes")
@@ -63,7 +63,7 @@ def test_combine_winners():
     ("bf16_states=0", 9.0),
     ("block_v=64", 11.0),
     ("num_stages=2", 8.0),
-    ("sub_block=16", None),
+    ("pair_heads=8", None),
   ]
   assert bm.combine_winners(timed) == "num_warps_output=4/bf16_states=0/num_stages=2"
   assert bm.combine_winners(timed[:3]) is None  # one winner: nothing new to try
@@ -86,7 +86,7 @@ def test_sweep_with_stages_at_tiny_shape():
   results = {}
   make = lambda spec: bm.config_from_spec(old, spec)
   try:
-    spec = "max_chunk=32/bf16_states=0/num_warps_parallel=8"
+    spec = "block_v=32/bf16_states=0/num_warps_parallel=8"
     got = bm._sweep(
       results,
       ["default", spec],
@@ -221,7 +221,7 @@ def test_stage_split_with_documents(monkeypatch):
   assert seen and all(seen), seen  # the op and the stage split both ran with segments
   for name in (
     "gain_fwd",
-    "cumsum_glue",
+    "delta_pairs_fwd",
     "delta_intra_fwd",
     "delta_recur_fwd",
     "delta_recur_bwd",

@@ -28,7 +28,7 @@ def _kdn_forward_modules(dtype):
 def test_triton_modules_of_the_kdn_forward_with_their_launch_parameters():
   mods = _kdn_forward_modules(jnp.bfloat16)
   cfg = tuned.tuned("delta_rule")
-  # (the pair kernel forms g: DeltaRuleConfig.cumsum_in_pairs, no cumsum kernel)
+  # (the pair kernel forms g: no forward cumsum kernel)
   assert {
     "kdn_gain_reduce",
     "kdn_gain_replay",
@@ -36,7 +36,7 @@ def test_triton_modules_of_the_kdn_forward_with_their_launch_parameters():
     "delta_rule_wy",
     "delta_rule_state_output",
   } <= set(mods)
-  assert ("delta_rule_cumsum" in mods) == (not cfg.cumsum_in_pairs)
+  assert "delta_rule_cumsum" not in mods
   assert mods["delta_rule_pair_token_loop"]["num_warps"] == cfg.num_warps_pairs
   assert mods["delta_rule_wy"]["num_warps"] == cfg.num_warps_intra
   assert mods["delta_rule_pair_token_loop"]["num_stages"] == cfg.num_stages
@@ -70,8 +70,8 @@ def _kdn_grad_modules(dtype, seg):
 
 @pytest.mark.parametrize("dtype,seg", [(jnp.bfloat16, True), (jnp.float32, False)])
 def test_kernels_exp_follows_the_data_dtype(dtype, seg):
-  """diag KDN fwd+bwd, every kernel that takes an exp (gains, cumsums, the delta rule's forward
-  and backward; with decayed operands the WY and output kernels take none): 16-bit data call
+  """diag KDN fwd+bwd, every kernel that takes an exp (gains, the delta rule's forward and
+  backward; the WY and output kernels read Kbar and Qbar and take none): 16-bit data call
   libdevice's exp2f (one MUFU.EX2) and never expf; fp32 data the reverse."""
   calls = _math_calls(_kdn_grad_modules(dtype, seg))
   assert len(calls) >= 10

@@ -106,6 +106,12 @@ def test_removed_fields_of_earlier_runs_are_dropped(caplog):
   config_lib.validate(config)
   assert kernel_config.resolve(config.kernels).delta_rule.block_v == 32
   assert "output_after_update=1" in caplog.text
+  config.kernels.delta_rule = "pair_diag=columns/sub_block=32/bf16_write=0/num_stages=2"
+  config_lib.validate(config)
+  assert kernel_config.resolve(config.kernels).delta_rule == dataclasses.replace(
+    tuned.tuned("delta_rule"), num_stages=2
+  )
+  assert "pair_diag=columns" in caplog.text and "bf16_write=0" in caplog.text
 
 
 def test_tuned_table_lookup():

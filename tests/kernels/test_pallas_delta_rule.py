@@ -112,49 +112,41 @@ def _check(args, seg, chunk, tol_fwd, tol_grad, scale=0.7, vjp_primal=False, con
   return errs
 
 
-# The shipped chunk (16) at T = 1, partial chunks, both decay forms and resets inside chunks is
-# held to the float64 loop through the ops (tests/ops_cases.py, impl="pallas"); here: longer
-# chunks (max_chunk raised) and the gradients under strong decay.
+# The chunk (16) at T = 1, partial chunks, both decay forms and resets inside chunks is held to
+# the float64 loop through the ops (tests/ops_cases.py, impl="pallas"); here: longer sequences,
+# callers' longer chunk_size (the kernels run 16) and the gradients under strong decay.
 @pytest.mark.parametrize(
   "t,chunk,scalar_decay,decay,segs",
   [
-    (65, 64, False, "normal", None),  # T = chunk + 1, per-channel decay
+    (65, 64, False, "normal", None),  # T = 4 chunks + 1, per-channel decay
     (40, 16, False, "strong", None),  # log_alpha = -20, several chunks
     (37, 32, False, "strong", (5, 30)),
   ],
 )
 def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
-  """The default config at the chunk given (max_chunk raised to it: the shipped cap is 16)."""
+  """The default config, chunk_size given by the caller."""
   args = _inputs(t, 1, t, 2, 64, 64, jnp.float32, scalar_decay, decay)
   seg = None if segs is None else _segments(t, segs)
-  cfg = dr_config.DeltaRuleConfig(max_chunk=chunk)
-  _check(args, seg, chunk, 1e-5, 1e-4, config=cfg)
+  _check(args, seg, chunk, 1e-5, 1e-4)
 
 
 @pytest.mark.parametrize(
   "variant",
   [  # (the shipped default: through the ops, ops_cases)
     # (orthogonal options share a case: each case is one interpret-mode compile of fwd + bwd)
-    # ... with the cumsum kernel and q/k/g read by the WY and output kernels (before session 48)
-    dict(
-      block_v=32, block_v_parallel=64, pair_heads=1, cumsum_in_pairs=False, decayed_operands=False
-    ),
-    dict(block_v=64, block_v_parallel=32, pair_diag="columns"),
-    # chunk 32: two row blocks, the 32-step backward; the cumsums' loads in blocks of 3 (a
-    # remainder in every program)
-    dict(max_chunk=32, cumsum_block=3),
-    dict(max_chunk=32, sub_block=32),  # chunk 32 in one row block
-    dict(forward_only_chunk=32),  # primal at chunk 32, residuals at 16
-    # (6 heads: programs of gcd(4, 6) = 2 heads); the cumsums as plain row loops (default: 8)
-    dict(pair_heads=4, cumsum_block=1, cumsum_in_pairs=False),
+    dict(block_v=32, block_v_parallel=64, pair_heads=1),
+    dict(block_v=64, block_v_parallel=32),
+    # the reverse cumsum's loads in blocks of 3 (a remainder in every program)
+    dict(cumsum_block=3),
+    # (6 heads: programs of gcd(4, 6) = 2 heads); the reverse cumsum as a plain row loop
+    dict(pair_heads=4, cumsum_block=1),
     # the decayed operands (default) read by state pass and output kernel in two V blocks each
     dict(block_v=32, block_v_parallel=32),
   ],
 )
 def test_delta_rule_kernel_variants(variant):
-  """Every kernel option (V blocks of the serial and parallel kernels,
-  chunk 32 in 16- and 32-row forward blocks, the forward-only chunk, the decay cumsums' loads in
-  other blocks) is exact."""
+  """Every kernel option (V blocks of the serial and parallel kernels, heads per token-parallel
+  program, the reverse cumsum's loads in other blocks) is exact."""
   t = 45
   # (6 heads where the option concerns the pair kernel's programs of several heads)
   heads = 6 if "pair_heads" in variant else 1
@@ -168,15 +160,11 @@ def test_delta_rule_kernel_variants(variant):
 @pytest.mark.parametrize(
   "variant,dtype,scalar_decay",
   [
-    ({}, jnp.float32, False),  # token-parallel pair kernel
-    (dict(pair_diag="columns", max_chunk=32), jnp.float32, False),  # the row-block pair kernel
+    ({}, jnp.float32, False),
     ({}, jnp.bfloat16, True),  # GDN's: with a [B, T, H] decay
-    ({}, jnp.bfloat16, False),  # KDA's: per-channel decay, g in pairs (the default)
-    # the forward's passes before session 48: the cumsum kernel, q/k/g read by WY and output
-    (dict(cumsum_in_pairs=False, decayed_operands=False), jnp.float32, False),
-    (dict(scalar_write=False), jnp.float32, False),
+    ({}, jnp.bfloat16, False),  # KDA's: per-channel decay
   ],
-)  # beta k made in XLA instead
+)
 def test_delta_rule_scalar_write(variant, dtype, scalar_decay):
   """write given as a per-token scalar beta [B, T, H] (write = beta k, formed in the pair kernel
   and the intra backward; beta's gradient <dw, k> and k's share beta dw summed there) against
@@ -184,130 +172,68 @@ def test_delta_rule_scalar_write(variant, dtype, scalar_decay):
   resets inside and at the start of a chunk, T not a multiple of the chunk."""
   t = 45
   seg = _segments(t, (16,), (21,))
-  chunk = variant.get("max_chunk", 16)
   tol = (1e-5, 1e-4) if dtype == jnp.float32 else (5e-3, 1e-2)
   args = _inputs(9, 2, t, 2, 64, 32, dtype, scalar_decay, "normal", scalar_write=True)
   assert args[4].shape == (2, t, 2)
   cfg = dr_config.DeltaRuleConfig(**variant)
-  _check(args, seg, chunk, *tol, vjp_primal=True, config=cfg)
+  _check(args, seg, 16, *tol, vjp_primal=True, config=cfg)
 
 
-@pytest.mark.parametrize(
-  "t,decay,scalar_decay,segs,scalar_write",
-  [
-    # resets inside a chunk, on its last row, on the next's first; the scalar write
-    (45, "normal", False, True, True),
-    (45, "normal", False, True, False),  # the same with a [B, T, H, K] write (the diag KDN's)
-    (40, "strong", True, False, False),  # log-decay -20 per token, [B, T, H] decay
-    (1, "normal", False, False, False),
-  ],
-)  # T = 1
-def test_cumsum_in_pairs(t, decay, scalar_decay, segs, scalar_write):
-  """cumsum_in_pairs (the default) without decayed operands: the token-parallel pair kernel forms
-  g from log_alpha (no cumsum kernel) and writes it whole for the WY and output kernels; outputs
-  of the primal and of a differentiated call, final state and gradients against the float64
-  loop."""
-  args = _inputs(13, 2, t, 2, 64, 32, jnp.float32, scalar_decay, decay, scalar_write=scalar_write)
-  seg = _segments(t, (20, 31, 32), (9,)) if segs else None
-  cfg = dr_config.DeltaRuleConfig(cumsum_in_pairs=True, decayed_operands=False)
-  _check(args, seg, 16, 1e-5, 1e-4, vjp_primal=True, config=cfg)
-
-
-def test_cumsum_in_pairs_matches_the_cumsum_kernel():
-  """The pair kernel's g, L, P and Wt from log_alpha against the cumsum kernel's g and the pair
-  kernel on it, with resets (g restarts at them): the same up to fp32 summation order."""
+@pytest.mark.parametrize("write_g", [True, False])
+def test_pair_kernel_outputs(write_g):
+  """The pair kernel's g (or, without write_g, g_last: g at each chunk's last row), formed from
+  log_alpha, against a cumsum restarted at chunk starts and resets; its Kbar and Qbar are
+  k exp(g) and scale q exp(g) in the operand dtype (bf16 for 'fast' dots)."""
+  from pallas_kernels import common  # pylint: disable=g-import-not-at-top
   from pallas_kernels.delta_rule import intra, segment_arrays  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.delta_rule.chunk_cumsum import chunk_cumsum  # pylint: disable=g-import-not-at-top
-
-  t = 48
-  q, k, _, la, w, _ = _inputs(14, 2, t, 4, 64, 32, jnp.float32, False, "normal")
-  starts, _, pid = segment_arrays(jnp.asarray(_segments(t, (5, 16), (30,))), 2, t, t, 16)
-  cfg = dr_config.DeltaRuleConfig(cumsum_in_pairs=True)
-  kw = dict(chunk=16, scale=0.3, interpret=True, cfg=cfg, cfg_prec="exact")
-  g = chunk_cumsum(la, starts, chunk=16, interpret=True, block=8)
-  want = intra.pair_rows_forward(q, k, w, g, pid, **kw)
-  got = intra.pair_rows_forward(q, k, w, None, pid, la=la, **kw)
-  assert want.g is None and got.g_last is None and got.kbar is None
-  np.testing.assert_allclose(got.g, g, rtol=1e-6, atol=1e-6)
-  for name, a, b in zip(("L", "P", "Wt"), got[:3], want[:3]):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
-  with pytest.raises(ValueError, match="token-parallel"):
-    intra.pair_rows_forward(
-      q, k, w, None, pid, la=la, **dict(kw, cfg=dr_config.DeltaRuleConfig(pair_diag="columns"))
-    )
-
-
-@pytest.mark.parametrize("from_la", [False, True])
-def test_decayed_operands_pair_outputs(from_la):
-  """decayed_operands: the pair kernel's Kbar and Qbar are k exp(g) and scale q exp(g) in the
-  operand dtype (bf16 for 'fast' dots), and without write_g (from log_alpha) its g_last is g at
-  each chunk's last row; L, P and Wt are those of the plain kernel."""
-  from pallas_kernels.delta_rule import intra, segment_arrays  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.delta_rule.chunk_cumsum import chunk_cumsum  # pylint: disable=g-import-not-at-top
 
   t, scale = 48, 0.3
   q, k, _, la, w, _ = _inputs(15, 2, t, 4, 64, 32, jnp.bfloat16, False, "normal")
   starts, _, pid = segment_arrays(jnp.asarray(_segments(t, (5, 16), (30,))), 2, t, t, 16)
-  kw = dict(chunk=16, scale=scale, interpret=True, cfg=dr_config.DeltaRuleConfig(), cfg_prec="fast")
-  g = chunk_cumsum(la, starts, chunk=16, interpret=True, block=8)
-  want = intra.pair_rows_forward(q, k, w, g, pid, **kw)
-  extra = dict(la=la, write_g=False) if from_la else {}
-  got = intra.pair_rows_forward(q, k, w, None if from_la else g, pid, decayed=True, **kw, **extra)
+  cfg = dr_config.DeltaRuleConfig()
+  kw = dict(chunk=16, scale=scale, interpret=True, cfg=cfg, cfg_prec="fast")
+  got = intra.pair_forward(q, k, w, la, pid, write_g=write_g, **kw)
+  g = common.segmented_cumsum(la.astype(jnp.float32), starts[:, :, None, None], axis=1)
   assert got.kbar.dtype == got.qbar.dtype == jnp.bfloat16
-  assert got.g is None and (got.g_last is not None) == from_la
+  assert (got.g is not None) == write_g and (got.g_last is None) == write_g
+  if write_g:
+    np.testing.assert_allclose(got.g, g, rtol=1e-6, atol=1e-6)
+  else:
+    np.testing.assert_allclose(got.g_last, g[:, 15::16], rtol=1e-6, atol=1e-6)
   e = np.exp(np.asarray(g, np.float64))
   f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)
   np.testing.assert_allclose(f64(got.kbar), f64(k) * e, rtol=8e-3, atol=1e-6)
   np.testing.assert_allclose(f64(got.qbar), scale * f64(q) * e, rtol=8e-3, atol=1e-6)
-  if from_la:
-    np.testing.assert_allclose(got.g_last, g[:, 15::16], rtol=1e-6, atol=1e-6)
-  for name, a, b in zip(("L", "P", "Wt"), got[:3], want[:3]):
-    np.testing.assert_allclose(
-      np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2, atol=1e-5, err_msg=name
-    )
 
 
 @pytest.mark.parametrize(
-  "t,variant,scalar_decay,segs,scalar_write,decay",
+  "t,scalar_decay,segs,scalar_write,decay",
   [
-    # g by the pair kernel: a forward-only call keeps g_last alone; the scalar write; resets
-    (45, dict(cumsum_in_pairs=True), False, True, True, "normal"),
-    # g by the cumsum kernel; the output kernel apart (reads Qbar), a [B, T, H, K] write
-    (45, dict(cumsum_in_pairs=False), False, True, False, "normal"),
-    (40, dict(cumsum_in_pairs=True), True, True, False, "strong"),
-    (1, dict(cumsum_in_pairs=True), False, False, False, "normal"),  # T = 1
+    # a forward-only call keeps g_last alone; the scalar write; resets inside a chunk, on its
+    # last row, on the next's first
+    (45, False, True, True, "normal"),
+    (45, False, True, False, "normal"),  # a [B, T, H, K] write (the diag KDN's)
+    (40, True, True, False, "strong"),  # log-decay -20 per token, [B, T, H] decay
+    (1, False, False, False, "normal"),  # T = 1
   ],
 )
-def test_decayed_operands(t, variant, scalar_decay, segs, scalar_write, decay):
-  """decayed_operands (Kbar and Qbar written by the pair kernel, read by the WY and output
-  kernels in place of k, q and g): outputs of the primal and of a differentiated call, final
+def test_forward_passes(t, scalar_decay, segs, scalar_write, decay):
+  """g formed by the pair kernel, Kbar and Qbar written by it and read by the WY and output
+  kernels in place of k, q and g: outputs of the primal and of a differentiated call, final
   state and every gradient against the float64 loop."""
   args = _inputs(16, 2, t, 2, 64, 32, jnp.float32, scalar_decay, decay, scalar_write=scalar_write)
   seg = _segments(t, (20, 31, 32), (9,)) if segs else None
-  cfg = dr_config.DeltaRuleConfig(decayed_operands=True, **variant)
-  _check(args, seg, 16, 1e-5, 1e-4, vjp_primal=True, config=cfg)
+  _check(args, seg, 16, 1e-5, 1e-4, vjp_primal=True)
 
 
-@pytest.mark.parametrize("variant", [dict(cumsum_in_pairs=True), dict(cumsum_in_pairs=False)])
-def test_decayed_operands_match_the_plain_kernels_in_bf16(variant):
-  """For bf16 data the decayed operands are the values the WY and output kernels formed and
-  rounded for their dots anyway (same fp32 expressions, one rounding), so the outputs are the
-  plain kernels' bit for bit (interpret mode); and with cumsum_in_pairs a forward-only call
-  holds no fp32 [B, T, H, K] array (no g: the state pass reads g_last)."""
+def test_forward_only_call_holds_no_fp32_g():
+  """A call that is not differentiated holds no fp32 [B, T, H, K] array: no g (the pair kernel
+  writes only its chunk-last rows for the state pass), Kbar and Qbar in bf16 for bf16 data."""
   b, t, h, kd = 2, 45, 2, 64
   args = _inputs(17, b, t, h, kd, 32, jnp.bfloat16, False, "normal")
   seg = jnp.asarray(_segments(t, (20,), (9, 33)))
-  outs, fp32_g = {}, f"f32[{b},48,{h},{kd}]"  # (T padded to 48)
-  for on in (False, True):
-    cfg = dr_config.DeltaRuleConfig(decayed_operands=on, **variant)
-    f = jax.jit(lambda *a, cfg=cfg: delta_rule(*a[:5], 0.7, a[5], seg, chunk_size=16, config=cfg))
-    holds_g = fp32_g in str(jax.make_jaxpr(f)(*args))
-    outs[on] = f(*args)
-    assert holds_g == (not on or not variant["cumsum_in_pairs"]), (on, holds_g)
-  for a, b_, name in zip(outs[True], outs[False], ("o", "S_final")):
-    np.testing.assert_array_equal(
-      np.asarray(a, np.float32), np.asarray(b_, np.float32), err_msg=name
-    )
+  f = jax.jit(lambda *a: delta_rule(*a[:5], 0.7, a[5], seg, chunk_size=16))
+  assert f"f32[{b},48,{h},{kd}]" not in str(jax.make_jaxpr(f)(*args))  # (T padded to 48)
 
 
 def test_fused_step_without_segments():
@@ -317,12 +243,11 @@ def test_fused_step_without_segments():
   _check(args, None, 16, 1e-5, 1e-4, vjp_primal=True)
 
 
-@pytest.mark.parametrize("variant", [{}, dict(max_chunk=32), dict(pair_heads=1)])
+@pytest.mark.parametrize("variant", [{}, dict(pair_heads=1)])
 @pytest.mark.parametrize("segments", [False, True])
 def test_delta_rule_intra_backward(segments, variant):
   """The token-parallel intra backward (programs of pair_heads heads; its direct log-decay terms
-  summed by the reverse cumsum) against the float64 loop, with and without resets, at chunk 16
-  and 32; V != K. The resets fall on a chunk's last row, on the next chunk's first row and
+  summed by the reverse cumsum) against the float64 loop, with and without resets; V != K. The resets fall on a chunk's last row, on the next chunk's first row and
   inside a chunk, next to a chunk without one (tiles.by_reset: the segment-free bodies)."""
   t = 45
   seg = _segments(t, (31, 32), (38,)) if segments else None
@@ -331,7 +256,7 @@ def test_delta_rule_intra_backward(segments, variant):
   _check(
     _inputs(6, 2, t, heads, 64, 32, jnp.float32, False, "normal"),
     seg,
-    variant.get("max_chunk", 16),
+    16,
     1e-5,
     1e-4,
     config=cfg,
@@ -353,34 +278,13 @@ def test_delta_rule_bf16_operand_dots():
   )
 
 
-@pytest.mark.parametrize(
-  "variant,dtype,decay,tol",
-  [
-    (dict(sub_block=16), jnp.float32, "strong", (1e-5, 1e-4)),
-    (dict(sub_block=16), jnp.float32, "normal", (1e-5, 1e-4)),
-    (dict(sub_block=32), jnp.float32, "normal", (1e-5, 1e-4)),  # two 32-row blocks
-    (dict(sub_block=16), jnp.bfloat16, "normal", (5e-3, 1e-2)),
-  ],
-)
-def test_delta_rule_sub_blocks(variant, dtype, decay, tol):
-  """16- or 32-row blocks of a 64-token chunk against the float64 loop: the chunk-64 forward by
-  stage (pair rows, WY, serial pass) and the token-parallel intra backward over 64-token chunks;
-  resets inside and at the start of a row block, an initial state, T not a multiple of the
-  chunk."""
-  seg = np.zeros((1, 150), np.int32)
-  seg[:, 40:] = 1  # inside a sub-block
-  seg[:, 96:] = 2  # at a sub-block start
-  cfg = dr_config.DeltaRuleConfig(max_chunk=64, **variant)
-  _check(_inputs(17, 1, 150, 2, 64, 64, dtype, False, decay), seg, 64, *tol, config=cfg)
-
-
 def test_delta_rule_bf16_states():
   """bf16_states (saved states and state gradients in bf16 under bf16-operand dots; the default)
-  stays within the bf16 bounds with segments at chunk 32; fp32 states (bf16_states=False) too."""
+  stays within the bf16 bounds with segments; fp32 states (bf16_states=False) too."""
   seg = np.zeros((1, 150), np.int32)
   seg[:, 70:] = 1
   for extra in (
-    dict(bf16_states=True, max_chunk=32),
+    dict(bf16_states=True),
     dict(bf16_states=False),
   ):
     cfg = dr_config.DeltaRuleConfig(**extra)
@@ -426,12 +330,8 @@ def test_delta_rule_precision_argument():
   [
     dict(block_v=48),
     dict(block_v_parallel=96),
-    dict(sub_block=8),
-    dict(min_chunk=24),
     dict(max_chunk=0),
-    dict(pair_diag="rows"),
     dict(pair_heads=3),
-    dict(forward_only_chunk=48),
     dict(num_warps_intra_bwd=0),
   ],
 )
@@ -440,18 +340,21 @@ def test_delta_rule_config_rejects_bad_values(bad):
     dr_config.DeltaRuleConfig(**bad)
 
 
-def test_chunk_length_floor():
-  """Compiled runs use chunks of at least min_chunk (a floor for GPUs where short chunks
-  misbehave); interpret mode keeps 16, and short sequences shrink the chunk down to the floor."""
+def test_chunk_length():
+  """The Triton kernels run chunks of 16 whatever the caller's chunk_size and refuse a config
+  with another max_chunk; the TPU kernels take chunk_size capped by max_chunk and by T (rounded
+  up to a power of two), 16 at least."""
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+
   from pallas_kernels.delta_rule import chunk_length  # pylint: disable=g-import-not-at-top
 
-  cfg = dr_config.DeltaRuleConfig(max_chunk=32, min_chunk=32)
-  assert chunk_length(cfg, 64, 300, interpret=False) == 32
-  assert chunk_length(cfg, 64, 1, interpret=False) == 32
-  assert chunk_length(cfg, 64, 1, interpret=True) == 16
-  small = dr_config.DeltaRuleConfig(max_chunk=16, min_chunk=16)
-  assert chunk_length(small, 64, 300, interpret=False) == 16
-  assert (
-    chunk_length(dr_config.DeltaRuleConfig(max_chunk=16, min_chunk=32), 64, 300, interpret=False)
-    == 32
-  )
+  cfg = dr_config.DeltaRuleConfig()
+  for interpret in (True, False):
+    assert chunk_length(cfg, 64, 300, interpret) == 16
+  with pytest.raises(ValueError, match="max_chunk=32"):
+    chunk_length(dr_config.DeltaRuleConfig(max_chunk=32), 64, 300, interpret=True)
+  tpu, big = pltpu.InterpretParams(), dr_config.DeltaRuleConfig(max_chunk=64)
+  assert chunk_length(big, 64, 300, tpu) == 64
+  assert chunk_length(big, 32, 300, tpu) == 32
+  assert chunk_length(big, 64, 20, tpu) == 32
+  assert chunk_length(big, 64, 1, tpu) == 16

@@ -154,7 +154,7 @@ def test_gain_shape_errors_name_the_argument():
 
 
 def test_gain_dtype_bf16_is_the_fp32_gain_rounded():
-  """diag_gain(gain_dtype=bfloat16) (DeltaRuleConfig.bf16_write's storage): kappa in bf16, the
+  """diag_gain(gain_dtype=bfloat16) (pallas_kernels.write_dtype's for bf16 data): kappa in bf16, the
   fp32 kernel's kappa rounded; gradients through it as through the fp32 gain given the same
   (bf16) cotangent; another dtype is refused, naming the argument."""
   k, la, om, r, p0 = _inputs(6, 1, 40, 2, 16, True, jnp.float32, None, False)

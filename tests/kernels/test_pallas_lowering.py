@@ -1,8 +1,8 @@
 """The Pallas kernels lower to Triton for a CUDA GPU, checked on CPU with jax's cross-platform
 lowering (`.lower(lowering_platforms=("cuda",))`: the kernels' Triton IR is built, nothing is
 compiled or run). Interpret mode proves the kernels' values, not that Triton's lowering accepts
-them: session 36's `c % stride` in a loop body ran exactly in interpret mode and failed to lower
-on the H200 (jnp's remainder became an i32 % i1 Triton op). CI has no GPU; this catches that class
+them: a `c % stride` in a loop body ran exactly in interpret mode and failed to lower on the
+H200 (jnp's remainder became an i32 % i1 Triton op; docs/decisions.md). CI has no GPU; this catches that class
 of failure before a device call does.
 
 On CPU the kernels would pick interpret mode, no compiler params and HIGHEST dots; the fixture
@@ -47,23 +47,12 @@ def _op_inputs(dtype, t=80):
   return ops_cases.random_kdn_inputs(dtype, t=t) + (seg,)
 
 
-@pytest.mark.parametrize(
-  "variant",
-  [
-    {},
-    dict(pair_diag="columns"),
-    dict(max_chunk=32),
-    dict(max_chunk=64, sub_block=32),
-    dict(cumsum_block=1, cumsum_in_pairs=False),
-    # the forward's passes before session 48 (a cumsum kernel, fp32 kappa, q/k/g re-read)
-    dict(cumsum_in_pairs=False, bf16_write=False, decayed_operands=False),
-  ],
-)
+@pytest.mark.parametrize("variant", [{}, dict(cumsum_block=1)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
-  """diag KDN forward and backward (gain kernels, the cumsum unless the pair kernel forms g,
-  pair, WY, state pass, output, the backward kernels), with a segment reset, under each delta-rule option; in bf16 the gates too
-  (the kernels store every gradient in its input's dtype)."""
+  """diag KDN forward and backward (gain kernels, pair, WY, state pass, output, the backward
+  kernels), with a segment reset, with the reverse cumsum's loads blocked and plain; in bf16 the
+  gates too (the kernels store every gradient in its input's dtype)."""
   q, k, v, la, om, r, seg = _op_inputs(dtype)
   la, om, r = (x.astype(dtype) for x in (la, om, r))
 
@@ -76,18 +65,11 @@ def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
     return jnp.sum(o.astype(jnp.float32))
 
   text = _lower_for_cuda(jax.grad(loss, argnums=tuple(range(6))), q, k, v, la, om, r)
-  token_parallel = (
-    variant.get("pair_diag", "token_loop") == "token_loop" and "max_chunk" not in variant
-  )  # (chunks of one row block only)
-  in_pairs = token_parallel and variant.get(
-    "cumsum_in_pairs", dr_config.DeltaRuleConfig().cumsum_in_pairs
-  )
   expected = {
     "kdn_gain_reduce",
     "kdn_gain_replay",
     "kdn_gain_bwd_reduce",
     "kdn_gain_bwd_replay",
-    *(() if in_pairs else ("delta_rule_cumsum",)),
     "delta_rule_wy",
     "delta_rule_state_pass",
     "delta_rule_output",
@@ -95,53 +77,41 @@ def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
     "delta_rule_bwd_partials",
     "delta_rule_intra_bwd_tokens",
     "delta_rule_reverse_cumsum",
-    "delta_rule_pair_token_loop" if token_parallel else "delta_rule_pair_rows",
+    "delta_rule_pair_token_loop",
   }
   kernels = _triton_kernels(text)
   assert expected <= kernels, expected - kernels
-  if in_pairs:  # the pair kernel forms g: no cumsum kernel runs
-    assert "delta_rule_cumsum" not in kernels, kernels
 
 
-@pytest.mark.parametrize("variant", [{}, dict(pair_diag="columns", max_chunk=32)])
-def test_scalar_write_lowers_for_cuda(as_on_gpu, variant):
+def test_scalar_write_lowers_for_cuda(as_on_gpu):
   """KDA with beta [B, T, H] (the write beta k formed in the pair kernel and the intra backward,
-  which also sums beta's gradient), bf16, a reset: forward and backward lower, through both
-  pair kernels, and beta reaches them as [B, T, H] (no [B, T, H, K] write made in XLA)."""
+  which also sums beta's gradient), bf16, a reset: forward and backward lower, and beta reaches
+  the kernels as [B, T, H] (no [B, T, H, K] write made in XLA)."""
   q, k, v, la, _, r, seg = _op_inputs(jnp.bfloat16)
   beta = jax.nn.sigmoid(r).astype(jnp.bfloat16)
 
-  kc = KernelConfigs(delta_rule=dr_config.DeltaRuleConfig(**variant))
-
   def loss(q, k, v, la, beta):
-    o, _ = ops.kda(
-      q, k, v, la, beta, segment_ids=seg, impl="pallas", chunk_size=64, kernel_config=kc
-    )
+    o, _ = ops.kda(q, k, v, la, beta, segment_ids=seg, impl="pallas", chunk_size=64)
     return jnp.sum(o.astype(jnp.float32))
 
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(5))))(q, k, v, la, beta)
   text = _lower_for_cuda(jax.grad(loss, argnums=tuple(range(5))), q, k, v, la, beta)
-  pair = "delta_rule_pair_rows" if variant else "delta_rule_pair_token_loop"
   kernels = _triton_kernels(text)
-  assert {pair, "delta_rule_intra_bwd_tokens"} <= kernels, kernels
+  assert {"delta_rule_pair_token_loop", "delta_rule_intra_bwd_tokens"} <= kernels, kernels
   # beta is never broadcast against k ([B, T, H, 1]) to make a [B, T, H, K] write in XLA
   assert not re.search(r"bf16\[1,80,2,1\]", str(jaxpr)), "beta broadcast to [B, T, H, 1]"
 
 
 @pytest.mark.parametrize("segments", [False, True])
-def test_decayed_operands_forward_lowers(as_on_gpu, segments):
-  """decayed_operands with cumsum_in_pairs, a call not differentiated: the pair kernel writes
-  Kbar, Qbar and g_last alone (its masked last-row store), read by the WY kernel and the state
-  pass with the output fused (no segments) or the state pass and the output kernel; lowers for
-  CUDA, bf16."""
+def test_forward_only_call_lowers(as_on_gpu, segments):
+  """A call not differentiated: the pair kernel writes Kbar, Qbar and g_last alone (its masked
+  last-row store), read by the WY kernel and the state pass with the output fused (no segments)
+  or the state pass and the output kernel; lowers for CUDA, bf16."""
   from pallas_kernels import delta_rule  # pylint: disable=g-import-not-at-top
 
   q, k, v, la, _, _, seg = _op_inputs(jnp.bfloat16)
   h0 = jnp.zeros((1, 2, 64, 64), jnp.float32)
-  cfg = dr_config.DeltaRuleConfig(decayed_operands=True, cumsum_in_pairs=True)
-  fwd = lambda q, k, v: delta_rule(
-    q, k, v, la, k, 0.125, h0, seg if segments else None, chunk_size=16, config=cfg
-  )[0]
+  fwd = lambda q, k, v: delta_rule(q, k, v, la, k, 0.125, h0, seg if segments else None)[0]
   kernels = _triton_kernels(_lower_for_cuda(fwd, q, k, v))
   want = {"delta_rule_pair_token_loop", "delta_rule_wy"} | (
     {"delta_rule_state_pass", "delta_rule_output"} if segments else {"delta_rule_state_output"}
@@ -183,26 +153,19 @@ def test_fused_output_picks_the_kernels_and_lowers(as_on_gpu, segments, differen
 
 @pytest.mark.parametrize(
   "mixer,options",
-  [("kdn_diag", "default"), ("kdn_iso", "default"), ("kdn_diag", "plain_loops_old_passes")],
+  [("kdn_diag", "default"), ("kdn_iso", "default"), ("kdn_diag", "plain_loops")],
 )
 def test_kdn_layer_lowers_for_cuda(as_on_gpu, monkeypatch, mixer, options):
   """A whole KDN layer on the pallas path, fwd+bwd: the fused gate front-end, the short convs and
-  the gated norm kernels as well as the memory update. 'plain_loops_old_passes': the conv and
-  cumsum row loops as plain loops (not their default blocks of 8), with the forward's passes
-  as they were before session 48 (bf16_write, cumsum_in_pairs and decayed_operands off: fp32
-  kappa, the cumsum kernel, q/k/g read by the WY and output kernels)."""
+  the gated norm kernels as well as the memory update. 'plain_loops': the conv and reverse
+  cumsum row loops as plain loops (not their default blocks of 8)."""
   kc = None
-  if options == "plain_loops_old_passes":
+  if options == "plain_loops":
     from pallas_kernels.causal_conv1d import config as conv_config  # pylint: disable=g-import-not-at-top
 
     kc = KernelConfigs(
       conv=conv_config.ConvConfig(load_block=1),
-      delta_rule=dr_config.DeltaRuleConfig(
-        cumsum_block=1,
-        bf16_write=False,
-        cumsum_in_pairs=False,
-        decayed_operands=False,
-      ),
+      delta_rule=dr_config.DeltaRuleConfig(cumsum_block=1),
     )
   cfg = model_config(
     "tiny",
@@ -235,8 +198,7 @@ def test_kdn_layer_lowers_for_cuda(as_on_gpu, monkeypatch, mixer, options):
     "delta_rule_intra_bwd_tokens",
     "delta_rule_reverse_cumsum",
   } <= kernels
-  # (the forward's cumsum kernel runs only with the old passes: cumsum_in_pairs off)
-  assert ("delta_rule_cumsum" in kernels) == (options == "plain_loops_old_passes"), kernels
+  assert "delta_rule_pair_token_loop" in kernels, kernels
 
 
 def test_gain_stages_reach_their_kernels(as_on_gpu, monkeypatch):

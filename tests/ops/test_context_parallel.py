@@ -3,7 +3,7 @@
 The single-device ops are held to the float64 oracle elsewhere; here the
 sequence is split over 2, 4 or 8 CPU devices and outputs, final states and
 every gradient (inputs, initial state, a learned info_scale) must match the
-unsplit op in fp32. T = 48 gives 24 / 12 / 6 tokens per slice, none a
+unsplit op in fp32. T = 40 gives 20 / 10 / 5 tokens per slice, none a
 multiple of the chunk (8 chunked, 16 Pallas), and the packed segments of row
 0 cross slice boundaries (one slice start also starts a segment); row 1 is
 one segment.
