@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The GPU measurements reported in docs/. Run from the repo root on a GPU host:
 #   bash experiments/benchmarks/gpu_measurements.sh [section ...]
-# sections: ops (reference vs chunked), stages (pallas stage split + kernel config sweep), docs
-# (the same for the packed-documents path),
-# mixers (mixer table vs flash-linear-attention), layers (whole layers vs fla's KDA layer),
-# train (125M LM training throughput on 1 GPU, and on 2 when there are 2), forward (forward
-# configs at 16k with the stage split and at 4k, GPU checks), passes (the GPU check at K=16), ncu (Nsight Compute on the pair kernels, ours and fla's), glue (the GPU check
-# of the layers' fused glue kernels), loadchecks (GPU checks of the default since the cumsums'
-# load blocks), convblocks (the conv's load blocks: layers, check_fusion), abexp (session 46's
-# exp for 16-bit data against the tree before it), gains (session 47's gain kernels against a base
-# tree; the gain chunk at 4k).
+# Sections:
+#   check        GPU correctness: every Pallas op against its reference (fp32, bf16, segments) at
+#                K=128 and K=16, and the layers' fused glue kernels (check_fusion)
+#   ops          reference vs chunked XLA paths
+#   stages       the Pallas stage split, with a kernel config sweep (SWEEP)
+#   docs         the same for the packed-documents path
+#   mixers       the op table against flash-linear-attention
+#   layers       whole layers against fla's KDA layer
+#   train        125M LM training throughput on 1 GPU (and 2 where there are 2)
+#   forward      forward configs at 16k with the stage split and at 4k
+#   ncu          Nsight Compute on the pair and gain kernels, ours and fla's
+#   performance  the records behind docs/performance.md
 # Default: check ops stages docs mixers layers train.
 # Kernel config sweep (stages): SWEEP='default,num_warps_intra=2/block_v=32' (DeltaRuleConfig fields).
 # Extra train flags: TRAIN_EXTRA='--config.model.scan_layers=True --config.model.impl=pallas';
@@ -64,8 +67,21 @@ ngpu=$(nvidia-smi -L | wc -l)
 
 for s in $sections; do case $s in
 check)
-  timeout ${CHECK_LIMIT:-150} python3 -m experiments.benchmarks.mixers --out="$RES/check" --check_only \
-    2>&1 | quiet | tail -30 | tee "$RES/check.txt" ;;
+  # The op check at the benchmark's defaults, the GPU checks at K=128 and K=16 (CHECK_CASES,
+  # each up to CHECK_LIMIT: a cold compile cache needs ~110 s at K=128), then the fused glue
+  # kernels. About 600 s at most; CHECK_PARTS="ops cases glue" picks parts.
+  SWEEP_LOG=check.txt
+  for part in ${CHECK_PARTS:-ops cases glue}; do case $part in
+  ops)
+    timeout ${CHECK_LIMIT:-150} python3 -m experiments.benchmarks.mixers --out="$RES/check" \
+      --check_only 2>&1 | quiet | tail -30 | tee -a "$RES/$SWEEP_LOG"; pack ;;
+  cases)
+    CHECK_LIMIT=${CHECK_LIMIT:-120} gpu_checks "${CHECK_CASES:-128:default,16:default}" ;;
+  glue)
+    timeout ${GLUE_LIMIT:-240} python3 -m experiments.benchmarks.check_fusion \
+      --out="$RES/check_fusion.json" 2>&1 | quiet | tail -15 | tee "$RES/check_fusion.txt"; pack ;;
+  *) echo "unknown check part $part" ;;
+  esac; done ;;
 ops)
   timeout 170 python3 -m experiments.benchmarks.ops --seq_lens=1024,4096,16384 \
     --impls=reference,chunked --ops=diag_kdn,iso_kdn --repeats=5 \
@@ -82,7 +98,7 @@ stages)
 docs)
   # The packed-documents path (segment_ids): sweep on diag_kdn_seg_pallas with the stage split
   # under documents, then the GPU check of the winner (segments included) and its rows. The
-  # default sweep: the partials kernel's warps (4, the default since session 39, against 8).
+  # default sweep: the partials kernel's warps (the default 4 against 8).
   timeout ${DOCS_LIMIT:-400} python3 -m experiments.benchmarks.mixers --out="$RES/docs" \
     --seq_lens=4096 --pallas_lens= --reps=${REPS:-10} --check=true --time_budget_s=${DOCS_BUDGET:-300} \
     --sweep_row=diag_kdn_seg_pallas --sweep_stages \
@@ -99,7 +115,7 @@ mixers)
     2>&1 | quiet | tail -40 | tee "$RES/bench_mixers_gpu.txt" ;;
 layers)
   # fla's KDA layer autotunes on its first call (> 190 s): T=16384 first, and a limit that lets
-  # it finish (session 33's 235 s cut it off; session 30's 370 s budget did not).
+  # it finish (235 s cuts it off).
   timeout ${LAYERS_LIMIT:-430} python3 -m experiments.benchmarks.layers --out="$RES/layers" \
     --seq_lens=${LAYER_LENS:-16384,4096} \
     --time_budget_s=${LAYERS_BUDGET:-370} --impls=${LAYER_IMPLS:-pallas,chunked} \
@@ -123,8 +139,8 @@ forward)
   # The forward at 16k with its stage split, then at 4k: FORWARD_SWEEP (default: the shipped
   # config alone; DeltaRuleConfig specs to compare); FORWARD_LIMIT / FORWARD_4K_LIMIT: their limits.
   # Then the GPU checks CHECK_CASES=dim:spec[:gain spec],... (default: the default at K=128 and
-  # 16; each up to CHECK_LIMIT, 120 s: a cold compile cache needs more than 110 s at K=128,
-  # session 48). About 450 s at most (FORWARD_DOCS=1: the forward with documents, +50 s). Each
+  # 16; each up to CHECK_LIMIT, 120 s: a cold compile cache needs more than 110 s at K=128).
+  # About 450 s at most (FORWARD_DOCS=1: the forward with documents, +50 s). Each
   # line has its own limit, and results.tgz is packed after each.
   SWEEP_LOG=forward.txt
   SPECS=${FORWARD_SWEEP:-default}
@@ -135,17 +151,10 @@ forward)
   [ "${FORWARD_DOCS:-0}" = 1 ] && sweep_line 50 --out="$RES/forward_docs" --seq_lens=16384 \
     --sweep_len=16384 --sweep_fwd_only --sweep_row=diag_kdn_seg_pallas --sweep=default
   gpu_checks "${CHECK_CASES:-128:default,16:default}" ;;
-passes)
-  # The GPU check of the default at K=16 (every check has a scalar-write case and the KDN ops'
-  # own). About 150 s at most.
-  SWEEP_LOG=passes.txt
-  gpu_checks "${CHECK_CASES:-16:default}" ;;
 ncu)
   # Nsight Compute on one forward per row (experiments/benchmarks/kernel_dev/profile_kernels.py): the kernels matching
-  # NCU_KERNELS (default: our token-parallel pair kernel and fla's token-parallel intra kernel,
-  # the same structure, ours about 2x the time per token: L1-bound, issue-bound?; and our gain
-  # kernels, ~1.2 ms at 16k against ~0.4 ms of instruction issue (docs/decisions.md):
-  # latency or memory?) in NCU_ROWS
+  # NCU_KERNELS (default: our token-parallel pair kernel, fla's token-parallel intra kernel of
+  # the same structure, and our gain kernels) in NCU_ROWS
   # (default diag_kdn_pallas iso_kdn_pallas fla_chunk_kda) at T=NCU_LEN (4096); full reports in
   # $RES/ncu_<row>.txt, their headline lines in ncu.txt. About 400 s at most (fla autotunes).
   SWEEP_LOG=ncu.txt
@@ -160,76 +169,6 @@ ncu)
       "$RES/ncu_$row.txt" | sed "s|^|ncu $row: |" | tee -a "$RES/$SWEEP_LOG"
     pack
   done ;;
-abexp)
-  # Session 46's exp for 16-bit data (pallas_kernels/kernel_math.py: 2^(x log2 e), one MUFU.EX2,
-  # in every GPU kernel; static SASS: docs/decisions.md) against the tree before it, one
-  # process per tree and command: BASE_TREE (default build/base, made by
-  #   mkdir -p build/base && git archive cda6eda kdn_jax pallas_kernels experiments configs \
-  #     | tar -x -C build/base
-  # and carried) then this one. The op rows at 16k and 4k (median of 10) with their stage splits,
-  # and the two KDN layers at 16k. Then run `loadchecks glue` (the GPU checks of the new default:
-  # delta rule and gains at K=128 and 16, the fused glue kernels). About 560 s at most.
-  SWEEP_LOG=abexp.txt
-  for tree in "${BASE_TREE:-build/base}" .; do
-    tag=new; [ "$tree" = . ] || tag=base
-    (cd "$tree" && timeout ${ABEXP_MIXERS_LIMIT:-195} python3 -m experiments.benchmarks.mixers \
-      --out="$RES/abexp_mixers_$tag" --seq_lens=16384,4096 --reps=10 --check=false --stages \
-      --rows=diag_kdn_pallas,iso_kdn_pallas 2>&1 | quiet | tail -24 | sed "s|^|$tag: |" \
-      | tee -a "$RES/$SWEEP_LOG")
-    pack
-    (cd "$tree" && timeout ${ABEXP_LAYERS_LIMIT:-85} python3 -m experiments.benchmarks.layers \
-      --out="$RES/abexp_layers_$tag" --seq_lens=16384 --impls=pallas --reps=20 \
-      --rows=kdn_diag,kdn_iso 2>&1 | quiet | grep -E 'T=[0-9]+: fwd' | sed "s|^|$tag layers: |" \
-      | tee -a "$RES/$SWEEP_LOG")
-    pack
-  done ;;
-gains)
-  # Session 47's gain kernels (no reset flags without segments, one division per token, the
-  # reduce renormalised by a power of two; docs/decisions.md) against BASE_TREE (default
-  # build/base, made as for abexp from a709cb0, and carried): the diag and iso gain rows at 16k
-  # and 4k, fwd and fwd+bwd, one process per tree. Then the gain chunk at 4k, where 2048 one-warp
-  # programs half-fill the GPU: forward, then fwd+bwd (session 49, H100: chunk 32 lost, 0.72
-  # against 0.41-0.51 ms forward). About 300 s.
-  SWEEP_LOG=gains.txt
-  for tree in "${BASE_TREE:-build/base}" .; do
-    tag=new; [ "$tree" = . ] || tag=base
-    (cd "$tree" && timeout 70 python3 -m experiments.benchmarks.mixers --out="$RES/gains_$tag" \
-      --seq_lens=16384,4096 --reps=20 --check=false --rows=diag_gain_pallas,iso_gain_pallas 2>&1 \
-      | quiet | grep -E '^\| (diag|iso)_gain' | sed "s|^|$tag: |" | tee -a "$RES/$SWEEP_LOG")
-    pack
-  done
-  CHUNKS=default,max_chunk=64,max_chunk=32
-  sweep_line 70 --out="$RES/gain_chunk_4k_fwd" --seq_lens=4096 --sweep_len=4096 \
-    --gain_sweep_fwd_bwd=false --gain_sweep=$CHUNKS
-  sweep_line 70 --out="$RES/gain_chunk_4k" --seq_lens=4096 --sweep_len=4096 --gain_sweep=$CHUNKS ;;
-loadchecks)
-  # The GPU checks of the default (DeltaRuleConfig.cumsum_block=8 since session 43, the decay
-  # cumsums' loads in blocks: pallas_kernels/token_loop.py) at K=128 and K=16. About 200 s at most.
-  SWEEP_LOG=loadchecks.txt
-  CHECK_LIMIT=${CHECK_LIMIT:-100} gpu_checks "${CHECK_CASES:-128:default,16:default}" ;;
-convblocks)
-  # ConvConfig.load_block (the causal conv's row loops with their loads in blocks; 8, the default
-  # since session 43): the two layers at 16k with plain loops (load_block=1) and with
-  # load_block=CONV_BLOCK (8), one process each, then (CONV_FUSION_CHECK=1, the default)
-  # check_fusion with it. About 410 s at most.
-  SWEEP_LOG=convblocks.txt
-  VB=load_block=${CONV_BLOCK:-8}
-  for spec in load_block=1 "$VB"; do
-    timeout ${BLOCK_LAYER_LIMIT:-85} python3 -m experiments.benchmarks.layers \
-      --out="$RES/convblocks_layers_${spec//=/_}" --seq_lens=${BLOCK_LENS:-16384} --impls=pallas \
-      --reps=20 --rows=kdn_diag,kdn_iso --conv_config="$spec" 2>&1 | quiet \
-      | grep -E 'T=[0-9]+: fwd' | sed "s|^|layers conv $spec: |" | tee -a "$RES/$SWEEP_LOG"
-    pack
-  done
-  [ "${CONV_FUSION_CHECK:-1}" = 1 ] && timeout ${GLUE_LIMIT:-240} python3 -m experiments.benchmarks.check_fusion \
-    --out="$RES/check_fusion_conv.json" --conv_config=$VB 2>&1 | quiet | tail -12 \
-    | sed "s|^|check_fusion $VB: |" | tee -a "$RES/$SWEEP_LOG"; pack ;;
-glue)
-  # GPU check of the layers' fused glue kernels (experiments/benchmarks/check_fusion.py): the causal conv
-  # with and without the q/k L2 normalisation (fp32, bf16), the gated norm, the fused-front
-  # gains, and both bf16 KDN layers fused against unfused, each against the fp32 layer.
-  timeout ${GLUE_LIMIT:-240} python3 -m experiments.benchmarks.check_fusion --out="$RES/check_fusion.json" \
-    2>&1 | quiet | tail -15 | tee "$RES/check_fusion.txt"; pack ;;
 performance)
   # The numbers behind docs/performance.md, at the defaults: the KDN ops against fla's chunk_kda
   # and the KDN layers against fla's KimiDeltaAttention (each benchmark one process, fla in it),
