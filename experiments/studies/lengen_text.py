@@ -23,12 +23,8 @@ accelerator shared); their output is prefixed with the arm and kept in ``<workdi
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
-import shlex
-import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -38,8 +34,9 @@ from absl import flags as absl_flags
 from configs import lengen_short as study_config
 from experiments.runner import cli, config_lib
 from experiments.runner.logging_utils import fmt_time, write_json
-from experiments.studies import lengen_synthetic as common
+from experiments.studies import study_driver
 from experiments.studies.results import lengen_text as renderer
+from experiments.studies.results.common import interval
 
 PRESETS = ("tiny", "t64", "t128")
 POST_PRESET = {"tiny": "tiny_post", "t64": "post", "t128": "t128_post"}
@@ -153,8 +150,7 @@ class Plan:
     fast_compile=None,
     long_split="long_val",
   ):
-    if preset not in PRESETS:
-      raise ValueError(f"--preset: expected one of {list(PRESETS)}, got {preset!r}")
+    study_driver.check_choice("--preset", preset, PRESETS)
     self.preset = preset
     self.arms = tuple(arms) or DEFAULT_ARMS[preset]
     for arm in self.arms:
@@ -164,26 +160,17 @@ class Plan:
         raise ValueError(
           f"--arms: unknown {arm!r}; expected {list(study_config.ARMS)} or mixer names"
         ) from None
-    self.strategies = tuple(strategies)
-    bad = [s for s in self.strategies if s not in config_lib.INITIAL_STATES]
-    if bad:
-      raise ValueError(
-        f"--strategies: unknown {bad}; expected names from {list(config_lib.INITIAL_STATES)}"
-      )
-    for name, v in (
-      ("--pretrain_steps", pretrain_steps),
-      ("--post_steps", post_steps),
-      ("--windows", windows),
-      ("--chunk", chunk),
-      ("--max_len", max_len),
-      ("--deadline_s", deadline_s),
-    ):
-      if v < 0:
-        raise ValueError(f"{name}: must be >= 0, got {v}")
-    if resamples < 100:
-      raise ValueError(f"--resamples: use at least 100 bootstrap resamples, got {resamples}")
-    if long_split not in LONG_SPLITS:
-      raise ValueError(f"--long_split: expected one of {list(LONG_SPLITS)}, got {long_split!r}")
+    self.strategies = study_driver.check_strategies(strategies)
+    study_driver.check_non_negative(
+      pretrain_steps=pretrain_steps,
+      post_steps=post_steps,
+      windows=windows,
+      chunk=chunk,
+      max_len=max_len,
+      deadline_s=deadline_s,
+    )
+    study_driver.check_resamples(resamples)
+    study_driver.check_choice("--long_split", long_split, LONG_SPLITS)
     self.long_split = long_split
     self.workdir = workdir or f"/tmp/lengen_text_{preset}"
     self.results = os.path.join(
@@ -205,11 +192,10 @@ class Plan:
     self.chunk = min(chunk or EVAL[preset]["chunk"], self.max_len)
     self.effrem_len = min(EFFREM_FACTOR * self.train_len, self.max_len)
     self.resamples, self.seed = resamples, seed
-    self.deadline = time.time() + deadline_s if deadline_s else None
+    self.deadline = study_driver.Deadline(deadline_s)
     self.fast_compile = preset == "tiny" if fast_compile is None else fast_compile
-    self.overrides = common.parse_overrides(overrides)
-    for key, value in self.overrides.items():  # fails here, naming the key, not mid-study
-      common._set(base, key, value)
+    self.overrides = study_driver.parse_overrides(overrides)
+    study_driver.apply_overrides(base, self.overrides)  # fails here, naming the key, not mid-study
     self.tokens_per_step = int(base.data.global_batch_size) * self.train_len
     self.long_path = os.path.join(self.corpus_dir or base.data.corpus_dir, f"{long_split}.npy")
 
@@ -246,15 +232,8 @@ class Plan:
       c.data.corpus_dir = self.corpus_dir
     if self.toy_corpus:
       c.model.vocab_size = TOY_VOCAB
-    for key, value in self.overrides.items():
-      common._set(c, key, value)
+    study_driver.apply_overrides(c, self.overrides)
     return c
-
-  def time_left(self):
-    return None if self.deadline is None else self.deadline - time.time()
-
-  def past_deadline(self):
-    return self.deadline is not None and time.time() >= self.deadline
 
 
 # ------------------------------------------------------------------------------------------ toy data
@@ -295,13 +274,9 @@ def write_toy_corpus(out: str, seed: int = 0, long_len: int = 2100) -> str:
 
 
 # ------------------------------------------------------------------------------------------ work
-def result_path(plan, arm, stage, step=None):
-  name = f"{arm}.{stage}" + (f".step{step}" if stage == "pretrain" else "") + ".json"
-  return os.path.join(plan.results, name)
-
-
 def evaluated(plan, path, step) -> bool:
-  r = common.read_json(path)
+  """Whether the JSON at ``path`` is the evaluation of ``step`` with the plan's settings."""
+  r = study_driver.read_json(path)
   return (
     bool(r)
     and r.get("step") == step
@@ -309,6 +284,17 @@ def evaluated(plan, path, step) -> bool:
     and r["position"]["max_len"] == plan.max_len
     and r.get("long_split", "long_eval") == plan.long_split
   )
+
+
+def arm_work(plan, arm) -> list[tuple]:
+  """(kind, stage, units) still to do for one arm, in order (units: trained-token equivalents)."""
+  eval_units = plan.windows * plan.max_len * study_driver.EVAL_COST
+  return study_driver.stage_work(plan, arm, evaluated, len(plan.keep_steps), eval_units)
+
+
+def train_stage(plan, arm, stage) -> dict | None:
+  """Trains one run (compiled fast with --fast_compile, like the evaluations)."""
+  return study_driver.train(plan, arm, stage, plan.fast_compile)
 
 
 def _evaluate(plan, arm, stage, step) -> dict:
@@ -327,12 +313,12 @@ def _evaluate(plan, arm, stage, step) -> dict:
     long_eval_path=plan.long_path,
   )
   t0 = time.time()
-  with common._lowest_optimisation(plan.fast_compile):
+  with study_driver.lowest_optimisation(plan.fast_compile):
     res = runner.evaluate(wd, list(SUITES), settings, step, os.path.join(wd, "eval", f"step{step}"))
   pp, er, st = res["position_ppl"], res["effrem"], res["state_stats"]
-  summary = common.read_json(os.path.join(wd, "summary.json")) or {}
+  summary = study_driver.read_json(os.path.join(wd, "summary.json")) or {}
   init_step = summary.get("init_from_step")
-  cfg = common.read_json(os.path.join(wd, "config.json")) or {}
+  cfg = study_driver.read_json(os.path.join(wd, "config.json")) or {}
   model = cfg.get("model", {})
   out = {
     "study": "lengen_text",
@@ -366,76 +352,30 @@ def _evaluate(plan, arm, stage, step) -> dict:
     "train_wall_s": summary.get("wall_time_s"),
     "eval_wall_s": time.time() - t0,
   }
-  write_json(result_path(plan, arm, stage, step), out)
+  write_json(study_driver.result_path(plan, arm, stage, step), out)
   return out
 
 
-def arm_work(plan, arm) -> list[tuple]:
-  """(kind, stage, units) still to do for one arm, in order (units: trained-token equivalents)."""
-  work = []
-  pre = plan.run_dir(arm, "pretrain")
-  if not common.trained(pre, plan.pretrain_steps):
-    work.append(("train", "pretrain", plan.pretrain_steps * plan.tokens_per_step))
-  eval_units = plan.windows * plan.max_len * common.EVAL_COST
-  done = [
-    s
-    for s in common.checkpoint_steps(pre)
-    if evaluated(plan, result_path(plan, arm, "pretrain", s), s)
-  ]
-  work += [("eval", "pretrain", eval_units)] * max(len(plan.keep_steps) - len(done), 0)
-  for s in plan.strategies:
-    wd = plan.run_dir(arm, s)
-    if not common.trained(wd, plan.post_steps):
-      work.append(("train", s, plan.post_steps * plan.tokens_per_step))
-    steps = common.checkpoint_steps(wd)
-    if not (steps and evaluated(plan, result_path(plan, arm, s), steps[-1])):
-      work.append(("eval", s, eval_units))
-  return work
+def evaluate_next(plan, arm, stage) -> str | None:
+  """Evaluates the next checkpoint of ``stage``; the meter's line, None when none is left."""
+  step = study_driver.next_eval_step(plan, arm, stage, evaluated)
+  if step is None:
+    return None
+  r = _evaluate(plan, arm, stage, step)
+  iv = r["ratio"]
+  return (
+    f"{arm} {stage} @ step {step} evaluated: val PPL {r['val_ppl']:.2f}, "
+    f"PPL@{iv['long_len']} / PPL@{iv['train_len']} {interval(iv)}"
+  )
 
 
-def _train(plan, arm, stage):
-  from experiments.runner import lr_sweep  # pylint: disable=g-import-not-at-top  (imports jax)
-
-  with common._lowest_optimisation(plan.fast_compile):
-    tr = lr_sweep.make_trainer(plan.config(arm, stage), plan.run_dir(arm, stage))
-    return common._run_trainer(plan, tr)
-
-
-def run_arm(plan, arm, meter=None) -> str:
-  """Pretrain, evaluate, post-train and evaluate one arm; returns 'done' or 'deadline'."""
-  meter = meter or common.Meter(plan, [u for *_, u in arm_work(plan, arm)])
-  for kind, stage, units in arm_work(plan, arm):
-    if plan.past_deadline():
-      print(f"study: {arm}: deadline reached before {kind} {stage}; rerun to go on", flush=True)
-      return "deadline"
-    if kind == "train":
-      steps = plan.pretrain_steps if stage == "pretrain" else plan.post_steps
-      print(
-        f"study: {arm}: training {stage} ({steps} steps) in {plan.run_dir(arm, stage)}", flush=True
-      )
-      if _train(plan, arm, stage) is None:
-        print(
-          f"study: {arm}: {stage} stopped at the deadline (checkpoint saved); rerun", flush=True
-        )
-        return "deadline"
-      meter.add(units, f"{arm} {stage} trained")
-      continue
-    steps = common.checkpoint_steps(plan.run_dir(arm, stage))
-    if stage == "pretrain":
-      todo = [s for s in steps if not evaluated(plan, result_path(plan, arm, stage, s), s)]
-      if not todo:
-        continue
-      step = todo[0]
-    else:
-      step = steps[-1]
-    r = _evaluate(plan, arm, stage, step)
-    iv = r["ratio"]
-    meter.add(
-      units,
-      f"{arm} {stage} @ step {step} evaluated: val PPL {r['val_ppl']:.2f}, PPL@{iv['long_len']} / "
-      f"PPL@{iv['train_len']} {iv['estimate']:.3f} [{iv['lo']:.3f}, {iv['hi']:.3f}]",
-    )
-  return "done"
+STUDY = study_driver.Study(
+  module="experiments.studies.lengen_text",
+  unit="arm",
+  work=arm_work,
+  train=train_stage,
+  evaluate=evaluate_next,
+)
 
 
 # ------------------------------------------------------------------------------------------ drivers
@@ -447,91 +387,15 @@ def prepare_inputs(plan):
 
 
 def run_in_process(plan) -> str:
-  os.makedirs(plan.workdir, exist_ok=True)
-  os.makedirs(plan.results, exist_ok=True)
+  """The arms one after another in this process; 'done' or 'deadline'."""
   prepare_inputs(plan)
-  from kdn_jax.ops import dispatch  # pylint: disable=g-import-not-at-top
-
-  dispatch.warm_kernel_imports()
-  work = {a: arm_work(plan, a) for a in plan.arms}
-  n = sum(len(w) for w in work.values())
-  print(
-    f"study: preset {plan.preset}, arms {', '.join(plan.arms)}, strategies "
-    f"{', '.join(plan.strategies)}: {n} trainings/evaluations to do in {plan.workdir}",
-    flush=True,
-  )
-  meter = common.Meter(plan, [u for w in work.values() for *_, u in w])
-  with common._compilation_cache(plan.workdir):
-    for a in plan.arms:
-      if run_arm(plan, a, meter) == "deadline":
-        return "deadline"
-  return "done"
+  return study_driver.run_in_process(STUDY, plan, plan.arms)
 
 
-def child_command(plan, arm, argv_flags) -> list[str]:
-  left = plan.time_left()
-  cmd = [sys.executable, "-m", "experiments.studies.lengen_text", f"--arms={arm}", "--parallel=1"]
-  cmd += ["--child"]
-  cmd += [a for a in argv_flags if not a.startswith(("--arms=", "--parallel=", "--deadline_s="))]
-  if left is not None:
-    cmd.append(f"--deadline_s={max(int(left), 1)}")
-  return cmd
-
-
-def run_parallel(plan, parallel, argv_flags) -> str:
-  """One process per arm, ``parallel`` at a time, each with the remaining deadline."""
-  os.makedirs(plan.workdir, exist_ok=True)
-  prepare_inputs(plan)  # before the children, which would race to write the toy corpus
-  env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
-  print(
-    f"study: preset {plan.preset}, {len(plan.arms)} arms, {parallel} processes at a time; "
-    f"logs in {plan.workdir}/<arm>.log",
-    flush=True,
-  )
-  lock = threading.Lock()
-  shown = ("study:", "step ", "final eval", "Traceback", "Config error")
-
-  def one(arm):
-    if plan.past_deadline():
-      return arm, "deadline"
-    with open(os.path.join(plan.workdir, f"{arm}.log"), "a", encoding="utf-8") as log:
-      proc = subprocess.Popen(
-        child_command(plan, arm, argv_flags),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-        text=True,
-        bufsize=1,
-      )
-      for line in proc.stdout:
-        log.write(line)
-        if line.startswith(shown) or "Error" in line:
-          with lock:
-            print(f"[{arm}] {line}", end="", flush=True)
-      rc = proc.wait()
-    return arm, "done" if rc == 0 else f"rc={rc}"
-
-  with concurrent.futures.ThreadPoolExecutor(max(parallel, 1)) as pool:
-    outcomes = dict(pool.map(one, plan.arms))
-  print(f"study: {outcomes}", flush=True)
-  return "done" if all(v == "done" for v in outcomes.values()) else "incomplete"
-
-
-def write_commands(plan, argv_flags, status, wall_s, machine):
-  """commands.json beside the results: how they were made (what a person added is kept)."""
-  path = os.path.join(plan.results, "commands.json")
-  kept = common.read_json(path) or {}
-  calls = kept.get("calls", [])
-  calls.append(
-    {
-      "command": "python -m experiments.studies.lengen_text " + shlex.join(argv_flags),
-      "status": status,
-      "wall_s": round(wall_s, 1),
-      "machine": machine,
-    }
-  )
+def protocol(plan) -> str:
+  """The study's settings in words, for commands.json."""
   c = plan.config(plan.arms[0], "pretrain")
-  protocol = (
+  return (
     f"preset {plan.preset}: {c.model.num_layers} layers, d={c.model.d_model}, "
     f"{c.model.num_heads} heads x {c.model.head_dim}, vocabulary {c.model.vocab_size}; "
     f"T={plan.train_len}, batch {c.data.global_batch_size}; pretraining {plan.pretrain_steps} steps "
@@ -542,7 +406,6 @@ def write_commands(plan, argv_flags, status, wall_s, machine):
     f"of {plan.chunk}, EffRem at T={plan.effrem_len}, {plan.resamples} bootstrap resamples over "
     f"windows"
   )
-  write_json(path, dict(kept, calls=calls, protocol=protocol))
 
 
 def main(argv):
@@ -571,26 +434,19 @@ def main(argv):
       FLAGS.fast_compile,
       FLAGS.long_split,
     )
-    prepare_inputs(plan)
+    argv_flags = study_driver.flags_as_written(sys.argv[1:])
+    prepare_inputs(plan)  # here, before any child: they would race to write the toy corpus
   except (ValueError, config_lib.ConfigError) as e:
     print(f"Study error: {e}", file=sys.stderr)
     return 2
-  loose = [a for a in sys.argv[1:] if not a.startswith("--")]
-  if loose:  # the children get the flags as written: a value after a space would be lost
-    print(f"Study error: write flags as --name=value (got {loose[0]!r})", file=sys.stderr)
-    return 2
-  argv_flags = list(sys.argv[1:])
-  os.makedirs(plan.results, exist_ok=True)
-  pending = sum(len(arm_work(plan, a)) for a in plan.arms)
-  if FLAGS.parallel > 1 and len(plan.arms) > 1:
-    status = run_parallel(plan, FLAGS.parallel, argv_flags)
-  else:
-    status = run_in_process(plan)
+  status, pending = study_driver.run(STUDY, plan, plan.arms, FLAGS.parallel, argv_flags)
   wall = time.time() - t0
   if FLAGS.child:  # the parent records the call and renders the table
     return 0 if status == "done" else 3
   if pending:
-    write_commands(plan, argv_flags, status, wall, FLAGS.machine)
+    study_driver.write_commands(
+      STUDY, plan, argv_flags, status, wall, FLAGS.machine, protocol(plan)
+    )
   runs = renderer.load_runs(plan.results)
   table = renderer.render_table(runs)
   with open(os.path.join(plan.results, "table.md"), "w", encoding="utf-8") as f:

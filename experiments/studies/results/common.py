@@ -26,6 +26,42 @@ def table(header: list[str], rows: list[list]) -> str:
   return "\n".join(lines)
 
 
+def interval(d: dict, digits: int = 3) -> str:
+  """An estimate with its interval: '1.234 [1.100, 1.400]'."""
+  return f"{d['estimate']:.{digits}f} [{d['lo']:.{digits}f}, {d['hi']:.{digits}f}]"
+
+
+def short_count(n: int) -> str:
+  """A count in three significant digits with a unit: 82M, 1.5k."""
+  for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+    if n >= scale:
+      return f"{n / scale:.3g}{unit}"
+  return str(n)
+
+
+def preset_runs(root: str, load_runs):
+  """(preset, its folder, its runs) for each folder under ``root`` with runs, in name order;
+  ``load_runs(folder)`` reads a folder's runs."""
+  for preset in sorted(os.listdir(root)):
+    pdir = os.path.join(root, preset)
+    runs = load_runs(pdir) if os.path.isdir(pdir) else []
+    if runs:
+      yield preset, pdir, runs
+
+
+def commands_lines(folder: str) -> list[str]:
+  """The protocol and the last three calls of a study's ``commands.json`` in ``folder`` (nothing
+  without one), as markdown lines."""
+  if not exists(folder, "commands.json"):
+    return []
+  cmds = load(os.path.join(folder, "commands.json"))
+  out = [f"Protocol: {cmds.get('protocol', '')}.", ""]
+  for c in cmds.get("calls", [])[-3:]:
+    where = f" on {c['machine']}" if c.get("machine") else ""
+    out.append(f"- `{c['command']}`: {c['status']} in {c['wall_s']:.0f} s{where}")
+  return out + [""]
+
+
 def plt():
   import matplotlib  # pylint: disable=g-import-not-at-top
 

@@ -11,7 +11,7 @@ import os
 import numpy as np
 
 from experiments.evaluation import bootstrap, topic_floor
-from experiments.studies.results.common import exists, load, plt, save, table
+from experiments.studies.results import common
 
 STAGES = ("pretrain", "zero", "state_passing", "tbtt", "fitted_noise", "random_noise")
 PRESET_TITLE = {
@@ -31,7 +31,7 @@ FIX_IN_RANGE = 1.03  # ... with its in-range perplexity within 3% of the zero co
 def load_runs(preset_dir: str) -> list[dict]:
   """The study's per-run JSON of one preset folder, ordered by mixer, stage and step."""
   runs = [
-    load(p)
+    common.load(p)
     for p in glob.glob(os.path.join(preset_dir, "*.json"))
     if os.path.basename(p) != "commands.json"
   ]
@@ -42,17 +42,6 @@ def load_runs(preset_dir: str) -> list[dict]:
     runs,
     key=lambda r: (r["mixer"], STAGES.index(r["stage"]) if r["stage"] in STAGES else 99, r["step"]),
   )
-
-
-def _iv(d: dict, digits: int = 3) -> str:
-  return f"{d['estimate']:.{digits}f} [{d['lo']:.{digits}f}, {d['hi']:.{digits}f}]"
-
-
-def _tokens(n: int) -> str:
-  for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-    if n >= scale:
-      return f"{n / scale:.3g}{unit}"
-  return str(n)
 
 
 def _label(r: dict) -> str:
@@ -73,7 +62,7 @@ def _versus_control(r, control) -> str:
   a, b = r["topic_floor"]["per_document"]["late"], control["topic_floor"]["per_document"]["late"]
   if len(a) != len(b) or r["topic_floor"].get("seed") != control["topic_floor"].get("seed"):
     return "n/a (other documents)"
-  return _iv(bootstrap.paired_difference(a, b, seed=SEED).to_json())
+  return common.interval(bootstrap.paired_difference(a, b, seed=SEED).to_json())
 
 
 def render_table(runs: list[dict]) -> str:
@@ -103,14 +92,14 @@ def render_table(runs: list[dict]) -> str:
       [
         r["mixer"],
         _label(r),
-        _tokens(r["tokens"]),
-        _iv(tf["nll_early"]),
-        _iv(tf["nll_late"]),
-        _iv(tf["ppl_ratio"], 2),
+        common.short_count(r["tokens"]),
+        common.interval(tf["nll_early"]),
+        common.interval(tf["nll_late"]),
+        common.interval(tf["ppl_ratio"], 2),
         tf["verdict"],
-        _iv(tf["early"]),
-        _iv(tf["late"]),
-        _iv(tf["excess_growth"]),
+        common.interval(tf["early"]),
+        common.interval(tf["late"]),
+        common.interval(tf["excess_growth"]),
         _versus_control(r, _control(runs, r["mixer"])),
       ]
     )
@@ -119,7 +108,7 @@ def render_table(runs: list[dict]) -> str:
     f"{tf0['documents']} evaluation documents with {level}% percentile-bootstrap intervals "
     f'(documents resampled; "PPL late / early" and "excess growth" pair each document\'s two '
     f'windows, "late excess - zero control" pairs the documents of two runs).\n\n'
-    + table(header, rows)
+    + common.table(header, rows)
   )
 
 
@@ -136,7 +125,7 @@ def readings(runs: list[dict]) -> list[str]:
     last = pre[-1]["topic_floor"]
     text = (
       f"- **{mixer}**: zero-start pretraining (step {pre[-1]['step']}): {last['verdict']} "
-      f"(PPL late / early {_iv(last['ppl_ratio'], 2)})"
+      f"(PPL late / early {common.interval(last['ppl_ratio'], 2)})"
     )
     post = {r["stage"]: r["topic_floor"] for r in mine if r["stage"] != "pretrain"}
     if post:
@@ -159,7 +148,7 @@ def readings(runs: list[dict]) -> list[str]:
 
 def figure(runs: list[dict], mixer: str, fig_dir: str, name: str) -> str:
   """Excess NLL by position, the last pretraining checkpoint and every post-training, with bands."""
-  p = plt()
+  p = common.plt()
   fig, ax = p.subplots(figsize=(8, 4.6))
   mine = [r for r in runs if r["mixer"] == mixer]
   pre = [r for r in mine if r["stage"] == "pretrain"]
@@ -181,12 +170,12 @@ def figure(runs: list[dict], mixer: str, fig_dir: str, name: str) -> str:
   ax.set_title(f"{mixer}: {tf['claim']}", fontsize=7.5, wrap=True)
   ax.grid(alpha=0.3, which="both")
   ax.legend(fontsize=7)
-  return save(fig, fig_dir, name)
+  return common.save(fig, fig_dir, name)
 
 
 def render(results_dir: str, fig_dir: str) -> str:
   root = os.path.join(results_dir, "lengen_synthetic")
-  if not exists(root):
+  if not common.exists(root):
     return ""
   intro = (
     "Synthetic sources with an exact floor (experiments/data/topic_source.py). The `hmm` family: "
@@ -204,19 +193,8 @@ def render(results_dir: str, fig_dir: str) -> str:
     "a model leaves unused."
   )
   out = ["## 3b. Length generalisation on a synthetic source with an exact floor", "", intro, ""]
-  for preset in sorted(os.listdir(root)):
-    pdir = os.path.join(root, preset)
-    runs = load_runs(pdir) if os.path.isdir(pdir) else []
-    if not runs:
-      continue
-    out += [f"### {PRESET_TITLE.get(preset, preset)}", ""]
-    if exists(pdir, "commands.json"):
-      cmds = load(os.path.join(pdir, "commands.json"))
-      out += [f"Protocol: {cmds.get('protocol', '')}.", ""]
-      for c in cmds.get("calls", [])[-3:]:
-        where = f" on {c['machine']}" if c.get("machine") else ""
-        out.append(f"- `{c['command']}`: {c['status']} in {c['wall_s']:.0f} s{where}")
-      out.append("")
+  for preset, pdir, runs in common.preset_runs(root, load_runs):
+    out += [f"### {PRESET_TITLE.get(preset, preset)}", "", *common.commands_lines(pdir)]
     out += [render_table(runs), "", *readings(runs), ""]
     for mixer in sorted({r["mixer"] for r in runs}):
       path = figure(runs, mixer, fig_dir, f"lengen_synthetic_{preset}_{mixer}.png")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import glob
 import os
 
-from experiments.studies.results.common import exists, load, plt, save, table
+from experiments.studies.results import common
 
 STAGES = ("pretrain", "zero", "state_passing", "tbtt", "fitted_noise", "random_noise")
 FIXES = ("state_passing", "tbtt")
@@ -63,23 +63,12 @@ def title(folder: str) -> str:
 
 def load_runs(preset_dir: str) -> list[dict]:
   """The study's per-run JSON of one preset folder, ordered by arm, stage and step."""
-  runs = [load(p) for p in glob.glob(os.path.join(preset_dir, "*.json"))]
+  runs = [common.load(p) for p in glob.glob(os.path.join(preset_dir, "*.json"))]
   runs = [r for r in runs if isinstance(r, dict) and r.get("study") == "lengen_text"]
   return sorted(
     runs,
     key=lambda r: (r["arm"], STAGES.index(r["stage"]) if r["stage"] in STAGES else 99, r["step"]),
   )
-
-
-def _iv(d: dict) -> str:
-  return f"{d['estimate']:.3f} [{d['lo']:.3f}, {d['hi']:.3f}]"
-
-
-def _tokens(n: int) -> str:
-  for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-    if n >= scale:
-      return f"{n / scale:.3g}{unit}"
-  return str(n)
 
 
 def _label(r: dict) -> str:
@@ -151,11 +140,11 @@ def render_table(runs: list[dict]) -> str:
       [
         r["arm"],
         _label(r),
-        _tokens(r["tokens"]),
+        common.short_count(r["tokens"]),
         f"{r['val_ppl']:.2f}",
         f"{at[str(T)]:.2f}",
         f"{at[str(L)]:.2f}",
-        _iv(r["ratio"]),
+        common.interval(r["ratio"]),
         _drift_cell(r),
         f"{mid:.3f}",
         _verdict(r, runs),
@@ -164,7 +153,7 @@ def render_table(runs: list[dict]) -> str:
     )
   T = runs[0]["ratio"]["train_len"] if runs else "T"
   L = runs[0]["ratio"]["long_len"] if runs else "128T"
-  return table(
+  return common.table(
     [
       "arm",
       "run",
@@ -195,13 +184,13 @@ def verdicts(runs: list[dict]) -> list[str]:
       line += "no pretrained checkpoint evaluated"
     elif shown:
       line += "**failure shown** at step(s) " + ", ".join(
-        f"{r['step']} ({_iv(r['ratio'])})" for r in shown
+        f"{r['step']} ({common.interval(r['ratio'])})" for r in shown
       )
     else:
       worst = max(pre, key=lambda r: r["ratio"]["estimate"])
       line += (
-        f"no failure (largest ratio {_iv(worst['ratio'])} at step {worst['step']}; the rule "
-        f"needs >= {FAIL_RATIO} with the lower end >= {FAIL_LO})"
+        f"no failure (largest ratio {common.interval(worst['ratio'])} at step {worst['step']}; "
+        f"the rule needs >= {FAIL_RATIO} with the lower end >= {FAIL_LO})"
       )
     control = _control(runs, arm)
     posts = [r for r in mine if r["stage"] not in ("pretrain", "zero")]
@@ -212,10 +201,9 @@ def verdicts(runs: list[dict]) -> list[str]:
       for r in posts:
         dv = 100 * (r["val_ppl"] / control["val_ppl"] - 1)
         words = "**fix shown**" if fix_shown(r, control) else _fix_words(r, control)
-        parts.append(
-          f"{r['stage']} {words} (ratio {_iv(r['ratio'])}, val PPL {dv:+.1f}% vs control)"
-        )
-      line += f"; control ratio {_iv(control['ratio'])}: " + "; ".join(parts)
+        ratio = common.interval(r["ratio"])
+        parts.append(f"{r['stage']} {words} (ratio {ratio}, val PPL {dv:+.1f}% vs control)")
+      line += f"; control ratio {common.interval(control['ratio'])}: " + "; ".join(parts)
     out.append(line)
   return out
 
@@ -248,7 +236,7 @@ def domain_gap(runs: list[dict]) -> str:
 
 def figure(runs: list[dict], arm: str, fig_dir: str, name: str) -> str:
   """Position-wise PPL with its band per run, and the ratio over pretraining tokens (Fig. 3)."""
-  p = plt()
+  p = common.plt()
   fig, (a1, a2) = p.subplots(1, 2, figsize=(12, 4.2))
   mine = [r for r in runs if r["arm"] == arm]
   for r in mine:
@@ -305,12 +293,12 @@ def figure(runs: list[dict], arm: str, fig_dir: str, name: str) -> str:
     a.grid(alpha=0.3, which="both")
     a.legend(fontsize=6)
   fig.suptitle(CLAIM, fontsize=7)
-  return save(fig, fig_dir, name)
+  return common.save(fig, fig_dir, name)
 
 
 def render(results_dir: str, fig_dir: str) -> str:
   root = os.path.join(results_dir, "lengen_text")
-  if not exists(root):
+  if not common.exists(root):
     return ""
   out = [
     "## 3c. Length generalisation on text at a short context",
@@ -328,19 +316,8 @@ def render(results_dir: str, fig_dir: str) -> str:
     "judged by the same rule).",
     "",
   ]
-  for preset in sorted(os.listdir(root)):
-    pdir = os.path.join(root, preset)
-    runs = load_runs(pdir) if os.path.isdir(pdir) else []
-    if not runs:
-      continue
-    out += [f"### {title(preset)}", ""]
-    if exists(pdir, "commands.json"):
-      cmds = load(os.path.join(pdir, "commands.json"))
-      out += [f"Protocol: {cmds.get('protocol', '')}.", ""]
-      for c in cmds.get("calls", [])[-3:]:
-        where = f" on {c['machine']}" if c.get("machine") else ""
-        out.append(f"- `{c['command']}`: {c['status']} in {c['wall_s']:.0f} s{where}")
-      out.append("")
+  for preset, pdir, runs in common.preset_runs(root, load_runs):
+    out += [f"### {title(preset)}", "", *common.commands_lines(pdir)]
     train_s = sum(r.get("train_wall_s") or 0 for r in runs if r["stage"] != "pretrain")
     train_s += sum(
       max((r.get("train_wall_s") or 0) for r in runs if r["arm"] == a and r["stage"] == "pretrain")

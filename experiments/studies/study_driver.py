@@ -1,0 +1,403 @@
+"""Runs a length-generalisation study's (arm x stage) work items: per arm (a model variant; one
+study calls it a mixer), pretraining from the zero state and evaluations of its checkpoints, then a
+post-training with each initial-state strategy and an evaluation of each. Resumable (a completed
+run or evaluation is skipped, a stopped run resumes from its checkpoint), bounded by a deadline
+(a running training saves a checkpoint, nothing new starts), the arms one after another in this
+process or several at a time as child processes, with progress and an ETA; each call is recorded
+in ``commands.json`` beside the results.
+
+A study describes itself with a ``Study``: its module (``python -m``), the word for an arm (its
+flag is ``--<unit>s``) and three functions of (plan, arm, ...): the work still to do, a training
+and an evaluation. Its plan has ``preset``, ``workdir``, ``results``, ``strategies``,
+``pretrain_steps``, ``post_steps``, ``tokens_per_step``, ``deadline`` (a ``Deadline``),
+``run_dir(arm, stage)`` and ``config(arm, stage)``.
+"""
+
+from __future__ import annotations
+
+import ast
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from experiments.runner import config_lib
+from experiments.runner.logging_utils import fmt_time, write_json
+
+# an evaluated token costs about a third of a trained one (forward only), for the ETA
+EVAL_COST = 1 / 3
+# the lines of a child's output shown (prefixed with its arm) besides those with "Error"
+SHOWN = ("study:", "step ", "final eval", "excess NLL", "Traceback", "Config error")
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+  """What the driver runs of a study."""
+
+  module: str  # python -m <module> runs the study
+  unit: str  # what an arm is called in the flags and output ('arm', 'mixer')
+  work: Callable  # (plan, arm) -> [(kind 'train' | 'eval', stage, units)] still to do, in order
+  train: Callable  # (plan, arm, stage) -> the run's summary, None when the deadline stopped it
+  evaluate: Callable  # (plan, arm, stage) -> the meter's line, None when nothing is left to do
+
+
+# ------------------------------------------------------------------------------------------ plan
+def check_choice(flag: str, value, choices):
+  if value not in choices:
+    raise ValueError(f"{flag}: expected one of {list(choices)}, got {value!r}")
+
+
+def check_strategies(strategies) -> tuple[str, ...]:
+  strategies = tuple(strategies)
+  bad = [s for s in strategies if s not in config_lib.INITIAL_STATES]
+  if bad:
+    raise ValueError(
+      f"--strategies: unknown {bad}; expected names from {list(config_lib.INITIAL_STATES)}"
+    )
+  return strategies
+
+
+def check_non_negative(**flags):
+  for name, v in flags.items():
+    if v < 0:
+      raise ValueError(f"--{name}: must be >= 0, got {v}")
+
+
+def check_resamples(resamples: int):
+  if resamples < 100:
+    raise ValueError(f"--resamples: use at least 100 bootstrap resamples, got {resamples}")
+
+
+def parse_overrides(items) -> dict:
+  """['model.num_layers=1', ...] (or a dict) -> {dotted key: Python literal or string}."""
+  if isinstance(items, dict):
+    return dict(items)
+  out = {}
+  for item in items:
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+      raise ValueError(
+        f"--override: expected key=value (a run-config key such as model.num_layers=1), "
+        f"got {item!r}"
+      )
+    try:
+      out[key] = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      out[key] = text
+  return out
+
+
+def apply_overrides(config, overrides: dict):
+  """Sets each dotted key in ``config``; a ValueError names a key the config lacks."""
+  for key, value in overrides.items():
+    node, parts = config, key.split(".")
+    for p in parts[:-1]:
+      if p not in node:
+        raise ValueError(f"--override: unknown config key {key!r}")
+      node = node[p]
+    if parts[-1] not in node:
+      raise ValueError(f"--override: unknown config key {key!r}")
+    try:
+      node[parts[-1]] = value
+    except TypeError as e:
+      raise ValueError(f"--override: {key}={value!r}: {e}") from None
+
+
+class Deadline:
+  """A wall-clock end ``seconds`` from now (none for 0)."""
+
+  def __init__(self, seconds: float):
+    self.end = time.time() + seconds if seconds else None
+
+  def left(self) -> float | None:
+    return None if self.end is None else self.end - time.time()
+
+  def passed(self) -> bool:
+    return self.end is not None and time.time() >= self.end
+
+
+# ------------------------------------------------------------------------------------------ files
+def read_json(path):
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def trained(workdir, steps) -> bool:
+  s = read_json(os.path.join(workdir, "summary.json"))
+  return bool(s) and s.get("status") == "completed" and int(s.get("step", 0)) >= steps
+
+
+def checkpoint_steps(workdir) -> list[int]:
+  root = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(root):
+    return []
+  return sorted(
+    int(s)
+    for s in os.listdir(root)
+    if s.isdigit() and os.path.isdir(os.path.join(root, s, "state"))
+  )
+
+
+def result_path(plan, arm, stage, step=None):
+  """``<results>/<arm>.pretrain.step<k>.json``, ``<results>/<arm>.<strategy>.json``."""
+  name = f"{arm}.{stage}" + (f".step{step}" if stage == "pretrain" else "") + ".json"
+  return os.path.join(plan.results, name)
+
+
+# ------------------------------------------------------------------------------------------ work
+def stage_work(plan, arm, evaluated, pretrain_evals, eval_units) -> list[tuple]:
+  """(kind, stage, units) still to do for one arm, in order (units: trained-token equivalents):
+  pretraining, ``pretrain_evals`` evaluations of its checkpoints, then per strategy its
+  post-training and an evaluation of the last checkpoint. ``evaluated(plan, path, step)``: whether
+  the JSON at ``path`` is that step's with the plan's settings."""
+  work = []
+  pre = plan.run_dir(arm, "pretrain")
+  if not trained(pre, plan.pretrain_steps):
+    work.append(("train", "pretrain", plan.pretrain_steps * plan.tokens_per_step))
+  done = [
+    s for s in checkpoint_steps(pre) if evaluated(plan, result_path(plan, arm, "pretrain", s), s)
+  ]
+  work += [("eval", "pretrain", eval_units)] * max(pretrain_evals - len(done), 0)
+  for s in plan.strategies:
+    wd = plan.run_dir(arm, s)
+    if not trained(wd, plan.post_steps):
+      work.append(("train", s, plan.post_steps * plan.tokens_per_step))
+    steps = checkpoint_steps(wd)
+    if not (steps and evaluated(plan, result_path(plan, arm, s), steps[-1])):
+      work.append(("eval", s, eval_units))
+  return work
+
+
+def next_eval_step(plan, arm, stage, evaluated, last_only=False) -> int | None:
+  """The checkpoint of ``stage`` to evaluate next: of a pretraining the first kept one (with
+  ``last_only``, the last) without its JSON, None when none is left; of a post-training the last."""
+  steps = checkpoint_steps(plan.run_dir(arm, stage))
+  if stage != "pretrain":
+    return steps[-1]
+  todo = [
+    s
+    for s in (steps[-1:] if last_only else steps)
+    if not evaluated(plan, result_path(plan, arm, stage, s), s)
+  ]
+  return todo[0] if todo else None
+
+
+class Meter:
+  """Progress over the study's work in trained-token equivalents, with an ETA from this call's
+  rate."""
+
+  def __init__(self, todo_units):
+    self.total, self.done, self.t0 = max(sum(todo_units), 1e-9), 0.0, time.time()
+
+  def add(self, units, what):
+    self.done += units
+    el = time.time() - self.t0
+    eta = el * (self.total - self.done) / max(self.done, 1e-9)
+    print(
+      f"study: {what} | {100 * self.done / self.total:.0f}% of the remaining work | "
+      f"{fmt_time(el)} elapsed | ETA {fmt_time(eta)}",
+      flush=True,
+    )
+
+
+@contextlib.contextmanager
+def lowest_optimisation(on: bool):
+  """XLA's backend at its lowest optimisation level inside the block (a jit cache key: no stale
+  programs)."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  before = jax.config.values["jax_disable_most_optimizations"]
+  jax.config.update("jax_disable_most_optimizations", on or before)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
+@contextlib.contextmanager
+def compilation_cache(workdir):
+  """Runs of one arm share compiled programs (the evaluation's prefill is the same program for
+  every checkpoint of an arm): a persistent cache (JAX_COMPILATION_CACHE_DIR, else one in the
+  workdir), the previous settings restored after."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  keys = {
+    "jax_compilation_cache_dir": (
+      jax.config.values["jax_compilation_cache_dir"] or os.path.join(workdir, "xla_cache")
+    ),
+    "jax_persistent_cache_min_compile_time_secs": 0.5,
+  }
+  before = {k: jax.config.values[k] for k in keys}
+  for k, v in keys.items():
+    jax.config.update(k, v)
+  try:
+    yield
+  finally:
+    for k, v in before.items():
+      jax.config.update(k, v)
+
+
+def train(plan, arm, stage, fast_compile: bool) -> dict | None:
+  """Trains one run (resuming); returns its summary, None when the deadline stopped it (the
+  trainer saved a checkpoint)."""
+  from experiments.runner import lr_sweep  # pylint: disable=g-import-not-at-top  (imports jax)
+
+  with lowest_optimisation(fast_compile):
+    tr = lr_sweep.make_trainer(plan.config(arm, stage), plan.run_dir(arm, stage))
+    left = plan.deadline.left()
+    timer = None
+    if left is not None:  # the trainer checks the flag every step, saves a checkpoint and returns
+      timer = threading.Timer(max(left, 0.0), lambda: setattr(tr, "_stop_requested", True))
+      timer.daemon = True
+      timer.start()
+    try:
+      summary = tr.run()
+    finally:
+      if timer:
+        timer.cancel()
+      tr.close()
+  return summary if summary.get("status") == "completed" else None
+
+
+def run_arm(study, plan, arm, meter=None) -> str:
+  """Pretrain, evaluate, post-train and evaluate one arm; returns 'done' or 'deadline'."""
+  work = study.work(plan, arm)
+  meter = meter or Meter([u for *_, u in work])
+  for kind, stage, units in work:
+    if plan.deadline.passed():
+      print(f"study: {arm}: deadline reached before {kind} {stage}; rerun to go on", flush=True)
+      return "deadline"
+    if kind == "train":
+      steps = plan.pretrain_steps if stage == "pretrain" else plan.post_steps
+      print(
+        f"study: {arm}: training {stage} ({steps} steps) in {plan.run_dir(arm, stage)}", flush=True
+      )
+      if study.train(plan, arm, stage) is None:
+        print(
+          f"study: {arm}: {stage} stopped at the deadline (checkpoint saved); rerun to go on",
+          flush=True,
+        )
+        return "deadline"
+      meter.add(units, f"{arm} {stage} trained")
+      continue
+    line = study.evaluate(plan, arm, stage)
+    if line is not None:
+      meter.add(units, line)
+  return "done"
+
+
+# ------------------------------------------------------------------------------------------ drivers
+def run_in_process(study, plan, arms) -> str:
+  """The arms one after another in this process; returns 'done' or 'deadline'."""
+  os.makedirs(plan.workdir, exist_ok=True)
+  os.makedirs(plan.results, exist_ok=True)
+  from kdn_jax.ops import dispatch  # pylint: disable=g-import-not-at-top
+
+  dispatch.warm_kernel_imports()
+  work = {a: study.work(plan, a) for a in arms}
+  n = sum(len(w) for w in work.values())
+  print(
+    f"study: preset {plan.preset}, {study.unit}s {', '.join(arms)}, strategies "
+    f"{', '.join(plan.strategies)}: {n} trainings/evaluations to do in {plan.workdir}",
+    flush=True,
+  )
+  meter = Meter([u for w in work.values() for *_, u in w])
+  with compilation_cache(plan.workdir):
+    for a in arms:
+      if run_arm(study, plan, a, meter) == "deadline":
+        return "deadline"
+  return "done"
+
+
+def child_command(study, plan, arm, argv_flags) -> list[str]:
+  """One arm of a parallel study: this call's flags, the arm's and the deadline left."""
+  flag = f"--{study.unit}s="
+  cmd = [sys.executable, "-m", study.module, f"{flag}{arm}", "--parallel=1", "--child"]
+  cmd += [a for a in argv_flags if not a.startswith((flag, "--parallel=", "--deadline_s="))]
+  left = plan.deadline.left()
+  if left is not None:
+    cmd.append(f"--deadline_s={max(int(left), 1)}")
+  return cmd
+
+
+def run_parallel(study, plan, arms, parallel, argv_flags) -> str:
+  """One process per arm, ``parallel`` at a time, each with the remaining deadline; its output in
+  ``<workdir>/<arm>.log``. Returns 'done' or 'incomplete'."""
+  os.makedirs(plan.workdir, exist_ok=True)
+  env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  print(
+    f"study: preset {plan.preset}, {len(arms)} {study.unit}s, {parallel} processes at a time; "
+    f"logs in {plan.workdir}/<{study.unit}>.log",
+    flush=True,
+  )
+  lock = threading.Lock()
+
+  def one(arm):
+    if plan.deadline.passed():
+      return arm, "deadline"
+    with open(os.path.join(plan.workdir, f"{arm}.log"), "a", encoding="utf-8") as log:
+      proc = subprocess.Popen(
+        child_command(study, plan, arm, argv_flags),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+        bufsize=1,
+      )
+      for line in proc.stdout:
+        log.write(line)
+        if line.startswith(SHOWN) or "Error" in line:
+          with lock:
+            print(f"[{arm}] {line}", end="", flush=True)
+      rc = proc.wait()
+    return arm, "done" if rc == 0 else f"rc={rc}"
+
+  with concurrent.futures.ThreadPoolExecutor(max(parallel, 1)) as pool:
+    outcomes = dict(pool.map(one, arms))
+  print(f"study: {outcomes}", flush=True)
+  return "done" if all(v == "done" for v in outcomes.values()) else "incomplete"
+
+
+def flags_as_written(args) -> list[str]:
+  """The command line's flags; a ValueError for a value after a space (the children get the flags
+  as written: it would be lost)."""
+  loose = [a for a in args if not a.startswith("--")]
+  if loose:
+    raise ValueError(f"write flags as --name=value (got a separate value {loose[0]!r})")
+  return list(args)
+
+
+def run(study, plan, arms, parallel, argv_flags) -> tuple[str, bool]:
+  """What is left of the study: in child processes with ``parallel`` > 1 and several arms, else in
+  this one. Returns the status ('done', 'deadline' or 'incomplete') and whether any work was
+  left."""
+  os.makedirs(plan.results, exist_ok=True)
+  pending = any(study.work(plan, a) for a in arms)
+  if parallel > 1 and len(arms) > 1:
+    return run_parallel(study, plan, arms, parallel, argv_flags), pending
+  return run_in_process(study, plan, arms), pending
+
+
+def write_commands(study, plan, argv_flags, status, wall_s, machine, protocol: str):
+  """commands.json beside the results: how they were made (what a person added is kept)."""
+  path = os.path.join(plan.results, "commands.json")
+  kept = read_json(path) or {}
+  calls = kept.get("calls", [])
+  calls.append(
+    {
+      "command": f"python -m {study.module} " + shlex.join(argv_flags),
+      "status": status,
+      "wall_s": round(wall_s, 1),
+      "machine": machine,
+    }
+  )
+  write_json(path, dict(kept, calls=calls, protocol=protocol))
