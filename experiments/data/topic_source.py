@@ -161,6 +161,11 @@ class TopicSource:
     position ``starts[:, k]`` (``starts[:, 0] = 0``; columns past the document's end start at or
     after doc_len)."""
     p, docs = self.params, np.atleast_1d(np.asarray(docs, np.int64))
+    if p.family != "hmm":
+      raise ValueError(
+        f"topic source: topic paths exist only in the hmm family (family={p.family!r}: each "
+        "document has its own law, doc_laws)"
+      )
     n = len(docs)
     first = np.floor(uniform(self._doc_keys(split, docs, _FIRST), 0) * p.num_topics).astype(
       np.int64

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 
+import ml_collections
 import numpy as np
 
 from experiments.data import topic_source as ts
@@ -160,7 +161,7 @@ def with_verdict(tf: dict, *, resamples: int = bootstrap.RESAMPLES) -> dict:
   recomputed exactly from the source settings and evaluation seed it recorded."""
   if "ppl_ratio" in tf:
     return tf
-  source = ts.TopicSource(ts.params_from_config(_Settings(tf["source"])))
+  source = ts.TopicSource(ts.params_from_config(ml_collections.ConfigDict(tf["source"])))
   docs = evaluation_documents(source, tf["documents"], tf["length"], seed=tf["seed"])
   _, targets = model_view(source, docs)
   floor = source.bayes_nll(targets)
@@ -172,10 +173,3 @@ def with_verdict(tf: dict, *, resamples: int = bootstrap.RESAMPLES) -> dict:
     **kept,
     **verdict(early, late, early + f_early, late + f_late, seed=tf["seed"], resamples=resamples),
   }
-
-
-class _Settings(dict):
-  """A recorded ``data.topic`` dict read like the config section it came from."""
-
-  def __getattr__(self, name):
-    return self[name]

@@ -180,6 +180,8 @@ def test_dirichlet_documents_follow_their_own_law():
   true = src.bayes_nll(docs).mean()
   for wrong in (0.05, 2.0):
     assert true < ts.dirichlet_nll(docs, 8, wrong).mean()
+  with pytest.raises(ValueError, match="topic paths exist only in the hmm family"):
+    src.topic_path(ts.TRAIN, 3)
   with pytest.raises(ValueError, match="family"):
     ts.TopicParams(family="lda").check()
   with pytest.raises(ValueError, match="concentration"):

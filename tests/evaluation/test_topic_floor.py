@@ -4,6 +4,7 @@ the topic_floor analysis (excess over the floor, verdict, intervals)."""
 
 from __future__ import annotations
 
+import ml_collections
 import numpy as np
 import pytest
 
@@ -127,7 +128,7 @@ def test_a_result_stored_without_the_verdict_fields_gets_them_from_the_floor():
     "doc_len": 8192,
     "seed": 2,
   }
-  src = ts.TopicSource(ts.params_from_config(topic_floor._Settings(src_cfg)))
+  src = ts.TopicSource(ts.params_from_config(ml_collections.ConfigDict(src_cfg)))
   docs = topic_floor.evaluation_documents(src, 4, 8192, seed=1)
   floor = src.bayes_nll(docs)
   model = floor + np.random.default_rng(0).uniform(0, 0.2, floor.shape)
