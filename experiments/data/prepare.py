@@ -310,7 +310,9 @@ def build(
   val = sorted(val, key=lambda i: draws[i])
   long_eval = [i for i, d in enumerate(docs) if d[1]]
   min_bytes = BYTES_PER_TOKEN_BOUND * long_val_tokens
-  long_val = [i for i in train if len(docs[i][3].encode("utf-8")) >= min_bytes][:long_val_docs]
+  long_val = []
+  if long_val_docs:  # (the train documents in draw order: the first long ones are a seeded draw)
+    long_val = [i for i in train if len(docs[i][3].encode("utf-8")) >= min_bytes][:long_val_docs]
   if long_val_docs and len(long_val) < long_val_docs:
     raise RuntimeError(
       f"prepare: --long_val_docs={long_val_docs}: only {len(long_val)} train documents have "
