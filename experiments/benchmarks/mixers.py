@@ -12,6 +12,7 @@ JSON and table after every sweep spec and cell, so a run cut off by its time lim
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -628,164 +629,69 @@ def run_check(b=2, t=300, h=2, d=128, cut=100, kernels=None):
 # ------------------------------------------------------------------------------------- main
 
 
+class _StageTimer:
+  """A delta-rule stage runner (pallas_kernels/delta_rule/stages.py) that times each stage the
+  op runs, jitted alone with the op's own arguments, into out[prefix + stage name], and hands
+  the stage's results on to the next."""
+
+  def __init__(self, prefix, out, first):
+    self.prefix, self.out, self.first = prefix, out, first
+
+  def __call__(self, name, fn, *arrays, **static):
+    key = self.prefix + name
+    # (arrays as arguments: closed-over arrays become constants that XLA folds for minutes)
+    stage = jax.jit(functools.partial(fn, **static))
+    self.out[key] = _time_fn(stage, arrays, self.first, key)
+    return stage(*arrays)
+
+
 def _time_stages(t, docs=False, kernels=None):
-  """Per-stage times (ms) of the diag-KDN pallas path at length t (fwd stages and bwd stages);
-  with `docs`, packed documents of _DOC_LEN tokens (segment_ids); kernels: the configs (None:
-  the tuned ones)."""
+  """Per-stage times (ms) of the diag-KDN Pallas path at length t: the gain ("gain_fwd"), then
+  the delta rule's stages as the op runs them (its forward_stages / backward_stages, each stage
+  jitted alone): "fwd/<stage>" for a differentiated call's forward (which saves the
+  residuals), "fwd_only/<stage>" for a call not differentiated, "bwd/<stage>", and each
+  group's "<group>/sum". docs: packed documents of _DOC_LEN tokens (segment_ids); kernels: the
+  configs (None: the tuned ones)."""
   import pallas_kernels as pk  # pylint: disable=g-import-not-at-top
-  from pallas_kernels import common  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.delta_rule import backward as dbwd  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.delta_rule import (
-    chunk_length,  # pylint: disable=g-import-not-at-top
-    segment_arrays,  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.delta_rule import (  # pylint: disable=g-import-not-at-top
+    backward_stages,
+    forward_stages,
+    stage_inputs,
   )
-  from pallas_kernels.delta_rule import intra as dintra  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.delta_rule import output as dout  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.delta_rule import state_pass as dstate  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.delta_rule import wy as dwy  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.delta_rule.chunk_cumsum import chunk_reverse_cumsum  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.delta_rule.intra_bwd_tokens import intra_backward_tokens  # pylint: disable=g-import-not-at-top
 
   b, h, d = FLAGS.batch, FLAGS.heads, FLAGS.dim
   x = _inputs(jax.random.PRNGKey(0), b, t, h, d, jnp.bfloat16)
-  interpret = common.resolve_interpret(None)
   kernels = _kernels(kernels)
-  cfg, gain_cfg = kernels.get("delta_rule"), kernels.gain
-  chunk = chunk_length(cfg, 64, t, interpret)  # what the op runs
-  t_pad = -(-t // chunk) * chunk
-  x = {n: common.pad_time(v, t_pad, 1.0 if n == "r" else 0.0) for n, v in x.items()}
-  seg = _doc_ids(b, t_pad) if docs else None
-  starts, cont, pid = segment_arrays(seg, b, t_pad, t_pad, chunk)
-  mu = jnp.full((h,), float(d))
-  p0 = jnp.ones((b, h, d), jnp.float32)
+  seg = _doc_ids(b, t) if docs else None
   out, first = {}, {}
+  mu = jnp.full((h,), float(d), jnp.float32)
+  p0 = jnp.ones((b, h, d), jnp.float32)
   # (kappa stored as the op stores it: pallas_kernels.write_dtype)
   gain = jax.jit(
     lambda k, la, om, r, seg: pk.diag_gain(
-      k, la, om, r, mu, p0, seg, gain_dtype=pk.write_dtype(k.dtype), config=gain_cfg
+      k, la, om, r, mu, p0, seg, gain_dtype=pk.write_dtype(k.dtype), config=kernels.gain
     )[0]
   )
   gargs = (x["k"], x["la"], x["om"], x["r"], seg)
   out["gain_fwd"] = _time_fn(gain, gargs, first, "gain_fwd")
-  w = gain(*gargs)
-  # The precision the op picks for bf16 data.
-  kw = dict(
-    chunk=chunk,
-    scale=d**-0.5,
-    interpret=interpret,
-    cfg=cfg,
-    cfg_prec=common.precision_for(jnp.bfloat16),
-  )
   h0 = jnp.zeros((b, h, d, d), jnp.float32)
-  # Arrays go in as arguments: closed-over arrays become constants that XLA folds for minutes.
-  intra = jax.jit(
-    lambda q, k, v, w, la, h0, pid, cont: dintra.intra_forward(q, k, v, w, la, h0, pid, cont, **kw)
+  args, static = stage_inputs(
+    x["q"], x["k"], x["v"], x["la"], gain(*gargs), d**-0.5, h0, seg, config=kernels.delta_rule
   )
-  iargs = (x["q"], x["k"], x["v"], w, x["la"], h0, pid, cont)
-  out["delta_intra_fwd"] = _time_fn(intra, iargs, first, "delta_intra_fwd")
-  amat, pmat, wt, wk, u, g = intra(*iargs)[:6]
-  # its two kernels apart: the pair kernel (g, L, P, Wt, Kbar, Qbar; g whole, as in training),
-  # then the WY kernel; and the pair kernel of a call not differentiated (only g's chunk-last
-  # rows written)
-  pairs = jax.jit(lambda q, k, w, la, pid: dintra.pair_forward(q, k, w, la, pid, **kw))
-  pargs = (x["q"], x["k"], w, x["la"], pid)
-  out["delta_pairs_fwd"] = _time_fn(pairs, pargs, first, "delta_pairs_fwd")
-  pd = pairs(*pargs)
-  pairs_fo = jax.jit(
-    lambda q, k, w, la, pid: dintra.pair_forward(q, k, w, la, pid, write_g=False, **kw)
+  saved = forward_stages(*args, **static, save=True, run=_StageTimer("fwd/", out, first))
+  forward_stages(*args, **static, save=False, run=_StageTimer("fwd_only/", out, first))
+  q, k, v, w, _, h0, starts, cont, pid = args
+  (o, sfin, g), residuals = saved[:3], saved[3:]
+  cts = (jnp.ones_like(o), jnp.zeros_like(sfin))
+  backward_stages(
+    *(q, k, v, w, g, h0, starts, cont, pid),
+    *residuals,
+    *cts,
+    **static,
+    run=_StageTimer("bwd/", out, first),
   )
-  out["delta_pairs_fwd_only"] = _time_fn(pairs_fo, pargs, first, "delta_pairs_fwd_only")
-  nosc = {n: val for n, val in kw.items() if n != "scale"}
-  wyf = jax.jit(lambda lmat, kbar, v, h0, cont: dwy.wy_forward(lmat, kbar, v, h0, cont, **nosc))
-  out["delta_wy_fwd"] = _time_fn(wyf, (pd.lmat, pd.kbar, x["v"], h0, cont), first, "delta_wy_fwd")
-  state = jax.jit(
-    lambda u, wk, wt, g, h0, cont: dstate.state_forward(u, wk, wt, g, h0, cont, **nosc)
-  )
-  args = (u, wk, wt, g, h0, cont)
-  out["delta_state_fwd"] = _time_fn(state, args, first, "delta_state_fwd")
-  delta, _, states = state(*args)
-  output = jax.jit(
-    lambda qbar, p, delta, states, h0, cont: dout.output_forward(
-      qbar, p, delta, states, h0, cont, out_dtype=jnp.bfloat16, **nosc
-    )
-  )
-  oargs = (pd.qbar, pmat, delta, states, h0, cont)
-  out["delta_output_fwd"] = _time_fn(output, oargs, first, "delta_output_fwd")
-  o = output(*oargs)
-  # the serial pass and the output stage together
-  out["delta_recur_fwd"] = out["delta_state_fwd"] + out["delta_output_fwd"]
-  # ... and as one kernel (the op's choice for a call without states or segments): without the
-  # states (a call not differentiated) and with them (a differentiated call's forward, fused)
-  for save in (False, True):
-    fused = jax.jit(
-      lambda u, wk, wt, g, h0, cont, qbar, p, save=save: dstate.state_output_forward(
-        u, wk, wt, g, h0, cont, qbar, p, save_states=save, out_dtype=jnp.bfloat16, **nosc
-      )
-    )
-    name = "delta_state_output_fwd" + ("_save" if save else "")
-    out[name] = _time_fn(fused, (u, wk, wt, g, h0, cont, pd.qbar, pmat), first, name)
-  rbwd = jax.jit(
-    lambda q, k, v, g, h0, cont, res, do: dbwd.recur_backward(
-      q, k, v, g, h0, cont, res, do, jnp.zeros_like(h0), dv_dtype=v.dtype, **kw
-    )
-  )
-  args = (x["q"], x["k"], x["v"], g, h0, cont, (amat, pmat, wt, wk, states), jnp.ones_like(o))
-  out["delta_recur_bwd"] = _time_fn(rbwd, args, first, "delta_recur_bwd")
-  # its two kernels apart: the serial dS chain, then the parallel partials
-  sgr = jax.jit(
-    lambda q, k, v, g, h0, cont, res, do: dbwd.state_grads(
-      q, k, v, g, h0, cont, res, do, jnp.zeros_like(h0), **kw
-    )
-  )
-  out["delta_state_bwd"] = _time_fn(sgr, args, first, "delta_state_bwd")
-  dstates = sgr(*args)[1]
-  # (dq, dk and dv stored in the data's dtype, as the op stores them: dv fp32 with documents)
-  parts = jax.jit(
-    lambda q, k, v, g, h0, cont, res, do, dstates: dbwd.bwd_partials(
-      q,
-      k,
-      v,
-      g,
-      h0,
-      cont,
-      res,
-      do,
-      dstates,
-      dv_dtype=v.dtype if cont is None else jnp.float32,
-      **kw,
-    )
-  )
-  out["delta_partials_bwd"] = _time_fn(parts, args + (dstates,), first, "delta_partials_bwd")
-  partials = tuple(rbwd(*args)[2:])
-  # the intra backward (intra_bwd_tokens.py; "delta_intra_bwd" in older JSON is the removed
-  # per-chunk kernel)
-  tbwd = jax.jit(
-    lambda q, k, w, g, pid, parts: intra_backward_tokens(
-      q,
-      k,
-      w,
-      g,
-      pid,
-      parts,
-      chunk=chunk,
-      scale=kw["scale"],
-      interpret=kw["interpret"],
-      cfg=cfg,
-      cfg_prec=kw["cfg_prec"],
-      dq_dtype=q.dtype,
-      dk_dtype=k.dtype,
-    )
-  )
-  targs = (x["q"], x["k"], w, g, pid, partials)
-  out["delta_intra_bwd_tokens"] = _time_fn(tbwd, targs, first, "delta_intra_bwd_tokens")
-  # dg -> dlog_alpha: the reverse cumsum plus the direct terms' exclusive prefix
-  _, _, _, dg, dla_terms = tbwd(*targs)
-  rcum = jax.jit(
-    lambda dg, terms, starts: chunk_reverse_cumsum(
-      dg, terms, starts, chunk=chunk, interpret=interpret, block=cfg.cumsum_block
-    )
-  )
-  out["reverse_cumsum_bwd"] = _time_fn(rcum, (dg, dla_terms, starts), first, "reverse_cumsum_bwd")
+  for group in ("fwd/", "fwd_only/", "bwd/"):
+    out[group + "sum"] = sum(ms for name, ms in list(out.items()) if name.startswith(group))
   out["first_call_s"] = first
   return out
 

@@ -38,13 +38,22 @@ from pallas_kernels.delta_rule import backward as _backward
 from pallas_kernels.delta_rule import chunk_cumsum as _cumsum_kernels
 from pallas_kernels.delta_rule import intra as _intra
 from pallas_kernels.delta_rule import output as _output
+from pallas_kernels.delta_rule import stages as _stages
 from pallas_kernels.delta_rule import state_pass as _state_pass
 from pallas_kernels.delta_rule import tiles as _tiles
 from pallas_kernels.delta_rule import tpu_backward as _tpu_backward
 from pallas_kernels.delta_rule import tpu_forward as _tpu_forward
 from pallas_kernels.delta_rule.config import GPU_CHUNK
 
-__all__ = ["delta_rule", "chunk_length", "segment_arrays", "write_dtype"]
+__all__ = [
+  "delta_rule",
+  "stage_inputs",
+  "forward_stages",
+  "backward_stages",
+  "chunk_length",
+  "segment_arrays",
+  "write_dtype",
+]
 
 
 # (batch, head) dims of the kernels' arrays for sharding.per_shard, and (batch, head, ndim) of
@@ -60,62 +69,75 @@ _OUT4, _STATE4, _STATES5 = _BTHK + (4,), _BH + (4,), _BH + (5,)
 _RES_OUT = (_OUT4, _STATE4, _STATE4, _OUT4, _OUT4, _STATES5)  # results: g, A, P, Wt, W, states
 
 
-def forward(q, k, v, w, la, h0, cont, pid, *, chunk, scale, interpret, cfg, cfg_prec, save_states):
-  """The forward stages: (o, S_final, residuals (A, P, Wt, W, states), g).
+def forward_stages(
+  q,
+  k,
+  v,
+  w,
+  la,
+  h0,
+  starts,
+  cont,
+  pid,
+  *,
+  chunk,
+  scale,
+  interpret,
+  cfg,
+  prec,
+  save,
+  run=_stages.call,
+):
+  """The forward's stages on stage_inputs' arrays: (o, S_final) or, with `save`, (o, S_final, g,
+  A, P, Wt, W, chunk-start states), the residuals backward_stages reads. run: the stage runner
+  (stages.py).
 
   q, k: [B,T,H,K]; w: [B,T,H,K] or [B,T,H] (write = w k); v: [B,T,H,V]; la: log_alpha
   [B,T,H,K] (the pair kernel forms the chunk-local cumsum g); h0 [B,H,K,V] f32; cont: [B,T] f32
-  or None; pid: [B,T] int32 or None (both None without segments). The g returned is None in a
-  call without save_states (only g's chunk-last rows were written)."""
-  kw = dict(chunk=chunk, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
-  x = _intra.intra_forward(q, k, v, w, la, h0, pid, cont, scale=scale, keep_g=save_states, **kw)
-  g_chain = x.g if x.g is not None else x.g_last  # the state pass reads g's last rows
+  or None; pid: [B,T] int32 or None (both None without segments)."""
+  del starts  # (the pair kernel restarts g at chunk starts and at the segment ids' changes)
+  kw = dict(chunk=chunk, interpret=interpret, cfg=cfg, cfg_prec=prec)
+  x = _intra.intra_forward(q, k, v, w, la, h0, pid, cont, scale=scale, keep_g=save, run=run, **kw)
   # O formed in the serial pass, off its chain (Delta never through memory), in calls that store
-  # no states and have no segments; elsewhere it lost (docs/decisions.md)
-  if not save_states and cont is None:
-    o, sfin, *states = _state_pass.state_output_forward(
+  # no states and have no segments; elsewhere it lost (docs/decisions.md). Without `save` the
+  # pair kernel wrote only g's chunk-last rows, all the state pass reads.
+  if not save and cont is None:
+    o, sfin = run(
+      "state_output",
+      _state_pass.state_output_forward,
       x.u,
       x.wk,
       x.wt,
-      g_chain,
+      x.g_last,
       h0,
-      cont,
       x.qbar,
       x.pmat,
-      save_states=save_states,
       out_dtype=q.dtype,
       **kw,
     )
-    return o, sfin, (x.amat, x.pmat, x.wt, x.wk, states[0] if save_states else None), x.g
-  delta, sfin, states = _state_pass.state_forward(x.u, x.wk, x.wt, g_chain, h0, cont, **kw)
-  o = _output.output_forward(x.qbar, x.pmat, delta, states, h0, cont, out_dtype=q.dtype, **kw)
-  return o, sfin, (x.amat, x.pmat, x.wt, x.wk, states if save_states else None), x.g
-
-
-def _forward_body(
-  q, k, v, w, la, h0, starts, cont, pid, *, chunk, scale, interpret, cfg, prec, save
-):
-  del starts  # (the pair kernel restarts g at chunk starts and at the segment ids' changes)
-  o, sfin, res, g = forward(
-    q,
-    k,
-    v,
-    w,
-    la,
+    return o, sfin
+  g_chain = x.g if save else x.g_last
+  delta, sfin, states = run(
+    "state", _state_pass.state_forward, x.u, x.wk, x.wt, g_chain, h0, cont, **kw
+  )
+  o = run(
+    "output",
+    _output.output_forward,
+    x.qbar,
+    x.pmat,
+    delta,
+    states,
     h0,
     cont,
-    pid,
-    chunk=chunk,
-    scale=scale,
-    interpret=interpret,
-    cfg=cfg,
-    cfg_prec=prec,
-    save_states=save,
+    out_dtype=q.dtype,
+    **kw,
   )
-  return (o, sfin, g) + tuple(res) if save else (o, sfin)
+  if not save:
+    return o, sfin
+  return (o, sfin, x.g, x.amat, x.pmat, x.wt, x.wk, states)
 
 
-def _backward_body(
+def backward_stages(
   q,
   k,
   v,
@@ -139,7 +161,11 @@ def _backward_body(
   interpret,
   cfg,
   prec,
+  run=_stages.call,
 ):
+  """The backward's stages: (dq, dk, dv, dw, dlog_alpha, dh0) from stage_inputs' arrays,
+  forward_stages' residuals (g, A, P, Wt, W, states) and the cotangents of o and S_final (dext:
+  of the chunk-start states, or None). run: the stage runner (stages.py)."""
   dq, dk, dv, dw, dg, dla_terms, dh0 = _backward.backward(
     q,
     k,
@@ -152,20 +178,28 @@ def _backward_body(
     (amat, pmat, wt, wk, states),
     do,
     dsfin,
+    dext,
     chunk=chunk,
     scale=scale,
     interpret=interpret,
     cfg=cfg,
     cfg_prec=prec,
     grad_dtypes=(q.dtype, k.dtype, v.dtype),
-    dext=dext,
+    run=run,
   )
   # g = within-(chunk, segment) cumsum of log_alpha  =>  dla = reverse cumsum of dg, plus the
   # direct term: the exclusive prefix of dla_terms. (Its pieces restart at resets too, which
   # changes nothing: a term is zero outside its chunk's last segment, where every later token
   # of the chunk lies.)
-  dla = _cumsum_kernels.chunk_reverse_cumsum(
-    dg, dla_terms, starts, chunk=chunk, interpret=interpret, block=cfg.cumsum_block
+  dla = run(
+    "reverse_cumsum",
+    _cumsum_kernels.chunk_reverse_cumsum,
+    dg,
+    dla_terms,
+    starts,
+    chunk=chunk,
+    interpret=interpret,
+    block=cfg.cumsum_block,
   )
   return dq, dk, dv, dw, dla, dh0
 
@@ -191,7 +225,7 @@ def _forward(save, args, chunk, scale, interpret, cfg, prec):
       save_states=save,
     )
   body = functools.partial(
-    _forward_body, chunk=chunk, scale=scale, interpret=interpret, cfg=cfg, prec=prec, save=save
+    forward_stages, chunk=chunk, scale=scale, interpret=interpret, cfg=cfg, prec=prec, save=save
   )
   outs = (_OUT4, _STATE4) + (_RES_OUT if save else ())
   return _sharding.per_shard(body, _IN, outs, "delta_rule forward")(*args)
@@ -246,7 +280,7 @@ def _core_bwd(chunk, scale, interpret, cfg, prec, saved, cts):
   q, k, v, w, h0, starts, cont, pid, res, la_like = saved
   do, dsfin = cts
   body = functools.partial(
-    _backward_body, chunk=chunk, scale=scale, interpret=interpret, cfg=cfg, prec=prec
+    backward_stages, chunk=chunk, scale=scale, interpret=interpret, cfg=cfg, prec=prec
   )
   dims = _IN[:4] + (_BTHK,) + _IN[5:] + _RES[1:] + (_BTHK, _BH)
   outs = (_OUT4,) * 3 + (_BTHK + (w.ndim,), _OUT4, _STATE4)
@@ -294,7 +328,7 @@ def _core_states_bwd(chunk, scale, interpret, cfg, prec, saved, cts):
   # chunk's is S_final's, dsfin); chunk 0's start state is h0, whose gradient it joins directly.
   dext = jnp.concatenate([dstates[:, :, 1:], jnp.zeros_like(dstates[:, :, :1])], axis=2)
   body = functools.partial(
-    _backward_body, chunk=chunk, scale=scale, interpret=interpret, cfg=cfg, prec=prec
+    backward_stages, chunk=chunk, scale=scale, interpret=interpret, cfg=cfg, prec=prec
   )
   dims = _IN[:4] + (_BTHK,) + _IN[5:] + _RES[1:] + (_BTHK, _BH, _BH)
   outs = (_OUT4,) * 3 + (_BTHK + (w.ndim,), _OUT4, _STATE4)
@@ -357,6 +391,50 @@ def write_dtype(dtype, interpret=None):
   return _tiles.operand_dtype(_tiles.kernel_precision(common.precision_for(dtype), interpret))
 
 
+def stage_inputs(
+  q,
+  k,
+  v,
+  log_alpha,
+  write,
+  scale,
+  initial_state,
+  segment_ids=None,
+  *,
+  chunk_size=64,
+  precision=None,
+  interpret=None,
+  config=None,
+):
+  """delta_rule's arguments as its stages read them: ((q, k, v, w, la, h0, starts, cont, pid)
+  padded to whole chunks, with la [B, T, H, K] and h0 fp32; {chunk, scale, interpret, cfg,
+  prec}, forward_stages' and backward_stages' static arguments). Validates the arguments (one
+  error naming the bad one) before any work."""
+  interpret = common.resolve_interpret(interpret)
+  precision = common.precision_for(q.dtype) if precision is None else precision
+  common.dot_precision(precision)  # validates the name before any work
+  bsz, t, _, kd = k.shape
+  common.check_width("K", kd)
+  common.check_width("V", v.shape[-1])
+  if chunk_size not in (16, 32, 64, 128):
+    raise NotImplementedError(f"delta_rule: chunk_size={chunk_size} not supported")
+  cfg = tuned.config("delta_rule", config, interpret)
+  chunk = chunk_length(cfg, chunk_size, t, interpret)
+  t_pad = -(-t // chunk) * chunk
+  la = log_alpha  # the cumsum (or pair) kernel reads it in its own dtype and sums in fp32
+  if la.ndim == 3:
+    la = jnp.broadcast_to(la[..., None], la.shape + (kd,))
+  if isinstance(scale, jax.core.Tracer):
+    # A traced scale cannot be a kernel constant: fold it into q (fp32) instead.
+    q, scale = q.astype(jnp.float32) * scale, 1.0
+  if write.ndim == 3 and tpu_common.use_tpu_kernels(interpret):
+    write = write[..., None] * k  # (the TPU kernels read a [B, T, H, K] write)
+  q, k, v, w, la = (common.pad_time(x, t_pad) for x in (q, k, v, write, la))
+  starts, cont, pid = segment_arrays(segment_ids, bsz, t, t_pad, chunk)
+  args = (q, k, v, w, la, initial_state.astype(jnp.float32), starts, cont, pid)
+  return args, dict(chunk=chunk, scale=float(scale), interpret=interpret, cfg=cfg, prec=precision)
+
+
 def delta_rule(
   q,
   k,
@@ -389,29 +467,25 @@ def delta_rule(
   config: a DeltaRuleConfig (static: part of jit's cache key); None: the tuned one for the device
   (pallas_kernels/tuned.py).
   """
-  interpret = common.resolve_interpret(interpret)
-  precision = common.precision_for(q.dtype) if precision is None else precision
-  common.dot_precision(precision)  # validates the name before any work
-  bsz, t, nh, kd = k.shape
-  vd = v.shape[-1]
-  common.check_width("K", kd)
-  common.check_width("V", vd)
-  if chunk_size not in (16, 32, 64, 128):
-    raise NotImplementedError(f"delta_rule: chunk_size={chunk_size} not supported")
-  cfg = tuned.config("delta_rule", config, interpret)
-  chunk = chunk_length(cfg, chunk_size, t, interpret)
-  t_pad = -(-t // chunk) * chunk
-  la = log_alpha  # the cumsum (or pair) kernel reads it in its own dtype and sums in fp32
-  if la.ndim == 3:
-    la = jnp.broadcast_to(la[..., None], la.shape + (kd,))
-  out_dtype = q.dtype
-  if isinstance(scale, jax.core.Tracer):
-    # A traced scale cannot be a kernel constant: fold it into q (fp32) instead.
-    q, scale = q.astype(jnp.float32) * scale, 1.0
-  if write.ndim == 3 and tpu_common.use_tpu_kernels(interpret):
-    write = write[..., None] * k  # (the TPU kernels read a [B, T, H, K] write)
-  q, k, v, w, la = (common.pad_time(x, t_pad) for x in (q, k, v, write, la))
-  starts, cont, pid = segment_arrays(segment_ids, bsz, t, t_pad, chunk)
+  out_dtype, t = q.dtype, q.shape[1]
+  args, static = stage_inputs(
+    q,
+    k,
+    v,
+    log_alpha,
+    write,
+    scale,
+    initial_state,
+    segment_ids,
+    chunk_size=chunk_size,
+    precision=precision,
+    interpret=interpret,
+    config=config,
+  )
+  chunk, scale, interpret, cfg, precision = (
+    static[n] for n in ("chunk", "scale", "interpret", "cfg", "prec")
+  )
+  q, k, v, w, la, h0, starts, cont, pid = args
   if output_chunk_states:
     if tpu_common.use_tpu_kernels(interpret):
       raise NotImplementedError(
@@ -426,12 +500,12 @@ def delta_rule(
       v,
       w,
       la,
-      initial_state.astype(jnp.float32),
+      h0,
       starts,
       cont,
       pid,
       chunk,
-      float(scale),
+      scale,
       interpret,
       cfg_states,
       precision,
@@ -443,12 +517,12 @@ def delta_rule(
     v,
     w,
     la,
-    initial_state.astype(jnp.float32),
+    h0,
     starts,
     cont,
     pid,
     chunk,
-    float(scale),
+    scale,
     interpret,
     cfg,
     precision,

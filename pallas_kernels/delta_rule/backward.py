@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.delta_rule import stages as _stages
 from pallas_kernels.delta_rule.intra_bwd_tokens import intra_backward_tokens
 from pallas_kernels.delta_rule.tiles import (
   by_reset,
@@ -231,7 +232,7 @@ def _bwd_inputs(q, k, v, g, h0, cont, res, do, cfg, cfg_prec, interpret, chunk, 
 
 
 def state_grads(
-  q, k, v, g, h0, cont, res, do, dsfin, *, chunk, scale, interpret, cfg, cfg_prec, dext=None
+  q, k, v, g, h0, cont, res, do, dsfin, dext=None, *, chunk, scale, interpret, cfg, cfg_prec
 ):
   """The reverse dS chain, serial over chunks: (dS_init's chain share [B, H, K, V] fp32, each
   chunk's dS [B, H, T/C, K, V] in the states' dtype). dext: None, or [B, H, T/C, K, V] f32, a
@@ -321,6 +322,7 @@ def recur_backward(
   res,
   do,
   dsfin,
+  dext=None,
   *,
   chunk,
   scale,
@@ -328,36 +330,36 @@ def recur_backward(
   cfg,
   cfg_prec,
   dv_dtype=jnp.float32,
-  dext=None,
+  run=_stages.call,
 ):
   """Backward stage 1: the reverse dS chain (state_grads), then dV and the per-V-block partial
   gradients (bwd_partials); with segments, S_init's share of the segments that restart from it
   (seg_init_grad, XLA, from the fp32 dV: dv_dtype applies only without segments). Returns
-  (dV, dS_init, partials...)."""
+  (dV, dS_init, partials...). run: the stage runner (stages.py)."""
   kw = dict(chunk=chunk, scale=scale, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
-  dh0, dstates = state_grads(q, k, v, g, h0, cont, res, do, dsfin, dext=dext, **kw)
-  dv, *partials = bwd_partials(
-    q,
-    k,
-    v,
-    g,
-    h0,
-    cont,
-    res,
-    do,
-    dstates,
-    dv_dtype=jnp.float32 if cont is not None else dv_dtype,
-    **kw,
+  dh0, dstates = run("state_grads", state_grads, q, k, v, g, h0, cont, res, do, dsfin, dext, **kw)
+  dv_dtype = jnp.float32 if cont is not None else dv_dtype
+  dv, *partials = run(
+    "partials", bwd_partials, q, k, v, g, h0, cont, res, do, dstates, dv_dtype=dv_dtype, **kw
   )
-  return (dv, _add_seg_init(dh0, q, k, g, cont, do, dv, dstates, chunk, scale, cfg_prec), *partials)
-
-
-def _add_seg_init(dh0, q, k, g, cont, do, dv, dstates, chunk, scale, cfg_prec):
-  if cont is None:
-    return dh0
-  return dh0 + seg_init_grad(
-    q, k, g, cont, do, dv, dstates, chunk=chunk, scale=scale, exact=cfg_prec == "exact"
-  )
+  if cont is not None:
+    exact = cfg_prec == "exact"
+    seg = run(
+      "seg_init",
+      seg_init_grad,
+      q,
+      k,
+      g,
+      cont,
+      do,
+      dv,
+      dstates,
+      chunk=chunk,
+      scale=scale,
+      exact=exact,
+    )
+    dh0 = dh0 + seg
+  return (dv, dh0, *partials)
 
 
 def seg_init_grad(q, k, g, cont, do, dv, dstates, *, chunk, scale, exact):
@@ -392,6 +394,7 @@ def backward(
   res,
   do,
   dsfin,
+  dext=None,
   *,
   chunk,
   scale,
@@ -399,45 +402,30 @@ def backward(
   cfg,
   cfg_prec,
   grad_dtypes=(jnp.float32,) * 3,
-  dext=None,
+  run=_stages.call,
 ):
   """(dq, dk, dv, dw, dg, dla_terms, dh0): the direct log-decay term dla_x is the exclusive
   prefix of dla_terms within chunks (the reverse cumsum sums it). grad_dtypes: what the kernels
   store dq, dk and dv in (the caller's dtypes: no fp32 copy and cast pass through memory; dv
   stays fp32 with segments, where S_init's gradient reads it); the rest are fp32. dext: a
-  cotangent of the state after each chunk ([B, H, T/C, K, V] f32) or None (state_grads)."""
+  cotangent of the state after each chunk ([B, H, T/C, K, V] f32) or None (state_grads). run:
+  the stage runner (stages.py)."""
   dq_dtype, dk_dtype, dv_dtype = grad_dtypes
+  kw = dict(chunk=chunk, scale=scale, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
   dv, dh0, *partials = recur_backward(
-    q,
-    k,
-    v,
-    g,
-    h0,
-    cont,
-    res,
-    do,
-    dsfin,
-    chunk=chunk,
-    scale=scale,
-    interpret=interpret,
-    cfg=cfg,
-    cfg_prec=cfg_prec,
-    dv_dtype=dv_dtype,
-    dext=dext,
+    q, k, v, g, h0, cont, res, do, dsfin, dext, dv_dtype=dv_dtype, run=run, **kw
   )
-  dq, dk, dw, dg, dla_terms = intra_backward_tokens(
+  dq, dk, dw, dg, dla_terms = run(
+    "intra_tokens",
+    intra_backward_tokens,
     q,
     k,
     w,
     g,
     pid,
     partials,
-    chunk=chunk,
-    scale=scale,
-    interpret=interpret,
-    cfg=cfg,
-    cfg_prec=cfg_prec,
     dq_dtype=dq_dtype,
     dk_dtype=dk_dtype,
+    **kw,
   )
   return dq, dk, dv, dw, dg, dla_terms, dh0

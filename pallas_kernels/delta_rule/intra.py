@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.delta_rule import stages as _stages
 from pallas_kernels.delta_rule import wy as _wy
 from pallas_kernels.delta_rule.tiles import (
   kernel_precision,
@@ -183,34 +184,28 @@ class Intra(NamedTuple):
 
 
 def intra_forward(
-  q, k, v, w, la, h0, pid, cont, *, chunk, scale, interpret, cfg, cfg_prec, keep_g=True
+  q,
+  k,
+  v,
+  w,
+  la,
+  h0,
+  pid,
+  cont,
+  *,
+  chunk,
+  scale,
+  interpret,
+  cfg,
+  cfg_prec,
+  keep_g=True,
+  run=_stages.call,
 ):
   """The intra stage (parallel over chunks, Intra): the pair kernel, then the WY kernel (wy.py).
   A, P, Wt, W and U only ever enter dots; with bf16-operand dots they are rounded to bf16 there,
   so they are stored in bf16. keep_g=False (a forward-only call) keeps only g_last (nothing
-  else reads g then)."""
-  pairs = pair_forward(
-    q,
-    k,
-    w,
-    la,
-    pid,
-    chunk=chunk,
-    scale=scale,
-    interpret=interpret,
-    cfg=cfg,
-    cfg_prec=cfg_prec,
-    write_g=keep_g,
-  )
-  amat, wk, u = _wy.wy_forward(
-    lmat=pairs.lmat,
-    kbar=pairs.kbar,
-    v=v,
-    h0=h0,
-    cont=cont,
-    chunk=chunk,
-    interpret=interpret,
-    cfg=cfg,
-    cfg_prec=cfg_prec,
-  )
+  else reads g then). run: the stage runner (stages.py)."""
+  kw = dict(chunk=chunk, interpret=interpret, cfg=cfg, cfg_prec=cfg_prec)
+  pairs = run("pairs", pair_forward, q, k, w, la, pid, scale=scale, write_g=keep_g, **kw)
+  amat, wk, u = run("wy", _wy.wy_forward, pairs.lmat, pairs.kbar, v, h0, cont, **kw)
   return Intra(amat, pairs.pmat, pairs.wt, wk, u, pairs.g, pairs.g_last, pairs.qbar)

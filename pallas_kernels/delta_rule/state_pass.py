@@ -34,7 +34,6 @@ def _state_pass_kernel(
   block_v,
   prec,
   fuse_output,
-  save_states,
   exp,
   g_per_chunk,
 ):
@@ -42,11 +41,9 @@ def _state_pass_kernel(
   S <- exp(g_last) S_base + Wt^T Delta, the chain's only two dots.
 
   Unfused, Delta and the chunk-start states are stored for the output stage (output.py; Delta
-  in the dots' operand dtype: it only enters P Delta there). With fuse_output the step also
-  forms the chunk's O = Qbar_c S_0 + Qbar_new S_init + P Delta (Qbar_c = Qbar on the rows
-  before the chunk's first reset, Qbar_new on the rows after it; output.py), off the chain:
-  neither Delta nor the states go through memory for it, and the states are stored only when
-  the backward needs them (save_states).
+  in the dots' operand dtype: it only enters P Delta there). With fuse_output (calls that store
+  no states and have no segments) the step also forms the chunk's O = Qbar S_0 + P Delta, off
+  the chain: neither Delta nor the states go through memory.
 
   Chunk c + 1's inputs are loaded before chunk c's dots and carried into the next step: the
   loop is one warp per scheduler with nothing else to issue, and half its stall cycles were
@@ -56,6 +53,8 @@ def _state_pass_kernel(
   kernel.
 
   g_per_chunk: the "g" input is g_last [B, NC, H, K], the only rows of g the pass reads."""
+  if fuse_output and has_seg:
+    raise ValueError("state pass: the fused output runs without segments")
   names = ["u", "wk", "wt", "g", "h0"] + (["cont"] if has_seg else [])
   if fuse_output:
     names += ["qbar", "p"]
@@ -64,7 +63,7 @@ def _state_pass_kernel(
   o_ref = outs.pop(0) if fuse_output else None
   delta_ref = None if fuse_output else outs.pop(0)
   sfin_ref = outs.pop(0)
-  states_ref = outs.pop(0) if save_states else None
+  states_ref = None if fuse_output else outs.pop(0)
   b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   C = chunk
   vs = pl.ds(vb * block_v, block_v)
@@ -72,7 +71,7 @@ def _state_pass_kernel(
 
   def inputs(c):
     """Chunk c's loads: U, W, Wt, g_last (cont_last with segments; with fuse_output also the
-    rows only the output reads: Qbar, P, and cont with segments)."""
+    rows only the output reads: Qbar and P)."""
     t0 = c * C
     rows = pl.ds(t0, C)
     x = dict(
@@ -85,8 +84,6 @@ def _state_pass_kernel(
       x["cont_last"] = r["cont"][b, t0 + C - 1]
     if fuse_output:
       x.update(qbar=r["qbar"][b, rows, h, :], p=r["p"][b, h, rows, :])
-      if has_seg:
-        x["cont"] = r["cont"][b, rows]
     return x
 
   def step(c, s, x):
@@ -95,21 +92,9 @@ def _state_pass_kernel(
       states_ref[b, h, c, :, vs] = s.astype(states_ref.dtype)
     delta = x["u"].astype(jnp.float32) - dot(x["wk"], s, prec)
 
-    def fused_output():
-      def store_output(seg):
-        seg_kw = dict(cont=x["cont"][:, None], s_init=s_init) if seg else {}
-        o = chunk_output(x["qbar"], s, x["p"], delta, prec, **seg_kw)
-        o_ref[b, rows, h, vs] = o.astype(o_ref.dtype)
-
-      if has_seg:  # the S_init dot only in chunks with a reset (as tiles.by_reset decides)
-        reset = x["cont_last"] < 0.5
-        pl.when(reset)(lambda: store_output(True))
-        pl.when(jnp.logical_not(reset))(lambda: store_output(False))
-      else:
-        store_output(False)
-
     if fuse_output:
-      fused_output()
+      o = chunk_output(x["qbar"], s, x["p"], delta, prec)
+      o_ref[b, rows, h, vs] = o.astype(o_ref.dtype)
     else:
       delta_ref[b, rows, h, vs] = delta.astype(delta_ref.dtype)
     e_last = exp(x["g_last"])[:, None]
@@ -141,38 +126,33 @@ def state_forward(u, wk, wt, g, h0, cont, *, chunk, interpret, cfg, cfg_prec):
     interpret=interpret,
     cfg=cfg,
     cfg_prec=cfg_prec,
-    save_states=True,
     out_dtype=None,
   )
 
 
 def state_output_forward(
-  u, wk, wt, g, h0, cont, qbar, pmat, *, chunk, interpret, cfg, cfg_prec, save_states, out_dtype
+  u, wk, wt, g, h0, qbar, pmat, *, chunk, interpret, cfg, cfg_prec, out_dtype
 ):
-  """The serial stage with the output fused (the op's calls without states or segments): (O
-  [B, T, H, V] in out_dtype, S_final [B, H, K, V] f32) and, with save_states, the chunk-start
-  states [B, H, NC, K, V]. qbar: scale q exp(g) (the pair kernel's); g: [B, T, H, K], or g_last
-  [B, NC, H, K]."""
+  """The serial stage with the output fused (the op's calls that store no states and have no
+  segments): (O [B, T, H, V] in out_dtype, S_final [B, H, K, V] f32). qbar: scale q exp(g) (the
+  pair kernel's); g: [B, T, H, K], or g_last [B, NC, H, K]."""
   return _call(
     u,
     wk,
     wt,
     g,
     h0,
-    cont,
+    None,
     (qbar, pmat),
     chunk=chunk,
     interpret=interpret,
     cfg=cfg,
     cfg_prec=cfg_prec,
-    save_states=save_states,
     out_dtype=out_dtype,
   )
 
 
-def _call(
-  u, wk, wt, g, h0, cont, out_in, *, chunk, interpret, cfg, cfg_prec, save_states, out_dtype
-):
+def _call(u, wk, wt, g, h0, cont, out_in, *, chunk, interpret, cfg, cfg_prec, out_dtype):
   bsz, t, nh, kd = wk.shape
   vd = u.shape[-1]
   nc = t // chunk
@@ -188,7 +168,7 @@ def _call(
   block_v = min(cfg.block_v, vd)
   first = jax.ShapeDtypeStruct(u.shape, out_dtype if fuse_output else operand_dtype(prec))
   out_shape = [first, jax.ShapeDtypeStruct((bsz, nh, kd, vd), jnp.float32)]
-  if save_states:
+  if not fuse_output:  # the chunk-start states, which the output stage reads
     out_shape.append(jax.ShapeDtypeStruct((bsz, nh, nc, kd, vd), state_dtype(cfg, prec)))
   return pl.pallas_call(
     functools.partial(
@@ -199,7 +179,6 @@ def _call(
       block_v=block_v,
       prec=prec,
       fuse_output=fuse_output,
-      save_states=save_states,
       exp=exp_for_mode(cfg_prec),
       g_per_chunk=g_per_chunk,
     ),
