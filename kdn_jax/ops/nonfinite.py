@@ -18,6 +18,10 @@ later difference (-inf - -inf = NaN). So the ops that run them:
 Step 3 is what the token loop gives for NaN; for an infinity the loop's results are non-finite
 from the same token on except where the infinity cancels (an infinite r writes nothing at its
 own token), which the ops report as NaN too: invalid input, reported rather than half-used.
+
+Where the bad values reach is a scan over T per flag, dozens of small kernels on a GPU, so it
+runs under `lax.cond` only when some input is not finite (one read-only reduction decides);
+otherwise the masks are zeros.
 """
 
 import jax
@@ -80,19 +84,26 @@ class Guard:
 
   def __init__(self, q, state: dict, segment_ids, compute_dtype, variance=(), r_names=()):
     self.segment_ids = segment_ids
-    bad = {
-      name: (_bad_log_decay(x) if name == "log_alpha" else ~jnp.isfinite(x))
-      for name, x in state.items()
-    }
-    tok = {
-      name: jnp.any(b, axis=tuple(range(3, b.ndim))) if b.ndim > 3 else b for name, b in bad.items()
-    }
-    self.bad_q = _token_bad(q)
-    bad_state = _any_of(tok.values())
-    self.spoiled = _spoiled_from(bad_state, segment_ids)
-    self.variance_spoiled = None
-    if variance:
-      self.variance_spoiled = _spoiled_from(_any_of(tok[n] for n in variance), segment_ids)
+
+    def reach(_):
+      bad = {
+        name: (_bad_log_decay(x) if name == "log_alpha" else ~jnp.isfinite(x))
+        for name, x in state.items()
+      }
+      tok = {
+        name: jnp.any(b, axis=tuple(range(3, b.ndim))) if b.ndim > 3 else b
+        for name, b in bad.items()
+      }
+      spoiled = _spoiled_from(_any_of(tok.values()), segment_ids)
+      variance_spoiled = (
+        _spoiled_from(_any_of(tok[n] for n in variance), segment_ids) if variance else spoiled
+      )
+      return _token_bad(q), spoiled, variance_spoiled
+
+    none = lambda _: (jnp.zeros(q.shape[:3], bool),) * 3
+    some_bad = jnp.logical_not(_all_finite([q, *state.values()]))
+    self.bad_q, self.spoiled, variance_spoiled = jax.lax.cond(some_bad, reach, none, None)
+    self.variance_spoiled = variance_spoiled if variance else None
     inputs = {"q": clean(q)}
     for name, x in state.items():
       if name == "log_alpha":
@@ -115,6 +126,15 @@ class Guard:
         last_v.reshape(last_v.shape + (1,) * (variance.ndim - 2)), nan(variance), variance
       )
     return o, memory, variance
+
+
+def _all_finite(arrays):
+  """A scalar bool: every value of every array is finite."""
+  ok = None
+  for x in arrays:
+    x_ok = jnp.all(jnp.isfinite(x))
+    ok = x_ok if ok is None else ok & x_ok
+  return ok
 
 
 def _any_of(flags):
