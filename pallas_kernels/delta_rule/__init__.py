@@ -485,7 +485,6 @@ def delta_rule(
   chunk, scale, interpret, cfg, precision = (
     static[n] for n in ("chunk", "scale", "interpret", "cfg", "prec")
   )
-  q, k, v, w, la, h0, starts, cont, pid = args
   if output_chunk_states:
     if tpu_common.use_tpu_kernels(interpret):
       raise NotImplementedError(
@@ -494,37 +493,7 @@ def delta_rule(
       )
     # fp32 states: they are returned, not only read back by the backward's bf16 dots
     cfg_states = dataclasses.replace(cfg, bf16_states=False)
-    o, sfin, states = _core_states(
-      q,
-      k,
-      v,
-      w,
-      la,
-      h0,
-      starts,
-      cont,
-      pid,
-      chunk,
-      scale,
-      interpret,
-      cfg_states,
-      precision,
-    )
+    o, sfin, states = _core_states(*args, chunk, scale, interpret, cfg_states, precision)
     return o[:, :t].astype(out_dtype), sfin, states, chunk
-  o, sfin = _core(
-    q,
-    k,
-    v,
-    w,
-    la,
-    h0,
-    starts,
-    cont,
-    pid,
-    chunk,
-    scale,
-    interpret,
-    cfg,
-    precision,
-  )
+  o, sfin = _core(*args, chunk, scale, interpret, cfg, precision)
   return o[:, :t].astype(out_dtype), sfin
