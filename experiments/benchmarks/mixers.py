@@ -168,9 +168,9 @@ flags.DEFINE_boolean(
 flags.DEFINE_boolean(
   "stages",
   False,
-  "also time the pallas stages one by one (diag KDN): gain, "
-  "cumsum, the forward's pair/WY/serial/output kernels, the backward's serial "
-  "dS chain, partials, token-parallel intra and reverse-cumsum kernels",
+  "also time the pallas stages one by one (diag KDN): the gain, then the delta rule's "
+  "stages as the op runs them (pallas_kernels.delta_rule.forward_stages / "
+  "backward_stages), each jitted alone",
   flag_values=FLAGS,
 )
 
