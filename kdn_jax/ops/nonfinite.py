@@ -100,7 +100,14 @@ class Guard:
       )
       return _token_bad(q), spoiled, variance_spoiled
 
-    none = lambda _: (jnp.zeros(q.shape[:3], bool),) * 3
+    def none(_):
+      # zeros of every input's own kind (under shard_map, varying along the same mesh axes as
+      # the masks `reach` derives from them): a fill, no read
+      zero = jnp.zeros(q.shape[:3], bool)
+      for x in [q, *state.values()] + ([] if segment_ids is None else [segment_ids[..., None]]):
+        zero = zero | jnp.zeros_like(x[..., 0] if x.ndim > 3 else x, dtype=bool)
+      return (zero,) * 3
+
     some_bad = jnp.logical_not(_all_finite([q, *state.values()]))
     self.bad_q, self.spoiled, variance_spoiled = jax.lax.cond(some_bad, reach, none, None)
     self.variance_spoiled = variance_spoiled if variance else None
