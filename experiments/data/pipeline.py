@@ -10,6 +10,7 @@ import numpy as np
 from experiments.data import (
   corpus,
   mqar_mixture,
+  passkey_tbtt,
   synthetic,
   token_files,
   topic_source,
@@ -159,9 +160,22 @@ def make_train_iterator(config, process_index: int = 0, process_count: int = 1):
         process_index,
         process_count,
       )
+    elif d.kind == "passkey":
+      src = passkey_tbtt.PasskeyTBTTSource(
+        seq_len=d.seq_len,
+        global_batch=d.global_batch_size,
+        steps=config.train.num_steps + 1,
+        seed=d.shuffle_seed * 1000 + 1,
+        vocab_size=d.passkey.vocab_size,
+        digits=d.passkey.digits,
+        max_chunks=d.passkey.tbtt_chunks,
+        process_index=process_index,
+        process_count=process_count,
+      )
     else:
       raise ValueError(
-        'config.train.initial_state="tbtt" needs long documents: data.kind="token_file" or "topic"'
+        'config.train.initial_state="tbtt" needs long documents: data.kind="token_file", "topic" '
+        'or "passkey"'
       )
     epochs = -(-config.train.num_steps // len(src)) + 1
     ds = grain.MapDataset.source(src).repeat(epochs)  # order matters: no shuffle

@@ -105,7 +105,9 @@ def base_config() -> ml_collections.ConfigDict:
   d.copying = ml_collections.ConfigDict(
     dict(vocab_size=32, copy_len=16, eval_copy_len=0, min_copy_len=0)
   )
-  d.passkey = ml_collections.ConfigDict(dict(vocab_size=64, digits=5))
+  # passkey: tbtt_chunks bounds a TBTT document's length in chunks of seq_len (experiments/data/
+  # passkey_tbtt.py)
+  d.passkey = ml_collections.ConfigDict(dict(vocab_size=64, digits=5, tbtt_chunks=4))
   # topic: the synthetic sources with an exact floor (experiments/data/topic_source.py), generated
   # on the fly: family 'hmm' (slow-switching topics: num_topics, zipf_exponent, switch_prob) or
   # 'dirichlet' (each document its own unigram law ~ Dirichlet(concentration)). The model needs
@@ -413,6 +415,8 @@ def validate(
     _check_topic(config)
   if d.kind == "passkey" and d.passkey.digits <= 0:
     _fail("data.passkey.digits", f"must be positive, got {d.passkey.digits}")
+  if d.kind == "passkey" and d.passkey.tbtt_chunks < 1:
+    _fail("data.passkey.tbtt_chunks", f"must be >= 1, got {d.passkey.tbtt_chunks}")
 
   t = config.train
   _one_of(config, "train.initial_state", INITIAL_STATES)
