@@ -24,6 +24,7 @@ SECTIONS = (
   ("3b. Length generalisation on a synthetic source", "lengen_synthetic:render"),
   ("3c. Length generalisation on text at a short context", "lengen_text:render"),
   ("4. Copying and passkey", "copy_passkey:render"),
+  ("4b. Passkey past the training length, with seeds", "passkey:render"),
   ("5. S-NIAH", "lengen:render_sniah"),
   ("Appendix: evaluation cost", "eval_cost:render"),
 )
