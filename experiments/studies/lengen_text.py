@@ -396,6 +396,7 @@ STUDY = study_driver.Study(
 # ------------------------------------------------------------------------------------------ drivers
 def prepare_inputs(plan):
   """The toy corpus written (when asked for), and the evaluated long split there."""
+  study_plan.check_outside_repo(plan)  # before the toy corpus is written into the workdir
   if plan.toy_corpus:
     write_toy_corpus(plan.corpus_dir, long_len=plan.max_len + 1)
   plan.check_long_split()

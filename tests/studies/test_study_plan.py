@@ -164,3 +164,19 @@ def test_the_text_study_checks_only_the_split_it_evaluates(tmp_path):
   assert c.data.long_eval_path == plan.long_path
   corpus.resolve(c)
   token_files.check_run_files(c)  # raised for the missing long_eval.npy when the corpus filled it
+
+
+def test_publish_replaces_only_the_arms_it_ran(tmp_path, monkeypatch):
+  plan = _plan(tmp_path)
+  _run(plan, [])
+  monkeypatch.setattr(study_plan, "REPO", str(tmp_path / "clone"))
+  dest = tmp_path / "clone" / "docs" / "results" / "lengen_text" / "tiny_long_val"
+  dest.mkdir(parents=True)
+  (dest / "gla.pretrain.step9.json").write_text("{}")  # another plan's step: replaced
+  (dest / "kda.zero.json").write_text("{}")  # another arm: kept
+  assert study_plan.publish(_fake_study([]), plan, ["gla"]) == str(dest)
+  assert sorted(os.listdir(dest)) == sorted(
+    ["kda.zero.json"]
+    + [f"gla.pretrain.step{s}.json" for s in (1, 2, 5)]
+    + ["gla.state_passing.json"]
+  )
