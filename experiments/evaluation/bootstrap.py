@@ -122,6 +122,21 @@ def paired_difference(
   return mean(a - b, level=level, resamples=resamples, seed=seed)
 
 
+def unpaired_difference(
+  a, b, *, level: float = LEVEL, resamples: int = RESAMPLES, seed: int = 0
+) -> Interval:
+  """``mean(a) - mean(b)`` over units measured under one condition each (other examples): the units
+  of ``a`` and of ``b`` are drawn independently. ``units`` is (len(a), len(b))."""
+  a, b = _rows(a, "a"), _rows(b, "b")
+  if a.shape[1:] != b.shape[1:]:
+    raise ValueError(f"bootstrap: a and b need the same columns, got {a.shape} and {b.shape}")
+  seed_a, seed_b = np.random.default_rng(seed).integers(0, 2**32, size=2)
+  draws = _means(a, resample_counts(a.shape[0], resamples, int(seed_a))) - _means(
+    b, resample_counts(b.shape[0], resamples, int(seed_b))
+  )
+  return _interval(a.mean(axis=0) - b.mean(axis=0), draws, level, (a.shape[0], b.shape[0]))
+
+
 def mean_crossed(x, *, level: float = LEVEL, resamples: int = RESAMPLES, seed: int = 0) -> Interval:
   """The mean of a seeds x examples table ``x`` [S, N], seeds and examples resampled independently."""
   x = np.asarray(x, np.float64)

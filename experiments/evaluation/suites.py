@@ -18,6 +18,7 @@ and returns a JSON-ready dict that records its own settings beside its numbers.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 
 import numpy as np
@@ -246,7 +247,14 @@ def ppl(ctx: Context) -> dict:
   }
 
 
-def _long_pass(ctx: Context, length: int, with_nll: bool) -> tuple[np.ndarray, list, int]:
+def examples_hash(examples) -> str:
+  """Which examples an evaluation scored: runs whose suites carry the same hash were measured on
+  the same units, so their differences pair (experiments.compare)."""
+  a = np.ascontiguousarray(np.asarray(examples))
+  return hashlib.sha256(str(a.shape).encode() + a.astype(np.int64).tobytes()).hexdigest()[:16]
+
+
+def _long_pass(ctx: Context, length: int, with_nll: bool) -> tuple[np.ndarray, list, np.ndarray]:
   seqs = ctx.long_sequences(length, ctx.settings.num_sequences)
   series = []
 
@@ -258,11 +266,11 @@ def _long_pass(ctx: Context, length: int, with_nll: bool) -> tuple[np.ndarray, l
   if not with_nll and ctx.run.model.has_prefix_states():
     # states only: read at the chunk ends from longer forwards, no logits (the same series)
     ctx.scorer.state_series(seqs[:, :-1], ctx.chunk, on_chunk, progress=progress)
-    return None, series, len(seqs)
+    return None, series, seqs
   nll, _ = ctx.scorer.score(
     seqs[:, :-1], seqs[:, 1:], ctx.chunk, on_chunk=on_chunk, progress=progress
   )
-  return nll, series, len(seqs)
+  return nll, series, seqs
 
 
 def _state_result(ctx, series, n, length) -> dict:
@@ -278,7 +286,8 @@ def _state_result(ctx, series, n, length) -> dict:
 def position_ppl(ctx: Context) -> tuple[dict, dict, np.ndarray]:
   """Returns (position_ppl result, state_stats result, mean NLL per position [max_len])."""
   L = ctx.max_len
-  nll, series, n = _long_pass(ctx, L, True)
+  nll, series, seqs = _long_pass(ctx, L, True)
+  n = len(seqs)
   per_pos = nll.mean(axis=0).astype(np.float64)
   edges = long_context.position_buckets(L)
   centers, bppl = [], []
@@ -304,6 +313,7 @@ def position_ppl(ctx: Context) -> tuple[dict, dict, np.ndarray]:
   res = {
     "max_len": L,
     "sequences": n,
+    "examples_hash": examples_hash(seqs),
     "chunk": ctx.chunk,
     "train_len": ctx.train_len,
     "perplexity": float(np.exp(per_pos.mean())),
@@ -345,6 +355,8 @@ def position_intervals(nll, edges, train_len: int, settings: Settings) -> dict:
   late = nll[:, L // 2 : L].mean(axis=1)
   diff = bootstrap.paired_difference(late, early, **kw)
   return {
+    # the bootstrap units, for intervals of differences between runs (experiments.compare)
+    "bucket_nll_per_sequence": per_window.tolist(),
     "bucket_ppl_lo": np.exp(buckets.lo).tolist(),
     "bucket_ppl_hi": np.exp(buckets.hi).tolist(),
     "ratio": {
@@ -362,7 +374,8 @@ def position_intervals(nll, edges, train_len: int, settings: Settings) -> dict:
 
 def state_stats(ctx: Context) -> dict:
   L = ctx.max_len if ctx.is_lm or ctx.is_topic else 8 * ctx.train_len
-  _, series, n = _long_pass(ctx, L, False)
+  _, series, seqs = _long_pass(ctx, L, False)
+  n = len(seqs)
   return _state_result(ctx, series, n, L)
 
 
@@ -378,6 +391,7 @@ def effrem(ctx: Context) -> dict:
     "T": T,
     "train_len": ctx.train_len,
     "sequences": len(seqs),
+    "examples_hash": examples_hash(seqs),
     "t": ts.tolist(),
     "mean": vals.mean(0).tolist(),
     "std": vals.std(0).tolist(),
@@ -420,7 +434,12 @@ def topic_floor(ctx: Context) -> tuple[dict, dict]:
   res = floor_lib.analyse(
     nll, src.bayes_nll(docs), ctx.train_len, seed=s.seed, resamples=s.resamples
   )
-  res.update(chunk=ctx.chunk, seed=s.seed, source=ctx.data.topic.to_dict())
+  res.update(
+    chunk=ctx.chunk,
+    seed=s.seed,
+    source=ctx.data.topic.to_dict(),
+    examples_hash=examples_hash(inputs),
+  )
   return res, _state_result(ctx, series, len(docs), length)
 
 

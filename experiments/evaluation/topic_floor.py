@@ -98,7 +98,8 @@ def analyse(
   excess = model_nll - floor_nll
   kw = {"seed": seed, "resamples": resamples, "level": level}
   bks = buckets(train_len, length)
-  curve = bootstrap.mean(window_means(excess, bks), **kw)
+  per_document = window_means(excess, bks)
+  curve = bootstrap.mean(per_document, **kw)
   windows = [(train_len // 2, train_len), LATE]
   (early, late), (nll_early, nll_late) = (window_means(x, windows).T for x in (excess, model_nll))
   return {
@@ -114,6 +115,8 @@ def analyse(
     "bucket_edges": [int(a) for a, _ in bks] + [int(bks[-1][1])],
     "bucket_center": [0.5 * (a + b - 1) + 1.0 for a, b in bks],  # 1-based positions for a log axis
     "excess": curve.to_json(),
+    # the bootstrap units, for intervals of differences between runs (experiments.compare)
+    "bucket_excess_per_document": per_document.tolist(),
     "bucket_model_nll": window_means(model_nll, bks).mean(axis=0).tolist(),
     "bucket_floor_nll": window_means(floor_nll, bks).mean(axis=0).tolist(),
     "claim": CLAIM,

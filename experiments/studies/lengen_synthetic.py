@@ -6,15 +6,17 @@ excess NLL over the source's exact Bayes floor by position (the ``topic_floor`` 
     python -m experiments.studies.lengen_synthetic --preset=tiny
     # one GPU, the four mixers side by side; resumable, stops cleanly at the deadline
     python -m experiments.studies.lengen_synthetic --preset=default --parallel=4 --deadline_s=540 \\
-        --workdir=/tmp/lengen_synthetic --results=docs/results/lengen_synthetic
+        --workdir=/tmp/lengen_synthetic --publish
 
 Runs: ``<workdir>/<mixer>/pretrain`` (``<preset>,<mixer>``), then ``<workdir>/<mixer>/<strategy>``
 (``<preset>_post`` / ``post``, ``--config.train.init_from`` the pretrained run) for each strategy;
 ``zero`` post-training is the control. Evaluated: every kept pretraining checkpoint
 (``--all_checkpoints``; the trend with training tokens) or only the last, and each post-trained run.
-Each evaluation writes one JSON into ``<results>/<preset>/`` (``<mixer>.pretrain.step<k>.json``,
-``<mixer>.<strategy>.json``); experiments/studies/results/lengen_synthetic.py renders them. A
-completed run or evaluation is skipped; a stopped run resumes from its checkpoint. ``--parallel=N``
+Each evaluation writes one JSON into ``<results>/<preset>/`` (default ``<workdir>/results``;
+``--publish`` copies them into docs/results/lengen_synthetic/) (``<mixer>.pretrain.step<k>.json``,
+``<mixer>.<strategy>.json``); experiments/studies/results/lengen_synthetic.py renders them. A run or
+evaluation this plan completed is skipped; a stopped run resumes from its checkpoint; a workdir made
+by another plan is refused (study_plan.py). ``--parallel=N``
 runs up to N mixers as separate processes (one accelerator shared); their output is prefixed with
 the mixer and kept in ``<workdir>/<mixer>.log``.
 """
@@ -32,7 +34,7 @@ from absl import flags as absl_flags
 from configs import lengen_synthetic as study_config
 from experiments.runner import cli, config_lib
 from experiments.runner.logging_utils import fmt_time, write_json
-from experiments.studies import study_driver
+from experiments.studies import study_driver, study_plan
 from experiments.studies.results import lengen_synthetic as renderer
 from experiments.studies.results.common import interval
 
@@ -68,8 +70,15 @@ flags.DEFINE_string(
 )
 flags.DEFINE_string(
   "results",
-  "docs/results/lengen_synthetic",
-  "root of the per-run JSON (a <preset>/ folder inside)",
+  "",
+  "root of the JSON (a <preset>/ folder inside; default <workdir>/results, outside the clone)",
+  flag_values=FLAGS,
+)
+flags.DEFINE_bool(
+  "publish",
+  False,
+  "also copy the results into docs/results/lengen_synthetic/<preset>/ (replacing those of the same "
+  "mixers)",
   flag_values=FLAGS,
 )
 flags.DEFINE_integer(
@@ -149,6 +158,7 @@ class Plan:
     overrides=(),
     fast_compile=None,
     plots=False,
+    publish=False,
   ):
     study_driver.check_choice("--preset", preset, PRESETS)
     self.preset = preset
@@ -168,7 +178,7 @@ class Plan:
       raise ValueError(f"--max_len: the verdict reads positions [4096, 8192); got {max_len}")
     study_driver.check_resamples(resamples)
     self.workdir = workdir or f"/tmp/lengen_synthetic_{preset}"
-    self.results = os.path.join(results or "docs/results/lengen_synthetic", preset)
+    self.results = os.path.join(results or os.path.join(self.workdir, "results"), preset)
     base = study_config.get_config(preset)
     self.pretrain_steps = pretrain_steps or int(base.train.num_steps)
     self.post_steps = post_steps or max(1, round(self.pretrain_steps * study_config.POST_FRACTION))
@@ -181,6 +191,7 @@ class Plan:
     self.deadline = study_driver.Deadline(deadline_s)
     self.fast_compile = preset == "tiny" if fast_compile is None else fast_compile
     self.plots = plots
+    self.publish = publish
     self.overrides = study_driver.parse_overrides(overrides)
     # fails here, naming the key, rather than mid-study
     study_driver.apply_overrides(base, self.overrides)
@@ -248,7 +259,7 @@ def _evaluate(plan, mixer, stage, step) -> dict:
     wd, ["topic_floor"], settings, step, os.path.join(wd, "eval", f"step{step}")
   )
   tf = dict(res["topic_floor"])
-  for k in ("meta", "bucket_model_nll", "bucket_floor_nll"):
+  for k in ("meta", "bucket_model_nll", "bucket_floor_nll", "bucket_excess_per_document"):
     tf.pop(k, None)
   summary = study_driver.read_json(os.path.join(wd, "summary.json")) or {}
   record = _record(wd, step)
@@ -365,12 +376,17 @@ def main(argv):
       FLAGS.override,
       FLAGS.fast_compile,
       FLAGS.plots,
+      FLAGS.publish,
     )
     argv_flags = study_driver.flags_as_written(sys.argv[1:])
   except (ValueError, config_lib.ConfigError) as e:
     print(f"Study error: {e}", file=sys.stderr)
     return 2
-  status, pending = study_driver.run(STUDY, plan, plan.mixers, FLAGS.parallel, argv_flags)
+  try:
+    status, pending = study_driver.run(STUDY, plan, plan.mixers, FLAGS.parallel, argv_flags)
+  except study_plan.PlanError as e:
+    print(f"Study error: {e}", file=sys.stderr)
+    return 2
   wall = time.time() - t0
   if FLAGS.child:  # the parent records the call and renders the table
     return 0 if status == "done" else 3
@@ -383,6 +399,8 @@ def main(argv):
     f.write(table + "\n")
   print(table, flush=True)
   print(f"study: {status} in {fmt_time(wall)}; results in {plan.results}", flush=True)
+  if plan.publish:
+    print(f"study: published to {study_plan.publish(STUDY, plan, plan.mixers)}", flush=True)
   return 0 if status == "done" else 3
 
 

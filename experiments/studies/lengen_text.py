@@ -6,7 +6,7 @@ more training tokens?), post-train with each initial-state strategy and evaluate
     python -m experiments.studies.lengen_text --preset=tiny --toy_corpus
     # one GPU, the five arms side by side; resumable, stops cleanly at the deadline
     python -m experiments.studies.lengen_text --preset=t64 --parallel=5 --deadline_s=540 \\
-        --workdir=/tmp/lengen_text --results=docs/results/lengen_text
+        --workdir=/tmp/lengen_text --publish
 
 Runs: ``<workdir>/<arm>/pretrain`` (``<preset>,<arm>``), then ``<workdir>/<arm>/<strategy>``
 (``post`` / ``t128_post`` / ``tiny_post``, ``--config.train.init_from`` the pretrained run) for each
@@ -14,10 +14,11 @@ strategy; ``zero`` post-training is the control. Evaluation (``experiments.evalu
 position_ppl with its state_stats, effrem) starts from the normal initial state: position-wise PPL
 to ``max_len`` (default 128 x T) over ``windows`` long-eval windows spread over the documents, the
 state carried in chunks; the ratio PPL@max_len / PPL@T with a 95% bootstrap interval over the
-windows; EffRem at 16 x T. One JSON per evaluation in ``<results>/<preset>/``
+windows; EffRem at 16 x T. One JSON per evaluation in ``<results>/<preset>/`` (default
+``<workdir>/results``; ``--publish`` copies them into docs/results/lengen_text/)
 (``<arm>.pretrain.step<k>.json``, ``<arm>.<strategy>.json``), rendered by
-experiments/studies/results/lengen_text.py. A completed run or evaluation is skipped; a stopped run
-resumes from its checkpoint. ``--parallel=N`` runs up to N arms as separate processes (one
+experiments/studies/results/lengen_text.py. A run or evaluation this plan completed is skipped; a
+stopped run resumes from its checkpoint; a workdir made by another plan is refused (study_plan.py). ``--parallel=N`` runs up to N arms as separate processes (one
 accelerator shared); their output is prefixed with the arm and kept in ``<workdir>/<arm>.log``.
 """
 
@@ -34,7 +35,7 @@ from absl import flags as absl_flags
 from configs import lengen_short as study_config
 from experiments.runner import cli, config_lib
 from experiments.runner.logging_utils import fmt_time, write_json
-from experiments.studies import study_driver
+from experiments.studies import study_driver, study_plan
 from experiments.studies.results import lengen_text as renderer
 from experiments.studies.results.common import interval
 
@@ -74,7 +75,17 @@ flags.DEFINE_string(
   "workdir", "", "root of the run folders (default /tmp/lengen_text_<preset>)", flag_values=FLAGS
 )
 flags.DEFINE_string(
-  "results", "docs/results/lengen_text", "root of the JSON (a <preset>/ folder)", flag_values=FLAGS
+  "results",
+  "",
+  "root of the JSON (a <preset>/ folder inside; default <workdir>/results, outside the clone)",
+  flag_values=FLAGS,
+)
+flags.DEFINE_bool(
+  "publish",
+  False,
+  "also copy the results into docs/results/lengen_text/<preset>/ (replacing those of the same "
+  "arms)",
+  flag_values=FLAGS,
 )
 flags.DEFINE_string(
   "corpus_dir", "", "prepared corpus (default: the config's /tmp/kdn_corpus)", flag_values=FLAGS
@@ -149,6 +160,7 @@ class Plan:
     overrides=(),
     fast_compile=None,
     long_split="long_val",
+    publish=False,
   ):
     study_driver.check_choice("--preset", preset, PRESETS)
     self.preset = preset
@@ -172,9 +184,10 @@ class Plan:
     study_driver.check_resamples(resamples)
     study_driver.check_choice("--long_split", long_split, LONG_SPLITS)
     self.long_split = long_split
+    self.publish = publish
     self.workdir = workdir or f"/tmp/lengen_text_{preset}"
     self.results = os.path.join(
-      results or "docs/results/lengen_text", preset + LONG_SPLITS[long_split]
+      results or os.path.join(self.workdir, "results"), preset + LONG_SPLITS[long_split]
     )
     self.toy_corpus = toy_corpus
     self.corpus_dir = os.path.join(self.workdir, "toy_corpus") if toy_corpus else corpus_dir
@@ -230,6 +243,8 @@ class Plan:
     c.optim.warmup_steps = steps // 10
     if self.corpus_dir:
       c.data.corpus_dir = self.corpus_dir
+    # the run checks the long documents it names: the split evaluated, not the corpus's long_eval
+    c.data.long_eval_path = self.long_path
     if self.toy_corpus:
       c.model.vocab_size = TOY_VOCAB
     study_driver.apply_overrides(c, self.overrides)
@@ -381,6 +396,7 @@ STUDY = study_driver.Study(
 # ------------------------------------------------------------------------------------------ drivers
 def prepare_inputs(plan):
   """The toy corpus written (when asked for), and the evaluated long split there."""
+  study_plan.check_outside_repo(plan)  # before the toy corpus is written into the workdir
   if plan.toy_corpus:
     write_toy_corpus(plan.corpus_dir, long_len=plan.max_len + 1)
   plan.check_long_split()
@@ -433,13 +449,18 @@ def main(argv):
       FLAGS.override,
       FLAGS.fast_compile,
       FLAGS.long_split,
+      FLAGS.publish,
     )
     argv_flags = study_driver.flags_as_written(sys.argv[1:])
     prepare_inputs(plan)  # here, before any child: they would race to write the toy corpus
   except (ValueError, config_lib.ConfigError) as e:
     print(f"Study error: {e}", file=sys.stderr)
     return 2
-  status, pending = study_driver.run(STUDY, plan, plan.arms, FLAGS.parallel, argv_flags)
+  try:
+    status, pending = study_driver.run(STUDY, plan, plan.arms, FLAGS.parallel, argv_flags)
+  except study_plan.PlanError as e:
+    print(f"Study error: {e}", file=sys.stderr)
+    return 2
   wall = time.time() - t0
   if FLAGS.child:  # the parent records the call and renders the table
     return 0 if status == "done" else 3
@@ -453,6 +474,8 @@ def main(argv):
     f.write(table + "\n\n" + "\n".join(renderer.verdicts(runs)) + "\n")
   print(table, flush=True)
   print(f"study: {status} in {fmt_time(wall)}; results in {plan.results}", flush=True)
+  if plan.publish:
+    print(f"study: published to {study_plan.publish(STUDY, plan, plan.arms)}", flush=True)
   return 0 if status == "done" else 3
 
 

@@ -4,7 +4,10 @@ post-training with each initial-state strategy and an evaluation of each. Resuma
 run or evaluation is skipped, a stopped run resumes from its checkpoint), bounded by a deadline
 (a running training saves a checkpoint, nothing new starts), the arms one after another in this
 process or several at a time as child processes, with progress and an ETA; each call is recorded
-in ``commands.json`` beside the results.
+in ``commands.json`` beside the results. Every run folder and result is tied to the plan that made
+it (``study_plan``): another plan's folder is refused with the difference named, another plan's
+result is never reused, what is skipped is said, and nothing is written inside the repository
+(``publish`` copies the results into ``docs/results`` when asked).
 
 A study describes itself with a ``Study``: its module (``python -m``), the word for an arm (its
 flag is ``--<unit>s``) and three functions of (plan, arm, ...): the work still to do, a training
@@ -30,6 +33,7 @@ from collections.abc import Callable
 
 from experiments.runner import config_lib
 from experiments.runner.logging_utils import fmt_time, write_json
+from experiments.studies import study_plan
 
 # an evaluated token costs about a third of a trained one (forward only), for the ETA
 EVAL_COST = 1 / 3
@@ -154,25 +158,34 @@ def result_path(plan, arm, stage, step=None):
 
 
 # ------------------------------------------------------------------------------------------ work
+def done(plan, arm, evaluated, path, step) -> bool:
+  """Whether the result at ``path`` is ``step``'s, made by this plan (``evaluated(plan, path,
+  step)``: the study's own check of the JSON)."""
+  return study_plan.current(plan, arm, path) and evaluated(plan, path, step)
+
+
 def stage_work(plan, arm, evaluated, pretrain_evals, eval_units) -> list[tuple]:
   """(kind, stage, units) still to do for one arm, in order (units: trained-token equivalents):
   pretraining, ``pretrain_evals`` evaluations of its checkpoints, then per strategy its
   post-training and an evaluation of the last checkpoint. ``evaluated(plan, path, step)``: whether
-  the JSON at ``path`` is that step's with the plan's settings."""
+  the JSON at ``path`` is that step's with the plan's settings; a result of another plan, or of a
+  plan not yet checked by ``study_plan.lock``, never counts."""
   work = []
   pre = plan.run_dir(arm, "pretrain")
   if not trained(pre, plan.pretrain_steps):
     work.append(("train", "pretrain", plan.pretrain_steps * plan.tokens_per_step))
-  done = [
-    s for s in checkpoint_steps(pre) if evaluated(plan, result_path(plan, arm, "pretrain", s), s)
+  ok = [
+    s
+    for s in checkpoint_steps(pre)
+    if done(plan, arm, evaluated, result_path(plan, arm, "pretrain", s), s)
   ]
-  work += [("eval", "pretrain", eval_units)] * max(pretrain_evals - len(done), 0)
+  work += [("eval", "pretrain", eval_units)] * max(pretrain_evals - len(ok), 0)
   for s in plan.strategies:
     wd = plan.run_dir(arm, s)
     if not trained(wd, plan.post_steps):
       work.append(("train", s, plan.post_steps * plan.tokens_per_step))
     steps = checkpoint_steps(wd)
-    if not (steps and evaluated(plan, result_path(plan, arm, s), steps[-1])):
+    if not (steps and done(plan, arm, evaluated, result_path(plan, arm, s), steps[-1])):
       work.append(("eval", s, eval_units))
   return work
 
@@ -186,9 +199,31 @@ def next_eval_step(plan, arm, stage, evaluated, last_only=False) -> int | None:
   todo = [
     s
     for s in (steps[-1:] if last_only else steps)
-    if not evaluated(plan, result_path(plan, arm, stage, s), s)
+    if not done(plan, arm, evaluated, result_path(plan, arm, stage, s), s)
   ]
   return todo[0] if todo else None
+
+
+def skipped(plan, arm) -> str | None:
+  """What this plan already did for ``arm`` (and will skip), in one line; None for nothing."""
+  parts = []
+  for stage in study_plan.stages(plan):
+    wd, steps = (
+      plan.run_dir(arm, stage),
+      plan.pretrain_steps if stage == "pretrain" else plan.post_steps,
+    )
+    if trained(wd, steps):
+      parts.append(f"{stage} trained ({steps} steps)")
+    elif checkpoint_steps(wd):
+      parts.append(f"{stage} resumes from step {checkpoint_steps(wd)[-1]}")
+  kept = [
+    os.path.basename(p)
+    for p in study_plan.arm_results(plan, arm)
+    if study_plan.current(plan, arm, p)
+  ]
+  if kept:
+    parts.append(f"{len(kept)} results of this plan kept ({', '.join(kept)})")
+  return f"study: {arm}: skipped, done by this plan: {'; '.join(parts)}" if parts else None
 
 
 class Meter:
@@ -289,7 +324,12 @@ def run_arm(study, plan, arm, meter=None) -> str:
         return "deadline"
       meter.add(units, f"{arm} {stage} trained")
       continue
+    before = {p: os.stat(p).st_mtime_ns for p in study_plan.arm_results(plan, arm)}
     line = study.evaluate(plan, arm, stage)
+    written = [
+      p for p in study_plan.arm_results(plan, arm) if before.get(p) != os.stat(p).st_mtime_ns
+    ]
+    study_plan.stamp(study, plan, arm, written)
     if line is not None:
       meter.add(units, line)
   return "done"
@@ -297,8 +337,9 @@ def run_arm(study, plan, arm, meter=None) -> str:
 
 # ------------------------------------------------------------------------------------------ drivers
 def run_in_process(study, plan, arms) -> str:
-  """The arms one after another in this process; returns 'done' or 'deadline'."""
-  os.makedirs(plan.workdir, exist_ok=True)
+  """The arms one after another in this process; returns 'done' or 'deadline'. A PlanError (one
+  line) before any work when a folder belongs to another plan."""
+  study_plan.lock(study, plan, arms)
   os.makedirs(plan.results, exist_ok=True)
   from kdn_jax.ops import dispatch  # pylint: disable=g-import-not-at-top
 
@@ -310,6 +351,10 @@ def run_in_process(study, plan, arms) -> str:
     f"{', '.join(plan.strategies)}: {n} trainings/evaluations to do in {plan.workdir}",
     flush=True,
   )
+  for a in arms:
+    line = skipped(plan, a)
+    if line:
+      print(line, flush=True)
   meter = Meter([u for w in work.values() for *_, u in w])
   with compilation_cache(plan.workdir):
     for a in arms:
@@ -379,7 +424,8 @@ def flags_as_written(args) -> list[str]:
 def run(study, plan, arms, parallel, argv_flags) -> tuple[str, bool]:
   """What is left of the study: in child processes with ``parallel`` > 1 and several arms, else in
   this one. Returns the status ('done', 'deadline' or 'incomplete') and whether any work was
-  left."""
+  left. A PlanError (one line) before any work when a folder belongs to another plan."""
+  study_plan.lock(study, plan, arms)
   os.makedirs(plan.results, exist_ok=True)
   pending = any(study.work(plan, a) for a in arms)
   if parallel > 1 and len(arms) > 1:

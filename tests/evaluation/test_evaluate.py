@@ -196,6 +196,12 @@ def test_evaluate_every_suite_on_a_checkpoint(lm_run):
   assert (r["long_len"], r["train_len"], r["units"]) == (256, 32, 3)
   np.testing.assert_allclose(r["estimate"], pp["ppl_at"]["256"] / pp["ppl_at"]["32"], rtol=1e-5)
   assert r["lo"] <= r["estimate"] <= r["hi"]
+  # the per-window bucket means (compare's bootstrap units) and which windows they were
+  per_window = np.asarray(pp["bucket_nll_per_sequence"])
+  assert per_window.shape == (3, len(pp["bucket_ppl"]))
+  np.testing.assert_allclose(np.exp(per_window.mean(0)), pp["bucket_ppl"], rtol=1e-5)
+  assert pp["examples_hash"] == suites.examples_hash(seqs) != suites.examples_hash(seqs[:2])
+  assert res["effrem"]["examples_hash"] != pp["examples_hash"]  # other windows (length 128)
   assert np.all(np.asarray(pp["bucket_ppl_lo"]) <= np.asarray(pp["bucket_ppl"]) * (1 + 1e-6))
   assert np.all(np.asarray(pp["bucket_ppl_hi"]) >= np.asarray(pp["bucket_ppl"]) * (1 - 1e-6))
   assert res["state_stats"]["series"][0]["t"] == 0 and res["state_stats"]["series"][-1]["t"] == 256

@@ -92,6 +92,9 @@ def test_analysis_verdicts_and_intervals():
   rng = np.random.default_rng(0)
   fail = topic_floor.analyse(*_nll(rng, 24, 3.0, 3.0 + np.log(2.0)), 64, resamples=500)
   assert fail["verdict"] == "failure"
+  per_doc = np.asarray(fail["bucket_excess_per_document"])
+  assert per_doc.shape == (24, len(fail["bucket_center"]))
+  np.testing.assert_allclose(per_doc.mean(0), fail["excess"]["estimate"])
   assert fail["ppl_ratio"]["lo"] < 2.0 < fail["ppl_ratio"]["hi"]
   assert abs(fail["nll_late"]["estimate"] - (3.0 + np.log(2.0))) < 0.01
   # the gap to the floor is 1 nat in both windows: no growth
