@@ -11,7 +11,10 @@ with an initial-state intervention, evaluated far past T.
 
 Arg ``<preset>[,<arm>][,<initial_state>]``. Arms (ARMS): ``mamba2`` (Mamba-2's own block,
 mamba2_variant='faithful', dt in [1e-3, 1e-1]), ``mamba2_long`` (the same with dt in [1e-4, 1e-2]:
-time constants 10x longer at init), ``mamba2_normalized`` (the scaffold form), ``gla``, ``kda``,
+time constants 10x longer at init), ``mamba2_normalized`` (the scaffold form),
+``mamba2_official`` / ``mamba2_official_long`` (mamba_ssm's Mamba2 block and LM, no MLP:
+mamba2_variant='official', the two dt ranges; any preset with ``--config.model.mixer=mamba2
+--config.model.mamba2_variant=official`` is the same), ``gla``, ``kda``,
 ``kdn_diag``, or any other mixer name. The dt range of any arm: ``--config.model.dt_min`` /
 ``dt_max`` (and ``a_min`` / ``a_max``). Initial states: zero, state_passing, tbtt, fitted_noise,
 random_noise.
@@ -42,6 +45,8 @@ ARMS = {
   "mamba2": {"mixer": "mamba2", "mamba2_variant": "faithful"},
   "mamba2_long": {"mixer": "mamba2", "mamba2_variant": "faithful", **LONG_DT},
   "mamba2_normalized": {"mixer": "mamba2", "mamba2_variant": "normalized"},
+  "mamba2_official": {"mixer": "mamba2", "mamba2_variant": "official"},
+  "mamba2_official_long": {"mixer": "mamba2", "mamba2_variant": "official", **LONG_DT},
 }
 # preset: (T, batch, pretraining steps, kept checkpoint steps)
 SHAPES = {

@@ -28,7 +28,7 @@ def decay_ranges(cfg) -> dict:
   return {"a_range": (v["a_min"], v["a_max"]), "dt_range": (v["dt_min"], v["dt_max"])}
 
 
-def _a_log_init(a_min, a_max):
+def a_log_init(a_min, a_max):
   def init(key, shape, dtype):
     a = jax.random.uniform(key, shape, jnp.float32, a_min, a_max)
     return jnp.log(a).astype(dtype)
@@ -36,9 +36,11 @@ def _a_log_init(a_min, a_max):
   return init
 
 
-def _dt_bias_init(dt_min, dt_max):
-  # the floor guards the inverse softplus (log of a tiny expm1); below the range it never binds
-  dt_floor = min(DT_FLOOR, dt_min)
+def dt_bias_init(dt_min, dt_max, floor=None):
+  """softplus^-1 of dt ~ logU(dt_min, dt_max) floored at ``floor``. None: DT_FLOOR where it is
+  below the range (it guards the inverse softplus, the log of a tiny expm1, and never binds), else
+  dt_min; mamba_ssm's Mamba2 floors at DT_FLOOR always (a range reaching below it gets raised)."""
+  dt_floor = min(DT_FLOOR, dt_min) if floor is None else float(floor)
 
   def init(key, shape, dtype):
     u = jax.random.uniform(key, shape, jnp.float32)
@@ -76,15 +78,13 @@ class Decay(nnx.Module):
         param_dtype=param_dtype,
         rngs=rngs,
       )
-      self.dt_bias = make_param(
-        rngs, _dt_bias_init(*dt_range), (H, K), param_dtype, ("heads", "kv")
-      )
+      self.dt_bias = make_param(rngs, dt_bias_init(*dt_range), (H, K), param_dtype, ("heads", "kv"))
     else:
       self.f = Dense(
         d_model, H, ("embed", "heads"), dtype=dtype, param_dtype=param_dtype, rngs=rngs
       )
-      self.dt_bias = make_param(rngs, _dt_bias_init(*dt_range), (H,), param_dtype, ("heads",))
-    self.A_log = make_param(rngs, _a_log_init(*a_range), (H,), param_dtype, ("heads",))
+      self.dt_bias = make_param(rngs, dt_bias_init(*dt_range), (H,), param_dtype, ("heads",))
+    self.A_log = make_param(rngs, a_log_init(*a_range), (H,), param_dtype, ("heads",))
 
   def __call__(self, x):
     """x [..., d] -> log_alpha float32 [..., H, K] (per channel) or [..., H]."""

@@ -65,6 +65,16 @@ def normal_init(std: float) -> Initializer:
   return init
 
 
+def uniform_init(bound: float) -> Initializer:
+  """U(-bound, bound): with bound = fan_in^-1/2, PyTorch's default for nn.Linear / nn.Conv1d
+  weights and biases (kaiming_uniform with a = sqrt(5))."""
+
+  def init(key, shape, dtype):
+    return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
+
+  return init
+
+
 def fan_in_init(fan_in: int, gain: float = 1.0) -> Initializer:
   """Truncated-free normal with std gain / sqrt(fan_in) (LeCun normal)."""
   return normal_init(gain / math.sqrt(max(fan_in, 1)))

@@ -1,4 +1,4 @@
-"""RMSNorm and the sigmoid-gated output RMSNorm used by the recurrent mixers."""
+"""RMSNorm, the sigmoid-gated output RMSNorm of the recurrent mixers and Mamba-2's SiLU-gated one."""
 
 from __future__ import annotations
 
@@ -13,6 +13,14 @@ def rms_norm(x, weight, eps):
   xf = x.astype(jnp.float32)
   y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
   return y * weight.astype(jnp.float32)
+
+
+def silu_gated_rms_norm(y, z, weight, eps, axes=(-1,)):
+  """Mamba-2's gated RMSNorm with the gate first (mamba_ssm's RMSNormGated, norm_before_gate=False):
+  RMSNorm over ``axes`` of y * SiLU(z), times ``weight`` (broadcast over the leading axes); float32."""
+  g = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+  ms = jnp.mean(jnp.square(g), axis=axes, keepdims=True)
+  return g * jax.lax.rsqrt(ms + eps) * weight.astype(jnp.float32)
 
 
 class RMSNorm(nnx.Module):

@@ -32,21 +32,24 @@ Variants (model config key ``mamba2_variant``):
     o_proj(RMSNorm_{H*V}(y * SiLU(z)) * w) with z a full-rank projection of x. The length study
     needs it: without the normalisations the state's scale follows the inputs' statistics over
     length, as in Mamba-2.
+  * 'official': mamba_ssm's Mamba2 block itself (expand 2, d_state 128, headdim 64, one B/C group,
+    one conv over x, B, C) and its LM (no MLP): layers/mamba2_official.py, which
+    registry.MIXERS['mamba2'] builds for this variant.
 
 State: {'memory': [B, H, K, V], 'conv': {...}} as for the other recurrent mixers.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from kdn_jax import ops
 from kdn_jax.layers.decay import Decay, decay_ranges
 from kdn_jax.layers.dense import Dense, make_param, ones_init
+from kdn_jax.layers.gated_norm import silu_gated_rms_norm
 from kdn_jax.layers.recurrent import RecurrentMixer, memory_outputs, states_kw
 
-MAMBA2_VARIANTS = ("normalized", "faithful")
+MAMBA2_VARIANTS = ("normalized", "faithful", "official")  # 'official': layers/mamba2_official.py
 
 
 class Mamba2(RecurrentMixer):
@@ -55,9 +58,10 @@ class Mamba2(RecurrentMixer):
   def _init_gates(self, cfg, rngs):
     H = self.num_heads
     self.variant = str(cfg.get("mamba2_variant", "normalized"))
-    if self.variant not in MAMBA2_VARIANTS:
+    if self.variant not in ("normalized", "faithful"):
       raise ValueError(
-        f"mamba2_variant: got {self.variant!r}; expected one of {list(MAMBA2_VARIANTS)}"
+        f"mamba2_variant: got {self.variant!r}; this class builds 'normalized' and 'faithful' "
+        f"(of {list(MAMBA2_VARIANTS)}; 'official' is Mamba2Official, registry.MIXERS['mamba2'])"
       )
     self.faithful = self.variant == "faithful"
     self.normalize_qk = not self.faithful
@@ -89,9 +93,7 @@ class Mamba2(RecurrentMixer):
 
   def gated_norm(self, o, z):
     """Mamba-2's RMSNormGated (gate first): RMSNorm over all heads of o * SiLU(z), float32."""
-    y = o.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
-    ms = jnp.mean(jnp.square(y), axis=(-2, -1), keepdims=True)
-    return y * jax.lax.rsqrt(ms + self.eps) * self.norm_weight[...].astype(jnp.float32)
+    return silu_gated_rms_norm(o, z, self.norm_weight[...], self.eps, axes=(-2, -1))
 
   def _gates(self, x):
     g, dt = self.decay.log_alpha_and_dt(x)  # [..., H] each

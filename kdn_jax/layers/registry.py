@@ -1,4 +1,5 @@
-"""Mixer registry: name -> class. Every class is built as ``cls(cfg, *, rngs)`` and implements
+"""Mixer registry: name -> class (or a function choosing one by config). Every entry is built as
+``cls(cfg, *, rngs)`` and implements
 ``__call__(x, *, initial_state=None, segment_ids=None) -> (y, final_state)``, ``step(x_t, state)``,
 ``init_state(batch)``, ``init_cache(batch, max_len)`` and ``prefill(x, cache)``."""
 
@@ -8,6 +9,15 @@ from kdn_jax.layers.attention import FullAttention, SlidingWindowAttention
 from kdn_jax.layers.delta_mixers import GDN2, GLA, KDA, DeltaNet, GatedDeltaNet
 from kdn_jax.layers.kdn_mixer import KDNDiag, KDNIso
 from kdn_jax.layers.mamba2 import Mamba2
+from kdn_jax.layers.mamba2_official import Mamba2Official
+
+
+def mamba2(cfg, *, rngs, kernel_config=None):
+  """The `mamba2` mixer: mamba_ssm's block (Mamba2Official) for mamba2_variant='official', else
+  the scaffold's Mamba-2 (layers/mamba2.py) in the named variant."""
+  official = cfg.get("mamba2_variant", "normalized") == "official"
+  return (Mamba2Official if official else Mamba2)(cfg, rngs=rngs, kernel_config=kernel_config)
+
 
 MIXERS = {
   "kdn_diag": KDNDiag,
@@ -17,7 +27,7 @@ MIXERS = {
   "deltanet": DeltaNet,
   "gdn2": GDN2,
   "gla": GLA,
-  "mamba2": Mamba2,
+  "mamba2": mamba2,
   "attention": FullAttention,
   "swa": SlidingWindowAttention,
 }

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kdn_jax.layers.dense import make_param, normal_init
+from kdn_jax.layers.dense import make_param, normal_init, zeros_init
 
 # (defined with the conv kernel, the lowest package that needs them; re-exported here)
 from pallas_kernels.causal_conv1d import L2_EPS, causal_conv1d, positions_in_segment
@@ -39,10 +39,15 @@ class ShortConv(nnx.Module):
     *,
     names=("heads", "kv"),
     activation=True,
+    use_bias=False,
+    weight_init=None,
+    bias_init=zeros_init,
     dtype=jnp.float32,
     param_dtype=jnp.float32,
     rngs: nnx.Rngs,
   ):
+    """weight_init: None = N(0, 1/W); use_bias: a per-channel bias added before the activation
+    (mamba_ssm's conv1d has one; the fused kernel has none, so such a conv runs the plain path)."""
     self.channels, self.width, self.dtype, self.activation = (
       tuple(channels),
       int(width),
@@ -53,21 +58,27 @@ class ShortConv(nnx.Module):
       raise ValueError(f"conv_size must be >= 1, got {width}")
     self.weight = make_param(
       rngs,
-      normal_init(1.0 / math.sqrt(self.width)),
+      weight_init or normal_init(1.0 / math.sqrt(self.width)),
       (self.width,) + self.channels,
       param_dtype,
       ("conv",) + tuple(names),
+    )
+    self.bias = (
+      make_param(rngs, bias_init, self.channels, param_dtype, tuple(names)) if use_bias else None
     )
 
   def init_cache(self, batch: int) -> jax.Array:
     return jnp.zeros((batch, self.width - 1) + self.channels, jnp.float32)  # caches are kept in f32
 
   def _act(self, y):
+    """The activation of the causal sums y (float32), after the bias when there is one."""
+    if self.bias is not None:
+      y = y + self.bias[...].astype(jnp.float32)
     return jax.nn.silu(y) if self.activation else y
 
   def fusable(self) -> bool:
-    """Whether the Pallas kernel covers this conv: channels (H, K) and width >= 2."""
-    return len(self.channels) == 2 and self.width >= 2
+    """Whether the Pallas kernel covers this conv: channels (H, K), width >= 2, no bias."""
+    return len(self.channels) == 2 and self.width >= 2 and self.bias is None
 
   def __call__(self, x, cache=None, segment_ids=None, *, fused=False, normalize=False, config=None):
     """x [B, T, *C] -> (y [B, T, *C], new_cache [B, W-1, *C]); normalize: y L2-normalised over

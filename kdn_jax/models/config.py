@@ -10,7 +10,11 @@
   query/key heads: grouped value heads, layers/recurrent.py; 0 = num_heads; attention ignores it),
   dt_min, dt_max, a_min, a_max (every mixer's Decay initialisation: dt ~ logU(dt_min, dt_max),
   A ~ U(a_min, a_max); layers/decay.py), mamba2_variant ('normalized' | 'faithful';
-  layers/mamba2.py).
+  layers/mamba2.py; 'official': mamba_ssm's Mamba2 block and LM, layers/mamba2_official.py and
+  `official_mamba2_lm`).
+
+mlp_hidden = 0 builds blocks without an MLP (norm -> mixer -> residual, mamba_ssm's LM with
+d_intermediate = 0); the official Mamba-2 LM always has none.
 
 Parameter matching: unless ``mlp_hidden`` is given (or match_params=False), the SwiGLU width is
 re-solved so that the model's non-embedding parameter count equals that of the reference
@@ -169,7 +173,6 @@ def validate_config(cfg) -> None:
     "d_model",
     "num_heads",
     "head_dim",
-    "mlp_hidden",
     "conv_size",
     "chunk_size",
     "swa_window",
@@ -177,6 +180,9 @@ def validate_config(cfg) -> None:
     v = cfg[key]
     if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
       raise _err(key, f"must be a positive int, got {v!r}")
+  h = cfg.mlp_hidden
+  if not isinstance(h, (int, np.integer)) or isinstance(h, bool) or h < 0:
+    raise _err("mlp_hidden", f"must be an int >= 0 (0: blocks without an MLP), got {h!r}")
   if cfg.chunk_size > 16 and cfg.chunk_size % 16:
     raise _err("chunk_size", f"must be <= 16 or a multiple of 16, got {cfg.chunk_size}")
   if cfg.mixer not in MIXERS:
@@ -229,6 +235,35 @@ def validate_config(cfg) -> None:
   variant = cfg.get("mamba2_variant", "normalized")
   if variant not in MAMBA2_VARIANTS:
     raise _err("mamba2_variant", f"got {variant!r}; expected one of {list(MAMBA2_VARIANTS)}")
+  _check_official(cfg)
+
+
+def _check_official(cfg) -> None:
+  """mamba2_variant='official' builds mamba_ssm's LM: every layer mamba2 (or none: the variant is
+  then unused), d_model splitting into its heads."""
+  from kdn_jax.layers.mamba2_official import inner_width
+
+  mixers = layer_mixers(cfg)
+  if cfg.get("mamba2_variant", "normalized") != "official" or "mamba2" not in mixers:
+    return
+  if any(m != "mamba2" for m in mixers):
+    raise _err(
+      "mamba2_variant",
+      f"'official' is mamba_ssm's Mamba-2 LM (blocks without an MLP) and needs every layer to be "
+      f"mamba2, got layers {mixers}",
+    )
+  try:
+    inner_width(cfg.d_model)
+  except ValueError as e:
+    raise _err("d_model", str(e).removeprefix("d_model: ")) from None
+
+
+def official_mamba2_lm(cfg) -> bool:
+  """Whether the model is mamba_ssm's Mamba-2 LM (mamba2_variant='official', every layer mamba2):
+  blocks without an MLP, norms with eps 1e-5, the embedding N(0, 0.02) read out tied unscaled."""
+  return cfg.get("mamba2_variant", "normalized") == "official" and all(
+    m == "mamba2" for m in layer_mixers(cfg)
+  )
 
 
 def _check_decay(cfg) -> None:
@@ -288,11 +323,17 @@ def mixer_param_count(name: str, cfg) -> int:
 
 
 def analytic_non_embedding(cfg, mlp_hidden=None) -> int:
-  """Non-embedding params: mixers + SwiGLU (3*d*h) + 2 block norms per layer + final norm."""
-  d = int(cfg.d_model)
+  """Non-embedding params: mixers + per layer a SwiGLU (3*d*h) and 2 block norms (h = 0: no MLP
+  and one norm) + final norm."""
   h = effective_mlp_hidden(cfg) if mlp_hidden is None else int(mlp_hidden)
+  return _beside_mlp(cfg, with_mlp=h > 0) + int(cfg.num_layers) * 3 * int(cfg.d_model) * h
+
+
+def _beside_mlp(cfg, with_mlp: bool) -> int:
+  """Mixers + block norms (two per layer with an MLP, else one) + final norm."""
+  d = int(cfg.d_model)
   mix = sum(mixer_param_count(m, cfg) for m in layer_mixers(cfg))
-  return mix + int(cfg.num_layers) * (3 * d * h + 2 * d) + d
+  return mix + int(cfg.num_layers) * (2 if with_mlp else 1) * d + d
 
 
 def matched_mlp_hidden(cfg, reference_mlp_hidden: int) -> int:
@@ -302,7 +343,7 @@ def matched_mlp_hidden(cfg, reference_mlp_hidden: int) -> int:
     ref.mixer, ref.layer_pattern, ref.info_scale, ref.noise = REFERENCE_MIXER, "", "k", "learned"
   target = analytic_non_embedding(ref, reference_mlp_hidden)
   d, L = int(cfg.d_model), int(cfg.num_layers)
-  rest = analytic_non_embedding(cfg, 0)
+  rest = _beside_mlp(cfg, with_mlp=True)
   ideal = (target - rest) / (3 * d * L)
   m = max(int(cfg.mlp_multiple), 1)
   return max(m, int(round(ideal / m)) * m)
@@ -322,8 +363,9 @@ def model_config(size: str = "tiny", **overrides) -> ml_collections.ConfigDict:
   cfg = ml_collections.ConfigDict(d)
   validate_config(cfg)
   if cfg.match_params and "mlp_hidden" not in overrides:
-    cfg.mlp_hidden = matched_mlp_hidden(cfg, SIZES[size]["mlp_hidden"])
-    cfg.mlp_reference, cfg.mlp_matched = SIZES[size]["mlp_hidden"], cfg.mlp_hidden
+    ref = SIZES[size]["mlp_hidden"]
+    cfg.mlp_hidden = 0 if official_mamba2_lm(cfg) else matched_mlp_hidden(cfg, ref)
+    cfg.mlp_reference, cfg.mlp_matched = ref, cfg.mlp_hidden
   return cfg
 
 
@@ -333,7 +375,10 @@ def effective_mlp_hidden(cfg) -> int:
   ``cfg.mlp_hidden``, except when model_config matched it and the config was edited afterwards
   (``--config.model.mixer=kda``, a new layer_pattern, ...) while mlp_hidden itself was left at the
   matched value: then it is re-matched for the edited config, so flag overrides keep mixers
-  parameter-matched. An explicitly set mlp_hidden (any other value) is kept."""
+  parameter-matched. An explicitly set mlp_hidden (any other value) is kept. The official
+  Mamba-2 LM has none: 0."""
+  if official_mamba2_lm(cfg):
+    return 0
   ref, matched = int(cfg.get("mlp_reference", 0)), int(cfg.get("mlp_matched", 0))
   if cfg.match_params and ref and int(cfg.mlp_hidden) == matched:
     return matched_mlp_hidden(cfg, ref)

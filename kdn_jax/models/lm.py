@@ -1,4 +1,6 @@
 """Language model: token embedding -> pre-norm blocks (mixer + SwiGLU) -> RMSNorm -> tied/untied head.
+mamba_ssm's Mamba-2 LM (config.official_mamba2_lm): blocks without the SwiGLU, norms eps 1e-5, the
+embedding N(0, 0.02) and its tied read-out unscaled.
 
 ``LanguageModel(cfg, *, rngs)``
   __call__(tokens [B,T] int32, *, states=None, segment_ids=None) -> (logits f32 [B,T,vocab], new_states)
@@ -21,33 +23,55 @@ from flax import nnx
 
 from kdn_jax.layers.dense import Dense, make_param, normal_init, project
 from kdn_jax.layers.gated_norm import RMSNorm
+from kdn_jax.layers.mamba2_official import NORM_EPS as OFFICIAL_NORM_EPS
 from kdn_jax.layers.mlp import SwiGLU
-from kdn_jax.layers.recurrent import RecurrentMixer, get_dtype
-from kdn_jax.layers.registry import make_mixer
+from kdn_jax.layers.recurrent import get_dtype
+from kdn_jax.layers.registry import is_recurrent, make_mixer
 from kdn_jax.models import layer_scan
-from kdn_jax.models.config import effective_mlp_hidden, layer_mixers, validate_config
+from kdn_jax.models.config import (
+  effective_mlp_hidden,
+  layer_mixers,
+  official_mamba2_lm,
+  validate_config,
+)
 from kdn_jax.ops import states_at as ops_states_at
+
+OFFICIAL_EMBED_STD = 0.02  # mamba_ssm's initializer_range (its embedding's only init)
+
+
+def norm_eps(cfg) -> float:
+  """The block and final norms' eps: mamba_ssm's norm_epsilon for its Mamba-2 LM, else norm_eps."""
+  return OFFICIAL_NORM_EPS if official_mamba2_lm(cfg) else float(cfg.norm_eps)
 
 
 class Block(nnx.Module):
   def __init__(self, cfg, mixer_name: str, *, rngs: nnx.Rngs, kernel_config=None):
     d = int(cfg.d_model)
     dtype, pdt = get_dtype(cfg.dtype), get_dtype(cfg.param_dtype)
+    eps = norm_eps(cfg)
     self.mixer_name = mixer_name
-    self.norm1 = RMSNorm(d, eps=float(cfg.norm_eps), dtype=dtype, param_dtype=pdt)
+    self.norm1 = RMSNorm(d, eps=eps, dtype=dtype, param_dtype=pdt)
     self.mixer = make_mixer(mixer_name, cfg, rngs=rngs, kernel_config=kernel_config)
-    self.norm2 = RMSNorm(d, eps=float(cfg.norm_eps), dtype=dtype, param_dtype=pdt)
-    self.mlp = SwiGLU(d, effective_mlp_hidden(cfg), dtype=dtype, param_dtype=pdt, rngs=rngs)
+    hidden = effective_mlp_hidden(cfg)
+    if hidden:
+      self.norm2 = RMSNorm(d, eps=eps, dtype=dtype, param_dtype=pdt)
+      self.mlp = SwiGLU(d, hidden, dtype=dtype, param_dtype=pdt, rngs=rngs)
+    else:  # mamba_ssm's LM with d_intermediate = 0: the mixer is the block
+      self.norm2 = self.mlp = None
+
+  def _mlp(self, x):
+    """x plus the MLP branch (x itself in a block without an MLP)."""
+    if self.mlp is None:
+      return x
+    return x + self.mlp(self.norm2(x)).astype(jnp.float32)
 
   def __call__(self, x, state=None, segment_ids=None):
     y, st = self.mixer(self.norm1(x), initial_state=state, segment_ids=segment_ids)
-    x = x + y.astype(jnp.float32)
-    x = x + self.mlp(self.norm2(x)).astype(jnp.float32)
-    return x, st
+    return self._mlp(x + y.astype(jnp.float32)), st
 
   def with_states_at(self, x, positions, state=None, segment_ids=None):
     """Like __call__, plus the mixer's state after each position (leaves [B, P, ...])."""
-    if not isinstance(self.mixer, RecurrentMixer):
+    if not is_recurrent(self.mixer_name):
       raise NotImplementedError(
         f"prefix states: mixer {self.mixer_name!r} keeps no recurrent state to "
         "read at positions (attention layers are not supported)"
@@ -55,19 +79,15 @@ class Block(nnx.Module):
     y, st, at = self.mixer(
       self.norm1(x), initial_state=state, segment_ids=segment_ids, states_at=positions
     )
-    x = x + y.astype(jnp.float32)
-    x = x + self.mlp(self.norm2(x)).astype(jnp.float32)
-    return x, st, at
+    return self._mlp(x + y.astype(jnp.float32)), st, at
 
   def prefill(self, x, cache):
     y, cache = self.mixer.prefill(self.norm1(x), cache)
-    x = x + y.astype(jnp.float32)
-    return x + self.mlp(self.norm2(x)).astype(jnp.float32), cache
+    return self._mlp(x + y.astype(jnp.float32)), cache
 
   def step(self, x_t, cache):
     y, cache = self.mixer.step(self.norm1(x_t), cache)
-    x_t = x_t + y.astype(jnp.float32)
-    return x_t + self.mlp(self.norm2(x_t)).astype(jnp.float32), cache
+    return self._mlp(x_t + y.astype(jnp.float32)), cache
 
 
 class LanguageModel(nnx.Module):
@@ -82,11 +102,16 @@ class LanguageModel(nnx.Module):
     d, vocab = int(cfg.d_model), int(cfg.vocab_size)
     self.dtype, pdt = get_dtype(cfg.dtype), get_dtype(cfg.param_dtype)
     self.layer_names = tuple(layer_mixers(cfg))
-    self.embed = make_param(rngs, normal_init(1.0), (vocab, d), pdt, ("vocab", "embed"))
+    # mamba_ssm's LM: embedding N(0, 0.02), its tied read-out unscaled; else N(0, 1), the tied
+    # read-out scaled by d^-1/2 (_logits)
+    official = official_mamba2_lm(cfg)
+    std = OFFICIAL_EMBED_STD if official else 1.0
+    self.readout_scale = 1.0 if official else d**-0.5
+    self.embed = make_param(rngs, normal_init(std), (vocab, d), pdt, ("vocab", "embed"))
     self.blocks = nnx.List(
       [Block(cfg, name, rngs=rngs, kernel_config=kernel_config) for name in self.layer_names]
     )
-    self.final_norm = RMSNorm(d, eps=float(cfg.norm_eps), dtype=self.dtype, param_dtype=pdt)
+    self.final_norm = RMSNorm(d, eps=norm_eps(cfg), dtype=self.dtype, param_dtype=pdt)
     self.tie_embeddings = bool(cfg.tie_embeddings)
     if self.tie_embeddings:
       self.lm_head = None
@@ -104,10 +129,10 @@ class LanguageModel(nnx.Module):
   def _logits(self, x):
     h = self.final_norm(x)
     if self.tie_embeddings:
-      # embeddings ~ N(0, 1); scale the tied read-out by d^-1/2 so initial logits are O(1)
+      # N(0, 1) embeddings read out scaled by d^-1/2 give O(1) initial logits
       w = self.embed[...].astype(self.dtype)
       logits = project(h.astype(self.dtype), w, (((h.ndim - 1,), (1,))))
-      return logits * (int(self.cfg.d_model) ** -0.5)
+      return logits if self.readout_scale == 1.0 else logits * self.readout_scale
     return self.lm_head(h).astype(jnp.float32)
 
   def init_states(self, batch: int) -> list:
@@ -141,7 +166,7 @@ class LanguageModel(nnx.Module):
 
   def has_prefix_states(self) -> bool:
     """Whether prefix_states applies: every layer a recurrent mixer."""
-    return all(isinstance(blk.mixer, RecurrentMixer) for blk in self.blocks)
+    return all(is_recurrent(name) for name in self.layer_names)
 
   def prefix_states(self, tokens, positions, *, states=None, segment_ids=None):
     """The decode cache after each prompt prefix, from one forward (the ops' output_states_at).

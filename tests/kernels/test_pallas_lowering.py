@@ -359,3 +359,27 @@ def test_any_width_lowers_for_cuda(as_on_gpu, kd, vd):
     tiles = -(-vd // 128)
     # (one forward state pass and one reverse chain per tile)
     assert len(re.findall(r'name = "delta_rule_state_pass', text)) == tiles, fn.__name__
+
+
+def test_official_mamba2_layer_lowers_for_cuda(as_on_gpu):
+  """mamba_ssm's Mamba2 block (mamba2_variant='official') fwd+bwd under impl='pallas', bf16:
+  d_state 128 by headdim 64 with one B/C head shared by the value heads reaches the delta-rule
+  kernels and lowers."""
+  cfg = model_config(
+    "tiny",
+    mixer="mamba2",
+    mamba2_variant="official",
+    impl="pallas",
+    chunk_size=16,
+    dtype="bfloat16",
+    param_dtype="float32",
+  )
+  layer = MIXERS["mamba2"](cfg, rngs=nnx.Rngs(0))
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 48, 64)), jnp.bfloat16)
+
+  def loss(params, x):
+    return jnp.sum(nnx.merge(graphdef, params, rest)(x)[0].astype(jnp.float32))
+
+  kernels = _triton_kernels(_lower_for_cuda(jax.grad(loss, argnums=(0, 1)), params, x))
+  assert {"delta_rule_output", "delta_rule_intra_bwd_tokens"} <= kernels, kernels

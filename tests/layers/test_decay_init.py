@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from kdn_jax.layers import MIXERS
-from kdn_jax.layers.decay import _dt_bias_init
+from kdn_jax.layers.decay import dt_bias_init
 from kdn_jax.models.config import ModelConfigError, model_config
 
 LONG = dict(dt_min=1e-5, dt_max=1e-3, a_min=0.5, a_max=2.0)
@@ -51,7 +51,7 @@ def test_defaults_are_bit_identical():
   dt = np.exp(u * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3))
   dt = np.maximum(dt, 1e-4).astype(np.float32)
   want = (dt + np.log(-np.expm1(-dt))).astype(np.float32)
-  got = np.asarray(_dt_bias_init(1e-3, 1e-1)(key, (64,), np.float32))
+  got = np.asarray(dt_bias_init(1e-3, 1e-1)(key, (64,), np.float32))
   np.testing.assert_allclose(got, want, rtol=1e-6)
   a = MIXERS["gla"](model_config("tiny", mixer="gla"), rngs=nnx.Rngs(0))
   b = MIXERS["gla"](

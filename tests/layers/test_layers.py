@@ -129,6 +129,19 @@ def test_faithful_mamba2_mixer():
   _close(out["packed"], out["separate"], what="packed segments vs separate sequences")
 
 
+def test_official_mamba2_mixer():
+  """mamba_ssm's Mamba2 block (layers/mamba2_official.py): the same contract, its own conv cache."""
+  mixer = _mixer("mamba2", mamba2_variant="official")
+  x, x1 = _x(2, T), _x(1, T, seed=3)
+  out = _recurrent_checks(mixer, x, _random_state(mixer, 2), x1)
+  fs = out["fwd"][1]
+  assert set(fs) == {"memory", "conv"} and set(fs["conv"]) == {"xBC"}
+  assert fs["memory"].shape == (2, 2, 128, 64) and fs["conv"]["xBC"].shape == (2, 3, 384)
+  _close(out["fwd"], out["dec"], what="parallel vs step decode (given state)")
+  _close(out["fwd"], out["cont"], what="initial-state continuation")
+  _close(out["packed"], out["separate"], what="packed segments vs separate sequences")
+
+
 @nnx.jit
 def _attention_checks(mixer, x, x1):
   out = {"fwd": mixer(x)[0]}

@@ -93,7 +93,7 @@ CASES = [
   (
     "mamba2_variant",
     ["--config.model.mamba2_variant=mamba3"],
-    r"config\.model\.mamba2_variant: got 'mamba3'; expected one of \['normalized', 'faithful'\]",
+    r"config\.model\.mamba2_variant: got 'mamba3'; expected one of \['normalized', 'faithful', 'official'\]",
   ),
   (
     "layer_pattern",

@@ -28,6 +28,9 @@ def test_configs():
   assert c.checkpoint.keep_steps == "1000,2500,5000" and c.train.initial_state == "zero"
   long = lengen_short.get_config("t64,mamba2_long").model
   assert (long.dt_min, long.dt_max) == (1e-4, 1e-2) and long.mamba2_variant == "faithful"
+  official = lengen_short.get_config("t64,mamba2_official_long").model
+  assert official.mamba2_variant == "official" and official.mlp_hidden == 0
+  assert (official.dt_min, official.dt_max) == (1e-4, 1e-2)
   t128 = lengen_short.get_config("t128,gla")
   assert t128.data.seq_len * t128.data.global_batch_size == 64 * 256
   post = lengen_short.get_config("post,kdn_diag,tbtt")
