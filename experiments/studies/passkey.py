@@ -34,7 +34,7 @@ from absl import flags as absl_flags
 from configs import passkey as study_config
 from experiments.runner import cli, config_lib
 from experiments.runner.logging_utils import fmt_time, write_json
-from experiments.studies import study_driver
+from experiments.studies import study_driver, study_plan
 
 PRESETS = ("tiny", "cpu")
 STRATEGIES = ("zero", "state_passing", "tbtt", "fitted_noise")
@@ -69,7 +69,13 @@ flags.DEFINE_string(
   "workdir", "", "root of the run folders (default /tmp/kdn_passkey_<preset>)", flag_values=FLAGS
 )
 flags.DEFINE_string(
-  "results", "", "folder of the per-run JSON (default <workdir>/results)", flag_values=FLAGS
+  "results",
+  "",
+  "folder of the per-run JSON (default <workdir>/results/<preset>)",
+  flag_values=FLAGS,
+)
+flags.DEFINE_bool(
+  "publish", False, "copy the results into docs/results/passkey/<preset>/", flag_values=FLAGS
 )
 flags.DEFINE_integer("pretrain_steps", 0, "pretraining steps (0: the preset's)", flag_values=FLAGS)
 flags.DEFINE_integer("post_steps", 0, "post-training steps (0: the preset's)", flag_values=FLAGS)
@@ -102,11 +108,21 @@ flags.DEFINE_bool("child", False, "internal: one arm of a --parallel study", fla
 
 
 # ------------------------------------------------------------------------------------------ plan
+# arm names beyond the registry's mixers: a mixer with model settings of its own
+VARIANTS = {
+  "mamba2_official": ("mamba2", {"model.mamba2_variant": "official"}),
+}
+
+
+def arm_mixers() -> list[str]:
+  return list(config_lib.MIXERS) + list(VARIANTS)
+
+
 def parse_arm(arm: str) -> tuple[str, int]:
   mixer, sep, seed = arm.rpartition(".s")
-  if not sep or not seed.isdigit() or mixer not in config_lib.MIXERS:
+  if not sep or not seed.isdigit() or mixer not in arm_mixers():
     raise ValueError(
-      f"--arms: expected <mixer>.s<seed> with a mixer from {list(config_lib.MIXERS)}, got {arm!r}"
+      f"--arms: expected <mixer>.s<seed> with a mixer from {arm_mixers()}, got {arm!r}"
     )
   return mixer, int(seed)
 
@@ -156,7 +172,7 @@ class Plan:
       raise ValueError(f"--batch: must be positive, got {batch}")
     self.eval_seed, self.batch = eval_seed, batch
     self.workdir = workdir or f"/tmp/kdn_passkey_{preset}"
-    self.results = results or os.path.join(self.workdir, "results")
+    self.results = results or os.path.join(self.workdir, "results", preset)
     self.pretrain_steps = pretrain_steps or PRETRAIN_STEPS[preset]
     self.post_steps = post_steps or POST_STEPS[preset]
     self.post_lr_scale = post_lr_scale
@@ -176,7 +192,9 @@ class Plan:
   def config(self, arm, stage):
     """The run config of ``stage`` ('pretrain' or a strategy) of ``arm``."""
     mixer, seed = parse_arm(arm)
-    c = study_config.get_config(f"cpu,{mixer}")
+    base_mixer, settings = VARIANTS.get(mixer, (mixer, {}))
+    c = study_config.get_config(f"cpu,{base_mixer}")
+    study_driver.apply_overrides(c, settings)
     peak = float(c.optim.learning_rate)
     if stage == "pretrain":
       steps = self.pretrain_steps
@@ -388,6 +406,8 @@ def main(argv):
   with open(os.path.join(plan.results, "table.md"), "w", encoding="utf-8") as f:
     f.write(table + "\n")
   print(table, flush=True)
+  if FLAGS.publish:
+    print(f"study: published to {study_plan.publish(STUDY, plan, plan.arms)}", flush=True)
   print(f"study: {status} in {fmt_time(wall)}; results in {plan.results}", flush=True)
   return 0 if status == "done" else 3
 

@@ -1,5 +1,5 @@
 """RESULTS.md: the passkey study (experiments/studies/passkey.py) with seeds, paired intervals and
-verdicts, from the per-run JSON under ``docs/results/passkey_study/<preset>/``.
+verdicts, from the per-run JSON under ``docs/results/passkey/<preset>/`` (``--publish``).
 
 Each run's JSON holds, per (length, depth) cell, every example's exact match on one evaluation set
 shared by all runs (its hash in ``eval.hash``). A mixer's runs form a table per arm: seeds x
@@ -23,12 +23,12 @@ import numpy as np
 from experiments.evaluation import bootstrap
 from experiments.studies.results import common
 
-MIXERS = ("gla", "kdn_diag", "kdn_iso", "kda", "gated_deltanet", "mamba2")
+MIXERS = ("gla", "kdn_diag", "kdn_iso", "kda", "gated_deltanet", "mamba2", "mamba2_official")
 CONTROL = "zero"
 FIX_BELOW = 0.9  # the control's exact match under which a repair counts
 FIX_LENGTHS = 2  # lengths past T where the intervention must be ahead
 VERDICT_DEPTH = 1.0
-ROOT = "passkey_study"
+ROOT = "passkey"
 
 
 def load_runs(folder: str) -> list[dict]:
