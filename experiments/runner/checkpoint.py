@@ -339,6 +339,11 @@ def read_record(step_dir: str) -> dict:
     raise _record_error(step_dir, e) from None
 
 
+# The hooks of failed parameter reads stay installed: the caller (evaluation, a post-training start)
+# reports the failure and exits, and the abandoned reads can arrive after any quiet window.
+_PARAM_READ_HOOKS = []
+
+
 def restore_params(source: str, abstract_params) -> tuple[object, int]:
   """Restores only the parameters of another run's checkpoint into ``abstract_params`` (a pytree of
   ShapeDtypeStructs with shardings, the ``params`` of a train state); returns (params, step).
@@ -348,7 +353,7 @@ def restore_params(source: str, abstract_params) -> tuple[object, int]:
   root, step = find_checkpoint(source)
   state_dir = os.path.join(root, str(step), "state")
   want = {f"params|{k}": v for k, v in flatten(abstract_params).items()}
-  have, error = _quietly(lambda: _saved_shapes(state_dir))
+  have, error = _quietly(lambda: _saved_shapes(state_dir), keep=_PARAM_READ_HOOKS)
   if error:  # missing or damaged metadata
     raise CheckpointUnreadableError(f"checkpoint {root}/{step} is unreadable ({error})", step)
   problems = _misfit(have, want, "params|")
@@ -361,7 +366,8 @@ def restore_params(source: str, abstract_params) -> tuple[object, int]:
     lambda: ocp.PyTreeCheckpointer().restore(
       state_dir,
       args=ocp.args.PyTreeRestore(item=want, restore_args=restore_args, partial_restore=True),
-    )
+    ),
+    keep=_PARAM_READ_HOOKS,
   )
   if error:  # truncated or missing array data
     raise CheckpointUnreadableError(f"checkpoint {root}/{step} is unreadable ({error})", step)
