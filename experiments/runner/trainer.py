@@ -188,16 +188,36 @@ class Trainer:
       self.config_json = json.loads(config.to_json_best_effort())
       self.init_from_step = None
       self._note_set_aside()
-      if self._check_resumable() is None and config.train.init_from:
+      self._resume_step = self._check_resumable()
+      if self._resume_step is None and config.train.init_from:
         self._init_from(config.train.init_from)
     except BaseException:  # a failed start leaves the workdir as it was
-      try:
-        if self.checkpointer is not None:
-          self.checkpointer.close()
-      finally:
-        workdir_lock.release(self._lock)
+      self._abandon_start()
       raise
+    if self.checks_fit_at_init:
+      self._check_fits()
     self.last_metrics = {}
+
+  # whether __init__'s state is the one checkpoints hold (a sweep stacks its members' afterwards)
+  checks_fit_at_init = True
+
+  def _check_fits(self):
+    """A workdir's checkpoint of another model or config is refused before anything is moved or
+    written (after the named checks of _check_resumable)."""
+    if self._resume_step is None:
+      return
+    try:
+      self.checkpointer.check_fits(self.abstract_state())
+    except BaseException:
+      self._abandon_start()
+      raise
+
+  def _abandon_start(self):
+    try:
+      if self.checkpointer is not None:
+        self.checkpointer.close()
+    finally:
+      workdir_lock.release(self._lock)
 
   def _lock_workdir(self, workdir: str):
     """One run per workdir (workdir_lock.py): process 0 takes the lock and tells the others."""
@@ -366,7 +386,6 @@ class Trainer:
     step, record = self.checkpointer.latest_record()  # an unreadable latest one is set aside
     if step is None:
       return None
-    self.checkpointer.check_fits(self.abstract_state())
     self.init_from_step = record.get(
       "init_from_step"
     )  # a resumed post-training run keeps its origin
