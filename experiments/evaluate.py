@@ -163,6 +163,7 @@ def main(argv):
     from experiments import loading  # pylint: disable=g-import-not-at-top
 
     settings = settings_from_flags()
+    check_out(_OUT.value)
     steps = loading.saved_steps(_WORKDIR.value) if _ALL_STEPS.value else [_STEP.value]
     with context_parallel(_CONTEXT.value):
       overrides = {"info_scale": _OVERRIDE_MU.value} if _OVERRIDE_MU.value else None
@@ -175,6 +176,20 @@ def main(argv):
     print(f"Evaluation error: {as_flag(str(e))}", file=sys.stderr)
     return 2
   return 0
+
+
+def check_out(out: str):
+  """--out must be a directory or a path where one can be made (checked before any checkpoint is read)."""
+  if not out:
+    return
+  path = os.path.abspath(out)
+  while not os.path.exists(path):
+    path = os.path.dirname(path)
+  if not os.path.isdir(path):
+    raise ValueError(
+      f"--out={out}: {'is' if path == os.path.abspath(out) else f'{path} is'} a file; expected a "
+      "directory (new or existing)"
+    )
 
 
 def as_flag(message: str) -> str:

@@ -116,6 +116,13 @@ def saved_steps(workdir: str) -> list[int]:
   )
 
 
+def _other_steps(root: str, step: int) -> str:
+  """'; other saved steps: [...]' for the message about an unreadable step (evaluation never moves
+  it: training sets it aside when it resumes)."""
+  others = [s for s in saved_steps(root) if s != step]
+  return f"; other saved steps: {others}" if others else "; no other step is saved"
+
+
 def _run_dir(root: str) -> str:
   return os.path.dirname(root) if os.path.basename(root) == "checkpoints" else root
 
@@ -190,7 +197,10 @@ def load(
     except TypeError:
       raise ValueError(f"step: expected an integer or None, got {step!r}") from None
   root, step = find(workdir, step)
-  record = ckpt_lib.read_record(os.path.join(root, str(step)))
+  try:
+    record = ckpt_lib.read_record(os.path.join(root, str(step)))
+  except ckpt_lib.CheckpointCorruptError as e:
+    raise ValueError(f"workdir: {e}{_other_steps(root, step)}") from None
   run_dir = _run_dir(root)
   config = _config_from(record, run_dir)
   for key, value in (model_overrides or {}).items():
@@ -207,6 +217,8 @@ def load(
   )
   try:
     restored, _ = ckpt_lib.restore_params(os.path.join(root, str(step)), abstract)
+  except ckpt_lib.CheckpointCorruptError as e:  # damaged files or failed checksums
+    raise ValueError(f"workdir: {e}{_other_steps(root, step)}") from None
   except ValueError as e:
     raise ValueError(
       f"workdir: {e}; the run config it was saved with builds a different model"

@@ -81,7 +81,7 @@ def main(argv):
 
   try:
     tr = lr_sweep.make_trainer(config, _WORKDIR.value)
-  except (config_lib.ConfigError, FileNotFoundError) as e:
+  except (config_lib.ConfigError, FileNotFoundError, checkpoint.CheckpointMismatchError) as e:
     _config_error(str(e))
   try:
     summary = tr.run()

@@ -217,15 +217,15 @@ def make_eval_batches(config, process_index: int = 0, process_count: int = 1) ->
   ds = _map_dataset(config, "eval")
   n = min(len(ds), d.num_eval_examples)
   local = d.eval_batch_size // process_count
-  num_batches = (
-    min(config.train.eval_batches, n // d.eval_batch_size)
-    if config.train.eval_batches
-    else (n // d.eval_batch_size)
-  )
-  num_batches = max(num_batches, 1)
+  # every example once: the last batch is filled with masked-out copies (a set smaller than one
+  # batch would otherwise be scored with some examples repeated more often than others)
+  whole = -(-n // d.eval_batch_size)
+  num_batches = min(config.train.eval_batches, whole) if config.train.eval_batches else whole
   out = []
   for b in range(num_batches):
-    idx = [b * d.eval_batch_size + process_index * local + i for i in range(local)]
-    ex = [ds[i % len(ds)] for i in idx]
-    out.append({k: np.stack([e[k] for e in ex]) for k in ex[0]})
+    idx = np.arange(local) + b * d.eval_batch_size + process_index * local
+    ex = [ds[int(i) % n] for i in idx]
+    batch = {k: np.stack([e[k] for e in ex]) for k in ex[0]}
+    batch["mask"] = np.where((idx < n)[:, None], batch["mask"], 0).astype(batch["mask"].dtype)
+    out.append(batch)
   return out

@@ -81,7 +81,8 @@ def load_offsets(path: str, tokens: np.ndarray, eos_id: int = -1) -> np.ndarray 
         i = int(wrong[0])
         raise TokenFileError(
           f"{side}: document {i} ends at token {int(off[i + 1]) - 1} (id {int(ends[i])}), not "
-          f"at the separator eos_id={eos_id}: these offsets do not belong to {path}"
+          f"at the separator eos_id={eos_id}: these offsets do not belong to {path}, or "
+          "data.eos_id is not its separator"
         )
     return off
   if path.endswith(".array_record"):

@@ -61,7 +61,12 @@ class BPETokenizer:
       raise FileNotFoundError(
         f"tokenizer not found: {file!r} (build the corpus with python -m experiments.data.prepare)"
       )
-    return cls(_tokenizers().Tokenizer.from_file(file))
+    try:
+      tok = _tokenizers().Tokenizer.from_file(file)
+    except Exception as e:  # pylint: disable=broad-except  (truncated or not a tokenizer: Rust's error)
+      first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+      raise ValueError(f"tokenizer: {file!r} is not a readable tokenizer.json ({first})") from None
+    return cls(tok)
 
   def save(self, directory: str) -> str:
     os.makedirs(directory, exist_ok=True)

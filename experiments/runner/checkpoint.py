@@ -1,8 +1,11 @@
 """orbax CheckpointManager wrapper: train state (params, optimizer, step, RNG, carried states, fitted-noise
 statistics) + grain iterator state + a small JSON record; periodic and final saves, keep-N, async saves.
 
-The record carries a checksum of every array (array_checksum.py), verified after each restore: a checkpoint
-whose arrays fail it is set aside like an unreadable one. A save that cannot be written (a full disk) raises
+The record carries a checksum of every array (array_checksum.py) and of every process's data-iterator state,
+verified after each restore together with the iterator's position (one batch per step: it must equal the
+step): a checkpoint whose bytes fail them is set aside like an unreadable one. A checkpoint whose arrays
+are another tree (another mixer, width, vocabulary) is refused before anything is moved or restored: its
+bytes are sound, the config is not the one it was saved with. A save that cannot be written (a full disk) raises
 CheckpointSaveError with one line; orbax's own error logs of that save are held back, and the incomplete
 step is never listed, so the workdir resumes from its last complete checkpoint."""
 
@@ -11,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import gc
+import hashlib
+import json
 import logging
 import os
 import re
@@ -20,6 +25,7 @@ import time
 
 import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy
 
@@ -153,7 +159,8 @@ def find_checkpoint(source: str) -> tuple[str, int]:
 
 class _DropMissingMetadata(logging.Filter):
   def filter(self, record):
-    return "Metadata file does not exist" not in record.getMessage()
+    msg = record.getMessage()  # (a missing metadata file is reported by the caller, in one line)
+    return "Metadata file does not exist" not in msg and "Failed to get item metadata" not in msg
 
 
 @contextlib.contextmanager
@@ -174,21 +181,30 @@ def _saved_shapes(state_dir: str) -> dict:
     meta = ocp.PyTreeCheckpointer().metadata(state_dir)
   meta = getattr(meta, "item_metadata", meta)
   meta = getattr(meta, "tree", meta)
+  if meta is None:
+    raise ValueError(f"{state_dir}: its array metadata is missing or damaged")
   return {k: tuple(getattr(v, "shape", ())) for k, v in dict(meta).items()}
 
 
-def _misfit(have: dict, want: dict) -> str:
-  """'' when every wanted array is saved with its shape, else a short list of the differences."""
-  missing = [k for k in want if k not in have]
+def _misfit(have: dict, want: dict, prefix: str = "") -> str:
+  """'' when the saved arrays whose keys start with ``prefix`` are exactly the wanted ones, with their
+  shapes; else a short list of the differences."""
+  first = lambda k: (not k.startswith("params|"), k)  # parameters first: they name the change
+  missing = sorted((k for k in want if k not in have), key=first)
+  extra = sorted((k for k in have if k.startswith(prefix) and k not in want), key=first)
   wrong = [
-    f"{k}: checkpoint {have[k]}, model {tuple(v.shape)}"
-    for k, v in want.items()
-    if k in have and have[k] != tuple(v.shape)
+    f"{k}: checkpoint {have[k]}, model {tuple(want[k].shape)}"
+    for k in sorted(want, key=first)
+    if k in have and have[k] != tuple(want[k].shape)
   ]
-  if not missing and not wrong:
+  if not missing and not extra and not wrong:
     return ""
-  return f"{len(missing)} arrays missing, {len(wrong)} of another shape: " + "; ".join(
-    [f"missing {k}" for k in missing[:5]] + wrong[:5]
+  return (
+    f"{len(missing)} arrays missing, {len(extra)} not in this model, {len(wrong)} of another "
+    "shape: "
+    + "; ".join(
+      [f"missing {k}" for k in missing[:3]] + [f"extra {k}" for k in extra[:3]] + wrong[:3]
+    )
   )
 
 
@@ -197,11 +213,97 @@ class CheckpointMismatchError(ValueError):
 
 
 class CheckpointCorruptError(ValueError):
-  """A checkpoint whose restored arrays differ from the checksums saved with them."""
+  """A checkpoint whose restored arrays or data state differ from the checksums saved with them."""
+
+
+class CheckpointUnreadableError(CheckpointCorruptError):
+  """A checkpoint whose parameters cannot be read (damaged files, failed checksums); ``step`` names it."""
+
+  def __init__(self, message: str, step: int):
+    super().__init__(message)
+    self.step = step
 
 
 class CheckpointSaveError(RuntimeError):
   """A checkpoint could not be written (one line: the step, the directory, the cause, what to do)."""
+
+
+def _describe(e: BaseException) -> str:
+  """'Type: first line' of an error (orbax's run to a hundred lines)."""
+  return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+
+
+def _quietly(read, keep=None):
+  """(read(), None), or (None, the error's one line) when it raised: the abandoned reads of a failed
+  orbax read are counted instead of printed (_abandoned_reads_dropped; ``keep`` as there)."""
+  with _abandoned_reads_dropped(keep=keep) as failed:
+    try:
+      return read(), None
+    except Exception as e:  # pylint: disable=broad-except  (any failure: described in one line)
+      failed.append(True)
+      return None, _describe(e)
+
+
+def data_state_bytes(data_iter) -> bytes:
+  """The data iterator's state as saved (grain's dict state as canonical JSON; a composite iterator's
+  own bytes)."""
+  state = data_iter.get_state()
+  return state if isinstance(state, bytes) else json.dumps(state, sort_keys=True).encode()
+
+
+def data_positions(raw: bytes) -> list[int]:
+  """Every ``next_index`` (batches drawn) in a data iterator state: grain's, or a JSON list of them."""
+  found = []
+
+  def walk(x):
+    if isinstance(x, dict):
+      for k, v in x.items():
+        if k == "next_index" and isinstance(v, int):
+          found.append(v)
+        else:
+          walk(v)
+    elif isinstance(x, list):
+      for v in x:
+        walk(v)
+    elif isinstance(x, (bytes, str)):
+      try:
+        walk(json.loads(x))
+      except ValueError:
+        pass
+
+  walk(raw)
+  return found
+
+
+def _data_checksums(data_iter) -> list[str]:
+  """sha256 of every process's data-iterator state, by process index (a collective call)."""
+  mine = hashlib.sha256(data_state_bytes(data_iter)).digest()
+  if jax.process_count() == 1:
+    return [mine.hex()]
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  every = np.asarray(multihost_utils.process_allgather(np.frombuffer(mine, np.uint8)))
+  return [bytes(row.astype(np.uint8)).hex() for row in every.reshape(jax.process_count(), -1)]
+
+
+def verify_data(record: dict, data_iter, step: int, where: str):
+  """Raises CheckpointCorruptError when the restored data-iterator state differs from its checksum in
+  ``record`` (a record from before they were kept is not checked), or when its position is not
+  ``step`` (the runner draws one batch per step)."""
+  raw = data_state_bytes(data_iter)
+  saved = record.get("data_checksums") if isinstance(record, dict) else None
+  index = jax.process_index()
+  if saved and len(saved) == jax.process_count():
+    if hashlib.sha256(raw).hexdigest() != saved[index]:
+      raise CheckpointCorruptError(
+        f"{where}: the data iterator state (data/process_{index}-of-{jax.process_count()}.json) "
+        "differs from its saved checksum"
+      )
+  wrong = [p for p in data_positions(raw) if p != step]
+  if wrong:
+    raise CheckpointCorruptError(
+      f"{where}: the data iterator state is at batch {wrong[0]}, not at its step {step}"
+    )
 
 
 def verify(record: dict, flat: dict, where: str):
@@ -218,12 +320,28 @@ def verify(record: dict, flat: dict, where: str):
     )
 
 
+def _record_error(step_dir: str, e: Exception) -> CheckpointCorruptError:
+  return CheckpointCorruptError(
+    f"{os.path.join(step_dir, 'record', 'metadata')}: not a readable checkpoint record "
+    f"({_describe(e)})"
+  )
+
+
 def read_record(step_dir: str) -> dict:
   """The JSON record of one checkpoint step directory, read without a CheckpointManager (which would clean
-  up the in-flight save of a run training in that directory)."""
-  return dict(
-    ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(os.path.join(step_dir, "record"))
-  )
+  up the in-flight save of a run training in that directory); one that does not read is a
+  CheckpointCorruptError naming its file."""
+  try:
+    return dict(
+      ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(os.path.join(step_dir, "record"))
+    )
+  except Exception as e:  # pylint: disable=broad-except  (missing, truncated or not JSON)
+    raise _record_error(step_dir, e) from None
+
+
+# The hooks of failed parameter reads stay installed: the caller (evaluation, a post-training start)
+# reports the failure and exits, and the abandoned reads can arrive after any quiet window.
+_PARAM_READ_HOOKS = []
 
 
 def restore_params(source: str, abstract_params) -> tuple[object, int]:
@@ -235,28 +353,32 @@ def restore_params(source: str, abstract_params) -> tuple[object, int]:
   root, step = find_checkpoint(source)
   state_dir = os.path.join(root, str(step), "state")
   want = {f"params|{k}": v for k, v in flatten(abstract_params).items()}
-  try:
-    have = _saved_shapes(state_dir)
-  except Exception as e:  # pylint: disable=broad-except  (missing or damaged metadata)
-    raise ValueError(
-      f"checkpoint {root}/{step} is unreadable ({type(e).__name__}: "
-      f"{(str(e).strip().splitlines() or [''])[0][:200]})"
-    ) from None
-  problems = _misfit(have, want)
+  have, error = _quietly(lambda: _saved_shapes(state_dir), keep=_PARAM_READ_HOOKS)
+  if error:  # missing or damaged metadata
+    raise CheckpointUnreadableError(f"checkpoint {root}/{step} is unreadable ({error})", step)
+  problems = _misfit(have, want, "params|")
   if problems:
-    raise ValueError(f"checkpoint {root}/{step} does not fit this model ({problems})")
+    raise CheckpointMismatchError(f"checkpoint {root}/{step} does not fit this model ({problems})")
   restore_args = jax.tree.map(
     lambda v: ocp.ArrayRestoreArgs(sharding=v.sharding, dtype=v.dtype), want
   )
-  out = ocp.PyTreeCheckpointer().restore(
-    state_dir,
-    args=ocp.args.PyTreeRestore(item=want, restore_args=restore_args, partial_restore=True),
+  out, error = _quietly(
+    lambda: ocp.PyTreeCheckpointer().restore(
+      state_dir,
+      args=ocp.args.PyTreeRestore(item=want, restore_args=restore_args, partial_restore=True),
+    ),
+    keep=_PARAM_READ_HOOKS,
   )
+  if error:  # truncated or missing array data
+    raise CheckpointUnreadableError(f"checkpoint {root}/{step} is unreadable ({error})", step)
   try:
     record = read_record(os.path.join(root, str(step)))
-  except Exception:  # pylint: disable=broad-except  (no readable record: nothing to verify against)
+  except CheckpointCorruptError:  # (no readable record: nothing to verify against)
     record = {}
-  verify(record, out, f"checkpoint {root}/{step}")
+  try:
+    verify(record, out, f"checkpoint {root}/{step}")
+  except CheckpointCorruptError as e:
+    raise CheckpointUnreadableError(str(e), step) from None
   flat = {k[len("params|") :]: v for k, v in out.items()}
   return unflatten(abstract_params, flat), step
 
@@ -281,6 +403,28 @@ class _HeldBackSaveErrors(logging.Filter):
       self.held.append(record.getMessage())
       return False
     return True
+
+
+class _UnretrievedSaveTasks(logging.Filter):
+  """Drops asyncio's 'Task exception was never retrieved' for orbax's write tasks: when one write of a
+  save fails (a full disk) the save raises with the first error, and its sibling tasks, failed the same
+  way, are logged with a traceback each whenever the garbage collector takes them, often after the run
+  has printed its one-line error. Installed once per process: the save's failure is always raised."""
+
+  count = 0
+
+  def filter(self, record):
+    msg = record.getMessage()
+    if "exception was never retrieved" in msg and f"{os.sep}orbax{os.sep}" in msg:
+      _UnretrievedSaveTasks.count += 1
+      return False
+    return True
+
+
+def _drop_unretrieved_save_tasks():
+  log = logging.getLogger("asyncio")
+  if not any(isinstance(f, _UnretrievedSaveTasks) for f in log.filters):
+    log.addFilter(_UnretrievedSaveTasks())
 
 
 def _abandoned_writes_hook(previous, dropped):
@@ -319,6 +463,7 @@ class Checkpointer:
       self.directory, options=opts, item_names=("state", "data", "record")
     )
     self._read_hooks = []  # hooks of failed restores, in place until close (_abandoned_reads_dropped)
+    _drop_unretrieved_save_tasks()
     self._held = _HeldBackSaveErrors()
     logging.getLogger("absl").addFilter(self._held)
     self._abandoned, self._previous_hook = [], sys.unraisablehook
@@ -329,7 +474,12 @@ class Checkpointer:
   def latest_step(self):
     return self.manager.latest_step()
 
-  def _set_aside(self, step: int, error: Exception):
+  def set_aside(self) -> list[str]:
+    """The entries of ``<directory>.unreadable/``: checkpoints set aside by earlier runs, kept by hand."""
+    dest = f"{self.directory}.unreadable"
+    return sorted(os.listdir(dest)) if os.path.isdir(dest) else []
+
+  def _set_aside(self, step: int, error: str):
     """Moves an unreadable checkpoint out of the way, keeping its files.
 
     It leaves ``directory`` (orbax would keep listing it as the latest step, and a later save of the same
@@ -338,9 +488,8 @@ class Checkpointer:
     dest = os.path.join(f"{self.directory}.unreadable", str(step))
     if os.path.exists(dest):
       dest = f"{dest}.{int(time.time())}"
-    first_line = (str(error).strip().splitlines() or [""])[0][:200]
     msg = (
-      f"Checkpoint step {step} in {self.directory} is unreadable ({type(error).__name__}: {first_line}); "
+      f"Checkpoint step {step} in {self.directory} is unreadable ({error}); "
       f"moved it to {dest} and falling back to the previous checkpoint"
     )
     if jax.process_index() == 0:
@@ -361,10 +510,26 @@ class Checkpointer:
     for step in steps:
       try:
         return step, self.record(step)
-      except Exception as e:  # pylint: disable=broad-except  (any read failure: set aside, try older)
-        self._set_aside(step, e)
+      except CheckpointCorruptError as e:  # its record does not read: set aside, try older
+        self._set_aside(step, _describe(e))
     self._none_readable(steps)
     return None, None
+
+  def check_fits(self, abstract_state):
+    """Raises CheckpointMismatchError when a checkpoint holds another tree of arrays than
+    ``abstract_state`` (another mixer, width, vocabulary: a changed config, not damage), before anything
+    is restored, moved or written. Checkpoints whose metadata does not read are left to restore_latest."""
+    want = flatten(abstract_state)
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      state_dir = os.path.join(self.directory, str(step), "state")
+      have, error = _quietly(lambda d=state_dir: _saved_shapes(d), keep=self._read_hooks)
+      problems = "" if error else _misfit(have, want)
+      if problems:
+        raise CheckpointMismatchError(
+          f"{self.directory}/{step} was saved by another model or config ({problems}); resume with "
+          "the config it was trained with, or start a new --workdir (--config.train.init_from "
+          "copies parameters)"
+        )
 
   def restore_latest(self, abstract_state, data_iter):
     """(step, state, record) of the newest checkpoint that restores completely, or None without one.
@@ -373,26 +538,15 @@ class Checkpointer:
     disk) is set aside with a message and the next older one is tried: a resume never starts from a
     partial state. orbax itself writes each step to a temporary directory and renames it when complete,
     so a save interrupted by a kill is never listed as a step."""
-    want = flatten(abstract_state)
+    self.check_fits(abstract_state)  # a changed config moves nothing
     steps = sorted(self.manager.all_steps(), reverse=True)
     for step in steps:
-      try:
-        problems = _misfit(_saved_shapes(os.path.join(self.directory, str(step), "state")), want)
-      except Exception as e:  # pylint: disable=broad-except  (unreadable metadata: damaged)
-        self._set_aside(step, e)
-        continue
-      if problems:  # a changed model or config, not damage: stop rather than set good files aside
-        raise CheckpointMismatchError(
-          f"{self.directory}/{step} was saved by another model or config ({problems}); resume with the "
-          "config it was trained with, or start a new --workdir (--config.train.init_from copies parameters)"
-        )
-      with _abandoned_reads_dropped(keep=self._read_hooks) as failed:
-        try:
-          state, record = self.restore(step, abstract_state, data_iter)
-          return step, state, record
-        except Exception as e:  # pylint: disable=broad-except
-          failed.append(step)
-          self._set_aside(step, e)
+      found, error = _quietly(
+        lambda s=step: self.restore(s, abstract_state, data_iter), keep=self._read_hooks
+      )
+      if error is None:
+        return (step, *found)
+      self._set_aside(step, error)
     self._none_readable(steps)
     return None
 
@@ -412,7 +566,10 @@ class Checkpointer:
     self.wait()  # the previous save (orbax waits for it anyway): its failure is named with its step
     flat = flatten(state)
     record = dict(
-      record, checksums=array_checksum.checksums(flat), checksum=array_checksum.ALGORITHM
+      record,
+      checksums=array_checksum.checksums(flat),
+      checksum=array_checksum.ALGORITHM,
+      data_checksums=_data_checksums(data_iter),
     )
     args = ocp.args.Composite(
       state=ocp.args.StandardSave(flat),
@@ -479,14 +636,20 @@ class Checkpointer:
         record=ocp.args.JsonRestore(),
       ),
     )
-    verify(dict(out["record"]), out["state"], f"{self.directory}/{step}")
+    record = dict(out["record"])
+    verify(record, out["state"], f"{self.directory}/{step}")
+    verify_data(record, data_iter, step, f"{self.directory}/{step}")
     return unflatten(abstract_state, out["state"]), out["record"]
 
   def record(self, step: int) -> dict:
-    """The JSON record saved with ``step`` (reads nothing else)."""
-    return dict(
-      self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
-    )
+    """The JSON record saved with ``step`` (reads nothing else); one that does not read is a
+    CheckpointCorruptError naming its file."""
+    try:
+      return dict(
+        self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
+      )
+    except Exception as e:  # pylint: disable=broad-except  (missing, truncated or not JSON)
+      raise _record_error(os.path.join(self.directory, str(step)), e) from None
 
   def wait(self):
     if self.failed is not None:  # (orbax would raise the same failure again)

@@ -439,6 +439,12 @@ def validate(
     _fail("train.z_loss", f"must be >= 0, got {t.z_loss}")
   if t.initial_state == "tbtt" and d.kind == "token_file" and d.eos_id < 0:
     _fail("data.eos_id", "tbtt over token files needs a document separator id (>= 0)")
+  if d.kind == "token_file" and d.eos_id >= int(config.model.vocab_size):
+    _fail(
+      "data.eos_id",
+      f"{d.eos_id} is outside the model vocabulary [0, model.vocab_size={config.model.vocab_size}); "
+      "expected the id of the document separator token (-1: none)",
+    )
 
   if t.loss_positions < 0:
     _fail("train.loss_positions", f"must be >= 0, got {t.loss_positions}")

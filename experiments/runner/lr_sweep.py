@@ -118,6 +118,7 @@ class SweepTrainer(trainer_lib.Trainer):
   (``evaluate`` is the base's over the vmapped evaluation step)."""
 
   peak_lr = 1.0
+  checks_fit_at_init = False  # the members' stacked state is built below
 
   def __init__(self, config, workdir: str, devices=None):
     self.lrs = tuple(float(lr) for lr in config.train.lr_sweep) or (
@@ -158,6 +159,7 @@ class SweepTrainer(trainer_lib.Trainer):
       jnp.asarray([seeds.index(s) for _, s in self.members], jnp.int32), rep
     )
     self.diverged = {}  # member index -> first non-finite step
+    self._check_fits()
     self._build_sweep_steps()
 
   def _seed_state(self, seed: int) -> dict:

@@ -166,7 +166,7 @@ class Trainer:
     pipeline.check_data_files(config)
     self.config, self.workdir = config, workdir
     self.is_main = self.process_index == 0
-    self._lock = None
+    self._lock, self.checkpointer = None, None
     self._lock_workdir(workdir)
     try:
       dispatch.warm_kernel_imports()
@@ -178,7 +178,6 @@ class Trainer:
       self._build_steps()
       self.data_iter = self._train_iterator()
       self.eval_batches = self._eval_batches()
-      self.checkpointer = None
       if config.checkpoint.enabled:
         self.checkpointer = ckpt_lib.Checkpointer(
           os.path.join(workdir, "checkpoints"),
@@ -188,14 +187,37 @@ class Trainer:
         )
       self.config_json = json.loads(config.to_json_best_effort())
       self.init_from_step = None
-      if self._check_resumable() is None and config.train.init_from:
+      self._note_set_aside()
+      self._resume_step = self._check_resumable()
+      if self._resume_step is None and config.train.init_from:
         self._init_from(config.train.init_from)
-      if self.is_main:
-        logging_utils.write_json(os.path.join(workdir, "config.json"), self.config_json)
     except BaseException:  # a failed start leaves the workdir as it was
-      workdir_lock.release(self._lock)
+      self._abandon_start()
       raise
+    if self.checks_fit_at_init:
+      self._check_fits()
     self.last_metrics = {}
+
+  # whether __init__'s state is the one checkpoints hold (a sweep stacks its members' afterwards)
+  checks_fit_at_init = True
+
+  def _check_fits(self):
+    """A workdir's checkpoint of another model or config is refused before anything is moved or
+    written (after the named checks of _check_resumable)."""
+    if self._resume_step is None:
+      return
+    try:
+      self.checkpointer.check_fits(self.abstract_state())
+    except BaseException:
+      self._abandon_start()
+      raise
+
+  def _abandon_start(self):
+    try:
+      if self.checkpointer is not None:
+        self.checkpointer.close()
+    finally:
+      workdir_lock.release(self._lock)
 
   def _lock_workdir(self, workdir: str):
     """One run per workdir (workdir_lock.py): process 0 takes the lock and tells the others."""
@@ -317,9 +339,48 @@ class Trainer:
       "fstats": None if fstats is None else jax.tree.map(lambda _: rep, fstats),
     }
 
+  def _note_set_aside(self):
+    """Says when earlier runs set checkpoints aside (a run resumes without them, or from step 0)."""
+    if self.checkpointer is None or not self.is_main:
+      return
+    names = self.checkpointer.set_aside()
+    if names:
+      print(
+        f"Note: {len(names)} checkpoint(s) set aside as unreadable by an earlier run are in "
+        f"{self.checkpointer.directory}.unreadable/ ({', '.join(names)}); this run does not use "
+        "them: inspect them, then delete them or move sound ones back",
+        flush=True,
+      )
+
+  def _note_seed(self, step: int, record: dict):
+    """Says once (the checkpoint saves the new values) when a resume names other seeds: the parameters
+    and random state continue from the checkpoint; a data seed changes the data from here on."""
+    saved = record.get("config") or {}
+    for key, now, was, effect in (
+      (
+        "seed",
+        self.config.seed,
+        saved.get("seed"),
+        "parameters and random state continue from the checkpoint; this seed is not used",
+      ),
+      (
+        "data.shuffle_seed",
+        self.config.data.shuffle_seed,
+        (saved.get("data") or {}).get("shuffle_seed"),
+        "the data from here on follows the new seed",
+      ),
+    ):
+      if was is not None and now != was and self.is_main:
+        print(
+          f"Note: config.{key}={now} differs from {was}, the value {self.workdir} was trained with "
+          f"(step {step}): {effect}",
+          flush=True,
+        )
+
   def _check_resumable(self):
-    """The step this workdir resumes from (None: a new run). A checkpoint written under another
-    initial-state strategy cannot be resumed (its carried state differs): that needs a new run."""
+    """The step this workdir resumes from (None: a new run). A checkpoint of another model or config, or
+    written under another initial-state strategy (its carried state differs), is refused before
+    anything is moved or written: that needs the run's own config or a new run."""
     if self.checkpointer is None:
       return None
     step, record = self.checkpointer.latest_record()  # an unreadable latest one is set aside
@@ -335,6 +396,7 @@ class Trainer:
         f"(step {step}); to continue it with {self.strategy!r} start a new workdir with "
         f"--config.train.init_from={self.workdir}"
       )
+    self._note_seed(step, record)
     return step
 
   def _init_from(self, source):
@@ -556,6 +618,15 @@ class Trainer:
     start_step = self.step()
     if start_step >= total:
       return self._nothing_to_train(start_step, total)
+    if self.is_main:  # the run is known to start: its config is the workdir's
+      logging_utils.write_json(os.path.join(self.workdir, "config.json"), self.config_json)
+      if cfg.optim.warmup_steps > total:
+        print(
+          f"Note: config.optim.warmup_steps={cfg.optim.warmup_steps} exceeds "
+          f"config.train.num_steps={total}: the learning rate rises over all {total} steps and "
+          "never reaches its peak or decays",
+          flush=True,
+        )
     # Rows past the restored step were written by a run that died before its next checkpoint: they are
     # dropped, so the resumed run's rows replace them instead of appearing twice.
     writer = self._metric_writer(start_step)

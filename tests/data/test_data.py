@@ -73,3 +73,24 @@ def test_documents_split_on_eos(tmp_path):
   docs = write_doc_tokens(path, num_docs=5, eos=1)
   spans = token_files.documents(np.load(path), 1)
   assert [b - a for a, b in spans] == [len(d) for d in docs]
+
+
+@pytest.mark.parametrize("examples,batch,processes", [(10, 64, 1), (10, 64, 2), (20, 8, 1)])
+def test_eval_batches_score_every_example_once(examples, batch, processes):
+  """An evaluation set smaller than one batch, or not a whole number of batches: every example is scored
+  exactly once (the rows that fill the last batch are masked out), on every process split."""
+  c = tiny_config(num_eval_examples=examples, eval_batch_size=batch)
+  c.train.eval_batches = 0
+  ds = pipeline._map_dataset(c, "eval")
+  rows = [
+    (b["inputs"][r], b["mask"][r])
+    for p in range(processes)
+    for b in pipeline.make_eval_batches(c, p, processes)
+    for r in range(len(b["inputs"]))
+  ]
+  assert len(rows) == -(-examples // batch) * batch
+  scored = [(x, m) for x, m in rows if m.any()]
+  assert len(scored) == examples  # each once; the padding carries no weight
+  want = sorted(ds[i]["inputs"].tobytes() for i in range(examples))
+  assert sorted(x.tobytes() for x, _ in scored) == want
+  assert sum(m.sum() for _, m in rows) == sum(ds[i]["mask"].sum() for i in range(examples))

@@ -157,3 +157,16 @@ def test_array_record_files_are_checked(tmp_path):
   (tmp_path / "junk.array_record").write_bytes(b"\x00\x01junk" * 20)
   with pytest.raises(config_lib.ConfigError, match=r"not a readable \.array_record file"):
     pipeline.check_data_files(_config(tmp_path / "junk.array_record"))
+
+
+def test_an_eos_id_outside_the_vocabulary_blames_the_vocabulary(tmp_path):
+  """An eos_id no token can have is named as such before any file is read (not as a sidecar that does
+  not fit)."""
+  toks, off = _docs()
+  path = tmp_path / "train.npy"
+  np.save(path, toks)
+  np.save(token_files.docs_path(str(path)), off)
+  c = _config(path)
+  c.data.eos_id = VOCAB + 5
+  with pytest.raises(config_lib.ConfigError, match=r"config.data.eos_id: 37 is outside the model"):
+    config_lib.validate(c)

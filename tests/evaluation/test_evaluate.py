@@ -366,3 +366,40 @@ def test_headline_keeps_mqar_kv_counts_apart_and_formats_p_star(tmp_path):
     {"series": series, "train_len": 64, "chunk": 64, "sequences": 2}, str(tmp_path / "s.png")
   )
   assert os.path.getsize(path) > 1000
+
+
+def test_damaged_inputs_are_one_line_before_work(lm_run, tmp_path, capfd):
+  """A checkpoint with truncated array data (named with the other steps), a garbage record (named by
+  file), a truncated tokenizer (named by file) and an --out that is a file: one ValueError line each, no
+  orbax traceback, nothing written."""
+  import shutil  # pylint: disable=g-import-not-at-top
+
+  from experiments import evaluate as evaluate_cli  # pylint: disable=g-import-not-at-top
+
+  workdir, cdir = lm_run
+  with pytest.raises(ValueError, match="--out=.*summary.json: is a file; expected a directory"):
+    evaluate_cli.check_out(os.path.join(workdir, "summary.json"))
+  tok = tmp_path / "tokenizer.json"
+  data = open(os.path.join(cdir, "tokenizer.json"), "rb").read()
+  tok.write_bytes(data[: len(data) // 2])
+  with pytest.raises(ValueError, match=f"--tokenizer: '{tok}' is not a readable tokenizer.json"):
+    evaluate(
+      workdir, ["retrieval"], suites.Settings(tokenizer=str(tok)), out_dir=str(tmp_path / "o")
+    )
+  damaged = tmp_path / "run"
+  shutil.copytree(workdir, damaged)
+  step = loading.saved_steps(str(damaged))[-1]
+  state = damaged / "checkpoints" / str(step) / "state"
+  for path in state.glob("ocdbt.process_0/d/*"):
+    os.truncate(path, os.path.getsize(path) // 2)
+  capfd.readouterr()
+  with pytest.raises(
+    ValueError, match=rf"checkpoints/{step} is unreadable \(.*\); (other saved steps|no other step)"
+  ):
+    evaluate(str(damaged), ["ppl"], out_dir=str(tmp_path / "o"))
+  assert "Traceback" not in capfd.readouterr().err
+  record = damaged / "checkpoints" / str(step) / "record" / "metadata"
+  record.write_text("garbage")
+  with pytest.raises(ValueError, match=f"{record}: not a readable checkpoint record"):
+    evaluate(str(damaged), ["ppl"], out_dir=str(tmp_path / "o"))
+  assert not os.path.exists(tmp_path / "o")
