@@ -390,8 +390,10 @@ def test_damaged_inputs_are_one_line_before_work(lm_run, tmp_path, capfd):
   shutil.copytree(workdir, damaged)
   step = loading.saved_steps(str(damaged))[-1]
   state = damaged / "checkpoints" / str(step) / "state"
+  # (to nothing: a file cut in half can leave the parameters whole, where the optimizer state
+  # sits in the lost half, and evaluation reads only the parameters)
   for path in state.glob("ocdbt.process_0/d/*"):
-    os.truncate(path, os.path.getsize(path) // 2)
+    os.truncate(path, 0)
   capfd.readouterr()
   with pytest.raises(
     ValueError, match=rf"checkpoints/{step} is unreadable \(.*\); (other saved steps|no other step)"
