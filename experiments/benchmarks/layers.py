@@ -13,7 +13,7 @@ GPU (device tool, carry=[".whl"]; fla, fla_core and ml_collections come as wheel
   PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m experiments.benchmarks.layers \
       --impls=chunked,pallas --time_budget_s=480 --out=$OUT/layers
 
-CPU smoke (what tests/test_benchmark_layers.py runs):
+CPU smoke (what tests/benchmarks/test_benchmark_layers.py runs):
   python -m experiments.benchmarks.layers --batch=1 --width=32 --num_heads=2 --head_dim=16 \
       --seq_lens=32 --chunk_size=16 --reps=1 --warmup=0 --out=/tmp/bench_layers
 

@@ -92,7 +92,7 @@ def define_flags(flag_values):
       f"{key}_config",
       "",
       f"{cls} overrides for the Pallas kernels, "
-      "'field=value/field=value' (benchmark_mixers' --sweep syntax); '' = the "
+      "'field=value/field=value' (the mixers benchmark's --sweep syntax); '' = the "
       "tuned config",
       flag_values=flag_values,
     )
