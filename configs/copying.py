@@ -1,4 +1,4 @@
-"""Copying with variable lengths (issue 17 item 4; the second paper's copying protocol, scaled down).
+"""Copying with variable lengths (the second paper's copying protocol, scaled down).
 
     # CPU: warm up on short copies, pretrain from the zero state on copy lengths 50-100, then post-train
     python -m experiments.train --config=configs/copying.py:cpu_short --workdir=workdirs/copying/short

@@ -1,5 +1,5 @@
 """Length generalisation on the synthetic topic source (experiments/data/topic_source.py), whose
-exact Bayes floor makes the excess NLL by position measurable (issue 52 section 3).
+exact Bayes floor makes the excess NLL by position measurable.
 
     # CPU minutes: pretrain from the zero state at T=64, post-train with an intervention, evaluate
     python -m experiments.train --config=configs/lengen_synthetic.py:tiny,gla --workdir=/tmp/ls/gla

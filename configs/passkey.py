@@ -1,4 +1,4 @@
-"""Passkey retrieval (issue 17 item 4): train at a short length, evaluate length x depth past it.
+"""Passkey retrieval: train at a short length, evaluate length x depth past it.
 
     python -m experiments.train --config=configs/passkey.py:cpu --workdir=workdirs/passkey/kdn_diag/zero
     python -m experiments.train --config=configs/passkey.py:cpu_post,state_passing \\

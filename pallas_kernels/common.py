@@ -32,7 +32,7 @@ SUPPORTED_CHUNKS = (16, 32, 64, 128)
 
 
 def kernel_backend():
-  """The platform the kernels are built for: jax's default backend (tests/test_pallas_lowering.py
+  """The platform the kernels are built for: jax's default backend (tests/kernels/test_pallas_lowering.py
   patches it to lower the GPU kernels on a CPU machine)."""
   return jax.default_backend()
 

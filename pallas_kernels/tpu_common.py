@@ -9,8 +9,8 @@ the way Mosaic lays tiles out:
     the body works on block i; outputs are written back while the next block is computed);
   * scratch (`scratch_shapes`) is allocated once.
 SMEM operands (scalars) are not VMEM and are left out. The count leaves out Mosaic's internal
-scratch and the body's spilled temporaries; issue 21 holds every kernel to 16 MiB at B=4,
-T=16k, H=16, K=V=128 bf16 (tests/test_tpu_kernels.py), the default scoped-VMEM limit on some
+scratch and the body's spilled temporaries; every kernel is held to 16 MiB at B=4,
+T=16k, H=16, K=V=128 bf16 (tests/kernels/test_tpu_kernels.py), the default scoped-VMEM limit on some
 TPU generations, so the real budget has room for those.
 """
 

@@ -1,4 +1,4 @@
-r"""GPU check of the KDN layer's fused glue kernels (issue 24) against their plain-JAX references:
+r"""GPU check of the KDN layer's fused glue kernels against their plain-JAX references:
 the causal conv1d + SiLU (ShortConv), the gated RMSNorm (GatedRMSNorm), the gain with the gate
 front-end (the composed front-end + unfused gain), and the whole kdn_diag / kdn_iso layer with
 fusion on against off. Values and gradients (rel. RMS error), fresh random inputs, packed segments,

@@ -34,7 +34,7 @@ export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 MIXER_LENS=${MIXER_LENS:-4096,16384,2048,8192,32768}
 TRAIN_STEPS=${TRAIN_STEPS:-30}
 
-# One benchmark_mixers sweep line (limit, flags...), its ranking lines to $RES/$SWEEP_LOG (the
+# One mixers-benchmark sweep line (limit, flags...), its ranking lines to $RES/$SWEEP_LOG (the
 # stage splits stay in the JSON), packed after.
 sweep_line() { timeout "$1" python3 -m experiments.benchmarks.mixers --pallas_lens= --reps=${REPS:-20} \
     --sweep_combine=false --rows= --check=false "${@:2}" 2>&1 | quiet | grep '"sweep"' \

@@ -13,7 +13,7 @@ GPU (device tool, carry=[".whl"]; fla, fla_core and ml_collections come as wheel
   PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m experiments.benchmarks.layers \
       --impls=chunked,pallas --time_budget_s=480 --out=$OUT/layers
 
-CPU smoke (what tests/test_benchmark_layers.py runs):
+CPU smoke (what tests/benchmarks/test_benchmark_layers.py runs):
   python -m experiments.benchmarks.layers --batch=1 --width=32 --num_heads=2 --head_dim=16 \
       --seq_lens=32 --chunk_size=16 --reps=1 --warmup=0 --out=/tmp/bench_layers
 
@@ -51,8 +51,7 @@ ANCHORS = {  # name -> {T: (fwd ms, fwd+bwd ms)}
   "KDN authors' iso layer": {4096: (2.52, 11.2), 16384: (8.52, 37.0)},
 }
 PAPER_SHAPE = dict(batch=4, width=2048, num_heads=16, head_dim=128)  # the anchors' shape
-# Issue 24's bars (time / fla KDA layer's, at most): (mixer, timing key, bound). (Verdict lines of
-# earlier docs quote an older issue's fwd+bwd bars: kdn_diag 1.0x, kdn_iso 0.9x.)
+# The layer bars (time / fla KDA layer's, at most): (mixer, timing key, bound).
 TARGETS = tuple(
   (mixer, key, bound)
   for mixer in ("kdn_diag", "kdn_iso")

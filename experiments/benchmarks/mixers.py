@@ -27,7 +27,7 @@ from experiments.benchmarks.timing import import_for_cuda, median_time, torch_cu
 from experiments.runner import cli
 from experiments.runner.kernel_config import config_from_spec
 
-# This script's flags live in their own registry: benchmark_layers defines flags of the same names
+# This script's flags live in their own registry: benchmarks/layers.py defines flags of the same names
 # (--out, --seq_lens, ...) and a test process imports both modules.
 FLAGS = flags.FlagValues()
 flags.DEFINE_string("out", "/tmp/benchmark_mixers", "output directory", flag_values=FLAGS)

@@ -8,7 +8,7 @@ input cannot be had. Downloads go through the ordinary clients only: ``apt-get d
 
 The text-extraction layer (``rst_to_text``, ``html_to_text``, ``pod_to_text``, ``osis_to_text``,
 ``imp_entries``, ``sword_documents``, ``wiki_documents``, ``play_to_text``, ``read_lazyload_db``, the
-``*_tree_documents`` walkers) is pure and tested on small stand-ins in ``tests/test_prepare.py``.
+``*_tree_documents`` walkers) is pure and tested on small stand-ins in ``tests/data/test_prepare.py``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Excess at position t = model NLL - floor NLL of the target x_t (``-log p(x_t | x
 true source), averaged over a document's positions in a window, then over documents. Two windows
 are compared: ``early`` = [T/2, T) (inside the training length T) and ``late`` = [4096, 8192).
 
-The verdict is the paper's own measure, as the text study's rule states it (issue 52): the model's
+The verdict is the paper's own measure, as the text study's rule states it: the model's
 perplexity late over its perplexity early, ``exp(mean NLL(late) - mean NLL(early))`` paired over
 documents, with its percentile-bootstrap interval:
 

@@ -10,7 +10,6 @@ bf16 data."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 _BOOLS = {"1": True, "true": True, "True": True, "0": False, "false": False, "False": False}
 
@@ -43,32 +42,6 @@ def config_from_spec(base, spec, what="--sweep item"):
 FAMILIES = ("delta_rule", "gain", "conv")
 
 
-# Fields that run configs of earlier versions may name and that no longer exist (options removed,
-# each with its measurement in docs/decisions.md): dropped from config.kernels specs with a warning,
-# so those runs still resume and evaluate. (Benchmark flags refuse them like any unknown field.)
-REMOVED = {
-  "delta_rule": (
-    "cumsum_in_gain",
-    "prefetch_output_rows",
-    "output_after_update",
-    "state_step_chunks",
-    "fast_dots",
-    "fuse_output",
-    "wy_inverse",
-    # (bf16_write=0 stored the diag KDN's kappa in fp32: such a run resumes with bf16 kappa)
-    "bf16_write",
-    "cumsum_in_pairs",
-    "decayed_operands",
-    "forward_only_chunk",
-    "min_chunk",
-    "pair_diag",
-    "scalar_write",
-    "sub_block",
-  ),
-  "gain": ("iso_scalar_replay", "renorm_every"),
-}
-
-
 def _tuned(family):
   from pallas_kernels import tuned  # pylint: disable=g-import-not-at-top
 
@@ -81,27 +54,12 @@ def _bundle(configs):
   return KernelConfigs(**configs)
 
 
-def _without_removed(key, spec, what):
-  if spec in ("", "default"):
-    return spec
-  items = spec.split("/")
-  kept = [item for item in items if item.partition("=")[0] not in REMOVED.get(key, ())]
-  if len(kept) < len(items):
-    logging.warning(
-      "%s.%s: %s no longer exist (removed speed-only options); ignored",
-      what,
-      key,
-      sorted(set(items) - set(kept)),
-    )
-  return "/".join(kept)
-
-
 def resolve(specs, what="config.kernels"):
-  """A pallas_kernels.KernelConfigs from specs (a mapping family -> spec; a missing key is '';
-  REMOVED fields are dropped): each family with a spec is its tuned config for this device with
-  the overrides, the others None (tuned); None when every spec is empty. Raises a ValueError
-  naming what.<family> and the item."""
-  specs = {key: _without_removed(key, specs.get(key, "") or "", what) for key in FAMILIES}
+  """A pallas_kernels.KernelConfigs from specs (a mapping family -> spec; a missing key is ''):
+  each family with a spec is its tuned config for this device with the overrides, the others None
+  (tuned); None when every spec is empty. Raises a ValueError naming what.<family> and the item
+  (also for an option that no longer exists: docs/decisions.md gives each one's measurement)."""
+  specs = {key: specs.get(key, "") or "" for key in FAMILIES}
   if not any(s not in ("", "default") for s in specs.values()):
     return None
   return _bundle(
@@ -134,7 +92,7 @@ def define_flags(flag_values):
       f"{key}_config",
       "",
       f"{cls} overrides for the Pallas kernels, "
-      "'field=value/field=value' (benchmark_mixers' --sweep syntax); '' = the "
+      "'field=value/field=value' (the mixers benchmark's --sweep syntax); '' = the "
       "tuned config",
       flag_values=flag_values,
     )

@@ -13,7 +13,7 @@ HEADER = """# Results: the seeds' claims tested at small scale
 
 Every table and figure below is rendered by `python -m experiments.studies.render_results` from the JSON that the
 training and evaluation runs wrote (copied under `docs/results/<study>/`, with each study's exact commands in
-its `commands.json`). Sections follow issue 17's list; a study not run yet says so.
+its `commands.json`). A study not run yet says so.
 """
 
 # (title, 'module:function' of experiments.studies.results, or None where no renderer exists yet)

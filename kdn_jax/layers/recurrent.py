@@ -69,7 +69,7 @@ class RecurrentMixer(nnx.Module):
 
   has_variance = False
   # q/k/v short convs with the Pallas kernel (pallas_kernels.causal_conv1d) when the impl resolves
-  # to pallas; on for the KDN mixers (issue 24), off here so far
+  # to pallas; on for the KDN mixers, off here
   fuse_conv = False
   fuse_norm = False  # likewise the sigmoid-gated output RMSNorm (pallas_kernels.gated_norm)
   normalize_qk = True  # q, k L2-normalised after their convs (off: Mamba-2's raw B, C)

@@ -1,6 +1,6 @@
 """How the delta rule runs its kernel stages: `run(name, fn, *arrays, **static)`.
 
-forward_stages and backward_stages (this package's __init__) and the stage functions they call
+forward_stages and backward_stages (chunk_fwd.py, chunk_bwd.py) and the stage functions they call
 (intra.intra_forward, backward.backward) run every stage through a runner of that signature:
 arrays (pytrees of arrays or None) go positionally, static arguments by keyword. The op passes
 `call`, which just calls the stage. A benchmark passes its own runner to time each stage as the

@@ -2,7 +2,7 @@
 
 Same recurrence and the same entry points (`gain_forward`, `gain_backward`, same arguments and
 results) as the Triton/generic kernels in kernel.py, which stay the GPU path; the two are
-selected in `kdn_gain/__init__.py` (`tpu_common.use_tpu_kernels`). Per token, lane i:
+selected in `kdn_gain/chunk_fwd.py` (`tpu_common.use_tpu_kernels`). Per token, lane i:
     p_hat = a p + om;  den = r + sum_i p_hat_i kk_i;  gain = p_hat kx / den;
     p = p_hat / (1 + u p_hat)
 (lanes as in kernel.py: diag a = exp(2 la), kx = k, kk = k^2, u = mu k^2 / r over K lanes; iso one

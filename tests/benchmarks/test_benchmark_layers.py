@@ -62,7 +62,7 @@ def test_time_budget_stops_new_cells(tmp_path):
 
 
 def test_verdicts_from_ratios():
-  """Issue 24's bars: fwd+bwd <= 0.9x and forward <= 1.1x fla's layer, for both KDN layers."""
+  """The layer bars: fwd+bwd <= 0.9x and forward <= 1.1x fla's layer, for both KDN layers."""
   rows = [
     dict(row=bl.FLA_ROW, T=4096, fwd_ms=1.0, fwd_bwd_ms=10.0),
     dict(row="kdn_diag_chunked", T=4096, fwd_ms=1.05, fwd_bwd_ms=9.5),

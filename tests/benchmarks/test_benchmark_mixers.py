@@ -181,8 +181,8 @@ def test_seg_rows_pass_document_resets(monkeypatch):
 def test_stage_split_with_documents(monkeypatch):
   """--stages_docs: the stage split runs every kernel with segment bookkeeping (T not a multiple
   of the chunk, several documents); --sweep_row sweeps the documents row with that split."""
-  # (the package `pallas_kernels` exports the function delta_rule under the module's name)
-  pdr = importlib.import_module("pallas_kernels.delta_rule")
+  # (stage_inputs calls segment_arrays in the module that defines both)
+  pdr = importlib.import_module("pallas_kernels.delta_rule.inputs")
   monkeypatch.setattr(bm, "_DOC_LEN", 10)
   seen = []
   real = pdr.segment_arrays

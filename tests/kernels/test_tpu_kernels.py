@@ -133,7 +133,7 @@ def test_tile_bytes_pad_to_the_tpu_layout():
 
 
 def test_every_tpu_kernel_fits_16mib_of_vmem_at_real_size():
-  """Issue 21: at B=4, T=16k, H=16, K=V=128 bf16 every TPU kernel's live VMEM (tiles double-
+  """At B=4, T=16k, H=16, K=V=128 bf16 every TPU kernel's live VMEM (tiles double-
   buffered + scratch) is under 16 MiB, at the default blocks and the largest chunk."""
   from pallas_kernels import tpu_vmem  # pylint: disable=g-import-not-at-top
 

@@ -1,6 +1,6 @@
 """Tests of the Mamba-2 mixer (kdn_jax.layers.mamba2): the recurrence against a float64 token loop,
 parameter matching, and a tiny LM forward + grad. Chunked forward == step decode and packed segments ==
-separate sequences are checked for mamba2 by tests/test_layers.py (test_recurrent_mixer runs every
+separate sequences are checked for mamba2 by tests/layers/test_layers.py (test_recurrent_mixer runs every
 recurrent mixer). Tiny shapes, CPU, a few compiled programs."""
 
 import jax

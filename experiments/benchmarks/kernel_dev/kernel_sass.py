@@ -1,5 +1,5 @@
-"""Static report of the Pallas GPU kernels, on a machine without a GPU: one benchmark_mixers row
-is lowered for CUDA (jax's cross-platform lowering, as tests/test_pallas_lowering.py does), each
+"""Static report of the Pallas GPU kernels, on a machine without a GPU: one mixers-benchmark row
+is lowered for CUDA (jax's cross-platform lowering, as tests/kernels/test_pallas_lowering.py does), each
 pallas_call's Triton IR is taken from the lowering and compiled for sm_90 by the `triton` package
 (its bundled ptxas), and the SASS is read back (nvdisasm, cuobjdump):
 
@@ -36,8 +36,8 @@ FLAGS = flags.FlagValues()
 flags.DEFINE_string(
   "row",
   "diag_kdn_pallas",
-  "a benchmark_mixers JAX row (*_pallas), or "
-  "layer:<mixer> for a benchmark_layers layer on the pallas path (width = "
+  "a mixers-benchmark JAX row (*_pallas), or "
+  "layer:<mixer> for a layers-benchmark layer on the pallas path (width = "
   "heads x dim)",
   flag_values=FLAGS,
 )
@@ -311,7 +311,7 @@ def format_comparison(rows, base_rows):
 
 
 def _row_fn(row, t, fwd_bwd, kernels):
-  """(jitted fn, args) of a benchmark_mixers row or of a layer ('layer:<mixer>', pallas path)."""
+  """(jitted fn, args) of a mixers-benchmark row or of a layer ('layer:<mixer>', pallas path)."""
   if row.startswith("layer:"):
     from experiments.benchmarks import layers as bl  # pylint: disable=g-import-not-at-top
 
@@ -328,9 +328,7 @@ def _row_fn(row, t, fwd_bwd, kernels):
     return (fwd_and_bwd, args + (ct,)) if fwd_bwd else (fwd, args)
   from experiments.benchmarks import mixers as bm  # pylint: disable=g-import-not-at-top
 
-  bm.FLAGS(
-    ["benchmark_mixers", f"--batch={FLAGS.batch}", f"--heads={FLAGS.heads}", f"--dim={FLAGS.dim}"]
-  )
+  bm.FLAGS(["mixers", f"--batch={FLAGS.batch}", f"--heads={FLAGS.heads}", f"--dim={FLAGS.dim}"])
   return bm.jax_row_fn(row, t, fwd_bwd, kernels)
 
 
@@ -338,7 +336,7 @@ def main(argv):
   del argv
   if not (FLAGS.row.endswith("_pallas") or FLAGS.row.startswith("layer:")):
     raise app.UsageError(
-      f"--row must be a *_pallas benchmark_mixers row or layer:<mixer>, got {FLAGS.row!r}"
+      f"--row must be a *_pallas mixers-benchmark row or layer:<mixer>, got {FLAGS.row!r}"
     )
   try:
     import triton  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import

@@ -1,4 +1,4 @@
-"""One benchmark_mixers row run under Nsight Compute: the row is built and run once unprofiled
+"""One mixers-benchmark row run under Nsight Compute: the row is built and run once unprofiled
 (compilation, fla's autotuning), then run --runs times between cudaProfilerStart / Stop, so that
 
   ncu --clock-control none --profile-from-start off --section SpeedOfLight ... \\
@@ -17,7 +17,7 @@ from experiments.runner import cli
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_string(
-  "row", "diag_kdn_pallas", "a benchmark_mixers row (fla_* rows need fla)", flag_values=FLAGS
+  "row", "diag_kdn_pallas", "a mixers-benchmark row (fla_* rows need fla)", flag_values=FLAGS
 )
 flags.DEFINE_integer("seq_len", 4096, "T", flag_values=FLAGS)
 flags.DEFINE_enum("mode", "fwd", ["fwd", "fwd_bwd"], "what one run does", flag_values=FLAGS)
@@ -28,7 +28,7 @@ def main(argv):
   del argv
   import torch  # pylint: disable=g-import-not-at-top  (cudaProfilerStart / Stop; GPU only)
 
-  bm.FLAGS(["benchmark_mixers"])
+  bm.FLAGS(["mixers"])
   fwd_bwd = FLAGS.mode == "fwd_bwd"
   if FLAGS.row.startswith("fla_"):
     _, run = bm.fla_row_fn(FLAGS.row, FLAGS.seq_len, fwd_bwd)

@@ -39,7 +39,7 @@ flags.DEFINE_enum(
   "fusion",
   "on",
   ("on", "off") + FUSED_PIECES,
-  "benchmark_layers.set_fusion: the fused glue kernels (pallas path)",
+  "benchmarks/layers.py set_fusion: the fused glue kernels (pallas path)",
   flag_values=FLAGS,
 )
 flags.DEFINE_integer("seq_len", 16384, "T", flag_values=FLAGS)

@@ -1,5 +1,5 @@
 """RESULTS.md: copying with and without state passing, and passkey retrieval past the training length, from
-docs/results/copying/ and docs/results/passkey/ (issue 17 item 4).
+docs/results/copying/ and docs/results/passkey/.
 
 Layout read here (every number in the markdown comes from these files):
 
@@ -316,7 +316,7 @@ def _copy_verdict(runs, curves, lo, hi) -> list[str]:
   out = [
     "**What the paper reports and what we see.** The second paper reports copying character accuracy "
     f"beyond the training lengths of {PAPER['zero']:.2f} without and {PAPER['state_passing']:.2f} with "
-    "state passing post-training (as quoted in issue 17).",
+    "state passing post-training.",
     *bullets,
   ]
   shapes = sorted({f"{h} heads of {d} x {d} per layer" for _, h, d, _ in models.values()})

@@ -1,6 +1,6 @@
 """RESULTS.md section 2: KDN's information scale mu and the effective write strength beta_eff: the trained
 rows (docs/results/mu/, one run per mu), the fixed-weight probe and the noise factorial at mu = K
-(docs/results/noise_factorial/noise.json from ``python -m experiments.studies.noise_factorial``)."""
+(the noise.json of ``python -m experiments.studies.noise_factorial``, under docs/results/ once run)."""
 
 from __future__ import annotations
 

@@ -200,17 +200,17 @@ def _by_rate(grid) -> str:
 def _run_to_run(grid, results_dir) -> list:
   """(cell, mixer, lr, single-run accuracy, sweep-member accuracy): a sweep member against the single run of
   the same config, seed and rate from an earlier session (on CPU the two agree to float rounding,
-  tests/test_lr_sweep.py; on the GPU they also differ by non-deterministic reductions)."""
-  root = os.path.join(results_dir, "mqar", "single_runs_session26")
+  tests/runner/test_lr_sweep.py; on the GPU they also differ by non-deterministic reductions)."""
+  path = os.path.join(results_dir, "mqar", "single_runs.json")
+  single = {
+    (r["cell"], r["mixer"], r["learning_rate"]): r["accuracy"]
+    for r in (load(path)["runs"] if exists(path) else [])
+  }
   pairs = []
   for r in grid["runs"]:
-    path = os.path.join(root, r["cell"], r["mixer"], f"lr{r['learning_rate']:g}", "summary.json")
-    if r["status"] == "completed" and r.get("sweep") and exists(path):
-      old = load(path)
-      if old.get("status") == "completed":
-        pairs.append(
-          (r["cell"], r["mixer"], r["learning_rate"], old["eval"]["accuracy"], r["accuracy"])
-        )
+    key = (r["cell"], r["mixer"], r["learning_rate"])
+    if r["status"] == "completed" and r.get("sweep") and key in single:
+      pairs.append(key + (single[key], r["accuracy"]))
   return pairs
 
 
@@ -225,7 +225,7 @@ def _reproduced(pairs) -> str:
   rows = [[c, m, f"{lr:g}", f"{a:.3f}", f"{b:.3f}", f"{b - a:+.3f}"] for c, m, lr, a, b in pairs]
   return (
     "Run to run: the same config, seed and rate trained as a single run (an earlier session, "
-    "`docs/results/mqar/single_runs_session26/`) and as a member of this sweep, on the same kind of GPU: "
+    "`docs/results/mqar/single_runs.json`) and as a member of this sweep, on the same kind of GPU: "
     f"{len(pairs)} pairs, median |difference| {np.median(np.abs(diffs)):.3f}, largest "
     f"{np.abs(diffs).max():.3f}. Runs that learn slowly (accuracy well below 1 at the end) move most: "
     "a small difference early in training (GPU reductions are not bitwise deterministic) changes when "
