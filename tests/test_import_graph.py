@@ -16,6 +16,7 @@ ALLOWED_UP = {
   ("experiments.studies.mqar_zoology", "configs.mqar_zoology"),
   ("experiments.studies.mqar_zoology_sweep", "configs.mqar_zoology"),
   ("experiments.studies.init_write_strength", "configs.mqar_zoology"),
+  ("experiments.benchmarks.sweep_memory", "configs.mqar_zoology"),
 }
 
 
