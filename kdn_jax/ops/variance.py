@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from kdn_jax.ops import diag_gain_grad, mobius
-from kdn_jax.ops.varying import like_varying
+from kdn_jax.ops.varying import all_varying, like_varying
 
 
 def diag_gain_terms(k, log_alpha, r, info_scale):
@@ -195,7 +195,8 @@ def diag_gain(k, log_alpha, omega, r, info_scale, p0, segment_ids=None, at=None)
   mu = jnp.asarray(info_scale, k.dtype)
   mu = mu[:, None] if mu.ndim == 1 else mu
   starts = None if segment_ids is None else segment_starts(segment_ids)
-  kappa, p = _diag_gain_posteriors(k, log_alpha, omega, r, mu, p0, starts)
+  args = all_varying(k, log_alpha, omega, r, mu, p0)
+  kappa, p = _diag_gain_posteriors(*args, starts)
   return _with_posteriors_at((kappa, p[:, -1]), p, at)
 
 
