@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import kdn_oracle
 import numpy as np
 import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 from ops_cases import FAMILIES, make_inputs, make_state, rel_err, round_f32
 
@@ -204,9 +206,6 @@ def test_diag_gain_grads_under_shard_map_with_replicated_info_scale():
   """Inside shard_map the chunked diag gain's custom backward gets a replicated (unvarying)
   info_scale and initial variance beside batch-sharded inputs: their gradients are the sums over
   shards, as autodiff of the plain op gives."""
-  from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
-  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-
   x = make_inputs("diag", B, 16, H, K, K, seed=5)
   arrays = [jnp.asarray(x[n], jnp.float32) for n in ("q", "k", "v", "log_alpha", "omega", "r")]
   mu, p0 = jnp.asarray(_mu(H, K), jnp.float32), jnp.full((H, K), 0.7, jnp.float32)
