@@ -13,6 +13,8 @@
 #   forward      forward configs at 16k with the stage split and at 4k
 #   ncu          Nsight Compute on the pair and gain kernels, ours and fla's
 #   performance  the records behind docs/performance.md
+#   sweep_memory memory per member of the MQAR Zoology sweep's step (compiled and one step's peak),
+#                one process per (width, mixer); SWEEP_MIXERS, SWEEP_WIDTHS, SWEEP_BATCH
 # Default: check ops stages docs mixers layers train.
 # Kernel config sweep (stages): SWEEP='default,num_warps_intra=2/block_v=32' (DeltaRuleConfig fields).
 # Extra train flags: TRAIN_EXTRA='--config.model.scan_layers=True --config.model.impl=pallas';
@@ -206,5 +208,16 @@ performance)
     record "$RES/perf_decode.json" "$(echo $cmd)" decode ;;
   *) echo "unknown performance part $part" ;;
   esac; done ;;
+sweep_memory)
+  # One process per (width, mixer): the device's peak is a running maximum over the process.
+  # About 60 s a row; JSON lines in $RES/sweep_memory.jsonl, the summary lines in sweep_memory.txt.
+  for w in $(echo "${SWEEP_WIDTHS:-64,128}" | tr , ' '); do
+    for m in $(echo "${SWEEP_MIXERS:-kdn_diag,kdn_iso,kda,gated_deltanet}" | tr , ' '); do
+      timeout ${SWEEP_MEMORY_LIMIT:-240} python3 -m experiments.benchmarks.sweep_memory \
+        --widths=$w --mixers=$m --batch=${SWEEP_BATCH:-128} --run_step --out="$RES/sweep_memory.jsonl" 2>&1 \
+        | quiet | grep -E '^#|Error' | tee -a "$RES/sweep_memory.txt"
+      pack
+    done
+  done ;;
 *) echo "unknown section $s" ;;
 esac; done

@@ -75,7 +75,9 @@ def batch(
   # Query slots: even offsets after the context; n of the row's `space` slots without replacement, with
   # probability decreasing as a power of the gap (Gumbel top-k = sequential weighted draws).
   space = (t + 1 - 2 * n) // 2
-  slots = np.arange(int(space.max()))[None, :]
+  # (at least `width` slots: a batch whose rows all have fewer than `width` pairs still picks
+  # `width` columns; the slots past a row's space score -inf and are never valid)
+  slots = np.arange(max(int(space.max()), width))[None, :]
   logw = (-1.0 + power_a) * np.log(slots + 1.0) if power_a else np.zeros(slots.shape)
   score = np.where(
     slots < space[:, None],

@@ -14,8 +14,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kdn_jax.ops import mobius
-from kdn_jax.ops.varying import like_varying
+from kdn_jax.ops import diag_gain_grad, mobius
+from kdn_jax.ops.varying import all_varying, like_varying
 
 
 def diag_gain_terms(k, log_alpha, r, info_scale):
@@ -161,12 +161,42 @@ def _with_posteriors_at(out, post, at):
   return out + (jnp.take(post, jnp.asarray(at) - 1, axis=1),)
 
 
+def _diag_gain_forward(k, log_alpha, omega, r, mu, p0, starts):
+  decay2, u = diag_gain_terms(k, log_alpha, r, mu)
+  p_hat, p = _variance_scan(decay2, omega, u, p0, starts)
+  return p_hat * k / (r + jnp.sum(p_hat * k * k, axis=-1))[..., None], p
+
+
+@jax.custom_vjp
+def _diag_gain_posteriors(k, log_alpha, omega, r, mu, p0, starts):
+  """(kappa, every posterior p), both [B, T, H, K]; mu a scalar or [H, 1]."""
+  return _diag_gain_forward(k, log_alpha, omega, r, mu, p0, starts)
+
+
+def _diag_gain_fwd(k, log_alpha, omega, r, mu, p0, starts):
+  kappa, p = _diag_gain_forward(k, log_alpha, omega, r, mu, p0, starts)
+  # (the backward's only saved array beyond the inputs: the posteriors; diag_gain_grad.py)
+  return (kappa, p), (k, log_alpha, omega, r, mu, p0, starts, p)
+
+
+def _diag_gain_bwd(res, cts):
+  *inputs, starts, p = res
+  grads = diag_gain_grad.diag_gain_bwd(*inputs, starts, p, *cts)
+  return grads + (None,)
+
+
+_diag_gain_posteriors.defvjp(_diag_gain_fwd, _diag_gain_bwd)
+
+
 @functools.partial(jax.jit, static_argnames="at")
 def diag_gain(k, log_alpha, omega, r, info_scale, p0, segment_ids=None, at=None):
   """kappa [B,T,H,K] and the final variance [B,H,K] via the Moebius scan
   (with `at`, positions as a tuple, also the variance after each)."""
-  p_hat, p = diag_variance_scan(k, log_alpha, omega, r, info_scale, p0, segment_ids)
-  kappa = p_hat * k / (r + jnp.sum(p_hat * k * k, axis=-1))[..., None]
+  mu = jnp.asarray(info_scale, k.dtype)
+  mu = mu[:, None] if mu.ndim == 1 else mu
+  starts = None if segment_ids is None else segment_starts(segment_ids)
+  args = all_varying(k, log_alpha, omega, r, mu, p0)
+  kappa, p = _diag_gain_posteriors(*args, starts)
   return _with_posteriors_at((kappa, p[:, -1]), p, at)
 
 

@@ -43,6 +43,15 @@ def test_rows_are_valid_examples_of_their_cells_and_deterministic():
     mqar_mixture.batch(0, 0, ((128, 4),), 4, 64, vocab_size=64)
 
 
+def test_a_batch_without_the_widest_cell_is_valid():
+  # Every row drawn from the (16, 2) cell: fewer query slots than the widest cell's pairs.
+  cells = ((16, 2, 1.0), (64, 16, 1e-9))
+  b = mqar_mixture.batch(0, 0, cells, 4, 64, vocab_size=64)
+  assert np.all(b["cell"] == 0)
+  for r in range(4):
+    _check_row(b["inputs"][r], b["targets"][r], b["mask"][r], 16, 2, 64)
+
+
 def test_query_positions_and_keys_follow_the_per_example_generator():
   t, n, rows = 64, 8, 3000
   b = mqar_mixture.batch(1, 0, ((t, n),), rows, t, vocab_size=64)

@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import kdn_oracle
 import numpy as np
 import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 from ops_cases import FAMILIES, make_inputs, make_state, rel_err, round_f32
 
@@ -198,3 +200,32 @@ def test_bf16_kappa_within_bf16_bounds():
   errs["loss"] = abs(float(loss) - float(want_l)) / abs(float(want_l))
   for n, e in errs.items():
     assert e <= 1e-2, (n, errs)
+
+
+def test_diag_gain_grads_under_shard_map_with_replicated_info_scale():
+  """Inside shard_map the chunked diag gain's custom backward gets a replicated (unvarying)
+  info_scale and initial variance beside batch-sharded inputs: their gradients are the sums over
+  shards, as autodiff of the plain op gives."""
+  x = make_inputs("diag", B, 16, H, K, K, seed=5)
+  arrays = [jnp.asarray(x[n], jnp.float32) for n in ("q", "k", "v", "log_alpha", "omega", "r")]
+  mu, p0 = jnp.asarray(_mu(H, K), jnp.float32), jnp.full((H, K), 0.7, jnp.float32)
+
+  def loss(mu, p0, *a):
+    var = ops.KDNState(
+      jnp.zeros((a[0].shape[0], H, K, K)), jnp.broadcast_to(p0, (a[0].shape[0], H, K))
+    )
+    o, st = ops.diag_kdn(
+      *a, info_scale=mu, initial_state=var, output_final_state=True, impl="chunked", chunk_size=16
+    )
+    return jnp.sum(o**2) + jnp.sum(st.variance)
+
+  grad = jax.grad(loss, argnums=(0, 1))
+  mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+  sharded = jax.shard_map(
+    grad,
+    mesh=mesh,
+    in_specs=(P(), P()) + (P("data"),) * 6,
+    out_specs=(P(), P()),
+  )
+  for got, want in zip(jax.jit(sharded)(mu, p0, *arrays), grad(mu, p0, *arrays)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
