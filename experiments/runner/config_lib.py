@@ -236,11 +236,25 @@ def did_you_mean(key: str, config: ml_collections.ConfigDict | None = None) -> s
     known = _dotted_keys(config) + [f"model.{k}" for k in model_config_lib.DEFAULTS]
   else:
     known = _dotted_keys(config)
-  # the same section first (a typo rarely changes it), then any key
-  section = key.rpartition(".")[0]
-  same = [k for k in known if k.rpartition(".")[0] == section]
-  close = difflib.get_close_matches(key, same, n=1, cutoff=0.6) or difflib.get_close_matches(
-    key, known, n=1, cutoff=0.75
+  section, _, leaf = key.rpartition(".")
+  leaves = {k: k.rpartition(".")[2] for k in known}
+
+  def with_leaf(names):
+    return [k for k in known if leaves[k] in names]
+
+  # the same leaf in another section first (a key put in the wrong section, e.g. train.learning_rate:
+  # the section's own close names would hide it), then a close leaf in the same section, then a close
+  # leaf or key anywhere (never the key's own section: 'train' is no answer to 'train.lr')
+  same = [leaves[k] for k in known if k.rpartition(".")[0] == section]
+  close = (
+    difflib.get_close_matches(key, with_leaf({leaf}), n=1, cutoff=0.0)
+    or [
+      f"{section}.{m}".lstrip(".") for m in difflib.get_close_matches(leaf, same, n=1, cutoff=0.6)
+    ]
+    or with_leaf(difflib.get_close_matches(leaf, set(leaves.values()), n=1, cutoff=0.8))[:1]
+    or difflib.get_close_matches(
+      key, [k for k in known if not key.startswith(f"{k}.")], n=1, cutoff=0.75
+    )
   )
   return f" (did you mean 'config.{close[0]}'?)" if close else ""
 

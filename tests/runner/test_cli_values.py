@@ -116,6 +116,11 @@ CASES = [
     r"unknown config key 'config\.optim\.learning_rat' \(did you mean 'config\.optim\.learning_rate'\?\)",
   ),
   (
+    "key_wrong_section",
+    ["--config.train.learning_rate=1e-3"],
+    r"unknown config key 'config\.train\.learning_rate' \(did you mean 'config\.optim\.learning_rate'\?\)",
+  ),
+  (
     "model_key_typo",
     ["--config.model.chunk_sise=16"],
     r"unknown config key 'config\.model\.chunk_sise' \(did you mean 'config\.model\.chunk_size'\?\)",
@@ -208,3 +213,17 @@ def test_a_fresh_process_gives_the_same_line(results, name):
     timeout=300,
   )
   assert (r.returncode, r.stderr) == (code, err)
+
+
+def test_did_you_mean_searches_every_section():
+  """A key in the wrong section finds its own name elsewhere before a close name in its section; a
+  typo in the section's name keeps the leaf; a key's own section is never the answer."""
+  from experiments.runner.config_lib import did_you_mean  # pylint: disable=g-import-not-at-top
+
+  assert (
+    did_you_mean("config.train.learning_rate") == " (did you mean 'config.optim.learning_rate'?)"
+  )
+  assert did_you_mean("config.optim.seq_len") == " (did you mean 'config.data.seq_len'?)"
+  assert did_you_mean("config.trian.num_steps") == " (did you mean 'config.train.num_steps'?)"
+  assert did_you_mean("config.train.num_step") == " (did you mean 'config.train.num_steps'?)"
+  assert did_you_mean("config.train.lr") == ""
