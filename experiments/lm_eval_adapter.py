@@ -46,6 +46,36 @@ class SetupError(ValueError):
   """A bad model argument or lm_eval option, in one line naming it (kdn-lm-eval prints only the line)."""
 
 
+def parse_device(spec: str) -> tuple[str, int]:
+  """'cpu', 'gpu' / 'cuda', 'tpu', with an optional ':index' -> (JAX platform, index)."""
+  name, _, index = str(spec).partition(":")
+  platform = {"cuda": "gpu", "gpu": "gpu", "cpu": "cpu", "tpu": "tpu"}.get(name.lower())
+  if platform is None or (index and not index.isdigit()):
+    raise SetupError(
+      f"device: expected cpu, gpu, cuda or tpu with an optional :index, got {spec!r}"
+    )
+  return platform, int(index or 0)
+
+
+def check_model_args(model_args: dict) -> None:
+  """One line for bad model_args, from their names and the run's directory alone (no array is read):
+  kdn-lm-eval checks them before lm_eval indexes its tasks, which takes seconds."""
+  unknown = sorted(set(model_args) - set(MODEL_ARGS))
+  if unknown:
+    hints = "".join(
+      f" ({k}: did you mean {m[0]}?)"
+      for k in unknown
+      if (m := difflib.get_close_matches(k, MODEL_ARGS, n=1, cutoff=0.6))
+    )
+    raise SetupError(f"model_args: unknown {unknown}{hints}; expected {', '.join(MODEL_ARGS)}")
+  if not model_args.get("workdir"):
+    raise SetupError("model_args: workdir=<run directory or checkpoint> is required")
+  try:
+    loading.find(str(model_args["workdir"]), loading.as_step(model_args.get("step")))
+  except (FileNotFoundError, ValueError) as e:
+    raise SetupError(f"model_args: {e}") from None
+
+
 def jax_device(spec: str | None):
   """'cpu', 'gpu' / 'cuda', 'tpu', with an optional ':index' -> that jax.Device (None: JAX's default).
 
@@ -55,12 +85,7 @@ def jax_device(spec: str | None):
 
   if spec is None or spec == "":
     return jax.devices()[0]
-  name, _, index = str(spec).partition(":")
-  platform = {"cuda": "gpu", "gpu": "gpu", "cpu": "cpu", "tpu": "tpu"}.get(name.lower())
-  if platform is None or (index and not index.isdigit()):
-    raise SetupError(
-      f"device: expected cpu, gpu, cuda or tpu with an optional :index, got {spec!r}"
-    )
+  platform, i = parse_device(spec)
   try:
     devices = jax.devices(platform)
   except RuntimeError:
@@ -68,7 +93,6 @@ def jax_device(spec: str | None):
       raise SetupError(f"device: {spec!r}: JAX has no {platform} backend here") from None
     log.warning("kdn_jax: device %r: JAX has no GPU here; running on the CPU", spec)
     return jax.devices("cpu")[0]
-  i = int(index or 0)
   if i >= len(devices):
     raise SetupError(f"device: {spec!r}: index {i} is past the {len(devices)} {platform} device(s)")
   return devices[i]
@@ -129,25 +153,13 @@ class KdnJaxLM(LM):
     **unknown,
   ):
     super().__init__()
-    if unknown:
-      hints = {
-        k: m[0] for k in unknown if (m := difflib.get_close_matches(k, MODEL_ARGS, n=1, cutoff=0.6))
-      }
-      said = "".join(f" ({k}: did you mean {m}?)" for k, m in hints.items())
-      raise SetupError(
-        f"model_args: unknown {sorted(unknown)}{said}; expected {', '.join(MODEL_ARGS)}"
-      )
-    if not workdir:
-      raise SetupError("model_args: workdir=<run directory or checkpoint> is required")
+    check_model_args({**unknown, "workdir": workdir, "step": step})
     self.name = str(model or run_name(workdir, step))
     self._device = jax_device(device)
     try:
-      self.run = loading.load(
-        str(workdir), None if step in (None, "") else step, tokenizer or None, device=self._device
-      )
-      self.tok = (
-        self.run.tokenizer
-      )  # raises, naming the argument, for runs without a text tokenizer
+      self.run = loading.load(str(workdir), step, tokenizer or None, device=self._device)
+      # (raises, naming the argument, for runs without a text tokenizer)
+      self.tok = self.run.tokenizer
     except (FileNotFoundError, ValueError) as e:
       raise SetupError(f"model_args: {e}") from None
     self.prefix = int(self.tok.eos_id)
@@ -302,10 +314,12 @@ def main():
   parser = HarnessCLI()
   args = parser.parse_args()
   model_args = getattr(args, "model_args", None)
-  if getattr(args, "model", None) == "kdn_jax" and isinstance(model_args, dict):
-    if model_args.get("workdir"):
-      model_args.setdefault("model", run_name(model_args["workdir"], model_args.get("step")))
   try:
+    if getattr(args, "model", None) == "kdn_jax" and isinstance(model_args, dict):
+      check_model_args(model_args)
+      if getattr(args, "device", None):
+        parse_device(args.device)
+      model_args.setdefault("model", run_name(model_args["workdir"], model_args.get("step")))
     parser.execute(args)
   except SetupError as e:
     print(f"kdn-lm-eval: {e}", file=sys.stderr)

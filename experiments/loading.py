@@ -105,6 +105,16 @@ def find(workdir: str, step: int | None = None) -> tuple[str, int]:
   return root, step
 
 
+def as_step(step) -> int | None:
+  """``step`` as a checkpoint step: an integer, or None (also for '') for the latest."""
+  if step is None or step == "":
+    return None
+  try:
+    return operator.index(step)
+  except TypeError:
+    raise ValueError(f"step: expected an integer or None, got {step!r}") from None
+
+
 def saved_steps(workdir: str) -> list[int]:
   """Every saved checkpoint step of ``workdir`` (a run directory or its checkpoints directory),
   ascending."""
@@ -191,12 +201,7 @@ def load(
   import jax  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  if step is not None:
-    try:
-      step = operator.index(step)
-    except TypeError:
-      raise ValueError(f"step: expected an integer or None, got {step!r}") from None
-  root, step = find(workdir, step)
+  root, step = find(workdir, as_step(step))
   try:
     record = ckpt_lib.read_record(os.path.join(root, str(step)))
   except ckpt_lib.CheckpointCorruptError as e:

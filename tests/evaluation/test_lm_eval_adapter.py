@@ -2,13 +2,14 @@
 JSONL files: its multiple-choice log-likelihoods, rolling log-likelihoods (documents longer than the
 carried chunk) and greedy generations equal the model's own, computed here by one plain forward / the
 model's greedy choice by plain forwards; the rolling score equals experiments.evaluate's position-wise NLL on the same text;
-lm_eval's command line finds the model through kdn-lm-eval's entry point. Also experiments.load's errors."""
+docs/lm_eval.md's local-task command runs as written; kdn-lm-eval's errors are one line. Also experiments.load's errors."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -234,49 +235,96 @@ def test_rolling_equals_evaluate_position_ppl(lm, harness, tmp_path):
   )
 
 
-def test_command_line_finds_kdn_jax(lm, tmp_path):
+def _documented_command():
+  """The command of docs/lm_eval.md's local-task example: (environment assignments, argv)."""
+  with open(os.path.join(ROOT, "docs", "lm_eval.md"), encoding="utf-8") as f:
+    text = f.read()
+  block = re.search(r"<!-- lm-eval-doc-test:[^\n]*-->\n```bash\n(.+?)\n```", text, re.S)
+  assert block, "docs/lm_eval.md lost its tested example"
+  words = shlex.split(block[1])
+  env = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_]+=\S*", w))
+  return env, [w for w in words if not re.fullmatch(r"[A-Z_]+=\S*", w)]
+
+
+def test_documented_local_task_command_runs(lm):
+  """docs/lm_eval.md's command, as written (lm_eval's default device, cuda:0, on a CPU-only machine),
+  on the tiny run: lm_eval's table for the shipped tasks, results in a folder named after the run."""
+  env, argv = _documented_command()
+  assert env == {"HF_DATASETS_OFFLINE": "1"} and argv[:2] == ["python", "-m"]
+  argv = [sys.executable] + [w.replace("/tmp/lm", lm["workdir"]) for w in argv[1:]]
   out = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "experiments.lm_eval_adapter",
-      "--model",
-      "kdn_jax",
-      "--model_args",
-      f"workdir={lm['workdir']}",
-      "--tasks",
-      "kdn_mc",
-      "--include_path",
-      lm["tasks"],
-      "--batch_size",
-      "4",
-      "--device",
-      "cpu",
-    ],
+    argv,
     cwd=ROOT,
-    env=one_device_env(),
+    env={**one_device_env(), **env, "HF_DATASETS_CACHE": os.environ["HF_DATASETS_CACHE"]},
     capture_output=True,
     text=True,
     timeout=300,
     check=False,
   )
   assert out.returncode == 0, out.stderr[-3000:]
-  assert re.search(r"\|\s*kdn_mc\s*\|.*\|\s*acc\s*\|", out.stdout), out.stdout[-2000:]
+  for task, metric in (("kdn_example_mc", "acc"), ("kdn_example_ppl", "bits_per_byte")):
+    assert re.search(rf"\|\s*{task}\s*\|.*\|\s*{metric}\s*\|", out.stdout), out.stdout[-2000:]
+  if not any(d.platform == "gpu" for d in jax.devices()):
+    warned = [l for l in out.stderr.splitlines() if "JAX has no GPU here" in l]
+    assert len(warned) == 1 and "running on the CPU" in warned[0]
+  results = os.listdir(os.path.join(lm["workdir"], "eval", "lm_eval", "run"))
+  assert len(results) == 1 and results[0].startswith("results_"), results
+
+
+def test_cuda_without_a_gpu_is_the_cpu_with_one_warning(caplog):
+  if any(d.platform == "gpu" for d in jax.devices()):
+    pytest.skip("needs a machine without a GPU")
+  with caplog.at_level("WARNING"):
+    assert lm_eval_adapter.jax_device("cuda:0").platform == "cpu"
+  assert [r.getMessage() for r in caplog.records] == [
+    "kdn_jax: device 'cuda:0': JAX has no GPU here; running on the CPU"
+  ]
+  with pytest.raises(lm_eval_adapter.SetupError, match="device: 'tpu': JAX has no tpu backend"):
+    lm_eval_adapter.jax_device("tpu")
+
+
+def test_run_name():
+  assert lm_eval_adapter.run_name("/tmp/lm") == "lm"
+  assert lm_eval_adapter.run_name("/tmp/lm/", 300) == "lm_step300"
+  assert lm_eval_adapter.run_name("/tmp/lm/checkpoints/300") == "lm_step300"
+
+
+def test_command_line_bad_model_args_is_one_line(lm, monkeypatch, capsys):
+  """kdn-lm-eval's own main, in this process: exit code 2 and one stderr line naming the argument."""
+  tasks = os.path.join(ROOT, "docs", "lm_eval")
+  for args, line in (
+    (
+      "work_dir=/tmp/lm",
+      r"model_args: unknown \['work_dir'\] \(work_dir: did you mean workdir\?\)",
+    ),
+    (
+      f"workdir={lm['workdir']},step=999",
+      r"model_args: step: no checkpoint for step 999 .*have \[2\]",
+    ),
+  ):
+    argv = ["kdn-lm-eval", "--model", "kdn_jax", "--model_args", args, "--tasks", "kdn_example_mc"]
+    monkeypatch.setattr(sys, "argv", argv + ["--include_path", tasks, "--device", "cpu"])
+    with pytest.raises(SystemExit) as e:
+      lm_eval_adapter.main()
+    assert e.value.code == 2
+    err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("kdn-lm-eval:")]
+    assert len(err) == 1 and re.match(rf"kdn-lm-eval: {line}", err[0]), err
 
 
 def test_bad_model_args_name_the_argument(lm, tmp_path):
-  with pytest.raises(
-    ValueError, match="model_args: workdir=<run directory or checkpoint> is required"
-  ):
+  bad = lm_eval_adapter.SetupError
+  with pytest.raises(bad, match="model_args: workdir=<run directory or checkpoint> is required"):
     lm_eval_adapter.KdnJaxLM()
-  with pytest.raises(ValueError, match=r"model_args: unknown \['pretrained'\]"):
+  with pytest.raises(bad, match=r"model_args: unknown \['pretrained'\]; expected workdir"):
     lm_eval_adapter.KdnJaxLM(workdir=lm["workdir"], pretrained="gpt2")
-  with pytest.raises(ValueError, match="device: expected cpu, gpu, cuda or tpu"):
+  with pytest.raises(bad, match="device: expected cpu, gpu, cuda or tpu"):
     lm_eval_adapter.KdnJaxLM(workdir=lm["workdir"], device="mps")
-  with pytest.raises(ValueError, match="batch_size: expected a positive integer or auto"):
+  with pytest.raises(bad, match="batch_size: expected a positive integer or auto"):
     lm_eval_adapter.KdnJaxLM(workdir=lm["workdir"], batch_size="0")
-  with pytest.raises(FileNotFoundError, match="tokenizer: .* does not exist"):
+  with pytest.raises(bad, match="model_args: tokenizer: .* does not exist"):
     lm_eval_adapter.KdnJaxLM(workdir=lm["workdir"], tokenizer=str(tmp_path / "none.json"))
+  with pytest.raises(bad, match=r"model_args: workdir: no such directory"):
+    lm_eval_adapter.KdnJaxLM(workdir=str(tmp_path / "nope"))
 
 
 def test_load_returns_model_config_tokenizer_and_names_bad_input(lm, tmp_path, monkeypatch):
