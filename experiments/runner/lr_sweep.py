@@ -129,6 +129,7 @@ class SweepTrainer(trainer_lib.Trainer):
     seeds = self.seeds or (int(config.seed),)
     self.members = [(lr, s) for lr in self.lrs for s in seeds]  # rate-major: lr0 s0, lr0 s1, ...
     self.labels = [f"{lr:g}" + (f"/s{s}" if self.seeded else "") for lr, s in self.members]
+    self.flops_members = len(self.members)  # every member trains on each token of the batch
     self.member_dirs = [
       config_lib.sweep_member_dir(workdir, lr, s if self.seeded else None) for lr, s in self.members
     ]
@@ -314,7 +315,8 @@ class SweepTrainer(trainer_lib.Trainer):
       if tokens_per_s is None
       else f" | {tokens_per_s / 1e3:.1f}k tok/s | ETA {logging_utils.fmt_time(eta_s)}"
     )
-    return f"step {step}/{total} | loss/accuracy by lr: {per}{speed}"
+    flops = self._throughput_text(tokens_per_s)
+    return f"step {step}/{total} | loss/accuracy by lr: {per}{speed}{flops}"
 
   def _describe_eval(self, metrics, final=False) -> str:
     return ", ".join(

@@ -33,7 +33,9 @@ from experiments.runner import (
   workdir_lock,
 )
 from experiments.runner import initial_states as init_lib
+from experiments.runner import mfu as mfu_lib
 from kdn_jax.models import config as model_config_lib
+from kdn_jax.models import flops as flops_lib
 from kdn_jax.ops import dispatch
 
 
@@ -702,9 +704,9 @@ class Trainer:
               interval_tps.append(tps)
             eta = (total - step) * (now - t_log) / max(step - step_log, 1)
             t_log, step_log = now, step
-          writer.write(
-            step, "train", {**self.last_metrics, **({} if tps is None else {"tokens_per_s": tps})}
-          )
+          speed = {} if tps is None else {"tokens_per_s": tps}
+          speed.update({k: v for k, v in self._throughput(tps).items() if v is not None})
+          writer.write(step, "train", {**self.last_metrics, **speed})
           if self.is_main:
             print(self._progress_line(step, total, tps, eta), flush=True)
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < total:
@@ -738,6 +740,7 @@ class Trainer:
         if old_handler is not None:
           signal.signal(signal.SIGTERM, old_handler)
     elapsed = time.time() - t0
+    steady = float(np.median(interval_tps)) if interval_tps else None
     summary = {
       "status": status,
       "step": self.step(),
@@ -749,7 +752,14 @@ class Trainer:
       # interval that held an eval, a checkpoint or a recompile counts as one slow
       # interval instead of dragging a mean down (a step-2 recompile on GPUs:
       # docs/decisions.md)
-      "steady_tokens_per_s": (float(np.median(interval_tps)) if interval_tps else None),
+      "steady_tokens_per_s": steady,
+      # the steady tokens/s as model FLOPs: per device, and against the device's peak (None: no peak
+      # known for the device kind, e.g. a CPU)
+      "model_flops_per_token": self.model_flops_per_token,
+      "device_kind": self.device_peak[0],
+      "peak_tflops_per_device": self.device_peak[1],
+      "steady_tflops_per_s_per_device": self._throughput(steady).get("tflops_per_s_per_device"),
+      "mfu": self._throughput(steady).get("mfu"),
       "num_params": self.num_params,
       "train": self.last_metrics,
       "eval": eval_metrics,
@@ -771,7 +781,38 @@ class Trainer:
     return {k: float(v) for k, v in metrics.items()}
 
   def _progress_line(self, step, total, tokens_per_s, eta_s) -> str:
-    return logging_utils.progress_line(step, total, self.last_metrics, tokens_per_s, eta_s)
+    line = logging_utils.progress_line(step, total, self.last_metrics, tokens_per_s, eta_s)
+    return line + self._throughput_text(tokens_per_s)
+
+  # members trained per step on each token (a sweep trains several models on the same batch)
+  flops_members = 1
+
+  @functools.cached_property
+  def model_flops_per_token(self) -> float | None:
+    """Training FLOPs per token of all the models one step trains (kdn_jax.models.flops), or None for
+    a model the count does not know (another model_factory)."""
+    if self.config.model_factory != config_lib.DEFAULT_MODEL_FACTORY:
+      return None
+    count = flops_lib.flops_per_token(self.config.model, self.config.data.seq_len)
+    return count["train"] * self.flops_members
+
+  @functools.cached_property
+  def device_peak(self) -> tuple[str, float | None]:
+    """(device kind, its peak TFLOP/s for the model's compute dtype or None)."""
+    kind = jax.devices()[0].device_kind
+    return kind, mfu_lib.peak_tflops(kind, str(self.config.model.dtype))
+
+  def _throughput(self, tokens_per_s: float | None) -> dict:
+    """{'tflops_per_s_per_device', 'mfu'} for ``tokens_per_s`` ({} when either count is missing)."""
+    if tokens_per_s is None or self.model_flops_per_token is None:
+      return {}
+    return mfu_lib.throughput(
+      tokens_per_s, self.model_flops_per_token, jax.device_count(), self.device_peak[1]
+    )
+
+  def _throughput_text(self, tokens_per_s: float | None) -> str:
+    t = self._throughput(tokens_per_s)
+    return mfu_lib.describe(t) if t else ""
 
   def _describe_eval(self, metrics, final=False) -> str:
     return f"loss {metrics['loss']:.4f} {'val ' if final else ''}accuracy {metrics['accuracy']:.4f}"

@@ -431,6 +431,17 @@ def test_cli_end_to_end(tmp_path):
   assert summary["status"] == "completed"
   assert "first step done in" in r.stdout
   assert summary["steady_tokens_per_s"] > summary["tokens_per_s"] > 0  # compile excluded
+  # model FLOPs: the count of the run's model, the steady tokens/s as TFLOP/s; no peak for a CPU
+  from kdn_jax.models import flops  # pylint: disable=g-import-not-at-top
+
+  run_cfg = json.load(open(wd / "config.json"))
+  want = flops.flops_per_token(run_cfg["model"], run_cfg["data"]["seq_len"])["train"]
+  assert summary["model_flops_per_token"] == pytest.approx(want)
+  assert summary["steady_tflops_per_s_per_device"] == pytest.approx(
+    summary["steady_tokens_per_s"] * want / 1e12
+  )
+  assert summary["device_kind"] == "cpu" and summary["mfu"] is None
+  assert re.search(r"step 3/3 .*k tok/s .*TFLOP/s/device \| MFU n/a", r.stdout), r.stdout
   r = subprocess.run(
     cmd[:5] + ["--config.train.nonsense=1"],
     cwd=ROOT,
