@@ -6,6 +6,8 @@ import os
 
 import numpy as np
 
+from experiments.runner import plot_style
+
 # MQAR is scored per query and copying per character (the papers' metrics); needle tasks by exact match.
 METRIC = {
   "mqar": "token_accuracy",
@@ -18,24 +20,28 @@ METRIC = {
 
 
 def _plt():
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  return plot_style.plt()
 
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
-  return plt
+def run_title(res: dict) -> str:
+  """'<run> @ step <n>: <data>' from a suite result's meta (what was evaluated, on what)."""
+  meta = res.get("meta", {})
+  run = os.path.basename(str(meta.get("workdir", "")).rstrip("/")) or "run"
+  step = meta.get("step")
+  data = res.get("data")
+  return f"{run}" + (f" @ step {step}" if step is not None else "") + (f": {data}" if data else "")
 
 
 def _save(fig, path):
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  fig.savefig(path, dpi=110, bbox_inches="tight")  # (keeps a legend beside the axes in the PNG)
   _plt().close(fig)
   return path
 
 
 def position_ppl(res: dict, path: str) -> str:
   plt = _plt()
-  fig, ax = plt.subplots(figsize=(7, 4))
+  fig, ax = plt.subplots(figsize=(9, 4))
   ax.plot(res["bucket_center"], res["bucket_ppl"], "-", lw=1.5, label="position-wise PPL")
   ax.axvline(
     res["train_len"], color="k", ls="--", lw=1, label=f"training length {res['train_len']}"
@@ -52,11 +58,15 @@ def position_ppl(res: dict, path: str) -> str:
     )
   ax.set_xscale("log")
   ax.set_yscale("log")
+  plot_style.plain_log_ticks(ax)
+  plot_style.plain_log_ticks(ax, "x", minor=False)
   ax.set_xlabel("position t (tokens)")
   ax.set_ylabel("perplexity at t")
-  ax.set_title(f"{res['sequences']} sequences of {res['max_len']} tokens")
+  ax.set_title(
+    f"{run_title(res)}\n{res['sequences']} sequences of {res['max_len']} tokens", fontsize=9
+  )
   ax.grid(alpha=0.3, which="both")
-  ax.legend()
+  plot_style.legend_outside(ax)
   return _save(fig, path)
 
 
@@ -66,7 +76,7 @@ def topic_floor(res: dict, path: str, label: str = "") -> str:
   import textwrap  # pylint: disable=g-import-not-at-top
 
   plt = _plt()
-  fig, ax = plt.subplots(figsize=(7.5, 4.6))
+  fig, ax = plt.subplots(figsize=(9.5, 4.6))
   x = np.asarray(res["bucket_center"])
   ex = res["excess"]
   est, lo, hi = (np.asarray(ex[k]) for k in ("estimate", "lo", "hi"))
@@ -76,7 +86,13 @@ def topic_floor(res: dict, path: str, label: str = "") -> str:
     x, lo, hi, alpha=0.25, label=f"{level}% bootstrap band ({res['documents']} documents)"
   )
   for (a, b), name in ((res["early_window"], "early"), (res["late_window"], "late")):
-    ax.axvspan(a + 1, b, color="tab:gray" if name == "early" else "tab:orange", alpha=0.12)
+    ax.axvspan(
+      a + 1,
+      b,
+      color="tab:gray" if name == "early" else "tab:orange",
+      alpha=0.12,
+      label=f"{name} window: positions {a + 1}-{b}",
+    )
   ax.axvline(
     res["train_len"], color="k", ls="--", lw=1, label=f"training length T = {res['train_len']}"
   )
@@ -84,7 +100,7 @@ def topic_floor(res: dict, path: str, label: str = "") -> str:
   ax.set_xscale("log")
   ax.set_xlabel("position t (tokens)")
   ax.set_ylabel("excess NLL over the Bayes floor (nats)")
-  ax.set_title("\n".join(textwrap.wrap(res.get("claim", ""), 90)), fontsize=8)
+  ax.set_title("\n".join([run_title(res)] + textwrap.wrap(res.get("claim", ""), 90)), fontsize=8)
   r, g = res["ppl_ratio"], res["excess_growth"]
   fig.text(
     0.01,
@@ -94,9 +110,9 @@ def topic_floor(res: dict, path: str, label: str = "") -> str:
     fontsize=7.5,
   )
   ax.grid(alpha=0.3, which="both")
-  ax.legend(fontsize=7.5)
+  plot_style.legend_outside(ax)
   fig.tight_layout(rect=(0, 0.04, 1, 1))
-  fig.savefig(path, dpi=110)
+  fig.savefig(path, dpi=110, bbox_inches="tight")
   plt.close(fig)
   return path
 

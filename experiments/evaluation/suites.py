@@ -109,6 +109,13 @@ class Context:
       )
     return tokens, off
 
+  def data_label(self) -> str:
+    """What the long sequences are drawn from, for titles: the long-eval token file, the topic
+    source, or the run's task."""
+    if self.is_lm:
+      return self.settings.long_eval_path or self.data.get("long_eval_path", "")
+    return "the topic source" if self.is_topic else f"{self.data.kind} examples"
+
   def bos(self):
     return int(self.data.eos_id) if int(self.data.eos_id) >= 0 else None
 
@@ -314,6 +321,7 @@ def position_ppl(ctx: Context) -> tuple[dict, dict, np.ndarray]:
     "max_len": L,
     "sequences": n,
     "examples_hash": examples_hash(seqs),
+    "data": ctx.data_label(),
     "chunk": ctx.chunk,
     "train_len": ctx.train_len,
     "perplexity": float(np.exp(per_pos.mean())),
@@ -439,6 +447,7 @@ def topic_floor(ctx: Context) -> tuple[dict, dict]:
     seed=s.seed,
     source=ctx.data.topic.to_dict(),
     examples_hash=examples_hash(inputs),
+    data=ctx.data_label(),
   )
   return res, _state_result(ctx, series, len(docs), length)
 

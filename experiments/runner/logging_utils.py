@@ -125,16 +125,15 @@ def write_summary(workdir: str, summary: dict):
 
 
 def plot_loss(workdir: str) -> str | None:
-  """Plots train (and eval) loss from metrics.jsonl to loss.png; the last run segment wins per step."""
+  """Plots train (and eval) loss from metrics.jsonl to loss.png; the last run segment wins per step.
+  The title names the run (its folder, mixer and data when its config.json is there)."""
   train = {r["step"]: r["loss"] for r in read_metrics(workdir, "train")}
   evals = {r["step"]: r["loss"] for r in read_metrics(workdir, "eval")}
   if not train:
     return None
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  from experiments.runner import plot_style  # pylint: disable=g-import-not-at-top
 
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-
+  plt = plot_style.plt()
   fig, ax = plt.subplots(figsize=(6, 4))
   steps = sorted(train)
   ax.plot(steps, [train[s] for s in steps], label="train")
@@ -144,13 +143,27 @@ def plot_loss(workdir: str) -> str | None:
   ax.set_xlabel("step")
   ax.set_ylabel("loss")
   ax.set_yscale("log")
-  ax.legend()
-  ax.grid(alpha=0.3)
+  plot_style.plain_log_ticks(ax)
+  ax.set_title(loss_title(workdir), fontsize=9)
+  plot_style.legend_outside(ax)
+  ax.grid(alpha=0.3, which="both")
   path = os.path.join(workdir, "loss.png")
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  fig.savefig(path, dpi=100, bbox_inches="tight")
   plt.close(fig)
   return path
+
+
+def loss_title(workdir: str) -> str:
+  """'<run>: <mixer or layer pattern> on <data>, loss' (the run's folder alone without a config.json)."""
+  name = os.path.basename(os.path.abspath(workdir).rstrip("/"))
+  try:
+    with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
+      cfg = json.load(f)
+    model = cfg["model"].get("layer_pattern") or cfg["model"]["mixer"]
+    return f"{name}: {model} on {cfg['data']['kind']}, loss"
+  except (OSError, ValueError, KeyError, TypeError):
+    return f"{name}: loss"
 
 
 class Progress:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import os
 
+from experiments.runner import plot_style
 from experiments.studies.results import common
 
 STAGES = ("pretrain", "zero", "state_passing", "tbtt", "fitted_noise", "random_noise")
@@ -238,16 +239,24 @@ def figure(runs: list[dict], arm: str, fig_dir: str, name: str) -> str:
   """Position-wise PPL with its band per run, and the ratio over pretraining tokens (Fig. 3)."""
   p = common.plt()
   fig, (a1, a2) = p.subplots(1, 2, figsize=(12, 4.2))
-  mine = [r for r in runs if r["arm"] == arm]
-  for r in mine:
+  # pretraining checkpoints in training order, then the post-trained runs (dashed): with many curves
+  # the colours run along a colour map in that order
+  mine = sorted(
+    (r for r in runs if r["arm"] == arm), key=lambda r: (r["stage"] != "pretrain", r["tokens"])
+  )
+  colors = plot_style.curve_colors(len(mine))
+  for r, color in zip(mine, colors):
     pos = r["position"]
-    (line,) = a1.plot(pos["bucket_center"], pos["bucket_ppl"], lw=1.2, label=_label(r))
-    a1.fill_between(
+    a1.plot(
       pos["bucket_center"],
-      pos["bucket_ppl_lo"],
-      pos["bucket_ppl_hi"],
-      color=line.get_color(),
-      alpha=0.15,
+      pos["bucket_ppl"],
+      lw=1.2,
+      color=color,
+      ls="-" if r["stage"] == "pretrain" else "--",
+      label=_label(r),
+    )
+    a1.fill_between(
+      pos["bucket_center"], pos["bucket_ppl_lo"], pos["bucket_ppl_hi"], color=color, alpha=0.15
     )
   T = mine[0]["ratio"]["train_len"]
   a1.axvline(T, color="k", ls="--", lw=1)
@@ -267,7 +276,7 @@ def figure(runs: list[dict], arm: str, fig_dir: str, name: str) -> str:
       [r["ratio"]["hi"] - v for v, r in zip(y, pre)],
     ]
     a2.errorbar(x, y, yerr=err, fmt="o-", capsize=3, label="pretrained (zero state)")
-  for r in mine:
+  for r, color in zip(mine, colors):  # the post-trained runs in their colours of the left panel
     if r["stage"] != "pretrain":
       a2.errorbar(
         [r["tokens"]],
@@ -278,6 +287,7 @@ def figure(runs: list[dict], arm: str, fig_dir: str, name: str) -> str:
         ],
         fmt="s",
         capsize=3,
+        color=color,
         label=_label(r),
       )
   a2.axhline(FAIL_RATIO, color="r", ls=":", lw=1, label=f"failure rule {FAIL_RATIO}")
@@ -291,7 +301,10 @@ def figure(runs: list[dict], arm: str, fig_dir: str, name: str) -> str:
   )
   for a in (a1, a2):
     a.grid(alpha=0.3, which="both")
-    a.legend(fontsize=6)
+    plot_style.legend_outside(a, fontsize=6)
+  plot_style.plain_log_ticks(a1)
+  plot_style.plain_log_ticks(a1, "x", minor=False)
+  plot_style.plain_log_ticks(a2, "x", minor=False)
   fig.suptitle(CLAIM, fontsize=7)
   return common.save(fig, fig_dir, name)
 
