@@ -11,7 +11,6 @@ import functools
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -26,10 +25,12 @@ from experiments.data import corpus, pipeline
 from experiments.runner import checkpoint as ckpt_lib
 from experiments.runner import (
   config_lib,
+  dispatch_window,
   kernel_config,
   logging_utils,
   optim,
   sharding,
+  sigterm,
   workdir_lock,
 )
 from experiments.runner import initial_states as init_lib
@@ -592,6 +593,11 @@ class Trainer:
     return True
 
   # ---------------------------------------------------------------- loop
+  _dispatched = (
+    False  # a step of this run was dispatched (before that, SIGTERM has nothing to save)
+  )
+  _exit_now = staticmethod(os._exit)  # how a SIGTERM before the first step ends the process
+
   def _on_sigterm(self, signum, frame):  # pylint: disable=unused-argument
     logging.warning("SIGTERM received: saving a checkpoint and exiting")
     self._stop_requested = True
@@ -632,20 +638,27 @@ class Trainer:
     # Rows past the restored step were written by a run that died before its next checkpoint: they are
     # dropped, so the resumed run's rows replace them instead of appearing twice.
     writer = self._metric_writer(start_step)
-    old_handler = None
+    watch = None
     # Several processes must stop at the same step (a save is collective; a host that stops alone leaves
     # the others waiting in the next step's all-reduce). jax.distributed's preemption service catches
     # SIGTERM on any host and agrees on a step for all of them, so there the Python handler (which would
     # replace the service's) is not installed.
     sync_preemption = _preemption_service() is not None
     if threading.current_thread() is threading.main_thread() and not sync_preemption:
-      old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+      watch = sigterm.SigtermWatch(
+        self._on_sigterm,
+        lambda: self._dispatched,
+        f"SIGTERM before the first step: nothing trained since step {start_step}, nothing to "
+        "save; exiting (rerun the same command to resume)",
+        exit_now=self._exit_now,
+      ).__enter__()
     status, t0 = "completed", time.time()
     t_log, step_log = t0, start_step
     eval_metrics = {}
     pending_finite, pending_dropped = [], []
     past_first = False  # the first (compiling) step is done
     interval_tps = []  # tokens/s of each logged interval after the first (compiling) step
+    window = dispatch_window.DispatchWindow()
     if self.is_main:
       print(
         f"Training {cfg.model.get('mixer')} model ({self.num_params / 1e6:.2f}M params) on "
@@ -666,6 +679,8 @@ class Trainer:
           break
         local = next(self.data_iter)
         metrics = self.train_step(local)
+        self._dispatched = True  # the state now differs from the restored one: a stop saves it
+        window.add(metrics["loss"])
         step += 1
         # Finiteness is checked on the host only at log/eval/save points: a per-step float() would
         # serialise dispatch. Halting then still happens before any checkpoint of a bad state.
@@ -737,8 +752,8 @@ class Trainer:
           self.checkpointer.wait()
       finally:
         writer.close()
-        if old_handler is not None:
-          signal.signal(signal.SIGTERM, old_handler)
+        if watch is not None:
+          watch.__exit__(None, None, None)
     elapsed = time.time() - t0
     steady = float(np.median(interval_tps)) if interval_tps else None
     summary = {
