@@ -22,7 +22,7 @@ import numpy as np
 from absl import app, flags
 
 from experiments.evaluation import bootstrap, plots
-from experiments.runner import cli
+from experiments.runner import cli, plot_style
 from experiments.runner.logging_utils import write_json
 from experiments.studies.results.common import load, table
 
@@ -186,8 +186,7 @@ def data_line(ev: Evaluation, suite: str) -> str:
 
 # ------------------------------------------------------------------------------------------ output
 def plot(evs: list[Evaluation], suite: str, curve: Curve, path: str, resamples: int, seed: int):
-  plt = plots._plt()  # pylint: disable=protected-access
-  from matplotlib.ticker import FuncFormatter  # pylint: disable=g-import-not-at-top
+  plt = plot_style.plt()
 
   fig, ax = plt.subplots(figsize=(10, 4.8))
   colors = plt.get_cmap("tab10" if len(evs) <= 10 else "viridis")
@@ -203,11 +202,9 @@ def plot(evs: list[Evaluation], suite: str, curve: Curve, path: str, resamples: 
   ax.set_xscale("log")
   if curve.exp:
     ax.set_yscale("log")
-  plain = FuncFormatter(lambda v, _: f"{v:g}")  # 20, not 2x10^1
-  for axis in (ax.xaxis, ax.yaxis):
-    axis.set_major_formatter(plain)
+  plot_style.plain_log_ticks(ax, "x", minor=False)  # 20, not 2x10^1
   if curve.exp:
-    ax.yaxis.set_minor_formatter(plain)
+    plot_style.plain_log_ticks(ax)
   ax.set_xlabel("position t (tokens)" if curve.x == "bucket_center" else "prefix cut t")
   ax.set_ylabel(curve.ylabel)
   datas = "; ".join(sorted({data_line(ev, suite) for ev in evs}))
@@ -218,14 +215,7 @@ def plot(evs: list[Evaluation], suite: str, curve: Curve, path: str, resamples: 
     fontsize=9,
   )
   ax.grid(alpha=0.3, which="both")
-  # beside the axes: a legend inside covers curves
-  ax.legend(
-    fontsize=8,
-    loc="upper left",
-    bbox_to_anchor=(1.01, 1),
-    title="bands: 95% bootstrap",
-    title_fontsize=8,
-  )
+  plot_style.legend_outside(ax, fontsize=8, title="bands: 95% bootstrap", title_fontsize=8)
   return plots._save(fig, path)  # pylint: disable=protected-access
 
 
