@@ -2,8 +2,9 @@
 token (kdn_jax.models.flops), against the device's peak from the one table below.
 
 MFU = (model FLOPs per token x tokens/s / devices) / peak FLOP/s of one device, for the run's compute
-dtype. The peaks are the vendors' dense (no sparsity) tensor-core numbers; float32 dots at JAX's default
-precision run on TF32 tensor cores on these GPUs, so the float32 column is the TF32 peak. A device kind
+dtype. The peaks are the vendors' dense (no sparsity) tensor-core numbers. float32 dots at JAX's default
+precision run on TF32 tensor cores on these GPUs and as one bfloat16 pass on TPUs, so the float32 column
+is the TF32 peak on a GPU and the bfloat16 peak on a TPU. A device kind
 missing here (a CPU, an unlisted card) has no peak: its MFU is reported as n/a, never guessed.
 """
 
@@ -16,10 +17,10 @@ PEAK_TFLOPS = (
   ("H100", {"bfloat16": 989.4, "float32": 494.7}),  # SXM (HBM3)
   ("H200", {"bfloat16": 989.4, "float32": 494.7}),
   ("A100", {"bfloat16": 312.0, "float32": 156.0}),
-  ("TPU v6", {"bfloat16": 918.0}),
-  ("TPU v5 lite", {"bfloat16": 197.0}),
-  ("TPU v5", {"bfloat16": 459.0}),  # v5p
-  ("TPU v4", {"bfloat16": 275.0}),
+  ("TPU v6", {"bfloat16": 918.0, "float32": 918.0}),
+  ("TPU v5 lite", {"bfloat16": 197.0, "float32": 197.0}),
+  ("TPU v5", {"bfloat16": 459.0, "float32": 459.0}),  # v5p
+  ("TPU v4", {"bfloat16": 275.0, "float32": 275.0}),
 )
 
 
