@@ -638,7 +638,7 @@ class Trainer:
     # Rows past the restored step were written by a run that died before its next checkpoint: they are
     # dropped, so the resumed run's rows replace them instead of appearing twice.
     writer = self._metric_writer(start_step)
-    watch = None
+    watch, self._dispatched = None, False
     # Several processes must stop at the same step (a save is collective; a host that stops alone leaves
     # the others waiting in the next step's all-reduce). jax.distributed's preemption service catches
     # SIGTERM on any host and agrees on a step for all of them, so there the Python handler (which would
