@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ops_cases import FAMILIES, oracle, rel_err, round_f32, run
+from ops_cases import FAMILIES, make_inputs, make_state, oracle, rel_err, round_f32, run
 
 from kdn_jax import ops
 from kdn_jax.ops import nonfinite
@@ -228,3 +228,114 @@ def test_checked_mode_domain_edges():
   fn = functools.partial(ops.diag_kdn, checked=True, impl="reference")
   with pytest.raises(ops.InvalidValueError, match="diag_kdn: omega must be finite"):
     ops.checked(jax.jit(fn))(q, k, v, la, om.at[0, 0, 0, 0].set(jnp.inf), r)
+
+
+# The ops' fast scheme (check the outputs, fall back to the guarded path) against the guarded
+# path run on every call (nonfinite.Guard, scheme "inputs"): outputs, final states and input
+# gradients bit for bit, for clean inputs (log_alpha = -inf and below the floor included) and
+# for non-finite values of every kind in every input, the initial state included.
+EQ_B, EQ_T, EQ_H, EQ_K = 2, 37, 2, 16  # (T not a multiple of the chunk, 16)
+
+
+@functools.lru_cache(maxsize=None)
+def _vjp_fn(family, impl, scheme, segments):
+  """jit of (inputs, state, segment_ids, cotangents) -> (o, finals, gradients) under `scheme`."""
+
+  def f(x, state, seg, ct):
+    def op(x, state):
+      with nonfinite.scheme(scheme):
+        seg_ = seg if segments else None
+        kw = dict(impl=impl, chunk_size=16, segment_ids=seg_, output_final_state=True)
+        if family in ("diag", "iso"):
+          fn = ops.diag_kdn if family == "diag" else ops.iso_kdn
+          args = (x["q"], x["k"], x["v"], x["log_alpha"], x["omega"], x["r"])
+          o, st = fn(*args, info_scale=float(EQ_K), initial_state=ops.KDNState(*state), **kw)
+          return o, (st.memory, st.variance)
+        args = (x["q"], x["k"], x["v"], x["log_alpha"], x["write"])
+        o, s = ops.delta_rule(*args, initial_state=state[0], **kw)
+        return o, (s,)
+
+    out, vjp = jax.vjp(op, x, state)
+    return out, vjp(ct)
+
+  return jax.jit(f)
+
+
+def _eq_inputs(case, dtype):
+  rng = np.random.default_rng(case["seed"])
+  fam = case["family"]
+  x = make_inputs(fam, EQ_B, EQ_T, EQ_H, EQ_K, EQ_K, seed=case["seed"])
+  x.pop("mu", None)
+  x["log_alpha"][rng.random(x["log_alpha"].shape) < 0.05] = -np.inf
+  # below the floor but finite: the floor moves it (its gradient is 0 there)
+  x["log_alpha"][rng.random(x["log_alpha"].shape) < 0.02] = -1e4
+  state = list(make_state(fam, EQ_B, EQ_H, EQ_K, EQ_K, seed=case["seed"] + 1))
+  for name, b, t, h, c, value in case["bad"]:
+    if name == "memory":
+      state[0][b, h, c % EQ_K] = value
+    elif name == "variance":
+      if fam in ("diag", "iso"):
+        state[1][b, h] = value
+    elif name in x:
+      x[name][b, t, h] = value  # (every channel of the token)
+  seg = np.zeros((EQ_B, EQ_T), np.int32)
+  for p in case["starts"]:
+    seg[0, p:] += 1
+  o_shape = (EQ_B, EQ_T, EQ_H, EQ_K)
+  ct = rng.standard_normal(o_shape), tuple(rng.standard_normal(s.shape) for s in state)
+  cast = lambda a: jnp.asarray(a, dtype)
+  return (
+    {n: cast(a) for n, a in x.items()},
+    tuple(cast(s) for s in state),
+    jnp.asarray(seg),
+    (cast(ct[0]), tuple(cast(c) for c in ct[1])),
+  )
+
+
+@st.composite
+def eq_cases(draw, families):
+  names = ("q", "k", "v", "log_alpha", "write", "omega", "r", "memory", "variance")
+  value = st.sampled_from((np.nan, np.inf, -np.inf))
+  bad = st.tuples(
+    st.sampled_from(names),
+    st.integers(0, EQ_B - 1),
+    st.integers(0, EQ_T - 1),
+    st.integers(0, EQ_H - 1),
+    st.integers(0, EQ_K - 1),
+    value,
+  )
+  return dict(
+    family=draw(st.sampled_from(families)),
+    bad=draw(st.lists(bad, min_size=0, max_size=2)),
+    starts=draw(st.lists(st.integers(1, EQ_T - 1), max_size=3)),
+    segments=draw(st.booleans()),
+    seed=draw(st.integers(0, 2**16)),
+  )
+
+
+def _assert_fast_equals_guarded(impl, case, dtype=jnp.float32):
+  args = _eq_inputs(case, dtype)
+  want = _vjp_fn(case["family"], impl, "inputs", case["segments"])(*args)
+  got = _vjp_fn(case["family"], impl, "outputs", case["segments"])(*args)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert g.dtype == w.dtype
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@settings(max_examples=30, **FUZZ)
+@given(case=eq_cases(FAMILIES))
+def test_fast_scheme_equals_the_guarded_path_chunked(case):
+  _assert_fast_equals_guarded("chunked", case)
+
+
+@settings(max_examples=6, **FUZZ)
+@given(case=eq_cases(("diag", "delta_scalar")))
+def test_fast_scheme_equals_the_guarded_path_pallas(case):
+  _assert_fast_equals_guarded("pallas", case)
+
+
+@settings(max_examples=6, **FUZZ)
+@given(case=eq_cases(("iso", "delta_channel")))
+def test_fast_scheme_equals_the_guarded_path_x64(case):
+  with jax.enable_x64(True):
+    _assert_fast_equals_guarded("chunked", case, jnp.float64)
