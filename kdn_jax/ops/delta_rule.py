@@ -278,7 +278,7 @@ def delta_rule(
   if isinstance(scale, jax.Array):
     extra["scale"] = scale  # (traced: differentiable, so an argument of the guard's VJP)
   o, memory, _, at = nonfinite.guarded(
-    body, q, dict(k=k, v=v, log_alpha=log_alpha, write=write), extra, cd
+    body, impl, q, dict(k=k, v=v, log_alpha=log_alpha, write=write), extra, cd
   )
   return (o, (memory if output_final_state else None)) + tuple(at)
 

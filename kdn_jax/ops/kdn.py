@@ -186,6 +186,7 @@ def _kdn(
     extra["scale"] = scale  # (traced: differentiable, so an argument of the guard's VJP)
   o, memory, var, at = nonfinite.guarded(
     body,
+    impl,
     q,
     dict(k=k, v=v, log_alpha=log_alpha, omega=omega, r=r),
     extra,

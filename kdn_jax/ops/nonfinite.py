@@ -176,11 +176,15 @@ def _any_of(flags):
   return out
 
 
-# Which scheme `guarded` traces: "outputs" (the default: check the outputs, fall back to the
-# guarded path), "inputs" (`Guard` on every call: the definition, which tests and the benchmark
-# compare against) or "none" (no guard: the benchmark's baseline; not contained).
+# Which scheme `guarded` traces: "outputs" (check the outputs, fall back to the guarded path),
+# "inputs" (`Guard` on every call: the definition) or "none" (no guard: the benchmark's baseline;
+# not contained). By default "outputs" on the Pallas kernels, whose calls cannot fuse the clean
+# copies, and "inputs" on the XLA impls, which fuse them into their first ops and compile one
+# program instead of two (the CPU test suite is compile-bound); `scheme` overrides it for tests
+# and the benchmark.
 SCHEMES = ("outputs", "inputs", "none")
-_scheme = ["outputs"]
+_FAST_IMPLS = ("pallas",)
+_scheme = [None]
 
 
 class scheme:
@@ -213,14 +217,15 @@ def fast_inputs(q, state: dict, compute_dtype, r_names=()):
   return inputs
 
 
-def guarded(body, q, state: dict, extra: dict, compute_dtype, variance=(), r_names=()):
+def guarded(body, impl, q, state: dict, extra: dict, compute_dtype, variance=(), r_names=()):
   """The guarded result of `body` (steps 1-3 of the module docstring), from the fast path when
   its outputs are finite.
 
   body(inputs, extra) -> (o, final memory, final variance or None, more): inputs is {"q": ..,
   **state} (the names of `Guard`), extra a dict of the other arrays the op reads (the initial
   state, segment_ids under "segment_ids", ...; differentiable where floating); `more` (a pytree,
-  e.g. states at positions) is returned as computed. Returns body's four results.
+  e.g. states at positions) is returned as computed. impl: the op's implementation, which picks
+  the default scheme. Returns body's four results.
   """
   segment_ids = extra.get("segment_ids")
   names = ("q", *state)
@@ -243,9 +248,10 @@ def guarded(body, q, state: dict, extra: dict, compute_dtype, variance=(), r_nam
     return run(inputs, extra)
 
   raw = dict(q=q, **state)
-  if _scheme[0] == "inputs":
+  name = _scheme[0] or ("outputs" if impl in _FAST_IMPLS else "inputs")
+  if name == "inputs":
     return slow(raw, extra, decide=True)
-  if _scheme[0] == "none":
+  if name == "none":
     return run(raw, extra)
   # (integer arrays, segment_ids, are closed over: they take no cotangent)
   floats = {

@@ -9,6 +9,7 @@ memory / variance are NaN exactly when the last segment was reached."""
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -359,3 +360,65 @@ def test_fast_scheme_equals_the_guarded_path_pallas(case):
 def test_fast_scheme_equals_the_guarded_path_x64(case):
   with jax.enable_x64(True):
     _assert_fast_equals_guarded("chunked", case, jnp.float64, bitwise=False)
+
+
+def _cond_out_bytes(jaxpr, acc):
+  for e in jaxpr.eqns:
+    if e.primitive.name == "cond":
+      acc.append(sum(v.aval.size * v.aval.dtype.itemsize for v in e.outvars))
+    for sub in jax.extend.core.jaxprs_in_params(e.params):
+      _cond_out_bytes(sub, acc)
+  return acc
+
+
+@pytest.mark.parametrize("impl", ("chunked", "pallas"))
+def test_fast_scheme_passes_no_residuals_through_a_cond(impl):
+  """fwd+bwd has one cond in the forward (returning the outputs) and one in the backward
+  (returning the gradients): the fallback's residuals are recomputed in the backward, never
+  zero-filled on the fast path."""
+  x = make_inputs("diag", 1, 20, 2, 16, 16)
+  args = [jnp.asarray(x[n], jnp.float32) for n in ("q", "k", "v", "log_alpha", "omega", "r")]
+
+  def loss(*a):
+    with nonfinite.scheme("outputs"):
+      o, st = ops.diag_kdn(*a, impl=impl, chunk_size=16, output_final_state=True)
+    return jnp.sum(o**2) + jnp.sum(st.memory) + jnp.sum(st.variance)
+
+  grad = jax.grad(loss, argnums=tuple(range(6)))
+  sizes = [b for b in _cond_out_bytes(jax.make_jaxpr(grad)(*args).jaxpr, []) if b]
+  outputs = 4 * (20 * 2 * 16 + 2 * 16 * 16 + 2 * 16)  # o, final memory and variance (fp32)
+  # (and of the initial state and mu [H], arguments of the guard's VJP)
+  grads = 4 * (sum(a.size for a in args) + 2 * 16 * 16 + 2 * 16 + 2)
+  assert sizes == [outputs, grads], sizes
+
+
+def test_fast_scheme_contains_a_bad_segment_bit_for_bit(optimized_xla):
+  """The default Pallas path, one program: NaN / inf in one packed segment leave the outputs and
+  input gradients of every other segment bit-identical to the clean run's (which took the fast
+  path while the bad run took the fallback), and spoil the whole bad segment. (At XLA's lowest
+  optimisation level XLA:CPU rounds the fallback's backward an ulp apart.) On a GPU this runs the
+  kernels themselves."""
+  b, t, h, kd = 2, 40, 2, 16
+  x = make_inputs("diag", b, t, h, kd, kd, seed=3)
+  clean = {n: jnp.asarray(x[n], jnp.float32) for n in ("q", "k", "v", "log_alpha", "omega", "r")}
+  seg = jnp.asarray(np.repeat([[0] * 15 + [1] * 25], b, 0), jnp.int32)
+  ct = jnp.asarray(np.random.default_rng(0).standard_normal((b, t, h, kd)), jnp.float32)
+
+  @jax.jit
+  def f(a):
+    def op(a):
+      args = [a[n] for n in ("q", "k", "v", "log_alpha", "omega", "r")]
+      return ops.diag_kdn(*args, impl="pallas", chunk_size=16, segment_ids=seg)[0]
+
+    o, vjp = jax.vjp(op, a)
+    return o, vjp(jnp.where(jnp.isfinite(o), ct, 0.0))[0]
+
+  o0, g0 = f(clean)
+  keep = np.ones((b, t), bool)
+  keep[0, :15] = False
+  for name, value in (("k", jnp.nan), ("v", jnp.inf), ("r", jnp.inf)):
+    o1, g1 = f(dict(clean, **{name: clean[name].at[0, 5, 1].set(value)}))
+    assert np.all(np.isnan(np.asarray(o1)[0, 5:15, 1])), name
+    np.testing.assert_array_equal(np.asarray(o1)[keep], np.asarray(o0)[keep])
+    for n in g0:
+      np.testing.assert_array_equal(np.asarray(g1[n])[keep], np.asarray(g0[n])[keep])
