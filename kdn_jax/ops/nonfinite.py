@@ -19,26 +19,34 @@ Step 3 is what the token loop gives for NaN; for an infinity the loop's results 
 from the same token on except where the infinity cancels (an infinite r writes nothing at its
 own token), which the ops report as NaN too: invalid input, reported rather than half-used.
 
-Steps 1 and 3 read every input and write a copy of it: on a GPU, passes over memory that cost
-more than a quarter of the kernels' forward. The ops instead (`guarded`) run the implementation
-on the inputs as they are, with only log_alpha floored (max(log_alpha, floor): elementwise, so a
-layer's jit fuses it into the op that makes log_alpha) and a non-finite r made NaN ([B, T, H]),
-check the outputs (o, the final memory and variance: one reduction, a fraction of the inputs'
-bytes) and, only when one of them is not finite, run steps 1-3 under `lax.cond`. That is the
-guarded result exactly:
-  - inputs all finite (log_alpha = -inf allowed): step 1 changes nothing but the floor, which the
-    fast path applies the same way (bit for bit, gradient included), and step 3 writes nothing;
-    the fast result is the guarded one, and if it overflows the fallback computes it again;
-  - some input not finite: every such value reaches an output as a non-finite value on the fast
-    path (a NaN or infinity in q_t, k_t, v_t, write_t, omega_t or log_alpha_t (NaN, +inf)
+Steps 1 and 3 read every input and write a copy of it, and deciding whether step 3 has
+anything to do reads every input again: around the Pallas kernels, whose calls XLA cannot fuse
+into, passes over memory that cost more than a quarter of the kernels' forward. So on that path
+the ops (`guarded`) run the implementation on the inputs as they are (only a non-finite r made
+NaN, [B, T, H]), check that the outputs (o, the final memory and variance) are finite and that
+every log_alpha is above the floor (read-only reductions: o is a fraction of the inputs' bytes,
+and a layer's jit fuses the one over log_alpha into the op that makes it) and, only when a check
+fails, run steps 1-3 under `lax.cond`. That is the guarded result:
+  - inputs all finite, log_alpha above the floor: step 1 changes nothing (nor the gradient), and
+    step 3 writes nothing; the fast result is the guarded one, and if it overflows the fallback
+    computes it again;
+  - log_alpha at or below the floor (-inf included): the fallback;
+  - some other input not finite: every such value reaches an output as a non-finite value on the
+    fast path (a NaN or infinity in q_t, k_t, v_t, write_t, omega_t or log_alpha_t (NaN, +inf)
     multiplies into o_t through S_t^T q_t, and 0 * inf = NaN; the one infinity that cancels, an
     infinite r, is made NaN first), so the fallback runs and returns the guarded result.
-tests/ops/test_ops_nonfinite.py checks both against `Guard` bit for bit. The gradient is a
-custom VJP: the fast path's own when its outputs were finite, else the guarded path's, recomputed
-in the backward (a cond whose untaken branch saved residuals would zero-fill them on every call).
+The implementation sits between optimization barriers on both paths, so it compiles to the same
+arithmetic: a segment next to a bad one gets the bits of the clean run. The gradient is a custom
+VJP: the fast path's when its outputs were finite, else the guarded path's, recomputed in the
+backward (a cond whose untaken branch saved residuals would zero-fill them on every call); one
+cond per pass. The price: the implementation compiles twice in the forward and three times in
+fwd+bwd, and a fallback's temporaries (about one call's residuals) add to the peak.
+tests/ops/test_ops_nonfinite.py checks it against `Guard` (the non-finite entries exactly, the
+values bit for bit on clean input, to an ulp elsewhere: XLA:CPU compiles the fallback, inside a
+cond, with other rounding) and containment bit for bit.
 
 Where the bad values reach is a scan over T per flag, dozens of small kernels on a GPU; it runs
-only on the fallback.
+only when needed (the fallback; under `Guard` alone, under a cond on an all-finite reduction).
 """
 
 import jax
@@ -202,19 +210,20 @@ class scheme:
     _scheme[0] = self.prev
 
 
-def fast_inputs(q, state: dict, compute_dtype, r_names=()):
-  """What the fast path runs on: the inputs as they are, log_alpha floored (bit for bit what
-  `Guard` gives finite and -inf values), a non-finite r NaN (an infinite r cancels: it writes
-  nothing, so the outputs would stay finite)."""
-  inputs = {"q": q}
-  for name, x in state.items():
-    if name == "log_alpha":
-      inputs[name] = jnp.maximum(x, jnp.asarray(log_decay_floor(compute_dtype), x.dtype))
-    elif name in r_names:
-      inputs[name] = jnp.where(jnp.isfinite(x), x, jnp.asarray(jnp.nan, x.dtype))
-    else:
-      inputs[name] = x
+def fast_inputs(q, state: dict, r_names=()):
+  """What the fast path runs on: the inputs as they are, but a non-finite r NaN (an infinite r
+  cancels: it writes nothing, so the outputs would stay finite)."""
+  inputs = {"q": q, **state}
+  for name in r_names:
+    x = state[name]
+    inputs[name] = jnp.where(jnp.isfinite(x), x, jnp.asarray(jnp.nan, x.dtype))
   return inputs
+
+
+def above_floor(log_alpha, compute_dtype):
+  """A scalar bool: every log_alpha is above the floor (so flooring it changes nothing, nor its
+  gradient, and it is not NaN)."""
+  return jnp.all(log_alpha > jnp.asarray(log_decay_floor(compute_dtype), log_alpha.dtype))
 
 
 def guarded(body, impl, q, state: dict, extra: dict, compute_dtype, variance=(), r_names=()):
@@ -244,8 +253,11 @@ def guarded(body, impl, q, state: dict, extra: dict, compute_dtype, variance=(),
     return (*guard.spoil(o, memory, var), more)
 
   def fast(raw, extra):
-    inputs = fast_inputs(raw["q"], {n: raw[n] for n in names[1:]}, compute_dtype, r_names)
-    return run(inputs, extra)
+    return run(fast_inputs(raw["q"], {n: raw[n] for n in names[1:]}, r_names), extra)
+
+  def fast_ok(raw, out):
+    ok = _outputs_finite(out)
+    return ok & above_floor(raw["log_alpha"], compute_dtype) if "log_alpha" in raw else ok
 
   raw = dict(q=q, **state)
   name = _scheme[0] or ("outputs" if impl in _FAST_IMPLS else "inputs")
@@ -270,11 +282,11 @@ def guarded(body, impl, q, state: dict, extra: dict, compute_dtype, variance=(),
   @jax.custom_vjp
   def call(raw, floats):
     out = fast_f(raw, floats)
-    return jax.lax.cond(_outputs_finite(out), lambda: out, lambda: slow_f(raw, floats))
+    return jax.lax.cond(fast_ok(raw, out), lambda: out, lambda: slow_f(raw, floats))
 
   def call_fwd(raw, floats):
     out, vjp = jax.vjp(fast_f, raw, floats)
-    ok = _outputs_finite(out)
+    ok = fast_ok(raw, out)
     # (the fallback's primal as its VJP computes it: differentiated kernels may form the outputs
     # in other stages than undifferentiated ones, e.g. the Pallas delta rule's)
     out = jax.lax.cond(ok, lambda: out, lambda: jax.vjp(slow_f, raw, floats)[0])

@@ -233,8 +233,8 @@ def test_checked_mode_domain_edges():
 
 # The ops' fast scheme (check the outputs, fall back to the guarded path) against the guarded
 # path run on every call (nonfinite.Guard, scheme "inputs"): outputs, final states and input
-# gradients bit for bit, for clean inputs (log_alpha = -inf and below the floor included) and
-# for non-finite values of every kind in every input, the initial state included.
+# gradients, for clean inputs (with and without log_alpha = -inf and below the floor) and for
+# non-finite values of every kind in every input, the initial state included.
 EQ_B, EQ_T, EQ_H, EQ_K = 2, 37, 2, 16  # (T not a multiple of the chunk, 16)
 
 
@@ -267,9 +267,10 @@ def _eq_inputs(case, dtype):
   fam = case["family"]
   x = make_inputs(fam, EQ_B, EQ_T, EQ_H, EQ_K, EQ_K, seed=case["seed"])
   x.pop("mu", None)
-  x["log_alpha"][rng.random(x["log_alpha"].shape) < 0.05] = -np.inf
-  # below the floor but finite: the floor moves it (its gradient is 0 there)
-  x["log_alpha"][rng.random(x["log_alpha"].shape) < 0.02] = -1e4
+  if case["la_special"]:  # (legal, and the fast path leaves them to the fallback)
+    x["log_alpha"][rng.random(x["log_alpha"].shape) < 0.05] = -np.inf
+    # below the floor but finite: the floor moves it (its gradient is 0 there)
+    x["log_alpha"][rng.random(x["log_alpha"].shape) < 0.02] = -1e4
   state = list(make_state(fam, EQ_B, EQ_H, EQ_K, EQ_K, seed=case["seed"] + 1))
   for name, b, t, h, c, value in case["bad"]:
     if name == "memory":
@@ -310,6 +311,7 @@ def eq_cases(draw, families):
     bad=draw(st.lists(bad, min_size=0, max_size=2)),
     starts=draw(st.lists(st.integers(1, EQ_T - 1), max_size=3)),
     segments=True,
+    la_special=draw(st.booleans()),
     seed=draw(st.integers(0, 2**16)),
   )
 
@@ -343,14 +345,14 @@ def _assert_fast_equals_guarded(impl, case, dtype=jnp.float32, bitwise=True):
 EQ = dict(FUZZ, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@settings(max_examples=10, **EQ)
+@settings(max_examples=6, **EQ)
 @given(case=eq_cases(("diag", "delta_scalar")))
 def test_fast_scheme_equals_the_guarded_path_chunked(optimized_xla, case):
   _assert_fast_equals_guarded("chunked", case)
 
 
-@settings(max_examples=5, **FUZZ)
-@given(case=eq_cases(("diag", "delta_scalar")))
+@settings(max_examples=4, **FUZZ)
+@given(case=eq_cases(("diag",)))
 def test_fast_scheme_equals_the_guarded_path_pallas(case):
   _assert_fast_equals_guarded("pallas", case, bitwise=False)
 
