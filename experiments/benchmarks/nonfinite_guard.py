@@ -5,11 +5,12 @@ time of diag_kdn, iso_kdn and delta_rule under each guard scheme, in one process
       --out=/tmp/guard.json
 
 Schemes (nonfinite.SCHEMES): "none" (no guard, the baseline: not contained), "outputs" (the ops'
-default: log_alpha floored, the outputs checked, the guarded path only when one is not finite)
-and "inputs" (nonfinite.Guard on every call: clean copies of every input, an all-finite reduction
-over them, a select on the outputs). --gate_in_jit forms log_alpha inside the timed function from
-a raw gate (-softplus), as a layer does, so an elementwise floor can fuse into the op making it;
-without it log_alpha is an argument and the floor is a pass of its own.
+default on the Pallas path: the outputs checked finite and log_alpha above its floor, the guarded
+path only when a check fails) and "inputs" (nonfinite.Guard on every call: clean copies of every
+input, an all-finite reduction over them, a select on the outputs). --gate_in_jit forms log_alpha inside the timed function from
+a raw gate (-softplus), as a layer does, so the guard's read of it can fuse into the op making it;
+without it log_alpha is an argument and the guard's check over it a pass of its own. Each cell
+also gives the compiled program's temporary memory (MB).
 """
 
 from __future__ import annotations
@@ -65,6 +66,13 @@ def _fns(op, impl, scheme, gate_in_jit):
   return jax.jit(fwd), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))
 
 
+def _temp_mb(fn, args):
+  """The compiled program's temporary buffers (MB): what a guard's fallback branch adds to the
+  peak; NaN where the backend does not say."""
+  analysis = fn.lower(*args).compile().memory_analysis()
+  return float("nan") if analysis is None else analysis.temp_size_in_bytes / 2**20
+
+
 def main(argv):
   del argv
   dtype = jnp.dtype(_DTYPE.value)
@@ -74,26 +82,34 @@ def main(argv):
   schemes = ["none"] + [s for s in _SCHEMES.value if s != "none"]
   rows, out = [], []
   for op in _OPS.value:
-    times = {}
+    times, temp = {}, {}
     for scheme in schemes:
       fwd, grad = _fns(op, _IMPL.value, scheme, _GATE_IN_JIT.value)
       times[scheme] = (
         median_time(fwd, *args, repeats=_REPEATS.value),
         median_time(grad, *args, repeats=_REPEATS.value),
       )
+      temp[scheme] = _temp_mb(fwd, args), _temp_mb(grad, args)
     for i, what in enumerate(("fwd", "fwd+bwd")):
       base = times["none"][i]
-      cells = [f"{base:.3f}"]
+      cells = [f"{base:.3f} [{temp['none'][i]:.0f}]"]
       for scheme in schemes[1:]:
         ms = times[scheme][i]
-        cells.append(f"{ms:.3f} ({100 * (ms / base - 1):+.1f}%)")
+        cells.append(f"{ms:.3f} ({100 * (ms / base - 1):+.1f}%) [{temp[scheme][i]:.0f}]")
       rows.append([op, what, *cells])
-      out.append(dict(op=op, pass_=what, **{f"{s}_ms": times[s][i] for s in schemes}))
+      out.append(
+        dict(
+          op=op,
+          pass_=what,
+          **{f"{s}_ms": times[s][i] for s in schemes},
+          **{f"{s}_temp_mb": temp[s][i] for s in schemes},
+        )
+      )
   print(
     f"{jax.devices()[0].device_kind}, impl={_IMPL.value}, B={_B.value} T={_T.value} H={_H.value} "
     f"K=V={_D.value} {_DTYPE.value}, gate_in_jit={_GATE_IN_JIT.value}"
   )
-  print(markdown_table(["op", "pass", *(f"{s} (ms)" for s in schemes)], rows))
+  print(markdown_table(["op", "pass", *(f"{s}: ms [temp MB]" for s in schemes)], rows))
   if _OUT.value:
     settings = dict(b=_B.value, t=_T.value, h=_H.value, d=_D.value, dtype=_DTYPE.value)
     with open(_OUT.value, "w", encoding="utf-8") as f:
