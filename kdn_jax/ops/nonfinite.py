@@ -37,13 +37,14 @@ fails, run steps 1-3 under `lax.cond`. That is the guarded result:
     infinite r, is made NaN first), so the fallback runs and returns the guarded result.
 The implementation sits between optimization barriers on both paths, so it compiles to the same
 arithmetic: a segment next to a bad one gets the bits of the clean run. The gradient is a custom
-VJP: the fast path's when its outputs were finite, else the guarded path's, recomputed in the
+VJP: the fast path's when its checks passed, else the guarded path's, recomputed in the
 backward (a cond whose untaken branch saved residuals would zero-fill them on every call); one
 cond per pass. The price: the implementation compiles twice in the forward and three times in
 fwd+bwd, and a fallback's temporaries (about one call's residuals) add to the peak.
-tests/ops/test_ops_nonfinite.py checks it against `Guard` (the non-finite entries exactly, the
-values bit for bit on clean input, to an ulp elsewhere: XLA:CPU compiles the fallback, inside a
-cond, with other rounding) and containment bit for bit.
+tests/ops/test_ops_nonfinite.py checks it against `Guard` (the non-finite entries exactly; the
+outputs bit for bit on clean input; elsewhere, and the gradients, to an ulp: XLA:CPU compiles the
+fallback, inside a cond, with other rounding, and sums a gradient's terms in another order) and
+containment (a bad segment's neighbours keep the clean run's bits, gradients included).
 
 Where the bad values reach is a scan over T per flag, dozens of small kernels on a GPU; it runs
 only when needed (the fallback; under `Guard` alone, under a cond on an all-finite reduction).
