@@ -249,29 +249,37 @@ def delta_rule(
   scale = kd**-0.5 if scale is None else scale
   input_dtype = jnp.result_type(q, k, v)
   out_dtype = q.dtype
-  guard = nonfinite.Guard(q, dict(k=k, v=v, log_alpha=log_alpha, write=write), segment_ids, cd)
-  q, k, v, log_alpha, write = (guard.inputs[n] for n in ("q", "k", "v", "log_alpha", "write"))
-  if impl != "pallas":
-    # (the Pallas kernels read log_alpha and write in their own dtypes, fp32 inside: a cast
-    # here would be a pass over memory, e.g. of a bf16 kappa, pallas_kernels.write_dtype)
-    log_alpha, write = log_alpha.astype(cd), write.astype(cd)
-  o, memory, *at = run_memory(
-    op,
-    impl,
-    q.astype(cd),
-    k.astype(cd),
-    v.astype(cd),
-    log_alpha,
-    write,
-    memory0,
-    segment_ids,
-    chunk_size,
-    input_dtype,
-    scale,
-    positions,
-    kernel_config,
+
+  def body(inputs, extra):
+    q, k, v, log_alpha, write = (inputs[n] for n in ("q", "k", "v", "log_alpha", "write"))
+    if impl != "pallas":
+      # (the Pallas kernels read log_alpha and write in their own dtypes, fp32 inside: a cast
+      # here would be a pass over memory, e.g. of a bf16 kappa, pallas_kernels.write_dtype)
+      log_alpha, write = log_alpha.astype(cd), write.astype(cd)
+    o, memory, *at = run_memory(
+      op,
+      impl,
+      q.astype(cd),
+      k.astype(cd),
+      v.astype(cd),
+      log_alpha,
+      write,
+      extra["memory0"],
+      extra["segment_ids"],
+      chunk_size,
+      input_dtype,
+      extra.get("scale", scale),
+      positions,
+      kernel_config,
+    )
+    return o.astype(out_dtype), memory, None, tuple(at)
+
+  extra = dict(memory0=memory0, segment_ids=segment_ids)
+  if isinstance(scale, jax.Array):
+    extra["scale"] = scale  # (traced: differentiable, so an argument of the guard's VJP)
+  o, memory, _, at = nonfinite.guarded(
+    body, impl, q, dict(k=k, v=v, log_alpha=log_alpha, write=write), extra, cd
   )
-  o, memory, _ = guard.spoil(o.astype(out_dtype), memory)
   return (o, (memory if output_final_state else None)) + tuple(at)
 
 

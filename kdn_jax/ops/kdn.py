@@ -117,65 +117,83 @@ def _kdn(
   if checked:
     _check_kdn_values(op, q, k, v, log_alpha, omega, r, mu, state0, initial_state is not None)
   scale = kd**-0.5 if scale is None else scale
-  guard = nonfinite.Guard(
+
+  def body(inputs, extra):
+    q, k, v, log_alpha, omega, r = (inputs[n] for n in ("q", "k", "v", "log_alpha", "omega", "r"))
+    state0, mu, segment_ids = extra["state0"], extra["mu"], extra["segment_ids"]
+    scale_ = extra.get("scale", scale)
+    if impl != "pallas":
+      # (The Pallas kernels read each input in its own dtype and compute in fp32 inside: fp32
+      # copies of 16-bit [B, T, H, K] inputs would be whole extra passes over HBM, three
+      # converts of 50 us each in an H200 profile of the T=4096 forward, docs/decisions.md.)
+      q, k, v, log_alpha, omega, r = (x.astype(cd) for x in (q, k, v, log_alpha, omega, r))
+    at = ()
+    if impl == "reference":
+      starts = None if segment_ids is None else variance.segment_starts(segment_ids)
+      o, (memory, var), *every = _kdn_reference(
+        diag,
+        q * scale_,
+        k,
+        v,
+        log_alpha,
+        omega,
+        r,
+        mu,
+        tuple(state0),
+        starts,
+        positions is not None,
+      )
+      if positions is not None:
+        at = (KDNState(*(states_at.gather_tokens(x, positions) for x in every[0])),)
+    else:
+      write, var, *var_at = _gain(
+        op,
+        diag,
+        impl,
+        k,
+        log_alpha,
+        omega,
+        r,
+        mu,
+        state0.variance,
+        segment_ids,
+        input_dtype,
+        positions,
+        kernel_config,
+      )
+      o, memory, *mem_at = run_memory(
+        op,
+        impl,
+        q,
+        k,
+        v,
+        log_alpha,
+        write,
+        state0.memory,
+        segment_ids,
+        chunk_size,
+        input_dtype,
+        scale_,
+        positions,
+        kernel_config,
+      )
+      if positions is not None:
+        at = (KDNState(mem_at[0], var_at[0]),)
+    return o.astype(out_dtype), memory, var, at
+
+  extra = dict(state0=state0, mu=mu, segment_ids=segment_ids)
+  if isinstance(scale, jax.Array):
+    extra["scale"] = scale  # (traced: differentiable, so an argument of the guard's VJP)
+  o, memory, var, at = nonfinite.guarded(
+    body,
+    impl,
     q,
     dict(k=k, v=v, log_alpha=log_alpha, omega=omega, r=r),
-    segment_ids,
+    extra,
     cd,
     variance=("k", "log_alpha", "omega", "r"),
     r_names=("r",),
   )
-  q, k, v, log_alpha, omega, r = (
-    guard.inputs[n] for n in ("q", "k", "v", "log_alpha", "omega", "r")
-  )
-  if impl != "pallas":
-    # (The Pallas kernels read each input in its own dtype and compute in fp32 inside: fp32
-    # copies of 16-bit [B, T, H, K] inputs would be whole extra passes over HBM, three converts
-    # of 50 us each in an H200 profile of the T=4096 forward, docs/decisions.md.)
-    q, k, v, log_alpha, omega, r = (x.astype(cd) for x in (q, k, v, log_alpha, omega, r))
-  at = ()
-  if impl == "reference":
-    starts = None if segment_ids is None else variance.segment_starts(segment_ids)
-    o, (memory, var), *every = _kdn_reference(
-      diag, q * scale, k, v, log_alpha, omega, r, mu, tuple(state0), starts, positions is not None
-    )
-    if positions is not None:
-      at = (KDNState(*(states_at.gather_tokens(x, positions) for x in every[0])),)
-  else:
-    write, var, *var_at = _gain(
-      op,
-      diag,
-      impl,
-      k,
-      log_alpha,
-      omega,
-      r,
-      mu,
-      state0.variance,
-      segment_ids,
-      input_dtype,
-      positions,
-      kernel_config,
-    )
-    o, memory, *mem_at = run_memory(
-      op,
-      impl,
-      q,
-      k,
-      v,
-      log_alpha,
-      write,
-      state0.memory,
-      segment_ids,
-      chunk_size,
-      input_dtype,
-      scale,
-      positions,
-      kernel_config,
-    )
-    if positions is not None:
-      at = (KDNState(mem_at[0], var_at[0]),)
-  o, memory, var = guard.spoil(o.astype(out_dtype), memory, var)
   final = KDNState(memory, var) if output_final_state else None
   return (o, final) + at
 

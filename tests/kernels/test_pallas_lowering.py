@@ -22,6 +22,7 @@ from flax import nnx
 from kdn_jax import ops
 from kdn_jax.layers.registry import MIXERS
 from kdn_jax.models.config import model_config
+from kdn_jax.ops import nonfinite
 from pallas_kernels import KernelConfigs, common
 from pallas_kernels.delta_rule import config as dr_config
 
@@ -357,7 +358,10 @@ def test_any_width_lowers_for_cuda(as_on_gpu, kd, vd):
       "delta_rule_intra_bwd_tokens",
     } <= kernels
     tiles = -(-vd // 128)
-    # (one forward state pass and one reverse chain per tile)
+    # (one forward state pass per tile, counted with the guard that runs the op once:
+    # kdn_jax/ops/nonfinite.py's default also lowers the fallback's)
+    with nonfinite.scheme("inputs"):
+      text = _lower_for_cuda(jax.grad(loss, argnums=tuple(range(6))), q, k, v, la, omega, r)
     assert len(re.findall(r'name = "delta_rule_state_pass', text)) == tiles, fn.__name__
 
 
