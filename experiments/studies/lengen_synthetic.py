@@ -33,8 +33,8 @@ from absl import flags as absl_flags
 
 from configs import lengen_synthetic as study_config
 from experiments.runner import cli, config_lib
-from experiments.runner.logging_utils import fmt_time, write_json
-from experiments.studies import study_driver, study_plan
+from experiments.runner.logging_utils import write_json
+from experiments.studies import study_driver
 from experiments.studies.results import lengen_synthetic as renderer
 from experiments.studies.results.common import interval
 
@@ -382,26 +382,18 @@ def main(argv):
   except (ValueError, config_lib.ConfigError) as e:
     print(f"Study error: {e}", file=sys.stderr)
     return 2
-  try:
-    status, pending = study_driver.run(STUDY, plan, plan.mixers, FLAGS.parallel, argv_flags)
-  except study_plan.PlanError as e:
-    print(f"Study error: {e}", file=sys.stderr)
-    return 2
-  wall = time.time() - t0
-  if FLAGS.child:  # the parent records the call and renders the table
-    return 0 if status == "done" else 3
-  if pending:
-    study_driver.write_commands(
-      STUDY, plan, argv_flags, status, wall, FLAGS.machine, protocol(plan)
-    )
-  table = renderer.render_table(renderer.load_runs(plan.results))
-  with open(os.path.join(plan.results, "table.md"), "w", encoding="utf-8") as f:
-    f.write(table + "\n")
-  print(table, flush=True)
-  print(f"study: {status} in {fmt_time(wall)}; results in {plan.results}", flush=True)
-  if plan.publish:
-    print(f"study: published to {study_plan.publish(STUDY, plan, plan.mixers)}", flush=True)
-  return 0 if status == "done" else 3
+  return study_driver.conclude(
+    STUDY,
+    plan,
+    plan.mixers,
+    FLAGS.parallel,
+    argv_flags,
+    t0=t0,
+    child=FLAGS.child,
+    machine=FLAGS.machine,
+    protocol=protocol,
+    table=lambda: renderer.render_table(renderer.load_runs(plan.results)),
+  )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from absl import flags as absl_flags
 
 from configs import lengen_short as study_config
 from experiments.runner import cli, config_lib
-from experiments.runner.logging_utils import fmt_time, write_json
+from experiments.runner.logging_utils import write_json
 from experiments.studies import study_driver, study_plan
 from experiments.studies.results import lengen_text as renderer
 from experiments.studies.results.common import interval
@@ -456,27 +456,23 @@ def main(argv):
   except (ValueError, config_lib.ConfigError) as e:
     print(f"Study error: {e}", file=sys.stderr)
     return 2
-  try:
-    status, pending = study_driver.run(STUDY, plan, plan.arms, FLAGS.parallel, argv_flags)
-  except study_plan.PlanError as e:
-    print(f"Study error: {e}", file=sys.stderr)
-    return 2
-  wall = time.time() - t0
-  if FLAGS.child:  # the parent records the call and renders the table
-    return 0 if status == "done" else 3
-  if pending:
-    study_driver.write_commands(
-      STUDY, plan, argv_flags, status, wall, FLAGS.machine, protocol(plan)
-    )
-  runs = renderer.load_runs(plan.results)
-  table = renderer.render_table(runs)
-  with open(os.path.join(plan.results, "table.md"), "w", encoding="utf-8") as f:
-    f.write(table + "\n\n" + "\n".join(renderer.verdicts(runs)) + "\n")
-  print(table, flush=True)
-  print(f"study: {status} in {fmt_time(wall)}; results in {plan.results}", flush=True)
-  if plan.publish:
-    print(f"study: published to {study_plan.publish(STUDY, plan, plan.arms)}", flush=True)
-  return 0 if status == "done" else 3
+
+  def table():
+    runs = renderer.load_runs(plan.results)
+    return renderer.render_table(runs) + "\n\n" + "\n".join(renderer.verdicts(runs))
+
+  return study_driver.conclude(
+    STUDY,
+    plan,
+    plan.arms,
+    FLAGS.parallel,
+    argv_flags,
+    t0=t0,
+    child=FLAGS.child,
+    machine=FLAGS.machine,
+    protocol=protocol,
+    table=table,
+  )
 
 
 if __name__ == "__main__":

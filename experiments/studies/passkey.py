@@ -33,8 +33,8 @@ from absl import flags as absl_flags
 
 from configs import passkey as study_config
 from experiments.runner import cli, config_lib
-from experiments.runner.logging_utils import fmt_time, write_json
-from experiments.studies import study_driver, study_plan
+from experiments.runner.logging_utils import write_json
+from experiments.studies import study_driver
 
 PRESETS = ("tiny", "cpu")
 STRATEGIES = ("zero", "state_passing", "tbtt", "fitted_noise")
@@ -149,6 +149,7 @@ class Plan:
     batch=32,
     deadline_s=0,
     overrides=(),
+    publish=False,
   ):
     study_driver.check_choice("--preset", preset, PRESETS)
     self.preset = preset
@@ -176,6 +177,7 @@ class Plan:
     self.pretrain_steps = pretrain_steps or PRETRAIN_STEPS[preset]
     self.post_steps = post_steps or POST_STEPS[preset]
     self.post_lr_scale = post_lr_scale
+    self.publish = publish
     self.deadline = study_driver.Deadline(deadline_s)
     self.overrides = study_driver.parse_overrides(overrides)
     base = self.config(self.arms[0], "pretrain")  # fails here, naming the key
@@ -387,29 +389,26 @@ def main(argv):
       FLAGS.batch,
       FLAGS.deadline_s,
       FLAGS.override,
+      FLAGS.publish,
     )
     argv_flags = study_driver.flags_as_written(sys.argv[1:])
   except (ValueError, config_lib.ConfigError) as e:
     print(f"Study error: {e}", file=sys.stderr)
     return 2
-  status, pending = study_driver.run(STUDY, plan, plan.arms, FLAGS.parallel, argv_flags)
-  wall = time.time() - t0
-  if FLAGS.child:
-    return 0 if status == "done" else 3
-  if pending:
-    study_driver.write_commands(
-      STUDY, plan, argv_flags, status, wall, FLAGS.machine, protocol(plan)
-    )
   from experiments.studies.results import passkey as renderer  # pylint: disable=g-import-not-at-top
 
-  table = renderer.render_tables(renderer.load_runs(plan.results))
-  with open(os.path.join(plan.results, "table.md"), "w", encoding="utf-8") as f:
-    f.write(table + "\n")
-  print(table, flush=True)
-  if FLAGS.publish:
-    print(f"study: published to {study_plan.publish(STUDY, plan, plan.arms)}", flush=True)
-  print(f"study: {status} in {fmt_time(wall)}; results in {plan.results}", flush=True)
-  return 0 if status == "done" else 3
+  return study_driver.conclude(
+    STUDY,
+    plan,
+    plan.arms,
+    FLAGS.parallel,
+    argv_flags,
+    t0=t0,
+    child=FLAGS.child,
+    machine=FLAGS.machine,
+    protocol=protocol,
+    table=lambda: renderer.render_tables(renderer.load_runs(plan.results)),
+  )
 
 
 if __name__ == "__main__":

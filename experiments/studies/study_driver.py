@@ -447,3 +447,27 @@ def write_commands(study, plan, argv_flags, status, wall_s, machine, protocol: s
     }
   )
   write_json(path, dict(kept, calls=calls, protocol=protocol))
+
+
+def conclude(study, plan, arms, parallel, argv_flags, *, t0, child, machine, protocol, table):
+  """Runs what is left of the study and finishes a command-line call: records it in
+  commands.json, writes ``table()`` (markdown) to ``<results>/table.md`` and prints it, and
+  publishes when the plan asks. Returns the exit code: 0 done, 2 refused, 3 stopped early."""
+  try:
+    status, pending = run(study, plan, arms, parallel, argv_flags)
+  except study_plan.PlanError as e:
+    print(f"Study error: {e}", file=sys.stderr)
+    return 2
+  wall = time.time() - t0
+  if child:  # the parent records the call and renders the table
+    return 0 if status == "done" else 3
+  if pending:
+    write_commands(study, plan, argv_flags, status, wall, machine, protocol(plan))
+  text = table()
+  with open(os.path.join(plan.results, "table.md"), "w", encoding="utf-8") as f:
+    f.write(text + "\n")
+  print(text, flush=True)
+  print(f"study: {status} in {fmt_time(wall)}; results in {plan.results}", flush=True)
+  if getattr(plan, "publish", False):
+    print(f"study: published to {study_plan.publish(study, plan, arms)}", flush=True)
+  return 0 if status == "done" else 3
