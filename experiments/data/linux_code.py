@@ -120,8 +120,10 @@ def select_files(members: Iterable[tuple[str, bytes]], workers: int = 1) -> Iter
     bucket["bytes"] += len(data)
     if reason is None:
       yield {"name": path, "text": data.decode("utf-8", errors="replace")}
-    elif len(bucket["examples"]) < 5:
-      bucket["examples"].append(path)
+    else:
+      bucket["examples"] = sorted(bucket["examples"] + [(len(data), path)], reverse=True)[:5]
+  for bucket in stats["dropped"].values():  # the largest files each rule dropped
+    bucket["examples"] = [f"{path} ({n // 1000} KB)" for n, path in bucket["examples"]]
   return stats
 
 

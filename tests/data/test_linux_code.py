@@ -116,11 +116,10 @@ def test_rules_and_dedupe():
   c_files = [p for p in files if p.endswith((".c", ".h"))]
   assert stats["files"] == len(c_files) and stats["kept"]["files"] == len(kept) == len(c_files) - 3
   drop = stats["dropped"]
-  assert drop["generated_path"]["examples"] == [
-    "drivers/gpu/drm/amd/include/asic_reg/gc/gc_9_0_sh_mask.h"
-  ]
-  assert drop["data_lines"]["examples"] == ["drivers/net/wireless/rtw/table.c"]
-  assert drop["duplicate"]["examples"] == ["tools/include/linux/list.h"]
+  ex = {r: [e.split(" (")[0] for e in v["examples"]] for r, v in drop.items()}
+  assert ex["generated_path"] == ["drivers/gpu/drm/amd/include/asic_reg/gc/gc_9_0_sh_mask.h"]
+  assert ex["data_lines"] == ["drivers/net/wireless/rtw/table.c"]
+  assert ex["duplicate"] == ["tools/include/linux/list.h"]
   assert {"include/linux/list.h", "include/dt-bindings/clock/small.h"} <= kept
   assert stats["kept"]["bytes"] + sum(d["bytes"] for d in drop.values()) == stats["bytes"]
   assert linux_code.drop_reasons(members, workers=2) == linux_code.drop_reasons(members, workers=1)
