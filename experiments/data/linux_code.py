@@ -34,6 +34,7 @@ SUFFIXES = (".c", ".h")
 GENERATED_DIRS = frozenset({"asic_reg"})
 DATA_LINE_FRACTION = 0.5
 DATA_MIN_LINES = 64  # below this a file of constants is an ordinary small header, and costs nothing
+CACHE_MB = 280  # <cache> after a build: the 139 MB .deb and its dpkg -x tree
 RULES = ("generated_path", "data_lines", "duplicate")
 
 # Possessive quantifiers throughout: a near-miss line (numbers, then a name) must fail in linear time,

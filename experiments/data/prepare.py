@@ -302,7 +302,8 @@ def build(
   command = command or "python -m experiments.data.prepare " + " ".join(sys.argv[1:])
   log(
     f"prepare: building {out} from {len(sources)} sources; download cache {cache_dir} "
-    f"({dir_mb(cache_dir):.0f} MB now; a full build leaves ~{FULL_CACHE_MB} MB there, deletable afterwards)"
+    f"({dir_mb(cache_dir):.0f} MB now; a full text build leaves ~{FULL_CACHE_MB} MB there, linux_c's "
+    f"~{linux_code.CACHE_MB} MB; deletable afterwards)"
   )
 
   # ---- documents per source
