@@ -13,8 +13,8 @@ that outlives the command while the machine stays held); once every part is ther
 the stream's hash, unpacks into ``--out`` and checks every file's hash and every split's token count
 against the manifest (the last line says ``ship: ok``). docs/corpus.md gives the whole sequence.
 
-Standard library and numpy only, and runnable as a script: the device image has neither grain nor
-tokenizers, which importing ``experiments.data`` would need.
+Standard library and numpy only, and runnable as a script: the device image lacks grain, which importing
+``experiments.data`` needs.
 """
 
 from __future__ import annotations
@@ -172,14 +172,29 @@ def pack(
   return info
 
 
+def _clear(folder: str, arg: str) -> None:
+  """Empties a parts folder, refusing one that holds anything but parts and ship.json (a mistyped
+  ``--into=.`` must not empty a checkout)."""
+  os.makedirs(folder, exist_ok=True)
+  names = os.listdir(folder)
+  foreign = [
+    n for n in names if not (n == SHIP_JSON or (n.startswith("part-") and n.endswith(".xz")))
+  ]
+  if foreign:
+    raise ValueError(
+      f"{arg}: {folder!r} holds other files than parts ({foreign[:3]}); name a folder of its own"
+    )
+  for n in names:
+    os.remove(os.path.join(folder, n))
+
+
 def stage(ship: str, part: int, into: str) -> str:
   """Leaves ``ship.json`` and part ``part`` (only) in ``into``; returns the part's path there."""
   with open(os.path.join(ship, SHIP_JSON), encoding="utf-8") as f:
     info = json.load(f)
   if not 0 <= part < len(info["parts"]):
     raise ValueError(f"--part: expected 0..{len(info['parts']) - 1}, got {part}")
-  shutil.rmtree(into, ignore_errors=True)
-  os.makedirs(into)
+  _clear(into, "--into")
   shutil.copy(os.path.join(ship, SHIP_JSON), into)
   name = info["parts"][part]["name"]
   shutil.copy(os.path.join(ship, name), into)
@@ -196,8 +211,7 @@ def receive(parts: str, stage_dir: str, out: str, log=print) -> bool:
   if os.path.exists(staged):
     with open(staged, encoding="utf-8") as f:
       if json.load(f)["stream_sha256"] != info["stream_sha256"]:  # another corpus: start over
-        shutil.rmtree(stage_dir)
-        os.makedirs(stage_dir)
+        _clear(stage_dir, "--stage")
   shutil.copy(os.path.join(parts, SHIP_JSON), staged)
   for p in info["parts"]:
     src = os.path.join(parts, p["name"])

@@ -190,6 +190,8 @@ def test_ship_round_trip(built, tmp_path):
   with pytest.raises(ValueError, match=info["parts"][1]["name"]):
     ship.receive(carried, stage, dest, log=[].append)
   assert ship.main(["pack", f"--corpus={out}", f"--ship={parts_dir}", "--part_mb=0"]) == 1
+  with pytest.raises(ValueError, match="--into: .* holds other files"):  # never empties a checkout
+    ship.stage(parts_dir, 0, str(tmp_path))
 
 
 def test_recipe_cli_checks_sources(tmp_path):
