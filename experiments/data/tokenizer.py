@@ -68,6 +68,14 @@ class BPETokenizer:
       raise ValueError(f"tokenizer: {file!r} is not a readable tokenizer.json ({first})") from None
     return cls(tok)
 
+  @classmethod
+  def from_str(cls, tokenizer_json: str) -> BPETokenizer:
+    return cls(_tokenizers().Tokenizer.from_str(tokenizer_json))
+
+  def to_str(self) -> str:
+    """The tokenizer.json text (what a worker process is built from)."""
+    return self._tok.to_str()
+
   def save(self, directory: str) -> str:
     os.makedirs(directory, exist_ok=True)
     file = os.path.join(directory, FILENAME)
