@@ -141,6 +141,16 @@ def render_tables(runs: list[dict], resamples: int = 2000) -> str:
         if fix_shown(cmp, train_len):
           fixes.append(arm)
     out += [common.table(header, rows), ""]
+    longest = max(lengths)
+    per_seed = []
+    for arm in arms_of(runs, mixer):
+      x, sx = _table(runs, mixer, arm, longest, VERDICT_DEPTH)
+      if x is not None:
+        per_seed.append(f"{arm} " + " / ".join(f"{v:.2f}" for v in x.mean(axis=1)))
+    out += [
+      f"Per seed ({', '.join(map(str, seeds))}) at {longest}: " + "; ".join(per_seed) + ".",
+      "",
+    ]
     verdict = (
       f"fix shown by {', '.join(fixes)}"
       if fixes
@@ -200,7 +210,8 @@ def render(results_dir: str, fig_dir: str) -> str:
     "(State Passing, noise fitted to the states) repairs it. Design: each mixer pretrained at T=128 "
     "from the zero state with several seeds, each checkpoint post-trained with the zero state (the "
     "control) and with each intervention, every run scored from the zero state on the same "
-    "examples. " + __doc__.split("Verdict rule, stated before the runs: ")[1].split("\n\n")[0]
+    "examples. Verdict rule, stated before the runs: "
+    + __doc__.split("Verdict rule, stated before the runs: ")[1].split("\n\n")[0]
   )
   out = ["## 4b. Passkey past the training length, with seeds", "", " ".join(intro.split()), ""]
   for preset, pdir, runs in common.preset_runs(root, load_runs):
