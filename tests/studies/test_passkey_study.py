@@ -126,6 +126,7 @@ def test_verdicts_follow_the_rule():
   good += [_run("kda", s, "state_passing", {256: [1] * 100}) for s in range(2)]
   cmp = render.compare(good, "kda", "state_passing", [256], resamples=500)
   assert not render.fix_shown(cmp, 128)
+  assert "Verdict for kda: no failure to repair" in render.render_tables(good, resamples=200)
   table = render.render_tables(runs, resamples=200)
   assert "Verdict for gla: fix shown by state_passing." in table
 

@@ -98,6 +98,10 @@ def compare(runs, mixer, arm, lengths, depth=VERDICT_DEPTH, resamples=2000) -> d
   return out
 
 
+def _mean(row: dict) -> float:
+  return row["mean"]["estimate"]
+
+
 def fix_shown(cmp: dict, train_len: int) -> bool:
   ahead = [
     L
@@ -151,12 +155,21 @@ def render_tables(runs: list[dict], resamples: int = 2000) -> str:
       f"Per seed ({', '.join(map(str, seeds))}) at {longest}: " + "; ".join(per_seed) + ".",
       "",
     ]
-    verdict = (
-      f"fix shown by {', '.join(fixes)}"
-      if fixes
-      else "no fix shown (no intervention ahead of the control at >= 2 lengths past T where the "
-      f"control is below {FIX_BELOW:g})"
-    )
+    control = compare(runs, mixer, CONTROL, lengths, resamples=resamples)
+    failing = [
+      L for L in lengths if L > train_len and L in control and _mean(control[L]) < FIX_BELOW
+    ]
+    if fixes:
+      verdict = f"fix shown by {', '.join(fixes)}"
+    elif not failing:
+      verdict = (
+        f"no failure to repair (the zero control reads >= {FIX_BELOW:g} at every length past T)"
+      )
+    else:
+      verdict = (
+        f"no fix shown (the control is below {FIX_BELOW:g} at {', '.join(map(str, failing))}; no "
+        "intervention is ahead there at >= 2 lengths)"
+      )
     out += [f"Verdict for {mixer}: {verdict}.", ""]
   return "\n".join(out)
 
