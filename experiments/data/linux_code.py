@@ -23,7 +23,6 @@ import hashlib
 import multiprocessing
 import os
 import re
-import sys
 import tarfile
 from collections.abc import Iterable, Iterator
 
@@ -85,7 +84,9 @@ def drop_reasons(files: list[tuple[str, bytes]], workers: int = 1) -> list[str |
   batches = [files[i : i + 256] for i in range(0, len(files), 256)]
   if workers <= 1 or len(batches) <= 1:
     return [r for b in batches for r in _reasons(b)]
-  ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+  ctx = multiprocessing.get_context(
+    "spawn"
+  )  # (fork would copy a process whose XLA threads may hold locks)
   with ctx.Pool(min(workers, len(batches))) as pool:
     return [r for rs in pool.imap(_reasons, batches) for r in rs]
 

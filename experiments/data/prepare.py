@@ -218,7 +218,9 @@ def tokenize_documents(
   workers = min(corpus_sources.cpu_workers() if workers is None else workers, len(spans))
   out, done, ntok = [], 0, 0
   if workers > 1:
-    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    ctx = multiprocessing.get_context(
+      "spawn"
+    )  # (fork would copy a process whose XLA threads may hold locks)
     with ctx.Pool(workers, _worker_init, (tok.to_str(),)) as pool:
       encoded = pool.imap(_worker_encode, (list(texts[i:j]) for i, j in spans))
       for (i, j), enc in zip(spans, encoded):
