@@ -11,6 +11,7 @@ import functools
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -30,7 +31,6 @@ from experiments.runner import (
   logging_utils,
   optim,
   sharding,
-  sigterm,
   workdir_lock,
 )
 from experiments.runner import initial_states as init_lib
@@ -644,14 +644,11 @@ class Trainer:
     # SIGTERM on any host and agrees on a step for all of them, so there the Python handler (which would
     # replace the service's) is not installed.
     sync_preemption = _preemption_service() is not None
+    # (the Python handler only: a helper thread on signal.set_wakeup_fd, which sees a SIGTERM
+    # mid-compile, is in experiments/runner/sigterm.py but not installed: suite workers crashed in
+    # XLA compiles while it was)
     if threading.current_thread() is threading.main_thread() and not sync_preemption:
-      watch = sigterm.SigtermWatch(
-        self._on_sigterm,
-        lambda: self._dispatched,
-        f"SIGTERM before the first step: nothing trained since step {start_step}, nothing to "
-        "save; exiting (rerun the same command to resume)",
-        exit_now=self._exit_now,
-      ).__enter__()
+      watch = (signal.signal(signal.SIGTERM, self._on_sigterm),)
     status, t0 = "completed", time.time()
     t_log, step_log = t0, start_step
     eval_metrics = {}
@@ -753,7 +750,7 @@ class Trainer:
       finally:
         writer.close()
         if watch is not None:
-          watch.__exit__(None, None, None)
+          signal.signal(signal.SIGTERM, signal.SIG_DFL if watch[0] is None else watch[0])
     elapsed = time.time() - t0
     steady = float(np.median(interval_tps)) if interval_tps else None
     summary = {
