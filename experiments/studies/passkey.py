@@ -260,7 +260,7 @@ def arm_work(plan, arm) -> list[tuple]:
 
 
 def train_stage(plan, arm, stage) -> dict | None:
-  return study_driver.train(plan, arm, stage, fast_compile=plan.preset == "tiny")
+  return study_driver.train(plan, arm, stage, fast_compile=False)
 
 
 def score_run(plan, workdir, step) -> dict:
