@@ -131,7 +131,7 @@ def _earlier(results_dir: str, fig_dir: str) -> str:
   )
   if partial:
     coverage += (
-      f" **Without the full sweep** (one rate only, marked *: a single run of an earlier session, same "
+      f" **Without the full sweep** (one rate only, marked *: a single run recorded in docs/results/mqar/single_runs.json, same "
       f"config and seed): {', '.join(partial)}."
     )
   if missing:
@@ -199,7 +199,7 @@ def _by_rate(grid) -> str:
 
 def _run_to_run(grid, results_dir) -> list:
   """(cell, mixer, lr, single-run accuracy, sweep-member accuracy): a sweep member against the single run of
-  the same config, seed and rate from an earlier session (on CPU the two agree to float rounding,
+  the same config, seed and rate from single_runs.json (on CPU the two agree to float rounding,
   tests/runner/test_lr_sweep.py; on the GPU they also differ by non-deterministic reductions)."""
   path = os.path.join(results_dir, "mqar", "single_runs.json")
   single = {
@@ -224,7 +224,7 @@ def _reproduced(pairs) -> str:
   diffs = np.array([b - a for *_, a, b in pairs])
   rows = [[c, m, f"{lr:g}", f"{a:.3f}", f"{b:.3f}", f"{b - a:+.3f}"] for c, m, lr, a, b in pairs]
   return (
-    "Run to run: the same config, seed and rate trained as a single run (an earlier session, "
+    "Run to run: the same config, seed and rate trained as a single run ("
     "`docs/results/mqar/single_runs.json`) and as a member of this sweep, on the same kind of GPU: "
     f"{len(pairs)} pairs, median |difference| {np.median(np.abs(diffs)):.3f}, largest "
     f"{np.abs(diffs).max():.3f}. Runs that learn slowly (accuracy well below 1 at the end) move most: "
