@@ -26,18 +26,17 @@ Arg ``<preset>[,<mixer>][,<initial_state>]``:
   ``default``    a larger accelerator run on 50-100 from scratch; ``post`` its post-training.
 """
 
-from experiments.runner import config_lib
-from kdn_jax.models.config import model_config
+from configs import common
 
 MIN_COPY, MAX_COPY = 50, 100
 
 
 def get_config(arg: str = "cpu"):
-  preset, mixer, strategy = config_lib.parse_arg(
+  preset, mixer, strategy = common.parse_arg(
     arg, ("cpu", "cpu_short", "cpu_post", "default", "post"), "configs/copying.py"
   )
 
-  c = config_lib.base_config()
+  c = common.base_config()
   c.data.kind = "copying"
   c.train.initial_state = strategy
   c.data.seq_len = 2 * MAX_COPY + 2
@@ -45,21 +44,8 @@ def get_config(arg: str = "cpu"):
   c.data.copying.min_copy_len = MIN_COPY
   if preset.startswith("cpu"):
     vocab = 32  # 29 symbols + pad/BOS/SEP
-    c.model = model_config(
-      "tiny",
-      mixer=mixer,
-      vocab_size=vocab,
-      num_layers=2,
-      d_model=64,
-      num_heads=2,
-      head_dim=64,
-      chunk_size=16,
-      mlp_hidden=128,
-    )
-    c.data.global_batch_size = 8
-    c.data.eval_batch_size = 32
-    c.data.num_eval_examples = 128
-    c.data.read_threads = 2
+    c.model = common.tiny_model(vocab, mixer=mixer, head_dim=64, mlp_hidden=128)
+    common.cpu_data(c, batch=8, eval_batch=32, eval_examples=128)
     c.train.log_every = 50
     c.train.eval_batches = 4
     c.optim.weight_decay = 0.0
@@ -68,44 +54,24 @@ def get_config(arg: str = "cpu"):
       c.data.seq_len = 2 * 20 + 2
       c.data.copying.copy_len = 20
       c.data.copying.min_copy_len = 10
-      c.train.num_steps = 1000
-      c.optim.learning_rate = 6e-3
-      c.optim.warmup_steps = 50
+      common.schedule(c, steps=1000, lr=6e-3, warmup=50)
     elif preset == "cpu":
-      c.train.num_steps = 600
-      c.optim.learning_rate = 3e-3
-      c.optim.warmup_steps = 30
+      common.schedule(c, steps=600, lr=3e-3, warmup=30)
     else:
-      c.train.num_steps = 300
-      c.optim.learning_rate = 1e-3
-      c.optim.warmup_steps = 20
+      common.schedule(c, steps=300, lr=1e-3, warmup=20)
     c.checkpoint.every_steps = c.train.num_steps
   else:
     vocab = 64
-    c.model = model_config(
-      "20m",
-      mixer=mixer,
-      vocab_size=vocab,
-      num_layers=4,
-      d_model=256,
-      num_heads=4,
-      head_dim=64,
-      mlp_hidden=512,
-      dtype="bfloat16",
-    )
+    c.model = common.small_model(vocab, mixer=mixer, mlp_hidden=512)
     c.data.global_batch_size = 64
     c.data.eval_batch_size = 64
     c.data.copying.vocab_size = vocab
     c.train.log_every = 100
     c.optim.weight_decay = 0.0
     if preset == "default":
-      c.train.num_steps = 20000
+      common.schedule(c, steps=20000, lr=1e-3, warmup=1000)
       c.train.eval_every = 2000
-      c.optim.learning_rate = 1e-3
-      c.optim.warmup_steps = 1000
     else:
-      c.train.num_steps = 2000
-      c.optim.learning_rate = 3e-4
-      c.optim.warmup_steps = 100
+      common.schedule(c, steps=2000, lr=3e-4, warmup=100)
   c.data.copying.vocab_size = vocab
   return c

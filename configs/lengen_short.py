@@ -32,8 +32,7 @@ random_noise.
   ``tiny_post``  the ``tiny`` model post-trained likewise.
 """
 
-from experiments.runner import config_lib
-from kdn_jax.models.config import model_config
+from configs import common
 
 VOCAB = 16384  # experiments/data/prepare.py --vocab_size
 PRESETS = ("t64", "t128", "post", "t128_post", "tiny", "tiny_post")
@@ -60,11 +59,11 @@ def arm_model_keys(arm: str) -> dict:
   """The model config keys of an arm (a mixer name is an arm of its own)."""
   if arm in ARMS:
     return dict(ARMS[arm])
-  if arm in config_lib.MIXERS:
+  if arm in common.MIXERS:
     return {"mixer": arm}
-  raise config_lib.ConfigError(
+  raise common.ConfigError(
     f"configs/lengen_short.py: unknown arm {arm!r}; expected one of {list(ARMS)} or a mixer "
-    f"({', '.join(config_lib.MIXERS)})"
+    f"({', '.join(common.MIXERS)})"
   )
 
 
@@ -73,10 +72,10 @@ def parse(arg: str) -> tuple[str, str, str]:
   parts = [p for p in (arg or PRESETS[0]).split(",") if p]
   arms = [p for p in parts[1:] if p in ARMS]
   rest = ",".join([parts[0]] + [p for p in parts[1:] if p not in ARMS])
-  preset, mixer, strategy = config_lib.parse_arg(rest, PRESETS, "configs/lengen_short.py")
-  named_mixer = any(p in config_lib.MIXERS and p not in ARMS for p in parts[1:])
+  preset, mixer, strategy = common.parse_arg(rest, PRESETS, "configs/lengen_short.py")
+  named_mixer = any(p in common.MIXERS and p not in ARMS for p in parts[1:])
   if len(arms) + named_mixer > 1:
-    raise config_lib.ConfigError(f"configs/lengen_short.py:{arg}: give at most one arm")
+    raise common.ConfigError(f"configs/lengen_short.py:{arg}: give at most one arm")
   return preset, (arms[0] if arms else mixer), strategy
 
 
@@ -86,7 +85,7 @@ def get_config(arg: str = "t64"):
   seq_len, batch, pre_steps, keep_steps = SHAPES[base]
   small = base == "tiny"
 
-  c = config_lib.base_config()
+  c = common.base_config()
   c.data.kind = "token_file"
   c.data.corpus_dir = "/tmp/kdn_corpus"
   c.data.seq_len = seq_len
@@ -94,35 +93,14 @@ def get_config(arg: str = "t64"):
   c.train.initial_state = strategy
   keys = arm_model_keys(arm)
   if small:
-    c.model = model_config(
-      "tiny",
-      vocab_size=VOCAB,
-      num_layers=2,
-      d_model=64,
-      num_heads=2,
-      head_dim=32,
-      chunk_size=16,
-      **keys,
-    )
-    c.data.eval_batch_size = 8
-    c.data.num_eval_examples = 32
-    c.data.read_threads = 2
+    c.model = common.tiny_model(VOCAB, **keys)
+    common.cpu_data(c, batch=batch, eval_batch=8, eval_examples=32)
     c.train.log_every = 10
     c.train.eval_batches = 2
     c.optim.learning_rate = 1e-2
     c.logging.plot = c.logging.tensorboard = False
   else:
-    c.model = model_config(
-      "20m",
-      vocab_size=VOCAB,
-      num_layers=4,
-      d_model=256,
-      num_heads=4,
-      head_dim=64,
-      dtype="bfloat16",
-      param_dtype="float32",
-      **keys,
-    )
+    c.model = common.small_model(VOCAB, param_dtype="float32", **keys)
     c.data.eval_batch_size = 256
     c.data.num_eval_examples = 2048
     c.train.log_every = 100
@@ -137,8 +115,6 @@ def get_config(arg: str = "t64"):
     c.checkpoint.every_steps = max(1, pre_steps // 10)  # resumable; only keep_steps stay
     c.checkpoint.keep_steps = ",".join(str(s) for s in keep_steps)
   else:  # post-training from a pretrained run (train.init_from): fresh optimizer, a small rate
-    c.train.num_steps = max(1, round(pre_steps * POST_FRACTION))
-    c.optim.learning_rate = POST_LR
-    c.optim.warmup_steps = c.train.num_steps // 10
-    c.checkpoint.every_steps = c.train.num_steps
+    steps = max(1, round(pre_steps * POST_FRACTION))
+    common.schedule(c, steps=steps, lr=POST_LR, warmup=steps // 10, checkpoint_every=steps)
   return c

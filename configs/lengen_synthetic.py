@@ -23,8 +23,7 @@ a Zipf(1.1) law over its own permutation, topic switch probability 1/2048 per to
 65536 tokens. ``--config.data.topic.*`` changes it (the evaluation reads the run's own settings).
 """
 
-from experiments.runner import config_lib
-from kdn_jax.models.config import model_config
+from configs import common
 
 PRESETS = ("tiny", "tiny_post", "default", "post")
 POST_FRACTION = 0.1  # post-training steps / pretraining steps
@@ -38,29 +37,17 @@ def model_vocab(topic_vocab: int) -> int:
 
 
 def get_config(arg: str = "tiny"):
-  preset, mixer, strategy = config_lib.parse_arg(arg, PRESETS, "configs/lengen_synthetic.py")
+  preset, mixer, strategy = common.parse_arg(arg, PRESETS, "configs/lengen_synthetic.py")
   small = preset in ("tiny", "tiny_post")
 
-  c = config_lib.base_config()
+  c = common.base_config()
   c.data.kind = "topic"
   c.train.initial_state = strategy
   vocab = model_vocab(int(c.data.topic.vocab_size))
   c.data.seq_len = 64
   if small:
-    c.model = model_config(
-      "tiny",
-      mixer=mixer,
-      vocab_size=vocab,
-      num_layers=2,
-      d_model=64,
-      num_heads=2,
-      head_dim=32,
-      chunk_size=16,
-    )
-    c.data.global_batch_size = 16
-    c.data.eval_batch_size = 32
-    c.data.num_eval_examples = 128
-    c.data.read_threads = 2
+    c.model = common.tiny_model(vocab, mixer=mixer)
+    common.cpu_data(c, batch=16, eval_batch=32, eval_examples=128)
     c.data.topic.num_train_docs = 1024
     pre_steps = 300
     c.train.log_every = 25
@@ -68,17 +55,7 @@ def get_config(arg: str = "tiny"):
     c.optim.learning_rate = 1e-2
     c.checkpoint.keep = 2
   else:
-    c.model = model_config(
-      "20m",
-      mixer=mixer,
-      vocab_size=vocab,
-      num_layers=4,
-      d_model=256,
-      num_heads=4,
-      head_dim=64,
-      dtype="bfloat16",
-      param_dtype="float32",
-    )
+    c.model = common.small_model(vocab, mixer=mixer, param_dtype="float32")
     c.data.global_batch_size = 256
     c.data.eval_batch_size = 256
     c.data.num_eval_examples = 1024
@@ -94,8 +71,6 @@ def get_config(arg: str = "tiny"):
     c.optim.warmup_steps = pre_steps // 10
     c.checkpoint.every_steps = pre_steps // 4
   else:  # post-training from a pretrained run (train.init_from): fresh optimizer, a small rate
-    c.train.num_steps = int(pre_steps * POST_FRACTION)
-    c.optim.learning_rate = POST_LR
-    c.optim.warmup_steps = c.train.num_steps // 10
-    c.checkpoint.every_steps = c.train.num_steps
+    steps = int(pre_steps * POST_FRACTION)
+    common.schedule(c, steps=steps, lr=POST_LR, warmup=steps // 10, checkpoint_every=steps)
   return c

@@ -10,18 +10,17 @@ context) or ``smoke`` (tiny CPU variant; make a token file with
 ``--config.data.eos_id``.
 """
 
-from experiments.runner import config_lib
-from kdn_jax.models.config import model_config
+from configs import common
 
 
 def get_config(arg: str = "default"):
-  preset, mixer, strategy = config_lib.parse_arg(arg, ("default", "smoke"), "configs/lm_125m.py")
+  preset, mixer, strategy = common.parse_arg(arg, ("default", "smoke"), "configs/lm_125m.py")
 
-  c = config_lib.base_config()
+  c = common.base_config()
   c.data.kind = "token_file"
   c.train.initial_state = strategy
   if preset == "default":
-    c.model = model_config("125m", mixer=mixer, dtype="bfloat16", param_dtype="float32")
+    c.model = common.model_config("125m", mixer=mixer, dtype="bfloat16", param_dtype="float32")
     c.data.seq_len = 2048
     c.data.global_batch_size = 256
     c.data.eval_batch_size = 64
@@ -36,7 +35,7 @@ def get_config(arg: str = "default"):
     c.mesh.data, c.mesh.fsdp = 1, -1
     c.checkpoint.every_steps = 1000
   else:
-    c.model = model_config("tiny", mixer=mixer)
+    c.model = common.model_config("tiny", mixer=mixer)
     c.data.train_path = "/tmp/kdn_tokens.npy"
     c.data.seq_len = 128
     c.data.global_batch_size = 16

@@ -14,40 +14,27 @@ corpus (default /tmp/kdn_corpus); its manifest gives the token files and the EOS
 packed with segment_ids.
 """
 
-from experiments.runner import config_lib
-from kdn_jax.models.config import model_config
+from configs import common
 
 VOCAB = 16384  # experiments/data/prepare.py --vocab_size
 
 
 def get_config(arg: str = "smoke"):
-  preset, mixer, strategy = config_lib.parse_arg(
+  preset, mixer, strategy = common.parse_arg(
     arg, ("smoke", "default", "post"), "configs/lm_corpus.py"
   )
 
-  c = config_lib.base_config()
+  c = common.base_config()
   c.data.kind = "token_file"
   c.data.corpus_dir = "/tmp/kdn_corpus"
   c.train.initial_state = strategy
   if preset == "smoke":
-    c.model = model_config(
-      "tiny",
-      mixer=mixer,
-      vocab_size=VOCAB,
-      num_layers=2,
-      d_model=128,
-      num_heads=2,
-      head_dim=64,
-      chunk_size=16,
-    )
+    c.model = common.tiny_model(VOCAB, mixer=mixer, d_model=128, head_dim=64)
     # 120 steps of 16 x 128 tokens (246k): a few minutes on 2 CPU cores (README); the tied 16k x 128
     # output projection is 85% of the model's FLOPs, so fewer tokens, not a smaller mixer, is what
     # shortens it
     c.data.seq_len = 128
-    c.data.global_batch_size = 16
-    c.data.eval_batch_size = 16
-    c.data.num_eval_examples = 128
-    c.data.read_threads = 2
+    common.cpu_data(c, batch=16, eval_batch=16, eval_examples=128)
     c.train.num_steps = 120
     c.train.log_every = 20
     c.train.eval_batches = 8
@@ -59,7 +46,7 @@ def get_config(arg: str = "smoke"):
     c.checkpoint.keep = 2
     return c
   # ~30M parameters (8.4M of them the tied embedding), MLP width matched across mixers
-  c.model = model_config(
+  c.model = common.model_config(
     "30m", mixer=mixer, vocab_size=VOCAB, dtype="bfloat16", param_dtype="float32"
   )
   c.data.seq_len = 512

@@ -14,8 +14,7 @@ variant (small vocabulary, 60 steps) that checks a cell runs.
 
 import re
 
-from experiments.runner import config_lib
-from kdn_jax.models.config import matched_mlp_hidden, model_config
+from configs import common
 
 D_MODELS = (64, 128)
 TASKS = ((256, 16), (256, 64), (512, 64))  # (sequence length, key-value pairs)
@@ -44,16 +43,16 @@ def get_config(arg: str = "d64_t256_kv16"):
   cpu = "cpu" in parts
   rest = ",".join(p for p in parts[1:] if p != "cpu")
   d_model, seq_len, kv = parse_cell(parts[0])
-  _, mixer, strategy = config_lib.parse_arg(f"grid,{rest}", ("grid",), "configs/mqar_grid.py")
+  _, mixer, strategy = common.parse_arg(f"grid,{rest}", ("grid",), "configs/mqar_grid.py")
 
-  c = config_lib.base_config()
+  c = common.base_config()
   c.data.kind = "mqar"
   c.train.initial_state = strategy
   vocab = 4 * kv + 64 if cpu else VOCAB
   head_dim = d_model // NUM_HEADS
   # The reference budget is diagonal KDN with a 2 x d_model SwiGLU; every mixer's MLP width is matched to
   # it (model_config only matches against its size presets' widths, so match here explicitly).
-  c.model = model_config(
+  c.model = common.model_config(
     "tiny",
     mixer=mixer,
     vocab_size=vocab,
@@ -65,7 +64,7 @@ def get_config(arg: str = "d64_t256_kv16"):
     mlp_hidden=2 * d_model,
     mlp_multiple=8,
   )
-  c.model.mlp_hidden = matched_mlp_hidden(c.model, 2 * d_model)
+  c.model.mlp_hidden = common.matched_mlp_hidden(c.model, 2 * d_model)
   c.model.mlp_reference, c.model.mlp_matched = 2 * d_model, c.model.mlp_hidden
   c.data.seq_len = seq_len
   c.data.global_batch_size = 16 if cpu else BATCH

@@ -19,8 +19,7 @@ steps); the defaults here are that order, the study's --num_steps/--batch pick w
 
 import re
 
-from experiments.runner import config_lib
-from kdn_jax.models.config import matched_mlp_hidden, model_config
+from configs import common
 
 WIDTHS = (64, 128, 256)
 MIXERS = ("kdn_diag", "kdn_iso", "kda", "gated_deltanet", "deltanet", "gla")
@@ -57,13 +56,13 @@ def parse_arg(arg: str) -> tuple[int, str, bool]:
   rest = [p for p in parts if p != "tiny"]
   m = re.fullmatch(r"d(\d+)", rest[0]) if rest else None
   if not m or len(rest) > 2 or (len(rest) == 2 and rest[1] not in MIXERS):
-    raise config_lib.ConfigError(
+    raise common.ConfigError(
       f"configs/mqar_zoology.py:{arg}: expected d<width>,<mixer>[,tiny] with a "
       f"mixer from {', '.join(MIXERS)}"
     )
   width = int(m.group(1))
   if width % (NUM_HEADS * 8):
-    raise config_lib.ConfigError(
+    raise common.ConfigError(
       f"configs/mqar_zoology.py:{arg}: width {width} must be a multiple of "
       f"{NUM_HEADS * 8} ({NUM_HEADS} heads of a multiple of 8)"
     )
@@ -76,10 +75,10 @@ def test_cells(tiny: bool = False) -> tuple:
 
 def get_config(arg: str = "d64,kdn_diag"):
   width, mixer, tiny = parse_arg(arg)
-  c = config_lib.base_config()
+  c = common.base_config()
   c.data.kind = "mqar"
   vocab = TINY["vocab"] if tiny else VOCAB
-  c.model = model_config(
+  c.model = common.model_config(
     "tiny",
     mixer=mixer,
     vocab_size=vocab,
@@ -93,11 +92,11 @@ def get_config(arg: str = "d64,kdn_diag"):
   )
   if tiny:
     c.model.impl = TINY["impl"]
-  c.model.mlp_hidden = matched_mlp_hidden(c.model, 2 * width)
+  c.model.mlp_hidden = common.matched_mlp_hidden(c.model, 2 * width)
   c.model.mlp_reference, c.model.mlp_matched = 2 * width, c.model.mlp_hidden
   c.data.mqar.vocab_size = vocab
   c.data.mqar.mixture = TINY["train_cells"] if tiny else TRAIN_CELLS
-  cells = config_lib.mqar_mixture_cells(c)
+  cells = common.mqar_mixture_cells(c)
   c.data.seq_len = max(t for t, _, _ in cells)
   c.data.mqar.num_kv_pairs = max(n for _, n, _ in cells)
   c.data.global_batch_size = TINY["batch"] if tiny else BATCH

@@ -10,8 +10,7 @@ Arg ``<noise>[,smoke]``: ``learned`` | ``fixed_r`` | ``fixed`` (kdn_jax/layers/k
 the tiny CPU preset. The seed of each member sets its initial parameters and its data order.
 """
 
-from configs import lm_corpus
-from experiments.runner import config_lib
+from configs import common, lm_corpus
 
 NOISE_MODES = ("learned", "fixed_r", "fixed")
 SEEDS = "0,1"
@@ -21,7 +20,7 @@ def get_config(arg: str = "learned"):
   parts = [p for p in (arg or "learned").split(",") if p]
   mode, smoke = parts[0], "smoke" in parts[1:]
   if mode not in NOISE_MODES or any(p != "smoke" for p in parts[1:]):
-    raise config_lib.ConfigError(
+    raise common.ConfigError(
       f"configs/noise_factorial.py:{arg}: expected <noise>[,smoke] with <noise> one "
       f"of {', '.join(NOISE_MODES)}"
     )

@@ -18,72 +18,40 @@ optimizer and the arg's strategy; give ``--config.train.init_from``), ``default`
 at T=256).
 """
 
-from experiments.runner import config_lib
-from kdn_jax.models.config import model_config
+from configs import common
 
 
 def get_config(arg: str = "cpu"):
-  preset, mixer, strategy = config_lib.parse_arg(
+  preset, mixer, strategy = common.parse_arg(
     arg, ("cpu", "cpu_post", "default"), "configs/passkey.py"
   )
 
-  c = config_lib.base_config()
+  c = common.base_config()
   c.data.kind = "passkey"
   c.train.initial_state = strategy
   c.data.passkey.digits = 5
   if preset in ("cpu", "cpu_post"):
     vocab = 64  # 1 = KEY, 2 = QUERY, 10..19 = digits, 20..63 = filler
-    c.model = model_config(
-      "tiny",
-      mixer=mixer,
-      vocab_size=vocab,
-      num_layers=2,
-      d_model=64,
-      num_heads=2,
-      head_dim=32,
-      chunk_size=16,
-      mlp_hidden=128,
-    )
+    c.model = common.tiny_model(vocab, mixer=mixer, mlp_hidden=128)
     c.data.seq_len = 128
-    c.data.global_batch_size = 16
-    c.data.eval_batch_size = 64
-    c.data.num_eval_examples = 256
-    c.data.read_threads = 2
+    common.cpu_data(c, batch=16, eval_batch=64, eval_examples=256)
     c.train.log_every = 50
     c.train.eval_batches = 4
     c.optim.weight_decay = 0.0
     c.checkpoint.keep = 1
     if preset == "cpu":
-      c.train.num_steps = 1000
-      c.optim.learning_rate = 6e-3
-      c.optim.warmup_steps = 50
-      c.checkpoint.every_steps = 1000
+      common.schedule(c, steps=1000, lr=6e-3, warmup=50, checkpoint_every=1000)
     else:
-      c.train.num_steps = 300
-      c.optim.learning_rate = 1e-3
-      c.optim.warmup_steps = 20
-      c.checkpoint.every_steps = 300
+      common.schedule(c, steps=300, lr=1e-3, warmup=20, checkpoint_every=300)
   else:
     vocab = 256
-    c.model = model_config(
-      "20m",
-      mixer=mixer,
-      vocab_size=vocab,
-      num_layers=4,
-      d_model=256,
-      num_heads=4,
-      head_dim=64,
-      mlp_hidden=512,
-      dtype="bfloat16",
-    )
+    c.model = common.small_model(vocab, mixer=mixer, mlp_hidden=512)
     c.data.seq_len = 256
     c.data.global_batch_size = 64
     c.data.eval_batch_size = 64
-    c.train.num_steps = 10000
+    common.schedule(c, steps=10000, lr=1e-3, warmup=500)
     c.train.log_every = 100
     c.train.eval_every = 2000
-    c.optim.learning_rate = 1e-3
-    c.optim.warmup_steps = 500
     c.optim.weight_decay = 0.0
   c.data.passkey.vocab_size = vocab
   return c

@@ -102,3 +102,16 @@ def test_imports_point_down():
 
 def test_cycle_finder_finds_a_cycle():
   assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_configs_reach_the_code_through_common():
+  """Each experiment config imports configs.common (or a config it builds on) and nothing else of
+  the repository: the shared sizes and grammar live in one place."""
+  bad = [
+    (m, t)
+    for m, ts in _graph().items()
+    if m.startswith("configs.") and m != "configs.common"
+    for t in ts
+    if not t.startswith("configs.")
+  ]
+  assert bad == []

@@ -1,0 +1,47 @@
+"""What the experiment configs share; each config in this folder imports this module alone (the
+big_vision rule): the base run config and its arg grammar, and the two model sizes and the CPU data
+settings that the synthetic and text studies repeat.
+
+The sizes are the ones every study's numbers were measured with, so a change here changes them all:
+``tiny_model`` (2 layers, d=64, 2 heads of 32, chunks of 16: CPU minutes) and ``small_model`` (4
+layers, d=256, 4 heads of 64, bf16 compute: ~20M parameters, an accelerator's run).
+"""
+
+from experiments.runner.config_lib import (  # noqa: F401 (re-exported for the configs)
+  INITIAL_STATES,
+  MIXERS,
+  ConfigError,
+  base_config,
+  mqar_mixture_cells,
+  parse_arg,
+)
+from kdn_jax.models.config import matched_mlp_hidden, model_config  # noqa: F401
+
+
+def tiny_model(vocab_size: int, **keys):
+  """The CPU presets' model; ``keys`` (mixer, head_dim, mlp_hidden, ...) override the size."""
+  size = dict(num_layers=2, d_model=64, num_heads=2, head_dim=32, chunk_size=16)
+  return model_config("tiny", vocab_size=vocab_size, **{**size, **keys})
+
+
+def small_model(vocab_size: int, **keys):
+  """The accelerator presets' ~20M model; ``keys`` override as in ``tiny_model``."""
+  size = dict(num_layers=4, d_model=256, num_heads=4, head_dim=64, dtype="bfloat16")
+  return model_config("20m", vocab_size=vocab_size, **{**size, **keys})
+
+
+def cpu_data(c, *, batch: int, eval_batch: int, eval_examples: int):
+  """A CPU preset's batches: two reader threads (the machines it targets have two cores)."""
+  c.data.global_batch_size = batch
+  c.data.eval_batch_size = eval_batch
+  c.data.num_eval_examples = eval_examples
+  c.data.read_threads = 2
+
+
+def schedule(c, *, steps: int, lr: float, warmup: int, checkpoint_every: int | None = None):
+  """Steps, peak rate and warmup; a checkpoint every ``checkpoint_every`` steps when given."""
+  c.train.num_steps = steps
+  c.optim.learning_rate = lr
+  c.optim.warmup_steps = warmup
+  if checkpoint_every is not None:
+    c.checkpoint.every_steps = checkpoint_every
