@@ -290,7 +290,8 @@ class Plan:
     if self.windows < 2:
       raise ValueError(f"--windows: the intervals need >= 2 windows, got {self.windows}")
     self.eval_len = eval_len or d["eval_len"]
-    band_ratio.band_edges(self.eval_len)  # a power of two, or one line here
+    if self.eval_len < 2 or self.eval_len & (self.eval_len - 1):
+      raise ValueError(f"--eval_len: expected a power of two (the doubling bands), got {eval_len}")
     self.chunk = min(chunk or d["chunk"], self.eval_len)
     self.effrem_len = min(effrem_len or d["effrem_len"], self.eval_len)
     self.effrem_windows = min(effrem_windows or d["effrem_windows"], self.windows)
@@ -504,7 +505,7 @@ def measure(plan, workdir: str, step: int) -> dict:
           sums.setdefault(t, {})[i] = sums.get(t, {}).get(i, 0.0) + v[:real].sum(axis=0)
 
     scorer.states_at(w[:, :-1], ends, on_state)
-  bands = np.concatenate(bands)
+  bands = np.round(np.concatenate(bands), 5)  # stored so; every statistic from what is stored
   t_len = int(run.config.data.seq_len)
   ts = long_context.effrem_grid(plan.effrem_len, EFFREM_POINTS)
   er = long_context.effective_remembrance(
@@ -522,7 +523,7 @@ def measure(plan, workdir: str, step: int) -> dict:
       "long_path": os.path.basename(plan.long_path),
       "band_edges": edges,
     },
-    "band_nll": np.round(bands, 5).tolist(),
+    "band_nll": bands.tolist(),
     "band_ppl": np.exp(bands.mean(axis=0)).tolist(),
     "ratio": band_ratio.ratio(bands, edges, t_len, **kw),
     "in_range_ppl": float(np.exp(band_ratio.in_range_nll(bands.mean(axis=0), edges, t_len))),

@@ -49,7 +49,8 @@ def load_runs(folder: str) -> list[dict]:
     for f in sorted(os.listdir(folder))
     if f.endswith(".json") and f not in ("commands.json", "throughput.json")
   ]
-  return [r for r in runs if r.get("study") == ROOT]
+  runs = [r for r in runs if r.get("study") == ROOT]
+  return sorted(runs, key=lambda r: (r["cell"], r["stage"] != "pretrain", r["stage"], r["step"]))
 
 
 def _order(key):
@@ -229,23 +230,25 @@ def heatmap(runs, fig_dir, name, resamples=2000) -> str | None:
   for i, t in enumerate(ts):
     for j, arm in enumerate(arms):
       ax = axes[i][j]
-      grid = np.full((len(sizes), len(budgets)), np.nan)
+      vals: dict = {}
       for si, size in enumerate(sizes):
-        for seed, by in by_cell.get((arm, size, t), {}).items():
+        for by in by_cell.get((arm, size, t), {}).values():
           for r in by["pretrain"]:
             bj = budgets.index(round(r["tokens_per_param"], 3))
             iv = ratio_of(r, resamples)
-            prev = grid[si, bj]
-            grid[si, bj] = iv["estimate"] if np.isnan(prev) else 0.5 * (prev + iv["estimate"])
+            vals.setdefault((si, bj), []).append(iv["estimate"])
             if fails(iv):
               ax.text(bj, si, "×", ha="center", va="center", color="white", fontsize=12)
+      grid = np.full((len(sizes), len(budgets)), np.nan)
+      for (si, bj), v in vals.items():
+        grid[si, bj] = np.mean(v)
       im = ax.imshow(grid, cmap="magma", vmin=0.8, vmax=2.0, aspect="auto", origin="lower")
       ax.set_xticks(range(len(budgets)), [f"{b:g}" for b in budgets], fontsize=7)
       ax.set_yticks(range(len(sizes)), sizes)
       ax.set_title(f"{arm}, T={t}", fontsize=9)
       if i == len(ts) - 1:
         ax.set_xlabel("tokens / parameter")
-  fig.colorbar(im, ax=axes, shrink=0.8, label="R")
+  fig.colorbar(im, ax=axes[-1][-1], label="R")
   return common.save(fig, fig_dir, name)
 
 
