@@ -46,7 +46,7 @@ that loses its disk between stretches, carry the results folder back: finished c
 cells are skipped, an unfinished cell trains again from the start. Results:
 ``<results>/<cell>.pretrain.step<k>.json`` and ``<results>/<cell>.<strategy>.json``, rendered by
 experiments/studies/results/lengen_map.py; ``--publish`` copies them into
-docs/results/lengen_map/<preset>/.
+docs/results (its lengen_map/<preset> folder).
 
 ``--measure_throughput`` trains each distinct (arm, size, T) a few steps alone and writes
 ``<results>/throughput.json``: steady tokens/s and the hours each cell's pretraining would take.
@@ -138,7 +138,9 @@ flags.DEFINE_string(
 flags.DEFINE_string(
   "results", "", "JSON folder (default <workdir>/results/<preset>)", flag_values=FLAGS
 )
-flags.DEFINE_bool("publish", False, "copy results into docs/results/lengen_map/", flag_values=FLAGS)
+flags.DEFINE_bool(
+  "publish", False, "copy the results into docs/results (lengen_map/<preset>)", flag_values=FLAGS
+)
 flags.DEFINE_string("corpus_dir", "", "prepared corpus (default /tmp/kdn_code)", flag_values=FLAGS)
 flags.DEFINE_bool(
   "toy_corpus", False, "generate a small corpus in <workdir>/toy_corpus (CPU)", flag_values=FLAGS

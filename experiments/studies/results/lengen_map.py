@@ -1,5 +1,5 @@
 """RESULTS.md: the length-generalisation map (experiments/studies/lengen_map.py), from the
-per-checkpoint JSON under ``docs/results/lengen_map/<preset>/`` (``--publish``). Every interval is
+per-checkpoint JSON under ``docs/results (its lengen_map/<preset> folder)`` (``--publish``). Every interval is
 recomputed here from the stored per-window band NLL (experiments/evaluation/band_ratio.py).
 
 Rules, stated before the runs:
