@@ -57,6 +57,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -457,9 +458,11 @@ def cell_work(plan, cell) -> list[tuple]:
   missing = [s for s in keep if not _result_done(plan, cell, "pretrain", s)]
   work = [("eval", "pretrain", eval_units) for s in missing if s in have]
   todo = [s for s in missing if s not in have]
-  fix = [
-    s for s in plan.strategies if selected_for_fix(plan, cell) and not _result_done(plan, cell, s)
-  ]
+  fix = (
+    [s for s in plan.strategies if not _result_done(plan, cell, s)]
+    if selected_for_fix(plan, cell)
+    else []
+  )
   need_last = (
     any(not study_driver.checkpoint_steps(plan.run_dir(cell, s)) for s in fix)
     and keep[-1] not in have
@@ -627,6 +630,7 @@ def measure_throughput(plan, steps: int = THROUGHPUT_STEPS) -> dict:
     c.checkpoint.keep_steps = ""
     c.optim.warmup_steps = 1
     wd = os.path.join(plan.workdir, "throughput", shape)
+    shutil.rmtree(wd, ignore_errors=True)  # a fresh run each time: nothing resumed
     t0 = time.time()
     with study_driver.lowest_optimisation(plan.fast_compile):
       tr = lr_sweep.make_trainer(c, wd)
