@@ -55,6 +55,7 @@ docs/results (its lengen_map/<preset> folder).
 from __future__ import annotations
 
 import functools
+import glob
 import math
 import os
 import shutil
@@ -436,13 +437,19 @@ def selected_for_fix(plan, cell) -> bool:
   if not renderer.fails(study_driver.read_json(path)["ratio"]):
     return False
   arm, size, t, seed = parse_cell(cell)
-  for other in plan.cells:
-    a, s, tt, sd = parse_cell(other)
-    if (a, s, tt) == (arm, size, t) and sd != seed:
-      r = study_driver.read_json(study_driver.result_path(plan, other, "pretrain", last))
-      if r and evaluated(plan, study_driver.result_path(plan, other, "pretrain", last), last):
-        if not renderer.fails(r["ratio"]):
-          return False
+  # the other seeds from the results folder: a --parallel child's plan holds its own cell only
+  pattern = os.path.join(
+    glob.escape(plan.results), f"{arm}.{size}.t{t}.s*.pretrain.step{last}.json"
+  )
+  for other in glob.glob(pattern):
+    r = study_driver.read_json(other)
+    if (
+      r
+      and r.get("seed") != seed
+      and evaluated(plan, other, last)
+      and not renderer.fails(r["ratio"])
+    ):
+      return False
   return True
 
 
