@@ -107,6 +107,20 @@ def ratio_of_means(
   return _interval(est, draws, level, num.shape[0])
 
 
+def of_means(fn, *xs, level: float = LEVEL, resamples: int = RESAMPLES, seed: int = 0) -> Interval:
+  """``fn(mean(x_1), ..., mean(x_k))``: a statistic of the column means of tables over the same
+  units, drawn jointly (paired). Each ``x_i`` is [N] or [N, K_i]; ``fn`` maps column means (with a
+  leading resample axis in the draws) to the statistic, so a choice it makes among columns (a
+  minimum, say) is made again in every resample."""
+  xs = [_rows(x, f"x{i}") for i, x in enumerate(xs)]
+  if len({x.shape[0] for x in xs}) != 1:
+    raise ValueError(f"bootstrap: the tables need the same units, got {[x.shape[0] for x in xs]}")
+  counts = resample_counts(xs[0].shape[0], resamples, seed)
+  est = fn(*[x.mean(axis=0) for x in xs])
+  draws = fn(*[_means(x, counts) for x in xs])
+  return _interval(est, draws, level, xs[0].shape[0])
+
+
 def _safe_ratio(a, b):
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return np.where(b > 0, a / np.where(b > 0, b, 1.0), np.where(a == 0, np.nan, np.inf * np.sign(a)))

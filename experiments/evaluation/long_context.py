@@ -77,24 +77,38 @@ class ChunkedScorer:
 
   def state_series(self, inputs, chunk: int, on_chunk, progress: str | None = None) -> None:
     """``on_chunk(t_end, cache)`` after every ``chunk`` tokens and at the end, as ``score`` calls it,
-    without scoring: forwards of up to STATE_PIECE_TOKENS tokens that read the states at the chunk ends
-    inside them (prefix_states, the ops' output_states_at). Recurrent-only models."""
-    inputs = np.asarray(inputs, np.int32)
-    t = inputs.shape[1]
+    without scoring (``states_at`` at the chunk ends). Recurrent-only models."""
+    t = np.shape(inputs)[1]
     if chunk <= 0:
       raise ValueError(f"chunk must be positive, got {chunk}")
-    piece = chunk * max(1, STATE_PIECE_TOKENS // chunk)
-    cache = None
-    bar = logging_utils.Progress(-(-t // piece), progress) if progress else None
-    for s in range(0, t, piece):
-      e = min(s + piece, t)
-      ends = list(range(s + chunk, e, chunk)) + [e]
-      caches = self._states_at(
-        self.state, jnp.asarray(inputs[:, s:e]), cache, tuple(x - s for x in ends)
+    self.states_at(inputs, list(range(chunk, t, chunk)) + [t], on_chunk, progress)
+
+  def states_at(self, inputs, ends, on_state, progress: str | None = None) -> None:
+    """``on_state(t_end, cache)`` at each of ``ends`` (token counts, increasing, the last at most the
+    input's length): the states read inside forwards of up to STATE_PIECE_TOKENS tokens (or to the
+    next end, when further; prefix_states, the ops' output_states_at), no logits, the state carried
+    from one forward to the next. Recurrent-only models."""
+    inputs = np.asarray(inputs, np.int32)
+    ends = [int(t) for t in ends]
+    if not ends or ends != sorted(set(ends)) or ends[0] < 1 or ends[-1] > inputs.shape[1]:
+      raise ValueError(
+        f"ends: expected increasing token counts in [1, {inputs.shape[1]}], got {ends[:8]}"
       )
-      for i, t_end in enumerate(ends):
-        on_chunk(t_end, cache_at(caches, i))
-      cache = cache_at(caches, len(ends) - 1)
+    groups, i, s = [], 0, 0
+    while i < len(ends):
+      limit = max(s + STATE_PIECE_TOKENS, ends[i])
+      group = [t for t in ends[i:] if t <= limit]
+      groups.append((s, group))
+      s, i = group[-1], i + len(group)
+    cache = None
+    bar = logging_utils.Progress(len(groups), progress) if progress else None
+    for s, group in groups:
+      caches = self._states_at(
+        self.state, jnp.asarray(inputs[:, s : group[-1]]), cache, tuple(t - s for t in group)
+      )
+      for k, t_end in enumerate(group):
+        on_state(t_end, cache_at(caches, k))
+      cache = cache_at(caches, len(group) - 1)
       if bar:
         bar.update()
 

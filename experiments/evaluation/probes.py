@@ -1,5 +1,6 @@
 """Probes of a model's recurrence: KDN's effective write strength (beta_eff, the KDN paper's Fig. 2) and
-statistics of the carried states (memory, KDN variance) per layer."""
+statistics of the carried states (memory, KDN variance) per layer, each head's memory norm, and
+each head's time constant from its decay parameters."""
 
 from __future__ import annotations
 
@@ -86,3 +87,47 @@ def state_stats(cache) -> list[dict | None]:
   """Per layer: mean / std of the memory entries and mean Frobenius norm per (sequence, head); KDN
   variance mean / std / min / max. None for layers without a recurrent state (attention)."""
   return [None if s is None else {k: float(v) for k, v in s.items()} for s in _state_stats(cache)]
+
+
+@jax.jit
+def _head_norms(cache):
+  return [
+    jnp.sqrt(jnp.sum(jnp.square(layer["memory"].astype(jnp.float32)), axis=(-2, -1)))
+    if isinstance(layer, dict) and "memory" in layer
+    else None
+    for layer in cache
+  ]
+
+
+def head_norms(cache) -> list[np.ndarray | None]:
+  """Per layer: each row's and head's memory Frobenius norm [B, H]; None for layers without a
+  recurrent state."""
+  return [None if s is None else np.asarray(s, np.float64) for s in _head_norms(cache)]
+
+
+def time_constants(model) -> list[dict]:
+  """Per layer with a decay (an ``A_log`` beside a ``dt_bias``): each head's time constant in
+  tokens at zero input, tau = 1 / (exp(A_log) softplus(dt_bias)) (the decay exp(-1/tau) per token
+  when the data-dependent part of dt is 0; Mamba-2's dt projection and GLA / KDN's low-rank f add
+  to dt_bias). A per-channel decay (dt_bias [H, K]) gives the median and the longest over the
+  head's channels."""
+  found: dict[tuple, dict] = {}
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    if path[-1] in ("A_log", "dt_bias"):
+      found.setdefault(tuple(path[:-1]), {})[path[-1]] = np.asarray(var.get_value(), np.float64)
+  out = []
+  for where, p in sorted(found.items(), key=lambda kv: [str(x) for x in kv[0]]):
+    if len(p) != 2:
+      continue
+    a = np.exp(p["A_log"])
+    dt = np.logaddexp(0.0, p["dt_bias"])  # softplus
+    tau = 1.0 / (a.reshape(a.shape + (1,) * (dt.ndim - 1)) * dt)
+    tau = tau.reshape(len(a), -1)
+    out.append(
+      {
+        "path": "/".join(str(x) for x in where),
+        "tau_median": np.median(tau, axis=1).tolist(),
+        "tau_max": tau.max(axis=1).tolist(),
+      }
+    )
+  return out

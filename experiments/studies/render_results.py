@@ -23,6 +23,7 @@ SECTIONS = (
   ("3. Length generalisation", "lengen:render"),
   ("3b. Length generalisation on a synthetic source", "lengen_synthetic:render"),
   ("3c. Length generalisation on text at a short context", "lengen_text:render"),
+  ("3d. Where length generalisation fails: the map", "lengen_map:render"),
   ("4. Copying and passkey", "copy_passkey:render"),
   ("4b. Passkey past the training length, with seeds", "passkey:render"),
   ("5. S-NIAH", "lengen:render_sniah"),

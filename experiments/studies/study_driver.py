@@ -13,7 +13,9 @@ A study describes itself with a ``Study``: its module (``python -m``), the word 
 flag is ``--<unit>s``) and three functions of (plan, arm, ...): the work still to do, a training
 and an evaluation. Its plan has ``preset``, ``workdir``, ``results``, ``strategies``,
 ``pretrain_steps``, ``post_steps``, ``tokens_per_step``, ``deadline`` (a ``Deadline``),
-``run_dir(arm, stage)`` and ``config(arm, stage)``.
+``run_dir(arm, stage)`` and ``config(arm, stage)``; a plan whose arms differ in length has
+``steps(arm, stage)`` instead of the two step counts. A study's work may grow as its results arrive
+(a stage that only some evaluations call for): an arm's work is asked for again once done.
 """
 
 from __future__ import annotations
@@ -135,6 +137,14 @@ def read_json(path):
     return json.load(f)
 
 
+def stage_steps(plan, arm, stage) -> int:
+  """The training steps of one run: ``plan.steps(arm, stage)`` where the plan has it, else the
+  plan's ``pretrain_steps`` / ``post_steps``."""
+  if hasattr(plan, "steps"):
+    return int(plan.steps(arm, stage))
+  return plan.pretrain_steps if stage == "pretrain" else plan.post_steps
+
+
 def trained(workdir, steps) -> bool:
   s = read_json(os.path.join(workdir, "summary.json"))
   return bool(s) and s.get("status") == "completed" and int(s.get("step", 0)) >= steps
@@ -208,10 +218,7 @@ def skipped(plan, arm) -> str | None:
   """What this plan already did for ``arm`` (and will skip), in one line; None for nothing."""
   parts = []
   for stage in study_plan.stages(plan):
-    wd, steps = (
-      plan.run_dir(arm, stage),
-      plan.pretrain_steps if stage == "pretrain" else plan.post_steps,
-    )
+    wd, steps = plan.run_dir(arm, stage), stage_steps(plan, arm, stage)
     if trained(wd, steps):
       parts.append(f"{stage} trained ({steps} steps)")
     elif checkpoint_steps(wd):
@@ -309,17 +316,32 @@ def train(plan, arm, stage, fast_compile: bool) -> dict | None:
 
 
 def run_arm(study, plan, arm, meter=None) -> str:
-  """Pretrain, evaluate, post-train and evaluate one arm; returns 'done' or 'deadline'."""
+  """Pretrain, evaluate, post-train and evaluate one arm; returns 'done' or 'deadline'. The arm's
+  work is asked for again once done (it may have grown with the results), until it is empty or
+  unchanged."""
   work = study.work(plan, arm)
   meter = meter or Meter([u for *_, u in work])
+  while work:
+    if _run_work(study, plan, arm, work, meter) == "deadline":
+      return "deadline"
+    again = study.work(plan, arm)
+    if again == work:  # nothing moved it on (an evaluation that found nothing to evaluate)
+      break
+    meter.total += sum(u for *_, u in again)
+    work = again
+  return "done"
+
+
+def _run_work(study, plan, arm, work, meter) -> str:
   for kind, stage, units in work:
     if plan.deadline.passed():
       print(f"study: {arm}: deadline reached before {kind} {stage}; rerun to go on", flush=True)
       return "deadline"
     if kind == "train":
-      steps = plan.pretrain_steps if stage == "pretrain" else plan.post_steps
       print(
-        f"study: {arm}: training {stage} ({steps} steps) in {plan.run_dir(arm, stage)}", flush=True
+        f"study: {arm}: training {stage} ({stage_steps(plan, arm, stage)} steps) in "
+        f"{plan.run_dir(arm, stage)}",
+        flush=True,
       )
       if study.train(plan, arm, stage) is None:
         print(

@@ -1,0 +1,154 @@
+"""The length-generalisation map's cells (experiments/studies/lengen_map.py): small LMs pretrained
+from the zero state at T on the code corpus (``prepare --recipe=linux_c``), sized by their
+non-embedding parameter count.
+
+    python -m experiments.train --config=configs/lengen_map.py:2m,mamba2_long,t64 \\
+        --config.data.corpus_dir=/tmp/kdn_code --workdir=/tmp/map/m2l_2m_t64
+
+Arg ``<size>,<arm>,t<T>[,<initial_state>]``. Arms (ARMS): ``mamba2`` (mamba_ssm's Mamba-2 block and
+LM, mamba2_variant='official', dt in [1e-3, 1e-1]), ``mamba2_long`` (the same with dt in [1e-4,
+1e-2]: time constants 10x longer at init), ``gla``, ``kdn_diag``. Sizes (SIZES: the target
+non-embedding parameter count): ``500k``, ``2m``, ``8m``; ``tiny`` (a few thousand parameters, for
+CPU tests). T: 64 or 256 (``tiny``: any).
+
+Widths are solved for the count (`shape`): the MLP mixers (gla, kdn_diag) keep LAYERS[size] layers,
+heads of 64 channels and the d_model whose SwiGLU, solved to the target, is nearest the usual 8/3 x
+d; the official Mamba-2 LM (no MLP, two blocks per MLP-model layer, as mamba_ssm's 130M has 24 layers
+where a transformer has 12) picks among 2 x LAYERS[size] +- 1 layers and d_model in steps of 32 the
+count nearest the target. `tests/studies/test_lengen_map.py` holds every count within 10% of its
+target. The vocabulary is the corpus's (the model's ``vocab_size`` is set from its manifest by the
+study); tied embedding.
+
+Training: batch of TOKENS_PER_STEP[size] tokens (rows = tokens / T), peak LR[size], 5% warm-up then
+cosine to 0.1x over the whole budget, AdamW (0.9, 0.95), weight decay 0.1 (none on A_log / dt_bias /
+D / norms), clip 1.0, bf16 compute with fp32 parameters (``tiny``: fp32). The study sets the steps and
+kept checkpoints from its tokens-per-parameter budget. A strategy other than ``zero`` is the
+post-training's initial state (the study sets ``init_from``, steps and rate).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from experiments.runner import config_lib
+from kdn_jax.models.config import analytic_non_embedding, model_config
+
+LONG_DT = {"dt_min": 1e-4, "dt_max": 1e-2}
+OFFICIAL = {"mixer": "mamba2", "mamba2_variant": "official"}
+ARMS = {
+  "mamba2": {**OFFICIAL, "dt_min": 1e-3, "dt_max": 1e-1},
+  "mamba2_long": {**OFFICIAL, **LONG_DT},
+  "gla": {"mixer": "gla"},
+  "kdn_diag": {"mixer": "kdn_diag"},
+}
+SIZES = {"tiny": 16_000, "500k": 500_000, "2m": 2_000_000, "8m": 8_000_000}
+LAYERS = {"tiny": 1, "500k": 2, "2m": 4, "8m": 6}
+LENGTHS = (64, 256)
+TOKENS_PER_STEP = {"tiny": 128, "500k": 32_768, "2m": 65_536, "8m": 131_072}
+LR = {"tiny": 1e-2, "500k": 3e-3, "2m": 3e-3, "8m": 2e-3}
+HEAD = 64  # channels per head of the MLP mixers (the official block's headdim is its own, 64)
+TINY_HEAD = 16
+WARMUP_FRACTION = 0.05
+MLP_RATIO = 8 / 3
+TOLERANCE = 0.10  # |count / target - 1| every solved shape keeps
+
+
+def _count(arm: str, **keys) -> int:
+  return analytic_non_embedding(model_config("tiny", **ARMS[arm], **keys))
+
+
+@functools.lru_cache(maxsize=64)
+def shape(arm: str, size: str) -> tuple[tuple[str, object], ...]:
+  """The model keys (num_layers, d_model, heads, mlp_hidden) whose non-embedding count is nearest
+  SIZES[size] for ``arm`` (module docstring), as sorted (key, value) pairs."""
+  target, layers = SIZES[size], LAYERS[size]
+  head = TINY_HEAD if size == "tiny" else HEAD
+  if ARMS[arm].get("mamba2_variant") == "official":
+    best = None
+    for n in (2 * layers - 1, 2 * layers, 2 * layers + 1):
+      for d in range(32, 4097, 32):
+        keys = dict(num_layers=max(n, 1), d_model=d, num_heads=2 * d // 64, head_dim=64)
+        err = abs(_count(arm, **keys) / target - 1)
+        if best is None or err < best[0]:
+          best = (err, keys)
+        if _count(arm, **keys) > target:
+          break
+    return tuple(sorted(best[1].items()))
+  best = None
+  for d in range(head, 4097, head):
+    keys = dict(num_layers=layers, d_model=d, num_heads=d // head, head_dim=head)
+    beside = _count(arm, mlp_hidden=0, **keys)
+    per_unit = _count(arm, mlp_hidden=8, **keys) - beside  # 8 hidden units of every layer's MLP
+    hidden = round((target - beside) / per_unit) * 8
+    if hidden <= 0:
+      break
+    err = abs(hidden / d - MLP_RATIO)
+    if best is None or err < best[0]:
+      best = (err, dict(keys, mlp_hidden=hidden))
+  return tuple(sorted(best[1].items()))
+
+
+def non_embedding(arm: str, size: str) -> int:
+  return _count(arm, **dict(shape(arm, size)))
+
+
+def state_elements(arm: str, size: str) -> int:
+  """Recurrent state entries per layer (per sequence): heads x key x value channels."""
+  keys = dict(shape(arm, size))
+  if ARMS[arm].get("mamba2_variant") == "official":
+    from kdn_jax.layers.mamba2_official import D_STATE, EXPAND, HEADDIM  # pylint: disable=g-import-not-at-top
+
+    return EXPAND * keys["d_model"] // HEADDIM * D_STATE * HEADDIM
+  return keys["num_heads"] * keys["head_dim"] ** 2
+
+
+def parse(arg: str) -> tuple[str, str, int, str]:
+  """'<size>,<arm>,t<T>[,<initial_state>]' -> (size, arm, T, initial_state)."""
+  parts = [p for p in (arg or "").split(",") if p]
+  where = f"configs/lengen_map.py:{arg}"
+  if len(parts) not in (3, 4):
+    raise config_lib.ConfigError(f"{where}: expected <size>,<arm>,t<T>[,<initial_state>]")
+  size, arm, t, *rest = parts
+  if size not in SIZES:
+    raise config_lib.ConfigError(f"{where}: unknown size {size!r}; expected one of {list(SIZES)}")
+  if arm not in ARMS:
+    raise config_lib.ConfigError(f"{where}: unknown arm {arm!r}; expected one of {list(ARMS)}")
+  if not (t.startswith("t") and t[1:].isdigit() and int(t[1:]) > 0):
+    raise config_lib.ConfigError(f"{where}: expected the training length as t<T>, got {t!r}")
+  strategy = rest[0] if rest else "zero"
+  if strategy not in config_lib.INITIAL_STATES:
+    raise config_lib.ConfigError(
+      f"{where}: unknown initial state {strategy!r}; expected one of {config_lib.INITIAL_STATES}"
+    )
+  return size, arm, int(t[1:]), strategy
+
+
+def get_config(arg: str = "500k,mamba2,t64"):
+  size, arm, seq_len, strategy = parse(arg)
+  tiny = size == "tiny"
+  c = config_lib.base_config()
+  c.data.kind = "token_file"
+  c.data.corpus_dir = "/tmp/kdn_code"
+  c.data.seq_len = seq_len
+  c.data.global_batch_size = max(1, TOKENS_PER_STEP[size] // seq_len)
+  c.train.initial_state = strategy
+  c.model = model_config(
+    "tiny",
+    vocab_size=8192,  # prepare --recipe=linux_c's default; the study sets the corpus's
+    chunk_size=16 if tiny else 64,
+    dtype="float32" if tiny else "bfloat16",
+    param_dtype="float32",
+    match_params=False,
+    **ARMS[arm],
+    **dict(shape(arm, size)),
+  )
+  c.data.eval_batch_size = 8 if tiny else 64
+  c.data.num_eval_examples = 16 if tiny else 512
+  c.data.read_threads = 2 if tiny else 4
+  c.train.log_every = 10 if tiny else 100
+  c.train.eval_batches = 1 if tiny else 4
+  c.optim.learning_rate = LR[size]
+  c.optim.weight_decay = 0.1
+  c.checkpoint.keep = 1
+  c.logging.plot = c.logging.tensorboard = False
+  return c
