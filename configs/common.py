@@ -15,7 +15,12 @@ from experiments.runner.config_lib import (  # noqa: F401 (re-exported for the c
   mqar_mixture_cells,
   parse_arg,
 )
-from kdn_jax.models.config import matched_mlp_hidden, model_config  # noqa: F401
+from kdn_jax.layers import mamba2_official  # noqa: F401 (its state shape)
+from kdn_jax.models.config import (  # noqa: F401
+  analytic_non_embedding,
+  matched_mlp_hidden,
+  model_config,
+)
 
 
 def tiny_model(vocab_size: int, **keys):

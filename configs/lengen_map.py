@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import functools
 
-from experiments.runner import config_lib
-from kdn_jax.models.config import analytic_non_embedding, model_config
+from configs import common
 
 LONG_DT = {"dt_min": 1e-4, "dt_max": 1e-2}
 OFFICIAL = {"mixer": "mamba2", "mamba2_variant": "official"}
@@ -54,7 +53,7 @@ TOLERANCE = 0.10  # |count / target - 1| every solved shape keeps
 
 
 def _count(arm: str, **keys) -> int:
-  return analytic_non_embedding(model_config("tiny", **ARMS[arm], **keys))
+  return common.analytic_non_embedding(common.model_config("tiny", **ARMS[arm], **keys))
 
 
 @functools.lru_cache(maxsize=64)
@@ -96,9 +95,8 @@ def state_elements(arm: str, size: str) -> int:
   """Recurrent state entries per layer (per sequence): heads x key x value channels."""
   keys = dict(shape(arm, size))
   if ARMS[arm].get("mamba2_variant") == "official":
-    from kdn_jax.layers.mamba2_official import D_STATE, EXPAND, HEADDIM  # pylint: disable=g-import-not-at-top
-
-    return EXPAND * keys["d_model"] // HEADDIM * D_STATE * HEADDIM
+    m = common.mamba2_official
+    return m.EXPAND * keys["d_model"] // m.HEADDIM * m.D_STATE * m.HEADDIM
   return keys["num_heads"] * keys["head_dim"] ** 2
 
 
@@ -107,18 +105,18 @@ def parse(arg: str) -> tuple[str, str, int, str]:
   parts = [p for p in (arg or "").split(",") if p]
   where = f"configs/lengen_map.py:{arg}"
   if len(parts) not in (3, 4):
-    raise config_lib.ConfigError(f"{where}: expected <size>,<arm>,t<T>[,<initial_state>]")
+    raise common.ConfigError(f"{where}: expected <size>,<arm>,t<T>[,<initial_state>]")
   size, arm, t, *rest = parts
   if size not in SIZES:
-    raise config_lib.ConfigError(f"{where}: unknown size {size!r}; expected one of {list(SIZES)}")
+    raise common.ConfigError(f"{where}: unknown size {size!r}; expected one of {list(SIZES)}")
   if arm not in ARMS:
-    raise config_lib.ConfigError(f"{where}: unknown arm {arm!r}; expected one of {list(ARMS)}")
+    raise common.ConfigError(f"{where}: unknown arm {arm!r}; expected one of {list(ARMS)}")
   if not (t.startswith("t") and t[1:].isdigit() and int(t[1:]) > 0):
-    raise config_lib.ConfigError(f"{where}: expected the training length as t<T>, got {t!r}")
+    raise common.ConfigError(f"{where}: expected the training length as t<T>, got {t!r}")
   strategy = rest[0] if rest else "zero"
-  if strategy not in config_lib.INITIAL_STATES:
-    raise config_lib.ConfigError(
-      f"{where}: unknown initial state {strategy!r}; expected one of {config_lib.INITIAL_STATES}"
+  if strategy not in common.INITIAL_STATES:
+    raise common.ConfigError(
+      f"{where}: unknown initial state {strategy!r}; expected one of {common.INITIAL_STATES}"
     )
   return size, arm, int(t[1:]), strategy
 
@@ -126,13 +124,13 @@ def parse(arg: str) -> tuple[str, str, int, str]:
 def get_config(arg: str = "500k,mamba2,t64"):
   size, arm, seq_len, strategy = parse(arg)
   tiny = size == "tiny"
-  c = config_lib.base_config()
+  c = common.base_config()
   c.data.kind = "token_file"
   c.data.corpus_dir = "/tmp/kdn_code"
   c.data.seq_len = seq_len
   c.data.global_batch_size = max(1, TOKENS_PER_STEP[size] // seq_len)
   c.train.initial_state = strategy
-  c.model = model_config(
+  c.model = common.model_config(
     "tiny",
     vocab_size=8192,  # prepare --recipe=linux_c's default; the study sets the corpus's
     chunk_size=16 if tiny else 64,
