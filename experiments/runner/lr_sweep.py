@@ -1,8 +1,8 @@
 """Several learning rates (and seeds) of one config trained in one process: ``config.train.lr_sweep``,
 ``config.train.seeds``.
 
-    python -m experiments.train --config=configs/mqar_grid.py:d64_t256_kv16,kda \\
-        --config.train.lr_sweep=1e-3,3e-3,1e-2 --workdir=/tmp/mqar/d64_t256_kv16/kda
+    python -m experiments.train --config=configs/mqar.py:smoke,kda \\
+        --config.train.lr_sweep=1e-3,3e-3,1e-2 --workdir=/tmp/mqar_sweep
     python -m experiments.train --config=configs/mqar_zoology.py:d64,kda \\
         --config.train.lr_sweep=1e-3,1e-2 --config.train.seeds=0,1,2 --workdir=/tmp/zoology/d64/kda
 
