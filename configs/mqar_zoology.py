@@ -5,11 +5,11 @@
 
 Arg ``d<width>,<mixer>[,tiny]``. Each process trains every learning rate x seed of one (width, mixer) at
 once (``train.lr_sweep`` x ``train.seeds``, experiments/runner/lr_sweep.py): 2 layers of short
-convolutions + mixer + SwiGLU, the MLP width matched to diagonal KDN's parameters as configs/mqar_grid.py
-does. Training rows come from ``TRAIN_CELLS`` (Zoology's five training sets, weighted by their sizes
-100k : 20k : 20k : 20k : 20k), each right-padded to 256 with its loss masked; evaluation
-(experiments/studies/mqar_zoology_sweep.py) runs every member on ``TEST_CELLS`` (a validation split picks
-the learning rate, a test split is reported).
+convolutions + mixer + SwiGLU, the MLP width matched to diagonal KDN's parameters
+(``kdn_jax.models.config.matched_mlp_hidden``). Training rows come from ``TRAIN_CELLS`` (Zoology's
+five training sets, weighted by their sizes 100k : 20k : 20k : 20k : 20k), each right-padded to 256
+with its loss masked; evaluation (experiments/studies/mqar_zoology_sweep.py) runs every member on
+``TEST_CELLS`` (a validation split picks the learning rate, a test split is reported).
 
 Budget knobs: ``--config.train.num_steps`` (warm-up stays 10% of it) and
 ``--config.data.global_batch_size``. Zoology trains ~180k examples x 32-64 epochs at batch 256 (~20k+

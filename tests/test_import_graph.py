@@ -10,7 +10,6 @@ PACKAGES = ("configs", "experiments", "kdn_jax", "pallas_kernels")
 BELOW = {p: set(PACKAGES[i:]) for i, p in enumerate(PACKAGES)}
 # runners of one experiment's config file (they read its grid definition)
 ALLOWED_UP = {
-  ("experiments.studies.mqar_grid", "configs.mqar_grid"),
   ("experiments.studies.lengen_synthetic", "configs.lengen_synthetic"),
   ("experiments.studies.lengen_text", "configs.lengen_short"),
   ("experiments.studies.mqar_zoology", "configs.mqar_zoology"),

@@ -26,7 +26,8 @@ import re
 import tarfile
 from collections.abc import Iterable, Iterator
 
-from experiments.data.corpus_sources import Source, SourceUnavailable, apt_tree, cpu_workers
+from experiments.data.corpus_fetch import SourceUnavailable, apt_tree, cpu_workers
+from experiments.data.corpus_sources import Source
 
 PACKAGE = "linux-source-6.1"
 SUFFIXES = (".c", ".h")

@@ -26,8 +26,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from experiments.data import corpus_sources, linux_code
-from experiments.data.corpus_sources import Source, SourceUnavailable
+from experiments.data import corpus_fetch, corpus_sources, linux_code
+from experiments.data.corpus_fetch import SourceUnavailable
+from experiments.data.corpus_sources import Source
 from experiments.data.tokenizer import EOS, BPETokenizer
 
 SPLITS = ("train", "val", "long_eval")
@@ -104,7 +105,7 @@ def extract_source(src: Source, out: str, cache_dir: str, refresh: bool = False,
     return {"status": "ok", "documents": _read_jsonl(path), "cached": True, "seconds": 0.0}
   t = time.time()
   log(f"prepare: source '{src.name}': extracting ...")
-  token = corpus_sources.FETCH_LOG.set(log)  # each download says 'cached' or 'downloading'
+  token = corpus_fetch.FETCH_LOG.set(log)  # each download says 'cached' or 'downloading'
   try:
     docs, names = [], {}
     it = iter(src.fn(cache_dir))
@@ -143,7 +144,7 @@ def extract_source(src: Source, out: str, cache_dir: str, refresh: bool = False,
     _atomic_write(path, write)
     return {"status": "ok", "documents": docs, "cached": False, "seconds": time.time() - t}
   finally:
-    corpus_sources.FETCH_LOG.reset(token)
+    corpus_fetch.FETCH_LOG.reset(token)
   reason = " ".join(reason.split())
   log(f"prepare: source '{src.name}' unavailable: {reason}; continuing without it")
   return {"status": "unavailable", "reason": reason}
@@ -215,7 +216,7 @@ def tokenize_documents(
   sizes = [len(t.encode("utf-8")) for t in texts]
   prog = _Progress(what, sum(sizes), log)
   spans = _batches(sizes, batch_bytes)
-  workers = min(corpus_sources.cpu_workers() if workers is None else workers, len(spans))
+  workers = min(corpus_fetch.cpu_workers() if workers is None else workers, len(spans))
   out, done, ntok = [], 0, 0
   if workers > 1:
     ctx = multiprocessing.get_context(

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.data import retrieval
+from experiments.runner import loss as loss_lib
 from experiments.runner import sharding
-from experiments.runner import trainer as trainer_lib
 
 
 def make_cells(
@@ -56,7 +56,7 @@ def _counter(trainer, count: int):
 
   def one(params, batch):
     model = trainer.merge(params, trainer.rest)
-    logits, _, targets, mask, _ = trainer_lib.scored_logits(model, batch, count)
+    logits, _, targets, mask, _ = loss_lib.scored_logits(model, batch, count)
     hit = (jnp.argmax(logits, -1) == targets) & (mask > 0)
     return jnp.sum(hit, axis=1).astype(jnp.int32)
 

@@ -1,8 +1,8 @@
 """Several learning rates (and seeds) of one config trained in one process: ``config.train.lr_sweep``,
 ``config.train.seeds``.
 
-    python -m experiments.train --config=configs/mqar_grid.py:d64_t256_kv16,kda \\
-        --config.train.lr_sweep=1e-3,3e-3,1e-2 --workdir=/tmp/mqar/d64_t256_kv16/kda
+    python -m experiments.train --config=configs/mqar.py:smoke,kda \\
+        --config.train.lr_sweep=1e-3,3e-3,1e-2 --workdir=/tmp/mqar_sweep
     python -m experiments.train --config=configs/mqar_zoology.py:d64,kda \\
         --config.train.lr_sweep=1e-3,1e-2 --config.train.seeds=0,1,2 --workdir=/tmp/zoology/d64/kda
 
@@ -38,7 +38,7 @@ import numpy as np
 
 from experiments.data import pipeline
 from experiments.runner import checkpoint as ckpt_lib
-from experiments.runner import config_lib, logging_utils, sharding
+from experiments.runner import config_lib, logging_utils, sharding, train_loop
 from experiments.runner import initial_states as init_lib
 from experiments.runner import trainer as trainer_lib
 
@@ -271,7 +271,7 @@ class SweepTrainer(trainer_lib.Trainer):
               flush=True,
             )
     if self.config.train.nan_policy == "halt" and len(self.diverged) == len(self.members):
-      raise trainer_lib.NonFiniteLossError(
+      raise train_loop.NonFiniteLossError(
         f"every learning rate of the sweep turned non-finite (first steps: {self.diverged}); halting "
         f"without saving. Set --config.train.nan_policy=skip to skip such steps instead."
       )

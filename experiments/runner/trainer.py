@@ -1,4 +1,4 @@
-"""The training loop behind ``experiments/train.py``.
+"""The Trainer behind ``experiments/train.py``.
 
 ``Trainer(config, workdir).run()`` builds the mesh, model, optimizer and data, restores the latest checkpoint
 in ``workdir/checkpoints`` if there is one, trains, evaluates from the model's normal initial state, and
@@ -11,10 +11,6 @@ import functools
 import json
 import logging
 import os
-import signal
-import sys
-import threading
-import time
 
 import jax
 import jax.numpy as jnp
@@ -26,22 +22,16 @@ from experiments.data import corpus, pipeline
 from experiments.runner import checkpoint as ckpt_lib
 from experiments.runner import (
   config_lib,
-  dispatch_window,
   kernel_config,
-  logging_utils,
   optim,
   sharding,
   workdir_lock,
 )
 from experiments.runner import initial_states as init_lib
-from experiments.runner import mfu as mfu_lib
+from experiments.runner.loss import check_dropped, cross_entropy, scored_logits
+from experiments.runner.train_loop import TrainLoop
 from kdn_jax.models import config as model_config_lib
-from kdn_jax.models import flops as flops_lib
 from kdn_jax.ops import dispatch
-
-
-class NonFiniteLossError(FloatingPointError):
-  pass
 
 
 def _is_var(x):
@@ -58,42 +48,6 @@ def _pure_from_state(state, fn):
       node = node.setdefault(k, {})
     node[keys[-1]] = fn(var)
   return out
-
-
-def cross_entropy(logits, targets, mask, z_loss=0.0):
-  logits = logits.astype(jnp.float32)
-  lse = jax.nn.logsumexp(logits, axis=-1)
-  tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-  nll = lse - tgt
-  if z_loss:
-    nll = nll + z_loss * lse**2
-  correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
-  return jnp.sum(nll * mask), jnp.sum(correct * mask), jnp.sum(mask)
-
-
-def supervised_positions(mask, count: int):
-  """[B, count] positions of the first ``count`` scored entries of each row of ``mask`` [B, T], in order
-  (rows with fewer are padded with unscored positions)."""
-  return jnp.argsort(mask <= 0, axis=1, stable=True)[:, :count].astype(jnp.int32)
-
-
-def scored_logits(model, batch, count: int, **kwargs):
-  """(logits, final states, targets, mask, dropped): everywhere, or with ``count`` > 0 at the first ``count``
-  scored positions of each row only (train.loss_positions); ``dropped`` = the scored entries left out."""
-  pos = supervised_positions(batch["mask"], count) if count else None
-  logits, final = model(
-    batch["inputs"], segment_ids=batch.get("segment_ids"), read_positions=pos, **kwargs
-  )
-  if pos is None:
-    return logits, final, batch["targets"], batch["mask"], jnp.zeros((), jnp.float32)
-  mask = jnp.take_along_axis(batch["mask"], pos, axis=1)
-  return (
-    logits,
-    final,
-    jnp.take_along_axis(batch["targets"], pos, axis=1),
-    mask,
-    jnp.sum(batch["mask"]) - jnp.sum(mask),
-  )
 
 
 def _host_init(init, shardings):
@@ -115,44 +69,10 @@ def _host_init(init, shardings):
   )
 
 
-def tracing_context():
-  """(jit tracing-context values: count, their names or None, the imported module names)."""
-  from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
+class Trainer(TrainLoop):
+  """A run's mesh, model, optimizer state, data, jitted steps and checkpoints; ``run`` (the loop, with
+  its reporting) is TrainLoop's (experiments/runner/train_loop.py)."""
 
-  try:
-    names = tuple(jax_config.trace_context_names())
-  except Exception:  # pylint: disable=broad-except  (older jaxlibs cannot name them)
-    names = None
-  return len(jax_config.trace_context()), names, frozenset(sys.modules)
-
-
-def context_growth(before, after):
-  """A warning when jit's tracing context grew between two `tracing_context()` snapshots (else
-  None). A value registered while the first step was traced or compiled (seen on jax 0.11.2 with
-  CUDA; not on CPU) changes the key of every jit cache entry made before it, so the train step is
-  traced and compiled again at the next step (docs/decisions.md)."""
-  if after[0] == before[0]:
-    return None
-  names = None if before[1] is None or after[1] is None else sorted(set(after[1]) - set(before[1]))
-  mods = sorted(m for m in after[2] - before[2] if not m.startswith("experiments"))
-  return (
-    f"jit tracing context grew during the first step ({before[0]} -> {after[0]} values; "
-    f"new: {names if names is not None else 'unnamed'}; modules imported meanwhile: "
-    f"{mods[:20]}{' ...' if len(mods) > 20 else ''}): the train step will be traced and "
-    "compiled again at the next step"
-  )
-
-
-def check_dropped(config, dropped, where: str):
-  """Raises when train.loss_positions left scored entries out (a row had more than it allows)."""
-  if np.any(np.asarray(dropped) > 0):
-    raise ValueError(
-      f"config.train.loss_positions={config.train.loss_positions}: {where} has rows with more "
-      f"scored positions ({int(np.max(dropped))} entries left out); raise it, or 0 = every position"
-    )
-
-
-class Trainer:
   peak_lr = (
     None  # the optimizer's peak rate; None: config.optim.learning_rate (a sweep trains at 1)
   )
@@ -592,317 +512,6 @@ class Trainer:
       print(f"Resumed from checkpoint at step {step}", flush=True)
     return True
 
-  # ---------------------------------------------------------------- loop
-  _dispatched = (
-    False  # a step of this run was dispatched (before that, SIGTERM has nothing to save)
-  )
-  _exit_now = staticmethod(os._exit)  # how a SIGTERM before the first step ends the process
-
-  def _on_sigterm(self, signum, frame):  # pylint: disable=unused-argument
-    logging.warning("SIGTERM received: saving a checkpoint and exiting")
-    self._stop_requested = True
-
-  def _check_finite(self, pending):
-    """Raises NonFiniteLossError naming the first step whose loss or gradients were not finite."""
-    if not pending:
-      return
-    flags = np.asarray(jax.device_get([f for _, f in pending]))
-    bad = [s for (s, _), f in zip(pending, flags) if not f]
-    if bad:
-      last = self.checkpointer.latest_step() if self.checkpointer else None
-      raise NonFiniteLossError(
-        f"non-finite loss/gradients at step {bad[0]}; halting without saving. "
-        f"Last good checkpoint: step {last} in {self.workdir}/checkpoints. "
-        "Set --config.train.nan_policy=skip to skip such steps instead."
-      )
-
-  def run(self, stop_at: int | None = None) -> dict:
-    """Trains to ``train.num_steps`` (or stops early at ``stop_at`` like a preemption, saving first)."""
-    cfg = self.config
-    self.maybe_restore()
-    total = cfg.train.num_steps
-    tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
-    keep_steps = set(config_lib.parse_keep_steps(cfg.checkpoint.get("keep_steps", "")))
-    start_step = self.step()
-    if start_step >= total:
-      return self._nothing_to_train(start_step, total)
-    if self.is_main:  # the run is known to start: its config is the workdir's
-      logging_utils.write_json(os.path.join(self.workdir, "config.json"), self.config_json)
-      if cfg.optim.warmup_steps > total:
-        print(
-          f"Note: config.optim.warmup_steps={cfg.optim.warmup_steps} exceeds "
-          f"config.train.num_steps={total}: the learning rate rises over all {total} steps and "
-          "never reaches its peak or decays",
-          flush=True,
-        )
-    # Rows past the restored step were written by a run that died before its next checkpoint: they are
-    # dropped, so the resumed run's rows replace them instead of appearing twice.
-    writer = self._metric_writer(start_step)
-    watch, self._dispatched = None, False
-    # Several processes must stop at the same step (a save is collective; a host that stops alone leaves
-    # the others waiting in the next step's all-reduce). jax.distributed's preemption service catches
-    # SIGTERM on any host and agrees on a step for all of them, so there the Python handler (which would
-    # replace the service's) is not installed.
-    sync_preemption = _preemption_service() is not None
-    # (the Python handler only: a helper thread on signal.set_wakeup_fd, which sees a SIGTERM
-    # mid-compile, is in experiments/runner/sigterm.py but not installed: suite workers crashed in
-    # XLA compiles while it was)
-    if threading.current_thread() is threading.main_thread() and not sync_preemption:
-      watch = (signal.signal(signal.SIGTERM, self._on_sigterm),)
-    status, t0 = "completed", time.time()
-    t_log, step_log = t0, start_step
-    eval_metrics = {}
-    pending_finite, pending_dropped = [], []
-    past_first = False  # the first (compiling) step is done
-    interval_tps = []  # tokens/s of each logged interval after the first (compiling) step
-    window = dispatch_window.DispatchWindow()
-    if self.is_main:
-      print(
-        f"Training {cfg.model.get('mixer')} model ({self.num_params / 1e6:.2f}M params) on "
-        f"{cfg.data.kind}, mesh {dict(self.mesh.shape)}, initial_state={self.strategy}, "
-        f"steps {start_step}->{total}",
-        flush=True,
-      )
-    try:
-      step = start_step
-      ctx_before = tracing_context()
-      while step < total:
-        if (
-          self._stop_requested
-          or (stop_at is not None and step >= stop_at)
-          or (sync_preemption and _reached_preemption(step))
-        ):
-          status = "preempted"
-          break
-        local = next(self.data_iter)
-        metrics = self.train_step(local)
-        self._dispatched = True  # the state now differs from the restored one: a stop saves it
-        window.add(metrics["loss"])
-        step += 1
-        # Finiteness is checked on the host only at log/eval/save points: a per-step float() would
-        # serialise dispatch. Halting then still happens before any checkpoint of a bad state.
-        if cfg.train.nan_policy == "halt":
-          pending_finite.append((step, metrics["finite"]))
-        if cfg.train.loss_positions:  # checked with the finiteness flags, without a per-step sync
-          pending_dropped.append((step, metrics["dropped_targets"]))
-        at_save = (
-          bool(cfg.checkpoint.every_steps) and step % cfg.checkpoint.every_steps == 0
-        ) or step in keep_steps
-        at_eval = bool(cfg.train.eval_every) and step % cfg.train.eval_every == 0
-        if step == start_step + 1:  # keep compilation out of the tokens/s of the first interval
-          jax.block_until_ready(metrics["loss"])
-          if self.is_main:
-            print(f"first step done in {time.time() - t0:.1f}s (includes compilation)", flush=True)
-            grew = context_growth(ctx_before, tracing_context())
-            if grew:
-              logging.warning(grew)
-          t_log, step_log = time.time(), step
-          past_first = True
-        if step % cfg.train.log_every == 0 or step == total or at_save or at_eval:
-          if self.checkpointer is not None:  # an asynchronous save that failed stops the run here
-            self.checkpointer.check()
-          self._check_finite(pending_finite)
-          pending_finite = []
-          self.last_metrics = self._host_metrics(metrics)
-          for s, d in pending_dropped:
-            check_dropped(cfg, jax.device_get(d), f"step {s}")
-          pending_dropped = []
-        if step % cfg.train.log_every == 0 or step == total:
-          now = time.time()
-          tps, eta = None, None  # no interval yet right after the (compiling) first step
-          if step > step_log:
-            tps = (step - step_log) * tokens_per_step / max(now - t_log, 1e-9)
-            if past_first:
-              interval_tps.append(tps)
-            eta = (total - step) * (now - t_log) / max(step - step_log, 1)
-            t_log, step_log = now, step
-          speed = {} if tps is None else {"tokens_per_s": tps}
-          speed.update({k: v for k, v in self._throughput(tps).items() if v is not None})
-          writer.write(step, "train", {**self.last_metrics, **speed})
-          if self.is_main:
-            print(self._progress_line(step, total, tps, eta), flush=True)
-        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < total:
-          eval_metrics = self.evaluate()
-          writer.write(step, "eval", eval_metrics)
-          if self.is_main:
-            print(f"eval @ {step}: {self._describe_eval(eval_metrics)}", flush=True)
-        if at_save and step < total:
-          self.save()
-      if status == "completed":
-        eval_metrics = self.evaluate()
-        writer.write(self.step(), "eval", eval_metrics)
-        if self.is_main:
-          print(
-            f"final eval @ {self.step()}: {self._describe_eval(eval_metrics, final=True)}",
-            flush=True,
-          )
-      self._check_finite(pending_finite)
-      self.save(force=True)
-      if status == "preempted" and self.is_main:
-        print(
-          f"Stopped at step {self.step()} (checkpoint saved); rerun the same command to resume.",
-          flush=True,
-        )
-    finally:
-      try:
-        if self.checkpointer is not None:
-          self.checkpointer.wait()
-      finally:
-        writer.close()
-        if watch is not None:
-          signal.signal(signal.SIGTERM, signal.SIG_DFL if watch[0] is None else watch[0])
-    elapsed = time.time() - t0
-    steady = float(np.median(interval_tps)) if interval_tps else None
-    summary = {
-      "status": status,
-      "step": self.step(),
-      "num_steps": total,
-      "wall_time_s": elapsed,
-      "steps_this_run": self.step() - start_step,
-      "tokens_per_s": (self.step() - start_step) * tokens_per_step / max(elapsed, 1e-9),
-      # the median over the logged intervals after the first (compiling) step: an
-      # interval that held an eval, a checkpoint or a recompile counts as one slow
-      # interval instead of dragging a mean down (a step-2 recompile on GPUs:
-      # docs/decisions.md)
-      "steady_tokens_per_s": steady,
-      # the steady tokens/s as model FLOPs: per device, and against the device's peak (None: no peak
-      # known for the device kind, e.g. a CPU)
-      "model_flops_per_token": self.model_flops_per_token,
-      "device_kind": self.device_peak[0],
-      "peak_tflops_per_device": self.device_peak[1],
-      "steady_tflops_per_s_per_device": self._throughput(steady).get("tflops_per_s_per_device"),
-      "mfu": self._throughput(steady).get("mfu"),
-      "num_params": self.num_params,
-      "train": self.last_metrics,
-      "eval": eval_metrics,
-      "initial_state": self.strategy,
-      "mesh": dict(self.mesh.shape),
-      "init_from": self.config.train.init_from or None,
-      "init_from_step": self.init_from_step,
-    }
-    self._write_summary(summary)
-    return summary
-
-  # ---------------------------------------------------------------- reporting (a sweep overrides these)
-  def _metric_writer(self, start_step: int):
-    return logging_utils.MetricWriter(
-      self.workdir, self.config.logging.tensorboard, self.is_main, resume_step=start_step
-    )
-
-  def _host_metrics(self, metrics) -> dict:
-    return {k: float(v) for k, v in metrics.items()}
-
-  def _progress_line(self, step, total, tokens_per_s, eta_s) -> str:
-    line = logging_utils.progress_line(step, total, self.last_metrics, tokens_per_s, eta_s)
-    return line + self._throughput_text(tokens_per_s)
-
-  # members trained per step on each token (a sweep trains several models on the same batch)
-  flops_members = 1
-
-  @functools.cached_property
-  def model_flops_per_token(self) -> float | None:
-    """Training FLOPs per token of all the models one step trains (kdn_jax.models.flops), or None for
-    a model the count does not know (another model_factory)."""
-    if self.config.model_factory != config_lib.DEFAULT_MODEL_FACTORY:
-      return None
-    count = flops_lib.flops_per_token(self.config.model, self.config.data.seq_len)
-    return count["train"] * self.flops_members
-
-  @functools.cached_property
-  def device_peak(self) -> tuple[str, float | None]:
-    """(device kind, its peak TFLOP/s for the model's compute dtype or None)."""
-    kind = jax.devices()[0].device_kind
-    return kind, mfu_lib.peak_tflops(kind, str(self.config.model.dtype))
-
-  def _throughput(self, tokens_per_s: float | None) -> dict:
-    """{'tflops_per_s_per_device', 'mfu'} for ``tokens_per_s`` ({} when either count is missing)."""
-    if tokens_per_s is None or self.model_flops_per_token is None:
-      return {}
-    return mfu_lib.throughput(
-      tokens_per_s, self.model_flops_per_token, jax.device_count(), self.device_peak[1]
-    )
-
-  def _throughput_text(self, tokens_per_s: float | None) -> str:
-    t = self._throughput(tokens_per_s)
-    return mfu_lib.describe(t) if t else ""
-
-  def _describe_eval(self, metrics, final=False) -> str:
-    return f"loss {metrics['loss']:.4f} {'val ' if final else ''}accuracy {metrics['accuracy']:.4f}"
-
-  def _write_summary(self, summary: dict):
-    """Called on every process (a sweep saves its members' checkpoints, which is collective)."""
-    if not self.is_main:
-      return
-    logging_utils.write_summary(self.workdir, summary)
-    if self.config.logging.plot:
-      logging_utils.plot_loss(self.workdir)
-
-  def _nothing_to_train(self, step: int, total: int) -> dict:
-    """A workdir whose checkpoint already reaches train.num_steps: say so (no training, no new rows)."""
-    msg = (
-      f"Warning: the checkpoint in {self.workdir} is at step {step}, "
-      f"{'beyond' if step > total else 'already at'} config.train.num_steps={total}: nothing to train. "
-      "Raise --config.train.num_steps to train on, or use a new --workdir."
-    )
-    if self.is_main:
-      print(msg, flush=True)
-    else:
-      logging.warning(msg)
-    out = {
-      "status": "completed",
-      "step": step,
-      "num_steps": total,
-      "steps_this_run": 0,
-      "warning": msg,
-      "initial_state": self.strategy,
-    }
-    if self._summary_is_stale(step):
-      out = self._repair_summary(step, total, out)
-    return out
-
-  def _summary_is_stale(self, step: int) -> bool:
-    """Whether summary.json misses the run that ended at checkpoint ``step`` (the run was killed between its
-    last checkpoint and its summary): absent, unreadable, or of another step or status. The same answer on
-    every process (process 0's)."""
-    stale = False
-    if self.is_main:
-      try:
-        with open(os.path.join(self.workdir, "summary.json"), encoding="utf-8") as f:
-          old = json.load(f)
-        stale = old.get("step") != step or old.get("status") != "completed"
-      except (OSError, ValueError, AttributeError):
-        stale = True
-    if self.process_count > 1:
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-
-      stale = bool(multihost_utils.broadcast_one_to_all(np.int32(stale)))
-    return stale
-
-  def _repair_summary(self, step: int, total: int, out: dict) -> dict:
-    """Rebuilds summary.json from the checkpoint: its training metrics and a fresh evaluation of its
-    parameters (the same numbers the run's final evaluation gave: same parameters, same batches)."""
-    record = self.checkpointer.record(step)
-    self.last_metrics = {
-      k: np.asarray(v) if isinstance(v, list) else v
-      for k, v in (record.get("metrics") or {}).items()
-    }
-    summary = dict(
-      out,
-      train=self.last_metrics,
-      eval=self.evaluate(),
-      num_params=self.num_params,
-      mesh=dict(self.mesh.shape),
-      init_from=self.config.train.init_from or None,
-      init_from_step=self.init_from_step,
-      repaired=True,
-      warning=f"{out['warning']} summary.json was missing or stale (the run ended before writing "
-      f"it); rebuilt from the checkpoint at step {step}.",
-    )
-    self._write_summary(summary)
-    if self.is_main:
-      print(f"Rebuilt {self.workdir}/summary.json from the checkpoint at step {step}", flush=True)
-    return summary
-
   def close(self):
     try:
       if self.checkpointer is not None:
@@ -913,28 +522,6 @@ class Trainer:
     finally:
       workdir_lock.release(self._lock)
       self._lock = None
-
-
-def _preemption_service():
-  """jax.distributed's preemption sync manager when several processes run with it, else None."""
-  if jax.process_count() == 1:
-    return None
-  from jax._src import distributed  # pylint: disable=g-import-not-at-top
-
-  return getattr(distributed.global_state, "preemption_sync_manager", None)
-
-
-def _reached_preemption(step: int) -> bool:
-  """True on every process at the same step once any of them got SIGTERM (called every step)."""
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-
-  if multihost_utils.reached_preemption_sync_point(step):
-    logging.warning(
-      "preemption (SIGTERM on some process) agreed at step %d: saving a checkpoint and exiting",
-      step,
-    )
-    return True
-  return False
 
 
 class _null:

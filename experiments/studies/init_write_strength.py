@@ -2,7 +2,7 @@
 delta-rule baselines' beta = sigmoid(b_proj x), on training rows of the study's mixture (RESULTS.md
 section 1 explains take-off with it).
 
-    python -m experiments.studies.init_write_strength --out=docs/results/mqar/init_write_strength.json
+    python -m experiments.studies.init_write_strength --out=docs/results/mqar_zoology/init_write_strength.json
 
 Per width, mixer and seed: the write strength of a freshly initialised model (nothing trained), averaged
 over layers, heads and every token of 32 training rows (padding excluded).
@@ -65,7 +65,7 @@ def write_strength(width: int, mixer: str, seed: int, rows: int = 32) -> dict:
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--out", default="docs/results/mqar/init_write_strength.json")
+  p.add_argument("--out", default="docs/results/mqar_zoology/init_write_strength.json")
   p.add_argument("--widths", default=",".join(str(w) for w in zoo.WIDTHS))
   p.add_argument("--mixers", default=",".join(MIXERS))
   p.add_argument("--seeds", default="0,1,2")

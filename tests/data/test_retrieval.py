@@ -8,7 +8,7 @@ import uuid
 import numpy as np
 import pytest
 
-from experiments.data import retrieval
+from experiments.data import retrieval, snih
 from experiments.data.tokenizer import BPETokenizer
 
 _WORDS = (
@@ -30,7 +30,7 @@ def _corpus(tok, docs) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def tok():
-  return BPETokenizer.train(_docs(0, 80) + [retrieval.NOISE] * 5, vocab_size=400)
+  return BPETokenizer.train(_docs(0, 80) + [snih.NOISE] * 5, vocab_size=400)
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +86,7 @@ def test_snih_structure(tok, corpus, task):
         tok.decode(s[ns : ns + nl]) == f" One of the special magic numbers for {key} is: {value}."
       )
       assert (
-        nl + size + len(tok.encode(retrieval.QUERY.format(key=key))) + meta["answer_len"]
-        == length + 1
+        nl + size + len(tok.encode(snih.QUERY.format(key=key))) + meta["answer_len"] == length + 1
       )
       # depth: the needle starts within the snapping window of depth * haystack length
       assert abs(ns - depth * size) <= min(32, size // 10) + 0.5
@@ -105,11 +104,11 @@ def test_snih_structure(tok, corpus, task):
 def test_snih_haystacks(tok, corpus):
   # snih1: the tiled noise, starting at its beginning
   cell = retrieval.grid("snih1", [600], [0.3], 2, seed=0, tokenizer=tok)[0]
-  unit = tok.encode(" " + retrieval.NOISE)
+  unit = tok.encode(" " + snih.NOISE)
   hay = _haystack(cell["examples"], 0, cell["meta"][0])
   np.testing.assert_array_equal(hay, np.tile(unit, len(hay) // len(unit) + 1)[: len(hay)])
-  noise_words = set(re.findall(r"[a-z]+", retrieval.NOISE.lower()))
-  assert not noise_words & (set(retrieval.ADJECTIVES) | set(retrieval.NOUNS))
+  noise_words = set(re.findall(r"[a-z]+", snih.NOISE.lower()))
+  assert not noise_words & (set(snih.ADJECTIVES) | set(snih.NOUNS))
   # snih2: a contiguous window of the EOS-free corpus, at a seeded offset; the needle sits between sentences
   nz = corpus[corpus != tok.eos_id]
   cell = retrieval.grid("snih2", [700], [0.5], 3, seed=0, tokenizer=tok, haystack_tokens=corpus)[0]
@@ -237,7 +236,7 @@ def test_errors(tok, corpus, monkeypatch):
     retrieval.grid("snih1", [512], [1.5], tokenizer=tok)
   # lengths too short for needle + query + answer; checked for every cell before any example is made
   calls = []
-  monkeypatch.setattr(retrieval, "snih_example", lambda *a, **k: calls.append(1))
+  monkeypatch.setattr(snih, "snih_example", lambda *a, **k: calls.append(1))
   need = retrieval.min_length("snih1", tokenizer=tok)
   with pytest.raises(ValueError, match="too short"):
     retrieval.grid("snih1", [1024, need - 1], tokenizer=tok)
@@ -248,7 +247,7 @@ def test_errors(tok, corpus, monkeypatch):
   cell = retrieval.grid("snih1", [need], [0.5], 4, tokenizer=tok)[0]  # the bound is sufficient
   assert cell["examples"]["inputs"].shape == (4, need)
   with pytest.raises(ValueError, match="too short"):
-    retrieval.snih_example(0, seed=0, seq_len=20, depth=0.5, tokenizer=tok)
+    snih.snih_example(0, seed=0, seq_len=20, depth=0.5, tokenizer=tok)
   with pytest.raises(ValueError, match="too short"):
     retrieval.grid("passkey", [11], vocab_size=64, digits=5)
   with pytest.raises(ValueError, match="too short"):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from experiments.runner import checkpoint as ckpt_lib
-from experiments.runner import config_lib, lr_sweep, trainer
+from experiments.runner import config_lib, lr_sweep, train_loop, trainer
 from tests.runner_helpers import compilation_cache, tiny_config
 
 RATES = (3e-3, 1e-2)
@@ -129,7 +129,7 @@ def _a_non_finite_member_is_frozen_and_reported_while_the_others_finish(c, tmp_p
   # Every member non-finite halts the sweep like a single run.
   tr = lr_sweep.SweepTrainer(c, str(tmp_path / "all"))
   tr.state["params"]["embed"] = tr.state["params"]["embed"] * np.inf
-  with pytest.raises(trainer.NonFiniteLossError, match="every learning rate of the sweep"):
+  with pytest.raises(train_loop.NonFiniteLossError, match="every learning rate of the sweep"):
     tr.run()
   tr.close()
 

@@ -26,7 +26,7 @@ from runner_helpers import (
   write_doc_tokens,
 )
 
-from experiments.runner import config_lib, sharding, trainer
+from experiments.runner import config_lib, sharding, tracing, train_loop, trainer
 
 
 def _one_step(config, devices, workdir):
@@ -278,7 +278,7 @@ def test_nan_loss_halts_or_skips(tmp_path):
   # Resuming would restore the good checkpoint; instead keep training the poisoned state in place.
   tr.maybe_restore = lambda: False
   with pytest.raises(
-    trainer.NonFiniteLossError,
+    train_loop.NonFiniteLossError,
     match="non-finite loss/gradients at step 2;.*Last good checkpoint: step 1",
   ):
     tr.run()
@@ -627,15 +627,15 @@ def test_loss_positions_gives_the_same_loss_gradients_and_accuracy(tmp_path):
 def test_context_growth_names_what_was_added():
   """The first-step check: silent when jit's tracing context kept its size, else a warning that
   names the added values and the modules imported meanwhile (the step-2 recompile on GPUs)."""
-  now = trainer.tracing_context()
+  now = tracing.tracing_context()
   assert now[0] > 0 and (now[1] is None or now[0] == len(now[1]))
-  assert trainer.context_growth(now, now) is None
+  assert tracing.context_growth(now, now) is None
   later = (
     now[0] + 1,
     None if now[1] is None else now[1] + ("some_new_context",),
     now[2] | {"some_plugin.lowering", "experiments.local"},
   )
-  msg = trainer.context_growth(now, later)
+  msg = tracing.context_growth(now, later)
   assert f"{now[0]} -> {now[0] + 1} values" in msg
   assert "some_plugin.lowering" in msg and "experiments.local" not in msg
   if now[1] is not None:

@@ -1,7 +1,7 @@
 """RESULTS.md section 1, MQAR: the claim, the Zoology-protocol study with seeds and intervals
 (docs/results/mqar_zoology/zoology.json from ``python -m experiments.studies.mqar_zoology``), the write
-strength at initialisation (docs/results/mqar/init_write_strength.json) and, labelled as such, the earlier
-single-seed grid (docs/results/mqar/grid.json from ``python -m experiments.studies.mqar_grid``)."""
+strength at initialisation (docs/results/mqar_zoology/init_write_strength.json) and where the earlier
+single-seed grid's results are kept."""
 
 from __future__ import annotations
 
@@ -11,245 +11,6 @@ import numpy as np
 
 from experiments.studies.mqar_zoology_stats import verdict
 from experiments.studies.results.common import exists, load, plt, save, table
-
-
-def _best(grid) -> dict:
-  return {tuple(k.split("/")): v for k, v in grid["best"].items()}
-
-
-def _coverage(grid) -> tuple[dict, list[float]]:
-  """{(cell, mixer): completed learning rates}, and the rates completed in every cell and mixer."""
-  done = {}
-  for r in grid["runs"]:
-    if r["status"] == "completed":
-      done.setdefault((r["cell"], r["mixer"]), []).append(r["learning_rate"])
-  full = [
-    lr
-    for lr in grid["learning_rates"]
-    if all(lr in done.get((c, m), []) for c in grid["cells"] for m in grid["mixers"])
-  ]
-  return done, full
-
-
-def _plot(grid, best, fig_dir) -> str:
-  cells, mixers = grid["cells"], grid["mixers"]
-  p = plt()
-  fig, ax = p.subplots(figsize=(9, 3.8))
-  width = 0.8 / len(mixers)
-  x = np.arange(len(cells))
-  for i, m in enumerate(mixers):
-    acc = [best[(c, m)]["accuracy"] if (c, m) in best else np.nan for c in cells]
-    ax.bar(x + (i - (len(mixers) - 1) / 2) * width, acc, width, label=m)
-  ax.set_xticks(x, [c.replace("_", "\n") for c in cells])
-  ax.set(
-    ylabel="validation accuracy",
-    ylim=(0, 1.02),
-    title="MQAR: best accuracy per cell (missing bar: not run)",
-  )
-  ax.grid(axis="y", alpha=0.3)
-  ax.legend(ncol=len(mixers), fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.28))
-  return save(fig, fig_dir, "mqar_grid.png")
-
-
-def _earlier_verdict(grid, best, spread=None) -> str:
-  """What the earlier grid shows, and why it cannot decide the claim."""
-  pairs = [
-    (c, best[(c, "kdn_diag")]["accuracy"], best[(c, "kda")]["accuracy"])
-    for c in grid["cells"]
-    if (c, "kdn_diag") in best and (c, "kda") in best
-  ]
-  if not pairs:
-    return "**Not tested** by this grid: no cell has both kdn_diag and kda."
-  diffs = ", ".join(f"{c}: {a - b:+.3f}" for c, a, b in pairs)
-  return (
-    "**Undecided by this design.** kdn_diag - kda in best accuracy (one seed each, no interval): "
-    f"{diffs}. One seed per run, 2000 steps x 64 sequences (about 1/45 of the Zoology protocol's example "
-    "passes) and the best rate often at the grid's upper edge make these differences uninterpretable"
-    + (
-      ""
-      if spread is None
-      else f": two identical runs differ by up to {spread:.2f} (run-to-run table below)"
-    )
-    + "; the 64-pair cells, near chance for most mixers, measure how soon training takes off, "
-    "not recall capacity. The study above replaces it."
-  )
-
-
-def _earlier(results_dir: str, fig_dir: str) -> str:
-  """The earlier single-seed grid (docs/results/mqar/grid.json), labelled as the under-powered design."""
-  path = os.path.join(results_dir, "mqar", "grid.json")
-  if not exists(path):
-    return ""
-  grid, cmds = load(path), load(os.path.join(results_dir, "mqar", "commands.json"))
-  best = _best(grid)
-  done, full = _coverage(grid)
-  pairs = _run_to_run(grid, results_dir)
-  cells, mixers = grid["cells"], grid["mixers"]
-  rows = []
-  single = {
-    (r["cell"], r["mixer"])
-    for r in grid["runs"]
-    if r["status"] == "completed" and not r.get("sweep")
-  }
-  for m in mixers:
-    row = [m]
-    for c in cells:
-      b = best.get((c, m))
-      row.append(
-        "not run"
-        if b is None
-        else f"{b['accuracy']:.3f} ({b['learning_rate']:g})" + (" *" if (c, m) in single else "")
-      )
-    rows.append(row)
-  params = {
-    m: next(
-      (b["num_params"] for (c, mm), b in best.items() if mm == m and c.startswith("d64_")), None
-    )
-    for m in mixers
-  }
-  n_done = sum(r["status"] == "completed" for r in grid["runs"])
-  swept = [f"{c}/{m}" for (c, m), lrs in done.items() if len(lrs) == len(grid["learning_rates"])]
-  stopped = sorted(
-    {
-      f"{r['cell']}/{r['mixer']}"
-      for r in grid["runs"]
-      if r["status"] not in ("completed", "missing") and (r["cell"], r["mixer"]) not in best
-    }
-  )
-  partial = sorted(
-    f"{c}/{m}" for (c, m), lrs in done.items() if len(lrs) < len(grid["learning_rates"])
-  )
-  missing = sorted(
-    f"{c}/{m}" for c in cells for m in mixers if (c, m) not in done and f"{c}/{m}" not in stopped
-  )
-  coverage = (
-    f"{n_done} of {len(grid['runs'])} runs completed. Learning rates complete over the whole grid: "
-    f"{', '.join(f'{lr:g}' for lr in full) or 'none'}; cells x mixers with the full sweep "
-    f"({', '.join(f'{lr:g}' for lr in grid['learning_rates'])}): {len(swept)} of "
-    f"{len(cells) * len(mixers)}. Each entry is the best completed rate's accuracy (the rate in "
-    "brackets)."
-  )
-  if partial:
-    coverage += (
-      f" **Without the full sweep** (one rate only, marked *: a single run recorded in docs/results/mqar/single_runs.json, same "
-      f"config and seed): {', '.join(partial)}."
-    )
-  if missing:
-    coverage += f" **Not run**: {', '.join(missing)}."
-  if stopped:
-    coverage += f" Stopped by the time limit before their final evaluation: {', '.join(stopped)}."
-  if cmds.get("note"):
-    coverage += " " + cmds["note"]
-  return "\n".join(
-    [
-      "### Earlier design: one seed, 2000 steps (under-powered; kept for the record)",
-      "",
-      "These runs predate the protocol above and cannot decide the claim; they are not its evidence.",
-      "",
-      f"Machine: {cmds['machine']}.",
-      "",
-      "```",
-      cmds["grid"],
-      cmds["run"],
-      "```",
-      "",
-      cmds["protocol"].replace(
-        "best learning rate per cell and mixer.",
-        "the best completed learning rate per cell and mixer.",
-      ),
-      "Parameters (d_model 64): "
-      + ", ".join(f"{m} {n / 1e6:.3f}M" for m, n in params.items() if n)
-      + " (mixers matched to kdn_diag through "
-      "the MLP width; most parameters are the 8192-token embedding).",
-      "",
-      coverage,
-      "",
-      table(["mixer"] + cells, rows),
-      "",
-      f"![MQAR grid]({_plot(grid, best, fig_dir)})",
-      "",
-      _earlier_verdict(grid, best, _spread(pairs)),
-      _learned(grid, best),
-      "",
-      _by_rate(grid),
-      "",
-      _reproduced(pairs),
-      "",
-    ]
-  )
-
-
-def _by_rate(grid) -> str:
-  """Every completed run's accuracy, one column per learning rate."""
-  acc = {
-    (r["cell"], r["mixer"], r["learning_rate"]): r["accuracy"]
-    for r in grid["runs"]
-    if r["status"] == "completed"
-  }
-  lrs = grid["learning_rates"]
-  rows = [
-    [c, m] + [f"{acc[(c, m, lr)]:.3f}" if (c, m, lr) in acc else "-" for lr in lrs]
-    for c in grid["cells"]
-    for m in grid["mixers"]
-  ]
-  return "Accuracy at every learning rate (- : not run):\n\n" + table(
-    ["cell", "mixer"] + [f"lr {lr:g}" for lr in lrs], rows
-  )
-
-
-def _run_to_run(grid, results_dir) -> list:
-  """(cell, mixer, lr, single-run accuracy, sweep-member accuracy): a sweep member against the single run of
-  the same config, seed and rate from single_runs.json (on CPU the two agree to float rounding,
-  tests/runner/test_lr_sweep.py; on the GPU they also differ by non-deterministic reductions)."""
-  path = os.path.join(results_dir, "mqar", "single_runs.json")
-  single = {
-    (r["cell"], r["mixer"], r["learning_rate"]): r["accuracy"]
-    for r in (load(path)["runs"] if exists(path) else [])
-  }
-  pairs = []
-  for r in grid["runs"]:
-    key = (r["cell"], r["mixer"], r["learning_rate"])
-    if r["status"] == "completed" and r.get("sweep") and key in single:
-      pairs.append(key + (single[key], r["accuracy"]))
-  return pairs
-
-
-def _spread(pairs):
-  return max((abs(b - a) for *_, a, b in pairs), default=None)
-
-
-def _reproduced(pairs) -> str:
-  if not pairs:
-    return ""
-  diffs = np.array([b - a for *_, a, b in pairs])
-  rows = [[c, m, f"{lr:g}", f"{a:.3f}", f"{b:.3f}", f"{b - a:+.3f}"] for c, m, lr, a, b in pairs]
-  return (
-    "Run to run: the same config, seed and rate trained as a single run ("
-    "`docs/results/mqar/single_runs.json`) and as a member of this sweep, on the same kind of GPU: "
-    f"{len(pairs)} pairs, median |difference| {np.median(np.abs(diffs)):.3f}, largest "
-    f"{np.abs(diffs).max():.3f}. Runs that learn slowly (accuracy well below 1 at the end) move most: "
-    "a small difference early in training (GPU reductions are not bitwise deterministic) changes when "
-    "the model starts to learn the task. Differences of this size between mixers are not findings.\n\n"
-    + table(["cell", "mixer", "lr", "single run", "sweep member", "difference"], rows)
-  )
-
-
-def _learned(grid, best) -> str:
-  """Which mixers solved each cell (accuracy >= 0.9) and which stayed near chance (< 0.1)."""
-  parts = []
-  for c in grid["cells"]:
-    got = {m: best[(c, m)]["accuracy"] for m in grid["mixers"] if (c, m) in best}
-    if got:
-      hi = [m for m, a in got.items() if a >= 0.9] or ["none"]
-      lo = [m for m, a in got.items() if a < 0.1] or ["none"]
-      parts.append(f"{c}: solved (>= 0.9) by {', '.join(hi)}; near chance (< 0.1): {', '.join(lo)}")
-  return (
-    "Per cell: "
-    + "; ".join(parts)
-    + ". Where most mixers stay near chance the cell ranks how fast "
-    "a model starts to learn within the step budget more than its recall capacity."
-  )
-
 
 # ------------------------------------------------------------------------------ the Zoology protocol
 CLAIM = (
@@ -266,6 +27,20 @@ RULE = (
   "interval's lower end is above 0, **behind** if its upper end is below 0, else **tied**: never from "
   "point estimates."
 )
+
+
+# The grid's runs, renderer and rendered section are kept in git, not in the tree.
+EARLIER_COMMIT = "3fdb10a"
+EARLIER = f"""### Earlier design: one seed, 2000 steps (superseded)
+
+Before the protocol above, a grid of 6 cells (d_model 64 and 128 x (T, pairs) of (256, 16), (256, 64),
+(512, 64)) x 6 mixers x 3 learning rates trained one seed per run for 2000 steps of 64 sequences, about
+1/45 of the Zoology protocol's example passes. It could not decide the claim: with one seed and no
+interval, reruns of one config moved its accuracy as much as the mixers differed, and most mixers stayed
+near chance in the 64-pair cells. Commit {EARLIER_COMMIT} holds its code, its runs' JSON and this section
+as rendered from them (`git show {EARLIER_COMMIT}:docs/RESULTS.md`,
+`git show {EARLIER_COMMIT}:docs/results/mqar/grid.json`).
+"""
 
 
 def _iv(mean, lo, hi) -> str:
@@ -389,7 +164,7 @@ def _zoology(results_dir: str, fig_dir: str) -> str:
 
 
 def _init_strength(results_dir: str) -> str:
-  path = os.path.join(results_dir, "mqar", "init_write_strength.json")
+  path = os.path.join(results_dir, "mqar_zoology", "init_write_strength.json")
   if not exists(path):
     return ""
   d = load(path)
@@ -436,7 +211,5 @@ def render(results_dir: str, fig_dir: str) -> str:
   init = _init_strength(results_dir)
   if init:
     parts.append(init)
-  earlier = _earlier(results_dir, fig_dir)
-  if earlier:
-    parts.append(earlier)
+  parts.append(EARLIER)
   return "\n".join(parts)
