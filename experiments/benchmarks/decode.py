@@ -232,6 +232,9 @@ def jax_steps_fn(row, b, h, d, steps, step_inputs, decode_config=None):
   return jax.jit(chain, donate_argnums=(0,)), init(memory), per_step
 
 
+CALLS_PER_SAMPLE = 4
+
+
 def time_jax_row(row, b, h, d, steps, reps, warmup, step_inputs="unrolled", decode_config=None):
   """Median ms of one jitted call running `steps` decode steps (state carried, donated), and the
   call (with its live state) for a profiler trace."""
@@ -241,10 +244,13 @@ def time_jax_row(row, b, h, d, steps, reps, warmup, step_inputs="unrolled", deco
   jax.block_until_ready((state, o))
   times = []
   for _ in range(reps):
+    # CALLS_PER_SAMPLE calls queued back to back: the host's dispatch of a call overlaps the
+    # device's run of the one before, as fla's timing (device events) has no dispatch in it
     start = time.perf_counter()
-    state, o = run(state, xs)
+    for _ in range(CALLS_PER_SAMPLE):
+      state, o = run(state, xs)
     jax.block_until_ready((state, o))
-    times.append((time.perf_counter() - start) * 1e3)
+    times.append((time.perf_counter() - start) * 1e3 / CALLS_PER_SAMPLE)
   box = [state]
 
   def again():
@@ -506,13 +512,13 @@ def _write(out, results):
     f.write("\n".join(lines) + "\n")
 
 
-def decode_configs(row, sweep_rows, block_v, num_warps):
-  """The DecodeConfigs a row is timed with: every (block_v, num_warps) pair for a swept pallas
-  row (an empty list: the tuned value), else [None] (the tuned config; XLA and fla rows)."""
+def sweep_configs(row, sweep_rows, block_v, num_warps):
+  """The DecodeConfigs a swept pallas row is also timed with: every (block_v, num_warps) pair (an
+  empty list: the tuned value); [] for other rows (they run the tuned config only)."""
   from pallas_kernels import tuned  # pylint: disable=g-import-not-at-top
 
   if not row.endswith("_pallas") or row not in sweep_rows or not (block_v or num_warps):
-    return [None]
+    return []
   base = tuned.tuned("decode")
   return [
     dataclasses.replace(base, block_v=bv, num_warps=nw)
@@ -594,26 +600,38 @@ def run(
   opts = dict(reps=reps, warmup=warmup, profile_dir=profile_dir)
   have_pallas = pallas_decode_available(pallas_interpret)
   have_fla = any(r.startswith("fla") for r in rows) and _fla_fused_recurrent() is not None
+  runs = [
+    r
+    for r in rows
+    if not (r.endswith("_pallas") and not have_pallas)
+    and not (r.startswith("fla") and not have_fla)
+  ]
+
+  def spent(what):
+    if time.time() - t_start > time_budget_s:
+      logging.warning("time budget spent: skipping %s", what)
+      return True
+    return False
+
+  def step_cell(row, b, cfg):
+    try:
+      rec = _step_cell(row, b, cfg, results, opts)
+    except Exception as e:  # pylint: disable=broad-except
+      traceback.print_exc()
+      rec = dict(row=row, batch=b, error=f"{type(e).__name__}: {e}"[:300])
+    print(rec, flush=True)
+    results["steps"].append(rec)
+    _write(out, results)
+
+  # In order of importance, so that a spent budget cuts the sweep first: every row at its tuned
+  # config, then generation, then the sweep's other configs.
   for b in batches:
-    for row in rows:
-      if (row.endswith("_pallas") and not have_pallas) or (row.startswith("fla") and not have_fla):
-        continue
-      for cfg in decode_configs(row, sweep_rows, list(block_v), list(num_warps)):
-        if time.time() - t_start > time_budget_s:
-          logging.warning("time budget spent: skipping %s B=%d", row, b)
-          continue
-        try:
-          rec = _step_cell(row, b, cfg, results, opts)
-        except Exception as e:  # pylint: disable=broad-except
-          traceback.print_exc()
-          rec = dict(row=row, batch=b, error=f"{type(e).__name__}: {e}"[:300])
-        print(rec, flush=True)
-        results["steps"].append(rec)
-        _write(out, results)
+    for row in runs:
+      if not spent(f"{row} B={b}"):
+        step_cell(row, b, None)
   for impl in lm_impls if lm_config else []:
     for b in lm_batches:
-      if time.time() - t_start > time_budget_s:
-        logging.warning("time budget spent: skipping generation %s B=%d", impl, b)
+      if spent(f"generation {impl} B={b}"):
         continue
       rec = dict(impl=impl, batch=b, prompt_len=prompt_len, new_tokens=new_tokens)
       try:
@@ -633,6 +651,15 @@ def run(
       print(rec, flush=True)
       results["generation"].append(rec)
       _write(out, results)
+  if any(sweep_configs(r, sweep_rows, list(block_v), list(num_warps)) for r in runs):
+    from pallas_kernels import tuned  # pylint: disable=g-import-not-at-top
+
+    base = tuned.tuned("decode")
+    for b in batches:
+      for row in runs:
+        for cfg in sweep_configs(row, sweep_rows, list(block_v), list(num_warps)):
+          if cfg != base and not spent(f"{row} B={b} block_v={cfg.block_v} warps={cfg.num_warps}"):
+            step_cell(row, b, cfg)
   _write(out, results)
   return results
 
