@@ -102,7 +102,9 @@ def _decode_loop(
   def token(i, carry):
     tok, cache, rng, out, done, count = carry
     logits, cache = model.decode_step(tok, cache)
-    rng, sub = jax.random.split(rng)
+    sub = None
+    if temperature > 0:  # (greedy reads no key: no split kernel per token)
+      rng, sub = jax.random.split(rng)
     tok = jnp.where(done, pad_id, sample_logits(logits, sub, temperature, top_k))
     out = jax.lax.dynamic_update_slice(out, tok[:, None], (0, i))
     count = count + (~done).astype(jnp.int32)
