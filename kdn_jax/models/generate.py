@@ -141,8 +141,8 @@ def _decode_loop(
 
 _STATIC = ("graphdef", "max_new_tokens", "temperature", "top_k", "eos_id", "pad_id")
 _STATIC += ("eos_check_every",)
-# The loop updates the cache in place; its input buffers are donated when generate made them
-# (prefill or a fresh cache), and kept when they are the caller's (an empty prompt's cache).
+# The loop updates the cache in place; its input buffers are donated when generate made the cache
+# (none was given), and copied once into the loop when they hold the caller's.
 _decode_owned_cache = jax.jit(_decode_loop, static_argnames=_STATIC, donate_argnames=("cache",))
 _decode_callers_cache = jax.jit(_decode_loop, static_argnames=_STATIC)
 
@@ -194,7 +194,9 @@ def generate(
   sampling = dict(
     temperature=float(temperature or 0.0), top_k=None if top_k is None else int(top_k)
   )
-  owned = cache is None or prompt.shape[1] > 0  # else _first_token hands back the caller's cache
+  # only a cache generate makes is donated: a leaf of the caller's that the prefill leaves as it
+  # is would come back from _first_token as the caller's own buffer
+  owned = cache is None
   t0 = time.perf_counter()
   first, cache, rng = _first_token(
     graphdef,
