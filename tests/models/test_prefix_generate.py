@@ -58,13 +58,14 @@ def test_generation_from_cached_prefix_equals_whole_prompt():
   prompt = _tokens(cfg.vocab_size, seed=2)
   want = generate(model, prompt, 5)
   logits, caches = nnx.jit(lambda m, t: m.prefix_states(t, np.array([6, T])))(model, prompt)
-  mid = generate(model, prompt[:, 6:], 5, cache=cache_at(caches, 0))
+  at6 = cache_at(caches, 0)
+  mid = generate(model, prompt[:, 6:], 5, cache=at6)
   np.testing.assert_array_equal(mid[:, T - 6 :], want[:, T:])
   cache = cache_at(caches, 1)
   end = generate(model, prompt[:, :0], 5, cache=cache, last_logits=logits[:, 1])
   np.testing.assert_array_equal(end, want[:, T:])
   # the caller's cache is read, not consumed (no donation of it): a second call sees it intact
-  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(cache))
+  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves((cache, at6)))
   again = generate(model, prompt[:, :0], 5, cache=cache, last_logits=logits[:, 1])
   np.testing.assert_array_equal(again, end)
 
