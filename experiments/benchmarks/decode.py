@@ -3,32 +3,49 @@ and whole-model generation of the 125M LM.
 
 Step rows (B in --batches, H = 16, K = V = 128, fp32 state, bf16 activations): `<op>_xla` is the
 op's `*_step` (kdn_jax.ops) and `<op>_pallas` the fused Pallas decode step (pallas_kernels.decode,
-when importable), each run as a jitted lax.scan of --steps steps with the state carried and donated
-(how generation decodes: no per-step dispatch); `fla_fused_recurrent_kda` is fla's Triton kernel in
-PyTorch on the same shapes, --steps calls per timing (captured in one CUDA graph when capture works,
-else launched eagerly: the JSON says which). Reported: us per step, the state bandwidth achieved
-(the state read and written once: 2 B H K V x 4 bytes, the floor of any decode step; the KDN
-variance adds 2 B H K x 4) and that floor's time at the device's HBM bandwidth (HBM_TBPS).
+when importable); `fla_fused_recurrent_kda` is fla's Triton kernel in PyTorch on the same shapes,
+--steps calls per timing (captured in one CUDA graph when capture works, else launched eagerly:
+the JSON says which). --step_inputs says how the JAX rows run their --steps steps in one jitted
+call with the state donated: 'unrolled' (default) a straight chain of steps, each with its own
+input buffers, as fla's graph replays them (the kernel's own cost: nothing else runs per step);
+'scan' a lax.scan over stacked inputs (adds the loop's and the per-step input slices' kernels).
+Reported per row: us per step, the state bandwidth achieved (the state read and written once:
+2 B H K V x 4 bytes, the floor of any decode step; the KDN variance adds 2 B H K x 4) and its share
+of the device's HBM bandwidth (HBM_TBPS), i.e. the floor's time over the step's.
 
-Generation rows: the LM of --lm_config (random weights: speed only) at batch --lm_batches, a prompt
-of --prompt_len tokens, --new_tokens greedy tokens (no EOS): time to first token (the prefill) and
-tokens per second, from a second `generate` call (the first compiles).
+Sweep: --block_v and --num_warps (lists) time the --sweep_rows (default diag_kdn_pallas) once per
+DecodeConfig(block_v, num_warps) pair; the other rows run the tuned config
+(pallas_kernels/tuned.py).
+
+Generation rows: the LM of --lm_config (random weights: speed only) with each impl of --lm_impls
+('auto': the XLA decode step; 'pallas': the fused one; the prefill is the chunked Pallas path on a
+GPU either way) at batch --lm_batches, a prompt of --prompt_len tokens, --new_tokens greedy tokens
+(no EOS): time to first token (the prefill), tokens per second and ms per token, from a second
+`generate` call (the first compiles).
+
+--profile_dir: also records a jax.profiler trace of one timed call per step row (and of one
+`generate` call per generation row, with a 1-token prompt) under <profile_dir>/<row>_B<b>, and
+reports kernels per step / per token and their summed device time from it
+(experiments/benchmarks/kernel_dev/profile_layer.py's parser): the launches per token that
+separate a step's kernel time from its wall time.
 
 GPU (device tool, carry=[".whl"]; fla, fla_core and ml_collections come as wheels):
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && \
   PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m experiments.benchmarks.decode \
-      --out=$OUT/decode --time_budget_s=270
+      --out=$OUT/decode --block_v=8,16,32 --num_warps=1,2,4 --profile_dir=$OUT/decode_traces \
+      --time_budget_s=420
 
 CPU smoke (what tests/benchmarks/test_benchmark_decode.py runs): --batches=1,2 --heads=2 --dim=16
 --steps=4 --reps=1 --lm_config=configs/lm_125m.py:smoke --lm_batches=1 --prompt_len=16
 --new_tokens=4.
 
-Writes <out>.json and <out>.md after every section.
+Writes <out>.json and <out>.md after every cell.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -56,6 +73,34 @@ flags.DEFINE_integer("dim", 128, "K = V per head", flag_values=FLAGS)
 flags.DEFINE_integer("steps", 64, "decode steps per timed call", flag_values=FLAGS)
 flags.DEFINE_integer("reps", 20, "timed calls (median reported)", flag_values=FLAGS)
 flags.DEFINE_integer("warmup", 2, "untimed calls after compilation", flag_values=FLAGS)
+flags.DEFINE_enum(
+  "step_inputs",
+  "unrolled",
+  ["unrolled", "scan"],
+  "how the JAX step rows run their steps (see the module docstring)",
+  flag_values=FLAGS,
+)
+flags.DEFINE_list(
+  "block_v", [], "DecodeConfig.block_v values to sweep (empty: the tuned one)", flag_values=FLAGS
+)
+flags.DEFINE_list(
+  "num_warps",
+  [],
+  "DecodeConfig.num_warps values to sweep (empty: the tuned one)",
+  flag_values=FLAGS,
+)
+flags.DEFINE_list(
+  "sweep_rows",
+  ["diag_kdn_pallas"],
+  "pallas rows the block_v / num_warps sweep times",
+  flag_values=FLAGS,
+)
+flags.DEFINE_list(
+  "lm_impls", ["auto", "pallas"], "model impls of the generation rows", flag_values=FLAGS
+)
+flags.DEFINE_string(
+  "profile_dir", "", "record a profiler trace per row here and count its kernels", flag_values=FLAGS
+)
 flags.DEFINE_list(
   "rows",
   [
@@ -128,9 +173,11 @@ def _step_inputs(key, steps, b, h, d):
   return x, memory
 
 
-def step_fn(row: str):
-  """(one step (state, x_t) -> (state, o_t), initial state from memory) of a JAX row."""
+def step_fn(row: str, decode_config=None):
+  """(one step (state, x_t) -> (state, o_t), initial state from memory) of a JAX row; a pallas
+  row runs `decode_config` (a DecodeConfig; None: the tuned one)."""
   from kdn_jax import ops  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.tuned import KernelConfigs  # pylint: disable=g-import-not-at-top
 
   op, impl = row.rsplit("_", 1)
   if op not in ("diag_kdn", "iso_kdn", "kda") or impl not in ("xla", "pallas"):
@@ -139,6 +186,8 @@ def step_fn(row: str):
       "or fla_fused_recurrent_kda"
     )
   kw = {} if impl == "xla" else {"impl": "pallas"}
+  if impl == "pallas" and decode_config is not None:
+    kw["kernel_config"] = KernelConfigs(decode=decode_config)
   if op in ("diag_kdn", "iso_kdn"):
     diag = op == "diag_kdn"
     fn = ops.diag_kdn_step if diag else ops.iso_kdn_step
@@ -162,31 +211,82 @@ def step_fn(row: str):
   return step, lambda memory: memory
 
 
-def time_jax_row(row, b, h, d, steps, reps, warmup):
-  """Median ms of one jitted call running `steps` decode steps (state carried, donated)."""
-  step, init = step_fn(row)
+def jax_steps_fn(row, b, h, d, steps, step_inputs, decode_config=None):
+  """(jitted call running `steps` decode steps with the state donated, its first state, its
+  inputs) of a JAX row."""
+  step, init = step_fn(row, decode_config)
   xs, memory = _step_inputs(jax.random.key(0), steps, b, h, d)
-  state = init(memory)
-  run = jax.jit(lambda state, xs: jax.lax.scan(step, state, xs), donate_argnums=(0,))
+  if step_inputs == "scan":
+    run = jax.jit(lambda state, xs: jax.lax.scan(step, state, xs), donate_argnums=(0,))
+    return run, init(memory), xs
+  # every step's inputs their own buffers (as fla's calls get them): no slice op per step
+  per_step = [jax.tree.map(lambda a, t=t: a[t], xs) for t in range(steps)]
+
+  def chain(state, per_step):
+    outs = []
+    for x in per_step:
+      state, o = step(state, x)
+      outs.append(o)
+    return state, outs
+
+  return jax.jit(chain, donate_argnums=(0,)), init(memory), per_step
+
+
+CALLS_PER_SAMPLE = 4
+
+
+def time_jax_row(row, b, h, d, steps, reps, warmup, step_inputs="unrolled", decode_config=None):
+  """Median ms of one jitted call running `steps` decode steps (state carried, donated), and the
+  call (with its live state) for a profiler trace."""
+  run, state, xs = jax_steps_fn(row, b, h, d, steps, step_inputs, decode_config)
   for _ in range(1 + warmup):
     state, o = run(state, xs)
   jax.block_until_ready((state, o))
   times = []
   for _ in range(reps):
+    # CALLS_PER_SAMPLE calls queued back to back: the host's dispatch of a call overlaps the
+    # device's run of the one before, as fla's timing (device events) has no dispatch in it
     start = time.perf_counter()
-    state, o = run(state, xs)
+    for _ in range(CALLS_PER_SAMPLE):
+      state, o = run(state, xs)
     jax.block_until_ready((state, o))
-    times.append((time.perf_counter() - start) * 1e3)
-  return statistics.median(times), {}
+    times.append((time.perf_counter() - start) * 1e3 / CALLS_PER_SAMPLE)
+  box = [state]
+
+  def again():
+    box[0], o = run(box[0], xs)
+    jax.block_until_ready((box[0], o))
+
+  return statistics.median(times), {}, again
 
 
-def check_against_xla(row, b, h, d, steps):
+def profile_call(fn, logdir, iters):
+  """Kernels per iteration and their device time (ms) in a profiler trace of one fn() call that
+  runs `iters` steps / tokens (kernel_dev.profile_layer's parser; on CPU: the host's XLA ops)."""
+  from experiments.benchmarks.kernel_dev import profile_layer  # pylint: disable=g-import-not-at-top
+
+  with jax.profiler.trace(logdir, create_perfetto_trace=True):
+    fn()
+  prof = profile_layer.parse_trace(profile_layer.find_trace(logdir), iters)
+  return {
+    "trace": prof["trace"],
+    "trace_mode": prof["mode"],
+    "kernels_per_step": sum(k["calls_per_iter"] for k in prof["kernels"]),
+    "kernel_ms_per_step": prof["total_device_ms"],
+    "top_kernels": [
+      {"name": k["name"][:120], "calls": k["calls_per_iter"], "ms": k["ms"]}
+      for k in prof["kernels"][:8]
+    ],
+  }
+
+
+def check_against_xla(row, b, h, d, steps, decode_config=None):
   """A Pallas row's relative errors against its XLA step after `steps` steps from one state: the
   final state (memory) and the outputs (bf16)."""
   xs, memory = _step_inputs(jax.random.key(1), steps, b, h, d)
   outs = []
   for r in (row, row.replace("_pallas", "_xla")):
-    step, init = step_fn(r)
+    step, init = step_fn(r, decode_config if r == row else None)
     state, o = jax.jit(lambda state, xs, step=step: jax.lax.scan(step, state, xs))(init(memory), xs)
     outs.append((np.asarray(jax.tree.leaves(state)[0], np.float64), np.asarray(o, np.float64)))
   rel = lambda a, b: float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
@@ -268,7 +368,12 @@ def time_fla_row(b, h, d, steps, reps, warmup):
     end.record()
     torch.cuda.synchronize()
     times.append(start.elapsed_time(end))
-  return statistics.median(times), {"launch": mode, "inplace_state": bool(inplace)}
+
+  def again():
+    fn()
+    torch.cuda.synchronize()
+
+  return statistics.median(times), {"launch": mode, "inplace_state": bool(inplace)}, again
 
 
 # ------------------------------------------------------------------------------- generation
@@ -283,22 +388,39 @@ def load_lm_config(spec: str):
   return mod.get_config(arg or "default").model
 
 
-def time_generation(spec, batch, prompt_len, new_tokens):
-  """GenerationStats of the second generate call (the first compiles) for a random-weight LM."""
+def time_generation(spec, batch, prompt_len, new_tokens, impl="auto", profile_dir=""):
+  """GenerationStats of the second generate call (the first compiles) for a random-weight LM built
+  with `impl`, and with profile_dir the kernels per token of a traced generate call from a
+  1-token prompt (its prefill adds about one token's kernels)."""
   from kdn_jax.models import LanguageModel  # pylint: disable=g-import-not-at-top
   from kdn_jax.models.generate import generate  # pylint: disable=g-import-not-at-top
 
   cfg = load_lm_config(spec)
+  cfg.impl = impl
   model = LanguageModel(cfg, rngs=nnx.Rngs(0))
   prompt = jax.random.randint(
     jax.random.key(1), (batch, prompt_len), 0, int(cfg.vocab_size), jnp.int32
   )
   generate(model, prompt, new_tokens, return_stats=True)
   _, stats = generate(model, prompt, new_tokens, return_stats=True)
-  return stats
+  if not profile_dir:
+    return stats, {}
+  short = prompt[:, :1]
+  generate(model, short, new_tokens)  # compiled outside the trace
+  prof = profile_call(lambda: generate(model, short, new_tokens), profile_dir, new_tokens)
+  return stats, {
+    "kernels_per_token": prof["kernels_per_step"],
+    "kernel_ms_per_token": prof["kernel_ms_per_step"],
+    "trace": prof["trace"],
+    "top_kernels": prof["top_kernels"],
+  }
 
 
 # ------------------------------------------------------------------------------------ output
+
+
+def _cfg_label(r):
+  return "%d / %d" % (r["block_v"], r["num_warps"]) if "block_v" in r else "-"
 
 
 def _write(out, results):
@@ -308,19 +430,22 @@ def _write(out, results):
   lines = [f"# Decode ({results['device']})", ""]
   if results["steps"]:
     lines += [
-      "One decode step (fp32 state, bf16 activations, H = %d, K = V = %d); floor: the state "
-      "read and written once at %s TB/s." % (results["heads"], results["dim"], results["hbm_tbps"]),
+      "One decode step (fp32 state, bf16 activations, H = %d, K = V = %d, JAX steps %s); HBM "
+      "share: the state read and written once at %s TB/s over the step's time."
+      % (results["heads"], results["dim"], results["step_inputs"], results["hbm_tbps"]),
       "",
     ]
     rows = [
       [
         r["row"],
         r["batch"],
+        _cfg_label(r),
         "%.2f" % r["us_per_step"],
         "%.0f" % r["gbps"],
         "-" if r["floor_us"] is None else "%.2f" % r["floor_us"],
-        "-" if r["floor_us"] is None else "%.0f%%" % (100 * r["floor_us"] / r["us_per_step"]),
-        r.get("launch", "scan"),
+        "-" if r["hbm_share"] is None else "%.0f%%" % (100 * r["hbm_share"]),
+        "%g" % r["kernels_per_step"] if "kernels_per_step" in r else "-",
+        r.get("launch", results["step_inputs"]),
         "%.1e" % r["rel_err_state_vs_xla"] if "rel_err_state_vs_xla" in r else "-",
       ]
       for r in results["steps"]
@@ -331,10 +456,12 @@ def _write(out, results):
         [
           "row",
           "B",
+          "block_v / warps",
           "us / step",
           "state GB/s",
           "floor us",
-          "% of floor",
+          "HBM share",
+          "kernels / step",
           "launch",
           "state err vs XLA",
         ],
@@ -348,6 +475,7 @@ def _write(out, results):
     lines += ["", f"Generation ({results['lm_config']}, random weights, greedy, no EOS).", ""]
     rows = [
       [
+        g["impl"],
         g["batch"],
         g["prompt_len"],
         g["new_tokens"],
@@ -355,18 +483,83 @@ def _write(out, results):
         "%.1f" % g["tokens_per_s"],
         "%.1f" % g["decode_tokens_per_s"],
         "%.2f" % (1e3 * g["decode_s"] / max(g["new_tokens"] - 1, 1)),
+        "%g" % g["kernels_per_token"] if "kernels_per_token" in g else "-",
       ]
       for g in results["generation"]
       if "tokens_per_s" in g
     ]
     lines += [
       markdown_table(
-        ["B", "prompt", "new", "TTFT s", "tokens/s", "decode tokens/s", "ms / decode step"], rows
+        [
+          "impl",
+          "B",
+          "prompt",
+          "new",
+          "TTFT s",
+          "tokens/s",
+          "decode tokens/s",
+          "ms / decode step",
+          "kernels / token",
+        ],
+        rows,
       ),
       "",
     ]
+    lines += [
+      f"- {g['impl']} B={g['batch']}: {g['error']}" for g in results["generation"] if "error" in g
+    ]
   with open(out + ".md", "w", encoding="utf-8") as f:
     f.write("\n".join(lines) + "\n")
+
+
+def sweep_configs(row, sweep_rows, block_v, num_warps):
+  """The DecodeConfigs a swept pallas row is also timed with: every (block_v, num_warps) pair (an
+  empty list: the tuned value); [] for other rows (they run the tuned config only)."""
+  from pallas_kernels import tuned  # pylint: disable=g-import-not-at-top
+
+  if not row.endswith("_pallas") or row not in sweep_rows or not (block_v or num_warps):
+    return []
+  base = tuned.tuned("decode")
+  return [
+    dataclasses.replace(base, block_v=bv, num_warps=nw)
+    for bv in (block_v or [base.block_v])
+    for nw in (num_warps or [base.num_warps])
+  ]
+
+
+def _step_cell(row, b, cfg, results, opts):
+  """One step row at batch b (cfg: its DecodeConfig, or None): the record for the JSON."""
+  heads, dim, steps = results["heads"], results["dim"], results["steps_per_call"]
+  rec = dict(row=row, batch=b)
+  if row.endswith("_pallas"):
+    from pallas_kernels import tuned  # pylint: disable=g-import-not-at-top
+
+    used = cfg or tuned.tuned("decode")
+    rec.update(block_v=min(used.block_v, dim), num_warps=used.num_warps)
+  if row.startswith("fla"):
+    ms, extra, again = time_fla_row(b, heads, dim, steps, opts["reps"], opts["warmup"])
+  else:
+    ms, extra, again = time_jax_row(
+      row, b, heads, dim, steps, opts["reps"], opts["warmup"], results["step_inputs"], cfg
+    )
+    if row.endswith("_pallas"):
+      extra = dict(extra, **check_against_xla(row, b, heads, dim, steps, cfg))
+  us = 1e3 * ms / steps
+  nbytes = 2 * state_bytes(row if not row.startswith("fla") else "kda", b, heads, dim)
+  tbps = results["hbm_tbps"]
+  floor = None if tbps is None else nbytes / (tbps * 1e6)
+  rec.update(
+    extra,
+    us_per_step=us,
+    state_bytes_moved=nbytes,
+    gbps=nbytes / (us * 1e3),
+    floor_us=floor,
+    hbm_share=None if floor is None else floor / us,
+  )
+  if opts["profile_dir"]:
+    tag = row + ("" if cfg is None else f"_bv{cfg.block_v}_w{cfg.num_warps}") + f"_B{b}"
+    rec.update(profile_call(again, os.path.join(opts["profile_dir"], tag), steps))
+  return rec
 
 
 def run(
@@ -384,71 +577,89 @@ def run(
   new_tokens,
   time_budget_s,
   pallas_interpret=False,
+  step_inputs="unrolled",
+  block_v=(),
+  num_warps=(),
+  sweep_rows=("diag_kdn_pallas",),
+  lm_impls=("auto", "pallas"),
+  profile_dir="",
 ):
   t_start = time.time()
   kind = jax.devices()[0].device_kind
-  tbps = hbm_tbps(kind)
   results = dict(
     device=kind,
-    hbm_tbps=tbps,
+    hbm_tbps=hbm_tbps(kind),
     heads=heads,
     dim=dim,
     steps_per_call=steps,
+    step_inputs=step_inputs,
     steps=[],
     generation=[],
     lm_config=lm_config,
   )
+  opts = dict(reps=reps, warmup=warmup, profile_dir=profile_dir)
   have_pallas = pallas_decode_available(pallas_interpret)
   have_fla = any(r.startswith("fla") for r in rows) and _fla_fused_recurrent() is not None
+  runs = [
+    r
+    for r in rows
+    if not (r.endswith("_pallas") and not have_pallas)
+    and not (r.startswith("fla") and not have_fla)
+  ]
+
+  def spent(what):
+    if time.time() - t_start > time_budget_s:
+      logging.warning("time budget spent: skipping %s", what)
+      return True
+    return False
+
+  def step_cell(row, b, cfg):
+    try:
+      rec = _step_cell(row, b, cfg, results, opts)
+    except Exception as e:  # pylint: disable=broad-except
+      traceback.print_exc()
+      rec = dict(row=row, batch=b, error=f"{type(e).__name__}: {e}"[:300])
+    print(rec, flush=True)
+    results["steps"].append(rec)
+    _write(out, results)
+
+  # In order of importance, so that a spent budget cuts the sweep first: every row at its tuned
+  # config, then generation, then the sweep's other configs.
   for b in batches:
-    for row in rows:
-      if (row.endswith("_pallas") and not have_pallas) or (row.startswith("fla") and not have_fla):
+    for row in runs:
+      if not spent(f"{row} B={b}"):
+        step_cell(row, b, None)
+  for impl in lm_impls if lm_config else []:
+    for b in lm_batches:
+      if spent(f"generation {impl} B={b}"):
         continue
-      if time.time() - t_start > time_budget_s:
-        logging.warning("time budget spent: skipping %s B=%d", row, b)
-        continue
-      rec = dict(row=row, batch=b)
+      rec = dict(impl=impl, batch=b, prompt_len=prompt_len, new_tokens=new_tokens)
       try:
-        if row.startswith("fla"):
-          ms, extra = time_fla_row(b, heads, dim, steps, reps, warmup)
-        else:
-          ms, extra = time_jax_row(row, b, heads, dim, steps, reps, warmup)
-          if row.endswith("_pallas"):
-            extra = dict(extra, **check_against_xla(row, b, heads, dim, steps))
-        us = 1e3 * ms / steps
-        nbytes = 2 * state_bytes(row if not row.startswith("fla") else "kda", b, heads, dim)
+        pdir = os.path.join(profile_dir, f"generate_{impl}_B{b}") if profile_dir else ""
+        stats, prof = time_generation(lm_config, b, prompt_len, new_tokens, impl, pdir)
         rec.update(
-          extra,
-          us_per_step=us,
-          state_bytes_moved=nbytes,
-          gbps=nbytes / (us * 1e3),
-          floor_us=None if tbps is None else nbytes / (tbps * 1e6),
+          prof,
+          time_to_first_token_s=stats.time_to_first_token_s,
+          decode_s=stats.decode_s,
+          tokens_per_s=stats.tokens_per_s,
+          decode_tokens_per_s=stats.decode_tokens_per_s,
+          ms_per_token=1e3 * stats.decode_s / max(new_tokens - 1, 1),
         )
       except Exception as e:  # pylint: disable=broad-except
         traceback.print_exc()
         rec["error"] = f"{type(e).__name__}: {e}"[:300]
       print(rec, flush=True)
-      results["steps"].append(rec)
+      results["generation"].append(rec)
       _write(out, results)
-  for b in lm_batches if lm_config else []:
-    if time.time() - t_start > time_budget_s:
-      logging.warning("time budget spent: skipping generation B=%d", b)
-      continue
-    rec = dict(batch=b, prompt_len=prompt_len, new_tokens=new_tokens)
-    try:
-      stats = time_generation(lm_config, b, prompt_len, new_tokens)
-      rec.update(
-        time_to_first_token_s=stats.time_to_first_token_s,
-        decode_s=stats.decode_s,
-        tokens_per_s=stats.tokens_per_s,
-        decode_tokens_per_s=stats.decode_tokens_per_s,
-      )
-    except Exception as e:  # pylint: disable=broad-except
-      traceback.print_exc()
-      rec["error"] = f"{type(e).__name__}: {e}"[:300]
-    print(rec, flush=True)
-    results["generation"].append(rec)
-    _write(out, results)
+  if any(sweep_configs(r, sweep_rows, list(block_v), list(num_warps)) for r in runs):
+    from pallas_kernels import tuned  # pylint: disable=g-import-not-at-top
+
+    base = tuned.tuned("decode")
+    for b in batches:
+      for row in runs:
+        for cfg in sweep_configs(row, sweep_rows, list(block_v), list(num_warps)):
+          if cfg != base and not spent(f"{row} B={b} block_v={cfg.block_v} warps={cfg.num_warps}"):
+            step_cell(row, b, cfg)
   _write(out, results)
   return results
 
@@ -470,6 +681,12 @@ def main(argv):
     FLAGS.prompt_len,
     FLAGS.new_tokens,
     FLAGS.time_budget_s,
+    step_inputs=FLAGS.step_inputs,
+    block_v=ints(FLAGS.block_v),
+    num_warps=ints(FLAGS.num_warps),
+    sweep_rows=list(FLAGS.sweep_rows),
+    lm_impls=list(FLAGS.lm_impls),
+    profile_dir=FLAGS.profile_dir,
   )
 
 

@@ -12,6 +12,9 @@
 #   train        125M LM training throughput on 1 GPU (and 2 where there are 2)
 #   forward      forward configs at 16k with the stage split and at 4k
 #   ncu          Nsight Compute on the pair and gain kernels, ours and fla's
+#   decode       the fused decode step against fla's fused_recurrent_kda (B = 1, 16, 64, 256), its
+#                block_v x num_warps sweep, 125M generation with the XLA and the fused step, and
+#                kernels per step / per token from profiler traces (DECODE_TRACES)
 #   performance  the records behind docs/performance.md
 #   sweep_memory memory per member of the MQAR Zoology sweep's step (compiled and one step's peak),
 #                one process per (width, mixer); SWEEP_MIXERS, SWEEP_WIDTHS, SWEEP_BATCH
@@ -171,11 +174,20 @@ ncu)
       "$RES/ncu_$row.txt" | sed "s|^|ncu $row: |" | tee -a "$RES/$SWEEP_LOG"
     pack
   done ;;
+decode)
+  # About 6 min (DECODE_BUDGET; the cells in order of importance: each row at its tuned config,
+  # generation, then the sweep). Traces stay in DECODE_TRACES (not packed: large); their kernel
+  # counts are in decode.json.
+  timeout ${DECODE_LIMIT:-470} python3 -m experiments.benchmarks.decode --out="$RES/decode" \
+    --rows=diag_kdn_pallas,iso_kdn_pallas,kda_pallas,diag_kdn_xla,fla_fused_recurrent_kda \
+    --block_v=8,16,32 --num_warps=1,2,4 --profile_dir="${DECODE_TRACES:-/tmp/kdn_decode_traces}" \
+    --time_budget_s=${DECODE_BUDGET:-400} 2>&1 | quiet | grep -v "^{" | tail -20
+  cat "$RES/decode.md"; pack ;;
 performance)
   # The numbers behind docs/performance.md, at the defaults: the KDN ops against fla's chunk_kda
   # and the KDN layers against fla's KimiDeltaAttention (each benchmark one process, fla in it),
   # and 125M training. PERF_PARTS picks the parts (default "mixers layers"; mixers ~250 s, layers
-  # ~430 s with fla's first-call autotune, train ~200 s, decode ~110 s: one call each within a
+  # ~430 s with fla's first-call autotune, train ~200 s, decode ~200 s: one call each within a
   # 600 s limit).
   # Each part writes $OUT/performance/<part>.json ({"meta", "result"}); copy them to
   # docs/performance/<h100|h200>/ and run python -m experiments.benchmarks.render_performance.

@@ -112,8 +112,13 @@ def _layer_rows(result: dict) -> list[tuple]:
 
 def _decode_lines(result: dict) -> list[str]:
   """One decode step per row and batch (us, and the time of fla's step over ours' inverse:
-  ratio below 1 = ours faster), then the generation rows."""
-  us = {(r["row"], r["batch"]): r["us_per_step"] for r in result["steps"]}
+  ratio below 1 = ours faster; a row swept over block_v / num_warps shows its fastest), then the
+  generation rows."""
+  us, share = {}, {}
+  for r in result["steps"]:
+    key = (r["row"], r["batch"])
+    if "us_per_step" in r and r["us_per_step"] < us.get(key, float("inf")):
+      us[key], share[key] = r["us_per_step"], r.get("hbm_share")
   names = sorted({r["row"] for r in result["steps"] if r["row"] != FLA_STEP_ROW})
   batches = sorted({r["batch"] for r in result["steps"]})
   lines = [
@@ -135,12 +140,28 @@ def _decode_lines(result: dict) -> list[str]:
       else:
         cells.append(f"{t:.1f} ({t / f:.2f}x)")
     lines.append(f"| {name} | " + " | ".join(cells) + " |")
+  top = batches[-1] if batches else None
+  shares = [
+    f"{name} {100 * share[(name, top)]:.0f}%"
+    for name in names + [FLA_STEP_ROW]
+    if share.get((name, top)) is not None
+  ]
+  if shares:
+    lines += ["", f"Share of HBM bandwidth at B={top} (state read and written once): "]
+    lines[-1] += ", ".join(shares) + "."
   lines.append("")
   for g in result.get("generation", []):
+    if "decode_tokens_per_s" not in g:
+      continue
+    impl = f", impl {g['impl']}" if "impl" in g else ""
+    per_token = (
+      f" ({g['ms_per_token']:.2f} ms per token)" if g.get("ms_per_token") is not None else ""
+    )
     lines.append(
-      f"Generation (`{result.get('lm_config', '?')}`, greedy): B={g['batch']}, prompt "
+      f"Generation (`{result.get('lm_config', '?')}`, greedy{impl}): B={g['batch']}, prompt "
       f"{g['prompt_len']}, {g['new_tokens']} new tokens: first token after "
-      f"{1e3 * g['time_to_first_token_s']:.0f} ms, then {g['decode_tokens_per_s']:.0f} tokens/s."
+      f"{1e3 * g['time_to_first_token_s']:.0f} ms, then {g['decode_tokens_per_s']:.0f} tokens/s"
+      f"{per_token}."
     )
   return lines + [""]
 

@@ -81,7 +81,14 @@ class KDA(_BetaMixin, RecurrentMixer):
   def _core_step(self, q, k, v, gates, state):
     write = gates["beta"][..., None] * k.astype(jnp.float32)
     o, m = ops.delta_rule_step(
-      q, k, v, gates["g"], write, state["memory"], kernel_config=self.kernel_config
+      q,
+      k,
+      v,
+      gates["g"],
+      write,
+      state["memory"],
+      impl=self._step_impl(),
+      kernel_config=self.kernel_config,
     )
     return o, {"memory": m}
 
@@ -120,7 +127,14 @@ class DeltaNet(_BetaMixin, RecurrentMixer):
     beta = gates["beta"]
     write = beta[..., None] * k.astype(jnp.float32)
     o, m = ops.delta_rule_step(
-      q, k, v, jnp.zeros_like(beta), write, state["memory"], kernel_config=self.kernel_config
+      q,
+      k,
+      v,
+      jnp.zeros_like(beta),
+      write,
+      state["memory"],
+      impl=self._step_impl(),
+      kernel_config=self.kernel_config,
     )
     return o, {"memory": m}
 
@@ -170,6 +184,7 @@ class GDN2(RecurrentMixer):
       gates["g"],
       kf,
       state["memory"],
+      impl=self._step_impl(),
       kernel_config=self.kernel_config,
     )
     return o, {"memory": m}

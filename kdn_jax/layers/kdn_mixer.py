@@ -280,6 +280,7 @@ class KDNMixer(RecurrentMixer):
       gates["r"],
       ops.KDNState(state["memory"], state["variance"]),
       info_scale=self.info_scale(),
+      impl=self._step_impl(),
       kernel_config=self.kernel_config,
     )
     return o, {"memory": fs.memory, "variance": fs.variance}

@@ -135,6 +135,7 @@ class Mamba2(RecurrentMixer):
       write,
       state["memory"],
       scale=self.scale,
+      impl=self._step_impl(),
       kernel_config=self.kernel_config,
     )
     return self._skip(o, v), {"memory": m}

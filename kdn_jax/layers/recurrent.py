@@ -172,6 +172,20 @@ class RecurrentMixer(nnx.Module):
       and dispatch.native_width(self.value_dim)
     )
 
+  def _step_impl(self) -> str:
+    """The impl of the decode step ops (`*_step`): the layer's, so a layer built with 'pallas'
+    decodes with the fused step (pallas_kernels.decode) and 'auto' follows
+    dispatch.resolve_step_impl; 'pallas' where the fused step cannot run (a TPU; K or V not a
+    kernel width: the chunked kernels pad widths, one token's state is not worth padding) runs
+    the XLA step."""
+    if self.impl == "pallas" and not (
+      jax.default_backend() != "tpu"
+      and dispatch.native_width(self.key_dim)
+      and dispatch.native_width(self.value_dim)
+    ):
+      return "reference"
+    return self.impl
+
   def _fused_conv(self) -> bool:
     return self.fuse_conv and self._glue_kernels()
 

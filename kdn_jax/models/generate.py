@@ -1,6 +1,7 @@
 """Autoregressive generation: prefill the prompt with the chunked path (or start from a cached prefix
-state), then decode token by token from the cache (recurrent state / KV cache) inside one jitted loop
-that stops when every row has emitted EOS.
+state), then decode token by token from the cache (recurrent state / KV cache, updated in place)
+inside one jitted loop of fixed trip count that checks every EOS_CHECK_EVERY tokens whether every
+row has emitted EOS (no host round trip per token).
 
 ``generate(model, prompt, n)`` -> prompt + n tokens. A cached prefix: ``logits, caches =
 model.prefix_states(tokens, positions)`` holds the decode cache after every prefix
@@ -66,39 +67,84 @@ def _first_token(graphdef, state, prompt, cache, last_logits, rng, *, temperatur
   return sample_logits(last_logits, sub, temperature, top_k), cache, rng
 
 
-@functools.partial(
-  jax.jit,
-  static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "eos_id", "pad_id"),
-)
-def _decode(
-  graphdef, state, first, cache, rng, *, max_new_tokens, temperature, top_k, eos_id, pad_id
+# Tokens between the checks whether every row has emitted EOS. A loop whose end depends on data
+# reads its condition back to the host every iteration (a device-to-host sync per token); in
+# blocks of this many steps with a fixed trip count the check is one sync per block, and at most
+# this many - 1 steps run after the last row has stopped (they emit pad_id).
+EOS_CHECK_EVERY = 16
+
+
+def _decode_loop(
+  graphdef,
+  state,
+  first,
+  cache,
+  rng,
+  *,
+  max_new_tokens,
+  temperature,
+  top_k,
+  eos_id,
+  pad_id,
+  eos_check_every,
 ):
-  """Tokens 1..max_new_tokens-1 after `first`, stopping once every row has emitted eos_id; rows that
-  are done get pad_id. Returns (tokens [B, max_new_tokens], generated count per row)."""
+  """Tokens 1..max_new_tokens-1 after `first`; rows that emitted eos_id get pad_id after it.
+  Without eos_id one loop of fixed trip count (no host sync); with it, blocks of eos_check_every
+  fixed-trip steps until every row is done. Returns (tokens [B, max_new_tokens], generated count
+  per row, the cache after the last step: returned so that a donated cache's buffers carry the
+  loop's state in place)."""
   model = nnx.merge(graphdef, state)
   B = first.shape[0]
   out = jnp.full((B, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
   done = jnp.zeros((B,), bool) if eos_id is None else first == eos_id
   count = jnp.ones((B,), jnp.int32)
 
-  def cond(carry):
-    i, _, _, _, _, done, _ = carry
-    return (i < max_new_tokens) & ~jnp.all(done)
-
-  def body(carry):
-    i, tok, cache, rng, out, done, count = carry
+  def token(i, carry):
+    tok, cache, rng, out, done, count = carry
     logits, cache = model.decode_step(tok, cache)
-    rng, sub = jax.random.split(rng)
+    sub = None
+    if temperature > 0:  # (greedy reads no key: no split kernel per token)
+      rng, sub = jax.random.split(rng)
     tok = jnp.where(done, pad_id, sample_logits(logits, sub, temperature, top_k))
     out = jax.lax.dynamic_update_slice(out, tok[:, None], (0, i))
     count = count + (~done).astype(jnp.int32)
     if eos_id is not None:
       done = done | (tok == eos_id)
-    return i + 1, tok, cache, rng, out, done, count
+    return tok, cache, rng, out, done, count
 
-  carry = (jnp.int32(1), first, cache, rng, out, done, count)
-  _, _, _, _, out, _, count = jax.lax.while_loop(cond, body, carry)
-  return out, count
+  carry = (first, cache, rng, out, done, count)
+  if eos_id is None:
+    carry = jax.lax.fori_loop(1, max_new_tokens, token, carry)
+    return carry[3], carry[5], carry[1]
+  blocks, tail = divmod(max_new_tokens - 1, eos_check_every)
+
+  def steps(start, n, carry):
+    return jax.lax.fori_loop(0, n, lambda u, c: token(start + u, c), carry)
+
+  def block(jc):
+    j, carry = jc
+    return j + 1, steps(1 + j * eos_check_every, eos_check_every, carry)
+
+  not_all_done = lambda carry: ~jnp.all(carry[4])
+  _, carry = jax.lax.while_loop(
+    lambda jc: (jc[0] < blocks) & not_all_done(jc[1]), block, (jnp.int32(0), carry)
+  )
+  if tail:
+    carry = jax.lax.cond(
+      not_all_done(carry),
+      lambda c: steps(1 + blocks * eos_check_every, tail, c),
+      lambda c: c,
+      carry,
+    )
+  return carry[3], carry[5], carry[1]
+
+
+_STATIC = ("graphdef", "max_new_tokens", "temperature", "top_k", "eos_id", "pad_id")
+_STATIC += ("eos_check_every",)
+# The loop updates the cache in place; its input buffers are donated when generate made the cache
+# (none was given), and copied once into the loop when they hold the caller's.
+_decode_owned_cache = jax.jit(_decode_loop, static_argnames=_STATIC, donate_argnames=("cache",))
+_decode_callers_cache = jax.jit(_decode_loop, static_argnames=_STATIC)
 
 
 def generate(
@@ -114,6 +160,7 @@ def generate(
   eos_id: int | None = None,
   pad_id: int | None = None,
   return_stats: bool = False,
+  eos_check_every: int = EOS_CHECK_EVERY,
 ):
   """prompt [B, T] int32 -> [B, T + max_new_tokens] (prompt followed by the generated tokens).
 
@@ -121,8 +168,9 @@ def generate(
   ``model.prefix_states``); the prompt then holds the tokens after that prefix, and may be empty
   ([B, 0]) when ``last_logits`` [B, vocab] (the logits after the prefix) is given. eos_id: a row
   stops after emitting it; its later positions hold pad_id (default eos_id), and the loop ends when
-  every row has stopped. return_stats: also return GenerationStats (tokens/s, time to first
-  token)."""
+  every row has stopped (checked every eos_check_every tokens: EOS_CHECK_EVERY says why).
+  return_stats: also return GenerationStats (tokens/s, time to first token). The caller's cache
+  is read, never consumed."""
   prompt = jnp.asarray(prompt, jnp.int32)
   if prompt.ndim != 2:
     raise ValueError(f"generate: prompt must be [B, T] token ids, got shape {prompt.shape}")
@@ -132,6 +180,8 @@ def generate(
     raise ValueError(
       "generate: last_logits is for an empty prompt (the prompt prefills from cache)"
     )
+  if int(eos_check_every) < 1:
+    raise ValueError(f"generate: eos_check_every must be >= 1, got {eos_check_every}")
   if max_new_tokens <= 0:
     return (prompt, None) if return_stats else prompt
   if rng is None:
@@ -144,6 +194,9 @@ def generate(
   sampling = dict(
     temperature=float(temperature or 0.0), top_k=None if top_k is None else int(top_k)
   )
+  # only a cache generate makes is donated: a leaf of the caller's that the prefill leaves as it
+  # is would come back from _first_token as the caller's own buffer
+  owned = cache is None
   t0 = time.perf_counter()
   first, cache, rng = _first_token(
     graphdef,
@@ -157,7 +210,7 @@ def generate(
   )
   first.block_until_ready()
   t1 = time.perf_counter()
-  new, count = _decode(
+  new, count, _ = (_decode_owned_cache if owned else _decode_callers_cache)(
     graphdef,
     state,
     first,
@@ -166,6 +219,7 @@ def generate(
     max_new_tokens=int(max_new_tokens),
     eos_id=None if eos_id is None else int(eos_id),
     pad_id=pad_id,
+    eos_check_every=int(eos_check_every),
     **sampling,
   )
   new.block_until_ready()

@@ -77,7 +77,9 @@ def test_decode_table(tmp_path):
   steps = [
     {"row": "kda_pallas", "batch": 1, "us_per_step": 8.0},
     {"row": "fla_fused_recurrent_kda", "batch": 1, "us_per_step": 4.0},
-    {"row": "kda_pallas", "batch": 16, "us_per_step": 30.0},
+    {"row": "kda_pallas", "batch": 16, "us_per_step": 30.0, "hbm_share": 0.5},
+    {"row": "kda_pallas", "batch": 16, "us_per_step": 40.0, "hbm_share": 0.375},  # swept: slower
+    {"row": "kda_pallas", "batch": 16, "error": "boom"},
   ]
   gen = [
     {
@@ -86,7 +88,17 @@ def test_decode_table(tmp_path):
       "new_tokens": 8,
       "time_to_first_token_s": 0.02,
       "decode_tokens_per_s": 1000.4,
-    }
+    },
+    {
+      "impl": "pallas",
+      "batch": 64,
+      "prompt_len": 64,
+      "new_tokens": 8,
+      "time_to_first_token_s": 0.03,
+      "decode_tokens_per_s": 9000.0,
+      "ms_per_token": 7.11,
+    },
+    {"impl": "pallas", "batch": 256, "error": "OOM"},
   ]
   result = {"heads": 16, "dim": 128, "steps_per_call": 64, "steps": steps, "generation": gen}
   result["lm_config"] = "configs/x.py"
@@ -95,7 +107,10 @@ def test_decode_table(tmp_path):
   assert "| row | B=1 | B=16 |" in md
   assert "| kda_pallas | 8.0 (2.00x) | 30.0 |" in md  # no fla cell at B=16: no ratio
   assert "| fla_fused_recurrent_kda | 4.0 | – |" in md
-  assert "B=1, prompt 64, 8 new tokens: first token after 20 ms, then 1000 tokens/s" in md
+  assert "B=1, prompt 64, 8 new tokens: first token after 20 ms, then 1000 tokens/s." in md
+  assert "greedy, impl pallas): B=64, prompt 64, 8 new tokens: first token after 30 ms, " in md
+  assert "then 9000 tokens/s (7.11 ms per token)." in md and "B=256" not in md
+  assert "Share of HBM bandwidth at B=16 (state read and written once): kda_pallas 50%." in md
   assert "- decode: `bench --x` — Test GPU, jax 0.2," in md
 
 

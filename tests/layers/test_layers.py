@@ -461,3 +461,14 @@ def test_grouped_value_heads_equal_tied_query_key_heads():
       {n: s_b[n] for n in ("memory", "variance")},
       what="final state",
     )
+
+
+@pytest.mark.parametrize("name", ["kdn_diag", "kda"])  # (iso: the op tests)
+def test_pallas_layer_decodes_with_the_fused_step(name):
+  """A layer built with impl='pallas' decodes through the fused decode kernel (interpret mode
+  here) and matches the same layer decoding with the XLA step; 'reference' never reaches it."""
+  fused, ref = _mixer(name, impl="pallas"), _mixer(name, impl="reference")
+  x, st0 = _x(2, 3), _random_state(ref, 2)
+  step_jaxpr = lambda m: str(jax.make_jaxpr(lambda x_t, s: m.step(x_t, s))(x[:, 0], st0))
+  assert "decode_step_" in step_jaxpr(fused) and "decode_step_" not in step_jaxpr(ref)
+  _close(nnx.jit(_decode)(fused, x, st0), nnx.jit(_decode)(ref, x, st0), what="fused vs XLA step")
