@@ -47,11 +47,6 @@ class TrainLoop:
   """Trainer's loop; the model, state, steps and checkpoints it calls are Trainer's."""
 
   # ---------------------------------------------------------------- loop
-  _dispatched = (
-    False  # a step of this run was dispatched (before that, SIGTERM has nothing to save)
-  )
-  _exit_now = staticmethod(os._exit)  # how a SIGTERM before the first step ends the process
-
   def _on_sigterm(self, signum, frame):  # pylint: disable=unused-argument
     logging.warning("SIGTERM received: saving a checkpoint and exiting")
     self._stop_requested = True
@@ -80,7 +75,6 @@ class TrainLoop:
     # Rows past the restored step were written by a run that died before its next checkpoint: they are
     # dropped, so the resumed run's rows replace them instead of appearing twice.
     writer = self._metric_writer(start_step)
-    self._dispatched = False
     sync_preemption = preemption.service() is not None
     watch = self._install_sigterm(sync_preemption)
     loop = _Loop(self.config, start_step, writer)
@@ -97,7 +91,6 @@ class TrainLoop:
           loop.status = "preempted"
           break
         metrics = self.train_step(next(self.data_iter))
-        self._dispatched = True  # the state now differs from the restored one: a stop saves it
         loop.window.add(metrics["loss"])
         step += 1
         self._after_step(loop, step, metrics)
