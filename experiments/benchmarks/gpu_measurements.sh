@@ -187,8 +187,8 @@ performance)
   # The numbers behind docs/performance.md, at the defaults: the KDN ops against fla's chunk_kda
   # and the KDN layers against fla's KimiDeltaAttention (each benchmark one process, fla in it),
   # and 125M training. PERF_PARTS picks the parts (default "mixers layers"; mixers ~250 s, layers
-  # ~430 s with fla's first-call autotune, train ~200 s, decode ~200 s: one call each within a
-  # 600 s limit).
+  # ~430 s with fla's first-call autotune, train ~200 s, decode ~200 s, guard (the non-finite
+  # guard's cost at 4k and 16k) ~200 s: one call each within a 600 s limit).
   # Each part writes $OUT/performance/<part>.json ({"meta", "result"}); copy them to
   # docs/performance/<h100|h200>/ and run python -m experiments.benchmarks.render_performance.
   PERF=${OUT:-$RES}/performance; mkdir -p "$PERF"
@@ -218,6 +218,12 @@ performance)
     rm -f "$RES/perf_decode.json"
     timeout ${PERF_DECODE_LIMIT:-330} $cmd --out="$RES/perf_decode" 2>&1 | quiet | tail -20
     record "$RES/perf_decode.json" "$(echo $cmd)" decode ;;
+  guard)
+    cmd="python3 -m experiments.benchmarks.nonfinite_guard --impl=pallas --b=4 --h=16 --d=128
+      --t=4096,16384"
+    rm -f "$RES/perf_guard.json"
+    timeout ${PERF_GUARD_LIMIT:-240} $cmd --out="$RES/perf_guard.json" 2>&1 | quiet | tail -20
+    record "$RES/perf_guard.json" "$(echo $cmd)" guard ;;
   *) echo "unknown performance part $part" ;;
   esac; done ;;
 sweep_memory)

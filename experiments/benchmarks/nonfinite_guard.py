@@ -1,8 +1,8 @@
 """What the non-finite guard of the ops (kdn_jax/ops/nonfinite.py) costs: forward and forward+backward
 time of diag_kdn, iso_kdn and delta_rule under each guard scheme, in one process.
 
-    python -m experiments.benchmarks.nonfinite_guard --impl=pallas --b=4 --t=4096 --h=16 --d=128 \
-      --out=/tmp/guard.json
+    python -m experiments.benchmarks.nonfinite_guard --impl=pallas --b=4 --t=4096,16384 --h=16 \
+      --d=128 --out=/tmp/guard.json
 
 Schemes (nonfinite.SCHEMES): "none" (no guard, the baseline: not contained), "outputs" (the ops'
 default on the Pallas path: the outputs checked finite and log_alpha above its floor, the guarded
@@ -27,7 +27,7 @@ from kdn_jax.ops import nonfinite
 
 _IMPL = flags.DEFINE_string("impl", "auto", "ops impl")
 _B = flags.DEFINE_integer("b", 8, "batch")
-_T = flags.DEFINE_integer("t", 4096, "sequence length")
+_T = flags.DEFINE_list("t", ["4096"], "sequence lengths (each its own inputs and programs)")
 _H = flags.DEFINE_integer("h", 8, "heads")
 _D = flags.DEFINE_integer("d", 128, "key and value width")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "q/k/v dtype")
@@ -73,14 +73,11 @@ def _temp_mb(fn, args):
   return float("nan") if analysis is None else analysis.temp_size_in_bytes / 2**20
 
 
-def main(argv):
-  del argv
-  dtype = jnp.dtype(_DTYPE.value)
-  args = list(_args(_B.value, _T.value, _H.value, _D.value, dtype))
+def _time_length(t, dtype, schemes, rows, out):
+  """Times every op x scheme at length ``t``; appends table rows and JSON rows."""
+  args = list(_args(_B.value, t, _H.value, _D.value, dtype))
   if not _GATE_IN_JIT.value:
     args[3] = -jax.nn.softplus(args[3])
-  schemes = ["none"] + [s for s in _SCHEMES.value if s != "none"]
-  rows, out = [], []
   for op in _OPS.value:
     times, temp = {}, {}
     for scheme in schemes:
@@ -96,22 +93,35 @@ def main(argv):
       for scheme in schemes[1:]:
         ms = times[scheme][i]
         cells.append(f"{ms:.3f} ({100 * (ms / base - 1):+.1f}%) [{temp[scheme][i]:.0f}]")
-      rows.append([op, what, *cells])
+      rows.append([op, t, what, *cells])
       out.append(
         dict(
           op=op,
+          t=t,
           pass_=what,
           **{f"{s}_ms": times[s][i] for s in schemes},
           **{f"{s}_temp_mb": temp[s][i] for s in schemes},
         )
       )
+
+
+def main(argv):
+  del argv
+  lengths = [int(x) for x in _T.value]
+  if not lengths or min(lengths) < 1:
+    raise app.UsageError(f"--t: expected positive sequence lengths, got {_T.value}")
+  dtype = jnp.dtype(_DTYPE.value)
+  schemes = ["none"] + [s for s in _SCHEMES.value if s != "none"]
+  rows, out = [], []
+  for t in lengths:
+    _time_length(t, dtype, schemes, rows, out)
   print(
-    f"{jax.devices()[0].device_kind}, impl={_IMPL.value}, B={_B.value} T={_T.value} H={_H.value} "
+    f"{jax.devices()[0].device_kind}, impl={_IMPL.value}, B={_B.value} T={lengths} H={_H.value} "
     f"K=V={_D.value} {_DTYPE.value}, gate_in_jit={_GATE_IN_JIT.value}"
   )
-  print(markdown_table(["op", "pass", *(f"{s}: ms [temp MB]" for s in schemes)], rows))
+  print(markdown_table(["op", "T", "pass", *(f"{s}: ms [temp MB]" for s in schemes)], rows))
   if _OUT.value:
-    settings = dict(b=_B.value, t=_T.value, h=_H.value, d=_D.value, dtype=_DTYPE.value)
+    settings = dict(b=_B.value, t=lengths, h=_H.value, d=_D.value, dtype=_DTYPE.value)
     with open(_OUT.value, "w", encoding="utf-8") as f:
       json.dump(
         dict(
@@ -119,6 +129,7 @@ def main(argv):
           impl=_IMPL.value,
           gate_in_jit=_GATE_IN_JIT.value,
           settings=settings,
+          schemes=schemes,
           rows=out,
         ),
         f,

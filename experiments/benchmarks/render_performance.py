@@ -11,6 +11,8 @@ Each <gpu>/ folder holds up to three records, each {"meta": {...}, "result": {..
   train_125m.json  the summary.json of a 125M LM training run (steady_tokens_per_s)
   decode.json      experiments.benchmarks.decode's JSON: one decode step of the KDN ops and KDA
                    against fla's fused_recurrent_kda, and generation with the 125M LM
+  guard.json       experiments.benchmarks.nonfinite_guard's JSON: what the ops' non-finite guard
+                   costs under each scheme, against no guard
 "meta" says where the numbers come from: device (the GPU's name), date, command, commit, jax and
 optional notes (records carried over from earlier runs have "recorded_in", the commit that added
 them, in place of "commit"). `gpu_measurements.sh performance` writes the records through --wrap:
@@ -28,7 +30,7 @@ import json
 import os
 import subprocess
 
-PARTS = ("mixers", "layers", "train_125m", "decode")
+PARTS = ("mixers", "layers", "train_125m", "decode", "guard")
 FLA_OP_ROW = "fla_chunk_kda"
 FLA_LAYER_ROW = "fla_kda_layer"
 FLA_STEP_ROW = "fla_fused_recurrent_kda"
@@ -166,6 +168,27 @@ def _decode_lines(result: dict) -> list[str]:
   return lines + [""]
 
 
+def _guard_lines(result: dict) -> list[str]:
+  """The non-finite guard's cost: per op, length and pass, the time without a guard and each
+  scheme's time with its change against that."""
+  schemes = result.get("schemes") or ["none", "outputs", "inputs"]
+  st = result["settings"]
+  lines = [
+    f"The ops' non-finite guard (`kdn_jax/ops/nonfinite.py`; impl {result['impl']}, B={st['b']}, "
+    f"H={st['h']}, K=V={st['d']}, {st['dtype']}; ms, and the change against no guard):",
+    "",
+    "| op | T | pass | no guard | " + " | ".join(f"`{s}`" for s in schemes[1:]) + " |",
+    "|---|---|---|---|" + "---|" * (len(schemes) - 1),
+  ]
+  for r in result["rows"]:
+    base = r["none_ms"]
+    cells = [f"{r[s + '_ms']:.3f} ({100 * (r[s + '_ms'] / base - 1):+.1f}%)" for s in schemes[1:]]
+    lines.append(
+      f"| {r['op']} | {r['t']} | {r['pass_']} | {base:.3f} | " + " | ".join(cells) + " |"
+    )
+  return lines + [""]
+
+
 def _source(what: str, rec: dict) -> str:
   m, res = rec["meta"], rec["result"]
   jax_version = m.get("jax") or res.get("jax", "?")
@@ -216,12 +239,15 @@ def render_gpu(gpu_dir: str) -> str:
     ]
   if "decode" in recs:
     lines += _decode_lines(recs["decode"]["result"])
+  if "guard" in recs:
+    lines += _guard_lines(recs["guard"]["result"])
   lines.append("Sources:")
   for part, what in (
     ("mixers", "ops"),
     ("layers", "layers"),
     ("train_125m", "training"),
     ("decode", "decode"),
+    ("guard", "non-finite guard"),
   ):
     if part in recs:
       lines.append(_source(what, recs[part]))

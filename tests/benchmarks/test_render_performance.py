@@ -139,3 +139,19 @@ def test_wrap_records_where_the_numbers_come_from(tmp_path):
     rp.wrap(str(tmp_path / "missing.json"), "c", "Test GPU", str(out))
   with pytest.raises(ValueError, match="--device"):
     rp.wrap(str(result), "c", "", str(out))
+
+
+def test_guard_table_gives_each_scheme_against_no_guard(tmp_path):
+  guard = {
+    "impl": "pallas",
+    "settings": {"b": 4, "t": [4096], "h": 16, "d": 128, "dtype": "bfloat16"},
+    "schemes": ["none", "outputs", "inputs"],
+    "rows": [
+      {"op": "diag_kdn", "t": 4096, "pass_": "fwd", "none_ms": 2.0, "outputs_ms": 2.05,
+       "inputs_ms": 2.6},
+    ],
+  }  # fmt: skip
+  _write(str(tmp_path / "gpu" / "guard.json"), META, guard)
+  md = rp.render(str(tmp_path))
+  assert "| diag_kdn | 4096 | fwd | 2.000 | 2.050 (+2.5%) | 2.600 (+30.0%) |" in md
+  assert "non-finite guard: `bench --x`" in md
