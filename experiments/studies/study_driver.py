@@ -24,6 +24,7 @@ import ast
 import concurrent.futures
 import contextlib
 import dataclasses
+import inspect
 import json
 import os
 import shlex
@@ -32,6 +33,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+
+from absl import flags, logging
 
 from experiments.runner import config_lib
 from experiments.runner.logging_utils import fmt_time, write_json
@@ -45,7 +48,8 @@ SHOWN = ("study:", "step ", "final eval", "excess NLL", "Traceback", "Config err
 
 @dataclasses.dataclass(frozen=True)
 class Study:
-  """What the driver runs of a study."""
+  """What the driver runs of a study. Its plan's arms are ``plan.<unit>s``, chosen by
+  ``--<unit>s``."""
 
   module: str  # python -m <module> runs the study
   unit: str  # what an arm is called in the flags and output ('arm', 'mixer')
@@ -498,3 +502,133 @@ def conclude(study, plan, arms, parallel, argv_flags, *, t0, child, machine, pro
   if getattr(plan, "publish", False):
     print(f"study: published to {study_plan.publish(study, plan, arms)}", flush=True)
   return 0 if status == "done" else 3
+
+
+# ------------------------------------------------------------------------------------------ command line
+# flags some studies take: name -> (define, default, help)
+SHARED_FLAGS = {
+  "pretrain_steps": (flags.DEFINE_integer, 0, "pretraining steps (0: the preset's)"),
+  "post_steps": (flags.DEFINE_integer, 0, "post-training steps (0: the preset's)"),
+  "post_lr_scale": (
+    flags.DEFINE_float,
+    0.1,
+    "post-training peak rate / pretraining peak rate (a fresh optimizer)",
+  ),
+  "corpus_dir": (flags.DEFINE_string, "", "prepared corpus (default: the preset's)"),
+  "toy_corpus": (
+    flags.DEFINE_bool,
+    False,
+    "generate a small corpus in <workdir>/toy_corpus and train on it (CPU runs without a prepared "
+    "corpus; vocabulary 256)",
+  ),
+  "windows": (flags.DEFINE_integer, 0, "evaluated long-document windows (0: the preset's)"),
+  "chunk": (flags.DEFINE_integer, 0, "tokens per carried evaluation chunk (0: the preset's)"),
+  "resamples": (flags.DEFINE_integer, 2000, "bootstrap resamples"),
+  "seed": (flags.DEFINE_integer, 0, "seed of the window choice and the bootstrap"),
+  "fast_compile": (
+    flags.DEFINE_bool,
+    None,
+    "short runs and evaluations compile at XLA's lowest optimisation (same results up to fp32 "
+    "summation order; their few steps cost less than the compile). Default: on for tiny",
+  ),
+}
+
+
+def define_flags(values, study, presets, strategies, shared="", *, preset_folder=False):
+  """Defines in ``values`` the flags every study takes: --preset (one of ``presets``, the first by
+  default), --strategies (``strategies`` by default), --workdir, --results (with
+  ``preset_folder``, a root holding a folder per preset), --publish, --parallel, --deadline_s,
+  --machine, --override, --child; and those of ``SHARED_FLAGS`` named in ``shared`` (a string of
+  names)."""
+  name, unit = study_plan.study_name(study), study.unit
+  flags.DEFINE_enum("preset", presets[0], presets, "model and budget preset", flag_values=values)
+  flags.DEFINE_list(
+    "strategies",
+    list(strategies),
+    "post-training initial states (zero = the control)",
+    flag_values=values,
+  )
+  flags.DEFINE_string(
+    "workdir",
+    "",
+    "root of the run folders (default: a folder of /tmp named after the study and preset)",
+    flag_values=values,
+  )
+  flags.DEFINE_string(
+    "results",
+    "",
+    "root of the JSON, a <preset> folder inside (default <workdir>/results)"
+    if preset_folder
+    else "folder of the JSON (default <workdir>/results/<preset>)",
+    flag_values=values,
+  )
+  flags.DEFINE_bool(
+    "publish",
+    False,
+    f"also copy the results folder into docs/results/{name}/ (replacing those of the same {unit}s)",
+    flag_values=values,
+  )
+  flags.DEFINE_integer(
+    "parallel",
+    1,
+    f"{unit}s at once as separate processes (1: in this process)",
+    flag_values=values,
+  )
+  flags.DEFINE_integer(
+    "deadline_s",
+    0,
+    "stop cleanly after this many seconds (0: none): a running training saves a checkpoint, "
+    "nothing new starts; rerun to go on",
+    flag_values=values,
+  )
+  flags.DEFINE_string(
+    "machine", "", "where the study ran, recorded in commands.json", flag_values=values
+  )
+  flags.DEFINE_list(
+    "override", [], "run-config overrides for every run, key=value", flag_values=values
+  )
+  flags.DEFINE_bool(
+    "child", False, f"internal: one {unit} of a --parallel study", flag_values=values
+  )
+  for flag in shared.split():
+    define, default, text = SHARED_FLAGS[flag]
+    define(flag, default, text, flag_values=values)
+
+
+def plan_from_flags(plan_class, values):
+  """``plan_class`` made from the flags its arguments name (``overrides``: --override)."""
+  names = inspect.signature(plan_class).parameters
+  return plan_class(**{n: values["override" if n == "overrides" else n].value for n in names})
+
+
+def main(study, values, plan_class, *, protocol, table, prepare=None, instead=None) -> int:
+  """A study's command line: its plan from the flags, ``prepare(plan)`` (inputs written or checked,
+  before any child process starts) and ``conclude``; bad flags get one ``Study error:`` line and
+  exit code 2 before any work. ``protocol(plan)``: the settings in words; ``table(plan)``: the
+  results in markdown; ``instead(plan)``, where given, runs in place of the study."""
+  if not flags.FLAGS["verbosity"].present:  # orbax logs every checkpoint read at INFO
+    logging.set_verbosity(logging.WARNING)
+  t0 = time.time()
+  try:
+    plan = plan_from_flags(plan_class, values)
+    argv_flags = flags_as_written(sys.argv[1:])
+    if prepare is not None:
+      prepare(plan)
+  except (ValueError, config_lib.ConfigError) as e:
+    print(f"Study error: {e}", file=sys.stderr)
+    return 2
+  if instead is not None:
+    instead(plan)
+    return 0
+  return conclude(
+    study,
+    plan,
+    getattr(plan, f"{study.unit}s"),
+    values.parallel,
+    argv_flags,
+    t0=t0,
+    child=values.child,
+    machine=values.machine,
+    protocol=protocol,
+    table=lambda: table(plan),
+  )
