@@ -3,8 +3,9 @@ study calls it a mixer), pretraining from the zero state and evaluations of its 
 post-training with each initial-state strategy and an evaluation of each. Resumable (a completed
 run or evaluation is skipped, a stopped run resumes from its checkpoint), bounded by a deadline
 (a running training saves a checkpoint, nothing new starts), the arms one after another in this
-process or several at a time as child processes, with progress and an ETA; each call is recorded
-in ``commands.json`` beside the results. Every run folder and result is tied to the plan that made
+process or several at a time as child processes (through ``jobs.run_jobs``, the studies' one
+launcher), with progress and an ETA; each call is recorded in ``commands.json`` beside the
+results. Every run folder and result is tied to the plan that made
 it (``study_plan``): another plan's folder is refused with the difference named, another plan's
 result is never reused, what is skipped is said, and nothing is written inside the repository
 (``publish`` copies the results into ``docs/results`` when asked).
@@ -16,19 +17,21 @@ and an evaluation. Its plan has ``preset``, ``workdir``, ``results``, ``strategi
 ``run_dir(arm, stage)`` and ``config(arm, stage)``; a plan whose arms differ in length has
 ``steps(arm, stage)`` instead of the two step counts. A study's work may grow as its results arrive
 (a stage that only some evaluations call for): an arm's work is asked for again once done.
+
+Its command line: ``define_flags`` defines the flags every study takes (and the optional ones of
+``SHARED_FLAGS`` it names), ``main`` makes its plan from them and runs it (``conclude``).
 """
 
 from __future__ import annotations
 
 import ast
-import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import inspect
 import json
 import os
 import shlex
-import subprocess
 import sys
 import threading
 import time
@@ -38,7 +41,7 @@ from absl import flags, logging
 
 from experiments.runner import config_lib
 from experiments.runner.logging_utils import fmt_time, write_json
-from experiments.studies import study_plan
+from experiments.studies import jobs, study_plan
 
 # an evaluated token costs about a third of a trained one (forward only), for the ETA
 EVAL_COST = 1 / 3
@@ -406,39 +409,37 @@ def child_command(study, plan, arm, argv_flags) -> list[str]:
 
 
 def run_parallel(study, plan, arms, parallel, argv_flags) -> str:
-  """One process per arm, ``parallel`` at a time, each with the remaining deadline; its output in
-  ``<workdir>/<arm>.log``. Returns 'done' or 'incomplete'."""
+  """One process per arm, ``parallel`` at a time (``jobs.run_jobs``, the studies' one launcher),
+  each started with the deadline left then; its output in ``<workdir>/<arm>.log``, the lines in
+  ``SHOWN`` and those with "Error" echoed. Returns 'done' or 'incomplete'."""
   os.makedirs(plan.workdir, exist_ok=True)
-  env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
   print(
     f"study: preset {plan.preset}, {len(arms)} {study.unit}s, {parallel} processes at a time; "
     f"logs in {plan.workdir}/<{study.unit}>.log",
     flush=True,
   )
-  lock = threading.Lock()
-
-  def one(arm):
-    if plan.deadline.passed():
-      return arm, "deadline"
-    with open(os.path.join(plan.workdir, f"{arm}.log"), "a", encoding="utf-8") as log:
-      proc = subprocess.Popen(
-        child_command(study, plan, arm, argv_flags),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-        text=True,
-        bufsize=1,
-      )
-      for line in proc.stdout:
-        log.write(line)
-        if line.startswith(SHOWN) or "Error" in line:
-          with lock:
-            print(f"[{arm}] {line}", end="", flush=True)
-      rc = proc.wait()
-    return arm, "done" if rc == 0 else f"rc={rc}"
-
-  with concurrent.futures.ThreadPoolExecutor(max(parallel, 1)) as pool:
-    outcomes = dict(pool.map(one, arms))
+  arm_jobs = [
+    jobs.Job(
+      arm,
+      functools.partial(child_command, study, plan, arm, argv_flags),
+      os.path.join(plan.workdir, f"{arm}.log"),
+      done=None,  # the child checks its own work: exit code 0 is done, 3 the deadline
+      stop_flag=None,  # the child's --deadline_s, made as it starts
+      show=lambda line: line.startswith(SHOWN) or "Error" in line,
+    )
+    for arm in arms
+  ]
+  left = plan.deadline.left()
+  outcomes = jobs.run_jobs(
+    arm_jobs,
+    parallel,
+    0 if left is None else max(left, 1e-3),
+    save_s=0,
+    kill_s=None,  # a child stops itself: a training with a checkpoint, nothing new starts
+    min_start_s=0,
+    env=dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false"),
+  )
+  outcomes = {a: outcomes[a] for a in arms}
   print(f"study: {outcomes}", flush=True)
   return "done" if all(v == "done" for v in outcomes.values()) else "incomplete"
 
