@@ -300,6 +300,22 @@ def compilation_cache(workdir):
       jax.config.update(k, v)
 
 
+@contextlib.contextmanager
+def stop_after(trainer, seconds: float | None):
+  """Inside the block, ``trainer`` is asked to stop ``seconds`` from now (never for None): it checks
+  the request every step, saves a checkpoint and returns, as on SIGTERM."""
+  timer = None
+  if seconds is not None:
+    timer = threading.Timer(max(seconds, 0.0), lambda: setattr(trainer, "_stop_requested", True))
+    timer.daemon = True
+    timer.start()
+  try:
+    yield
+  finally:
+    if timer:
+      timer.cancel()
+
+
 def train(plan, arm, stage, fast_compile: bool) -> dict | None:
   """Trains one run (resuming); returns its summary, None when the deadline stopped it (the
   trainer saved a checkpoint)."""
@@ -307,17 +323,10 @@ def train(plan, arm, stage, fast_compile: bool) -> dict | None:
 
   with lowest_optimisation(fast_compile):
     tr = lr_sweep.make_trainer(plan.config(arm, stage), plan.run_dir(arm, stage))
-    left = plan.deadline.left()
-    timer = None
-    if left is not None:  # the trainer checks the flag every step, saves a checkpoint and returns
-      timer = threading.Timer(max(left, 0.0), lambda: setattr(tr, "_stop_requested", True))
-      timer.daemon = True
-      timer.start()
     try:
-      summary = tr.run()
+      with stop_after(tr, plan.deadline.left()):
+        summary = tr.run()
     finally:
-      if timer:
-        timer.cancel()
       tr.close()
   return summary if summary.get("status") == "completed" else None
 
