@@ -86,50 +86,37 @@ def test_bad_flags_end_in_one_line_before_any_work(passkey_flags, tmp_path, caps
 
 
 def test_the_launcher_runs_children_that_stop_themselves(tmp_path):
-  # a child: prints a shown and a hidden line, then runs until the deadline it was given at its
-  # start (argv[2], seconds) or for 0.3 s, and exits with its code (argv[1])
+  # a child prints a shown and a hidden line, sleeps, touches a marker and exits with its code
   (tmp_path / "child.py").write_text(
     "import sys, time\n"
     'print("study: shown", flush=True)\nprint("hidden", flush=True)\n'
-    "time.sleep(min(float(sys.argv[2]), 0.3) if len(sys.argv) > 2 else 0.3)\n"
-    "sys.exit(int(sys.argv[1]))\n"
+    'time.sleep(float(sys.argv[2]))\nopen(sys.argv[3], "w").close()\nsys.exit(int(sys.argv[1]))\n'
   )
   made = []
 
-  def job(name, rc):
-    def command():
+  def job(name, rc, sleep_s):
+    def command():  # made as the job starts
       made.append(name)
-      return [sys.executable, str(tmp_path / "child.py"), str(rc), "5"]
+      return [
+        sys.executable,
+        str(tmp_path / "child.py"),
+        str(rc),
+        str(sleep_s),
+        str(tmp_path / name),
+      ]
 
-    return jobs.Job(
-      name,
-      command,
-      str(tmp_path / f"{name}.log"),
-      done=None,
-      stop_flag=None,
-      show=lambda line: line.startswith("study:"),
-    )
+    show = lambda line: line.startswith("study:")
+    return jobs.Job(name, command, str(tmp_path / f"{name}.log"), None, None, show)
 
-  out = tmp_path / "out.txt"
-  with open(out, "w", encoding="utf-8") as f:
-    status = jobs.run_jobs(
-      [job("a", 0), job("b", 3)], 1, 30, save_s=0, kill_s=None, min_start_s=0, out=f
-    )
+  def run(job_list, deadline_s):
+    with open(tmp_path / "out.txt", "w", encoding="utf-8") as out:
+      got = jobs.run_jobs(job_list, 1, deadline_s, save_s=0, kill_s=None, min_start_s=0, out=out)
+    return got, (tmp_path / "out.txt").read_text().splitlines()
+
+  status, lines = run([job("a", 0, 0.1), job("b", 3, 0.1)], 30)
   assert status == {"a": "done", "b": "exit 3"} and made == ["a", "b"]
-  lines = out.read_text().splitlines()
   assert "[a] study: shown" in lines and "[b] study: shown" in lines
   assert not any("hidden" in line for line in lines)
-  # past the deadline a child is left to stop itself (no signal): it ends on its own and is
-  # counted as stopped
-  (tmp_path / "late.py").write_text(
-    'import sys, time\ntime.sleep(1.0)\nopen(sys.argv[1], "w").close()\nsys.exit(3)\n'
-  )
-  late = jobs.Job(
-    "late",
-    [sys.executable, str(tmp_path / "late.py"), str(tmp_path / "ended")],
-    str(tmp_path / "late.log"),
-    done=None,
-    stop_flag=None,
-  )
-  status = jobs.run_jobs([late], 1, 0.3, save_s=0, kill_s=None, min_start_s=0, out=sys.stderr)
-  assert status == {"late": "stopped"} and (tmp_path / "ended").exists()
+  # past the deadline a child is left to stop itself (no signal): it ends on its own, stopped
+  status, _ = run([job("late", 3, 1.0)], 0.3)
+  assert status == {"late": "stopped"} and (tmp_path / "late").exists()
