@@ -1,10 +1,14 @@
-"""Runs a study's training processes several at a time under a deadline, with progress and ETA.
+"""The one launcher of a study's processes: several at a time under a deadline, with progress and
+ETA. The (arm x stage) studies' parallel arms (study_driver.run_parallel), the MQAR Zoology sweeps
+and the noise factorial's trainings and evaluations all run through ``run_jobs``.
 
-Each job is one subprocess (its output appended to ``<log>``); a job whose ``done()`` is already true is
-skipped, so calling again resumes a study (the processes themselves resume from their checkpoints). With
-``deadline_s``: every job is told to stop at ``end - save_s`` (``stop_flag=<unix time>``; a trainer then
-saves a checkpoint and exits), gets SIGTERM at ``end - kill_s`` and SIGKILL at ``end``; no job starts with
-less than ``min_start_s`` left. Progress lines read the last ``step <a>/<b>`` a job printed.
+Each job is one subprocess (its output appended to ``<log>``, the lines its ``show`` picks echoed
+with its name); a job whose ``done()`` is already true is skipped, so calling again resumes a study
+(the processes themselves resume from their checkpoints). With ``deadline_s``: every job is told to
+stop at ``end - save_s`` (``stop_flag=<unix time>``, or a command made when the job starts; a
+trainer then saves a checkpoint and exits), gets SIGTERM at ``end - kill_s`` and SIGKILL at ``end``
+(no signal with ``kill_s=None``: the jobs stop themselves); no job starts with less than
+``min_start_s`` left. Progress lines read the last ``step <a>/<b>`` a job printed.
 
 A job that fails because the accelerator ran out of memory (its output says so) is retried once, first in
 the queue, and from then on fewer jobs run at a time (one fewer than ran beside it when it failed): jobs
@@ -31,10 +35,12 @@ _OOM = re.compile(rb"RESOURCE_EXHAUSTED|[Oo]ut of memory")
 @dataclasses.dataclass
 class Job:
   name: str
-  command: list[str]
+  command: list[str] | Callable[[], list[str]]  # a callable: the command made as the job starts
   log: str
-  done: Callable[[], bool] = lambda: False
+  # whether its work is finished; None: the process knows, its exit code 0 says done
+  done: Callable[[], bool] | None = lambda: False
   stop_flag: str | None = "--stop_at_time"
+  show: Callable[[str], bool] | None = None  # the output lines echoed, prefixed with the name
 
 
 @dataclasses.dataclass
@@ -45,6 +51,26 @@ class _Running:
   seen: list = dataclasses.field(default_factory=list)  # (time, step, total) observations
   signalled: str = ""
   log_start: int = 0  # the log's size when the job started
+  shown_to: int = 0  # the log's bytes looked at for lines to echo
+  partial: bytes = b""  # an unfinished last line
+
+
+def _echo(r: _Running, out):
+  """Echoes the lines of ``r``'s output written since the last call that its ``show`` picks."""
+  if r.job.show is None:
+    return
+  try:
+    with open(r.job.log, "rb") as f:
+      f.seek(r.shown_to)
+      data = f.read()
+  except OSError:
+    return
+  r.shown_to += len(data)
+  *lines, r.partial = (r.partial + data).split(b"\n")
+  for line in lines:
+    text = line.decode(errors="replace")
+    if r.job.show(text):
+      print(f"[{r.job.name}] {text}", file=out, flush=True)
 
 
 def last_step(log: str) -> tuple[int, int] | None:
@@ -100,7 +126,7 @@ def run_jobs(
   deadline_s: float = 0,
   *,
   save_s: float = 40,
-  kill_s: float = 15,
+  kill_s: float | None = 15,
   min_start_s: float = 120,
   progress_every_s: float = 30,
   env: dict | None = None,
@@ -111,7 +137,7 @@ def run_jobs(
     raise ValueError(f"--parallel: must be >= 1, got {parallel}")
   t0 = time.time()
   end = t0 + deadline_s if deadline_s else None
-  status = {j.name: "already done" for j in jobs if j.done()}
+  status = {j.name: "already done" for j in jobs if j.done is not None and j.done()}
   pending = [j for j in jobs if j.name not in status]
   print(
     f"{len(jobs)} jobs: {len(status)} already done, {len(pending)} to run, {parallel} at a time"
@@ -126,7 +152,7 @@ def run_jobs(
     now = time.time()
     while pending and len(running) < cap and (end is None or end - now >= min_start_s):
       job = pending.pop(0)
-      cmd = list(job.command) + (
+      cmd = list(job.command() if callable(job.command) else job.command) + (
         [f"{job.stop_flag}={end - save_s:.0f}"] if end and job.stop_flag else []
       )
       os.makedirs(os.path.dirname(os.path.abspath(job.log)), exist_ok=True)
@@ -135,16 +161,17 @@ def run_jobs(
         log.write(f"\n$ {' '.join(cmd)}\n".encode())
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-      running.append(_Running(job, proc, now, log_start=start))
+        running.append(_Running(job, proc, now, log_start=start, shown_to=log.tell()))
       print(f"started {job.name} (pid {proc.pid})", file=out, flush=True)
     for r in list(running):
       rc = r.proc.poll()
+      _echo(r, out)
       if rc is None:
         continue
       running.remove(r)
       status[r.job.name] = (
         "done"
-        if r.job.done()
+        if (rc == 0 if r.job.done is None else r.job.done())
         else "stopped"
         if r.signalled or end and time.time() > end - save_s
         else f"exit {rc}"
@@ -167,7 +194,7 @@ def run_jobs(
         file=out,
         flush=True,
       )
-    if end:
+    if end and kill_s is not None:
       for r in running:
         left = end - time.time()
         if left <= 0 and r.signalled != "kill":
@@ -176,10 +203,10 @@ def run_jobs(
         elif left <= kill_s and not r.signalled:
           r.proc.send_signal(signal.SIGTERM)  # a trainer saves a checkpoint and exits
           r.signalled = "term"
-      if not running and pending and end - time.time() < min_start_s:
-        for j in pending:
-          status[j.name] = "not started"
-        pending = []
+    if end and not running and pending and end - time.time() < min_start_s:
+      for j in pending:
+        status[j.name] = "not started"
+      pending = []
     for r in running:
       got = last_step(r.job.log)
       if got and (not r.seen or got[0] != r.seen[-1][1]):

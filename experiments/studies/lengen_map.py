@@ -59,12 +59,10 @@ import glob
 import math
 import os
 import shutil
-import sys
 import time
 
 import numpy as np
-from absl import app, flags, logging
-from absl import flags as absl_flags
+from absl import app, flags
 
 from configs import lengen_map as study_config
 from experiments.evaluation import band_ratio
@@ -107,9 +105,12 @@ DEFAULTS = {
 }
 EFFREM_POINTS = 33
 THROUGHPUT_STEPS = 40  # steps per shape measured (the first logged interval holds the compile)
+# the optional flags of study_driver.SHARED_FLAGS this study takes
+DRIVER_FLAGS = "post_lr_scale corpus_dir toy_corpus windows chunk resamples seed fast_compile"
 
+
+# this study's own flags; those every study takes: study_driver.define_flags below
 FLAGS = flags.FlagValues()
-flags.DEFINE_enum("preset", "tiny", PRESETS, "tiny (CPU, a minute) or gpu", flag_values=FLAGS)
 flags.DEFINE_list("arms", [], "arms (configs/lengen_map.py ARMS; default: all)", flag_values=FLAGS)
 flags.DEFINE_list("sizes", [], "sizes (default gpu: 500k,2m,8m)", flag_values=FLAGS)
 flags.DEFINE_list("lengths", [], "training lengths T (default gpu: 64,256)", flag_values=FLAGS)
@@ -126,46 +127,17 @@ flags.DEFINE_list(
   "<size>:<tokens per parameter> the largest budget of a size (gpu: 8m:100)",
   flag_values=FLAGS,
 )
-flags.DEFINE_list(
-  "strategies", list(STRATEGIES), "--fix initial states (zero = the control)", flag_values=FLAGS
-)
 flags.DEFINE_bool(
   "fix", False, "post-train the failing cells with each strategy", flag_values=FLAGS
 )
 flags.DEFINE_float("post_fraction", 0.02, "post-training steps / pretraining", flag_values=FLAGS)
-flags.DEFINE_float("post_lr_scale", 0.1, "post-training peak rate / pretraining", flag_values=FLAGS)
-flags.DEFINE_string(
-  "workdir", "", "run folders (default /tmp/lengen_map_<preset>)", flag_values=FLAGS
-)
-flags.DEFINE_string(
-  "results", "", "JSON folder (default <workdir>/results/<preset>)", flag_values=FLAGS
-)
-flags.DEFINE_bool(
-  "publish", False, "copy the results into docs/results (lengen_map/<preset>)", flag_values=FLAGS
-)
-flags.DEFINE_string("corpus_dir", "", "prepared corpus (default /tmp/kdn_code)", flag_values=FLAGS)
-flags.DEFINE_bool(
-  "toy_corpus", False, "generate a small corpus in <workdir>/toy_corpus (CPU)", flag_values=FLAGS
-)
-flags.DEFINE_integer("windows", 0, "long_val windows (0: the preset's)", flag_values=FLAGS)
 flags.DEFINE_integer("eval_len", 0, "evaluated length, a power of two", flag_values=FLAGS)
-flags.DEFINE_integer("chunk", 0, "tokens per carried evaluation chunk", flag_values=FLAGS)
 flags.DEFINE_integer("effrem_len", 0, "EffRem's T_eval", flag_values=FLAGS)
 flags.DEFINE_integer("effrem_windows", 0, "windows EffRem averages", flag_values=FLAGS)
 flags.DEFINE_integer("batch", 0, "windows per evaluation forward", flag_values=FLAGS)
-flags.DEFINE_integer("resamples", 2000, "bootstrap resamples", flag_values=FLAGS)
-flags.DEFINE_integer("seed", 0, "seed of the window choice and the bootstrap", flag_values=FLAGS)
-flags.DEFINE_integer("parallel", 1, "cells at once as separate processes", flag_values=FLAGS)
-flags.DEFINE_integer("deadline_s", 0, "stop cleanly after this many seconds", flag_values=FLAGS)
 flags.DEFINE_bool(
   "measure_throughput", False, "time each cell shape a few steps; no map", flag_values=FLAGS
 )
-flags.DEFINE_bool(
-  "fast_compile", None, "XLA's lowest optimisation (default: on for tiny)", flag_values=FLAGS
-)
-flags.DEFINE_string("machine", "", "where the study ran (commands.json)", flag_values=FLAGS)
-flags.DEFINE_list("override", [], "run-config overrides, key=value", flag_values=FLAGS)
-flags.DEFINE_bool("child", False, "internal: one cell of a --parallel study", flag_values=FLAGS)
 
 
 # ------------------------------------------------------------------------------------------ cells
@@ -695,41 +667,19 @@ def protocol(plan) -> str:
   )
 
 
-def make_plan(f) -> Plan:
-  return Plan(
-    f.preset, f.arms, f.sizes, [int(x) for x in f.lengths], f.seeds, f.cells, f.budgets, f.caps,
-    f.strategies, f.fix, f.post_fraction, f.post_lr_scale, f.workdir, f.results, f.corpus_dir,
-    f.toy_corpus, f.windows, f.eval_len, f.chunk, f.effrem_len, f.effrem_windows, f.batch,
-    f.resamples, f.seed, f.deadline_s, f.override, f.fast_compile, f.publish,
-  )  # fmt: skip
+def table(plan) -> str:
+  return renderer.render_tables(renderer.load_runs(plan.results))
+
+
+# ------------------------------------------------------------------------------------------ command line
+study_driver.define_flags(FLAGS, STUDY, PRESETS, STRATEGIES, DRIVER_FLAGS)
 
 
 def main(argv):
   del argv
-  if not absl_flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-  t0 = time.time()
-  try:
-    plan = make_plan(FLAGS)
-    argv_flags = study_driver.flags_as_written(sys.argv[1:])
-    prepare_inputs(plan)
-  except (ValueError, config_lib.ConfigError) as e:
-    print(f"Study error: {e}", file=sys.stderr)
-    return 2
-  if FLAGS.measure_throughput:
-    measure_throughput(plan)
-    return 0
-  return study_driver.conclude(
-    STUDY,
-    plan,
-    plan.cells,
-    FLAGS.parallel,
-    argv_flags,
-    t0=t0,
-    child=FLAGS.child,
-    machine=FLAGS.machine,
-    protocol=protocol,
-    table=lambda: renderer.render_tables(renderer.load_runs(plan.results)),
+  instead = measure_throughput if FLAGS.measure_throughput else None
+  return study_driver.main(
+    STUDY, FLAGS, Plan, protocol=protocol, table=table, prepare=prepare_inputs, instead=instead
   )
 
 

@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import time
 
-from absl import app, flags, logging
-from absl import flags as absl_flags
+from absl import app, flags
 
 from configs import lengen_synthetic as study_config
 from experiments.runner import cli, config_lib
@@ -44,65 +42,19 @@ STRATEGIES = ("zero", "state_passing", "tbtt", "fitted_noise", "random_noise")
 DEFAULT_MIXERS = {"tiny": ("gla",), "default": ("mamba2", "gla", "kda", "kdn_diag")}
 EVAL = {"tiny": {"documents": 16, "chunk": 2048}, "default": {"documents": 64, "chunk": 512}}
 MAX_LEN = 8192
+# the optional flags of study_driver.SHARED_FLAGS this study takes
+DRIVER_FLAGS = "pretrain_steps post_steps chunk resamples fast_compile"
 
+
+# this study's own flags; those every study takes: study_driver.define_flags below
 FLAGS = flags.FlagValues()
-flags.DEFINE_enum(
-  "preset",
-  "tiny",
-  PRESETS,
-  "model and budget preset (configs/lengen_synthetic.py)",
-  flag_values=FLAGS,
-)
 flags.DEFINE_list(
   "mixers", [], "mixers (default: tiny gla; default mamba2,gla,kda,kdn_diag)", flag_values=FLAGS
-)
-flags.DEFINE_list(
-  "strategies",
-  list(STRATEGIES),
-  "post-training initial-state strategies (zero = the control)",
-  flag_values=FLAGS,
-)
-flags.DEFINE_string(
-  "workdir",
-  "",
-  "root of the run folders (default /tmp/lengen_synthetic_<preset>)",
-  flag_values=FLAGS,
-)
-flags.DEFINE_string(
-  "results",
-  "",
-  "root of the JSON (a <preset>/ folder inside; default <workdir>/results, outside the clone)",
-  flag_values=FLAGS,
-)
-flags.DEFINE_bool(
-  "publish",
-  False,
-  "also copy the results into docs/results/lengen_synthetic/<preset>/ (replacing those of the same "
-  "mixers)",
-  flag_values=FLAGS,
-)
-flags.DEFINE_integer(
-  "parallel", 1, "mixers run at once as separate processes (1: in this process)", flag_values=FLAGS
-)
-flags.DEFINE_integer(
-  "deadline_s",
-  0,
-  "stop cleanly after this many seconds (0: none): a running training "
-  "saves a checkpoint, nothing new starts; rerun to go on",
-  flag_values=FLAGS,
-)
-flags.DEFINE_integer("pretrain_steps", 0, "pretraining steps (0: the preset's)", flag_values=FLAGS)
-flags.DEFINE_integer(
-  "post_steps", 0, "post-training steps (0: 10% of the pretraining steps)", flag_values=FLAGS
 )
 flags.DEFINE_integer(
   "documents", 0, "evaluation documents (0: tiny 16, default 64)", flag_values=FLAGS
 )
-flags.DEFINE_integer(
-  "chunk", 0, "tokens per carried evaluation chunk (0: tiny 2048, default 512)", flag_values=FLAGS
-)
 flags.DEFINE_integer("max_len", MAX_LEN, "evaluated positions per document", flag_values=FLAGS)
-flags.DEFINE_integer("resamples", 2000, "bootstrap resamples", flag_values=FLAGS)
 flags.DEFINE_bool(
   "all_checkpoints",
   None,
@@ -110,30 +62,11 @@ flags.DEFINE_bool(
   flag_values=FLAGS,
 )
 flags.DEFINE_bool(
-  "fast_compile",
-  None,
-  "post-training runs compile at XLA's lowest backend optimisation "
-  "(the test suite's setting; same results up to fp32 summation order): their few dozen "
-  "steps cost less than the compile. Default: on for tiny",
-  flag_values=FLAGS,
-)
-flags.DEFINE_string(
-  "machine", "", "where the study ran, recorded in commands.json", flag_values=FLAGS
-)
-flags.DEFINE_bool(
   "plots",
   False,
   "copy each evaluation's PNG (excess NLL by position with its band) beside its JSON",
   flag_values=FLAGS,
 )
-flags.DEFINE_list(
-  "override",
-  [],
-  "run-config overrides applied to every run, key=value (e.g. "
-  "model.num_layers=1,data.topic.switch_prob=0.001)",
-  flag_values=FLAGS,
-)
-flags.DEFINE_bool("child", False, "internal: one mixer of a --parallel study", flag_values=FLAGS)
 
 
 # ------------------------------------------------------------------------------------------ plan
@@ -353,47 +286,17 @@ def source_line(tp) -> str:
   )
 
 
+def table(plan) -> str:
+  return renderer.render_table(renderer.load_runs(plan.results))
+
+
+# ------------------------------------------------------------------------------------------ command line
+study_driver.define_flags(FLAGS, STUDY, PRESETS, STRATEGIES, DRIVER_FLAGS, preset_folder=True)
+
+
 def main(argv):
   del argv
-  if not absl_flags.FLAGS["verbosity"].present:  # orbax logs every checkpoint read at INFO
-    logging.set_verbosity(logging.WARNING)
-  t0 = time.time()
-  try:
-    plan = Plan(
-      FLAGS.preset,
-      FLAGS.mixers,
-      FLAGS.strategies,
-      FLAGS.workdir,
-      FLAGS.results,
-      FLAGS.pretrain_steps,
-      FLAGS.post_steps,
-      FLAGS.documents,
-      FLAGS.chunk,
-      FLAGS.max_len,
-      FLAGS.resamples,
-      FLAGS.all_checkpoints,
-      FLAGS.deadline_s,
-      FLAGS.override,
-      FLAGS.fast_compile,
-      FLAGS.plots,
-      FLAGS.publish,
-    )
-    argv_flags = study_driver.flags_as_written(sys.argv[1:])
-  except (ValueError, config_lib.ConfigError) as e:
-    print(f"Study error: {e}", file=sys.stderr)
-    return 2
-  return study_driver.conclude(
-    STUDY,
-    plan,
-    plan.mixers,
-    FLAGS.parallel,
-    argv_flags,
-    t0=t0,
-    child=FLAGS.child,
-    machine=FLAGS.machine,
-    protocol=protocol,
-    table=lambda: renderer.render_table(renderer.load_runs(plan.results)),
-  )
+  return study_driver.main(STUDY, FLAGS, Plan, protocol=protocol, table=table)
 
 
 if __name__ == "__main__":

@@ -25,12 +25,10 @@ accelerator shared); their output is prefixed with the arm and kept in ``<workdi
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import numpy as np
-from absl import app, flags, logging
-from absl import flags as absl_flags
+from absl import app, flags
 
 from configs import lengen_short as study_config
 from experiments.runner import cli, config_lib
@@ -55,46 +53,19 @@ SUITES = ("ppl", "position_ppl", "effrem")
 LONG_FACTOR = 128  # position_ppl to 128 x T
 EFFREM_FACTOR = 16  # EffRem at T_eval = 16 x T
 KEEP_FRACTIONS = (0.2, 0.5, 1.0)  # pretraining checkpoints kept and evaluated
+# the optional flags of study_driver.SHARED_FLAGS this study takes
+DRIVER_FLAGS = (
+  "pretrain_steps post_steps corpus_dir toy_corpus windows chunk resamples seed fast_compile"
+)
 
+
+# this study's own flags; those every study takes: study_driver.define_flags below
 FLAGS = flags.FlagValues()
-flags.DEFINE_enum("preset", "tiny", PRESETS, "configs/lengen_short.py preset", flag_values=FLAGS)
 flags.DEFINE_list(
   "arms",
   [],
   "arms (configs/lengen_short.py ARMS or mixer names; default: tiny gla; GPU "
   "mamba2,mamba2_long,gla,kda,kdn_diag)",
-  flag_values=FLAGS,
-)
-flags.DEFINE_list(
-  "strategies",
-  list(STRATEGIES),
-  "post-training initial states (zero = the control)",
-  flag_values=FLAGS,
-)
-flags.DEFINE_string(
-  "workdir", "", "root of the run folders (default /tmp/lengen_text_<preset>)", flag_values=FLAGS
-)
-flags.DEFINE_string(
-  "results",
-  "",
-  "root of the JSON (a <preset>/ folder inside; default <workdir>/results, outside the clone)",
-  flag_values=FLAGS,
-)
-flags.DEFINE_bool(
-  "publish",
-  False,
-  "also copy the results into docs/results/lengen_text/<preset>/ (replacing those of the same "
-  "arms)",
-  flag_values=FLAGS,
-)
-flags.DEFINE_string(
-  "corpus_dir", "", "prepared corpus (default: the config's /tmp/kdn_corpus)", flag_values=FLAGS
-)
-flags.DEFINE_bool(
-  "toy_corpus",
-  False,
-  "generate a small corpus in <workdir>/toy_corpus and train on it (CPU runs without a prepared "
-  "corpus; vocabulary 256)",
   flag_values=FLAGS,
 )
 flags.DEFINE_enum(
@@ -105,35 +76,7 @@ flags.DEFINE_enum(
   "--long_val_docs) or long_eval (Shakespeare and Austen: sources outside the training domain)",
   flag_values=FLAGS,
 )
-flags.DEFINE_integer("parallel", 1, "arms at once as separate processes", flag_values=FLAGS)
-flags.DEFINE_integer(
-  "deadline_s",
-  0,
-  "stop cleanly after this many seconds (0: none): a running training saves a checkpoint, "
-  "nothing new starts; rerun to go on",
-  flag_values=FLAGS,
-)
-flags.DEFINE_integer("pretrain_steps", 0, "pretraining steps (0: the preset's)", flag_values=FLAGS)
-flags.DEFINE_integer(
-  "post_steps", 0, "post-training steps (0: 10% of pretraining)", flag_values=FLAGS
-)
-flags.DEFINE_integer("windows", 0, "long-eval windows (0: tiny 8, GPU 64)", flag_values=FLAGS)
-flags.DEFINE_integer("chunk", 0, "tokens per carried evaluation chunk (0: 512)", flag_values=FLAGS)
 flags.DEFINE_integer("max_len", 0, "evaluated positions (0: 128 x T)", flag_values=FLAGS)
-flags.DEFINE_integer("resamples", 2000, "bootstrap resamples", flag_values=FLAGS)
-flags.DEFINE_integer("seed", 0, "seed of the window choice and the bootstrap", flag_values=FLAGS)
-flags.DEFINE_bool(
-  "fast_compile",
-  None,
-  "runs and evaluations compile at XLA's lowest optimisation (same results up to fp32 summation "
-  "order; their few steps cost less than the compile). Default: on for tiny",
-  flag_values=FLAGS,
-)
-flags.DEFINE_string("machine", "", "where the study ran (commands.json)", flag_values=FLAGS)
-flags.DEFINE_list(
-  "override", [], "run-config overrides for every run, key=value", flag_values=FLAGS
-)
-flags.DEFINE_bool("child", False, "internal: one arm of a --parallel study", flag_values=FLAGS)
 
 
 # ------------------------------------------------------------------------------------------ plan
@@ -424,54 +367,20 @@ def protocol(plan) -> str:
   )
 
 
+def table(plan) -> str:
+  runs = renderer.load_runs(plan.results)
+  return renderer.render_table(runs) + "\n\n" + "\n".join(renderer.verdicts(runs))
+
+
+# ------------------------------------------------------------------------------------------ command line
+study_driver.define_flags(FLAGS, STUDY, PRESETS, STRATEGIES, DRIVER_FLAGS, preset_folder=True)
+
+
 def main(argv):
   del argv
-  if not absl_flags.FLAGS["verbosity"].present:  # orbax logs every checkpoint read at INFO
-    logging.set_verbosity(logging.WARNING)
-  t0 = time.time()
-  try:
-    plan = Plan(
-      FLAGS.preset,
-      FLAGS.arms,
-      FLAGS.strategies,
-      FLAGS.workdir,
-      FLAGS.results,
-      FLAGS.corpus_dir,
-      FLAGS.toy_corpus,
-      FLAGS.pretrain_steps,
-      FLAGS.post_steps,
-      FLAGS.windows,
-      FLAGS.chunk,
-      FLAGS.max_len,
-      FLAGS.resamples,
-      FLAGS.seed,
-      FLAGS.deadline_s,
-      FLAGS.override,
-      FLAGS.fast_compile,
-      FLAGS.long_split,
-      FLAGS.publish,
-    )
-    argv_flags = study_driver.flags_as_written(sys.argv[1:])
-    prepare_inputs(plan)  # here, before any child: they would race to write the toy corpus
-  except (ValueError, config_lib.ConfigError) as e:
-    print(f"Study error: {e}", file=sys.stderr)
-    return 2
-
-  def table():
-    runs = renderer.load_runs(plan.results)
-    return renderer.render_table(runs) + "\n\n" + "\n".join(renderer.verdicts(runs))
-
-  return study_driver.conclude(
-    STUDY,
-    plan,
-    plan.arms,
-    FLAGS.parallel,
-    argv_flags,
-    t0=t0,
-    child=FLAGS.child,
-    machine=FLAGS.machine,
-    protocol=protocol,
-    table=table,
+  # the toy corpus is written before any child starts: they would race to write it
+  return study_driver.main(
+    STUDY, FLAGS, Plan, protocol=protocol, table=table, prepare=prepare_inputs
   )
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 
 from absl import app, flags, logging
@@ -22,6 +21,7 @@ from ml_collections import config_flags
 
 from configs import mqar_zoology as zoo
 from experiments.runner import cli, config_lib
+from experiments.studies import study_driver
 
 FLAGS = flags.FlagValues()
 config_flags.DEFINE_config_file(
@@ -108,17 +108,9 @@ def run(
 
   test_cells = list(test_cells or zoo.TEST_CELLS)
   tr = lr_sweep.make_trainer(config, workdir)
-  timer = None
   try:
-    if stop_at_time:
-      timer = threading.Timer(
-        max(stop_at_time - time.time(), 0.0), lambda: setattr(tr, "_stop_requested", True)
-      )
-      timer.daemon = True
-      timer.start()
-    summary = tr.run()
-    if timer:
-      timer.cancel()
+    with study_driver.stop_after(tr, stop_at_time - time.time() if stop_at_time else None):
+      summary = tr.run()
     if summary["status"] != "completed":
       print(
         f"training stopped at step {tr.step()}/{config.train.num_steps}; rerun to resume",
@@ -167,8 +159,6 @@ def run(
     )
     return record
   finally:
-    if timer:
-      timer.cancel()
     tr.close()
 
 

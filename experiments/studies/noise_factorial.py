@@ -16,7 +16,6 @@ the probe per seed and mu) and ``commands.json``.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import sys
 import time
@@ -27,6 +26,7 @@ from experiments.runner import cli
 from experiments.runner.config_lib import ConfigError, parse_seeds
 from experiments.runner.logging_utils import write_json
 from experiments.studies import jobs as jobs_lib
+from experiments.studies.study_driver import read_json
 
 MODES = ("learned", "fixed_r", "fixed")
 PROBE = ("1", "sqrt_k", "k", "4k")
@@ -61,16 +61,9 @@ def member_dir(root: str, mode: str, seed: int) -> str:
   return found[0] if found else os.path.join(root, mode, f"lr<rate>_seed{seed}")
 
 
-def _json(path: str):
-  if not os.path.exists(path):
-    return None
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
-
-
 def trained(root: str, mode: str, seeds) -> bool:
   return all(
-    (_json(os.path.join(member_dir(root, mode, s), "summary.json")) or {}).get("status")
+    (read_json(os.path.join(member_dir(root, mode, s), "summary.json")) or {}).get("status")
     == "completed"
     for s in seeds
   )
@@ -97,7 +90,7 @@ def train_job(root, mode, seeds, corpus, num_steps, smoke) -> jobs_lib.Job:
 
 def _evaluated(out_dir: str, suites, step) -> bool:
   return all(
-    (_json(os.path.join(out_dir, f"{s}.json")) or {}).get("meta", {}).get("step") == step
+    (read_json(os.path.join(out_dir, f"{s}.json")) or {}).get("meta", {}).get("step") == step
     for s in suites
   )
 
@@ -108,7 +101,7 @@ def eval_jobs(root, modes, seeds, probe) -> list[jobs_lib.Job]:
   for mode in modes:
     for s in seeds:
       wd = member_dir(root, mode, s)
-      summary = _json(os.path.join(wd, "summary.json")) or {}
+      summary = read_json(os.path.join(wd, "summary.json")) or {}
       if summary.get("status") != "completed":
         continue
       step = summary["step"]
@@ -154,8 +147,8 @@ def collect(root, modes, seeds, probe) -> dict:
     for s in seeds:
       wd = member_dir(root, mode, s)
       ppl, beta = (
-        _json(os.path.join(wd, "eval", "ppl.json")),
-        _json(os.path.join(wd, "eval", "beta_eff.json")),
+        read_json(os.path.join(wd, "eval", "ppl.json")),
+        read_json(os.path.join(wd, "eval", "beta_eff.json")),
       )
       if ppl and beta:
         rows[str(s)] = {
@@ -166,7 +159,7 @@ def collect(root, modes, seeds, probe) -> dict:
         }
       if mode == "learned":
         got = {
-          mu: (_json(os.path.join(wd, "eval", f"info_scale_{mu}", "beta_eff.json")) or {})
+          mu: (read_json(os.path.join(wd, "eval", f"info_scale_{mu}", "beta_eff.json")) or {})
           .get("all", {})
           .get("mean")
           for mu in probe
@@ -233,7 +226,7 @@ def main(argv):
     }
     write_json(os.path.join(FLAGS.out, "noise.json"), res)
     path = os.path.join(FLAGS.out, "commands.json")
-    cmds = _json(path) or {}
+    cmds = read_json(path) or {}
     call = {
       "command": " ".join(["python -m experiments.studies.noise_factorial"] + sys.argv[1:]),
       "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t0)),

@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 import time
 
-from absl import app, flags, logging
-from absl import flags as absl_flags
+from absl import app, flags
 
 from configs import passkey as study_config
 from experiments.runner import cli, config_lib
@@ -45,43 +43,16 @@ DEPTHS = (0.0, 0.25, 0.5, 0.75, 0.9, 1.0)
 EXAMPLES = {"tiny": 16, "cpu": 256}
 PRETRAIN_STEPS = {"tiny": 60, "cpu": 1000}
 POST_STEPS = {"tiny": 20, "cpu": 300}
+# the optional flags of study_driver.SHARED_FLAGS this study takes
+DRIVER_FLAGS = "pretrain_steps post_steps post_lr_scale"
 
+# this study's own flags; those every study takes: study_driver.define_flags below
 FLAGS = flags.FlagValues()
-flags.DEFINE_enum(
-  "preset",
-  "tiny",
-  PRESETS,
-  "tiny (CPU, minutes) or cpu (configs/passkey.py:cpu)",
-  flag_values=FLAGS,
-)
 flags.DEFINE_list(
   "mixers", [], "mixers (default: tiny gla; cpu gla,kdn_diag,kda,mamba2)", flag_values=FLAGS
 )
 flags.DEFINE_string("seeds", "", "seeds (default: tiny 0,1; cpu 0,1,2)", flag_values=FLAGS)
 flags.DEFINE_list("arms", [], "<mixer>.s<seed> arms (default: mixers x seeds)", flag_values=FLAGS)
-flags.DEFINE_list(
-  "strategies",
-  list(STRATEGIES),
-  "post-training initial states (zero = the control)",
-  flag_values=FLAGS,
-)
-flags.DEFINE_string(
-  "workdir", "", "root of the run folders (default /tmp/kdn_passkey_<preset>)", flag_values=FLAGS
-)
-flags.DEFINE_string(
-  "results",
-  "",
-  "folder of the per-run JSON (default <workdir>/results/<preset>)",
-  flag_values=FLAGS,
-)
-flags.DEFINE_bool(
-  "publish", False, "copy the results into docs/results/passkey/<preset>/", flag_values=FLAGS
-)
-flags.DEFINE_integer("pretrain_steps", 0, "pretraining steps (0: the preset's)", flag_values=FLAGS)
-flags.DEFINE_integer("post_steps", 0, "post-training steps (0: the preset's)", flag_values=FLAGS)
-flags.DEFINE_float(
-  "post_lr_scale", 0.1, "post-training peak rate / pretraining peak rate", flag_values=FLAGS
-)
 flags.DEFINE_list("lengths", [], "evaluated lengths (default: the preset's)", flag_values=FLAGS)
 flags.DEFINE_list(
   "depths", [str(d) for d in DEPTHS], "evaluated depths in [0, 1]", flag_values=FLAGS
@@ -91,20 +62,6 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_integer("eval_seed", 1234, "the seed of the evaluation examples", flag_values=FLAGS)
 flags.DEFINE_integer("batch", 32, "rows per evaluation forward", flag_values=FLAGS)
-flags.DEFINE_integer("parallel", 1, "arms run at once as separate processes", flag_values=FLAGS)
-flags.DEFINE_integer(
-  "deadline_s",
-  0,
-  "stop cleanly after this many seconds (0: none); rerun to go on",
-  flag_values=FLAGS,
-)
-flags.DEFINE_string(
-  "machine", "", "where the study ran, recorded in commands.json", flag_values=FLAGS
-)
-flags.DEFINE_list(
-  "override", [], "run-config overrides for every run, key=value", flag_values=FLAGS
-)
-flags.DEFINE_bool("child", False, "internal: one arm of a --parallel study", flag_values=FLAGS)
 
 
 # ------------------------------------------------------------------------------------------ plan
@@ -365,50 +322,19 @@ def protocol(plan) -> str:
   )
 
 
-def main(argv):
-  del argv
-  if not absl_flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-  t0 = time.time()
-  try:
-    plan = Plan(
-      FLAGS.preset,
-      FLAGS.mixers,
-      FLAGS.seeds,
-      FLAGS.arms,
-      FLAGS.strategies,
-      FLAGS.workdir,
-      FLAGS.results,
-      FLAGS.pretrain_steps,
-      FLAGS.post_steps,
-      FLAGS.post_lr_scale,
-      FLAGS.lengths,
-      FLAGS.depths,
-      FLAGS.examples,
-      FLAGS.eval_seed,
-      FLAGS.batch,
-      FLAGS.deadline_s,
-      FLAGS.override,
-      FLAGS.publish,
-    )
-    argv_flags = study_driver.flags_as_written(sys.argv[1:])
-  except (ValueError, config_lib.ConfigError) as e:
-    print(f"Study error: {e}", file=sys.stderr)
-    return 2
+# ------------------------------------------------------------------------------------------ command line
+def table(plan) -> str:
   from experiments.studies.results import passkey as renderer  # pylint: disable=g-import-not-at-top
 
-  return study_driver.conclude(
-    STUDY,
-    plan,
-    plan.arms,
-    FLAGS.parallel,
-    argv_flags,
-    t0=t0,
-    child=FLAGS.child,
-    machine=FLAGS.machine,
-    protocol=protocol,
-    table=lambda: renderer.render_tables(renderer.load_runs(plan.results)),
-  )
+  return renderer.render_tables(renderer.load_runs(plan.results))
+
+
+study_driver.define_flags(FLAGS, STUDY, PRESETS, STRATEGIES, DRIVER_FLAGS)
+
+
+def main(argv):
+  del argv
+  return study_driver.main(STUDY, FLAGS, Plan, protocol=protocol, table=table)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@ study calls it a mixer), pretraining from the zero state and evaluations of its 
 post-training with each initial-state strategy and an evaluation of each. Resumable (a completed
 run or evaluation is skipped, a stopped run resumes from its checkpoint), bounded by a deadline
 (a running training saves a checkpoint, nothing new starts), the arms one after another in this
-process or several at a time as child processes, with progress and an ETA; each call is recorded
-in ``commands.json`` beside the results. Every run folder and result is tied to the plan that made
+process or several at a time as child processes (through ``jobs.run_jobs``, the studies' one
+launcher), with progress and an ETA; each call is recorded in ``commands.json`` beside the
+results. Every run folder and result is tied to the plan that made
 it (``study_plan``): another plan's folder is refused with the difference named, another plan's
 result is never reused, what is skipped is said, and nothing is written inside the repository
 (``publish`` copies the results into ``docs/results`` when asked).
@@ -16,26 +17,31 @@ and an evaluation. Its plan has ``preset``, ``workdir``, ``results``, ``strategi
 ``run_dir(arm, stage)`` and ``config(arm, stage)``; a plan whose arms differ in length has
 ``steps(arm, stage)`` instead of the two step counts. A study's work may grow as its results arrive
 (a stage that only some evaluations call for): an arm's work is asked for again once done.
+
+Its command line: ``define_flags`` defines the flags every study takes (and the optional ones of
+``SHARED_FLAGS`` it names), ``main`` makes its plan from them and runs it (``conclude``).
 """
 
 from __future__ import annotations
 
 import ast
-import concurrent.futures
 import contextlib
 import dataclasses
+import functools
+import inspect
 import json
 import os
 import shlex
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 
+from absl import flags, logging
+
 from experiments.runner import config_lib
 from experiments.runner.logging_utils import fmt_time, write_json
-from experiments.studies import study_plan
+from experiments.studies import jobs, study_plan
 
 # an evaluated token costs about a third of a trained one (forward only), for the ETA
 EVAL_COST = 1 / 3
@@ -45,7 +51,8 @@ SHOWN = ("study:", "step ", "final eval", "excess NLL", "Traceback", "Config err
 
 @dataclasses.dataclass(frozen=True)
 class Study:
-  """What the driver runs of a study."""
+  """What the driver runs of a study. Its plan's arms are ``plan.<unit>s``, chosen by
+  ``--<unit>s``."""
 
   module: str  # python -m <module> runs the study
   unit: str  # what an arm is called in the flags and output ('arm', 'mixer')
@@ -293,6 +300,22 @@ def compilation_cache(workdir):
       jax.config.update(k, v)
 
 
+@contextlib.contextmanager
+def stop_after(trainer, seconds: float | None):
+  """Inside the block, ``trainer`` is asked to stop ``seconds`` from now (never for None): it checks
+  the request every step, saves a checkpoint and returns, as on SIGTERM."""
+  timer = None
+  if seconds is not None:
+    timer = threading.Timer(max(seconds, 0.0), lambda: setattr(trainer, "_stop_requested", True))
+    timer.daemon = True
+    timer.start()
+  try:
+    yield
+  finally:
+    if timer:
+      timer.cancel()
+
+
 def train(plan, arm, stage, fast_compile: bool) -> dict | None:
   """Trains one run (resuming); returns its summary, None when the deadline stopped it (the
   trainer saved a checkpoint)."""
@@ -300,17 +323,10 @@ def train(plan, arm, stage, fast_compile: bool) -> dict | None:
 
   with lowest_optimisation(fast_compile):
     tr = lr_sweep.make_trainer(plan.config(arm, stage), plan.run_dir(arm, stage))
-    left = plan.deadline.left()
-    timer = None
-    if left is not None:  # the trainer checks the flag every step, saves a checkpoint and returns
-      timer = threading.Timer(max(left, 0.0), lambda: setattr(tr, "_stop_requested", True))
-      timer.daemon = True
-      timer.start()
     try:
-      summary = tr.run()
+      with stop_after(tr, plan.deadline.left()):
+        summary = tr.run()
     finally:
-      if timer:
-        timer.cancel()
       tr.close()
   return summary if summary.get("status") == "completed" else None
 
@@ -402,39 +418,37 @@ def child_command(study, plan, arm, argv_flags) -> list[str]:
 
 
 def run_parallel(study, plan, arms, parallel, argv_flags) -> str:
-  """One process per arm, ``parallel`` at a time, each with the remaining deadline; its output in
-  ``<workdir>/<arm>.log``. Returns 'done' or 'incomplete'."""
+  """One process per arm, ``parallel`` at a time (``jobs.run_jobs``, the studies' one launcher),
+  each started with the deadline left then; its output in ``<workdir>/<arm>.log``, the lines in
+  ``SHOWN`` and those with "Error" echoed. Returns 'done' or 'incomplete'."""
   os.makedirs(plan.workdir, exist_ok=True)
-  env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
   print(
     f"study: preset {plan.preset}, {len(arms)} {study.unit}s, {parallel} processes at a time; "
     f"logs in {plan.workdir}/<{study.unit}>.log",
     flush=True,
   )
-  lock = threading.Lock()
-
-  def one(arm):
-    if plan.deadline.passed():
-      return arm, "deadline"
-    with open(os.path.join(plan.workdir, f"{arm}.log"), "a", encoding="utf-8") as log:
-      proc = subprocess.Popen(
-        child_command(study, plan, arm, argv_flags),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-        text=True,
-        bufsize=1,
-      )
-      for line in proc.stdout:
-        log.write(line)
-        if line.startswith(SHOWN) or "Error" in line:
-          with lock:
-            print(f"[{arm}] {line}", end="", flush=True)
-      rc = proc.wait()
-    return arm, "done" if rc == 0 else f"rc={rc}"
-
-  with concurrent.futures.ThreadPoolExecutor(max(parallel, 1)) as pool:
-    outcomes = dict(pool.map(one, arms))
+  arm_jobs = [
+    jobs.Job(
+      arm,
+      functools.partial(child_command, study, plan, arm, argv_flags),
+      os.path.join(plan.workdir, f"{arm}.log"),
+      done=None,  # the child checks its own work: exit code 0 is done, 3 the deadline
+      stop_flag=None,  # the child's --deadline_s, made as it starts
+      show=lambda line: line.startswith(SHOWN) or "Error" in line,
+    )
+    for arm in arms
+  ]
+  left = plan.deadline.left()
+  outcomes = jobs.run_jobs(
+    arm_jobs,
+    parallel,
+    0 if left is None else max(left, 1e-3),
+    save_s=0,
+    kill_s=None,  # a child stops itself: a training with a checkpoint, nothing new starts
+    min_start_s=0,
+    env=dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false"),
+  )
+  outcomes = {a: outcomes[a] for a in arms}
   print(f"study: {outcomes}", flush=True)
   return "done" if all(v == "done" for v in outcomes.values()) else "incomplete"
 
@@ -498,3 +512,133 @@ def conclude(study, plan, arms, parallel, argv_flags, *, t0, child, machine, pro
   if getattr(plan, "publish", False):
     print(f"study: published to {study_plan.publish(study, plan, arms)}", flush=True)
   return 0 if status == "done" else 3
+
+
+# ------------------------------------------------------------------------------------------ command line
+# flags some studies take: name -> (define, default, help)
+SHARED_FLAGS = {
+  "pretrain_steps": (flags.DEFINE_integer, 0, "pretraining steps (0: the preset's)"),
+  "post_steps": (flags.DEFINE_integer, 0, "post-training steps (0: the preset's)"),
+  "post_lr_scale": (
+    flags.DEFINE_float,
+    0.1,
+    "post-training peak rate / pretraining peak rate (a fresh optimizer)",
+  ),
+  "corpus_dir": (flags.DEFINE_string, "", "prepared corpus (default: the preset's)"),
+  "toy_corpus": (
+    flags.DEFINE_bool,
+    False,
+    "generate a small corpus in <workdir>/toy_corpus and train on it (CPU runs without a prepared "
+    "corpus; vocabulary 256)",
+  ),
+  "windows": (flags.DEFINE_integer, 0, "evaluated long-document windows (0: the preset's)"),
+  "chunk": (flags.DEFINE_integer, 0, "tokens per carried evaluation chunk (0: the preset's)"),
+  "resamples": (flags.DEFINE_integer, 2000, "bootstrap resamples"),
+  "seed": (flags.DEFINE_integer, 0, "seed of the window choice and the bootstrap"),
+  "fast_compile": (
+    flags.DEFINE_bool,
+    None,
+    "short runs and evaluations compile at XLA's lowest optimisation (same results up to fp32 "
+    "summation order; their few steps cost less than the compile). Default: on for tiny",
+  ),
+}
+
+
+def define_flags(values, study, presets, strategies, shared="", *, preset_folder=False):
+  """Defines in ``values`` the flags every study takes: --preset (one of ``presets``, the first by
+  default), --strategies (``strategies`` by default), --workdir, --results (with
+  ``preset_folder``, a root holding a folder per preset), --publish, --parallel, --deadline_s,
+  --machine, --override, --child; and those of ``SHARED_FLAGS`` named in ``shared`` (a string of
+  names)."""
+  name, unit = study_plan.study_name(study), study.unit
+  flags.DEFINE_enum("preset", presets[0], presets, "model and budget preset", flag_values=values)
+  flags.DEFINE_list(
+    "strategies",
+    list(strategies),
+    "post-training initial states (zero = the control)",
+    flag_values=values,
+  )
+  flags.DEFINE_string(
+    "workdir",
+    "",
+    "root of the run folders (default: a folder of /tmp named after the study and preset)",
+    flag_values=values,
+  )
+  flags.DEFINE_string(
+    "results",
+    "",
+    "root of the JSON, a <preset> folder inside (default <workdir>/results)"
+    if preset_folder
+    else "folder of the JSON (default <workdir>/results/<preset>)",
+    flag_values=values,
+  )
+  flags.DEFINE_bool(
+    "publish",
+    False,
+    f"also copy the results folder into docs/results/{name}/ (replacing those of the same {unit}s)",
+    flag_values=values,
+  )
+  flags.DEFINE_integer(
+    "parallel",
+    1,
+    f"{unit}s at once as separate processes (1: in this process)",
+    flag_values=values,
+  )
+  flags.DEFINE_integer(
+    "deadline_s",
+    0,
+    "stop cleanly after this many seconds (0: none): a running training saves a checkpoint, "
+    "nothing new starts; rerun to go on",
+    flag_values=values,
+  )
+  flags.DEFINE_string(
+    "machine", "", "where the study ran, recorded in commands.json", flag_values=values
+  )
+  flags.DEFINE_list(
+    "override", [], "run-config overrides for every run, key=value", flag_values=values
+  )
+  flags.DEFINE_bool(
+    "child", False, f"internal: one {unit} of a --parallel study", flag_values=values
+  )
+  for flag in shared.split():
+    define, default, text = SHARED_FLAGS[flag]
+    define(flag, default, text, flag_values=values)
+
+
+def plan_from_flags(plan_class, values):
+  """``plan_class`` made from the flags its arguments name (``overrides``: --override)."""
+  names = inspect.signature(plan_class).parameters
+  return plan_class(**{n: values["override" if n == "overrides" else n].value for n in names})
+
+
+def main(study, values, plan_class, *, protocol, table, prepare=None, instead=None) -> int:
+  """A study's command line: its plan from the flags, ``prepare(plan)`` (inputs written or checked,
+  before any child process starts) and ``conclude``; bad flags get one ``Study error:`` line and
+  exit code 2 before any work. ``protocol(plan)``: the settings in words; ``table(plan)``: the
+  results in markdown; ``instead(plan)``, where given, runs in place of the study."""
+  if not flags.FLAGS["verbosity"].present:  # orbax logs every checkpoint read at INFO
+    logging.set_verbosity(logging.WARNING)
+  t0 = time.time()
+  try:
+    plan = plan_from_flags(plan_class, values)
+    argv_flags = flags_as_written(sys.argv[1:])
+    if prepare is not None:
+      prepare(plan)
+  except (ValueError, config_lib.ConfigError) as e:
+    print(f"Study error: {e}", file=sys.stderr)
+    return 2
+  if instead is not None:
+    instead(plan)
+    return 0
+  return conclude(
+    study,
+    plan,
+    getattr(plan, f"{study.unit}s"),
+    values.parallel,
+    argv_flags,
+    t0=t0,
+    child=values.child,
+    machine=values.machine,
+    protocol=protocol,
+    table=lambda: table(plan),
+  )
