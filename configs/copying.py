@@ -48,7 +48,7 @@ SIZES = {"tiny": 16_000, "5m": 5_000_000, "15m": 15_000_000, "45m": 45_000_000}
 # MLP-model layers (the official Mamba-2 LM has about twice as many blocks; common.solve_shape)
 LAYERS = {"tiny": 1, "5m": 4, "15m": 6, "45m": 8}
 HEAD = {"tiny": 16, "5m": 64, "15m": 64, "45m": 64}
-BATCH = {"tiny": 4, "5m": 128, "15m": 128, "45m": 128}
+BATCH = {"tiny": 8, "5m": 128, "15m": 128, "45m": 128}
 LR = {"tiny": 1e-2, "5m": 2e-3, "15m": 1.5e-3, "45m": 1e-3}
 
 

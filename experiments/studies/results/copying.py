@@ -150,7 +150,8 @@ def shapes_of(runs) -> list[tuple[str, str]]:
 
 def _spread(x) -> str:
   per_seed = x.mean(axis=1)
-  return f"{per_seed.mean():.2f} ± {per_seed.std():.2f}"
+  spread = per_seed.std(ddof=1) if len(per_seed) > 1 else 0.0
+  return f"{per_seed.mean():.2f} ± {spread:.2f}"
 
 
 def render_tables(runs: list[dict], resamples: int = 2000) -> str:
@@ -211,11 +212,11 @@ def figure(runs, arm, size, fig_dir, name, title) -> str:
   fig, axes = p.subplots(1, 2, figsize=(9, 3.4), squeeze=False)
   for ax, (mode, label) in zip(axes[0], MODES.items()):
     ax.axvspan(min(lengths), TRAIN_MAX, color="0.9")
-    for name in RUNS:
-      ys = [table_of(runs, arm, size, name, L, mode)[0] for L in lengths]
+    for run in RUNS:
+      ys = [table_of(runs, arm, size, run, L, mode)[0] for L in lengths]
       pts = [(L, y.mean()) for L, y in zip(lengths, ys) if y is not None]
       if pts:
-        ax.plot(*zip(*pts), marker="o", ms=3, lw=1.3, label=name)
+        ax.plot(*zip(*pts), marker="o", ms=3, lw=1.3, label=run)
     ax.set(xlabel="copy length L", ylabel="character accuracy", ylim=(0, 1.02), title=label)
     ax.grid(alpha=0.3)
   axes[0][1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
