@@ -437,15 +437,19 @@ STUDY = study_driver.Study(
 
 # ------------------------------------------------------------------------------------------ throughput
 def measure_throughput(plan, steps: int = THROUGHPUT_STEPS) -> dict:
-  """Steady tokens/s of each distinct (arm, size, train) of the plan, trained alone for ``steps``
-  steps in ``<workdir>/throughput``, and the minutes each cell's runs would take at it (alone on
-  the device); written to ``<results>/throughput.json``."""
+  """Steady tokens/s of each distinct (arm, size, training range) of the plan (``sp`` shares the
+  zero cells' shape: its state passing adds a select per step), trained alone for ``steps`` steps
+  in ``<workdir>/throughput``, and the minutes each cell's runs (training and post-trainings) would
+  take at it alone on the device; written to ``<results>/throughput.json``."""
   from experiments.runner import lr_sweep  # pylint: disable=g-import-not-at-top  (imports jax)
 
+  groups = {}
+  for cell in plan.cells:
+    arm, size, train, _ = parse_cell(cell)
+    groups.setdefault(f"{arm}.{size}.l{TRAINS[train][0]}", []).append(cell)
   rows = []
-  for shape in dict.fromkeys(c.rsplit(".", 1)[0] for c in plan.cells):
-    cell = f"{shape}.s0"
-    c = plan.config(cell, "pretrain")
+  for shape, cells in groups.items():
+    c = plan.config(cells[0], "pretrain")
     c.train.num_steps, c.train.log_every, c.train.eval_batches = steps, max(1, steps // 8), 1
     c.checkpoint.enabled = False
     c.optim.warmup_steps = 1
@@ -459,30 +463,34 @@ def measure_throughput(plan, steps: int = THROUGHPUT_STEPS) -> dict:
       finally:
         tr.close()
     tps = summary.get("steady_tokens_per_s") or summary.get("tokens_per_s")
-    tokens = sum(
-      plan.steps(cell, s) for s in ("pretrain", *plan.post_strategies(cell))
-    ) * plan.tokens_per_step(cell)
-    arm, size, _, _ = parse_cell(cell)
+    minutes = {
+      cell: sum(plan.steps(cell, s) for s in ("pretrain", *plan.post_strategies(cell)))
+      * plan.tokens_per_step(cell)
+      / tps
+      / 60
+      for cell in cells
+    }
+    arm, size, _, _ = parse_cell(cells[0])
+    n = study_config.non_embedding(arm, size)
     rows.append(
       {
         "shape": shape,
-        "non_embedding_params": study_config.non_embedding(arm, size),
+        "non_embedding_params": n,
         "num_params": summary.get("num_params"),
-        "tokens_per_step": plan.tokens_per_step(cell),
+        "tokens_per_step": plan.tokens_per_step(cells[0]),
         "tokens_per_s": tps,
-        "cell_tokens": tokens,
-        "cell_minutes": tokens / tps / 60 if tps else None,
+        "cell_minutes": minutes,
         "wall_s": round(time.time() - t0, 1),
         "device_kind": summary.get("device_kind"),
       }
     )
     print(
-      f"study: throughput {shape} ({study_config.non_embedding(arm, size):,} non-embedding "
-      f"parameters): {tps:,.0f} tokens/s; a cell's {tokens:,} tokens = {fmt_time(tokens / tps)} "
-      "alone",
+      f"study: throughput {shape} ({n:,} non-embedding parameters): {tps:,.0f} tokens/s; its "
+      f"{len(cells)} cells take {fmt_time(60 * sum(minutes.values()))} one after another "
+      f"(longest {fmt_time(60 * max(minutes.values()))})",
       flush=True,
     )
-  out = {"steps": steps, "rows": rows}
+  out = {"steps": steps, "sequences": plan.sequences, "rows": rows}
   os.makedirs(plan.results, exist_ok=True)
   write_json(os.path.join(plan.results, "throughput.json"), out)
   return out

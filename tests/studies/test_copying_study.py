@@ -193,3 +193,25 @@ def test_render_from_stored_json(tmp_path):
   assert md.startswith("## 4c. Copying at the paper's scale")
   assert "length failure" in md and "0.27 ± 0.03" in md and "zero+sp" in md
   assert os.path.exists(tmp_path / "fig" / "copying_study_gpu_mamba2_45m.png")
+
+
+def test_measure_throughput_times_each_training_range(tmp_path):
+  plan = study.Plan(
+    "tiny",
+    trains=["zero", "cap"],
+    workdir=str(tmp_path / "runs"),
+    results=str(tmp_path / "res"),
+  )
+  out = study.measure_throughput(plan, steps=2)
+  assert [r["shape"] for r in out["rows"]] == ["mamba2.tiny.l100", "mamba2.tiny.l300"]
+  zero, cap = out["rows"]
+  assert set(zero["cell_minutes"]) == {"mamba2.tiny.zero.s0"}
+  assert cap["tokens_per_step"] == 8 * 602 and zero["tokens_per_s"] > 0
+  # the zero cell's minutes count its post-trainings too
+  steps = plan.steps("mamba2.tiny.zero.s0", "pretrain") + 2 * plan.steps(
+    "mamba2.tiny.zero.s0", "zero"
+  )
+  assert zero["cell_minutes"]["mamba2.tiny.zero.s0"] == pytest.approx(
+    steps * zero["tokens_per_step"] / zero["tokens_per_s"] / 60
+  )
+  assert study.study_driver.read_json(str(tmp_path / "res" / "throughput.json")) == out
