@@ -26,7 +26,7 @@ Evaluation from the zero state on ``--examples`` strings per copy length in ``--
 from ``--eval_seed`` alone (the same strings for every run; their hash in every result):
 teacher-forced (argmax at each copied position given the true prefix) and free-running (greedy
 decode of L symbols after ``BOS x SEP``, ``kdn_jax/models/generate.py``); per example the correct
-characters of both, so that intervals over seeds x examples can be computed
+characters of both (space-separated counts), so that intervals over seeds x examples can be computed
 (experiments/studies/results/copying.py). Results: ``<results>/<cell>.pretrain.step<k>.json`` and
 ``<results>/<cell>.<strategy>.json``.
 
@@ -317,8 +317,9 @@ def score_run(plan, workdir: str, step: int) -> tuple[list, str]:
     cells.append(
       {
         "copy_len": n,
-        "teacher_forced": [int(v) for v in tf],
-        "free_running": [int(v) for v in fr],
+        # space-separated counts: a JSON list would take a line per string
+        "teacher_forced": " ".join(str(int(v)) for v in tf),
+        "free_running": " ".join(str(int(v)) for v in fr),
         "char_acc_tf": float(tf.mean() / n),
         "exact_tf": float(np.mean(tf == n)),
         "char_acc_fr": float(fr.mean() / n),

@@ -2,7 +2,7 @@
 verdicts, from the per-run JSON under ``docs/results/copying/<preset>/`` (``--publish``).
 
 Each run's JSON holds, per evaluated copy length L, every string's correct characters
-teacher-forced and free-running (greedy), on one set of strings shared by all runs (its hash in
+teacher-forced and free-running (greedy; space-separated counts), on one set of strings shared by all runs (its hash in
 ``eval.hash``). Per (arm, size) the runs are: ``zero`` (trained from the zero state on L ~ U[50,
 100]), ``sp`` (trained with state passing), ``zero+zero`` and ``zero+sp`` (the zero model
 post-trained with the zero state, the control for the extra steps, and with state passing) and
@@ -80,7 +80,7 @@ def table_of(runs, arm, size, name, length, mode):
       continue
     for c in r["cells"]:
       if c["copy_len"] == length:
-        rows[r["seed"]] = np.asarray(c[mode], np.float64) / length
+        rows[r["seed"]] = np.asarray(c[mode].split(), np.float64) / length
   seeds = sorted(rows)
   return (np.stack([rows[s] for s in seeds]) if seeds else None), seeds
 
