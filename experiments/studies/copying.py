@@ -7,9 +7,11 @@ repairs it) or from capacity (a model trained on L ~ U[50, 300] fails there too)
     python -m experiments.studies.copying --preset=tiny
     # one GPU: tokens/s of each (arm, size, range) first, to choose the sizes that fit a stretch
     python -m experiments.studies.copying --preset=gpu --measure_throughput --workdir=/tmp/copying
-    # then the study, several cells at a time; resumable, stops at the deadline
-    python -m experiments.studies.copying --preset=gpu --sizes=15m --parallel=6 --deadline_s=1500 \\
-        --workdir=/tmp/copying --results=$OUT/copying/gpu
+    # then the study, several cells at a time; resumable: the same command again goes on from the
+    # checkpoints (a 540 s deadline leaves a 600 s command time to save and write the table);
+    # results in <workdir>/results/gpu, copied out after each call
+    python -m experiments.studies.copying --preset=gpu --sizes=5m --parallel=6 --deadline_s=540 \\
+        --workdir=/tmp/copying; cp -r /tmp/copying/results/gpu $OUT/copying_gpu
 
 Cells are ``<arm>.<size>.<train>.s<seed>``: arm ``mamba2`` (mamba_ssm's Mamba-2 LM) or ``kdn_diag``
 at the same non-embedding count (``configs/copying.py:non_embedding``); sizes ``tiny`` (CPU), 5m,
