@@ -133,6 +133,11 @@ def test_plan_rejects_bad_arguments():
     study.Plan("tiny", lengths=[0])
   with pytest.raises(ValueError, match="--override"):
     study.Plan("tiny", overrides=["model.nope=1"])
+  with pytest.raises(study_config.common.ConfigError, match="unknown arm 'gla'"):
+    study_config.get_config("5m,gla,l100")
+  with pytest.raises(study_config.common.ConfigError, match="l<max> with max > 50"):
+    study_config.get_config("5m,mamba2,l40")
+  assert study_config.get_config("cpu").data.copying.copy_len == 100  # the older presets stay
 
 
 def _run(train, stage, seed, acc_by_len, n=200, digest="h"):
