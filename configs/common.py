@@ -4,7 +4,8 @@ settings that the synthetic and text studies repeat.
 
 The sizes are the ones every study's numbers were measured with, so a change here changes them all:
 ``tiny_model`` (2 layers, d=64, 2 heads of 32, chunks of 16: CPU minutes) and ``small_model`` (4
-layers, d=256, 4 heads of 64, bf16 compute: ~20M parameters, an accelerator's run).
+layers, d=256, 4 heads of 64, bf16 compute: ~20M parameters, an accelerator's run). ``solve_shape``
+sizes a model to a non-embedding parameter count (the studies that compare mixers at one count).
 """
 
 from experiments.runner.config_lib import (  # noqa: F401 (re-exported for the configs)
@@ -50,3 +51,44 @@ def schedule(c, *, steps: int, lr: float, warmup: int, checkpoint_every: int | N
   c.optim.warmup_steps = warmup
   if checkpoint_every is not None:
     c.checkpoint.every_steps = checkpoint_every
+
+
+MLP_RATIO = 8 / 3  # the SwiGLU width / d_model that solve_shape stays nearest
+
+
+def non_embedding_of(arm_keys: dict, **keys) -> int:
+  """The analytic non-embedding count of a model with ``arm_keys`` (mixer, variant) and ``keys``."""
+  return analytic_non_embedding(model_config("tiny", **arm_keys, **keys))
+
+
+def solve_shape(arm_keys: dict, target: int, layers: int, head: int) -> tuple:
+  """The model keys (num_layers, d_model, heads, mlp_hidden) whose non-embedding count is nearest
+  ``target``, as sorted (key, value) pairs. Models with an MLP keep ``layers`` layers and heads of
+  ``head`` channels and take the d_model whose SwiGLU, solved to the target, is nearest MLP_RATIO x
+  d; the official Mamba-2 LM (no MLP: two blocks per MLP-model layer, as mamba_ssm's 130M has 24
+  layers where a transformer has 12) picks among 2 x ``layers`` +- 1 layers and d_model in steps of
+  32 the count nearest the target."""
+  if arm_keys.get("mamba2_variant") == "official":
+    best = None
+    for n in (2 * layers - 1, 2 * layers, 2 * layers + 1):
+      for d in range(32, 4097, 32):
+        keys = dict(num_layers=max(n, 1), d_model=d, num_heads=2 * d // 64, head_dim=64)
+        count = non_embedding_of(arm_keys, **keys)
+        err = abs(count / target - 1)
+        if best is None or err < best[0]:
+          best = (err, keys)
+        if count > target:
+          break
+    return tuple(sorted(best[1].items()))
+  best = None
+  for d in range(head, 4097, head):
+    keys = dict(num_layers=layers, d_model=d, num_heads=d // head, head_dim=head)
+    beside = non_embedding_of(arm_keys, mlp_hidden=0, **keys)
+    per_unit = non_embedding_of(arm_keys, mlp_hidden=8, **keys) - beside  # 8 units of every MLP
+    hidden = round((target - beside) / per_unit) * 8
+    if hidden <= 0:
+      break
+    err = abs(hidden / d - MLP_RATIO)
+    if best is None or err < best[0]:
+      best = (err, dict(keys, mlp_hidden=hidden))
+  return tuple(sorted(best[1].items()))

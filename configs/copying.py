@@ -24,14 +24,102 @@ Arg ``<preset>[,<mixer>][,<initial_state>]``:
   ``cpu_post``   the ``cpu`` model post-trained 300 steps with a fresh optimizer and the arg's initial-state
                  strategy (give ``--config.train.init_from``).
   ``default``    a larger accelerator run on 50-100 from scratch; ``post`` its post-training.
+
+The copying study's runs (experiments/studies/copying.py) take ``<size>,<arm>,l<max>[,<initial_state>]``:
+copy lengths drawn from [50, ``max``] (100: the paper's training range; 300: the capacity control),
+seq_len 2 * max + 2, from scratch. Arms (ARMS): ``mamba2`` (mamba_ssm's Mamba-2 block and LM,
+mamba2_variant='official') and ``kdn_diag``, sized by ``common.solve_shape`` to the non-embedding
+count SIZES[size] (``tiny`` ~16k for CPU tests; 5m, 15m, 45m: the paper's Mamba-2 is 45M; the
+count of each shape is ``non_embedding(arm, size)``). Training: batch BATCH[size] sequences, peak
+LR[size], AdamW with weight decay 0.1 (none on A_log / dt_bias / D / norms), bf16 compute with fp32
+parameters (``tiny``: fp32); the study sets steps, warm-up, seed and post-training.
 """
+
+import functools
 
 from configs import common
 
 MIN_COPY, MAX_COPY = 50, 100
+VOCAB = 32  # 29 symbols + pad/BOS/SEP
+
+OFFICIAL = {"mixer": "mamba2", "mamba2_variant": "official"}
+ARMS = {"mamba2": OFFICIAL, "kdn_diag": {"mixer": "kdn_diag"}}
+SIZES = {"tiny": 16_000, "5m": 5_000_000, "15m": 15_000_000, "45m": 45_000_000}
+# MLP-model layers (the official Mamba-2 LM has about twice as many blocks; common.solve_shape)
+LAYERS = {"tiny": 1, "5m": 4, "15m": 6, "45m": 8}
+HEAD = {"tiny": 16, "5m": 64, "15m": 64, "45m": 64}
+BATCH = {"tiny": 8, "5m": 128, "15m": 128, "45m": 128}
+LR = {"tiny": 1e-2, "5m": 2e-3, "15m": 1.5e-3, "45m": 1e-3}
+
+
+@functools.lru_cache(maxsize=32)
+def shape(arm: str, size: str) -> tuple:
+  """The model keys of ``arm`` at ``size`` (sorted (key, value) pairs)."""
+  return common.solve_shape(ARMS[arm], SIZES[size], LAYERS[size], HEAD[size])
+
+
+def non_embedding(arm: str, size: str) -> int:
+  return common.non_embedding_of(ARMS[arm], **dict(shape(arm, size)))
+
+
+def parse_study(arg: str) -> tuple[str, str, int, str]:
+  """'<size>,<arm>,l<max>[,<initial_state>]' -> (size, arm, max copy length, initial_state)."""
+  parts = [p for p in arg.split(",") if p]
+  where = f"configs/copying.py:{arg}"
+  if len(parts) not in (3, 4):
+    raise common.ConfigError(f"{where}: expected <size>,<arm>,l<max>[,<initial_state>]")
+  size, arm, top, *rest = parts
+  if arm not in ARMS:
+    raise common.ConfigError(f"{where}: unknown arm {arm!r}; expected one of {list(ARMS)}")
+  if not (top.startswith("l") and top[1:].isdigit() and int(top[1:]) > MIN_COPY):
+    raise common.ConfigError(
+      f"{where}: expected the longest training copy as l<max> with max > {MIN_COPY}, got {top!r}"
+    )
+  strategy = rest[0] if rest else "zero"
+  if strategy not in common.INITIAL_STATES:
+    raise common.ConfigError(
+      f"{where}: unknown initial state {strategy!r}; expected one of {common.INITIAL_STATES}"
+    )
+  return size, arm, int(top[1:]), strategy
+
+
+def study_config(arg: str):
+  size, arm, top, strategy = parse_study(arg)
+  tiny = size == "tiny"
+  c = common.base_config()
+  c.data.kind = "copying"
+  c.data.seq_len = 2 * top + 2
+  c.data.copying.copy_len = top
+  c.data.copying.min_copy_len = MIN_COPY
+  c.data.copying.vocab_size = VOCAB
+  c.data.global_batch_size = BATCH[size]
+  c.train.initial_state = strategy
+  c.train.state_reset_prob = 0.1  # state passing: each row restarts from zero with this chance
+  c.model = common.model_config(
+    "tiny",
+    vocab_size=VOCAB,
+    chunk_size=16 if tiny else 64,
+    dtype="float32" if tiny else "bfloat16",
+    param_dtype="float32",
+    match_params=False,
+    **ARMS[arm],
+    **dict(shape(arm, size)),
+  )
+  c.data.eval_batch_size = 8 if tiny else 64
+  c.data.num_eval_examples = 8 if tiny else 512
+  c.data.read_threads = 2 if tiny else 4
+  c.train.log_every = 10 if tiny else 100
+  c.train.eval_batches = 1 if tiny else 4
+  c.optim.learning_rate = LR[size]
+  c.optim.weight_decay = 0.1
+  c.checkpoint.keep = 1
+  c.logging.plot = c.logging.tensorboard = False
+  return c
 
 
 def get_config(arg: str = "cpu"):
+  if (arg or "").split(",")[0] in SIZES:
+    return study_config(arg)
   preset, mixer, strategy = common.parse_arg(
     arg, ("cpu", "cpu_short", "cpu_post", "default", "post"), "configs/copying.py"
   )

@@ -48,43 +48,19 @@ LR = {"tiny": 1e-2, "500k": 3e-3, "2m": 3e-3, "8m": 2e-3}
 HEAD = 64  # channels per head of the MLP mixers (the official block's headdim is its own, 64)
 TINY_HEAD = 16
 WARMUP_FRACTION = 0.05
-MLP_RATIO = 8 / 3
 TOLERANCE = 0.10  # |count / target - 1| every solved shape keeps
 
 
 def _count(arm: str, **keys) -> int:
-  return common.analytic_non_embedding(common.model_config("tiny", **ARMS[arm], **keys))
+  return common.non_embedding_of(ARMS[arm], **keys)
 
 
 @functools.lru_cache(maxsize=64)
 def shape(arm: str, size: str) -> tuple[tuple[str, object], ...]:
   """The model keys (num_layers, d_model, heads, mlp_hidden) whose non-embedding count is nearest
-  SIZES[size] for ``arm`` (module docstring), as sorted (key, value) pairs."""
-  target, layers = SIZES[size], LAYERS[size]
+  SIZES[size] for ``arm`` (module docstring; ``common.solve_shape``), as sorted (key, value) pairs."""
   head = TINY_HEAD if size == "tiny" else HEAD
-  if ARMS[arm].get("mamba2_variant") == "official":
-    best = None
-    for n in (2 * layers - 1, 2 * layers, 2 * layers + 1):
-      for d in range(32, 4097, 32):
-        keys = dict(num_layers=max(n, 1), d_model=d, num_heads=2 * d // 64, head_dim=64)
-        err = abs(_count(arm, **keys) / target - 1)
-        if best is None or err < best[0]:
-          best = (err, keys)
-        if _count(arm, **keys) > target:
-          break
-    return tuple(sorted(best[1].items()))
-  best = None
-  for d in range(head, 4097, head):
-    keys = dict(num_layers=layers, d_model=d, num_heads=d // head, head_dim=head)
-    beside = _count(arm, mlp_hidden=0, **keys)
-    per_unit = _count(arm, mlp_hidden=8, **keys) - beside  # 8 hidden units of every layer's MLP
-    hidden = round((target - beside) / per_unit) * 8
-    if hidden <= 0:
-      break
-    err = abs(hidden / d - MLP_RATIO)
-    if best is None or err < best[0]:
-      best = (err, dict(keys, mlp_hidden=hidden))
-  return tuple(sorted(best[1].items()))
+  return common.solve_shape(ARMS[arm], SIZES[size], LAYERS[size], head)
 
 
 def non_embedding(arm: str, size: str) -> int:

@@ -17,6 +17,7 @@ ALLOWED_UP = {
   ("experiments.studies.init_write_strength", "configs.mqar_zoology"),
   ("experiments.studies.passkey", "configs.passkey"),
   ("experiments.studies.lengen_map", "configs.lengen_map"),
+  ("experiments.studies.copying", "configs.copying"),
   ("experiments.benchmarks.sweep_memory", "configs.mqar_zoology"),
 }
 

@@ -26,6 +26,7 @@ SECTIONS = (
   ("3d. Where length generalisation fails: the map", "lengen_map:render"),
   ("4. Copying and passkey", "copy_passkey:render"),
   ("4b. Passkey past the training length, with seeds", "passkey:render"),
+  ("4c. Copying at the paper's scale, with seeds", "copying:render"),
   ("5. S-NIAH", "lengen:render_sniah"),
   ("Appendix: evaluation cost", "eval_cost:render"),
 )
