@@ -25,6 +25,7 @@ from pallas_kernels.delta_rule.tiles import (
   launch_params,
   operand_dtype,
   tile,
+  value_block,
 )
 
 
@@ -82,7 +83,7 @@ def wy_forward(lmat, kbar, v, h0, cont, *, chunk, interpret, cfg, cfg_prec):
       _wy_kernel,
       chunk=chunk,
       has_seg=has_seg,
-      block_v=min(cfg.block_v_parallel, vd),
+      block_v=value_block(cfg, kd, vd, parallel=True),
       prec=prec,
     ),
     out_shape=out_shape,
