@@ -329,12 +329,12 @@ def test_iso_scalar_replay_lowers_for_cuda(as_on_gpu, layer, heads, grad):
   assert ({"kdn_gain_bwd_reduce", "kdn_gain_bwd_replay"} <= kernels) == grad, kernels
 
 
-@pytest.mark.parametrize("kd,vd", [(128, 256), (48, 320)])
+@pytest.mark.parametrize("kd,vd", [(128, 384), (48, 320)])
 def test_any_width_lowers_for_cuda(as_on_gpu, kd, vd):
-  """The diag (and at K = 128 the iso) KDN op fwd+bwd, bf16 with a reset, at K = 128, V = 256
-  (two column tiles of the widest kernel width) and at K = 48, V = 320 (ops/widths.py: K padded
-  to 64, V in tiles of 128, 128 and 64): every kernel lowers (Triton takes power-of-two arrays
-  only), the delta rule once per V tile."""
+  """The diag (and at K = 128 the iso) KDN op fwd+bwd, bf16 with a reset, at K = 128, V = 384
+  (column tiles of the widest kernel width, 256, and 128) and at K = 48, V = 320 (ops/widths.py:
+  K padded to 64, V in tiles of 256 and 64): every kernel lowers (Triton takes power-of-two
+  arrays only), the delta rule once per V tile."""
   b, t, h = 1, 40, 2
   ks = jax.random.split(jax.random.PRNGKey(0), 6)
   q, k = (jax.random.normal(x, (b, t, h, kd)).astype(jnp.bfloat16) for x in ks[:2])
@@ -360,7 +360,7 @@ def test_any_width_lowers_for_cuda(as_on_gpu, kd, vd):
       "delta_rule_recur_bwd",
       "delta_rule_intra_bwd_tokens",
     } <= kernels
-    tiles = -(-vd // 128)
+    tiles = -(-vd // max(common.CHUNK_WIDTHS))
     # (one forward state pass per tile, counted with the guard that runs the op once:
     # kdn_jax/ops/nonfinite.py's default also lowers the fallback's)
     with nonfinite.scheme("inputs"):
