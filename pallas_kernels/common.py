@@ -28,7 +28,7 @@ __all__ = [
 SUPPORTED_WIDTHS = (16, 32, 64, 128)
 # Head widths K and V the chunkwise kernels (delta_rule, the gains) take; kdn_jax.ops pads
 # narrower widths onto them and splits a wider V into column tiles. Above 128 the delta-rule
-# kernels tile K in their token-parallel programs and hold narrower V blocks
+# kernels tile K in their intra-chunk programs and hold narrower V blocks
 # (DeltaRuleConfig.block_k, wide_block_v, wide_block_v_parallel): at K = V = 256 the 128-column
 # blocks need 293 KB of shared memory, more than an H100's 227 KB (docs/decisions.md).
 CHUNK_WIDTHS = SUPPORTED_WIDTHS + (256,)

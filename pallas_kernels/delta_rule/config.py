@@ -25,9 +25,10 @@ class DeltaRuleConfig:
   # value-columns per program in the parallel output and backward-partials kernels (fewer V
   # blocks: fewer per-V-block partial-gradient bytes for the intra backward to read and sum)
   block_v_parallel: int = 128
-  # Key columns one step of the token-parallel kernels' row loops holds (the pair kernel, the
-  # intra backward): a wider K runs in key tiles of block_k, each holding the registers of a
-  # K = block_k row. K in (block_k, 256] also switches the [K, BV] kernels to the wide V blocks.
+  # Key columns the intra-chunk kernels hold at a time (the pair kernel's and the intra
+  # backward's row loops, the WY kernel's Kbar products): a wider K runs in key tiles of
+  # block_k, each holding the registers of K = block_k. K in (block_k, 256] also switches the
+  # [K, BV] kernels to the wide V blocks.
   block_k: int = 128
   # Value-columns per program of the recurrent and parallel kernels when K > block_k (in place of
   # block_v and block_v_parallel): a [K, BV] state tile then holds as many elements as at

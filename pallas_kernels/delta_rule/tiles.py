@@ -61,8 +61,8 @@ def write_rows(w_ref, k_ref, b, t, h, ks=slice(None)):
 
 
 def key_tiles(kd, cfg):
-  """The key-column slices the token-parallel kernels loop over: all of K (slice(None), the
-  program a K <= block_k kernel always ran) or tiles of cfg.block_k."""
+  """The key-column slices the intra-chunk kernels (pair, WY, intra backward) loop over: all of
+  K (slice(None), the program a K <= block_k kernel always ran) or tiles of cfg.block_k."""
   if kd <= cfg.block_k:
     return [slice(None)]
   return [pl.ds(i * cfg.block_k, cfg.block_k) for i in range(kd // cfg.block_k)]

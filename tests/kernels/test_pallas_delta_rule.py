@@ -142,7 +142,7 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
     dict(pair_heads=4, cumsum_block=1),
     # the decayed operands (default) read by state pass and output kernel in two V blocks each
     dict(block_v=32, block_v_parallel=32),
-    # K in key tiles of 16 (the token-parallel kernels) and the wide V blocks of the [K, V] ones
+    # K in key tiles of 16 (pair, WY, intra backward) and the wide V blocks of the [K, V] ones
     dict(block_k=16, wide_block_v=16, wide_block_v_parallel=32),
   ],
 )

@@ -161,7 +161,7 @@ def test_grads_at_any_width_with_grouped_heads(family, impl, kd, vd):
     assert rel_err(g, np.asarray(w)) <= 1e-4, (name, rel_err(g, np.asarray(w)))
 
 
-# Head widths above 128 on the Pallas kernels (key tiles in the token-parallel kernels, narrower V
+# Head widths above 128 on the Pallas kernels (key tiles in the intra-chunk kernels, narrower V
 # blocks in the [K, V] ones: DeltaRuleConfig.block_k, wide_block_v*): each op at K = 256 and each
 # of K = V = 256, K = 256 with V = 64, K = 64 with V = 256; T ragged (chunk 16) with a reset
 # inside a chunk; one case under x64. B = H = 1: interpret mode at K = 256 is the slow part.
