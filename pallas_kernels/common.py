@@ -20,13 +20,18 @@ __all__ = [
   "reset_flags",
   "segmented_cumsum",
   "check_width",
+  "check_chunk_width",
 ]
 
-# Head widths K and V the kernels take (kdn_jax.ops pads narrower widths onto them and splits a
-# wider V into column tiles). 256 is not one: at K = V = 256 the fp32 delta-rule backward asks an
-# H100 for 293 KB of shared memory (227 KB available; docs/decisions.md), so K in (128, 256]
-# runs on the XLA chunked path.
+# Head widths K and V the decode step and the layers' glue kernels (short conv, gated norm, gain
+# front-end) take as they are: one program holds a whole row.
 SUPPORTED_WIDTHS = (16, 32, 64, 128)
+# Head widths K and V the chunkwise kernels (delta_rule, the gains) take; kdn_jax.ops pads
+# narrower widths onto them and splits a wider V into column tiles. Above 128 the delta-rule
+# kernels tile K in their intra-chunk programs and hold narrower V blocks
+# (DeltaRuleConfig.block_k, wide_block_v, wide_block_v_parallel): at K = V = 256 the 128-column
+# blocks need 293 KB of shared memory, more than an H100's 227 KB (docs/decisions.md).
+CHUNK_WIDTHS = SUPPORTED_WIDTHS + (256,)
 # chunk_size values delta_rule accepts (kdn_jax.ops.dispatch reads both before any kernel runs).
 SUPPORTED_CHUNKS = (16, 32, 64, 128)
 
@@ -84,6 +89,15 @@ def check_width(name, n):
     raise NotImplementedError(
       f"pallas_kernels: {name}={n} is not supported (supported: {SUPPORTED_WIDTHS}); "
       "use the chunked XLA implementation instead."
+    )
+
+
+def check_chunk_width(op, name, n):
+  """A ValueError naming `name` unless the chunkwise kernels take width n (CHUNK_WIDTHS)."""
+  if n not in CHUNK_WIDTHS:
+    raise ValueError(
+      f"{op}: {name} must be <= {max(CHUNK_WIDTHS)} and one of {CHUNK_WIDTHS}, got {name}={n} "
+      "(kdn_jax.ops pads other widths onto these and splits a wider V)"
     )
 
 

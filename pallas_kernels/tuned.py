@@ -49,8 +49,10 @@ FAMILIES = {
 }
 
 # The config classes' defaults are the values measured on the H100 and the H200 (each field's
-# comment and docs/decisions.md give the measurement); both GPUs chose the same values. DecodeConfig's
-# are chosen from the program count and not yet timed (its docstring).
+# comment and docs/decisions.md give the measurement); both GPUs chose the same values.
+# DecodeConfig's are chosen from the program count and not yet timed (its docstring). The delta
+# rule's K > 128 tiles (block_k, wide_block_v, wide_block_v_parallel) are sized to hold a
+# K = 128 program's elements, not yet timed (`gpu_measurements.sh wide` sweeps them).
 _MEASURED = KernelConfigs(**{name: cls() for name, cls in FAMILIES.items()})
 
 # Device kind (a substring of jax's device_kind, or 'interpret') -> the tuned configs.

@@ -3,7 +3,7 @@
 #   bash experiments/benchmarks/gpu_measurements.sh [section ...]
 # Sections:
 #   check        GPU correctness: every Pallas op against its reference (fp32, bf16, segments) at
-#                K=128 and K=16, and the layers' fused glue kernels (check_fusion)
+#                K=128, K=16 and K=256, and the layers' fused glue kernels (check_fusion)
 #   ops          reference vs chunked XLA paths
 #   stages       the Pallas stage split, with a kernel config sweep (SWEEP)
 #   docs         the same for the packed-documents path
@@ -11,6 +11,8 @@
 #   layers       whole layers against fla's KDA layer
 #   train        125M LM training throughput on 1 GPU (and 2 where there are 2)
 #   forward      forward configs at 16k with the stage split and at 4k
+#   wide         K = V = 256: a sweep of the wide-K tiles, the GPU check of the winner, then ours
+#                against fla's chunk_kda (WIDE_ROWS, WIDE_LENS)
 #   ncu          Nsight Compute on the pair and gain kernels, ours and fla's
 #   decode       the fused decode step against fla's fused_recurrent_kda (B = 1, 16, 64, 256), its
 #                block_v x num_warps sweep, 125M generation with the XLA and the fused step, and
@@ -72,16 +74,16 @@ ngpu=$(nvidia-smi -L | wc -l)
 
 for s in $sections; do case $s in
 check)
-  # The op check at the benchmark's defaults, the GPU checks at K=128 and K=16 (CHECK_CASES,
-  # each up to CHECK_LIMIT: a cold compile cache needs ~110 s at K=128), then the fused glue
-  # kernels. About 600 s at most; CHECK_PARTS="ops cases glue" picks parts.
+  # The op check at the benchmark's defaults, the GPU checks at K=128, K=16 and K=256
+  # (CHECK_CASES, each up to CHECK_LIMIT: a cold compile cache needs ~110 s at K=128), then the
+  # fused glue kernels. About 700 s at most; CHECK_PARTS="ops cases glue" picks parts.
   SWEEP_LOG=check.txt
   for part in ${CHECK_PARTS:-ops cases glue}; do case $part in
   ops)
     timeout ${CHECK_LIMIT:-150} python3 -m experiments.benchmarks.mixers --out="$RES/check" \
       --check_only 2>&1 | quiet | tail -30 | tee -a "$RES/$SWEEP_LOG"; pack ;;
   cases)
-    CHECK_LIMIT=${CHECK_LIMIT:-120} gpu_checks "${CHECK_CASES:-128:default,16:default}" ;;
+    CHECK_LIMIT=${CHECK_LIMIT:-120} gpu_checks "${CHECK_CASES:-128:default,16:default,256:default}" ;;
   glue)
     timeout ${GLUE_LIMIT:-240} python3 -m experiments.benchmarks.check_fusion \
       --out="$RES/check_fusion.json" 2>&1 | quiet | tail -15 | tee "$RES/check_fusion.txt"; pack ;;
@@ -156,6 +158,16 @@ forward)
   [ "${FORWARD_DOCS:-0}" = 1 ] && sweep_line 50 --out="$RES/forward_docs" --seq_lens=16384 \
     --sweep_len=16384 --sweep_fwd_only --sweep_row=diag_kdn_seg_pallas --sweep=default
   gpu_checks "${CHECK_CASES:-128:default,16:default}" ;;
+wide)
+  # K = V = 256 (key tiles and the wide V blocks: DeltaRuleConfig.block_k, wide_block_v*): the
+  # sweep (WIDE_SWEEP, fwd+bwd on kda_pallas at 4096; a spec that does not compile is reported
+  # failed and skipped), the GPU check of the fastest, then WIDE_ROWS at WIDE_LENS with it.
+  timeout ${WIDE_LIMIT:-570} python3 -m experiments.benchmarks.mixers --out="$RES/wide" \
+    --dim=256 --check_dim=256 --check=true --seq_lens=${WIDE_LENS:-4096,16384} --reps=${REPS:-20} \
+    --time_budget_s=${WIDE_BUDGET:-480} --sweep_row=kda_pallas --sweep_combine=false \
+    --sweep=${WIDE_SWEEP-default,wide_block_v=64,wide_block_v_parallel=32,block_k=64} \
+    --rows=${WIDE_ROWS:-kda_pallas,fla_chunk_kda,diag_kdn_pallas,iso_kdn_pallas,kda_chunked} \
+    2>&1 | quiet | tail -40 | tee "$RES/bench_wide_gpu.txt" ;;
 ncu)
   # Nsight Compute on one forward per row (experiments/benchmarks/kernel_dev/profile_kernels.py): the kernels matching
   # NCU_KERNELS (default: our token-parallel pair kernel, fla's token-parallel intra kernel of

@@ -112,10 +112,11 @@ def run_memory(
         precision=kernels.precision_for(input_dtype),
         config=dispatch.family_config(kernel_config, "delta_rule"),
       )
-    if not (dispatch.native_width(k.shape[-1]) and dispatch.native_width(v.shape[-1])):
+    chunk_widths = kernels.common.CHUNK_WIDTHS
+    if not (k.shape[-1] in chunk_widths and v.shape[-1] in chunk_widths):
       raise ValueError(
         f"{op}: output_states_at with impl='pallas' needs K and V among the "
-        f"kernels' widths {kernels.common.SUPPORTED_WIDTHS}, got K={k.shape[-1]}, "
+        f"kernels' widths {chunk_widths}, got K={k.shape[-1]}, "
         f"V={v.shape[-1]}; use impl='chunked'"
       )
     out = kernels.delta_rule(

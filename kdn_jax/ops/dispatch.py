@@ -59,7 +59,7 @@ def pallas_unsupported(kernels, kd, vd, chunk_size):
   widest kernel width and any V run (kdn_jax.ops.widths pads and tiles them).
   """
   del vd  # (any V: column tiles)
-  widest = max(kernels.common.SUPPORTED_WIDTHS)
+  widest = max(kernels.common.CHUNK_WIDTHS)
   chunks = kernels.common.SUPPORTED_CHUNKS
   if kd > widest:
     return f"K (key width) = {kd} is not supported by the Pallas kernels (at most {widest})"

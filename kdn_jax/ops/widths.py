@@ -1,7 +1,7 @@
 """Any head width on the Pallas kernels: K and V padded with zeros to a kernel width, V wider
 than the widest one split into column tiles.
 
-The kernels take K, V in pallas_kernels.common.SUPPORTED_WIDTHS (powers of two: Triton's arrays
+The kernels take K, V in pallas_kernels.common.CHUNK_WIDTHS (powers of two: Triton's arrays
 must be). The ops run other widths on them with the same math:
 
 - Delta rule: q, k, the write and a per-channel log_alpha padded with zeros (log_alpha 0) to
@@ -51,7 +51,7 @@ def delta_rule(kernels, q, k, v, log_alpha, write, scale, memory0, segment_ids, 
 
   write: [B, T, H, K] or a scalar beta [B, T, H]; log_alpha: [B, T, H, K] or [B, T, H].
   """
-  widths = kernels.common.SUPPORTED_WIDTHS
+  widths = kernels.common.CHUNK_WIDTHS
   kd, vd = k.shape[-1], v.shape[-1]
   kp = kernel_width(kd, widths)
   q, k = pad_to(q, kp), pad_to(k, kp)
@@ -83,7 +83,7 @@ def delta_rule(kernels, q, k, v, log_alpha, write, scale, memory0, segment_ids, 
 def diag_gain(kernels, k, log_alpha, omega, r, mu, p0, segment_ids, **kwargs):
   """kernels.diag_gain at any K up to the widest kernel width: (kappa, p_final)."""
   kd = k.shape[-1]
-  kp = kernel_width(kd, kernels.common.SUPPORTED_WIDTHS)
+  kp = kernel_width(kd, kernels.common.CHUNK_WIDTHS)
   kappa, p_final = kernels.diag_gain(
     pad_to(k, kp),
     pad_to(log_alpha, kp),
@@ -100,7 +100,7 @@ def diag_gain(kernels, k, log_alpha, omega, r, mu, p0, segment_ids, **kwargs):
 def iso_gain(kernels, k, log_alpha, omega, r, mu, b0, segment_ids, **kwargs):
   """kernels.iso_gain at any K up to the widest kernel width: (beta [B, T, H], b_final)."""
   kd = k.shape[-1]
-  kp = kernel_width(kd, kernels.common.SUPPORTED_WIDTHS)
+  kp = kernel_width(kd, kernels.common.CHUNK_WIDTHS)
   if kp != kd:
     # (fp32 at least: the kernels compute in fp32, and a 16-bit (1/2) log a_t would move a_t)
     la = log_alpha.astype(jnp.promote_types(log_alpha.dtype, jnp.float32))

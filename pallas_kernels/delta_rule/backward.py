@@ -29,6 +29,7 @@ from pallas_kernels.delta_rule.tiles import (
   dot_tn,
   kernel_precision,
   launch_params,
+  value_block,
 )
 from pallas_kernels.kernel_math import exp_for_mode
 
@@ -240,7 +241,7 @@ def state_grads(
   states = res[4]
   bsz, _, nh, kd = k.shape
   vd = v.shape[-1]
-  block_v = min(cfg.block_v, vd)
+  block_v = value_block(cfg, kd, vd, parallel=False)
   common_in, opt, kw = _bwd_inputs(
     q, k, v, g, h0, cont, res, do, cfg, cfg_prec, interpret, chunk, scale
   )
@@ -287,7 +288,7 @@ def bwd_partials(
   vd = v.shape[-1]
   nc = t // chunk
   f32 = jnp.float32
-  bv_part = min(cfg.block_v_parallel, vd)
+  bv_part = value_block(cfg, kd, vd, parallel=True)
   nvb = vd // bv_part
   common_in, opt, kw = _bwd_inputs(
     q, k, v, g, h0, cont, res, do, cfg, cfg_prec, interpret, chunk, scale

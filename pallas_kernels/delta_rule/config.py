@@ -25,6 +25,17 @@ class DeltaRuleConfig:
   # value-columns per program in the parallel output and backward-partials kernels (fewer V
   # blocks: fewer per-V-block partial-gradient bytes for the intra backward to read and sum)
   block_v_parallel: int = 128
+  # Key columns the intra-chunk kernels hold at a time (the pair kernel's and the intra
+  # backward's row loops, the WY kernel's Kbar products): a wider K runs in key tiles of
+  # block_k, each holding the registers of K = block_k. K in (block_k, 256] also switches the
+  # [K, BV] kernels to the wide V blocks.
+  block_k: int = 128
+  # Value-columns per program of the recurrent and parallel kernels when K > block_k (in place of
+  # block_v and block_v_parallel): a [K, BV] state tile then holds as many elements as at
+  # K = block_k (K = V = 256 in 128-column parallel blocks needs 293 KB of shared memory, more
+  # than an H100's 227 KB: docs/decisions.md). Not timed on a GPU yet (gpu_measurements.sh wide).
+  wide_block_v: int = 32
+  wide_block_v_parallel: int = 64
   # Triton warps, the WY kernel: its 16 x 16 substitution's row reductions stay inside one warp.
   num_warps_intra: int = 1
   num_warps_intra_bwd: int = 4  # Triton warps, the token-parallel intra backward
@@ -40,7 +51,13 @@ class DeltaRuleConfig:
 
   def __post_init__(self):
     pow2 = lambda n: n > 0 and n & (n - 1) == 0
-    for name in ("max_chunk", "block_v", "block_v_parallel"):
+    for name in (
+      "max_chunk",
+      "block_v",
+      "block_v_parallel",
+      "wide_block_v",
+      "wide_block_v_parallel",
+    ):
       if not pow2(getattr(self, name)):
         raise ValueError(
           f"DeltaRuleConfig.{name} must be a power of two, got {getattr(self, name)}"
@@ -55,5 +72,7 @@ class DeltaRuleConfig:
         )
     if self.cumsum_block < 1:
       raise ValueError(f"DeltaRuleConfig.cumsum_block must be >= 1, got {self.cumsum_block}")
+    if not (pow2(self.block_k) and self.block_k >= 16):
+      raise ValueError(f"DeltaRuleConfig.block_k must be a power of two >= 16, got {self.block_k}")
     if not pow2(self.pair_heads):
       raise ValueError(f"DeltaRuleConfig.pair_heads must be a power of two, got {self.pair_heads}")

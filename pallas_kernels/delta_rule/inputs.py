@@ -74,8 +74,8 @@ def stage_inputs(
   precision = common.precision_for(q.dtype) if precision is None else precision
   common.dot_precision(precision)  # validates the name before any work
   bsz, t, _, kd = k.shape
-  common.check_width("K", kd)
-  common.check_width("V", v.shape[-1])
+  common.check_chunk_width("delta_rule", "K", kd)
+  common.check_chunk_width("delta_rule", "V", v.shape[-1])
   if chunk_size not in (16, 32, 64, 128):
     raise NotImplementedError(f"delta_rule: chunk_size={chunk_size} not supported")
   cfg = tuned.config("delta_rule", config, interpret)

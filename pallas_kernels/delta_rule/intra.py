@@ -24,6 +24,7 @@ from pallas_kernels.delta_rule import stages as _stages
 from pallas_kernels.delta_rule import wy as _wy
 from pallas_kernels.delta_rule.tiles import (
   kernel_precision,
+  key_tiles,
   launch_params,
   operand_dtype,
   times_beta,
@@ -33,7 +34,7 @@ from pallas_kernels.delta_rule.tiles import (
 from pallas_kernels.kernel_math import exp_for_mode
 
 
-def _pair_token_loop_kernel(*refs, chunk, scale, has_seg, heads, write_g, exp):
+def _pair_token_loop_kernel(*refs, chunk, scale, has_seg, heads, write_g, exp, ktiles):
   """Row r = program_id(1) of L (strict) and P (scaled, inclusive) for `heads` heads: the row's
   columns j <= r one per step ([heads, K] each, no exps above the diagonal), zeros for the
   columns after r; and the row's Wt, g, Kbar and Qbar.
@@ -45,21 +46,37 @@ def _pair_token_loop_kernel(*refs, chunk, scale, has_seg, heads, write_g, exp):
   chunk's last row, to g_last [B, T / C, H, K] (a forward-only call's state pass reads no other
   row).
 
+  ktiles (tiles.key_tiles): the key columns run tile by tile, each tile's column loop adding
+  its share of the row's L and P sums; every other output is per channel.
+
   Kbar = k exp(g) and Qbar = scale q exp(g) are written in the dots' operand dtype (the type of
   those outputs): the values the WY and output kernels' dots would round them to."""
   n_in = 4 + (1 if has_seg else 0)
-  q_ref, k_ref, w_ref, la_ref = refs[:4]
   pid_ref = refs[4] if has_seg else None
-  l_out, p_out, wt_out, g_out, kbar_out, qbar_out = refs[n_in:]
-  b, r, hb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  b, r = pl.program_id(0), pl.program_id(1)
   C = chunk
-  hs = pl.ds(hb * heads, heads)
+  hs = pl.ds(pl.program_id(2) * heads, heads)
   r0 = (r // C) * C
+  lrow = prow = None
+  for ks in ktiles:
+    parts = _pair_key_tile(refs, pid_ref, b, r, r0, hs, ks, C, scale, has_seg, heads, write_g, exp)
+    lrow, prow = parts if lrow is None else (lrow + parts[0], prow + parts[1])
+  l_out, p_out = refs[n_in : n_in + 2]
+  row = (b, hs, r, pl.ds(0, C))
+  l_out[row] = lrow.astype(l_out.dtype)
+  p_out[row] = prow.astype(p_out.dtype)
+
+
+def _pair_key_tile(refs, pid_ref, b, r, r0, hs, ks, C, scale, has_seg, heads, write_g, exp):
+  """The pair kernel on the key columns ks: writes their Wt, g, Kbar and Qbar and returns their
+  share of the row's (L, P) sums, [heads, C] each."""
+  q_ref, k_ref, w_ref, la_ref = refs[:4]
+  wt_out, g_out, kbar_out, qbar_out = refs[len(refs) - 4 :]
   t_last = r0 + C - 1
-  q, k = (x[b, r, hs, :].astype(jnp.float32) for x in (q_ref, k_ref))
-  w = write_rows(w_ref, k_ref, b, r, hs)
+  q, k = (x[b, r, hs, ks].astype(jnp.float32) for x in (q_ref, k_ref))
+  w = write_rows(w_ref, k_ref, b, r, hs, ks)
   pid_r = pid_ref[b, r] if has_seg else None
-  la_row = lambda j: la_ref[b, j, hs, :].astype(jnp.float32)
+  la_row = lambda j: la_ref[b, j, hs, ks].astype(jnp.float32)
 
   def pair(j, decay):
     """Column j's kept L and scaled P values, [heads] each; decay = g_r - g_j ([heads, K]).
@@ -67,7 +84,7 @@ def _pair_token_loop_kernel(*refs, chunk, scale, has_seg, heads, write_g, exp):
     chunk, and fl(g + la) <= g for la <= 0, so no clamp (4 of the column step's 88 instructions;
     docs/decisions.md). With segments g restarts at a reset, and a masked pair across one could
     overflow exp: clamped."""
-    wj, beta = write_parts(w_ref, k_ref, b, j, hs)  # (beta: applied after the sums)
+    wj, beta = write_parts(w_ref, k_ref, b, j, hs, ks)  # (beta: applied after the sums)
     e = exp(jnp.minimum(decay, 0.0) if has_seg else decay) * wj
     kw, qw = (times_beta(jnp.sum(x * e, axis=1), beta) for x in (k, q))
     keep_l, keep_p = j < r, True
@@ -95,26 +112,24 @@ def _pair_token_loop_kernel(*refs, chunk, scale, has_seg, heads, write_g, exp):
     s = jnp.where(pid_ref[b, j] == pid_r, s + la_j, s) if has_seg else s + la_j
     return s, acc
 
-  g, (lrow, prow) = lax.fori_loop(0, r - r0 + 1, down, (jnp.zeros_like(q), (zeros, zeros)))
+  g, rows = lax.fori_loop(0, r - r0 + 1, down, (jnp.zeros_like(q), (zeros, zeros)))
   if write_g:
-    g_out[b, r, hs, :] = g
+    g_out[b, r, hs, ks] = g
   else:
 
     @pl.when(r == t_last)
     def _():
-      g_out[b, r // C, hs, :] = g
+      g_out[b, r // C, hs, ks] = g
 
   to_last = lax.fori_loop(r + 1, t_last + 1, lambda j, s: s + la_row(j), jnp.zeros_like(q))
-  row = (b, hs, r, pl.ds(0, C))
-  l_out[row] = lrow.astype(l_out.dtype)
-  p_out[row] = prow.astype(p_out.dtype)
   e_last = exp(jnp.minimum(to_last, 0.0))
   if has_seg:
     e_last = jnp.where(pid_r == pid_ref[b, t_last], e_last, 0.0)
-  wt_out[b, r, hs, :] = (w * e_last).astype(wt_out.dtype)
+  wt_out[b, r, hs, ks] = (w * e_last).astype(wt_out.dtype)
   e = exp(g)  # (Qbar as (scale q) exp(g), one exp for both)
-  kbar_out[b, r, hs, :] = (k * e).astype(kbar_out.dtype)
-  qbar_out[b, r, hs, :] = ((scale * q) * e).astype(qbar_out.dtype)
+  kbar_out[b, r, hs, ks] = (k * e).astype(kbar_out.dtype)
+  qbar_out[b, r, hs, ks] = ((scale * q) * e).astype(qbar_out.dtype)
+  return rows
 
 
 class Pairs(NamedTuple):
@@ -157,6 +172,7 @@ def pair_forward(q, k, w, la, pid, *, chunk, scale, interpret, cfg, cfg_prec, wr
       heads=heads,
       write_g=write_g,
       exp=exp_for_mode(cfg_prec),  # (the kernels' exp: kernel_math)
+      ktiles=key_tiles(kd, cfg),
     ),
     out_shape=out_shape,
     grid=(bsz, t, nh // heads),

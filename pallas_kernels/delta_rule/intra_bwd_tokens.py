@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.delta_rule.tiles import launch_params, times_beta, write_parts
+from pallas_kernels.delta_rule.tiles import key_tiles, launch_params, times_beta, write_parts
 from pallas_kernels.kernel_math import exp_for_mode
 
 # The kernel's inputs, in order (then pid with segments): q, k, w, g and the partials.
@@ -44,13 +44,28 @@ def _vblock_sum(ref, b, h, num_vb, *idx):
   return acc
 
 
-def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads, exp):
+def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads, exp, ktiles):
+  """Token t = program_id(1)'s gradients for `heads` heads, key tile by key tile (ktiles:
+  tiles.key_tiles; every term is per channel but a scalar write's gradient, a sum over K)."""
   names = _INPUTS + (("pid",) if has_seg else ())
   r = dict(zip(names, refs[: len(names)]))
-  dq_ref, dk_ref, dw_ref, dg_ref, dla_ref = refs[len(names) :]
-  b, t, hb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  outs = refs[len(names) :]
+  b, t = pl.program_id(0), pl.program_id(1)
+  hs = pl.ds(pl.program_id(2) * heads, heads)
+  kw = dict(chunk=chunk, scale=scale, has_seg=has_seg, num_vb=num_vb, exp=exp)
+  dbeta = None
+  for ks in ktiles:
+    part = _token_key_tile(r, outs, b, t, hs, ks, **kw)
+    dbeta = part if dbeta is None else dbeta + part
+  if dbeta is not None:  # a scalar write: its gradient <dw, k>, summed over the key tiles
+    outs[2][b, t, hs] = dbeta
+
+
+def _token_key_tile(r, outs, b, t, hs, ks, *, chunk, scale, has_seg, num_vb, exp):
+  """Token t's dq, dk, dw, dg and direct log-decay term on the key columns ks; with a scalar
+  write, returns the columns' share of its gradient (None otherwise)."""
+  dq_ref, dk_ref, dw_ref, dg_ref, dla_ref = outs
   C = chunk
-  hs = pl.ds(hb * heads, heads)
   c = lax.div(t, jnp.asarray(C, t.dtype))  # (C as t's int32: under x64 a Python int is int64)
   r0 = c * C
   t_last = r0 + C - 1
@@ -58,7 +73,7 @@ def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads, exp):
   f32 = jnp.float32
 
   def row(name, j):
-    return r[name][b, j, hs, :].astype(f32)
+    return r[name][b, j, hs, ks].astype(f32)
 
   def vsum(name, *idx):
     return _vblock_sum(r[name], b, hs, num_vb, *idx)
@@ -76,7 +91,7 @@ def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads, exp):
 
   def row_step(j, acc):
     dq_acc, dk_acc = acc
-    wj, beta = write_parts(r["w"], r["k"], b, j, hs)  # (beta: folded into dP and dL)
+    wj, beta = write_parts(r["w"], r["k"], b, j, hs, ks)  # (beta: folded into dP and dL)
     we = wj * exp(jnp.minimum(g - row("g", j), 0.0))
     dpj = times_beta(same(j, scale * vsum("dp", t, j - r0)), beta)[:, None]
     dlj = times_beta(same(j, vsum("dl", t, j - r0)), beta)[:, None]
@@ -94,25 +109,27 @@ def _token_kernel(*refs, chunk, scale, has_seg, num_vb, heads, exp):
   # P's diagonal (decay factor exactly 1) enters apart: its contributions to dg cancel exactly,
   # and leaving them in the loops would swamp tiny decay gradients with rounding noise.
   p_diag = scale * vsum("dp", t, i)[:, None]
-  dwt, dkbar, dqbar = (vsum(n, t, slice(None)) for n in ("dwt", "dkbar", "dqbar"))
+  dwt, dkbar, dqbar = (vsum(n, t, ks) for n in ("dwt", "dkbar", "dqbar"))
   # exp(g_last - g_t), zero outside the chunk's last segment
   e_last = exp(jnp.minimum(row("g", t_last) - g, 0.0))
   if has_seg:
     e_last = jnp.where(r["pid"][b, t_last] == pid_t, e_last, 0.0)
   e0 = exp(g)
-  out = (b, t, hs, slice(None))
+  out = (b, t, hs, ks)
   dq_ref[out] = (dq_acc + p_diag * w + scale * dqbar * e0).astype(dq_ref.dtype)
   dw = dw_acc + p_diag * q + dwt * e_last
   dk = dk_acc + dkbar * e0
+  dbeta = None
   if beta_t is not None:  # through write = beta k: d beta = <dw, k>, and k's share beta dw
     dk = dk + beta_t[:, None] * dw
-    dw_ref[b, t, hs] = jnp.sum(dw * k, axis=1)
+    dbeta = jnp.sum(dw * k, axis=1)
   else:
     dw_ref[out] = dw
   dk_ref[out] = dk.astype(dk_ref.dtype)
   dg = q * dq_acc + k * dk_acc - w * dw_acc + dqbar * ((scale * q) * e0) + dkbar * (k * e0)
-  dg_ref[out] = dg + jnp.where(t == t_last, vsum("dgl", c, slice(None)), 0.0)
+  dg_ref[out] = dg + jnp.where(t == t_last, vsum("dgl", c, ks), 0.0)
   dla_ref[out] = dwt * w * e_last
+  return dbeta
 
 
 def intra_backward_tokens(
@@ -150,6 +167,7 @@ def intra_backward_tokens(
       num_vb=partials[0].shape[2],
       heads=heads,
       exp=exp_for_mode(cfg_prec),
+      ktiles=key_tiles(kd, cfg),
     ),
     out_shape=(lane(dq_dtype), lane(dk_dtype), jax.ShapeDtypeStruct(w.shape, jnp.float32))
     + (lane(),) * 2,

@@ -11,7 +11,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.delta_rule.tiles import by_reset, chunk_output, kernel_precision, launch_params
+from pallas_kernels.delta_rule.tiles import (
+  by_reset,
+  chunk_output,
+  kernel_precision,
+  launch_params,
+  value_block,
+)
 
 
 def _output_kernel(*refs, chunk, has_seg, block_v, prec):
@@ -59,7 +65,7 @@ def output_forward(
   vd = delta.shape[-1]
   has_seg = cont is not None
   prec = kernel_precision(cfg_prec, interpret)
-  bv_par = min(cfg.block_v_parallel, vd)
+  bv_par = value_block(cfg, qbar.shape[-1], vd, parallel=True)
   out_in = [qbar, pmat, delta, states, h0] + ([cont] if has_seg else [])
   grid = (vd // bv_par, t // chunk, bsz * nh)
   return pl.pallas_call(

@@ -22,6 +22,7 @@ from pallas_kernels.delta_rule.tiles import (
   launch_params,
   operand_dtype,
   state_dtype,
+  value_block,
 )
 from pallas_kernels.kernel_math import exp_for_mode
 
@@ -165,7 +166,7 @@ def _call(u, wk, wt, g, h0, cont, out_in, *, chunk, interpret, cfg, cfg_prec, ou
       "(g_last)"
     )
   prec = kernel_precision(cfg_prec, interpret)
-  block_v = min(cfg.block_v, vd)
+  block_v = value_block(cfg, kd, vd, parallel=False)
   first = jax.ShapeDtypeStruct(u.shape, out_dtype if fuse_output else operand_dtype(prec))
   out_shape = [first, jax.ShapeDtypeStruct((bsz, nh, kd, vd), jnp.float32)]
   if not fuse_output:  # the chunk-start states, which the output stage reads

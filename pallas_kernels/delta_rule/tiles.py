@@ -43,21 +43,39 @@ def tile(ref, b, t0, c, h, f32=True):
   return x.astype(jnp.float32) if f32 else x
 
 
-def write_parts(w_ref, k_ref, b, t, h):
-  """The write direction at (b, t, h) (t and h an index or a pl.ds) as (rows, beta), fp32:
-  (w_ref's rows, None) for a [B, T, H, K] write; for a per-token scalar write ([B, T, H]:
-  write = beta k), (k's rows, beta), so that no [B, T, H, K] write array goes through memory
-  and a kernel can apply beta after reducing over K (one multiply per row, not per
-  element)."""
+def write_parts(w_ref, k_ref, b, t, h, ks=slice(None)):
+  """The write direction at (b, t, h) (t and h an index or a pl.ds) as (rows, beta), fp32, on
+  the key columns ks: (w_ref's rows, None) for a [B, T, H, K] write; for a per-token scalar
+  write ([B, T, H]: write = beta k), (k's rows, beta), so that no [B, T, H, K] write array goes
+  through memory and a kernel can apply beta after reducing over K (one multiply per row, not
+  per element)."""
   if len(w_ref.shape) == 4:
-    return w_ref[b, t, h, :].astype(jnp.float32), None
-  return k_ref[b, t, h, :].astype(jnp.float32), w_ref[b, t, h].astype(jnp.float32)
+    return w_ref[b, t, h, ks].astype(jnp.float32), None
+  return k_ref[b, t, h, ks].astype(jnp.float32), w_ref[b, t, h].astype(jnp.float32)
 
 
-def write_rows(w_ref, k_ref, b, t, h):
+def write_rows(w_ref, k_ref, b, t, h, ks=slice(None)):
   """The write direction's rows at (b, t, h), fp32 (write_parts with beta applied)."""
-  rows, beta = write_parts(w_ref, k_ref, b, t, h)
+  rows, beta = write_parts(w_ref, k_ref, b, t, h, ks)
   return rows if beta is None else beta[..., None] * rows
+
+
+def key_tiles(kd, cfg):
+  """The key-column slices the intra-chunk kernels (pair, WY, intra backward) loop over: all of
+  K (slice(None), the program a K <= block_k kernel always ran) or tiles of cfg.block_k."""
+  if kd <= cfg.block_k:
+    return [slice(None)]
+  return [pl.ds(i * cfg.block_k, cfg.block_k) for i in range(kd // cfg.block_k)]
+
+
+def value_block(cfg, kd, vd, parallel):
+  """The value columns one program of the recurrent (parallel=False) or parallel kernels holds
+  at key width kd: block_v / block_v_parallel, or their wide_ fields when K > block_k."""
+  if kd > cfg.block_k:
+    bv = cfg.wide_block_v_parallel if parallel else cfg.wide_block_v
+  else:
+    bv = cfg.block_v_parallel if parallel else cfg.block_v
+  return min(bv, vd)
 
 
 def times_beta(x, beta):

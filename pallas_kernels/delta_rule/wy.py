@@ -22,13 +22,15 @@ from pallas_kernels.delta_rule.tiles import (
   by_reset,
   dot,
   kernel_precision,
+  key_tiles,
   launch_params,
   operand_dtype,
   tile,
+  value_block,
 )
 
 
-def _wy_kernel(*refs, chunk, has_seg, block_v, prec):
+def _wy_kernel(*refs, chunk, has_seg, block_v, prec, ktiles):
   names = ["l", "kbar", "v", "h0"] + (["cont"] if has_seg else [])
   r = dict(zip(names, refs[: len(names)]))
   a_out, wk_out, u_out = refs[len(names) :]
@@ -38,27 +40,36 @@ def _wy_kernel(*refs, chunk, has_seg, block_v, prec):
   rows = pl.ds(t0, C)
   amat = unit_lower_inverse(r["l"][b, h, rows, :], C)
   a_out[b, h, rows, :] = amat.astype(a_out.dtype)
-  kbar = tile(r["kbar"], b, t0, C, h)
+  # Kbar key tile by key tile (tiles.key_tiles): only a [C, block_k] tile live at a time; one
+  # tile (K <= block_k) is loaded once for both products.
+  whole = tile(r["kbar"], b, t0, C, h) if len(ktiles) == 1 else None
+
+  def kbar(ks):
+    return whole if whole is not None else r["kbar"][b, rows, h, ks].astype(jnp.float32)
+
   by_reset(
     r.get("cont"),
     b,
     t0 + C - 1,
-    lambda seg: _wk_u(r, wk_out, u_out, amat, kbar, b, h, t0, C, seg, block_v, prec),
+    lambda seg: _wk_u(r, wk_out, u_out, amat, kbar, ktiles, b, h, t0, C, seg, block_v, prec),
   )
 
 
-def _wk_u(r, wk_out, u_out, amat, kbar, b, h, t0, C, seg, block_v, prec):
-  """W and U of the chunk; seg: the chunk holds a reset (rows after it: Kbar_c = 0 and V' =
-  V - Kbar S_init)."""
+def _wk_u(r, wk_out, u_out, amat, kbar, ktiles, b, h, t0, C, seg, block_v, prec):
+  """W and U of the chunk (kbar(ks): Kbar's key columns ks, fp32); seg: the chunk holds a reset
+  (rows after it: Kbar_c = 0 and V' = V - Kbar S_init)."""
   rows = pl.ds(t0, C)
   cont = r["cont"][b, rows][:, None] if seg else None
-  wk_out[b, rows, h, :] = dot(amat, kbar * cont if seg else kbar, prec).astype(wk_out.dtype)
-  # U in V blocks: only a [C, block_v] value tile (and S_init's [K, block_v]) live at a time.
+  for ks in ktiles:
+    kb = kbar(ks)
+    wk_out[b, rows, h, ks] = dot(amat, kb * cont if seg else kb, prec).astype(wk_out.dtype)
+  # U in V blocks: only a [C, block_v] value tile (and S_init's [block_k, block_v]) live at a time.
   for vb in range(r["v"].shape[-1] // block_v):
     vs = pl.ds(vb * block_v, block_v)
     v = r["v"][b, rows, h, vs].astype(jnp.float32)
     if seg:  # rows after a reset inside the chunk start from S_init, known up front
-      v = v - dot(kbar * (1.0 - cont), r["h0"][b, h, :, vs], prec)
+      for ks in ktiles:
+        v = v - dot(kbar(ks) * (1.0 - cont), r["h0"][b, h, ks, vs], prec)
     u_out[b, rows, h, vs] = dot(amat, v, prec).astype(u_out.dtype)
 
 
@@ -82,7 +93,8 @@ def wy_forward(lmat, kbar, v, h0, cont, *, chunk, interpret, cfg, cfg_prec):
       _wy_kernel,
       chunk=chunk,
       has_seg=has_seg,
-      block_v=min(cfg.block_v_parallel, vd),
+      block_v=value_block(cfg, kd, vd, parallel=True),
+      ktiles=key_tiles(kd, cfg),
       prec=prec,
     ),
     out_shape=out_shape,

@@ -53,6 +53,7 @@ def _run(
   front = len(gate) == 5
   op = ("diag_gain" if diag else "iso_gain") + ("_fused" if front else "")
   inputs.check_gate(op, diag, front, k, gate, p0)
+  common.check_chunk_width(op, "K", k.shape[-1])
   if front and not r_min > 0:
     raise ValueError(f"{op}: r_min must be > 0, got {r_min}")
   gain_dtype = inputs.gain_dtype(gain_dtype)

@@ -142,6 +142,8 @@ def test_delta_rule_fp32(t, chunk, scalar_decay, decay, segs):
     dict(pair_heads=4, cumsum_block=1),
     # the decayed operands (default) read by state pass and output kernel in two V blocks each
     dict(block_v=32, block_v_parallel=32),
+    # K in key tiles of 16 (pair, WY, intra backward) and the wide V blocks of the [K, V] ones
+    dict(block_k=16, wide_block_v=16, wide_block_v_parallel=32),
   ],
 )
 def test_delta_rule_kernel_variants(variant):
@@ -161,6 +163,8 @@ def test_delta_rule_kernel_variants(variant):
   "variant,dtype,scalar_decay",
   [
     ({}, jnp.float32, False),
+    # key tiles: beta's gradient summed over them
+    (dict(block_k=16), jnp.float32, False),
     ({}, jnp.bfloat16, True),  # GDN's: with a [B, T, H] decay
     ({}, jnp.bfloat16, False),  # KDA's: per-channel decay
   ],
@@ -293,10 +297,18 @@ def test_delta_rule_bf16_states():
     )
 
 
-def test_delta_rule_unsupported_width():
-  x = jnp.zeros((1, 4, 1, 48))
-  with pytest.raises(NotImplementedError):
-    delta_rule(x, x, x, x, x, 1.0, jnp.zeros((1, 1, 48, 48)))
+@pytest.mark.parametrize(
+  "kd,vd,match",
+  [
+    (384, 16, r"delta_rule: K must be <= 256 and one of \(16, 32, 64, 128, 256\), got K=384"),
+    (16, 48, "delta_rule: V must be <= 256 .* got V=48"),
+  ],
+)
+def test_delta_rule_unsupported_width(kd, vd, match):
+  """One line naming the width; kdn_jax.ops pads and tiles other widths onto these."""
+  x, v = jnp.zeros((1, 4, 1, kd)), jnp.zeros((1, 4, 1, vd))
+  with pytest.raises(ValueError, match=match):
+    delta_rule(x, x, v, x, x, 1.0, jnp.zeros((1, 1, kd, vd)))
 
 
 def test_delta_rule_tpu_interpret_matches():
@@ -330,6 +342,8 @@ def test_delta_rule_precision_argument():
   [
     dict(block_v=48),
     dict(block_v_parallel=96),
+    dict(wide_block_v=24),
+    dict(block_k=8),
     dict(max_chunk=0),
     dict(pair_heads=3),
     dict(num_warps_intra_bwd=0),

@@ -43,18 +43,19 @@ def _triton_kernels(text):
   return set(re.findall(r"(?:delta_rule|kdn_gain|causal_conv1d|gated_norm)_[a-z_]+", text))
 
 
-def _op_inputs(dtype, t=80):
+def _op_inputs(dtype, t=80, d=64):
   seg = (jnp.arange(t)[None, :] >= 37).astype(jnp.int32)
-  return ops_cases.random_kdn_inputs(dtype, t=t) + (seg,)
+  return ops_cases.random_kdn_inputs(dtype, t=t, d=d) + (seg,)
 
 
-@pytest.mark.parametrize("variant", [{}, dict(cumsum_block=1)])
+@pytest.mark.parametrize("variant,d", [({}, 64), (dict(cumsum_block=1), 64), ({}, 256)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
+def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, d, dtype):
   """diag KDN forward and backward (gain kernels, pair, WY, state pass, output, the backward
-  kernels), with a segment reset, with the reverse cumsum's loads blocked and plain; in bf16 the
-  gates too (the kernels store every gradient in its input's dtype)."""
-  q, k, v, la, om, r, seg = _op_inputs(dtype)
+  kernels), with a segment reset, with the reverse cumsum's loads blocked and plain, and at
+  K = V = 256 (key tiles, the wide V blocks); in bf16 the gates too (the kernels store every
+  gradient in its input's dtype)."""
+  q, k, v, la, om, r, seg = _op_inputs(dtype, d=d)
   la, om, r = (x.astype(dtype) for x in (la, om, r))
 
   kc = KernelConfigs(delta_rule=dr_config.DeltaRuleConfig(**variant))
@@ -84,11 +85,13 @@ def test_kdn_op_lowers_for_cuda(as_on_gpu, variant, dtype):
   assert expected <= kernels, expected - kernels
 
 
-def test_scalar_write_lowers_for_cuda(as_on_gpu):
+@pytest.mark.parametrize("d", [64, 256])
+def test_scalar_write_lowers_for_cuda(as_on_gpu, d):
   """KDA with beta [B, T, H] (the write beta k formed in the pair kernel and the intra backward,
-  which also sums beta's gradient), bf16, a reset: forward and backward lower, and beta reaches
-  the kernels as [B, T, H] (no [B, T, H, K] write made in XLA)."""
-  q, k, v, la, _, r, seg = _op_inputs(jnp.bfloat16)
+  which also sums beta's gradient, over the key tiles at K = 256), bf16, a reset: forward and
+  backward lower, and beta reaches the kernels as [B, T, H] (no [B, T, H, K] write made in
+  XLA)."""
+  q, k, v, la, _, r, seg = _op_inputs(jnp.bfloat16, d=d)
   beta = jax.nn.sigmoid(r).astype(jnp.bfloat16)
 
   def loss(q, k, v, la, beta):
@@ -326,12 +329,12 @@ def test_iso_scalar_replay_lowers_for_cuda(as_on_gpu, layer, heads, grad):
   assert ({"kdn_gain_bwd_reduce", "kdn_gain_bwd_replay"} <= kernels) == grad, kernels
 
 
-@pytest.mark.parametrize("kd,vd", [(128, 256), (48, 320)])
+@pytest.mark.parametrize("kd,vd", [(128, 384), (48, 320)])
 def test_any_width_lowers_for_cuda(as_on_gpu, kd, vd):
-  """The diag (and at K = 128 the iso) KDN op fwd+bwd, bf16 with a reset, at K = 128, V = 256
-  (two column tiles of the widest kernel width) and at K = 48, V = 320 (ops/widths.py: K padded
-  to 64, V in tiles of 128, 128 and 64): every kernel lowers (Triton takes power-of-two arrays
-  only), the delta rule once per V tile."""
+  """The diag (and at K = 128 the iso) KDN op fwd+bwd, bf16 with a reset, at K = 128, V = 384
+  (column tiles of the widest kernel width, 256, and 128) and at K = 48, V = 320 (ops/widths.py:
+  K padded to 64, V in tiles of 256 and 64): every kernel lowers (Triton takes power-of-two
+  arrays only), the delta rule once per V tile."""
   b, t, h = 1, 40, 2
   ks = jax.random.split(jax.random.PRNGKey(0), 6)
   q, k = (jax.random.normal(x, (b, t, h, kd)).astype(jnp.bfloat16) for x in ks[:2])
@@ -357,7 +360,7 @@ def test_any_width_lowers_for_cuda(as_on_gpu, kd, vd):
       "delta_rule_recur_bwd",
       "delta_rule_intra_bwd_tokens",
     } <= kernels
-    tiles = -(-vd // 128)
+    tiles = -(-vd // max(common.CHUNK_WIDTHS))
     # (one forward state pass per tile, counted with the guard that runs the op once:
     # kdn_jax/ops/nonfinite.py's default also lowers the fallback's)
     with nonfinite.scheme("inputs"):

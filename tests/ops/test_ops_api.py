@@ -184,7 +184,7 @@ BAD_INPUTS = [
     lambda x: ops.delta_rule(*(jnp.zeros((1, 4, 1, 300)),) * 5, impl="pallas"),
     ValueError,
     "delta_rule: impl='pallas': K (key width) = 300 is not supported by the Pallas kernels "
-    "(at most 128)",
+    "(at most 256)",
   ),
   # Grouped value heads: v's heads a multiple of q's and k's.
   (
@@ -259,15 +259,15 @@ def test_auto_falls_back_with_the_reason_logged_once(monkeypatch, caplog):
   monkeypatch.setattr(dispatch, "_FALLBACKS_LOGGED", set())
   caplog.set_level(logging.WARNING)
   # (any K up to the widest kernel width and any V: ops/widths.py pads and tiles them)
-  for kd, vd in ((16, 16), (8, 8), (48, 96), (128, 512)):
+  for kd, vd in ((16, 16), (8, 8), (48, 96), (128, 512), (256, 256), (200, 16)):
     assert dispatch.resolve_impl("diag_kdn", "auto", kd, vd, None) == "pallas"
   for _ in range(2):
-    assert dispatch.resolve_impl("diag_kdn", "auto", 256, 16, None) == "chunked"
+    assert dispatch.resolve_impl("diag_kdn", "auto", 384, 16, None) == "chunked"
   assert dispatch.resolve_impl("diag_kdn", "auto", 16, 16, 8) == "chunked"
   msgs = [r.getMessage() for r in caplog.records if "impl='auto'" in r.getMessage()]
   assert msgs == [
-    "diag_kdn: impl='auto' uses 'chunked': K (key width) = 256 is not "
-    "supported by the Pallas kernels (at most 128)",
+    "diag_kdn: impl='auto' uses 'chunked': K (key width) = 384 is not "
+    "supported by the Pallas kernels (at most 256)",
     "diag_kdn: impl='auto' uses 'chunked': chunk_size = 8 is not supported "
     "by the Pallas kernels (supported: 16, 32, 64, 128 or None)",
   ], msgs

@@ -49,10 +49,10 @@ def test_packed_segments_match_token_loop(family, impl):
 
 
 # Head widths the Pallas kernels do not take as they are (ops/widths.py pads K and V and splits V
-# into tiles of 128): every impl meets each of K, V in {8, 48, 96, 256} once, each family another
-# pair, across a chunk edge. Pallas (interpret mode): the diag gain padded, the iso gain padded
-# (its mean over K), per-channel and scalar decays, V = 256 as two tiles; its K stops at 128
-# (K = 256 runs on chunked: the backward does not fit an H100's shared memory).
+# into tiles of 256) and the widest they take: every impl meets each of K, V in {8, 48, 96, 256}
+# once, each family another pair, across a chunk edge. Pallas (interpret mode): the diag gain
+# padded, the iso gain padded (its mean over K), per-channel and scalar decays, K = 256 in key
+# tiles (the wide widths' gradients: test_ops_grad.py, test_wide_heads_match_token_loop).
 WIDTHS = ((8, 96), (48, 256), (96, 8), (256, 48))
 WIDTH_CASES = [
   (f, impl, WIDTHS[(i + shift) % 4])
@@ -64,8 +64,6 @@ WIDTH_CASES = [
 @pytest.mark.parametrize("family,impl,widths", WIDTH_CASES)
 def test_any_width_matches_token_loop(family, impl, widths):
   kd, vd = widths
-  if impl == "pallas":
-    kd = min(kd, 128)
   x = make_inputs(family, 1, 20, H, kd, vd, seed=kd + vd)
   check(
     family, x, impl, state=make_state(family, 1, H, kd, vd), chunk_size=16, jit=impl == "pallas"
@@ -78,7 +76,7 @@ def test_value_tiles_match_token_loop(monkeypatch):
   padded to 16, K = 24 padded to 32; outputs and final states as the loop's."""
   import pallas_kernels  # pylint: disable=g-import-not-at-top
 
-  monkeypatch.setattr(pallas_kernels.common, "SUPPORTED_WIDTHS", (16, 32))
+  monkeypatch.setattr(pallas_kernels.common, "CHUNK_WIDTHS", (16, 32))
   real, widths_seen = pallas_kernels.delta_rule, []
 
   def spy(q, k, v, *args, **kwargs):

@@ -28,25 +28,29 @@ def _mu(h, kd):
   return np.linspace(0.5, 2.0, h) * kd
 
 
-def _loss_fn(family, impl, segment_ids, kernel_config=None):
-  """Scalar loss of (inputs..., state..., info_scale) touching outputs and
-  final state."""
+def _outputs_fn(family, impl, segment_ids, kernel_config=None):
+  """(o, final state tuple) of (inputs..., state..., info_scale)."""
 
-  def loss(*args):
+  def outputs(*args):
     kw = dict(impl=impl, output_final_state=True, segment_ids=segment_ids, chunk_size=16)
     kw.update(kernel_config=kernel_config)
     if family in ("diag", "iso"):
       q, k, v, la, om, r, mem, var, mu = args
       fn = ops.diag_kdn if family == "diag" else ops.iso_kdn
       o, st = fn(q, k, v, la, om, r, info_scale=mu, initial_state=ops.KDNState(mem, var), **kw)
-      final = (st.memory, st.variance)
-    else:
-      q, k, v, la, w, mem = args
-      o, s = ops.delta_rule(q, k, v, la, w, initial_state=mem, **kw)
-      final = (s,)
-    return _weighted(o, final)
+      return o, (st.memory, st.variance)
+    q, k, v, la, w, mem = args
+    o, s = ops.delta_rule(q, k, v, la, w, initial_state=mem, **kw)
+    return o, (s,)
 
-  return loss
+  return outputs
+
+
+def _loss_fn(family, impl, segment_ids, kernel_config=None):
+  """Scalar loss of (inputs..., state..., info_scale) touching outputs and
+  final state."""
+  outputs = _outputs_fn(family, impl, segment_ids, kernel_config)
+  return lambda *args: _weighted(*outputs(*args))
 
 
 def _weighted(o, final):
@@ -57,21 +61,27 @@ def _weighted(o, final):
   return total
 
 
-def _oracle_loss(family, segment_ids, kd):
+def _oracle_outputs(family, segment_ids, kd):
+  """_outputs_fn's (o, final state tuple) from the float64 token loop."""
   scale = kd**-0.5
 
-  def loss(*args):
+  def outputs(*args):
     if family in ("diag", "iso"):
       q, k, v, la, om, r, mem, var, mu = args
       o, s, p = kdn_oracle.kdn(
         q, k, v, la, om, r, mem, var, mu, scale, family == "diag", segment_ids
       )
-      return _weighted(o, (s, p))
+      return o, (s, p)
     q, k, v, la, w, mem = args
     o, s = kdn_oracle.delta_rule(q, k, v, la, w, mem, scale, segment_ids)
-    return _weighted(o, (s,))
+    return o, (s,)
 
-  return loss
+  return outputs
+
+
+def _oracle_loss(family, segment_ids, kd):
+  outputs = _oracle_outputs(family, segment_ids, kd)
+  return lambda *args: _weighted(*outputs(*args))
 
 
 def _arrays(family, x, state, h, kd):
@@ -148,6 +158,46 @@ def test_grads_at_any_width_with_grouped_heads(family, impl, kd, vd):
   assert got[0].shape == x["q"].shape and got[1].shape == x["k"].shape
   for name, g, w in zip(names, got, want):
     assert np.all(np.isfinite(g)), name
+    assert rel_err(g, np.asarray(w)) <= 1e-4, (name, rel_err(g, np.asarray(w)))
+
+
+# Head widths above 128 on the Pallas kernels (key tiles in the intra-chunk kernels, narrower V
+# blocks in the [K, V] ones: DeltaRuleConfig.block_k, wide_block_v*): each op at K = 256 and each
+# of K = V = 256, K = 256 with V = 64, K = 64 with V = 256; T ragged (chunk 16) with a reset
+# inside a chunk; one case under x64. B = H = 1: interpret mode at K = 256 is the slow part.
+WIDE_CASES = [
+  ("diag", 256, 256, False),
+  ("iso", 256, 64, False),
+  ("delta_channel", 64, 256, False),
+  ("delta_scalar", 256, 256, True),
+]
+
+
+@pytest.mark.parametrize("family,kd,vd,x64", WIDE_CASES)
+def test_wide_heads_match_token_loop(family, kd, vd, x64):
+  """Outputs, final states and every gradient at widths above 128 on impl='pallas' against the
+  float64 token loop."""
+  b, t, h = 1, 37, 1
+  x = round_f32(make_inputs(family, b, t, h, kd, vd, seed=kd + vd))
+  state = round_f32(dict(enumerate(make_state(family, b, h, kd, vd))))
+  names, arrays = _arrays(family, x, [state[i] for i in sorted(state)], h, kd)
+  seg = jnp.asarray([[0] * 9 + [1] * (t - 9)])
+
+  def values_and_grads(fn, dtype):
+    outs, vjp = jax.vjp(jax.jit(fn), *(jnp.asarray(a, dtype) for a in arrays))
+    o, final = outs
+    # the cotangents _weighted's loss gives: every output and final-state element matters
+    cts = jax.grad(_weighted, (0, 1))(o.astype(dtype), tuple(f.astype(dtype) for f in final))
+    return (o, *final), vjp(cts)
+
+  with jax.enable_x64(x64):
+    got, got_grads = values_and_grads(_outputs_fn(family, "pallas", seg), jnp.float32)
+  with jax.enable_x64(True):
+    want, want_grads = values_and_grads(_oracle_outputs(family, seg, kd), jnp.float64)
+  for name, g, w in zip(("output", "memory", "variance"), got, want):
+    assert rel_err(g, np.asarray(w)) <= 1e-5, (name, rel_err(g, np.asarray(w)))
+  for name, g, w in zip(names, got_grads, want_grads):
+    assert g.shape == w.shape and np.all(np.isfinite(g)), name
     assert rel_err(g, np.asarray(w)) <= 1e-4, (name, rel_err(g, np.asarray(w)))
 
 
