@@ -47,12 +47,10 @@ import hashlib
 import math
 import os
 import shutil
-import sys
 import time
 
 import numpy as np
-from absl import app, flags, logging
-from absl import flags as absl_flags
+from absl import app, flags
 
 from configs import copying as study_config
 from experiments.runner import cli, config_lib
@@ -88,8 +86,10 @@ DEFAULTS = {
 WARMUP_FRACTION = 0.05
 THROUGHPUT_STEPS = 40  # steps per shape measured (the first logged interval holds the compile)
 
+DRIVER_FLAGS = "post_lr_scale"
+
+# this study's own flags; those every study takes: study_driver.define_flags below
 FLAGS = flags.FlagValues()
-flags.DEFINE_enum("preset", "tiny", PRESETS, "tiny (CPU, a minute) or gpu", flag_values=FLAGS)
 flags.DEFINE_list("arms", [], "arms (mamba2, kdn_diag; default: the preset's)", flag_values=FLAGS)
 flags.DEFINE_list("sizes", [], "sizes (tiny, 5m, 15m, 45m)", flag_values=FLAGS)
 flags.DEFINE_list("trains", [], "training arms (zero, sp, cap)", flag_values=FLAGS)
@@ -97,37 +97,19 @@ flags.DEFINE_string("seeds", "", "seeds (default gpu: 0,1,2)", flag_values=FLAGS
 flags.DEFINE_list(
   "cells", [], "<arm>.<size>.<train>.s<seed> cells (default: every combination)", flag_values=FLAGS
 )
-flags.DEFINE_list(
-  "strategies", list(STRATEGIES), "post-trainings of the zero cells", flag_values=FLAGS
-)
 flags.DEFINE_integer(
   "sequences", 0, "training sequences per cell (0: the preset's)", flag_values=FLAGS
 )
 flags.DEFINE_float("post_fraction", 0.1, "post-training steps / training", flag_values=FLAGS)
-flags.DEFINE_float("post_lr_scale", 0.1, "post-training peak rate / training", flag_values=FLAGS)
 flags.DEFINE_list(
   "lengths", [], "evaluated copy lengths (default: the preset's)", flag_values=FLAGS
 )
 flags.DEFINE_integer("examples", 0, "strings per length (0: the preset's)", flag_values=FLAGS)
 flags.DEFINE_integer("eval_seed", 1234, "the seed of the evaluation strings", flag_values=FLAGS)
 flags.DEFINE_integer("batch", 0, "rows per evaluation forward (0: the preset's)", flag_values=FLAGS)
-flags.DEFINE_string(
-  "workdir", "", "run folders (default /tmp/kdn_copying_<preset>)", flag_values=FLAGS
-)
-flags.DEFINE_string(
-  "results", "", "JSON folder (default <workdir>/results/<preset>)", flag_values=FLAGS
-)
-flags.DEFINE_bool(
-  "publish", False, "copy the results into docs/results (copying/<preset>)", flag_values=FLAGS
-)
-flags.DEFINE_integer("parallel", 1, "cells at once as separate processes", flag_values=FLAGS)
-flags.DEFINE_integer("deadline_s", 0, "stop cleanly after this many seconds", flag_values=FLAGS)
 flags.DEFINE_bool(
   "measure_throughput", False, "time each cell shape a few steps; no study", flag_values=FLAGS
 )
-flags.DEFINE_string("machine", "", "where the study ran (commands.json)", flag_values=FLAGS)
-flags.DEFINE_list("override", [], "run-config overrides, key=value", flag_values=FLAGS)
-flags.DEFINE_bool("child", False, "internal: one cell of a --parallel study", flag_values=FLAGS)
 
 
 # ------------------------------------------------------------------------------------------ cells
@@ -522,42 +504,20 @@ def protocol(plan) -> str:
   )
 
 
-def make_plan(f) -> Plan:
-  return Plan(
-    f.preset, f.arms, f.sizes, f.trains, f.seeds, f.cells, f.strategies, f.sequences,
-    f.post_fraction, f.post_lr_scale, f.lengths, f.examples, f.eval_seed, f.batch, f.workdir,
-    f.results, f.deadline_s, f.override, f.publish,
-  )  # fmt: skip
+def table(plan) -> str:
+  from experiments.studies.results import copying as renderer  # pylint: disable=g-import-not-at-top
+
+  return renderer.render_tables(renderer.load_runs(plan.results))
+
+
+# ------------------------------------------------------------------------------------------ command line
+study_driver.define_flags(FLAGS, STUDY, PRESETS, STRATEGIES, DRIVER_FLAGS)
 
 
 def main(argv):
   del argv
-  if not absl_flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-  t0 = time.time()
-  try:
-    plan = make_plan(FLAGS)
-    argv_flags = study_driver.flags_as_written(sys.argv[1:])
-  except (ValueError, config_lib.ConfigError) as e:
-    print(f"Study error: {e}", file=sys.stderr)
-    return 2
-  if FLAGS.measure_throughput:
-    measure_throughput(plan)
-    return 0
-  from experiments.studies.results import copying as renderer  # pylint: disable=g-import-not-at-top
-
-  return study_driver.conclude(
-    STUDY,
-    plan,
-    plan.cells,
-    FLAGS.parallel,
-    argv_flags,
-    t0=t0,
-    child=FLAGS.child,
-    machine=FLAGS.machine,
-    protocol=protocol,
-    table=lambda: renderer.render_tables(renderer.load_runs(plan.results)),
-  )
+  instead = measure_throughput if FLAGS.measure_throughput else None
+  return study_driver.main(STUDY, FLAGS, Plan, protocol=protocol, table=table, instead=instead)
 
 
 if __name__ == "__main__":
