@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One study command on the device machine (the device tool's `run`), its results brought back.
-#   bash experiments/studies/on_device.sh <results folder> python3 -m experiments.studies.<study> \
+#   bash experiments/studies/on_device.sh <results folder> python3 -m experiments.studies.passkey \
 #       --results=<results folder> --deadline_s=<s> ...
 # Installs the carried wheels in .whl/ (the machine reaches no registry: WORKSPACE.md), runs the
 # command with its output in $OUT/study.log, then packs the results folder (the JSON the renderers
