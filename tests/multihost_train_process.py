@@ -16,11 +16,6 @@ pid, port, base, phase = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 import jax  # pylint: disable=g-import-not-at-top
 
 jax.config.update("jax_platforms", "cpu")
-jax.config.update(
-  "jax_compilation_cache_dir", os.path.join(base, "xla_cache")
-)  # phase 2 reuses phase 1's
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 jax.distributed.initialize(coordinator_address="127.0.0.1:" + port, num_processes=2, process_id=pid)
 
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top

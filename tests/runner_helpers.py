@@ -86,33 +86,6 @@ def write_array_record(path, docs):
   return str(path)
 
 
-def compilation_cache(tmp_dir):
-  """Context manager: a persistent XLA compilation cache, so identical train steps across Trainers in one
-  test (e.g. kill/resume) compile once."""
-  import contextlib  # pylint: disable=g-import-not-at-top
-
-  import jax  # pylint: disable=g-import-not-at-top
-
-  @contextlib.contextmanager
-  def ctx():
-    keys = (
-      "jax_compilation_cache_dir",
-      "jax_persistent_cache_min_compile_time_secs",
-      "jax_persistent_cache_min_entry_size_bytes",
-    )
-    old = {k: getattr(jax.config, k) for k in keys}
-    jax.config.update("jax_compilation_cache_dir", str(tmp_dir))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    try:
-      yield
-    finally:
-      for k, v in old.items():
-        jax.config.update(k, v)
-
-  return ctx()
-
-
 def host(tree):
   import jax  # pylint: disable=g-import-not-at-top
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from runner_helpers import ROOT, compilation_cache, one_device_env, tiny_config
+from runner_helpers import ROOT, one_device_env, tiny_config
 
 from experiments.runner import array_checksum, config_lib, trainer
 from experiments.runner import checkpoint as ckpt_lib
@@ -212,30 +212,29 @@ def test_rerun_repairs_a_stale_summary(tmp_path, capsys):
 
   one = jax.devices()[:1]
   wd = tmp_path / "run"
-  with compilation_cache(tmp_path / "xla_cache"):
-    tr = trainer.Trainer(cfg(), str(wd), devices=one)
-    done = tr.run()
-    tr.close()
-    path = wd / "summary.json"
-    for stale in ({"status": "preempted", "step": 3}, None):
-      if stale is None:
-        os.remove(path)
-      else:
-        path.write_text(json.dumps(stale))
-      tr = trainer.Trainer(cfg(), str(wd), devices=one)
-      s = tr.run()
-      tr.close()
-      assert s["repaired"] and s["steps_this_run"] == 0
-      fixed = json.load(open(path))
-      assert fixed["status"] == "completed" and fixed["step"] == 6 and fixed["repaired"]
-      assert fixed["eval"] == done["eval"], (fixed["eval"], done["eval"])
-      assert fixed["train"]["loss"] == done["train"]["loss"]
-      assert "Rebuilt" in capsys.readouterr().out
-    before = path.read_text()
+  tr = trainer.Trainer(cfg(), str(wd), devices=one)
+  done = tr.run()
+  tr.close()
+  path = wd / "summary.json"
+  for stale in ({"status": "preempted", "step": 3}, None):
+    if stale is None:
+      os.remove(path)
+    else:
+      path.write_text(json.dumps(stale))
     tr = trainer.Trainer(cfg(), str(wd), devices=one)
     s = tr.run()
     tr.close()
-    assert "repaired" not in s and path.read_text() == before
+    assert s["repaired"] and s["steps_this_run"] == 0
+    fixed = json.load(open(path))
+    assert fixed["status"] == "completed" and fixed["step"] == 6 and fixed["repaired"]
+    assert fixed["eval"] == done["eval"], (fixed["eval"], done["eval"])
+    assert fixed["train"]["loss"] == done["train"]["loss"]
+    assert "Rebuilt" in capsys.readouterr().out
+  before = path.read_text()
+  tr = trainer.Trainer(cfg(), str(wd), devices=one)
+  s = tr.run()
+  tr.close()
+  assert "repaired" not in s and path.read_text() == before
   # a damaged init_from source is refused by name
   c = cfg()
   c.train.init_from = str(wd)

@@ -13,7 +13,7 @@ import pytest
 
 from experiments.runner import checkpoint as ckpt_lib
 from experiments.runner import config_lib, lr_sweep, train_loop, trainer
-from tests.runner_helpers import compilation_cache, tiny_config
+from tests.runner_helpers import tiny_config
 
 RATES = (3e-3, 1e-2)
 
@@ -42,29 +42,28 @@ def test_seeded_members_train_as_single_runs_resume_and_freeze_when_non_finite(t
   order and carried states), through a stop and a resume; its folder holds a plain run's final
   checkpoint; a member whose state is poisoned is frozen and reported while the others finish."""
   members = ((1e-2, 1), (3e-3, 2))
-  with compilation_cache(tmp_path / "cache"):
-    single = {}
-    for lr, seed in members:  # each member's rate is scaled the same way: two of the four
-      c = _tiny("state_passing")
-      c.optim.learning_rate = lr
-      c.seed = c.data.shuffle_seed = seed
-      tr = trainer.Trainer(c, str(tmp_path / f"single{lr}_{seed}"))
-      tr.run()
-      tr.close()
-      single[(lr, seed)] = _losses(tmp_path / f"single{lr}_{seed}")
-    assert single[members[0]][0][2] != single[members[1]][0][2]  # the seeds start apart
+  single = {}
+  for lr, seed in members:  # each member's rate is scaled the same way: two of the four
+    c = _tiny("state_passing")
+    c.optim.learning_rate = lr
+    c.seed = c.data.shuffle_seed = seed
+    tr = trainer.Trainer(c, str(tmp_path / f"single{lr}_{seed}"))
+    tr.run()
+    tr.close()
+    single[(lr, seed)] = _losses(tmp_path / f"single{lr}_{seed}")
+  assert single[members[0]][0][2] != single[members[1]][0][2]  # the seeds start apart
 
-    c = _sweep_config("state_passing")
-    c.train.seeds = "1,2"
-    wd = str(tmp_path / "sweep")
-    tr = lr_sweep.make_trainer(c, wd)
-    assert isinstance(tr, lr_sweep.SweepTrainer)
-    assert [m for m in tr.members] == [(3e-3, 1), (3e-3, 2), (1e-2, 1), (1e-2, 2)]
-    assert tr.run(stop_at=3)["status"] == "preempted"
-    tr.close()
-    tr = lr_sweep.make_trainer(c, wd)  # resumes params, optimizer, carried states and both streams
-    assert tr.run()["status"] == "completed"
-    tr.close()
+  c = _sweep_config("state_passing")
+  c.train.seeds = "1,2"
+  wd = str(tmp_path / "sweep")
+  tr = lr_sweep.make_trainer(c, wd)
+  assert isinstance(tr, lr_sweep.SweepTrainer)
+  assert [m for m in tr.members] == [(3e-3, 1), (3e-3, 2), (1e-2, 1), (1e-2, 2)]
+  assert tr.run(stop_at=3)["status"] == "preempted"
+  tr.close()
+  tr = lr_sweep.make_trainer(c, wd)  # resumes params, optimizer, carried states and both streams
+  assert tr.run()["status"] == "completed"
+  tr.close()
 
   for i, (lr, seed) in enumerate(tr.members):
     member = config_lib.sweep_member_dir(wd, lr, seed)
@@ -99,8 +98,7 @@ def test_seeded_members_train_as_single_runs_resume_and_freeze_when_non_finite(t
   # The same program again (compiled once): a non-finite member.
   c.train.seeds = "1,2"
   c.checkpoint.enabled = False
-  with compilation_cache(tmp_path / "cache"):
-    _a_non_finite_member_is_frozen_and_reported_while_the_others_finish(c, tmp_path)
+  _a_non_finite_member_is_frozen_and_reported_while_the_others_finish(c, tmp_path)
 
 
 def _a_non_finite_member_is_frozen_and_reported_while_the_others_finish(c, tmp_path):

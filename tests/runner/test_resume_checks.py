@@ -15,7 +15,7 @@ import grain
 import jax
 import jax.numpy as jnp
 import pytest
-from runner_helpers import compilation_cache, tiny_config
+from runner_helpers import tiny_config
 
 from experiments.runner import checkpoint as ckpt_lib
 from experiments.runner import trainer
@@ -140,23 +140,22 @@ def test_a_refused_resume_writes_nothing_and_notes_are_said_once(tmp_path, capsy
   seed, set-aside checkpoints and a warm-up past the last step: one line each."""
   one = jax.devices()[:1]
   wd = tmp_path / "run"
-  with compilation_cache(tmp_path / "xla_cache"):
-    tr = trainer.Trainer(_cfg(), str(wd), devices=one)
-    tr.run()
-    tr.close()
-    config_json, before = (wd / "config.json").read_bytes(), _listing(wd / "checkpoints")
-    for change in ({"layer_pattern": "gla,attention"}, {"d_model": 48}):
-      with pytest.raises(ckpt_lib.CheckpointMismatchError, match="saved by another model"):
-        trainer.Trainer(_cfg(**change), str(wd), devices=one)
-      assert (wd / "config.json").read_bytes() == config_json
-      assert _listing(wd / "checkpoints") == before and not os.path.exists(wd / "run.lock")
-    os.makedirs(wd / "checkpoints.unreadable" / "1")
-    capsys.readouterr()
-    c = _cfg()
-    c.seed, c.train.num_steps, c.optim.warmup_steps = 5, 3, 9
-    tr = trainer.Trainer(c, str(wd), devices=one)
-    tr.run()
-    tr.close()
+  tr = trainer.Trainer(_cfg(), str(wd), devices=one)
+  tr.run()
+  tr.close()
+  config_json, before = (wd / "config.json").read_bytes(), _listing(wd / "checkpoints")
+  for change in ({"layer_pattern": "gla,attention"}, {"d_model": 48}):
+    with pytest.raises(ckpt_lib.CheckpointMismatchError, match="saved by another model"):
+      trainer.Trainer(_cfg(**change), str(wd), devices=one)
+    assert (wd / "config.json").read_bytes() == config_json
+    assert _listing(wd / "checkpoints") == before and not os.path.exists(wd / "run.lock")
+  os.makedirs(wd / "checkpoints.unreadable" / "1")
+  capsys.readouterr()
+  c = _cfg()
+  c.seed, c.train.num_steps, c.optim.warmup_steps = 5, 3, 9
+  tr = trainer.Trainer(c, str(wd), devices=one)
+  tr.run()
+  tr.close()
   out = capsys.readouterr().out
   assert out.count("Note: config.seed=5 differs from 0") == 1, out
   assert "checkpoint(s) set aside as unreadable by an earlier run" in out, out

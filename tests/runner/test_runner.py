@@ -18,7 +18,6 @@ from absl import flags
 from ml_collections import config_flags
 from runner_helpers import (
   ROOT,
-  compilation_cache,
   host,
   one_device_env,
   tiny_config,
@@ -115,38 +114,37 @@ def test_sigterm_crash_and_resume_are_exact(tmp_path, capsys):
     raise RuntimeError("simulated crash")
 
   n = 6
-  with compilation_cache(tmp_path / "xla_cache"):
-    straight = trainer.Trainer(cfg(), str(tmp_path / "a"))
-    straight.run()
-    wb = str(tmp_path / "b")
-    tr = trainer.Trainer(cfg(), wb)
-    with_hook(tr, 4, crash)  # steps 1-3 ran and logged; the last checkpoint is step 2
-    with pytest.raises(RuntimeError, match="simulated crash"):
-      tr.run()
-    tr.close()
-    assert [s for s, _ in _train_rows(wb)] == [1, 2, 3]
-    tr = trainer.Trainer(cfg(), wb)
-    # SIGTERM arrives during the 2nd step of this run (step 4): that step finishes, is saved, and the run stops
-    with_hook(tr, 2, lambda: os.kill(os.getpid(), signal.SIGTERM))
-    s = tr.run()
-    tr.close()
-    assert s["status"] == "preempted" and s["step"] == 4 and s["steps_this_run"] == 2, s
-    assert "Resumed from checkpoint at step 2" in capsys.readouterr().out
-    resumed = trainer.Trainer(cfg(), wb)
-    s = resumed.run()
-    assert s["status"] == "completed" and s["steps_this_run"] == n - 4, s
-    _assert_same_run(tmp_path / "a", wb, straight, resumed, n)
-    straight.close()
-    resumed.close()
+  straight = trainer.Trainer(cfg(), str(tmp_path / "a"))
+  straight.run()
+  wb = str(tmp_path / "b")
+  tr = trainer.Trainer(cfg(), wb)
+  with_hook(tr, 4, crash)  # steps 1-3 ran and logged; the last checkpoint is step 2
+  with pytest.raises(RuntimeError, match="simulated crash"):
+    tr.run()
+  tr.close()
+  assert [s for s, _ in _train_rows(wb)] == [1, 2, 3]
+  tr = trainer.Trainer(cfg(), wb)
+  # SIGTERM arrives during the 2nd step of this run (step 4): that step finishes, is saved, and the run stops
+  with_hook(tr, 2, lambda: os.kill(os.getpid(), signal.SIGTERM))
+  s = tr.run()
+  tr.close()
+  assert s["status"] == "preempted" and s["step"] == 4 and s["steps_this_run"] == 2, s
+  assert "Resumed from checkpoint at step 2" in capsys.readouterr().out
+  resumed = trainer.Trainer(cfg(), wb)
+  s = resumed.run()
+  assert s["status"] == "completed" and s["steps_this_run"] == n - 4, s
+  _assert_same_run(tmp_path / "a", wb, straight, resumed, n)
+  straight.close()
+  resumed.close()
 
-    short = cfg()
-    short.train.num_steps = 3
-    tr = trainer.Trainer(short, wb)
-    s = tr.run()
-    tr.close()
-    assert s["steps_this_run"] == 0 and "beyond config.train.num_steps=3" in s["warning"]
-    assert "nothing to train" in capsys.readouterr().out
-    assert [st for st, _ in _train_rows(wb)] == list(range(1, n + 1))  # no rows dropped or added
+  short = cfg()
+  short.train.num_steps = 3
+  tr = trainer.Trainer(short, wb)
+  s = tr.run()
+  tr.close()
+  assert s["steps_this_run"] == 0 and "beyond config.train.num_steps=3" in s["warning"]
+  assert "nothing to train" in capsys.readouterr().out
+  assert [st for st, _ in _train_rows(wb)] == list(range(1, n + 1))  # no rows dropped or added
 
 
 def _damage(step_dir, how):
@@ -187,24 +185,23 @@ def test_carried_state_runs_resume_exactly_past_a_damaged_checkpoint(
     return c
 
   n, one = 6, jax.devices()[:1]
-  with compilation_cache(tmp_path / "xla_cache"):
-    straight = trainer.Trainer(cfg(), str(tmp_path / "a"), devices=one)
-    straight.run()
-    if strategy == "fitted_noise":
-      assert int(straight.state["fstats"]["count"]) == n
-    wb = tmp_path / "b"
-    shutil.copytree(tmp_path / "a", wb)
-    _damage(str(wb / "checkpoints" / str(n)), how)
-    resumed = trainer.Trainer(cfg(), str(wb), devices=one)
-    s = resumed.run()
-    assert s["steps_this_run"] == n - 3, s
-    err = capsys.readouterr().err
-    assert f"Checkpoint step {n} in {wb}/checkpoints is unreadable" in err, err
-    assert "falling back to the previous checkpoint" in err
-    assert os.path.isdir(wb / "checkpoints.unreadable" / str(n))  # kept for inspection
-    _assert_same_run(tmp_path / "a", wb, straight, resumed, n)
-    straight.close()
-    resumed.close()
+  straight = trainer.Trainer(cfg(), str(tmp_path / "a"), devices=one)
+  straight.run()
+  if strategy == "fitted_noise":
+    assert int(straight.state["fstats"]["count"]) == n
+  wb = tmp_path / "b"
+  shutil.copytree(tmp_path / "a", wb)
+  _damage(str(wb / "checkpoints" / str(n)), how)
+  resumed = trainer.Trainer(cfg(), str(wb), devices=one)
+  s = resumed.run()
+  assert s["steps_this_run"] == n - 3, s
+  err = capsys.readouterr().err
+  assert f"Checkpoint step {n} in {wb}/checkpoints is unreadable" in err, err
+  assert "falling back to the previous checkpoint" in err
+  assert os.path.isdir(wb / "checkpoints.unreadable" / str(n))  # kept for inspection
+  _assert_same_run(tmp_path / "a", wb, straight, resumed, n)
+  straight.close()
+  resumed.close()
   if how == "truncated":  # every checkpoint damaged: an error, never a silent restart from step 0
     wc = tmp_path / "c"
     shutil.copytree(tmp_path / "a", wc)
@@ -585,43 +582,42 @@ def test_loss_positions_gives_the_same_loss_gradients_and_accuracy(tmp_path):
   """train.loss_positions reads the logits only at the scored positions: the same loss, gradients and
   validation numbers as every position; too few positions for the data is an error naming the key."""
   # One persistent XLA cache: the three Trainers build the same model (its init compiles once).
-  with compilation_cache(tmp_path / "xla_cache"):
-    results = []
-    for count in (0, 2):  # tiny_config's MQAR rows score num_kv_pairs = 2 positions
-      c = tiny_config()
-      c.train.loss_positions = count
-      tr = trainer.Trainer(c, str(tmp_path / f"p{count}"))
-      batch = sharding.global_batch(next(tr.data_iter), tr.mesh)
-      # jitted: one compile instead of op-by-op eager dispatch of the whole model and its backward pass.
-      (loss, aux), grads = jax.jit(jax.value_and_grad(tr._loss_fn, has_aux=True))(
-        tr.state["params"], tr.rest, batch, tr.state, jax.random.PRNGKey(0)
-      )
-      results.append((float(loss), float(aux["accuracy"]), host(grads), tr.evaluate()))
-      assert float(aux["dropped"]) == 0.0
-      tr.close()
-    (l0, a0, g0, e0), (l1, a1, g1, e1) = results
-    np.testing.assert_allclose(l1, l0, rtol=1e-6)
-    assert a1 == a0 and e1["accuracy"] == e0["accuracy"]
-    np.testing.assert_allclose(e1["loss"], e0["loss"], rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
-      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  results = []
+  for count in (0, 2):  # tiny_config's MQAR rows score num_kv_pairs = 2 positions
     c = tiny_config()
-    c.train.loss_positions = 1
-    with pytest.raises(
-      config_lib.ConfigError, match=r"config\.train\.loss_positions: 1 is below the 2 scored"
-    ):
-      config_lib.validate(c)
-    # Data whose rows score more positions than loss_positions stops training at the next log point.
-    c = tiny_config()
-    c.data.kind, c.data.seq_len = "copying", 16
-    c.data.copying.copy_len = 7  # BOS x SEP x: 7 scored positions a row
-    c.train.loss_positions = 4
-    tr = trainer.Trainer(c, str(tmp_path / "copy"))
-    with pytest.raises(
-      ValueError, match=r"loss_positions=4: step 1 has rows with more scored positions"
-    ):
-      tr.run()
+    c.train.loss_positions = count
+    tr = trainer.Trainer(c, str(tmp_path / f"p{count}"))
+    batch = sharding.global_batch(next(tr.data_iter), tr.mesh)
+    # jitted: one compile instead of op-by-op eager dispatch of the whole model and its backward pass.
+    (loss, aux), grads = jax.jit(jax.value_and_grad(tr._loss_fn, has_aux=True))(
+      tr.state["params"], tr.rest, batch, tr.state, jax.random.PRNGKey(0)
+    )
+    results.append((float(loss), float(aux["accuracy"]), host(grads), tr.evaluate()))
+    assert float(aux["dropped"]) == 0.0
     tr.close()
+  (l0, a0, g0, e0), (l1, a1, g1, e1) = results
+  np.testing.assert_allclose(l1, l0, rtol=1e-6)
+  assert a1 == a0 and e1["accuracy"] == e0["accuracy"]
+  np.testing.assert_allclose(e1["loss"], e0["loss"], rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  c = tiny_config()
+  c.train.loss_positions = 1
+  with pytest.raises(
+    config_lib.ConfigError, match=r"config\.train\.loss_positions: 1 is below the 2 scored"
+  ):
+    config_lib.validate(c)
+  # Data whose rows score more positions than loss_positions stops training at the next log point.
+  c = tiny_config()
+  c.data.kind, c.data.seq_len = "copying", 16
+  c.data.copying.copy_len = 7  # BOS x SEP x: 7 scored positions a row
+  c.train.loss_positions = 4
+  tr = trainer.Trainer(c, str(tmp_path / "copy"))
+  with pytest.raises(
+    ValueError, match=r"loss_positions=4: step 1 has rows with more scored positions"
+  ):
+    tr.run()
+  tr.close()
 
 
 def test_context_growth_names_what_was_added():
