@@ -17,19 +17,10 @@ from typing import Any
 import ml_collections
 
 from experiments.runner import kernel_config
+from kdn_jax.layers import registry
 
-MIXERS = (
-  "kdn_diag",
-  "kdn_iso",
-  "kda",
-  "gated_deltanet",
-  "deltanet",
-  "gdn2",
-  "gla",
-  "mamba2",
-  "attention",
-  "swa",
-)
+# the mixer names a config may give, in the registry's order (the registry builds them)
+MIXERS = tuple(registry.MIXERS)
 INITIAL_STATES = ("zero", "random_noise", "fitted_noise", "state_passing", "tbtt")
 DATA_KINDS = ("mqar", "copying", "passkey", "token_file", "topic")
 NAN_POLICIES = ("halt", "skip")
