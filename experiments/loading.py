@@ -154,7 +154,11 @@ def _build_model(config):
 def check_info_scale_override(config, value) -> str:
   """``value`` as the model's ``info_scale`` for a run whose KDN layers keep mu fixed (a learned mu is a
   parameter: overriding it would change the parameters, not only mu)."""
-  from kdn_jax.layers.kdn_mixer import INFO_SCALES, resolve_info_scale  # pylint: disable=g-import-not-at-top
+  from kdn_jax.layers.kdn_mixer import (  # pylint: disable=g-import-not-at-top
+    INFO_SCALES,
+    info_scale_text,
+    resolve_info_scale,
+  )
   from kdn_jax.models.config import layer_mixers  # pylint: disable=g-import-not-at-top
 
   m = config.model
@@ -167,12 +171,7 @@ def check_info_scale_override(config, value) -> str:
       "--override_info_scale: the run learned mu (a parameter per head); the fixed-weight "
       "probe needs a run trained with a fixed mu"
     )
-  text = str(value).strip().lower()
-  if text not in INFO_SCALES:
-    try:
-      text = repr(float(text))  # as model_config keeps a number
-    except ValueError:
-      pass
+  text = info_scale_text(value)  # as model_config keeps it
   try:
     if text == "learned" or resolve_info_scale(text, int(m.head_dim)) is None:
       raise ValueError

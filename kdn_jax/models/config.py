@@ -350,6 +350,8 @@ def matched_mlp_hidden(cfg, reference_mlp_hidden: int) -> int:
 
 
 def model_config(size: str = "tiny", **overrides) -> ml_collections.ConfigDict:
+  from kdn_jax.layers.kdn_mixer import info_scale_text
+
   if size not in SIZES:
     raise ValueError(f"model size {size!r} unknown; expected one of {sorted(SIZES)}")
   for k in overrides:
@@ -358,8 +360,7 @@ def model_config(size: str = "tiny", **overrides) -> ml_collections.ConfigDict:
   d = dict(DEFAULTS)
   d.update(SIZES[size])
   d.update(overrides)
-  if isinstance(d["info_scale"], (int, float)) and not isinstance(d["info_scale"], bool):
-    d["info_scale"] = repr(float(d["info_scale"]))  # keep the key a str (ConfigDict is type safe)
+  d["info_scale"] = info_scale_text(d["info_scale"])
   cfg = ml_collections.ConfigDict(d)
   validate_config(cfg)
   if cfg.match_params and "mlp_hidden" not in overrides:
