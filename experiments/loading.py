@@ -27,6 +27,7 @@ from experiments.data import corpus
 from experiments.data.tokenizer import BPETokenizer
 from experiments.runner import checkpoint as ckpt_lib
 from experiments.runner import config_lib, kernel_config
+from kdn_jax.layers.options import option
 
 
 @dataclasses.dataclass
@@ -166,7 +167,7 @@ def check_info_scale_override(config, value) -> str:
     raise ValueError(
       f"--override_info_scale: the run has no KDN layer (mixers {sorted(set(layer_mixers(m)))})"
     )
-  if str(m.get("info_scale", "k")) == "learned":
+  if str(option(m, "info_scale")) == "learned":
     raise ValueError(
       "--override_info_scale: the run learned mu (a parameter per head); the fixed-weight "
       "probe needs a run trained with a fixed mu"

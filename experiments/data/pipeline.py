@@ -56,7 +56,7 @@ def _example_fn(config, split: str):
       seq_len=seq_len,
       vocab_size=c.vocab_size,
       copy_len=n,
-      min_copy_len=0 if fixed_eval else c.get("min_copy_len", 0),
+      min_copy_len=0 if fixed_eval else config_lib.setting(config, "data.copying.min_copy_len"),
     )
   if d.kind == "passkey":
     return functools.partial(

@@ -9,6 +9,7 @@ key fails at start naming the key; :func:`validate` checks values and names the 
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import math
 import os
@@ -18,6 +19,7 @@ import ml_collections
 
 from experiments.runner import kernel_config
 from kdn_jax.layers import registry
+from kdn_jax.layers.options import option
 
 # the mixer names a config may give, in the registry's order (the registry builds them)
 MIXERS = tuple(registry.MIXERS)
@@ -188,6 +190,24 @@ def base_config() -> ml_collections.ConfigDict:
   g.plot = True
   c.lock()
   return c
+
+
+@functools.cache
+def _schema() -> ml_collections.ConfigDict:
+  """The defaults, built once and only read (base_config hands out a fresh dict to fill)."""
+  return base_config()
+
+
+def setting(config, key: str):
+  """``config``'s value at the dotted ``key`` (a ConfigDict, or a plain dict as a checkpoint record
+  keeps it), or the schema's default where the config lacks it (one saved before the key
+  existed): the one place such defaults are read."""
+  node = config
+  for part in key.split("."):
+    if part not in node:
+      return _get(_schema(), key)
+    node = node[part]
+  return node
 
 
 def _fail(key: str, msg: str):
@@ -466,7 +486,7 @@ def validate(
     sweep
   ):
     _fail("train.lr_sweep", f"must be distinct positive learning rates, got {sweep}")
-  parse_seeds(t.get("seeds", ""))
+  parse_seeds(setting(config, "train.seeds"))
 
   o = config.optim
   if not o.learning_rate > 0:
@@ -483,7 +503,7 @@ def validate(
     if not 0 <= o[key] < 1:
       _fail(f"optim.{key}", "must be in [0, 1)")
 
-  if config.mesh.context != 1 and str(config.model.get("impl", "auto")) == "reference":
+  if config.mesh.context != 1 and str(option(config.model, "impl")) == "reference":
     _fail(
       "model.impl",
       "'reference' has no context-parallel form; use 'auto', 'chunked' or 'pallas' "
@@ -494,7 +514,7 @@ def validate(
       _fail(f"mesh.rules.{logical}", f"unknown mesh axis {axis!r}")
   if config.checkpoint.every_steps < 0 or config.checkpoint.keep <= 0:
     _fail("checkpoint", "every_steps must be >= 0 and keep > 0")
-  parse_keep_steps(config.checkpoint.get("keep_steps", ""))
+  parse_keep_steps(setting(config, "checkpoint.keep_steps"))
 
   if num_devices is not None:
     data, fsdp, _, context = mesh_shape(config, num_devices)
@@ -582,7 +602,7 @@ def parse_seeds(text) -> tuple[int, ...]:
 
 def mqar_mixture_cells(config) -> tuple[tuple[int, int, float], ...]:
   """``data.mqar.mixture`` '64:4:5,128:8' -> ((64, 4, 5.0), (128, 8, 1.0)); '' -> ()."""
-  text = str(config.data.mqar.get("mixture", "") or "")
+  text = str(setting(config, "data.mqar.mixture") or "")
   cells = []
   for part in (p.strip() for p in text.split(",") if p.strip()):
     bits = part.split(":")

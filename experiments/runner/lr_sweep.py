@@ -124,7 +124,7 @@ class SweepTrainer(trainer_lib.Trainer):
     self.lrs = tuple(float(lr) for lr in config.train.lr_sweep) or (
       float(config.optim.learning_rate),
     )
-    self.seeds = config_lib.parse_seeds(config.train.get("seeds", ""))
+    self.seeds = config_lib.parse_seeds(config_lib.setting(config, "train.seeds"))
     self.seeded = bool(self.seeds)
     seeds = self.seeds or (int(config.seed),)
     self.members = [(lr, s) for lr in self.lrs for s in seeds]  # rate-major: lr0 s0, lr0 s1, ...
@@ -279,7 +279,8 @@ class SweepTrainer(trainer_lib.Trainer):
   def _check_resumable(self):
     step = super()._check_resumable()
     if step is not None:
-      train = (self.checkpointer.record(step).get("config") or {}).get("train", {})
+      saved_config = self.checkpointer.record(step).get("config") or {}
+      train = saved_config.get("train", {})
       saved = train.get("lr_sweep")
       if saved is not None and tuple(float(x) for x in saved) != tuple(
         float(x) for x in self.config.train.lr_sweep
@@ -288,7 +289,7 @@ class SweepTrainer(trainer_lib.Trainer):
           f"config.train.lr_sweep: {self.workdir} holds a sweep over {tuple(saved)} (step {step}); "
           f"resume it with those rates or start a new workdir for {self.lrs}"
         )
-      saved_seeds = config_lib.parse_seeds(train.get("seeds", ""))
+      saved_seeds = config_lib.parse_seeds(config_lib.setting(saved_config, "train.seeds"))
       if saved_seeds != self.seeds:
         raise config_lib.ConfigError(
           f"config.train.seeds: {self.workdir} holds a sweep over seeds {saved_seeds or '(none)'} (step "
@@ -409,6 +410,8 @@ class SweepTrainer(trainer_lib.Trainer):
 def make_trainer(config, workdir: str, devices=None) -> trainer_lib.Trainer:
   """A SweepTrainer when ``config.train.lr_sweep`` lists rates or ``config.train.seeds`` seeds, else a
   Trainer."""
-  if config.train.get("lr_sweep") or config_lib.parse_seeds(config.train.get("seeds", "")):
+  if config.train.get("lr_sweep") or config_lib.parse_seeds(
+    config_lib.setting(config, "train.seeds")
+  ):
     return SweepTrainer(config, workdir, devices)
   return trainer_lib.Trainer(config, workdir, devices)

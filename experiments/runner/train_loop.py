@@ -32,7 +32,9 @@ class _Loop:
   def __init__(self, config, start_step: int, writer):
     self.start_step, self.total, self.writer = start_step, config.train.num_steps, writer
     self.tokens_per_step = config.data.global_batch_size * config.data.seq_len
-    self.keep_steps = set(config_lib.parse_keep_steps(config.checkpoint.get("keep_steps", "")))
+    self.keep_steps = set(
+      config_lib.parse_keep_steps(config_lib.setting(config, "checkpoint.keep_steps"))
+    )
     self.status, self.t0 = "completed", time.time()
     self.t_log, self.step_log = self.t0, start_step
     self.eval_metrics = {}

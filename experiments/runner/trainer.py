@@ -106,7 +106,7 @@ class Trainer(TrainLoop):
           os.path.join(workdir, "checkpoints"),
           config.checkpoint.keep,
           config.checkpoint.async_save,
-          config_lib.parse_keep_steps(config.checkpoint.get("keep_steps", "")),
+          config_lib.parse_keep_steps(config_lib.setting(config, "checkpoint.keep_steps")),
         )
       self.config_json = json.loads(config.to_json_best_effort())
       self.init_from_step = None
