@@ -23,10 +23,10 @@ import os
 
 import ml_collections
 
+from experiments import kernel_config, schema
 from experiments.data import corpus
 from experiments.data.tokenizer import BPETokenizer
 from experiments.runner import checkpoint as ckpt_lib
-from experiments.runner import config_lib, kernel_config
 from kdn_jax.layers.options import option
 
 
@@ -142,7 +142,7 @@ def _build_model(config):
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   try:
-    cls = config_lib.import_object(config.model_factory)
+    cls = schema.import_object(config.model_factory)
     # (config.kernels: the run's kernel configs, which the model passes down to its ops)
     return cls(config.model, rngs=nnx.Rngs(int(config.seed)), **kernel_config.model_kwargs(config))
   except (ImportError, AttributeError, KeyError, ValueError, TypeError) as e:

@@ -94,7 +94,7 @@ class Block(nnx.Module):
 class LanguageModel(nnx.Module):
   def __init__(self, cfg, *, rngs: nnx.Rngs, kernel_config=None):
     """kernel_config: the Pallas kernels' configs for every layer (a pallas_kernels.KernelConfigs,
-    a run's config.kernels through experiments/runner/kernel_config.py), or None: the kernels'
+    a run's config.kernels through experiments/kernel_config.py), or None: the kernels'
     tuned configs for the device."""
     validate_config(cfg)
     self.cfg = ml_collections.FrozenConfigDict(

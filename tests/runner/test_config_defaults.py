@@ -1,5 +1,5 @@
 """Defaults are written once: a config saved before a key existed reads the schema's default (run
-config: config_lib.setting; model config: kdn_jax.layers.options.option), and the layers build from
+config: schema.setting; model config: kdn_jax.layers.options.option), and the layers build from
 it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import ml_collections
 from flax import nnx
 
-from experiments.runner import config_lib
+from experiments import schema
 from kdn_jax.layers.mamba2 import Mamba2
 from kdn_jax.layers.options import DEFAULTS, option
 from kdn_jax.layers.registry import make_mixer
@@ -15,13 +15,13 @@ from kdn_jax.models.config import model_config
 
 
 def test_run_config_setting_falls_back_to_the_schema():
-  schema = config_lib.base_config()
-  assert config_lib.setting({"train": {}}, "train.seeds") == schema.train.seeds
-  assert config_lib.setting({"train": {"seeds": "0,1"}}, "train.seeds") == "0,1"
-  assert config_lib.setting({}, "checkpoint.keep_steps") == schema.checkpoint.keep_steps
-  schema.data.mqar.mixture = "64:4"
-  assert config_lib.setting(schema, "data.mqar.mixture") == "64:4"
-  assert config_lib.base_config().data.mqar.mixture == ""  # the cached defaults stay untouched
+  defaults = schema.base_config()
+  assert schema.setting({"train": {}}, "train.seeds") == defaults.train.seeds
+  assert schema.setting({"train": {"seeds": "0,1"}}, "train.seeds") == "0,1"
+  assert schema.setting({}, "checkpoint.keep_steps") == defaults.checkpoint.keep_steps
+  defaults.data.mqar.mixture = "64:4"
+  assert schema.setting(defaults, "data.mqar.mixture") == "64:4"
+  assert schema.base_config().data.mqar.mixture == ""  # the cached defaults stay untouched
 
 
 def test_model_config_without_a_key_builds_with_its_default():
