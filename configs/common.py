@@ -8,7 +8,7 @@ layers, d=256, 4 heads of 64, bf16 compute: ~20M parameters, an accelerator's ru
 sizes a model to a non-embedding parameter count (the studies that compare mixers at one count).
 """
 
-from experiments.runner.config_lib import (  # noqa: F401 (re-exported for the configs)
+from experiments.schema import (  # noqa: F401 (re-exported for the configs)
   INITIAL_STATES,
   MIXERS,
   ConfigError,

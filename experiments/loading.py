@@ -23,10 +23,11 @@ import os
 
 import ml_collections
 
+from experiments import kernel_config, schema
 from experiments.data import corpus
 from experiments.data.tokenizer import BPETokenizer
 from experiments.runner import checkpoint as ckpt_lib
-from experiments.runner import config_lib, kernel_config
+from kdn_jax.layers.options import option
 
 
 @dataclasses.dataclass
@@ -141,7 +142,7 @@ def _build_model(config):
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   try:
-    cls = config_lib.import_object(config.model_factory)
+    cls = schema.import_object(config.model_factory)
     # (config.kernels: the run's kernel configs, which the model passes down to its ops)
     return cls(config.model, rngs=nnx.Rngs(int(config.seed)), **kernel_config.model_kwargs(config))
   except (ImportError, AttributeError, KeyError, ValueError, TypeError) as e:
@@ -154,7 +155,11 @@ def _build_model(config):
 def check_info_scale_override(config, value) -> str:
   """``value`` as the model's ``info_scale`` for a run whose KDN layers keep mu fixed (a learned mu is a
   parameter: overriding it would change the parameters, not only mu)."""
-  from kdn_jax.layers.kdn_mixer import INFO_SCALES, resolve_info_scale  # pylint: disable=g-import-not-at-top
+  from kdn_jax.layers.kdn_mixer import (  # pylint: disable=g-import-not-at-top
+    INFO_SCALES,
+    info_scale_text,
+    resolve_info_scale,
+  )
   from kdn_jax.models.config import layer_mixers  # pylint: disable=g-import-not-at-top
 
   m = config.model
@@ -162,17 +167,12 @@ def check_info_scale_override(config, value) -> str:
     raise ValueError(
       f"--override_info_scale: the run has no KDN layer (mixers {sorted(set(layer_mixers(m)))})"
     )
-  if str(m.get("info_scale", "k")) == "learned":
+  if str(option(m, "info_scale")) == "learned":
     raise ValueError(
       "--override_info_scale: the run learned mu (a parameter per head); the fixed-weight "
       "probe needs a run trained with a fixed mu"
     )
-  text = str(value).strip().lower()
-  if text not in INFO_SCALES:
-    try:
-      text = repr(float(text))  # as model_config keeps a number
-    except ValueError:
-      pass
+  text = info_scale_text(value)  # as model_config keeps it
   try:
     if text == "learned" or resolve_info_scale(text, int(m.head_dim)) is None:
       raise ValueError

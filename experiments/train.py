@@ -5,7 +5,7 @@
     python -m experiments.train --config=configs/mqar.py:smoke --config.model.num_layers=4 --workdir=...
 
 The config is locked: overriding a key that does not exist fails at start naming the key; invalid values fail
-validation (experiments/runner/config_lib.py) before anything is built. Re-running with the same --workdir resumes
+validation (experiments/schema.py) before anything is built. Re-running with the same --workdir resumes
 from the latest checkpoint.
 """
 
@@ -18,8 +18,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments import schema
 from experiments.data import corpus, token_files
-from experiments.runner import config_lib
 
 # Every configuration mistake (config file, config arg, unknown key, bad value, missing or malformed data,
 # a workdir holding another run) exits with this code after one 'Config error: ...' line on stderr.
@@ -62,16 +62,14 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
   try:
     config = _CONFIG.value
-    config_lib.check_keys(config)
+    schema.check_keys(config)
     if config.data.kind == "token_file":  # corpus_dir fills the paths and eos_id the checks read
       corpus.resolve(config)
-    config_lib.validate(
-      config
-    )  # values, before anything is built (the mesh is checked by the Trainer)
+    schema.validate(config)  # values, before anything is built (the mesh is checked by the Trainer)
     token_files.check_run_files(config)
   except FileNotFoundError as e:  # a data file
     _config_error(str(e))
-  except (OSError, config_lib.ConfigError) as e:  # OSError: get_config's deferred load failure
+  except (OSError, schema.ConfigError) as e:  # OSError: get_config's deferred load failure
     _config_error(_root_message(e))
   _check_workdir(_WORKDIR.value)
   from experiments.runner import (
@@ -81,7 +79,7 @@ def main(argv):
 
   try:
     tr = lr_sweep.make_trainer(config, _WORKDIR.value)
-  except (config_lib.ConfigError, FileNotFoundError, checkpoint.CheckpointMismatchError) as e:
+  except (schema.ConfigError, FileNotFoundError, checkpoint.CheckpointMismatchError) as e:
     _config_error(str(e))
   try:
     summary = tr.run()
@@ -113,7 +111,7 @@ def _root_message(e: BaseException) -> str:
   configs = [
     c
     for c in chain
-    if isinstance(c, config_lib.ConfigError) and not str(c).startswith("Error whilst parsing")
+    if isinstance(c, schema.ConfigError) and not str(c).startswith("Error whilst parsing")
   ]
   root = configs[-1] if configs else chain[-1]
   lines = str(root).strip().splitlines() or [""]
@@ -160,7 +158,7 @@ def _parse_flags(argv):
     if any(isinstance(c, flags.CantOpenFlagFileError) for c in _chain(e)):
       _config_error(_flagfile_problem(e))
     msg = _root_message(e)
-    if any(isinstance(c, config_lib.ConfigError) for c in _chain(e)):
+    if any(isinstance(c, schema.ConfigError) for c in _chain(e)):
       _config_error(msg)
     # An override of a key the locked config lacks surfaces as a KeyError/AttributeError (or absl's unknown
     # flag) whose text holds the key's last component.
@@ -175,8 +173,8 @@ def _parse_flags(argv):
     ]
     if named:
       _config_error(
-        f"unknown config key {named[0]!r}{config_lib.did_you_mean(named[0])} (configs are "
-        "locked; see experiments/runner/config_lib.py for the schema)"
+        f"unknown config key {named[0]!r}{schema.did_you_mean(named[0])} (configs are "
+        "locked; see experiments/schema.py for the schema)"
       )
     bad_flag = re.match(
       r"flag --([\w.]+)=(.*?): ", str(e)

@@ -3,7 +3,7 @@ values per device kind in one table.
 
 Every op takes its family's config as an argument (`config=`, a static argument: part of jit's
 cache key). None means the table's entry for the device the op runs on, looked up here and
-nowhere else. A run's overrides (experiments/runner/kernel_config.py) are applied to a table
+nowhere else. A run's overrides (experiments/kernel_config.py) are applied to a table
 entry and passed down through the model's layers into the ops; nothing is set globally.
 """
 

@@ -9,9 +9,9 @@ import re
 
 import numpy as np
 
+from experiments import schema
 from experiments.data import corpus
 from experiments.data.tokenizer import BPETokenizer
-from experiments.runner import config_lib
 from kdn_jax.models.config import model_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,7 +25,7 @@ def one_device_env():
 
 
 def tiny_config(initial_state="zero", layer_pattern="kdn_diag,attention", **data_overrides):
-  c = config_lib.base_config()
+  c = schema.base_config()
   c.seed = 0
   c.model = model_config(
     "tiny",

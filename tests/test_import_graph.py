@@ -101,6 +101,28 @@ def test_imports_point_down():
   assert bad == []
 
 
+# experiments' lowest layers: the run-config schema (and the kernel-config specs it parses) import
+# nothing else of experiments; the data pipeline reads the schema, never the runner above it
+LOW = ("experiments.schema", "experiments.kernel_config")
+
+
+def test_experiments_data_and_schema_sit_low():
+  def inside(name, pkg):
+    return name == pkg or name.startswith(pkg + ".")
+
+  bad = [
+    (m, t)
+    for m, ts in _graph().items()
+    for t in ts
+    if inside(t, "experiments")
+    and (
+      (m in LOW and t not in LOW)
+      or (inside(m, "experiments.data") and not inside(t, "experiments.data") and t not in LOW)
+    )
+  ]
+  assert bad == []
+
+
 def test_cycle_finder_finds_a_cycle():
   assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 

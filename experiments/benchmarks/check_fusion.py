@@ -19,7 +19,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from experiments.runner import kernel_config
+from experiments import kernel_config
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_string("out", "", "write the results as JSON here", flag_values=FLAGS)

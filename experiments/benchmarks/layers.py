@@ -31,13 +31,14 @@ import jax.numpy as jnp
 from absl import app, flags, logging
 from flax import nnx
 
+from experiments import kernel_config
 from experiments.benchmarks.timing import (
   import_for_cuda,
   markdown_table,
   median_time,
   torch_cuda_median_ms,
 )
-from experiments.runner import cli, kernel_config
+from experiments.runner import cli
 from kdn_jax.layers.registry import MIXERS, make_mixer
 from kdn_jax.models.config import model_config
 

@@ -24,8 +24,8 @@ import numpy as np
 from absl import app, flags, logging
 
 from experiments.benchmarks.timing import import_for_cuda, median_time, torch_cuda_median_ms
+from experiments.kernel_config import config_from_spec
 from experiments.runner import cli
-from experiments.runner.kernel_config import config_from_spec
 
 # This script's flags live in their own registry: benchmarks/layers.py defines flags of the same names
 # (--out, --seq_lens, ...) and a test process imports both modules.

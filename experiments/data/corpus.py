@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 
-from experiments.runner import config_lib
+from experiments import schema
 
 MANIFEST = "manifest.json"
 SPLIT_FILES = {"train_path": "train.npy", "eval_path": "val.npy", "long_eval_path": "long_eval.npy"}
@@ -41,7 +41,7 @@ def resolve(config) -> dict | None:
     d.eos_id = int(manifest["eos_id"])
   vocab = int(manifest["vocab_size"])
   if int(config.model.vocab_size) < vocab:
-    raise config_lib.ConfigError(
+    raise schema.ConfigError(
       f"config.model.vocab_size: {config.model.vocab_size} is smaller than the corpus "
       f"tokenizer vocabulary ({vocab}, {d.corpus_dir})"
     )

@@ -7,6 +7,7 @@ import functools
 import grain
 import numpy as np
 
+from experiments import schema
 from experiments.data import (
   corpus,
   mqar_mixture,
@@ -16,7 +17,6 @@ from experiments.data import (
   topic_source,
   topic_windows,
 )
-from experiments.runner import config_lib
 
 
 def check_data_files(config):
@@ -56,7 +56,7 @@ def _example_fn(config, split: str):
       seq_len=seq_len,
       vocab_size=c.vocab_size,
       copy_len=n,
-      min_copy_len=0 if fixed_eval else c.get("min_copy_len", 0),
+      min_copy_len=0 if fixed_eval else schema.setting(config, "data.copying.min_copy_len"),
     )
   if d.kind == "passkey":
     return functools.partial(
@@ -105,7 +105,7 @@ def _mixture_batch(
   b = mqar_mixture.batch(
     seed,
     index,
-    config_lib.mqar_mixture_cells(config),
+    schema.mqar_mixture_cells(config),
     rows,
     d.seq_len,
     d.mqar.vocab_size,
@@ -121,7 +121,7 @@ def make_train_iterator(config, process_index: int = 0, process_count: int = 1):
   """A checkpointable grain iterator of per-process numpy batches."""
   d = config.data
   local_batch = d.global_batch_size // process_count
-  if d.kind == "mqar" and config_lib.mqar_mixture_cells(config):
+  if d.kind == "mqar" and schema.mqar_mixture_cells(config):
     # whole batches, each generated at once (one example at a time is too slow for this stream)
     ds = grain.MapDataset.range(config.train.num_steps + 1).map(
       functools.partial(
@@ -203,7 +203,7 @@ def make_train_iterator(config, process_index: int = 0, process_count: int = 1):
 def make_eval_batches(config, process_index: int = 0, process_count: int = 1) -> list[dict]:
   """Fixed evaluation batches (per process), the same for every evaluation."""
   d = config.data
-  if d.kind == "mqar" and config_lib.mqar_mixture_cells(config):
+  if d.kind == "mqar" and schema.mqar_mixture_cells(config):
     num_batches = max(
       1,
       min(

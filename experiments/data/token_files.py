@@ -165,7 +165,7 @@ def check_run_files(config):
   """Opens every token file a run config names (config.data.train_path, eval_path, long_eval_path) as the
   loader will, before anything is built; raises FileNotFoundError for a missing file and ConfigError for one
   that cannot be used, naming the key."""
-  from experiments.runner import config_lib  # pylint: disable=g-import-not-at-top
+  from experiments import schema  # pylint: disable=g-import-not-at-top
 
   d = config.data
   if d.kind != "token_file":
@@ -196,7 +196,7 @@ def check_run_files(config):
         pack_documents=bool(d.pack_documents) or key == "long_eval_path",
       )
     except TokenFileError as e:
-      raise config_lib.ConfigError(f"config.data.{key}: {e}") from None
+      raise schema.ConfigError(f"config.data.{key}: {e}") from None
 
 
 def segment_ids(offsets: np.ndarray, start: int, length: int) -> np.ndarray:

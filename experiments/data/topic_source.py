@@ -33,9 +33,9 @@ so the target at position ``t`` (0-based) is ``x_t`` predicted from ``x_{<t}``, 
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
+
+from experiments.schema import FAMILIES, TopicParams, params_from_config  # noqa: F401 (this source's parameters)
 
 TRAIN, VALID, EVAL = (
   0,
@@ -43,58 +43,7 @@ TRAIN, VALID, EVAL = (
   2,
 )  # document splits: training windows, validation windows, floor evaluation
 _WORLD, _GAPS, _FIRST, _MOVES, _TOKENS, _THETA = 0, 1, 2, 3, 4, 5  # random stream tags
-FAMILIES = ("hmm", "dirichlet")
 _FILTER_BLOCK = 2048
-
-
-@dataclasses.dataclass(frozen=True)
-class TopicParams:
-  vocab_size: int = 512
-  num_topics: int = 16
-  zipf_exponent: float = 1.1
-  switch_prob: float = 1.0 / 2048
-  doc_len: int = 65536
-  seed: int = 0
-  family: str = "hmm"
-  concentration: float = 0.1
-
-  def check(self, where: str = "topic source") -> None:
-    """Raises ValueError naming the first bad parameter as ``<where>.<name>``."""
-    rules = (
-      ("vocab_size", self.vocab_size >= 2, "must be >= 2"),
-      ("num_topics", self.num_topics >= 2, "must be >= 2 (a switch moves to another topic)"),
-      ("zipf_exponent", self.zipf_exponent >= 0, "must be >= 0"),
-      ("switch_prob", 0.0 <= self.switch_prob <= 1.0, "must be in [0, 1]"),
-      ("doc_len", self.doc_len >= 1, "must be positive"),
-      ("family", self.family in FAMILIES, f"must be one of {', '.join(FAMILIES)}"),
-      ("concentration", self.concentration > 0, "must be > 0"),
-    )
-    for name, ok, expected in rules:
-      if not ok:
-        raise ValueError(f"{where}.{name}: {expected}, got {getattr(self, name)!r}")
-
-  @property
-  def bos_id(self) -> int:
-    return self.vocab_size
-
-  @property
-  def model_vocab(self) -> int:
-    """Token ids a model must cover: the vocabulary and BOS."""
-    return self.vocab_size + 1
-
-
-def params_from_config(cfg) -> TopicParams:
-  """TopicParams from a run config's ``data.topic`` section."""
-  return TopicParams(
-    vocab_size=int(cfg.vocab_size),
-    num_topics=int(cfg.num_topics),
-    zipf_exponent=float(cfg.zipf_exponent),
-    switch_prob=float(cfg.switch_prob),
-    doc_len=int(cfg.doc_len),
-    seed=int(cfg.seed),
-    family=str(cfg.get("family", "hmm")),
-    concentration=float(cfg.get("concentration", 0.1)),
-  )
 
 
 def zipf_weights(vocab_size: int, exponent: float) -> np.ndarray:

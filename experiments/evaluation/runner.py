@@ -12,6 +12,7 @@ from experiments import loading
 from experiments.evaluation import long_context, plots
 from experiments.evaluation import suites as S
 from experiments.runner import logging_utils
+from kdn_jax.layers.options import option
 
 
 def evaluate(
@@ -58,7 +59,7 @@ def _evaluate(run, suites, settings, out_dir, model_overrides=None):
     "layer_pattern": run.config.model.get("layer_pattern"),
     "initial_state": run.config.train.initial_state,
     "train_len": ctx.train_len,
-    "info_scale": str(run.config.model.get("info_scale", "k")),
+    "info_scale": str(option(run.config.model, "info_scale")),
     "model_overrides": dict(model_overrides or {}),
     "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(settings).items()},
   }

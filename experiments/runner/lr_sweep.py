@@ -20,7 +20,7 @@ The optimizer is built at peak rate 1 and each member's update is multiplied by 
 ``--config.optim.learning_rate=lr`` would (to float rounding).
 
 The workdir holds the stacked checkpoints (resume as usual) and one folder per member, ``lr<rate>/`` or
-``lr<rate>_seed<seed>/`` (``config_lib.sweep_member_dir``), laid out as a plain run: ``config.json`` (that
+``lr<rate>_seed<seed>/`` (``schema.sweep_member_dir``), laid out as a plain run: ``config.json`` (that
 member's rate and seed, no sweep), ``metrics.jsonl``, ``summary.json``, ``loss.png`` and the member's final
 checkpoint, so ``evaluate`` and ``init_from`` take a member like any run. A member whose loss or gradients
 turn non-finite is frozen and reported ``diverged`` (the others go on; under ``nan_policy='halt'`` the sweep
@@ -36,10 +36,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import schema
 from experiments.data import pipeline
 from experiments.runner import checkpoint as ckpt_lib
-from experiments.runner import config_lib, logging_utils, sharding, train_loop
 from experiments.runner import initial_states as init_lib
+from experiments.runner import logging_utils, sharding, train_loop
 from experiments.runner import trainer as trainer_lib
 
 
@@ -124,14 +125,14 @@ class SweepTrainer(trainer_lib.Trainer):
     self.lrs = tuple(float(lr) for lr in config.train.lr_sweep) or (
       float(config.optim.learning_rate),
     )
-    self.seeds = config_lib.parse_seeds(config.train.get("seeds", ""))
+    self.seeds = schema.parse_seeds(schema.setting(config, "train.seeds"))
     self.seeded = bool(self.seeds)
     seeds = self.seeds or (int(config.seed),)
     self.members = [(lr, s) for lr in self.lrs for s in seeds]  # rate-major: lr0 s0, lr0 s1, ...
     self.labels = [f"{lr:g}" + (f"/s{s}" if self.seeded else "") for lr, s in self.members]
     self.flops_members = len(self.members)  # every member trains on each token of the batch
     self.member_dirs = [
-      config_lib.sweep_member_dir(workdir, lr, s if self.seeded else None) for lr, s in self.members
+      schema.sweep_member_dir(workdir, lr, s if self.seeded else None) for lr, s in self.members
     ]
     super().__init__(config, workdir, devices)  # one member's state (and init_from), stacked below
     rep = sharding.replicated(self.mesh)
@@ -279,18 +280,19 @@ class SweepTrainer(trainer_lib.Trainer):
   def _check_resumable(self):
     step = super()._check_resumable()
     if step is not None:
-      train = (self.checkpointer.record(step).get("config") or {}).get("train", {})
+      saved_config = self.checkpointer.record(step).get("config") or {}
+      train = saved_config.get("train", {})
       saved = train.get("lr_sweep")
       if saved is not None and tuple(float(x) for x in saved) != tuple(
         float(x) for x in self.config.train.lr_sweep
       ):
-        raise config_lib.ConfigError(
+        raise schema.ConfigError(
           f"config.train.lr_sweep: {self.workdir} holds a sweep over {tuple(saved)} (step {step}); "
           f"resume it with those rates or start a new workdir for {self.lrs}"
         )
-      saved_seeds = config_lib.parse_seeds(train.get("seeds", ""))
+      saved_seeds = schema.parse_seeds(schema.setting(saved_config, "train.seeds"))
       if saved_seeds != self.seeds:
-        raise config_lib.ConfigError(
+        raise schema.ConfigError(
           f"config.train.seeds: {self.workdir} holds a sweep over seeds {saved_seeds or '(none)'} (step "
           f"{step}); resume it with those seeds or start a new workdir for {self.seeds or '(none)'}"
         )
@@ -409,6 +411,6 @@ class SweepTrainer(trainer_lib.Trainer):
 def make_trainer(config, workdir: str, devices=None) -> trainer_lib.Trainer:
   """A SweepTrainer when ``config.train.lr_sweep`` lists rates or ``config.train.seeds`` seeds, else a
   Trainer."""
-  if config.train.get("lr_sweep") or config_lib.parse_seeds(config.train.get("seeds", "")):
+  if config.train.get("lr_sweep") or schema.parse_seeds(schema.setting(config, "train.seeds")):
     return SweepTrainer(config, workdir, devices)
   return trainer_lib.Trainer(config, workdir, devices)

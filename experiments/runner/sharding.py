@@ -10,7 +10,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from experiments.runner import config_lib
+from experiments import schema
 
 AXES = ("data", "fsdp", "tensor", "context")
 BATCH_AXES = ("data", "fsdp")  # FSDP is data parallel too: the batch is split over both.
@@ -32,7 +32,7 @@ def maybe_initialize_distributed(config):
 
 def make_mesh(config, devices=None) -> Mesh:
   devices = list(jax.devices() if devices is None else devices)
-  shape = config_lib.mesh_shape(config, len(devices))
+  shape = schema.mesh_shape(config, len(devices))
   try:
     dev = mesh_utils.create_device_mesh(shape, devices=devices)
   except Exception:  # pylint: disable=broad-except

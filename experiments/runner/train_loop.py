@@ -16,7 +16,8 @@ import time
 import jax
 import numpy as np
 
-from experiments.runner import config_lib, dispatch_window, logging_utils, preemption, tracing
+from experiments import schema
+from experiments.runner import dispatch_window, logging_utils, preemption, tracing
 from experiments.runner import mfu as mfu_lib
 from experiments.runner.loss import check_dropped
 from kdn_jax.models import flops as flops_lib
@@ -32,7 +33,7 @@ class _Loop:
   def __init__(self, config, start_step: int, writer):
     self.start_step, self.total, self.writer = start_step, config.train.num_steps, writer
     self.tokens_per_step = config.data.global_batch_size * config.data.seq_len
-    self.keep_steps = set(config_lib.parse_keep_steps(config.checkpoint.get("keep_steps", "")))
+    self.keep_steps = set(schema.parse_keep_steps(schema.setting(config, "checkpoint.keep_steps")))
     self.status, self.t0 = "completed", time.time()
     self.t_log, self.step_log = self.t0, start_step
     self.eval_metrics = {}
@@ -282,7 +283,7 @@ class TrainLoop:
   def model_flops_per_token(self) -> float | None:
     """Training FLOPs per token of all the models one step trains (kdn_jax.models.flops), or None for
     a model the count does not know (another model_factory)."""
-    if self.config.model_factory != config_lib.DEFAULT_MODEL_FACTORY:
+    if self.config.model_factory != schema.DEFAULT_MODEL_FACTORY:
       return None
     count = flops_lib.flops_per_token(self.config.model, self.config.data.seq_len)
     return count["train"] * self.flops_members

@@ -18,16 +18,11 @@ import numpy as np
 import optax
 from flax import nnx
 
+from experiments import kernel_config, schema
 from experiments.data import corpus, pipeline
 from experiments.runner import checkpoint as ckpt_lib
-from experiments.runner import (
-  config_lib,
-  kernel_config,
-  optim,
-  sharding,
-  workdir_lock,
-)
 from experiments.runner import initial_states as init_lib
+from experiments.runner import optim, sharding, workdir_lock
 from experiments.runner.loss import check_dropped, cross_entropy, scored_logits
 from experiments.runner.train_loop import TrainLoop
 from kdn_jax.models import config as model_config_lib
@@ -83,7 +78,7 @@ class Trainer(TrainLoop):
     self.process_index, self.process_count = jax.process_index(), jax.process_count()
     if config.data.kind == "token_file":  # corpus_dir fills paths and eos_id that validation checks
       corpus.resolve(config)
-    config_lib.validate(config, len(self.devices), self.process_count)
+    schema.validate(config, len(self.devices), self.process_count)
     if "mlp_matched" in config.model:  # flag overrides of the mixer keep parameters matched
       model_config_lib.resolve_mlp_hidden(config.model)
     pipeline.check_data_files(config)
@@ -106,7 +101,7 @@ class Trainer(TrainLoop):
           os.path.join(workdir, "checkpoints"),
           config.checkpoint.keep,
           config.checkpoint.async_save,
-          config_lib.parse_keep_steps(config.checkpoint.get("keep_steps", "")),
+          schema.parse_keep_steps(schema.setting(config, "checkpoint.keep_steps")),
         )
       self.config_json = json.loads(config.to_json_best_effort())
       self.init_from_step = None
@@ -166,7 +161,7 @@ class Trainer(TrainLoop):
   # ---------------------------------------------------------------- model
   def _build_model(self):
     cfg = self.config
-    cls = config_lib.import_object(cfg.model_factory)
+    cls = schema.import_object(cfg.model_factory)
     model_cfg = cfg.model
     self._model_cls = cls
 
@@ -314,7 +309,7 @@ class Trainer(TrainLoop):
     )  # a resumed post-training run keeps its origin
     saved = record.get("initial_state", self.strategy)
     if saved != self.strategy:
-      raise config_lib.ConfigError(
+      raise schema.ConfigError(
         f"config.train.initial_state: {self.workdir} holds a run trained with initial_state={saved!r} "
         f"(step {step}); to continue it with {self.strategy!r} start a new workdir with "
         f"--config.train.init_from={self.workdir}"
@@ -328,7 +323,7 @@ class Trainer(TrainLoop):
     try:
       params, step = ckpt_lib.restore_params(source, abs_params)
     except (FileNotFoundError, ValueError) as e:
-      raise config_lib.ConfigError(f"config.train.init_from: {e}") from e
+      raise schema.ConfigError(f"config.train.init_from: {e}") from e
     self.state["params"] = params
     self.init_from_step = step
     if self.is_main:

@@ -15,13 +15,13 @@ import os
 import socket
 import time
 
-from experiments.runner import config_lib
+from experiments import schema
 
 LOCK_NAME = "run.lock"
 _HELD = {}  # lock path -> number of holders in this process (several Trainers of one workdir in tests)
 
 
-class WorkdirInUseError(config_lib.ConfigError):
+class WorkdirInUseError(schema.ConfigError):
   """Another live run holds the workdir (a config error: the command names a busy --workdir)."""
 
 

@@ -53,7 +53,8 @@ import numpy as np
 from absl import app, flags
 
 from configs import copying as study_config
-from experiments.runner import cli, config_lib
+from experiments import schema
+from experiments.runner import cli
 from experiments.runner.logging_utils import fmt_time, write_json
 from experiments.studies import study_driver
 
@@ -181,7 +182,7 @@ class Plan:
     _check_names("arms", arms, study_config.ARMS)
     _check_names("sizes", sizes, study_config.SIZES)
     _check_names("trains", trains, TRAINS)
-    seeds = config_lib.parse_seeds(seeds or d["seeds"])
+    seeds = schema.parse_seeds(seeds or d["seeds"])
     cells = tuple(cells) or tuple(
       f"{a}.{z}.{t}.s{s}" for a in arms for z in sizes for t in trains for s in seeds
     )

@@ -18,9 +18,9 @@ import numpy as np
 from flax import nnx
 
 from configs import mqar_zoology as zoo
+from experiments import schema
 from experiments.data import mqar_mixture
 from experiments.evaluation import probes
-from experiments.runner import config_lib
 from experiments.runner.logging_utils import write_json
 from kdn_jax.models.lm import LanguageModel
 
@@ -46,14 +46,14 @@ def write_strength(width: int, mixer: str, seed: int, rows: int = 32) -> dict:
   b = mqar_mixture.batch(
     seed * 1000 + 1,
     0,
-    config_lib.mqar_mixture_cells(c),
+    schema.mqar_mixture_cells(c),
     rows,
     c.data.seq_len,
     c.data.mqar.vocab_size,
     c.data.mqar.power_a,
   )
   # a row's tokens up to its cell's length (the padding is not part of any example)
-  lengths = np.asarray([config_lib.mqar_mixture_cells(c)[k][0] for k in b["cell"]])
+  lengths = np.asarray([schema.mqar_mixture_cells(c)[k][0] for k in b["cell"]])
   keep = np.arange(c.data.seq_len)[None, :] < lengths[:, None]
   if mixer.startswith("kdn"):
     per_layer = list(probes.write_strengths(model, b["inputs"]).values())

@@ -65,8 +65,9 @@ import numpy as np
 from absl import app, flags
 
 from configs import lengen_map as study_config
+from experiments import schema
 from experiments.evaluation import band_ratio
-from experiments.runner import cli, config_lib
+from experiments.runner import cli
 from experiments.runner.logging_utils import fmt_time, write_json
 from experiments.studies import lengen_text, study_driver, study_plan
 from experiments.studies.results import lengen_map as renderer
@@ -237,7 +238,7 @@ class Plan:
       for s in sizes:
         if s not in study_config.SIZES:
           raise ValueError(f"--sizes: unknown {s!r}; expected {list(study_config.SIZES)}")
-      seed_list = config_lib.parse_seeds(seeds or d["seeds"])
+      seed_list = schema.parse_seeds(seeds or d["seeds"])
       cells = [
         cell_name(a, s, int(t), sd)
         for a in (arms or d["arms"])

@@ -30,7 +30,8 @@ import time
 from absl import app, flags
 
 from configs import lengen_synthetic as study_config
-from experiments.runner import cli, config_lib
+from experiments import schema
+from experiments.runner import cli
 from experiments.runner.logging_utils import write_json
 from experiments.studies import study_driver
 from experiments.studies.results import lengen_synthetic as renderer
@@ -96,9 +97,9 @@ class Plan:
     study_driver.check_choice("--preset", preset, PRESETS)
     self.preset = preset
     self.mixers = tuple(mixers) or DEFAULT_MIXERS[preset]
-    bad = [m for m in self.mixers if m not in config_lib.MIXERS]
+    bad = [m for m in self.mixers if m not in schema.MIXERS]
     if bad:
-      raise ValueError(f"--mixers: unknown {bad}; expected names from {list(config_lib.MIXERS)}")
+      raise ValueError(f"--mixers: unknown {bad}; expected names from {list(schema.MIXERS)}")
     self.strategies = study_driver.check_strategies(strategies)
     study_driver.check_non_negative(
       pretrain_steps=pretrain_steps,

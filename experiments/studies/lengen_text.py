@@ -31,7 +31,8 @@ import numpy as np
 from absl import app, flags
 
 from configs import lengen_short as study_config
-from experiments.runner import cli, config_lib
+from experiments import schema
+from experiments.runner import cli
 from experiments.runner.logging_utils import write_json
 from experiments.studies import study_driver, study_plan
 from experiments.studies.results import lengen_text as renderer
@@ -111,7 +112,7 @@ class Plan:
     for arm in self.arms:
       try:
         study_config.arm_model_keys(arm)
-      except config_lib.ConfigError:
+      except schema.ConfigError:
         raise ValueError(
           f"--arms: unknown {arm!r}; expected {list(study_config.ARMS)} or mixer names"
         ) from None

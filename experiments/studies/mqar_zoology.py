@@ -30,8 +30,8 @@ from absl import app, flags
 
 from configs import mqar_zoology as zoo
 from experiments.runner import cli
-from experiments.runner.config_lib import ConfigError, parse_seeds
 from experiments.runner.logging_utils import write_json
+from experiments.schema import ConfigError, parse_seeds
 from experiments.studies import jobs as jobs_lib
 from experiments.studies import mqar_zoology_stats as stats
 from experiments.studies.mqar_zoology_sweep import CELLS_FILE

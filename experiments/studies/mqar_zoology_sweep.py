@@ -20,7 +20,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from configs import mqar_zoology as zoo
-from experiments.runner import cli, config_lib
+from experiments import schema
+from experiments.runner import cli
 from experiments.studies import study_driver
 
 FLAGS = flags.FlagValues()
@@ -178,8 +179,8 @@ def main(argv):
   try:
     cells = parse_cells(FLAGS.test_cells)
     config = FLAGS.config
-    config_lib.validate(config)
-  except (ValueError, config_lib.ConfigError) as e:
+    schema.validate(config)
+  except (ValueError, schema.ConfigError) as e:
     raise app.UsageError(str(e)) from None
   run(
     config,

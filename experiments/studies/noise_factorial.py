@@ -23,8 +23,8 @@ import time
 from absl import app, flags
 
 from experiments.runner import cli
-from experiments.runner.config_lib import ConfigError, parse_seeds
 from experiments.runner.logging_utils import write_json
+from experiments.schema import ConfigError, parse_seeds
 from experiments.studies import jobs as jobs_lib
 from experiments.studies.study_driver import read_json
 

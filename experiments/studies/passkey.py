@@ -30,7 +30,8 @@ import time
 from absl import app, flags
 
 from configs import passkey as study_config
-from experiments.runner import cli, config_lib
+from experiments import schema
+from experiments.runner import cli
 from experiments.runner.logging_utils import write_json
 from experiments.studies import study_driver
 
@@ -72,7 +73,7 @@ VARIANTS = {
 
 
 def arm_mixers() -> list[str]:
-  return list(config_lib.MIXERS) + list(VARIANTS)
+  return list(schema.MIXERS) + list(VARIANTS)
 
 
 def parse_arm(arm: str) -> tuple[str, int]:
@@ -111,7 +112,7 @@ class Plan:
     study_driver.check_choice("--preset", preset, PRESETS)
     self.preset = preset
     mixers = tuple(mixers) or DEFAULT_MIXERS[preset]
-    seeds = config_lib.parse_seeds(seeds or DEFAULT_SEEDS[preset])
+    seeds = schema.parse_seeds(seeds or DEFAULT_SEEDS[preset])
     self.arms = tuple(arms) or tuple(f"{m}.s{s}" for m in mixers for s in seeds)
     for a in self.arms:
       parse_arm(a)

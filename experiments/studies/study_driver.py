@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 from absl import flags, logging
 
-from experiments.runner import config_lib
+from experiments import schema
 from experiments.runner.logging_utils import fmt_time, write_json
 from experiments.studies import jobs, study_plan
 
@@ -69,10 +69,10 @@ def check_choice(flag: str, value, choices):
 
 def check_strategies(strategies) -> tuple[str, ...]:
   strategies = tuple(strategies)
-  bad = [s for s in strategies if s not in config_lib.INITIAL_STATES]
+  bad = [s for s in strategies if s not in schema.INITIAL_STATES]
   if bad:
     raise ValueError(
-      f"--strategies: unknown {bad}; expected names from {list(config_lib.INITIAL_STATES)}"
+      f"--strategies: unknown {bad}; expected names from {list(schema.INITIAL_STATES)}"
     )
   return strategies
 
@@ -624,7 +624,7 @@ def main(study, values, plan_class, *, protocol, table, prepare=None, instead=No
     argv_flags = flags_as_written(sys.argv[1:])
     if prepare is not None:
       prepare(plan)
-  except (ValueError, config_lib.ConfigError) as e:
+  except (ValueError, schema.ConfigError) as e:
     print(f"Study error: {e}", file=sys.stderr)
     return 2
   if instead is not None:

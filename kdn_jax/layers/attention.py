@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kdn_jax.layers.dense import Dense
+from kdn_jax.layers.options import option
 from kdn_jax.layers.recurrent import get_dtype
 from kdn_jax.layers.short_conv import positions_in_segment
 
@@ -46,7 +47,7 @@ class Attention(nnx.Module):
     self.window = None if window is None else int(window)
     if self.window is not None and self.window < 1:
       raise ValueError(f"swa_window must be >= 1, got {window}")
-    self.theta = float(cfg.get("rope_theta", 10000.0))
+    self.theta = float(option(cfg, "rope_theta"))
     self.dtype = get_dtype(cfg.dtype)
     kw = dict(dtype=self.dtype, param_dtype=get_dtype(cfg.param_dtype), rngs=rngs)
     self.q_proj = Dense(d, (H, D), ("embed", "heads", "kv"), **kw)

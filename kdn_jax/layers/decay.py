@@ -16,15 +16,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kdn_jax.layers.dense import Dense, LowRank, make_param
+from kdn_jax.layers.options import option
 
-DECAY_DEFAULTS = {"a_min": 1.0, "a_max": 16.0, "dt_min": 1e-3, "dt_max": 1e-1}
+DECAY_KEYS = ("a_min", "a_max", "dt_min", "dt_max")
 DT_FLOOR = 1e-4
 
 
 def decay_ranges(cfg) -> dict:
   """A model config's decay initialisation as Decay's keywords (configs saved before the keys
   existed get the defaults)."""
-  v = {k: float(cfg.get(k, d)) for k, d in DECAY_DEFAULTS.items()}
+  v = {k: float(option(cfg, k)) for k in DECAY_KEYS}
   return {"a_range": (v["a_min"], v["a_max"]), "dt_range": (v["dt_min"], v["dt_max"])}
 
 

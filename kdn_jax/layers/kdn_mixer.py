@@ -38,20 +38,32 @@ VARIANCE_FLOOR = 0.1
 VARIANCE_INIT = 1.0
 
 
+def info_scale_text(value) -> str:
+  """``info_scale`` as a config keeps it (a str: ConfigDict is type safe): a name of INFO_SCALES
+  (lower case) or a number as ``repr(float)``; other text is returned as given, stripped and lower
+  case, for resolve_info_scale to reject."""
+  if isinstance(value, (int, float)) and not isinstance(value, bool):
+    return repr(float(value))
+  text = str(value).strip().lower()
+  if text in INFO_SCALES:
+    return text
+  try:
+    return repr(float(text))
+  except ValueError:
+    return text
+
+
 def resolve_info_scale(info_scale, K: int):
-  """Returns (python float | None for learned)."""
-  if isinstance(info_scale, (int, float)) and not isinstance(info_scale, bool):
-    if not (info_scale > 0 and math.isfinite(info_scale)):
-      raise ValueError(f"info_scale must be > 0 and finite, got {info_scale}")
-    return float(info_scale)
-  s = str(info_scale).lower()
-  if s == "learned":
+  """The one reading of the ``info_scale`` option (a name of INFO_SCALES or a positive number, as
+  text or number) for key dim K: a python float, or None for learned. Raises ValueError."""
+  text = info_scale_text(info_scale)
+  if text == "learned":
     return None
   table = {"1": 1.0, "sqrt_k": math.sqrt(K), "k": float(K), "4k": 4.0 * K}
-  if s in table:
-    return table[s]
+  if text in table:
+    return table[text]
   try:
-    v = float(s)
+    v = float(text)
   except ValueError:
     raise ValueError(
       f"info_scale: unknown value {info_scale!r}; expected one of {INFO_SCALES} or a positive float"

@@ -47,6 +47,7 @@ from kdn_jax import ops
 from kdn_jax.layers.decay import Decay, decay_ranges
 from kdn_jax.layers.dense import Dense, make_param, ones_init
 from kdn_jax.layers.gated_norm import silu_gated_rms_norm
+from kdn_jax.layers.options import option
 from kdn_jax.layers.recurrent import RecurrentMixer, memory_outputs, states_kw
 
 MAMBA2_VARIANTS = ("normalized", "faithful", "official")  # 'official': layers/mamba2_official.py
@@ -57,7 +58,7 @@ class Mamba2(RecurrentMixer):
 
   def _init_gates(self, cfg, rngs):
     H = self.num_heads
-    self.variant = str(cfg.get("mamba2_variant", "normalized"))
+    self.variant = str(option(cfg, "mamba2_variant"))
     if self.variant not in ("normalized", "faithful"):
       raise ValueError(
         f"mamba2_variant: got {self.variant!r}; this class builds 'normalized' and 'faithful' "

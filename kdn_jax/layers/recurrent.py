@@ -25,6 +25,7 @@ from flax import nnx
 from kdn_jax.layers.context_conv import short_conv
 from kdn_jax.layers.dense import Dense, LowRank
 from kdn_jax.layers.gated_norm import GatedRMSNorm
+from kdn_jax.layers.options import option
 from kdn_jax.layers.short_conv import ShortConv, l2_normalize
 from kdn_jax.ops import context_parallel, dispatch
 
@@ -46,11 +47,11 @@ def get_dtype(name) -> jnp.dtype:
 
 def value_heads(cfg) -> int:
   """The value heads H of a recurrent mixer: cfg.num_v_heads, 0 (or absent) meaning num_heads."""
-  return int(cfg.get("num_v_heads", 0) or 0) or int(cfg.num_heads)
+  return int(option(cfg, "num_v_heads") or 0) or int(cfg.num_heads)
 
 
 def lowrank_dim(cfg) -> int:
-  r = int(cfg.get("lowrank_dim", 0) or 0)
+  r = int(option(cfg, "lowrank_dim") or 0)
   return r if r > 0 else int(cfg.head_dim)
 
 

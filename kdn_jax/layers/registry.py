@@ -10,12 +10,13 @@ from kdn_jax.layers.delta_mixers import GDN2, GLA, KDA, DeltaNet, GatedDeltaNet
 from kdn_jax.layers.kdn_mixer import KDNDiag, KDNIso
 from kdn_jax.layers.mamba2 import Mamba2
 from kdn_jax.layers.mamba2_official import Mamba2Official
+from kdn_jax.layers.options import option
 
 
 def mamba2(cfg, *, rngs, kernel_config=None):
   """The `mamba2` mixer: mamba_ssm's block (Mamba2Official) for mamba2_variant='official', else
   the scaffold's Mamba-2 (layers/mamba2.py) in the named variant."""
-  official = cfg.get("mamba2_variant", "normalized") == "official"
+  official = option(cfg, "mamba2_variant") == "official"
   return (Mamba2Official if official else Mamba2)(cfg, rngs=rngs, kernel_config=kernel_config)
 
 

@@ -31,6 +31,8 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from kdn_jax.layers.options import DEFAULTS, option
+
 REFERENCE_MIXER = "kdn_diag"
 
 # mlp_hidden is the reference (kdn_diag) width; other mixers get it re-solved.
@@ -101,42 +103,6 @@ SIZES = {
     mlp_multiple=64,
   ),
 }
-
-DEFAULTS = dict(
-  vocab_size=32000,
-  num_layers=2,
-  d_model=64,
-  num_heads=2,
-  head_dim=32,
-  mixer="kdn_diag",
-  layer_pattern="",
-  mlp_hidden=192,
-  tie_embeddings=True,
-  swa_window=512,
-  conv_size=4,
-  info_scale="k",
-  noise="learned",
-  chunk_size=64,
-  impl="auto",
-  dtype="float32",
-  param_dtype="float32",
-  r_min=0.01,
-  norm_eps=1e-6,
-  lowrank_dim=0,
-  rope_theta=10000.0,
-  remat=False,
-  match_params=True,
-  mlp_multiple=64,
-  scan_layers=False,
-  num_v_heads=0,
-  mlp_reference=0,
-  mlp_matched=0,  # set by model_config; see effective_mlp_hidden
-  dt_min=1e-3,
-  dt_max=1e-1,
-  a_min=1.0,
-  a_max=16.0,
-  mamba2_variant="normalized",
-)
 
 _DTYPES = ("float32", "bfloat16")
 
@@ -213,7 +179,7 @@ def validate_config(cfg) -> None:
   for key in ("r_min", "norm_eps", "rope_theta"):
     if not (cfg[key] > 0 and math.isfinite(cfg[key])):
       raise _err(key, f"must be > 0 and finite, got {cfg[key]}")
-  num_v_heads = cfg.get("num_v_heads", 0)
+  num_v_heads = option(cfg, "num_v_heads")
   if (
     not isinstance(num_v_heads, (int, np.integer))
     or isinstance(num_v_heads, bool)
@@ -227,12 +193,12 @@ def validate_config(cfg) -> None:
     )
   if cfg.lowrank_dim < 0:
     raise _err("lowrank_dim", f"must be >= 0 (0 = head_dim), got {cfg.lowrank_dim}")
-  if not isinstance(cfg.get("scan_layers", False), bool):
+  if not isinstance(option(cfg, "scan_layers"), bool):
     raise _err("scan_layers", f"must be a bool, got {cfg.scan_layers!r}")
   if cfg.impl not in IMPLS:
     raise _err("impl", f"got {cfg.impl!r}; expected one of {list(IMPLS)}")
   _check_decay(cfg)
-  variant = cfg.get("mamba2_variant", "normalized")
+  variant = option(cfg, "mamba2_variant")
   if variant not in MAMBA2_VARIANTS:
     raise _err("mamba2_variant", f"got {variant!r}; expected one of {list(MAMBA2_VARIANTS)}")
   _check_official(cfg)
@@ -244,7 +210,7 @@ def _check_official(cfg) -> None:
   from kdn_jax.layers.mamba2_official import inner_width
 
   mixers = layer_mixers(cfg)
-  if cfg.get("mamba2_variant", "normalized") != "official" or "mamba2" not in mixers:
+  if option(cfg, "mamba2_variant") != "official" or "mamba2" not in mixers:
     return
   if any(m != "mamba2" for m in mixers):
     raise _err(
@@ -261,16 +227,16 @@ def _check_official(cfg) -> None:
 def official_mamba2_lm(cfg) -> bool:
   """Whether the model is mamba_ssm's Mamba-2 LM (mamba2_variant='official', every layer mamba2):
   blocks without an MLP, norms with eps 1e-5, the embedding N(0, 0.02) read out tied unscaled."""
-  return cfg.get("mamba2_variant", "normalized") == "official" and all(
+  return option(cfg, "mamba2_variant") == "official" and all(
     m == "mamba2" for m in layer_mixers(cfg)
   )
 
 
 def _check_decay(cfg) -> None:
   """The decay initialisation ranges: positive finite numbers, each minimum below its maximum."""
-  from kdn_jax.layers.decay import DECAY_DEFAULTS
+  from kdn_jax.layers.decay import DECAY_KEYS
 
-  vals = {k: cfg.get(k, d) for k, d in DECAY_DEFAULTS.items()}
+  vals = {k: option(cfg, k) for k in DECAY_KEYS}
   for key, v in vals.items():
     if not (
       isinstance(v, (int, float, np.integer, np.floating))
@@ -302,7 +268,7 @@ def _mixer_key(name, cfg):
     "num_v_heads",
     "mamba2_variant",
   )
-  return (name,) + tuple((k, str(cfg.get(k, DEFAULTS[k]))) for k in keys)
+  return (name,) + tuple((k, str(option(cfg, k))) for k in keys)
 
 
 @functools.lru_cache(maxsize=512)
@@ -350,6 +316,8 @@ def matched_mlp_hidden(cfg, reference_mlp_hidden: int) -> int:
 
 
 def model_config(size: str = "tiny", **overrides) -> ml_collections.ConfigDict:
+  from kdn_jax.layers.kdn_mixer import info_scale_text
+
   if size not in SIZES:
     raise ValueError(f"model size {size!r} unknown; expected one of {sorted(SIZES)}")
   for k in overrides:
@@ -358,8 +326,7 @@ def model_config(size: str = "tiny", **overrides) -> ml_collections.ConfigDict:
   d = dict(DEFAULTS)
   d.update(SIZES[size])
   d.update(overrides)
-  if isinstance(d["info_scale"], (int, float)) and not isinstance(d["info_scale"], bool):
-    d["info_scale"] = repr(float(d["info_scale"]))  # keep the key a str (ConfigDict is type safe)
+  d["info_scale"] = info_scale_text(d["info_scale"])
   cfg = ml_collections.ConfigDict(d)
   validate_config(cfg)
   if cfg.match_params and "mlp_hidden" not in overrides:
@@ -379,7 +346,7 @@ def effective_mlp_hidden(cfg) -> int:
   Mamba-2 LM has none: 0."""
   if official_mamba2_lm(cfg):
     return 0
-  ref, matched = int(cfg.get("mlp_reference", 0)), int(cfg.get("mlp_matched", 0))
+  ref, matched = int(option(cfg, "mlp_reference")), int(option(cfg, "mlp_matched"))
   if cfg.match_params and ref and int(cfg.mlp_hidden) == matched:
     return matched_mlp_hidden(cfg, ref)
   return int(cfg.mlp_hidden)
@@ -389,7 +356,7 @@ def resolve_mlp_hidden(cfg) -> int:
   """Writes effective_mlp_hidden back into a (mutable) model config, so that saved configs and
   summaries show the width the model has; returns it. The runner calls this at start."""
   width = effective_mlp_hidden(cfg)
-  if int(cfg.get("mlp_matched", 0)) == int(cfg.mlp_hidden):
+  if int(option(cfg, "mlp_matched")) == int(cfg.mlp_hidden):
     cfg.mlp_matched = width
   cfg.mlp_hidden = width
   return width

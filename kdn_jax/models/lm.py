@@ -25,6 +25,7 @@ from kdn_jax.layers.dense import Dense, make_param, normal_init, project
 from kdn_jax.layers.gated_norm import RMSNorm
 from kdn_jax.layers.mamba2_official import NORM_EPS as OFFICIAL_NORM_EPS
 from kdn_jax.layers.mlp import SwiGLU
+from kdn_jax.layers.options import option
 from kdn_jax.layers.recurrent import get_dtype
 from kdn_jax.layers.registry import is_recurrent, make_mixer
 from kdn_jax.models import layer_scan
@@ -93,7 +94,7 @@ class Block(nnx.Module):
 class LanguageModel(nnx.Module):
   def __init__(self, cfg, *, rngs: nnx.Rngs, kernel_config=None):
     """kernel_config: the Pallas kernels' configs for every layer (a pallas_kernels.KernelConfigs,
-    a run's config.kernels through experiments/runner/kernel_config.py), or None: the kernels'
+    a run's config.kernels through experiments/kernel_config.py), or None: the kernels'
     tuned configs for the device."""
     validate_config(cfg)
     self.cfg = ml_collections.FrozenConfigDict(
@@ -119,8 +120,8 @@ class LanguageModel(nnx.Module):
       self.lm_head = Dense(
         d, vocab, ("embed", "vocab"), dtype=self.dtype, param_dtype=pdt, rngs=rngs
       )
-    self.remat = bool(cfg.get("remat", False))
-    self.scan_layers = bool(cfg.get("scan_layers", False))
+    self.remat = bool(option(cfg, "remat"))
+    self.scan_layers = bool(option(cfg, "scan_layers"))
 
   # ---------------------------------------------------------------------------------------------
   def _embed(self, tokens):

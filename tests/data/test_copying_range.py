@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from experiments import schema
 from experiments.data import pipeline, synthetic
-from experiments.runner import config_lib
 from kdn_jax.models.config import model_config
 
 
@@ -50,7 +50,7 @@ def test_range_structure_and_determinism():
 
 
 def _config(**copying):
-  c = config_lib.base_config()
+  c = schema.base_config()
   c.model = model_config("tiny", vocab_size=32)
   c.data.kind = "copying"
   c.data.seq_len = 41
@@ -68,13 +68,13 @@ def _config(**copying):
 
 
 def test_pipeline_and_validation():
-  c = config_lib.validate(_config(copy_len=20, min_copy_len=10))
+  c = schema.validate(_config(copy_len=20, min_copy_len=10))
   batch = next(pipeline.make_train_iterator(c))
   lens = batch["mask"].sum(1)
   assert batch["inputs"].shape == (8, 41) and lens.min() >= 10 and lens.max() <= 20
   assert len(set(lens.tolist())) > 1
   ev = pipeline.make_eval_batches(
-    config_lib.validate(_config(copy_len=20, min_copy_len=10, eval_copy_len=12))
+    schema.validate(_config(copy_len=20, min_copy_len=10, eval_copy_len=12))
   )
   assert (ev[0]["mask"].sum(1) == 12).all()  # eval_copy_len fixes the validation length
   for kw, key in (
@@ -83,5 +83,5 @@ def test_pipeline_and_validation():
     ({"copy_len": 21}, "copy_len"),
     ({"copy_len": 0}, "copy_len"),
   ):
-    with pytest.raises(config_lib.ConfigError, match=f"data.copying.{key}"):
-      config_lib.validate(_config(**kw))
+    with pytest.raises(schema.ConfigError, match=f"data.copying.{key}"):
+      schema.validate(_config(**kw))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from experiments import schema
 from experiments.data import mqar_mixture, pipeline, synthetic
-from experiments.runner import config_lib
 from tests.runner_helpers import tiny_config
 
 CELLS = ((16, 2, 3.0), (32, 4, 1.0), (64, 16, 1.0))
@@ -77,7 +77,7 @@ def test_config_wires_the_mixture_into_the_pipeline():
   c.data.seq_len = 32
   c.data.mqar.mixture = "16:2:2,32:4"
   c.train.loss_positions = 4
-  config_lib.validate(c)
+  schema.validate(c)
   batch = next(pipeline.make_train_iterator(c))
   assert (
     batch["inputs"].shape == (8, 32) and "cell" not in batch and batch["mask"].sum(1).max() <= 4
@@ -89,10 +89,8 @@ def test_config_wires_the_mixture_into_the_pipeline():
     ("16-2", "expected"),
   ):
     c.data.mqar.mixture = bad
-    with pytest.raises(config_lib.ConfigError, match=rf"config\.data\.mqar\.mixture: .*{msg}"):
-      config_lib.validate(c)
+    with pytest.raises(schema.ConfigError, match=rf"config\.data\.mqar\.mixture: .*{msg}"):
+      schema.validate(c)
   c.data.mqar.mixture = "16:2,32:8"
-  with pytest.raises(
-    config_lib.ConfigError, match=r"config\.train\.loss_positions: 4 is below the 8"
-  ):
-    config_lib.validate(c)
+  with pytest.raises(schema.ConfigError, match=r"config\.train\.loss_positions: 4 is below the 8"):
+    schema.validate(c)

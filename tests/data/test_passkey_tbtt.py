@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
+from experiments import schema
 from experiments.data import passkey_tbtt, pipeline
-from experiments.runner import config_lib
 
 
 def test_slots_continue_one_document_across_chunks():
@@ -40,7 +40,7 @@ def test_pipeline_serves_tbtt_passkey_batches():
 
   c = passkey.get_config("cpu,gla,tbtt")
   c.train.num_steps = 3
-  config_lib.validate(c)
+  schema.validate(c)
   it = pipeline.make_train_iterator(c)
   batch = next(it)
   assert batch["inputs"].shape == (16, 128) and batch["reset"].all()
@@ -51,5 +51,5 @@ def test_bad_chunk_bound_is_one_line():
 
   c = passkey.get_config("cpu,gla,tbtt")
   c.data.passkey.tbtt_chunks = 0
-  with pytest.raises(config_lib.ConfigError, match="data.passkey.tbtt_chunks"):
-    config_lib.validate(c)
+  with pytest.raises(schema.ConfigError, match="data.passkey.tbtt_chunks"):
+    schema.validate(c)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from runner_helpers import tiny_config, write_array_record
 
+from experiments import schema
 from experiments.data import pipeline, token_files
-from experiments.runner import config_lib
 
 VOCAB, SEQ = 32, 16
 
@@ -114,7 +114,7 @@ def test_malformed_token_files_are_one_line(tmp_path):
     path = tmp_path / f"{name}.npy"
     write(path)
     c = _config(path)
-    with pytest.raises(config_lib.ConfigError) as info:
+    with pytest.raises(schema.ConfigError) as info:
       pipeline.check_data_files(c)
     msg = str(info.value)
     # (the file, or its .docs.npy sidecar)
@@ -135,7 +135,7 @@ def test_ids_are_checked_in_the_eval_file_too(tmp_path):
   bad[70] = VOCAB + 5
   np.save(tmp_path / "val.npy", bad)
   with pytest.raises(
-    config_lib.ConfigError,
+    schema.ConfigError,
     match=rf"config\.data\.eval_path: .*val\.npy: token id {VOCAB + 5} "
     r"at position 70",
   ):
@@ -152,10 +152,10 @@ def test_array_record_files_are_checked(tmp_path):
   docs[2] = docs[2].copy()
   docs[2][4] = -1
   path = write_array_record(tmp_path / "docs.array_record", docs)
-  with pytest.raises(config_lib.ConfigError, match=r"token id -1 at position 44 is outside"):
+  with pytest.raises(schema.ConfigError, match=r"token id -1 at position 44 is outside"):
     pipeline.check_data_files(_config(path))
   (tmp_path / "junk.array_record").write_bytes(b"\x00\x01junk" * 20)
-  with pytest.raises(config_lib.ConfigError, match=r"not a readable \.array_record file"):
+  with pytest.raises(schema.ConfigError, match=r"not a readable \.array_record file"):
     pipeline.check_data_files(_config(tmp_path / "junk.array_record"))
 
 
@@ -168,5 +168,5 @@ def test_an_eos_id_outside_the_vocabulary_blames_the_vocabulary(tmp_path):
   np.save(token_files.docs_path(str(path)), off)
   c = _config(path)
   c.data.eos_id = VOCAB + 5
-  with pytest.raises(config_lib.ConfigError, match=r"config.data.eos_id: 37 is outside the model"):
-    config_lib.validate(c)
+  with pytest.raises(schema.ConfigError, match=r"config.data.eos_id: 37 is outside the model"):
+    schema.validate(c)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from configs import lengen_synthetic
+from experiments import schema
 from experiments.data import pipeline
 from experiments.data import topic_source as ts
 from experiments.evaluation import topic_floor
-from experiments.runner import config_lib
 
 
 def _config(strategy="zero"):
@@ -28,7 +28,7 @@ def _config(strategy="zero"):
 
 def test_zero_start_windows_come_from_documents():
   c = _config()
-  config_lib.validate(c, 1)
+  schema.validate(c, 1)
   src = ts.TopicSource(ts.params_from_config(c.data.topic))
   batch = next(pipeline.make_train_iterator(c))
   assert batch["inputs"].shape == (4, 64) and "reset" not in batch
@@ -42,7 +42,7 @@ def test_zero_start_windows_come_from_documents():
 
 def test_tbtt_rows_read_their_documents_in_order():
   c = _config("tbtt")
-  config_lib.validate(c, 1)
+  schema.validate(c, 1)
   src = ts.TopicSource(ts.params_from_config(c.data.topic))
   it = pipeline.make_train_iterator(c)
   batches = [next(it) for _ in range(6)]  # 4 windows per document: documents change at step 4
@@ -59,22 +59,22 @@ def test_config_errors_name_the_key():
   c = _config()
   c.data.topic.switch_prob = 2.0
   with pytest.raises(
-    config_lib.ConfigError, match=r"config.data.topic.switch_prob: must be in \[0, 1\]"
+    schema.ConfigError, match=r"config.data.topic.switch_prob: must be in \[0, 1\]"
   ):
-    config_lib.validate(c)
+    schema.validate(c)
   c = _config()
   c.model.vocab_size = 512
-  with pytest.raises(config_lib.ConfigError, match="config.model.vocab_size: 512 does not cover"):
-    config_lib.validate(c)
+  with pytest.raises(schema.ConfigError, match="config.model.vocab_size: 512 does not cover"):
+    schema.validate(c)
   c = _config("tbtt")
   c.data.topic.num_train_docs = 2
-  with pytest.raises(config_lib.ConfigError, match="config.data.topic.num_train_docs"):
-    config_lib.validate(c)
+  with pytest.raises(schema.ConfigError, match="config.data.topic.num_train_docs"):
+    schema.validate(c)
   c = _config()
   c.data.eval_seq_len = 512
-  with pytest.raises(config_lib.ConfigError, match="config.data.topic.doc_len"):
-    config_lib.validate(c)
-  with pytest.raises(config_lib.ConfigError, match="unknown preset"):
+  with pytest.raises(schema.ConfigError, match="config.data.topic.doc_len"):
+    schema.validate(c)
+  with pytest.raises(schema.ConfigError, match="unknown preset"):
     lengen_synthetic.get_config("huge,gla")
 
 

@@ -1,4 +1,4 @@
-"""Kernel configs: experiments/runner/kernel_config.py turns specs in a run config (config.kernels)
+"""Kernel configs: experiments/kernel_config.py turns specs in a run config (config.kernels)
 and in flags into a frozen pallas_kernels.KernelConfigs (bad specs named by validate); the model
 passes it down to its layers; pallas_kernels/tuned.py gives the tuned configs when none is given."""
 
@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from configs import mqar
-from experiments.runner import config_lib, kernel_config
+from experiments import kernel_config, schema
 from kdn_jax.models.config import model_config
 from kdn_jax.models.lm import LanguageModel
 from pallas_kernels import KernelConfigs, tuned
@@ -33,8 +33,8 @@ from pallas_kernels.kdn_gain import config as gain_config
 def test_validate_names_the_bad_spec(key, spec, match):
   config = mqar.get_config("smoke")
   config.kernels[key] = spec
-  with pytest.raises(config_lib.ConfigError, match=match):
-    config_lib.validate(config)
+  with pytest.raises(schema.ConfigError, match=match):
+    schema.validate(config)
 
 
 def test_specs_become_frozen_configs_over_the_tuned_ones():
@@ -44,7 +44,7 @@ def test_specs_become_frozen_configs_over_the_tuned_ones():
   config.kernels.delta_rule = "bf16_states=0/num_stages=2"
   config.kernels.gain = "num_stages_fwd=2"
   config.kernels.conv = "load_block=2"
-  config_lib.validate(config)
+  schema.validate(config)
   got = kernel_config.resolve(config.kernels)
   d, g, c = got.delta_rule, got.gain, got.conv
   assert (d.bf16_states, d.num_stages, g.num_stages_fwd, c.load_block) == (False, 2, 2, 2)
@@ -98,7 +98,7 @@ def test_a_removed_option_in_an_old_run_config_fails_in_one_line():
   config = mqar.get_config("smoke")
   config.kernels.delta_rule = "num_stages=2/cumsum_in_gain=1"
   with pytest.raises(ValueError) as e:
-    config_lib.validate(config)
+    schema.validate(config)
   assert "config.kernels.delta_rule item 'cumsum_in_gain=1'" in str(e.value)
   assert "\n" not in str(e.value)
 

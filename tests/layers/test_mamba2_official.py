@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments.runner import config_lib
+from experiments import schema
 from experiments.runner.optim import decay_mask, path_str
 from kdn_jax.layers import MIXERS, Mamba2Official
 from kdn_jax.models import LanguageModel, model_config
@@ -210,7 +210,7 @@ def test_initialisation():
 def test_weight_decay_mask():
   model = nnx.eval_shape(lambda: LanguageModel(_cfg(), rngs=nnx.Rngs(0)))
   params = nnx.state(model, nnx.Param)
-  mask = decay_mask(params, config_lib.base_config().optim.no_decay)
+  mask = decay_mask(params, schema.base_config().optim.no_decay)
   flags = {
     path_str(p).removeprefix("blocks/0/mixer/").removesuffix("/value"): bool(v)
     for p, v in jax.tree_util.tree_leaves_with_path(mask)
@@ -248,7 +248,7 @@ def test_lm_decode_matches_forward():
 
 
 def test_config_option_and_errors():
-  c = config_lib.base_config()
+  c = schema.base_config()
   c.model = model_config("tiny", mixer="gla")
   assert effective_mlp_hidden(c.model) > 0
   c.model.mixer, c.model.mamba2_variant = "mamba2", "official"

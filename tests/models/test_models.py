@@ -116,6 +116,25 @@ def test_generate_sampling():
 
 
 # ------------------------------------------------------------------------------------ configs ----
+def test_config_info_scale_text_is_the_layers_reading():
+  """model_config keeps info_scale as the one parser reads it: a number (as number or text) as
+  repr(float), a name in lower case; the layer's mu follows from that text."""
+  from kdn_jax.layers.kdn_mixer import info_scale_text, resolve_info_scale
+
+  for given, kept in (
+    (0.5, "0.5"),
+    (" 5E-1 ", "0.5"),
+    ("K", "k"),
+    (2, "2.0"),
+    ("Learned", "learned"),
+  ):
+    assert model_config("tiny", info_scale=given).info_scale == kept
+    assert info_scale_text(kept) == kept
+  assert resolve_info_scale("SQRT_K", 16) == 4.0
+  with pytest.raises(ValueError, match="info_scale"):
+    resolve_info_scale("-1", 16)
+
+
 def test_config_validation_names_the_key():
   cases = [
     (dict(mixer="nope"), "mixer"),

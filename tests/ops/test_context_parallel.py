@@ -289,12 +289,12 @@ def test_evaluate_context_flag_routes_the_layers_ops():
 def test_config_mesh_context_is_validated(mutate, match):
   from runner_helpers import tiny_config  # pylint: disable=g-import-not-at-top
 
-  from experiments.runner import config_lib  # pylint: disable=g-import-not-at-top
+  from experiments import schema  # pylint: disable=g-import-not-at-top
 
   c = tiny_config()
   mutate(c)
-  with pytest.raises(config_lib.ConfigError, match=match):
-    config_lib.validate(c, num_devices=8)
+  with pytest.raises(schema.ConfigError, match=match):
+    schema.validate(c, num_devices=8)
 
 
 @pytest.mark.parametrize("n", [4])

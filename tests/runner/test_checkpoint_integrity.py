@@ -19,7 +19,8 @@ import orbax.checkpoint as ocp
 import pytest
 from runner_helpers import ROOT, one_device_env, tiny_config
 
-from experiments.runner import array_checksum, config_lib, trainer
+from experiments import schema
+from experiments.runner import array_checksum, trainer
 from experiments.runner import checkpoint as ckpt_lib
 
 
@@ -239,7 +240,7 @@ def test_rerun_repairs_a_stale_summary(tmp_path, capsys):
   c = cfg()
   c.train.init_from = str(wd)
   shutil.rmtree(wd / "checkpoints" / "6" / "state")
-  with pytest.raises(config_lib.ConfigError, match="config.train.init_from"):
+  with pytest.raises(schema.ConfigError, match="config.train.init_from"):
     trainer.Trainer(c, str(tmp_path / "post"), devices=one)
 
 

@@ -218,7 +218,7 @@ def test_a_fresh_process_gives_the_same_line(results, name):
 def test_did_you_mean_searches_every_section():
   """A key in the wrong section finds its own name elsewhere before a close name in its section; a
   typo in the section's name keeps the leaf; a key's own section is never the answer."""
-  from experiments.runner.config_lib import did_you_mean  # pylint: disable=g-import-not-at-top
+  from experiments.schema import did_you_mean  # pylint: disable=g-import-not-at-top
 
   assert (
     did_you_mean("config.train.learning_rate") == " (did you mean 'config.optim.learning_rate'?)"

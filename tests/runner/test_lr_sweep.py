@@ -11,8 +11,9 @@ import jax
 import numpy as np
 import pytest
 
+from experiments import schema
 from experiments.runner import checkpoint as ckpt_lib
-from experiments.runner import config_lib, lr_sweep, train_loop, trainer
+from experiments.runner import lr_sweep, train_loop, trainer
 from tests.runner_helpers import tiny_config
 
 RATES = (3e-3, 1e-2)
@@ -66,7 +67,7 @@ def test_seeded_members_train_as_single_runs_resume_and_freeze_when_non_finite(t
   tr.close()
 
   for i, (lr, seed) in enumerate(tr.members):
-    member = config_lib.sweep_member_dir(wd, lr, seed)
+    member = schema.sweep_member_dir(wd, lr, seed)
     got = _losses(member)
     assert [g[:2] for g in got] == [(s, "train") for s in range(1, 7)] + [
       (6, "eval")
@@ -92,7 +93,7 @@ def test_seeded_members_train_as_single_runs_resume_and_freeze_when_non_finite(t
     assert [m["status"] for m in json.load(f)["members"]] == ["completed"] * 4
 
   c.train.seeds = "1,3"
-  with pytest.raises(config_lib.ConfigError, match=r"holds a sweep over seeds \(1, 2\)"):
+  with pytest.raises(schema.ConfigError, match=r"holds a sweep over seeds \(1, 2\)"):
     lr_sweep.SweepTrainer(c, wd)
 
   # The same program again (compiled once): a non-finite member.
@@ -113,7 +114,7 @@ def _a_non_finite_member_is_frozen_and_reported_while_the_others_finish(c, tmp_p
   np.testing.assert_array_equal(np.asarray(tr.state["params"]["embed"][poison]), poisoned)
   statuses = {}
   for lr, seed in tr.members:
-    member = config_lib.sweep_member_dir(str(tmp_path / "poisoned"), lr, seed)
+    member = schema.sweep_member_dir(str(tmp_path / "poisoned"), lr, seed)
     with open(os.path.join(member, "summary.json")) as f:
       s = json.load(f)
     statuses[(lr, seed)] = (s["status"], s.get("diverged_at_step"))
@@ -136,23 +137,23 @@ def test_bad_rates_and_a_changed_sweep_are_config_errors(tmp_path):
   c = _tiny()
   c.train.lr_sweep = (1e-3, 1e-3)
   with pytest.raises(
-    config_lib.ConfigError, match=r"config\.train\.lr_sweep: must be distinct positive"
+    schema.ConfigError, match=r"config\.train\.lr_sweep: must be distinct positive"
   ):
-    config_lib.validate(c)
+    schema.validate(c)
   c.train.lr_sweep = (1e-3, -1.0)
-  with pytest.raises(config_lib.ConfigError, match=r"config\.train\.lr_sweep"):
-    config_lib.validate(c)
+  with pytest.raises(schema.ConfigError, match=r"config\.train\.lr_sweep"):
+    schema.validate(c)
   c = _sweep_config()
   tr = lr_sweep.SweepTrainer(c, str(tmp_path / "sweep"))
   tr.save(force=True)  # a checkpoint of the sweep at step 0 (what a resume reads first)
   tr.close()
   c.train.lr_sweep = (1e-3,)
-  with pytest.raises(config_lib.ConfigError, match=r"holds a sweep over \(0\.003, 0\.01\)"):
+  with pytest.raises(schema.ConfigError, match=r"holds a sweep over \(0\.003, 0\.01\)"):
     lr_sweep.SweepTrainer(c, str(tmp_path / "sweep"))
   c.train.lr_sweep = RATES
   for bad in ("0,0", "1,x", "-1"):
     c.train.seeds = bad
     with pytest.raises(
-      config_lib.ConfigError, match=r"config\.train\.seeds: expected distinct non-negative"
+      schema.ConfigError, match=r"config\.train\.seeds: expected distinct non-negative"
     ):
-      config_lib.validate(c)
+      schema.validate(c)

@@ -11,8 +11,9 @@ import pytest
 from flax import nnx
 from runner_helpers import host, tiny_config, write_array_record, write_doc_tokens
 
+from experiments import schema
 from experiments.data import pipeline, token_files
-from experiments.runner import config_lib, trainer
+from experiments.runner import trainer
 from kdn_jax.models.lm import LanguageModel
 
 
@@ -155,18 +156,18 @@ def test_init_from_restores_params_only_and_runs_a_new_strategy(tmp_path):
   # a workdir cannot silently switch strategy on resume
   switched = tiny_config("zero")
   switched.checkpoint.enabled = True
-  with pytest.raises(config_lib.ConfigError, match=r"initial_state.*'state_passing'.*init_from"):
+  with pytest.raises(schema.ConfigError, match=r"initial_state.*'state_passing'.*init_from"):
     trainer.Trainer(switched, str(tmp_path / "post"))
 
 
 def test_init_from_errors_before_training(tmp_path):
   c = tiny_config()
   c.train.init_from = str(tmp_path / "nowhere")
-  with pytest.raises(config_lib.ConfigError, match=r"config\.train\.init_from: no such directory"):
+  with pytest.raises(schema.ConfigError, match=r"config\.train\.init_from: no such directory"):
     trainer.Trainer(c, str(tmp_path / "a"))
   os.makedirs(tmp_path / "empty")
   c.train.init_from = str(tmp_path / "empty")
-  with pytest.raises(config_lib.ConfigError, match=r"init_from: no checkpoint"):
+  with pytest.raises(schema.ConfigError, match=r"init_from: no checkpoint"):
     trainer.Trainer(c, str(tmp_path / "b"))
   src = tiny_config()
   src.checkpoint.enabled, src.train.num_steps = True, 1
@@ -174,5 +175,5 @@ def test_init_from_errors_before_training(tmp_path):
   wider = tiny_config()
   wider.model.mlp_hidden = 48
   wider.train.init_from = str(tmp_path / "src" / "checkpoints" / "1")  # one step directory
-  with pytest.raises(config_lib.ConfigError, match=r"does not fit this model.*mlp.*\(32, 48\)"):
+  with pytest.raises(schema.ConfigError, match=r"does not fit this model.*mlp.*\(32, 48\)"):
     trainer.Trainer(wider, str(tmp_path / "c"))

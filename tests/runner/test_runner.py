@@ -25,7 +25,8 @@ from runner_helpers import (
   write_doc_tokens,
 )
 
-from experiments.runner import config_lib, sharding, tracing, train_loop, trainer
+from experiments import schema
+from experiments.runner import sharding, tracing, train_loop, trainer
 
 
 def _one_step(config, devices, workdir):
@@ -317,8 +318,8 @@ def test_nan_loss_halts_or_skips(tmp_path):
 def test_bad_config_values(mutate, match):
   c = tiny_config()
   mutate(c)
-  with pytest.raises(config_lib.ConfigError, match=match):
-    config_lib.validate(c, num_devices=8)
+  with pytest.raises(schema.ConfigError, match=match):
+    schema.validate(c, num_devices=8)
 
 
 def test_unknown_key_and_missing_data(tmp_path):
@@ -327,8 +328,8 @@ def test_unknown_key_and_missing_data(tmp_path):
     c.optim.learning_rat = 1.0  # base configs are locked
   with c.unlocked():
     c.train.bogus = 1
-  with pytest.raises(config_lib.ConfigError, match=r"config\.train\.bogus: unknown key"):
-    config_lib.validate(c)
+  with pytest.raises(schema.ConfigError, match=r"config\.train\.bogus: unknown key"):
+    schema.validate(c)
   argv = ["prog", f"--config={ROOT}/configs/mqar.py:smoke", "--config.optim.bogus=3"]
   fv = flags.FlagValues()
   config_flags.DEFINE_config_file("config", None, flag_values=fv, lock_config=True, sys_argv=argv)
@@ -470,7 +471,7 @@ def test_committed_flags_files_parse_to_valid_configs(flagfile):
     config = fv.config
   finally:
     os.chdir(cwd)
-  config_lib.validate(config, num_devices=8)
+  schema.validate(config, num_devices=8)
   readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
   readme_workdirs = set(re.findall(r"--workdir=(\S+)", readme))
   assert "/tmp/kdn_mqar_smoke" in readme_workdirs
@@ -604,9 +605,9 @@ def test_loss_positions_gives_the_same_loss_gradients_and_accuracy(tmp_path):
   c = tiny_config()
   c.train.loss_positions = 1
   with pytest.raises(
-    config_lib.ConfigError, match=r"config\.train\.loss_positions: 1 is below the 2 scored"
+    schema.ConfigError, match=r"config\.train\.loss_positions: 1 is below the 2 scored"
   ):
-    config_lib.validate(c)
+    schema.validate(c)
   # Data whose rows score more positions than loss_positions stops training at the next log point.
   c = tiny_config()
   c.data.kind, c.data.seq_len = "copying", 16

@@ -14,7 +14,8 @@ import jax
 import pytest
 from runner_helpers import ROOT, one_device_env, tiny_config
 
-from experiments.runner import config_lib, trainer, workdir_lock
+from experiments import schema
+from experiments.runner import trainer, workdir_lock
 
 
 def _lock_of(workdir):
@@ -113,7 +114,7 @@ def test_trainer_refuses_a_workdir_held_by_a_live_process(tmp_path):
   other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
   try:
     _write_lock(str(tmp_path / "w"), other.pid)
-    with pytest.raises(config_lib.ConfigError, match="is in use by another run"):
+    with pytest.raises(schema.ConfigError, match="is in use by another run"):
       trainer.Trainer(tiny_config(), str(tmp_path / "w"), devices=jax.devices()[:1])
   finally:
     other.kill()

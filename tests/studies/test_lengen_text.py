@@ -10,7 +10,7 @@ import os
 import pytest
 
 from configs import lengen_short
-from experiments.runner import config_lib
+from experiments import schema
 from experiments.studies import lengen_text as study
 from experiments.studies.results import lengen_text as render
 from kdn_jax.models.config import analytic_non_embedding
@@ -40,9 +40,9 @@ def test_configs():
     "tbtt",
   )
   assert lengen_short.get_config("tiny,kda").model.d_model == 64
-  with pytest.raises(config_lib.ConfigError, match="at most one arm"):
+  with pytest.raises(schema.ConfigError, match="at most one arm"):
     lengen_short.get_config("t64,mamba2_long,gla")
-  with pytest.raises(config_lib.ConfigError, match="unknown token 'lstm'"):
+  with pytest.raises(schema.ConfigError, match="unknown token 'lstm'"):
     lengen_short.get_config("t64,lstm")
 
 

@@ -30,7 +30,8 @@ import tempfile
 
 from absl import app, flags
 
-from experiments.runner import cli, kernel_config
+from experiments import kernel_config
+from experiments.runner import cli
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_string(

@@ -8,7 +8,9 @@ key fails at start naming the key; :func:`validate` checks values and names the 
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
 import importlib
 import math
 import os
@@ -16,24 +18,29 @@ from typing import Any
 
 import ml_collections
 
-from experiments.runner import kernel_config
+from experiments import kernel_config
 
-MIXERS = (
-  "kdn_diag",
-  "kdn_iso",
-  "kda",
-  "gated_deltanet",
-  "deltanet",
-  "gdn2",
-  "gla",
-  "mamba2",
-  "attention",
-  "swa",
-)
 INITIAL_STATES = ("zero", "random_noise", "fitted_noise", "state_passing", "tbtt")
 DATA_KINDS = ("mqar", "copying", "passkey", "token_file", "topic")
 NAN_POLICIES = ("halt", "skip")
 DEFAULT_MODEL_FACTORY = "kdn_jax.models.lm:LanguageModel"
+
+FAMILIES = ("hmm", "dirichlet")  # data.topic.family
+
+
+@functools.cache
+def mixers() -> tuple[str, ...]:
+  """The mixer names a config may give, in the registry's order (the registry builds them);
+  looked up on first use, so that reading a config's schema does not import jax."""
+  from kdn_jax.layers import registry  # pylint: disable=g-import-not-at-top
+
+  return tuple(registry.MIXERS)
+
+
+def __getattr__(name):
+  if name == "MIXERS":
+    return mixers()
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def parse_arg(arg: str, presets: tuple[str, ...], config_name: str):
@@ -46,24 +53,72 @@ def parse_arg(arg: str, presets: tuple[str, ...], config_name: str):
     raise ConfigError(
       f"{config_name}:{arg}: unknown preset {preset!r}; valid presets: {', '.join(presets)}"
     )
-  mixers = [p for p in parts[1:] if p in MIXERS]
+  known = mixers()
+  found_mixers = [p for p in parts[1:] if p in known]
   strategies = [p for p in parts[1:] if p in INITIAL_STATES]
   for p in parts[1:]:
-    if p not in MIXERS and p not in INITIAL_STATES:
+    if p not in known and p not in INITIAL_STATES:
       raise ConfigError(
         f"{config_name}:{arg}: unknown token {p!r}; after the preset give at most one mixer "
-        f"({', '.join(MIXERS)}) and one initial state ({', '.join(INITIAL_STATES)})"
+        f"({', '.join(known)}) and one initial state ({', '.join(INITIAL_STATES)})"
       )
-  for kind, found in (("mixer", mixers), ("initial state", strategies)):
+  for kind, found in (("mixer", found_mixers), ("initial state", strategies)):
     if len(found) > 1:
       raise ConfigError(
         f"{config_name}:{arg}: more than one {kind} ({', '.join(found)}); give at most one"
       )
-  return preset, (mixers or ["kdn_diag"])[0], (strategies or ["zero"])[0]
+  return preset, (found_mixers or ["kdn_diag"])[0], (strategies or ["zero"])[0]
 
 
 class ConfigError(ValueError):
   """A run config has an invalid value; the message names the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TopicParams:
+  vocab_size: int = 512
+  num_topics: int = 16
+  zipf_exponent: float = 1.1
+  switch_prob: float = 1.0 / 2048
+  doc_len: int = 65536
+  seed: int = 0
+  family: str = "hmm"
+  concentration: float = 0.1
+
+  def check(self, where: str = "topic source") -> None:
+    """Raises ValueError naming the first bad parameter as ``<where>.<name>``."""
+    rules = (
+      ("vocab_size", self.vocab_size >= 2, "must be >= 2"),
+      ("num_topics", self.num_topics >= 2, "must be >= 2 (a switch moves to another topic)"),
+      ("zipf_exponent", self.zipf_exponent >= 0, "must be >= 0"),
+      ("switch_prob", 0.0 <= self.switch_prob <= 1.0, "must be in [0, 1]"),
+      ("doc_len", self.doc_len >= 1, "must be positive"),
+      ("family", self.family in FAMILIES, f"must be one of {', '.join(FAMILIES)}"),
+      ("concentration", self.concentration > 0, "must be > 0"),
+    )
+    for name, ok, expected in rules:
+      if not ok:
+        raise ValueError(f"{where}.{name}: {expected}, got {getattr(self, name)!r}")
+
+  @property
+  def bos_id(self) -> int:
+    return self.vocab_size
+
+  @property
+  def model_vocab(self) -> int:
+    """Token ids a model must cover: the vocabulary and BOS."""
+    return self.vocab_size + 1
+
+
+def params_from_config(cfg) -> TopicParams:
+  """TopicParams from a run config's ``data.topic`` section (a key it lacks keeps its default)."""
+  defaults = TopicParams()
+  return TopicParams(
+    **{
+      f.name: type(getattr(defaults, f.name))(cfg.get(f.name, getattr(defaults, f.name)))
+      for f in dataclasses.fields(TopicParams)
+    }
+  )
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -113,19 +168,7 @@ def base_config() -> ml_collections.ConfigDict:
   # 'dirichlet' (each document its own unigram law ~ Dirichlet(concentration)). The model needs
   # vocab_size + 1 ids (BOS = vocab_size). Training windows come from num_train_docs documents of
   # doc_len tokens; validation from num_eval_examples other documents.
-  d.topic = ml_collections.ConfigDict(
-    dict(
-      vocab_size=512,
-      num_topics=16,
-      zipf_exponent=1.1,
-      switch_prob=1.0 / 2048,
-      doc_len=65536,
-      seed=0,
-      num_train_docs=16384,
-      family="hmm",
-      concentration=0.1,
-    )
-  )
+  d.topic = ml_collections.ConfigDict(dict(dataclasses.asdict(TopicParams()), num_train_docs=16384))
 
   c.train = t = ml_collections.ConfigDict()
   t.num_steps = 1000
@@ -187,7 +230,7 @@ def base_config() -> ml_collections.ConfigDict:
   k.keep_steps = ""
   k.async_save = True
 
-  # Pallas kernel options (experiments/runner/kernel_config.py specs, e.g. delta_rule='num_stages=2'):
+  # Pallas kernel options (experiments/kernel_config.py specs, e.g. delta_rule='num_stages=2'):
   # DeltaRuleConfig / GainConfig / ConvConfig fields over their defaults; exact, speed only.
   # '' = the defaults.
   c.kernels = ml_collections.ConfigDict(dict(delta_rule="", gain="", conv=""))
@@ -197,6 +240,24 @@ def base_config() -> ml_collections.ConfigDict:
   g.plot = True
   c.lock()
   return c
+
+
+@functools.cache
+def _schema() -> ml_collections.ConfigDict:
+  """The defaults, built once and only read (base_config hands out a fresh dict to fill)."""
+  return base_config()
+
+
+def setting(config, key: str):
+  """``config``'s value at the dotted ``key`` (a ConfigDict, or a plain dict as a checkpoint record
+  keeps it), or the schema's default where the config lacks it (one saved before the key
+  existed): the one place such defaults are read."""
+  node = config
+  for part in key.split("."):
+    if part not in node:
+      return _get(_schema(), key)
+    node = node[part]
+  return node
 
 
 def _fail(key: str, msg: str):
@@ -340,7 +401,7 @@ def validate(
   for key in ("vocab_size", "num_layers", "d_model", "mixer"):
     if key not in m:
       _fail(f"model.{key}", "missing (config.model must come from model_config(size, ...))")
-  _one_of(config, "model.mixer", MIXERS)
+  _one_of(config, "model.mixer", mixers())
   _check_finite(config)
   _check_model(config)
   if ":" not in config.model_factory:
@@ -475,7 +536,7 @@ def validate(
     sweep
   ):
     _fail("train.lr_sweep", f"must be distinct positive learning rates, got {sweep}")
-  parse_seeds(t.get("seeds", ""))
+  parse_seeds(setting(config, "train.seeds"))
 
   o = config.optim
   if not o.learning_rate > 0:
@@ -492,7 +553,9 @@ def validate(
     if not 0 <= o[key] < 1:
       _fail(f"optim.{key}", "must be in [0, 1)")
 
-  if config.mesh.context != 1 and str(config.model.get("impl", "auto")) == "reference":
+  from kdn_jax.layers.options import option  # pylint: disable=g-import-not-at-top
+
+  if config.mesh.context != 1 and str(option(config.model, "impl")) == "reference":
     _fail(
       "model.impl",
       "'reference' has no context-parallel form; use 'auto', 'chunked' or 'pallas' "
@@ -503,7 +566,7 @@ def validate(
       _fail(f"mesh.rules.{logical}", f"unknown mesh axis {axis!r}")
   if config.checkpoint.every_steps < 0 or config.checkpoint.keep <= 0:
     _fail("checkpoint", "every_steps must be >= 0 and keep > 0")
-  parse_keep_steps(config.checkpoint.get("keep_steps", ""))
+  parse_keep_steps(setting(config, "checkpoint.keep_steps"))
 
   if num_devices is not None:
     data, fsdp, _, context = mesh_shape(config, num_devices)
@@ -524,11 +587,9 @@ def validate(
 
 
 def _check_topic(config):
-  from experiments.data import topic_source  # pylint: disable=g-import-not-at-top
-
   d, tp = config.data, config.data.topic
   try:
-    params = topic_source.params_from_config(tp)
+    params = params_from_config(tp)
     params.check("config.data.topic")
   except (TypeError, ValueError) as e:
     raise ConfigError(str(e)) from None
@@ -591,7 +652,7 @@ def parse_seeds(text) -> tuple[int, ...]:
 
 def mqar_mixture_cells(config) -> tuple[tuple[int, int, float], ...]:
   """``data.mqar.mixture`` '64:4:5,128:8' -> ((64, 4, 5.0), (128, 8, 1.0)); '' -> ()."""
-  text = str(config.data.mqar.get("mixture", "") or "")
+  text = str(setting(config, "data.mqar.mixture") or "")
   cells = []
   for part in (p.strip() for p in text.split(",") if p.strip()):
     bits = part.split(":")
