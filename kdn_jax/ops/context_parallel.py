@@ -221,49 +221,6 @@ def _gain_cp(
   return write, _last_slice(axis_name, p_end)
 
 
-def _run_augmented(
-  op,
-  impl,
-  q,
-  k,
-  v,
-  log_alpha,
-  write,
-  memory_v0,
-  segment_ids,
-  chunk_size,
-  input_dtype,
-  scale,
-  kernel_config=None,
-):
-  """The local memory run on [S_V | Phi] from [memory_v0, I].
-
-  Returns (o_V [B,Tl,H,V], o_K [B,Tl,H,K], final S_V [B,H,K,V], Phi [B,H,K,K]).
-  """
-  b, _, h, kd = k.shape
-  vd = v.shape[-1]
-  eye = jnp.broadcast_to(jnp.eye(kd, dtype=memory_v0.dtype), (b, h, kd, kd))
-  zeros = jnp.zeros(v.shape[:3] + (kd,), v.dtype)
-  # (on the Pallas path, V + K columns wider than the kernels take run as column tiles:
-  # widths.py)
-  o, s = run_memory(
-    op,
-    impl,
-    q,
-    k,
-    jnp.concatenate([v, zeros], axis=-1),
-    log_alpha,
-    write,
-    jnp.concatenate([memory_v0, eye.astype(memory_v0.dtype)], axis=-1),
-    segment_ids,
-    chunk_size,
-    input_dtype,
-    scale,
-    kernel_config=kernel_config,
-  )
-  return o[..., :vd], o[..., vd:], s[..., :vd], s[..., vd:]
-
-
 def _affine_apply(m_c, s):
   m, c = m_c
   return jnp.einsum("bhkj,bhjv->bhkv", m, s, precision=jax.lax.Precision.HIGHEST) + c
@@ -294,21 +251,29 @@ def _memory_cp(
     # reset value; one without runs from zero (its c is then the zero-start
     # final state directly).
     memory_v0 = jnp.where(bounds.has_start[:, None, None, None], memory0, jnp.zeros_like(memory0))
-  o_v, o_k, s_v, phi = _run_augmented(
+  # The local memory run on [S_V | Phi] from [memory_v0, I] (values [v, 0]): o_V [B, Tl, H, V],
+  # o_K [B, Tl, H, K], final S_V [B, H, K, V] and Phi [B, H, K, K]. (On the Pallas path, V + K
+  # columns wider than the kernels take run as column tiles: widths.py.)
+  b, _, h, kd = k.shape
+  vd = v.shape[-1]
+  eye = jnp.broadcast_to(jnp.eye(kd, dtype=memory_v0.dtype), (b, h, kd, kd))
+  zeros = jnp.zeros(v.shape[:3] + (kd,), v.dtype)
+  o, s = run_memory(
     op,
     impl,
     q,
     k,
-    v,
+    jnp.concatenate([v, zeros], axis=-1),
     log_alpha,
     write,
-    memory_v0,
+    jnp.concatenate([memory_v0, eye.astype(memory_v0.dtype)], axis=-1),
     segment_ids,
     chunk_size,
     input_dtype,
     scale,
-    kernel_config,
+    kernel_config=kernel_config,
   )
+  o_v, o_k, s_v, phi = o[..., :vd], o[..., vd:], s[..., :vd], s[..., vd:]
   phi = phi.astype(s_v.dtype)
   if bounds is not None:
     phi = jnp.where(bounds.has_start[:, None, None, None], 0.0, phi)
