@@ -431,18 +431,14 @@ def _step_op(op, diag, doc):
   ):
     if not isinstance(state, KDNState):
       raise TypeError(f"{op}: state must be a KDNState, got {type(state).__name__}")
-    q, k = heads.to_value_heads(op, q, k, v, axis=1)
-    # Reuse the sequence checks with T = 1.
-    add_t = lambda x: jnp.expand_dims(x, 1)
-    b, _, h, kd, vd = _check_kdn(op, diag, *map(add_t, (q, k, v, log_alpha, omega, r)))
-    out_dtype = q.dtype
-    cd = val.compute_dtype(q, k, v, log_alpha, omega, r)
-    mu = val.info_scale_array(op, info_scale, h, kd, cd)
-    state = _initial_state(op, diag, state, b, h, kd, vd, cd)
+    # The sequence op's prelude with T = 1.
+    arrays = tuple(jnp.expand_dims(x, 1) for x in (q, k, v, log_alpha, omega, r))
+    choose = lambda kd, vd, _: (dispatch.resolve_step_impl(op, impl, kd, vd), None)
+    p = prepare(op, diag, arrays, info_scale, scale, state, None, choose)
+    q, k, v, log_alpha, omega, r = (x[:, 0] for x in p.inputs())
     if checked:
-      _check_kdn_values(op, q, k, v, log_alpha, omega, r, mu, state, True)
-    scale = kd**-0.5 if scale is None else scale
-    if dispatch.resolve_step_impl(op, impl, kd, vd) == "pallas":
+      _check_kdn_values(op, q, k, v, log_alpha, omega, r, p.mu, p.state0, True)
+    if p.impl == "pallas":
       # (the fused step reads each input in its own dtype and computes in fp32)
       o, memory, var = dispatch.pallas_module().decode.kdn_step(
         q,
@@ -451,18 +447,18 @@ def _step_op(op, diag, doc):
         log_alpha,
         omega,
         r,
-        mu,
-        state.memory,
-        state.variance,
-        scale,
+        p.mu,
+        p.state0.memory,
+        p.state0.variance,
+        p.scale,
         diag=diag,
         config=dispatch.family_config(kernel_config, "decode"),
       )
-      return o, KDNState(memory.astype(cd), var.astype(cd))
-    q, k, v, log_alpha, omega, r = (x.astype(cd) for x in (q, k, v, log_alpha, omega, r))
-    write, var = _gain_step(diag, mu)(state.variance, k, log_alpha, omega, r)
-    o, memory = delta_step(state.memory, q * scale, k, v, log_alpha, write)
-    return o.astype(out_dtype), KDNState(memory, var)
+      return o, KDNState(memory.astype(p.cd), var.astype(p.cd))
+    q, k, v, log_alpha, omega, r = (x.astype(p.cd) for x in (q, k, v, log_alpha, omega, r))
+    write, var = _gain_step(diag, p.mu)(p.state0.variance, k, log_alpha, omega, r)
+    o, memory = delta_step(p.state0.memory, q * p.scale, k, v, log_alpha, write)
+    return o.astype(p.out_dtype), KDNState(memory, var)
 
   return named(kdn_step, op, doc)
 
