@@ -21,6 +21,25 @@ from kdn_jax.layers.recurrent import RecurrentMixer, memory_outputs, states_kw
 from kdn_jax.ops import context_parallel
 
 
+def _memory_core(mixer, op, q, k, v, gate_args, state, segment_ids, positions):
+  """A memory-only mixer's _core: the op `op` (a context_parallel.op name) on q, k, v and its
+  gate arguments, from the layer's memory."""
+  o, m, *at = context_parallel.op(op)(
+    q,
+    k,
+    v,
+    *gate_args,
+    initial_state=state["memory"],
+    output_final_state=True,
+    segment_ids=segment_ids,
+    impl=mixer.impl,
+    chunk_size=mixer.chunk_size,
+    kernel_config=mixer.kernel_config,
+    **states_kw(positions),
+  )
+  return memory_outputs(o, m, at)
+
+
 class _BetaMixin:
   def _init_beta(self, rngs):
     self.b_proj = Dense(
@@ -35,6 +54,20 @@ class _BetaMixin:
 
   def beta(self, x):
     return jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+
+  def _beta_step(self, q, k, v, g, beta, state):
+    """One token of the delta rule with log decay g and write beta * k."""
+    o, m = ops.delta_rule_step(
+      q,
+      k,
+      v,
+      g,
+      beta[..., None] * k.astype(jnp.float32),
+      state["memory"],
+      impl=self._step_impl(),
+      kernel_config=self.kernel_config,
+    )
+    return o, {"memory": m}
 
 
 class KDA(_BetaMixin, RecurrentMixer):
@@ -62,35 +95,12 @@ class KDA(_BetaMixin, RecurrentMixer):
     return {"g": self.decay(x), "beta": self.beta(x)}
 
   def _core(self, q, k, v, gates, state, segment_ids, positions=None):
-    o, m, *at = context_parallel.op(self.OP)(
-      q,
-      k,
-      v,
-      gates["g"],
-      gates["beta"],
-      initial_state=state["memory"],
-      output_final_state=True,
-      segment_ids=segment_ids,
-      impl=self.impl,
-      chunk_size=self.chunk_size,
-      kernel_config=self.kernel_config,
-      **states_kw(positions),
+    return _memory_core(
+      self, self.OP, q, k, v, (gates["g"], gates["beta"]), state, segment_ids, positions
     )
-    return memory_outputs(o, m, at)
 
   def _core_step(self, q, k, v, gates, state):
-    write = gates["beta"][..., None] * k.astype(jnp.float32)
-    o, m = ops.delta_rule_step(
-      q,
-      k,
-      v,
-      gates["g"],
-      write,
-      state["memory"],
-      impl=self._step_impl(),
-      kernel_config=self.kernel_config,
-    )
-    return o, {"memory": m}
+    return self._beta_step(q, k, v, gates["g"], gates["beta"], state)
 
 
 class GatedDeltaNet(KDA):
@@ -108,35 +118,11 @@ class DeltaNet(_BetaMixin, RecurrentMixer):
     return {"beta": self.beta(x)}
 
   def _core(self, q, k, v, gates, state, segment_ids, positions=None):
-    o, m, *at = context_parallel.op("delta_net")(
-      q,
-      k,
-      v,
-      gates["beta"],
-      initial_state=state["memory"],
-      output_final_state=True,
-      segment_ids=segment_ids,
-      impl=self.impl,
-      chunk_size=self.chunk_size,
-      kernel_config=self.kernel_config,
-      **states_kw(positions),
-    )
-    return memory_outputs(o, m, at)
+    return _memory_core(self, "delta_net", q, k, v, (gates["beta"],), state, segment_ids, positions)
 
   def _core_step(self, q, k, v, gates, state):
     beta = gates["beta"]
-    write = beta[..., None] * k.astype(jnp.float32)
-    o, m = ops.delta_rule_step(
-      q,
-      k,
-      v,
-      jnp.zeros_like(beta),
-      write,
-      state["memory"],
-      impl=self._step_impl(),
-      kernel_config=self.kernel_config,
-    )
-    return o, {"memory": m}
+    return self._beta_step(q, k, v, jnp.zeros_like(beta), beta, state)
 
 
 class GDN2(RecurrentMixer):
@@ -157,22 +143,9 @@ class GDN2(RecurrentMixer):
     }
 
   def _core(self, q, k, v, gates, state, segment_ids, positions=None):
-    o, m, *at = context_parallel.op("gdn2")(
-      q,
-      k,
-      v,
-      gates["g"],
-      gates["b"],
-      gates["w"],
-      initial_state=state["memory"],
-      output_final_state=True,
-      segment_ids=segment_ids,
-      impl=self.impl,
-      chunk_size=self.chunk_size,
-      kernel_config=self.kernel_config,
-      **states_kw(positions),
+    return _memory_core(
+      self, "gdn2", q, k, v, (gates["g"], gates["b"], gates["w"]), state, segment_ids, positions
     )
-    return memory_outputs(o, m, at)
 
   def _core_step(self, q, k, v, gates, state):
     # read/erase key b*k, write direction k, value w*v
@@ -208,20 +181,7 @@ class GLA(RecurrentMixer):
     return {"g": self.decay(x)}
 
   def _core(self, q, k, v, gates, state, segment_ids, positions=None):
-    o, m, *at = context_parallel.op("gla")(
-      q,
-      k,
-      v,
-      gates["g"],
-      initial_state=state["memory"],
-      output_final_state=True,
-      segment_ids=segment_ids,
-      impl=self.impl,
-      chunk_size=self.chunk_size,
-      kernel_config=self.kernel_config,
-      **states_kw(positions),
-    )
-    return memory_outputs(o, m, at)
+    return _memory_core(self, "gla", q, k, v, (gates["g"],), state, segment_ids, positions)
 
   def _core_step(self, q, k, v, gates, state):
     # S = diag(alpha) S + k v^T ; o = K^-1/2 S^T q   (no erase, so no delta-rule op needed)

@@ -58,9 +58,9 @@ from kdn_jax.ops.delta_rule import (
   run_memory,
 )
 
-# kdn.py's own checks, state defaults and gain dispatch, so both forms of the
-# op accept and refuse the same inputs.
-from kdn_jax.ops.kdn import _check_kdn, _gain, _initial_state
+# kdn.py's gain dispatch (its checks and defaults come through kdn.prepare, so both forms of the
+# op accept and refuse the same inputs)
+from kdn_jax.ops.kdn import _gain
 from kdn_jax.ops.state import KDNState
 
 
@@ -190,25 +190,9 @@ def _gain_cp(
   if impl != "pallas":
     write, p_end = _xla_gain_from(diag, m, k, log_alpha, omega, r, p_in, p0, start)
     return write, _last_slice(axis_name, p_end)
-  write, p_end = _gain(
-    op,
-    diag,
-    impl,
-    k_caller,
-    log_alpha,
-    omega,
-    r,
-    mu,
-    p_in,
-    segment_ids,
-    input_dtype,
-    kernel_config=kernel_config,
-  )
-  if bounds is not None:
-    # The kernels reset segments to the variance they start from: after the
-    # slice's first start that must be p0, not p_in, so those tokens come
-    # from a second run from p0.
-    write_p0, p_end_p0 = _gain(
+
+  def gain_from(var0):
+    return _gain(
       op,
       diag,
       impl,
@@ -217,60 +201,24 @@ def _gain_cp(
       omega,
       r,
       mu,
-      p0,
+      var0,
       segment_ids,
       input_dtype,
       kernel_config=kernel_config,
     )
+
+  write, p_end = gain_from(p_in)
+  if bounds is not None:
+    # The kernels reset segments to the variance they start from: after the
+    # slice's first start that must be p0, not p_in, so those tokens come
+    # from a second run from p0.
+    write_p0, p_end_p0 = gain_from(p0)
     # (write: [B, T, H, K], or the iso gain's beta [B, T, H])
     head = bounds.head.reshape(bounds.head.shape + (1,) * (write.ndim - 2))
     write = jnp.where(head, write, write_p0)
     has = bounds.has_start.reshape((-1,) + (1,) * (p_end.ndim - 1))
     p_end = jnp.where(has, p_end_p0, p_end)
   return write, _last_slice(axis_name, p_end)
-
-
-def _run_augmented(
-  op,
-  impl,
-  q,
-  k,
-  v,
-  log_alpha,
-  write,
-  memory_v0,
-  segment_ids,
-  chunk_size,
-  input_dtype,
-  scale,
-  kernel_config=None,
-):
-  """The local memory run on [S_V | Phi] from [memory_v0, I].
-
-  Returns (o_V [B,Tl,H,V], o_K [B,Tl,H,K], final S_V [B,H,K,V], Phi [B,H,K,K]).
-  """
-  b, _, h, kd = k.shape
-  vd = v.shape[-1]
-  eye = jnp.broadcast_to(jnp.eye(kd, dtype=memory_v0.dtype), (b, h, kd, kd))
-  zeros = jnp.zeros(v.shape[:3] + (kd,), v.dtype)
-  # (on the Pallas path, V + K columns wider than the kernels take run as column tiles:
-  # widths.py)
-  o, s = run_memory(
-    op,
-    impl,
-    q,
-    k,
-    jnp.concatenate([v, zeros], axis=-1),
-    log_alpha,
-    write,
-    jnp.concatenate([memory_v0, eye.astype(memory_v0.dtype)], axis=-1),
-    segment_ids,
-    chunk_size,
-    input_dtype,
-    scale,
-    kernel_config=kernel_config,
-  )
-  return o[..., :vd], o[..., vd:], s[..., :vd], s[..., vd:]
 
 
 def _affine_apply(m_c, s):
@@ -303,21 +251,29 @@ def _memory_cp(
     # reset value; one without runs from zero (its c is then the zero-start
     # final state directly).
     memory_v0 = jnp.where(bounds.has_start[:, None, None, None], memory0, jnp.zeros_like(memory0))
-  o_v, o_k, s_v, phi = _run_augmented(
+  # The local memory run on [S_V | Phi] from [memory_v0, I] (values [v, 0]): o_V [B, Tl, H, V],
+  # o_K [B, Tl, H, K], final S_V [B, H, K, V] and Phi [B, H, K, K]. (On the Pallas path, V + K
+  # columns wider than the kernels take run as column tiles: widths.py.)
+  b, _, h, kd = k.shape
+  vd = v.shape[-1]
+  eye = jnp.broadcast_to(jnp.eye(kd, dtype=memory_v0.dtype), (b, h, kd, kd))
+  zeros = jnp.zeros(v.shape[:3] + (kd,), v.dtype)
+  o, s = run_memory(
     op,
     impl,
     q,
     k,
-    v,
+    jnp.concatenate([v, zeros], axis=-1),
     log_alpha,
     write,
-    memory_v0,
+    jnp.concatenate([memory_v0, eye.astype(memory_v0.dtype)], axis=-1),
     segment_ids,
     chunk_size,
     input_dtype,
     scale,
-    kernel_config,
+    kernel_config=kernel_config,
   )
+  o_v, o_k, s_v, phi = o[..., :vd], o[..., vd:], s[..., :vd], s[..., vd:]
   phi = phi.astype(s_v.dtype)
   if bounds is not None:
     phi = jnp.where(bounds.has_start[:, None, None, None], 0.0, phi)
@@ -358,165 +314,94 @@ def _local_impl(op, impl, chunk_size):
   return impl, chunk_size
 
 
-def _kdn_cp(
-  op,
-  diag,
-  q,
-  k,
-  v,
-  log_alpha,
-  omega,
-  r,
-  axis_name,
-  info_scale,
-  scale,
-  initial_state,
-  output_final_state,
-  segment_ids,
-  impl,
-  chunk_size,
-  kernel_config=None,
-):
-  _check_axis(op, axis_name)
-  q, k = heads.to_value_heads(op, q, k, v)
-  b, _, h, kd, vd = _check_kdn(op, diag, q, k, v, log_alpha, omega, r)
-  t_local = q.shape[1]
-  val.check_segment_ids(op, segment_ids, b, t_local)
-  impl, chunk_size = _local_impl(op, impl, chunk_size)
-  cd = val.compute_dtype(q, k, v, log_alpha, omega, r)
-  input_dtype = jnp.result_type(q, k, v)
-  out_dtype = q.dtype
-  mu = val.info_scale_array(op, info_scale, h, kd, cd)
-  state0 = _initial_state(op, diag, initial_state, b, h, kd, vd, cd)
-  scale = kd**-0.5 if scale is None else scale
-  k_caller = k
-  q, k, v, log_alpha, omega, r = (x.astype(cd) for x in (q, k, v, log_alpha, omega, r))
-  bounds = None if segment_ids is None else _Boundaries(axis_name, segment_ids)
-  write, var = _gain_cp(
-    axis_name,
-    op,
-    diag,
-    impl,
-    k,
-    log_alpha,
-    omega,
-    r,
-    mu,
-    state0.variance,
-    segment_ids,
-    bounds,
-    input_dtype,
-    k_caller,
-    kernel_config,
-  )
-  o, memory = _memory_cp(
-    axis_name,
-    op,
-    impl,
+def _kdn_op(name, diag, doc):
+  """The context-parallel form of the KDN op `name` (diag: per-channel gain, else per-head)."""
+  op = f"context_parallel.{name}"
+
+  def kdn_op(
     q,
     k,
     v,
     log_alpha,
-    write,
-    state0.memory,
-    segment_ids,
-    bounds,
-    chunk_size,
-    input_dtype,
-    scale,
-    kernel_config,
-  )
-  final = KDNState(memory, var) if output_final_state else None
-  return o.astype(out_dtype), final
+    omega,
+    r,
+    *,
+    axis_name,
+    info_scale=None,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    segment_ids=None,
+    impl="auto",
+    chunk_size=None,
+    kernel_config=None,
+  ):
+    _check_axis(op, axis_name)
+    arrays = (q, k, v, log_alpha, omega, r)
+    choose = lambda *_: _local_impl(op, impl, chunk_size)
+    p = kdn_ops.prepare(op, diag, arrays, info_scale, scale, initial_state, segment_ids, choose)
+    q, k, v, log_alpha, omega, r = p.cast()
+    bounds = None if segment_ids is None else _Boundaries(axis_name, segment_ids)
+    write, var = _gain_cp(
+      axis_name,
+      op,
+      diag,
+      p.impl,
+      k,
+      log_alpha,
+      omega,
+      r,
+      p.mu,
+      p.state0.variance,
+      segment_ids,
+      bounds,
+      p.input_dtype,
+      p.k,
+      kernel_config,
+    )
+    o, memory = _memory_cp(
+      axis_name,
+      op,
+      p.impl,
+      q,
+      k,
+      v,
+      log_alpha,
+      write,
+      p.state0.memory,
+      segment_ids,
+      bounds,
+      p.chunk_size,
+      p.input_dtype,
+      p.scale,
+      kernel_config,
+    )
+    final = KDNState(memory, var) if output_final_state else None
+    return o.astype(p.out_dtype), final
+
+  return kdn_ops.named(kdn_op, name, doc)
 
 
-def diag_kdn(
-  q,
-  k,
-  v,
-  log_alpha,
-  omega,
-  r,
-  *,
-  axis_name,
-  info_scale=None,
-  scale=None,
-  initial_state=None,
-  output_final_state=False,
-  segment_ids=None,
-  impl="auto",
-  chunk_size=None,
-  kernel_config=None,
-):
+diag_kdn = _kdn_op(
+  "diag_kdn",
+  True,
   """`ops.diag_kdn` on this device's slice of T, inside `shard_map`.
 
-  q, k, v, log_alpha, omega, r, segment_ids: the local slices ([B, T/n, ...])
-  of arrays split along T over the mesh axis `axis_name` in device order.
-  initial_state: the sequence's KDNState (the same on every device of the
-  axis). Returns (o of the slice, the sequence's final KDNState, the same on
-  every device, or None). Other arguments as `ops.diag_kdn` ('chunked' or
-  'pallas'; the Pallas path needs shard_map(check_vma=False)).
-  """
-  return _kdn_cp(
-    "context_parallel.diag_kdn",
-    True,
-    q,
-    k,
-    v,
-    log_alpha,
-    omega,
-    r,
-    axis_name,
-    info_scale,
-    scale,
-    initial_state,
-    output_final_state,
-    segment_ids,
-    impl,
-    chunk_size,
-    kernel_config,
-  )
+q, k, v, log_alpha, omega, r, segment_ids: the local slices ([B, T/n, ...])
+of arrays split along T over the mesh axis `axis_name` in device order.
+initial_state: the sequence's KDNState (the same on every device of the
+axis). Returns (o of the slice, the sequence's final KDNState, the same on
+every device, or None). Other arguments as `ops.diag_kdn` ('chunked' or
+'pallas'; the Pallas path needs shard_map(check_vma=False)).
+""",
+)
 
-
-def iso_kdn(
-  q,
-  k,
-  v,
-  log_alpha,
-  omega,
-  r,
-  *,
-  axis_name,
-  info_scale=None,
-  scale=None,
-  initial_state=None,
-  output_final_state=False,
-  segment_ids=None,
-  impl="auto",
-  chunk_size=None,
-  kernel_config=None,
-):
+iso_kdn = _kdn_op(
+  "iso_kdn",
+  False,
   """`ops.iso_kdn` on this device's slice of T, inside `shard_map` (see
-  `diag_kdn`; omega, r [B, T/n, H], variance [B, H])."""
-  return _kdn_cp(
-    "context_parallel.iso_kdn",
-    False,
-    q,
-    k,
-    v,
-    log_alpha,
-    omega,
-    r,
-    axis_name,
-    info_scale,
-    scale,
-    initial_state,
-    output_final_state,
-    segment_ids,
-    impl,
-    chunk_size,
-    kernel_config,
-  )
+`diag_kdn`; omega, r [B, T/n, H], variance [B, H]).""",
+)
 
 
 def delta_rule(
