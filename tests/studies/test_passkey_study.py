@@ -138,3 +138,17 @@ def test_load_runs_keeps_one_evaluation_set(tmp_path):
   write_json(os.path.join(tmp_path, "b.json"), _run("gla", 1, "zero", {128: [1]}, digest="x"))
   write_json(os.path.join(tmp_path, "c.json"), _run("gla", 2, "zero", {128: [1]}, digest="y"))
   assert sorted(r["seed"] for r in render.load_runs(str(tmp_path))) == [0, 1]
+
+
+def test_seed_repairs_name_failing_and_unlearned_seeds():
+  ok, bad = [1] * 20, [0] * 20
+  runs = [
+    _run("gla", 0, "zero", {128: ok, 4096: ok}),  # no failure
+    _run("gla", 1, "zero", {128: ok, 4096: bad}),  # fails past T
+    _run("gla", 2, "zero", {128: bad, 4096: bad}),  # never learned in range
+    _run("gla", 1, "state_passing", {128: ok, 4096: ok}),
+    _run("gla", 1, "tbtt", {128: ok, 4096: bad}),
+  ]
+  line = render.seed_repairs(runs, "gla", 128, 4096)
+  assert "at T but not at 4096: 1 (1 of 3; never learned in range: 2)" in line
+  assert "state_passing brings 1 of them" in line and "tbtt brings 0 of them" in line

@@ -111,6 +111,34 @@ def fix_shown(cmp: dict, train_len: int) -> bool:
   return len(ahead) >= FIX_LENGTHS
 
 
+def _per_seed(runs, mixer, arm, length) -> dict:
+  x, seeds = _table(runs, mixer, arm, length, VERDICT_DEPTH)
+  return {} if x is None else dict(zip(seeds, x.mean(axis=1)))
+
+
+def seed_repairs(runs, mixer, train_len, longest) -> str:
+  """A description beside the verdict (not part of its rule): which seeds' controls learned the
+  task in range (>= FIX_BELOW at T) but fail at the longest length, and how many of those each
+  intervention brings to >= FIX_BELOW there; seeds that never learned it are named apart."""
+  at_t, at_long = (_per_seed(runs, mixer, CONTROL, L) for L in (train_len, longest))
+  seeds = sorted(set(at_t) & set(at_long))
+  if not seeds:
+    return ""
+  failing = [s for s in seeds if at_t[s] >= FIX_BELOW and at_long[s] < FIX_BELOW]
+  unlearned = [s for s in seeds if at_t[s] < FIX_BELOW]
+  names = lambda xs: ", ".join(map(str, xs)) or "none"  # noqa: E731
+  parts = [
+    f"Seeds whose control reads the key at T but not at {longest}: {names(failing)} "
+    f"({len(failing)} of {len(seeds)}; never learned in range: {names(unlearned)})"
+  ]
+  for arm in arms_of(runs, mixer) if failing else ():
+    if arm not in ("pretrain", CONTROL):
+      got = _per_seed(runs, mixer, arm, longest)
+      fixed = sum(got.get(s, 0.0) >= FIX_BELOW for s in failing)
+      parts.append(f"{arm} brings {fixed} of them to >= {FIX_BELOW:g}")
+  return "; ".join(parts) + " (a description beside the verdict, not its rule)."
+
+
 def render_tables(runs: list[dict], resamples: int = 2000) -> str:
   """Per mixer: exact match at depth 1 by length for every arm (mean [95% interval] over seeds x
   examples), the paired difference to the control with its verdict, and the mixer's verdict."""
@@ -155,6 +183,9 @@ def render_tables(runs: list[dict], resamples: int = 2000) -> str:
       f"Per seed ({', '.join(map(str, seeds))}) at {longest}: " + "; ".join(per_seed) + ".",
       "",
     ]
+    repairs = seed_repairs(runs, mixer, train_len, longest)
+    if repairs:
+      out += [repairs, ""]
     control = compare(runs, mixer, CONTROL, lengths, resamples=resamples)
     failing = [
       L for L in lengths if L > train_len and L in control and _mean(control[L]) < FIX_BELOW
