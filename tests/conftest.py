@@ -33,3 +33,24 @@ def optimized_xla():
   jax.config.update("jax_disable_most_optimizations", False)
   yield
   jax.config.update("jax_disable_most_optimizations", before)
+
+
+# A test whose pytest-xdist worker dies in native code runs once more on a fresh worker; a second
+# crash fails it. The crashes seen (jax 0.10.2, XLA:CPU, 2-core machines under load) were segfaults
+# inside XLA's own compile or executable serialisation, at a different test each run and never at
+# the same one twice (docs/decisions.md); the summary line counts the reruns ("N rerun").
+_CRASH_RERUNS: set[str] = set()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem, report, sched):
+  if crashitem not in _CRASH_RERUNS:
+    _CRASH_RERUNS.add(crashitem)
+    sched.mark_test_pending(crashitem)
+    report.outcome = "rerun"
+
+
+def pytest_report_teststatus(report, config):  # pylint: disable=unused-argument
+  if report.outcome == "rerun":
+    return "rerun", "R", ("RERUN", {"yellow": True})
+  return None
