@@ -46,7 +46,6 @@ import functools
 import hashlib
 import math
 import os
-import shutil
 import time
 
 import numpy as np
@@ -427,27 +426,16 @@ def measure_throughput(plan, steps: int = THROUGHPUT_STEPS) -> dict:
   zero cells' shape: its state passing adds a select per step), trained alone for ``steps`` steps
   in ``<workdir>/throughput``, and the minutes each cell's runs (training and post-trainings) would
   take at it alone on the device; written to ``<results>/throughput.json``."""
-  from experiments.runner import lr_sweep  # pylint: disable=g-import-not-at-top  (imports jax)
-
   groups = {}
   for cell in plan.cells:
     arm, size, train, _ = parse_cell(cell)
     groups.setdefault(f"{arm}.{size}.l{TRAINS[train][0]}", []).append(cell)
   rows = []
   for shape, cells in groups.items():
-    c = plan.config(cells[0], "pretrain")
-    c.train.num_steps, c.train.log_every, c.train.eval_batches = steps, max(1, steps // 8), 1
-    c.checkpoint.enabled = False
-    c.optim.warmup_steps = 1
     wd = os.path.join(plan.workdir, "throughput", shape)
-    shutil.rmtree(wd, ignore_errors=True)  # a fresh run each time: nothing resumed
-    t0 = time.time()
-    with study_driver.lowest_optimisation(plan.fast_compile):
-      tr = lr_sweep.make_trainer(c, wd)
-      try:
-        summary = tr.run()
-      finally:
-        tr.close()
+    summary, wall = study_driver.time_steps(
+      plan.config(cells[0], "pretrain"), wd, steps, plan.fast_compile
+    )
     tps = summary.get("steady_tokens_per_s") or summary.get("tokens_per_s")
     minutes = {
       cell: sum(plan.steps(cell, s) for s in ("pretrain", *plan.post_strategies(cell)))
@@ -466,7 +454,7 @@ def measure_throughput(plan, steps: int = THROUGHPUT_STEPS) -> dict:
         "tokens_per_step": plan.tokens_per_step(cells[0]),
         "tokens_per_s": tps,
         "cell_minutes": minutes,
-        "wall_s": round(time.time() - t0, 1),
+        "wall_s": round(wall, 1),
         "device_kind": summary.get("device_kind"),
       }
     )

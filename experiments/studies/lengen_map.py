@@ -58,7 +58,6 @@ import functools
 import glob
 import math
 import os
-import shutil
 import time
 
 import numpy as np
@@ -596,28 +595,14 @@ def measure_throughput(plan, steps: int = THROUGHPUT_STEPS) -> dict:
   """Steady tokens/s of each distinct (arm, size, T) of the plan, trained alone for ``steps``
   steps in ``<workdir>/throughput``, and the hours each cell's pretraining would take at it;
   written to ``<results>/throughput.json``."""
-  from experiments.runner import lr_sweep  # pylint: disable=g-import-not-at-top  (imports jax)
-
   shapes = list(dict.fromkeys(c.rsplit(".", 1)[0] for c in plan.cells))
   rows = []
   for shape in shapes:
     cell = f"{shape}.s0"
-    c = plan.config(cell, "pretrain")
-    c.train.num_steps = steps
-    c.train.log_every = max(1, steps // 8)
-    c.train.eval_batches = 1
-    c.checkpoint.enabled = False
-    c.checkpoint.keep_steps = ""
-    c.optim.warmup_steps = 1
     wd = os.path.join(plan.workdir, "throughput", shape)
-    shutil.rmtree(wd, ignore_errors=True)  # a fresh run each time: nothing resumed
-    t0 = time.time()
-    with study_driver.lowest_optimisation(plan.fast_compile):
-      tr = lr_sweep.make_trainer(c, wd)
-      try:
-        summary = tr.run()
-      finally:
-        tr.close()
+    summary, wall = study_driver.time_steps(
+      plan.config(cell, "pretrain"), wd, steps, plan.fast_compile
+    )
     tps = summary.get("steady_tokens_per_s") or summary.get("tokens_per_s")
     budget = plan.steps(cell, "pretrain") * plan.tokens_per_step(cell)
     row = {
@@ -627,7 +612,7 @@ def measure_throughput(plan, steps: int = THROUGHPUT_STEPS) -> dict:
       "tokens_per_s": tps,
       "budget_tokens": budget,
       "pretrain_hours": budget / tps / 3600 if tps else None,
-      "wall_s": round(time.time() - t0, 1),
+      "wall_s": round(wall, 1),
       "device_kind": summary.get("device_kind"),
     }
     rows.append(row)

@@ -258,6 +258,30 @@ class Meter:
     )
 
 
+def time_steps(config, workdir: str, steps: int, fast_compile: bool) -> tuple[dict, float]:
+  """Trains ``config`` alone for ``steps`` steps in a fresh ``workdir`` (no checkpoints, one
+  evaluation batch) for a study's --measure_throughput; returns the run's summary (its
+  ``steady_tokens_per_s``) and the wall seconds, compile included."""
+  import shutil  # pylint: disable=g-import-not-at-top
+
+  from experiments.runner import lr_sweep  # pylint: disable=g-import-not-at-top  (imports jax)
+
+  config.train.num_steps, config.train.log_every = steps, max(1, steps // 8)
+  config.train.eval_batches = 1
+  config.checkpoint.enabled = False
+  config.checkpoint.keep_steps = ""
+  config.optim.warmup_steps = 1
+  shutil.rmtree(workdir, ignore_errors=True)  # a fresh run each time: nothing resumed
+  t0 = time.time()
+  with lowest_optimisation(fast_compile):
+    tr = lr_sweep.make_trainer(config, workdir)
+    try:
+      summary = tr.run()
+    finally:
+      tr.close()
+  return summary, time.time() - t0
+
+
 @contextlib.contextmanager
 def lowest_optimisation(on: bool):
   """XLA's backend at its lowest optimisation level inside the block (a jit cache key: no stale
