@@ -92,3 +92,31 @@ def solve_shape(arm_keys: dict, target: int, layers: int, head: int) -> tuple:
     if best is None or err < best[0]:
       best = (err, dict(keys, mlp_hidden=hidden))
   return tuple(sorted(best[1].items()))
+
+
+def sized_model(vocab_size: int, tiny: bool, keys: dict):
+  """A model of the sized studies (copying, the map): width and depth in ``keys`` (an arm's
+  mixer keys and a solved shape), no MLP matching; fp32 for the CPU-sized ``tiny``, else bf16
+  compute over fp32 parameters."""
+  return model_config(
+    "tiny",
+    vocab_size=vocab_size,
+    chunk_size=16 if tiny else 64,
+    dtype="float32" if tiny else "bfloat16",
+    param_dtype="float32",
+    match_params=False,
+    **keys,
+  )
+
+
+def sized_run(c, tiny: bool, lr: float, eval_examples: int):
+  """The sized studies' evaluation, logging and optimiser settings (CPU-sized when ``tiny``)."""
+  c.data.eval_batch_size = 8 if tiny else 64
+  c.data.num_eval_examples = eval_examples
+  c.data.read_threads = 2 if tiny else 4
+  c.train.log_every = 10 if tiny else 100
+  c.train.eval_batches = 1 if tiny else 4
+  c.optim.learning_rate = lr
+  c.optim.weight_decay = 0.1
+  c.checkpoint.keep = 1
+  c.logging.plot = c.logging.tensorboard = False

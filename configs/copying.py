@@ -95,25 +95,8 @@ def study_config(arg: str):
   c.data.global_batch_size = BATCH[size]
   c.train.initial_state = strategy
   c.train.state_reset_prob = 0.1  # state passing: each row restarts from zero with this chance
-  c.model = common.model_config(
-    "tiny",
-    vocab_size=VOCAB,
-    chunk_size=16 if tiny else 64,
-    dtype="float32" if tiny else "bfloat16",
-    param_dtype="float32",
-    match_params=False,
-    **ARMS[arm],
-    **dict(shape(arm, size)),
-  )
-  c.data.eval_batch_size = 8 if tiny else 64
-  c.data.num_eval_examples = 8 if tiny else 512
-  c.data.read_threads = 2 if tiny else 4
-  c.train.log_every = 10 if tiny else 100
-  c.train.eval_batches = 1 if tiny else 4
-  c.optim.learning_rate = LR[size]
-  c.optim.weight_decay = 0.1
-  c.checkpoint.keep = 1
-  c.logging.plot = c.logging.tensorboard = False
+  c.model = common.sized_model(VOCAB, tiny, {**ARMS[arm], **dict(shape(arm, size))})
+  common.sized_run(c, tiny, LR[size], eval_examples=8 if tiny else 512)
   return c
 
 

@@ -106,23 +106,7 @@ def get_config(arg: str = "500k,mamba2,t64"):
   c.data.seq_len = seq_len
   c.data.global_batch_size = max(1, TOKENS_PER_STEP[size] // seq_len)
   c.train.initial_state = strategy
-  c.model = common.model_config(
-    "tiny",
-    vocab_size=8192,  # prepare --recipe=linux_c's default; the study sets the corpus's
-    chunk_size=16 if tiny else 64,
-    dtype="float32" if tiny else "bfloat16",
-    param_dtype="float32",
-    match_params=False,
-    **ARMS[arm],
-    **dict(shape(arm, size)),
-  )
-  c.data.eval_batch_size = 8 if tiny else 64
-  c.data.num_eval_examples = 16 if tiny else 512
-  c.data.read_threads = 2 if tiny else 4
-  c.train.log_every = 10 if tiny else 100
-  c.train.eval_batches = 1 if tiny else 4
-  c.optim.learning_rate = LR[size]
-  c.optim.weight_decay = 0.1
-  c.checkpoint.keep = 1
-  c.logging.plot = c.logging.tensorboard = False
+  # the vocabulary: prepare --recipe=linux_c's default; the study sets the corpus's
+  c.model = common.sized_model(8192, tiny, {**ARMS[arm], **dict(shape(arm, size))})
+  common.sized_run(c, tiny, LR[size], eval_examples=16 if tiny else 512)
   return c

@@ -39,6 +39,24 @@ def short_count(n: int) -> str:
   return str(n)
 
 
+def study_runs(folder: str, study: str) -> list[dict]:
+  """The per-run JSON of ``study`` in ``folder`` that share one evaluation set (the most common
+  ``eval.hash``): runs are paired only on identical examples."""
+  if not os.path.isdir(folder):
+    return []
+  runs = [
+    load(os.path.join(folder, f))
+    for f in sorted(os.listdir(folder))
+    if f.endswith(".json") and f not in ("commands.json", "throughput.json")
+  ]
+  runs = [r for r in runs if isinstance(r, dict) and r.get("study") == study]
+  if not runs:
+    return []
+  hashes = [r["eval"]["hash"] for r in runs]
+  main = max(set(hashes), key=hashes.count)
+  return [r for r in runs if r["eval"]["hash"] == main]
+
+
 def preset_runs(root: str, load_runs):
   """(preset, its folder, its runs) for each folder under ``root`` with runs, in name order;
   ``load_runs(folder)`` reads a folder's runs."""

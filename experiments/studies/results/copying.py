@@ -51,19 +51,7 @@ SIZES = ("tiny", "5m", "15m", "45m")
 
 def load_runs(folder: str) -> list[dict]:
   """The study's per-run JSON in ``folder`` (one evaluation set: the most common hash)."""
-  if not os.path.isdir(folder):
-    return []
-  runs = [
-    common.load(os.path.join(folder, f))
-    for f in sorted(os.listdir(folder))
-    if f.endswith(".json") and f not in ("commands.json", "throughput.json")
-  ]
-  runs = [r for r in runs if r.get("study") == "copying"]
-  if not runs:
-    return []
-  hashes = [r["eval"]["hash"] for r in runs]
-  main = max(set(hashes), key=hashes.count)
-  return [r for r in runs if r["eval"]["hash"] == main]
+  return common.study_runs(folder, "copying")
 
 
 def run_name(r: dict) -> str:
