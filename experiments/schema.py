@@ -339,28 +339,54 @@ def check_keys(
       check_keys(config[key], schema[key], prefix=f"{full}.")
 
 
-def mesh_shape(config, num_devices: int) -> tuple[int, int, int, int]:
-  """Resolves the (data, fsdp, tensor, context) mesh shape; -1 fills the rest."""
-  names = ("data", "fsdp", "tensor", "context")
-  dims = [int(config.mesh[n]) for n in names]
-  for n, v in zip(names, dims):
+MESH_AXES = ("data", "fsdp", "tensor", "context")
+
+
+def _check_mesh_values(config):
+  """The mesh's sizes as values: each positive or -1 (fills the devices left), at most one -1; the
+  device count they must fit is check_mesh's."""
+  dims = [int(config.mesh[n]) for n in MESH_AXES]
+  for n, v in zip(MESH_AXES, dims):
     if v == 0 or v < -1:
       _fail(f"mesh.{n}", f"invalid value {v}; use a positive size or -1")
   if sum(v == -1 for v in dims) > 1:
     _fail("mesh", "at most one of data/fsdp/tensor/context may be -1")
+
+
+def check_mesh(config, num_devices: int, process_count: int = 1) -> tuple[int, int, int, int]:
+  """The checks that need the devices, on a config whose values passed :func:`validate`: the mesh
+  fits ``num_devices`` and the batches and lengths split over it; returns the resolved (data, fsdp,
+  tensor, context) shape (-1 filled in)."""
+  dims = [int(config.mesh[n]) for n in MESH_AXES]
   known = math.prod(v for v in dims if v != -1)
   if -1 in dims:
     if num_devices % known:
       _fail(
         "mesh",
-        f"fixed axes {dict(zip(names, dims))} (product {known}) do not divide the "
+        f"fixed axes {dict(zip(MESH_AXES, dims))} (product {known}) do not divide the "
         f"{num_devices} devices",
       )
     dims[dims.index(-1)] = num_devices // known
   elif known != num_devices:
     _fail(
-      "mesh", f"mesh {dict(zip(names, dims))} has {known} devices but {num_devices} are available"
+      "mesh",
+      f"mesh {dict(zip(MESH_AXES, dims))} has {known} devices but {num_devices} are available",
     )
+  data, fsdp, _, context = dims
+  d = config.data
+  batch_par = data * fsdp
+  for key in ("global_batch_size", "eval_batch_size"):
+    if d[key] % batch_par:
+      _fail(f"data.{key}", f"{d[key]} is not divisible by data*fsdp = {batch_par}")
+    if d[key] % process_count:
+      _fail(f"data.{key}", f"not divisible by the {process_count} processes")
+  for key in ("seq_len", "eval_seq_len"):
+    if d[key] % context:  # eval_seq_len 0 (= seq_len) passes
+      _fail(
+        f"data.{key}",
+        f"{d[key]} is not divisible by mesh.context = {context} (each device "
+        "holds an equal slice of T)",
+      )
   return tuple(dims)
 
 
@@ -392,11 +418,17 @@ def _check_model(config):
     raise ConfigError(f"config.model.{e.key}: {e.msg}") from None
 
 
-def validate(
-  config: ml_collections.ConfigDict, num_devices: int | None = None, process_count: int = 1
-):
-  """Checks a run config; raises ConfigError naming the first bad key."""
+def validate(config: ml_collections.ConfigDict):
+  """Checks a run config's keys and values, nothing that needs the devices (the Trainer's
+  :func:`check_mesh`); raises ConfigError naming the first bad key."""
   check_keys(config)
+  check_values(config)
+  return config
+
+
+def check_values(config: ml_collections.ConfigDict):
+  """Every value of a run config whose keys passed :func:`check_keys`; pure (no devices, no
+  files); raises ConfigError naming the first bad key."""
   m = config.model
   for key in ("vocab_size", "num_layers", "d_model", "mixer"):
     if key not in m:
@@ -561,29 +593,13 @@ def validate(
       "'reference' has no context-parallel form; use 'auto', 'chunked' or 'pallas' "
       "with mesh.context > 1",
     )
+  _check_mesh_values(config)
   for logical, axis in config.mesh.rules.items():
     if axis not in ("", "data", "fsdp", "tensor"):
       _fail(f"mesh.rules.{logical}", f"unknown mesh axis {axis!r}")
   if config.checkpoint.every_steps < 0 or config.checkpoint.keep <= 0:
     _fail("checkpoint", "every_steps must be >= 0 and keep > 0")
   parse_keep_steps(setting(config, "checkpoint.keep_steps"))
-
-  if num_devices is not None:
-    data, fsdp, _, context = mesh_shape(config, num_devices)
-    batch_par = data * fsdp
-    for key in ("global_batch_size", "eval_batch_size"):
-      if d[key] % batch_par:
-        _fail(f"data.{key}", f"{d[key]} is not divisible by data*fsdp = {batch_par}")
-      if d[key] % process_count:
-        _fail(f"data.{key}", f"not divisible by the {process_count} processes")
-    for key in ("seq_len", "eval_seq_len"):
-      if d[key] % context:  # eval_seq_len 0 (= seq_len) passes
-        _fail(
-          f"data.{key}",
-          f"{d[key]} is not divisible by mesh.context = {context} (each device "
-          "holds an equal slice of T)",
-        )
-  return config
 
 
 def _check_topic(config):

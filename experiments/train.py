@@ -5,7 +5,7 @@
     python -m experiments.train --config=configs/mqar.py:smoke --config.model.num_layers=4 --workdir=...
 
 The config is locked: overriding a key that does not exist fails at start naming the key; invalid values fail
-validation (experiments/schema.py) before anything is built. Re-running with the same --workdir resumes
+validation (experiments/config_checks.py) before anything is built. Re-running with the same --workdir resumes
 from the latest checkpoint.
 """
 
@@ -18,8 +18,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from experiments import schema
-from experiments.data import corpus, token_files
+from experiments import config_checks, schema
 
 # Every configuration mistake (config file, config arg, unknown key, bad value, missing or malformed data,
 # a workdir holding another run) exits with this code after one 'Config error: ...' line on stderr.
@@ -61,12 +60,8 @@ def main(argv):
     # Progress lines go to stdout; library INFO logs (orbax's per-save lines) need --verbosity=0.
     logging.set_verbosity(logging.WARNING)
   try:
-    config = _CONFIG.value
-    schema.check_keys(config)
-    if config.data.kind == "token_file":  # corpus_dir fills the paths and eos_id the checks read
-      corpus.resolve(config)
-    schema.validate(config)  # values, before anything is built (the mesh is checked by the Trainer)
-    token_files.check_run_files(config)
+    # keys, values and data files before jax starts (the Trainer checks the mesh)
+    config = config_checks.check(_CONFIG.value)
   except FileNotFoundError as e:  # a data file
     _config_error(str(e))
   except (OSError, schema.ConfigError) as e:  # OSError: get_config's deferred load failure

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 
@@ -22,6 +24,19 @@ def one_device_env():
   (tests/conftest.py) without the simulated devices, and the repository on PYTHONPATH."""
   flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
   return dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=flags.strip())
+
+
+def run_one_device(args, timeout: float = 600) -> subprocess.CompletedProcess:
+  """``python <args>`` in a child process on one CPU device, from the repository root; its stdout and
+  stderr captured as text."""
+  return subprocess.run(
+    [sys.executable, *args],
+    cwd=ROOT,
+    env=one_device_env(),
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
 
 
 def tiny_config(initial_state="zero", layer_pattern="kdn_diag,attention", **data_overrides):

@@ -9,7 +9,6 @@ import numpy as np
 
 from experiments import schema
 from experiments.data import (
-  corpus,
   mqar_mixture,
   passkey_tbtt,
   synthetic,
@@ -17,16 +16,6 @@ from experiments.data import (
   topic_source,
   topic_windows,
 )
-
-
-def check_data_files(config):
-  """Fills token-file paths from ``data.corpus_dir``, then opens every configured token file as the loader
-  will (token_files.check_run_files): a missing or malformed file, or an id outside the model's vocabulary,
-  is a ConfigError naming the key before training."""
-  if config.data.kind != "token_file":
-    return
-  corpus.resolve(config)
-  token_files.check_run_files(config)
 
 
 def _example_fn(config, split: str):

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from experiments import schema
 
-AXES = ("data", "fsdp", "tensor", "context")
+AXES = schema.MESH_AXES
 BATCH_AXES = ("data", "fsdp")  # FSDP is data parallel too: the batch is split over both.
 CONTEXT_AXIS = (
   "context"  # splits T of every batch array (context parallelism, kdn_jax.ops.context_parallel)
@@ -30,9 +30,10 @@ def maybe_initialize_distributed(config):
     _initialized = True
 
 
-def make_mesh(config, devices=None) -> Mesh:
-  devices = list(jax.devices() if devices is None else devices)
-  shape = schema.mesh_shape(config, len(devices))
+def make_mesh(shape: tuple[int, ...], devices) -> Mesh:
+  """``devices`` laid out as the (data, fsdp, tensor, context) ``shape`` that schema.check_mesh
+  resolved for them."""
+  devices = list(devices)
   try:
     dev = mesh_utils.create_device_mesh(shape, devices=devices)
   except Exception:  # pylint: disable=broad-except

@@ -18,8 +18,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from experiments import kernel_config, schema
-from experiments.data import corpus, pipeline
+from experiments import config_checks, kernel_config, schema
+from experiments.data import pipeline
 from experiments.runner import checkpoint as ckpt_lib
 from experiments.runner import initial_states as init_lib
 from experiments.runner import optim, sharding, workdir_lock
@@ -76,19 +76,17 @@ class Trainer(TrainLoop):
     sharding.maybe_initialize_distributed(config)
     self.devices = list(jax.devices() if devices is None else devices)
     self.process_index, self.process_count = jax.process_index(), jax.process_count()
-    if config.data.kind == "token_file":  # corpus_dir fills paths and eos_id that validation checks
-      corpus.resolve(config)
-    schema.validate(config, len(self.devices), self.process_count)
+    config_checks.check(config)  # (a no-op for a config train.py checked)
+    mesh_shape = schema.check_mesh(config, len(self.devices), self.process_count)
     if "mlp_matched" in config.model:  # flag overrides of the mixer keep parameters matched
       model_config_lib.resolve_mlp_hidden(config.model)
-    pipeline.check_data_files(config)
     self.config, self.workdir = config, workdir
     self.is_main = self.process_index == 0
     self._lock, self.checkpointer = None, None
     self._lock_workdir(workdir)
     try:
       dispatch.warm_kernel_imports()
-      self.mesh = sharding.make_mesh(config, self.devices)
+      self.mesh = sharding.make_mesh(mesh_shape, self.devices)
       self.strategy = config.train.initial_state
       self._stop_requested = False
       self._build_model()

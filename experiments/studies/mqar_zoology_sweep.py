@@ -20,7 +20,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from configs import mqar_zoology as zoo
-from experiments import schema
+from experiments import config_checks, schema
 from experiments.runner import cli
 from experiments.studies import study_driver
 
@@ -179,7 +179,7 @@ def main(argv):
   try:
     cells = parse_cells(FLAGS.test_cells)
     config = FLAGS.config
-    schema.validate(config)
+    config_checks.check(config)
   except (ValueError, schema.ConfigError) as e:
     raise app.UsageError(str(e)) from None
   run(

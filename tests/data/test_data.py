@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from runner_helpers import tiny_config, write_doc_tokens
 
+from experiments import config_checks
 from experiments.data import pipeline, synthetic, token_files
 
 
@@ -65,7 +66,7 @@ def test_token_file_windows_and_missing(tmp_path):
   assert batch["inputs"].shape == (8, 16)
   c = tiny_config(kind="token_file", train_path=str(tmp_path / "nope.npy"))
   with pytest.raises(FileNotFoundError, match=r"data\.train_path.*nope\.npy"):
-    pipeline.check_data_files(c)
+    config_checks.check(c)
 
 
 def test_documents_split_on_eos(tmp_path):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from runner_helpers import tiny_config, write_array_record
 
-from experiments import schema
+from experiments import config_checks, schema
 from experiments.data import pipeline, token_files
 
 VOCAB, SEQ = 32, 16
@@ -108,14 +108,14 @@ def _malformed(tmp_path):
 
 def test_malformed_token_files_are_one_line(tmp_path):
   """Each malformed train file: one ConfigError line naming config.data.train_path and the file, from
-  the check at start (check_data_files); the loader (pipeline) refuses it too."""
+  the check at start (config_checks.check); the loader (pipeline) refuses it too."""
   cases = _malformed(tmp_path)
   for name, write, pattern in cases:
     path = tmp_path / f"{name}.npy"
     write(path)
     c = _config(path)
     with pytest.raises(schema.ConfigError) as info:
-      pipeline.check_data_files(c)
+      config_checks.check(c)
     msg = str(info.value)
     # (the file, or its .docs.npy sidecar)
     assert len(msg.splitlines()) == 1 and msg.startswith(
@@ -139,9 +139,9 @@ def test_ids_are_checked_in_the_eval_file_too(tmp_path):
     match=rf"config\.data\.eval_path: .*val\.npy: token id {VOCAB + 5} "
     r"at position 70",
   ):
-    pipeline.check_data_files(_config(tmp_path / "train.npy", tmp_path / "val.npy"))
+    config_checks.check(_config(tmp_path / "train.npy", tmp_path / "val.npy"))
   good = _config(tmp_path / "train.npy", tmp_path / "train.npy")
-  pipeline.check_data_files(good)  # a good pair passes, and loads
+  config_checks.check(good)  # a good pair passes, and loads
   batch = pipeline.make_eval_batches(good)[0]
   assert batch["inputs"].max() < VOCAB and "segment_ids" in batch
 
@@ -153,10 +153,10 @@ def test_array_record_files_are_checked(tmp_path):
   docs[2][4] = -1
   path = write_array_record(tmp_path / "docs.array_record", docs)
   with pytest.raises(schema.ConfigError, match=r"token id -1 at position 44 is outside"):
-    pipeline.check_data_files(_config(path))
+    config_checks.check(_config(path))
   (tmp_path / "junk.array_record").write_bytes(b"\x00\x01junk" * 20)
   with pytest.raises(schema.ConfigError, match=r"not a readable \.array_record file"):
-    pipeline.check_data_files(_config(tmp_path / "junk.array_record"))
+    config_checks.check(_config(tmp_path / "junk.array_record"))
 
 
 def test_an_eos_id_outside_the_vocabulary_blames_the_vocabulary(tmp_path):

@@ -28,7 +28,7 @@ def _config(strategy="zero"):
 
 def test_zero_start_windows_come_from_documents():
   c = _config()
-  schema.validate(c, 1)
+  schema.check_mesh(schema.validate(c), 1)
   src = ts.TopicSource(ts.params_from_config(c.data.topic))
   batch = next(pipeline.make_train_iterator(c))
   assert batch["inputs"].shape == (4, 64) and "reset" not in batch
@@ -42,7 +42,7 @@ def test_zero_start_windows_come_from_documents():
 
 def test_tbtt_rows_read_their_documents_in_order():
   c = _config("tbtt")
-  schema.validate(c, 1)
+  schema.check_mesh(schema.validate(c), 1)
   src = ts.TopicSource(ts.params_from_config(c.data.topic))
   it = pipeline.make_train_iterator(c)
   batches = [next(it) for _ in range(6)]  # 4 windows per document: documents change at step 4

@@ -294,7 +294,7 @@ def test_config_mesh_context_is_validated(mutate, match):
   c = tiny_config()
   mutate(c)
   with pytest.raises(schema.ConfigError, match=match):
-    schema.validate(c, num_devices=8)
+    schema.check_mesh(schema.validate(c), 8)
 
 
 @pytest.mark.parametrize("n", [4])

@@ -8,8 +8,6 @@ import glob
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import grain
 import jax
@@ -17,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from runner_helpers import ROOT, one_device_env, tiny_config
+from runner_helpers import ROOT, run_one_device, tiny_config
 
 from experiments import schema
 from experiments.runner import array_checksum, trainer
@@ -173,14 +171,7 @@ def test_full_disk_during_a_save_is_one_line_and_resumable(tmp_path):
     "--config.data.prefetch=0",
   ]
   cases = [{"argv": argv, "fsize_limit": 20_000}, argv]
-  r = subprocess.run(
-    [sys.executable, os.path.join(ROOT, "tests", "train_cli_batch.py"), json.dumps(cases)],
-    cwd=ROOT,
-    env=one_device_env(),
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
+  r = run_one_device([os.path.join(ROOT, "tests", "train_cli_batch.py"), json.dumps(cases)])
   assert r.returncode == 0, r.stderr[-3000:]
   full, resumed = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
   lines = full["stderr"].strip().splitlines()

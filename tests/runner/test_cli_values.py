@@ -11,12 +11,10 @@ import json
 import os
 import re
 import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from runner_helpers import ROOT, one_device_env
+from runner_helpers import ROOT, run_one_device
 
 SMOKE = "--config=configs/mqar.py:smoke"
 
@@ -172,14 +170,7 @@ def results(tmp_path_factory):
     "workdir_busy": [SMOKE, f"--workdir={busy}"],
   }
   argvs = [special[name] if extra is None else [SMOKE, *extra, wd] for name, extra, _ in CASES]
-  r = subprocess.run(
-    [sys.executable, os.path.join(ROOT, "tests", "train_cli_batch.py"), json.dumps(argvs)],
-    cwd=ROOT,
-    env=one_device_env(),
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
+  r = run_one_device([os.path.join(ROOT, "tests", "train_cli_batch.py"), json.dumps(argvs)])
   assert r.returncode == 0, r.stderr[-3000:]
   rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
   assert len(rows) == len(CASES), r.stdout[-2000:]
@@ -204,14 +195,7 @@ def test_a_fresh_process_gives_the_same_line(results, name):
   """The batch's children behave as `python -m experiments.train` (the flagfile case fails while the
   module is imported in a fresh process, at flag parsing in a child: the same line either way)."""
   code, err, _, argv = results[name]
-  r = subprocess.run(
-    [sys.executable, "-m", "experiments.train", *argv],
-    cwd=ROOT,
-    env=one_device_env(),
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+  r = run_one_device(["-m", "experiments.train", *argv], timeout=300)
   assert (r.returncode, r.stderr) == (code, err)
 
 

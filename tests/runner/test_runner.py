@@ -319,7 +319,7 @@ def test_bad_config_values(mutate, match):
   c = tiny_config()
   mutate(c)
   with pytest.raises(schema.ConfigError, match=match):
-    schema.validate(c, num_devices=8)
+    schema.check_mesh(schema.validate(c), 8)
 
 
 def test_unknown_key_and_missing_data(tmp_path):
@@ -471,7 +471,7 @@ def test_committed_flags_files_parse_to_valid_configs(flagfile):
     config = fv.config
   finally:
     os.chdir(cwd)
-  schema.validate(config, num_devices=8)
+  schema.check_mesh(schema.validate(config), 8)
   readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
   readme_workdirs = set(re.findall(r"--workdir=(\S+)", readme))
   assert "/tmp/kdn_mqar_smoke" in readme_workdirs
