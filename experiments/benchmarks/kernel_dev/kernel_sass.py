@@ -327,10 +327,10 @@ def _row_fn(row, t, fwd_bwd, kernels):
       row.split(":", 1)[1], "pallas", t, shape, kernels=kernels
     )
     return (fwd_and_bwd, args + (ct,)) if fwd_bwd else (fwd, args)
-  from experiments.benchmarks import mixers as bm  # pylint: disable=g-import-not-at-top
+  from experiments.benchmarks.mixers import arg_specs  # pylint: disable=g-import-not-at-top
 
-  bm.FLAGS(["mixers", f"--batch={FLAGS.batch}", f"--heads={FLAGS.heads}", f"--dim={FLAGS.dim}"])
-  return bm.jax_row_fn(row, t, fwd_bwd, kernels)
+  shape = arg_specs.Shape(FLAGS.batch, FLAGS.heads, FLAGS.dim)
+  return arg_specs.jax_row_fn(row, t, fwd_bwd, kernels, shape)
 
 
 def main(argv):

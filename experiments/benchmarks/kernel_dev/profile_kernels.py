@@ -12,7 +12,7 @@ import time
 import jax
 from absl import app, flags
 
-from experiments.benchmarks import mixers as bm
+from experiments.benchmarks.mixers import arg_specs
 from experiments.runner import cli
 
 FLAGS = flags.FlagValues()
@@ -28,13 +28,12 @@ def main(argv):
   del argv
   import torch  # pylint: disable=g-import-not-at-top  (cudaProfilerStart / Stop; GPU only)
 
-  bm.FLAGS(["mixers"])
   fwd_bwd = FLAGS.mode == "fwd_bwd"
   if FLAGS.row.startswith("fla_"):
-    _, run = bm.fla_row_fn(FLAGS.row, FLAGS.seq_len, fwd_bwd)
+    _, run = arg_specs.fla_row_fn(FLAGS.row, FLAGS.seq_len, fwd_bwd)
     torch.set_grad_enabled(fwd_bwd)
   else:
-    fn, args = bm.jax_row_fn(FLAGS.row, FLAGS.seq_len, fwd_bwd)
+    fn, args = arg_specs.jax_row_fn(FLAGS.row, FLAGS.seq_len, fwd_bwd)
     run = lambda: jax.block_until_ready(fn(*args))
   run()  # compile / autotune, not profiled
   torch.cuda.synchronize()
