@@ -30,7 +30,6 @@ from jax.sharding import PartitionSpec as P
 from experiments.benchmarks import timing
 from experiments.runner import cli
 from kdn_jax import ops
-from kdn_jax.ops import context_parallel as cp
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_string("out", "/tmp/benchmark_context_parallel", "output directory", flag_values=FLAGS)
@@ -152,7 +151,7 @@ def run(s):
   """All rows for settings s; returns them (also written to --out)."""
   dtype = jnp.dtype(s["dtype"])
   one = Mesh(np.array(jax.devices()[:1]), ("context",))
-  cp_one = cp.context_sharded("diag_kdn", one)
+  cp_one = ops.context_sharded("diag_kdn", one)
   rows = []
   lens = sorted(set(s["overhead_lens"]))
   for t in lens:
@@ -183,7 +182,7 @@ def run(s):
         "split",
         s["long_len"],
         n,
-        cp.context_sharded("diag_kdn", mesh),
+        ops.context_sharded("diag_kdn", mesh),
         s["impl"],
         args,
         s["reps"],

@@ -102,9 +102,9 @@ def sequence_batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 def context_parallel(mesh: Mesh):
   """The context under which a model is traced: its recurrent ops split T over the context axis when
   it has more than one device (a no-op context otherwise)."""
-  from kdn_jax.ops import context_parallel as cp  # pylint: disable=g-import-not-at-top
+  from kdn_jax.ops import context_sharding  # pylint: disable=g-import-not-at-top
 
-  return cp.sequence_sharding(mesh, CONTEXT_AXIS, BATCH_AXES)
+  return context_sharding.sequence_sharding(mesh, CONTEXT_AXIS, BATCH_AXES)
 
 
 def traced_context_parallel(mesh: Mesh, fn):

@@ -19,14 +19,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from kdn_jax.ops import context_parallel
+from kdn_jax.ops import context_sharding
 
 
 def short_conv(conv, x, cache, segment_ids=None, *, fused=False, config=None):
   """``conv(x, cache, segment_ids, fused=fused, config=config)`` (a ShortConv), T split over the active context
   axis when there is one and every slice holds at least W-1 tokens; else the plain call. The split
   path runs the plain-JAX conv (the Pallas one is not wrapped for shard_map)."""
-  setting = context_parallel.active_setting()
+  setting = context_sharding.active_setting()
   halo = conv.width - 1
   if setting is None or halo == 0:
     return conv(x, cache, segment_ids, fused=fused, config=config)

@@ -18,13 +18,13 @@ from kdn_jax import ops
 from kdn_jax.layers.decay import Decay, decay_ranges
 from kdn_jax.layers.dense import Dense, LowRank
 from kdn_jax.layers.recurrent import RecurrentMixer, memory_outputs, states_kw
-from kdn_jax.ops import context_parallel
+from kdn_jax.ops import context_sharding
 
 
 def _memory_core(mixer, op, q, k, v, gate_args, state, segment_ids, positions):
-  """A memory-only mixer's _core: the op `op` (a context_parallel.op name) on q, k, v and its
+  """A memory-only mixer's _core: the op `op` (a context_sharding.op name) on q, k, v and its
   gate arguments, from the layer's memory."""
-  o, m, *at = context_parallel.op(op)(
+  o, m, *at = context_sharding.op(op)(
     q,
     k,
     v,
@@ -74,7 +74,7 @@ class KDA(_BetaMixin, RecurrentMixer):
   """Kimi Delta Attention: per-channel decay, write beta * k."""
 
   PER_CHANNEL_DECAY = True
-  OP = "kda"  # a context_parallel.op name
+  OP = "kda"  # a context_sharding.op name
 
   def _init_gates(self, cfg, rngs):
     rank = {"rank": self.rank} if self.PER_CHANNEL_DECAY else {}

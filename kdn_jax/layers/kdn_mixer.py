@@ -30,7 +30,7 @@ from kdn_jax import ops
 from kdn_jax.layers.decay import Decay, decay_ranges
 from kdn_jax.layers.dense import Dense, LowRank, constant_init, inv_softplus, make_param
 from kdn_jax.layers.recurrent import RecurrentMixer, states_kw
-from kdn_jax.ops import context_parallel, dispatch
+from kdn_jax.ops import context_sharding, dispatch
 
 INFO_SCALES = ("1", "sqrt_k", "k", "4k", "learned")
 NOISE_MODES = ("learned", "fixed_r", "fixed")
@@ -187,7 +187,7 @@ class KDNMixer(RecurrentMixer):
   def _core(self, q, k, v, gates, state, segment_ids, positions=None):
     if self._fused_front(gates):
       return self._core_fused(q, k, v, gates, state, segment_ids, positions)
-    fn = context_parallel.op("diag_kdn" if self.diagonal else "iso_kdn")
+    fn = context_sharding.op("diag_kdn" if self.diagonal else "iso_kdn")
     o, fs, *at = fn(
       q,
       k,

@@ -27,7 +27,7 @@ from kdn_jax.layers.dense import Dense, LowRank
 from kdn_jax.layers.gated_norm import GatedRMSNorm
 from kdn_jax.layers.options import option
 from kdn_jax.layers.short_conv import ShortConv, l2_normalize
-from kdn_jax.ops import context_parallel, dispatch
+from kdn_jax.ops import context_sharding, dispatch
 
 
 def get_dtype(name) -> jnp.dtype:
@@ -168,7 +168,7 @@ class RecurrentMixer(nnx.Module):
     return (
       dispatch.resolve_impl("recurrent_mixer", self.impl) == "pallas"
       and jax.default_backend() != "tpu"
-      and context_parallel.active_setting() is None
+      and context_sharding.active_setting() is None
       and dispatch.native_width(self.key_dim)
       and dispatch.native_width(self.value_dim)
     )

@@ -6,13 +6,14 @@ token-by-token ground truth, 'chunked' the chunkwise XLA form, 'pallas' the
 kernels in `pallas_kernels`; 'auto' picks Pallas on GPU, chunked on TPU, and on
 CPU the token loop while its per-token states are small, else chunked
 (dispatch.CPU_REFERENCE_MAX_STATE_BYTES).
-`context_parallel` holds the same ops with T split over a mesh axis.
+`context_parallel` holds the same ops with T split over a mesh axis; `context_sharding` runs
+them under jit and picks them for the layers.
 `checked=True` checks the values' domains (r > 0, log_alpha <= 0, ...) and
 raises InvalidValueError; `checked(fn)` makes that work under jit.
 """
 
-from kdn_jax.ops import context_parallel
-from kdn_jax.ops.context_parallel import context_sharded, sequence_sharding
+from kdn_jax.ops import context_parallel, context_sharding
+from kdn_jax.ops.context_sharding import context_sharded, sequence_sharding
 from kdn_jax.ops.delta_rule import (
   delta_net,
   delta_net_step,
@@ -39,6 +40,7 @@ __all__ = [
   "KDNState",
   "checked",
   "context_parallel",
+  "context_sharding",
   "context_sharded",
   "delta_net",
   "delta_net_step",

@@ -21,6 +21,7 @@ from ops_cases import make_inputs, make_state, rel_err
 
 from kdn_jax import ops
 from kdn_jax.ops import context_parallel as cp
+from kdn_jax.ops import context_sharding as cs
 
 B, T, H, K, V = 2, 40, 2, 16, 8
 TOL = 2e-5  # fp32: observed ~3e-7
@@ -126,7 +127,7 @@ def test_equals_single_device(op, family, impl, segments, n, data, caplog):
   # Inputs arrive split along T, as under a context-parallel jit.
   put = lambda a: jax.device_put(a, NamedSharding(mesh, P(batch_axes, "context")))
   sharded_kw = dict(static_kw, segment_ids=None if seg is None else put(seg))
-  sharded = cp.context_sharded(op, mesh, batch_axes=batch_axes)
+  sharded = cs.context_sharded(op, mesh, batch_axes=batch_axes)
   ((_, (o1, s1)), g1), hlo = _loss_and_grads(sharded, [put(a) for a in arrays], diff_kw, sharded_kw)
   _assert_close(o1, o0, "outputs")
   _assert_close(s1, s0, "final state")
@@ -160,13 +161,13 @@ def test_errors_name_the_argument():
   arrays, _, _ = _case("diag_kdn", "diag")
   short = [a[:, :38] for a in arrays]  # 38 is not a multiple of 4
   with pytest.raises(ValueError, match=r"T=38 .*'context' of size 4"):
-    cp.context_sharded("diag_kdn", mesh)(*short, impl="chunked")
+    cs.context_sharded("diag_kdn", mesh)(*short, impl="chunked")
   with pytest.raises(ValueError, match="not an axis of the mesh"):
-    cp.context_sharded("diag_kdn", mesh, axis_name="seq")(*arrays)
+    cs.context_sharded("diag_kdn", mesh, axis_name="seq")(*arrays)
   with pytest.raises(ValueError, match="impl='reference'"):
-    cp.context_sharded("diag_kdn", mesh)(*arrays, impl="reference")
+    cs.context_sharded("diag_kdn", mesh)(*arrays, impl="reference")
   with pytest.raises(ValueError, match="op='mamba' is not one of"):
-    cp.context_sharded("mamba", mesh)
+    cs.context_sharded("mamba", mesh)
   with pytest.raises(ValueError, match="axis_name='context' is not a mesh axis"):
     cp.diag_kdn(*arrays, axis_name="context")
 
@@ -209,9 +210,9 @@ def test_training_step_context_2_equals_context_1(tmp_path, monkeypatch):
     return out
 
   built = []
-  real = cp.context_sharded
+  real = cs.context_sharded
   monkeypatch.setattr(
-    cp, "context_sharded", lambda name, *a, **k: built.append(name) or real(name, *a, **k)
+    cs, "context_sharded", lambda name, *a, **k: built.append(name) or real(name, *a, **k)
   )
   loss1, p1 = one_step(1, tmp_path / "one")
   assert not built
@@ -250,19 +251,19 @@ def test_evaluate_context_flag_routes_the_layers_ops():
   op tests' and the training test's)."""
   from experiments import evaluate  # pylint: disable=g-import-not-at-top
 
-  assert cp.op("diag_kdn") is ops.diag_kdn
+  assert cs.op("diag_kdn") is ops.diag_kdn
   with evaluate.context_parallel(1):
-    assert cp.op("kda") is ops.kda
+    assert cs.op("kda") is ops.kda
   built = []
-  real = cp.context_sharded
+  real = cs.context_sharded
   try:
-    cp.context_sharded = lambda name, mesh, **k: (
+    cs.context_sharded = lambda name, mesh, **k: (
       built.append((name, dict(mesh.shape))) or real(name, mesh, **k)
     )
     with evaluate.context_parallel(2):
-      assert cp.op("diag_kdn") is not ops.diag_kdn
+      assert cs.op("diag_kdn") is not ops.diag_kdn
   finally:
-    cp.context_sharded = real
+    cs.context_sharded = real
   assert built == [("diag_kdn", {"data": 1, "fsdp": 1, "tensor": 1, "context": 2})], built
   with pytest.raises(ValueError, match=r"--context: must be in \[1, 8\]"):
     evaluate.context_parallel(9)
@@ -325,7 +326,7 @@ def test_short_conv_halo_equals_plain(n):
   grad = lambda: jax.value_and_grad(lambda *a: loss(*a), argnums=(0, 1, 2), has_aux=True)
   for s in (seg, None):
     want = jax.jit(grad())(params, x, cache, s)
-    with cp.sequence_sharding(_mesh(n), "context"):
+    with cs.sequence_sharding(_mesh(n), "context"):
       got = jax.jit(grad())(params, x, cache, s)
       assert "ppermute" in str(jax.make_jaxpr(grad())(params, x, cache, s))
     _assert_close(got, want, f"conv, segments={s is not None}")
