@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import multiprocessing
 import os
 import sys
 import time
@@ -26,9 +25,15 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from experiments.data import corpus_fetch, corpus_sources, linux_code
-from experiments.data.corpus_fetch import SourceUnavailable
+from experiments.data import (
+  corpus_documents,
+  corpus_files,
+  corpus_sources,
+  corpus_tokenize,
+  linux_code,
+)
 from experiments.data.corpus_sources import Source
+from experiments.data.ship import sha256_file
 from experiments.data.tokenizer import EOS, BPETokenizer
 
 SPLITS = ("train", "val", "long_eval")
@@ -41,203 +46,10 @@ FORMAT_VERSION = 1
 FULL_CACHE_MB = 380
 
 
-def _atomic_write(path: str, write: Callable) -> None:
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "wb") as f:
-    write(f)
-  os.replace(tmp, path)
-
-
-def _atomic_json(path: str, obj) -> None:
-  _atomic_write(
-    path, lambda f: f.write((json.dumps(obj, indent=1, ensure_ascii=False) + "\n").encode())
-  )
-
-
-def save_split(
-  out: str, split: str, docs_tokens: Sequence[np.ndarray], eos_id: int
-) -> tuple[int, int]:
-  """Writes ``<out>/<split>.npy`` (token ids, each document + EOS; uint16 when every id fits, which halves
-  the files, else int32) and ``<split>.docs.npy`` (int64 offsets)."""
-  lens = np.array([len(t) + 1 for t in docs_tokens], np.int64)
-  offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-  top = max([eos_id] + [int(t.max()) for t in docs_tokens if len(t)])
-  tokens = np.empty(int(offsets[-1]), np.uint16 if top < 2**16 else np.int32)
-  for a, t in zip(offsets[:-1], docs_tokens):
-    tokens[a : a + len(t)] = t
-    tokens[a + len(t)] = eos_id
-  _atomic_write(os.path.join(out, f"{split}.npy"), lambda f: np.save(f, tokens))
-  _atomic_write(os.path.join(out, f"{split}.docs.npy"), lambda f: np.save(f, offsets))
-  return len(docs_tokens), len(tokens)
-
-
-def load_split(out: str, split: str) -> tuple[np.ndarray, np.ndarray]:
-  """(tokens, offsets) of a split; document i = tokens[offsets[i]:offsets[i+1]] (ends with EOS)."""
-  return (
-    np.load(os.path.join(out, f"{split}.npy"), mmap_mode="r"),
-    np.load(os.path.join(out, f"{split}.docs.npy")),
-  )
-
-
 def split_key(seed: int, source: str, name: str) -> float:
   """A uniform number in [0, 1) from (seed, source, document name): the document's split draw and order."""
   h = hashlib.blake2b(f"{seed}\x00{source}\x00{name}".encode(), digest_size=8).digest()
   return int.from_bytes(h, "big") / 2.0**64
-
-
-def _read_jsonl(path: str) -> list[dict]:
-  with open(path, encoding="utf-8") as f:
-    return [json.loads(line) for line in f if line.strip()]
-
-
-def _selection_path(out: str, source: str) -> str:
-  return os.path.join(out, "docs", f"{source}.selection.json")
-
-
-def extract_source(src: Source, out: str, cache_dir: str, refresh: bool = False, log=print) -> dict:
-  """Documents of one source, from ``<out>/docs/<name>.jsonl`` when there, else extracted (and saved).
-
-  Returns ``{'status': 'ok', 'documents': [...], 'cached': bool, 'seconds': s}`` or ``{'status':
-  'unavailable', 'reason': str}``; an unavailable source prints one line.
-  """
-  path = os.path.join(out, "docs", f"{src.name}.jsonl")
-  if os.path.exists(path) and not refresh:
-    return {"status": "ok", "documents": _read_jsonl(path), "cached": True, "seconds": 0.0}
-  t = time.time()
-  log(f"prepare: source '{src.name}': extracting ...")
-  token = corpus_fetch.FETCH_LOG.set(log)  # each download says 'cached' or 'downloading'
-  try:
-    docs, names = [], {}
-    it = iter(src.fn(cache_dir))
-    while True:
-      try:
-        d = next(it)
-      except StopIteration as stop:  # a generator source may return its selection counts
-        selection = stop.value if isinstance(stop.value, dict) else None
-        break
-      name, text = (
-        str(d["name"]),
-        d["text"].replace(EOS, "<|endoftext |>"),
-      )  # no EOS inside a document
-      if name in names:  # names are unique within a source
-        names[name] += 1
-        name = f"{name}#{names[name]}"
-      names.setdefault(name, 1)
-      docs.append({"name": name, "text": text})
-    if not docs:
-      raise SourceUnavailable("no documents extracted")
-  except SourceUnavailable as e:
-    reason = str(e)
-  except Exception as e:  # pylint: disable=broad-except  # a broken download / archive must not stop the rest
-    reason = f"{type(e).__name__}: {e}"
-  else:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    if selection is not None:
-      _atomic_json(_selection_path(out, src.name), selection)
-    elif os.path.exists(_selection_path(out, src.name)):
-      os.remove(_selection_path(out, src.name))
-
-    def write(f):
-      for d in docs:
-        f.write((json.dumps(d, ensure_ascii=False) + "\n").encode())
-
-    _atomic_write(path, write)
-    return {"status": "ok", "documents": docs, "cached": False, "seconds": time.time() - t}
-  finally:
-    corpus_fetch.FETCH_LOG.reset(token)
-  reason = " ".join(reason.split())
-  log(f"prepare: source '{src.name}' unavailable: {reason}; continuing without it")
-  return {"status": "unavailable", "reason": reason}
-
-
-class _Progress:
-  def __init__(self, what: str, total_bytes: int, log, every_s: float = 5.0):
-    self.what, self.total, self.log, self.every = what, max(total_bytes, 1), log, every_s
-    self.t0 = self.last = time.time()
-
-  def update(self, done_bytes: int, tokens: int, final: bool = False):
-    now = time.time()
-    if not final and now - self.last < self.every:
-      return
-    self.last = now
-    dt = max(now - self.t0, 1e-9)
-    rate = done_bytes / dt
-    eta = (self.total - done_bytes) / rate if rate > 0 else 0.0
-    self.log(
-      f"prepare: {self.what}: {done_bytes / 1e6:.1f}/{self.total / 1e6:.1f} MB, {tokens / 1e6:.2f}M tokens, "
-      f"{rate / 1e6:.2f} MB/s, " + (f"{dt:.1f} s" if final else f"ETA {eta:.0f} s")
-    )
-
-
-_WORKER_TOK = None
-
-
-def _worker_init(tok_json: str) -> None:
-  global _WORKER_TOK
-  os.environ["TOKENIZERS_PARALLELISM"] = (
-    "false"  # one core per process: the pool is the parallelism
-  )
-  _WORKER_TOK = BPETokenizer.from_str(tok_json)
-
-
-def _compact(ids: list[np.ndarray], vocab_size: int) -> list[np.ndarray]:
-  # uint16 halves what travels back from the workers and what a 1 GB corpus holds in memory
-  return [e.astype(np.uint16) for e in ids] if vocab_size <= 2**16 else ids
-
-
-def _worker_encode(texts: list[str]) -> list[np.ndarray]:
-  return _compact(_WORKER_TOK.encode_batch(texts), _WORKER_TOK.vocab_size)
-
-
-def _batches(sizes: Sequence[int], batch_bytes: int) -> list[tuple[int, int]]:
-  out, i = [], 0
-  while i < len(sizes):
-    j, b = i, 0
-    while j < len(sizes) and (j == i or b + sizes[j] <= batch_bytes):
-      b += sizes[j]
-      j += 1
-    out.append((i, j))
-    i = j
-  return out
-
-
-def tokenize_documents(
-  tok: BPETokenizer,
-  texts: Sequence[str],
-  what: str,
-  log=print,
-  batch_bytes: int = 4_000_000,
-  workers: int | None = None,
-) -> list[np.ndarray]:
-  """Token ids of every text, in order: ``encode_batch`` over batches of ~``batch_bytes`` of text, with
-  progress lines (MB/s, ETA). With ``workers`` > 1 (default: every core this process may use) and
-  more than one batch, the batches go to a process pool: encoding and the ids' conversion to arrays
-  then run on every core (in one process the conversion holds the GIL)."""
-  sizes = [len(t.encode("utf-8")) for t in texts]
-  prog = _Progress(what, sum(sizes), log)
-  spans = _batches(sizes, batch_bytes)
-  workers = min(corpus_fetch.cpu_workers() if workers is None else workers, len(spans))
-  out, done, ntok = [], 0, 0
-  if workers > 1:
-    ctx = multiprocessing.get_context(
-      "spawn"
-    )  # (fork would copy a process whose XLA threads may hold locks)
-    with ctx.Pool(workers, _worker_init, (tok.to_str(),)) as pool:
-      encoded = pool.imap(_worker_encode, (list(texts[i:j]) for i, j in spans))
-      for (i, j), enc in zip(spans, encoded):
-        out += enc
-        done += sum(sizes[i:j])
-        ntok += sum(len(e) for e in enc)
-        prog.update(done, ntok)
-  else:
-    for i, j in spans:
-      enc = _compact(tok.encode_batch(list(texts[i:j])), tok.vocab_size)
-      out += enc
-      done += sum(sizes[i:j])
-      ntok += sum(len(e) for e in enc)
-      prog.update(done, ntok)
-  prog.update(done, ntok, final=True)
-  return out
 
 
 def _fingerprint(parts: Iterable) -> str:
@@ -245,14 +57,6 @@ def _fingerprint(parts: Iterable) -> str:
   for p in parts:
     h.update(repr(p).encode())
     h.update(b"\x00")
-  return h.hexdigest()
-
-
-def _file_sha(path: str) -> str:
-  h = hashlib.sha256()
-  with open(path, "rb") as f:
-    for block in iter(lambda: f.read(1 << 20), b""):
-      h.update(block)
   return h.hexdigest()
 
 
@@ -314,7 +118,7 @@ def build(
   # ---- documents per source
   per_source, docs = {}, []  # docs: (source, long, name, text)
   for src in sources:
-    r = extract_source(src, out, cache_dir, refresh=refresh_docs, log=log)
+    r = corpus_documents.extract_source(src, out, cache_dir, refresh=refresh_docs, log=log)
     if r["status"] != "ok":
       per_source[src.name] = {
         "status": "unavailable",
@@ -331,8 +135,8 @@ def build(
       "long": src.long,
       "description": src.description,
     }
-    if os.path.exists(_selection_path(out, src.name)):
-      with open(_selection_path(out, src.name), encoding="utf-8") as f:
+    if os.path.exists(corpus_documents.selection_path(out, src.name)):
+      with open(corpus_documents.selection_path(out, src.name), encoding="utf-8") as f:
         per_source[src.name]["selection"] = json.load(f)
     log(
       f"prepare: source '{src.name}': {len(r['documents'])} documents, {nbytes / 1e6:.2f} MB"
@@ -359,7 +163,7 @@ def build(
   fingerprint = _fingerprint(
     [sorted(params.items())]
     + [
-      (s.name, s.long, _file_sha(os.path.join(out, "docs", f"{s.name}.jsonl")))
+      (s.name, s.long, sha256_file(os.path.join(out, "docs", f"{s.name}.jsonl")))
       for s in sources
       if per_source[s.name]["status"] == "ok"
     ]
@@ -424,7 +228,7 @@ def build(
     order[LONG_VAL] = long_val
   enc = {}
   for split in splits:
-    enc[split] = tokenize_documents(
+    enc[split] = corpus_tokenize.tokenize_documents(
       tok, [docs[i][3] for i in order[split]], f"tokenize {split}", log
     )
   if long_val_docs:
@@ -453,7 +257,7 @@ def build(
     )
   splits_info = {}
   for split in splits:
-    ndocs, ntok = save_split(out, split, enc[split], tok.eos_id)
+    ndocs, ntok = corpus_files.save_split(out, split, enc[split], tok.eos_id)
     nbytes = sum(len(docs[i][3].encode("utf-8")) for i in order[split])
     splits_info[split] = {"documents": ndocs, "tokens": ntok, "bytes": nbytes}
     log(f"prepare: {split}: {ndocs} documents, {ntok} tokens, {nbytes / 1e6:.2f} MB")
@@ -466,7 +270,7 @@ def build(
   roundtrip_ok = all(tok.decode(tok.encode(text)) == text for text in check)
   files_ok = True
   for split in splits:
-    tokens, offsets = load_split(out, split)
+    tokens, offsets = corpus_files.load_split(out, split)
     ok = (
       offsets[0] == 0
       and offsets[-1] == len(tokens)
@@ -492,7 +296,7 @@ def build(
     for f in os.listdir(os.path.join(cache_dir, d))
     if not f.endswith(".tmp")
   )
-  long_offsets = load_split(out, "long_eval")[1]
+  long_offsets = corpus_files.load_split(out, "long_eval")[1]
   manifest = {
     "format_version": FORMAT_VERSION,
     "vocab_size": tok.vocab_size,
@@ -530,11 +334,11 @@ def build(
     "command": command,
     "fingerprint": fingerprint,
   }
-  _atomic_json(
+  corpus_files.atomic_json(
     os.path.join(out, "splits.json"),
     {s: [f"{docs[i][0]}/{docs[i][2]}" for i in order[s]] for s in splits},
   )
-  _atomic_json(manifest_path, manifest)
+  corpus_files.atomic_json(manifest_path, manifest)
   log(
     f"prepare: wrote {out} in {time.time() - t0:.1f} s; cache {cache_dir}: {dir_mb(cache_dir):.0f} MB "
     "(delete it to reclaim the space; keep its apt/ and pip/ folders to rebuild this exact corpus)"

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from experiments.data import linux_code, prepare, ship
+from experiments.data import corpus_files, corpus_tokenize, linux_code, prepare, ship
 from experiments.data.tokenizer import BPETokenizer
 
 NAMES = (
@@ -141,7 +141,7 @@ def test_recipe_build_holds_long_val_out_before_the_tokenizer(built):
   }
   long_val = names[prepare.LONG_VAL]
   assert len(long_val) == KW["long_val_docs"] and not set(long_val) & set(names["train"])
-  _, off = prepare.load_split(out, prepare.LONG_VAL)
+  _, off = corpus_files.load_split(out, prepare.LONG_VAL)
   assert np.all(np.diff(off) >= KW["long_val_tokens"])
   # every long file uses its own identifier all through: the tokenizer learnt the train files' ones as
   # a single token, and never saw the long_val files' ones
@@ -156,8 +156,8 @@ def test_parallel_encoding_matches_one_process(built):
   _, out, _ = built
   tok = BPETokenizer.load(out)
   texts = [code(i, 3) for i in range(12)]
-  one = prepare.tokenize_documents(tok, texts, "t", [].append, batch_bytes=2000, workers=1)
-  two = prepare.tokenize_documents(tok, texts, "t", [].append, batch_bytes=2000, workers=2)
+  one = corpus_tokenize.tokenize_documents(tok, texts, "t", [].append, batch_bytes=2000, workers=1)
+  two = corpus_tokenize.tokenize_documents(tok, texts, "t", [].append, batch_bytes=2000, workers=2)
   assert (
     [e.tolist() for e in one]
     == [e.tolist() for e in two]

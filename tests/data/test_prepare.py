@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from experiments.data import corpus_fetch as fetch
+from experiments.data import corpus_files, prepare
 from experiments.data import corpus_sources as cs
-from experiments.data import prepare
 from experiments.data.text_formats import html_text, pod, r_lazyload, rst, sword
 from experiments.data.tokenizer import BPETokenizer
 
@@ -563,7 +563,7 @@ def test_documents_decode_to_their_text(built):
   texts = {f"{s.name}/{d['name']}": d["text"] for s in srcs[:7] for d in s.fn(None)}
   names = json.load(open(os.path.join(out, "splits.json")))
   for split in prepare.SPLITS:
-    tokens, offsets = prepare.load_split(out, split)
+    tokens, offsets = corpus_files.load_split(out, split)
     assert len(names[split]) == len(offsets) - 1
     for i in (0, len(offsets) - 2):
       assert tok.decode(tokens[offsets[i] : offsets[i + 1] - 1]) == texts[names[split][i]]
@@ -588,9 +588,9 @@ def test_splits_disjoint_long_docs_to_long_eval(built):
   assert held, "some held-out long documents move from val to long_eval"
   lens = {d["name"]: d["tokens"] for d in m["long_eval_documents"]}
   assert set(lens) == sets["long_eval"] and all(lens[n] >= KW["long_tokens"] for n in held)
-  _, val_off = prepare.load_split(out, "val")
+  _, val_off = corpus_files.load_split(out, "val")
   assert np.all(np.diff(val_off) < KW["long_tokens"])
-  long_train = np.diff(prepare.load_split(out, "train")[1]) >= KW["long_tokens"]
+  long_train = np.diff(corpus_files.load_split(out, "train")[1]) >= KW["long_tokens"]
   assert long_train.any(), "train keeps its long documents"
 
 
@@ -607,7 +607,7 @@ def test_long_val_holds_in_domain_long_documents_out(tmp_path):
   assert len(lv) == m["splits"][prepare.LONG_VAL]["documents"] == 3
   assert not lv & (set(names["train"]) | set(names["val"]) | set(names["long_eval"]))
   assert not any(n.startswith(("fake-austen", "fake-iambic")) for n in lv)  # in-domain only
-  _, off = prepare.load_split(out, prepare.LONG_VAL)
+  _, off = corpus_files.load_split(out, prepare.LONG_VAL)
   assert np.all(np.diff(off) >= 200)
   assert m["long_val_docs"] == 3 and m["long_val_tokens"] == 200
   with pytest.raises(ValueError, match="long_val_docs"):
