@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import gc
 import hashlib
 import json
 import logging
@@ -29,95 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy
 
-from experiments.runner import array_checksum
-
-
-def _is_abandoned_read(unraisable) -> bool:
-  """A read callback scheduled on orbax's closed loop, or one of orbax's read coroutines closed
-  unfinished by the garbage collector."""
-  if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(
-    unraisable.exc_value
-  ):
-    return True
-  code = getattr(unraisable.object, "cr_code", None)
-  return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
-
-
-@contextlib.contextmanager
-def _abandoned_reads_dropped(settle_s: float = 0.3, max_wait_s: float = 3.0, keep=None):
-  """Counts, instead of printing, the abandoned reads of a failed orbax restore.
-
-  orbax reads a checkpoint's arrays concurrently on an asyncio loop. When one read of a damaged
-  checkpoint fails, the restore raises and closes the loop while the other reads are in flight. Each
-  of those then printed "Exception ignored ... Event loop is closed" (from tensorstore's threads) or
-  an unfinished-coroutine traceback (from the garbage collector): about a hundred per damaged
-  checkpoint. Inside the block they are counted; every other unraisable exception goes to the
-  previous hook. The caller appends to the yielded list when its restore failed and handles the
-  error inside the block (the error's traceback keeps the coroutines alive until it is dropped).
-  After a failure the block's exit waits until no abandoned read has arrived for `settle_s` (at
-  most `max_wait_s`) and logs the count in one line; a restore that succeeds is not delayed. With
-  `keep` (a list) a failed block does not wait: it leaves its hook installed and appends (hook,
-  previous hook, counts) to it, for _release_hooks to take out later (Checkpointer.close): stragglers can come
-  after any quiet window on a loaded machine (a CI run got 21 past the 0.3 s one). The hook is
-  process-wide: one restore at a time, as the runner does."""
-  dropped, failed = [], []
-  previous = sys.unraisablehook
-
-  def hook(unraisable):
-    if _is_abandoned_read(unraisable):
-      dropped.append(time.monotonic())
-    else:
-      previous(unraisable)
-
-  sys.unraisablehook = hook
-  try:
-    yield failed
-  finally:
-    try:
-      if failed and keep is None:  # (a kept hook keeps counting; close waits for stragglers)
-        start = time.monotonic()
-        gc.collect()
-        while time.monotonic() - start < max_wait_s:
-          time.sleep(settle_s / 3)
-          gc.collect()
-          if time.monotonic() - max(dropped, default=start) >= settle_s:
-            break
-    finally:
-      if failed and keep is not None:
-        keep.append((hook, previous, dropped))
-      else:
-        sys.unraisablehook = previous
-        _log_dropped(dropped, failed)
-
-
-def _log_dropped(dropped, failed):
-  if dropped:
-    # (a restore's hook also counts stragglers of an earlier failed one whose hook is kept)
-    logging.info(
-      "checkpoint: dropped %d abandoned reads during a %s restore",
-      len(dropped),
-      "failed" if failed else "successful",
-    )
-
-
-def _release_hooks(kept, settle_s: float = 1.0, max_wait_s: float = 5.0):
-  """Takes out the hooks that failed restores left installed (newest first), once no abandoned
-  read has arrived for `settle_s` (at most `max_wait_s`; a close right after a failed restore,
-  e.g. when no checkpoint was readable, waits for the stragglers), the garbage collector's share
-  collected."""
-  if not kept:
-    return
-  start = time.monotonic()
-  last = lambda: max((max(d, default=start) for _, _, d in kept), default=start)
-  gc.collect()
-  while time.monotonic() - start < max_wait_s and time.monotonic() - last() < settle_s:
-    time.sleep(settle_s / 5)
-    gc.collect()
-  while kept:
-    hook, previous, dropped = kept.pop()
-    if sys.unraisablehook is hook:
-      sys.unraisablehook = previous
-    _log_dropped(dropped, True)
+from experiments.runner import array_checksum, orbax_noise
 
 
 def _key_str(k) -> str:
@@ -157,26 +68,10 @@ def find_checkpoint(source: str) -> tuple[str, int]:
   return root, max(steps)
 
 
-class _DropMissingMetadata(logging.Filter):
-  def filter(self, record):
-    msg = record.getMessage()  # (a missing metadata file is reported by the caller, in one line)
-    return "Metadata file does not exist" not in msg and "Failed to get item metadata" not in msg
-
-
-@contextlib.contextmanager
-def _quiet_missing_metadata():
-  log, filt = logging.getLogger("absl"), _DropMissingMetadata()
-  log.addFilter(filt)
-  try:
-    yield
-  finally:
-    log.removeFilter(filt)
-
-
 def _saved_shapes(state_dir: str) -> dict:
   """{flat key: shape} of a saved train state, read from its metadata only (no arrays)."""
   with (
-    _quiet_missing_metadata()
+    orbax_noise.quiet_missing_metadata()
   ):  # the step-level metadata file lives one level up: a harmless warning
     meta = ocp.PyTreeCheckpointer().metadata(state_dir)
   meta = getattr(meta, "item_metadata", meta)
@@ -226,22 +121,6 @@ class CheckpointUnreadableError(CheckpointCorruptError):
 
 class CheckpointSaveError(RuntimeError):
   """A checkpoint could not be written (one line: the step, the directory, the cause, what to do)."""
-
-
-def _describe(e: BaseException) -> str:
-  """'Type: first line' of an error (orbax's run to a hundred lines)."""
-  return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
-
-
-def _quietly(read, keep=None):
-  """(read(), None), or (None, the error's one line) when it raised: the abandoned reads of a failed
-  orbax read are counted instead of printed (_abandoned_reads_dropped; ``keep`` as there)."""
-  with _abandoned_reads_dropped(keep=keep) as failed:
-    try:
-      return read(), None
-    except Exception as e:  # pylint: disable=broad-except  (any failure: described in one line)
-      failed.append(True)
-      return None, _describe(e)
 
 
 def data_state_bytes(data_iter) -> bytes:
@@ -323,7 +202,7 @@ def verify(record: dict, flat: dict, where: str):
 def _record_error(step_dir: str, e: Exception) -> CheckpointCorruptError:
   return CheckpointCorruptError(
     f"{os.path.join(step_dir, 'record', 'metadata')}: not a readable checkpoint record "
-    f"({_describe(e)})"
+    f"({orbax_noise.describe(e)})"
   )
 
 
@@ -353,7 +232,7 @@ def restore_params(source: str, abstract_params) -> tuple[object, int]:
   root, step = find_checkpoint(source)
   state_dir = os.path.join(root, str(step), "state")
   want = {f"params|{k}": v for k, v in flatten(abstract_params).items()}
-  have, error = _quietly(lambda: _saved_shapes(state_dir), keep=_PARAM_READ_HOOKS)
+  have, error = orbax_noise.quietly(lambda: _saved_shapes(state_dir), keep=_PARAM_READ_HOOKS)
   if error:  # missing or damaged metadata
     raise CheckpointUnreadableError(f"checkpoint {root}/{step} is unreadable ({error})", step)
   problems = _misfit(have, want, "params|")
@@ -362,7 +241,7 @@ def restore_params(source: str, abstract_params) -> tuple[object, int]:
   restore_args = jax.tree.map(
     lambda v: ocp.ArrayRestoreArgs(sharding=v.sharding, dtype=v.dtype), want
   )
-  out, error = _quietly(
+  out, error = orbax_noise.quietly(
     lambda: ocp.PyTreeCheckpointer().restore(
       state_dir,
       args=ocp.args.PyTreeRestore(item=want, restore_args=restore_args, partial_restore=True),
@@ -390,57 +269,6 @@ def _os_cause(text: str) -> str:
   return os.strerror(int(m[1] or m[2])) if m else ""
 
 
-class _HeldBackSaveErrors(logging.Filter):
-  """Holds back orbax's ERROR logs (each with a traceback, from several threads per failed save) while a
-  Checkpointer is open: the failure surfaces as one CheckpointSaveError instead. Kept for the message."""
-
-  def __init__(self):
-    super().__init__()
-    self.held = []
-
-  def filter(self, record):
-    if record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in (record.pathname or ""):
-      self.held.append(record.getMessage())
-      return False
-    return True
-
-
-class _UnretrievedSaveTasks(logging.Filter):
-  """Drops asyncio's 'Task exception was never retrieved' for orbax's write tasks: when one write of a
-  save fails (a full disk) the save raises with the first error, and its sibling tasks, failed the same
-  way, are logged with a traceback each whenever the garbage collector takes them, often after the run
-  has printed its one-line error. Installed once per process: the save's failure is always raised."""
-
-  count = 0
-
-  def filter(self, record):
-    msg = record.getMessage()
-    if "exception was never retrieved" in msg and f"{os.sep}orbax{os.sep}" in msg:
-      _UnretrievedSaveTasks.count += 1
-      return False
-    return True
-
-
-def _drop_unretrieved_save_tasks():
-  log = logging.getLogger("asyncio")
-  if not any(isinstance(f, _UnretrievedSaveTasks) for f in log.filters):
-    log.addFilter(_UnretrievedSaveTasks())
-
-
-def _abandoned_writes_hook(previous, dropped):
-  """sys.unraisablehook that counts, instead of printing, what tensorstore's threads leave when a failed
-  save's asyncio loop has closed under them (as _abandoned_reads_dropped does for a failed restore), and
-  passes everything else on."""
-
-  def hook(unraisable):
-    if _is_abandoned_read(unraisable):
-      dropped.append(time.monotonic())
-    else:
-      previous(unraisable)
-
-  return hook
-
-
 class Checkpointer:
   def __init__(self, directory: str, keep: int = 3, async_save: bool = True, keep_steps=()):
     self.directory = os.path.abspath(directory)
@@ -462,12 +290,15 @@ class Checkpointer:
     self.manager = ocp.CheckpointManager(
       self.directory, options=opts, item_names=("state", "data", "record")
     )
-    self._read_hooks = []  # hooks of failed restores, in place until close (_abandoned_reads_dropped)
-    _drop_unretrieved_save_tasks()
-    self._held = _HeldBackSaveErrors()
+    # hooks of failed restores, in place until close (orbax_noise.abandoned_reads_dropped)
+    self._read_hooks = []
+    orbax_noise.drop_unretrieved_save_tasks()
+    self._held = orbax_noise.HeldBackSaveErrors()
     logging.getLogger("absl").addFilter(self._held)
     self._abandoned, self._previous_hook = [], sys.unraisablehook
-    self._hook = sys.unraisablehook = _abandoned_writes_hook(sys.unraisablehook, self._abandoned)
+    self._hook = sys.unraisablehook = orbax_noise.abandoned_writes_hook(
+      sys.unraisablehook, self._abandoned
+    )
     self._saving_step = None  # the step of the last save started (for the failure message)
     self.failed = None  # the CheckpointSaveError once a save has failed
 
@@ -511,7 +342,7 @@ class Checkpointer:
       try:
         return step, self.record(step)
       except CheckpointCorruptError as e:  # its record does not read: set aside, try older
-        self._set_aside(step, _describe(e))
+        self._set_aside(step, orbax_noise.describe(e))
     self._none_readable(steps)
     return None, None
 
@@ -522,7 +353,7 @@ class Checkpointer:
     want = flatten(abstract_state)
     for step in sorted(self.manager.all_steps(), reverse=True):
       state_dir = os.path.join(self.directory, str(step), "state")
-      have, error = _quietly(lambda d=state_dir: _saved_shapes(d), keep=self._read_hooks)
+      have, error = orbax_noise.quietly(lambda d=state_dir: _saved_shapes(d), keep=self._read_hooks)
       problems = "" if error else _misfit(have, want)
       if problems:
         raise CheckpointMismatchError(
@@ -541,7 +372,7 @@ class Checkpointer:
     self.check_fits(abstract_state)  # a changed config moves nothing
     steps = sorted(self.manager.all_steps(), reverse=True)
     for step in steps:
-      found, error = _quietly(
+      found, error = orbax_noise.quietly(
         lambda s=step: self.restore(s, abstract_state, data_iter), keep=self._read_hooks
       )
       if error is None:
@@ -663,7 +494,7 @@ class Checkpointer:
     finally:
       if self.failed is None:
         self.manager.close()
-      _release_hooks(self._read_hooks)
+      orbax_noise.release_hooks(self._read_hooks)
       logging.getLogger("absl").removeFilter(self._held)
       if sys.unraisablehook is self._hook:
         sys.unraisablehook = self._previous_hook

@@ -163,7 +163,7 @@ def _damage(step_dir, how):
         os.remove(f)
 
 
-# (an error: the abandoned reads of the failed restore must not print tracebacks; checkpoint.py)
+# (an error: the abandoned reads of the failed restore must not print tracebacks; orbax_noise.py)
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("strategy, how", [("tbtt", "truncated"), ("fitted_noise", "half_written")])
 def test_carried_state_runs_resume_exactly_past_a_damaged_checkpoint(
@@ -220,37 +220,37 @@ def test_failed_restore_counts_only_orbax_abandoned_reads(monkeypatch):
   the previous hook, and the previous hook is back afterwards, also after a failure."""
   import types  # pylint: disable=g-import-not-at-top
 
-  from experiments.runner import checkpoint  # pylint: disable=g-import-not-at-top
+  from experiments.runner import orbax_noise  # pylint: disable=g-import-not-at-top
 
   passed_on = []
   monkeypatch.setattr(sys, "unraisablehook", passed_on.append)
   previous = sys.unraisablehook
   closed = types.SimpleNamespace(exc_value=RuntimeError("Event loop is closed"), object=None)
   other = types.SimpleNamespace(exc_value=ValueError("from elsewhere"), object=None)
-  with checkpoint._abandoned_reads_dropped(settle_s=0.01) as failed:
+  with orbax_noise.abandoned_reads_dropped(settle_s=0.01) as failed:
     sys.unraisablehook(closed)
     sys.unraisablehook(other)
     failed.append(6)
   assert passed_on == [other] and sys.unraisablehook is previous
   with pytest.raises(KeyError):
-    with checkpoint._abandoned_reads_dropped(settle_s=0.01):
+    with orbax_noise.abandoned_reads_dropped(settle_s=0.01):
       raise KeyError("inside")
   assert sys.unraisablehook is previous
   # With `keep` (the Checkpointer's), a failed restore's hook stays in place for stragglers that
   # come after the quiet window, until the checkpointer closes; a restore that succeeds leaves none.
   kept = []
-  with checkpoint._abandoned_reads_dropped(settle_s=0.01, keep=kept):
+  with orbax_noise.abandoned_reads_dropped(settle_s=0.01, keep=kept):
     pass
   assert not kept and sys.unraisablehook is previous
   start = time.monotonic()  # (its exit does not wait for the quiet window: close does)
-  with checkpoint._abandoned_reads_dropped(settle_s=30.0, max_wait_s=30.0, keep=kept) as failed:
+  with orbax_noise.abandoned_reads_dropped(settle_s=30.0, max_wait_s=30.0, keep=kept) as failed:
     failed.append(3)
   assert time.monotonic() - start < 10.0
   assert len(kept) == 1 and sys.unraisablehook is not previous
   sys.unraisablehook(closed)  # a straggler, after the window
   sys.unraisablehook(other)
   assert passed_on == [other, other] and kept[0][2]
-  checkpoint._release_hooks(kept, settle_s=0.01)
+  orbax_noise.release_hooks(kept, settle_s=0.01)
   assert not kept and sys.unraisablehook is previous
 
 
