@@ -68,6 +68,173 @@ def _outputs_present(out: str, long_val: bool = False) -> bool:
   return all(os.path.exists(os.path.join(out, f)) for f in files)
 
 
+def _collect_documents(sources, out, cache_dir, refresh_docs, log) -> tuple[dict, list]:
+  """(per_source, docs): each source's status and sizes, and every document as (source, long,
+  name, text); an unavailable source is left out (one line), none available raises."""
+  per_source, docs = {}, []  # docs: (source, long, name, text)
+  for src in sources:
+    r = corpus_documents.extract_source(src, out, cache_dir, refresh=refresh_docs, log=log)
+    if r["status"] != "ok":
+      per_source[src.name] = {
+        "status": "unavailable",
+        "reason": r["reason"],
+        "documents": 0,
+        "bytes": 0,
+      }
+      continue
+    nbytes = sum(len(d["text"].encode("utf-8")) for d in r["documents"])
+    per_source[src.name] = {
+      "status": "ok",
+      "documents": len(r["documents"]),
+      "bytes": nbytes,
+      "long": src.long,
+      "description": src.description,
+    }
+    if os.path.exists(corpus_documents.selection_path(out, src.name)):
+      with open(corpus_documents.selection_path(out, src.name), encoding="utf-8") as f:
+        per_source[src.name]["selection"] = json.load(f)
+    log(
+      f"prepare: source '{src.name}': {len(r['documents'])} documents, {nbytes / 1e6:.2f} MB"
+      + (" (cached)" if r["cached"] else f" ({r['seconds']:.1f} s)")
+    )
+    docs += [(src.name, src.long, d["name"], d["text"]) for d in r["documents"]]
+  if not docs:
+    raise RuntimeError(
+      "prepare: no source is available, nothing to build ("
+      + "; ".join(f"{k}: {v.get('reason')}" for k, v in per_source.items())
+      + ")"
+    )
+
+  return per_source, docs
+
+
+def _assign_splits(docs, seed, val_fraction, long_val_docs, long_val_tokens):
+  """(train, val, long_eval, long_val): indices into ``docs`` (build's docstring says how)."""
+  draws = [split_key(seed, s, n) for s, _, n, _ in docs]
+  short = [i for i, d in enumerate(docs) if not d[1]]
+  val = [i for i in short if draws[i] < val_fraction]
+  if not val and len(short) >= 2:
+    val = [min(short, key=lambda i: draws[i])]
+  val_set = set(val)
+  train = sorted((i for i in short if i not in val_set), key=lambda i: draws[i])
+  val = sorted(val, key=lambda i: draws[i])
+  long_eval = [i for i, d in enumerate(docs) if d[1]]
+  min_bytes = BYTES_PER_TOKEN_BOUND * long_val_tokens
+  long_val = []
+  if long_val_docs:  # (the train documents in draw order: the first long ones are a seeded draw)
+    long_val = [i for i in train if len(docs[i][3].encode("utf-8")) >= min_bytes][:long_val_docs]
+  if long_val_docs and len(long_val) < long_val_docs:
+    raise RuntimeError(
+      f"prepare: --long_val_docs={long_val_docs}: only {len(long_val)} train documents have "
+      f">= {min_bytes} bytes (--long_val_tokens={long_val_tokens})"
+    )
+  held = set(long_val)
+  train = [i for i in train if i not in held]
+  if not train:
+    raise RuntimeError("prepare: the train split is empty (only long-eval sources are available?)")
+  return train, val, long_eval, long_val
+
+
+def _train_tokenizer(docs, train, vocab_size, tokenizer_sample_bytes, out, log):
+  """The BPE tokenizer trained on the train documents in draw order up to
+  ``tokenizer_sample_bytes``, saved in ``out``: (tok, sample documents, sample bytes, seconds)."""
+  t = time.time()
+  sample, nbytes = [], 0
+  for i in train:
+    if sample and nbytes >= tokenizer_sample_bytes:
+      break
+    sample.append(docs[i][3])
+    nbytes += len(docs[i][3].encode("utf-8"))
+  log(
+    f"prepare: training the BPE tokenizer (vocab {vocab_size}) on {len(sample)} train documents, "
+    f"{nbytes / 1e6:.1f} MB ..."
+  )
+  tok = BPETokenizer.train(sample, vocab_size=vocab_size)
+  tok.save(out)
+  t_tok = time.time() - t
+  n_sample, sample_bytes = len(sample), nbytes
+  log(f"prepare: tokenizer: vocab {tok.vocab_size}, eos_id {tok.eos_id} ({t_tok:.1f} s)")
+  return tok, n_sample, sample_bytes, t_tok
+
+
+def _tokenize_splits(docs, tok, out, splits_order, long_val_tokens, long_tokens, log):
+  """Tokenizes and saves every split: long_val documents short of ``long_val_tokens`` go back to
+  train, val documents of ``long_tokens`` or more to long_eval; returns (order, enc, splits_info)
+  (indices into ``docs``, token arrays and sizes per split)."""
+  train, val, long_eval, long_val = splits_order
+  order = {"train": train, "val": val, "long_eval": long_eval}
+  splits = SPLITS + ((LONG_VAL,) if long_val else ())
+  if long_val:
+    order[LONG_VAL] = long_val
+  enc = {}
+  for split in splits:
+    enc[split] = corpus_tokenize.tokenize_documents(
+      tok, [docs[i][3] for i in order[split]], f"tokenize {split}", log
+    )
+  if long_val:
+    short_lv = [k for k, e in enumerate(enc[LONG_VAL]) if len(e) + 1 < long_val_tokens]
+    if short_lv:  # back to train, at the end (the tokenizer has not seen them)
+      order["train"] += [long_val[k] for k in short_lv]
+      enc["train"] += [enc[LONG_VAL][k] for k in short_lv]
+      keep = [k for k in range(len(long_val)) if k not in set(short_lv)]
+      order[LONG_VAL] = [long_val[k] for k in keep]
+      enc[LONG_VAL] = [enc[LONG_VAL][k] for k in keep]
+    log(
+      f"prepare: {len(order[LONG_VAL])} in-domain documents of >= {long_val_tokens} tokens held "
+      f"out of train as {LONG_VAL}"
+      + (f" ({len(short_lv)} shorter ones went back to train)" if short_lv else "")
+    )
+  held_long = [k for k, i in enumerate(val) if len(enc["val"][k]) + 1 >= long_tokens]
+  if held_long and len(held_long) < len(val):
+    moved = set(held_long)
+    order["long_eval"] = long_eval + [val[k] for k in held_long]
+    enc["long_eval"] = enc["long_eval"] + [enc["val"][k] for k in held_long]
+    order["val"] = [i for k, i in enumerate(val) if k not in moved]
+    enc["val"] = [e for k, e in enumerate(enc["val"]) if k not in moved]
+    log(
+      f"prepare: {len(held_long)} held-out documents of >= {long_tokens} tokens moved from val to long_eval: "
+      + ", ".join(f"{docs[val[k]][0]}/{docs[val[k]][2]}" for k in held_long)
+    )
+  splits_info = {}
+  for split in splits:
+    ndocs, ntok = corpus_files.save_split(out, split, enc[split], tok.eos_id)
+    nbytes = sum(len(docs[i][3].encode("utf-8")) for i in order[split])
+    splits_info[split] = {"documents": ndocs, "tokens": ntok, "bytes": nbytes}
+    log(f"prepare: {split}: {ndocs} documents, {ntok} tokens, {nbytes / 1e6:.2f} MB")
+  return order, enc, splits_info
+
+
+def _check_outputs(docs, tok, out, order, enc, splits_info, log):
+  """The tokenizer's round trip on up to 100 val documents and one long_eval one, and every
+  split's token file against its documents: (val bytes/token, documents checked, round trip ok,
+  files ok)."""
+  val_tok = sum(len(e) for e in enc["val"])
+  bytes_per_token = splits_info["val"]["bytes"] / max(val_tok, 1)
+  check = [docs[i][3] for i in order["val"][:100]] + [docs[i][3] for i in order["long_eval"][:1]]
+  roundtrip_ok = all(tok.decode(tok.encode(text)) == text for text in check)
+  files_ok = True
+  for split in order:
+    tokens, offsets = corpus_files.load_split(out, split)
+    ok = (
+      offsets[0] == 0
+      and offsets[-1] == len(tokens)
+      and len(offsets) == splits_info[split]["documents"] + 1
+      and bool(np.all(np.diff(offsets) >= 1))
+      and int(np.count_nonzero(tokens == tok.eos_id)) == len(offsets) - 1
+      and bool(np.all(tokens[offsets[1:] - 1] == tok.eos_id))
+      if len(offsets) > 1
+      else len(tokens) == 0
+    )
+    if ok and len(offsets) > 1:
+      ok = tok.decode(tokens[offsets[0] : offsets[1] - 1]) == docs[order[split][0]][3]
+    files_ok = files_ok and bool(ok)
+  log(
+    f"prepare: tokenizer round trip on {len(check)} documents: {'ok' if roundtrip_ok else 'FAILED'}; "
+    f"token files: {'ok' if files_ok else 'FAILED'}; val bytes/token {bytes_per_token:.3f}"
+  )
+  return bytes_per_token, len(check), roundtrip_ok, files_ok
+
+
 def build(
   out: str,
   sources: Sequence[Source] | None = None,
@@ -115,40 +282,7 @@ def build(
     f"~{linux_code.CACHE_MB} MB; deletable afterwards)"
   )
 
-  # ---- documents per source
-  per_source, docs = {}, []  # docs: (source, long, name, text)
-  for src in sources:
-    r = corpus_documents.extract_source(src, out, cache_dir, refresh=refresh_docs, log=log)
-    if r["status"] != "ok":
-      per_source[src.name] = {
-        "status": "unavailable",
-        "reason": r["reason"],
-        "documents": 0,
-        "bytes": 0,
-      }
-      continue
-    nbytes = sum(len(d["text"].encode("utf-8")) for d in r["documents"])
-    per_source[src.name] = {
-      "status": "ok",
-      "documents": len(r["documents"]),
-      "bytes": nbytes,
-      "long": src.long,
-      "description": src.description,
-    }
-    if os.path.exists(corpus_documents.selection_path(out, src.name)):
-      with open(corpus_documents.selection_path(out, src.name), encoding="utf-8") as f:
-        per_source[src.name]["selection"] = json.load(f)
-    log(
-      f"prepare: source '{src.name}': {len(r['documents'])} documents, {nbytes / 1e6:.2f} MB"
-      + (" (cached)" if r["cached"] else f" ({r['seconds']:.1f} s)")
-    )
-    docs += [(src.name, src.long, d["name"], d["text"]) for d in r["documents"]]
-  if not docs:
-    raise RuntimeError(
-      "prepare: no source is available, nothing to build ("
-      + "; ".join(f"{k}: {v.get('reason')}" for k, v in per_source.items())
-      + ")"
-    )
+  per_source, docs = _collect_documents(sources, out, cache_dir, refresh_docs, log)
 
   params = dict(
     vocab_size=vocab_size,
@@ -177,116 +311,18 @@ def build(
       report_lost(per_source, sources, old.get("splits", {}), log)
       return old
 
-  # ---- split
-  draws = [split_key(seed, s, n) for s, _, n, _ in docs]
-  short = [i for i, d in enumerate(docs) if not d[1]]
-  val = [i for i in short if draws[i] < val_fraction]
-  if not val and len(short) >= 2:
-    val = [min(short, key=lambda i: draws[i])]
-  val_set = set(val)
-  train = sorted((i for i in short if i not in val_set), key=lambda i: draws[i])
-  val = sorted(val, key=lambda i: draws[i])
-  long_eval = [i for i, d in enumerate(docs) if d[1]]
-  min_bytes = BYTES_PER_TOKEN_BOUND * long_val_tokens
-  long_val = []
-  if long_val_docs:  # (the train documents in draw order: the first long ones are a seeded draw)
-    long_val = [i for i in train if len(docs[i][3].encode("utf-8")) >= min_bytes][:long_val_docs]
-  if long_val_docs and len(long_val) < long_val_docs:
-    raise RuntimeError(
-      f"prepare: --long_val_docs={long_val_docs}: only {len(long_val)} train documents have "
-      f">= {min_bytes} bytes (--long_val_tokens={long_val_tokens})"
-    )
-  held = set(long_val)
-  train = [i for i in train if i not in held]
-  if not train:
-    raise RuntimeError("prepare: the train split is empty (only long-eval sources are available?)")
-
-  # ---- tokenizer (train split only)
-  t = time.time()
-  sample, nbytes = [], 0
-  for i in train:
-    if sample and nbytes >= tokenizer_sample_bytes:
-      break
-    sample.append(docs[i][3])
-    nbytes += len(docs[i][3].encode("utf-8"))
-  log(
-    f"prepare: training the BPE tokenizer (vocab {vocab_size}) on {len(sample)} train documents, "
-    f"{nbytes / 1e6:.1f} MB ..."
+  splits_order = _assign_splits(docs, seed, val_fraction, long_val_docs, long_val_tokens)
+  tok, n_sample, sample_bytes, t_tok = _train_tokenizer(
+    docs, splits_order[0], vocab_size, tokenizer_sample_bytes, out, log
   )
-  tok = BPETokenizer.train(sample, vocab_size=vocab_size)
-  tok.save(out)
-  t_tok = time.time() - t
-  n_sample, sample_bytes = len(sample), nbytes
-  log(f"prepare: tokenizer: vocab {tok.vocab_size}, eos_id {tok.eos_id} ({t_tok:.1f} s)")
-  del sample
-
-  # ---- tokenize
   t = time.time()
-  order = {"train": train, "val": val, "long_eval": long_eval}
-  splits = SPLITS + ((LONG_VAL,) if long_val_docs else ())
-  if long_val_docs:
-    order[LONG_VAL] = long_val
-  enc = {}
-  for split in splits:
-    enc[split] = corpus_tokenize.tokenize_documents(
-      tok, [docs[i][3] for i in order[split]], f"tokenize {split}", log
-    )
-  if long_val_docs:
-    short_lv = [k for k, e in enumerate(enc[LONG_VAL]) if len(e) + 1 < long_val_tokens]
-    if short_lv:  # back to train, at the end (the tokenizer has not seen them)
-      order["train"] += [long_val[k] for k in short_lv]
-      enc["train"] += [enc[LONG_VAL][k] for k in short_lv]
-      keep = [k for k in range(len(long_val)) if k not in set(short_lv)]
-      order[LONG_VAL] = [long_val[k] for k in keep]
-      enc[LONG_VAL] = [enc[LONG_VAL][k] for k in keep]
-    log(
-      f"prepare: {len(order[LONG_VAL])} in-domain documents of >= {long_val_tokens} tokens held "
-      f"out of train as {LONG_VAL}"
-      + (f" ({len(short_lv)} shorter ones went back to train)" if short_lv else "")
-    )
-  held_long = [k for k, i in enumerate(val) if len(enc["val"][k]) + 1 >= long_tokens]
-  if held_long and len(held_long) < len(val):
-    moved = set(held_long)
-    order["long_eval"] = long_eval + [val[k] for k in held_long]
-    enc["long_eval"] = enc["long_eval"] + [enc["val"][k] for k in held_long]
-    order["val"] = [i for k, i in enumerate(val) if k not in moved]
-    enc["val"] = [e for k, e in enumerate(enc["val"]) if k not in moved]
-    log(
-      f"prepare: {len(held_long)} held-out documents of >= {long_tokens} tokens moved from val to long_eval: "
-      + ", ".join(f"{docs[val[k]][0]}/{docs[val[k]][2]}" for k in held_long)
-    )
-  splits_info = {}
-  for split in splits:
-    ndocs, ntok = corpus_files.save_split(out, split, enc[split], tok.eos_id)
-    nbytes = sum(len(docs[i][3].encode("utf-8")) for i in order[split])
-    splits_info[split] = {"documents": ndocs, "tokens": ntok, "bytes": nbytes}
-    log(f"prepare: {split}: {ndocs} documents, {ntok} tokens, {nbytes / 1e6:.2f} MB")
+  order, enc, splits_info = _tokenize_splits(
+    docs, tok, out, splits_order, long_val_tokens, long_tokens, log
+  )
   t_enc = time.time() - t
-
-  # ---- checks
-  val_tok = sum(len(e) for e in enc["val"])
-  bytes_per_token = splits_info["val"]["bytes"] / max(val_tok, 1)
-  check = [docs[i][3] for i in order["val"][:100]] + [docs[i][3] for i in order["long_eval"][:1]]
-  roundtrip_ok = all(tok.decode(tok.encode(text)) == text for text in check)
-  files_ok = True
-  for split in splits:
-    tokens, offsets = corpus_files.load_split(out, split)
-    ok = (
-      offsets[0] == 0
-      and offsets[-1] == len(tokens)
-      and len(offsets) == splits_info[split]["documents"] + 1
-      and bool(np.all(np.diff(offsets) >= 1))
-      and int(np.count_nonzero(tokens == tok.eos_id)) == len(offsets) - 1
-      and bool(np.all(tokens[offsets[1:] - 1] == tok.eos_id))
-      if len(offsets) > 1
-      else len(tokens) == 0
-    )
-    if ok and len(offsets) > 1:
-      ok = tok.decode(tokens[offsets[0] : offsets[1] - 1]) == docs[order[split][0]][3]
-    files_ok = files_ok and bool(ok)
-  log(
-    f"prepare: tokenizer round trip on {len(check)} documents: {'ok' if roundtrip_ok else 'FAILED'}; "
-    f"token files: {'ok' if files_ok else 'FAILED'}; val bytes/token {bytes_per_token:.3f}"
+  splits = tuple(order)
+  bytes_per_token, n_checked, roundtrip_ok, files_ok = _check_outputs(
+    docs, tok, out, order, enc, splits_info, log
   )
 
   cache_files = sorted(
@@ -320,7 +356,7 @@ def build(
       "val_bytes_per_token": round(bytes_per_token, 4),
       "train_sample_documents": n_sample,
       "train_sample_bytes": sample_bytes,
-      "roundtrip_documents_checked": len(check),
+      "roundtrip_documents_checked": n_checked,
       "roundtrip_ok": roundtrip_ok,
       "token_files_ok": files_ok,
     },
