@@ -408,6 +408,8 @@ def run_in_process(study, plan, arms) -> str:
   line) before any work when a folder belongs to another plan."""
   study_plan.lock(study, plan, arms)
   os.makedirs(plan.results, exist_ok=True)
+  import jax  # pylint: disable=g-import-not-at-top
+
   from kdn_jax.ops import dispatch  # pylint: disable=g-import-not-at-top
 
   dispatch.warm_kernel_imports()
@@ -427,6 +429,9 @@ def run_in_process(study, plan, arms) -> str:
     for a in arms:
       if run_arm(study, plan, a, meter) == "deadline":
         return "deadline"
+      # The next arm compiles its own programs; XLA:CPU keeps memory mappings for every
+      # executable jax's caches hold, and a process past vm.max_map_count dies in a compile.
+      jax.clear_caches()
   return "done"
 
 
