@@ -9,7 +9,6 @@ import functools
 import json
 import logging
 import os
-import signal
 import threading
 import time
 
@@ -17,7 +16,7 @@ import jax
 import numpy as np
 
 from experiments import schema
-from experiments.runner import dispatch_window, logging_utils, preemption, tracing
+from experiments.runner import dispatch_window, logging_utils, preemption, sigterm, tracing
 from experiments.runner import mfu as mfu_lib
 from experiments.runner.loss import check_dropped
 from kdn_jax.models import flops as flops_lib
@@ -77,8 +76,8 @@ class TrainLoop:
     # dropped, so the resumed run's rows replace them instead of appearing twice.
     writer = self._metric_writer(start_step)
     sync_preemption = preemption.service() is not None
-    watch = self._install_sigterm(sync_preemption)
     loop = _Loop(self.config, start_step, writer)
+    watch = self._install_sigterm(sync_preemption, loop)
     self._announce(start_step, total)
     try:
       step = start_step
@@ -116,16 +115,20 @@ class TrainLoop:
         flush=True,
       )
 
-  def _install_sigterm(self, sync_preemption: bool):
-    """(the previous SIGTERM handler,) when this installs the one that stops the loop, else None.
-
-    Under jax.distributed's preemption service (``sync_preemption``) the Python handler, which would
-    replace the service's, is not installed. (The Python handler only: a helper thread on
-    signal.set_wakeup_fd, which sees a SIGTERM mid-compile, is in experiments/runner/sigterm.py but
-    not installed: suite workers crashed in XLA compiles while it was.)"""
-    if threading.current_thread() is threading.main_thread() and not sync_preemption:
-      return (signal.signal(signal.SIGTERM, self._on_sigterm),)
-    return None
+  def _install_sigterm(self, sync_preemption: bool, loop: _Loop):
+    """The entered SIGTERM watch (sigterm.SigtermWatch): the handler's flag stops the loop with a
+    checkpoint, and a SIGTERM before the first step is done (the compile: minutes on a large model)
+    ends the process at once, since there is nothing to save yet. None under jax.distributed's
+    preemption service, whose handler this would replace, and off the main thread (no handler)."""
+    if threading.current_thread() is not threading.main_thread() or sync_preemption:
+      return None
+    watch = sigterm.SigtermWatch(
+      self._on_sigterm,
+      lambda: loop.past_first,
+      f"SIGTERM before the first step was done: nothing to save; exiting "
+      f"(rerun to start again from step {loop.start_step})",
+    )
+    return watch.__enter__()
 
   def _announce(self, start_step: int, total: int):
     if self.is_main:
@@ -230,7 +233,7 @@ class TrainLoop:
     finally:
       writer.close()
       if watch is not None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if watch[0] is None else watch[0])
+        watch.__exit__(None, None, None)
 
   def _summary(self, loop: _Loop) -> dict:
     elapsed = time.time() - loop.t0

@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
+
+from runner_helpers import run_one_device
 
 from experiments.runner import sigterm
 
@@ -49,3 +52,31 @@ def test_at_most_two_steps_in_flight(monkeypatch):
   for step in range(1, 6):
     window.add(f"loss of step {step}")
     assert waited == [f"loss of step {s}" for s in range(1, step - 1)]
+
+
+_FIRST_STEP_BLOCKS = """
+import os, signal, sys, time
+sys.path.insert(0, "tests")
+from runner_helpers import tiny_config
+from experiments.runner import trainer
+
+tr = trainer.Trainer(tiny_config(), sys.argv[1])
+
+def first_step(batch):  # a compile that takes minutes, with the SIGTERM arriving inside it
+  os.kill(os.getpid(), signal.SIGTERM)
+  time.sleep(60)
+  raise AssertionError("the SIGTERM did not end the process during the first step")
+
+tr.train_step = first_step
+tr.run()
+"""
+
+
+def test_a_trainer_ends_at_once_on_sigterm_during_its_first_step(tmp_path):
+  """The watch is installed by Trainer.run: a SIGTERM inside the first step (Python's handler
+  waits for the main thread, which sits in the compile) ends the process within a second."""
+  t0 = time.monotonic()
+  out = run_one_device(["-c", _FIRST_STEP_BLOCKS, str(tmp_path / "run")], timeout=120)
+  assert out.returncode == 128 + signal.SIGTERM, out.stderr[-2000:]
+  assert "SIGTERM before the first step was done: nothing to save" in out.stderr
+  assert time.monotonic() - t0 < 50  # far less than the 60 s step
