@@ -25,7 +25,7 @@ Arg ``<preset>[,<mixer>][,<initial_state>]``:
                  strategy (give ``--config.train.init_from``).
   ``default``    a larger accelerator run on 50-100 from scratch; ``post`` its post-training.
 
-The copying study's runs (experiments/studies/copying.py) take ``<size>,<arm>,l<max>[,<initial_state>]``:
+The copying study's runs (experiments/studies/copying/study.py) take ``<size>,<arm>,l<max>[,<initial_state>]``:
 copy lengths drawn from [50, ``max``] (100: the paper's training range; 300: the capacity control),
 seq_len 2 * max + 2, from scratch. Arms (ARMS): ``mamba2`` (mamba_ssm's Mamba-2 block and LM,
 mamba2_variant='official') and ``kdn_diag``, sized by ``common.solve_shape`` to the non-embedding

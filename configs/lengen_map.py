@@ -1,4 +1,4 @@
-"""The length-generalisation map's cells (experiments/studies/lengen_map.py): small LMs pretrained
+"""The length-generalisation map's cells (experiments/studies/lengen_map/study.py): small LMs pretrained
 from the zero state at T on the code corpus (``prepare --recipe=linux_c``), sized by their
 non-embedding parameter count.
 

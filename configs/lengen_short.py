@@ -1,4 +1,4 @@
-"""Short-context text LMs for the length-generalisation study (experiments/studies/lengen_text.py):
+"""Short-context text LMs for the length-generalisation study (experiments/studies/lengen_text/study.py):
 small models trained from the zero state at T = 64 or 128 on the prepared corpus, post-trained
 with an initial-state intervention, evaluated far past T.
 

@@ -6,7 +6,7 @@ exact Bayes floor makes the excess NLL by position measurable.
     python -m experiments.train --config=configs/lengen_synthetic.py:tiny_post,gla,tbtt \\
         --config.train.init_from=/tmp/ls/gla --workdir=/tmp/ls/gla_tbtt
     python -m experiments.evaluate --workdir=/tmp/ls/gla_tbtt --suite=topic_floor --max_len=8192
-    # the whole study (every mixer x strategy, resumable): experiments/studies/lengen_synthetic.py
+    # the whole study (every mixer x strategy, resumable): experiments/studies/lengen_synthetic/study.py
 
 Arg ``<preset>[,<mixer>][,<initial_state>]`` (mixers: mamba2, gla, kda, kdn_diag, ...; initial
 states: zero, state_passing, tbtt, fitted_noise, random_noise):

@@ -10,14 +10,14 @@ PACKAGES = ("configs", "experiments", "kdn_jax", "pallas_kernels")
 BELOW = {p: set(PACKAGES[i:]) for i, p in enumerate(PACKAGES)}
 # runners of one experiment's config file (they read its grid definition)
 ALLOWED_UP = {
-  ("experiments.studies.lengen_synthetic", "configs.lengen_synthetic"),
-  ("experiments.studies.lengen_text", "configs.lengen_short"),
-  ("experiments.studies.mqar_zoology", "configs.mqar_zoology"),
+  ("experiments.studies.lengen_synthetic.study", "configs.lengen_synthetic"),
+  ("experiments.studies.lengen_text.study", "configs.lengen_short"),
+  ("experiments.studies.mqar_zoology.study", "configs.mqar_zoology"),
   ("experiments.studies.mqar_zoology_sweep", "configs.mqar_zoology"),
   ("experiments.studies.init_write_strength", "configs.mqar_zoology"),
-  ("experiments.studies.passkey", "configs.passkey"),
-  ("experiments.studies.lengen_map", "configs.lengen_map"),
-  ("experiments.studies.copying", "configs.copying"),
+  ("experiments.studies.passkey.study", "configs.passkey"),
+  ("experiments.studies.lengen_map.study", "configs.lengen_map"),
+  ("experiments.studies.copying.study", "configs.copying"),
   ("experiments.benchmarks.sweep_memory", "configs.mqar_zoology"),
 }
 

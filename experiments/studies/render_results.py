@@ -16,19 +16,21 @@ training and evaluation runs wrote (copied under `docs/results/<study>/`, with e
 its `commands.json`). A study not run yet says so.
 """
 
-# (title, 'module:function' of experiments.studies.results, or None where no renderer exists yet)
+# (title, 'module:function' under experiments.studies, or None where no renderer exists yet): a
+# study's own section is rendered by its folder's render.py, a section drawn from several sources by
+# a module of results/
 SECTIONS = (
-  ("1. MQAR", "mqar:render"),
-  ("2. Information scale", "info_scale:render"),
-  ("3. Length generalisation", "lengen:render"),
-  ("3b. Length generalisation on a synthetic source", "lengen_synthetic:render"),
-  ("3c. Length generalisation on text at a short context", "lengen_text:render"),
-  ("3d. Where length generalisation fails: the map", "lengen_map:render"),
-  ("4. Copying and passkey", "copy_passkey:render"),
-  ("4b. Passkey past the training length, with seeds", "passkey:render"),
-  ("4c. Copying at the paper's scale, with seeds", "copying:render"),
-  ("5. S-NIAH", "lengen:render_sniah"),
-  ("Appendix: evaluation cost", "eval_cost:render"),
+  ("1. MQAR", "mqar_zoology.render:render"),
+  ("2. Information scale", "results.info_scale:render"),
+  ("3. Length generalisation", "results.lengen:render"),
+  ("3b. Length generalisation on a synthetic source", "lengen_synthetic.render:render"),
+  ("3c. Length generalisation on text at a short context", "lengen_text.render:render"),
+  ("3d. Where length generalisation fails: the map", "lengen_map.render:render"),
+  ("4. Copying and passkey", "results.copy_passkey:render"),
+  ("4b. Passkey past the training length, with seeds", "passkey.render:render"),
+  ("4c. Copying at the paper's scale, with seeds", "copying.render:render"),
+  ("5. S-NIAH", "results.lengen:render_sniah"),
+  ("Appendix: evaluation cost", "results.eval_cost:render"),
 )
 
 
@@ -39,7 +41,7 @@ def render(results_dir: str, fig_dir: str | None = None) -> str:
     md = ""
     if target:
       module, fn = target.split(":")
-      md = getattr(importlib.import_module(f"experiments.studies.results.{module}"), fn)(
+      md = getattr(importlib.import_module(f"experiments.studies.{module}"), fn)(
         results_dir, fig_dir
       )
     parts.append(md or f"## {title}\n\nNot run yet.\n")

@@ -13,9 +13,8 @@ import pytest
 
 from configs import copying as study_config
 from experiments.runner.logging_utils import write_json
-from experiments.studies import copying as study
 from experiments.studies import study_plan
-from experiments.studies.results import copying as render
+from experiments.studies.copying import render, study
 
 
 def _tiny(tmp_path, **kw):

@@ -16,9 +16,8 @@ import pytest
 
 from configs import lengen_map as cfg
 from experiments.evaluation import band_ratio
-from experiments.studies import lengen_map as study
 from experiments.studies import study_driver, study_plan
-from experiments.studies.results import lengen_map as render
+from experiments.studies.lengen_map import render, study
 
 
 def test_shapes_hold_their_counts_and_cells_come_in_the_stated_order(tmp_path):

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 from experiments.evaluation import topic_floor
-from experiments.studies import lengen_synthetic as study
-from experiments.studies.results import lengen_synthetic as render
+from experiments.studies.lengen_synthetic import render, study
 
 
 def test_tiny_study_end_to_end_and_resume(tmp_path, capsys):

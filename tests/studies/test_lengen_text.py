@@ -11,8 +11,7 @@ import pytest
 
 from configs import lengen_short
 from experiments import schema
-from experiments.studies import lengen_text as study
-from experiments.studies.results import lengen_text as render
+from experiments.studies.lengen_text import render, study
 from kdn_jax.models.config import analytic_non_embedding
 
 

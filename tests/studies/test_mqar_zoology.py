@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from experiments.studies import jobs
-from experiments.studies import mqar_zoology_stats as stats
-from experiments.studies.results import mqar as mqar_results
+from experiments.studies.mqar_zoology import render as mqar_results
+from experiments.studies.mqar_zoology import stats
 from tests.runner_helpers import one_device_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -8,8 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from experiments.studies import passkey as study
-from experiments.studies.results import passkey as render
+from experiments.studies.passkey import render, study
 
 
 def test_tiny_study_end_to_end_and_resume(tmp_path, capsys):

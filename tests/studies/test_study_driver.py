@@ -10,15 +10,11 @@ import sys
 
 import pytest
 
-from experiments.studies import (
-  jobs,
-  lengen_map,
-  lengen_synthetic,
-  lengen_text,
-  passkey,
-  study_driver,
-  study_plan,
-)
+from experiments.studies import jobs, study_driver, study_plan
+from experiments.studies.lengen_map import study as lengen_map
+from experiments.studies.lengen_synthetic import study as lengen_synthetic
+from experiments.studies.lengen_text import study as lengen_text
+from experiments.studies.passkey import study as passkey
 
 STUDIES = (passkey, lengen_text, lengen_synthetic, lengen_map)
 COMMON = (  # --preset too, its help naming each study's presets

@@ -13,7 +13,8 @@ import pytest
 
 from experiments.data import corpus, token_files
 from experiments.runner.logging_utils import write_json
-from experiments.studies import lengen_text, study_driver, study_plan
+from experiments.studies import study_driver, study_plan
+from experiments.studies.lengen_text import study as lengen_text
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

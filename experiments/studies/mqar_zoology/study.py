@@ -12,7 +12,7 @@ one accelerator (experiments/studies/jobs.py: progress and ETA every 30 s). Call
 whose ``cells.json`` matches the requested steps, batch, rates and seeds is skipped, others resume from
 their checkpoints. ``--deadline_s`` stops every process cleanly (a checkpoint) before it runs out, then
 collects what finished. ``--out`` (default ``$OUT/mqar_zoology`` when ``$OUT`` is set) gets
-``zoology.json`` (experiments/studies/mqar_zoology_stats.py), ``commands.json`` and ``runs/d<w>/<mixer>/``
+``zoology.json`` (experiments/studies/mqar_zoology/stats.py), ``commands.json`` and ``runs/d<w>/<mixer>/``
 (each sweep's ``cells.json``: per-example correctness, what the paired bootstrap resamples). ``--prior``
 names packs of earlier calls (their sweeps count as done and are collected too), so a call on a fresh
 machine goes on from a committed pack; checkpoints of unfinished sweeps live only in ``--runs``.
@@ -29,11 +29,10 @@ import time
 from absl import app, flags
 
 from configs import mqar_zoology as zoo
-from experiments.runner import cli
 from experiments.runner.logging_utils import write_json
 from experiments.schema import ConfigError, parse_seeds
 from experiments.studies import jobs as jobs_lib
-from experiments.studies import mqar_zoology_stats as stats
+from experiments.studies.mqar_zoology import stats
 from experiments.studies.mqar_zoology_sweep import CELLS_FILE
 
 FLAGS = flags.FlagValues()
@@ -289,7 +288,3 @@ def main(argv):
       "machine": FLAGS.machine,
     }
     collect(p, FLAGS.runs, FLAGS.out, call, FLAGS.resamples)
-
-
-if __name__ == "__main__":
-  app.run(main, flags_parser=cli.own_flags_parser(FLAGS))

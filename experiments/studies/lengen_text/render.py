@@ -1,5 +1,5 @@
 """RESULTS.md: length generalisation on text at a short context, from docs/results/lengen_text/
-<preset>/*.json (one JSON per evaluated run, written by experiments/studies/lengen_text.py).
+<preset>/*.json (one JSON per evaluated run, written by experiments/studies/lengen_text/study.py).
 
 Verdicts, computed here from the JSON:
   failure shown  a zero-state pretrained checkpoint's PPL@128T / PPL@T >= 1.5 with the 95%
@@ -26,7 +26,7 @@ PRESET_TITLE = {
   "t64": "T = 64 (GPU: 4 layers, d=256, 4 heads x 64, 16k vocabulary, ~7.8M parameters)",
   "t128": "T = 128 (GPU: the T = 64 model at batch 128)",
 }
-IN_DOMAIN_SUFFIX = "_long_val"  # experiments/studies/lengen_text.py LONG_SPLITS
+IN_DOMAIN_SUFFIX = "_long_val"  # experiments/studies/lengen_text/study.py LONG_SPLITS
 # The second paper's findings beside ours (its reported settings, not numbers we measured).
 PAPER = {
   "mamba2": "fails past T (Mamba-1/2)",

@@ -17,7 +17,7 @@ pretrained run, a fresh optimizer at ``--post_lr_scale`` x the pretraining peak 
 examples are drawn from ``--eval_seed`` alone (``retrieval.grid``), never from the run, and their
 hash is stored with every result: two results are paired only when the hashes agree.
 Each evaluation writes ``<results>/<arm>.<stage>[.step<k>].json`` with, per (length, depth) cell,
-every example's exact match and correct-digit count; experiments/studies/results/passkey.py turns
+every example's exact match and correct-digit count; experiments/studies/passkey/render.py turns
 them into intervals over seeds x examples and verdicts.
 """
 
@@ -27,11 +27,10 @@ import hashlib
 import os
 import time
 
-from absl import app, flags
+from absl import flags
 
 from configs import passkey as study_config
 from experiments import schema
-from experiments.runner import cli
 from experiments.runner.logging_utils import write_json
 from experiments.studies import study_driver
 
@@ -325,7 +324,7 @@ def protocol(plan) -> str:
 
 # ------------------------------------------------------------------------------------------ command line
 def table(plan) -> str:
-  from experiments.studies.results import passkey as renderer  # pylint: disable=g-import-not-at-top
+  from experiments.studies.passkey import render as renderer  # pylint: disable=g-import-not-at-top
 
   return renderer.render_tables(renderer.load_runs(plan.results))
 
@@ -336,7 +335,3 @@ study_driver.define_flags(FLAGS, STUDY, PRESETS, STRATEGIES, DRIVER_FLAGS)
 def main(argv):
   del argv
   return study_driver.main(STUDY, FLAGS, Plan, protocol=protocol, table=table)
-
-
-if __name__ == "__main__":
-  app.run(main, flags_parser=cli.own_flags_parser(FLAGS))

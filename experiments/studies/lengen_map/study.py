@@ -33,7 +33,7 @@ bootstrap over windows that chooses the band again in every resample; each head'
 (1024) over ``--effrem_windows`` windows.
 
 ``--fix``: a cell whose last checkpoint fails (R >= 1.5 with its lower end >= 1.3; the rule in
-experiments/studies/results/lengen_map.py) and whose other seeds do not pass there is post-trained
+experiments/studies/lengen_map/render.py) and whose other seeds do not pass there is post-trained
 from that checkpoint for ``--post_fraction`` (2%) of its pretraining steps at ``--post_lr_scale``
 (0.1) x the peak rate with a fresh optimizer, once per ``--strategies`` (zero, the control;
 state_passing; tbtt; fitted_noise; random_noise), each evaluated the same way. Without its
@@ -45,7 +45,7 @@ workdir of another plan is refused (study_plan.py); ``--deadline_s`` stops clean
 that loses its disk between stretches, carry the results folder back: finished checkpoints and
 cells are skipped, an unfinished cell trains again from the start. Results:
 ``<results>/<cell>.pretrain.step<k>.json`` and ``<results>/<cell>.<strategy>.json``, rendered by
-experiments/studies/results/lengen_map.py; ``--publish`` copies them into
+experiments/studies/lengen_map/render.py; ``--publish`` copies them into
 docs/results (its lengen_map/<preset> folder).
 
 ``--measure_throughput`` trains each distinct (arm, size, T) a few steps alone and writes
@@ -61,15 +61,15 @@ import os
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from configs import lengen_map as study_config
 from experiments import schema
 from experiments.evaluation import band_ratio
-from experiments.runner import cli
 from experiments.runner.logging_utils import fmt_time, write_json
-from experiments.studies import lengen_text, study_driver, study_plan
-from experiments.studies.results import lengen_map as renderer
+from experiments.studies import study_driver, study_plan
+from experiments.studies.lengen_map import render as renderer
+from experiments.studies.lengen_text import study as lengen_text
 
 PRESETS = ("tiny", "gpu")
 STRATEGIES = ("zero", "state_passing", "tbtt", "fitted_noise", "random_noise")
@@ -667,7 +667,3 @@ def main(argv):
   return study_driver.main(
     STUDY, FLAGS, Plan, protocol=protocol, table=table, prepare=prepare_inputs, instead=instead
   )
-
-
-if __name__ == "__main__":
-  app.run(main, flags_parser=cli.own_flags_parser(FLAGS))

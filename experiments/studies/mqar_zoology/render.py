@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from experiments.studies.mqar_zoology_stats import verdict
+from experiments.studies.mqar_zoology.stats import verdict
 from experiments.studies.results.common import exists, load, plt, save, table
 
 # ------------------------------------------------------------------------------ the Zoology protocol
@@ -94,7 +94,7 @@ def _zoology(results_dir: str, fig_dir: str) -> str:
   path = os.path.join(results_dir, "mqar_zoology", "zoology.json")
   if not exists(path):
     return (
-      "**Not yet run.** The study (configs/mqar_zoology.py, experiments/studies/mqar_zoology.py) has no "
+      "**Not yet run.** The study (configs/mqar_zoology.py, experiments/studies/mqar_zoology/study.py) has no "
       "results on an accelerator yet; the tables of this protocol appear here once "
       "docs/results/mqar_zoology/zoology.json exists. Until then nothing in this section decides the claim."
     )

@@ -14,7 +14,7 @@ Runs: ``<workdir>/<mixer>/pretrain`` (``<preset>,<mixer>``), then ``<workdir>/<m
 (``--all_checkpoints``; the trend with training tokens) or only the last, and each post-trained run.
 Each evaluation writes one JSON into ``<results>/<preset>/`` (default ``<workdir>/results``;
 ``--publish`` copies them into docs/results/lengen_synthetic/) (``<mixer>.pretrain.step<k>.json``,
-``<mixer>.<strategy>.json``); experiments/studies/results/lengen_synthetic.py renders them. A run or
+``<mixer>.<strategy>.json``); experiments/studies/lengen_synthetic/render.py renders them. A run or
 evaluation this plan completed is skipped; a stopped run resumes from its checkpoint; a workdir made
 by another plan is refused (study_plan.py). ``--parallel=N``
 runs up to N mixers as separate processes (one accelerator shared); their output is prefixed with
@@ -27,14 +27,13 @@ import os
 import shutil
 import time
 
-from absl import app, flags
+from absl import flags
 
 from configs import lengen_synthetic as study_config
 from experiments import schema
-from experiments.runner import cli
 from experiments.runner.logging_utils import write_json
 from experiments.studies import study_driver
-from experiments.studies.results import lengen_synthetic as renderer
+from experiments.studies.lengen_synthetic import render as renderer
 from experiments.studies.results.common import interval
 
 PRESETS = ("tiny", "default")
@@ -298,7 +297,3 @@ study_driver.define_flags(FLAGS, STUDY, PRESETS, STRATEGIES, DRIVER_FLAGS, prese
 def main(argv):
   del argv
   return study_driver.main(STUDY, FLAGS, Plan, protocol=protocol, table=table)
-
-
-if __name__ == "__main__":
-  app.run(main, flags_parser=cli.own_flags_parser(FLAGS))

@@ -29,7 +29,7 @@ from ``--eval_seed`` alone (the same strings for every run; their hash in every 
 teacher-forced (argmax at each copied position given the true prefix) and free-running (greedy
 decode of L symbols after ``BOS x SEP``, ``kdn_jax/models/generate.py``); per example the correct
 characters of both (space-separated counts), so that intervals over seeds x examples can be computed
-(experiments/studies/results/copying.py). Results: ``<results>/<cell>.pretrain.step<k>.json`` and
+(experiments/studies/copying/render.py). Results: ``<results>/<cell>.pretrain.step<k>.json`` and
 ``<results>/<cell>.<strategy>.json``.
 
 Resumable: a result this plan wrote is skipped, a stopped run resumes from its checkpoint, a
@@ -49,11 +49,10 @@ import os
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from configs import copying as study_config
 from experiments import schema
-from experiments.runner import cli
 from experiments.runner.logging_utils import fmt_time, write_json
 from experiments.studies import study_driver
 
@@ -494,7 +493,7 @@ def protocol(plan) -> str:
 
 
 def table(plan) -> str:
-  from experiments.studies.results import copying as renderer  # pylint: disable=g-import-not-at-top
+  from experiments.studies.copying import render as renderer  # pylint: disable=g-import-not-at-top
 
   return renderer.render_tables(renderer.load_runs(plan.results))
 
@@ -507,7 +506,3 @@ def main(argv):
   del argv
   instead = measure_throughput if FLAGS.measure_throughput else None
   return study_driver.main(STUDY, FLAGS, Plan, protocol=protocol, table=table, instead=instead)
-
-
-if __name__ == "__main__":
-  app.run(main, flags_parser=cli.own_flags_parser(FLAGS))

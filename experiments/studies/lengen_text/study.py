@@ -17,7 +17,7 @@ state carried in chunks; the ratio PPL@max_len / PPL@T with a 95% bootstrap inte
 windows; EffRem at 16 x T. One JSON per evaluation in ``<results>/<preset>/`` (default
 ``<workdir>/results``; ``--publish`` copies them into docs/results/lengen_text/)
 (``<arm>.pretrain.step<k>.json``, ``<arm>.<strategy>.json``), rendered by
-experiments/studies/results/lengen_text.py. A run or evaluation this plan completed is skipped; a
+experiments/studies/lengen_text/render.py. A run or evaluation this plan completed is skipped; a
 stopped run resumes from its checkpoint; a workdir made by another plan is refused (study_plan.py). ``--parallel=N`` runs up to N arms as separate processes (one
 accelerator shared); their output is prefixed with the arm and kept in ``<workdir>/<arm>.log``.
 """
@@ -28,14 +28,13 @@ import os
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from configs import lengen_short as study_config
 from experiments import schema
-from experiments.runner import cli
 from experiments.runner.logging_utils import write_json
 from experiments.studies import study_driver, study_plan
-from experiments.studies.results import lengen_text as renderer
+from experiments.studies.lengen_text import render as renderer
 from experiments.studies.results.common import interval
 
 PRESETS = ("tiny", "t64", "t128")
@@ -383,7 +382,3 @@ def main(argv):
   return study_driver.main(
     STUDY, FLAGS, Plan, protocol=protocol, table=table, prepare=prepare_inputs
   )
-
-
-if __name__ == "__main__":
-  app.run(main, flags_parser=cli.own_flags_parser(FLAGS))

@@ -1,4 +1,4 @@
-"""RESULTS.md: the copying study (experiments/studies/copying.py) with seeds, paired intervals and
+"""RESULTS.md: the copying study (experiments/studies/copying/study.py) with seeds, paired intervals and
 verdicts, from the per-run JSON under ``docs/results/copying/<preset>/`` (``--publish``).
 
 Each run's JSON holds, per evaluated copy length L, every string's correct characters

@@ -1,6 +1,6 @@
 """RESULTS.md: length generalisation on the synthetic topic source, from
 docs/results/lengen_synthetic/
-<preset>/*.json (one JSON per evaluated run, written by experiments/studies/lengen_synthetic.py)."""
+<preset>/*.json (one JSON per evaluated run, written by experiments/studies/lengen_synthetic/study.py)."""
 
 from __future__ import annotations
 

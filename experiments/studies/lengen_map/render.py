@@ -1,4 +1,4 @@
-"""RESULTS.md: the length-generalisation map (experiments/studies/lengen_map.py), from the
+"""RESULTS.md: the length-generalisation map (experiments/studies/lengen_map/study.py), from the
 per-checkpoint JSON under ``docs/results (its lengen_map/<preset> folder)`` (``--publish``). Every interval is
 recomputed here from the stored per-window band NLL (experiments/evaluation/band_ratio.py).
 

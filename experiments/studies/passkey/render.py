@@ -1,4 +1,4 @@
-"""RESULTS.md: the passkey study (experiments/studies/passkey.py) with seeds, paired intervals and
+"""RESULTS.md: the passkey study (experiments/studies/passkey/study.py) with seeds, paired intervals and
 verdicts, from the per-run JSON under ``docs/results/passkey/<preset>/`` (``--publish``).
 
 Each run's JSON holds, per (length, depth) cell, every example's exact match on one evaluation set
