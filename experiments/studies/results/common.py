@@ -68,13 +68,13 @@ def preset_runs(root: str, load_runs):
 
 
 def commands_lines(folder: str) -> list[str]:
-  """The protocol and the last three calls of a study's ``commands.json`` in ``folder`` (nothing
-  without one), as markdown lines."""
+  """The protocol and every call of a study's ``commands.json`` in ``folder`` (nothing without
+  one), as markdown lines: each call made some of the results shown."""
   if not exists(folder, "commands.json"):
     return []
   cmds = load(os.path.join(folder, "commands.json"))
   out = [f"Protocol: {cmds.get('protocol', '')}.", ""]
-  for c in cmds.get("calls", [])[-3:]:
+  for c in cmds.get("calls", []):
     where = f" on {c['machine']}" if c.get("machine") else ""
     out.append(f"- `{c['command']}`: {c['status']} in {c['wall_s']:.0f} s{where}")
   return out + [""]
