@@ -11,6 +11,7 @@ import test_pallas_gain as tg
 
 from pallas_kernels import kdn_gain
 from pallas_kernels.causal_conv1d import causal_conv1d
+from pallas_kernels.delta_rule import config as dr_config
 from pallas_kernels.gated_norm import gated_rms_norm
 
 
@@ -35,6 +36,15 @@ def test_delta_rule_fwd_bwd_against_the_float64_loop():
       1e-5,
       1e-4,
       vjp_primal=True,
+    )
+    # K in key tiles and the wide V blocks: the path K above 128 takes by default
+    tdr._check(
+      tdr._inputs(23, 2, t, 1, 64, 64, jnp.float32, False, "normal"),
+      seg,
+      16,
+      1e-5,
+      1e-4,
+      config=dr_config.DeltaRuleConfig(block_k=16, wide_block_v=16, wide_block_v_parallel=32),
     )
 
 
